@@ -1,0 +1,180 @@
+"""The state formats: the single home of every format constant (spec: docs/FORMAT.md).
+
+A `MiniFloat` describes one 16-bit code: an optional sign bit, then the exponent field, then
+the fraction field. Every exponent code is finite (exponent 0 is subnormal), except in the
+IEEE half format used by the `fp16` comparison mode, whose top exponent is reserved for
+Inf/NaN and never produced. Encoding rounds to nearest, ties to even, saturates at the largest
+finite magnitude, writes zero as code 0 whatever its sign, and refuses NaN.
+
+These numpy codecs serve tools and tests; the Triton kernel and the scalar authority implement
+the same spec independently.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+CODE_BITS = 16  # each moment takes one half of a uint32 word
+MOMENT_SHIFT = 16  # first-moment code in the high half, RMS code in the low half
+CODE_MASK = 0xFFFF
+
+DEFAULT_M_BIAS = 15
+DEFAULT_RMS_BIAS = 15
+BIAS_RANGE = (0, 100)  # keeps every code exactly representable as float32
+
+MODES = ("packed", "fp16", "fp32")
+MODE_IDS = {"packed": 0, "fp16": 1, "fp32": 2}  # the kernel's constexpr MODE
+
+
+@dataclass(frozen=True)
+class MiniFloat:
+    name: str
+    signed: bool
+    exponent_bits: int
+    fraction_bits: int
+    bias: int
+    ieee_specials: bool = False  # top exponent reserved (IEEE half); never encoded
+
+    def __post_init__(self):
+        if int(self.signed) + self.exponent_bits + self.fraction_bits != CODE_BITS:
+            raise ValueError(f"{self.name}: sign + exponent + fraction bits must be {CODE_BITS}")
+        if not BIAS_RANGE[0] <= self.bias <= BIAS_RANGE[1]:
+            raise ValueError(
+                f"{self.name}: exponent bias {self.bias} is outside {BIAS_RANGE}; choose a bias in that range"
+            )
+
+    # ---- derived constants (used by the kernel launchers too) ----
+    @property
+    def sign_bit(self) -> int:
+        return 1 << (CODE_BITS - 1) if self.signed else 0
+
+    @property
+    def max_exponent_code(self) -> int:
+        return (1 << self.exponent_bits) - 1 - int(self.ieee_specials)
+
+    @property
+    def max_magnitude_code(self) -> int:
+        return (self.max_exponent_code << self.fraction_bits) | ((1 << self.fraction_bits) - 1)
+
+    @property
+    def max_value(self) -> float:
+        e = self.max_exponent_code - self.bias
+        return float(np.ldexp(2.0 - 2.0 ** -self.fraction_bits, e))
+
+    @property
+    def min_normal(self) -> float:
+        return float(np.ldexp(1.0, 1 - self.bias))
+
+    @property
+    def min_subnormal(self) -> float:
+        return float(np.ldexp(1.0, 1 - self.bias - self.fraction_bits))
+
+    @property
+    def identity(self) -> str:
+        sign = "S" if self.signed else "U"
+        return f"{sign}E{self.exponent_bits}M{self.fraction_bits}b{self.bias}" + ("ieee" if self.ieee_specials else "")
+
+    # ---- numpy codecs ----
+    def decode(self, codes) -> np.ndarray:
+        """uint16-valued codes -> float32 values (IEEE specials decode as Inf/NaN)."""
+        codes = np.asarray(codes).astype(np.uint32)
+        if np.any(codes > CODE_MASK):
+            raise ValueError(f"{self.name}.decode: codes must fit in {CODE_BITS} bits")
+        frac_bits = self.fraction_bits
+        magnitude = codes & np.uint32(CODE_MASK & ~self.sign_bit)
+        exponent = magnitude >> np.uint32(frac_bits)
+        fraction = magnitude & np.uint32((1 << frac_bits) - 1)
+        normal_bits = ((exponent.astype(np.int64) - self.bias + 127) << 23) | (fraction.astype(np.int64) << (23 - frac_bits))
+        normal = np.where(exponent > 0, normal_bits, 0).astype(np.uint32).view(np.float32)
+        subnormal = fraction.astype(np.float32) * np.float32(np.ldexp(1.0, 1 - self.bias - frac_bits))
+        values = np.where(exponent > 0, normal, subnormal).astype(np.float32)
+        if self.ieee_specials:
+            special = exponent == (1 << self.exponent_bits) - 1
+            values = np.where(special & (fraction == 0), np.float32(np.inf), values)
+            values = np.where(special & (fraction != 0), np.float32(np.nan), values)
+        if self.signed:
+            values = np.where(codes & np.uint32(self.sign_bit), -values, values)
+        return values.astype(np.float32)
+
+    def encode(self, values) -> np.ndarray:
+        """float32 values -> uint16 codes (RNE, saturating, canonical zero; NaN refused)."""
+        values = np.asarray(values, dtype=np.float32)
+        if np.isnan(values).any():
+            raise ValueError(f"{self.name}.encode: NaN cannot be encoded; no code stands for NaN")
+        if not self.signed and (values < 0).any():
+            raise ValueError(f"{self.name}.encode: the format is unsigned; got negative values")
+        magnitude = np.abs(values)
+        bits = magnitude.view(np.uint32).astype(np.int64)
+        drop = 23 - self.fraction_bits
+        # Normal results: re-bias the float32 exponent, then round the dropped mantissa bits.
+        rebased = bits - ((127 - self.bias) << 23)
+        normal = (rebased + (1 << (drop - 1)) - 1 + ((rebased >> drop) & 1)) >> drop
+        # Subnormal results: scale to units of the smallest subnormal; float32 addition of
+        # 2**23 rounds that to an integer, ties to even.
+        scaled = magnitude * np.float32(np.ldexp(1.0, self.fraction_bits - 1 + self.bias))
+        magic = np.float32(2.0**23)
+        subnormal = ((scaled + magic) - magic).astype(np.int64)
+        code = np.where(magnitude >= np.float32(self.min_normal), normal, subnormal)
+        code = np.minimum(code, self.max_magnitude_code)
+        if self.signed:
+            code = np.where((values < 0) & (code != 0), code | self.sign_bit, code)
+        return code.astype(np.uint16)
+
+
+def first_moment_format(bias: int = DEFAULT_M_BIAS) -> MiniFloat:
+    return MiniFloat("E4M11", signed=True, exponent_bits=4, fraction_bits=11, bias=bias)
+
+
+def rms_format(bias: int = DEFAULT_RMS_BIAS) -> MiniFloat:
+    return MiniFloat("E4M12", signed=False, exponent_bits=4, fraction_bits=12, bias=bias)
+
+
+E4M11 = first_moment_format()
+E4M12 = rms_format()
+FP16 = MiniFloat("FP16", signed=True, exponent_bits=5, fraction_bits=10, bias=15, ieee_specials=True)
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """What a saved state must match: the mode and, for packed words, both formats."""
+
+    mode: str = "packed"
+    m_bias: int = DEFAULT_M_BIAS
+    rms_bias: int = DEFAULT_RMS_BIAS
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
+        self.formats  # validates the biases
+
+    @property
+    def formats(self) -> tuple[MiniFloat, MiniFloat] | None:
+        """(first moment, RMS) codecs of the packed word; None in fp32 mode."""
+        if self.mode == "packed":
+            return first_moment_format(self.m_bias), rms_format(self.rms_bias)
+        if self.mode == "fp16":
+            return FP16, FP16
+        return None
+
+    @property
+    def identity(self) -> str:
+        """Recorded in every saved state and compared on load."""
+        if self.formats is None:
+            return "fp32:m=f32,v=f32"
+        m_fmt, r_fmt = self.formats
+        return f"{self.mode}:m={m_fmt.identity},rms={r_fmt.identity}"
+
+    @property
+    def state_words_per_param(self) -> int:
+        """uint32 words (packed, fp16) or float32 values (fp32) of state per parameter."""
+        return 2 if self.mode == "fp32" else 1
+
+
+def pack_words(m_codes, rms_codes) -> np.ndarray:
+    return (np.asarray(m_codes).astype(np.uint32) << MOMENT_SHIFT) | np.asarray(rms_codes).astype(np.uint32)
+
+
+def unpack_words(words) -> tuple[np.ndarray, np.ndarray]:
+    words = np.asarray(words, dtype=np.uint32)
+    return (words >> MOMENT_SHIFT).astype(np.uint16), (words & CODE_MASK).astype(np.uint16)

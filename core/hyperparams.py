@@ -1,0 +1,47 @@
+"""AdamW hyperparameters: validation with errors that say what to do, and the kernel's layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Order of the float32 hyperparameter row the kernel reads; the step scalars are derived
+# from it inside the kernel, so a new learning rate never recompiles anything.
+HPARAM_FIELDS = ("lr", "b1", "b2", "eps", "weight_decay")
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+
+
+@dataclass(frozen=True)
+class Hyperparams:
+    lr: float = 1e-3
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    def __post_init__(self):
+        validate_hyperparams(self.lr, (self.b1, self.b2), self.eps, self.weight_decay)
+
+    def as_float32_list(self) -> list[float]:
+        return [float(getattr(self, name)) for name in HPARAM_FIELDS]
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def validate_hyperparams(lr, betas, eps, weight_decay, *, lr_may_be_traced=False) -> None:
+    """Raise ValueError naming the bad argument; `lr_may_be_traced` skips lr (a schedule)."""
+    if not lr_may_be_traced:
+        if not _is_number(lr) or not 0 <= lr <= FLOAT32_MAX:
+            raise ValueError(f"lr={lr!r}: the learning rate must be a finite number >= 0")
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"betas={betas!r}: pass a pair (b1, b2), e.g. (0.9, 0.999)") from None
+    for name, beta in (("b1 (betas[0])", b1), ("b2 (betas[1])", b2)):
+        if not _is_number(beta) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name}={beta!r}: each beta must be a number in [0, 1)")
+    if not _is_number(eps) or not FLOAT32_TINY <= eps <= FLOAT32_MAX:
+        raise ValueError(f"eps={eps!r}: eps must be a float32-normal number > 0 (it keeps the update finite)")
+    if not _is_number(weight_decay) or not 0 <= weight_decay <= FLOAT32_MAX:
+        raise ValueError(f"weight_decay={weight_decay!r}: weight decay must be a finite number >= 0")

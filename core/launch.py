@@ -1,0 +1,49 @@
+"""How to launch the kernel, shared by the torch and JAX launchers (no framework imports).
+
+Everything a launcher needs besides its arrays: the constexpr arguments for a state format,
+the block size and the compile options that keep the bits exact.
+"""
+from __future__ import annotations
+
+import os
+
+from .formats import MODE_IDS, StateFormat
+
+# Compiled: 20 bytes/element of traffic, so blocks only need to be big enough to hide latency.
+GPU_BLOCK = 2048
+GPU_NUM_WARPS = 8
+# Interpreted (CPU tests): per-program overhead dominates, so one program takes a lot.
+INTERPRETER_BLOCK = 1 << 16
+# Exact bits need every multiply and add rounded on its own.
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def block_size() -> int:
+    return INTERPRETER_BLOCK if interpreting() else GPU_BLOCK
+
+
+def grid(n_elements: int, block: int) -> tuple[int]:
+    return ((n_elements + block - 1) // block,)
+
+
+def kernel_constants(fmt: StateFormat, *, write_update: bool, count_nonfinite: bool, block: int) -> dict:
+    """The constexpr keyword arguments of `adamw_kernel` for this state format."""
+    if fmt.mode == "fp32":
+        m_fmt = r_fmt = None
+    else:
+        m_fmt, r_fmt = fmt.formats
+    codec = lambda f: (  # noqa: E731
+        (f.signed, f.fraction_bits, f.bias, f.max_magnitude_code) if f else (False, 0, 0, 0)
+    )
+    m_signed, m_frac, m_bias, m_max = codec(m_fmt)
+    r_signed, r_frac, r_bias, r_max = codec(r_fmt)
+    return dict(
+        MODE=MODE_IDS[fmt.mode], WRITE_UPDATE=write_update, COUNT_NONFINITE=count_nonfinite,
+        M_SIGNED=m_signed, M_FRAC=m_frac, M_BIAS=m_bias, M_MAX=m_max,
+        R_SIGNED=r_signed, R_FRAC=r_frac, R_BIAS=r_bias, R_MAX=r_max,
+        BLOCK=block,
+    )

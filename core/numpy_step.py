@@ -1,0 +1,97 @@
+"""The CPU implementation of one AdamW step, in numpy float32, bit-identical to the kernel.
+
+numpy rounds every float32 operation on its own (no FMA contraction) and its float32 sqrt is
+correctly rounded, so following the contract's operation order gives the kernel's bits.
+Both frontends run this on CPU: torch on zero-copy views, JAX through `jax.pure_callback`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import CODE_MASK, MOMENT_SHIFT, StateFormat
+from .hyperparams import Hyperparams
+
+F32 = np.float32
+CHUNK = 1 << 16  # keeps the temporaries in cache
+
+
+def _float32_power(base: np.float32, exponent: int) -> np.float32:
+    """base**exponent by square-and-multiply, each product rounded to float32 (the contract)."""
+    result, square = F32(1.0), F32(base)
+    for _ in range(31):
+        if exponent & 1:
+            result = F32(result * square)
+        square = F32(square * square)
+        exponent >>= 1
+    return result
+
+
+def step_scalars(count: int, hp: Hyperparams) -> dict[str, np.float32]:
+    """The per-step float32 scalars, derived exactly as the kernel derives them."""
+    lr, b1, b2, eps, wd = (F32(x) for x in hp.as_float32_list())
+    one = F32(1.0)
+    bias_correction1 = F32(one - _float32_power(b1, count))
+    bias_correction2 = F32(one - _float32_power(b2, count))
+    return {
+        "b1": b1,
+        "one_minus_b1": F32(one - b1),
+        "b2": b2,
+        "one_minus_b2": F32(one - b2),
+        "step_size": F32(lr / bias_correction1),
+        "sqrt_bias_correction2": F32(np.sqrt(bias_correction2)),
+        "eps": eps,
+        "lr_wd": F32(lr * wd),
+    }
+
+
+def _update_chunk(p, g, state, s, fmt: StateFormat):
+    """Returns (update, new_state, accepted) for one chunk; inputs are not modified."""
+    finite_grad = np.isfinite(g)
+    g = np.where(finite_grad, g, F32(0.0))
+    if fmt.mode == "fp32":
+        m, v = state[0], state[1]
+    else:
+        m_fmt, r_fmt = fmt.formats
+        m = m_fmt.decode(state >> np.uint32(MOMENT_SHIFT))
+        rms = r_fmt.decode(state & np.uint32(CODE_MASK))
+        v = rms * rms
+    m_next = s["b1"] * m + s["one_minus_b1"] * g
+    v_next = s["b2"] * v + s["one_minus_b2"] * (g * g)
+    rms_next = np.sqrt(v_next)
+    denom = rms_next / s["sqrt_bias_correction2"] + s["eps"]
+    update = -(s["step_size"] * (m_next / denom) + s["lr_wd"] * p)
+    accepted = finite_grad & np.isfinite(p + update)
+    if fmt.mode == "fp32":
+        accepted &= np.isfinite(m_next) & np.isfinite(v_next)
+        new_state = np.stack([m_next, v_next])
+    else:
+        rms_code = r_fmt.encode(rms_next).astype(np.uint32)
+        m_code = m_fmt.encode(m_next).astype(np.uint32)
+        m_code = np.where(rms_code == 0, np.uint32(0), m_code)  # zero-RMS rule (FORMAT.md)
+        new_state = (m_code << np.uint32(MOMENT_SHIFT)) | rms_code
+    return update, new_state, accepted
+
+
+def adamw_step(param, grad, state, *, count: int, hp: Hyperparams, fmt: StateFormat, update_out=None) -> int:
+    """One step over flat float32 `param`, `grad` and `state`, in place.
+
+    `state` is uint32 words of shape [n] (packed, fp16) or float32 of shape [2, n] (fp32).
+    With `update_out`, the update u is written there and `param` is left alone (optax);
+    otherwise param += u. Elements whose gradient (or result) is not finite keep their
+    parameter and state and get u = -0.0. Returns how many elements were so rejected.
+    """
+    s = step_scalars(count, hp)
+    rejected = 0
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for start in range(0, param.shape[0], CHUNK):
+            sl = slice(start, start + CHUNK)
+            chunk_state = state[:, sl] if fmt.mode == "fp32" else state[sl]
+            update, new_state, accepted = _update_chunk(param[sl], grad[sl], chunk_state, s, fmt)
+            update = np.where(accepted, update, F32(-0.0))  # p + (-0.0) == p for every p
+            rejected += int(accepted.size - np.count_nonzero(accepted))
+            chunk_state[...] = np.where(accepted, new_state, chunk_state)
+            if update_out is None:
+                param[sl] = np.where(accepted, param[sl] + update, param[sl])
+            else:
+                update_out[sl] = update
+    return rejected
