@@ -1,0 +1,83 @@
+"""The functional torch step: launch the core kernel on CUDA, run the numpy step on CPU.
+
+Both paths follow docs/FORMAT.md operation by operation, so they give the same bits.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from packed_adamw.core import Hyperparams, StateFormat, adamw_step
+from packed_adamw.core import launch
+from packed_adamw.core.hyperparams import HPARAM_FIELDS
+
+
+def new_state(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """Zero state for one parameter: uint32 words, or float32 [2, *shape] in fp32 mode."""
+    if fmt.mode == "fp32":
+        return torch.zeros((2, *param.shape), dtype=torch.float32, device=param.device)
+    # Created as int32 and viewed: torch fills uint32 on every device only from 2.3 on.
+    return torch.zeros(param.shape, dtype=torch.int32, device=param.device).view(torch.uint32)
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    flat = t.detach().reshape(-1) if t.dim() != 0 else t.detach().reshape(1)
+    if t.dtype == torch.uint32:
+        return flat.view(torch.int32).numpy().view(np.uint32)
+    return flat.numpy()
+
+
+def _state_view(state: torch.Tensor, fmt: StateFormat) -> np.ndarray:
+    if fmt.mode == "fp32":
+        return state.detach().reshape(2, -1).numpy()
+    return _numpy_view(state)
+
+
+def adamw_step_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[torch.Tensor],
+    counts: list[int],
+    hparams: list[tuple[float, ...]],
+    fmt: StateFormat,
+) -> list[int]:
+    """One AdamW step in place over tensors on one device; returns each tensor's rejected count.
+
+    `counts[i]` is tensor i's step number after incrementing; `hparams[i]` its
+    (lr, b1, b2, eps, weight_decay).
+    """
+    if not params:
+        return []
+    if params[0].device.type == "cuda":
+        return _cuda_step_(params, grads, states, counts, hparams, fmt)
+    rejected = []
+    for p, g, s, count, hp in zip(params, grads, states, counts, hparams):
+        rejected.append(
+            adamw_step(_numpy_view(p), _numpy_view(g), _state_view(s, fmt), count=count,
+                       hp=_hyperparams(hp), fmt=fmt)
+        )
+    return rejected
+
+
+def _hyperparams(row) -> Hyperparams:
+    return Hyperparams(**dict(zip(HPARAM_FIELDS, row)))
+
+
+def _cuda_step_(params, grads, states, counts, hparams, fmt) -> list[int]:
+    from packed_adamw.core.kernel import adamw_kernel
+
+    device = params[0].device
+    # Two small host-to-device copies per step carry every tensor's scalars.
+    hparams_dev = torch.tensor(hparams, dtype=torch.float32).to(device, non_blocking=True)
+    counts_dev = torch.tensor(counts, dtype=torch.int32).to(device, non_blocking=True)
+    rejected_dev = torch.zeros(len(params), dtype=torch.int32, device=device)
+    block = launch.GPU_BLOCK
+    constants = launch.kernel_constants(fmt, write_update=False, count_nonfinite=True, block=block)
+    with torch.cuda.device(device):
+        for i, (p, g, s) in enumerate(zip(params, grads, states)):
+            words = s if fmt.mode == "fp32" else s.view(torch.int32)
+            adamw_kernel[launch.grid(p.numel(), block)](
+                p, g, words, hparams_dev[i], counts_dev[i], rejected_dev[i], p, words, p.numel(),
+                num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS,
+            )
+    return rejected_dev.tolist()

@@ -1,0 +1,196 @@
+"""`PackedAdamW`: torch.optim.AdamW with one uint32 word of state per FP32 parameter."""
+from __future__ import annotations
+
+import torch
+from torch.optim import Optimizer
+
+from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, validate_hyperparams
+
+from .functional import adamw_step_, new_state
+
+STATE_DICT_KEY = "packed_adamw"  # the format identity travels in the state_dict under this key
+STATE_DICT_VERSION = 1
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Some gradient elements were NaN or Inf; those elements were left unchanged."""
+
+
+class PackedAdamW(Optimizer):
+    """AdamW whose two moments share one uint32 word per parameter (docs/FORMAT.md).
+
+    Arguments are torch.optim.AdamW's, plus `mode`: "packed" (E4M11 first moment + E4M12
+    RMS, 4 bytes/parameter), or the comparison modes "fp16" (IEEE half in both halves of the
+    word, 4 bytes) and "fp32" (two float32 moments, 8 bytes). `m_bias` and `rms_bias` set
+    the packed formats' exponent biases; the saved state records them.
+
+    Parameters must be float32, contiguous and on one device. A gradient element that is NaN
+    or Inf leaves that element's parameter and state unchanged; after the step the optimizer
+    raises `NonFiniteGradientError` naming the parameters (use `torch.amp.GradScaler`, or
+    `clip_grad_norm_(..., error_if_nonfinite=True)`, to skip whole steps instead).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        mode: str = "packed",
+        *,
+        m_bias: int = DEFAULT_M_BIAS,
+        rms_bias: int = DEFAULT_RMS_BIAS,
+    ):
+        self.state_format = StateFormat(mode, m_bias, rms_bias)
+        validate_hyperparams(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    # ---- parameter groups -------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        index = len(self.param_groups) - 1
+        _validate_group(group, index)
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            raise ValueError(
+                f"param_groups[{index}]: parameters are on several devices {sorted(map(str, devices))}; "
+                "PackedAdamW updates one device: move the model with .to(device) first, or use one optimizer per device"
+            )
+
+    # ---- the step -----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params, grads, states, counts, hparams, names = [], [], [], [], [], []
+        for group_index, group in enumerate(self.param_groups):
+            _validate_group(group, group_index)
+            row = (float(group["lr"]), *map(float, group["betas"]), float(group["eps"]), float(group["weight_decay"]))
+            for param_index, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                name = _param_name(group, group_index, param_index)
+                _validate_grad(p, name)
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0, dtype=torch.int64)
+                    state[self._state_key] = new_state(p, self.state_format)
+                state["step"] += 1
+                params.append(p)
+                grads.append(p.grad)
+                states.append(state[self._state_key])
+                counts.append(int(state["step"]))
+                hparams.append(row)
+                names.append(name)
+        rejected = adamw_step_(params, grads, states, counts, hparams, self.state_format)
+        bad = [f"{name} ({n} of {p.numel()} elements)" for name, n, p in zip(names, rejected, params) if n]
+        if bad:
+            raise NonFiniteGradientError(
+                "PackedAdamW.step: non-finite gradient values in " + ", ".join(bad) + ". Those elements kept "
+                "their parameter and state; the rest were updated. Find the source of the NaN/Inf, or use "
+                "torch.amp.GradScaler / clip_grad_norm_(error_if_nonfinite=True) to skip such steps."
+            )
+        return loss
+
+    @property
+    def _state_key(self) -> str:
+        return "moments" if self.state_format.mode == "fp32" else "words"
+
+    # ---- saving and loading -------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd[STATE_DICT_KEY] = {"version": STATE_DICT_VERSION, "format": self.state_format.identity}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        meta = state_dict.get(STATE_DICT_KEY)
+        if meta is None:
+            raise ValueError(
+                "load_state_dict: this state_dict was not saved by PackedAdamW (no 'packed_adamw' entry); "
+                "start this optimizer fresh instead of loading another optimizer's state"
+            )
+        if meta["format"] != self.state_format.identity:
+            raise ValueError(
+                f"load_state_dict: the saved state has format {meta['format']!r} but this optimizer uses "
+                f"{self.state_format.identity!r}; construct PackedAdamW with the same mode, m_bias and rms_bias"
+            )
+        saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
+        our_params = [p for g in self.param_groups for p in g["params"]]
+        if len(saved_params) != len(our_params):
+            raise ValueError(
+                f"load_state_dict: the saved state has {len(saved_params)} parameters, this optimizer "
+                f"{len(our_params)}; load it into an optimizer built over the same parameters"
+            )
+        expected = {"fp32": ("moments", torch.float32)}.get(self.state_format.mode, ("words", torch.uint32))
+        for saved_id, p in zip(saved_params, our_params):
+            entry = state_dict["state"].get(saved_id)
+            if entry is None:
+                continue
+            key, dtype = expected
+            tensor = entry.get(key)
+            shape = (2, *p.shape) if key == "moments" else tuple(p.shape)
+            if tensor is None or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                got = None if tensor is None else (tensor.dtype, tuple(tensor.shape))
+                raise ValueError(
+                    f"load_state_dict: state of saved parameter {saved_id} should hold {key!r} {dtype} of shape "
+                    f"{shape} (to match parameter of shape {tuple(p.shape)}), got {got}; the parameters or their "
+                    "order differ from the saved run"
+                )
+        state_dict = {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
+        super().load_state_dict(state_dict)
+        # torch moves state to the parameter's device; uint32 words are not floating, so
+        # they keep their bits. The step count stays a CPU int64 tensor.
+        for state in self.state.values():
+            if "step" in state:
+                state["step"] = torch.as_tensor(state["step"], dtype=torch.int64, device="cpu")
+
+
+def _param_name(group: dict, group_index: int, param_index: int) -> str:
+    names = group.get("param_names")
+    if names:
+        return repr(names[param_index])
+    return f"param_groups[{group_index}]['params'][{param_index}]"
+
+
+def _validate_group(group: dict, index: int) -> None:
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"param_groups[{index}]['lr'] must be a number or a one-element tensor")
+        lr = float(lr)
+    try:
+        validate_hyperparams(lr, group["betas"], group["eps"], group["weight_decay"])
+    except ValueError as e:
+        raise ValueError(f"param_groups[{index}]: {e}") from None
+    for param_index, p in enumerate(group["params"]):
+        name = _param_name(group, index, param_index)
+        if p.dtype != torch.float32:
+            raise TypeError(
+                f"{name} has dtype {p.dtype}: this release of PackedAdamW trains float32 parameters only; "
+                "keep FP32 master weights (e.g. torch.autocast for lower-precision compute)"
+            )
+        if not p.is_contiguous():
+            raise ValueError(f"{name} is not contiguous: pass a contiguous parameter (create it with .contiguous())")
+        if p.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on {p.device}: PackedAdamW runs on CPU and CUDA devices")
+
+
+def _validate_grad(p: torch.Tensor, name: str) -> None:
+    g = p.grad
+    if g.is_sparse:
+        raise RuntimeError(f"{name} has a sparse gradient: PackedAdamW does not support sparse gradients (use dense ones)")
+    if g.is_complex() or p.is_complex():
+        raise TypeError(f"{name} has a complex gradient: PackedAdamW supports real float32 tensors only")
+    if g.dtype != p.dtype:
+        raise TypeError(f"{name}: gradient dtype {g.dtype} differs from the parameter's {p.dtype}; gradients must be float32")
+    if g.shape != p.shape:
+        raise ValueError(f"{name}: gradient shape {tuple(g.shape)} differs from the parameter's {tuple(p.shape)}")
+    if g.device != p.device:
+        raise ValueError(f"{name}: gradient is on {g.device} but the parameter is on {p.device}")
+    if not g.is_contiguous():
+        raise ValueError(f"{name}: gradient is not contiguous; make it contiguous before step() (g.contiguous())")
