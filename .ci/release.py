@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tarfile
 import tomllib
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Iterable
@@ -410,13 +411,17 @@ def verify_release(archive: Path, manifest_path: Path | None = None) -> list[str
 
     archive_bytes = archive.read_bytes()
     archive_sha256 = sha256_hex(archive_bytes)
-    manifest = json.loads(manifest_path.read_text())
     problems = check_checksum_file(archive, archive_sha256)
-    if manifest["archive"]["sha256"] != archive_sha256:
-        problems.append("archive SHA-256 does not match the manifest's")
     try:
-        files, member_problems = read_archive_files(archive_bytes, manifest["prefix"])
-    except (tarfile.TarError, OSError, EOFError) as error:
+        manifest = json.loads(manifest_path.read_text())
+        if manifest["archive"]["sha256"] != archive_sha256:
+            problems.append("archive SHA-256 does not match the manifest's")
+        prefix = manifest["prefix"]
+    except (ValueError, KeyError, TypeError) as error:
+        return problems + [f"unreadable manifest {manifest_path}: {error!r}"]
+    try:
+        files, member_problems = read_archive_files(archive_bytes, prefix)
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
         return problems + [f"cannot read archive: {error}"]
     problems += member_problems
     problems += compare_with_manifest(files, manifest)

@@ -136,8 +136,8 @@ def _adamw_block(
 
 @triton.jit
 def adamw_kernel(
-    param_ptr, grad_ptr, state_ptr, hparams_ptr, count_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
-    n_elements,
+    param_ptr, grad_ptr, state_ptr, hparams_ptr, count_ptr, nonfinite_ptr, n_elements,
+    out_ptr, new_state_ptr,
     MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
@@ -146,7 +146,8 @@ def adamw_kernel(
     """One tensor: program i updates elements [i*BLOCK, (i+1)*BLOCK) with 64-bit offsets.
 
     In place (torch): out_ptr is param_ptr and new_state_ptr is state_ptr. Functional (optax):
-    out_ptr receives the update u = p_next - p's exact addend, and new_state_ptr a new state.
+    out_ptr receives the update u (p_next = p + u exactly), and new_state_ptr a new state.
+    Inputs and scalars come before the outputs because jax-triton appends outputs last.
     """
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     _adamw_block(

@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import struct
 from collections.abc import Iterator, Sequence
@@ -288,7 +287,7 @@ class TapeReader:
         self.tokens = np.memmap(
             self.path, dtype=TOKEN_DTYPE, mode="r", offset=header.payload_offset,
             shape=(header.token_count,),
-        ) if header.token_count else np.zeros(0, dtype=TOKEN_DTYPE)
+        )
         if verify_payload:
             self._verify_payload()
         self.num_tokens = header.token_count
@@ -326,7 +325,7 @@ class TapeReader:
         """Every full batch of the tape from its start; the cursor is left alone."""
         _check_shape(batch_size, context)
         batch_tokens = batch_size * context
-        for index in range((self.num_tokens - 1) // batch_tokens if self.num_tokens else 0):
+        for index in range((self.num_tokens - 1) // batch_tokens):
             yield self._batch_at(index * batch_tokens, batch_size, context)
 
     def state_dict(self) -> dict:
@@ -373,12 +372,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         header, _ = read_header(args.tape)
         print(json.dumps(dataclasses.asdict(header), indent=2))
         return
-    documents = []
-    if args.text:
-        documents += text_file_documents(args.text)
-    if args.parquet:
-        documents += parquet_documents(args.parquet)
-    if not (args.text or args.parquet):
+    if args.text or args.parquet:
+        documents = (text_file_documents(args.text) if args.text else []) + (
+            parquet_documents(args.parquet) if args.parquet else []
+        )
+    else:
         documents = default_corpus_documents()
     paths = build_split(
         documents, args.out, val_fraction=args.val_fraction, passes=args.passes,

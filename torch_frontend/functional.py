@@ -77,7 +77,7 @@ def _cuda_step_(params, grads, states, counts, hparams, fmt) -> list[int]:
         for i, (p, g, s) in enumerate(zip(params, grads, states)):
             words = s if fmt.mode == "fp32" else s.view(torch.int32)
             adamw_kernel[launch.grid(p.numel(), block)](
-                p, g, words, hparams_dev[i], counts_dev[i], rejected_dev[i], p, words, p.numel(),
+                p, g, words, hparams_dev[i], counts_dev[i], rejected_dev[i], p.numel(), p, words,
                 num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS,
             )
     return rejected_dev.tolist()

@@ -1,0 +1,192 @@
+"""optax frontend: `packed_adamw` as a GradientTransformation, and a fused in-place step.
+
+On a CUDA backend each leaf is one launch of the core Triton kernel through jax-triton; on
+CPU the numpy step runs through `jax.pure_callback`. Both follow docs/FORMAT.md, so they give
+the same bits as `packed_adamw.torch.PackedAdamW`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, Hyperparams, StateFormat, adamw_step
+from packed_adamw.core.hyperparams import validate_hyperparams
+
+from . import _triton_launch
+
+
+class PackedAdamWState(NamedTuple):
+    """`count`: steps taken (int32). `moments`: per leaf, uint32 words of the leaf's shape
+    (packed, fp16) or float32 of shape [2, *shape] (fp32)."""
+
+    count: jax.Array
+    moments: Any
+
+
+def _leaf_paths(tree) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _check_float32(tree, what: str) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if jnp.result_type(leaf) != jnp.float32:
+            raise TypeError(
+                f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {jnp.result_type(leaf)}: "
+                "packed_adamw trains float32 parameters only; keep float32 master weights"
+            )
+
+
+def _zero_moments(leaf, fmt: StateFormat):
+    if fmt.mode == "fp32":
+        return jnp.zeros((2, *jnp.shape(leaf)), jnp.float32)
+    return jnp.zeros(jnp.shape(leaf), jnp.uint32)
+
+
+def _check_state(moments, params, fmt: StateFormat) -> None:
+    expected = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(_zero_moments(p, fmt).shape, _zero_moments(p, fmt).dtype), params)
+    got = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(jnp.shape(s), jnp.result_type(s)), moments)
+    if jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(got) or expected != got:
+        raise ValueError(
+            f"packed_adamw: the optimizer state does not match the gradients for mode {fmt.mode!r} "
+            f"(format {fmt.identity}); expected {expected}, got {got}. Build the state with init() of a "
+            "transform with the same mode and biases over the same parameters"
+        )
+
+
+def _decay_flags(mask, params):
+    """Per-leaf weight-decay switch from an optax-style mask (a pytree of bools or a callable)."""
+    if mask is None:
+        return jax.tree_util.tree_map(lambda _: True, params)
+    flags = mask(params) if callable(mask) else mask
+    return jax.tree_util.tree_map(lambda _, f: bool(f), params, flags)
+
+
+def _cpu_leaf_step(p, g, s, hparams, count, *, fmt: StateFormat, write_update: bool):
+    def host_step(p, g, s, hparams, count):
+        p = np.array(p, dtype=np.float32).reshape(-1)  # callback inputs are read-only: copy
+        s = np.array(s).reshape((2, -1) if fmt.mode == "fp32" else (-1,))
+        update = np.empty_like(p) if write_update else None
+        hp = Hyperparams(*map(float, np.asarray(hparams)))
+        adamw_step(p, np.asarray(g, np.float32).reshape(-1), s, count=int(np.asarray(count).reshape(-1)[0]), hp=hp, fmt=fmt,
+                   update_out=update)
+        return (update if write_update else p).reshape(out_types[0].shape), s.reshape(out_types[1].shape)
+
+    out_types = (jax.ShapeDtypeStruct(p.shape, jnp.float32), jax.ShapeDtypeStruct(s.shape, s.dtype))
+    out, new_s = jax.pure_callback(host_step, out_types, p, g, s, hparams, count)
+    return out.reshape(p.shape), new_s.reshape(s.shape)
+
+
+def _leaf_step(p, g, s, hparams, count, *, fmt: StateFormat, write_update: bool):
+    if jax.default_backend() == "gpu":
+        return _triton_launch.leaf_step(p, g, s, hparams, count, fmt=fmt, write_update=write_update)
+    return _cpu_leaf_step(p, g, s, hparams, count, fmt=fmt, write_update=write_update)
+
+
+def _increment(count):
+    return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
+
+
+class _Stepper:
+    """What the transform and the fused step share: hyperparameters, format, per-leaf loop."""
+
+    def __init__(self, learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias):
+        validate_hyperparams(learning_rate, (b1, b2), eps, weight_decay, lr_may_be_traced=callable(learning_rate))
+        self.learning_rate, self.b1, self.b2, self.eps, self.weight_decay = learning_rate, b1, b2, eps, weight_decay
+        self.mask = mask
+        self.fmt = StateFormat(mode, m_bias, rms_bias)
+
+    def init(self, params) -> PackedAdamWState:
+        _check_float32(params, "params")
+        return PackedAdamWState(
+            count=jnp.zeros([], jnp.int32),
+            moments=jax.tree_util.tree_map(lambda p: _zero_moments(p, self.fmt), params),
+        )
+
+    def run(self, grads, state: PackedAdamWState, params, *, write_update: bool):
+        _check_float32(grads, "grads")
+        _check_state(state.moments, grads, self.fmt)
+        if params is None:
+            if self.weight_decay != 0:
+                raise ValueError(
+                    "packed_adamw: weight_decay is nonzero, so update() needs params; call "
+                    "tx.update(grads, state, params), or set weight_decay=0"
+                )
+            params = grads  # never read for decay: lr * 0 * p = 0 for finite p
+        else:
+            _check_float32(params, "params")
+        lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
+        count = _increment(state.count)
+        decay = _decay_flags(self.mask, grads)
+
+        def leaf(p, g, s, decays):
+            hparams = jnp.stack([jnp.asarray(x, jnp.float32) for x in
+                                 (lr, self.b1, self.b2, self.eps, self.weight_decay if decays else 0.0)])
+            return _leaf_step(p, g, s, hparams, count.reshape(1), fmt=self.fmt, write_update=write_update)
+
+        treedef = jax.tree_util.tree_structure(grads)
+        results = [leaf(*args) for args in zip(treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads),
+                                               treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay))]
+        outs = treedef.unflatten([r[0] for r in results])
+        moments = treedef.unflatten([r[1] for r in results])
+        return outs, PackedAdamWState(count=count, moments=moments)
+
+
+def packed_adamw(
+    learning_rate: float | Callable[[jax.Array], jax.Array],
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    mask: Any = None,
+    mode: str = "packed",
+    *,
+    m_bias: int = DEFAULT_M_BIAS,
+    rms_bias: int = DEFAULT_RMS_BIAS,
+) -> optax.GradientTransformation:
+    """AdamW with one uint32 word of state per float32 parameter, as an optax transformation.
+
+    Like `optax.adamw`: `learning_rate` is a float or a schedule of the step count, and `mask`
+    (a pytree of bools or a callable returning one) limits weight decay to some leaves. The
+    returned updates u satisfy `optax.apply_updates(params, u) == PackedAdamW's in-place step`
+    bit for bit. `mode` is "packed" (4 bytes/parameter), "fp16" (4) or "fp32" (8).
+    Gradient elements that are NaN or Inf get update -0.0 and keep their state; wrap the
+    transform in `optax.apply_if_finite` to skip such steps whole.
+    """
+    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias)
+
+    def update_fn(updates, state, params=None):
+        return stepper.run(updates, state, params, write_update=True)
+
+    return optax.GradientTransformation(stepper.init, update_fn)
+
+
+def packed_adamw_fused_step(
+    learning_rate: float | Callable[[jax.Array], jax.Array],
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    mask: Any = None,
+    mode: str = "packed",
+    *,
+    m_bias: int = DEFAULT_M_BIAS,
+    rms_bias: int = DEFAULT_RMS_BIAS,
+) -> Callable[[Any, Any, PackedAdamWState], tuple[Any, PackedAdamWState]]:
+    """`step(params, grads, state) -> (params, state)`: the same step, writing parameters
+    directly. Under `jax.jit(step, donate_argnums=(0, 2))` on CUDA it updates the donated
+    buffers in place (20 bytes of traffic per parameter). The state is the transform's:
+    `packed_adamw(...).init(params)` with the same arguments.
+    """
+    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias)
+
+    def step(params, grads, state):
+        return stepper.run(grads, state, params, write_update=False)
+
+    return step
+
+
+__all__ = ["PackedAdamWState", "packed_adamw", "packed_adamw_fused_step"]

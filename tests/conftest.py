@@ -1,0 +1,34 @@
+"""Shared test setup.
+
+The Triton interpreter must be switched on before any `@triton.jit` decorator runs (see
+/work/shared/ENGINEERING_NOTES.md), so this happens at conftest import time, before pytest
+imports any test module. On a machine with a CUDA GPU the kernels are compiled instead.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+
+if not CUDA:
+    # setdefault: an explicit TRITON_INTERPRET from the caller wins.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (same test as core.launch)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@pytest.fixture(scope="session")
+def is_interpreting() -> bool:
+    return interpreting()
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Where kernel tensors live: "cuda" when a GPU is present, else "cpu" (interpreted)."""
+    return "cuda" if CUDA and not interpreting() else "cpu"
