@@ -1,4 +1,6 @@
 """packed_adamw.jax: the optax frontend (CUDA through jax-triton, CPU through numpy)."""
-from .transform import PackedAdamWState, packed_adamw, packed_adamw_fused_step
+from packed_adamw.core.portable import PortableState
 
-__all__ = ["PackedAdamWState", "packed_adamw", "packed_adamw_fused_step"]
+from .transform import PackedAdamWState, export_state, import_state, packed_adamw, packed_adamw_fused_step
+
+__all__ = ["PackedAdamWState", "PortableState", "packed_adamw", "packed_adamw_fused_step", "export_state", "import_state"]

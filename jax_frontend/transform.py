@@ -15,6 +15,7 @@ import optax
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, Hyperparams, StateFormat, adamw_step
 from packed_adamw.core.hyperparams import validate_hyperparams
+from packed_adamw.core.portable import PortableState
 
 from . import _triton_launch
 
@@ -189,4 +190,34 @@ def packed_adamw_fused_step(
     return step
 
 
-__all__ = ["PackedAdamWState", "packed_adamw", "packed_adamw_fused_step"]
+def export_state(state: PackedAdamWState, mode: str = "packed", *, m_bias: int = DEFAULT_M_BIAS,
+                 rms_bias: int = DEFAULT_RMS_BIAS) -> PortableState:
+    """The state in leaf order, for `PackedAdamW.import_state` (pass the transform's mode/biases)."""
+    fmt = StateFormat(mode, m_bias, rms_bias)
+    leaves = jax.tree_util.tree_leaves(state.moments)
+    count = int(state.count)
+    return PortableState(fmt.identity, [count] * len(leaves), [np.array(leaf) for leaf in leaves])
+
+
+def import_state(portable: PortableState, params, mode: str = "packed", *, m_bias: int = DEFAULT_M_BIAS,
+                 rms_bias: int = DEFAULT_RMS_BIAS) -> PackedAdamWState:
+    """A `PackedAdamWState` for `params` from an exported torch (or JAX) state.
+
+    JAX keeps one step count for all leaves, so every tensor must have taken the same steps.
+    """
+    fmt = StateFormat(mode, m_bias, rms_bias)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    portable.check(fmt, [tuple(jnp.shape(leaf)) for leaf in leaves])
+    if len(set(portable.counts)) > 1:
+        raise ValueError(
+            f"import_state: the tensors have different step counts {sorted(set(portable.counts))}; the JAX "
+            "state has one count, so export from an optimizer whose parameters all stepped together"
+        )
+    count = portable.counts[0] if portable.counts else 0
+    return PackedAdamWState(
+        count=jnp.asarray(count, jnp.int32),
+        moments=treedef.unflatten([jnp.asarray(m) for m in portable.moments]),
+    )
+
+
+__all__ = ["PackedAdamWState", "packed_adamw", "packed_adamw_fused_step", "export_state", "import_state"]

@@ -278,3 +278,20 @@ def inject_nonfinite(rng, g, fraction=0.002):
     values = np.array([np.nan, np.inf, -np.inf], F32)
     g[where] = values[np.arange(where.size) % 3]
     return where
+
+
+def authority_blind_spot(g, fmt: StateFormat) -> np.ndarray:
+    """Elements the scalar authority cannot check yet (known bug, strict xfail in test_kernel):
+    in the packed modes a finite gradient whose square overflows gives r' = Inf, which the
+    spec saturates but authority.Codec.encode(inf) raises OverflowError on. Kernel and numpy
+    are still compared on these elements."""
+    g = np.asarray(g, F32)
+    if fmt.mode == "fp32":
+        return np.zeros(g.shape, bool)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.isfinite(g) & ~np.isfinite(g * g)
+
+
+def checkable_by_authority(g, fmt: StateFormat, index=None) -> np.ndarray:
+    index = np.arange(len(g)) if index is None else np.asarray(index)
+    return index[~authority_blind_spot(np.asarray(g)[index], fmt)]

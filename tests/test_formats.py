@@ -42,6 +42,22 @@ def finite_codes(fmt):
     return ALL_CODES[(ALL_CODES & 0x7C00) != 0x7C00]
 
 
+# Known authority bugs (each has a strict xfail test at the end of this file). Until they are
+# fixed, the comparisons against the authority leave these values out; numpy is still checked.
+def authority_blind_spot(fmt, values):
+    """Values core/authority.py's Codec.encode gets wrong: +-Inf (OverflowError) and, at bias 0,
+    the top binade [2**15, 2**16) (saturated instead of encoded)."""
+    magnitude = np.abs(np.asarray(values, np.float64))
+    blind = np.isinf(magnitude)
+    if fmt.bias == 0:
+        blind |= magnitude >= 2.0 ** (fmt.max_exponent_code - fmt.bias)
+    return blind
+
+
+def authority_encode(auth, values):
+    return np.fromiter((auth.encode(v) for v in np.asarray(values, F32).tolist()), U32, len(values))
+
+
 def nonnegative_codes(fmt):
     """Codes of values >= 0 in increasing order: the magnitude codes up to the largest finite."""
     return np.arange(fmt.max_magnitude_code + 1, dtype=np.uint32)
@@ -63,7 +79,8 @@ def test_every_code_encodes_back_to_itself(codec):
     # -0 (sign bit alone) is never produced: zero is canonical code 0.
     canonical = np.where(codes == fmt.sign_bit, 0, codes) if fmt.signed else codes
     np.testing.assert_array_equal(fmt.encode(values).astype(U32), canonical)
-    np.testing.assert_array_equal(np.array([auth.encode(float(v)) for v in values], U32), canonical)
+    seen = ~authority_blind_spot(fmt, values)
+    np.testing.assert_array_equal(authority_encode(auth, values[seen]), canonical[seen])
 
 
 def test_minus_zero_code_decodes_to_minus_zero():
@@ -121,7 +138,8 @@ def test_midpoints_between_adjacent_codes_round_to_even(codec):
     assert values[boundary + 1] == fmt.min_normal
     stride = max(1, len(mid32) // 4000)  # the authority, on a spread of midpoints
     sample = np.r_[np.arange(0, len(mid32), stride), boundary - 1, boundary, boundary + 1]
-    np.testing.assert_array_equal(np.array([auth.encode(float(mid32[i])) for i in sample], U32), even[sample])
+    sample = sample[~authority_blind_spot(fmt, mid32[sample])]
+    np.testing.assert_array_equal(authority_encode(auth, mid32[sample]), even[sample])
     if fmt.signed:  # ties to even on the magnitude, sign restored
         neg = fmt.encode(-mid32[1:]).astype(U32)
         np.testing.assert_array_equal(neg, even[1:] | fmt.sign_bit)
@@ -134,7 +152,8 @@ def test_largest_value_and_beyond_saturate(codec):
                        F32(3.4028235e38), F32(np.inf)], F32)
     expected = np.full(beyond.shape, fmt.max_magnitude_code, U32)
     np.testing.assert_array_equal(fmt.encode(beyond).astype(U32), expected)
-    np.testing.assert_array_equal(np.array([auth.encode(float(v)) for v in beyond], U32), expected)
+    seen = ~authority_blind_spot(fmt, beyond)
+    np.testing.assert_array_equal(authority_encode(auth, beyond[seen]), expected[seen])
     if fmt.signed:
         np.testing.assert_array_equal(fmt.encode(-beyond).astype(U32), expected | fmt.sign_bit)
 
@@ -162,7 +181,7 @@ def test_smallest_subnormal_and_its_half(codec):
     values = np.array(list(cases), F32)
     expected = np.array(list(cases.values()), U32)
     np.testing.assert_array_equal(fmt.encode(values).astype(U32), expected)
-    np.testing.assert_array_equal(np.array([auth.encode(float(v)) for v in values], U32), expected)
+    np.testing.assert_array_equal(authority_encode(auth, values), expected)
 
 
 def test_tiny_negatives_round_to_code_zero_not_minus_zero():
@@ -207,9 +226,10 @@ def random_finite_float32(rng, n, fmt):
 
 def test_numpy_encode_agrees_with_authority_on_random_values(codec):
     fmt, auth = codec
-    values = random_finite_float32(np.random.default_rng(20261129), 110_000, fmt)
+    values = random_finite_float32(np.random.default_rng(20261129), 150_000, fmt)
+    values = values[~authority_blind_spot(fmt, values)]
     assert values.size >= 200_000
-    expected = np.fromiter((auth.encode(v) for v in values.tolist()), U32, values.size)
+    expected = authority_encode(auth, values)
     got = fmt.encode(values).astype(U32)
     bad = np.flatnonzero(got != expected)
     assert bad.size == 0, f"{bad.size} differ, e.g. {values[bad[:3]]!r}: {got[bad[:3]]} vs {expected[bad[:3]]}"
@@ -271,3 +291,30 @@ def test_bad_bias_error_names_the_argument(name):
 @pytest.mark.parametrize("bias", [0, 100])
 def test_bias_range_ends_are_accepted(bias):
     StateFormat("packed", m_bias=bias, rms_bias=bias)
+
+
+# ------------------------------------------------------ known authority bugs ----
+
+@pytest.mark.xfail(strict=True, raises=OverflowError,
+                   reason="core/authority.py Codec.encode(inf): math.frexp(inf) gives exponent 0, so the "
+                   "saturation branch is skipped and round(inf) raises OverflowError; numpy saturates")
+@pytest.mark.parametrize("name,sign", [("E4M11b15", 1.0), ("E4M11b15", -1.0), ("E4M12b15", 1.0),
+                                       ("FP16", 1.0), ("FP16", -1.0)])
+def test_authority_saturates_infinity(name, sign):
+    fmt, auth = CODECS[name]
+    expected = fmt.max_magnitude_code | (fmt.sign_bit if sign < 0 else 0)
+    assert int(fmt.encode(np.array([sign * np.inf], F32))[0]) == expected  # numpy is right
+    assert auth.encode(sign * float("inf")) == expected
+
+
+@pytest.mark.xfail(strict=True,
+                   reason="core/authority.py Codec.encode at bias 0: the test `exponent - bias >= top_exponent` "
+                   "should be `exponent + bias > top_exponent`; values in [2**15, 2**16) saturate instead of "
+                   "encoding (e.g. E4M11b0: 32768.0 -> 0x7fff, expected 0x7800)")
+@pytest.mark.parametrize("name", ["E4M11b0", "E4M12b0"])
+def test_authority_encodes_top_binade_at_bias_0(name):
+    fmt, auth = CODECS[name]
+    codes = np.arange(fmt.max_exponent_code << fmt.fraction_bits, fmt.max_magnitude_code + 1, dtype=U32)
+    values = fmt.decode(codes)
+    np.testing.assert_array_equal(fmt.encode(values).astype(U32), codes)  # numpy is right
+    np.testing.assert_array_equal(authority_encode(auth, values), codes)

@@ -1,10 +1,12 @@
 """`PackedAdamW`: torch.optim.AdamW with one uint32 word of state per FP32 parameter."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.optim import Optimizer
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, validate_hyperparams
+from packed_adamw.core.portable import PortableState
 
 from .functional import adamw_step_, new_state
 
@@ -107,6 +109,29 @@ class PackedAdamW(Optimizer):
         sd[STATE_DICT_KEY] = {"version": STATE_DICT_VERSION, "format": self.state_format.identity}
         return sd
 
+    def export_state(self) -> PortableState:
+        """The moments and step counts in parameter order, for `packed_adamw.jax.import_state`."""
+        counts, moments = [], []
+        for p in (p for g in self.param_groups for p in g["params"]):
+            state = self.state.get(p) or {}
+            counts.append(int(state["step"]) if state else 0)
+            tensor = state[self._state_key] if state else new_state(p, self.state_format)
+            moments.append(_to_numpy(tensor))
+        return PortableState(self.state_format.identity, counts, moments)
+
+    def import_state(self, portable: PortableState) -> None:
+        """Replace the state with one exported from JAX (or torch); checks format and shapes."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        portable.check(self.state_format, [tuple(p.shape) for p in params])
+        for p, count, moments in zip(params, portable.counts, portable.moments):
+            if count == 0:
+                self.state.pop(p, None)
+                continue
+            tensor = torch.from_numpy(moments.view(np.int32) if moments.dtype == np.uint32 else moments.copy())
+            if moments.dtype == np.uint32:
+                tensor = tensor.clone().view(torch.uint32)
+            self.state[p] = {"step": torch.tensor(count, dtype=torch.int64), self._state_key: tensor.to(p.device)}
+
     def load_state_dict(self, state_dict: dict) -> None:
         meta = state_dict.get(STATE_DICT_KEY)
         if meta is None:
@@ -148,6 +173,11 @@ class PackedAdamW(Optimizer):
         for state in self.state.values():
             if "step" in state:
                 state["step"] = torch.as_tensor(state["step"], dtype=torch.int64, device="cpu")
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    return t.view(torch.int32).numpy().view(np.uint32).copy() if t.dtype == torch.uint32 else t.numpy().copy()
 
 
 def _param_name(group: dict, group_index: int, param_index: int) -> str:
