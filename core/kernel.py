@@ -12,8 +12,8 @@ recompiles the kernel, and a CUDA graph can capture it.
 import triton
 import triton.language as tl
 
-FLOAT32_MAX = 3.4028234663852886e38
-HPARAM_ROW = 5  # lr, b1, b2, eps, weight_decay (see hyperparams.HPARAM_FIELDS)
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
+HPARAM_ROW = tl.constexpr(5)  # lr, b1, b2, eps, weight_decay (see hyperparams.HPARAM_FIELDS)
 
 
 @triton.jit
@@ -153,5 +153,35 @@ def adamw_kernel(
     _adamw_block(
         param_ptr, grad_ptr, state_ptr, hparams_ptr, count_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
         offsets, n_elements, MODE, WRITE_UPDATE, COUNT_NONFINITE,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+    )
+
+
+@triton.jit
+def adamw_multi_tensor_kernel(
+    pointers_ptr, block_tensor_ptr, block_index_ptr, numels_ptr, hparams_ptr, counts_ptr, nonfinite_ptr,
+    n_tensors,
+    MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Many tensors in one launch, in place: program i updates block `block_index[i]` of
+    tensor `block_tensor[i]`. `pointers` holds the addresses of every parameter, then every
+    gradient, then every state buffer (int64); tensor t has its own hyperparameter row and
+    count, so one launch serves several parameter groups.
+    """
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor_ptr + pid)
+    offsets = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    param_ptr = tl.load(pointers_ptr + t).to(tl.pointer_type(tl.float32))
+    grad_ptr = tl.load(pointers_ptr + n_tensors + t).to(tl.pointer_type(tl.float32))
+    if MODE == 2:
+        state_ptr = tl.load(pointers_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
+    else:
+        state_ptr = tl.load(pointers_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.uint32))
+    _adamw_block(
+        param_ptr, grad_ptr, state_ptr, hparams_ptr + t * HPARAM_ROW, counts_ptr + t, nonfinite_ptr + t,
+        param_ptr, state_ptr, offsets, tl.load(numels_ptr + t), MODE, False, COUNT_NONFINITE,
         M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
     )

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from .formats import MODE_IDS, StateFormat
 
 # Compiled: 20 bytes/element of traffic, so blocks only need to be big enough to hide latency.
@@ -30,8 +32,9 @@ def grid(n_elements: int, block: int) -> tuple[int]:
     return ((n_elements + block - 1) // block,)
 
 
-def kernel_constants(fmt: StateFormat, *, write_update: bool, count_nonfinite: bool, block: int) -> dict:
-    """The constexpr keyword arguments of `adamw_kernel` for this state format."""
+def kernel_constants(fmt: StateFormat, *, write_update: bool | None, count_nonfinite: bool, block: int) -> dict:
+    """The constexpr keyword arguments of `adamw_kernel` for this state format
+    (`write_update=None`: for `adamw_multi_tensor_kernel`, which always works in place)."""
     if fmt.mode == "fp32":
         m_fmt = r_fmt = None
     else:
@@ -41,9 +44,21 @@ def kernel_constants(fmt: StateFormat, *, write_update: bool, count_nonfinite: b
     )
     m_signed, m_frac, m_bias, m_max = codec(m_fmt)
     r_signed, r_frac, r_bias, r_max = codec(r_fmt)
-    return dict(
+    constants = dict(
         MODE=MODE_IDS[fmt.mode], WRITE_UPDATE=write_update, COUNT_NONFINITE=count_nonfinite,
         M_SIGNED=m_signed, M_FRAC=m_frac, M_BIAS=m_bias, M_MAX=m_max,
         R_SIGNED=r_signed, R_FRAC=r_frac, R_BIAS=r_bias, R_MAX=r_max,
         BLOCK=block,
     )
+    if write_update is None:
+        del constants["WRITE_UPDATE"]
+    return constants
+
+
+def block_table(numels: list[int], block: int) -> tuple[np.ndarray, np.ndarray]:
+    """For the multi-tensor kernel: each program's (tensor index, block index in that tensor)."""
+    blocks = np.array([(n + block - 1) // block for n in numels], dtype=np.int64)
+    block_tensor = np.repeat(np.arange(len(numels), dtype=np.int32), blocks)
+    starts = np.concatenate([[0], np.cumsum(blocks)[:-1]])
+    block_index = (np.arange(int(blocks.sum()), dtype=np.int64) - np.repeat(starts, blocks)).astype(np.int32)
+    return block_tensor, block_index

@@ -67,8 +67,10 @@ def launch_kernel(param, grad, state, *, count: int, hp: Hyperparams, fmt: State
         options = dict(launch.COMPILE_OPTIONS, num_warps=launch.GPU_NUM_WARPS)
     from packed_adamw.core.kernel import adamw_kernel  # after conftest chose interpreter or not
 
+    # By name: robust to the order of the kernel's parameters (jax-triton puts outputs last).
     adamw_kernel[launch.grid(n, block)](
-        param, grad, state, hparams, count_t, nonfinite, out, new_state, n,
+        param_ptr=param, grad_ptr=grad, state_ptr=state, hparams_ptr=hparams, count_ptr=count_t,
+        nonfinite_ptr=nonfinite, n_elements=n, out_ptr=out, new_state_ptr=new_state,
         **launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=True, block=block),
         **options,
     )

@@ -4,6 +4,8 @@ Both paths follow docs/FORMAT.md operation by operation, so they give the same b
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -40,16 +42,19 @@ def adamw_step_(
     counts: list[int],
     hparams: list[tuple[float, ...]],
     fmt: StateFormat,
+    *,
+    multi_tensor: bool = True,
 ) -> list[int]:
     """One AdamW step in place over tensors on one device; returns each tensor's rejected count.
 
     `counts[i]` is tensor i's step number after incrementing; `hparams[i]` its
-    (lr, b1, b2, eps, weight_decay).
+    (lr, b1, b2, eps, weight_decay). On CUDA, `multi_tensor` updates every tensor in one
+    launch (docs/MULTI_TENSOR.md); otherwise one launch per tensor. Same bits either way.
     """
     if not params:
         return []
     if params[0].device.type == "cuda":
-        return _cuda_step_(params, grads, states, counts, hparams, fmt)
+        return _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor)
     rejected = []
     for p, g, s, count, hp in zip(params, grads, states, counts, hparams):
         rejected.append(
@@ -63,8 +68,8 @@ def _hyperparams(row) -> Hyperparams:
     return Hyperparams(**dict(zip(HPARAM_FIELDS, row)))
 
 
-def _cuda_step_(params, grads, states, counts, hparams, fmt) -> list[int]:
-    from packed_adamw.core.kernel import adamw_kernel
+def _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor: bool) -> list[int]:
+    from packed_adamw.core.kernel import adamw_kernel, adamw_multi_tensor_kernel
 
     device = params[0].device
     # Two small host-to-device copies per step carry every tensor's scalars.
@@ -72,12 +77,30 @@ def _cuda_step_(params, grads, states, counts, hparams, fmt) -> list[int]:
     counts_dev = torch.tensor(counts, dtype=torch.int32).to(device, non_blocking=True)
     rejected_dev = torch.zeros(len(params), dtype=torch.int32, device=device)
     block = launch.GPU_BLOCK
-    constants = launch.kernel_constants(fmt, write_update=False, count_nonfinite=True, block=block)
     with torch.cuda.device(device):
-        for i, (p, g, s) in enumerate(zip(params, grads, states)):
-            words = s if fmt.mode == "fp32" else s.view(torch.int32)
-            adamw_kernel[launch.grid(p.numel(), block)](
-                p, g, words, hparams_dev[i], counts_dev[i], rejected_dev[i], p.numel(), p, words,
-                num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS,
+        if multi_tensor:
+            block_tensor, block_index, numels = _block_table(tuple(p.numel() for p in params), device)
+            pointers = torch.tensor([t.data_ptr() for t in (*params, *grads, *states)], dtype=torch.int64)
+            adamw_multi_tensor_kernel[(block_tensor.numel(),)](
+                pointers.to(device, non_blocking=True), block_tensor, block_index, numels, hparams_dev, counts_dev,
+                rejected_dev, len(params), num_warps=launch.GPU_NUM_WARPS,
+                **launch.kernel_constants(fmt, write_update=None, count_nonfinite=True, block=block),
+                **launch.COMPILE_OPTIONS,
             )
+        else:
+            constants = launch.kernel_constants(fmt, write_update=False, count_nonfinite=True, block=block)
+            for i, (p, g, s) in enumerate(zip(params, grads, states)):
+                words = s if fmt.mode == "fp32" else s.view(torch.int32)
+                adamw_kernel[launch.grid(p.numel(), block)](
+                    p, g, words, hparams_dev[i], counts_dev[i], rejected_dev[i], p.numel(), p, words,
+                    num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS,
+                )
     return rejected_dev.tolist()
+
+
+@functools.lru_cache(maxsize=16)
+def _block_table(numels: tuple[int, ...], device: torch.device):
+    """Depends only on the tensor sizes, so it is built once and kept on the device."""
+    block_tensor, block_index = launch.block_table(list(numels), launch.GPU_BLOCK)
+    as_device = lambda a, dtype: torch.as_tensor(a, dtype=dtype).to(device)  # noqa: E731
+    return as_device(block_tensor, torch.int32), as_device(block_index, torch.int32), as_device(numels, torch.int64)

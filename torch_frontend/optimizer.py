@@ -24,7 +24,9 @@ class PackedAdamW(Optimizer):
     Arguments are torch.optim.AdamW's, plus `mode`: "packed" (E4M11 first moment + E4M12
     RMS, 4 bytes/parameter), or the comparison modes "fp16" (IEEE half in both halves of the
     word, 4 bytes) and "fp32" (two float32 moments, 8 bytes). `m_bias` and `rms_bias` set
-    the packed formats' exponent biases; the saved state records them.
+    the packed formats' exponent biases; the saved state records them. On CUDA,
+    `multi_tensor=True` updates all tensors in one kernel launch (same bits as one launch per
+    tensor, which `multi_tensor=False` selects).
 
     Parameters must be float32, contiguous and on one device. A gradient element that is NaN
     or Inf leaves that element's parameter and state unchanged; after the step the optimizer
@@ -43,8 +45,10 @@ class PackedAdamW(Optimizer):
         *,
         m_bias: int = DEFAULT_M_BIAS,
         rms_bias: int = DEFAULT_RMS_BIAS,
+        multi_tensor: bool = True,
     ):
         self.state_format = StateFormat(mode, m_bias, rms_bias)
+        self.multi_tensor = multi_tensor
         validate_hyperparams(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -70,27 +74,30 @@ class PackedAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params, grads, states, counts, hparams, names = [], [], [], [], [], []
+        key = self._state_key
         for group_index, group in enumerate(self.param_groups):
-            _validate_group(group, group_index)
+            _validate_hyperparams(group, group_index)
             row = (float(group["lr"]), *map(float, group["betas"]), float(group["eps"]), float(group["weight_decay"]))
             for param_index, p in enumerate(group["params"]):
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
-                name = _param_name(group, group_index, param_index)
-                _validate_grad(p, name)
+                if not _grad_fits(p, g):
+                    _raise_grad_error(p, _param_name(group, group_index, param_index))
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0, dtype=torch.int64)
-                    state[self._state_key] = new_state(p, self.state_format)
+                    state["step"] = 0
+                    state[key] = new_state(p, self.state_format)
                 state["step"] += 1
                 params.append(p)
-                grads.append(p.grad)
-                states.append(state[self._state_key])
-                counts.append(int(state["step"]))
+                grads.append(g)
+                states.append(state[key])
+                counts.append(state["step"])
                 hparams.append(row)
-                names.append(name)
-        rejected = adamw_step_(params, grads, states, counts, hparams, self.state_format)
-        bad = [f"{name} ({n} of {p.numel()} elements)" for name, n, p in zip(names, rejected, params) if n]
+                names.append((group, group_index, param_index))
+        rejected = adamw_step_(params, grads, states, counts, hparams, self.state_format,
+                               multi_tensor=self.multi_tensor)
+        bad = [f"{_param_name(*name)} ({n} of {p.numel()} elements)" for name, n, p in zip(names, rejected, params) if n]
         if bad:
             raise NonFiniteGradientError(
                 "PackedAdamW.step: non-finite gradient values in " + ", ".join(bad) + ". Those elements kept "
@@ -130,7 +137,7 @@ class PackedAdamW(Optimizer):
             tensor = torch.from_numpy(moments.view(np.int32) if moments.dtype == np.uint32 else moments.copy())
             if moments.dtype == np.uint32:
                 tensor = tensor.clone().view(torch.uint32)
-            self.state[p] = {"step": torch.tensor(count, dtype=torch.int64), self._state_key: tensor.to(p.device)}
+            self.state[p] = {"step": count, self._state_key: tensor.to(p.device)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         meta = state_dict.get(STATE_DICT_KEY)
@@ -168,11 +175,11 @@ class PackedAdamW(Optimizer):
                 )
         state_dict = {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
         super().load_state_dict(state_dict)
-        # torch moves state to the parameter's device; uint32 words are not floating, so
-        # they keep their bits. The step count stays a CPU int64 tensor.
+        # torch moved the state to each parameter's device; uint32 words are not floating
+        # point, so no dtype cast touched their bits.
         for state in self.state.values():
             if "step" in state:
-                state["step"] = torch.as_tensor(state["step"], dtype=torch.int64, device="cpu")
+                state["step"] = int(state["step"])
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -187,7 +194,7 @@ def _param_name(group: dict, group_index: int, param_index: int) -> str:
     return f"param_groups[{group_index}]['params'][{param_index}]"
 
 
-def _validate_group(group: dict, index: int) -> None:
+def _validate_hyperparams(group: dict, index: int) -> None:
     lr = group["lr"]
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
@@ -197,6 +204,10 @@ def _validate_group(group: dict, index: int) -> None:
         validate_hyperparams(lr, group["betas"], group["eps"], group["weight_decay"])
     except ValueError as e:
         raise ValueError(f"param_groups[{index}]: {e}") from None
+
+
+def _validate_group(group: dict, index: int) -> None:
+    _validate_hyperparams(group, index)
     for param_index, p in enumerate(group["params"]):
         name = _param_name(group, index, param_index)
         if p.dtype != torch.float32:
@@ -210,11 +221,21 @@ def _validate_group(group: dict, index: int) -> None:
             raise ValueError(f"{name} is on {p.device}: PackedAdamW runs on CPU and CUDA devices")
 
 
-def _validate_grad(p: torch.Tensor, name: str) -> None:
+def _grad_fits(p: torch.Tensor, g: torch.Tensor) -> bool:
+    """The step's fast check; `_raise_grad_error` explains a failure."""
+    return (
+        g.layout is torch.strided and g.dtype is torch.float32 and p.dtype is torch.float32
+        and g.shape == p.shape and g.device == p.device and g.is_contiguous() and p.is_contiguous()
+    )
+
+
+def _raise_grad_error(p: torch.Tensor, name: str) -> None:
     g = p.grad
+    if p.dtype != torch.float32 or not p.is_contiguous():  # changed after add_param_group
+        raise TypeError(f"{name} is now {p.dtype}, contiguous={p.is_contiguous()}: PackedAdamW trains contiguous float32 parameters")
     if g.is_sparse:
         raise RuntimeError(f"{name} has a sparse gradient: PackedAdamW does not support sparse gradients (use dense ones)")
-    if g.is_complex() or p.is_complex():
+    if g.is_complex():
         raise TypeError(f"{name} has a complex gradient: PackedAdamW supports real float32 tensors only")
     if g.dtype != p.dtype:
         raise TypeError(f"{name}: gradient dtype {g.dtype} differs from the parameter's {p.dtype}; gradients must be float32")
@@ -222,5 +243,4 @@ def _validate_grad(p: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: gradient shape {tuple(g.shape)} differs from the parameter's {tuple(p.shape)}")
     if g.device != p.device:
         raise ValueError(f"{name}: gradient is on {g.device} but the parameter is on {p.device}")
-    if not g.is_contiguous():
-        raise ValueError(f"{name}: gradient is not contiguous; make it contiguous before step() (g.contiguous())")
+    raise ValueError(f"{name}: gradient is not contiguous; make it contiguous before step() (g.contiguous())")

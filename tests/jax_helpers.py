@@ -1,0 +1,114 @@
+"""Shared helpers for the optax-frontend tests (CPU and CUDA): bit views, test trees, and
+the same training run driven through torch `PackedAdamW` and through the optax transform.
+
+Data moves between the frameworks through numpy (no dlpack).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+U32 = np.uint32
+MODES = ["packed", "fp16", "fp32"]
+
+
+def bits(x) -> np.ndarray:
+    """uint32 view of a float32 / uint32 array (jax, torch or numpy), for bitwise comparison."""
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu()
+            if t.dtype == torch.uint32:
+                t = t.view(torch.int32)
+            return t.numpy().view(U32).copy()
+    except ImportError:  # pragma: no cover
+        pass
+    a = np.asarray(x)
+    assert a.dtype in (np.float32, np.uint32, np.int32), a.dtype
+    return a.view(U32)
+
+
+def assert_bits_equal(a, b, what: str) -> None:
+    a, b = bits(a), bits(b)
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} vs {b.shape}"
+    diff = np.flatnonzero(a.reshape(-1) != b.reshape(-1))
+    assert diff.size == 0, (
+        f"{what}: {diff.size} of {a.size} elements differ; first at flat index {diff[0]}: "
+        f"{a.reshape(-1)[diff[0]]:#010x} vs {b.reshape(-1)[diff[0]]:#010x}"
+    )
+
+
+def spanning_values(rng, shape, lo_exp: float, hi_exp: float, zero_share: float = 0.05) -> np.ndarray:
+    """float32 values with log-uniform magnitudes 10**[lo_exp, hi_exp], random signs, some zeros."""
+    mag = 10.0 ** rng.uniform(lo_exp, hi_exp, size=shape)
+    x = (mag * rng.choice([-1.0, 1.0], size=shape)).astype(F32)
+    x[rng.random(shape) < zero_share] = 0.0
+    return x
+
+
+def make_problem(seed: int, shapes: dict, steps: int, *, grad_exp=(-12.0, 2.0)):
+    """(params0, [grads per step]) as dicts of float32 numpy arrays.
+
+    Gradient magnitudes span 1e-12 .. 1e2 so the moments reach the formats' subnormals (and
+    flush to zero) as well as their saturation near 2 (E4M11/E4M12) and 65504 (fp16).
+    """
+    rng = np.random.default_rng(seed)
+    params0 = {k: spanning_values(rng, s, -4.0, 1.0) for k, s in shapes.items()}
+    grads = [{k: spanning_values(rng, s, *grad_exp) for k, s in shapes.items()} for _ in range(steps)]
+    return params0, grads
+
+
+def torch_words(opt, p):
+    """The torch optimizer's state tensor for parameter p (words or [2, *shape] moments)."""
+    state = opt.state[p]
+    return state["moments"] if "moments" in state else state["words"]
+
+
+def run_torch(params0: dict, grads: list, *, mode: str, lr, weight_decay: float, no_decay=(), device="cpu",
+              b1=0.9, b2=0.999, eps=1e-8):
+    """Torch PackedAdamW over the dict's keys in sorted order (JAX's leaf order).
+
+    `lr` is a float or a float32 table indexed by step. Keys in `no_decay` go into a second
+    param group with weight_decay 0. Returns (params as numpy, state tensors as numpy, opt, tensors).
+    """
+    import torch
+
+    from packed_adamw.torch import PackedAdamW
+
+    keys = sorted(params0)
+    tensors = {k: torch.nn.Parameter(torch.from_numpy(params0[k].copy()).to(device)) for k in keys}
+    lr0 = float(lr[0]) if isinstance(lr, np.ndarray) else lr
+    groups = [{"params": [tensors[k] for k in keys if k not in no_decay]}]
+    if no_decay:
+        groups.append({"params": [tensors[k] for k in keys if k in no_decay], "weight_decay": 0.0})
+    opt = PackedAdamW(groups, lr=lr0, betas=(b1, b2), eps=eps, weight_decay=weight_decay, mode=mode)
+    for i, g in enumerate(grads):
+        if isinstance(lr, np.ndarray):
+            for group in opt.param_groups:
+                group["lr"] = float(lr[i])
+        for k in keys:
+            tensors[k].grad = torch.from_numpy(np.ascontiguousarray(g[k])).to(device)
+        opt.step()
+    params = {k: bits(tensors[k]) for k in keys}
+    states = {k: bits(torch_words(opt, tensors[k])) for k in keys}
+    return params, states, opt, tensors
+
+
+def run_jax(params0: dict, grads: list, tx, *, jit: bool = True):
+    """The optax transform + optax.apply_updates. Returns (params, state) as jax values."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def step(params, state, g):
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    if jit:
+        step = jax.jit(step)
+    params = {k: jnp.asarray(v) for k, v in params0.items()}
+    state = tx.init(params)
+    for g in grads:
+        params, state = step(params, state, {k: jnp.asarray(v) for k, v in g.items()})
+    return params, state

@@ -1,0 +1,433 @@
+"""Train the reference GPT from a finite token tape, with exact-resume checkpoints.
+
+    python -m packed_adamw.torch.gpt.train --demo                # tiny GPT on the embedded corpus, CPU
+    python -m packed_adamw.torch.gpt.train --config reference --mode packed --device cuda \\
+        --data runs/data/shakespeare --max-steps 5000 --batch-size 64
+    python -m packed_adamw.torch.gpt.train ... --resume auto     # continue from <out>/checkpoint.safetensors
+    python -m packed_adamw.torch.gpt.train --synthetic           # one update on random tokens (smoke test)
+
+The tape is read front to back once (docs/TAPE.md); training ends when it runs out or after
+--max-steps. The learning rate is a pure function of the step, there is no dropout, and the
+checkpoint holds everything else (model, optimizer, tape cursor, RNG), so a resumed run
+ends bit-identical to an uninterrupted one. SIGINT/SIGTERM finish the current step, write a
+checkpoint and exit with code 0. See docs/TRAINING.md.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import math
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from packed_adamw.core import first_moment_format, rms_format
+from packed_adamw.tokenizer import tokenizer_sha256
+from packed_adamw.tokenizer.corpus import CorpusNotInstalledError, default_corpus_documents
+from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, build_split
+
+from ..optimizer import PackedAdamW
+from .checkpoint import CHECKPOINT_NAME, CheckpointError, load_training_state, save_training_state
+from .model import GPT, PRESETS, GPTConfig
+
+OPTIMIZERS = ("packed-adamw", "torch-adamw")
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work together."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    # -- what the run computes: recorded in the checkpoint and required equal on resume --
+    config: str = "tiny"  # model preset (model.PRESETS)
+    optimizer: str = "packed-adamw"  # or "torch-adamw", the fp32 torch.optim.AdamW baseline
+    mode: str = "packed"  # PackedAdamW mode: packed | fp16 | fp32
+    m_bias: int = 15
+    rms_bias: int = 15
+    batch_size: int = 8
+    max_steps: int = 400  # step budget, and the length of the cosine schedule
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 40
+    weight_decay: float = 0.1  # on matrices and embeddings; biases and LayerNorms get none
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 0
+    # -- how the run is carried out: free to change between sessions --
+    data: str = "runs/data/shakespeare"
+    build_data: bool = False  # build data/train.tape and val.tape from the embedded corpus if missing
+    out: str = ""  # default runs/<config>-<mode or optimizer>
+    device: str = "auto"
+    resume: str = ""  # "", "auto" (resume if out/checkpoint exists) or a checkpoint path
+    checkpoint_every: int = 100
+    stop_at_step: int = 0  # >0: write a checkpoint and stop at this step (the schedule keeps max_steps)
+    eval_every: int = 100
+    eval_batches: int = 8  # validation batches per evaluation; 0 = the whole validation tape
+    log_every: int = 10
+    log_moment_stats: bool = False  # fp32 mode: write moment_stats.jsonl every moment_stats_every steps
+    moment_stats_every: int = 100
+    moment_stats_biases: str = "12,15,18,21"
+    progress: bool = True
+
+    def trajectory(self) -> dict:
+        """The settings that decide the bits of the result, with the model preset spelled out."""
+        fields = ("optimizer", "mode", "m_bias", "rms_bias", "batch_size", "max_steps", "lr", "min_lr",
+                  "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed")
+        return {"model": dataclasses.asdict(GPTConfig.preset(self.config)),
+                **{name: getattr(self, name) for name in fields}}
+
+    @property
+    def out_dir(self) -> Path:
+        name = self.mode if self.optimizer == "packed-adamw" else self.optimizer
+        return Path(self.out or f"runs/{self.config}-{name}")
+
+
+DEMO = dict(config="tiny", build_data=True, out="runs/demo", resume="auto")
+
+
+# ---- pieces of the loop ---------------------------------------------------------------------
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warmup over warmup_steps, then cosine decay to min_lr at max_steps (step counts from 0)."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: GPT, config: TrainConfig) -> torch.optim.Optimizer:
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    common = dict(lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
+    if config.optimizer == "torch-adamw":
+        return torch.optim.AdamW(groups, **common)
+    return PackedAdamW(groups, **common, mode=config.mode, m_bias=config.m_bias, rms_bias=config.rms_bias)
+
+
+def open_tapes(config: TrainConfig) -> tuple[TapeReader, TapeReader]:
+    data = Path(config.data)
+    train_path, val_path = data / "train.tape", data / "val.tape"
+    if not (train_path.exists() and val_path.exists()):
+        if not config.build_data:
+            raise TapeError(f"no tapes in {data}: pass --build-data to build them from the embedded corpus, "
+                            f"or build them with `python -m packed_adamw.tokenizer.tape build --out {data}`")
+        print(f"building {train_path} and {val_path} from the embedded corpus ...")
+        build_split(default_corpus_documents(), data)
+    sha = tokenizer_sha256()
+    return TapeReader(train_path, tokenizer_sha256=sha), TapeReader(val_path, tokenizer_sha256=sha)
+
+
+@torch.no_grad()
+def validation_bpb(model: GPT, tape: TapeReader, batch_size: int, max_batches: int, device) -> float | None:
+    """Bits per byte: summed token losses (nats) / (ln 2 * UTF-8 bytes of the target tokens)."""
+    context = model.config.context
+    nats, byte_count = 0.0, 0
+    for index, (x, y) in enumerate(tape.iter_eval_batches(batch_size, context)):
+        if index == max_batches > 0:
+            break
+        _, loss = model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device), reduction="sum")
+        nats += loss.item()
+        byte_count += int(tape.token_byte_counts[y].sum())
+    return nats / (math.log(2) * byte_count) if byte_count else None
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag that the loop checks between steps (handlers restored on exit)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signal_name = None
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+        print(f"\n{self.signal_name} received: finishing this step, then writing a checkpoint", file=sys.stderr)
+
+
+def parameter_kind(name: str) -> str:
+    if name.endswith(".bias"):
+        return "bias"
+    if "ln_" in name:
+        return "layernorm"
+    if "emb" in name:
+        return "embedding"
+    if ".attn." in name:
+        return "attention_" + name.split(".")[-2]  # attention_qkv, attention_proj
+    return "mlp"
+
+
+def moment_stats(model: GPT, optimizer: PackedAdamW, step: int, biases: list[int]) -> dict:
+    """Per kind of tensor: how much of |m| and sqrt(v) the packed formats would saturate or flush."""
+    by_kind = collections.defaultdict(list)
+    for name, p in model.named_parameters():
+        by_kind[parameter_kind(name)].append(optimizer.state[p]["moments"].reshape(2, -1).cpu().numpy())
+    record = {"step": step, "kinds": {}}
+    quantile_levels = [0.01, 0.1, 0.5, 0.9, 0.99]
+    for kind, moments in sorted(by_kind.items()):
+        m, v = np.concatenate(moments, axis=1).astype(np.float64)
+        abs_m, rms = np.abs(m), np.sqrt(v)
+        stats = {"elements": int(m.size)}
+        for label, values in (("m", abs_m), ("rms", rms)):
+            nonzero = values[values > 0]
+            stats[f"log2_{label}_quantiles"] = dict(zip(map(str, quantile_levels), np.quantile(np.log2(nonzero), quantile_levels).tolist())) if nonzero.size else None
+        for bias in biases:
+            for label, values, fmt in (("m", abs_m, first_moment_format(bias)), ("rms", rms, rms_format(bias))):
+                stats[f"{label}_bias{bias}"] = {
+                    "saturate": float(np.mean(values > fmt.max_value)),
+                    "subnormal": float(np.mean((values > 0) & (values < fmt.min_normal))),
+                    # round-to-nearest-even sends values up to half the smallest subnormal to zero
+                    "flush_to_zero": float(np.mean((values > 0) & (values <= fmt.min_subnormal / 2))),
+                }
+        record["kinds"][kind] = stats
+    return record
+
+
+def plot_log(log_path: Path, png_path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_bpb"]) for r in records if r.get("val_bpb") is not None]
+    fig, (ax_loss, ax_bpb) = plt.subplots(1, 2, figsize=(10, 4))
+    if train:
+        ax_loss.plot(*zip(*train))
+    ax_loss.set(xlabel="step", ylabel="training loss (nats/token)", title="training loss")
+    if val:
+        ax_bpb.plot(*zip(*val), marker="o")
+    ax_bpb.set(xlabel="step", ylabel="bits per byte", title="validation bpb")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def check_config(config: TrainConfig) -> None:
+    if config.config not in PRESETS:
+        raise ConfigError(f"unknown model preset {config.config!r}; choose one of {sorted(PRESETS)}")
+    if config.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer must be one of {OPTIMIZERS}, got {config.optimizer!r}")
+    if config.log_moment_stats and (config.optimizer, config.mode) != ("packed-adamw", "fp32"):
+        raise ConfigError("--log-moment-stats needs --mode fp32 (it reads float32 moments)")
+
+
+# ---- the training run -----------------------------------------------------------------------
+
+def train(config: TrainConfig) -> dict:
+    """Run (or resume) training; returns the summary that is also written to summary.json."""
+    check_config(config)
+    device = resolve_device(config.device)
+    out = config.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint_path, log_path = out / CHECKPOINT_NAME, out / "log.jsonl"
+    train_tape, val_tape = open_tapes(config)
+
+    torch.manual_seed(config.seed)
+    model = GPT(GPTConfig.preset(config.config)).to(device)
+    optimizer = make_optimizer(model, config)
+    trajectory = config.trajectory()
+    context = model.config.context
+    tokens_per_step = config.batch_size * context
+
+    resume_path = Path(config.resume) if config.resume not in ("", "auto") else None
+    if config.resume == "auto" and checkpoint_path.exists():
+        resume_path = checkpoint_path
+    if resume_path is None and checkpoint_path.exists():
+        raise CheckpointError(f"{checkpoint_path} already exists: pass --resume auto to continue that run, "
+                              "or choose another --out")
+    step = 0
+    if resume_path is not None:
+        step = load_training_state(resume_path, model=model, optimizer=optimizer, tape=train_tape,
+                                   config=trajectory)["step"]
+        print(f"resumed from {resume_path} at step {step}")
+    # The log covers steps up to the resume point; later lines came from a session that died.
+    old_lines = log_path.read_text().splitlines() if (resume_path and log_path.exists()) else []
+    log_path.write_text("".join(line + "\n" for line in old_lines if json.loads(line)["step"] <= step))
+
+    def save(reason: str) -> None:
+        save_training_state(checkpoint_path, model=model, optimizer=optimizer, tape=train_tape,
+                            config=trajectory, trainer={"step": step, "reason": reason})
+
+    print(f"model {config.config}: {model.num_parameters():,} parameters; optimizer {config.optimizer}"
+          f"{' mode ' + config.mode if config.optimizer == 'packed-adamw' else ''}; device {device}; "
+          f"{train_tape.remaining_batches(config.batch_size, context)} batches left on {train_tape.path}")
+    moment_biases = [int(b) for b in config.moment_stats_biases.split(",")]
+    recent_losses = collections.deque(maxlen=50)
+    fwd_bwd_times, optimizer_times, step_times = [], [], []
+    val_bpb = None
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    bar = tqdm(total=config.max_steps, initial=step, disable=not config.progress, unit="step")
+    with StopRequest() as stop, log_path.open("a") as log:
+        while True:
+            if step >= config.max_steps:
+                reason = "max_steps"
+                break
+            if step == config.stop_at_step > 0:
+                reason = "stop_at_step"
+                break
+            if stop.signal_name:
+                reason = stop.signal_name
+                break
+            try:
+                x, y = train_tape.next_batch(config.batch_size, context)
+            except TapeExhausted as exhausted:
+                reason = "tape_exhausted"
+                print(f"\ntraining tape exhausted at step {step}: {exhausted}")
+                break
+
+            start = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, config)
+            _, loss = model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            sync()
+            after_backward = time.perf_counter()
+            optimizer.step()
+            sync()
+            end = time.perf_counter()
+            step += 1
+
+            recent_losses.append(loss.item())
+            fwd_bwd_times.append(after_backward - start)
+            optimizer_times.append(end - after_backward)
+            step_times.append(end - start)
+            record = None
+            if step % config.log_every == 0 or step == 1:
+                record = {"step": step, "loss": recent_losses[-1], "lr": optimizer.param_groups[0]["lr"],
+                          "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_step / (end - start),
+                          "fwd_bwd_ms": 1e3 * fwd_bwd_times[-1], "optimizer_ms": 1e3 * optimizer_times[-1]}
+            if config.eval_every and step % config.eval_every == 0:
+                val_bpb = validation_bpb(model, val_tape, config.batch_size, config.eval_batches, device)
+                record = {**(record or {"step": step}), "val_bpb": val_bpb}
+            if record:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            if config.log_moment_stats and step % config.moment_stats_every == 0:
+                with (out / "moment_stats.jsonl").open("a") as stats_file:
+                    stats_file.write(json.dumps(moment_stats(model, optimizer, step, moment_biases)) + "\n")
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                save("periodic")
+            bar.update(1)
+            bar.set_postfix(loss=f"{recent_losses[-1]:.3f}", val_bpb=f"{val_bpb:.3f}" if val_bpb else "-")
+        bar.close()
+
+        if step_times and not (config.eval_every and step % config.eval_every == 0):
+            val_bpb = validation_bpb(model, val_tape, config.batch_size, config.eval_batches, device)
+            log.write(json.dumps({"step": step, "val_bpb": val_bpb}) + "\n")
+        save(reason)
+
+    plot_log(log_path, out / "loss.png")
+    # Medians skip the first steps' warm-up cost.
+    steady = slice(min(5, len(step_times) - 1), None) if step_times else slice(None)
+    median_ms = lambda times: 1e3 * statistics.median(times[steady]) if times else None  # noqa: E731
+    summary = {
+        "stopped_because": reason,
+        "step": step,
+        "steps_this_session": len(step_times),
+        "parameters": model.num_parameters(),
+        "final_train_loss_mean_last_50": statistics.fmean(recent_losses) if recent_losses else None,
+        "val_bpb": val_bpb,
+        "tokens_per_s": tokens_per_step * len(step_times) / sum(step_times) if step_times else None,
+        "median_fwd_bwd_ms": median_ms(fwd_bwd_times),
+        "median_optimizer_ms": median_ms(optimizer_times),
+        "log": str(log_path), "plot": str(out / "loss.png"), "checkpoint": str(checkpoint_path),
+        "config": dataclasses.asdict(config),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def synthetic_smoke(config: TrainConfig) -> dict:
+    """One update on random tokens: checks the plumbing, not learning."""
+    device = resolve_device(config.device)
+    torch.manual_seed(config.seed)
+    model = GPT(GPTConfig.preset(config.config)).to(device)
+    optimizer = make_optimizer(model, config)
+    tokens = torch.randint(0, model.config.vocab_size, (config.batch_size, model.config.context + 1), device=device)
+    before = [p.detach().clone() for p in model.parameters()]
+    _, loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    optimizer.step()
+    changed = sum(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return {"loss": loss.item(), "loss_finite": math.isfinite(loss.item()),
+            "tensors_changed": changed, "tensors": len(before)}
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--demo", action="store_true",
+                        help="tiny GPT on the embedded corpus (builds the tape if needed), out runs/demo")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="one update on random tokens, no corpus: a smoke test, not evidence of learning")
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        default = getattr(defaults, field.name)
+        if field.name == "config":
+            parser.add_argument(flag, choices=sorted(PRESETS), default=default, help="model preset")
+        elif isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=f"default {default!r}")
+    # Flags given explicitly override the demo's settings, which override the defaults.
+    namespace = argparse.Namespace(**DEMO) if "--demo" in (sys.argv[1:] if argv is None else argv) else None
+    args = parser.parse_args(argv, namespace)
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    return config, args
+
+
+def main(argv=None) -> int:
+    config, args = parse_args(argv)
+    try:
+        if args.synthetic:
+            result = synthetic_smoke(config)
+            print("SYNTHETIC SMOKE TEST (random tokens, one update): checks that the code runs, "
+                  "NOT evidence of learning")
+            print(json.dumps(result))
+            return 0 if result["loss_finite"] and result["tensors_changed"] == result["tensors"] else 1
+        summary = train(config)
+    except (CheckpointError, ConfigError, TapeError, CorpusNotInstalledError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"\nstopped because: {summary['stopped_because']} at step {summary['step']}")
+    for key in ("final_train_loss_mean_last_50", "val_bpb", "tokens_per_s", "median_fwd_bwd_ms",
+                "median_optimizer_ms", "log", "plot", "checkpoint"):
+        value = summary[key]
+        print(f"  {key:30s} {value:.4f}" if isinstance(value, float) else f"  {key:30s} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
