@@ -97,7 +97,7 @@ def adamw_element(p, g, state, *, count, lr, b1, b2, eps, weight_decay, mode="pa
     lr, b1, b2, eps, weight_decay, p, g = (f32(x) for x in (lr, b1, b2, eps, weight_decay, p, g))
     one_minus_b1, one_minus_b2 = f32(1.0 - b1), f32(1.0 - b2)
     step_size = f32(lr / f32(1.0 - power(b1, count)))
-    sqrt_bias_correction2 = f32(math.sqrt(f32(1.0 - power(b2, count))))
+    inv_sqrt_bias_correction2 = f32(1.0 / f32(math.sqrt(f32(1.0 - power(b2, count)))))
     lr_wd = f32(lr * weight_decay)
 
     if mode == "fp32":
@@ -111,7 +111,7 @@ def adamw_element(p, g, state, *, count, lr, b1, b2, eps, weight_decay, mode="pa
     m_next = f32(f32(b1 * m) + f32(one_minus_b1 * g_used))
     v_next = f32(f32(b2 * v) + f32(one_minus_b2 * f32(g_used * g_used)))
     rms_next = f32(math.sqrt(v_next))
-    denom = f32(f32(rms_next / sqrt_bias_correction2) + eps)  # >= eps > 0
+    denom = f32(f32(rms_next * inv_sqrt_bias_correction2) + eps)  # >= eps > 0
     ratio = f32(m_next / denom)
     update = -f32(f32(step_size * ratio) + f32(lr_wd * p))
     p_next = f32(p + update)

@@ -5,21 +5,23 @@ Launch rules (the launchers in `launch.py` follow them): compile with
 square root is the correctly rounded `div_rn` / `sqrt_rn`. Then the compiled kernel, its
 interpreted run on CPU, the numpy path and the scalar authority agree bit for bit.
 
-The hyperparameters arrive as a float32 row in device memory and the step count as an int32,
-and the step scalars are derived here, so neither a new learning rate nor a new step
-recompiles the kernel, and a CUDA graph can capture it.
+The hyperparameters arrive as float32 rows in device memory and the step counts as int32;
+`step_scalars_kernel` derives each row's step scalars on the device, and the update kernels
+read them. So neither a new learning rate nor a new step recompiles anything, and traced
+values under `jax.jit` give the same scalars as torch.
 """
 import triton
 import triton.language as tl
 
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 HPARAM_ROW = tl.constexpr(5)  # lr, b1, b2, eps, weight_decay (see hyperparams.HPARAM_FIELDS)
+SCALAR_ROW = tl.constexpr(8)  # b1, 1-b1, b2, 1-b2, step_size, inv_sqrt_bc2, eps, lr*wd
 
 
 @triton.jit
 def _float32_power(base, exponent):
     """base**exponent by square-and-multiply over 31 bits: plain float32 products, no pow()."""
-    result = base * 0.0 + 1.0
+    result = tl.full(base.shape, 1.0, tl.float32)
     square = base
     k = exponent
     for _ in tl.static_range(31):
@@ -65,8 +67,31 @@ def _encode(x, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr
 
 
 @triton.jit
+def step_scalars_kernel(hparams_ptr, counts_ptr, scalars_ptr, n_rows, BLOCK_ROWS: tl.constexpr):
+    """The one place on the device where the step scalars are derived (FORMAT.md)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    valid = rows < n_rows
+    hp = hparams_ptr + rows * HPARAM_ROW
+    lr = tl.load(hp + 0, mask=valid, other=0.0)
+    b1 = tl.load(hp + 1, mask=valid, other=0.0)
+    b2 = tl.load(hp + 2, mask=valid, other=0.0)
+    eps = tl.load(hp + 3, mask=valid, other=1.0)
+    weight_decay = tl.load(hp + 4, mask=valid, other=0.0)
+    count = tl.load(counts_ptr + rows, mask=valid, other=1)
+    out = scalars_ptr + rows * SCALAR_ROW
+    tl.store(out + 0, b1, mask=valid)
+    tl.store(out + 1, 1.0 - b1, mask=valid)
+    tl.store(out + 2, b2, mask=valid)
+    tl.store(out + 3, 1.0 - b2, mask=valid)
+    tl.store(out + 4, tl.div_rn(lr, 1.0 - _float32_power(b1, count)), mask=valid)
+    tl.store(out + 5, tl.div_rn(tl.full([BLOCK_ROWS], 1.0, tl.float32), tl.sqrt_rn(1.0 - _float32_power(b2, count))), mask=valid)
+    tl.store(out + 6, eps, mask=valid)
+    tl.store(out + 7, lr * weight_decay, mask=valid)
+
+
+@triton.jit
 def _adamw_block(
-    param_ptr, grad_ptr, state_ptr, hparams_ptr, count_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
+    param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
     offsets, n_elements,
     MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
@@ -74,17 +99,14 @@ def _adamw_block(
 ):
     """One block of one tensor; the whole step contract lives here (FORMAT.md, "The step")."""
     in_bounds = offsets < n_elements
-    lr = tl.load(hparams_ptr + 0)
-    b1 = tl.load(hparams_ptr + 1)
-    b2 = tl.load(hparams_ptr + 2)
-    eps = tl.load(hparams_ptr + 3)
-    weight_decay = tl.load(hparams_ptr + 4)
-    count = tl.load(count_ptr)
-    one_minus_b1 = 1.0 - b1
-    one_minus_b2 = 1.0 - b2
-    step_size = tl.div_rn(lr, 1.0 - _float32_power(b1, count))
-    sqrt_bias_correction2 = tl.sqrt_rn(1.0 - _float32_power(b2, count))
-    lr_wd = lr * weight_decay
+    b1 = tl.load(scalars_ptr + 0)
+    one_minus_b1 = tl.load(scalars_ptr + 1)
+    b2 = tl.load(scalars_ptr + 2)
+    one_minus_b2 = tl.load(scalars_ptr + 3)
+    step_size = tl.load(scalars_ptr + 4)
+    inv_sqrt_bias_correction2 = tl.load(scalars_ptr + 5)
+    eps = tl.load(scalars_ptr + 6)
+    lr_wd = tl.load(scalars_ptr + 7)
 
     p = tl.load(param_ptr + offsets, mask=in_bounds, other=0.0)
     g = tl.load(grad_ptr + offsets, mask=in_bounds, other=0.0)
@@ -102,33 +124,27 @@ def _adamw_block(
     m_next = b1 * m + one_minus_b1 * g
     v_next = b2 * v + one_minus_b2 * (g * g)
     rms_next = tl.sqrt_rn(v_next)
-    denom = tl.div_rn(rms_next, sqrt_bias_correction2) + eps
+    denom = rms_next * inv_sqrt_bias_correction2 + eps
     update = -(step_size * tl.div_rn(m_next, denom) + lr_wd * p)
     p_next = p + update
     accepted = grad_finite & (tl.abs(p_next) <= FLOAT32_MAX)
     if MODE == 2:
         accepted = accepted & (tl.abs(m_next) <= FLOAT32_MAX) & (tl.abs(v_next) <= FLOAT32_MAX)
-    store_mask = in_bounds & accepted
 
+    # Rejected elements write back what they read: unmasked stores stay vectorized.
     if WRITE_UPDATE:
         tl.store(out_ptr + offsets, tl.where(accepted, update, -0.0), mask=in_bounds)
     else:
-        tl.store(out_ptr + offsets, p_next, mask=store_mask)
+        tl.store(out_ptr + offsets, tl.where(accepted, p_next, p), mask=in_bounds)
     if MODE == 2:
-        if WRITE_UPDATE:  # a fresh output buffer: rejected elements copy the old state
-            m_next = tl.where(accepted, m_next, m)
-            v_next = tl.where(accepted, v_next, v)
-            store_mask = in_bounds
-        tl.store(new_state_ptr + offsets, m_next, mask=store_mask)
-        tl.store(new_state_ptr + n_elements + offsets, v_next, mask=store_mask)
+        tl.store(new_state_ptr + offsets, tl.where(accepted, m_next, m), mask=in_bounds)
+        tl.store(new_state_ptr + n_elements + offsets, tl.where(accepted, v_next, v), mask=in_bounds)
     else:
         rms_code = _encode(rms_next, R_SIGNED, R_FRAC, R_BIAS, R_MAX)
-        m_code = tl.where(rms_code == 0, tl.zeros_like(rms_code), _encode(m_next, M_SIGNED, M_FRAC, M_BIAS, M_MAX))  # zero-RMS rule
-        new_word = (m_code << 16) | rms_code
-        if WRITE_UPDATE:
-            new_word = tl.where(accepted, new_word, word)
-            store_mask = in_bounds
-        tl.store(new_state_ptr + offsets, new_word.to(new_state_ptr.dtype.element_ty, bitcast=True), mask=store_mask)
+        m_code = _encode(m_next, M_SIGNED, M_FRAC, M_BIAS, M_MAX)
+        m_code = tl.where(rms_code == 0, tl.zeros_like(m_code), m_code)  # the zero-RMS rule
+        new_word = tl.where(accepted, (m_code << 16) | rms_code, word)
+        tl.store(new_state_ptr + offsets, new_word.to(new_state_ptr.dtype.element_ty, bitcast=True), mask=in_bounds)
     if COUNT_NONFINITE:
         rejected = tl.sum((in_bounds & ~accepted).to(tl.int32), axis=0)
         tl.atomic_add(nonfinite_ptr, rejected, mask=rejected > 0)
@@ -136,7 +152,7 @@ def _adamw_block(
 
 @triton.jit
 def adamw_kernel(
-    param_ptr, grad_ptr, state_ptr, hparams_ptr, count_ptr, nonfinite_ptr, n_elements,
+    param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr, n_elements,
     out_ptr, new_state_ptr,
     MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
@@ -145,43 +161,54 @@ def adamw_kernel(
 ):
     """One tensor: program i updates elements [i*BLOCK, (i+1)*BLOCK) with 64-bit offsets.
 
+    `scalars_ptr` points at this tensor's row of `step_scalars_kernel`'s output.
     In place (torch): out_ptr is param_ptr and new_state_ptr is state_ptr. Functional (optax):
     out_ptr receives the update u (p_next = p + u exactly), and new_state_ptr a new state.
     Inputs and scalars come before the outputs because jax-triton appends outputs last.
     """
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     _adamw_block(
-        param_ptr, grad_ptr, state_ptr, hparams_ptr, count_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
+        param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
         offsets, n_elements, MODE, WRITE_UPDATE, COUNT_NONFINITE,
         M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
     )
 
 
 @triton.jit
+def _address(table_ptr, index, ALIGNED: tl.constexpr):
+    address = tl.load(table_ptr + index)
+    if ALIGNED:  # every buffer starts on 16 bytes: lets the loads and stores be 16 bytes wide
+        address = tl.multiple_of(address, 16)
+    return address
+
+
+@triton.jit
 def adamw_multi_tensor_kernel(
-    pointers_ptr, block_tensor_ptr, block_index_ptr, numels_ptr, hparams_ptr, counts_ptr, nonfinite_ptr,
+    pointers_ptr, block_tensor_ptr, block_index_ptr, numels_ptr, scalars_ptr, nonfinite_ptr,
     n_tensors,
     MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """Many tensors in one launch, in place: program i updates block `block_index[i]` of
     tensor `block_tensor[i]`. `pointers` holds the addresses of every parameter, then every
-    gradient, then every state buffer (int64); tensor t has its own hyperparameter row and
-    count, so one launch serves several parameter groups.
+    gradient, then every state buffer (int64); tensor t reads scalar row t, so one launch
+    serves several parameter groups and step counts.
     """
     pid = tl.program_id(0)
     t = tl.load(block_tensor_ptr + pid)
     offsets = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    param_ptr = tl.load(pointers_ptr + t).to(tl.pointer_type(tl.float32))
-    grad_ptr = tl.load(pointers_ptr + n_tensors + t).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        offsets = tl.max_contiguous(tl.multiple_of(offsets, BLOCK), BLOCK)
+    param_ptr = _address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.float32))
+    grad_ptr = _address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
     if MODE == 2:
-        state_ptr = tl.load(pointers_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
+        state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
     else:
-        state_ptr = tl.load(pointers_ptr + 2 * n_tensors + t).to(tl.pointer_type(tl.uint32))
+        state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.uint32))
     _adamw_block(
-        param_ptr, grad_ptr, state_ptr, hparams_ptr + t * HPARAM_ROW, counts_ptr + t, nonfinite_ptr + t,
+        param_ptr, grad_ptr, state_ptr, scalars_ptr + t * SCALAR_ROW, nonfinite_ptr + t,
         param_ptr, state_ptr, offsets, tl.load(numels_ptr + t), MODE, False, COUNT_NONFINITE,
         M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
     )

@@ -16,6 +16,8 @@ GPU_BLOCK = 2048
 GPU_NUM_WARPS = 8
 # Interpreted (CPU tests): per-program overhead dominates, so one program takes a lot.
 INTERPRETER_BLOCK = 1 << 16
+# step_scalars_kernel: rows (tensors or leaves) per program.
+SCALAR_BLOCK_ROWS = 128
 # Exact bits need every multiply and add rounded on its own.
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
 

@@ -38,7 +38,7 @@ def step_scalars(count: int, hp: Hyperparams) -> dict[str, np.float32]:
         "b2": b2,
         "one_minus_b2": F32(one - b2),
         "step_size": F32(lr / bias_correction1),
-        "sqrt_bias_correction2": F32(np.sqrt(bias_correction2)),
+        "inv_sqrt_bias_correction2": F32(one / F32(np.sqrt(bias_correction2))),
         "eps": eps,
         "lr_wd": F32(lr * wd),
     }
@@ -58,7 +58,7 @@ def _update_chunk(p, g, state, s, fmt: StateFormat):
     m_next = s["b1"] * m + s["one_minus_b1"] * g
     v_next = s["b2"] * v + s["one_minus_b2"] * (g * g)
     rms_next = np.sqrt(v_next)
-    denom = rms_next / s["sqrt_bias_correction2"] + s["eps"]
+    denom = rms_next * s["inv_sqrt_bias_correction2"] + s["eps"]
     update = -(s["step_size"] * (m_next / denom) + s["lr_wd"] * p)
     accepted = finite_grad & np.isfinite(p + update)
     if fmt.mode == "fp32":

@@ -27,23 +27,37 @@ def _jax_triton():
     return jax_triton
 
 
-def leaf_step(p, g, s, hparams, count, *, fmt: StateFormat, write_update: bool):
-    """Returns (update or new parameter, new state) for one leaf.
+def step_scalars(hparams, counts):
+    """[rows, 5] float32 hyperparameters and [rows] int32 counts -> [rows, 8] step scalars."""
+    from packed_adamw.core.kernel import step_scalars_kernel
+
+    rows = hparams.shape[0]
+    return _jax_triton().triton_call(
+        hparams, counts, rows,
+        kernel=step_scalars_kernel,
+        out_shape=jax.ShapeDtypeStruct((rows, 8), jnp.float32),
+        grid=launch.grid(rows, launch.SCALAR_BLOCK_ROWS),
+        BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS,
+        **launch.COMPILE_OPTIONS,
+    )
+
+
+def leaf_step(p, g, s, scalars, *, fmt: StateFormat, write_update: bool):
+    """Returns (update or new parameter, new state) for one leaf; `scalars` is its [8] row.
 
     In the fused step (write_update=False) the parameter and state buffers are aliased to
     the outputs, so under jit with donated arguments the kernel updates them in place.
     """
     from packed_adamw.core.kernel import adamw_kernel
 
-    jt = _jax_triton()
     n = int(p.size)
     flat_p, flat_g = p.reshape(-1), g.reshape(-1)
     flat_s = s.reshape((2, -1) if fmt.mode == "fp32" else (-1,))
     block = launch.GPU_BLOCK
     out_shape = (jax.ShapeDtypeStruct(flat_p.shape, jnp.float32), jax.ShapeDtypeStruct(flat_s.shape, flat_s.dtype))
-    # The count array stands in for the unused non-finite counter (COUNT_NONFINITE=False).
-    out, new_s = jt.triton_call(
-        flat_p, flat_g, flat_s, hparams, count, count, n,
+    # The scalars stand in for the unused non-finite counter (COUNT_NONFINITE=False).
+    out, new_s = _jax_triton().triton_call(
+        flat_p, flat_g, flat_s, scalars, scalars, n,
         kernel=adamw_kernel,
         out_shape=out_shape,
         grid=launch.grid(n, block),

@@ -81,12 +81,6 @@ def _cpu_leaf_step(p, g, s, hparams, count, *, fmt: StateFormat, write_update: b
     return out.reshape(p.shape), new_s.reshape(s.shape)
 
 
-def _leaf_step(p, g, s, hparams, count, *, fmt: StateFormat, write_update: bool):
-    if jax.default_backend() == "gpu":
-        return _triton_launch.leaf_step(p, g, s, hparams, count, fmt=fmt, write_update=write_update)
-    return _cpu_leaf_step(p, g, s, hparams, count, fmt=fmt, write_update=write_update)
-
-
 def _increment(count):
     return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
 
@@ -122,15 +116,19 @@ class _Stepper:
         lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
         count = _increment(state.count)
         decay = _decay_flags(self.mask, grads)
-
-        def leaf(p, g, s, decays):
-            hparams = jnp.stack([jnp.asarray(x, jnp.float32) for x in
-                                 (lr, self.b1, self.b2, self.eps, self.weight_decay if decays else 0.0)])
-            return _leaf_step(p, g, s, hparams, count.reshape(1), fmt=self.fmt, write_update=write_update)
-
         treedef = jax.tree_util.tree_structure(grads)
-        results = [leaf(*args) for args in zip(treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads),
-                                               treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay))]
+        leaves = zip(treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads),
+                     treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay))
+        # One hyperparameter row with weight decay, one without (masked leaves).
+        hparams = jnp.asarray([[lr, self.b1, self.b2, self.eps, wd] for wd in (self.weight_decay, 0.0)], jnp.float32)
+        if jax.default_backend() == "gpu":
+            scalars = _triton_launch.step_scalars(hparams, jnp.stack([count, count]))
+            rows = (scalars[0], scalars[1])
+            results = [_triton_launch.leaf_step(p, g, s, rows[0 if d else 1], fmt=self.fmt, write_update=write_update)
+                       for p, g, s, d in leaves]
+        else:
+            results = [_cpu_leaf_step(p, g, s, hparams[0 if d else 1], count.reshape(1), fmt=self.fmt,
+                                      write_update=write_update) for p, g, s, d in leaves]
         outs = treedef.unflatten([r[0] for r in results])
         moments = treedef.unflatten([r[1] for r in results])
         return outs, PackedAdamWState(count=count, moments=moments)

@@ -44,17 +44,19 @@ def adamw_step_(
     fmt: StateFormat,
     *,
     multi_tensor: bool = True,
+    count_nonfinite: bool = True,
 ) -> list[int]:
     """One AdamW step in place over tensors on one device; returns each tensor's rejected count.
 
     `counts[i]` is tensor i's step number after incrementing; `hparams[i]` its
     (lr, b1, b2, eps, weight_decay). On CUDA, `multi_tensor` updates every tensor in one
     launch (docs/MULTI_TENSOR.md); otherwise one launch per tensor. Same bits either way.
+    Without `count_nonfinite` the CUDA path never waits for the GPU and returns zeros.
     """
     if not params:
         return []
     if params[0].device.type == "cuda":
-        return _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor)
+        return _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor, count_nonfinite)
     rejected = []
     for p, g, s, count, hp in zip(params, grads, states, counts, hparams):
         rejected.append(
@@ -68,39 +70,42 @@ def _hyperparams(row) -> Hyperparams:
     return Hyperparams(**dict(zip(HPARAM_FIELDS, row)))
 
 
-def _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor: bool) -> list[int]:
-    from packed_adamw.core.kernel import adamw_kernel, adamw_multi_tensor_kernel
+def _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor: bool, count_nonfinite: bool) -> list[int]:
+    from packed_adamw.core.kernel import adamw_kernel, adamw_multi_tensor_kernel, step_scalars_kernel
 
-    device = params[0].device
-    # Two small host-to-device copies per step carry every tensor's scalars.
-    hparams_dev = torch.tensor(hparams, dtype=torch.float32).to(device, non_blocking=True)
-    counts_dev = torch.tensor(counts, dtype=torch.int32).to(device, non_blocking=True)
-    rejected_dev = torch.zeros(len(params), dtype=torch.int32, device=device)
+    device, n = params[0].device, len(params)
+    # Two small host-to-device copies carry every tensor's hyperparameters and count.
+    hparams_dev = torch.from_numpy(np.asarray(hparams, dtype=np.float32)).to(device, non_blocking=True)
+    counts_dev = torch.from_numpy(np.asarray(counts, dtype=np.int32)).to(device, non_blocking=True)
+    scalars = torch.empty((n, 8), dtype=torch.float32, device=device)
+    rejected = torch.zeros(n, dtype=torch.int32, device=device) if count_nonfinite else counts_dev
     block = launch.GPU_BLOCK
     with torch.cuda.device(device):
+        step_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
+            hparams_dev, counts_dev, scalars, n, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
         if multi_tensor:
-            block_tensor, block_index, numels = _block_table(tuple(p.numel() for p in params), device)
-            pointers = torch.tensor([t.data_ptr() for t in (*params, *grads, *states)], dtype=torch.int64)
+            pointers = np.fromiter((t.data_ptr() for t in (*params, *grads, *states)), dtype=np.int64, count=3 * n)
+            block_tensor, block_index, numels = _block_table(tuple(p.numel() for p in params), device, block)
             adamw_multi_tensor_kernel[(block_tensor.numel(),)](
-                pointers.to(device, non_blocking=True), block_tensor, block_index, numels, hparams_dev, counts_dev,
-                rejected_dev, len(params), num_warps=launch.GPU_NUM_WARPS,
-                **launch.kernel_constants(fmt, write_update=None, count_nonfinite=True, block=block),
+                torch.from_numpy(pointers).to(device, non_blocking=True), block_tensor, block_index, numels,
+                scalars, rejected, n, ALIGNED=not (pointers % 16).any(), num_warps=launch.GPU_NUM_WARPS,
+                **launch.kernel_constants(fmt, write_update=None, count_nonfinite=count_nonfinite, block=block),
                 **launch.COMPILE_OPTIONS,
             )
         else:
-            constants = launch.kernel_constants(fmt, write_update=False, count_nonfinite=True, block=block)
+            constants = launch.kernel_constants(fmt, write_update=False, count_nonfinite=count_nonfinite, block=block)
             for i, (p, g, s) in enumerate(zip(params, grads, states)):
                 words = s if fmt.mode == "fp32" else s.view(torch.int32)
                 adamw_kernel[launch.grid(p.numel(), block)](
-                    p, g, words, hparams_dev[i], counts_dev[i], rejected_dev[i], p.numel(), p, words,
+                    p, g, words, scalars[i], rejected[i:], p.numel(), p, words,
                     num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS,
                 )
-    return rejected_dev.tolist()
+    return rejected.tolist() if count_nonfinite else [0] * n
 
 
 @functools.lru_cache(maxsize=16)
-def _block_table(numels: tuple[int, ...], device: torch.device):
+def _block_table(numels: tuple[int, ...], device: torch.device, block: int):
     """Depends only on the tensor sizes, so it is built once and kept on the device."""
-    block_tensor, block_index = launch.block_table(list(numels), launch.GPU_BLOCK)
+    block_tensor, block_index = launch.block_table(list(numels), block)
     as_device = lambda a, dtype: torch.as_tensor(a, dtype=dtype).to(device)  # noqa: E731
     return as_device(block_tensor, torch.int32), as_device(block_index, torch.int32), as_device(numels, torch.int64)

@@ -26,7 +26,8 @@ class PackedAdamW(Optimizer):
     word, 4 bytes) and "fp32" (two float32 moments, 8 bytes). `m_bias` and `rms_bias` set
     the packed formats' exponent biases; the saved state records them. On CUDA,
     `multi_tensor=True` updates all tensors in one kernel launch (same bits as one launch per
-    tensor, which `multi_tensor=False` selects).
+    tensor, which `multi_tensor=False` selects). `check_nonfinite=False` drops the error
+    below (rejected elements are still left unchanged), so a CUDA step never waits for the GPU.
 
     Parameters must be float32, contiguous and on one device. A gradient element that is NaN
     or Inf leaves that element's parameter and state unchanged; after the step the optimizer
@@ -46,9 +47,11 @@ class PackedAdamW(Optimizer):
         m_bias: int = DEFAULT_M_BIAS,
         rms_bias: int = DEFAULT_RMS_BIAS,
         multi_tensor: bool = True,
+        check_nonfinite: bool = True,
     ):
         self.state_format = StateFormat(mode, m_bias, rms_bias)
         self.multi_tensor = multi_tensor
+        self.check_nonfinite = check_nonfinite
         validate_hyperparams(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -96,7 +99,7 @@ class PackedAdamW(Optimizer):
                 hparams.append(row)
                 names.append((group, group_index, param_index))
         rejected = adamw_step_(params, grads, states, counts, hparams, self.state_format,
-                               multi_tensor=self.multi_tensor)
+                               multi_tensor=self.multi_tensor, count_nonfinite=self.check_nonfinite)
         bad = [f"{_param_name(*name)} ({n} of {p.numel()} elements)" for name, n, p in zip(names, rejected, params) if n]
         if bad:
             raise NonFiniteGradientError(

@@ -3,12 +3,13 @@
 Tensors are stored as tensors, with their own dtypes (PackedAdamW's uint32 words stay uint32):
 
     model/<name>                    model parameters
-    optimizer/state/<i>/<key>       optimizer state of parameter i ("step", "words" / "moments",
-                                    or torch AdamW's "exp_avg", "exp_avg_sq")
+    optimizer/state/<i>/<key>       optimizer state tensors of parameter i (PackedAdamW's
+                                    "words" / "moments"; torch AdamW's "step", "exp_avg", "exp_avg_sq")
     rng/torch_cpu, rng/cuda/<d>     random generator states
 
 Everything else is JSON in the safetensors metadata: the run configuration, the trainer's
-position (step), the tape cursor, the optimizer's param_groups and format identity, the code
+position (step), the tape cursor, the optimizer's param_groups, non-tensor state (PackedAdamW's
+per-parameter step counts) and format identity, the code
 version, and a SHA-256 over all tensor bytes that detects corruption. The file is written to
 a temporary name, fsynced and renamed over the old checkpoint, so a crash mid-write leaves
 the previous checkpoint intact. Loading uses `safe_open` only: no pickle, nothing executes.
@@ -39,9 +40,13 @@ def save_training_state(path, *, model, optimizer, tape, config: dict, trainer: 
     """Write the run's complete state to `path` atomically."""
     tensors = {f"model/{name}": t for name, t in model.state_dict().items()}
     optimizer_state = optimizer.state_dict()
+    scalar_state = {}  # PackedAdamW keeps its step count as a Python int
     for index, entry in optimizer_state["state"].items():
         for key, value in entry.items():
-            tensors[f"optimizer/state/{index}/{key}"] = value
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer/state/{index}/{key}"] = value
+            else:
+                scalar_state.setdefault(str(index), {})[key] = value
     tensors["rng/torch_cpu"] = torch.get_rng_state()
     if torch.cuda.is_initialized():
         for device, state in enumerate(torch.cuda.get_rng_state_all()):
@@ -58,6 +63,7 @@ def save_training_state(path, *, model, optimizer, tape, config: dict, trainer: 
             "format_identity": getattr(getattr(optimizer, "state_format", None), "identity", None),
             # everything of the state_dict except the tensors: param_groups and PackedAdamW's identity entry
             **{key: value for key, value in optimizer_state.items() if key != "state"},
+            "scalar_state": scalar_state,
         },
         "tensors_sha256": _tensors_sha256(tensors),
     }
@@ -142,15 +148,25 @@ def load_training_state(path, *, model, optimizer, tape, config: dict) -> dict:
 
     model.load_state_dict({key.removeprefix("model/"): t for key, t in tensors.items() if key.startswith("model/")})
 
-    optimizer_state = {key: value for key, value in metadata["optimizer"].items() if key not in ("class", "format_identity")}
+    optimizer_state = dict(metadata["optimizer"])
+    for key in ("class", "format_identity", "scalar_state"):
+        optimizer_state.pop(key)
     for group in optimizer_state["param_groups"]:
         group["betas"] = tuple(group["betas"])  # JSON made the tuple a list
-    optimizer_state["state"] = {}
+    optimizer_state["state"] = {int(index): dict(entry) for index, entry in metadata["optimizer"]["scalar_state"].items()}
     for key, t in tensors.items():
         if key.startswith("optimizer/state/"):
             index, name = key.removeprefix("optimizer/state/").split("/")
             optimizer_state["state"].setdefault(int(index), {})[name] = t
     optimizer.load_state_dict(optimizer_state)
+    # Workaround: torch's Optimizer.load_state_dict converts every non-"step" state tensor of
+    # a float parameter to the parameter's dtype, turning uint32 words into float values.
+    # Put the saved words back, bits unchanged.
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in optimizer_state["state"].items():
+        for name, t in entry.items():
+            if isinstance(t, torch.Tensor) and t.dtype == torch.uint32:
+                optimizer.state[params[index]][name] = t.to(params[index].device)
 
     tape.load_state_dict(metadata["tape"])
     torch.set_rng_state(tensors["rng/torch_cpu"])

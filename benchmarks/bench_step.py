@@ -1,0 +1,257 @@
+"""Optimizer step speed and memory on one CUDA GPU, every number a ratio to a peer in this run.
+
+    PYTHONPATH=. python benchmarks/bench_step.py --out docs/BENCHMARKS.md
+
+Peers: torch.optim.AdamW(fused=True) and optax.adamw under jax.jit with donated buffers.
+Floor: 20 bytes/parameter (read p, g, word; write p, word) at the copy bandwidth measured here.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+
+import torch
+
+from packed_adamw.torch import PackedAdamW
+
+BIG = 268_435_456  # one 1 GiB FP32 tensor
+
+
+# ---- parameter lists ----------------------------------------------------------------------
+def gpt_shapes(vocab, d, layers, context, mlp=4):
+    shapes = [(vocab, d), (context, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (mlp * d, d), (mlp * d,), (d, mlp * d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+SHAPE_LISTS = {
+    "reference GPT (12,095 vocab, d 256, 10 layers)": gpt_shapes(12095, 256, 10, 256),
+    "GPT-2 124M": gpt_shapes(50257, 768, 12, 1024),
+    "1.3B (d 2048, 24 layers)": gpt_shapes(50257, 2048, 24, 2048),
+}
+
+
+# ---- timing -----------------------------------------------------------------------------------
+def cuda_time_ms(fn, steps=20, repeats=5) -> float:
+    """Median over `repeats` of the mean time of `steps` back-to-back calls (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / steps)
+    return statistics.median(samples)
+
+
+def jax_time_ms(fn, state, steps=20, repeats=5) -> float:
+    import time
+
+    import jax
+
+    state = fn(*state)
+    jax.block_until_ready(state)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state = fn(*state)
+        jax.block_until_ready(state)
+        samples.append((time.perf_counter() - t0) * 1e3 / steps)
+    return statistics.median(samples)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/ms of a device-to-device copy (read + write counted)."""
+    a = torch.empty(BIG, device="cuda")
+    b = torch.empty_like(a)
+    ms = cuda_time_ms(lambda: b.copy_(a))
+    return 2 * 4 * BIG / ms
+
+
+# ---- torch --------------------------------------------------------------------------------------
+def make_params(shapes, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, device="cuda", generator=g) * 1e-3
+    return params
+
+
+def torch_step_ms(shapes, make_opt) -> float:
+    params = make_params(shapes)
+    opt = make_opt(params)
+    t = cuda_time_ms(opt.step)
+    del opt, params
+    torch.cuda.empty_cache()
+    return t
+
+
+def state_bytes_per_param(mode) -> float:
+    n = 1 << 26
+    p = torch.nn.Parameter(torch.zeros(n, device="cuda"))
+    p.grad = torch.zeros_like(p)
+    opt = PackedAdamW([p], mode=mode)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    opt.step()
+    torch.cuda.synchronize()
+    return (torch.cuda.memory_allocated() - before) / n
+
+
+# ---- jax ------------------------------------------------------------------------------------------
+def jax_steps_ms(shapes):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from packed_adamw.jax import packed_adamw, packed_adamw_fused_step
+
+    key = jax.random.PRNGKey(0)
+    params = {f"{i:04d}": jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32) for i, s in enumerate(shapes)}
+    grads = jax.tree_util.tree_map(lambda p: p * 1e-3, params)
+    results = {}
+
+    def transform_loop(tx):
+        def step(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, grads
+
+        return jax.jit(step, donate_argnums=(0, 1))
+
+    tx = optax.adamw(1e-3)
+    results["optax.adamw"] = jax_time_ms(transform_loop(tx), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params), grads))
+    tx = packed_adamw(1e-3)
+    results["packed transform + apply_updates"] = jax_time_ms(
+        transform_loop(tx), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params), grads))
+    fused = packed_adamw_fused_step(1e-3)
+
+    def fused_loop(params, state, grads):
+        params, state = fused(params, grads, state)
+        return params, state, grads
+
+    results["packed fused in-place"] = jax_time_ms(
+        jax.jit(fused_loop, donate_argnums=(0, 1)), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params), grads))
+    return results
+
+
+# ---- report -----------------------------------------------------------------------------------
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the markdown report here")
+    parser.add_argument("--json", help="write raw numbers here")
+    parser.add_argument("--skip-jax", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="only time block sizes and warps on one tensor")
+    args = parser.parse_args(argv)
+    if args.sweep:
+        return sweep()
+
+    rows, raw = [], {}
+    bandwidth = copy_bandwidth()
+    floor_ms = lambda n: 20 * n / bandwidth  # noqa: E731
+    raw["copy_bandwidth_TBps"] = bandwidth / 1e9
+
+    # One big tensor.
+    fused = torch_step_ms([(BIG,)], lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True))
+    raw["single"] = {"torch fused AdamW": fused, "floor": floor_ms(BIG)}
+    for mode in ("packed", "fp16", "fp32"):
+        raw["single"][f"PackedAdamW {mode}"] = torch_step_ms([(BIG,)], lambda p: PackedAdamW(p, lr=1e-3, mode=mode))
+    raw["single"]["PackedAdamW packed, no non-finite check"] = torch_step_ms(
+        [(BIG,)], lambda p: PackedAdamW(p, lr=1e-3, check_nonfinite=False))
+    if not args.skip_jax:
+        raw["single_jax"] = jax_steps_ms([(BIG,)])
+    raw["state_bytes_per_param"] = {mode: state_bytes_per_param(mode) for mode in ("packed", "fp16", "fp32")}
+
+    # Model-shaped lists.
+    raw["lists"] = {}
+    for name, shapes in SHAPE_LISTS.items():
+        n = sum(torch.Size(s).numel() for s in shapes)
+        entry = {"tensors": len(shapes), "params": n, "floor": floor_ms(n)}
+        entry["torch fused AdamW"] = torch_step_ms(shapes, lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True))
+        entry["packed, one launch"] = torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3))
+        entry["packed, one launch, no check"] = torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3, check_nonfinite=False))
+        entry["packed, launch per tensor"] = torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3, multi_tensor=False))
+        if not args.skip_jax:
+            entry.update({f"jax {k}": v for k, v in jax_steps_ms(shapes).items()})
+        raw["lists"][name] = entry
+        print(name, json.dumps(entry), flush=True)
+
+    report = render(raw)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1)
+
+
+def sweep():
+    from packed_adamw.core import launch
+
+    fused = torch_step_ms([(BIG,)], lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True))
+    print(f"torch fused AdamW {fused:.3f} ms")
+    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)):
+        launch.GPU_BLOCK, launch.GPU_NUM_WARPS = block, warps
+        for mode in ("packed", "fp32"):
+            ms = torch_step_ms([(BIG,)], lambda p: PackedAdamW(p, lr=1e-3, mode=mode, check_nonfinite=False))
+            print(f"BLOCK {block} warps {warps} {mode}: {ms:.3f} ms, {fused / ms:.2f}x fused AdamW", flush=True)
+
+
+def render(raw) -> str:
+    import triton
+
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    try:
+        import jax
+        import optax
+
+        versions += f", jax {jax.__version__}, optax {optax.__version__}"
+    except ImportError:
+        pass
+    lines = [
+        "# Benchmarks",
+        "",
+        f"- Date: {datetime.date.today().isoformat()}; GPU: {torch.cuda.get_device_name()}; Python {platform.python_version()}; {versions}",
+        f"- Command: `{' '.join(['python', *sys.argv])}`",
+        f"- Copy bandwidth measured in this run: {raw['copy_bandwidth_TBps']:.2f} TB/s (read + write); "
+        "floor = 20 bytes/parameter at that bandwidth.",
+        "- Times: median of 5 repeats of the mean of 20 back-to-back steps (CUDA events for torch, "
+        "wall clock with block_until_ready for JAX). Ratios are peer time / our time (>1 = faster).",
+        "",
+        f"## One tensor of {BIG:,} float32 parameters",
+        "",
+        "| step | ms | speed-up vs torch fused AdamW |",
+        "|---|---|---|",
+    ]
+    single = raw["single"]
+    for name, ms in single.items():
+        lines.append(f"| {name} | {ms:.3f} | {single['torch fused AdamW'] / ms:.2f}x |")
+    if "single_jax" in raw:
+        jx = raw["single_jax"]
+        lines += ["", "| JAX step | ms | speed-up vs optax.adamw |", "|---|---|---|"]
+        for name, ms in jx.items():
+            lines.append(f"| {name} | {ms:.3f} | {jx['optax.adamw'] / ms:.2f}x |")
+    lines += ["", "State bytes per parameter (torch.cuda.memory_allocated around the first step): "
+              + ", ".join(f"{m} {b:.4f}" for m, b in raw["state_bytes_per_param"].items()), ""]
+    lines += ["## Model-shaped parameter lists", "", "| list | tensors | params | step | ms | time / fused AdamW | time / floor |", "|---|---|---|---|---|---|---|"]
+    for name, entry in raw["lists"].items():
+        for key, ms in entry.items():
+            if key in ("tensors", "params"):
+                continue
+            lines.append(f"| {name} | {entry['tensors']} | {entry['params']:,} | {key} | {ms:.3f} | "
+                         f"{ms / entry['torch fused AdamW']:.2f} | {ms / entry['floor']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
