@@ -11,6 +11,7 @@ the same spec independently.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,6 +147,8 @@ class StateFormat:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
+        for name in ("m_bias", "rms_bias"):
+            object.__setattr__(self, name, _static_int(name, getattr(self, name)))
         self.formats  # validates the biases
 
     @property
@@ -169,6 +172,16 @@ class StateFormat:
     def state_words_per_param(self) -> int:
         """uint32 words (packed, fp16) or float32 values (fp32) of state per parameter."""
         return 2 if self.mode == "fp32" else 1
+
+
+def _static_int(name: str, value) -> int:
+    try:
+        return operator.index(value)
+    except Exception:
+        raise TypeError(
+            f"{name}={value!r}: exponent biases fix the state format, so they must be Python ints known "
+            "before compilation (with optax.inject_hyperparams pass static_args=('mode', 'm_bias', 'rms_bias'))"
+        ) from None
 
 
 def pack_words(m_codes, rms_codes) -> np.ndarray:

@@ -26,12 +26,17 @@ class Hyperparams:
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, (int, float)) and not isinstance(x, bool)  # numpy float64 is a float
 
 
-def validate_hyperparams(lr, betas, eps, weight_decay, *, lr_may_be_traced=False) -> None:
-    """Raise ValueError naming the bad argument; `lr_may_be_traced` skips lr (a schedule)."""
-    if not lr_may_be_traced:
+def validate_hyperparams(lr, betas, eps, weight_decay, *, allow_arrays=False) -> None:
+    """Raise ValueError naming the bad argument.
+
+    With `allow_arrays`, values that are not plain numbers (a schedule, a traced or
+    injected array) are left to the caller: they may only be known inside a compiled step.
+    """
+    skip = (lambda x: not _is_number(x)) if allow_arrays else (lambda x: False)
+    if not skip(lr):
         if not _is_number(lr) or not 0 <= lr <= FLOAT32_MAX:
             raise ValueError(f"lr={lr!r}: the learning rate must be a finite number >= 0")
     try:
@@ -39,9 +44,11 @@ def validate_hyperparams(lr, betas, eps, weight_decay, *, lr_may_be_traced=False
     except (TypeError, ValueError):
         raise ValueError(f"betas={betas!r}: pass a pair (b1, b2), e.g. (0.9, 0.999)") from None
     for name, beta in (("b1 (betas[0])", b1), ("b2 (betas[1])", b2)):
+        if skip(beta):
+            continue
         if not _is_number(beta) or not 0.0 <= beta < 1.0:
             raise ValueError(f"{name}={beta!r}: each beta must be a number in [0, 1)")
-    if not _is_number(eps) or not FLOAT32_TINY <= eps <= FLOAT32_MAX:
+    if not skip(eps) and (not _is_number(eps) or not FLOAT32_TINY <= eps <= FLOAT32_MAX):
         raise ValueError(f"eps={eps!r}: eps must be a float32-normal number > 0 (it keeps the update finite)")
-    if not _is_number(weight_decay) or not 0 <= weight_decay <= FLOAT32_MAX:
+    if not skip(weight_decay) and (not _is_number(weight_decay) or not 0 <= weight_decay <= FLOAT32_MAX):
         raise ValueError(f"weight_decay={weight_decay!r}: weight decay must be a finite number >= 0")

@@ -67,7 +67,7 @@ def _encode(x, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr
 
 
 @triton.jit
-def step_scalars_kernel(hparams_ptr, counts_ptr, scalars_ptr, n_rows, BLOCK_ROWS: tl.constexpr):
+def step_scalars_kernel(hparams_ptr, counts_ptr, n_rows, scalars_ptr, BLOCK_ROWS: tl.constexpr):
     """The one place on the device where the step scalars are derived (FORMAT.md)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     valid = rows < n_rows

@@ -11,9 +11,10 @@ import numpy as np
 
 from .formats import MODE_IDS, StateFormat
 
-# Compiled: 20 bytes/element of traffic, so blocks only need to be big enough to hide latency.
-GPU_BLOCK = 2048
-GPU_NUM_WARPS = 8
+# Compiled: one 16-byte vector per thread and per buffer was fastest on an H200
+# (docs/BENCHMARKS.md, the sweep); more elements per thread costs registers and occupancy.
+GPU_BLOCK = 256
+GPU_NUM_WARPS = 2
 # Interpreted (CPU tests): per-program overhead dominates, so one program takes a lot.
 INTERPRETER_BLOCK = 1 << 16
 # step_scalars_kernel: rows (tensors or leaves) per program.

@@ -39,7 +39,7 @@ class PortableState:
                 )
 
     def save(self, path) -> None:
-        tensors = {f"moments.{i}": np.ascontiguousarray(m) for i, m in enumerate(self.moments)}
+        tensors = {f"moments.{i}": np.array(m, order="C") for i, m in enumerate(self.moments)}  # keeps 0-d shapes
         save_file(tensors, str(path), metadata={"format": self.format, "counts": json.dumps(self.counts)})
 
     @classmethod

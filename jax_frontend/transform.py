@@ -89,7 +89,8 @@ class _Stepper:
     """What the transform and the fused step share: hyperparameters, format, per-leaf loop."""
 
     def __init__(self, learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias):
-        validate_hyperparams(learning_rate, (b1, b2), eps, weight_decay, lr_may_be_traced=callable(learning_rate))
+        # Plain numbers are checked now; arrays (optax.inject_hyperparams) arrive traced.
+        validate_hyperparams(learning_rate, (b1, b2), eps, weight_decay, allow_arrays=True)
         self.learning_rate, self.b1, self.b2, self.eps, self.weight_decay = learning_rate, b1, b2, eps, weight_decay
         self.mask = mask
         self.fmt = StateFormat(mode, m_bias, rms_bias)
@@ -105,7 +106,7 @@ class _Stepper:
         _check_float32(grads, "grads")
         _check_state(state.moments, grads, self.fmt)
         if params is None:
-            if self.weight_decay != 0:
+            if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay == 0):
                 raise ValueError(
                     "packed_adamw: weight_decay is nonzero, so update() needs params; call "
                     "tx.update(grads, state, params), or set weight_decay=0"
@@ -115,7 +116,7 @@ class _Stepper:
             _check_float32(params, "params")
         lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
         count = _increment(state.count)
-        decay = _decay_flags(self.mask, grads)
+        decay = _decay_flags(self.mask, params)
         treedef = jax.tree_util.tree_structure(grads)
         leaves = zip(treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads),
                      treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay))

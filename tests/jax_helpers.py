@@ -42,7 +42,7 @@ def assert_bits_equal(a, b, what: str) -> None:
 def spanning_values(rng, shape, lo_exp: float, hi_exp: float, zero_share: float = 0.05) -> np.ndarray:
     """float32 values with log-uniform magnitudes 10**[lo_exp, hi_exp], random signs, some zeros."""
     mag = 10.0 ** rng.uniform(lo_exp, hi_exp, size=shape)
-    x = (mag * rng.choice([-1.0, 1.0], size=shape)).astype(F32)
+    x = np.asarray(mag * rng.choice([-1.0, 1.0], size=shape), dtype=F32)
     x[rng.random(shape) < zero_share] = 0.0
     return x
 
@@ -88,7 +88,7 @@ def run_torch(params0: dict, grads: list, *, mode: str, lr, weight_decay: float,
             for group in opt.param_groups:
                 group["lr"] = float(lr[i])
         for k in keys:
-            tensors[k].grad = torch.from_numpy(np.ascontiguousarray(g[k])).to(device)
+            tensors[k].grad = torch.from_numpy(np.array(g[k], dtype=F32)).to(device)
         opt.step()
     params = {k: bits(tensors[k]) for k in keys}
     states = {k: bits(torch_words(opt, tensors[k])) for k in keys}
@@ -112,3 +112,23 @@ def run_jax(params0: dict, grads: list, tx, *, jit: bool = True):
     for g in grads:
         params, state = step(params, state, {k: jnp.asarray(v) for k, v in g.items()})
     return params, state
+
+
+def run_numpy(params0: dict, grads: list, *, mode: str, lr, weight_decay: float, b1=0.9, b2=0.999, eps=1e-8):
+    """The numpy CPU step (`packed_adamw.core.adamw_step`) over the same run, in place on copies.
+
+    `lr` is a float or a float32 table indexed by step. Returns (params bits, state bits) by key.
+    """
+    from packed_adamw.core import Hyperparams, StateFormat, adamw_step
+
+    fmt = StateFormat(mode)
+    params = {k: np.array(v, dtype=F32).reshape(-1) for k, v in params0.items()}
+    states = {k: (np.zeros((2, v.size), F32) if mode == "fp32" else np.zeros(v.size, U32)) for k, v in params.items()}
+    for t, g in enumerate(grads, start=1):
+        step_lr = float(lr[t - 1]) if isinstance(lr, np.ndarray) else lr
+        hp = Hyperparams(lr=step_lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+        for k in params:
+            adamw_step(params[k], np.array(g[k], dtype=F32).reshape(-1), states[k], count=t, hp=hp, fmt=fmt)
+    shaped_p = {k: params[k].reshape(np.shape(params0[k])).view(U32) for k in params}
+    shaped_s = {k: states[k].reshape(((2,) if mode == "fp32" else ()) + np.shape(params0[k])).view(U32) for k in params}
+    return shaped_p, shaped_s

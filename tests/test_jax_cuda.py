@@ -1,0 +1,144 @@
+"""The optax frontend on CUDA (jax-triton launch) against torch PackedAdamW on CUDA (Triton
+launched from torch), the fused in-place step and the numpy CPU step, bit for bit (issue 4).
+
+Runs only where a CUDA GPU is visible to both torch and JAX and jax_triton imports; data moves
+between the frameworks through numpy.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+# Captured before any jax_triton import in this process (jax-triton 0.3.1 blanks it on import).
+TRITON_CACHE_DIR_AT_START = os.environ.get("TRITON_CACHE_DIR")
+
+import torch  # noqa: E402
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+
+from jax_helpers import F32, MODES, assert_bits_equal, bits, make_problem, run_jax, run_numpy, run_torch  # noqa: E402
+
+pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")]
+
+
+def _why_not_runnable() -> str | None:
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    if jax.default_backend() != "gpu":
+        return f"JAX backend is {jax.default_backend()!r}, not 'gpu'"
+    try:
+        from packed_adamw.jax import _triton_launch
+
+        _triton_launch._jax_triton()  # the frontend's import, which restores TRITON_CACHE_DIR
+    except Exception as e:  # ImportError, or jax-triton / triton version clashes
+        return f"jax_triton does not import: {type(e).__name__}: {e}"
+    return None
+
+
+_REASON = _why_not_runnable()
+if _REASON is not None:
+    pytest.skip(f"needs CUDA for torch and JAX plus jax_triton: {_REASON}", allow_module_level=True)
+
+from packed_adamw.jax import packed_adamw, packed_adamw_fused_step  # noqa: E402
+from packed_adamw.torch import PackedAdamW  # noqa: E402
+
+# One leaf over 1M elements (not a multiple of any block size) plus small odd-sized leaves.
+SHAPES = {"big": (1031, 1024 + 3), "odd1": (7,), "odd2": (3, 5), "one": (1,), "cube": (13, 17, 3)}
+STEPS = 10
+LR, WD = 3e-3, 0.1
+TABLE = np.linspace(1e-2, 1e-3, STEPS + 2).astype(F32)
+
+
+def table_schedule(count):
+    return jnp.asarray(TABLE)[count]
+
+
+LR_KINDS = {"const": (LR, LR), "schedule": (table_schedule, TABLE)}  # (JAX, torch/numpy)
+
+
+def problem(seed):
+    params0, grads = make_problem(seed, SHAPES, STEPS)
+    rng = np.random.default_rng(seed + 1)
+    for g in grads:  # huge gradients on a strided subset so fp16 (max 65504) saturates too
+        g["big"][::7] = (g["big"][::7] * F32(10.0) ** rng.uniform(3, 6, size=g["big"][::7].shape)).astype(F32)
+    return params0, grads
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lr_kind", ["const", "schedule"])
+def test_torch_cuda_jax_gpu_fused_and_numpy_give_the_same_bits(mode, lr_kind):
+    assert sum(int(np.prod(s)) for s in SHAPES.values()) >= 1_000_000
+    params0, grads = problem(seed=21)
+    jax_lr, host_lr = LR_KINDS[lr_kind]
+
+    t_params, t_states, _, _ = run_torch(params0, grads, mode=mode, lr=host_lr, weight_decay=WD, device="cuda")
+    tx = packed_adamw(jax_lr, weight_decay=WD, mode=mode)
+    j_params, j_state = run_jax(params0, grads, tx)
+    assert all(leaf.devices().pop().platform == "gpu" for leaf in jax.tree_util.tree_leaves(j_params))
+
+    fused = jax.jit(packed_adamw_fused_step(jax_lr, weight_decay=WD, mode=mode), donate_argnums=(0, 2))
+    f_params = {k: jnp.asarray(v) for k, v in params0.items()}
+    f_state = tx.init(f_params)
+    for g in grads:
+        f_params, f_state = fused(f_params, {k: jnp.asarray(v) for k, v in g.items()}, f_state)
+
+    n_params, n_states = run_numpy(params0, grads, mode=mode, lr=host_lr, weight_decay=WD)
+    for k in SHAPES:
+        assert_bits_equal(j_params[k], t_params[k], f"JAX vs torch params[{k!r}]")
+        assert_bits_equal(j_state.moments[k], t_states[k], f"JAX vs torch state[{k!r}]")
+        assert_bits_equal(f_params[k], j_params[k], f"fused vs transform params[{k!r}]")
+        assert_bits_equal(f_state.moments[k], j_state.moments[k], f"fused vs transform state[{k!r}]")
+        assert_bits_equal(j_params[k], n_params[k], f"JAX GPU vs numpy params[{k!r}]")
+        assert_bits_equal(j_state.moments[k], n_states[k], f"JAX GPU vs numpy state[{k!r}]")
+    assert not np.array_equal(bits(j_params["big"]), bits(params0["big"]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_jitted_gpu_update_does_not_recompile_when_the_lr_changes(mode):
+    params0, grads = problem(seed=22)
+    tx = packed_adamw(table_schedule, weight_decay=WD, mode=mode)
+    traces = []
+
+    def step(params, state, g):
+        traces.append(1)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    jitted = jax.jit(step)
+    params = {k: jnp.asarray(v) for k, v in params0.items()}
+    state = tx.init(params)
+    for g in grads:
+        params, state = jitted(params, state, {k: jnp.asarray(v) for k, v in g.items()})
+    assert len(set(TABLE[:STEPS].tolist())) == STEPS, "the lr must change every step"
+    assert len(traces) == 1 and jitted._cache_size() == 1
+
+
+def test_torch_triton_launch_still_works_after_the_jax_triton_path():
+    params0, grads = problem(seed=23)
+    small = {k: v for k, v in params0.items() if k != "big"}
+    small_grads = [{k: g[k] for k in small} for g in grads[:3]]
+    run_jax(small, small_grads, packed_adamw(LR, weight_decay=WD))  # jax_triton imported and launched
+    assert os.environ.get("TRITON_CACHE_DIR") == TRITON_CACHE_DIR_AT_START, "jax_triton import leaked into env"
+    # New biases: new constexprs, so torch's Triton must compile (and cache) a fresh kernel now.
+    keys = sorted(small)
+    tensors = [torch.nn.Parameter(torch.from_numpy(small[k].copy()).cuda()) for k in keys]
+    opt = PackedAdamW(tensors, lr=LR, weight_decay=WD, m_bias=17, rms_bias=19)
+    for g in small_grads:
+        for k, t in zip(keys, tensors):
+            t.grad = torch.from_numpy(g[k].copy()).cuda()
+        opt.step()
+    torch.cuda.synchronize()
+    from packed_adamw.core import Hyperparams, StateFormat, adamw_step
+
+    for k, t in zip(keys, tensors):
+        p = small[k].copy().reshape(-1)
+        s = np.zeros(p.size, np.uint32)
+        for i, g in enumerate(small_grads, start=1):
+            adamw_step(p, g[k].reshape(-1).copy(), s, count=i, hp=Hyperparams(lr=LR, weight_decay=WD),
+                       fmt=StateFormat("packed", 17, 19))
+        assert_bits_equal(t, p.reshape(small[k].shape), f"torch CUDA params[{k!r}] after the JAX path")
+        assert_bits_equal(opt.state[t]["words"], s.reshape(small[k].shape), f"torch CUDA words[{k!r}]")

@@ -1,0 +1,568 @@
+"""The optax frontend (`packed_adamw.jax`) on CPU: state pytree, compilation, exactness against
+the scalar authority, composition with optax wrappers, and bit parity with torch `PackedAdamW`
+(issue 4). Patterns follow optax's alias_test.py: every test runs over the three modes, and the
+stateful ones over a `variant` (eager or `jax.jit`).
+
+Every numeric comparison is on float32/uint32 bits. Learning-rate schedules are table lookups
+(`lambda c: jnp.asarray(table)[c]`): XLA CPU contracts FMAs under jit, so a schedule computed
+arithmetically in-graph could differ from the float32 value fed to torch (ENGINEERING_NOTES.md).
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+
+from jax_helpers import F32, MODES, U32, assert_bits_equal, bits, make_problem, run_jax, run_torch
+from packed_adamw.core import authority
+from packed_adamw.core.portable import PortableState
+from packed_adamw.jax import PackedAdamWState, export_state, import_state, packed_adamw, packed_adamw_fused_step
+from packed_adamw.torch import PackedAdamW
+from packed_adamw.torch.optimizer import NonFiniteGradientError
+
+# Sorted key order is JAX's leaf order; "s" is a 0-d leaf, "e" a 3-d one, "w" an odd-sized matrix.
+SHAPES = {"b": (17,), "e": (5, 3, 2), "s": (), "w": (33, 17)}
+LR = 3e-3
+WD = 0.1
+STEPS = 10
+TABLE = np.linspace(1e-2, 1e-3, STEPS + 2).astype(F32)  # index = count before the step
+
+
+def table_schedule(count):
+    return jnp.asarray(TABLE)[count]
+
+
+LR_KINDS = {"const": LR, "schedule": table_schedule}
+TORCH_LR = {"const": LR, "schedule": TABLE}
+
+# Donating buffers on CPU may warn that a donation was not usable; that is not what we test.
+pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+
+
+@pytest.fixture(params=["eager", "jit"])
+def variant(request):
+    """optax-style variant: the function itself, or the function under jax.jit."""
+    return (lambda f, **kw: jax.jit(f, **kw)) if request.param == "jit" else (lambda f, **kw: f)
+
+
+def to_jax(tree: dict) -> dict:
+    return {k: jnp.asarray(v) for k, v in tree.items()}
+
+
+def problem(seed=0, steps=STEPS, shapes=SHAPES):
+    """Params and gradients; leaf "w" also gets huge gradients so fp16 (max 65504) saturates."""
+    params0, grads = make_problem(seed, shapes, steps)
+    rng = np.random.default_rng(seed + 1000)
+    for g in grads:
+        if "w" in g:
+            g["w"][::5] = (g["w"][::5] * F32(10.0) ** rng.uniform(3, 6, size=g["w"][::5].shape)).astype(F32)
+    return params0, grads
+
+
+def step_fn(tx):
+    def step(params, state, g):
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def assert_trees_bits_equal(a, b, what):
+    la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb), what
+    for (path, x), y in zip(la, lb):
+        assert_bits_equal(x, y, f"{what} {jax.tree_util.keystr(path)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# State pytree and compilation
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_state_is_a_fixed_shape_namedtuple_across_updates(mode, variant):
+    params0, grads = problem(steps=4)
+    tx = packed_adamw(table_schedule, weight_decay=WD, mode=mode)
+    params = to_jax(params0)
+    state = tx.init(params)
+
+    def structure(state):
+        return jax.tree_util.tree_map(lambda x: (jnp.shape(x), jnp.result_type(x)), state)
+
+    assert isinstance(state, PackedAdamWState)
+    assert state.count.shape == () and state.count.dtype == jnp.int32 and int(state.count) == 0
+    for k, p in params.items():
+        m = state.moments[k]
+        if mode == "fp32":
+            assert (m.shape, m.dtype) == ((2, *p.shape), jnp.float32)
+        else:
+            assert (m.shape, m.dtype) == (p.shape, jnp.uint32)
+        assert not np.any(bits(m)), "initial state must be all zero words"
+    initial = structure(state)
+    step = variant(step_fn(tx))
+    for i, g in enumerate(grads):
+        params, state = step(params, state, to_jax(g))
+        assert isinstance(state, PackedAdamWState)
+        assert structure(state) == initial, f"state changed shape/dtype at step {i + 1}"
+        assert int(state.count) == i + 1
+    assert any(np.any(bits(m)) for m in state.moments.values()), "state never written"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lr_kind", ["const", "schedule"])
+def test_jitted_update_and_fused_step_compile_once(mode, lr_kind):
+    params0, grads = problem(steps=6)
+    tx = packed_adamw(LR_KINDS[lr_kind], weight_decay=WD, mode=mode)
+    traces = []
+
+    def counted(params, state, g):
+        traces.append("update")
+        return step_fn(tx)(params, state, g)
+
+    update = jax.jit(counted)
+    params, state = to_jax(params0), tx.init(to_jax(params0))
+    for g in grads:
+        params, state = update(params, state, to_jax(g))
+    assert traces == ["update"], "the jitted update retraced across steps"
+    assert update._cache_size() == 1
+
+    fused_traces = []
+    fused = packed_adamw_fused_step(LR_KINDS[lr_kind], weight_decay=WD, mode=mode)
+
+    def counted_fused(params, g, state):
+        fused_traces.append("fused")
+        return fused(params, g, state)
+
+    fused_step = jax.jit(counted_fused, donate_argnums=(0, 2))
+    params2, state2 = to_jax(params0), tx.init(to_jax(params0))
+    for g in grads:
+        params2, state2 = fused_step(params2, to_jax(g), state2)
+    assert fused_traces == ["fused"] and fused_step._cache_size() == 1
+    if lr_kind == "schedule":
+        # The schedule really changed the step: a constant TABLE[0] gives other bits.
+        const_params, _ = run_jax(params0, grads, packed_adamw(float(TABLE[0]), weight_decay=WD, mode=mode))
+        assert not np.array_equal(bits(const_params["w"]), bits(params["w"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness against the scalar authority
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_scalar_authority_bit_for_bit(mode, variant):
+    steps, stride = 4, 5
+    params0, grads = problem(seed=3, steps=steps)
+    tx = packed_adamw(table_schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=WD, mode=mode)
+    step = variant(step_fn(tx))
+    params = to_jax(params0)
+    state = tx.init(params)
+    expected_p = {k: v.reshape(-1)[::stride].astype(np.float64).tolist() for k, v in params0.items()}
+    zero = (0.0, 0.0) if mode == "fp32" else 0
+    expected_s = {k: [zero] * len(v) for k, v in expected_p.items()}
+    for t, g in enumerate(grads, start=1):
+        params, state = step(params, state, to_jax(g))
+        for k in params0:
+            for j, (p, gi, s) in enumerate(zip(expected_p[k], g[k].reshape(-1)[::stride], expected_s[k])):
+                expected_p[k][j], _, expected_s[k][j], _ = authority.adamw_element(
+                    p, float(gi), s, count=t, lr=float(TABLE[t - 1]), b1=0.9, b2=0.95, eps=1e-8,
+                    weight_decay=WD, mode=mode)
+    for k in params0:
+        got_p = bits(params[k]).reshape(-1)[::stride]
+        want_p = np.array(expected_p[k], dtype=F32).view(U32)
+        assert_bits_equal(got_p, want_p, f"params[{k!r}]")
+        moments = np.asarray(state.moments[k])
+        if mode == "fp32":
+            got = moments.reshape(2, -1)[:, ::stride]
+            want = np.array(expected_s[k], dtype=F32).T
+        else:
+            got = moments.reshape(-1)[::stride]
+            want = np.array(expected_s[k], dtype=U32)
+        assert_bits_equal(got, want, f"state[{k!r}]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Composition with optax
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_chain_with_clip_by_global_norm_equals_clipping_by_hand(mode, variant):
+    params0, grads = problem(seed=5, steps=4)
+    plain = packed_adamw(LR, weight_decay=WD, mode=mode)
+    chained = optax.chain(optax.clip_by_global_norm(1.0), packed_adamw(LR, weight_decay=WD, mode=mode))
+    clip = optax.clip_by_global_norm(1.0)
+    chained_step, plain_step = variant(step_fn(chained)), variant(step_fn(plain))
+    clip_fn = variant(lambda g: clip.update(g, clip.init(g))[0])
+    p_chain, s_chain = to_jax(params0), chained.init(to_jax(params0))
+    p_hand, s_hand = to_jax(params0), plain.init(to_jax(params0))
+    for g in grads:
+        g = to_jax(g)
+        assert float(optax.tree.norm(g)) > 1.0, "clipping must be active for the test to mean anything"
+        p_chain, s_chain = chained_step(p_chain, s_chain, g)
+        p_hand, s_hand = plain_step(p_hand, s_hand, clip_fn(g))
+    assert_trees_bits_equal(p_chain, p_hand, "params")
+    assert_trees_bits_equal(s_chain[1], s_hand, "state")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("static_args", [("mode", "m_bias", "rms_bias")])
+def test_inject_hyperparams_learning_rate_changes_without_recompiling(mode, static_args):
+    params0, grads = problem(seed=6, steps=3)
+    tx = optax.inject_hyperparams(packed_adamw, static_args=static_args)(learning_rate=LR, weight_decay=WD, mode=mode)
+    traces = []
+
+    def counted(params, state, g):
+        traces.append(1)
+        return step_fn(tx)(params, state, g)
+
+    step = jax.jit(counted)
+    params = to_jax(params0)
+    state = tx.init(params)
+    params, state = step(params, state, to_jax(grads[0]))
+    ref_params, ref_state = run_jax(params0, grads[:1], packed_adamw(LR, weight_decay=WD, mode=mode))
+    assert_trees_bits_equal(params, ref_params, "params after step 1")
+    # Change the learning rate in the state: the next update must use it, without a retrace.
+    new_lr = 7e-3
+    state.hyperparams["learning_rate"] = jnp.asarray(new_lr, jnp.float32)
+    before = params
+    params, state = step(params, state, to_jax(grads[1]))
+    ref_next, ref_next_state = jax.jit(step_fn(packed_adamw(new_lr, weight_decay=WD, mode=mode)))(
+        before, ref_state, to_jax(grads[1]))
+    assert_trees_bits_equal(params, ref_next, "params after the lr change")
+    assert_trees_bits_equal(state.inner_state, ref_next_state, "state after the lr change")
+    assert len(traces) == 1 and step._cache_size() == 1
+
+
+def test_inject_hyperparams_with_traced_biases_says_to_make_them_static():
+    tx = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=WD)
+    params = to_jax(problem(seed=6, steps=1)[0])
+    with pytest.raises(TypeError, match="static_args=\\('mode', 'm_bias', 'rms_bias'\\)"):
+        jax.jit(tx.init)(params)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_multi_steps_every_2_equals_plain_step_on_mean_gradient(mode, variant):
+    params0, grads = problem(seed=7, steps=6)
+    tx = optax.MultiSteps(packed_adamw(LR, weight_decay=WD, mode=mode), every_k_schedule=2)
+    step = variant(step_fn(tx))
+    params, state = to_jax(params0), tx.init(to_jax(params0))
+    means = []
+    for i in range(0, len(grads), 2):
+        g1, g2 = grads[i], grads[i + 1]
+        before = params
+        params, state = step(params, state, to_jax(g1))
+        assert_trees_bits_equal(params, before, f"params after mini-step {i + 1} (no inner step yet)")
+        params, state = step(params, state, to_jax(g2))
+        # optax's running mean for n=2: acc = g1; acc + (g2 - acc) / 2 (exact to replicate in numpy).
+        means.append({k: (g1[k] + (g2[k] - g1[k]) / F32(2)).astype(F32) for k in g1})
+    ref_params, ref_state = run_jax(params0, means, packed_adamw(LR, weight_decay=WD, mode=mode))
+    assert_trees_bits_equal(params, ref_params, "params")
+    assert_trees_bits_equal(state.inner_opt_state, ref_state, "inner state")
+    assert int(state.inner_opt_state.count) == len(means)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mask_kind", ["pytree", "callable"])
+def test_mask_exempts_leaves_from_weight_decay_like_optax_adamw(mode, mask_kind):
+    params0, grads = problem(seed=8, steps=5)
+    bool_mask = {"b": False, "e": True, "s": False, "w": True}
+    mask = bool_mask if mask_kind == "pytree" else (lambda tree: {k: jnp.ndim(v) > 1 for k, v in tree.items()})
+    masked_p, masked_s = run_jax(params0, grads, packed_adamw(LR, weight_decay=WD, mask=mask, mode=mode))
+    decayed_p, decayed_s = run_jax(params0, grads, packed_adamw(LR, weight_decay=WD, mode=mode))
+    undecayed_p, undecayed_s = run_jax(params0, grads, packed_adamw(LR, weight_decay=0.0, mode=mode))
+    for k, decays in bool_mask.items():
+        ref_p, ref_s = (decayed_p, decayed_s) if decays else (undecayed_p, undecayed_s)
+        assert_bits_equal(masked_p[k], ref_p[k], f"params[{k!r}] (decays={decays})")
+        assert_bits_equal(masked_s.moments[k], ref_s.moments[k], f"state[{k!r}] (decays={decays})")
+    # The two references really differ, so the comparison can tell decay from no decay.
+    assert not np.array_equal(bits(decayed_p["b"]), bits(undecayed_p["b"]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_apply_if_finite_skips_steps_with_nan_gradients(mode, variant):
+    params0, grads = problem(seed=9, steps=5)
+    bad = {k: v.copy() for k, v in grads[2].items()}
+    bad["w"][3, 4] = np.nan
+    sequence = grads[:2] + [bad] + grads[3:]
+    tx = optax.apply_if_finite(packed_adamw(LR, weight_decay=WD, mode=mode), max_consecutive_errors=3)
+    step = variant(step_fn(tx))
+    params, state = to_jax(params0), tx.init(to_jax(params0))
+    for i, g in enumerate(sequence):
+        before_p, before_inner = params, state.inner_state
+        params, state = step(params, state, to_jax(g))
+        if i == 2:
+            assert_trees_bits_equal(params, before_p, "params on the skipped step")
+            assert_trees_bits_equal(state.inner_state, before_inner, "state on the skipped step")
+            assert int(state.notfinite_count) == 1
+    ref_params, ref_state = run_jax(params0, grads[:2] + grads[3:], packed_adamw(LR, weight_decay=WD, mode=mode))
+    assert_trees_bits_equal(params, ref_params, "params")
+    assert_trees_bits_equal(state.inner_state, ref_state, "state")
+    assert int(state.total_notfinite) == 1 and int(state.notfinite_count) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lr_kind", ["const", "schedule"])
+def test_fused_donated_step_equals_transform_plus_apply_updates(mode, lr_kind):
+    params0, grads = problem(seed=10)
+    mask = {"b": False, "e": True, "s": True, "w": True}
+    tx = packed_adamw(LR_KINDS[lr_kind], weight_decay=WD, mask=mask, mode=mode)
+    ref_params, ref_state = run_jax(params0, grads, tx)
+    step = jax.jit(packed_adamw_fused_step(LR_KINDS[lr_kind], weight_decay=WD, mask=mask, mode=mode),
+                   donate_argnums=(0, 2))
+    params, state = to_jax(params0), tx.init(to_jax(params0))
+    for g in grads:
+        params, state = step(params, to_jax(g), state)
+    assert isinstance(state, PackedAdamWState)
+    assert_trees_bits_equal(params, ref_params, "params")
+    assert_trees_bits_equal(state, ref_state, "state")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-frontend bit parity with torch PackedAdamW (CPU)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lr_kind", ["const", "schedule"])
+@pytest.mark.parametrize("masked", [False, True], ids=["decay-all", "mask-b-s"])
+def test_torch_and_optax_give_the_same_bits(mode, lr_kind, masked):
+    params0, grads = problem(seed=11, steps=STEPS)
+    no_decay = ("b", "s") if masked else ()
+    mask = {k: k not in no_decay for k in SHAPES} if masked else None
+    t_params, t_states, opt, _ = run_torch(params0, grads, mode=mode, lr=TORCH_LR[lr_kind], weight_decay=WD,
+                                           no_decay=no_decay)
+    j_params, j_state = run_jax(params0, grads, packed_adamw(LR_KINDS[lr_kind], weight_decay=WD, mask=mask, mode=mode))
+    assert int(j_state.count) == STEPS
+    for k in SHAPES:
+        assert_bits_equal(j_params[k], t_params[k], f"params[{k!r}]")
+        assert_bits_equal(j_state.moments[k], t_states[k], f"state[{k!r}]")
+        assert not np.array_equal(t_params[k], bits(params0[k])), f"{k} never moved"
+
+
+def _continue_torch(opt, tensors, grads):
+    for g in grads:
+        for k, t in tensors.items():
+            t.grad = torch.from_numpy(np.array(g[k], dtype=F32))
+        opt.step()
+
+
+CKPT_SHAPES = SHAPES
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_from_torch_continues_in_jax_with_the_same_bits(mode, tmp_path):
+    params0, grads = problem(seed=12, steps=8, shapes=CKPT_SHAPES)
+    _, _, opt, tensors = run_torch(params0, grads[:4], mode=mode, lr=LR, weight_decay=WD)
+    path = tmp_path / "state.safetensors"
+    opt.export_state().save(path)
+    portable = PortableState.load(path)
+    params = {k: jnp.asarray(tensors[k].detach().numpy().copy()) for k in sorted(tensors)}
+    state = import_state(portable, params, mode)
+    assert int(state.count) == 4
+    step = jax.jit(step_fn(packed_adamw(LR, weight_decay=WD, mode=mode)))
+    for g in grads[4:]:
+        params, state = step(params, state, to_jax(g))
+    _continue_torch(opt, tensors, grads[4:])
+    for k in CKPT_SHAPES:
+        assert_bits_equal(params[k], tensors[k], f"params[{k!r}]")
+        assert_bits_equal(state.moments[k], opt.state[tensors[k]]["moments" if mode == "fp32" else "words"],
+                          f"state[{k!r}]")
+    # And the same as never having switched: an uninterrupted 8-step JAX run.
+    ref_params, _ = run_jax(params0, grads, packed_adamw(LR, weight_decay=WD, mode=mode))
+    assert_trees_bits_equal(params, ref_params, "params vs uninterrupted run")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_from_jax_continues_in_torch_with_the_same_bits(mode, tmp_path):
+    params0, grads = problem(seed=13, steps=8, shapes=CKPT_SHAPES)
+    tx = packed_adamw(LR, weight_decay=WD, mode=mode)
+    params, state = run_jax(params0, grads[:4], tx)
+    path = tmp_path / "state.safetensors"
+    export_state(state, mode).save(path)
+    tensors = {k: torch.nn.Parameter(torch.from_numpy(np.array(params[k]))) for k in sorted(params)}
+    opt = PackedAdamW([tensors[k] for k in sorted(tensors)], lr=LR, weight_decay=WD, mode=mode)
+    opt.import_state(PortableState.load(path))
+    _continue_torch(opt, tensors, grads[4:])
+    step = jax.jit(step_fn(tx))
+    for g in grads[4:]:
+        params, state = step(params, state, to_jax(g))
+    for k in CKPT_SHAPES:
+        assert int(opt.state[tensors[k]]["step"]) == 8
+        assert_bits_equal(tensors[k], params[k], f"params[{k!r}]")
+        assert_bits_equal(opt.state[tensors[k]]["moments" if mode == "fp32" else "words"], state.moments[k],
+                          f"state[{k!r}]")
+
+
+@pytest.mark.parametrize("mode", ["packed", "fp16"])
+@pytest.mark.parametrize("direction", ["torch-to-jax", "jax-to-torch"])
+def test_checkpoint_of_a_scalar_parameter_survives_save_and_load(mode, direction, tmp_path):
+    p0, g = np.array(0.5, F32), np.array(0.25, F32)
+    if direction == "torch-to-jax":
+        t = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+        opt = PackedAdamW([t], lr=LR, mode=mode)
+        t.grad = torch.from_numpy(g.copy())
+        opt.step()
+        opt.export_state().save(tmp_path / "s.safetensors")
+        state = import_state(PortableState.load(tmp_path / "s.safetensors"), {"s": jnp.asarray(p0)}, mode)
+        assert_bits_equal(state.moments["s"], opt.state[t]["words"], "scalar state")
+    else:
+        tx = packed_adamw(LR, mode=mode)
+        _, state = run_jax({"s": p0}, [{"s": g}], tx)
+        export_state(state, mode).save(tmp_path / "s.safetensors")
+        t = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+        opt = PackedAdamW([t], lr=LR, mode=mode)
+        opt.import_state(PortableState.load(tmp_path / "s.safetensors"))
+        assert_bits_equal(opt.state[t]["words"], state.moments["s"], "scalar state")
+
+
+def _torch_portable(mode="packed", skip_one_step_for=None, steps=2):
+    params0, grads = problem(seed=14, steps=steps)
+    keys = sorted(params0)
+    tensors = {k: torch.nn.Parameter(torch.from_numpy(params0[k].copy())) for k in keys}
+    opt = PackedAdamW([tensors[k] for k in keys], lr=LR, weight_decay=WD, mode=mode)
+    for i, g in enumerate(grads):
+        for k in keys:
+            tensors[k].grad = None if (k == skip_one_step_for and i == 0) else torch.from_numpy(g[k])
+        opt.step()
+    return opt.export_state(), to_jax(params0)
+
+
+@pytest.mark.parametrize("case, kwargs, match", [
+    ("other mode", dict(mode="fp16"), "format"),
+    ("fp32 vs packed", dict(mode="fp32"), "format"),
+    ("other m_bias", dict(mode="packed", m_bias=14), "format"),
+    ("other rms_bias", dict(mode="packed", rms_bias=18), "format"),
+])
+def test_import_state_refuses_another_format(case, kwargs, match):
+    portable, params = _torch_portable("packed")
+    with pytest.raises(ValueError, match=match):
+        import_state(portable, params, **kwargs)
+
+
+def test_import_state_refuses_other_shapes_and_leaf_counts():
+    portable, params = _torch_portable("packed")
+    reshaped = dict(params, w=params["w"].reshape(17, 33))
+    with pytest.raises(ValueError, match="tensor"):
+        import_state(portable, reshaped, "packed")
+    fewer = {k: v for k, v in params.items() if k != "e"}
+    with pytest.raises(ValueError, match="tensors"):
+        import_state(portable, fewer, "packed")
+    import_state(portable, params, "packed")  # the matching tree is accepted
+
+
+def test_import_state_refuses_unequal_per_tensor_counts():
+    portable, params = _torch_portable("packed", skip_one_step_for="e", steps=3)
+    assert sorted(set(portable.counts)) == [2, 3]
+    with pytest.raises(ValueError, match="step counts"):
+        import_state(portable, params, "packed")
+
+
+@pytest.mark.parametrize("torch_kwargs", [dict(mode="fp16"), dict(mode="fp32"), dict(mode="packed", rms_bias=12)])
+def test_torch_import_state_refuses_a_jax_state_of_another_format(torch_kwargs):
+    params0, grads = problem(seed=15, steps=2)
+    _, state = run_jax(params0, grads, packed_adamw(LR, weight_decay=WD, mode="packed"))
+    tensors = [torch.nn.Parameter(torch.from_numpy(params0[k].copy())) for k in sorted(params0)]
+    opt = PackedAdamW(tensors, lr=LR, **torch_kwargs)
+    with pytest.raises(ValueError, match="format"):
+        opt.import_state(export_state(state, "packed"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite gradient elements
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_non_finite_gradient_elements_keep_param_and_state_like_torch(mode, variant):
+    params0, grads = problem(seed=16, steps=3)
+    params0["w"][0, :4] = [0.0, -0.0, 1.5, -2.5]
+    bad_idx = [(0, 0), (0, 1), (0, 2), (0, 3), (7, 7), (20, 3)]
+    bad_vals = [np.nan, np.inf, -np.inf, np.nan, np.inf, -np.inf]
+    g3 = {k: v.copy() for k, v in grads[2].items()}
+    for (i, j), v in zip(bad_idx, bad_vals):
+        g3["w"][i, j] = v
+    g3["s"] = np.array(np.nan, F32)
+    tx = packed_adamw(LR, weight_decay=WD, mode=mode)
+    params, state = run_jax(params0, grads[:2], tx)
+    update = variant(lambda g, s, p: tx.update(g, s, p))
+    updates, new_state = update(to_jax(g3), state, params)
+    new_params = optax.apply_updates(params, updates)
+
+    bad = np.zeros(SHAPES["w"], bool)
+    bad[tuple(np.array(bad_idx).T)] = True
+    assert np.all(bits(updates["w"])[bad] == U32(0x80000000)), "rejected elements must get update -0.0"
+    assert bits(updates["s"]) == U32(0x80000000)
+    assert_bits_equal(bits(new_params["w"])[bad], bits(params["w"])[bad], "params at non-finite grads")
+    assert_bits_equal(new_params["s"], params["s"], "0-d param with a NaN grad")
+    old_w, new_w = np.asarray(state.moments["w"]), np.asarray(new_state.moments["w"])
+    if mode == "fp32":
+        assert_bits_equal(new_w[:, bad], old_w[:, bad], "moments at non-finite grads")
+    else:
+        assert_bits_equal(new_w[bad], old_w[bad], "words at non-finite grads")
+    assert np.count_nonzero(bits(new_params["w"])[~bad] != bits(params["w"])[~bad]) > 0.9 * (~bad).sum()
+
+    # torch takes the same step, rejects the same elements, and raises afterwards.
+    t_params, _, opt, tensors = run_torch(params0, grads[:2], mode=mode, lr=LR, weight_decay=WD)
+    for k, t in tensors.items():
+        t.grad = torch.from_numpy(g3[k])
+    with pytest.raises(NonFiniteGradientError, match=re.escape("[3] (6 of 561")):  # w is leaf 3
+        opt.step()
+    for k in SHAPES:
+        assert_bits_equal(new_params[k], tensors[k], f"params[{k!r}] vs torch")
+        assert_bits_equal(new_state.moments[k], opt.state[tensors[k]]["moments" if mode == "fp32" else "words"],
+                          f"state[{k!r}] vs torch")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------
+def test_weight_decay_without_params_raises_and_zero_decay_works_without_params():
+    params = to_jax(problem(steps=1)[0])
+    tx = packed_adamw(LR, weight_decay=WD)
+    with pytest.raises(ValueError, match="params"):
+        tx.update(params, tx.init(params))
+    tx0 = packed_adamw(LR, weight_decay=0.0)
+    updates, _ = tx0.update(params, tx0.init(params))
+    with_params, _ = tx0.update(params, tx0.init(params), params)
+    assert_trees_bits_equal(updates, with_params, "updates with and without params at weight_decay=0")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.int32])
+def test_non_float32_leaves_raise_type_error_naming_the_leaf(dtype):
+    params = {"layer": {"w": jnp.ones((3, 2), jnp.float32), "b": jnp.ones((2,), jnp.float32)}}
+    tx = packed_adamw(LR)
+    with pytest.raises(TypeError, match=re.escape("['layer']['b']")):
+        tx.init({"layer": {"w": params["layer"]["w"], "b": params["layer"]["b"].astype(dtype)}})
+    state = tx.init(params)
+    grads = {"layer": {"w": jnp.ones((3, 2), dtype), "b": jnp.ones((2,), jnp.float32)}}
+    with pytest.raises(TypeError, match=re.escape("['layer']['w']")):
+        tx.update(grads, state, params)
+    with pytest.raises(TypeError, match=re.escape("['w']")):
+        packed_adamw(LR).init({"w": jnp.ones((4,), dtype)})
+
+
+@pytest.mark.parametrize("other", [dict(mode="fp32"), dict(mode="packed", shapes={"b": (18,)}),
+                                   dict(mode="packed", shapes={"extra": (2,)})])
+def test_update_refuses_a_state_of_another_mode_or_shape(other):
+    params = to_jax(problem(steps=1)[0])
+    shapes = other.get("shapes", {})
+    other_params = dict(params, **{k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()})
+    foreign = packed_adamw(LR, mode=other["mode"]).init(other_params)
+    with pytest.raises(ValueError, match="state"):
+        packed_adamw(LR, mode="packed").update(params, foreign, params)
+
+
+@pytest.mark.parametrize("factory", [packed_adamw, packed_adamw_fused_step])
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(learning_rate=-1e-3), "lr"),
+    (dict(learning_rate=float("nan")), "lr"),
+    (dict(b1=1.0), "b1"),
+    (dict(b1=-0.1), "b1"),
+    (dict(b2=1.5), "b2"),
+    (dict(eps=0.0), "eps"),
+    (dict(eps=-1e-8), "eps"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(mode="bf16"), "mode"),
+    (dict(m_bias=101), "bias"),
+])
+def test_bad_hyperparameters_raise_value_error_naming_the_argument(factory, kwargs, name):
+    kwargs = {"learning_rate": LR, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(name)):
+        factory(**kwargs)
