@@ -53,9 +53,11 @@ class Codec:
         if math.isnan(value):
             raise ValueError("NaN has no code")
         magnitude = abs(value)
-        if magnitude >= math.ldexp(1.0, 1 - self.bias):
+        if math.isinf(magnitude):
+            code = self.max_magnitude
+        elif magnitude >= math.ldexp(1.0, 1 - self.bias):
             exponent = math.frexp(magnitude)[1] - 1  # magnitude in [2**exponent, 2**(exponent+1))
-            if exponent - self.bias >= self.top_exponent:  # also catches Inf
+            if exponent + self.bias > self.top_exponent:
                 code = self.max_magnitude
             else:
                 significand = round(math.ldexp(magnitude, self.f_bits - exponent))  # round() ties to even

