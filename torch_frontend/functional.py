@@ -82,7 +82,7 @@ def _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor: bool,
     block = launch.GPU_BLOCK
     with torch.cuda.device(device):
         step_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
-            hparams_dev, counts_dev, scalars, n, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
+            hparams_dev, counts_dev, n, scalars, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
         if multi_tensor:
             pointers = np.fromiter((t.data_ptr() for t in (*params, *grads, *states)), dtype=np.int64, count=3 * n)
             block_tensor, block_index, numels = _block_table(tuple(p.numel() for p in params), device, block)
