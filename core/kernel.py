@@ -43,8 +43,8 @@ def _decode(code, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.conste
     normal = (((exponent + (127 - BIAS)) << 23) | (fraction << (23 - FRAC_BITS))).to(tl.float32, bitcast=True)
     subnormal = fraction.to(tl.float32) * (2.0 ** (1 - BIAS - FRAC_BITS))
     value = tl.where(exponent > 0, normal, subnormal)
-    if SIGNED:
-        value = tl.where((code & 0x8000) != 0, -value, value)
+    if SIGNED:  # move the sign bit across: unlike `-value`, this keeps -0.0 when compiled
+        value = (value.to(tl.uint32, bitcast=True) | ((code & 0x8000) << 16)).to(tl.float32, bitcast=True)
     return value
 
 
@@ -125,7 +125,8 @@ def _adamw_block(
     v_next = b2 * v + one_minus_b2 * (g * g)
     rms_next = tl.sqrt_rn(v_next)
     denom = rms_next * inv_sqrt_bias_correction2 + eps
-    update = -(step_size * tl.div_rn(m_next, denom) + lr_wd * p)
+    # * -1.0 rather than unary minus, which compiles to 0 - x and would lose the sign of zero.
+    update = (step_size * tl.div_rn(m_next, denom) + lr_wd * p) * -1.0
     p_next = p + update
     accepted = grad_finite & (tl.abs(p_next) <= FLOAT32_MAX)
     if MODE == 2:

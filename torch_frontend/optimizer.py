@@ -76,8 +76,8 @@ class PackedAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params, grads, states, counts, hparams, names = [], [], [], [], [], []
-        key = self._state_key
+        # Check everything before changing anything: a step that raises leaves no trace.
+        work = []
         for group_index, group in enumerate(self.param_groups):
             _validate_hyperparams(group, group_index)
             row = (float(group["lr"]), *map(float, group["betas"]), float(group["eps"]), float(group["weight_decay"]))
@@ -87,17 +87,21 @@ class PackedAdamW(Optimizer):
                     continue
                 if not _grad_fits(p, g):
                     _raise_grad_error(p, _param_name(group, group_index, param_index))
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state[key] = new_state(p, self.state_format)
-                state["step"] += 1
-                params.append(p)
-                grads.append(g)
-                states.append(state[key])
-                counts.append(state["step"])
-                hparams.append(row)
-                names.append((group, group_index, param_index))
+                work.append((p, g, row, (group, group_index, param_index)))
+        key = self._state_key
+        params, grads, states, counts, hparams, names = [], [], [], [], [], []
+        for p, g, row, name in work:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state[key] = new_state(p, self.state_format)
+            state["step"] += 1
+            params.append(p)
+            grads.append(g)
+            states.append(state[key])
+            counts.append(state["step"])
+            hparams.append(row)
+            names.append(name)
         rejected = adamw_step_(params, grads, states, counts, hparams, self.state_format,
                                multi_tensor=self.multi_tensor, count_nonfinite=self.check_nonfinite)
         bad = [f"{_param_name(*name)} ({n} of {p.numel()} elements)" for name, n, p in zip(names, rejected, params) if n]
@@ -176,13 +180,17 @@ class PackedAdamW(Optimizer):
                     f"{shape} (to match parameter of shape {tuple(p.shape)}), got {got}; the parameters or their "
                     "order differ from the saved run"
                 )
-        state_dict = {k: v for k, v in state_dict.items() if k != STATE_DICT_KEY}
-        super().load_state_dict(state_dict)
-        # torch moved the state to each parameter's device; uint32 words are not floating
-        # point, so no dtype cast touched their bits.
-        for state in self.state.values():
-            if "step" in state:
-                state["step"] = int(state["step"])
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != STATE_DICT_KEY})
+        # torch casts all non-step state to a floating parameter's dtype, which would turn the
+        # words into float32 values: put the saved words back, bits unchanged.
+        for saved_id, p in zip(saved_params, our_params):
+            entry = state_dict["state"].get(saved_id)
+            if entry is None:
+                continue
+            state = self.state[p]
+            state["step"] = int(entry["step"])
+            if self._state_key == "words":
+                state["words"] = entry["words"].to(p.device, copy=True)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
