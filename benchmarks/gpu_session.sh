@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call: CUDA tests, the speed benchmark, the learning
+# study. Run from the repository root on a CUDA machine; logs land in $OUT (default docs/).
+#   bash benchmarks/gpu_session.sh            # all three
+#   STEPS="tests bench" bash benchmarks/gpu_session.sh
+set -uo pipefail
+OUT=${OUT:-docs}
+STEPS=${STEPS:-"tests bench study"}
+export PYTHONUNBUFFERED=1
+# Run from the tree: map the package names onto the folders, as pyproject.toml does.
+pkg=$(mktemp -d)/pk && mkdir -p "$pkg/packed_adamw"
+for pair in core:core torch_frontend:torch jax_frontend:jax tokenizer:tokenizer; do
+  ln -sfn "$PWD/${pair%%:*}" "$pkg/packed_adamw/${pair##*:}"
+done
+export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}"
+versions=$(python3 -c 'import torch, triton, jax, optax; print(f"torch {torch.__version__}, triton {triton.__version__}, jax {jax.__version__}, optax {optax.__version__}, GPU {torch.cuda.get_device_name()}")')
+
+if [[ " $STEPS " == *" tests "* ]]; then
+  cmd="python3 -m pytest -m cuda -v tests/ ; python3 -m pytest -q tests/test_kernel.py tests/test_multi_tensor.py tests/test_formats.py"
+  {
+    echo "# GPU test log"; echo
+    echo "- Date: $(date -u +%Y-%m-%d); $versions"
+    echo "- Command: \`bash benchmarks/gpu_session.sh\` (tests step): \`$cmd\`"
+    echo "- The second command runs the kernel tests compiled on the GPU (conftest.py interprets only without CUDA)."
+    echo; echo '```'
+    python3 -m pytest -m cuda -v -p no:cacheprovider tests/ 2>&1 | grep -vE "^(platform|rootdir|configfile|plugins|cachedir)" | tail -80
+    python3 -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_multi_tensor.py tests/test_formats.py 2>&1 | tail -15
+    echo '```'
+  } > "$OUT/GPU_TESTS.md"
+  tail -30 "$OUT/GPU_TESTS.md"
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
+  python3 benchmarks/bench_step.py --out "$OUT/BENCHMARKS.md" --json "$OUT/benchmarks.json" 2>&1 | tail -45
+fi
+if [[ " $STEPS " == *" study "* ]]; then
+  python3 benchmarks/learning_study.py --out-doc "$OUT/LEARNING_STUDY.md" 2>&1 | grep -v Warning | tail -30
+fi
