@@ -125,8 +125,11 @@ def _adamw_block(
     v_next = b2 * v + one_minus_b2 * (g * g)
     rms_next = tl.sqrt_rn(v_next)
     denom = rms_next * inv_sqrt_bias_correction2 + eps
-    # * -1.0 rather than unary minus, which compiles to 0 - x and would lose the sign of zero.
-    update = (step_size * tl.div_rn(m_next, denom) + lr_wd * p) * -1.0
+    # The sign is flipped on the bits: compiled float negation may become 0 - x, which turns
+    # the update -0.0 into +0.0 (and then p = -0.0 into +0.0).
+    sign_bit = tl.full(offsets.shape, 0x80000000, tl.uint32)
+    total = step_size * tl.div_rn(m_next, denom) + lr_wd * p
+    update = (total.to(tl.uint32, bitcast=True) ^ sign_bit).to(tl.float32, bitcast=True)
     p_next = p + update
     accepted = grad_finite & (tl.abs(p_next) <= FLOAT32_MAX)
     if MODE == 2:
@@ -134,7 +137,7 @@ def _adamw_block(
 
     # Rejected elements write back what they read: unmasked stores stay vectorized.
     if WRITE_UPDATE:
-        tl.store(out_ptr + offsets, tl.where(accepted, update, -0.0), mask=in_bounds)
+        tl.store(out_ptr + offsets, tl.where(accepted, update, sign_bit.to(tl.float32, bitcast=True)), mask=in_bounds)
     else:
         tl.store(out_ptr + offsets, tl.where(accepted, p_next, p), mask=in_bounds)
     if MODE == 2:

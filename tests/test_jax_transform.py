@@ -502,6 +502,7 @@ def test_non_finite_gradient_elements_keep_param_and_state_like_torch(mode, vari
     t_params, _, opt, tensors = run_torch(params0, grads[:2], mode=mode, lr=LR, weight_decay=WD)
     for k, t in tensors.items():
         t.grad = torch.from_numpy(g3[k])
+    opt.check_nonfinite = True
     with pytest.raises(NonFiniteGradientError, match=re.escape("[3] (6 of 561")):  # w is leaf 3
         opt.step()
     for k in SHAPES:

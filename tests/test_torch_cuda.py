@@ -174,6 +174,7 @@ def test_cuda_non_finite_gradients_raise_and_store_nothing_non_finite(mode, mult
     _set_same_grads(cpu_params, cuda_params, [grad, torch.randn(7, generator=gen)])
     before = H.bits(cuda_params[0])
     for opt in (cpu_opt, cuda_opt):
+        opt.check_nonfinite = True
         with pytest.raises(NonFiniteGradientError, match=r"'w' \(3 of 4096 elements\)"):
             opt.step()
     H.assert_state_finite(cuda_opt, cuda_params, "CUDA after NaN/Inf gradients")

@@ -574,7 +574,7 @@ def test_non_finite_gradients_raise_naming_the_param_and_leave_those_elements_un
     gen = torch.Generator().manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(500, generator=gen))
     bias = torch.nn.Parameter(torch.randn(20, generator=gen))
-    opt = PackedAdamW([("layer.weight", weight), ("layer.bias", bias)], lr=1e-2, mode=mode)
+    opt = PackedAdamW([("layer.weight", weight), ("layer.bias", bias)], lr=1e-2, mode=mode, check_nonfinite=True)
     weight.grad, bias.grad = torch.randn(500, generator=gen), torch.randn(20, generator=gen)
     opt.step()
     bad = np.array([3, 77, 78, 401])
@@ -608,12 +608,24 @@ def test_non_finite_gradients_raise_naming_the_param_and_leave_those_elements_un
 
 def test_non_finite_error_names_an_unnamed_param_by_position():
     params = make_params(0)
-    opt = PackedAdamW(params)
+    opt = PackedAdamW(params, check_nonfinite=True)
     set_grads(params, 1)
     params[1].grad[0, 0] = float("inf")
     with pytest.raises(NonFiniteGradientError, match=r"param_groups\[0\]\['params'\]\[1\] \(1 of 221 elements\)"):
         opt.step()
     assert issubclass(NonFiniteGradientError, FloatingPointError)
+
+
+def test_by_default_non_finite_elements_are_skipped_without_an_error():
+    params = make_params(0)
+    opt = PackedAdamW(params)
+    set_grads(params, 1)
+    params[1].grad[0, 0] = float("nan")
+    before = params[1].detach().clone()
+    opt.step()  # no error: the documented rule skips the element
+    assert H.bits(params[1])[0] == H.bits(before)[0]  # element [0, 0] of the flat bits
+    assert (H.bits(params[1])[1:] != H.bits(before)[1:]).all()
+    assert torch.isfinite(params[1]).all()
 
 
 @pytest.mark.parametrize("mode", MODES)

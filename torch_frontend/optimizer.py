@@ -26,13 +26,14 @@ class PackedAdamW(Optimizer):
     word, 4 bytes) and "fp32" (two float32 moments, 8 bytes). `m_bias` and `rms_bias` set
     the packed formats' exponent biases; the saved state records them. On CUDA,
     `multi_tensor=True` updates all tensors in one kernel launch (same bits as one launch per
-    tensor, which `multi_tensor=False` selects). `check_nonfinite=False` drops the error
-    below (rejected elements are still left unchanged), so a CUDA step never waits for the GPU.
+    tensor, which `multi_tensor=False` selects).
 
     Parameters must be float32, contiguous and on one device. A gradient element that is NaN
-    or Inf leaves that element's parameter and state unchanged; after the step the optimizer
-    raises `NonFiniteGradientError` naming the parameters (use `torch.amp.GradScaler`, or
-    `clip_grad_norm_(..., error_if_nonfinite=True)`, to skip whole steps instead).
+    or Inf is skipped: that element's parameter and state stay unchanged, so no NaN or Inf is
+    ever stored. With `check_nonfinite=True` the optimizer also raises
+    `NonFiniteGradientError` after such a step, naming the parameters (on CUDA this costs a
+    reduction and a wait for the GPU each step). To skip whole steps instead, use
+    `torch.amp.GradScaler` or `clip_grad_norm_(..., error_if_nonfinite=True)`.
     """
 
     def __init__(
@@ -47,7 +48,7 @@ class PackedAdamW(Optimizer):
         m_bias: int = DEFAULT_M_BIAS,
         rms_bias: int = DEFAULT_RMS_BIAS,
         multi_tensor: bool = True,
-        check_nonfinite: bool = True,
+        check_nonfinite: bool = False,
     ):
         self.state_format = StateFormat(mode, m_bias, rms_bias)
         self.multi_tensor = multi_tensor
@@ -105,7 +106,7 @@ class PackedAdamW(Optimizer):
         rejected = adamw_step_(params, grads, states, counts, hparams, self.state_format,
                                multi_tensor=self.multi_tensor, count_nonfinite=self.check_nonfinite)
         bad = [f"{_param_name(*name)} ({n} of {p.numel()} elements)" for name, n, p in zip(names, rejected, params) if n]
-        if bad:
+        if bad and self.check_nonfinite:
             raise NonFiniteGradientError(
                 "PackedAdamW.step: non-finite gradient values in " + ", ".join(bad) + ". Those elements kept "
                 "their parameter and state; the rest were updated. Find the source of the NaN/Inf, or use "

