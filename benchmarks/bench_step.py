@@ -164,9 +164,9 @@ def main(argv=None):
     fused = torch_step_ms([(BIG,)], lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True))
     raw["single"] = {"torch fused AdamW": fused, "floor": floor_ms(BIG)}
     for mode in ("packed", "fp16", "fp32"):
-        raw["single"][f"PackedAdamW {mode}"] = torch_step_ms([(BIG,)], lambda p: PackedAdamW(p, lr=1e-3, mode=mode))
-    raw["single"]["PackedAdamW packed, no non-finite check"] = torch_step_ms(
-        [(BIG,)], lambda p: PackedAdamW(p, lr=1e-3, check_nonfinite=False))
+        raw["single"][f"PackedAdamW {mode} (default)"] = torch_step_ms([(BIG,)], lambda p: PackedAdamW(p, lr=1e-3, mode=mode))
+    raw["single"]["PackedAdamW packed, check_nonfinite=True"] = torch_step_ms(
+        [(BIG,)], lambda p: PackedAdamW(p, lr=1e-3, check_nonfinite=True))
     if not args.skip_jax:
         raw["single_jax"] = jax_steps_ms([(BIG,)])
     raw["state_bytes_per_param"] = {mode: state_bytes_per_param(mode) for mode in ("packed", "fp16", "fp32")}
@@ -177,8 +177,9 @@ def main(argv=None):
         n = sum(torch.Size(s).numel() for s in shapes)
         entry = {"tensors": len(shapes), "params": n, "floor": floor_ms(n)}
         entry["torch fused AdamW"] = torch_step_ms(shapes, lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True))
-        entry["packed, one launch"] = torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3))
-        entry["packed, one launch, no check"] = torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3, check_nonfinite=False))
+        entry["packed, one launch (default)"] = torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3))
+        entry["packed, one launch, check_nonfinite=True"] = torch_step_ms(
+            shapes, lambda p: PackedAdamW(p, lr=1e-3, check_nonfinite=True))
         entry["packed, launch per tensor"] = torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3, multi_tensor=False))
         if not args.skip_jax:
             entry.update({f"jax {k}": v for k, v in jax_steps_ms(shapes).items()})
@@ -200,10 +201,10 @@ def sweep():
 
     fused = torch_step_ms([(BIG,)], lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True))
     print(f"torch fused AdamW {fused:.3f} ms")
-    for block, warps in ((64, 1), (128, 1), (128, 2), (256, 2), (256, 4), (512, 4), (512, 8)):
+    for block, warps in ((256, 1), (256, 2), (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (2048, 16)):
         launch.GPU_BLOCK, launch.GPU_NUM_WARPS = block, warps
         for mode in ("packed", "fp32"):
-            times = [torch_step_ms([(BIG,)], lambda p: PackedAdamW(p, lr=1e-3, mode=mode, check_nonfinite=False))
+            times = [torch_step_ms([(BIG,)], lambda p: PackedAdamW(p, lr=1e-3, mode=mode))
                      for _ in range(2)]
             print(f"BLOCK {block} warps {warps} {mode}: " + ", ".join(f"{ms:.3f} ms" for ms in times)
                   + f"; {fused / min(times):.2f}x fused AdamW", flush=True)
