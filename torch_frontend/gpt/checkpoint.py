@@ -158,15 +158,7 @@ def load_training_state(path, *, model, optimizer, tape, config: dict) -> dict:
         if key.startswith("optimizer/state/"):
             index, name = key.removeprefix("optimizer/state/").split("/")
             optimizer_state["state"].setdefault(int(index), {})[name] = t
-    optimizer.load_state_dict(optimizer_state)
-    # Workaround: torch's Optimizer.load_state_dict converts every non-"step" state tensor of
-    # a float parameter to the parameter's dtype, turning uint32 words into float values.
-    # Put the saved words back, bits unchanged.
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, entry in optimizer_state["state"].items():
-        for name, t in entry.items():
-            if isinstance(t, torch.Tensor) and t.dtype == torch.uint32:
-                optimizer.state[params[index]][name] = t.to(params[index].device)
+    optimizer.load_state_dict(optimizer_state)  # PackedAdamW keeps the uint32 words' bits
 
     tape.load_state_dict(metadata["tape"])
     torch.set_rng_state(tensors["rng/torch_cpu"])
