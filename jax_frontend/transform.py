@@ -41,14 +41,19 @@ def _check_float32(tree, what: str) -> None:
             )
 
 
-def _zero_moments(leaf, fmt: StateFormat):
+def _moments_spec(leaf, fmt: StateFormat) -> jax.ShapeDtypeStruct:
     if fmt.mode == "fp32":
-        return jnp.zeros((2, *jnp.shape(leaf)), jnp.float32)
-    return jnp.zeros(jnp.shape(leaf), jnp.uint32)
+        return jax.ShapeDtypeStruct((2, *jnp.shape(leaf)), jnp.float32)
+    return jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.uint32)
+
+
+def _zero_moments(leaf, fmt: StateFormat):
+    spec = _moments_spec(leaf, fmt)
+    return jnp.zeros(spec.shape, spec.dtype)
 
 
 def _check_state(moments, params, fmt: StateFormat) -> None:
-    expected = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(_zero_moments(p, fmt).shape, _zero_moments(p, fmt).dtype), params)
+    expected = jax.tree_util.tree_map(lambda p: _moments_spec(p, fmt), params)
     got = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(jnp.shape(s), jnp.result_type(s)), moments)
     if jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(got) or expected != got:
         raise ValueError(
