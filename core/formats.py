@@ -11,6 +11,7 @@ the same spec independently.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 
@@ -98,6 +99,11 @@ class MiniFloat:
             values = np.where(codes & np.uint32(self.sign_bit), -values, values)
         return values.astype(np.float32)
 
+    @functools.cached_property
+    def decode_table(self) -> np.ndarray:
+        """All 65,536 codes decoded: the numpy step decodes by lookup."""
+        return self.decode(np.arange(1 << CODE_BITS, dtype=np.uint32))
+
     def encode(self, values) -> np.ndarray:
         """float32 values -> uint16 codes (RNE, saturating, canonical zero; NaN refused)."""
         values = np.asarray(values, dtype=np.float32)
@@ -105,29 +111,37 @@ class MiniFloat:
             raise ValueError(f"{self.name}.encode: NaN cannot be encoded; no code stands for NaN")
         if not self.signed and (values < 0).any():
             raise ValueError(f"{self.name}.encode: the format is unsigned; got negative values")
+        return self.encode_unchecked(values).astype(np.uint16)
+
+    def encode_unchecked(self, values: np.ndarray) -> np.ndarray:
+        """`encode` for float32 values known to hold no NaN (and no negatives if unsigned),
+        as uint32 codes; the numpy step's hot path."""
         magnitude = np.abs(values)
-        bits = magnitude.view(np.uint32).astype(np.int64)
+        bits = magnitude.view(np.int32)
         drop = 23 - self.fraction_bits
         # Normal results: re-bias the float32 exponent, then round the dropped mantissa bits.
-        rebased = bits - ((127 - self.bias) << 23)  # meaningful only where the result is normal
-        normal = (rebased + (1 << (drop - 1)) - 1 + ((rebased >> drop) & 1)) >> drop
+        # (int32 suffices: bits <= Inf's 0x7F800000; elsewhere the value is discarded.)
+        rebased = bits - np.int32((127 - self.bias) << 23)
+        normal = (rebased + np.int32((1 << (drop - 1)) - 1) + ((rebased >> drop) & 1)) >> drop
         # Subnormal results: scale to units of the smallest subnormal; float32 addition of
         # 2**23 rounds that to an integer, ties to even.
         magic = np.float32(2.0**23)
-        with np.errstate(over="ignore", invalid="ignore"):  # overflows only where the result is normal
-            scaled = magnitude * np.float32(np.ldexp(1.0, self.fraction_bits - 1 + self.bias))
-            subnormal = np.nan_to_num((scaled + magic) - magic, posinf=0.0).astype(np.int64)
+        with np.errstate(over="ignore"):  # overflows only where the result is normal
+            scaled = np.minimum(magnitude * np.float32(np.ldexp(1.0, self.fraction_bits - 1 + self.bias)), magic)
+        subnormal = ((scaled + magic) - magic).astype(np.int32)
         code = np.where(magnitude >= np.float32(self.min_normal), normal, subnormal)
-        code = np.minimum(code, self.max_magnitude_code)
+        code = np.minimum(code, np.int32(self.max_magnitude_code)).view(np.uint32)
         if self.signed:
-            code = np.where((values < 0) & (code != 0), code | self.sign_bit, code)
-        return code.astype(np.uint16)
+            code = np.where((values < 0) & (code != 0), code | np.uint32(self.sign_bit), code)
+        return code
 
 
+@functools.cache
 def first_moment_format(bias: int = DEFAULT_M_BIAS) -> MiniFloat:
     return MiniFloat("E4M11", signed=True, exponent_bits=4, fraction_bits=11, bias=bias)
 
 
+@functools.cache
 def rms_format(bias: int = DEFAULT_RMS_BIAS) -> MiniFloat:
     return MiniFloat("E4M12", signed=False, exponent_bits=4, fraction_bits=12, bias=bias)
 

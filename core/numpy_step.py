@@ -52,8 +52,8 @@ def _update_chunk(p, g, state, s, fmt: StateFormat):
         m, v = state[0], state[1]
     else:
         m_fmt, r_fmt = fmt.formats
-        m = m_fmt.decode(state >> np.uint32(MOMENT_SHIFT))
-        rms = r_fmt.decode(state & np.uint32(CODE_MASK))
+        m = m_fmt.decode_table[state >> np.uint32(MOMENT_SHIFT)]
+        rms = r_fmt.decode_table[state & np.uint32(CODE_MASK)]
         v = rms * rms
     m_next = s["b1"] * m + s["one_minus_b1"] * g
     v_next = s["b2"] * v + s["one_minus_b2"] * (g * g)
@@ -65,8 +65,8 @@ def _update_chunk(p, g, state, s, fmt: StateFormat):
         accepted &= np.isfinite(m_next) & np.isfinite(v_next)
         new_state = np.stack([m_next, v_next])
     else:
-        rms_code = r_fmt.encode(rms_next).astype(np.uint32)
-        m_code = m_fmt.encode(m_next).astype(np.uint32)
+        rms_code = r_fmt.encode_unchecked(rms_next)
+        m_code = m_fmt.encode_unchecked(m_next)
         m_code = np.where(rms_code == 0, np.uint32(0), m_code)  # zero-RMS rule (FORMAT.md)
         new_state = (m_code << np.uint32(MOMENT_SHIFT)) | rms_code
     return update, new_state, accepted
