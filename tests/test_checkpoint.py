@@ -91,8 +91,10 @@ def test_missing_and_foreign_files_are_refused(tmp_path):
         read_checkpoint(tmp_path / "other.safetensors")
 
 
-def test_failed_write_leaves_the_previous_checkpoint_untouched(run, monkeypatch):
-    argv, path = run
+def test_failed_write_leaves_the_previous_checkpoint_untouched(tmp_path, monkeypatch):
+    argv = [*MICRO, "--data", str(build_data(tmp_path / "data")), "--out", str(tmp_path / "out"), "--max-steps", "3"]
+    assert main([*argv, "--stop-at-step", "2"]) == 0  # a run with a step still to go
+    path = tmp_path / "out" / "checkpoint.safetensors"
     before = path.read_bytes()
     real_save_file = checkpoint.save_file
 
@@ -104,7 +106,31 @@ def test_failed_write_leaves_the_previous_checkpoint_untouched(run, monkeypatch)
 
     monkeypatch.setattr(checkpoint, "save_file", crash_mid_write)
     with pytest.raises(OSError, match="No space left"):
-        main([*argv, "--resume", "auto", "--max-steps", "3"])
+        main([*argv, "--resume", "auto"])
     assert path.read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir() if "tmp" in p.name) == []
     read_checkpoint(path)
+
+
+def test_edited_metadata_fails_the_checksum(run, tmp_path):
+    """The step, tape cursor and optimizer step counts are covered, not only the tensors."""
+    _, path = run
+    data = path.read_bytes()
+    header_size = int.from_bytes(data[:8], "little")
+    header = data[8:8 + header_size].decode()
+    edited_header = header.replace('\\"step\\": 3', '\\"step\\": 2', 1)
+    assert edited_header != header
+    edited = tmp_path / "edited.safetensors"
+    edited.write_bytes(data[:8] + edited_header.encode() + data[8 + header_size:])
+    with pytest.raises(CheckpointError, match="checksum"):
+        read_checkpoint(edited)
+
+
+def test_a_log_line_cut_short_by_a_crash_does_not_block_resume(tmp_path):
+    argv = [*MICRO, "--data", str(build_data(tmp_path / "data")), "--out", str(tmp_path / "out"), "--max-steps", "3"]
+    assert main([*argv, "--stop-at-step", "2", "--log-every", "1"]) == 0
+    log = tmp_path / "out" / "log.jsonl"
+    log.write_text(log.read_text() + '{"step": 9')
+    assert main([*argv, "--resume", "auto", "--log-every", "1"]) == 0
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 3

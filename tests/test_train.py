@@ -80,9 +80,12 @@ def test_exhausted_tape_ends_with_a_checkpoint(tmp_path, capsys):
     assert "training tape exhausted" in capsys.readouterr().out
     for name in ("checkpoint.safetensors", "log.jsonl", "loss.png"):
         assert (out / name).exists()
-    # Resuming an exhausted run stops again at once, at the same step.
+    # Resuming an exhausted run does nothing and keeps the finished run's summary.
+    checkpoint_bytes = (out / "checkpoint.safetensors").read_bytes()
     assert main([*MICRO, "--data", str(data), "--out", str(out), "--max-steps", "1000", "--resume", "auto"]) == 0
-    assert summary(out)["step"] == result["step"] and summary(out)["steps_this_session"] == 0
+    assert summary(out) == result
+    assert "is a finished run" in capsys.readouterr().out
+    assert (out / "checkpoint.safetensors").read_bytes() == checkpoint_bytes
 
 
 def test_moment_stats_are_logged_in_fp32_mode(tmp_path, data_dir):

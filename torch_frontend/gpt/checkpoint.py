@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from packed_adamw.core import __version__ as CODE_VERSION
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
-FORMAT = "packed-adamw-gpt-checkpoint/1"
+FORMAT = "packed-adamw-gpt-checkpoint/2"  # 2: the checksum covers the metadata too
 
 
 class CheckpointError(ValueError):
@@ -65,8 +65,8 @@ def save_training_state(path, *, model, optimizer, tape, config: dict, trainer: 
             **{key: value for key, value in optimizer_state.items() if key != "state"},
             "scalar_state": scalar_state,
         },
-        "tensors_sha256": _tensors_sha256(tensors),
     }
+    metadata["sha256"] = _checkpoint_sha256(tensors, metadata)
     _atomic_save(tensors, {key: json.dumps(value) for key, value in metadata.items()}, Path(path))
 
 
@@ -87,8 +87,10 @@ def _atomic_save(tensors: dict, metadata: dict, path: Path) -> None:
         os.close(directory)
 
 
-def _tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+def _checkpoint_sha256(tensors: dict[str, torch.Tensor], metadata: dict) -> str:
+    """Covers every tensor and every metadata entry (step, cursor, counts, config) but itself."""
     digest = hashlib.sha256()
+    digest.update(json.dumps({k: v for k, v in metadata.items() if k != "sha256"}, sort_keys=True).encode())
     for key in sorted(tensors):
         t = tensors[key]
         digest.update(f"{key}:{t.dtype}:{tuple(t.shape)}\n".encode())
@@ -112,7 +114,7 @@ def read_checkpoint(path) -> tuple[dict[str, torch.Tensor], dict]:
         raise CheckpointError(f"cannot read checkpoint {path}: {error}; {hint}") from error
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a training checkpoint of this project (format {metadata.get('format')!r}, expected {FORMAT!r})")
-    if _tensors_sha256(tensors) != metadata.get("tensors_sha256"):
+    if _checkpoint_sha256(tensors, metadata) != metadata.get("sha256"):
         raise CheckpointError(f"checkpoint {path} fails its checksum: {hint}")
     return tensors, metadata
 

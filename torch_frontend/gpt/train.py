@@ -164,8 +164,8 @@ class StopRequest:
             signal.signal(s, handler)
 
     def _handle(self, signum, frame):
+        # Only set the flag: printing here could re-enter a stream tqdm is writing to.
         self.signal_name = signal.Signals(signum).name
-        print(f"\n{self.signal_name} received: finishing this step, then writing a checkpoint", file=sys.stderr)
 
 
 def parameter_kind(name: str) -> str:
@@ -226,6 +226,27 @@ def plot_log(log_path: Path, png_path: Path) -> None:
     plt.close(fig)
 
 
+def keep_records_up_to(path: Path, step: int) -> None:
+    """Drop JSONL records after `step` and any line a crash cut short."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    path.write_text("".join(kept))
+
+
+def finished(step: int, tape: TapeReader, config: TrainConfig, context: int) -> bool:
+    """Whether a resumed run has nothing left to do (its summary then stands)."""
+    return (step >= config.max_steps or 0 < config.stop_at_step <= step
+            or tape.remaining_batches(config.batch_size, context) == 0)
+
+
 def resolve_device(name: str, deterministic: bool) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -274,9 +295,14 @@ def train(config: TrainConfig) -> dict:
         step = load_training_state(resume_path, model=model, optimizer=optimizer, tape=train_tape,
                                    config=trajectory)["step"]
         print(f"resumed from {resume_path} at step {step}")
-    # The log covers steps up to the resume point; later lines came from a session that died.
-    old_lines = log_path.read_text().splitlines() if (resume_path and log_path.exists()) else []
-    log_path.write_text("".join(line + "\n" for line in old_lines if json.loads(line)["step"] <= step))
+    # The logs cover steps up to the resume point; later lines came from a session that died
+    # (the last of them possibly cut short by the crash).
+    for path in (log_path, out / "moment_stats.jsonl"):
+        keep_records_up_to(path, step if resume_path else 0)
+    summary_path = out / "summary.json"
+    if resume_path is not None and summary_path.exists() and finished(step, train_tape, config, context):
+        print(f"{checkpoint_path} is a finished run; its summary:")
+        return json.loads(summary_path.read_text())
 
     def save(reason: str) -> None:
         save_training_state(checkpoint_path, model=model, optimizer=optimizer, tape=train_tape,
@@ -301,6 +327,7 @@ def train(config: TrainConfig) -> dict:
                 break
             if stop.signal_name:
                 reason = stop.signal_name
+                print(f"\n{reason} received: writing a checkpoint and stopping", file=sys.stderr)
                 break
             try:
                 x, y = train_tape.next_batch(config.batch_size, context)
@@ -347,10 +374,10 @@ def train(config: TrainConfig) -> dict:
             bar.set_postfix(loss=f"{recent_losses[-1]:.3f}", val_bpb=f"{val_bpb:.3f}" if val_bpb else "-")
         bar.close()
 
+        save(reason)  # first: a signal's grace period may not outlast a validation pass
         if step_times and not (config.eval_every and step % config.eval_every == 0):
             val_bpb = validation_bpb(model, val_tape, config.batch_size, config.eval_batches, device)
             log.write(json.dumps({"step": step, "val_bpb": val_bpb}) + "\n")
-        save(reason)
 
     plot_log(log_path, out / "loss.png")
     # Medians skip the first steps' warm-up cost.
@@ -369,7 +396,7 @@ def train(config: TrainConfig) -> dict:
         "log": str(log_path), "plot": str(out / "loss.png"), "checkpoint": str(checkpoint_path),
         "config": dataclasses.asdict(config),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
