@@ -11,6 +11,7 @@ the same spec independently.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from dataclasses import dataclass
@@ -101,8 +102,12 @@ class MiniFloat:
 
     @functools.cached_property
     def decode_table(self) -> np.ndarray:
-        """All 65,536 codes decoded: the numpy step decodes by lookup."""
-        return self.decode(np.arange(1 << CODE_BITS, dtype=np.uint32))
+        """All 65,536 codes as the step decodes them (the numpy step looks them up). The step
+        reads every code with the finite formula, FP16's reserved Inf/NaN codes included:
+        those are never stored, and a foreign word holding one still gives a finite value,
+        the same in the kernel, the authority and here."""
+        finite = dataclasses.replace(self, ieee_specials=False)
+        return finite.decode(np.arange(1 << CODE_BITS, dtype=np.uint32))
 
     def encode(self, values) -> np.ndarray:
         """float32 values -> uint16 codes (RNE, saturating, canonical zero; NaN refused)."""

@@ -1,7 +1,10 @@
 """AdamW hyperparameters: validation with errors that say what to do, and the kernel's layout."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+
+import numpy as np
 
 # Order of the float32 hyperparameter row the kernel reads; the step scalars are derived
 # from it inside the kernel, so a new learning rate never recompiles anything.
@@ -26,19 +29,25 @@ class Hyperparams:
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)  # numpy float64 is a float
+    """A plain real number: Python or numpy scalars (not bools, not arrays)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _f32(x) -> float:
+    return float(np.float32(x))  # the value the kernel will see
 
 
 def validate_hyperparams(lr, betas, eps, weight_decay, *, allow_arrays=False) -> None:
-    """Raise ValueError naming the bad argument.
+    """Raise ValueError naming the bad argument. Values are checked as the float32 numbers
+    the step will use: betas=(0.9, 1 - 1e-9) is 1.0 in float32 and refused.
 
     With `allow_arrays`, values that are not plain numbers (a schedule, a traced or
     injected array) are left to the caller: they may only be known inside a compiled step.
     """
     skip = (lambda x: not _is_number(x)) if allow_arrays else (lambda x: False)
     if not skip(lr):
-        if not _is_number(lr) or not 0 <= lr <= FLOAT32_MAX:
-            raise ValueError(f"lr={lr!r}: the learning rate must be a finite number >= 0")
+        if not _is_number(lr) or not 0 <= _f32(lr) <= FLOAT32_MAX:
+            raise ValueError(f"lr={lr!r}: the learning rate must be a finite float32 number >= 0")
     try:
         b1, b2 = betas
     except (TypeError, ValueError):
@@ -46,9 +55,13 @@ def validate_hyperparams(lr, betas, eps, weight_decay, *, allow_arrays=False) ->
     for name, beta in (("b1 (betas[0])", b1), ("b2 (betas[1])", b2)):
         if skip(beta):
             continue
-        if not _is_number(beta) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"{name}={beta!r}: each beta must be a number in [0, 1)")
-    if not skip(eps) and (not _is_number(eps) or not FLOAT32_TINY <= eps <= FLOAT32_MAX):
+        if not _is_number(beta) or not 0.0 <= _f32(beta) < 1.0:
+            raise ValueError(f"{name}={beta!r}: each beta must be in [0, 1) as a float32 number "
+                             "(values within 3e-8 of 1 round to 1)")
+    if not skip(eps) and (not _is_number(eps) or not FLOAT32_TINY <= _f32(eps) <= FLOAT32_MAX):
         raise ValueError(f"eps={eps!r}: eps must be a float32-normal number > 0 (it keeps the update finite)")
-    if not skip(weight_decay) and (not _is_number(weight_decay) or not 0 <= weight_decay <= FLOAT32_MAX):
-        raise ValueError(f"weight_decay={weight_decay!r}: weight decay must be a finite number >= 0")
+    if not skip(weight_decay):
+        if not _is_number(weight_decay) or not 0 <= _f32(weight_decay) <= FLOAT32_MAX:
+            raise ValueError(f"weight_decay={weight_decay!r}: weight decay must be a finite number >= 0")
+        if not skip(lr) and _f32(lr) * _f32(weight_decay) > FLOAT32_MAX:
+            raise ValueError(f"lr * weight_decay = {lr} * {weight_decay} overflows float32; lower one of them")

@@ -64,11 +64,18 @@ def _check_state(moments, params, fmt: StateFormat) -> None:
 
 
 def _decay_flags(mask, params):
-    """Per-leaf weight-decay switch from an optax-style mask (a pytree of bools or a callable)."""
+    """Per-leaf weight-decay switch from an optax-style mask: a pytree of bools matching
+    params or a prefix of them, or a callable returning one."""
     if mask is None:
         return jax.tree_util.tree_map(lambda _: True, params)
     flags = mask(params) if callable(mask) else mask
-    return jax.tree_util.tree_map(lambda _, f: bool(f), params, flags)
+
+    def broadcast(flag, subtree):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"packed_adamw: mask entries must be Python bools known before compilation, got {flag!r}")
+        return jax.tree_util.tree_map(lambda _: bool(flag), subtree)
+
+    return jax.tree_util.tree_map(broadcast, flags, params)
 
 
 def _cpu_leaf_step(p, g, s, hparams, count, *, fmt: StateFormat, write_update: bool):
@@ -84,6 +91,13 @@ def _cpu_leaf_step(p, g, s, hparams, count, *, fmt: StateFormat, write_update: b
     out_types = (jax.ShapeDtypeStruct(p.shape, jnp.float32), jax.ShapeDtypeStruct(s.shape, s.dtype))
     out, new_s = jax.pure_callback(host_step, out_types, p, g, s, hparams, count)
     return out.reshape(p.shape), new_s.reshape(s.shape)
+
+
+def _known_zero(x) -> bool:
+    try:
+        return float(x) == 0.0
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return False  # traced: not known
 
 
 def _increment(count):
@@ -111,7 +125,7 @@ class _Stepper:
         _check_float32(grads, "grads")
         _check_state(state.moments, grads, self.fmt)
         if params is None:
-            if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay == 0):
+            if not _known_zero(self.weight_decay):
                 raise ValueError(
                     "packed_adamw: weight_decay is nonzero, so update() needs params; call "
                     "tx.update(grads, state, params), or set weight_decay=0"

@@ -567,3 +567,22 @@ def test_bad_hyperparameters_raise_value_error_naming_the_argument(factory, kwar
     kwargs = {"learning_rate": LR, **kwargs}
     with pytest.raises(ValueError, match=re.escape(name)):
         factory(**kwargs)
+
+
+def test_a_mask_may_be_a_prefix_of_the_params_as_in_optax():
+    params = {"a": {"x": jnp.ones(3), "y": jnp.ones(2)}, "c": jnp.ones(4)}
+    grads = jax.tree_util.tree_map(lambda p: p * 0.1, params)
+    masked = packed_adamw(LR, weight_decay=WD, mask={"a": False, "c": True})
+    updates, _ = masked.update(grads, masked.init(params), params)
+    full = {"a": {"x": False, "y": False}, "c": True}
+    reference = packed_adamw(LR, weight_decay=WD, mask=full)
+    expected, _ = reference.update(grads, reference.init(params), params)
+    assert_trees_bits_equal(updates, expected, "prefix mask vs full mask")
+
+
+def test_injected_zero_weight_decay_needs_no_params():
+    params = to_jax(problem(seed=6, steps=1)[0])
+    tx = optax.inject_hyperparams(packed_adamw, static_args=("mode", "m_bias", "rms_bias"))(
+        learning_rate=LR, weight_decay=0.0)
+    updates, _ = tx.update(params, tx.init(params))  # no params: fine, nothing to decay
+    assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(params)

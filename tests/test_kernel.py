@@ -327,3 +327,19 @@ def test_uint32_state_view_gives_the_same_bits(device, is_interpreting):
     expected = H.run_kernel(p, g, state, count=2, hp=Hyperparams(), fmt=fmt, device=device)
     H.assert_same_bits(tp.numpy(), expected.out, "params")
     H.assert_same_bits(ts.view(torch.int32).numpy().view(U32), expected.state, "words")
+
+
+def test_fp16_reserved_codes_decode_finitely_in_every_backend(device):
+    """Encoding never writes FP16's Inf/NaN codes, but a foreign word may hold them: kernel,
+    numpy and authority all read them with the finite formula (FORMAT.md)."""
+    fmt = StateFormat("fp16")
+    rng = np.random.default_rng(21)
+    n = 4_000
+    reserved = (0x7C00 | rng.integers(0, 1 << 10, n)) | (rng.integers(0, 2, n) << 15)  # sign, exponent 31
+    rms = 0x7C00 | rng.integers(0, 1 << 10, n)
+    state = ((reserved.astype(U32) << 16) | rms.astype(U32)).astype(U32)
+    state[::2] = (state[::2] & 0xFFFF0000) | 0x3C00  # half of them: an ordinary RMS of 1.0
+    p = rng.standard_normal(n).astype(F32)
+    g = (rng.standard_normal(n) * 1e-3).astype(F32)
+    check_step(p, g, state, count=3, hp=Hyperparams(lr=1e-3), fmt=fmt, device=device,
+               authority_index=np.arange(0, n, 7))

@@ -229,3 +229,17 @@ def test_cuda_format_identity_matches_cpu():
     for mode in MODES:
         assert PackedAdamW([torch.nn.Parameter(torch.zeros(1, device="cuda"))], mode=mode).state_dict()[
             "packed_adamw"]["format"] == StateFormat(mode).identity
+
+
+def test_cuda_state_left_on_another_device_is_refused_before_anything_changes():
+    """Moving the model after a CPU step leaves the words on the CPU: the kernel must never see
+    a host address."""
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = PackedAdamW([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    p.data = p.data.cuda()
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match="optimizer state is on cpu"):
+        opt.step()
+    assert opt.state[p]["step"] == 1

@@ -755,3 +755,48 @@ def test_export_through_a_file_keeps_the_state_of_a_0d_parameter(mode, tmp_path)
     resumed.import_state(loaded)
     H.assert_same_bits(H.state_tensor(resumed, resumed.param_groups[0]["params"][0]), H.state_tensor(opt, scale),
                        "0-d state through the file")
+
+
+def test_a_refused_param_group_does_not_stay_behind():
+    opt = PackedAdamW(make_params(0))
+    with pytest.raises(TypeError, match="float32"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("betas", [(0.9, 1 - 1e-9), (1 - 2e-8, 0.999)])
+def test_a_beta_that_rounds_to_one_in_float32_is_refused(betas):
+    with pytest.raises(ValueError, match="float32"):
+        PackedAdamW(make_params(0), betas=betas)
+
+
+def test_an_overflowing_lr_times_weight_decay_is_refused():
+    with pytest.raises(ValueError, match="overflows float32"):
+        PackedAdamW(make_params(0), lr=1e30, weight_decay=1e10)
+
+
+@pytest.mark.parametrize("lr", [torch.tensor(1e-3), np.float32(1e-3), np.float64(1e-3)])
+def test_lr_as_a_tensor_or_numpy_scalar_is_accepted(lr):
+    reference = make_params(0)
+    params = clone_params(reference)
+    set_grads(params, 1)
+    set_grads(reference, 1)
+    PackedAdamW(params, lr=lr).step()
+    PackedAdamW(reference, lr=float(np.float32(1e-3))).step()
+    for p, r in zip(params, reference):
+        H.assert_same_bits(p, r, "params")
+
+
+def test_the_functional_step_refuses_what_would_update_the_wrong_memory():
+    from packed_adamw.torch import adamw_step_, new_state
+    from packed_adamw.core import StateFormat
+
+    fmt = StateFormat("packed")
+    p = torch.zeros(4, 3).t()  # not contiguous
+    with pytest.raises(ValueError, match="tensor 0: param is not contiguous"):
+        adamw_step_([p], [torch.zeros(3, 4)], [new_state(p.contiguous(), fmt)], [1],
+                    [(1e-3, 0.9, 0.999, 1e-8, 0.0)], fmt)
+    q = torch.zeros(5)
+    with pytest.raises(ValueError, match="state is not a contiguous"):
+        adamw_step_([q], [torch.zeros(5)], [torch.zeros(5, dtype=torch.int64)], [1],
+                    [(1e-3, 0.9, 0.999, 1e-8, 0.0)], fmt)

@@ -22,6 +22,29 @@ def new_state(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     return torch.zeros(param.shape, dtype=torch.int32, device=param.device).view(torch.uint32)
 
 
+def _check_inputs(params, grads, states, counts, hparams, fmt: StateFormat) -> None:
+    """The kernel reads raw addresses: anything else than contiguous float32 tensors of the
+    expected shapes on one device would update the wrong memory."""
+    if not len(params) == len(grads) == len(states) == len(counts) == len(hparams):
+        raise ValueError("adamw_step_: params, grads, states, counts and hparams must have the same length")
+    device = params[0].device
+    state_dtype = torch.float32 if fmt.mode == "fp32" else torch.uint32
+    for i, (p, g, s) in enumerate(zip(params, grads, states)):
+        state_shape = (2, *p.shape) if fmt.mode == "fp32" else tuple(p.shape)
+        problems = [
+            what for what, bad in (
+                ("param is not contiguous float32", p.dtype != torch.float32 or not p.is_contiguous()),
+                ("grad is not a contiguous float32 tensor of the param's shape",
+                 g.dtype != torch.float32 or not g.is_contiguous() or g.is_sparse or g.shape != p.shape),
+                (f"state is not a contiguous {state_dtype} tensor of shape {state_shape}",
+                 s.dtype != state_dtype or not s.is_contiguous() or tuple(s.shape) != state_shape),
+                (f"tensors are not all on {device}", not (p.device == g.device == s.device == device)),
+            ) if bad
+        ]
+        if problems:
+            raise ValueError(f"adamw_step_: tensor {i}: " + "; ".join(problems))
+
+
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
     flat = t.detach().reshape(-1) if t.dim() != 0 else t.detach().reshape(1)
     if t.dtype == torch.uint32:
@@ -45,6 +68,7 @@ def adamw_step_(
     *,
     multi_tensor: bool = True,
     count_nonfinite: bool = True,
+    check_inputs: bool = True,
 ) -> list[int]:
     """One AdamW step in place over tensors on one device; returns each tensor's rejected count.
 
@@ -52,9 +76,12 @@ def adamw_step_(
     (lr, b1, b2, eps, weight_decay). On CUDA, `multi_tensor` updates every tensor in one
     launch (docs/MULTI_TENSOR.md); otherwise one launch per tensor. Same bits either way.
     Without `count_nonfinite` the CUDA path never waits for the GPU and returns zeros.
+    `check_inputs=False` skips the checks below, for callers that made them already.
     """
     if not params:
         return []
+    if check_inputs:
+        _check_inputs(params, grads, states, counts, hparams, fmt)
     if params[0].device.type == "cuda":
         return _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor, count_nonfinite)
     rejected = []

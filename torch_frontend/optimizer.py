@@ -53,22 +53,21 @@ class PackedAdamW(Optimizer):
         self.state_format = StateFormat(mode, m_bias, rms_bias)
         self.multi_tensor = multi_tensor
         self.check_nonfinite = check_nonfinite
-        validate_hyperparams(lr, betas, eps, weight_decay)
+        validate_hyperparams(float(lr) if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr,
+                             betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
     # ---- parameter groups -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        index = len(self.param_groups) - 1
-        _validate_group(group, index)
-        devices = {p.device for g in self.param_groups for p in g["params"]}
-        if len(devices) > 1:
-            raise ValueError(
-                f"param_groups[{index}]: parameters are on several devices {sorted(map(str, devices))}; "
-                "PackedAdamW updates one device: move the model with .to(device) first, or use one optimizer per device"
-            )
+        try:  # a refused group must not stay behind
+            index = len(self.param_groups) - 1
+            _validate_group(self.param_groups[index], index)
+            _check_one_device([p for g in self.param_groups for p in g["params"]], f"param_groups[{index}]")
+        except Exception:
+            self.param_groups.pop()
+            raise
 
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
@@ -90,6 +89,15 @@ class PackedAdamW(Optimizer):
                     _raise_grad_error(p, _param_name(group, group_index, param_index))
                 work.append((p, g, row, (group, group_index, param_index)))
         key = self._state_key
+        _check_one_device([p for p, *_ in work], "PackedAdamW.step")
+        for p, _, _, name in work:
+            state = self.state.get(p)
+            if state and state[key].device != p.device:
+                raise ValueError(
+                    f"{_param_name(*name)} is on {p.device} but its optimizer state is on {state[key].device}: "
+                    "move the model before creating the optimizer, or save the state_dict and load it into a "
+                    "new optimizer (load_state_dict moves the state to the parameters' device)"
+                )
         params, grads, states, counts, hparams, names = [], [], [], [], [], []
         for p, g, row, name in work:
             state = self.state[p]
@@ -103,8 +111,8 @@ class PackedAdamW(Optimizer):
             counts.append(state["step"])
             hparams.append(row)
             names.append(name)
-        rejected = adamw_step_(params, grads, states, counts, hparams, self.state_format,
-                               multi_tensor=self.multi_tensor, count_nonfinite=self.check_nonfinite)
+        rejected = adamw_step_(params, grads, states, counts, hparams, self.state_format, multi_tensor=self.multi_tensor,
+                               count_nonfinite=self.check_nonfinite, check_inputs=False)  # checked above
         bad = [f"{_param_name(*name)} ({n} of {p.numel()} elements)" for name, n, p in zip(names, rejected, params) if n]
         if bad and self.check_nonfinite:
             raise NonFiniteGradientError(
@@ -197,6 +205,15 @@ class PackedAdamW(Optimizer):
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().cpu()
     return t.view(torch.int32).numpy().view(np.uint32).copy() if t.dtype == torch.uint32 else t.numpy().copy()
+
+
+def _check_one_device(params: list, where: str) -> None:
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{where}: parameters are on several devices {sorted(map(str, devices))}; PackedAdamW updates one "
+            "device: move the model with .to(device) first, or use one optimizer per device"
+        )
 
 
 def _param_name(group: dict, group_index: int, param_index: int) -> str:
