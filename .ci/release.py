@@ -39,14 +39,15 @@ from typing import Iterable
 
 PROJECT = "packed-adamw"
 
-# Any file above this is refused (a source tree has no business being bigger).
-MAX_FILE_BYTES = 2 * 1024 * 1024
-# Plain text above this looks like a corpus dump rather than docs or code.
+# Any file above this is refused: a source file or document this large is more likely
+# data (a corpus dump, weights) than source.
 MAX_TEXT_BYTES = 256 * 1024
-# Files allowed past MAX_FILE_BYTES, each with its own ceiling.
-LARGE_FILE_ALLOWANCE = {"tokenizer/bpe-12095.json": 8 * 1024 * 1024}
+# Files allowed past MAX_TEXT_BYTES, each with its own ceiling.
+LARGE_FILE_ALLOWANCE = {  # in the source tree, and where the wheel installs it
+    "tokenizer/bpe-12095.json": 8 * 1024 * 1024,
+    "packed_adamw/tokenizer/bpe-12095.json": 8 * 1024 * 1024,
+}
 
-TEXT_SUFFIXES = {".txt", ".text", ".jsonl", ".csv", ".tsv"}
 FORBIDDEN_SUFFIXES = {
     ".tape": "token tape",
     ".pt": "checkpoint",
@@ -97,22 +98,24 @@ class Violation:
 def classify_path(path: str, size: int) -> str | None:
     """Why `path` (relative to the repo root, POSIX) must not ship, or None."""
     parts = PurePosixPath(path).parts
-    name = parts[-1]
-    for directory in parts[:-1]:
+    name = parts[-1].lower()
+    for directory in (part.lower() for part in parts[:-1]):
         if directory in FORBIDDEN_DIRS:
             return f"{FORBIDDEN_DIRS[directory]} (under {directory}/)"
         if directory.endswith(".egg-info"):
             return "build output (egg-info)"
-    suffix = PurePosixPath(name).suffix.lower()
-    if suffix in FORBIDDEN_SUFFIXES:
-        return f"{FORBIDDEN_SUFFIXES[suffix]} (*{suffix})"
-    if name.endswith("_gut.txt"):
-        return "corpus text (*_gut.txt)"
-    if suffix in TEXT_SUFFIXES and size > MAX_TEXT_BYTES:
-        return f"plain text of {size} bytes > {MAX_TEXT_BYTES} (corpus?)"
-    limit = LARGE_FILE_ALLOWANCE.get(path, MAX_FILE_BYTES)
-    if size > limit:
-        return f"{size} bytes > limit of {limit}"
+    # Every suffix counts: model.safetensors.tmp123 and train.tape.bak are still what they are.
+    for suffix in PurePosixPath(name).suffixes:
+        if suffix in FORBIDDEN_SUFFIXES:
+            return f"{FORBIDDEN_SUFFIXES[suffix]} (*{suffix})"
+    if "_gut" in name and ".txt" in name:
+        return "corpus text (*_gut*.txt)"
+    if path in LARGE_FILE_ALLOWANCE:
+        limit = LARGE_FILE_ALLOWANCE[path]
+        return f"{size} bytes > limit of {limit}" if size > limit else None
+    # Whatever the extension, a large file is more likely data than source or docs.
+    if size > MAX_TEXT_BYTES:
+        return f"{size} bytes > {MAX_TEXT_BYTES} (data or corpus text?)"
     return None
 
 
@@ -301,6 +304,8 @@ def make_release(repo: Path, ref: str, out_dir: Path) -> Release:
     if submodules:
         raise ReleaseError("submodules cannot be archived:\n  " + "\n  ".join(submodules))
     violations = find_forbidden((e.path, e.size) for e in entries)
+    violations += [Violation(e.path, "symbolic link (a release holds plain files only)")
+                   for e in entries if e.git_mode == "120000"]
     if violations:
         raise ReleaseError(
             f"refusing to release {commit[:12]}: {len(violations)} forbidden file(s)\n  "
@@ -365,7 +370,7 @@ def check_checksum_file(archive: Path, archive_sha256: str) -> list[str]:
 
 
 def read_archive_files(archive_bytes: bytes, prefix: str) -> tuple[dict[str, tuple[str, int]], list[str]]:
-    """{path below prefix: (sha256, size)} for files and symlinks, plus problems."""
+    """{path below prefix: (sha256, size)} for the files, plus problems."""
     files, problems = {}, []
     with tarfile.open(fileobj=io.BytesIO(archive_bytes), mode="r:gz") as tar:
         for member in tar.getmembers():
@@ -377,8 +382,9 @@ def read_archive_files(archive_bytes: bytes, prefix: str) -> tuple[dict[str, tup
             if member.isdir():
                 continue
             if member.issym():
-                data = member.linkname.encode()
-            elif member.isfile():
+                problems.append(f"{member.name}: symbolic link (a release holds plain files only)")
+                continue
+            if member.isfile():
                 data = tar.extractfile(member).read()
             else:
                 problems.append(f"{member.name}: unsupported member type {member.type!r}")

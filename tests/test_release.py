@@ -133,6 +133,10 @@ MB = 1024 * 1024
         ("packed_adamw.egg-info/PKG-INFO", 10),
         ("docs/huge_figure.png", 3 * MB),
         (TOKENIZER_ARTIFACT, 9 * MB),
+        ("data/hamlet_gut_f.txt", 10),  # First Folio spellings are corpus text too
+        ("notes/corpus.md", 2_000_000),  # a large file is data whatever its extension
+        ("model.safetensors.tmp123", 10),  # every suffix counts
+        ("Runs/train.tape.bak", 10),  # directory names in any case
     ],
 )
 def test_content_check_flags_forbidden_path(release, path, size):
@@ -272,6 +276,13 @@ def test_release_refuses_planted_forbidden_files(tiny_repo, tmp_path):
         assert path in result.stderr
     assert "core/formats.py" not in result.stderr
     assert not out.exists() or not any(out.iterdir()), "nothing may be written on refusal"
+
+
+def test_release_refuses_symbolic_links(tiny_repo, tmp_path):
+    (tiny_repo / "evil").symlink_to("../../../../etc/passwd")
+    commit_all(tiny_repo, "link")
+    result = run_release_cli("--repo", str(tiny_repo), "--out", str(tmp_path / "out"))
+    assert result.returncode == 1 and "evil: symbolic link" in result.stderr
 
 
 # ----------------------------------------------------------------------------
