@@ -51,6 +51,8 @@ def leaf_step(p, g, s, scalars, *, fmt: StateFormat, write_update: bool):
     from packed_adamw.core.kernel import adamw_kernel
 
     n = int(p.size)
+    if n == 0:  # a grid of zero programs is not a launch
+        return (jnp.zeros_like(p) if write_update else p), s
     flat_p, flat_g = p.reshape(-1), g.reshape(-1)
     flat_s = s.reshape((2, -1) if fmt.mode == "fp32" else (-1,))
     block = launch.GPU_BLOCK

@@ -89,7 +89,7 @@ def _cpu_leaf_step(p, g, s, hparams, count, *, fmt: StateFormat, write_update: b
         return (update if write_update else p).reshape(out_types[0].shape), s.reshape(out_types[1].shape)
 
     out_types = (jax.ShapeDtypeStruct(p.shape, jnp.float32), jax.ShapeDtypeStruct(s.shape, s.dtype))
-    out, new_s = jax.pure_callback(host_step, out_types, p, g, s, hparams, count)
+    out, new_s = jax.pure_callback(host_step, out_types, p, g, s, hparams, count, vmap_method="sequential")
     return out.reshape(p.shape), new_s.reshape(s.shape)
 
 

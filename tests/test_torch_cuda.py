@@ -243,3 +243,15 @@ def test_cuda_state_left_on_another_device_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match="optimizer state is on cpu"):
         opt.step()
     assert opt.state[p]["step"] == 1
+
+
+@pytest.mark.parametrize("multi_tensor", [True, False])
+def test_cuda_empty_parameters_are_stepped_without_a_launch(multi_tensor):
+    only_empty = [torch.nn.Parameter(torch.zeros(0, device="cuda"))]
+    only_empty[0].grad = torch.zeros(0, device="cuda")
+    PackedAdamW(only_empty, multi_tensor=multi_tensor).step()
+    mixed = [torch.nn.Parameter(torch.zeros(0, device="cuda")), torch.nn.Parameter(torch.ones(300, device="cuda"))]
+    for p in mixed:
+        p.grad = torch.ones_like(p)
+    PackedAdamW(mixed, multi_tensor=multi_tensor).step()
+    assert torch.isfinite(mixed[1]).all() and not torch.equal(mixed[1], torch.ones(300, device="cuda"))

@@ -800,3 +800,14 @@ def test_the_functional_step_refuses_what_would_update_the_wrong_memory():
     with pytest.raises(ValueError, match="state is not a contiguous"):
         adamw_step_([q], [torch.zeros(5)], [torch.zeros(5, dtype=torch.int64)], [1],
                     [(1e-3, 0.9, 0.999, 1e-8, 0.0)], fmt)
+
+
+def test_an_empty_parameter_steps_beside_the_others():
+    params = [torch.nn.Parameter(torch.zeros(0)), *make_params(0)]
+    reference = clone_params(params[1:])
+    set_grads(params, 1)
+    set_grads(reference, 1)
+    PackedAdamW(params).step()
+    PackedAdamW(reference).step()
+    for p, r in zip(params[1:], reference):
+        H.assert_same_bits(p, r, "params beside an empty one")

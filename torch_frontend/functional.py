@@ -111,8 +111,10 @@ def _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor: bool,
         step_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
             hparams_dev, counts_dev, n, scalars, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
         if multi_tensor:
-            pointers = np.fromiter((t.data_ptr() for t in (*params, *grads, *states)), dtype=np.int64, count=3 * n)
             block_tensor, block_index, numels = _block_table(tuple(p.numel() for p in params), device, block)
+            if block_tensor.numel() == 0:  # only empty tensors: nothing to launch
+                return [0] * n
+            pointers = np.fromiter((t.data_ptr() for t in (*params, *grads, *states)), dtype=np.int64, count=3 * n)
             adamw_multi_tensor_kernel[(block_tensor.numel(),)](
                 torch.from_numpy(pointers).to(device, non_blocking=True), block_tensor, block_index, numels,
                 scalars, rejected, n, ALIGNED=not (pointers % 16).any(), num_warps=launch.GPU_NUM_WARPS,
@@ -122,6 +124,8 @@ def _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor: bool,
         else:
             constants = launch.kernel_constants(fmt, write_update=False, count_nonfinite=count_nonfinite, block=block)
             for i, (p, g, s) in enumerate(zip(params, grads, states)):
+                if p.numel() == 0:
+                    continue
                 words = s if fmt.mode == "fp32" else s.view(torch.int32)
                 adamw_kernel[launch.grid(p.numel(), block)](
                     p, g, words, scalars[i], rejected[i:], p.numel(), p, words,

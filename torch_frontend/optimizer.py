@@ -116,9 +116,10 @@ class PackedAdamW(Optimizer):
         bad = [f"{_param_name(*name)} ({n} of {p.numel()} elements)" for name, n, p in zip(names, rejected, params) if n]
         if bad and self.check_nonfinite:
             raise NonFiniteGradientError(
-                "PackedAdamW.step: non-finite gradient values in " + ", ".join(bad) + ". Those elements kept "
-                "their parameter and state; the rest were updated. Find the source of the NaN/Inf, or use "
-                "torch.amp.GradScaler / clip_grad_norm_(error_if_nonfinite=True) to skip such steps."
+                "PackedAdamW.step: non-finite values (NaN/Inf gradients, or a parameter or update that is not "
+                "finite) in " + ", ".join(bad) + ". Those elements kept their parameter and state; the rest were "
+                "updated. Find the source of the NaN/Inf, or use torch.amp.GradScaler / "
+                "clip_grad_norm_(error_if_nonfinite=True) to skip such steps."
             )
         return loss
 
