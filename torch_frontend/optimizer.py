@@ -77,7 +77,8 @@ class PackedAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Check everything before changing anything: a step that raises leaves no trace.
-        work = []
+        key = self._state_key
+        work, first_device = [], None
         for group_index, group in enumerate(self.param_groups):
             _validate_hyperparams(group, group_index)
             row = (float(group["lr"]), *map(float, group["betas"]), float(group["eps"]), float(group["weight_decay"]))
@@ -85,19 +86,22 @@ class PackedAdamW(Optimizer):
                 g = p.grad
                 if g is None:
                     continue
+                name = (group, group_index, param_index)
                 if not _grad_fits(p, g):
-                    _raise_grad_error(p, _param_name(group, group_index, param_index))
-                work.append((p, g, row, (group, group_index, param_index)))
-        key = self._state_key
-        _check_one_device([p for p, *_ in work], "PackedAdamW.step")
-        for p, _, _, name in work:
-            state = self.state.get(p)
-            if state and state[key].device != p.device:
-                raise ValueError(
-                    f"{_param_name(*name)} is on {p.device} but its optimizer state is on {state[key].device}: "
-                    "move the model before creating the optimizer, or save the state_dict and load it into a "
-                    "new optimizer (load_state_dict moves the state to the parameters' device)"
-                )
+                    _raise_grad_error(p, _param_name(*name))
+                device = p.get_device()  # an int (-1 for CPU): cheaper than torch.device objects
+                if first_device is None:
+                    first_device = device
+                elif device != first_device:
+                    _check_one_device([p, work[0][0]], "PackedAdamW.step")
+                state = self.state.get(p)
+                if state and state[key].get_device() != device:
+                    raise ValueError(
+                        f"{_param_name(*name)} is on {p.device} but its optimizer state is on {state[key].device}: "
+                        "move the model before creating the optimizer, or save the state_dict and load it into "
+                        "a new optimizer (load_state_dict moves the state to the parameters' device)"
+                    )
+                work.append((p, g, row, name))
         params, grads, states, counts, hparams, names = [], [], [], [], [], []
         for p, g, row, name in work:
             state = self.state[p]
