@@ -29,8 +29,16 @@ def gpt_shapes(vocab, d, layers, context, mlp=4):
     return shapes + [(d,), (d,)]
 
 
+def reference_gpt_shapes():
+    """The parameter list of packed_adamw.torch.gpt's reference model, as it trains."""
+    from packed_adamw.torch.gpt.model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in GPT(GPTConfig.preset("reference")).parameters()]
+
+
 SHAPE_LISTS = {
-    "reference GPT (12,095 vocab, d 256, 10 layers)": gpt_shapes(12095, 256, 10, 256),
+    "reference GPT (d 288, 8 layers, tied head)": reference_gpt_shapes(),
     "GPT-2 124M": gpt_shapes(50257, 768, 12, 1024),
     "1.3B (d 2048, 24 layers)": gpt_shapes(50257, 2048, 24, 2048),
 }
@@ -121,26 +129,24 @@ def jax_steps_ms(shapes):
     grads = jax.tree_util.tree_map(lambda p: p * 1e-3, params)
     results = {}
 
+    # Each step takes (params, state) and the same gradients, and returns (params, state) with
+    # params and state donated. (Returning the gradients too would add a copy of them.)
     def transform_loop(tx):
         def step(params, state, grads):
             updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state, grads
+            return optax.apply_updates(params, updates), state
 
-        return jax.jit(step, donate_argnums=(0, 1))
+        step = jax.jit(step, donate_argnums=(0, 1))
+        return lambda params, state: step(params, state, grads)
 
     tx = optax.adamw(1e-3)
-    results["optax.adamw"] = jax_time_ms(transform_loop(tx), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params), grads))
+    results["optax.adamw"] = jax_time_ms(transform_loop(tx), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params)))
     tx = packed_adamw(1e-3)
     results["packed transform + apply_updates"] = jax_time_ms(
-        transform_loop(tx), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params), grads))
-    fused = packed_adamw_fused_step(1e-3)
-
-    def fused_loop(params, state, grads):
-        params, state = fused(params, grads, state)
-        return params, state, grads
-
+        transform_loop(tx), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params)))
+    fused = jax.jit(packed_adamw_fused_step(1e-3), donate_argnums=(0, 2))
     results["packed fused in-place"] = jax_time_ms(
-        jax.jit(fused_loop, donate_argnums=(0, 1)), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params), grads))
+        lambda params, state: fused(params, grads, state), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params)))
     return results
 
 
@@ -201,7 +207,7 @@ def sweep():
 
     fused = torch_step_ms([(BIG,)], lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True))
     print(f"torch fused AdamW {fused:.3f} ms")
-    for block, warps in ((256, 1), (256, 2), (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (2048, 16)):
+    for block, warps in ((128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (1024, 2), (1024, 4), (1024, 8)):
         launch.GPU_BLOCK, launch.GPU_NUM_WARPS = block, warps
         for mode in ("packed", "fp32"):
             times = [torch_step_ms([(BIG,)], lambda p: PackedAdamW(p, lr=1e-3, mode=mode))

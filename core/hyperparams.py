@@ -9,6 +9,8 @@ import numpy as np
 # Order of the float32 hyperparameter row the kernel reads; the step scalars are derived
 # from it inside the kernel, so a new learning rate never recompiles anything.
 HPARAM_FIELDS = ("lr", "b1", "b2", "eps", "weight_decay")
+# Order of the float32 step-scalar row the update kernels read (FORMAT.md, "Step scalars").
+SCALAR_FIELDS = ("b1", "one_minus_b1", "b2", "one_minus_b2", "step_size", "inv_sqrt_bias_correction2", "eps", "lr_wd")
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38
 

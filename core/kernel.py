@@ -90,14 +90,34 @@ def step_scalars_kernel(hparams_ptr, counts_ptr, n_rows, scalars_ptr, BLOCK_ROWS
 
 
 @triton.jit
+def _load(pointer, mask, other, MASKED: tl.constexpr):
+    if MASKED:
+        value = tl.load(pointer, mask=mask, other=other)
+    else:
+        value = tl.load(pointer)
+    return value
+
+
+@triton.jit
+def _store(pointer, value, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(pointer, value, mask=mask)
+    else:
+        tl.store(pointer, value)
+
+
+@triton.jit
 def _adamw_block(
     param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
-    offsets, n_elements,
+    offsets, n_elements, MASKED: tl.constexpr,
     MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
 ):
-    """One block of one tensor; the whole step contract lives here (FORMAT.md, "The step")."""
+    """One block of one tensor; the whole step contract lives here (FORMAT.md, "The step").
+
+    MASKED=False for blocks that lie wholly inside the tensor: a bounds mask the compiler
+    cannot prove uniform over 16 bytes splits every access into 4-byte ones."""
     in_bounds = offsets < n_elements
     b1 = tl.load(scalars_ptr + 0)
     one_minus_b1 = tl.load(scalars_ptr + 1)
@@ -108,15 +128,15 @@ def _adamw_block(
     eps = tl.load(scalars_ptr + 6)
     lr_wd = tl.load(scalars_ptr + 7)
 
-    p = tl.load(param_ptr + offsets, mask=in_bounds, other=0.0)
-    g = tl.load(grad_ptr + offsets, mask=in_bounds, other=0.0)
+    p = _load(param_ptr + offsets, in_bounds, 0.0, MASKED)
+    g = _load(grad_ptr + offsets, in_bounds, 0.0, MASKED)
     grad_finite = tl.abs(g) <= FLOAT32_MAX
     g = tl.where(grad_finite, g, 0.0)
     if MODE == 2:
-        m = tl.load(state_ptr + offsets, mask=in_bounds, other=0.0)
-        v = tl.load(state_ptr + n_elements + offsets, mask=in_bounds, other=0.0)
+        m = _load(state_ptr + offsets, in_bounds, 0.0, MASKED)
+        v = _load(state_ptr + n_elements + offsets, in_bounds, 0.0, MASKED)
     else:
-        word = tl.load(state_ptr + offsets, mask=in_bounds, other=0).to(tl.uint32, bitcast=True)
+        word = _load(state_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint32, bitcast=True)
         m = _decode(word >> 16, M_SIGNED, M_FRAC, M_BIAS)
         rms = _decode(word & 0xFFFF, R_SIGNED, R_FRAC, R_BIAS)
         v = rms * rms
@@ -137,20 +157,22 @@ def _adamw_block(
 
     # Rejected elements write back what they read: unmasked stores stay vectorized.
     if WRITE_UPDATE:
-        tl.store(out_ptr + offsets, tl.where(accepted, update, sign_bit.to(tl.float32, bitcast=True)), mask=in_bounds)
+        _store(out_ptr + offsets, tl.where(accepted, update, sign_bit.to(tl.float32, bitcast=True)), in_bounds, MASKED)
     else:
-        tl.store(out_ptr + offsets, tl.where(accepted, p_next, p), mask=in_bounds)
+        _store(out_ptr + offsets, tl.where(accepted, p_next, p), in_bounds, MASKED)
     if MODE == 2:
-        tl.store(new_state_ptr + offsets, tl.where(accepted, m_next, m), mask=in_bounds)
-        tl.store(new_state_ptr + n_elements + offsets, tl.where(accepted, v_next, v), mask=in_bounds)
+        _store(new_state_ptr + offsets, tl.where(accepted, m_next, m), in_bounds, MASKED)
+        _store(new_state_ptr + n_elements + offsets, tl.where(accepted, v_next, v), in_bounds, MASKED)
     else:
         rms_code = _encode(rms_next, R_SIGNED, R_FRAC, R_BIAS, R_MAX)
         m_code = _encode(m_next, M_SIGNED, M_FRAC, M_BIAS, M_MAX)
         m_code = tl.where(rms_code == 0, tl.zeros_like(m_code), m_code)  # the zero-RMS rule
         new_word = tl.where(accepted, (m_code << 16) | rms_code, word)
-        tl.store(new_state_ptr + offsets, new_word.to(new_state_ptr.dtype.element_ty, bitcast=True), mask=in_bounds)
+        _store(new_state_ptr + offsets, new_word.to(new_state_ptr.dtype.element_ty, bitcast=True), in_bounds, MASKED)
     if COUNT_NONFINITE:
-        rejected = tl.sum((in_bounds & ~accepted).to(tl.int32), axis=0)
+        if MASKED:
+            accepted = accepted | ~in_bounds
+        rejected = tl.sum((~accepted).to(tl.int32), axis=0)
         tl.atomic_add(nonfinite_ptr, rejected, mask=rejected > 0)
 
 
@@ -170,12 +192,20 @@ def adamw_kernel(
     out_ptr receives the update u (p_next = p + u exactly), and new_state_ptr a new state.
     Inputs and scalars come before the outputs because jax-triton appends outputs last.
     """
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    _adamw_block(
-        param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
-        offsets, n_elements, MODE, WRITE_UPDATE, COUNT_NONFINITE,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-    )
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= n_elements:
+        _adamw_block(
+            param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
+            offsets, n_elements, False, MODE, WRITE_UPDATE, COUNT_NONFINITE,
+            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+        )
+    else:  # the tensor's last, partial block
+        _adamw_block(
+            param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
+            offsets, n_elements, True, MODE, WRITE_UPDATE, COUNT_NONFINITE,
+            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+        )
 
 
 @triton.jit
@@ -202,17 +232,27 @@ def adamw_multi_tensor_kernel(
     """
     pid = tl.program_id(0)
     t = tl.load(block_tensor_ptr + pid)
-    offsets = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
     if ALIGNED:
         offsets = tl.max_contiguous(tl.multiple_of(offsets, BLOCK), BLOCK)
+    n_elements = tl.load(numels_ptr + t)
     param_ptr = _address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.float32))
     grad_ptr = _address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
     if MODE == 2:
         state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
     else:
         state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.uint32))
-    _adamw_block(
-        param_ptr, grad_ptr, state_ptr, scalars_ptr + t * SCALAR_ROW, nonfinite_ptr + t,
-        param_ptr, state_ptr, offsets, tl.load(numels_ptr + t), MODE, False, COUNT_NONFINITE,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-    )
+    scalars_ptr += t * SCALAR_ROW
+    if start + BLOCK <= n_elements:
+        _adamw_block(
+            param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + t, param_ptr, state_ptr,
+            offsets, n_elements, False, MODE, False, COUNT_NONFINITE,
+            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+        )
+    else:  # the tensor's last, partial block
+        _adamw_block(
+            param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + t, param_ptr, state_ptr,
+            offsets, n_elements, True, MODE, False, COUNT_NONFINITE,
+            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+        )

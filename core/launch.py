@@ -11,9 +11,9 @@ import numpy as np
 
 from .formats import MODE_IDS, StateFormat
 
-# Compiled: one 16-byte vector per thread and per buffer was fastest on an H200
-# (docs/BENCHMARKS.md, the sweep); more elements per thread costs registers and occupancy.
-GPU_BLOCK = 256
+# Compiled: two 16-byte vectors per thread and buffer was fastest in an H200 sweep
+# (docs/BENCHMARKS.md).
+GPU_BLOCK = 512
 GPU_NUM_WARPS = 2
 # Interpreted (CPU tests): per-program overhead dominates, so one program takes a lot.
 INTERPRETER_BLOCK = 1 << 16

@@ -6,42 +6,61 @@ Both frontends run this on CPU: torch on zero-copy views, JAX through `jax.pure_
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .formats import CODE_MASK, MOMENT_SHIFT, StateFormat
-from .hyperparams import Hyperparams
+from .hyperparams import SCALAR_FIELDS, Hyperparams
 
 F32 = np.float32
 CHUNK = 1 << 16  # keeps the temporaries in cache
 
 
-def _float32_power(base: np.float32, exponent: int) -> np.float32:
-    """base**exponent by square-and-multiply, each product rounded to float32 (the contract)."""
-    result, square = F32(1.0), F32(base)
-    for _ in range(31):
-        if exponent & 1:
-            result = F32(result * square)
-        square = F32(square * square)
-        exponent >>= 1
+POWER_TABLE = 1024  # exponents derived together: a step then only looks its powers up
+
+
+@functools.lru_cache(maxsize=16)
+def _power_table(base: float, first: int) -> np.ndarray:
+    """base**e for e in [first, first + POWER_TABLE), each by square-and-multiply with every
+    product rounded to float32 (the contract), vectorized over the exponents."""
+    exponents = np.arange(first, first + POWER_TABLE, dtype=np.int64)
+    result = np.ones(POWER_TABLE, F32)
+    square = np.full(POWER_TABLE, base, F32)
+    for _ in range(31):  # the kernel's 31 rounds
+        result = np.where((exponents & 1) == 1, result * square, result)
+        square = square * square
+        exponents >>= 1
     return result
 
 
-def step_scalars(count: int, hp: Hyperparams) -> dict[str, np.float32]:
-    """The per-step float32 scalars, derived exactly as the kernel derives them."""
-    lr, b1, b2, eps, wd = (F32(x) for x in hp.as_float32_list())
+def _float32_power(base: np.float32, exponent: int) -> np.float32:
+    """base**exponent exactly as the kernel derives it (FORMAT.md, "Step scalars")."""
+    if not 0 <= exponent < 2**31:
+        raise ValueError(f"step count {exponent} is outside [0, 2**31)")
+    offset = exponent % POWER_TABLE
+    return _power_table(float(base), exponent - offset)[offset]
+
+
+def step_scalar_row(count: int, row) -> tuple[np.float32, ...]:
+    """The per-step float32 scalars in SCALAR_FIELDS order, derived exactly as the kernel's
+    `step_scalars_kernel` derives them; `row` is (lr, b1, b2, eps, weight_decay)."""
+    lr, b1, b2, eps, wd = (F32(x) for x in row)
     one = F32(1.0)
     bias_correction1 = F32(one - _float32_power(b1, count))
     bias_correction2 = F32(one - _float32_power(b2, count))
-    return {
-        "b1": b1,
-        "one_minus_b1": F32(one - b1),
-        "b2": b2,
-        "one_minus_b2": F32(one - b2),
-        "step_size": F32(lr / bias_correction1),
-        "inv_sqrt_bias_correction2": F32(one / F32(np.sqrt(bias_correction2))),
-        "eps": eps,
-        "lr_wd": F32(lr * wd),
-    }
+    return (
+        b1, F32(one - b1), b2, F32(one - b2),
+        F32(lr / bias_correction1),
+        F32(one / F32(np.sqrt(bias_correction2))),
+        eps,
+        F32(lr * wd),
+    )
+
+
+def step_scalars(count: int, hp: Hyperparams) -> dict[str, np.float32]:
+    """`step_scalar_row` by name."""
+    return dict(zip(SCALAR_FIELDS, step_scalar_row(count, hp.as_float32_list())))
 
 
 def _update_chunk(p, g, state, s, fmt: StateFormat):

@@ -272,7 +272,7 @@ def test_no_stored_word_has_zero_rms_beside_nonzero_m(fmt, device):
 
 # ------------------------------------------------------------- step scalars ----
 
-COUNTS = sorted(set(range(1, 101)) | {2**k for k in range(31)} | {2**31 - 1, 2**31 - 2, 12_345_678})
+COUNTS = sorted(set(range(1, 101)) | {2**k for k in range(31)} | {1023, 1025, 3071, 5000} | {2**31 - 1, 2**31 - 2, 12_345_678})
 BETAS = [(0.9, 0.999), (0.9, 0.95), (0.0, 0.0), (0.5, 0.99999), (0.999999, 0.9999999), (0.95, 0.98)]
 
 

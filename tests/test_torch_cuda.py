@@ -64,6 +64,23 @@ def test_cuda_equals_cpu_bit_for_bit_on_a_small_model(mode, multi_tensor):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_cuda_steps_that_reuse_the_plan_follow_every_change_like_cpu(mode):
+    """Parameter storage swapped, gradients dropped, state cleared, a group added, a state_dict
+    loaded: the CUDA run, whose later steps reuse a plan of addresses, equals the CPU run."""
+    from test_torch_optimizer import make_params, plan_events
+
+    runs = []
+    for device in ("cpu", "cuda"):
+        params = [torch.nn.Parameter(p.detach().to(device)) for p in make_params(0)]
+        extra = [torch.nn.Parameter(p.detach().to(device)) for p in make_params(5, shapes=((40,), (3, 3)))]
+        opt = PackedAdamW(params, lr=1e-3, mode=mode)
+        plan_events(opt, params, extra)
+        torch.cuda.synchronize()
+        runs.append(H.snapshot(opt, params + extra))
+    H.assert_same_snapshot(runs[1], runs[0], "CUDA vs CPU through plan changes")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_cuda_equals_cpu_bit_for_bit_on_a_10m_element_tensor(mode):
     n = 10_000_019  # not a multiple of any block size
     rng = np.random.default_rng(1)

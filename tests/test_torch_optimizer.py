@@ -37,7 +37,7 @@ def make_params(seed=0, shapes=((300,), (13, 17), ())):
 def set_grads(params, seed):
     gen = torch.Generator().manual_seed(seed)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
 
 
 def clone_params(params):
@@ -500,6 +500,91 @@ def test_bad_gradients_are_refused_at_step_naming_the_parameter(kind):
     assert "'encoder.weight'" in message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_GRADS))
+def test_bad_gradients_after_good_steps_are_refused_and_change_nothing(kind):
+    """From the second step on, steps reuse a plan of the first; its checks must still hold."""
+    attach, error, fragments = BAD_GRADS[kind]
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    named = _named(p)
+    opt = PackedAdamW(named)
+    for seed in (1, 2):
+        set_grads([q for _, q in named], seed)
+        opt.step()
+    before = H.snapshot(opt, [q for _, q in named])
+    attach(p)
+    with pytest.raises(error) as info:
+        opt.step()
+    assert "'encoder.weight'" in str(info.value)
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+    H.assert_same_snapshot(H.snapshot(opt, [q for _, q in named]), before, "after a refused step")
+
+
+def test_a_parameter_replaced_by_another_shape_after_stepping_is_refused():
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    opt = PackedAdamW(_named(p))
+    for _ in range(2):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    p.data = torch.zeros(5, 3)
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"'encoder.weight' has shape \(5, 3\) but its optimizer state has shape"):
+        opt.step()
+
+
+def plan_events(opt, params, extra):
+    """Steps interleaved with every change a reused step plan must notice (tests/test_torch_cuda.py
+    runs them on CUDA too, where a stale address would update the wrong memory)."""
+    def step(seed, skip=()):
+        set_grads(params + extra, seed)
+        for i in skip:
+            (params + extra)[i].grad = None
+        opt.step()
+
+    step(1)
+    step(2)
+    step(3, skip=[1])  # a parameter without a gradient keeps its state
+    step(4)
+    params[0].data = params[0].data.clone() + 1.0  # new storage, same shape
+    step(5)
+    opt.param_groups[0]["lr"] = 3e-3
+    step(6)
+    opt.state.clear()  # state starts again
+    step(7)
+    opt.add_param_group({"params": extra, "lr": 5e-4, "weight_decay": 0.0})
+    step(8)
+    step(9, skip=[0])
+    saved = copy.deepcopy(opt.state_dict())
+    step(10)
+    opt.load_state_dict(saved)
+    step(11)
+    step(12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_that_reuse_the_plan_equal_fully_checked_steps_through_every_change(mode):
+    params, extra = make_params(0), make_params(5, shapes=((40,), (3, 3)))
+    planned = PackedAdamW(params, lr=1e-3, mode=mode)
+    plan_events(planned, params, extra)
+
+    ref_params, ref_extra = make_params(0), make_params(5, shapes=((40,), (3, 3)))
+    reference = PackedAdamW(ref_params, lr=1e-3, mode=mode)
+    reference.step = _fully_checked(reference)
+    plan_events(reference, ref_params, ref_extra)
+    H.assert_same_snapshot(H.snapshot(planned, params + extra), H.snapshot(reference, ref_params + ref_extra),
+                           "planned vs fully checked steps")
+
+
+def _fully_checked(opt):
+    original = opt.step
+
+    def step(closure=None):
+        opt._plan = None
+        return original(closure)
+
+    return step
 
 
 def test_sparse_gradients_from_a_sparse_embedding_are_refused():

@@ -12,6 +12,7 @@ import torch
 from packed_adamw.core import Hyperparams, StateFormat, adamw_step
 from packed_adamw.core import launch
 from packed_adamw.core.hyperparams import HPARAM_FIELDS
+from packed_adamw.core.numpy_step import step_scalar_row
 
 
 def new_state(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
@@ -97,41 +98,87 @@ def _hyperparams(row) -> Hyperparams:
     return Hyperparams(**dict(zip(HPARAM_FIELDS, row)))
 
 
-def _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor: bool, count_nonfinite: bool) -> list[int]:
-    from packed_adamw.core.kernel import adamw_kernel, adamw_multi_tensor_kernel, step_scalars_kernel
+def scalar_table(counts, hparams) -> np.ndarray:
+    """[n, 8] float32 step scalars, one row per tensor, derived on the host (FORMAT.md,
+    "Step scalars"); tensors of one group share a row object, so each distinct
+    (count, row) is derived once."""
+    unique, index, keys = [], [], {}
+    previous = None
+    for count, row in zip(counts, hparams):
+        key = (count, row if type(row) is tuple else tuple(row))
+        if key != previous:
+            previous = key
+            slot = keys.get(key)
+            if slot is None:
+                slot = keys[key] = len(unique)
+                unique.append(step_scalar_row(count, row))
+        index.append(slot)
+    return np.asarray(unique, dtype=np.float32)[index]
 
-    device, n = params[0].device, len(params)
-    # Two small host-to-device copies carry every tensor's hyperparameters and count.
-    hparams_dev = torch.from_numpy(np.asarray(hparams, dtype=np.float32)).to(device, non_blocking=True)
-    counts_dev = torch.from_numpy(np.asarray(counts, dtype=np.int32)).to(device, non_blocking=True)
-    scalars = torch.empty((n, 8), dtype=torch.float32, device=device)
-    rejected = torch.zeros(n, dtype=torch.int32, device=device) if count_nonfinite else counts_dev
-    block = launch.GPU_BLOCK
+
+def _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor: bool, count_nonfinite: bool) -> list[int]:
+    scalars = scalar_table(counts, hparams)
+    if multi_tensor:
+        staged, pointers = stage_step(len(params), scalars)
+        pointers[:] = [t.data_ptr() for t in (*params, *grads, *states)]
+        return launch_multi_tensor(staged, tuple(p.numel() for p in params), params[0].device, fmt, count_nonfinite,
+                                   aligned=not (pointers & 15).any())
+    from packed_adamw.core.kernel import adamw_kernel
+
+    device, n, block = params[0].device, len(params), launch.GPU_BLOCK
+    staged, _ = stage_step(0, scalars)
     with torch.cuda.device(device):
-        step_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
-            hparams_dev, counts_dev, n, scalars, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
-        if multi_tensor:
-            block_tensor, block_index, numels = _block_table(tuple(p.numel() for p in params), device, block)
-            if block_tensor.numel() == 0:  # only empty tensors: nothing to launch
-                return [0] * n
-            pointers = np.fromiter((t.data_ptr() for t in (*params, *grads, *states)), dtype=np.int64, count=3 * n)
-            adamw_multi_tensor_kernel[(block_tensor.numel(),)](
-                torch.from_numpy(pointers).to(device, non_blocking=True), block_tensor, block_index, numels,
-                scalars, rejected, n, ALIGNED=not (pointers % 16).any(), num_warps=launch.GPU_NUM_WARPS,
-                **launch.kernel_constants(fmt, write_update=None, count_nonfinite=count_nonfinite, block=block),
-                **launch.COMPILE_OPTIONS,
+        scalars_dev = staged.to(device, non_blocking=True).view(torch.float32).view(n, 8)
+        rejected = torch.zeros(n, dtype=torch.int32, device=device) if count_nonfinite else None
+        for i, (p, g, s) in enumerate(zip(params, grads, states)):
+            if p.numel() == 0:
+                continue
+            words = s if fmt.mode == "fp32" else s.view(torch.int32)
+            adamw_kernel[launch.grid(p.numel(), block)](
+                p, g, words, scalars_dev[i], scalars_dev if rejected is None else rejected[i:], p.numel(), p, words,
+                num_warps=launch.GPU_NUM_WARPS, **_constants(fmt, False, count_nonfinite, block), **launch.COMPILE_OPTIONS,
             )
-        else:
-            constants = launch.kernel_constants(fmt, write_update=False, count_nonfinite=count_nonfinite, block=block)
-            for i, (p, g, s) in enumerate(zip(params, grads, states)):
-                if p.numel() == 0:
-                    continue
-                words = s if fmt.mode == "fp32" else s.view(torch.int32)
-                adamw_kernel[launch.grid(p.numel(), block)](
-                    p, g, words, scalars[i], rejected[i:], p.numel(), p, words,
-                    num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS,
-                )
     return rejected.tolist() if count_nonfinite else [0] * n
+
+
+def stage_step(n_pointers: int, scalars: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    """Pinned int64 host buffer holding `n_pointers` addresses (for the caller to fill) and
+    then the [n, 8] float32 step scalars: one host-to-device copy carries a whole step.
+
+    Pinned memory from torch's host allocator is not handed out again before the copy that
+    reads it has finished, so the host never waits for the GPU."""
+    staged = torch.empty(n_pointers + 4 * len(scalars), dtype=torch.int64, pin_memory=True)
+    host = staged.numpy()
+    host[n_pointers:].view(np.float32)[:] = scalars.reshape(-1)
+    return staged, host[:n_pointers]
+
+
+def launch_multi_tensor(staged: torch.Tensor, numels: tuple[int, ...], device: torch.device, fmt: StateFormat,
+                        count_nonfinite: bool, aligned: bool) -> list[int]:
+    """One launch of the multi-tensor kernel over a buffer from `stage_step` whose addresses
+    are every parameter, then every gradient, then every state buffer (`aligned`: all of them
+    on 16 bytes)."""
+    from packed_adamw.core.kernel import adamw_multi_tensor_kernel
+
+    n = len(numels)
+    with torch.cuda.device(device):
+        block_tensor, block_index, numels_dev = _block_table(numels, device, launch.GPU_BLOCK)
+        if block_tensor.numel() == 0:  # only empty tensors: nothing to launch
+            return [0] * n
+        table = staged.to(device, non_blocking=True)
+        rejected = torch.zeros(n, dtype=torch.int32, device=device) if count_nonfinite else None
+        adamw_multi_tensor_kernel[(block_tensor.numel(),)](
+            table, block_tensor, block_index, numels_dev, table[3 * n:].view(torch.float32),
+            block_index if rejected is None else rejected,  # unused without the count
+            n, ALIGNED=aligned, num_warps=launch.GPU_NUM_WARPS,
+            **_constants(fmt, None, count_nonfinite, launch.GPU_BLOCK), **launch.COMPILE_OPTIONS,
+        )
+    return rejected.tolist() if count_nonfinite else [0] * n
+
+
+@functools.lru_cache(maxsize=64)
+def _constants(fmt: StateFormat, write_update, count_nonfinite: bool, block: int) -> dict:
+    return launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=count_nonfinite, block=block)
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,6 +1,8 @@
 """`PackedAdamW`: torch.optim.AdamW with one uint32 word of state per FP32 parameter."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from torch.optim import Optimizer
@@ -8,10 +10,13 @@ from torch.optim import Optimizer
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, validate_hyperparams
 from packed_adamw.core.portable import PortableState
 
-from .functional import adamw_step_, new_state
+from packed_adamw.core.numpy_step import step_scalar_row
+
+from .functional import adamw_step_, launch_multi_tensor, new_state, scalar_table, stage_step
 
 STATE_DICT_KEY = "packed_adamw"  # the format identity travels in the state_dict under this key
 STATE_DICT_VERSION = 1
+FLOAT32, STRIDED = torch.float32, torch.strided
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -76,56 +81,143 @@ class PackedAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plan = self.__dict__.get("_plan")
+        if plan is None or not self._planned_step(plan):
+            self._plan = self._checked_step()
+        return loss
+
+    def _checked_step(self) -> "_StepPlan | None":
+        """The full step: every check, state creation, then the update. Returns the plan that
+        later steps reuse while nothing but gradients and hyperparameters changes."""
         # Check everything before changing anything: a step that raises leaves no trace.
-        key = self._state_key
-        work, first_device = [], None
+        # This loop is the host cost of a step on CUDA, so each check is the cheapest that
+        # still keeps the kernel inside the memory it was given (raw addresses).
+        key, words_per_element = self._state_key, (2 if self.state_format.mode == "fp32" else 1)
+        params, grads, found, rows, group_of = [], [], [], [], []
+        device = None
         for group_index, group in enumerate(self.param_groups):
-            _validate_hyperparams(group, group_index)
-            row = (float(group["lr"]), *map(float, group["betas"]), float(group["eps"]), float(group["weight_decay"]))
+            row = self._checked_row(group, group_index)
+            first = len(params)
             for param_index, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
                     continue
-                name = (group, group_index, param_index)
-                if not _grad_fits(p, g):
-                    _raise_grad_error(p, _param_name(*name))
-                device = p.get_device()  # an int (-1 for CPU): cheaper than torch.device objects
-                if first_device is None:
-                    first_device = device
-                elif device != first_device:
-                    _check_one_device([p, work[0][0]], "PackedAdamW.step")
+                if not (  # what the kernel relies on; _raise_grad_error says which failed
+                    g.dtype is FLOAT32 and p.dtype is FLOAT32 and g.layout is STRIDED and g.shape == p.shape
+                    and g.is_contiguous() and p.is_contiguous() and g.get_device() == p.get_device()
+                ):
+                    _raise_grad_error(p, _param_name(group, group_index, param_index))
+                if device is None:
+                    device = p.get_device()  # an int (-1 for CPU): cheaper than torch.device objects
+                elif p.get_device() != device:
+                    _check_one_device([p, params[0]], "PackedAdamW.step")
                 state = self.state.get(p)
-                if state and state[key].get_device() != device:
-                    raise ValueError(
-                        f"{_param_name(*name)} is on {p.device} but its optimizer state is on {state[key].device}: "
-                        "move the model before creating the optimizer, or save the state_dict and load it into "
-                        "a new optimizer (load_state_dict moves the state to the parameters' device)"
-                    )
-                work.append((p, g, row, name))
-        params, grads, states, counts, hparams, names = [], [], [], [], [], []
-        for p, g, row, name in work:
-            state = self.state[p]
+                if state:
+                    moments = state[key]
+                    if moments.get_device() != device or moments.numel() != words_per_element * p.numel():
+                        _raise_state_error(p, moments, _param_name(group, group_index, param_index))
+                params.append(p)
+                grads.append(g)
+                found.append(state)
+            rows += [row] * (len(params) - first)
+            group_of += [group_index] * (len(params) - first)
+        states, counts = [], []
+        for i, (p, state) in enumerate(zip(params, found)):
             if not state:
+                state = found[i] = self.state[p]
                 state["step"] = 0
                 state[key] = new_state(p, self.state_format)
-            state["step"] += 1
-            params.append(p)
-            grads.append(g)
+            state["step"] = count = state["step"] + 1
             states.append(state[key])
-            counts.append(state["step"])
-            hparams.append(row)
-            names.append(name)
-        rejected = adamw_step_(params, grads, states, counts, hparams, self.state_format, multi_tensor=self.multi_tensor,
+            counts.append(count)
+        rejected = adamw_step_(params, grads, states, counts, rows, self.state_format, multi_tensor=self.multi_tensor,
                                count_nonfinite=self.check_nonfinite, check_inputs=False)  # checked above
-        bad = [f"{_param_name(*name)} ({n} of {p.numel()} elements)" for name, n, p in zip(names, rejected, params) if n]
-        if bad and self.check_nonfinite:
-            raise NonFiniteGradientError(
-                "PackedAdamW.step: non-finite values (NaN/Inf gradients, or a parameter or update that is not "
-                "finite) in " + ", ".join(bad) + ". Those elements kept their parameter and state; the rest were "
-                "updated. Find the source of the NaN/Inf, or use torch.amp.GradScaler / "
-                "clip_grad_norm_(error_if_nonfinite=True) to skip such steps."
-            )
-        return loss
+        self._raise_if_rejected(params, rejected)
+        return _StepPlan(self, params, found, states, group_of, device) if params else None
+
+    def _planned_step(self, plan: "_StepPlan") -> bool:
+        """The step of `_checked_step` at a fraction of its host cost, when the plan still
+        holds: same parameters and storage, same state, gradients where they were. The checks
+        the kernel's raw addresses need are still made every step. Returns False, having
+        changed nothing, when the full step must run instead."""
+        groups = self.param_groups
+        if self.state is not plan.state or len(self.state) != plan.n_states:
+            return False
+        everything = [p for group in groups for p in group["params"]]
+        if tuple(map(id, everything)) != plan.param_ids:
+            return False
+        grads = [p.grad for p in everything]
+        if plan.all_have_grads:
+            if not all(map(_NONE_ID.__ne__, map(id, grads))):
+                return False
+        else:
+            if tuple(map(_NONE_ID.__ne__, map(id, grads))) != plan.has_grad:
+                return False
+            grads = list(itertools.compress(grads, plan.has_grad))
+        device = plan.device
+        try:  # sparse layouts fail as not contiguous, or raise
+            for g, shape in zip(grads, plan.shapes):
+                if not (g.dtype is FLOAT32 and g.is_contiguous() and g.shape == shape and g.get_device() == device):
+                    return False
+        except (RuntimeError, NotImplementedError):
+            return False
+        if list(map(_data_ptr, plan.params)) != plan.param_pointers:
+            return False
+        rows = [self._checked_row(group, index) for index, group in enumerate(groups)]
+        counts = []
+        for state in plan.states:
+            state["step"] = count = state["step"] + 1
+            counts.append(count)
+        if device < 0 or not self.multi_tensor:
+            rejected = adamw_step_(plan.params, grads, plan.moments, counts, [rows[i] for i in plan.group_of],
+                                   self.state_format, multi_tensor=self.multi_tensor,
+                                   count_nonfinite=self.check_nonfinite, check_inputs=False)
+        else:  # CUDA, one launch: only the gradients' addresses and the scalars are new
+            if counts.count(counts[0]) == len(counts):
+                per_group = [step_scalar_row(counts[0], row) for row in rows]
+                scalars = np.asarray(per_group, dtype=np.float32)[plan.group_of]
+            else:
+                scalars = scalar_table(counts, [rows[i] for i in plan.group_of])
+            n = len(counts)
+            staged, pointers = stage_step(n, scalars)
+            pointers[:n] = plan.param_pointers
+            pointers[n:2 * n] = list(map(_data_ptr, grads))
+            pointers[2 * n:] = plan.moment_pointers
+            aligned = plan.aligned and not (pointers[n:2 * n] & 15).any()
+            rejected = launch_multi_tensor(staged, plan.numels, plan.torch_device, self.state_format,
+                                           self.check_nonfinite, aligned)
+        self._raise_if_rejected(plan.params, rejected)
+        return True
+
+    def _raise_if_rejected(self, params: list, rejected: list[int]) -> None:
+        if not (self.check_nonfinite and any(rejected)):
+            return
+        counts_by_param = dict(zip(map(id, params), rejected))
+        bad = [f"{_param_name(group, gi, pi)} ({counts_by_param[id(p)]} of {p.numel()} elements)"
+               for gi, group in enumerate(self.param_groups) for pi, p in enumerate(group["params"])
+               if counts_by_param.get(id(p))]
+        raise NonFiniteGradientError(
+            "PackedAdamW.step: non-finite values (NaN/Inf gradients, or a parameter or update that is not "
+            "finite) in " + ", ".join(bad) + ". Those elements kept their parameter and state; the rest were "
+            "updated. Find the source of the NaN/Inf, or use torch.amp.GradScaler / "
+            "clip_grad_norm_(error_if_nonfinite=True) to skip such steps."
+        )
+
+    def _checked_row(self, group: dict, index: int) -> tuple[float, ...]:
+        """The group's (lr, b1, b2, eps, weight_decay) as floats. Validity depends on the
+        values alone, so rows already seen valid are not checked again (a scheduler changes lr)."""
+        lr, (b1, b2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        try:
+            row = (float(lr), float(b1), float(b2), float(eps), float(weight_decay))
+        except (TypeError, ValueError, RuntimeError):
+            row = None  # let the validation say what is wrong
+        valid = self.__dict__.setdefault("_valid_rows", {})
+        if row is None or row not in valid:
+            _validate_hyperparams(group, index)
+            if len(valid) > 64:
+                valid.clear()
+            valid[row] = True
+        return row
 
     @property
     def _state_key(self) -> str:
@@ -149,6 +241,7 @@ class PackedAdamW(Optimizer):
 
     def import_state(self, portable: PortableState) -> None:
         """Replace the state with one exported from JAX (or torch); checks format and shapes."""
+        self._plan = None
         params = [p for g in self.param_groups for p in g["params"]]
         portable.check(self.state_format, [tuple(p.shape) for p in params])
         for p, count, moments in zip(params, portable.counts, portable.moments):
@@ -194,6 +287,7 @@ class PackedAdamW(Optimizer):
                     f"{shape} (to match parameter of shape {tuple(p.shape)}), got {got}; the parameters or their "
                     "order differ from the saved run"
                 )
+        self._plan = None
         super().load_state_dict({k: v for k, v in state_dict.items() if k != STATE_DICT_KEY})
         # torch casts all non-step state to a floating parameter's dtype, which would turn the
         # words into float32 values: put the saved words back, bits unchanged.
@@ -205,6 +299,32 @@ class PackedAdamW(Optimizer):
             state["step"] = int(entry["step"])
             if self._state_key == "words":
                 state["words"] = entry["words"].to(p.device, copy=True)
+
+
+class _StepPlan:
+    """What a step can reuse: which parameters step, their addresses, shapes and state.
+    Rebuilt by a full step whenever any of it changes."""
+
+    def __init__(self, opt: PackedAdamW, params: list, states: list[dict], moments: list, group_of: list[int],
+                 device: int):
+        everything = [p for group in opt.param_groups for p in group["params"]]
+        with_grad = set(map(id, params))
+        self.state, self.n_states = opt.state, len(opt.state)
+        self.param_ids = tuple(map(id, everything))
+        self.has_grad = tuple(id(p) in with_grad for p in everything)
+        self.all_have_grads = all(self.has_grad)
+        self.params, self.states, self.moments = params, states, moments
+        self.shapes = [p.shape for p in params]
+        self.param_pointers = list(map(_data_ptr, params))
+        self.moment_pointers = np.array(list(map(_data_ptr, moments)), dtype=np.int64)
+        self.aligned = not any(address & 15 for address in (*self.param_pointers, *self.moment_pointers.tolist()))
+        self.numels = tuple(p.numel() for p in params)
+        self.group_of = np.asarray(group_of, dtype=np.intp)
+        self.device, self.torch_device = device, params[0].device
+
+
+_NONE_ID = id(None)
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -255,11 +375,16 @@ def _validate_group(group: dict, index: int) -> None:
             raise ValueError(f"{name} is on {p.device}: PackedAdamW runs on CPU and CUDA devices")
 
 
-def _grad_fits(p: torch.Tensor, g: torch.Tensor) -> bool:
-    """The step's fast check; `_raise_grad_error` explains a failure."""
-    return (
-        g.layout is torch.strided and g.dtype is torch.float32 and p.dtype is torch.float32
-        and g.shape == p.shape and g.device == p.device and g.is_contiguous() and p.is_contiguous()
+def _raise_state_error(p: torch.Tensor, moments: torch.Tensor, name: str) -> None:
+    if moments.device != p.device:
+        raise ValueError(
+            f"{name} is on {p.device} but its optimizer state is on {moments.device}: "
+            "move the model before creating the optimizer, or save the state_dict and load it into "
+            "a new optimizer (load_state_dict moves the state to the parameters' device)"
+        )
+    raise ValueError(
+        f"{name} has shape {tuple(p.shape)} but its optimizer state has shape {tuple(moments.shape)}: the "
+        "parameter was replaced after the optimizer stepped; build a new optimizer for the new parameter"
     )
 
 
