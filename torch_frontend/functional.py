@@ -119,7 +119,7 @@ def scalar_table(counts, hparams) -> np.ndarray:
 def _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor: bool, count_nonfinite: bool) -> list[int]:
     scalars = scalar_table(counts, hparams)
     if multi_tensor:
-        staged, pointers = stage_step(len(params), scalars)
+        staged, pointers = stage_step(3 * len(params), scalars)
         pointers[:] = [t.data_ptr() for t in (*params, *grads, *states)]
         return launch_multi_tensor(staged, tuple(p.numel() for p in params), params[0].device, fmt, count_nonfinite,
                                    aligned=not (pointers & 15).any())

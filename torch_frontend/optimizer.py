@@ -179,7 +179,7 @@ class PackedAdamW(Optimizer):
             else:
                 scalars = scalar_table(counts, [rows[i] for i in plan.group_of])
             n = len(counts)
-            staged, pointers = stage_step(n, scalars)
+            staged, pointers = stage_step(3 * n, scalars)
             pointers[:n] = plan.param_pointers
             pointers[n:2 * n] = list(map(_data_ptr, grads))
             pointers[2 * n:] = plan.moment_pointers
