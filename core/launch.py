@@ -15,6 +15,10 @@ from .formats import MODE_IDS, StateFormat
 # (docs/BENCHMARKS.md).
 GPU_BLOCK = 512
 GPU_NUM_WARPS = 2
+# Tensors this large get a launch of their own instead of a share of the multi-tensor launch:
+# its table lookups cost about 8% on a 268M-element tensor (docs/BENCHMARKS.md), while the GPU
+# time of one such tensor (over 80 us on an H200) hides the extra launch's host cost.
+SOLO_ELEMENTS = 1 << 24
 # Interpreted (CPU tests): per-program overhead dominates, so one program takes a lot.
 INTERPRETER_BLOCK = 1 << 16
 # step_scalars_kernel: rows (tensors or leaves) per program.

@@ -64,6 +64,28 @@ def test_cuda_equals_cpu_bit_for_bit_on_a_small_model(mode, multi_tensor):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_cuda_tensors_launched_on_their_own_beside_the_shared_launch_equal_cpu(mode, monkeypatch):
+    """Tensors of at least launch.SOLO_ELEMENTS get their own launch; lowered here so that a
+    small model mixes both kinds in every step, with check_nonfinite's counters on."""
+    from packed_adamw.core import launch
+
+    monkeypatch.setattr(launch, "SOLO_ELEMENTS", 1000)
+    gen = torch.Generator().manual_seed(3)
+    cpu_params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(5000,), (300,), (3001,), (17, 13), ()]]
+    cuda_params = _pair(cpu_params)
+    groups = lambda ps: [{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.0}]  # noqa: E731
+    cpu_opt = PackedAdamW(groups(cpu_params), lr=1e-2, mode=mode)
+    cuda_opt = PackedAdamW(groups(cuda_params), lr=1e-2, mode=mode, check_nonfinite=True)
+    rng = np.random.default_rng(1)
+    for _ in range(6):
+        grads = [torch.from_numpy(H.spanning_values(rng, p.numel(), -40, 8)).reshape(p.shape) for p in cpu_params]
+        _set_same_grads(cpu_params, cuda_params, grads)
+        cpu_opt.step()
+        cuda_opt.step()
+    _assert_runs_equal(cpu_opt, cpu_params, cuda_opt, cuda_params, f"{mode} solo and shared launches")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_cuda_steps_that_reuse_the_plan_follow_every_change_like_cpu(mode):
     """Parameter storage swapped, gradients dropped, state cleared, a group added, a state_dict
     loaded: the CUDA run, whose later steps reuse a plan of addresses, equals the CPU run."""

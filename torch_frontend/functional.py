@@ -4,6 +4,7 @@ Both paths follow docs/FORMAT.md operation by operation, so they give the same b
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -118,26 +119,17 @@ def scalar_table(counts, hparams) -> np.ndarray:
 
 def _cuda_step_(params, grads, states, counts, hparams, fmt, multi_tensor: bool, count_nonfinite: bool) -> list[int]:
     scalars = scalar_table(counts, hparams)
+    n = len(params)
+    staged, pointers = stage_step(3 * n if multi_tensor else 0, scalars)
     if multi_tensor:
-        staged, pointers = stage_step(3 * len(params), scalars)
         pointers[:] = [t.data_ptr() for t in (*params, *grads, *states)]
-        return launch_multi_tensor(staged, tuple(p.numel() for p in params), params[0].device, fmt, count_nonfinite,
-                                   aligned=not (pointers & 15).any())
-    from packed_adamw.core.kernel import adamw_kernel
-
-    device, n, block = params[0].device, len(params), launch.GPU_BLOCK
-    staged, _ = stage_step(0, scalars)
-    with torch.cuda.device(device):
-        scalars_dev = staged.to(device, non_blocking=True).view(torch.float32).view(n, 8)
-        rejected = torch.zeros(n, dtype=torch.int32, device=device) if count_nonfinite else None
+        return launch_step(staged, params, grads, states, tuple(p.numel() for p in params), fmt, count_nonfinite,
+                           aligned=not (pointers & 15).any())
+    with _on(params[0].device):
+        scalars_dev = staged.to(params[0].device, non_blocking=True).view(torch.float32).view(n, 8)
+        rejected = torch.zeros(n, dtype=torch.int32, device=params[0].device) if count_nonfinite else None
         for i, (p, g, s) in enumerate(zip(params, grads, states)):
-            if p.numel() == 0:
-                continue
-            words = s if fmt.mode == "fp32" else s.view(torch.int32)
-            adamw_kernel[launch.grid(p.numel(), block)](
-                p, g, words, scalars_dev[i], scalars_dev if rejected is None else rejected[i:], p.numel(), p, words,
-                num_warps=launch.GPU_NUM_WARPS, **_constants(fmt, False, count_nonfinite, block), **launch.COMPILE_OPTIONS,
-            )
+            _launch_one(p, g, s, scalars_dev, i, rejected, fmt, count_nonfinite)
     return rejected.tolist() if count_nonfinite else [0] * n
 
 
@@ -153,27 +145,50 @@ def stage_step(n_pointers: int, scalars: np.ndarray) -> tuple[torch.Tensor, np.n
     return staged, host[:n_pointers]
 
 
-def launch_multi_tensor(staged: torch.Tensor, numels: tuple[int, ...], device: torch.device, fmt: StateFormat,
-                        count_nonfinite: bool, aligned: bool) -> list[int]:
-    """One launch of the multi-tensor kernel over a buffer from `stage_step` whose addresses
-    are every parameter, then every gradient, then every state buffer (`aligned`: all of them
-    on 16 bytes)."""
+def launch_step(staged: torch.Tensor, params, grads, states, numels: tuple[int, ...], fmt: StateFormat,
+                count_nonfinite: bool, aligned: bool) -> list[int]:
+    """The CUDA step over a buffer from `stage_step` whose addresses are every parameter, then
+    every gradient, then every state buffer (`aligned`: all on 16 bytes). Tensors of at least
+    `launch.SOLO_ELEMENTS` elements get a launch of their own, which skips the table lookups;
+    all others share one launch of the multi-tensor kernel (docs/MULTI_TENSOR.md)."""
     from packed_adamw.core.kernel import adamw_multi_tensor_kernel
 
-    n = len(numels)
-    with torch.cuda.device(device):
-        block_tensor, block_index, numels_dev = _block_table(numels, device, launch.GPU_BLOCK)
-        if block_tensor.numel() == 0:  # only empty tensors: nothing to launch
-            return [0] * n
+    n, device = len(numels), params[0].device
+    with _on(device):
+        block_tensor, block_index, numels_dev, solo = _block_table(numels, device, launch.GPU_BLOCK,
+                                                                   launch.SOLO_ELEMENTS)
         table = staged.to(device, non_blocking=True)
+        scalars = table[3 * n:].view(torch.float32)
         rejected = torch.zeros(n, dtype=torch.int32, device=device) if count_nonfinite else None
-        adamw_multi_tensor_kernel[(block_tensor.numel(),)](
-            table, block_tensor, block_index, numels_dev, table[3 * n:].view(torch.float32),
-            block_index if rejected is None else rejected,  # unused without the count
-            n, ALIGNED=aligned, num_warps=launch.GPU_NUM_WARPS,
-            **_constants(fmt, None, count_nonfinite, launch.GPU_BLOCK), **launch.COMPILE_OPTIONS,
-        )
+        if block_tensor.numel():  # none when every tensor is empty or solo
+            adamw_multi_tensor_kernel[(block_tensor.numel(),)](
+                table, block_tensor, block_index, numels_dev, scalars,
+                block_index if rejected is None else rejected,  # unused without the count
+                n, ALIGNED=aligned, num_warps=launch.GPU_NUM_WARPS,
+                **_constants(fmt, None, count_nonfinite, launch.GPU_BLOCK), **launch.COMPILE_OPTIONS,
+            )
+        for i in solo:
+            _launch_one(params[i], grads[i], states[i], scalars.view(n, 8), i, rejected, fmt, count_nonfinite)
     return rejected.tolist() if count_nonfinite else [0] * n
+
+
+def _launch_one(p, g, s, scalars, i: int, rejected, fmt: StateFormat, count_nonfinite: bool) -> None:
+    """The single-tensor kernel on tensor i of a step, in place."""
+    from packed_adamw.core.kernel import adamw_kernel
+
+    n, block = p.numel(), launch.GPU_BLOCK
+    if n == 0:
+        return
+    words = s if fmt.mode == "fp32" else s.view(torch.int32)
+    adamw_kernel[launch.grid(n, block)](
+        p, g, words, scalars[i], scalars if rejected is None else rejected[i:], n, p, words,
+        num_warps=launch.GPU_NUM_WARPS, **_constants(fmt, False, count_nonfinite, block), **launch.COMPILE_OPTIONS,
+    )
+
+
+def _on(device: torch.device):
+    """torch.cuda.device(device), skipped when it is already current (a step's host cost counts)."""
+    return contextlib.nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -182,8 +197,12 @@ def _constants(fmt: StateFormat, write_update, count_nonfinite: bool, block: int
 
 
 @functools.lru_cache(maxsize=16)
-def _block_table(numels: tuple[int, ...], device: torch.device, block: int):
-    """Depends only on the tensor sizes, so it is built once and kept on the device."""
-    block_tensor, block_index = launch.block_table(list(numels), block)
+def _block_table(numels: tuple[int, ...], device: torch.device, block: int, solo_elements: int):
+    """Depends only on the tensor sizes, so it is built once and kept on the device. Solo
+    tensors (launched on their own) get no blocks in the multi-tensor launch."""
+    solo = tuple(i for i, n in enumerate(numels) if n >= solo_elements)
+    shared = [0 if n >= solo_elements else n for n in numels]
+    block_tensor, block_index = launch.block_table(shared, block)
     as_device = lambda a, dtype: torch.as_tensor(a, dtype=dtype).to(device)  # noqa: E731
-    return as_device(block_tensor, torch.int32), as_device(block_index, torch.int32), as_device(numels, torch.int64)
+    return (as_device(block_tensor, torch.int32), as_device(block_index, torch.int32),
+            as_device(numels, torch.int64), solo)

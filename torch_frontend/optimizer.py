@@ -1,8 +1,6 @@
 """`PackedAdamW`: torch.optim.AdamW with one uint32 word of state per FP32 parameter."""
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 from torch.optim import Optimizer
@@ -12,7 +10,7 @@ from packed_adamw.core.portable import PortableState
 
 from packed_adamw.core.numpy_step import step_scalar_row
 
-from .functional import adamw_step_, launch_multi_tensor, new_state, scalar_table, stage_step
+from .functional import adamw_step_, launch_step, new_state, scalar_table, stage_step
 
 STATE_DICT_KEY = "packed_adamw"  # the format identity travels in the state_dict under this key
 STATE_DICT_VERSION = 1
@@ -143,25 +141,20 @@ class PackedAdamW(Optimizer):
         groups = self.param_groups
         if self.state is not plan.state or len(self.state) != plan.n_states:
             return False
-        everything = [p for group in groups for p in group["params"]]
-        if tuple(map(id, everything)) != plan.param_ids:
+        if tuple(map(id, [p for group in groups for p in group["params"]])) != plan.param_ids:
             return False
-        grads = [p.grad for p in everything]
-        if plan.all_have_grads:
-            if not all(map(_NONE_ID.__ne__, map(id, grads))):
-                return False
-        else:
-            if tuple(map(_NONE_ID.__ne__, map(id, grads))) != plan.has_grad:
-                return False
-            grads = list(itertools.compress(grads, plan.has_grad))
-        device = plan.device
-        try:  # sparse layouts fail as not contiguous, or raise
-            for g, shape in zip(grads, plan.shapes):
-                if not (g.dtype is FLOAT32 and g.is_contiguous() and g.shape == shape and g.get_device() == device):
+        if any(p.grad is not None for p in plan.params_without_grad):
+            return False
+        device, grads, grad_pointers = plan.device, [], []
+        try:  # one pass, the cheapest checks first; a sparse gradient fails or raises
+            for p, shape, address in zip(plan.params, plan.shapes, plan.param_pointers):
+                g = p.grad
+                if (g is None or g.dtype is not FLOAT32 or not g.is_contiguous() or g.shape != shape
+                        or g.get_device() != device or _data_ptr(p) != address):
                     return False
+                grads.append(g)
+                grad_pointers.append(_data_ptr(g))
         except (RuntimeError, NotImplementedError):
-            return False
-        if list(map(_data_ptr, plan.params)) != plan.param_pointers:
             return False
         rows = [self._checked_row(group, index) for index, group in enumerate(groups)]
         counts = []
@@ -172,7 +165,7 @@ class PackedAdamW(Optimizer):
             rejected = adamw_step_(plan.params, grads, plan.moments, counts, [rows[i] for i in plan.group_of],
                                    self.state_format, multi_tensor=self.multi_tensor,
                                    count_nonfinite=self.check_nonfinite, check_inputs=False)
-        else:  # CUDA, one launch: only the gradients' addresses and the scalars are new
+        else:  # CUDA: only the gradients' addresses and the scalars are new
             if counts.count(counts[0]) == len(counts):
                 per_group = [step_scalar_row(counts[0], row) for row in rows]
                 scalars = np.asarray(per_group, dtype=np.float32)[plan.group_of]
@@ -181,11 +174,11 @@ class PackedAdamW(Optimizer):
             n = len(counts)
             staged, pointers = stage_step(3 * n, scalars)
             pointers[:n] = plan.param_pointers
-            pointers[n:2 * n] = list(map(_data_ptr, grads))
+            pointers[n:2 * n] = grad_pointers
             pointers[2 * n:] = plan.moment_pointers
             aligned = plan.aligned and not (pointers[n:2 * n] & 15).any()
-            rejected = launch_multi_tensor(staged, plan.numels, plan.torch_device, self.state_format,
-                                           self.check_nonfinite, aligned)
+            rejected = launch_step(staged, plan.params, grads, plan.moments, plan.numels, self.state_format,
+                                   self.check_nonfinite, aligned)
         self._raise_if_rejected(plan.params, rejected)
         return True
 
@@ -311,8 +304,7 @@ class _StepPlan:
         with_grad = set(map(id, params))
         self.state, self.n_states = opt.state, len(opt.state)
         self.param_ids = tuple(map(id, everything))
-        self.has_grad = tuple(id(p) in with_grad for p in everything)
-        self.all_have_grads = all(self.has_grad)
+        self.params_without_grad = [p for p in everything if id(p) not in with_grad]
         self.params, self.states, self.moments = params, states, moments
         self.shapes = [p.shape for p in params]
         self.param_pointers = list(map(_data_ptr, params))
@@ -323,7 +315,6 @@ class _StepPlan:
         self.device, self.torch_device = device, params[0].device
 
 
-_NONE_ID = id(None)
 _data_ptr = torch.Tensor.data_ptr
 
 
