@@ -146,11 +146,15 @@ def stage_step(n_pointers: int, scalars: np.ndarray) -> tuple[torch.Tensor, np.n
 
 
 def launch_step(staged: torch.Tensor, params, grads, states, numels: tuple[int, ...], fmt: StateFormat,
-                count_nonfinite: bool, aligned: bool) -> list[int]:
+                count_nonfinite: bool, aligned: bool, compiled: dict | None = None) -> list[int]:
     """The CUDA step over a buffer from `stage_step` whose addresses are every parameter, then
     every gradient, then every state buffer (`aligned`: all on 16 bytes). Tensors of at least
     `launch.SOLO_ELEMENTS` elements get a launch of their own, which skips the table lookups;
-    all others share one launch of the multi-tensor kernel (docs/MULTI_TENSOR.md)."""
+    all others share one launch of the multi-tensor kernel (docs/MULTI_TENSOR.md).
+
+    `compiled`: a dict owned by a caller whose tensor count and table shapes stay fixed (a
+    step plan); the compiled multi-tensor kernel is kept there and relaunched directly, which
+    skips Triton's argument binding (its specialization cannot change for such a caller)."""
     from packed_adamw.core.kernel import adamw_multi_tensor_kernel
 
     n, device = len(numels), params[0].device
@@ -161,12 +165,20 @@ def launch_step(staged: torch.Tensor, params, grads, states, numels: tuple[int, 
         scalars = table[3 * n:].view(torch.float32)
         rejected = torch.zeros(n, dtype=torch.int32, device=device) if count_nonfinite else None
         if block_tensor.numel():  # none when every tensor is empty or solo
-            adamw_multi_tensor_kernel[(block_tensor.numel(),)](
-                table, block_tensor, block_index, numels_dev, scalars,
-                block_index if rejected is None else rejected,  # unused without the count
-                n, ALIGNED=aligned, num_warps=launch.GPU_NUM_WARPS,
-                **_constants(fmt, None, count_nonfinite, launch.GPU_BLOCK), **launch.COMPILE_OPTIONS,
-            )
+            grid = (block_tensor.numel(),)
+            args = (table, block_tensor, block_index, numels_dev, scalars,
+                    block_index if rejected is None else rejected, n)  # block_index: unused without the count
+            key = (aligned, count_nonfinite)
+            kernel = compiled.get(key) if compiled is not None else None
+            if kernel is not None:
+                kernel[0][(grid[0], 1, 1)](*args, *kernel[1])
+            else:
+                constants = {**_constants(fmt, None, count_nonfinite, launch.GPU_BLOCK), "ALIGNED": aligned}
+                kernel = adamw_multi_tensor_kernel[grid](
+                    *args, num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS)
+                if compiled is not None and hasattr(kernel, "run"):  # a CompiledKernel: keep it
+                    names = adamw_multi_tensor_kernel.arg_names[len(args):]
+                    compiled[key] = (kernel, tuple(constants[name] for name in names))
         for i in solo:
             _launch_one(params[i], grads[i], states[i], scalars.view(n, 8), i, rejected, fmt, count_nonfinite)
     return rejected.tolist() if count_nonfinite else [0] * n

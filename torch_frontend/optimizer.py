@@ -173,12 +173,12 @@ class PackedAdamW(Optimizer):
                 scalars = scalar_table(counts, [rows[i] for i in plan.group_of])
             n = len(counts)
             staged, pointers = stage_step(3 * n, scalars)
-            pointers[:n] = plan.param_pointers
+            pointers[:n] = plan.param_pointer_array
             pointers[n:2 * n] = grad_pointers
             pointers[2 * n:] = plan.moment_pointers
             aligned = plan.aligned and not (pointers[n:2 * n] & 15).any()
             rejected = launch_step(staged, plan.params, grads, plan.moments, plan.numels, self.state_format,
-                                   self.check_nonfinite, aligned)
+                                   self.check_nonfinite, aligned, plan.compiled)
         self._raise_if_rejected(plan.params, rejected)
         return True
 
@@ -308,11 +308,13 @@ class _StepPlan:
         self.params, self.states, self.moments = params, states, moments
         self.shapes = [p.shape for p in params]
         self.param_pointers = list(map(_data_ptr, params))
+        self.param_pointer_array = np.array(self.param_pointers, dtype=np.int64)
         self.moment_pointers = np.array(list(map(_data_ptr, moments)), dtype=np.int64)
         self.aligned = not any(address & 15 for address in (*self.param_pointers, *self.moment_pointers.tolist()))
         self.numels = tuple(p.numel() for p in params)
         self.group_of = np.asarray(group_of, dtype=np.intp)
         self.device, self.torch_device = device, params[0].device
+        self.compiled = {}  # launch_step keeps the compiled multi-tensor kernel here
 
 
 _data_ptr = torch.Tensor.data_ptr
