@@ -158,9 +158,13 @@ def main(argv=None):
     parser.add_argument("--json", help="write raw numbers here")
     parser.add_argument("--skip-jax", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="only time block sizes and warps on one tensor")
+    parser.add_argument("--interleave", type=int, metavar="ROUNDS",
+                        help="only alternate fused AdamW and PackedAdamW on the reference GPT list, ROUNDS times")
     args = parser.parse_args(argv)
     if args.sweep:
         return sweep()
+    if args.interleave:
+        return interleave(args.interleave)
 
     rows, raw = [], {}
     bandwidth = copy_bandwidth()
@@ -208,6 +212,18 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)
+
+
+def interleave(rounds: int):
+    """Host-bound lists drift with the machine: show the ratio round by round."""
+    shapes = reference_gpt_shapes()
+    ratios = []
+    for r in range(rounds):
+        fused = torch_step_ms(shapes, lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True))
+        packed = torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3))
+        ratios.append(packed / fused)
+        print(f"round {r}: fused {fused:.3f} ms packed {packed:.3f} ms ratio {packed / fused:.3f}", flush=True)
+    print(f"median ratio {statistics.median(ratios):.3f}; min {min(ratios):.3f}; max {max(ratios):.3f}")
 
 
 def sweep():
