@@ -88,8 +88,6 @@ class PackedAdamW(Optimizer):
         """The full step: every check, state creation, then the update. Returns the plan that
         later steps reuse while nothing but gradients and hyperparameters changes."""
         # Check everything before changing anything: a step that raises leaves no trace.
-        # This loop is the host cost of a step on CUDA, so each check is the cheapest that
-        # still keeps the kernel inside the memory it was given (raw addresses).
         key, words_per_element = self._state_key, (2 if self.state_format.mode == "fp32" else 1)
         params, grads, found, rows, group_of = [], [], [], [], []
         device = None
