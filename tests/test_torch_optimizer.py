@@ -561,6 +561,18 @@ def plan_events(opt, params, extra):
     opt.load_state_dict(saved)
     step(11)
     step(12)
+    moved = opt.param_groups[0]["params"].pop()  # to the next group: its hyperparameters from now on
+    opt.param_groups[1]["params"].insert(0, moved)
+    step(13)
+    opt.state[params[1]] = {}  # this parameter's state starts again
+    step(14)
+    opt.state[params[0]].clear()
+    step(15)
+    words = next(k for k in opt.state[extra[0]] if k != "step")
+    opt.state[extra[0]][words] = opt.state[extra[0]][words].clone()  # replaced, same bits
+    step(16)
+    del opt.state[params[0]]
+    step(17)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -575,6 +587,67 @@ def test_steps_that_reuse_the_plan_equal_fully_checked_steps_through_every_chang
     plan_events(reference, ref_params, ref_extra)
     H.assert_same_snapshot(H.snapshot(planned, params + extra), H.snapshot(reference, ref_params + ref_extra),
                            "planned vs fully checked steps")
+
+
+def test_a_refused_full_step_leaves_no_older_plan_behind():
+    """After a full step raises (non-finite values), the next steps must not fall back on a
+    plan made before the state was rebuilt."""
+    params = make_params(0)
+    planned = PackedAdamW(params, check_nonfinite=True)
+    ref_params = make_params(0)
+    reference = PackedAdamW(ref_params, check_nonfinite=True)
+    reference.step = _fully_checked(reference)
+    for opt, ps in ((planned, params), (reference, ref_params)):
+        for seed in (1, 2):
+            set_grads(ps, seed)
+            opt.step()
+        opt.state.clear()
+        set_grads(ps, 3)
+        ps[0].grad[0] = float("nan")
+        with pytest.raises(NonFiniteGradientError):
+            opt.step()
+        for seed in (4, 5, 6):
+            set_grads(ps, seed)
+            opt.step()
+    H.assert_same_snapshot(H.snapshot(planned, params), H.snapshot(reference, ref_params), "after a refused step")
+    assert planned.state[params[1]]["step"] == 4
+
+
+def test_a_parameter_made_non_contiguous_in_place_after_stepping_is_refused():
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = PackedAdamW(_named(p))
+    for _ in range(2):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    p.data = p.data.t()  # same storage and shape, other layout
+    p.grad = torch.ones(4, 4)
+    with pytest.raises(TypeError, match="'encoder.weight' is now torch.float32, contiguous=False"):
+        opt.step()
+
+
+def test_a_deep_copy_continues_like_the_original():
+    params = make_params(0)
+    opt = PackedAdamW(params, mode="packed", m_bias=18)
+    set_grads(params, 1)
+    opt.step()
+    twin = copy.deepcopy(opt)  # copies the parameters too, with their state
+    twin_params = twin.param_groups[0]["params"]
+    assert twin.state_format == opt.state_format
+    for seed in (2, 3):
+        set_grads(params, seed)
+        set_grads(twin_params, seed)
+        opt.step()
+        twin.step()
+    H.assert_same_snapshot(H.snapshot(twin, twin_params), H.snapshot(opt, params), "deep copy")
+
+
+def test_betas_of_the_wrong_length_set_later_get_the_validated_message():
+    params = make_params(0)
+    opt = PackedAdamW(params)
+    opt.param_groups[0]["betas"] = (0.9, 0.99, 0.999)
+    set_grads(params, 1)
+    with pytest.raises(ValueError, match=r"param_groups\[0\].*pass a pair"):
+        opt.step()
 
 
 def _fully_checked(opt):

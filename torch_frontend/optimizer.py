@@ -61,6 +61,11 @@ class PackedAdamW(Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict:
+        # torch.optim keeps only defaults, state and param_groups; a copy needs the format too.
+        return {**super().__getstate__(), "state_format": self.state_format, "multi_tensor": self.multi_tensor,
+                "check_nonfinite": self.check_nonfinite}
+
     # ---- parameter groups -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -81,6 +86,7 @@ class PackedAdamW(Optimizer):
                 loss = closure()
         plan = self.__dict__.get("_plan")
         if plan is None or not self._planned_step(plan):
+            self._plan = None  # a full step that raises must not leave an older plan behind
             self._plan = self._checked_step()
         return loss
 
@@ -137,38 +143,47 @@ class PackedAdamW(Optimizer):
         the kernel's raw addresses need are still made every step. Returns False, having
         changed nothing, when the full step must run instead."""
         groups = self.param_groups
-        if self.state is not plan.state or len(self.state) != plan.n_states:
+        if self.state is not plan.state or tuple(map(id, self.state.values())) != plan.state_ids:
             return False
-        if tuple(map(id, [p for group in groups for p in group["params"]])) != plan.param_ids:
+        if (tuple(map(id, [p for group in groups for p in group["params"]])) != plan.param_ids
+                or tuple(len(group["params"]) for group in groups) != plan.group_sizes):
             return False
         if any(p.grad is not None for p in plan.params_without_grad):
+            return False
+        key = self._state_key
+        try:
+            moments = [state[key] for state in plan.states]
+            counts = [state["step"] + 1 for state in plan.states]
+        except (KeyError, TypeError):
+            return False
+        if list(map(id, moments)) != plan.moment_ids:
             return False
         device, grads, grad_pointers = plan.device, [], []
         try:  # one pass, the cheapest checks first; a sparse gradient fails or raises
             for p, shape, address in zip(plan.params, plan.shapes, plan.param_pointers):
                 g = p.grad
                 if (g is None or g.dtype is not FLOAT32 or not g.is_contiguous() or g.shape != shape
-                        or g.get_device() != device or _data_ptr(p) != address):
+                        or g.get_device() != device or _data_ptr(p) != address or p.dtype is not FLOAT32
+                        or not p.is_contiguous()):
                     return False
                 grads.append(g)
                 grad_pointers.append(_data_ptr(g))
         except (RuntimeError, NotImplementedError):
             return False
         rows = [self._checked_row(group, index) for index, group in enumerate(groups)]
-        counts = []
-        for state in plan.states:
-            state["step"] = count = state["step"] + 1
-            counts.append(count)
-        if device < 0 or not self.multi_tensor:
-            rejected = adamw_step_(plan.params, grads, plan.moments, counts, [rows[i] for i in plan.group_of],
-                                   self.state_format, multi_tensor=self.multi_tensor,
-                                   count_nonfinite=self.check_nonfinite, check_inputs=False)
-        else:  # CUDA: only the gradients' addresses and the scalars are new
+        if device >= 0 and self.multi_tensor:  # derived before anything changes: a bad count raises here
             if counts.count(counts[0]) == len(counts):
                 per_group = [step_scalar_row(counts[0], row) for row in rows]
                 scalars = np.asarray(per_group, dtype=np.float32)[plan.group_of]
             else:
                 scalars = scalar_table(counts, [rows[i] for i in plan.group_of])
+        for state, count in zip(plan.states, counts):
+            state["step"] = count
+        if device < 0 or not self.multi_tensor:
+            rejected = adamw_step_(plan.params, grads, plan.moments, counts, [rows[i] for i in plan.group_of],
+                                   self.state_format, multi_tensor=self.multi_tensor,
+                                   count_nonfinite=self.check_nonfinite, check_inputs=False)
+        else:  # CUDA: only the gradients' addresses and the scalars are new
             n = len(counts)
             staged, pointers = stage_step(3 * n, scalars)
             pointers[:n] = plan.param_pointer_array
@@ -197,8 +212,8 @@ class PackedAdamW(Optimizer):
     def _checked_row(self, group: dict, index: int) -> tuple[float, ...]:
         """The group's (lr, b1, b2, eps, weight_decay) as floats. Validity depends on the
         values alone, so rows already seen valid are not checked again (a scheduler changes lr)."""
-        lr, (b1, b2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         try:
+            lr, (b1, b2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             row = (float(lr), float(b1), float(b2), float(eps), float(weight_decay))
         except (TypeError, ValueError, RuntimeError):
             row = None  # let the validation say what is wrong
@@ -300,10 +315,12 @@ class _StepPlan:
                  device: int):
         everything = [p for group in opt.param_groups for p in group["params"]]
         with_grad = set(map(id, params))
-        self.state, self.n_states = opt.state, len(opt.state)
+        self.state, self.state_ids = opt.state, tuple(map(id, opt.state.values()))
         self.param_ids = tuple(map(id, everything))
+        self.group_sizes = tuple(len(group["params"]) for group in opt.param_groups)
         self.params_without_grad = [p for p in everything if id(p) not in with_grad]
         self.params, self.states, self.moments = params, states, moments
+        self.moment_ids = list(map(id, moments))
         self.shapes = [p.shape for p in params]
         self.param_pointers = list(map(_data_ptr, params))
         self.param_pointer_array = np.array(self.param_pointers, dtype=np.int64)
