@@ -20,6 +20,7 @@ from packed_adamw.torch import PackedAdamW
 
 BIG = 268_435_456  # one 1 GiB FP32 tensor
 LIST_ROUNDS = 5
+LOOP = 20  # JAX steps inside one jitted call (lax.fori_loop), for the lists
 
 
 # ---- parameter lists ----------------------------------------------------------------------
@@ -145,9 +146,33 @@ def jax_steps_ms(shapes):
     tx = packed_adamw(1e-3)
     results["packed transform + apply_updates"] = jax_time_ms(
         transform_loop(tx), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params)))
-    fused = jax.jit(packed_adamw_fused_step(1e-3), donate_argnums=(0, 2))
-    results["packed fused in-place"] = jax_time_ms(
-        lambda params, state: fused(params, grads, state), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params)))
+    variants = {"packed fused in-place": True}
+    if len(shapes) > 1:
+        variants["packed fused in-place, launch per leaf"] = False
+    for name, multi_tensor in variants.items():
+        fused = jax.jit(packed_adamw_fused_step(1e-3, multi_tensor=multi_tensor), donate_argnums=(0, 2))
+        results[name] = jax_time_ms(lambda params, state: fused(params, grads, state),
+                                    (jax.tree_util.tree_map(jnp.copy, params), tx.init(params)))
+    if len(shapes) > 1:
+        # Many small leaves: one jitted call per step costs JAX's dispatch of every buffer,
+        # for any optimizer. Inside a training step that cost is paid once for the whole
+        # step, so also time LOOP steps inside one call: the optimizer's own cost.
+        def optax_step(tx):
+            def step(params, state, grads):
+                updates, state = tx.update(grads, state, params)
+                return optax.apply_updates(params, updates), state
+            return step
+
+        fused = packed_adamw_fused_step(1e-3)
+        looped = {"optax.adamw": (optax_step(optax.adamw(1e-3)), optax.adamw(1e-3)),
+                  "packed fused in-place": (lambda params, state, grads: fused(params, grads, state), packed_adamw(1e-3))}
+        for name, (step, tx) in looped.items():
+            # The gradients are an argument, not a closure: XLA would embed them as constants.
+            many = jax.jit(lambda params, state, grads, step=step: jax.lax.fori_loop(
+                0, LOOP, lambda _, carry: step(*carry, grads), (params, state)), donate_argnums=(0, 1))
+            results[f"{name}, {LOOP} steps per jitted call"] = jax_time_ms(
+                lambda params, state, many=many: many(params, state, grads),
+                (jax.tree_util.tree_map(jnp.copy, params), tx.init(params)), steps=1) / LOOP
     return results
 
 
@@ -160,9 +185,13 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true", help="only time block sizes and warps on one tensor")
     parser.add_argument("--interleave", type=int, metavar="ROUNDS",
                         help="only alternate fused AdamW and PackedAdamW on the reference GPT list, ROUNDS times")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="only profile the host side of both optimizers' steps on the reference GPT list")
     args = parser.parse_args(argv)
     if args.sweep:
         return sweep()
+    if args.profile_host:
+        return profile_host()
     if args.interleave:
         return interleave(args.interleave)
 
@@ -224,6 +253,34 @@ def interleave(rounds: int):
         ratios.append(packed / fused)
         print(f"round {r}: fused {fused:.3f} ms packed {packed:.3f} ms ratio {packed / fused:.3f}", flush=True)
     print(f"median ratio {statistics.median(ratios):.3f}; min {min(ratios):.3f}; max {max(ratios):.3f}")
+
+
+def profile_host(steps=300):
+    """Where a host-bound step's time goes: wall time per step without waiting for the GPU
+    (the launch queue never fills at this size), then cProfile's top entries."""
+    import cProfile
+    import pstats
+    import time
+
+    shapes = reference_gpt_shapes()
+    for name, make_opt in (("torch fused AdamW", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)),
+                           ("PackedAdamW", lambda p: PackedAdamW(p, lr=1e-3))):
+        params = make_params(shapes)
+        opt = make_opt(params)
+        for _ in range(3):
+            opt.step()
+        torch.cuda.synchronize()
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                opt.step()
+            host = (time.perf_counter() - t0) * 1e3 / steps
+            torch.cuda.synchronize()
+            print(f"{name}: {host:.3f} ms host time per step", flush=True)
+        profile = cProfile.Profile()
+        profile.runcall(lambda: [opt.step() for _ in range(steps)])
+        torch.cuda.synchronize()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(18)
 
 
 def sweep():

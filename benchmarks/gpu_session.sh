@@ -32,6 +32,9 @@ fi
 if [[ " $STEPS " == *" bench "* ]]; then
   python3 benchmarks/bench_step.py --out "$OUT/BENCHMARKS.md" --json "$OUT/benchmarks.json" 2>&1 | tail -45
 fi
+if [[ " $STEPS " == *" profile "* ]]; then  # not by default: where a host-bound step's time goes
+  python3 benchmarks/bench_step.py --profile-host > "$OUT/HOST_PROFILE.txt" 2>&1; head -60 "$OUT/HOST_PROFILE.txt"
+fi
 if [[ " $STEPS " == *" study "* ]]; then
   python3 benchmarks/learning_study.py --out-doc "$OUT/LEARNING_STUDY.md" 2>&1 | grep -v Warning | tail -30
 fi

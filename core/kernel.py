@@ -10,8 +10,13 @@ The hyperparameters arrive as float32 rows in device memory and the step counts 
 read them. So neither a new learning rate nor a new step recompiles anything, and traced
 values under `jax.jit` give the same scalars as torch.
 """
+import functools
+import linecache
+
 import triton
 import triton.language as tl
+
+from . import launch
 
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 HPARAM_ROW = tl.constexpr(5)  # lr, b1, b2, eps, weight_decay (see hyperparams.HPARAM_FIELDS)
@@ -218,7 +223,7 @@ def _address(table_ptr, index, ALIGNED: tl.constexpr):
 
 @triton.jit
 def adamw_multi_tensor_kernel(
-    pointers_ptr, block_tensor_ptr, block_index_ptr, numels_ptr, scalars_ptr, nonfinite_ptr,
+    pointers_ptr, block_tensor_ptr, block_index_ptr, numels_ptr, scalar_rows_ptr, scalars_ptr, nonfinite_ptr,
     n_tensors,
     MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
@@ -227,8 +232,8 @@ def adamw_multi_tensor_kernel(
 ):
     """Many tensors in one launch, in place: program i updates block `block_index[i]` of
     tensor `block_tensor[i]`. `pointers` holds the addresses of every parameter, then every
-    gradient, then every state buffer (int64); tensor t reads scalar row t, so one launch
-    serves several parameter groups and step counts.
+    gradient, then every state buffer (int64); tensor t reads scalar row `scalar_rows[t]`, so
+    one launch serves several parameter groups and step counts.
     """
     pid = tl.program_id(0)
     t = tl.load(block_tensor_ptr + pid)
@@ -243,7 +248,7 @@ def adamw_multi_tensor_kernel(
         state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
     else:
         state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.uint32))
-    scalars_ptr += t * SCALAR_ROW
+    scalars_ptr += tl.load(scalar_rows_ptr + t) * SCALAR_ROW
     if start + BLOCK <= n_elements:
         _adamw_block(
             param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + t, param_ptr, state_ptr,
@@ -256,3 +261,99 @@ def adamw_multi_tensor_kernel(
             offsets, n_elements, True, MODE, False, COUNT_NONFINITE,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
+
+
+@triton.jit
+def _leaf_group_program(
+    param, grad, state, out, new_state, leaf_table_ptr, scalars_ptr, nonfinite_ptr, leaf, n_leaves,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (i, leaf) of `leaf_group_kernel`: block i of that leaf, whose five buffer
+    addresses arrive as int64. The leaf table holds every leaf's size, then its scalar row."""
+    n_elements = tl.load(leaf_table_ptr + leaf)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if start < n_elements:  # a leaf smaller than the group's largest has idle programs
+        scalars_ptr += tl.load(leaf_table_ptr + n_leaves + leaf) * SCALAR_ROW
+        offsets = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        # jax-triton declares every buffer 16-byte aligned; the selection hides it from the compiler.
+        param_ptr = tl.multiple_of(param, 16).to(tl.pointer_type(tl.float32))
+        grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.float32))
+        out_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
+        if MODE == 2:
+            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.float32))
+            new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.float32))
+        else:
+            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.uint32))
+            new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.uint32))
+        if start + BLOCK <= n_elements:
+            _adamw_block(
+                param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + leaf, out_ptr, new_state_ptr,
+                offsets, n_elements, False, MODE, WRITE_UPDATE, COUNT_NONFINITE,
+                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+            )
+        else:  # the leaf's last, partial block
+            _adamw_block(
+                param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + leaf, out_ptr, new_state_ptr,
+                offsets, n_elements, True, MODE, WRITE_UPDATE, COUNT_NONFINITE,
+                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+            )
+
+
+# jax-triton passes buffers only as separate kernel arguments, never as a table of addresses,
+# so a launch over n leaves needs a kernel with 5n buffer arguments. Its text is generated
+# (one program line per argument); the per-element code is `_adamw_block`, as everywhere.
+_LEAF_GROUP_SOURCE = '''
+def leaf_group_kernel_{n}(
+    {inputs}
+    leaf_table_ptr, scalars_ptr, nonfinite_ptr,
+    {outputs}
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    leaf = tl.program_id(1)
+    param, grad, state = param_0.to(tl.int64), grad_0.to(tl.int64), state_0.to(tl.int64)
+    out, new_state = out_0.to(tl.int64), new_state_0.to(tl.int64)
+{select}
+    _leaf_group_program(
+        param, grad, state, out, new_state, leaf_table_ptr, scalars_ptr, nonfinite_ptr, leaf, {n},
+        MODE, WRITE_UPDATE, COUNT_NONFINITE,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK,
+    )
+'''
+_LEAF_GROUP_SELECT = '''\
+    param = tl.where(leaf == {i}, param_{i}.to(tl.int64), param)
+    grad = tl.where(leaf == {i}, grad_{i}.to(tl.int64), grad)
+    state = tl.where(leaf == {i}, state_{i}.to(tl.int64), state)
+    out = tl.where(leaf == {i}, out_{i}.to(tl.int64), out)
+    new_state = tl.where(leaf == {i}, new_state_{i}.to(tl.int64), new_state)
+'''
+
+
+@functools.cache
+def leaf_group_kernel(n_leaves: int):
+    """The kernel for one launch over `n_leaves` separate leaves, in jax-triton's argument order:
+
+        param_0, grad_0, state_0, ..., leaf_table, scalars, nonfinite, out_0, new_state_0, ...
+
+    on a grid (blocks of the largest leaf, n_leaves). Program (i, t) updates block i of leaf t
+    with scalar row `leaf_table[n_leaves + t]`; `leaf_table[t]` is leaf t's size
+    (`launch.leaf_group_table`). Outputs as in `adamw_kernel`.
+    """
+    if not 1 <= n_leaves <= launch.LEAVES_PER_LAUNCH:
+        raise ValueError(f"leaf_group_kernel: n_leaves must be in [1, {launch.LEAVES_PER_LAUNCH}], got {n_leaves}")
+    source = _LEAF_GROUP_SOURCE.format(
+        n=n_leaves,
+        inputs=" ".join(f"param_{i}, grad_{i}, state_{i}," for i in range(n_leaves)),
+        outputs=" ".join(f"out_{i}, new_state_{i}," for i in range(n_leaves)),
+        select="".join(_LEAF_GROUP_SELECT.format(i=i) for i in range(1, n_leaves)),
+    )
+    # Triton reads a kernel's source through `inspect`, which finds generated text in linecache.
+    filename = f"<packed_adamw.core.kernel leaf_group_kernel_{n_leaves}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), globals())  # defines leaf_group_kernel_{n} here
+    return triton.jit(globals()[f"leaf_group_kernel_{n_leaves}"])

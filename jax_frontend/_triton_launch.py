@@ -1,4 +1,4 @@
-"""The CUDA path: one jax-triton launch of the core kernel per leaf.
+"""The CUDA path: jax-triton launches of the core kernels, over groups of leaves or one leaf.
 
 Imported lazily: `import jax_triton` fails with a CPU-only jaxlib.
 """
@@ -50,9 +50,7 @@ def leaf_step(p, g, s, scalars, *, fmt: StateFormat, write_update: bool):
     """
     from packed_adamw.core.kernel import adamw_kernel
 
-    n = int(p.size)
-    if n == 0:  # a grid of zero programs is not a launch
-        return (jnp.zeros_like(p) if write_update else p), s
+    n = int(p.size)  # not 0: a grid of zero programs is not a launch
     flat_p, flat_g = p.reshape(-1), g.reshape(-1)
     flat_s = s.reshape((2, -1) if fmt.mode == "fp32" else (-1,))
     block = launch.GPU_BLOCK
@@ -69,3 +67,60 @@ def leaf_step(p, g, s, scalars, *, fmt: StateFormat, write_update: bool):
         **launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=False, block=block),
     )
     return out.reshape(p.shape), new_s.reshape(s.shape)
+
+
+def group_step(params, grads, states, rows, scalars, *, fmt: StateFormat, write_update: bool):
+    """`leaf_step` over up to `launch.LEAVES_PER_LAUNCH` non-empty leaves in one launch;
+    `rows[i]` picks leaf i's row of `scalars` ([rows, 8]). Returns (outs, new states)."""
+    from packed_adamw.core.kernel import leaf_group_kernel
+
+    n = len(params)
+    numels = [int(p.size) for p in params]
+    inputs, out_shape, aliases = [], [], {}
+    for i, (p, g, s) in enumerate(zip(params, grads, states)):
+        flat_s = s.reshape((2, -1) if fmt.mode == "fp32" else (-1,))
+        inputs += [p.reshape(-1), g.reshape(-1), flat_s]
+        out_shape += [jax.ShapeDtypeStruct((numels[i],), jnp.float32), jax.ShapeDtypeStruct(flat_s.shape, flat_s.dtype)]
+        aliases[3 * i + 2] = 2 * i + 1
+        if not write_update:
+            aliases[3 * i] = 2 * i
+    table = jnp.asarray(launch.leaf_group_table(numels, rows))
+    block = launch.GPU_BLOCK
+    # The scalars stand in for the unused non-finite counter (COUNT_NONFINITE=False).
+    results = _jax_triton().triton_call(
+        *inputs, table, scalars, scalars,
+        kernel=leaf_group_kernel(n),
+        out_shape=out_shape,
+        grid=(launch.grid(max(numels), block)[0], n),
+        num_warps=launch.GPU_NUM_WARPS,
+        input_output_aliases=aliases,
+        **launch.COMPILE_OPTIONS,
+        **launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=False, block=block),
+    )
+    outs = [results[2 * i].reshape(p.shape) for i, p in enumerate(params)]
+    new_states = [results[2 * i + 1].reshape(s.shape) for i, s in enumerate(states)]
+    return outs, new_states
+
+
+def step(params, grads, states, decay, hparams, count, *, fmt: StateFormat, write_update: bool, multi_tensor: bool):
+    """Every leaf's (out, new state): `hparams` holds the row with weight decay, then the row
+    without; `decay[i]` picks leaf i's. Large leaves launch alone, the others in groups."""
+    scalars = step_scalars(hparams, jnp.stack([count, count]))
+    rows = [0 if d else 1 for d in decay]
+    numels = [int(p.size) for p in params]
+    if multi_tensor:
+        solo, groups = launch.leaf_groups(numels)
+    else:
+        solo, groups = [i for i, n in enumerate(numels) if n], []
+    outs = [jnp.zeros_like(p) if write_update else p for p in params]  # empty leaves stay so
+    new_states = list(states)
+    for i in solo:
+        outs[i], new_states[i] = leaf_step(params[i], grads[i], states[i], scalars[rows[i]], fmt=fmt,
+                                           write_update=write_update)
+    for group in groups:
+        pick = lambda xs: [xs[i] for i in group]  # noqa: E731
+        group_outs, group_states = group_step(pick(params), pick(grads), pick(states), pick(rows), scalars,
+                                              fmt=fmt, write_update=write_update)
+        for i, out, new_state in zip(group, group_outs, group_states):
+            outs[i], new_states[i] = out, new_state
+    return outs, new_states

@@ -1,8 +1,8 @@
 """optax frontend: `packed_adamw` as a GradientTransformation, and a fused in-place step.
 
-On a CUDA backend each leaf is one launch of the core Triton kernel through jax-triton; on
-CPU the numpy step runs through `jax.pure_callback`. Both follow docs/FORMAT.md, so they give
-the same bits as `packed_adamw.torch.PackedAdamW`.
+On a CUDA backend the core Triton kernels are launched through jax-triton, many leaves per
+launch (docs/MULTI_TENSOR.md); on CPU the numpy step runs through `jax.pure_callback`. Both
+follow docs/FORMAT.md, so they give the same bits as `packed_adamw.torch.PackedAdamW`.
 """
 from __future__ import annotations
 
@@ -107,11 +107,12 @@ def _increment(count):
 class _Stepper:
     """What the transform and the fused step share: hyperparameters, format, per-leaf loop."""
 
-    def __init__(self, learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias):
+    def __init__(self, learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor):
         # Plain numbers are checked now; arrays (optax.inject_hyperparams) arrive traced.
         validate_hyperparams(learning_rate, (b1, b2), eps, weight_decay, allow_arrays=True)
         self.learning_rate, self.b1, self.b2, self.eps, self.weight_decay = learning_rate, b1, b2, eps, weight_decay
         self.mask = mask
+        self.multi_tensor = bool(multi_tensor)
         self.fmt = StateFormat(mode, m_bias, rms_bias)
 
     def init(self, params) -> PackedAdamWState:
@@ -137,21 +138,18 @@ class _Stepper:
         count = _increment(state.count)
         decay = _decay_flags(self.mask, params)
         treedef = jax.tree_util.tree_structure(grads)
-        leaves = zip(treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads),
-                     treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay))
+        params, grads = treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads)
+        moments, decay = treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay)
         # One hyperparameter row with weight decay, one without (masked leaves).
         hparams = jnp.asarray([[lr, self.b1, self.b2, self.eps, wd] for wd in (self.weight_decay, 0.0)], jnp.float32)
         if jax.default_backend() == "gpu":
-            scalars = _triton_launch.step_scalars(hparams, jnp.stack([count, count]))
-            rows = (scalars[0], scalars[1])
-            results = [_triton_launch.leaf_step(p, g, s, rows[0 if d else 1], fmt=self.fmt, write_update=write_update)
-                       for p, g, s, d in leaves]
+            outs, moments = _triton_launch.step(params, grads, moments, decay, hparams, count, fmt=self.fmt,
+                                                write_update=write_update, multi_tensor=self.multi_tensor)
         else:
             results = [_cpu_leaf_step(p, g, s, hparams[0 if d else 1], count.reshape(1), fmt=self.fmt,
-                                      write_update=write_update) for p, g, s, d in leaves]
-        outs = treedef.unflatten([r[0] for r in results])
-        moments = treedef.unflatten([r[1] for r in results])
-        return outs, PackedAdamWState(count=count, moments=moments)
+                                      write_update=write_update) for p, g, s, d in zip(params, grads, moments, decay)]
+            outs, moments = [r[0] for r in results], [r[1] for r in results]
+        return treedef.unflatten(outs), PackedAdamWState(count=count, moments=treedef.unflatten(moments))
 
 
 def packed_adamw(
@@ -165,6 +163,7 @@ def packed_adamw(
     *,
     m_bias: int = DEFAULT_M_BIAS,
     rms_bias: int = DEFAULT_RMS_BIAS,
+    multi_tensor: bool = True,
 ) -> optax.GradientTransformation:
     """AdamW with one uint32 word of state per float32 parameter, as an optax transformation.
 
@@ -172,10 +171,12 @@ def packed_adamw(
     (a pytree of bools or a callable returning one) limits weight decay to some leaves. The
     returned updates u satisfy `optax.apply_updates(params, u) == PackedAdamW's in-place step`
     bit for bit. `mode` is "packed" (4 bytes/parameter), "fp16" (4) or "fp32" (8).
+    On CUDA, `multi_tensor=True` updates up to 16 leaves per kernel launch (leaves of 2**24
+    elements or more get their own); `False` launches once per leaf. Same bits either way.
     Gradient elements that are NaN or Inf get update -0.0 and keep their state; wrap the
     transform in `optax.apply_if_finite` to skip such steps whole.
     """
-    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias)
+    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor)
 
     def update_fn(updates, state, params=None):
         return stepper.run(updates, state, params, write_update=True)
@@ -194,13 +195,14 @@ def packed_adamw_fused_step(
     *,
     m_bias: int = DEFAULT_M_BIAS,
     rms_bias: int = DEFAULT_RMS_BIAS,
+    multi_tensor: bool = True,
 ) -> Callable[[Any, Any, PackedAdamWState], tuple[Any, PackedAdamWState]]:
     """`step(params, grads, state) -> (params, state)`: the same step, writing parameters
     directly. Under `jax.jit(step, donate_argnums=(0, 2))` on CUDA it updates the donated
     buffers in place (20 bytes of traffic per parameter). The state is the transform's:
     `packed_adamw(...).init(params)` with the same arguments.
     """
-    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias)
+    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor)
 
     def step(params, grads, state):
         return stepper.run(grads, state, params, write_update=False)

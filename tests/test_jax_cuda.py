@@ -142,3 +142,43 @@ def test_torch_triton_launch_still_works_after_the_jax_triton_path():
                        fmt=StateFormat("packed", 17, 19))
         assert_bits_equal(t, p.reshape(small[k].shape), f"torch CUDA params[{k!r}] after the JAX path")
         assert_bits_equal(opt.state[t]["words"], s.reshape(small[k].shape), f"torch CUDA words[{k!r}]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_leaves_launched_in_groups_give_the_bits_of_a_launch_per_leaf(mode):
+    """Issue 7: 40 leaves of mixed sizes (one empty, one launched alone, the rest in groups of
+    at most LEAVES_PER_LAUNCH, some without weight decay), transform and fused step."""
+    from packed_adamw.core import launch
+
+    rng = np.random.default_rng(24)
+    sizes = [int(n) for n in rng.integers(1, 5000, size=37)] + [0, 70_001, launch.SOLO_ELEMENTS]
+    shapes = {f"w{i:02d}": (n,) for i, n in enumerate(sizes)}
+    params0, grads = make_problem(25, shapes, 3)
+    mask = {k: i % 3 != 0 for i, k in enumerate(shapes)}
+    results = {}
+    for multi in (True, False):
+        tx = packed_adamw(table_schedule, weight_decay=WD, mode=mode, mask=mask, multi_tensor=multi)
+        fused = packed_adamw_fused_step(table_schedule, weight_decay=WD, mode=mode, mask=mask, multi_tensor=multi)
+        jitted = jax.jit(fused, donate_argnums=(0, 2))
+        params = {k: jnp.asarray(v) for k, v in params0.items()}
+        state = tx.init(params)
+        hlo = jitted.lower(params, {k: jnp.asarray(v) for k, v in grads[0].items()}, state).as_text()
+        for g in grads:
+            params, state = jitted(params, {k: jnp.asarray(v) for k, v in g.items()}, state)
+        t_params, t_state = run_jax(params0, grads, tx)
+        results[multi] = (params, state, t_params, t_state, hlo.count("triton_kernel_call"))
+    grouped = -(-38 // launch.LEAVES_PER_LAUNCH)  # 38 leaves are neither empty nor solo
+    assert results[True][4] == 1 + 1 + grouped, "scalars + the solo leaf + the groups"
+    assert results[False][4] == 1 + 39, "scalars + one launch per non-empty leaf"
+    for k in shapes:
+        for i, what in enumerate(["fused params", "fused state", "transform params", "transform state"]):
+            a, b = results[True][i], results[False][i]
+            a, b = (a[k], b[k]) if i % 2 == 0 else (a.moments[k], b.moments[k])
+            assert_bits_equal(a, b, f"{what}[{k!r}]: groups vs per leaf")
+        assert_bits_equal(results[True][0][k], results[True][2][k], f"fused vs transform params[{k!r}]")
+    no_decay = [k for k in shapes if not mask[k]]
+    t_params, t_states, _, _ = run_torch(params0, grads, mode=mode, lr=TABLE, weight_decay=WD, no_decay=no_decay,
+                                         device="cuda")
+    for k in shapes:
+        assert_bits_equal(results[True][0][k], t_params[k], f"groups vs torch params[{k!r}]")
+        assert_bits_equal(results[True][1].moments[k], t_states[k], f"groups vs torch state[{k!r}]")

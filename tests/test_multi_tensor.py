@@ -45,8 +45,10 @@ def test_interpreted_multi_tensor_kernel_equals_numpy_per_tensor(mode, device):
     tp = [torch.from_numpy(p.copy()).to(device) for p in ps]
     tg = [torch.from_numpy(g).to(device) for g in gs]
     ts = [H._state_to_torch(s, fmt, device) for s in states]
-    hparams = torch.tensor([hp.as_float32_list() for hp in hps], dtype=torch.float32, device=device)
-    counts_t = torch.tensor(counts, dtype=torch.int32, device=device)
+    # Rows in reverse tensor order: each tensor must read the row the row table names.
+    hparams = torch.tensor([hp.as_float32_list() for hp in hps[::-1]], dtype=torch.float32, device=device)
+    counts_t = torch.tensor(counts[::-1], dtype=torch.int32, device=device)
+    scalar_rows = torch.arange(len(sizes) - 1, -1, -1, dtype=torch.int32, device=device)
     scalars = torch.empty((len(sizes), 8), dtype=torch.float32, device=device)
     step_scalars_kernel[launch.grid(len(sizes), launch.SCALAR_BLOCK_ROWS)](
         hparams, counts_t, len(sizes), scalars, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **H._compile_options(False))
@@ -55,12 +57,69 @@ def test_interpreted_multi_tensor_kernel_equals_numpy_per_tensor(mode, device):
     nonfinite = torch.zeros(len(sizes), dtype=torch.int32, device=device)
     adamw_multi_tensor_kernel[(len(block_tensor),)](
         pointers, torch.from_numpy(block_tensor).to(device), torch.from_numpy(block_index).to(device),
-        torch.tensor(sizes, dtype=torch.int64, device=device), scalars, nonfinite, len(sizes), ALIGNED=False,
+        torch.tensor(sizes, dtype=torch.int64, device=device), scalar_rows, scalars, nonfinite, len(sizes),
+        ALIGNED=False,
         **launch.kernel_constants(fmt, write_update=None, count_nonfinite=True, block=block), **H._compile_options())
 
     for i, (p_exp, s_exp, rejected) in enumerate(expected):
         H.assert_same_bits(tp[i].cpu().numpy(), p_exp, f"params of tensor {i}")
         H.assert_same_bits(H._state_to_numpy(ts[i], fmt), s_exp, f"state of tensor {i}")
+    assert nonfinite.tolist() == [r for _, _, r in expected]
+    assert sum(nonfinite.tolist()) > 0  # the injected NaN/Inf were seen
+
+
+def test_leaf_groups_cover_every_nonempty_leaf_once_in_size_order():
+    sizes = [5, 0, launch.SOLO_ELEMENTS, 3, *range(100, 100 + 2 * launch.LEAVES_PER_LAUNCH), launch.SOLO_ELEMENTS - 1]
+    solo, groups = launch.leaf_groups(sizes)
+    assert solo == [2]
+    assert all(1 <= len(group) <= launch.LEAVES_PER_LAUNCH for group in groups)
+    grouped = [i for group in groups for i in group]
+    assert sorted(grouped) == [i for i, n in enumerate(sizes) if 0 < n < launch.SOLO_ELEMENTS]
+    assert [sizes[i] for i in grouped] == sorted(sizes[i] for i in grouped)
+
+
+def test_leaf_group_kernel_refuses_too_many_leaves():
+    from packed_adamw.core.kernel import leaf_group_kernel
+
+    with pytest.raises(ValueError, match="n_leaves"):
+        leaf_group_kernel(launch.LEAVES_PER_LAUNCH + 1)
+
+
+@pytest.mark.parametrize("write_update", [False, True], ids=["in_place", "update"])
+@pytest.mark.parametrize("mode", MODES)
+def test_interpreted_leaf_group_kernel_equals_numpy_per_leaf(mode, write_update, device):
+    """The jax-triton launch over separate leaves, called here with torch tensors in the same
+    argument order: in place (the fused step) and writing updates (the transform)."""
+    from packed_adamw.core.kernel import leaf_group_kernel
+
+    fmt = StateFormat(mode)
+    rng = np.random.default_rng(13)
+    block = launch.block_size()
+    sizes = [block + 1, 1, block, 7, block - 1]
+    ps, gs, states = _tensors(rng, sizes, fmt)
+    hps = [Hyperparams(lr=1e-3, weight_decay=wd) for wd in (0.1, 0.0)]  # with and without decay
+    rows = [0, 1, 0, 1, 1]
+    count = 7
+    expected = [H.numpy_reference(p, g, s, count=count, hp=hps[r], fmt=fmt, write_update=write_update)
+                for p, g, s, r in zip(ps, gs, states, rows)]
+
+    tp = [torch.from_numpy(p.copy()).to(device) for p in ps]
+    tg = [torch.from_numpy(g).to(device) for g in gs]
+    ts = [H._state_to_torch(s, fmt, device) for s in states]
+    scalars = torch.stack([H.kernel_step_scalars(hp, count, device) for hp in hps])
+    outs = [torch.empty_like(p) for p in tp] if write_update else tp
+    new_states = [torch.empty_like(s) for s in ts] if write_update else ts
+    nonfinite = torch.zeros(len(sizes), dtype=torch.int32, device=device)
+    table = torch.from_numpy(launch.leaf_group_table(sizes, rows)).to(device)
+    leaf_group_kernel(len(sizes))[(launch.grid(max(sizes), block)[0], len(sizes))](
+        *[t for leaf in zip(tp, tg, ts) for t in leaf], table, scalars, nonfinite,
+        *[t for leaf in zip(outs, new_states) for t in leaf],
+        **launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=True, block=block),
+        **H._compile_options(),
+    )
+    for i, (out_exp, s_exp, rejected) in enumerate(expected):
+        H.assert_same_bits(outs[i].cpu().numpy(), out_exp, f"{'updates' if write_update else 'params'} of leaf {i}")
+        H.assert_same_bits(H._state_to_numpy(new_states[i], fmt), s_exp, f"state of leaf {i}")
     assert nonfinite.tolist() == [r for _, _, r in expected]
     assert sum(nonfinite.tolist()) > 0  # the injected NaN/Inf were seen
 

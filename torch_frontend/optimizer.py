@@ -10,7 +10,7 @@ from packed_adamw.core.portable import PortableState
 
 from packed_adamw.core.numpy_step import step_scalar_row
 
-from .functional import adamw_step_, launch_step, new_state, scalar_table, stage_step
+from .functional import StagingRing, adamw_step_, launch_step, launch_tables, new_state, scalar_table
 
 STATE_DICT_KEY = "packed_adamw"  # the format identity travels in the state_dict under this key
 STATE_DICT_VERSION = 1
@@ -172,11 +172,12 @@ class PackedAdamW(Optimizer):
             return False
         rows = [self._checked_row(group, index) for index, group in enumerate(groups)]
         if device >= 0 and self.multi_tensor:  # derived before anything changes: a bad count raises here
-            if counts.count(counts[0]) == len(counts):
-                per_group = [step_scalar_row(counts[0], row) for row in rows]
-                scalars = np.asarray(per_group, dtype=np.float32)[plan.group_of]
+            if counts.count(counts[0]) == len(counts):  # one row per group
+                scalars = np.asarray([step_scalar_row(counts[0], row) for row in rows], dtype=np.float32)
+                tables = plan.group_tables
             else:
-                scalars = scalar_table(counts, [rows[i] for i in plan.group_of])
+                scalars, scalar_rows = scalar_table(counts, [rows[i] for i in plan.group_of])
+                tables = launch_tables(plan.numels, scalar_rows, plan.torch_device)
         for state, count in zip(plan.states, counts):
             state["step"] = count
         if device < 0 or not self.multi_tensor:
@@ -184,14 +185,15 @@ class PackedAdamW(Optimizer):
                                    self.state_format, multi_tensor=self.multi_tensor,
                                    count_nonfinite=self.check_nonfinite, check_inputs=False)
         else:  # CUDA: only the gradients' addresses and the scalars are new
-            n = len(counts)
-            staged, pointers = stage_step(3 * n, scalars)
+            n, staging = len(counts), plan.staging
+            pointers = staging.stage(scalars)
             pointers[:n] = plan.param_pointer_array
             pointers[n:2 * n] = grad_pointers
             pointers[2 * n:] = plan.moment_pointers
             aligned = plan.aligned and not (pointers[n:2 * n] & 15).any()
-            rejected = launch_step(staged, plan.params, grads, plan.moments, plan.numels, self.state_format,
+            rejected = launch_step(staging.send(), plan.params, grads, plan.moments, tables, self.state_format,
                                    self.check_nonfinite, aligned, plan.compiled)
+            staging.launched()
         self._raise_if_rejected(plan.params, rejected)
         return True
 
@@ -327,9 +329,12 @@ class _StepPlan:
         self.moment_pointers = np.array(list(map(_data_ptr, moments)), dtype=np.int64)
         self.aligned = not any(address & 15 for address in (*self.param_pointers, *self.moment_pointers.tolist()))
         self.numels = tuple(p.numel() for p in params)
-        self.group_of = np.asarray(group_of, dtype=np.intp)
+        self.group_of = tuple(group_of)
         self.device, self.torch_device = device, params[0].device
         self.compiled = {}  # launch_step keeps the compiled multi-tensor kernel here
+        if device >= 0 and opt.multi_tensor:
+            self.staging = StagingRing(len(params), max(len(params), len(opt.param_groups)), self.torch_device)
+            self.group_tables = launch_tables(self.numels, self.group_of, self.torch_device)
 
 
 _data_ptr = torch.Tensor.data_ptr
