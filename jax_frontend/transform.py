@@ -105,7 +105,7 @@ def _increment(count):
 
 
 class _Stepper:
-    """What the transform and the fused step share: hyperparameters, format, per-leaf loop."""
+    """What the transform and the fused step share: hyperparameters, format, the step over leaves."""
 
     def __init__(self, learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor):
         # Plain numbers are checked now; arrays (optax.inject_hyperparams) arrive traced.
