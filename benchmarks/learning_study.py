@@ -1,6 +1,6 @@
 """Learning study: the reference GPT on the embedded tape, one run per optimizer mode.
 
-    PYTHONPATH=. python benchmarks/learning_study.py --out-doc docs/LEARNING_STUDY.md
+    python benchmarks/learning_study.py --out-doc docs/results/LEARNING_STUDY.md
 
 Same seed, data order and schedule for every run; the fp32 run also records the moment
 statistics (fraction of |m| and RMS that E4M11/E4M12 would saturate or flush at each bias).
@@ -102,7 +102,7 @@ def main(argv=None):
     parser.add_argument("--data", default="runs/data/study", help="tapes built with 3 passes over the corpus")
     parser.add_argument("--runs", default="runs/study")
     parser.add_argument("--steps", type=int, default=480)
-    parser.add_argument("--out-doc", default="docs/LEARNING_STUDY.md")
+    parser.add_argument("--out-doc", default="docs/results/LEARNING_STUDY.md")
     args = parser.parse_args(argv)
     results = run_all(args)
     doc = Path(args.out_doc)

@@ -21,6 +21,8 @@ import numpy as np
 CODE_BITS = 16  # each moment takes one half of a uint32 word
 MOMENT_SHIFT = 16  # first-moment code in the high half, RMS code in the low half
 CODE_MASK = 0xFFFF
+CODE_SIGN_BIT = 1 << (CODE_BITS - 1)  # the sign of a signed code
+CODE_MAGNITUDE_MASK = CODE_SIGN_BIT - 1
 
 DEFAULT_M_BIAS = 15
 DEFAULT_RMS_BIAS = 15
@@ -50,7 +52,7 @@ class MiniFloat:
     # ---- derived constants (used by the kernel launchers too) ----
     @property
     def sign_bit(self) -> int:
-        return 1 << (CODE_BITS - 1) if self.signed else 0
+        return CODE_SIGN_BIT if self.signed else 0
 
     @property
     def max_exponent_code(self) -> int:
@@ -190,10 +192,34 @@ class StateFormat:
         m_fmt, r_fmt = self.formats
         return f"{self.mode}:m={m_fmt.identity},rms={r_fmt.identity}"
 
+    # ---- the state's layout: the one place every frontend asks ----
+    @property
+    def state_key(self) -> str:
+        """The state entry that holds the moments (torch state dicts)."""
+        return "moments" if self.mode == "fp32" else "words"
+
+    @property
+    def state_dtype(self) -> str:
+        """numpy name of the state's dtype: two float32 moments, or one uint32 word."""
+        return "float32" if self.mode == "fp32" else "uint32"
+
+    def state_shape(self, param_shape) -> tuple[int, ...]:
+        """The state of one parameter: [2, *shape] float32 in fp32 mode, else the parameter's
+        shape in uint32 words."""
+        return (2, *param_shape) if self.mode == "fp32" else tuple(param_shape)
+
+    def flat_state_shape(self, n_elements: int) -> tuple[int, ...]:
+        """`state_shape` of the flattened parameter, as the kernels and the numpy step read it."""
+        return self.state_shape((n_elements,))
+
     @property
     def state_words_per_param(self) -> int:
         """uint32 words (packed, fp16) or float32 values (fp32) of state per parameter."""
         return 2 if self.mode == "fp32" else 1
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        return 4 * self.state_words_per_param
 
 
 def _static_int(name: str, value) -> int:

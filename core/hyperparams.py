@@ -6,11 +6,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Order of the float32 hyperparameter row the kernel reads; the step scalars are derived
-# from it inside the kernel, so a new learning rate never recompiles anything.
+# The hyperparameter row: float32 values in this order, one row per parameter group (torch) or
+# per weight-decay choice (JAX). Step scalars are derived from it and the step count.
 HPARAM_FIELDS = ("lr", "b1", "b2", "eps", "weight_decay")
-# Order of the float32 step-scalar row the update kernels read (FORMAT.md, "Step scalars").
+HPARAM_ROW = len(HPARAM_FIELDS)
+# The step-scalar row the update kernels and the numpy step read, in this order (FORMAT.md,
+# "Step scalars"). The kernel addresses each field by its index here, never by a literal.
 SCALAR_FIELDS = ("b1", "one_minus_b1", "b2", "one_minus_b2", "step_size", "inv_sqrt_bias_correction2", "eps", "lr_wd")
+SCALAR_ROW = len(SCALAR_FIELDS)
+SCALAR_INDEX = {name: i for i, name in enumerate(SCALAR_FIELDS)}
+# The torch launcher stages scalar rows inside an int64 table beside the buffer addresses.
+SCALAR_ROW_INT64_WORDS = SCALAR_ROW * 4 // 8
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38
 

@@ -5,22 +5,36 @@ Launch rules (the launchers in `launch.py` follow them): compile with
 square root is the correctly rounded `div_rn` / `sqrt_rn`. Then the compiled kernel, its
 interpreted run on CPU, the numpy path and the scalar authority agree bit for bit.
 
-The hyperparameters arrive as float32 rows in device memory and the step counts as int32;
-`step_scalars_kernel` derives each row's step scalars on the device, and the update kernels
-read them. So neither a new learning rate nor a new step recompiles anything, and traced
-values under `jax.jit` give the same scalars as torch.
+The update kernels read their step scalars (hyperparams.SCALAR_FIELDS) as float32 rows in
+device memory, so neither a new learning rate nor a new step recompiles anything. The torch
+launcher derives those rows on the host (`numpy_step.step_scalar_row`) and uploads them with
+the step's addresses; the JAX launcher derives them on the device with `step_scalars_kernel`,
+because under `jax.jit` the learning rate and count are traced. Both follow FORMAT.md's
+recipe and give the same bits.
 """
-import functools
-import linecache
-
 import triton
 import triton.language as tl
 
-from . import launch
+from . import formats, hyperparams
 
-FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
-HPARAM_ROW = tl.constexpr(5)  # lr, b1, b2, eps, weight_decay (see hyperparams.HPARAM_FIELDS)
-SCALAR_ROW = tl.constexpr(8)  # b1, 1-b1, b2, 1-b2, step_size, inv_sqrt_bc2, eps, lr*wd
+# Every layout fact comes from formats.py and hyperparams.py; Triton reads globals only as
+# constexprs.
+FLOAT32_MAX = tl.constexpr(hyperparams.FLOAT32_MAX)
+FP32_MODE = tl.constexpr(formats.MODE_IDS["fp32"])
+MOMENT_SHIFT = tl.constexpr(formats.MOMENT_SHIFT)
+CODE_MASK = tl.constexpr(formats.CODE_MASK)
+CODE_SIGN_BIT = tl.constexpr(formats.CODE_SIGN_BIT)
+CODE_MAGNITUDE_MASK = tl.constexpr(formats.CODE_MAGNITUDE_MASK)
+FLOAT32_SIGN_BIT = tl.constexpr(1 << 31)
+CODE_SIGN_TO_FLOAT32 = tl.constexpr(31 - (formats.CODE_BITS - 1))  # shift from a code's sign bit to float32's
+HPARAM_ROW = tl.constexpr(hyperparams.HPARAM_ROW)
+H_LR, H_B1, H_B2, H_EPS, H_WD = (tl.constexpr(i) for i in range(hyperparams.HPARAM_ROW))
+SCALAR_ROW = tl.constexpr(hyperparams.SCALAR_ROW)
+_S = hyperparams.SCALAR_INDEX
+S_B1, S_ONE_MINUS_B1 = tl.constexpr(_S["b1"]), tl.constexpr(_S["one_minus_b1"])
+S_B2, S_ONE_MINUS_B2 = tl.constexpr(_S["b2"]), tl.constexpr(_S["one_minus_b2"])
+S_STEP_SIZE, S_INV_SQRT_BC2 = tl.constexpr(_S["step_size"]), tl.constexpr(_S["inv_sqrt_bias_correction2"])
+S_EPS, S_LR_WD = tl.constexpr(_S["eps"]), tl.constexpr(_S["lr_wd"])
 
 
 @triton.jit
@@ -40,7 +54,7 @@ def _float32_power(base, exponent):
 def _decode(code, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr):
     """16-bit code (in a uint32) -> float32. Exact: the values are all float32 numbers."""
     if SIGNED:
-        magnitude = code & 0x7FFF
+        magnitude = code & CODE_MAGNITUDE_MASK
     else:
         magnitude = code
     exponent = magnitude >> FRAC_BITS
@@ -49,7 +63,7 @@ def _decode(code, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.conste
     subnormal = fraction.to(tl.float32) * (2.0 ** (1 - BIAS - FRAC_BITS))
     value = tl.where(exponent > 0, normal, subnormal)
     if SIGNED:  # move the sign bit across: unlike `-value`, this keeps -0.0 when compiled
-        value = (value.to(tl.uint32, bitcast=True) | ((code & 0x8000) << 16)).to(tl.float32, bitcast=True)
+        value = (value.to(tl.uint32, bitcast=True) | ((code & CODE_SIGN_BIT) << CODE_SIGN_TO_FLOAT32)).to(tl.float32, bitcast=True)
     return value
 
 
@@ -67,7 +81,7 @@ def _encode(x, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr
     code = tl.where(magnitude >= 2.0 ** (1 - BIAS), normal, subnormal)
     code = tl.minimum(code, MAX_MAGNITUDE)
     if SIGNED:
-        code = tl.where((x < 0.0) & (code != 0), code | 0x8000, code)
+        code = tl.where((x < 0.0) & (code != 0), code | CODE_SIGN_BIT, code)
     return code
 
 
@@ -77,21 +91,22 @@ def step_scalars_kernel(hparams_ptr, counts_ptr, n_rows, scalars_ptr, BLOCK_ROWS
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     valid = rows < n_rows
     hp = hparams_ptr + rows * HPARAM_ROW
-    lr = tl.load(hp + 0, mask=valid, other=0.0)
-    b1 = tl.load(hp + 1, mask=valid, other=0.0)
-    b2 = tl.load(hp + 2, mask=valid, other=0.0)
-    eps = tl.load(hp + 3, mask=valid, other=1.0)
-    weight_decay = tl.load(hp + 4, mask=valid, other=0.0)
+    lr = tl.load(hp + H_LR, mask=valid, other=0.0)
+    b1 = tl.load(hp + H_B1, mask=valid, other=0.0)
+    b2 = tl.load(hp + H_B2, mask=valid, other=0.0)
+    eps = tl.load(hp + H_EPS, mask=valid, other=1.0)
+    weight_decay = tl.load(hp + H_WD, mask=valid, other=0.0)
     count = tl.load(counts_ptr + rows, mask=valid, other=1)
     out = scalars_ptr + rows * SCALAR_ROW
-    tl.store(out + 0, b1, mask=valid)
-    tl.store(out + 1, 1.0 - b1, mask=valid)
-    tl.store(out + 2, b2, mask=valid)
-    tl.store(out + 3, 1.0 - b2, mask=valid)
-    tl.store(out + 4, tl.div_rn(lr, 1.0 - _float32_power(b1, count)), mask=valid)
-    tl.store(out + 5, tl.div_rn(tl.full([BLOCK_ROWS], 1.0, tl.float32), tl.sqrt_rn(1.0 - _float32_power(b2, count))), mask=valid)
-    tl.store(out + 6, eps, mask=valid)
-    tl.store(out + 7, lr * weight_decay, mask=valid)
+    tl.store(out + S_B1, b1, mask=valid)
+    tl.store(out + S_ONE_MINUS_B1, 1.0 - b1, mask=valid)
+    tl.store(out + S_B2, b2, mask=valid)
+    tl.store(out + S_ONE_MINUS_B2, 1.0 - b2, mask=valid)
+    tl.store(out + S_STEP_SIZE, tl.div_rn(lr, 1.0 - _float32_power(b1, count)), mask=valid)
+    one = tl.full([BLOCK_ROWS], 1.0, tl.float32)
+    tl.store(out + S_INV_SQRT_BC2, tl.div_rn(one, tl.sqrt_rn(1.0 - _float32_power(b2, count))), mask=valid)
+    tl.store(out + S_EPS, eps, mask=valid)
+    tl.store(out + S_LR_WD, lr * weight_decay, mask=valid)
 
 
 @triton.jit
@@ -124,26 +139,26 @@ def _adamw_block(
     MASKED=False for blocks that lie wholly inside the tensor: a bounds mask the compiler
     cannot prove uniform over 16 bytes splits every access into 4-byte ones."""
     in_bounds = offsets < n_elements
-    b1 = tl.load(scalars_ptr + 0)
-    one_minus_b1 = tl.load(scalars_ptr + 1)
-    b2 = tl.load(scalars_ptr + 2)
-    one_minus_b2 = tl.load(scalars_ptr + 3)
-    step_size = tl.load(scalars_ptr + 4)
-    inv_sqrt_bias_correction2 = tl.load(scalars_ptr + 5)
-    eps = tl.load(scalars_ptr + 6)
-    lr_wd = tl.load(scalars_ptr + 7)
+    b1 = tl.load(scalars_ptr + S_B1)
+    one_minus_b1 = tl.load(scalars_ptr + S_ONE_MINUS_B1)
+    b2 = tl.load(scalars_ptr + S_B2)
+    one_minus_b2 = tl.load(scalars_ptr + S_ONE_MINUS_B2)
+    step_size = tl.load(scalars_ptr + S_STEP_SIZE)
+    inv_sqrt_bias_correction2 = tl.load(scalars_ptr + S_INV_SQRT_BC2)
+    eps = tl.load(scalars_ptr + S_EPS)
+    lr_wd = tl.load(scalars_ptr + S_LR_WD)
 
     p = _load(param_ptr + offsets, in_bounds, 0.0, MASKED)
     g = _load(grad_ptr + offsets, in_bounds, 0.0, MASKED)
     grad_finite = tl.abs(g) <= FLOAT32_MAX
     g = tl.where(grad_finite, g, 0.0)
-    if MODE == 2:
+    if MODE == FP32_MODE:
         m = _load(state_ptr + offsets, in_bounds, 0.0, MASKED)
         v = _load(state_ptr + n_elements + offsets, in_bounds, 0.0, MASKED)
     else:
         word = _load(state_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint32, bitcast=True)
-        m = _decode(word >> 16, M_SIGNED, M_FRAC, M_BIAS)
-        rms = _decode(word & 0xFFFF, R_SIGNED, R_FRAC, R_BIAS)
+        m = _decode(word >> MOMENT_SHIFT, M_SIGNED, M_FRAC, M_BIAS)
+        rms = _decode(word & CODE_MASK, R_SIGNED, R_FRAC, R_BIAS)
         v = rms * rms
 
     m_next = b1 * m + one_minus_b1 * g
@@ -152,12 +167,12 @@ def _adamw_block(
     denom = rms_next * inv_sqrt_bias_correction2 + eps
     # The sign is flipped on the bits: compiled float negation may become 0 - x, which turns
     # the update -0.0 into +0.0 (and then p = -0.0 into +0.0).
-    sign_bit = tl.full(offsets.shape, 0x80000000, tl.uint32)
+    sign_bit = tl.full(offsets.shape, FLOAT32_SIGN_BIT, tl.uint32)
     total = step_size * tl.div_rn(m_next, denom) + lr_wd * p
     update = (total.to(tl.uint32, bitcast=True) ^ sign_bit).to(tl.float32, bitcast=True)
     p_next = p + update
     accepted = grad_finite & (tl.abs(p_next) <= FLOAT32_MAX)
-    if MODE == 2:
+    if MODE == FP32_MODE:
         accepted = accepted & (tl.abs(m_next) <= FLOAT32_MAX) & (tl.abs(v_next) <= FLOAT32_MAX)
 
     # Rejected elements write back what they read: unmasked stores stay vectorized.
@@ -165,14 +180,14 @@ def _adamw_block(
         _store(out_ptr + offsets, tl.where(accepted, update, sign_bit.to(tl.float32, bitcast=True)), in_bounds, MASKED)
     else:
         _store(out_ptr + offsets, tl.where(accepted, p_next, p), in_bounds, MASKED)
-    if MODE == 2:
+    if MODE == FP32_MODE:
         _store(new_state_ptr + offsets, tl.where(accepted, m_next, m), in_bounds, MASKED)
         _store(new_state_ptr + n_elements + offsets, tl.where(accepted, v_next, v), in_bounds, MASKED)
     else:
         rms_code = _encode(rms_next, R_SIGNED, R_FRAC, R_BIAS, R_MAX)
         m_code = _encode(m_next, M_SIGNED, M_FRAC, M_BIAS, M_MAX)
         m_code = tl.where(rms_code == 0, tl.zeros_like(m_code), m_code)  # the zero-RMS rule
-        new_word = tl.where(accepted, (m_code << 16) | rms_code, word)
+        new_word = tl.where(accepted, (m_code << MOMENT_SHIFT) | rms_code, word)
         _store(new_state_ptr + offsets, new_word.to(new_state_ptr.dtype.element_ty, bitcast=True), in_bounds, MASKED)
     if COUNT_NONFINITE:
         if MASKED:
@@ -244,7 +259,7 @@ def adamw_multi_tensor_kernel(
     n_elements = tl.load(numels_ptr + t)
     param_ptr = _address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.float32))
     grad_ptr = _address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
-    if MODE == 2:
+    if MODE == FP32_MODE:
         state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
     else:
         state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.uint32))
@@ -261,99 +276,3 @@ def adamw_multi_tensor_kernel(
             offsets, n_elements, True, MODE, False, COUNT_NONFINITE,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
-
-
-@triton.jit
-def _leaf_group_program(
-    param, grad, state, out, new_state, leaf_table_ptr, scalars_ptr, nonfinite_ptr, leaf, n_leaves,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
-    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
-    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Program (i, leaf) of `leaf_group_kernel`: block i of that leaf, whose five buffer
-    addresses arrive as int64. The leaf table holds every leaf's size, then its scalar row."""
-    n_elements = tl.load(leaf_table_ptr + leaf)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if start < n_elements:  # a leaf smaller than the group's largest has idle programs
-        scalars_ptr += tl.load(leaf_table_ptr + n_leaves + leaf) * SCALAR_ROW
-        offsets = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
-        # jax-triton declares every buffer 16-byte aligned; the selection hides it from the compiler.
-        param_ptr = tl.multiple_of(param, 16).to(tl.pointer_type(tl.float32))
-        grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.float32))
-        out_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
-        if MODE == 2:
-            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.float32))
-            new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.float32))
-        else:
-            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.uint32))
-            new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.uint32))
-        if start + BLOCK <= n_elements:
-            _adamw_block(
-                param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + leaf, out_ptr, new_state_ptr,
-                offsets, n_elements, False, MODE, WRITE_UPDATE, COUNT_NONFINITE,
-                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-            )
-        else:  # the leaf's last, partial block
-            _adamw_block(
-                param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + leaf, out_ptr, new_state_ptr,
-                offsets, n_elements, True, MODE, WRITE_UPDATE, COUNT_NONFINITE,
-                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-            )
-
-
-# jax-triton passes buffers only as separate kernel arguments, never as a table of addresses,
-# so a launch over n leaves needs a kernel with 5n buffer arguments. Its text is generated
-# (one program line per argument); the per-element code is `_adamw_block`, as everywhere.
-_LEAF_GROUP_SOURCE = '''
-def leaf_group_kernel_{n}(
-    {inputs}
-    leaf_table_ptr, scalars_ptr, nonfinite_ptr,
-    {outputs}
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
-    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
-    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    leaf = tl.program_id(1)
-    param, grad, state = param_0.to(tl.int64), grad_0.to(tl.int64), state_0.to(tl.int64)
-    out, new_state = out_0.to(tl.int64), new_state_0.to(tl.int64)
-{select}
-    _leaf_group_program(
-        param, grad, state, out, new_state, leaf_table_ptr, scalars_ptr, nonfinite_ptr, leaf, {n},
-        MODE, WRITE_UPDATE, COUNT_NONFINITE,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK,
-    )
-'''
-_LEAF_GROUP_SELECT = '''\
-    param = tl.where(leaf == {i}, param_{i}.to(tl.int64), param)
-    grad = tl.where(leaf == {i}, grad_{i}.to(tl.int64), grad)
-    state = tl.where(leaf == {i}, state_{i}.to(tl.int64), state)
-    out = tl.where(leaf == {i}, out_{i}.to(tl.int64), out)
-    new_state = tl.where(leaf == {i}, new_state_{i}.to(tl.int64), new_state)
-'''
-
-
-@functools.cache
-def leaf_group_kernel(n_leaves: int):
-    """The kernel for one launch over `n_leaves` separate leaves, in jax-triton's argument order:
-
-        param_0, grad_0, state_0, ..., leaf_table, scalars, nonfinite, out_0, new_state_0, ...
-
-    on a grid (blocks of the largest leaf, n_leaves). Program (i, t) updates block i of leaf t
-    with scalar row `leaf_table[n_leaves + t]`; `leaf_table[t]` is leaf t's size
-    (`launch.leaf_group_table`). Outputs as in `adamw_kernel`.
-    """
-    if not 1 <= n_leaves <= launch.LEAVES_PER_LAUNCH:
-        raise ValueError(f"leaf_group_kernel: n_leaves must be in [1, {launch.LEAVES_PER_LAUNCH}], got {n_leaves}")
-    source = _LEAF_GROUP_SOURCE.format(
-        n=n_leaves,
-        inputs=" ".join(f"param_{i}, grad_{i}, state_{i}," for i in range(n_leaves)),
-        outputs=" ".join(f"out_{i}, new_state_{i}," for i in range(n_leaves)),
-        select="".join(_LEAF_GROUP_SELECT.format(i=i) for i in range(1, n_leaves)),
-    )
-    # Triton reads a kernel's source through `inspect`, which finds generated text in linecache.
-    filename = f"<packed_adamw.core.kernel leaf_group_kernel_{n_leaves}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    exec(compile(source, filename, "exec"), globals())  # defines leaf_group_kernel_{n} here
-    return triton.jit(globals()[f"leaf_group_kernel_{n_leaves}"])

@@ -12,11 +12,11 @@ import numpy as np
 from .formats import MODE_IDS, StateFormat
 
 # Compiled: two 16-byte vectors per thread and buffer was fastest in an H200 sweep
-# (docs/BENCHMARKS.md).
+# (docs/results/BENCHMARKS.md).
 GPU_BLOCK = 512
 GPU_NUM_WARPS = 2
 # Tensors this large get a launch of their own instead of a share of the multi-tensor launch:
-# its table lookups cost about 8% on a 268M-element tensor (docs/BENCHMARKS.md), while the GPU
+# its table lookups cost about 8% on a 268M-element tensor (docs/results/BENCHMARKS.md), while the GPU
 # time of one such tensor (over 80 us on an H200) hides the extra launch's host cost.
 SOLO_ELEMENTS = 1 << 24
 # Interpreted (CPU tests): per-program overhead dominates, so one program takes a lot.
@@ -69,23 +69,3 @@ def block_table(numels: list[int], block: int) -> tuple[np.ndarray, np.ndarray]:
     starts = np.concatenate([[0], np.cumsum(blocks)[:-1]])
     block_index = (np.arange(int(blocks.sum()), dtype=np.int64) - np.repeat(starts, blocks)).astype(np.int32)
     return block_tensor, block_index
-
-
-# jax-triton launches (`kernel.leaf_group_kernel`): leaves per launch. Each program selects its
-# leaf's addresses from all of the launch's arguments, so its scalar work grows with this.
-LEAVES_PER_LAUNCH = 16
-
-
-def leaf_groups(numels: list[int]) -> tuple[list[int], list[list[int]]]:
-    """Splits leaves (by index) into solo launches and launches of `LEAVES_PER_LAUNCH` or fewer.
-
-    Empty leaves are in neither. Grouped leaves are taken in order of size, so the leaves of one
-    launch are alike and few of its programs (sized for the largest) idle."""
-    solo = [i for i, n in enumerate(numels) if n >= SOLO_ELEMENTS]
-    shared = sorted((i for i, n in enumerate(numels) if 0 < n < SOLO_ELEMENTS), key=lambda i: numels[i])
-    return solo, [shared[k:k + LEAVES_PER_LAUNCH] for k in range(0, len(shared), LEAVES_PER_LAUNCH)]
-
-
-def leaf_group_table(numels: list[int], rows: list[int]) -> np.ndarray:
-    """`leaf_group_kernel`'s table: every leaf's size, then its row of step scalars."""
-    return np.asarray([*numels, *rows], dtype=np.int64)

@@ -99,7 +99,13 @@ def adamw_step(param, grad, state, *, count: int, hp: Hyperparams, fmt: StateFor
     otherwise param += u. Elements whose gradient (or result) is not finite keep their
     parameter and state and get u = -0.0. Returns how many elements were so rejected.
     """
-    s = step_scalars(count, hp)
+    return apply_step(param, grad, state, step_scalar_row(count, hp.as_float32_list()), fmt=fmt, update_out=update_out)
+
+
+def apply_step(param, grad, state, scalars, *, fmt: StateFormat, update_out=None) -> int:
+    """`adamw_step` with the step scalars already derived (`step_scalar_row`): the frontends
+    validate hyperparameters when they change and derive each distinct row once per step."""
+    s = dict(zip(SCALAR_FIELDS, scalars))
     rejected = 0
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for start in range(0, param.shape[0], CHUNK):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from .atomic_file import atomic_path
 from .formats import StateFormat
 
 
@@ -30,8 +31,8 @@ class PortableState:
         if len(self.moments) != len(shapes):
             raise ValueError(f"portable state holds {len(self.moments)} tensors, the parameters are {len(shapes)}")
         for i, (moments, shape) in enumerate(zip(self.moments, shapes)):
-            expected = (2, *shape) if fmt.mode == "fp32" else tuple(shape)
-            dtype = np.float32 if fmt.mode == "fp32" else np.uint32
+            expected = fmt.state_shape(shape)
+            dtype = np.dtype(fmt.state_dtype)
             if moments.shape != expected or moments.dtype != dtype:
                 raise ValueError(
                     f"portable state tensor {i} is {moments.dtype} {moments.shape}, expected {np.dtype(dtype)} "
@@ -40,7 +41,8 @@ class PortableState:
 
     def save(self, path) -> None:
         tensors = {f"moments.{i}": np.array(m, order="C") for i, m in enumerate(self.moments)}  # keeps 0-d shapes
-        save_file(tensors, str(path), metadata={"format": self.format, "counts": json.dumps(self.counts)})
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": self.format, "counts": json.dumps(self.counts)})
 
     @classmethod
     def load(cls, path) -> "PortableState":

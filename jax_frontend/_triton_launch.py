@@ -18,8 +18,8 @@ def _jax_triton():
     saved = os.environ.get("TRITON_CACHE_DIR")
     import jax_triton
 
-    # jax-triton 0.3.1 blanks TRITON_CACHE_DIR on import, which breaks later torch-side
-    # Triton launches in the same process (ENGINEERING_NOTES.md): put it back.
+    # jax-triton 0.3.1 blanks TRITON_CACHE_DIR on import; later torch-side Triton launches in
+    # the same process then fail with "Could not create or locate cache dir": put it back.
     if saved is None:
         os.environ.pop("TRITON_CACHE_DIR", None)
     else:
@@ -70,9 +70,9 @@ def leaf_step(p, g, s, scalars, *, fmt: StateFormat, write_update: bool):
 
 
 def group_step(params, grads, states, rows, scalars, *, fmt: StateFormat, write_update: bool):
-    """`leaf_step` over up to `launch.LEAVES_PER_LAUNCH` non-empty leaves in one launch;
+    """`leaf_step` over up to `_leaf_group.LEAVES_PER_LAUNCH` non-empty leaves in one launch;
     `rows[i]` picks leaf i's row of `scalars` ([rows, 8]). Returns (outs, new states)."""
-    from packed_adamw.core.kernel import leaf_group_kernel
+    from ._leaf_group import leaf_group_kernel, leaf_group_table
 
     n = len(params)
     numels = [int(p.size) for p in params]
@@ -84,7 +84,7 @@ def group_step(params, grads, states, rows, scalars, *, fmt: StateFormat, write_
         aliases[3 * i + 2] = 2 * i + 1
         if not write_update:
             aliases[3 * i] = 2 * i
-    table = jnp.asarray(launch.leaf_group_table(numels, rows))
+    table = jnp.asarray(leaf_group_table(numels, rows))
     block = launch.GPU_BLOCK
     # The scalars stand in for the unused non-finite counter (COUNT_NONFINITE=False).
     results = _jax_triton().triton_call(
@@ -109,7 +109,9 @@ def step(params, grads, states, decay, hparams, count, *, fmt: StateFormat, writ
     rows = [0 if d else 1 for d in decay]
     numels = [int(p.size) for p in params]
     if multi_tensor:
-        solo, groups = launch.leaf_groups(numels)
+        from ._leaf_group import leaf_groups
+
+        solo, groups = leaf_groups(numels)
     else:
         solo, groups = [i for i, n in enumerate(numels) if n], []
     outs = [jnp.zeros_like(p) if write_update else p for p in params]  # empty leaves stay so

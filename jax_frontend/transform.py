@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, Hyperparams, StateFormat, adamw_step
-from packed_adamw.core.hyperparams import validate_hyperparams
+from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
+from packed_adamw.core.hyperparams import FLOAT32_MAX, FLOAT32_TINY, validate_hyperparams
+from packed_adamw.core.numpy_step import apply_step, step_scalar_row
 from packed_adamw.core.portable import PortableState
 
 from . import _triton_launch
@@ -42,9 +43,7 @@ def _check_float32(tree, what: str) -> None:
 
 
 def _moments_spec(leaf, fmt: StateFormat) -> jax.ShapeDtypeStruct:
-    if fmt.mode == "fp32":
-        return jax.ShapeDtypeStruct((2, *jnp.shape(leaf)), jnp.float32)
-    return jax.ShapeDtypeStruct(jnp.shape(leaf), jnp.uint32)
+    return jax.ShapeDtypeStruct(fmt.state_shape(jnp.shape(leaf)), jnp.dtype(fmt.state_dtype))
 
 
 def _zero_moments(leaf, fmt: StateFormat):
@@ -81,16 +80,28 @@ def _decay_flags(mask, params):
 def _cpu_leaf_step(p, g, s, hparams, count, *, fmt: StateFormat, write_update: bool):
     def host_step(p, g, s, hparams, count):
         p = np.array(p, dtype=np.float32).reshape(-1)  # callback inputs are read-only: copy
-        s = np.array(s).reshape((2, -1) if fmt.mode == "fp32" else (-1,))
+        s = np.array(s).reshape(fmt.flat_state_shape(-1))
         update = np.empty_like(p) if write_update else None
-        hp = Hyperparams(*map(float, np.asarray(hparams)))
-        adamw_step(p, np.asarray(g, np.float32).reshape(-1), s, count=int(np.asarray(count).reshape(-1)[0]), hp=hp, fmt=fmt,
-                   update_out=update)
+        # The row was validated in the graph (`_refuse_invalid`), the same on every backend.
+        scalars = step_scalar_row(int(np.asarray(count).reshape(-1)[0]), np.asarray(hparams, np.float32))
+        apply_step(p, np.asarray(g, np.float32).reshape(-1), s, scalars, fmt=fmt, update_out=update)
         return (update if write_update else p).reshape(out_types[0].shape), s.reshape(out_types[1].shape)
 
     out_types = (jax.ShapeDtypeStruct(p.shape, jnp.float32), jax.ShapeDtypeStruct(s.shape, s.dtype))
     out, new_s = jax.pure_callback(host_step, out_types, p, g, s, hparams, count, vmap_method="sequential")
     return out.reshape(p.shape), new_s.reshape(s.shape)
+
+
+def _refuse_invalid(hparams):
+    """(rows, all valid): rows [lr, b1, b2, eps, weight_decay] checked in the graph by the rules
+    of `validate_hyperparams`, for values known only there (schedules, injected arrays). An
+    invalid row becomes NaN, so every element of its leaves is rejected and keeps its value and
+    state, on CPU and GPU alike; the caller then leaves the count as it was."""
+    lr, b1, b2, eps, wd = (hparams[:, i] for i in range(hparams.shape[1]))
+    valid = ((lr >= 0) & (lr <= FLOAT32_MAX) & (b1 >= 0) & (b1 < 1) & (b2 >= 0) & (b2 < 1)
+             & (eps >= FLOAT32_TINY) & (eps <= FLOAT32_MAX) & (wd >= 0) & (wd <= FLOAT32_MAX)
+             & (lr * wd <= FLOAT32_MAX))
+    return jnp.where(valid[:, None], hparams, jnp.nan), jnp.all(valid)
 
 
 def _known_zero(x) -> bool:
@@ -135,13 +146,14 @@ class _Stepper:
         else:
             _check_float32(params, "params")
         lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
-        count = _increment(state.count)
         decay = _decay_flags(self.mask, params)
         treedef = jax.tree_util.tree_structure(grads)
         params, grads = treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads)
         moments, decay = treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay)
         # One hyperparameter row with weight decay, one without (masked leaves).
         hparams = jnp.asarray([[lr, self.b1, self.b2, self.eps, wd] for wd in (self.weight_decay, 0.0)], jnp.float32)
+        hparams, valid = _refuse_invalid(hparams)
+        count = jnp.where(valid, _increment(state.count), state.count)
         if jax.default_backend() == "gpu":
             outs, moments = _triton_launch.step(params, grads, moments, decay, hparams, count, fmt=self.fmt,
                                                 write_update=write_update, multi_tensor=self.multi_tensor)

@@ -1,8 +1,8 @@
 """Shared test setup.
 
-The Triton interpreter must be switched on before any `@triton.jit` decorator runs (see
-/work/shared/ENGINEERING_NOTES.md), so this happens at conftest import time, before pytest
-imports any test module. On a machine with a CUDA GPU the kernels are compiled instead.
+TRITON_INTERPRET=1 must be set before any `@triton.jit` decorator runs, or launches fail with
+"0 active drivers"; so it is set at conftest import time, before pytest imports any test
+module. On a machine with a CUDA GPU the kernels are compiled instead.
 """
 from __future__ import annotations
 

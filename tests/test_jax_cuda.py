@@ -1,5 +1,5 @@
 """The optax frontend on CUDA (jax-triton launch) against torch PackedAdamW on CUDA (Triton
-launched from torch), the fused in-place step and the numpy CPU step, bit for bit (issue 4).
+launched from torch), the fused in-place step and the numpy CPU step, bit for bit.
 
 Runs only where a CUDA GPU is visible to both torch and JAX and jax_triton imports; data moves
 between the frameworks through numpy.
@@ -146,9 +146,10 @@ def test_torch_triton_launch_still_works_after_the_jax_triton_path():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_leaves_launched_in_groups_give_the_bits_of_a_launch_per_leaf(mode):
-    """Issue 7: 40 leaves of mixed sizes (one empty, one launched alone, the rest in groups of
+    """40 leaves of mixed sizes (one empty, one launched alone, the rest in groups of
     at most LEAVES_PER_LAUNCH, some without weight decay), transform and fused step."""
     from packed_adamw.core import launch
+    from packed_adamw.jax._leaf_group import LEAVES_PER_LAUNCH
 
     rng = np.random.default_rng(24)
     sizes = [int(n) for n in rng.integers(1, 5000, size=37)] + [0, 70_001, launch.SOLO_ELEMENTS]
@@ -167,7 +168,7 @@ def test_leaves_launched_in_groups_give_the_bits_of_a_launch_per_leaf(mode):
             params, state = jitted(params, {k: jnp.asarray(v) for k, v in g.items()}, state)
         t_params, t_state = run_jax(params0, grads, tx)
         results[multi] = (params, state, t_params, t_state, hlo.count("triton_kernel_call"))
-    grouped = -(-38 // launch.LEAVES_PER_LAUNCH)  # 38 leaves are neither empty nor solo
+    grouped = -(-38 // LEAVES_PER_LAUNCH)  # 38 leaves are neither empty nor solo
     assert results[True][4] == 1 + 1 + grouped, "scalars + the solo leaf + the groups"
     assert results[False][4] == 1 + 39, "scalars + one launch per non-empty leaf"
     for k in shapes:

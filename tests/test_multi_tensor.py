@@ -16,7 +16,7 @@ MODES = ["packed", "fp16", "fp32"]
 def _tensors(rng, sizes, fmt):
     ps = [H.random_params(rng, n) for n in sizes]
     gs = [H.random_grads(rng, n, fmt) for n in sizes]
-    H.inject_nonfinite(rng, gs[-2])
+    H.inject_nonfinite(rng, gs[-2 if len(gs) > 1 else 0])
     states = [H.random_state(rng, n, fmt) for n in sizes]
     return ps, gs, states
 
@@ -69,36 +69,55 @@ def test_interpreted_multi_tensor_kernel_equals_numpy_per_tensor(mode, device):
 
 
 def test_leaf_groups_cover_every_nonempty_leaf_once_in_size_order():
-    sizes = [5, 0, launch.SOLO_ELEMENTS, 3, *range(100, 100 + 2 * launch.LEAVES_PER_LAUNCH), launch.SOLO_ELEMENTS - 1]
-    solo, groups = launch.leaf_groups(sizes)
+    from packed_adamw.jax._leaf_group import LEAVES_PER_LAUNCH, leaf_groups
+
+    sizes = [5, 0, launch.SOLO_ELEMENTS, 3, *range(100, 100 + 2 * LEAVES_PER_LAUNCH), launch.SOLO_ELEMENTS - 1]
+    solo, groups = leaf_groups(sizes)
     assert solo == [2]
-    assert all(1 <= len(group) <= launch.LEAVES_PER_LAUNCH for group in groups)
+    assert all(1 <= len(group) <= LEAVES_PER_LAUNCH for group in groups)
     grouped = [i for group in groups for i in group]
     assert sorted(grouped) == [i for i, n in enumerate(sizes) if 0 < n < launch.SOLO_ELEMENTS]
     assert [sizes[i] for i in grouped] == sorted(sizes[i] for i in grouped)
 
 
 def test_leaf_group_kernel_refuses_too_many_leaves():
-    from packed_adamw.core.kernel import leaf_group_kernel
+    from packed_adamw.jax._leaf_group import LEAVES_PER_LAUNCH, leaf_group_kernel
 
     with pytest.raises(ValueError, match="n_leaves"):
-        leaf_group_kernel(launch.LEAVES_PER_LAUNCH + 1)
+        leaf_group_kernel(LEAVES_PER_LAUNCH + 1)
+
+
+def test_generated_leaf_group_source_follows_the_hand_written_model():
+    """The generated text for n leaves is the two-leaf model with n leaves' buffers and
+    selections; for two leaves it is the model itself."""
+    import inspect
+
+    from packed_adamw.jax import _leaf_group as LG
+
+    model = inspect.getsource(LG.leaf_group_kernel_2)
+    assert LG._generated_source(2) == model
+    three = LG._generated_source(3)
+    assert "def leaf_group_kernel_3(\n    param_0, grad_0, state_0, param_1, grad_1, state_1, param_2, grad_2, state_2," in three
+    assert "out_0, new_state_0, out_1, new_state_1, out_2, new_state_2," in three
+    assert three.count("tl.where(leaf == 2, ") == 5 and "leaf, 3," in three
+    assert "leaf == 1" not in LG._generated_source(1) and "leaf, 1," in LG._generated_source(1)
 
 
 @pytest.mark.parametrize("write_update", [False, True], ids=["in_place", "update"])
 @pytest.mark.parametrize("mode", MODES)
-def test_interpreted_leaf_group_kernel_equals_numpy_per_leaf(mode, write_update, device):
+@pytest.mark.parametrize("n_leaves", [1, 2, 5])
+def test_interpreted_leaf_group_kernel_equals_numpy_per_leaf(mode, write_update, n_leaves, device):
     """The jax-triton launch over separate leaves, called here with torch tensors in the same
     argument order: in place (the fused step) and writing updates (the transform)."""
-    from packed_adamw.core.kernel import leaf_group_kernel
+    from packed_adamw.jax._leaf_group import leaf_group_kernel, leaf_group_table
 
     fmt = StateFormat(mode)
     rng = np.random.default_rng(13)
     block = launch.block_size()
-    sizes = [block + 1, 1, block, 7, block - 1]
+    sizes = [block + 1, 1, block, 7, block - 1][:n_leaves]
     ps, gs, states = _tensors(rng, sizes, fmt)
     hps = [Hyperparams(lr=1e-3, weight_decay=wd) for wd in (0.1, 0.0)]  # with and without decay
-    rows = [0, 1, 0, 1, 1]
+    rows = [0, 1, 0, 1, 1][:n_leaves]
     count = 7
     expected = [H.numpy_reference(p, g, s, count=count, hp=hps[r], fmt=fmt, write_update=write_update)
                 for p, g, s, r in zip(ps, gs, states, rows)]
@@ -110,7 +129,7 @@ def test_interpreted_leaf_group_kernel_equals_numpy_per_leaf(mode, write_update,
     outs = [torch.empty_like(p) for p in tp] if write_update else tp
     new_states = [torch.empty_like(s) for s in ts] if write_update else ts
     nonfinite = torch.zeros(len(sizes), dtype=torch.int32, device=device)
-    table = torch.from_numpy(launch.leaf_group_table(sizes, rows)).to(device)
+    table = torch.from_numpy(leaf_group_table(sizes, rows)).to(device)
     leaf_group_kernel(len(sizes))[(launch.grid(max(sizes), block)[0], len(sizes))](
         *[t for leaf in zip(tp, tg, ts) for t in leaf], table, scalars, nonfinite,
         *[t for leaf in zip(outs, new_states) for t in leaf],

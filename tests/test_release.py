@@ -1,4 +1,4 @@
-"""Release tooling: packaging (sdist + wheel) and .ci/release.py.
+"""Release tooling: packaging (sdist + wheel) and tools/release.py.
 
 Everything here runs on CPU. The release-script tests work on a throwaway git
 repository in tmp_path so they do not depend on the state of this checkout.
@@ -14,13 +14,16 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from packed_adamw.core import __version__ as VERSION
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RELEASE_SCRIPT = REPO_ROOT / ".ci" / "release.py"
+RELEASE_SCRIPT = REPO_ROOT / "tools" / "release.py"
 TOKENIZER_ARTIFACT = "tokenizer/bpe-12095.json"
 WHEEL_PACKAGES = ["core", "torch", "torch/gpt", "jax", "tokenizer"]
 SLOW_TESTS = os.environ.get("PACKED_ADAMW_SLOW_TESTS") == "1"
@@ -44,7 +47,7 @@ GIT_ENV = {
 
 @pytest.fixture(scope="module")
 def release():
-    """.ci/release.py imported as a module (.ci is not a package)."""
+    """tools/release.py imported as a module (tools is not a package)."""
     spec = importlib.util.spec_from_file_location("packed_adamw_release", RELEASE_SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up here
@@ -88,8 +91,9 @@ def tiny_repo(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     repo.mkdir()
     git(repo, "-c", "init.defaultBranch=main", "init", "-q")
-    write(repo, "pyproject.toml", '[project]\nname = "packed-adamw"\nversion = "0.0.1"\n')
-    write(repo, "core/__init__.py", "")
+    # As in this project, the version is written once, in core/__init__.py.
+    write(repo, "pyproject.toml", '[project]\nname = "packed-adamw"\ndynamic = ["version"]\n')
+    write(repo, "core/__init__.py", 'from .formats import E4M11\n\n__version__ = "0.0.1"\n')
     write(repo, "core/formats.py", "E4M11 = 'signed first moment'\n")
     write(repo, "README.md", "# tiny\n")
     commit_all(repo, "first")
@@ -212,6 +216,31 @@ def test_release_of_older_ref_has_that_commits_files(release, tiny_repo, tmp_pat
         "README.md", "core/__init__.py", "core/formats.py", "pyproject.toml"
     ]
     assert old.archive_sha256 != new.archive_sha256
+
+
+def test_version_comes_from_core_init(release, tiny_repo, tmp_path):
+    write(tiny_repo, "core/__init__.py", '"""core."""\n__version__ = "0.0.2"\n')
+    commit_all(tiny_repo, "bump")
+    made = release.make_release(tiny_repo, "HEAD", tmp_path / "out")
+    assert made.archive.name == archive_name("0.0.2")
+    assert json.loads(made.manifest.read_text())["version"] == "0.0.2"
+
+
+def test_release_refuses_a_commit_without_version(release, tiny_repo, tmp_path):
+    write(tiny_repo, "core/__init__.py", "VERSION = '0.0.3'\n")
+    commit_all(tiny_repo, "no __version__")
+    with pytest.raises(release.ReleaseError, match="__version__"):
+        release.make_release(tiny_repo, "HEAD", tmp_path / "out")
+
+
+def test_release_tool_and_setuptools_read_the_same_version(release):
+    """pyproject.toml's dynamic version is the attribute the release tool reads."""
+    setuptools_config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    module, attribute = setuptools_config["dynamic"]["version"]["attr"].rsplit(".", 1)
+    assert attribute == "__version__"
+    assert f"{setuptools_config['package-dir'][module]}/__init__.py" == release.VERSION_FILE
+    # and the tool parses this checkout's committed file
+    assert release.VERSION_PATTERN.fullmatch(release.read_version(REPO_ROOT, "HEAD"))
 
 
 @pytest.mark.skipif(shutil.which("sha256sum") is None, reason="sha256sum not installed")
@@ -343,15 +372,16 @@ def wheel_files(wheel: Path) -> dict[str, int]:
 
 
 def test_build_sdist_and_wheel_from_tree(snapshot, tmp_path):
+    # The file names carry the version setuptools read from core/__init__.py.
     python_build(snapshot, tmp_path, "--sdist", "--wheel")
-    assert len(list(tmp_path.glob("packed_adamw-1.0.0.tar.gz"))) == 1
-    assert len(list(tmp_path.glob("packed_adamw-1.0.0-py3-none-any.whl"))) == 1
+    assert len(list(tmp_path.glob(f"packed_adamw-{VERSION}.tar.gz"))) == 1
+    assert len(list(tmp_path.glob(f"packed_adamw-{VERSION}-py3-none-any.whl"))) == 1
 
 
 def test_sdist_has_what_a_rebuild_needs(release, built_dists, snapshot):
     files = sdist_files(built_dists["sdist"])
     for needed in ["pyproject.toml", "README.md", "CHANGELOG.md", "MANIFEST.in",
-                   "docs/RELEASE.md", "tests/test_release.py", ".ci/release.py"]:
+                   "docs/RELEASE.md", "tests/test_release.py", "tools/release.py"]:
         assert needed in files, needed
     for tokenizer_file in sorted(snapshot.glob("tokenizer/*.json")) + sorted(snapshot.glob("tokenizer/*.md")):
         assert f"tokenizer/{tokenizer_file.name}" in files
@@ -366,7 +396,7 @@ def test_wheel_has_packages_and_no_tests_or_corpus(release, built_dists):
     for package in WHEEL_PACKAGES:
         assert f"packed_adamw/{package}/__init__.py" in files, package
     top_levels = {name.split("/", 1)[0] for name in files}
-    assert top_levels == {"packed_adamw", "packed_adamw-1.0.0.dist-info"}
+    assert top_levels == {"packed_adamw", f"packed_adamw-{VERSION}.dist-info"}
     assert not [n for n in files if "/tests/" in n or n.split("/")[-1].startswith("test_")]
     offenders = release.find_forbidden(files.items())
     assert offenders == [], [str(v) for v in offenders]

@@ -1,4 +1,4 @@
-"""`PackedAdamW` on CUDA (issue 3): the compiled kernel against the CPU step, bit for bit.
+"""`PackedAdamW` on CUDA: the compiled kernel against the CPU step, bit for bit.
 
 Skipped unless torch sees a CUDA device. The CPU optimizer (numpy step) is itself checked
 against the scalar authority in test_torch_optimizer.py, so CUDA == CPU on every bit here

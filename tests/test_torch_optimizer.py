@@ -1,4 +1,4 @@
-"""`packed_adamw.torch.PackedAdamW` on CPU (issue 3), in the manner of torch's test/test_optim.py.
+"""`packed_adamw.torch.PackedAdamW` on CPU, in the manner of torch's test/test_optim.py.
 
 Exact claims compare bits (`torch_helpers.bits`: float32/uint32 as uint32), never allclose:
 the optimizer against the scalar authority, groups against separate optimizers, saved and
@@ -969,3 +969,30 @@ def test_an_empty_parameter_steps_beside_the_others():
     PackedAdamW(reference).step()
     for p, r in zip(params[1:], reference):
         H.assert_same_bits(p, r, "params beside an empty one")
+
+
+def test_hyperparameters_are_validated_when_they_change_not_per_tensor_per_step(monkeypatch):
+    """One validation per distinct hyperparameter row, however many tensors and steps."""
+    import packed_adamw.core.hyperparams as hyperparams
+    import packed_adamw.torch.optimizer as optimizer_module
+
+    calls = []
+    real = hyperparams.validate_hyperparams
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer_module, "validate_hyperparams", counting)
+    monkeypatch.setattr(hyperparams, "validate_hyperparams", counting)
+    params = make_params(seed=3, shapes=((50,), (7, 3), (4,), ()))
+    opt = PackedAdamW(params, lr=1e-3, weight_decay=0.1)
+    after_init = len(calls)
+    for step in range(4):
+        set_grads(params, seed=step)
+        opt.step()
+    assert len(calls) - after_init == 1  # the first step's row; later steps reuse the verdict
+    opt.param_groups[0]["lr"] = 2e-3
+    set_grads(params, seed=9)
+    opt.step()
+    assert len(calls) - after_init == 2

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from packed_adamw.core.atomic_file import atomic_open
+
 from . import EOT_TOKEN, VOCAB_SIZE, load_tokenizer, token_byte_counts
 from . import tokenizer_sha256 as file_tokenizer_sha256
 from .corpus import (
@@ -133,34 +135,28 @@ def _write_tape(
 
     payload_offset = _payload_offset(VOCAB_SIZE)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = out_path.with_name(f"{out_path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp_path, "wb") as tape_file:
-            tape_file.seek(payload_offset)
-            payload_hash = hashlib.sha256()
-            for order in pass_orders:
-                for i in order:
-                    payload_hash.update(document_tokens[i].data)
-                    tape_file.write(document_tokens[i].data)
-            header = TapeHeader(
-                format_version=FORMAT_VERSION, payload_offset=payload_offset,
-                vocab_size=VOCAB_SIZE, eot_token_id=eot_id, passes=passes, split=split,
-                val_fraction=val_fraction, seed=seed, documents_per_pass=len(documents),
-                token_count=token_count, tokenizer_sha256=file_tokenizer_sha256(tokenizer_path),
-                corpus_sha256=source_corpus_sha256, payload_sha256=payload_hash.hexdigest(),
-                header_sha256="00" * 32,
-            )
-            byte_counts = token_byte_counts(tokenizer)
-            header = dataclasses.replace(
-                header, header_sha256=_region_sha256(_header_region(header, byte_counts))
-            )
-            tape_file.seek(0)
-            tape_file.write(_header_region(header, byte_counts))
-            tape_file.flush()
-            os.fsync(tape_file.fileno())
-        os.replace(tmp_path, out_path)
-    finally:
-        tmp_path.unlink(missing_ok=True)
+    # flush, fsync and rename, as for every file the project writes (core/atomic_file.py)
+    with atomic_open(out_path, "wb") as tape_file:
+        tape_file.seek(payload_offset)
+        payload_hash = hashlib.sha256()
+        for order in pass_orders:
+            for i in order:
+                payload_hash.update(document_tokens[i].data)
+                tape_file.write(document_tokens[i].data)
+        header = TapeHeader(
+            format_version=FORMAT_VERSION, payload_offset=payload_offset,
+            vocab_size=VOCAB_SIZE, eot_token_id=eot_id, passes=passes, split=split,
+            val_fraction=val_fraction, seed=seed, documents_per_pass=len(documents),
+            token_count=token_count, tokenizer_sha256=file_tokenizer_sha256(tokenizer_path),
+            corpus_sha256=source_corpus_sha256, payload_sha256=payload_hash.hexdigest(),
+            header_sha256="00" * 32,
+        )
+        byte_counts = token_byte_counts(tokenizer)
+        header = dataclasses.replace(
+            header, header_sha256=_region_sha256(_header_region(header, byte_counts))
+        )
+        tape_file.seek(0)
+        tape_file.write(_header_region(header, byte_counts))
     return header
 
 

@@ -10,12 +10,13 @@ licenses, and the trainer settings and hash of the tokenizer they produced).
 import argparse
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from packed_adamw.core.atomic_file import atomic_write
 
 from . import EOT_TOKEN, TOKENIZER_ARTIFACT, VOCAB_SIZE
 from .corpus import Document, corpus_provenance, default_corpus_documents
@@ -54,12 +55,6 @@ def train_tokenizer(documents: Sequence[Document]) -> Tokenizer:
     return tokenizer
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp_path = path.with_name(path.name + ".tmp")
-    tmp_path.write_bytes(data)
-    os.replace(tmp_path, path)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=TOKENIZER_ARTIFACT,
@@ -82,8 +77,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(args.out, tokenizer_bytes)
-    _write_atomically(provenance_path, (json.dumps(provenance, indent=2) + "\n").encode("utf-8"))
+    atomic_write(args.out, tokenizer_bytes)
+    atomic_write(provenance_path, (json.dumps(provenance, indent=2) + "\n").encode("utf-8"))
     print(f"wrote {args.out} ({VOCAB_SIZE} entries, sha256 {provenance['tokenizer']['sha256']})")
     print(f"wrote {provenance_path}")
 

@@ -8,9 +8,8 @@ from torch.optim import Optimizer
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, validate_hyperparams
 from packed_adamw.core.portable import PortableState
 
-from packed_adamw.core.numpy_step import step_scalar_row
-
-from .functional import StagingRing, adamw_step_, launch_step, launch_tables, new_state, scalar_table
+from ._plan import StepPlan
+from .functional import adamw_step_, new_state, state_dtype
 
 STATE_DICT_KEY = "packed_adamw"  # the format identity travels in the state_dict under this key
 STATE_DICT_VERSION = 1
@@ -84,21 +83,26 @@ class PackedAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        rows = [self._checked_row(group, index) for index, group in enumerate(self.param_groups)]
         plan = self.__dict__.get("_plan")
-        if plan is None or not self._planned_step(plan):
+        rejected = plan.step(self, rows) if plan is not None else None
+        if rejected is None:
             self._plan = None  # a full step that raises must not leave an older plan behind
-            self._plan = self._checked_step()
+            self._plan, params, rejected = self._full_step(rows)
+        else:
+            params = plan.params
+        self._raise_if_rejected(params, rejected)
         return loss
 
-    def _checked_step(self) -> "_StepPlan | None":
-        """The full step: every check, state creation, then the update. Returns the plan that
-        later steps reuse while nothing but gradients and hyperparameters changes."""
-        # Check everything before changing anything: a step that raises leaves no trace.
-        key, words_per_element = self._state_key, (2 if self.state_format.mode == "fp32" else 1)
+    def _full_step(self, group_rows: list) -> tuple["StepPlan | None", list, list[int]]:
+        """Every check, then the update, then the new state entries. Returns the plan that
+        later steps reuse while nothing but gradients and hyperparameters changes, the
+        stepped parameters and their rejected counts. A step that raises changes nothing."""
+        fmt = self.state_format
+        key, words_per_element = fmt.state_key, fmt.state_words_per_param
         params, grads, found, rows, group_of = [], [], [], [], []
         device = None
         for group_index, group in enumerate(self.param_groups):
-            row = self._checked_row(group, group_index)
             first = len(params)
             for param_index, p in enumerate(group["params"]):
                 g = p.grad
@@ -121,81 +125,21 @@ class PackedAdamW(Optimizer):
                 params.append(p)
                 grads.append(g)
                 found.append(state)
-            rows += [row] * (len(params) - first)
+            rows += [group_rows[group_index]] * (len(params) - first)
             group_of += [group_index] * (len(params) - first)
-        states, counts = [], []
-        for i, (p, state) in enumerate(zip(params, found)):
-            if not state:
-                state = found[i] = self.state[p]
-                state["step"] = 0
-                state[key] = new_state(p, self.state_format)
-            state["step"] = count = state["step"] + 1
-            states.append(state[key])
-            counts.append(count)
-        rejected = adamw_step_(params, grads, states, counts, rows, self.state_format, multi_tensor=self.multi_tensor,
+        moments = [state[key] if state else new_state(p, fmt) for p, state in zip(params, found)]
+        counts = [state["step"] + 1 if state else 1 for state in found]
+        rejected = adamw_step_(params, grads, moments, counts, rows, fmt, multi_tensor=self.multi_tensor,
                                count_nonfinite=self.check_nonfinite, check_inputs=False)  # checked above
-        self._raise_if_rejected(params, rejected)
-        return _StepPlan(self, params, found, states, group_of, device) if params else None
-
-    def _planned_step(self, plan: "_StepPlan") -> bool:
-        """The step of `_checked_step` at a fraction of its host cost, when the plan still
-        holds: same parameters and storage, same state, gradients where they were. The checks
-        the kernel's raw addresses need are still made every step. Returns False, having
-        changed nothing, when the full step must run instead."""
-        groups = self.param_groups
-        if self.state is not plan.state or tuple(map(id, self.state.values())) != plan.state_ids:
-            return False
-        if (tuple(map(id, [p for group in groups for p in group["params"]])) != plan.param_ids
-                or tuple(len(group["params"]) for group in groups) != plan.group_sizes):
-            return False
-        if any(p.grad is not None for p in plan.params_without_grad):
-            return False
-        key = self._state_key
-        try:
-            moments = [state[key] for state in plan.states]
-            counts = [state["step"] + 1 for state in plan.states]
-        except (KeyError, TypeError):
-            return False
-        if list(map(id, moments)) != plan.moment_ids:
-            return False
-        device, grads, grad_pointers = plan.device, [], []
-        try:  # one pass, the cheapest checks first; a sparse gradient fails or raises
-            for p, shape, address in zip(plan.params, plan.shapes, plan.param_pointers):
-                g = p.grad
-                if (g is None or g.dtype is not FLOAT32 or not g.is_contiguous() or g.shape != shape
-                        or g.get_device() != device or _data_ptr(p) != address or p.dtype is not FLOAT32
-                        or not p.is_contiguous()):
-                    return False
-                grads.append(g)
-                grad_pointers.append(_data_ptr(g))
-        except (RuntimeError, NotImplementedError):
-            return False
-        rows = [self._checked_row(group, index) for index, group in enumerate(groups)]
-        if device >= 0 and self.multi_tensor:  # derived before anything changes: a bad count raises here
-            if counts.count(counts[0]) == len(counts):  # one row per group
-                scalars = np.asarray([step_scalar_row(counts[0], row) for row in rows], dtype=np.float32)
-                tables = plan.group_tables
-            else:
-                scalars, scalar_rows = scalar_table(counts, [rows[i] for i in plan.group_of])
-                tables = launch_tables(plan.numels, scalar_rows, plan.torch_device)
-        for state, count in zip(plan.states, counts):
+        states = []
+        for p, state, tensor, count in zip(params, found, moments, counts):
+            if not state:
+                state = self.state[p]
+                state[key] = tensor
             state["step"] = count
-        if device < 0 or not self.multi_tensor:
-            rejected = adamw_step_(plan.params, grads, plan.moments, counts, [rows[i] for i in plan.group_of],
-                                   self.state_format, multi_tensor=self.multi_tensor,
-                                   count_nonfinite=self.check_nonfinite, check_inputs=False)
-        else:  # CUDA: only the gradients' addresses and the scalars are new
-            n, staging = len(counts), plan.staging
-            pointers = staging.stage(scalars)
-            pointers[:n] = plan.param_pointer_array
-            pointers[n:2 * n] = grad_pointers
-            pointers[2 * n:] = plan.moment_pointers
-            aligned = plan.aligned and not (pointers[n:2 * n] & 15).any()
-            rejected = launch_step(staging.send(), plan.params, grads, plan.moments, tables, self.state_format,
-                                   self.check_nonfinite, aligned, plan.compiled)
-            staging.launched()
-        self._raise_if_rejected(plan.params, rejected)
-        return True
+            states.append(state)
+        plan = StepPlan(self, params, states, moments, group_of, device) if params else None
+        return plan, params, rejected
 
     def _raise_if_rejected(self, params: list, rejected: list[int]) -> None:
         if not (self.check_nonfinite and any(rejected)):
@@ -229,7 +173,7 @@ class PackedAdamW(Optimizer):
 
     @property
     def _state_key(self) -> str:
-        return "moments" if self.state_format.mode == "fp32" else "words"
+        return self.state_format.state_key
 
     # ---- saving and loading -------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -280,14 +224,14 @@ class PackedAdamW(Optimizer):
                 f"load_state_dict: the saved state has {len(saved_params)} parameters, this optimizer "
                 f"{len(our_params)}; load it into an optimizer built over the same parameters"
             )
-        expected = {"fp32": ("moments", torch.float32)}.get(self.state_format.mode, ("words", torch.uint32))
+        fmt = self.state_format
+        key, dtype = fmt.state_key, state_dtype(fmt)
         for saved_id, p in zip(saved_params, our_params):
             entry = state_dict["state"].get(saved_id)
             if entry is None:
                 continue
-            key, dtype = expected
             tensor = entry.get(key)
-            shape = (2, *p.shape) if key == "moments" else tuple(p.shape)
+            shape = fmt.state_shape(p.shape)
             if tensor is None or tensor.dtype != dtype or tuple(tensor.shape) != shape:
                 got = None if tensor is None else (tensor.dtype, tuple(tensor.shape))
                 raise ValueError(
@@ -307,37 +251,6 @@ class PackedAdamW(Optimizer):
             state["step"] = int(entry["step"])
             if self._state_key == "words":
                 state["words"] = entry["words"].to(p.device, copy=True)
-
-
-class _StepPlan:
-    """What a step can reuse: which parameters step, their addresses, shapes and state.
-    Rebuilt by a full step whenever any of it changes."""
-
-    def __init__(self, opt: PackedAdamW, params: list, states: list[dict], moments: list, group_of: list[int],
-                 device: int):
-        everything = [p for group in opt.param_groups for p in group["params"]]
-        with_grad = set(map(id, params))
-        self.state, self.state_ids = opt.state, tuple(map(id, opt.state.values()))
-        self.param_ids = tuple(map(id, everything))
-        self.group_sizes = tuple(len(group["params"]) for group in opt.param_groups)
-        self.params_without_grad = [p for p in everything if id(p) not in with_grad]
-        self.params, self.states, self.moments = params, states, moments
-        self.moment_ids = list(map(id, moments))
-        self.shapes = [p.shape for p in params]
-        self.param_pointers = list(map(_data_ptr, params))
-        self.param_pointer_array = np.array(self.param_pointers, dtype=np.int64)
-        self.moment_pointers = np.array(list(map(_data_ptr, moments)), dtype=np.int64)
-        self.aligned = not any(address & 15 for address in (*self.param_pointers, *self.moment_pointers.tolist()))
-        self.numels = tuple(p.numel() for p in params)
-        self.group_of = tuple(group_of)
-        self.device, self.torch_device = device, params[0].device
-        self.compiled = {}  # launch_step keeps the compiled multi-tensor kernel here
-        if device >= 0 and opt.multi_tensor:
-            self.staging = StagingRing(len(params), max(len(params), len(opt.param_groups)), self.torch_device)
-            self.group_tables = launch_tables(self.numels, self.group_of, self.torch_device)
-
-
-_data_ptr = torch.Tensor.data_ptr
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:

@@ -10,15 +10,15 @@ Tensors are stored as tensors, with their own dtypes (PackedAdamW's uint32 words
 Everything else is JSON in the safetensors metadata: the run configuration, the trainer's
 position (step), the tape cursor, the optimizer's param_groups, non-tensor state (PackedAdamW's
 per-parameter step counts) and format identity, the code
-version, and a SHA-256 over all tensor bytes that detects corruption. The file is written to
-a temporary name, fsynced and renamed over the old checkpoint, so a crash mid-write leaves
-the previous checkpoint intact. Loading uses `safe_open` only: no pickle, nothing executes.
+version, and a SHA-256 over all tensor bytes that detects corruption. The file is written
+through `packed_adamw.core.atomic_file` (temporary file, fsync, rename, fsync of the
+directory), so a crash mid-write leaves the previous checkpoint intact. Loading uses
+`safe_open` only: no pickle, nothing executes.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from packed_adamw.core import __version__ as CODE_VERSION
+from packed_adamw.core.atomic_file import atomic_path
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 FORMAT = "packed-adamw-gpt-checkpoint/2"  # 2: the checksum covers the metadata too
@@ -71,20 +72,8 @@ def save_training_state(path, *, model, optimizer, tape, config: dict, trainer: 
 
 
 def _atomic_save(tensors: dict, metadata: dict, path: Path) -> None:
-    tmp_path = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp_path:
         save_file(tensors, tmp_path, metadata=metadata)
-        with open(tmp_path, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-    finally:
-        tmp_path.unlink(missing_ok=True)
-    # Make the rename itself durable.
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def _checkpoint_sha256(tensors: dict[str, torch.Tensor], metadata: dict) -> str:

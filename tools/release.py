@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Cut a deterministic source release of packed-adamw from a git commit.
 
-    python .ci/release.py --out dist/release [--ref HEAD]
-    python .ci/release.py --verify dist/release/packed-adamw-1.0.0.tar.gz
+    python tools/release.py --out dist/release [--ref HEAD]
+    python tools/release.py --verify dist/release/packed-adamw-1.0.0.tar.gz
 
 A release is three files in --out:
 
@@ -15,29 +15,48 @@ same commit always gives the same bytes: members sorted by path, every mtime
 set to the commit time, uid/gid 0, no user names, modes normalised to
 0644/0755, gzip header with mtime 0 and no file name.
 
-Before anything is written, the file list goes through `find_forbidden`, which
-refuses corpus text, tapes, checkpoints, weights, caches and oversized files.
+The version is `__version__` in core/__init__.py at that commit (the one place it is
+written; pyproject.toml reads it from there). Before anything is written, the file
+list goes through `find_forbidden`, which refuses corpus text, tapes, checkpoints,
+weights, caches and oversized files. Files are written with core/atomic_file.py.
 Only the standard library and the `git` executable are used.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
 import hashlib
+import importlib.util
 import io
 import json
-import os
+import re
 import subprocess
 import sys
 import tarfile
-import tomllib
 import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Iterable
 
 PROJECT = "packed-adamw"
+# Where `__version__` is written, relative to the repository root.
+VERSION_FILE = "core/__init__.py"
+VERSION_PATTERN = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]*")  # it becomes part of file names
+
+
+def _load_atomic_file():
+    """core/atomic_file.py of this checkout, loaded by path: it needs only the standard
+    library, so the tool runs without installing the package (or its numpy)."""
+    path = Path(__file__).resolve().parents[1] / "core" / "atomic_file.py"
+    spec = importlib.util.spec_from_file_location("_packed_adamw_atomic_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+atomic_write = _load_atomic_file().atomic_write
 
 # Any file above this is refused: a source file or document this large is more likely
 # data (a corpus dump, weights) than source.
@@ -165,9 +184,21 @@ def commit_time(repo: Path, commit: str) -> int:
 
 
 def read_version(repo: Path, commit: str) -> str:
-    """The version in pyproject.toml as of `commit` (not the working tree)."""
-    text = git(repo, "show", f"{commit}:pyproject.toml").decode()
-    return tomllib.loads(text)["project"]["version"]
+    """`__version__` in core/__init__.py as of `commit` (not the working tree), read
+    without importing it."""
+    source = git(repo, "show", f"{commit}:{VERSION_FILE}").decode()
+    for node in ast.parse(source, filename=VERSION_FILE).body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(target, ast.Name) and target.id == "__version__" for target in node.targets)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            version = node.value.value
+            if not VERSION_PATTERN.fullmatch(version):
+                raise ReleaseError(f"{VERSION_FILE} at {commit[:12]}: unusable version {version!r}")
+            return version
+    raise ReleaseError(f"{VERSION_FILE} at {commit[:12]} assigns no string to __version__")
 
 
 def list_tree(repo: Path, commit: str) -> list[TreeEntry]:
@@ -235,6 +266,13 @@ def tar_member(name: str, mtime: int) -> tarfile.TarInfo:
     return info
 
 
+# Why tarfile and not `git archive`: git archive is deterministic for a commit, but not in the
+# form this release promises (and tests/test_release.py checks). It names every member's owner
+# and group "root" (no option blanks them); its modes depend on the user's `tar.umask` (default
+# 0664/0775, not 0644/0755); its members come in git's tree order, where `core.py` precedes
+# `core/`, not in sorted path order; it applies export-ignore/export-subst attributes, so the
+# archive could differ from the blobs the manifest hashes; and its byte layout is git's to change
+# between versions. Rewriting its output would need tarfile anyway.
 def build_tar(prefix: str, entries: list[TreeEntry], blobs: dict[str, bytes], mtime: int) -> bytes:
     """An uncompressed, byte-reproducible tar of `entries` under `prefix/`."""
     members: list[tuple[str, tarfile.TarInfo, bytes | None]] = []
@@ -276,12 +314,6 @@ def release_names(version: str) -> tuple[str, str, str]:
 def manifest_path_for(archive: Path) -> Path:
     stem = archive.name.removesuffix(".tar.gz")
     return archive.with_name(f"{stem}.manifest.json")
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -334,9 +366,9 @@ def make_release(repo: Path, ref: str, out_dir: Path) -> Release:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_atomically(out_dir / archive_name, archive_bytes)
-    write_atomically(out_dir / checksum_name, f"{archive_sha256}  {archive_name}\n".encode())
-    write_atomically(
+    atomic_write(out_dir / archive_name, archive_bytes)
+    atomic_write(out_dir / checksum_name, f"{archive_sha256}  {archive_name}\n".encode())
+    atomic_write(
         out_dir / manifest_name, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
     )
     return Release(

@@ -1,0 +1,146 @@
+"""Launching many leaves at once through jax-triton: the leaf-group kernels and their policy.
+
+jax-triton passes buffers only as separate kernel arguments, never as a table of addresses
+(docs/MULTI_TENSOR.md says why a table cannot work under jit), so a launch over n leaves needs
+a kernel with 5n buffer arguments. `leaf_group_kernel_2` below is that kernel for two leaves,
+written out by hand as the readable model; `leaf_group_kernel(n)` writes its text for n leaves
+(more buffers in the signature, one more block of selections per leaf) and compiles that in a
+private namespace. The per-element work is core's `_adamw_block`, as in every other kernel.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import linecache
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from packed_adamw.core import launch
+from packed_adamw.core.kernel import FP32_MODE, SCALAR_ROW, _adamw_block
+
+# Leaves per launch. Each program selects its leaf's addresses from all of the launch's
+# arguments, so its scalar work grows with this.
+LEAVES_PER_LAUNCH = 16
+
+
+def leaf_groups(numels: list[int]) -> tuple[list[int], list[list[int]]]:
+    """Splits leaves (by index) into solo launches and launches of `LEAVES_PER_LAUNCH` or fewer.
+
+    Leaves of `launch.SOLO_ELEMENTS` or more launch alone (no selection to pay for); empty
+    leaves are in neither. Grouped leaves are taken in order of size, so the leaves of one
+    launch are alike and few of its programs (sized for the largest) idle."""
+    solo = [i for i, n in enumerate(numels) if n >= launch.SOLO_ELEMENTS]
+    shared = sorted((i for i, n in enumerate(numels) if 0 < n < launch.SOLO_ELEMENTS), key=lambda i: numels[i])
+    return solo, [shared[k:k + LEAVES_PER_LAUNCH] for k in range(0, len(shared), LEAVES_PER_LAUNCH)]
+
+
+def leaf_group_table(numels: list[int], rows: list[int]) -> np.ndarray:
+    """The leaf-group kernel's table: every leaf's size, then its row of step scalars."""
+    return np.asarray([*numels, *rows], dtype=np.int64)
+
+
+@triton.jit
+def _leaf_group_program(
+    param, grad, state, out, new_state, leaf_table_ptr, scalars_ptr, nonfinite_ptr, leaf, n_leaves,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (i, leaf) of a leaf-group kernel: block i of that leaf, whose five buffer
+    addresses arrive as int64. The leaf table holds every leaf's size, then its scalar row."""
+    n_elements = tl.load(leaf_table_ptr + leaf)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if start < n_elements:  # a leaf smaller than the group's largest has idle programs
+        scalars_ptr += tl.load(leaf_table_ptr + n_leaves + leaf) * SCALAR_ROW
+        offsets = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        # jax-triton declares every buffer 16-byte aligned; the selection hides it from the compiler.
+        param_ptr = tl.multiple_of(param, 16).to(tl.pointer_type(tl.float32))
+        grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.float32))
+        out_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
+        if MODE == FP32_MODE:
+            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.float32))
+            new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.float32))
+        else:
+            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.uint32))
+            new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.uint32))
+        if start + BLOCK <= n_elements:
+            _adamw_block(
+                param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + leaf, out_ptr, new_state_ptr,
+                offsets, n_elements, False, MODE, WRITE_UPDATE, COUNT_NONFINITE,
+                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+            )
+        else:  # the leaf's last, partial block
+            _adamw_block(
+                param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + leaf, out_ptr, new_state_ptr,
+                offsets, n_elements, True, MODE, WRITE_UPDATE, COUNT_NONFINITE,
+                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+            )
+
+
+def leaf_group_kernel_2(
+    param_0, grad_0, state_0, param_1, grad_1, state_1,
+    leaf_table_ptr, scalars_ptr, nonfinite_ptr,
+    out_0, new_state_0, out_1, new_state_1,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    leaf = tl.program_id(1)
+    param, grad, state = param_0.to(tl.int64), grad_0.to(tl.int64), state_0.to(tl.int64)
+    out, new_state = out_0.to(tl.int64), new_state_0.to(tl.int64)
+    param = tl.where(leaf == 1, param_1.to(tl.int64), param)
+    grad = tl.where(leaf == 1, grad_1.to(tl.int64), grad)
+    state = tl.where(leaf == 1, state_1.to(tl.int64), state)
+    out = tl.where(leaf == 1, out_1.to(tl.int64), out)
+    new_state = tl.where(leaf == 1, new_state_1.to(tl.int64), new_state)
+    _leaf_group_program(
+        param, grad, state, out, new_state, leaf_table_ptr, scalars_ptr, nonfinite_ptr, leaf, 2,
+        MODE, WRITE_UPDATE, COUNT_NONFINITE,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK,
+    )
+
+
+def _signature_lines(n: int) -> tuple[str, str]:
+    inputs = ", ".join(f"param_{i}, grad_{i}, state_{i}" for i in range(n))
+    outputs = ", ".join(f"out_{i}, new_state_{i}" for i in range(n))
+    return inputs, outputs
+
+
+def _generated_source(n: int) -> str:
+    """`leaf_group_kernel_2`'s text with n leaves: the signature lists every leaf's buffers,
+    and one block of selections per leaf after the first."""
+    model = inspect.getsource(leaf_group_kernel_2)
+    inputs_2, outputs_2 = _signature_lines(2)
+    inputs, outputs = _signature_lines(n)
+    first_select = model.index("    param = tl.where(leaf == 1")
+    after_select = model.index("    _leaf_group_program(")
+    select_1 = model[first_select:after_select]
+    head, tail = model[:first_select], model[after_select:]
+    head = head.replace("leaf_group_kernel_2(", f"leaf_group_kernel_{n}(").replace(inputs_2, inputs).replace(outputs_2, outputs)
+    selects = "".join(select_1.replace("leaf == 1", f"leaf == {i}").replace("_1.to", f"_{i}.to") for i in range(1, n))
+    return head + selects + tail.replace("leaf, 2,", f"leaf, {n},")
+
+
+@functools.cache
+def leaf_group_kernel(n_leaves: int):
+    """The kernel for one launch over `n_leaves` separate leaves, in jax-triton's argument order:
+
+        param_0, grad_0, state_0, ..., leaf_table, scalars, nonfinite, out_0, new_state_0, ...
+
+    on a grid (blocks of the largest leaf, n_leaves). Program (i, t) updates block i of leaf t
+    with scalar row `leaf_table[n_leaves + t]`; `leaf_table[t]` is leaf t's size
+    (`leaf_group_table`). Outputs as in core's `adamw_kernel`.
+    """
+    if not 1 <= n_leaves <= LEAVES_PER_LAUNCH:
+        raise ValueError(f"leaf_group_kernel: n_leaves must be in [1, {LEAVES_PER_LAUNCH}], got {n_leaves}")
+    source = _generated_source(n_leaves)
+    # Triton reads a kernel's source through `inspect`, which finds generated text in linecache.
+    filename = f"<packed_adamw.jax leaf_group_kernel_{n_leaves}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"tl": tl, "_leaf_group_program": _leaf_group_program}
+    exec(compile(source, filename, "exec"), namespace)  # a private namespace: nothing leaks here
+    return triton.jit(namespace[f"leaf_group_kernel_{n_leaves}"])
