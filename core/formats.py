@@ -223,6 +223,8 @@ class StateFormat:
 
 
 def _static_int(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r}: an exponent bias is an int (e.g. {name}=15), not a bool")
     try:
         return operator.index(value)
     except Exception:

@@ -45,9 +45,18 @@ def _f32(x) -> float:
     return float(np.float32(x))  # the value the kernel will see
 
 
+def _beta_problem(value) -> str:
+    if not _is_number(value) or np.isnan(_f32(value)):
+        return "is not a number"
+    if _f32(value) < 0:
+        return "is negative"
+    return "is not below 1 as a float32 number (values within 3e-8 of 1 round to 1)"
+
+
 def validate_hyperparams(lr, betas, eps, weight_decay, *, allow_arrays=False) -> None:
-    """Raise ValueError naming the bad argument. Values are checked as the float32 numbers
-    the step will use: betas=(0.9, 1 - 1e-9) is 1.0 in float32 and refused.
+    """Raise ValueError naming the bad argument; messages begin as torch.optim.AdamW's do.
+    Values are checked as the float32 numbers the step will use: betas=(0.9, 1 - 1e-9) is 1.0
+    in float32 and refused.
 
     With `allow_arrays`, values that are not plain numbers (a schedule, a traced or
     injected array) are left to the caller: they may only be known inside a compiled step.
@@ -55,21 +64,24 @@ def validate_hyperparams(lr, betas, eps, weight_decay, *, allow_arrays=False) ->
     skip = (lambda x: not _is_number(x)) if allow_arrays else (lambda x: False)
     if not skip(lr):
         if not _is_number(lr) or not 0 <= _f32(lr) <= FLOAT32_MAX:
-            raise ValueError(f"lr={lr!r}: the learning rate must be a finite float32 number >= 0")
+            raise ValueError(f"Invalid learning rate: lr={lr!r}; the learning rate must be a finite float32 number >= 0")
     try:
         b1, b2 = betas
     except (TypeError, ValueError):
-        raise ValueError(f"betas={betas!r}: pass a pair (b1, b2), e.g. (0.9, 0.999)") from None
-    for name, beta in (("b1 (betas[0])", b1), ("b2 (betas[1])", b2)):
+        raise ValueError(f"Invalid betas: betas={betas!r}; pass a pair (b1, b2), e.g. (0.9, 0.999)") from None
+    for index, beta in enumerate((b1, b2)):
         if skip(beta):
             continue
         if not _is_number(beta) or not 0.0 <= _f32(beta) < 1.0:
-            raise ValueError(f"{name}={beta!r}: each beta must be in [0, 1) as a float32 number "
-                             "(values within 3e-8 of 1 round to 1)")
+            raise ValueError(f"Invalid beta parameter at index {index}: b{index + 1} (betas[{index}])={beta!r} "
+                             f"{_beta_problem(beta)}; each beta must be in [0, 1)")
     if not skip(eps) and (not _is_number(eps) or not FLOAT32_TINY <= _f32(eps) <= FLOAT32_MAX):
-        raise ValueError(f"eps={eps!r}: eps must be a float32-normal number > 0 (it keeps the update finite)")
+        raise ValueError(f"Invalid epsilon value: eps={eps!r}; eps must be a finite float32-normal number > 0 "
+                         "(it keeps the update finite)")
     if not skip(weight_decay):
         if not _is_number(weight_decay) or not 0 <= _f32(weight_decay) <= FLOAT32_MAX:
-            raise ValueError(f"weight_decay={weight_decay!r}: weight decay must be a finite number >= 0")
+            raise ValueError(f"Invalid weight_decay value: weight_decay={weight_decay!r}; weight decay must be a "
+                             "finite number >= 0")
         if not skip(lr) and _f32(lr) * _f32(weight_decay) > FLOAT32_MAX:
-            raise ValueError(f"lr * weight_decay = {lr} * {weight_decay} overflows float32; lower one of them")
+            raise ValueError(f"Invalid weight_decay value: lr * weight_decay = {lr} * {weight_decay} overflows "
+                             "float32; lower one of them")

@@ -7,6 +7,7 @@ Both frontends run this on CPU: torch on zero-copy views, JAX through `jax.pure_
 from __future__ import annotations
 
 import functools
+import operator
 
 import numpy as np
 
@@ -42,15 +43,21 @@ def _float32_power(base: np.float32, exponent: int) -> np.float32:
     return _power_table(float(base), exponent - offset)[offset]
 
 
-def step_scalar_row(count: int, row) -> tuple[np.float32, ...]:
+def step_scalar_row(count: int, row, *, maximize: bool = False) -> tuple[np.float32, ...]:
     """The per-step float32 scalars in SCALAR_FIELDS order, derived exactly as the kernel's
-    `step_scalars_kernel` derives them; `row` is (lr, b1, b2, eps, weight_decay)."""
+    `step_scalars_kernel` derives them; `row` is (lr, b1, b2, eps, weight_decay).
+
+    `maximize` negates `one_minus_b1`: the first moment then takes `(1 - b1) * (-g)`, which
+    rounds to the same bits as `-((1 - b1) * g)`, and `g * g` is unchanged, so the step has
+    exactly the bits of a step on the negated gradient (torch.optim's `maximize`)."""
+    count = operator.index(count)  # a float step count is a mistake, never rounded
     lr, b1, b2, eps, wd = (F32(x) for x in row)
     one = F32(1.0)
     bias_correction1 = F32(one - _float32_power(b1, count))
     bias_correction2 = F32(one - _float32_power(b2, count))
+    one_minus_b1 = F32(one - b1)
     return (
-        b1, F32(one - b1), b2, F32(one - b2),
+        b1, -one_minus_b1 if maximize else one_minus_b1, b2, F32(one - b2),
         F32(lr / bias_correction1),
         F32(one / F32(np.sqrt(bias_correction2))),
         eps,

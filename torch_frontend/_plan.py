@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from packed_adamw.core.numpy_step import apply_step, step_scalar_row
+from packed_adamw.core.numpy_step import apply_step
 
-from . import _launch
-from .functional import _numpy_view, _state_view, scalar_table
+from . import _dtensor, _launch
+from .functional import _numpy_view, _state_view, row_scalars, scalar_table
 
 FLOAT32 = torch.float32
 _data_ptr = torch.Tensor.data_ptr
@@ -24,7 +24,11 @@ class StepPlan:
     """Which parameters step, their addresses, shapes and state; rebuilt by a full step
     whenever any of it changes."""
 
-    def __init__(self, opt, params: list, states: list[dict], moments: list, group_of: list[int], device: int):
+    def __init__(self, opt, params: list, kernel_params: list, states: list[dict], stored: list, moments: list,
+                 group_of: list[int], device: int):
+        """`params` as the optimizer holds them; `kernel_params` and `moments` the tensors the
+        kernel updates (a DTensor's local shard, the uint32 view of sharded words); `stored`
+        the state tensors as the state dicts hold them."""
         everything = [p for group in opt.param_groups for p in group["params"]]
         with_grad = set(map(id, params))
         self.options = (opt.state_format, opt.multi_tensor, opt.check_nonfinite)
@@ -32,16 +36,18 @@ class StepPlan:
         self.param_ids = tuple(map(id, everything))
         self.group_sizes = tuple(len(group["params"]) for group in opt.param_groups)
         self.params_without_grad = [p for p in everything if id(p) not in with_grad]
-        self.params, self.states, self.moments = params, states, moments
-        self.moment_ids = list(map(id, moments))
-        self.shapes = [p.shape for p in params]
-        self.param_pointers = list(map(_data_ptr, params))
+        self.params, self.kernel_params, self.states, self.moments = params, kernel_params, states, moments
+        self.sharded = [_dtensor.is_dtensor(p) for p in params]
+        self.any_sharded = any(self.sharded)
+        self.stored_ids = list(map(id, stored))
+        self.shapes = [p.shape for p in kernel_params]
+        self.param_pointers = list(map(_data_ptr, kernel_params))
         self.param_pointer_array = np.array(self.param_pointers, dtype=np.int64)
         self.moment_pointers = np.array(list(map(_data_ptr, moments)), dtype=np.int64)
         self.aligned = not any(address & 15 for address in (*self.param_pointers, *self.moment_pointers.tolist()))
-        self.numels = tuple(p.numel() for p in params)
+        self.numels = tuple(p.numel() for p in kernel_params)
         self.group_of = tuple(group_of)
-        self.device, self.torch_device = device, params[0].device
+        self.device, self.torch_device = device, kernel_params[0].device
         self.state_key = opt.state_format.state_key
         self.cuda_tables = device >= 0 and opt.multi_tensor
         if self.cuda_tables:
@@ -61,23 +67,27 @@ class StepPlan:
         if any(p.grad is not None for p in self.params_without_grad):
             return None
         try:
-            moments = [state[self.state_key] for state in self.states]
+            stored = [state[self.state_key] for state in self.states]
             counts = [state["step"] + 1 for state in self.states]
         except (KeyError, TypeError):
             return None
-        if list(map(id, moments)) != self.moment_ids:
+        if list(map(id, stored)) != self.stored_ids:
             return None
         device, grads, grad_pointers = self.device, [], []
         try:  # one pass, the cheapest checks first; a sparse gradient fails or raises
-            for p, shape, address in zip(self.params, self.shapes, self.param_pointers):
+            for i, (p, shape, address) in enumerate(zip(self.params, self.shapes, self.param_pointers)):
                 g = p.grad
+                if self.any_sharded and self.sharded[i]:
+                    if not _dtensor.is_dtensor(g):
+                        return None
+                    g, p = g.to_local(), p.to_local()
                 if (g is None or g.dtype is not FLOAT32 or not g.is_contiguous() or g.shape != shape
                         or g.get_device() != device or _data_ptr(p) != address or p.dtype is not FLOAT32
                         or not p.is_contiguous()):
                     return None
                 grads.append(g)
                 grad_pointers.append(_data_ptr(g))
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError, AttributeError):
             return None
         return grads, grad_pointers, counts
 
@@ -89,18 +99,22 @@ class StepPlan:
             return None
         grads, grad_pointers, counts = found
         fmt, multi_tensor, count_nonfinite = self.options
-        # Scalars first: a step count out of range raises here, before anything changes.
-        if self.cuda_tables and counts.count(counts[0]) == len(counts):  # one row per group
-            scalars = np.asarray([step_scalar_row(counts[0], row) for row in group_rows], dtype=np.float32)
-            rows, tables = self.group_of, self.group_tables
-        else:
-            scalars, rows = scalar_table(counts, [group_rows[i] for i in self.group_of])
-            tables = _launch.launch_tables(self.numels, rows, self.torch_device) if self.cuda_tables else None
+        # Scalars first: a bad step count raises here, before anything changes; the full step
+        # then names the parameter.
+        try:
+            if self.cuda_tables and counts.count(counts[0]) == len(counts):  # one row per group
+                scalars = np.asarray([row_scalars(counts[0], row) for row in group_rows], dtype=np.float32)
+                rows, tables = self.group_of, self.group_tables
+            else:
+                scalars, rows = scalar_table(counts, [group_rows[i] for i in self.group_of])
+                tables = _launch.launch_tables(self.numels, rows, self.torch_device) if self.cuda_tables else None
+        except (TypeError, ValueError):
+            return None
         if self.device < 0:
             rejected = [apply_step(_numpy_view(p), _numpy_view(g), _state_view(s, fmt), scalars[row], fmt=fmt)
-                        for p, g, s, row in zip(self.params, grads, self.moments, rows)]
+                        for p, g, s, row in zip(self.kernel_params, grads, self.moments, rows)]
         elif not multi_tensor:
-            rejected = _launch.cuda_step_(self.params, grads, self.moments, scalars, rows, fmt, False, count_nonfinite)
+            rejected = _launch.cuda_step_(self.kernel_params, grads, self.moments, scalars, rows, fmt, False, count_nonfinite)
         else:  # CUDA: only the gradients' addresses and the scalars are new
             n, staging = len(counts), self.staging
             pointers = staging.stage(scalars)
@@ -108,7 +122,7 @@ class StepPlan:
             pointers[n:2 * n] = grad_pointers
             pointers[2 * n:] = self.moment_pointers
             aligned = self.aligned and not (pointers[n:2 * n] & 15).any()
-            rejected = _launch.launch_step(staging.send(), self.params, grads, self.moments, tables, fmt,
+            rejected = _launch.launch_step(staging.send(), self.kernel_params, grads, self.moments, tables, fmt,
                                            count_nonfinite, aligned, self.relaunch)
             staging.launched()
         for state, count in zip(self.states, counts):

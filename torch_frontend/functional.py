@@ -68,7 +68,8 @@ def adamw_step_(
     """One AdamW step in place over tensors on one device; returns each tensor's rejected count.
 
     `counts[i]` is tensor i's step number after incrementing; `hparams[i]` its
-    (lr, b1, b2, eps, weight_decay) row, already validated (`core.validate_hyperparams`). On
+    (lr, b1, b2, eps, weight_decay[, maximize]) row, already validated
+    (`core.validate_hyperparams`). On
     CUDA, `multi_tensor` updates every tensor in one launch (docs/MULTI_TENSOR.md); otherwise
     one launch per tensor. Same bits either way. Without `count_nonfinite` the CUDA path never
     waits for the GPU and returns zeros. `check_inputs=False` skips the tensor checks, for callers
@@ -98,9 +99,15 @@ def scalar_table(counts, hparams) -> tuple[np.ndarray, tuple[int, ...]]:
             slot = keys.get(key)
             if slot is None:
                 slot = keys[key] = len(unique)
-                unique.append(step_scalar_row(count, row))
+                unique.append(row_scalars(count, key[1]))
         index.append(slot)
     return np.asarray(unique, dtype=np.float32), tuple(index)
+
+
+def row_scalars(count: int, row: tuple) -> tuple:
+    """`step_scalar_row` for a torch hyperparameter row: (lr, b1, b2, eps, weight_decay) and
+    optionally `maximize` as a sixth entry."""
+    return step_scalar_row(count, row[:5], maximize=len(row) > 5 and bool(row[5]))
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:

@@ -1,6 +1,9 @@
 """`PackedAdamW`: torch.optim.AdamW with one uint32 word of state per FP32 parameter."""
 from __future__ import annotations
 
+import numbers
+from collections import defaultdict
+
 import numpy as np
 import torch
 from torch.optim import Optimizer
@@ -8,11 +11,14 @@ from torch.optim import Optimizer
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, validate_hyperparams
 from packed_adamw.core.portable import PortableState
 
+from . import _dtensor
 from ._plan import StepPlan
-from .functional import adamw_step_, new_state, state_dtype
+from .functional import adamw_step_, new_state
 
 STATE_DICT_KEY = "packed_adamw"  # the format identity travels in the state_dict under this key
+GROUP_FORMAT_KEY = "packed_adamw_format"  # ... and in every saved param group (DCP keeps only groups and state)
 STATE_DICT_VERSION = 1
+MAX_STEP = 2**31 - 2  # the step count after one more step must stay below 2**31 (FORMAT.md)
 FLOAT32, STRIDED = torch.float32, torch.strided
 
 
@@ -28,20 +34,24 @@ class PackedAdamW(Optimizer):
     word, 4 bytes) and "fp32" (two float32 moments, 8 bytes). `m_bias` and `rms_bias` set
     the packed formats' exponent biases; the saved state records them. On CUDA,
     `multi_tensor=True` updates all tensors in one kernel launch (same bits as one launch per
-    tensor, which `multi_tensor=False` selects).
+    tensor, which `multi_tensor=False` selects). `maximize=True` (per group, as in torch)
+    gives the bits of a step on the negated gradient. `foreach`, `fused`, `capturable` and
+    `differentiable` are accepted as None or False, as configurations pass them; `amsgrad`
+    is refused (the word holds no running maximum).
 
-    Parameters must be float32, contiguous and on one device. A gradient element that is NaN
-    or Inf is skipped: that element's parameter and state stay unchanged, so no NaN or Inf is
-    ever stored. With `check_nonfinite=True` the optimizer also raises
-    `NonFiniteGradientError` after such a step, naming the parameters (on CUDA this costs a
-    reduction and a wait for the GPU each step). To skip whole steps instead, use
-    `torch.amp.GradScaler` or `clip_grad_norm_(..., error_if_nonfinite=True)`.
+    Parameters must be float32, contiguous and on one device; DTensor parameters (FSDP2's
+    `fully_shard`) are stepped shard by shard and keep DTensor state (docs/DISTRIBUTED.md).
+    A gradient element that is NaN or Inf is skipped: that element's parameter and state
+    stay unchanged, so no NaN or Inf is ever stored. With `check_nonfinite=True` the
+    optimizer also raises `NonFiniteGradientError` after such a step, naming the parameters
+    (on CUDA this costs a reduction and a wait for the GPU each step). To skip whole steps
+    instead, use `torch.amp.GradScaler` or `clip_grad_norm_(..., error_if_nonfinite=True)`.
     """
 
     def __init__(
         self,
         params,
-        lr: float = 1e-3,
+        lr: float | torch.Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
@@ -51,19 +61,56 @@ class PackedAdamW(Optimizer):
         rms_bias: int = DEFAULT_RMS_BIAS,
         multi_tensor: bool = True,
         check_nonfinite: bool = False,
+        maximize: bool = False,
+        amsgrad: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ):
+        if amsgrad:
+            raise ValueError(
+                "amsgrad=True is not supported: AMSGrad keeps the running maximum of v as a third moment, and "
+                "PackedAdamW's one word per parameter holds only m and sqrt(v); use torch.optim.AdamW(amsgrad=True)"
+            )
+        for flag, value in (("foreach", foreach), ("fused", fused), ("capturable", capturable),
+                            ("differentiable", differentiable)):
+            if value not in (None, False):
+                raise ValueError(
+                    f"{flag}={value!r} is not supported: PackedAdamW always runs its own fused kernel "
+                    f"(multi_tensor=True: one launch for all tensors on CUDA); pass {flag}=None or False, or leave it out"
+                )
         self.state_format = StateFormat(mode, m_bias, rms_bias)
         self.multi_tensor = multi_tensor
         self.check_nonfinite = check_nonfinite
-        validate_hyperparams(float(lr) if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr,
-                             betas, eps, weight_decay)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        _check_maximize(maximize, "maximize")
+        validate_hyperparams(_plain(lr, "lr"), _plain_betas(betas), _plain(eps, "eps"),
+                             _plain(weight_decay, "weight_decay"))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
 
     def __getstate__(self) -> dict:
         # torch.optim keeps only defaults, state and param_groups; a copy needs the format too.
-        return {**super().__getstate__(), "state_format": self.state_format, "multi_tensor": self.multi_tensor,
-                "check_nonfinite": self.check_nonfinite}
+        state = {**super().__getstate__(), "state_format": self.state_format, "multi_tensor": self.multi_tensor,
+                 "check_nonfinite": self.check_nonfinite}
+        # torch cannot unpickle uint32 storages: plain words travel as int32 views of the same bits.
+        key = self.state_format.state_key
+        if self.state_format.state_dtype == "uint32":
+            state["state"] = defaultdict(dict, {
+                p: {k: (v.view(torch.int32) if k == key and v.dtype == torch.uint32 else v) for k, v in s.items()}
+                for p, s in self.state.items()})
+            state["_words_pickled_as_int32"] = True
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        as_int32 = state.pop("_words_pickled_as_int32", False)
+        super().__setstate__(state)
+        if as_int32:
+            key = self.state_format.state_key
+            for s in self.state.values():
+                words = s.get(key)
+                if words is not None and not _dtensor.is_dtensor(words) and words.dtype == torch.int32:
+                    s[key] = words.view(torch.uint32)
 
     # ---- parameter groups -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -99,46 +146,47 @@ class PackedAdamW(Optimizer):
         later steps reuse while nothing but gradients and hyperparameters changes, the
         stepped parameters and their rejected counts. A step that raises changes nothing."""
         fmt = self.state_format
-        key, words_per_element = fmt.state_key, fmt.state_words_per_param
-        params, grads, found, rows, group_of = [], [], [], [], []
+        key = fmt.state_key
+        params, kernel_params, kernel_grads, found, names, counts, rows, group_of = [], [], [], [], [], [], [], []
         device = None
         for group_index, group in enumerate(self.param_groups):
             first = len(params)
             for param_index, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
+                if p.grad is None:
                     continue
+                name = _param_name(group, group_index, param_index)
+                pl, g = _kernel_tensors(p, name)
                 if not (  # what the kernel relies on; _raise_grad_error says which failed
-                    g.dtype is FLOAT32 and p.dtype is FLOAT32 and g.layout is STRIDED and g.shape == p.shape
-                    and g.is_contiguous() and p.is_contiguous() and g.get_device() == p.get_device()
+                    g.dtype is FLOAT32 and pl.dtype is FLOAT32 and g.layout is STRIDED and g.shape == pl.shape
+                    and g.is_contiguous() and pl.is_contiguous() and g.get_device() == pl.get_device()
                 ):
-                    _raise_grad_error(p, _param_name(group, group_index, param_index))
+                    _raise_grad_error(pl, g, name)
                 if device is None:
-                    device = p.get_device()  # an int (-1 for CPU): cheaper than torch.device objects
-                elif p.get_device() != device:
-                    _check_one_device([p, params[0]], "PackedAdamW.step")
+                    device = pl.get_device()  # an int (-1 for CPU): cheaper than torch.device objects
+                elif pl.get_device() != device:
+                    _check_one_device([pl, kernel_params[0]], "PackedAdamW.step")
                 state = self.state.get(p)
-                if state:
-                    moments = state[key]
-                    if moments.get_device() != device or moments.numel() != words_per_element * p.numel():
-                        _raise_state_error(p, moments, _param_name(group, group_index, param_index))
+                counts.append(_check_live_state(p, pl, state, fmt, name) + 1 if state else 1)
                 params.append(p)
-                grads.append(g)
+                names.append(name)
+                kernel_params.append(pl)
+                kernel_grads.append(g)
                 found.append(state)
             rows += [group_rows[group_index]] * (len(params) - first)
             group_of += [group_index] * (len(params) - first)
-        moments = [state[key] if state else new_state(p, fmt) for p, state in zip(params, found)]
-        counts = [state["step"] + 1 if state else 1 for state in found]
-        rejected = adamw_step_(params, grads, moments, counts, rows, fmt, multi_tensor=self.multi_tensor,
+        stored = [state[key] if state else _dtensor.wrap_state(p, new_state(pl, fmt), fmt, name)
+                  for p, pl, state, name in zip(params, kernel_params, found, names)]
+        moments = [_dtensor.kernel_state(s) for s in stored]
+        rejected = adamw_step_(kernel_params, kernel_grads, moments, counts, rows, fmt, multi_tensor=self.multi_tensor,
                                count_nonfinite=self.check_nonfinite, check_inputs=False)  # checked above
         states = []
-        for p, state, tensor, count in zip(params, found, moments, counts):
+        for p, state, tensor, count in zip(params, found, stored, counts):
             if not state:
                 state = self.state[p]
                 state[key] = tensor
             state["step"] = count
             states.append(state)
-        plan = StepPlan(self, params, states, moments, group_of, device) if params else None
+        plan = StepPlan(self, params, kernel_params, states, stored, moments, group_of, device) if params else None
         return plan, params, rejected
 
     def _raise_if_rejected(self, params: list, rejected: list[int]) -> None:
@@ -155,12 +203,14 @@ class PackedAdamW(Optimizer):
             "clip_grad_norm_(error_if_nonfinite=True) to skip such steps."
         )
 
-    def _checked_row(self, group: dict, index: int) -> tuple[float, ...]:
-        """The group's (lr, b1, b2, eps, weight_decay) as floats. Validity depends on the
-        values alone, so rows already seen valid are not checked again (a scheduler changes lr)."""
+    def _checked_row(self, group: dict, index: int) -> tuple:
+        """The group's (lr, b1, b2, eps, weight_decay, maximize) as floats and a bool. Validity
+        depends on the values alone, so rows already seen valid are not checked again (a
+        scheduler changes lr)."""
         try:
             lr, (b1, b2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            row = (float(lr), float(b1), float(b2), float(eps), float(weight_decay))
+            maximize = group.get("maximize", False)
+            row = (float(lr), float(b1), float(b2), float(eps), float(weight_decay), maximize)
         except (TypeError, ValueError, RuntimeError):
             row = None  # let the validation say what is wrong
         valid = self.__dict__.setdefault("_valid_rows", {})
@@ -171,6 +221,13 @@ class PackedAdamW(Optimizer):
             valid[row] = True
         return row
 
+    def _name_of(self, p) -> str:
+        for gi, group in enumerate(self.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    return _param_name(group, gi, pi)
+        return "a parameter"
+
     @property
     def _state_key(self) -> str:
         return self.state_format.state_key
@@ -179,12 +236,20 @@ class PackedAdamW(Optimizer):
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd[STATE_DICT_KEY] = {"version": STATE_DICT_VERSION, "format": self.state_format.identity}
+        # torch.distributed.checkpoint keeps only "state" and "param_groups": each group
+        # carries the identity too, so a sharded save is checked on load like a plain one.
+        sd["param_groups"] = [{**group, GROUP_FORMAT_KEY: self.state_format.identity} for group in sd["param_groups"]]
         return sd
 
     def export_state(self) -> PortableState:
         """The moments and step counts in parameter order, for `packed_adamw.jax.import_state`."""
         counts, moments = [], []
         for p in (p for g in self.param_groups for p in g["params"]):
+            if _dtensor.is_dtensor(p):
+                raise ValueError(
+                    "export_state: the parameters are DTensors (sharded); a PortableState holds whole tensors. "
+                    "Save a sharded state with torch.distributed.checkpoint (docs/DISTRIBUTED.md)"
+                )
             state = self.state.get(p) or {}
             counts.append(int(state["step"]) if state else 0)
             tensor = state[self._state_key] if state else new_state(p, self.state_format)
@@ -192,29 +257,37 @@ class PackedAdamW(Optimizer):
         return PortableState(self.state_format.identity, counts, moments)
 
     def import_state(self, portable: PortableState) -> None:
-        """Replace the state with one exported from JAX (or torch); checks format and shapes."""
-        self._plan = None
+        """Replace the state with one exported from JAX (or torch); checks format, shapes, step
+        counts and values before changing anything."""
         params = [p for g in self.param_groups for p in g["params"]]
         portable.check(self.state_format, [tuple(p.shape) for p in params])
-        for p, count, moments in zip(params, portable.counts, portable.moments):
+        new = {}
+        for i, (p, count, moments) in enumerate(zip(params, portable.counts, portable.moments)):
+            name = self._name_of(p)
+            count = _checked_step_count(count, f"import_state: tensor {i} ({name})")
             if count == 0:
-                self.state.pop(p, None)
+                new[p] = None
                 continue
-            tensor = torch.from_numpy(moments.view(np.int32) if moments.dtype == np.uint32 else moments.copy())
+            tensor = torch.from_numpy(np.ascontiguousarray(moments).copy())
             if moments.dtype == np.uint32:
-                tensor = tensor.clone().view(torch.uint32)
-            self.state[p] = {"step": count, self._state_key: tensor.to(p.device)}
+                tensor = torch.from_numpy(np.ascontiguousarray(moments).view(np.int32).copy()).view(torch.uint32)
+            _check_loaded_values(tensor, self.state_format, f"import_state: tensor {i} ({name})")
+            new[p] = {"step": count, self._state_key: tensor.to(p.device)}
+        self._plan = None
+        for p, entry in new.items():
+            if entry is None:
+                self.state.pop(p, None)
+            else:
+                self.state[p] = entry
 
     def load_state_dict(self, state_dict: dict) -> None:
-        meta = state_dict.get(STATE_DICT_KEY)
-        if meta is None:
+        """Load a state saved by `state_dict()` (also through torch.distributed.checkpoint).
+        Everything is checked before anything changes: the format identity, the state
+        layout of every parameter, step counts, and fp32 moments' values."""
+        identity = self._saved_identity(state_dict)
+        if identity != self.state_format.identity:
             raise ValueError(
-                "load_state_dict: this state_dict was not saved by PackedAdamW (no 'packed_adamw' entry); "
-                "start this optimizer fresh instead of loading another optimizer's state"
-            )
-        if meta["format"] != self.state_format.identity:
-            raise ValueError(
-                f"load_state_dict: the saved state has format {meta['format']!r} but this optimizer uses "
+                f"load_state_dict: the saved state has format {identity!r} but this optimizer uses "
                 f"{self.state_format.identity!r}; construct PackedAdamW with the same mode, m_bias and rms_bias"
             )
         saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -225,32 +298,156 @@ class PackedAdamW(Optimizer):
                 f"{len(our_params)}; load it into an optimizer built over the same parameters"
             )
         fmt = self.state_format
-        key, dtype = fmt.state_key, state_dtype(fmt)
+        key = fmt.state_key
+        loaded = {}
         for saved_id, p in zip(saved_params, our_params):
             entry = state_dict["state"].get(saved_id)
             if entry is None:
                 continue
+            where = f"load_state_dict: state of saved parameter {saved_id!r} (for {self._name_of(p)})"
             tensor = entry.get(key)
-            shape = fmt.state_shape(p.shape)
-            if tensor is None or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-                got = None if tensor is None else (tensor.dtype, tuple(tensor.shape))
-                raise ValueError(
-                    f"load_state_dict: state of saved parameter {saved_id} should hold {key!r} {dtype} of shape "
-                    f"{shape} (to match parameter of shape {tuple(p.shape)}), got {got}; the parameters or their "
-                    "order differ from the saved run"
-                )
+            _check_loaded_layout(tensor, p, fmt, key, where)
+            count = _checked_step_count(entry.get("step"), where)
+            _check_loaded_values(_dtensor.kernel_state(tensor), fmt, where)
+            loaded[p] = (count, tensor)
         self._plan = None
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != STATE_DICT_KEY})
+        groups = [{k: v for k, v in g.items() if k != GROUP_FORMAT_KEY} for g in state_dict["param_groups"]]
+        super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
         # torch casts all non-step state to a floating parameter's dtype, which would turn the
-        # words into float32 values: put the saved words back, bits unchanged.
-        for saved_id, p in zip(saved_params, our_params):
-            entry = state_dict["state"].get(saved_id)
-            if entry is None:
-                continue
+        # words into float32 values: put the saved tensors back, bits unchanged, contiguous and
+        # on the parameter's device, with the step counts as checked ints.
+        for p, (count, tensor) in loaded.items():
             state = self.state[p]
-            state["step"] = int(entry["step"])
-            if self._state_key == "words":
-                state["words"] = entry["words"].to(p.device, copy=True)
+            state["step"] = count
+            state[key] = tensor.to(p.device, copy=True).contiguous() if not _dtensor.is_dtensor(tensor) else \
+                _contiguous_dtensor(tensor, p)
+
+    def _saved_identity(self, state_dict: dict) -> str:
+        meta = state_dict.get(STATE_DICT_KEY)
+        if meta is not None:
+            if not isinstance(meta, dict) or "format" not in meta:
+                raise ValueError(
+                    f"load_state_dict: the {STATE_DICT_KEY!r} entry has no 'format' (got {meta!r}); the state_dict "
+                    "was not written by PackedAdamW.state_dict() or was edited: save it again from the optimizer"
+                )
+            version = meta.get("version")
+            if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= STATE_DICT_VERSION:
+                raise ValueError(
+                    f"load_state_dict: state_dict version {version!r} is not one this release reads (1 to "
+                    f"{STATE_DICT_VERSION}); load it with the packed-adamw release that saved it"
+                )
+            return meta["format"]
+        groups = state_dict.get("param_groups") or []
+        identities = {g.get(GROUP_FORMAT_KEY) for g in groups}
+        if groups and None not in identities and len(identities) == 1:
+            return identities.pop()  # a distributed checkpoint: only the groups came through
+        raise ValueError(
+            "load_state_dict: this state_dict was not saved by PackedAdamW (no 'packed_adamw' entry and no "
+            f"{GROUP_FORMAT_KEY!r} in its param groups); start this optimizer fresh instead of loading another "
+            "optimizer's state"
+        )
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _kernel_tensors(p: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local parameter, local gradient) for the kernel: a DTensor's shard, or the tensors."""
+    g = p.grad
+    if _dtensor.is_dtensor(p) != _dtensor.is_dtensor(g):
+        raise ValueError(f"{name} is {_dtensor.describe(p)} but its gradient is {_dtensor.describe(g)}; "
+                         "both must be DTensors (FSDP2) or both plain tensors")
+    if _dtensor.is_dtensor(p) and (g.placements != p.placements or g.device_mesh != p.device_mesh):
+        raise ValueError(f"{name} is {_dtensor.describe(p)} but its gradient is {_dtensor.describe(g)}; "
+                         "redistribute the gradient like the parameter before step()")
+    return _dtensor.local(p), _dtensor.local(g)
+
+
+def _check_live_state(p, pl, state: dict, fmt: StateFormat, name: str) -> int:
+    """The state a step is about to use must be what the kernel's raw addresses expect;
+    returns its step count."""
+    stored = state.get(fmt.state_key)
+    count = state.get("step")
+    if stored is None or not isinstance(stored, torch.Tensor):
+        raise ValueError(f"{name}: its optimizer state has no {fmt.state_key!r} tensor (got {state!r}); "
+                         "load a state saved by PackedAdamW with the same mode, or start fresh")
+    if _dtensor.is_dtensor(p) != _dtensor.is_dtensor(stored):
+        raise ValueError(f"{name} is {_dtensor.describe(p)} but its optimizer state is {_dtensor.describe(stored)}; "
+                         "load sharded states with torch.distributed.checkpoint into the sharded model")
+    moments = _dtensor.kernel_state(stored)
+    if moments.get_device() != pl.get_device():
+        raise ValueError(
+            f"{name} is on {pl.device} but its optimizer state is on {moments.device}: "
+            "move the model before creating the optimizer, or save the state_dict and load it into "
+            "a new optimizer (load_state_dict moves the state to the parameters' device)"
+        )
+    expected_shape, expected_dtype = fmt.state_shape(pl.shape), (torch.float32 if fmt.mode == "fp32" else torch.uint32)
+    if tuple(moments.shape) != expected_shape:
+        raise ValueError(
+            f"{name} has shape {tuple(pl.shape)} but its optimizer state has shape {tuple(moments.shape)}: the "
+            "parameter was replaced after the optimizer stepped; build a new optimizer for the new parameter"
+        )
+    if moments.dtype != expected_dtype or not moments.is_contiguous():
+        raise ValueError(
+            f"{name}: its optimizer state is {moments.dtype}, contiguous={moments.is_contiguous()}; the step "
+            f"writes a contiguous {expected_dtype} tensor in place: put one there (.contiguous()), or load the "
+            "state with load_state_dict, which makes it so"
+        )
+    return _checked_step_count(count, name)
+
+
+def _checked_step_count(count, where: str) -> int:
+    """A saved or stored step count as an int in [0, MAX_STEP]: a one-element tensor or a
+    whole float is taken as its value, fractions and bools are refused."""
+    if isinstance(count, torch.Tensor) and count.numel() == 1:
+        count = count.item()
+    if isinstance(count, float) and count.is_integer():
+        count = int(count)
+    if not isinstance(count, numbers.Integral) or isinstance(count, (bool, np.bool_)) or not 0 <= count <= MAX_STEP:
+        raise ValueError(f"{where}: step count {count!r} must be a whole number in [0, {MAX_STEP}]; the state is "
+                         "damaged or was edited: load an undamaged state, or start this parameter fresh")
+    return int(count)
+
+
+def _check_loaded_layout(tensor, p, fmt: StateFormat, key: str, where: str) -> None:
+    expected_shape = fmt.state_shape(p.shape)
+    if tensor is None or not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{where} should hold {key!r} (a tensor of shape {expected_shape}), got "
+                         f"{None if tensor is None else type(tensor).__name__}; the parameters or their order "
+                         "differ from the saved run")
+    if _dtensor.is_dtensor(p) != _dtensor.is_dtensor(tensor):
+        raise ValueError(f"{where} is {_dtensor.describe(tensor)} but the parameter is {_dtensor.describe(p)}: a "
+                         "sharded state loads into the sharded model through torch.distributed.checkpoint "
+                         "(set_optimizer_state_dict), which also reshards it; see docs/DISTRIBUTED.md")
+    dtype = _dtensor.state_dtype_for(p, fmt)
+    if tensor.dtype != dtype or tuple(tensor.shape) != expected_shape:
+        raise ValueError(
+            f"{where} should hold {key!r} {dtype} of shape {expected_shape} (to match parameter of shape "
+            f"{tuple(p.shape)}), got {(tensor.dtype, tuple(tensor.shape))}; the parameters or their order differ "
+            "from the saved run"
+        )
+
+
+def _check_loaded_values(moments: torch.Tensor, fmt: StateFormat, where: str) -> None:
+    """fp32 moments that are not finite, or a negative v, would make every element reject its
+    update and freeze the parameter silently. (Every packed or fp16 word decodes finitely.)"""
+    if fmt.mode != "fp32" or moments.numel() == 0:
+        return
+    m, v = moments[0], moments[1]
+    bad_m = int((~torch.isfinite(m)).sum())
+    bad_v = int((~torch.isfinite(v) | (v < 0)).sum())
+    if bad_m or bad_v:
+        raise ValueError(f"{where}: {bad_m} first moments are NaN/Inf and {bad_v} second moments are NaN, Inf or "
+                         "negative; such a state would freeze those elements. Load an undamaged state")
+
+
+def _contiguous_dtensor(tensor, p):
+    local = tensor.to_local()
+    if local.is_contiguous() and local.device == _dtensor.local(p).device:
+        return tensor
+    return type(tensor).from_local(local.to(_dtensor.local(p).device).contiguous(), tensor.device_mesh,
+                                   tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride())
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -259,7 +456,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _check_one_device(params: list, where: str) -> None:
-    devices = {p.device for p in params}
+    devices = {_dtensor.local(p).device for p in params}
     if len(devices) > 1:
         raise ValueError(
             f"{where}: parameters are on several devices {sorted(map(str, devices))}; PackedAdamW updates one "
@@ -274,48 +471,53 @@ def _param_name(group: dict, group_index: int, param_index: int) -> str:
     return f"param_groups[{group_index}]['params'][{param_index}]"
 
 
-def _validate_hyperparams(group: dict, index: int) -> None:
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"param_groups[{index}]['lr'] must be a number or a one-element tensor")
-        lr = float(lr)
+def _plain(value, name: str):
+    """A one-element tensor hyperparameter as a float (as torch.optim accepts); other values as they are."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Invalid {name}: a tensor {name} must have one element, got shape {tuple(value.shape)}")
+        return float(value)
+    return value
+
+
+def _plain_betas(betas):
     try:
-        validate_hyperparams(lr, group["betas"], group["eps"], group["weight_decay"])
-    except ValueError as e:
-        raise ValueError(f"param_groups[{index}]: {e}") from None
+        return tuple(_plain(b, f"beta at index {i}") for i, b in enumerate(betas))
+    except TypeError:
+        return betas  # not a pair: validate_hyperparams says so
+
+
+def _check_maximize(value, where: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}={value!r}: maximize must be True or False")
+
+
+def _validate_hyperparams(group: dict, index: int) -> None:
+    try:
+        validate_hyperparams(_plain(group["lr"], "lr"), _plain_betas(group["betas"]), _plain(group["eps"], "eps"),
+                             _plain(group["weight_decay"], "weight_decay"))
+        _check_maximize(group.get("maximize", False), "maximize")
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"param_groups[{index}]: {e}") from None
 
 
 def _validate_group(group: dict, index: int) -> None:
     _validate_hyperparams(group, index)
     for param_index, p in enumerate(group["params"]):
         name = _param_name(group, index, param_index)
+        local = _dtensor.local(p)
         if p.dtype != torch.float32:
             raise TypeError(
                 f"{name} has dtype {p.dtype}: this release of PackedAdamW trains float32 parameters only; "
                 "keep FP32 master weights (e.g. torch.autocast for lower-precision compute)"
             )
-        if not p.is_contiguous():
+        if not local.is_contiguous():
             raise ValueError(f"{name} is not contiguous: pass a contiguous parameter (create it with .contiguous())")
-        if p.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{name} is on {p.device}: PackedAdamW runs on CPU and CUDA devices")
+        if local.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on {local.device}: PackedAdamW runs on CPU and CUDA devices")
 
 
-def _raise_state_error(p: torch.Tensor, moments: torch.Tensor, name: str) -> None:
-    if moments.device != p.device:
-        raise ValueError(
-            f"{name} is on {p.device} but its optimizer state is on {moments.device}: "
-            "move the model before creating the optimizer, or save the state_dict and load it into "
-            "a new optimizer (load_state_dict moves the state to the parameters' device)"
-        )
-    raise ValueError(
-        f"{name} has shape {tuple(p.shape)} but its optimizer state has shape {tuple(moments.shape)}: the "
-        "parameter was replaced after the optimizer stepped; build a new optimizer for the new parameter"
-    )
-
-
-def _raise_grad_error(p: torch.Tensor, name: str) -> None:
-    g = p.grad
+def _raise_grad_error(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
     if p.dtype != torch.float32 or not p.is_contiguous():  # changed after add_param_group
         raise TypeError(f"{name} is now {p.dtype}, contiguous={p.is_contiguous()}: PackedAdamW trains contiguous float32 parameters")
     if g.is_sparse:

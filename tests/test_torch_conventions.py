@@ -1,0 +1,356 @@
+"""`PackedAdamW` against torch.optim's conventions and hostile-but-realistic input, in the
+manner of torch's test/test_optim.py: flags configurations pass, maximize, tensor
+hyperparameters, hooks, loading older or damaged states, pickling, failed steps."""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import torch_helpers as H
+from packed_adamw.torch import PackedAdamW
+from packed_adamw.torch.optimizer import GROUP_FORMAT_KEY, MAX_STEP, STATE_DICT_KEY
+
+MODES = H.MODES
+
+
+def make_params(seed=0, shapes=((300,), (13, 17), ())):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+def set_grads(params, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * scale
+
+
+def run(opt, params, seeds, scale=1.0):
+    for seed in seeds:
+        set_grads(params, seed, scale)
+        opt.step()
+
+
+def trained(mode="packed", steps=3, **kwargs):
+    params = make_params(0)
+    opt = PackedAdamW(params, lr=1e-2, weight_decay=0.1, mode=mode, **kwargs)
+    run(opt, params, range(steps))
+    return params, opt
+
+
+def assert_same_run(params_a, opt_a, params_b, opt_b, what):
+    for pa, pb in zip(params_a, params_b):
+        H.assert_same_bits(pa, pb, f"{what}: params")
+        H.assert_same_bits(H.state_tensor(opt_a, pa), H.state_tensor(opt_b, pb), f"{what}: state")
+        assert opt_a.state[pa]["step"] == opt_b.state[pb]["step"]
+
+
+# ============================================================ flags torch.optim.AdamW has ====
+
+@pytest.mark.parametrize("flag,value", [("foreach", None), ("foreach", False), ("fused", None), ("fused", False),
+                                        ("capturable", False), ("differentiable", False)])
+def test_adamw_flags_asking_for_nothing_missing_are_accepted(flag, value):
+    params, opt = trained()
+    other = make_params(0)
+    flagged = PackedAdamW(other, lr=1e-2, weight_decay=0.1, **{flag: value})
+    run(flagged, other, range(3))
+    assert_same_run(params, opt, other, flagged, f"{flag}={value}")
+
+
+@pytest.mark.parametrize("flag", ["foreach", "fused", "capturable", "differentiable"])
+def test_adamw_flags_asking_for_something_else_are_refused_naming_the_flag(flag):
+    with pytest.raises(ValueError, match=f"{flag}=True is not supported"):
+        PackedAdamW(make_params(), **{flag: True})
+
+
+def test_amsgrad_is_refused_saying_the_word_holds_no_third_moment():
+    with pytest.raises(ValueError, match="amsgrad=True is not supported.*running maximum"):
+        PackedAdamW(make_params(), amsgrad=True)
+    PackedAdamW(make_params(), amsgrad=False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_maximize_gives_the_bits_of_a_step_on_the_negated_gradient(mode):
+    up, down = make_params(1), make_params(1)
+    opt_up = PackedAdamW(up, lr=1e-2, weight_decay=0.1, mode=mode, maximize=True)
+    opt_down = PackedAdamW(down, lr=1e-2, weight_decay=0.1, mode=mode)
+    for seed in range(4):
+        set_grads(up, seed)
+        set_grads(down, seed)
+        for p in down:
+            p.grad.neg_()
+        opt_up.step()
+        opt_down.step()
+    assert_same_run(up, opt_up, down, opt_down, "maximize vs negated gradient")
+    assert opt_up.param_groups[0]["maximize"] is True
+
+
+def test_maximize_is_per_group_and_climbs_a_quadratic():
+    a, b = torch.nn.Parameter(torch.ones(10)), torch.nn.Parameter(torch.ones(10))
+    opt = PackedAdamW([{"params": [a], "maximize": True}, {"params": [b]}], lr=0.05, weight_decay=0.0)
+    for _ in range(20):
+        opt.zero_grad()
+        ((a ** 2).sum() + (b ** 2).sum()).backward()
+        opt.step()
+    assert (a.detach() > 1.5).all() and (b.detach() < 0.5).all()
+
+
+def test_maximize_must_be_a_bool():
+    with pytest.raises(TypeError, match="maximize"):
+        PackedAdamW(make_params(), maximize=1)
+
+
+# ============================================================ tensor hyperparameters ====
+
+@pytest.mark.parametrize("mode", MODES)
+def test_betas_lr_eps_and_weight_decay_given_as_tensors_give_the_bits_of_floats(mode):
+    params, opt = trained(mode)
+    other = make_params(0)
+    tensors = PackedAdamW(other, lr=torch.tensor(1e-2), betas=(torch.tensor(0.9), torch.tensor(0.999)),
+                          eps=torch.tensor(1e-8), weight_decay=torch.tensor(0.1), mode=mode)
+    run(tensors, other, range(3))
+    assert_same_run(params, opt, other, tensors, "tensor hyperparameters")
+
+
+@pytest.mark.parametrize("kwargs,start", [
+    (dict(lr=-1.0), "Invalid learning rate: lr=-1.0"),
+    (dict(betas=(1.0, 0.999)), "Invalid beta parameter at index 0: b1 (betas[0])=1.0 is not below 1"),
+    (dict(betas=(0.9, -0.5)), "Invalid beta parameter at index 1: b2 (betas[1])=-0.5 is negative"),
+    (dict(betas=(torch.tensor(1.5), 0.9)), "Invalid beta parameter at index 0: b1 (betas[0])=1.5 is not below 1"),
+    (dict(eps=0.0), "Invalid epsilon value: eps=0.0"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay value: weight_decay=-0.1"),
+])
+def test_error_messages_begin_as_torch_adamw_s_and_say_which_rule_the_value_broke(kwargs, start):
+    with pytest.raises(ValueError) as info:
+        PackedAdamW(make_params(), **kwargs)
+    assert str(info.value).startswith(start), str(info.value)
+
+
+def test_a_valid_beta_tensor_is_not_called_out_of_range():
+    PackedAdamW(make_params(), betas=(torch.tensor(0.9), torch.tensor(0.95)))
+
+
+def test_an_empty_parameter_list_is_refused_as_torch_does():
+    with pytest.raises(ValueError, match="empty parameter list"):
+        PackedAdamW([])
+
+
+# ============================================================ hooks and schedulers ====
+
+def test_step_pre_and_post_hooks_run_around_the_step():
+    params = make_params()
+    opt = PackedAdamW(params)
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", o.state.get(params[0], {}).get("step"))))
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", o.state[params[0]]["step"])))
+    run(opt, params, [0, 1])
+    assert seen == [("pre", None), ("post", 1), ("pre", 1), ("post", 2)]
+
+
+def test_state_dict_and_load_state_dict_hooks_run():
+    params, opt = trained()
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("sd pre"))
+
+    def post(o, sd):
+        calls.append("sd post")
+        sd["extra"] = 1
+        return sd
+
+    opt.register_state_dict_post_hook(post)
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    sd = opt.state_dict()
+    assert sd["extra"] == 1 and STATE_DICT_KEY in sd
+    opt.load_state_dict(sd)
+    assert calls == ["sd pre", "sd post", "load pre", "load post"]
+
+
+@pytest.mark.parametrize("scheduler", ["StepLR", "ExponentialLR"])
+def test_a_decreasing_lr_schedule_moves_the_parameters_less_each_step(scheduler):
+    p = torch.nn.Parameter(torch.zeros(64))
+    opt = PackedAdamW([p], lr=0.1, weight_decay=0.0)
+    sched = (torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler == "StepLR"
+             else torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5))
+    moves = []
+    for _ in range(4):
+        before = p.detach().clone()
+        p.grad = torch.ones(64)  # constant gradient: Adam's step is lr-sized
+        opt.step()
+        sched.step()
+        moves.append(float((p.detach() - before).abs().max()))
+    assert all(later < earlier for earlier, later in zip(moves, moves[1:])), moves
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_multi_tensor_and_per_tensor_steps_are_bitwise_equal(mode):
+    """torch's foreach_matches_forloop: the two implementations, same bits."""
+    params, opt = trained(mode, multi_tensor=True)
+    other = make_params(0)
+    per_tensor = PackedAdamW(other, lr=1e-2, weight_decay=0.1, mode=mode, multi_tensor=False)
+    run(per_tensor, other, range(3))
+    assert_same_run(params, opt, other, per_tensor, "multi_tensor vs per tensor")
+
+
+# ============================================================ saving and loading ====
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pickle_round_trips_after_a_step_and_continues_bit_for_bit(mode):
+    params, opt = trained(mode)
+    params2, opt2 = pickle.loads(pickle.dumps((params, opt)))
+    assert opt2.state_format == opt.state_format
+    run(opt, params, [7, 8])
+    run(opt2, params2, [7, 8])
+    assert_same_run(params, opt, params2, opt2, "pickled copy")
+    assert H.state_tensor(opt2, params2[0]).dtype == H.state_tensor(opt, params[0]).dtype
+    deep = copy.deepcopy(opt2)  # deepcopy takes the same path
+    assert H.state_tensor(deep, deep.param_groups[0]["params"][0]).dtype == H.state_tensor(opt, params[0]).dtype
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_dict_saved_and_loaded_weights_only_is_bitwise_equal(mode):
+    params, opt = trained(mode)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    other = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = PackedAdamW(other, lr=1e-2, weight_decay=0.1, mode=mode)
+    opt2.load_state_dict(loaded)
+    run(opt, params, [5])
+    run(opt2, other, [5])
+    assert_same_run(params, opt, other, opt2, "weights_only round trip")
+
+
+def test_a_state_dict_of_the_first_release_without_group_format_keys_loads():
+    """torch's can_load_older_state_dict: 1.0.0 saved only the top-level entry."""
+    params, opt = trained()
+    sd = opt.state_dict()
+    sd["param_groups"] = [{k: v for k, v in g.items() if k not in (GROUP_FORMAT_KEY, "maximize")}
+                          for g in sd["param_groups"]]
+    other = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = PackedAdamW(other, lr=1e-2, weight_decay=0.1)
+    opt2.load_state_dict(sd)
+    run(opt, params, [5])
+    run(opt2, other, [5])
+    assert_same_run(params, opt, other, opt2, "older state dict")
+
+
+@pytest.mark.parametrize("step", [torch.tensor(3.0), torch.tensor(3), 3.0, np.int64(3)])
+def test_a_step_count_saved_as_a_tensor_or_whole_float_loads_as_an_int(step):
+    """torch's load_nontensor_step, the other way round: torch's AdamW saves tensors."""
+    params, opt = trained()
+    sd = opt.state_dict()
+    for entry in sd["state"].values():
+        entry["step"] = step
+    opt.load_state_dict(sd)
+    assert all(type(opt.state[p]["step"]) is int and opt.state[p]["step"] == 3 for p in params)
+    run(opt, params, [4])
+    assert opt.state[params[0]]["step"] == 4
+
+
+@pytest.mark.parametrize("step", [-5, 2.7, MAX_STEP + 1, True, "3", None])
+def test_a_bad_saved_step_count_is_refused_on_load_and_nothing_changes(step):
+    params, opt = trained()
+    sd = copy.deepcopy(opt.state_dict())
+    before = H.snapshot(opt, params)
+    sd["state"][1]["step"] = step
+    with pytest.raises(ValueError, match=r"saved parameter 1 .*step count"):
+        opt.load_state_dict(sd)
+    H.assert_same_snapshot(H.snapshot(opt, params), before, "after a refused load")
+
+
+def test_a_step_count_edited_out_of_range_is_refused_at_step_naming_the_parameter_and_counts_nothing():
+    params, opt = trained()
+    opt.state[params[1]]["step"] = 2**31 - 1
+    set_grads(params, 9)
+    before = H.snapshot(opt, params)
+    for _ in range(2):  # a retry fails the same way and counts nothing
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*step count 2147483647"):
+            opt.step()
+        H.assert_same_snapshot(H.snapshot(opt, params), before, "after a refused step")
+        assert opt.state[params[0]]["step"] == 3
+
+
+def test_a_state_dict_without_the_format_or_with_an_unknown_version_is_refused():
+    params, opt = trained()
+    sd = opt.state_dict()
+    no_format = {**sd, STATE_DICT_KEY: {"version": 1}}
+    with pytest.raises(ValueError, match="has no 'format'"):
+        opt.load_state_dict(no_format)
+    future = {**sd, STATE_DICT_KEY: {**sd[STATE_DICT_KEY], "version": 99}}
+    with pytest.raises(ValueError, match="version 99 is not one this release reads"):
+        opt.load_state_dict(future)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_non_contiguous_loaded_state_is_made_contiguous_and_continues_bit_for_bit(mode):
+    params, opt = trained(mode)
+    sd = copy.deepcopy(opt.state_dict())
+    key = H.state_key(mode)
+    for entry in sd["state"].values():
+        t = entry[key]
+        if t.dim() >= 2:  # a transposed copy transposed back: same values, not contiguous
+            entry[key] = t.transpose(-1, -2).contiguous().transpose(-1, -2)
+            assert not entry[key].is_contiguous()
+    other = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = PackedAdamW(other, lr=1e-2, weight_decay=0.1, mode=mode)
+    opt2.load_state_dict(sd)
+    assert all(H.state_tensor(opt2, p).is_contiguous() for p in other)
+    run(opt, params, [5, 6])
+    run(opt2, other, [5, 6])
+    assert_same_run(params, opt, other, opt2, "after loading a non-contiguous state")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_non_contiguous_state_put_in_place_is_refused_naming_the_parameter(mode):
+    params, opt = trained(mode)
+    key = H.state_key(mode)
+    t = opt.state[params[1]][key]
+    opt.state[params[1]][key] = t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    set_grads(params, 9)
+    before = H.snapshot(opt, params)
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\]: its optimizer state is .*contiguous=False"):
+        opt.step()
+    H.assert_same_snapshot(H.snapshot(opt, params), before, "after a refused step")
+
+
+@pytest.mark.parametrize("damage", ["nan m", "inf v", "negative v"])
+def test_an_fp32_state_with_nan_moments_or_negative_v_is_refused_on_load(damage):
+    params, opt = trained("fp32")
+    sd = copy.deepcopy(opt.state_dict())
+    moments = sd["state"][0]["moments"]
+    if damage == "nan m":
+        moments[0, 5] = float("nan")
+    elif damage == "inf v":
+        moments[1, 7] = float("inf")
+    else:
+        moments[1, 9] = -1e-6
+    before = H.snapshot(opt, params)
+    with pytest.raises(ValueError, match="saved parameter 0 .*would freeze those elements"):
+        opt.load_state_dict(sd)
+    H.assert_same_snapshot(H.snapshot(opt, params), before, "after a refused load")
+
+
+def test_import_state_refuses_a_bad_count_or_damaged_fp32_moments_before_changing_anything():
+    params, opt = trained("fp32")
+    portable = opt.export_state()
+    before = H.snapshot(opt, params)
+    bad_count = copy.deepcopy(portable)
+    bad_count.counts[1] = -5
+    with pytest.raises(ValueError, match="tensor 1 .*step count -5"):
+        opt.import_state(bad_count)
+    bad_values = copy.deepcopy(portable)
+    bad_values.moments[2] = np.array([np.nan, 1.0], dtype=np.float32).reshape(2)
+    with pytest.raises(ValueError, match="tensor 2 .*NaN"):
+        opt.import_state(bad_values)
+    H.assert_same_snapshot(H.snapshot(opt, params), before, "after refused imports")
+
+
+def test_a_boolean_bias_is_refused():
+    with pytest.raises(TypeError, match="m_bias=True: an exponent bias is an int"):
+        PackedAdamW(make_params(), m_bias=True)

@@ -1,0 +1,82 @@
+"""How the optimizer state follows DTensor parameters (FSDP2's `fully_shard`, tensor parallel).
+
+The step is elementwise, so each rank updates its local shard with the same kernel (numpy on
+CPU) and no communication. The state of a DTensor parameter is a DTensor on the parameter's
+mesh, so `state_dict()` is sharded like the model's and torch.distributed.checkpoint saves,
+loads and reshards it:
+
+- packed and fp16 words have the parameter's shape and placements. They are stored as
+  **int32** DTensors holding the words' bits: torch.distributed's collectives do not carry
+  uint32 (an all-gather over gloo, as in `full_tensor()`, fails with "Invalid scalar type"),
+  while int32 travels everywhere. The kernel reads the local shard as a uint32 view, so the
+  bits are the words' bits either way;
+- fp32 moments are [2, *shape] float32; a parameter sharded on dim d has them sharded on d+1.
+"""
+from __future__ import annotations
+
+import torch
+
+from packed_adamw.core import StateFormat
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # a torch build without distributed support
+    DTensor = None
+
+SHARDED_WORDS_DTYPE = torch.int32
+
+
+def is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a kernel works on: a DTensor's local shard, or the tensor itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def kernel_state(state: torch.Tensor) -> torch.Tensor:
+    """The local state as the step reads it: sharded int32 words are viewed as uint32."""
+    if is_dtensor(state):
+        state = state.to_local()
+        if state.dtype == SHARDED_WORDS_DTYPE:
+            return state.view(torch.uint32)
+    return state
+
+
+def state_dtype_for(param: torch.Tensor, fmt: StateFormat) -> torch.dtype:
+    """The dtype of the stored state of `param`."""
+    if fmt.state_dtype == "uint32":
+        return SHARDED_WORDS_DTYPE if is_dtensor(param) else torch.uint32
+    return torch.float32
+
+
+def wrap_state(param: torch.Tensor, local_state: torch.Tensor, fmt: StateFormat, name: str) -> torch.Tensor:
+    """The stored state for `param` from its local state (uint32 words or float32 [2, *local]):
+    the local tensor itself for a plain parameter, a DTensor like the parameter's otherwise."""
+    if not is_dtensor(param):
+        return local_state
+    shape = fmt.state_shape(param.shape)
+    if fmt.state_dtype == "uint32":
+        return DTensor.from_local(local_state.view(SHARDED_WORDS_DTYPE), param.device_mesh, param.placements,
+                                  run_check=False, shape=shape, stride=param.stride())
+    placements = []
+    for placement in param.placements:
+        if type(placement) is Shard:
+            placements.append(Shard(placement.dim + 1))
+        elif isinstance(placement, Replicate):
+            placements.append(placement)
+        else:
+            raise NotImplementedError(
+                f"{name} is a DTensor with placement {placement}: fp32 mode keeps its moments as one [2, *shape] "
+                "tensor and can follow Shard and Replicate placements only; use mode='packed' or 'fp16', whose "
+                "words follow any placement"
+            )
+    stride = (param.numel(), *param.stride())
+    return DTensor.from_local(local_state, param.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def describe(t) -> str:
+    if is_dtensor(t):
+        return f"a DTensor on {t.device_mesh} with placements {tuple(t.placements)}"
+    return "a plain tensor"
