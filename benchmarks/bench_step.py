@@ -106,6 +106,18 @@ def torch_step_ms(shapes, make_opt) -> float:
     return t
 
 
+def without_direct_relaunch(fn):
+    """fn() with the step plan's direct relaunch of the compiled kernel switched off: what the
+    shim over Triton's internals saves (torch_frontend/_launch.py)."""
+    from packed_adamw.torch import _launch
+
+    _launch._Relaunch.enabled = False
+    try:
+        return fn()
+    finally:
+        _launch._Relaunch.enabled = True
+
+
 def state_bytes_per_param(mode) -> float:
     n = 1 << 26
     p = torch.nn.Parameter(torch.zeros(n, device="cuda"))
@@ -225,6 +237,8 @@ def main(argv=None):
         entry["packed, check_nonfinite=True"] = torch_step_ms(
             shapes, lambda p: PackedAdamW(p, lr=1e-3, check_nonfinite=True))
         entry["packed, launch per tensor"] = torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3, multi_tensor=False))
+        entry["packed, no direct relaunch"] = without_direct_relaunch(
+            lambda: torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3)))
         raw["lists"][name] = entry
         print(name, json.dumps(entry), flush=True)
     # JAX last: once it has run, its runtime's threads slow the host-bound torch rows.

@@ -87,8 +87,44 @@ def test_missing_and_foreign_files_are_refused(tmp_path):
         read_checkpoint(tmp_path / "none.safetensors")
     from safetensors.torch import save_file
     save_file({"x": torch.zeros(2)}, tmp_path / "other.safetensors")
-    with pytest.raises(CheckpointError, match="not a training checkpoint"):
+    with pytest.raises(CheckpointError, match="not a packed-adamw trainer checkpoint"):
         read_checkpoint(tmp_path / "other.safetensors")
+
+
+@pytest.mark.parametrize("metadata", [{"format": "pt"}, {"format": "pt", "note": "not json"}, {"format": "5"}])
+def test_foreign_safetensors_is_named_foreign_not_corrupted(tmp_path, metadata):
+    """A valid safetensors file of another program (a Hugging Face model file has {"format": "pt"})."""
+    from safetensors.torch import save_file
+    foreign = tmp_path / "model.safetensors"
+    save_file({"weight": torch.zeros(2)}, foreign, metadata=metadata)
+    with pytest.raises(CheckpointError, match=f"{foreign} is a safetensors file but not a packed-adamw trainer "
+                                              "checkpoint") as error:
+        read_checkpoint(foreign)
+    assert "corrupted" not in str(error.value)
+
+
+def test_checkpoint_of_another_format_version_says_so(run, tmp_path):
+    _, path = run
+    data = path.read_bytes()
+    old = data.replace(b'packed-adamw-gpt-checkpoint/2', b'packed-adamw-gpt-checkpoint/1', 1)
+    assert old != data and len(old) == len(data)
+    (tmp_path / "old.safetensors").write_bytes(old)
+    with pytest.raises(CheckpointError, match="trainer checkpoint of format 'packed-adamw-gpt-checkpoint/1'"):
+        read_checkpoint(tmp_path / "old.safetensors")
+
+
+def test_resume_accepts_a_run_directory(run, tmp_path, capsys):
+    argv, path = run
+    assert main([*argv, "--resume", str(path.parent)]) == 0  # the finished run: prints its summary
+    assert f"resumed from {path} at step 3" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match=f"checkpoint {path.parent} is a directory.*{checkpoint.CHECKPOINT_NAME}"):
+        read_checkpoint(path.parent)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([*argv, "--out", str(tmp_path / "out"), "--resume", str(empty)]) == 2
+    error = capsys.readouterr().err
+    assert f"--resume {empty} is a directory without checkpoint.safetensors" in error
+    assert f"looked for {empty / 'checkpoint.safetensors'}" in error and "does not exist" not in error
 
 
 def test_failed_write_leaves_the_previous_checkpoint_untouched(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import random
 
 import numpy as np
@@ -170,6 +171,121 @@ def test_cli_builds_from_text_and_parquet(tmp_path, documents):
     val = TapeReader(tmp_path / "out" / "val.tape")
     assert train.header.documents_per_pass + val.header.documents_per_pass == len(documents)
     assert (train.header.passes, train.header.seed) == (2, 9)
+
+
+def test_duplicate_documents_are_dropped_before_the_split(tmp_path, documents):
+    """A text given twice (or under two names) must not land in both tapes."""
+    copies = [(f"zcopy-of-{name}", text) for name, text in documents]  # sort after the originals
+    with pytest.warns(UserWarning, match=f"dropped {len(documents)} duplicate documents"):
+        train_path, val_path = build_split(documents + copies, tmp_path / "dup", val_fraction=0.25)
+    train, val = TapeReader(train_path), TapeReader(val_path)
+    assert train.header.documents_per_pass + val.header.documents_per_pass == len(documents)
+    # The same tapes, byte for byte, as from the documents without their copies.
+    build_split(documents, tmp_path / "clean", val_fraction=0.25)
+    assert train_path.read_bytes() == (tmp_path / "clean" / "train.tape").read_bytes()
+    assert val_path.read_bytes() == (tmp_path / "clean" / "val.tape").read_bytes()
+    # Which copy is kept, and so the split, does not depend on the input order.
+    with pytest.warns(UserWarning):
+        build_split(list(reversed(copies + documents)), tmp_path / "reversed", val_fraction=0.25)
+    for name, tape in (("train.tape", train), ("val.tape", val)):
+        assert TapeReader(tmp_path / "reversed" / name).tokens.tobytes() == tape.tokens.tobytes()
+
+
+def test_cli_drops_a_file_given_twice_and_says_so(tmp_path, documents, capsys):
+    paths = []
+    for name, text in documents[:10]:
+        (tmp_path / f"{name}.txt").write_text(text, encoding="utf-8")
+        paths.append(str(tmp_path / f"{name}.txt"))
+    (tmp_path / "zcopy.txt").write_text(documents[0][1], encoding="utf-8")
+    tape_main(["build", "--out", str(tmp_path / "out"), "--text", *paths, paths[3], str(tmp_path / "zcopy.txt"),
+               "--val-fraction", "0.2"])
+    output = capsys.readouterr().out
+    assert "dropped 2 duplicate documents" in output and f"{tmp_path / 'zcopy.txt'} (same as {paths[0]})" in output
+    train, val = TapeReader(tmp_path / "out" / "train.tape"), TapeReader(tmp_path / "out" / "val.tape")
+    assert (train.header.documents_per_pass, val.header.documents_per_pass) == (8, 2)
+
+
+def test_cli_reads_a_directory_and_a_quoted_glob(tmp_path, documents):
+    for name, text in documents[:6]:
+        (tmp_path / f"{name}.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "notes.md").write_text("not a .txt file")
+    tape_main(["build", "--out", str(tmp_path / "a"), "--text", str(tmp_path)])
+    tape_main(["build", "--out", str(tmp_path / "b"), "--text", str(tmp_path / "doc*.txt")])
+    for out in ("a", "b"):
+        headers = [read_header(tmp_path / out / f"{split}.tape")[0] for split in ("train", "val")]
+        assert sum(h.documents_per_pass for h in headers) == 6
+
+
+def _write_parquet(path, column):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": column}), path)
+
+
+@pytest.mark.parametrize("case", ["empty directory", "unmatched glob", "missing file", "parquet ints",
+                                  "not parquet", "parquet directory without shards", "not utf-8"])
+def test_cli_bad_input_is_one_line_naming_the_file(tmp_path, capsys, case):
+    if case == "empty directory":
+        (tmp_path / "texts").mkdir()
+        bad, args = tmp_path / "texts", ["--text", str(tmp_path / "texts")]
+    elif case == "unmatched glob":
+        bad = tmp_path / "*.txt"
+        args = ["--text", str(bad)]
+    elif case == "missing file":
+        bad = tmp_path / "missing.txt"
+        args = ["--text", str(bad)]
+    elif case == "parquet ints":
+        bad = tmp_path / "ints.parquet"
+        _write_parquet(bad, [1, 2, 3])
+        args = ["--parquet", str(bad)]
+    elif case == "not parquet":
+        pytest.importorskip("pyarrow")
+        bad = tmp_path / "notes.parquet"
+        bad.write_text("plain text, not parquet")
+        args = ["--parquet", str(bad)]
+    elif case == "parquet directory without shards":
+        (tmp_path / "shards").mkdir()
+        (tmp_path / "shards" / "README").write_text("x")
+        bad, args = tmp_path / "shards", ["--parquet", str(tmp_path / "shards")]
+    else:
+        bad = tmp_path / "latin1.txt"
+        bad.write_bytes("caf\xe9".encode("latin-1"))
+        args = ["--text", str(bad)]
+    with pytest.raises(SystemExit) as exit_info:
+        tape_main(["build", "--out", str(tmp_path / "out"), *args])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("python -m packed_adamw.tokenizer.tape: error: ")
+    assert str(bad) in error[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_info_verifies_size_and_payload(tmp_path, documents, capsys):
+    path = tmp_path / "a.tape"
+    build_tape(documents, path)
+    tape_main(["info", str(path)])
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["token_count"] > 0 and "payload checksum verified" in captured.err
+
+    data = path.read_bytes()
+    for damaged, expected in ((data[:-2], "truncated"), (data[:-7] + bytes([data[-7] ^ 1]) + data[-6:], "corrupted tokens")):
+        path.write_bytes(damaged)
+        with pytest.raises(SystemExit) as exit_info:
+            tape_main(["info", str(path)])
+        captured = capsys.readouterr()
+        assert exit_info.value.code == 2
+        assert json.loads(captured.out)["token_count"] > 0  # the intact header is still shown
+        assert f"{path}" in captured.err and expected in captured.err and "not usable" in captured.err
+
+    for damaged in (data[:100], b""):  # no header to show
+        path.write_bytes(damaged)
+        with pytest.raises(SystemExit) as exit_info:
+            tape_main(["info", str(path)])
+        captured = capsys.readouterr()
+        assert exit_info.value.code == 2 and captured.out == "" and "not a token tape" in captured.err
+    with pytest.raises(SystemExit):
+        tape_main(["info", str(tmp_path / "none.tape")])
+    assert "no such tape file" in capsys.readouterr().err
 
 
 # --- bad input -----------------------------------------------------------------------------

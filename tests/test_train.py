@@ -1,5 +1,6 @@
 """The trainer: exact resume across processes, signals, tape exhaustion, smoke paths."""
 import json
+import shutil
 import signal
 import subprocess
 import time
@@ -7,7 +8,7 @@ import time
 import pytest
 
 from gpt_helpers import MICRO, assert_bitwise_equal, build_data, run_train, train_command
-from packed_adamw.torch.gpt.train import TrainConfig, learning_rate, main
+from packed_adamw.torch.gpt.train import ConfigError, TrainConfig, learning_rate, main, train
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +104,66 @@ def test_moment_stats_are_logged_in_fp32_mode(tmp_path, data_dir):
 
 
 def test_moment_stats_need_fp32_mode(tmp_path, capsys):
-    assert main([*MICRO, "--out", str(tmp_path), "--log-moment-stats"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main([*MICRO, "--out", str(tmp_path), "--log-moment-stats"])
+    assert exit_info.value.code == 2
     assert "--mode fp32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--lr", "nan"), ("--min-lr", "inf"), ("--eps", "0"), ("--beta1", "-0.1"), ("--beta2", "1.0"),
+    ("--weight-decay", "-0.1"), ("--batch-size", "0"), ("--max-steps", "0"), ("--log-every", "0"),
+    ("--m-bias", "101"), ("--rms-bias", "-1"), ("--mode", "fp8"), ("--grad-clip", "-1"),
+    ("--grad-clip", "0"), ("--grad-clip", "nan"), ("--moment-stats-biases", "12,x"), ("--device", "tpu"),
+])
+def test_invalid_settings_exit_2_with_one_line_naming_the_option(tmp_path, data_dir, capsys, option, value):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:  # refused before anything runs
+        main([*MICRO, "--data", str(data_dir), "--out", str(out), "--max-steps", "1", option, value])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 2 and error[0].startswith("usage: ")  # a short usage line, then one error line
+    assert error[-1].startswith("python -m packed_adamw.torch.gpt.train: error: " + option)
+    assert not out.exists()
+
+
+def test_invalid_settings_from_code_and_from_the_shell(tmp_path):
+    with pytest.raises(ConfigError, match="--grad-clip -1.0: .*--grad-clip none"):
+        train(TrainConfig(grad_clip=-1.0, out=str(tmp_path / "out")))
+    result = subprocess.run(train_command("--synthetic", "--config", "micro", "--grad-clip", "-1"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "error: --grad-clip -1.0" in result.stderr
+
+
+def test_grad_clip_none_trains_without_clipping(tmp_path, data_dir):
+    common = [*MICRO, "--data", data_dir, "--max-steps", 2]
+    train_in_process(*common, "--out", tmp_path / "none", "--grad-clip", "none")
+    train_in_process(*common, "--out", tmp_path / "huge", "--grad-clip", 1e9)  # never engages
+    assert summary(tmp_path / "none")["config"]["grad_clip"] is None
+    records = [json.loads(line) for line in (tmp_path / "none" / "log.jsonl").read_text().splitlines()]
+    assert all(r["grad_norm"] > 0 for r in records if "grad_norm" in r)
+    assert_bitwise_equal(tmp_path / "none" / "checkpoint.safetensors", tmp_path / "huge" / "checkpoint.safetensors")
+
+
+def test_resume_of_an_older_file_never_replaces_a_newer_checkpoint(tmp_path, data_dir, capsys):
+    common = [*MICRO, "--data", data_dir, "--max-steps", 6]
+    out = tmp_path / "out"
+    checkpoint = out / "checkpoint.safetensors"
+    train_in_process(*common, "--out", out, "--stop-at-step", 2)
+    older = tmp_path / "step2.safetensors"
+    shutil.copy(checkpoint, older)
+    train_in_process(*common, "--out", out, "--resume", "auto", "--stop-at-step", 4)
+    newer_bytes, log = checkpoint.read_bytes(), (out / "log.jsonl").read_text()
+    capsys.readouterr()
+
+    assert main([*map(str, common), "--out", str(out), "--resume", str(older)]) == 2
+    error = capsys.readouterr().err
+    assert f"{checkpoint} (step 4) is newer than {older} (step 2)" in error and "--resume auto" in error
+    assert checkpoint.read_bytes() == newer_bytes and (out / "log.jsonl").read_text() == log
+    # Into another --out the older file resumes.
+    train_in_process(*common, "--out", tmp_path / "branch", "--resume", older, "--stop-at-step", 3)
+    assert summary(tmp_path / "branch")["step"] == 3
 
 
 def test_missing_tapes_without_build_data_are_an_error(tmp_path, capsys):

@@ -32,6 +32,10 @@ class CorpusNotInstalledError(RuntimeError):
     pass
 
 
+class CorpusError(ValueError):
+    """An input file or document set that cannot be used; the message names the file."""
+
+
 def default_corpus_documents() -> list[Document]:
     """The embedded corpus as (file name, text) pairs, sorted by file name."""
     try:
@@ -67,6 +71,24 @@ def corpus_sha256(documents: Sequence[Document]) -> str:
     """SHA-256 of the `sha256sum` manifest ("<text sha256>  <name>\\n" per document, in order)."""
     manifest = "".join(f"{document_sha256(text)}  {name}\n" for name, text in documents)
     return hashlib.sha256(manifest.encode("utf-8")).hexdigest()
+
+
+def deduplicate_documents(documents: Sequence[Document]) -> tuple[list[Document], list[tuple[str, str]]]:
+    """Drop documents whose text equals another's (by SHA-256 of the text).
+
+    Of each group of equal texts the document with the smallest name is kept, so the result
+    does not depend on the input order. Returns (kept documents in input order,
+    [(dropped name, kept name), ...]).
+    """
+    groups: dict[str, list[int]] = {}
+    for index, (_, text) in enumerate(documents):
+        groups.setdefault(document_sha256(text), []).append(index)
+    kept, dropped = [], []
+    for indices in groups.values():
+        keep = min(indices, key=lambda i: (documents[i][0], i))
+        kept.append(keep)
+        dropped += [(documents[i][0], documents[keep][0]) for i in indices if i != keep]
+    return [documents[i] for i in sorted(kept)], dropped
 
 
 def corpus_provenance(documents: Sequence[Document]) -> dict:
@@ -107,33 +129,58 @@ def load_provenance(path: str | os.PathLike | None = None) -> dict:
 def _nonempty(documents: list[Document], source: Sequence[str | os.PathLike]) -> list[Document]:
     documents = [(name, text) for name, text in documents if text]
     if not documents:
-        raise ValueError(f"empty corpus: no text in {', '.join(map(str, source))}")
+        raise CorpusError(f"empty corpus: no text in {', '.join(map(str, source))}")
     return documents
+
+
+def _check_file(path: str) -> None:
+    file = Path(path)
+    if file.is_dir():
+        raise CorpusError(f"{path} is a directory; pass the files in it")
+    if not file.is_file():
+        raise CorpusError(f"{path}: no such file")
 
 
 def text_file_documents(paths: Sequence[str | os.PathLike]) -> list[Document]:
     """One document per UTF-8 text file, named by its path as given, sorted by name."""
     documents = []
     for path in sorted(map(str, paths)):
+        _check_file(path)
         try:
             documents.append((path, Path(path).read_bytes().decode("utf-8")))
         except UnicodeDecodeError as error:
-            raise ValueError(f"{path} is not UTF-8 text ({error})") from error
+            raise CorpusError(f"{path} is not UTF-8 text ({error})") from error
+        except OSError as error:
+            raise CorpusError(f"cannot read {path}: {error.strerror or error}") from error
     return _nonempty(documents, paths)
 
 
 def parquet_documents(paths: Sequence[str | os.PathLike]) -> list[Document]:
-    """One document per row of the `text` column of FineWeb-style parquet shards."""
+    """One document per row of the `text` column of FineWeb-style parquet shards (null rows are empty)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq  # only this source needs pyarrow (the `train` extra)
 
     documents = []
     for path in sorted(map(str, paths)):
-        parquet_file = pq.ParquetFile(path)
-        if "text" not in parquet_file.schema_arrow.names:
-            raise ValueError(f"{path} has no `text` column (columns: {parquet_file.schema_arrow.names})")
+        _check_file(path)
+        try:
+            parquet_file = pq.ParquetFile(path)
+            schema = parquet_file.schema_arrow
+        except (pa.ArrowException, OSError) as error:
+            raise CorpusError(f"{path} is not a readable parquet file ({error})") from error
+        if "text" not in schema.names:
+            raise CorpusError(f"{path} has no `text` column (columns: {schema.names})")
+        text_type = schema.field("text").type
+        if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)
+                or pa.types.is_string_view(text_type)):
+            raise CorpusError(f"{path}: the `text` column holds {text_type}, not strings; "
+                              "write the documents as a string column named `text`")
         row = 0
-        for batch in parquet_file.iter_batches(columns=["text"]):
-            for text in batch.column("text").to_pylist():
-                documents.append((f"{path}:{row}", text or ""))
-                row += 1
+        try:
+            for batch in parquet_file.iter_batches(columns=["text"]):
+                for text in batch.column("text").to_pylist():
+                    documents.append((f"{path}:{row}", text or ""))
+                    row += 1
+        except (pa.ArrowException, OSError) as error:
+            raise CorpusError(f"cannot read {path} at row {row}: {error}") from error
     return _nonempty(documents, paths)

@@ -13,10 +13,13 @@ consecutive (input, target) windows from a cursor that saves and restores exactl
 
 import argparse
 import dataclasses
+import glob
 import hashlib
 import json
 import os
 import struct
+import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -27,8 +30,8 @@ from packed_adamw.core.atomic_file import atomic_open
 from . import EOT_TOKEN, VOCAB_SIZE, load_tokenizer, token_byte_counts
 from . import tokenizer_sha256 as file_tokenizer_sha256
 from .corpus import (
-    Document, corpus_sha256, default_corpus_documents, document_sha256,
-    parquet_documents, text_file_documents,
+    CorpusError, CorpusNotInstalledError, Document, corpus_sha256, deduplicate_documents,
+    default_corpus_documents, document_sha256, parquet_documents, text_file_documents,
 )
 
 MAGIC = b"PAWTAPE\x00"
@@ -117,7 +120,7 @@ def _write_tape(
     if not 0 <= seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     if not any(text for _, text in documents):
-        raise ValueError(f"empty corpus: no text to write to {out_path}")
+        raise CorpusError(f"empty corpus: no text to write to {out_path}")
 
     tokenizer = load_tokenizer(tokenizer_path)
     eot_id = tokenizer.token_to_id(EOT_TOKEN)
@@ -183,7 +186,7 @@ def split_documents(
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if len(documents) < 2:
-        raise ValueError(f"need at least 2 documents for a train/validation split, got {len(documents)}")
+        raise CorpusError(f"need at least 2 documents for a train/validation split, got {len(documents)}")
     document_ids = _document_ids(documents)
     ranked = sorted(range(len(documents)), key=lambda i: (_ordering_key("validation", document_ids[i]), i))
     val_count = min(max(1, round(val_fraction * len(documents))), len(documents) - 1)
@@ -197,9 +200,18 @@ def build_split(
     documents: Sequence[Document], out_dir: str | os.PathLike, *, val_fraction: float = 0.05,
     passes: int = 1, seed: int = 0, tokenizer: str | os.PathLike | None = None,
 ) -> tuple[Path, Path]:
-    """Write `out_dir/train.tape` (`passes` passes) and `out_dir/val.tape` (one pass)."""
+    """Write `out_dir/train.tape` (`passes` passes) and `out_dir/val.tape` (one pass).
+
+    Documents whose text equals another's are dropped first (the smallest name of each
+    group is kept; a UserWarning says how many), so no text is in both tapes. The recorded
+    corpus hash is of the documents kept.
+    """
     if not documents:
-        raise ValueError(f"empty corpus: no documents to write to {out_dir}")
+        raise CorpusError(f"empty corpus: no documents to write to {out_dir}")
+    documents, duplicates = deduplicate_documents(documents)
+    if duplicates:
+        warnings.warn(f"dropped {len(duplicates)} duplicate documents (same text as another), "
+                      f"e.g. {duplicates[0][0]} (same as {duplicates[0][1]})", stacklevel=2)
     train_docs, val_docs = split_documents(documents, val_fraction)
     source_hash = corpus_sha256(documents)
     out_dir = Path(out_dir)
@@ -217,6 +229,8 @@ def build_split(
 def read_header(path: str | os.PathLike) -> tuple[TapeHeader, np.ndarray]:
     """Parse and check a tape's header region; returns the header and token byte counts."""
     path = Path(path)
+    if not path.is_file():
+        raise TapeError(f"{path} is a directory, not a tape" if path.is_dir() else f"{path}: no such tape file")
     file_size = path.stat().st_size
     with open(path, "rb") as tape_file:
         fixed = tape_file.read(FIXED_HEADER_BYTES)
@@ -345,39 +359,102 @@ def _check_shape(batch_size: int, context: int) -> None:
         raise ValueError(f"batch_size and context must be positive, got {batch_size} and {context}")
 
 
+def _input_files(option: str, arguments: Sequence[str], suffix: str) -> list[str]:
+    """Files named on the command line: files, directories (their `*suffix` files) or quoted globs.
+
+    Raises CorpusError naming the argument that yields no file.
+    """
+    files = []
+    for argument in arguments:
+        path = Path(argument)
+        if path.is_dir():
+            found = sorted(str(f) for f in path.iterdir() if f.name.endswith(suffix) and f.is_file())
+            if not found:
+                raise CorpusError(f"{option} {argument}: the directory holds no *{suffix} files")
+        elif path.exists():
+            found = [argument]
+        elif any(c in argument for c in "*?["):
+            found = sorted(glob.glob(argument))
+            if not found:
+                raise CorpusError(f"{option} {argument}: the pattern matches no file")
+        else:
+            raise CorpusError(f"{option} {argument}: no such file")
+        files += found
+    return files
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build or inspect token tapes.")
+    parser = argparse.ArgumentParser(prog="python -m packed_adamw.tokenizer.tape",
+                                     description="Build or inspect token tapes.")
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="write DIR/train.tape and DIR/val.tape")
     build.add_argument("--out", type=Path, required=True, help="output directory")
     build.add_argument("--text", nargs="+", default=[], metavar="FILE",
-                       help="UTF-8 text files, one document each")
+                       help="UTF-8 text files, one document each (a directory: its *.txt files; "
+                            "a quoted glob is expanded)")
     build.add_argument("--parquet", nargs="+", default=[], metavar="FILE",
-                       help="parquet shards with a `text` column, one document per row")
+                       help="parquet shards with a string `text` column, one document per row "
+                            "(a directory: its *.parquet files; a quoted glob is expanded)")
     build.add_argument("--passes", type=int, default=1, help="passes over the training documents")
     build.add_argument("--seed", type=int, default=0, help="seed of each pass's document order")
     build.add_argument("--val-fraction", type=float, default=0.05,
                        help="fraction of documents held out for validation (one pass)")
     build.add_argument("--tokenizer", type=Path, default=None,
                        help="tokenizer file (default: the committed artifact)")
-    info = commands.add_parser("info", help="print a tape's header as JSON")
+    info = commands.add_parser("info", help="print a tape's header as JSON and verify the file")
     info.add_argument("tape", type=Path)
     args = parser.parse_args(argv)
 
+    def fail(message: str):
+        """One line on stderr, exit code 2, no traceback: the message names the file."""
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
     if args.command == "info":
-        header, _ = read_header(args.tape)
+        try:
+            header, _ = read_header(args.tape)
+        except (TapeError, OSError) as error:
+            fail(str(error))
         print(json.dumps(dataclasses.asdict(header), indent=2))
+        try:  # the size, vocabulary and payload checksum, as a reader checks them
+            TapeReader(args.tape)
+        except (TapeError, OSError) as error:
+            fail(f"{error} (the header above is intact; the tape is not usable)")
+        print(f"{args.tape}: size and payload checksum verified", file=sys.stderr)
         return
-    if args.text or args.parquet:
-        documents = (text_file_documents(args.text) if args.text else []) + (
-            parquet_documents(args.parquet) if args.parquet else []
+
+    if args.passes < 1:
+        parser.error(f"--passes {args.passes}: must be at least 1")
+    if not 0 <= args.seed < 2**64:
+        parser.error(f"--seed {args.seed}: must be in [0, 2**64)")
+    if not 0 < args.val_fraction < 1:
+        parser.error(f"--val-fraction {args.val_fraction}: must be in (0, 1)")
+    if args.tokenizer is not None:
+        if not args.tokenizer.is_file():
+            parser.error(f"--tokenizer {args.tokenizer}: no such file")
+        try:
+            load_tokenizer(args.tokenizer)
+        except Exception as error:  # the tokenizers library raises plain Exception for a bad file
+            fail(f"--tokenizer {args.tokenizer}: {error}")
+    try:
+        if args.text or args.parquet:
+            documents = []
+            if args.text:
+                documents += text_file_documents(_input_files("--text", args.text, ".txt"))
+            if args.parquet:
+                documents += parquet_documents(_input_files("--parquet", args.parquet, ".parquet"))
+        else:
+            documents = default_corpus_documents()
+        documents, duplicates = deduplicate_documents(documents)
+        if duplicates:
+            examples = ", ".join(f"{dropped} (same as {kept})" for dropped, kept in duplicates[:3])
+            print(f"dropped {len(duplicates)} duplicate documents (same text as another): {examples}"
+                  f"{', ...' if len(duplicates) > 3 else ''}")
+        paths = build_split(
+            documents, args.out, val_fraction=args.val_fraction, passes=args.passes,
+            seed=args.seed, tokenizer=args.tokenizer,
         )
-    else:
-        documents = default_corpus_documents()
-    paths = build_split(
-        documents, args.out, val_fraction=args.val_fraction, passes=args.passes,
-        seed=args.seed, tokenizer=args.tokenizer,
-    )
+    except (CorpusError, CorpusNotInstalledError, TapeError) as error:
+        fail(str(error))
     for path in paths:
         header, _ = read_header(path)
         print(f"wrote {path}: {header.token_count} tokens, {header.documents_per_pass} documents "

@@ -88,24 +88,49 @@ def _checkpoint_sha256(tensors: dict[str, torch.Tensor], metadata: dict) -> str:
     return digest.hexdigest()
 
 
+FORMAT_FAMILY = FORMAT.rsplit("/", 1)[0] + "/"
+
+
 def read_checkpoint(path) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors on CPU, decoded metadata) of a checkpoint file, checked for corruption."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is a directory, not a checkpoint file; pass the file "
+                              f"({path / CHECKPOINT_NAME} in a run directory the trainer wrote)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     hint = "it is truncated or corrupted; resume from an older copy or start a new run"
     try:
         with safe_open(path, framework="pt") as f:
             raw_metadata = f.metadata() or {}
+            # The format first: a foreign file (another program's safetensors) is named as such,
+            # not as damaged, and its tensors are not loaded.
+            _check_format(path, raw_metadata.get("format"))
             tensors = {key: f.get_tensor(key) for key in f.keys()}
         metadata = {key: json.loads(value) for key, value in raw_metadata.items()}
     except (SafetensorError, OSError, ValueError) as error:
+        if isinstance(error, CheckpointError):
+            raise
         raise CheckpointError(f"cannot read checkpoint {path}: {error}; {hint}") from error
-    if metadata.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a training checkpoint of this project (format {metadata.get('format')!r}, expected {FORMAT!r})")
     if _checkpoint_sha256(tensors, metadata) != metadata.get("sha256"):
         raise CheckpointError(f"checkpoint {path} fails its checksum: {hint}")
     return tensors, metadata
+
+
+def _check_format(path: Path, raw_format: str | None) -> None:
+    """Refuse a safetensors file that is not a trainer checkpoint of this format version."""
+    try:
+        found = json.loads(raw_format) if raw_format is not None else None
+    except ValueError:
+        found = raw_format  # e.g. {"format": "pt"} of a Hugging Face model file
+    if found == FORMAT:
+        return
+    if isinstance(found, str) and found.startswith(FORMAT_FAMILY):
+        raise CheckpointError(f"{path} is a packed-adamw trainer checkpoint of format {found!r}, this code "
+                              f"reads {FORMAT!r}; resume it with the packed_adamw version that wrote it")
+    raise CheckpointError(f"{path} is a safetensors file but not a packed-adamw trainer checkpoint "
+                          f"(metadata format {found!r}, expected {FORMAT!r}); pass the "
+                          f"{CHECKPOINT_NAME} the trainer wrote")
 
 
 def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:

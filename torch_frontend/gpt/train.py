@@ -30,13 +30,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from packed_adamw.core import first_moment_format, rms_format
+from packed_adamw.core import StateFormat, first_moment_format, rms_format, validate_hyperparams
 from packed_adamw.tokenizer import tokenizer_sha256
 from packed_adamw.tokenizer.corpus import CorpusNotInstalledError, default_corpus_documents
 from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, build_split
 
 from ..optimizer import PackedAdamW
-from .checkpoint import CHECKPOINT_NAME, CheckpointError, load_training_state, save_training_state
+from .checkpoint import (
+    CHECKPOINT_NAME, CheckpointError, config_differences, load_training_state, read_checkpoint,
+    save_training_state,
+)
 from .model import GPT, PRESETS, GPTConfig
 
 OPTIMIZERS = ("packed-adamw", "torch-adamw")
@@ -63,14 +66,14 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = 1.0
+    grad_clip: float | None = 1.0  # global-norm clipping; None (`--grad-clip none`): no clipping
     seed: int = 0
     # -- how the run is carried out: free to change between sessions --
     data: str = "runs/data/shakespeare"
     build_data: bool = False  # build data/train.tape and val.tape from the embedded corpus if missing
     out: str = ""  # default runs/<config>-<mode or optimizer>
     device: str = "auto"
-    resume: str = ""  # "", "auto" (resume if out/checkpoint exists) or a checkpoint path
+    resume: str = ""  # "", "auto" (resume if out/checkpoint exists), a checkpoint path or a run directory
     checkpoint_every: int = 100
     stop_at_step: int = 0  # >0: write a checkpoint and stop at this step (the schedule keeps max_steps)
     eval_every: int = 100
@@ -257,13 +260,113 @@ def resolve_device(name: str, deterministic: bool) -> torch.device:
     return torch.device(name)
 
 
+def _check(option: str, value, check) -> None:
+    """Run a check of packed_adamw.core (which raises ValueError) and name the option on failure."""
+    try:
+        check()
+    except ValueError as error:
+        raise ConfigError(f"{option} {value}: {error}") from None
+
+
 def check_config(config: TrainConfig) -> None:
+    """Refuse settings that cannot work, naming the option (ConfigError; the CLI exits 2).
+
+    The optimizer's rules live in packed_adamw.core (validate_hyperparams, StateFormat): each
+    value is checked there on its own, the others held at values those rules accept, so the
+    error names the one option at fault. The same rules apply to the torch-adamw baseline.
+    """
     if config.config not in PRESETS:
-        raise ConfigError(f"unknown model preset {config.config!r}; choose one of {sorted(PRESETS)}")
+        raise ConfigError(f"--config {config.config}: unknown model preset; choose one of {sorted(PRESETS)}")
     if config.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer must be one of {OPTIMIZERS}, got {config.optimizer!r}")
+        raise ConfigError(f"--optimizer {config.optimizer}: choose one of {', '.join(OPTIMIZERS)}")
+    lr_ok, betas_ok, eps_ok = 1e-3, (0.9, 0.95), 1e-8  # values the rules accept
+    for option, value in (("--lr", config.lr), ("--min-lr", config.min_lr)):
+        _check(option, value, lambda v=value: validate_hyperparams(v, betas_ok, eps_ok, 0.0))
+    _check("--beta1", config.beta1, lambda: validate_hyperparams(lr_ok, (config.beta1, 0.95), eps_ok, 0.0))
+    _check("--beta2", config.beta2, lambda: validate_hyperparams(lr_ok, (0.9, config.beta2), eps_ok, 0.0))
+    _check("--eps", config.eps, lambda: validate_hyperparams(lr_ok, betas_ok, config.eps, 0.0))
+    _check("--weight-decay", config.weight_decay,
+           lambda: validate_hyperparams(lr_ok, betas_ok, eps_ok, config.weight_decay))
+    for option, value in (("--lr", config.lr), ("--min-lr", config.min_lr)):  # lr * weight_decay
+        _check(f"{option} {value} with --weight-decay", config.weight_decay,
+               lambda v=value: validate_hyperparams(v, betas_ok, eps_ok, config.weight_decay))
+    _check("--mode", config.mode, lambda: StateFormat(mode=config.mode))
+    _check("--m-bias", config.m_bias, lambda: StateFormat(m_bias=config.m_bias))
+    _check("--rms-bias", config.rms_bias, lambda: StateFormat(rms_bias=config.rms_bias))
+    moment_stats_biases(config)
+    if config.grad_clip is not None and not (math.isfinite(config.grad_clip) and config.grad_clip > 0):
+        raise ConfigError(f"--grad-clip {config.grad_clip}: the clipping norm must be a finite number > 0 "
+                          "(a negative one reverses the gradient, 0 zeroes it); pass --grad-clip none "
+                          "to train without clipping")
+    minimums = {"batch_size": 1, "max_steps": 1, "warmup_steps": 0, "log_every": 1, "moment_stats_every": 1,
+                "checkpoint_every": 0, "stop_at_step": 0, "eval_every": 0, "eval_batches": 0}
+    for name, minimum in minimums.items():
+        if getattr(config, name) < minimum:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be at least {minimum}")
+    if not 0 <= config.seed < 2**64:
+        raise ConfigError(f"--seed {config.seed}: must be in [0, 2**64)")
+    if config.device != "auto":
+        try:
+            device = torch.device(config.device)
+        except RuntimeError:
+            raise ConfigError(f"--device {config.device}: not a device; use auto, cpu, cuda or cuda:N") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {config.device}: the trainer runs on cpu or cuda")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {config.device}: CUDA is not available on this machine; "
+                              "use --device cpu or auto")
     if config.log_moment_stats and (config.optimizer, config.mode) != ("packed-adamw", "fp32"):
         raise ConfigError("--log-moment-stats needs --mode fp32 (it reads float32 moments)")
+
+
+def moment_stats_biases(config: TrainConfig) -> list[int]:
+    try:
+        biases = [int(b) for b in config.moment_stats_biases.split(",")]
+        for bias in biases:
+            StateFormat(m_bias=bias, rms_bias=bias)
+    except ValueError as error:
+        raise ConfigError(f"--moment-stats-biases {config.moment_stats_biases}: give comma-separated "
+                          f"exponent biases such as 12,15,18,21 ({error})") from None
+    return biases
+
+
+def resume_source(config: TrainConfig, checkpoint_path: Path) -> Path | None:
+    """The checkpoint to resume from: None (fresh start), out's own, a file, or a run directory's."""
+    if config.resume == "":
+        if checkpoint_path.exists():
+            raise CheckpointError(f"{checkpoint_path} already exists: pass --resume auto to continue that run, "
+                                  "or choose another --out")
+        return None
+    if config.resume == "auto":
+        return checkpoint_path if checkpoint_path.exists() else None
+    path = Path(config.resume)
+    if path.is_dir():  # a run directory: the trainer keeps its checkpoint there under one name
+        if not (path / CHECKPOINT_NAME).is_file():
+            raise CheckpointError(f"--resume {path} is a directory without {CHECKPOINT_NAME} (looked for "
+                                  f"{path / CHECKPOINT_NAME}); pass a checkpoint file or a run's --out directory")
+        path = path / CHECKPOINT_NAME
+    return path
+
+
+def refuse_to_replace_newer(checkpoint_path: Path, resume_path: Path, step: int, trajectory: dict) -> None:
+    """Resuming another file into an --out whose checkpoint is newer (or of another run) would lose it."""
+    if not checkpoint_path.exists() or (resume_path.exists() and checkpoint_path.samefile(resume_path)):
+        return
+    what_to_do = (f"continue it with --resume auto, resume {resume_path} into another --out, or move "
+                  f"{checkpoint_path} away first")
+    try:
+        _, existing = read_checkpoint(checkpoint_path)
+    except CheckpointError as error:
+        raise CheckpointError(f"--out already holds {checkpoint_path}, which resuming {resume_path} would "
+                              f"replace, and it cannot be read ({error}); move it away first, or resume "
+                              "into another --out") from None
+    existing_step = existing["trainer"]["step"]
+    if existing_step > step:
+        raise CheckpointError(f"{checkpoint_path} (step {existing_step}) is newer than {resume_path} (step {step}): "
+                              f"resuming here would replace it; {what_to_do}")
+    if config_differences(existing["config"], trajectory):
+        raise CheckpointError(f"{checkpoint_path} belongs to another configuration than {resume_path}: resuming "
+                              f"here would replace it; {what_to_do}")
 
 
 # ---- the training run -----------------------------------------------------------------------
@@ -284,16 +387,13 @@ def train(config: TrainConfig) -> dict:
     context = model.config.context
     tokens_per_step = config.batch_size * context
 
-    resume_path = Path(config.resume) if config.resume not in ("", "auto") else None
-    if config.resume == "auto" and checkpoint_path.exists():
-        resume_path = checkpoint_path
-    if resume_path is None and checkpoint_path.exists():
-        raise CheckpointError(f"{checkpoint_path} already exists: pass --resume auto to continue that run, "
-                              "or choose another --out")
+    resume_path = resume_source(config, checkpoint_path)
     step = 0
     if resume_path is not None:
         step = load_training_state(resume_path, model=model, optimizer=optimizer, tape=train_tape,
                                    config=trajectory)["step"]
+        # before anything in --out is written or its logs trimmed
+        refuse_to_replace_newer(checkpoint_path, resume_path, step, trajectory)
         print(f"resumed from {resume_path} at step {step}")
     # The logs cover steps up to the resume point; later lines came from a session that died
     # (the last of them possibly cut short by the crash).
@@ -301,7 +401,7 @@ def train(config: TrainConfig) -> dict:
         keep_records_up_to(path, step if resume_path else 0)
     summary_path = out / "summary.json"
     if resume_path is not None and summary_path.exists() and finished(step, train_tape, config, context):
-        print(f"{checkpoint_path} is a finished run; its summary:")
+        print(f"{resume_path} is a finished run; its summary:")
         return json.loads(summary_path.read_text())
 
     def save(reason: str) -> None:
@@ -311,7 +411,7 @@ def train(config: TrainConfig) -> dict:
     print(f"model {config.config}: {model.num_parameters():,} parameters; optimizer {config.optimizer}"
           f"{' mode ' + config.mode if config.optimizer == 'packed-adamw' else ''}; device {device}; "
           f"{train_tape.remaining_batches(config.batch_size, context)} batches left on {train_tape.path}")
-    moment_biases = [int(b) for b in config.moment_stats_biases.split(",")]
+    moment_biases = moment_stats_biases(config)
     recent_losses = collections.deque(maxlen=50)
     fwd_bwd_times, optimizer_times, step_times = [], [], []
     val_bpb = None
@@ -342,7 +442,10 @@ def train(config: TrainConfig) -> dict:
             _, loss = model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            if config.grad_clip is None:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             sync()
             after_backward = time.perf_counter()
             optimizer.step()
@@ -402,6 +505,7 @@ def train(config: TrainConfig) -> dict:
 
 def synthetic_smoke(config: TrainConfig) -> dict:
     """One update on random tokens: checks the plumbing, not learning."""
+    check_config(config)
     device = resolve_device(config.device, config.deterministic)
     torch.manual_seed(config.seed)
     model = GPT(GPTConfig.preset(config.config)).to(device)
@@ -418,9 +522,21 @@ def synthetic_smoke(config: TrainConfig) -> dict:
 
 # ---- command line ---------------------------------------------------------------------------
 
+def grad_clip_value(text: str) -> float | None:
+    """`--grad-clip`: a number, or `none` for no clipping (the range is checked with the rest)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor `none`") from None
+
+
 def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     defaults = TrainConfig()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m packed_adamw.torch.gpt.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s [--demo | --synthetic] [options]  (--help lists them)")
     parser.add_argument("--demo", action="store_true",
                         help="tiny GPT on the embedded corpus (builds the tape if needed), out runs/demo")
     parser.add_argument("--synthetic", action="store_true",
@@ -430,6 +546,9 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
         default = getattr(defaults, field.name)
         if field.name == "config":
             parser.add_argument(flag, choices=sorted(PRESETS), default=default, help="model preset")
+        elif field.name == "grad_clip":
+            parser.add_argument(flag, type=grad_clip_value, default=default, metavar="NORM|none",
+                                help=f"global gradient-norm clipping, > 0, or none; default {default!r}")
         elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
@@ -438,6 +557,10 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     namespace = argparse.Namespace(**DEMO) if "--demo" in (sys.argv[1:] if argv is None else argv) else None
     args = parser.parse_args(argv, namespace)
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    try:
+        check_config(config)
+    except ConfigError as error:
+        parser.error(str(error))  # one line on stderr, exit code 2
     return config, args
 
 
