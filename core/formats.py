@@ -123,7 +123,14 @@ class MiniFloat:
     def encode_unchecked(self, values: np.ndarray) -> np.ndarray:
         """`encode` for float32 values known to hold no NaN (and no negatives if unsigned),
         as uint32 codes; the numpy step's hot path."""
-        magnitude = np.abs(values)
+        code = np.minimum(self.unsaturated_code(np.abs(values)), np.int32(self.max_magnitude_code)).view(np.uint32)
+        if self.signed:
+            code = np.where((values < 0) & (code != 0), code | np.uint32(self.sign_bit), code)
+        return code
+
+    def unsaturated_code(self, magnitude: np.ndarray) -> np.ndarray:
+        """float32 magnitudes -> their magnitude codes rounded to nearest even, before
+        saturation (int32; above `max_magnitude_code` where the value saturates)."""
         bits = magnitude.view(np.int32)
         drop = 23 - self.fraction_bits
         # Normal results: re-bias the float32 exponent, then round the dropped mantissa bits.
@@ -136,11 +143,7 @@ class MiniFloat:
         with np.errstate(over="ignore"):  # overflows only where the result is normal
             scaled = np.minimum(magnitude * np.float32(np.ldexp(1.0, self.fraction_bits - 1 + self.bias)), magic)
         subnormal = ((scaled + magic) - magic).astype(np.int32)
-        code = np.where(magnitude >= np.float32(self.min_normal), normal, subnormal)
-        code = np.minimum(code, np.int32(self.max_magnitude_code)).view(np.uint32)
-        if self.signed:
-            code = np.where((values < 0) & (code != 0), code | np.uint32(self.sign_bit), code)
-        return code
+        return np.where(magnitude >= np.float32(self.min_normal), normal, subnormal)
 
 
 @functools.cache

@@ -15,7 +15,7 @@ recipe and give the same bits.
 import triton
 import triton.language as tl
 
-from . import formats, hyperparams
+from . import formats, hyperparams, launch
 
 # Every layout fact comes from formats.py and hyperparams.py; Triton reads globals only as
 # constexprs.
@@ -35,6 +35,8 @@ S_B1, S_ONE_MINUS_B1 = tl.constexpr(_S["b1"]), tl.constexpr(_S["one_minus_b1"])
 S_B2, S_ONE_MINUS_B2 = tl.constexpr(_S["b2"]), tl.constexpr(_S["one_minus_b2"])
 S_STEP_SIZE, S_INV_SQRT_BC2 = tl.constexpr(_S["step_size"]), tl.constexpr(_S["inv_sqrt_bias_correction2"])
 S_EPS, S_LR_WD = tl.constexpr(_S["eps"]), tl.constexpr(_S["lr_wd"])
+COUNTER_ROW = tl.constexpr(launch.COUNTER_ROW)
+FORMAT_SLOTS = tl.constexpr(launch.FORMAT_SLOTS)
 
 
 @triton.jit
@@ -68,21 +70,38 @@ def _decode(code, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.conste
 
 
 @triton.jit
-def _encode(x, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr, MAX_MAGNITUDE: tl.constexpr):
-    """finite float32 -> 16-bit code: round to nearest even, saturate, zero is code 0."""
+def _encode_magnitude(magnitude, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr):
+    """finite float32 magnitude -> its code rounded to nearest even, before saturation."""
     DROP: tl.constexpr = 23 - FRAC_BITS
-    magnitude = tl.abs(x)
     # Normal codes: move the exponent bias, then round away the dropped mantissa bits.
     rebased = magnitude.to(tl.uint32, bitcast=True) - ((127 - BIAS) << 23)
     normal = (rebased + ((1 << (DROP - 1)) - 1) + ((rebased >> DROP) & 1)) >> DROP
     # Subnormal codes: count smallest subnormals; adding 2**23 rounds to an integer, ties to even.
     scaled = magnitude * (2.0 ** (FRAC_BITS - 1 + BIAS))
     subnormal = ((scaled + 8388608.0) - 8388608.0).to(tl.uint32)
-    code = tl.where(magnitude >= 2.0 ** (1 - BIAS), normal, subnormal)
-    code = tl.minimum(code, MAX_MAGNITUDE)
+    return tl.where(magnitude >= 2.0 ** (1 - BIAS), normal, subnormal)
+
+
+@triton.jit
+def _finish_code(raw, x, SIGNED: tl.constexpr, MAX_MAGNITUDE: tl.constexpr):
+    """`_encode_magnitude`'s code of |x| -> the stored code: saturate, then the sign (zero is code 0)."""
+    code = tl.minimum(raw, MAX_MAGNITUDE)
     if SIGNED:
         code = tl.where((x < 0.0) & (code != 0), code | CODE_SIGN_BIT, code)
     return code
+
+
+@triton.jit
+def _magnitude(code, SIGNED: tl.constexpr):
+    if SIGNED:
+        code = code & CODE_MAGNITUDE_MASK
+    return code
+
+
+@triton.jit
+def _count(pointer, hit):
+    n = tl.sum(hit.to(tl.int64), axis=0)
+    tl.atomic_add(pointer, n, mask=n > 0)
 
 
 @triton.jit
@@ -128,9 +147,9 @@ def _store(pointer, value, mask, MASKED: tl.constexpr):
 
 @triton.jit
 def _adamw_block(
-    param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
+    param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, out_ptr, new_state_ptr,
     offsets, n_elements, MASKED: tl.constexpr,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
 ):
@@ -184,23 +203,38 @@ def _adamw_block(
         _store(new_state_ptr + offsets, tl.where(accepted, m_next, m), in_bounds, MASKED)
         _store(new_state_ptr + n_elements + offsets, tl.where(accepted, v_next, v), in_bounds, MASKED)
     else:
-        rms_code = _encode(rms_next, R_SIGNED, R_FRAC, R_BIAS, R_MAX)
-        m_code = _encode(m_next, M_SIGNED, M_FRAC, M_BIAS, M_MAX)
+        rms_raw = _encode_magnitude(tl.abs(rms_next), R_FRAC, R_BIAS)
+        m_raw = _encode_magnitude(tl.abs(m_next), M_FRAC, M_BIAS)
+        rms_code = _finish_code(rms_raw, rms_next, R_SIGNED, R_MAX)
+        m_code = _finish_code(m_raw, m_next, M_SIGNED, M_MAX)
         m_code = tl.where(rms_code == 0, tl.zeros_like(m_code), m_code)  # the zero-RMS rule
         new_word = tl.where(accepted, (m_code << MOMENT_SHIFT) | rms_code, word)
         _store(new_state_ptr + offsets, new_word.to(new_state_ptr.dtype.element_ty, bitcast=True), in_bounds, MASKED)
+        if TRACK_FORMAT:  # FORMAT.md, "Format counts": over the accepted elements
+            if MASKED:
+                counted = accepted & in_bounds
+            else:
+                counted = accepted
+            m_mag, rms_mag = _magnitude(m_code, M_SIGNED), _magnitude(rms_code, R_SIGNED)
+            slot = counters_ptr + 1 + tl.program_id(0) % FORMAT_SLOTS
+            _count(slot, counted & (m_raw > M_MAX))
+            _count(slot + FORMAT_SLOTS, counted & (rms_raw > R_MAX))
+            _count(slot + 2 * FORMAT_SLOTS, counted & (m_next != 0.0) & (m_mag == 0))
+            _count(slot + 3 * FORMAT_SLOTS, counted & (rms_next != 0.0) & (rms_mag == 0))
+            _count(slot + 4 * FORMAT_SLOTS, counted & (m_mag != 0) & ((m_mag >> M_FRAC) == 0))
+            _count(slot + 5 * FORMAT_SLOTS, counted & (rms_mag != 0) & ((rms_mag >> R_FRAC) == 0))
     if COUNT_NONFINITE:
         if MASKED:
             accepted = accepted | ~in_bounds
-        rejected = tl.sum((~accepted).to(tl.int32), axis=0)
-        tl.atomic_add(nonfinite_ptr, rejected, mask=rejected > 0)
+        rejected = tl.sum((~accepted).to(tl.int64), axis=0)
+        tl.atomic_add(counters_ptr, rejected, mask=rejected > 0)
 
 
 @triton.jit
 def adamw_kernel(
-    param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr, n_elements,
+    param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements,
     out_ptr, new_state_ptr,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -216,14 +250,14 @@ def adamw_kernel(
     offsets = start + tl.arange(0, BLOCK)
     if start + BLOCK <= n_elements:
         _adamw_block(
-            param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
-            offsets, n_elements, False, MODE, WRITE_UPDATE, COUNT_NONFINITE,
+            param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, out_ptr, new_state_ptr,
+            offsets, n_elements, False, MODE, WRITE_UPDATE, COUNT_NONFINITE, TRACK_FORMAT,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
     else:  # the tensor's last, partial block
         _adamw_block(
-            param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr, out_ptr, new_state_ptr,
-            offsets, n_elements, True, MODE, WRITE_UPDATE, COUNT_NONFINITE,
+            param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, out_ptr, new_state_ptr,
+            offsets, n_elements, True, MODE, WRITE_UPDATE, COUNT_NONFINITE, TRACK_FORMAT,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
 
@@ -238,9 +272,9 @@ def _address(table_ptr, index, ALIGNED: tl.constexpr):
 
 @triton.jit
 def adamw_multi_tensor_kernel(
-    pointers_ptr, block_tensor_ptr, block_index_ptr, numels_ptr, scalar_rows_ptr, scalars_ptr, nonfinite_ptr,
+    pointers_ptr, block_tensor_ptr, block_index_ptr, numels_ptr, scalar_rows_ptr, scalars_ptr, counters_ptr,
     n_tensors,
-    MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
+    MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
     BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
@@ -266,13 +300,13 @@ def adamw_multi_tensor_kernel(
     scalars_ptr += tl.load(scalar_rows_ptr + t) * SCALAR_ROW
     if start + BLOCK <= n_elements:
         _adamw_block(
-            param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + t, param_ptr, state_ptr,
-            offsets, n_elements, False, MODE, False, COUNT_NONFINITE,
+            param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr + t * COUNTER_ROW, param_ptr, state_ptr,
+            offsets, n_elements, False, MODE, False, COUNT_NONFINITE, TRACK_FORMAT,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
     else:  # the tensor's last, partial block
         _adamw_block(
-            param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + t, param_ptr, state_ptr,
-            offsets, n_elements, True, MODE, False, COUNT_NONFINITE,
+            param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr + t * COUNTER_ROW, param_ptr, state_ptr,
+            offsets, n_elements, True, MODE, False, COUNT_NONFINITE, TRACK_FORMAT,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )

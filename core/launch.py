@@ -39,9 +39,27 @@ def grid(n_elements: int, block: int) -> tuple[int]:
     return ((n_elements + block - 1) // block,)
 
 
-def kernel_constants(fmt: StateFormat, *, write_update: bool | None, count_nonfinite: bool, block: int) -> dict:
+# Per-tensor counters the kernels can add to, one int64 row per tensor: the non-finite
+# (rejected) count, then each format count of FORMAT_COUNTS in FORMAT_SLOTS slots (a program
+# adds to slot program_id % FORMAT_SLOTS, so a large tensor's programs do not all contend for
+# one address); a reader sums the slots. Definitions: FORMAT.md, "Format counts".
+FORMAT_COUNTS = ("saturated_m", "saturated_rms", "flushed_m", "flushed_rms", "subnormal_m", "subnormal_rms")
+FORMAT_SLOTS = 32
+COUNTER_ROW = 1 + len(FORMAT_COUNTS) * FORMAT_SLOTS
+
+
+def sum_counter_slots(rows: np.ndarray) -> np.ndarray:
+    """[tensors, COUNTER_ROW] counters -> [tensors, len(FORMAT_COUNTS)] format counts."""
+    return rows[:, 1:].reshape(len(rows), len(FORMAT_COUNTS), FORMAT_SLOTS).sum(axis=2)
+
+
+def kernel_constants(fmt: StateFormat, *, write_update: bool | None, count_nonfinite: bool, block: int,
+                     track_format: bool = False) -> dict:
     """The constexpr keyword arguments of `adamw_kernel` for this state format
-    (`write_update=None`: for `adamw_multi_tensor_kernel`, which always works in place)."""
+    (`write_update=None`: for `adamw_multi_tensor_kernel`, which always works in place).
+    `count_nonfinite` and `track_format` make the kernel add to the tensor's counter row."""
+    if track_format and fmt.mode == "fp32":
+        raise ValueError("track_format counts packed or fp16 codes; fp32 mode has none")
     if fmt.mode == "fp32":
         m_fmt = r_fmt = None
     else:
@@ -52,7 +70,7 @@ def kernel_constants(fmt: StateFormat, *, write_update: bool | None, count_nonfi
     m_signed, m_frac, m_bias, m_max = codec(m_fmt)
     r_signed, r_frac, r_bias, r_max = codec(r_fmt)
     constants = dict(
-        MODE=MODE_IDS[fmt.mode], WRITE_UPDATE=write_update, COUNT_NONFINITE=count_nonfinite,
+        MODE=MODE_IDS[fmt.mode], WRITE_UPDATE=write_update, COUNT_NONFINITE=count_nonfinite, TRACK_FORMAT=track_format,
         M_SIGNED=m_signed, M_FRAC=m_frac, M_BIAS=m_bias, M_MAX=m_max,
         R_SIGNED=r_signed, R_FRAC=r_frac, R_BIAS=r_bias, R_MAX=r_max,
         BLOCK=block,

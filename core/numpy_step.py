@@ -70,8 +70,9 @@ def step_scalars(count: int, hp: Hyperparams) -> dict[str, np.float32]:
     return dict(zip(SCALAR_FIELDS, step_scalar_row(count, hp.as_float32_list())))
 
 
-def _update_chunk(p, g, state, s, fmt: StateFormat):
-    """Returns (update, new_state, accepted) for one chunk; inputs are not modified."""
+def _update_chunk(p, g, state, s, fmt: StateFormat, counts=None):
+    """Returns (update, new_state, accepted) for one chunk; inputs are not modified. With
+    `counts` (int64, launch.FORMAT_COUNTS order), adds this chunk's format counts to it."""
     finite_grad = np.isfinite(g)
     g = np.where(finite_grad, g, F32(0.0))
     if fmt.mode == "fp32":
@@ -95,7 +96,25 @@ def _update_chunk(p, g, state, s, fmt: StateFormat):
         m_code = m_fmt.encode_unchecked(m_next)
         m_code = np.where(rms_code == 0, np.uint32(0), m_code)  # zero-RMS rule (FORMAT.md)
         new_state = (m_code << np.uint32(MOMENT_SHIFT)) | rms_code
+        if counts is not None:
+            counts += format_counts(m_next, rms_next, m_code, rms_code, accepted, m_fmt, r_fmt)
     return update, new_state, accepted
+
+
+def format_counts(m, rms, m_code, rms_code, accepted, m_fmt, r_fmt) -> np.ndarray:
+    """The format counts of FORMAT.md ("Format counts") over the accepted elements, in
+    launch.FORMAT_COUNTS order: saturated (the value lay beyond the largest code), flushed (a
+    nonzero value stored as code 0, the zero-RMS rule included), subnormal (a nonzero code
+    with exponent field 0); for the first moment, then the RMS."""
+    out = np.zeros(6, np.int64)
+    for k, (value, code, fmt) in enumerate(((m, m_code, m_fmt), (rms, rms_code, r_fmt))):
+        magnitude = code & np.uint32(CODE_MASK & ~fmt.sign_bit)
+        with np.errstate(over="ignore", invalid="ignore"):  # rejected elements may hold anything
+            beyond = fmt.unsaturated_code(np.abs(value).astype(np.float32)) > fmt.max_magnitude_code
+        out[0 + k] = np.count_nonzero(accepted & beyond)
+        out[2 + k] = np.count_nonzero(accepted & (value != 0) & (magnitude == 0))
+        out[4 + k] = np.count_nonzero(accepted & (magnitude != 0) & ((magnitude >> np.uint32(fmt.fraction_bits)) == 0))
+    return out
 
 
 def adamw_step(param, grad, state, *, count: int, hp: Hyperparams, fmt: StateFormat, update_out=None) -> int:
@@ -109,16 +128,17 @@ def adamw_step(param, grad, state, *, count: int, hp: Hyperparams, fmt: StateFor
     return apply_step(param, grad, state, step_scalar_row(count, hp.as_float32_list()), fmt=fmt, update_out=update_out)
 
 
-def apply_step(param, grad, state, scalars, *, fmt: StateFormat, update_out=None) -> int:
+def apply_step(param, grad, state, scalars, *, fmt: StateFormat, update_out=None, format_counts_out=None) -> int:
     """`adamw_step` with the step scalars already derived (`step_scalar_row`): the frontends
-    validate hyperparameters when they change and derive each distinct row once per step."""
+    validate hyperparameters when they change and derive each distinct row once per step.
+    `format_counts_out` (int64 [6], packed and fp16 modes): the step adds its format counts."""
     s = dict(zip(SCALAR_FIELDS, scalars))
     rejected = 0
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for start in range(0, param.shape[0], CHUNK):
             sl = slice(start, start + CHUNK)
             chunk_state = state[:, sl] if fmt.mode == "fp32" else state[sl]
-            update, new_state, accepted = _update_chunk(param[sl], grad[sl], chunk_state, s, fmt)
+            update, new_state, accepted = _update_chunk(param[sl], grad[sl], chunk_state, s, fmt, format_counts_out)
             update = np.where(accepted, update, F32(-0.0))  # p + (-0.0) == p for every p
             rejected += int(accepted.size - np.count_nonzero(accepted))
             chunk_state[...] = np.where(accepted, new_state, chunk_state)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from packed_adamw.core import launch
-from packed_adamw.core.kernel import FP32_MODE, SCALAR_ROW, _adamw_block
+from packed_adamw.core.kernel import COUNTER_ROW, FP32_MODE, SCALAR_ROW, _adamw_block
 
 # Leaves per launch. Each program selects its leaf's addresses from all of the launch's
 # arguments, so its scalar work grows with this.
@@ -43,8 +43,8 @@ def leaf_group_table(numels: list[int], rows: list[int]) -> np.ndarray:
 
 @triton.jit
 def _leaf_group_program(
-    param, grad, state, out, new_state, leaf_table_ptr, scalars_ptr, nonfinite_ptr, leaf, n_leaves,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
+    param, grad, state, out, new_state, leaf_table_ptr, scalars_ptr, counters_ptr, leaf, n_leaves,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -68,23 +68,23 @@ def _leaf_group_program(
             new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.uint32))
         if start + BLOCK <= n_elements:
             _adamw_block(
-                param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + leaf, out_ptr, new_state_ptr,
-                offsets, n_elements, False, MODE, WRITE_UPDATE, COUNT_NONFINITE,
+                param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr + leaf * COUNTER_ROW, out_ptr, new_state_ptr,
+                offsets, n_elements, False, MODE, WRITE_UPDATE, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
         else:  # the leaf's last, partial block
             _adamw_block(
-                param_ptr, grad_ptr, state_ptr, scalars_ptr, nonfinite_ptr + leaf, out_ptr, new_state_ptr,
-                offsets, n_elements, True, MODE, WRITE_UPDATE, COUNT_NONFINITE,
+                param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr + leaf * COUNTER_ROW, out_ptr, new_state_ptr,
+                offsets, n_elements, True, MODE, WRITE_UPDATE, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
 
 
 def leaf_group_kernel_2(
     param_0, grad_0, state_0, param_1, grad_1, state_1,
-    leaf_table_ptr, scalars_ptr, nonfinite_ptr,
+    leaf_table_ptr, scalars_ptr, counters_ptr,
     out_0, new_state_0, out_1, new_state_1,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -98,8 +98,8 @@ def leaf_group_kernel_2(
     out = tl.where(leaf == 1, out_1.to(tl.int64), out)
     new_state = tl.where(leaf == 1, new_state_1.to(tl.int64), new_state)
     _leaf_group_program(
-        param, grad, state, out, new_state, leaf_table_ptr, scalars_ptr, nonfinite_ptr, leaf, 2,
-        MODE, WRITE_UPDATE, COUNT_NONFINITE,
+        param, grad, state, out, new_state, leaf_table_ptr, scalars_ptr, counters_ptr, leaf, 2,
+        MODE, WRITE_UPDATE, COUNT_NONFINITE, TRACK_FORMAT,
         M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK,
     )
 
@@ -129,7 +129,7 @@ def _generated_source(n: int) -> str:
 def leaf_group_kernel(n_leaves: int):
     """The kernel for one launch over `n_leaves` separate leaves, in jax-triton's argument order:
 
-        param_0, grad_0, state_0, ..., leaf_table, scalars, nonfinite, out_0, new_state_0, ...
+        param_0, grad_0, state_0, ..., leaf_table, scalars, counters, out_0, new_state_0, ...
 
     on a grid (blocks of the largest leaf, n_leaves). Program (i, t) updates block i of leaf t
     with scalar row `leaf_table[n_leaves + t]`; `leaf_table[t]` is leaf t's size

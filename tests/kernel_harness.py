@@ -67,10 +67,15 @@ def _compile_options(num_warps=True) -> dict:
     return options
 
 
+def new_counters(n_tensors: int, device) -> torch.Tensor:
+    """The kernels' per-tensor counter rows (launch.COUNTER_ROW int64 each), zeroed."""
+    return torch.zeros((n_tensors, launch.COUNTER_ROW), dtype=torch.int64, device=device)
+
+
 def launch_kernel(param, grad, state, *, count: int, hp: Hyperparams, fmt: StateFormat, write_update=False,
-                  out=None, new_state=None, nonfinite=None, block=None):
+                  out=None, new_state=None, nonfinite=None, block=None, track_format=False):
     """Launch on torch tensors (all on one device): step_scalars_kernel, then adamw_kernel.
-    Returns (out, new_state, nonfinite).
+    Returns (out, new_state, counters): one counter row, the non-finite count first.
 
     In place (write_update=False): `out` is `param` and `new_state` is `state`.
     Functional (write_update=True): `out` receives the update, `new_state` a fresh state;
@@ -85,15 +90,16 @@ def launch_kernel(param, grad, state, *, count: int, hp: Hyperparams, fmt: State
     else:
         out, new_state = param, state
     if nonfinite is None:
-        nonfinite = torch.zeros(1, dtype=torch.int32, device=device)
+        nonfinite = new_counters(1, device)
     scalars = kernel_step_scalars(hp, count, device)
     n = param.numel()
     block = launch.block_size() if block is None else block
     # By name: robust to the order of the kernel's parameters (jax-triton puts outputs last).
     adamw_kernel[launch.grid(n, block)](
-        param_ptr=param, grad_ptr=grad, state_ptr=state, scalars_ptr=scalars, nonfinite_ptr=nonfinite,
+        param_ptr=param, grad_ptr=grad, state_ptr=state, scalars_ptr=scalars, counters_ptr=nonfinite,
         n_elements=n, out_ptr=out, new_state_ptr=new_state,
-        **launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=True, block=block),
+        **launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=True, block=block,
+                                  track_format=track_format),
         **_compile_options(),
     )
     return out, new_state, nonfinite
@@ -105,23 +111,26 @@ class KernelResult(NamedTuple):
     nonfinite: int  # elements rejected, as counted by the kernel
     param_buffer: np.ndarray  # the input parameter buffer after the launch
     state_buffer: np.ndarray  # the input state buffer after the launch
+    format_counts: np.ndarray  # launch.FORMAT_COUNTS (zeros unless track_format)
 
 
-def run_kernel(p, g, state, *, count, hp, fmt, write_update=False, device="cpu", block=None) -> KernelResult:
+def run_kernel(p, g, state, *, count, hp, fmt, write_update=False, device="cpu", block=None,
+               track_format=False) -> KernelResult:
     """Copies the numpy inputs to `device`, launches, and copies everything back."""
     tp = torch.from_numpy(np.array(p, dtype=F32, copy=True)).to(device)
     tg = torch.from_numpy(np.array(g, dtype=F32, copy=True)).to(device)
     ts = _state_to_torch(state, fmt, device)
-    out, new_state, nonfinite = launch_kernel(tp, tg, ts, count=count, hp=hp, fmt=fmt,
-                                              write_update=write_update, block=block)
+    out, new_state, counters = launch_kernel(tp, tg, ts, count=count, hp=hp, fmt=fmt,
+                                             write_update=write_update, block=block, track_format=track_format)
     if device != "cpu":
         torch.cuda.synchronize()
     return KernelResult(
         out=out.cpu().numpy().copy(),
         state=_state_to_numpy(new_state, fmt).copy(),
-        nonfinite=int(nonfinite.item()),
+        nonfinite=int(counters[0, 0]),
         param_buffer=tp.cpu().numpy().copy(),
         state_buffer=_state_to_numpy(ts, fmt).copy(),
+        format_counts=launch.sum_counter_slots(counters.cpu().numpy())[0],
     )
 
 

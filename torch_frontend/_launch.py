@@ -98,11 +98,28 @@ def _launch_tables(numels, rows, device, block: int, solo_elements: int) -> Laun
                         as_device(numels, torch.int64), as_device(rows, torch.int32), rows, solo)
 
 
+def _counters(n: int, device, count_nonfinite: bool, track_format: bool, counters):
+    """The counter rows a launch adds to: the caller's (they accumulate format counts across
+    steps), or fresh ones when only the non-finite count is wanted, or None."""
+    if counters is not None:
+        if count_nonfinite:
+            counters[:, 0].zero_()  # the non-finite count is per step
+        return counters
+    if count_nonfinite or track_format:
+        return torch.zeros((n, launch.COUNTER_ROW), dtype=torch.int64, device=device)
+    return None
+
+
+def _rejected(counters, count_nonfinite: bool, n: int) -> list[int]:
+    return counters[:, 0].tolist() if count_nonfinite else [0] * n
+
+
 def cuda_step_(params, grads, states, scalars: np.ndarray, rows: tuple[int, ...], fmt: StateFormat,
-               multi_tensor: bool, count_nonfinite: bool) -> list[int]:
+               multi_tensor: bool, count_nonfinite: bool, counters=None, track_format: bool = False) -> list[int]:
     """One step on CUDA from scratch (no plan): stage, then one multi-tensor launch (plus solo
     launches), or one launch per tensor. `scalars` holds the distinct step-scalar rows and
-    `rows[i]` tensor i's."""
+    `rows[i]` tensor i's. `counters` ([n, launch.COUNTER_ROW] int64 on the device): the
+    kernels add their counts there."""
     n = len(params)
     staged, pointers = stage_step(3 * n if multi_tensor else 0, scalars)
     device = params[0].device
@@ -110,22 +127,24 @@ def cuda_step_(params, grads, states, scalars: np.ndarray, rows: tuple[int, ...]
         pointers[:] = [t.data_ptr() for t in (*params, *grads, *states)]
         tables = launch_tables(tuple(p.numel() for p in params), rows, device)
         return launch_step(staged.to(device, non_blocking=True), params, grads, states, tables, fmt,
-                           count_nonfinite, aligned=not (pointers & 15).any())
+                           count_nonfinite, aligned=not (pointers & 15).any(), counters=counters,
+                           track_format=track_format)
     with on_device(device):
         scalars_dev = staged.to(device, non_blocking=True).view(torch.float32).view(-1, SCALAR_ROW)
-        rejected = torch.zeros(n, dtype=torch.int32, device=device) if count_nonfinite else None
+        counters = _counters(n, device, count_nonfinite, track_format, counters)
         for i, (p, g, s) in enumerate(zip(params, grads, states)):
-            _launch_one(p, g, s, scalars_dev[rows[i]], rejected, i, fmt, count_nonfinite)
-    return rejected.tolist() if count_nonfinite else [0] * n
+            _launch_one(p, g, s, scalars_dev[rows[i]], counters, i, fmt, count_nonfinite, track_format)
+    return _rejected(counters, count_nonfinite, n)
 
 
 def launch_step(table: torch.Tensor, params, grads, states, tables: LaunchTables, fmt: StateFormat,
-                count_nonfinite: bool, aligned: bool, relaunch: dict | None = None) -> list[int]:
+                count_nonfinite: bool, aligned: bool, relaunch: dict | None = None, counters=None,
+                track_format: bool = False) -> list[int]:
     """The CUDA step over a device table laid out as this module's docstring says
     (`aligned`: every address on 16 bytes), the scalar rows assigned by `tables.rows`.
     Tensors of at least `launch.SOLO_ELEMENTS` elements get a launch of their own, which skips
     the table lookups; all others share one launch of the multi-tensor kernel
-    (docs/MULTI_TENSOR.md).
+    (docs/MULTI_TENSOR.md). `counters` as in `cuda_step_`.
 
     `relaunch`: a dict owned by a caller whose tensor count and table shapes stay fixed (a
     step plan), where `_Relaunch` keeps the compiled multi-tensor kernel between steps."""
@@ -134,17 +153,17 @@ def launch_step(table: torch.Tensor, params, grads, states, tables: LaunchTables
     n, device = len(params), params[0].device
     with on_device(device):
         scalars = table[3 * n:].view(torch.float32)
-        rejected = torch.zeros(n, dtype=torch.int32, device=device) if count_nonfinite else None
+        counters = _counters(n, device, count_nonfinite, track_format, counters)
         if tables.block_tensor.numel():  # none when every tensor is empty or solo
             grid = (tables.block_tensor.numel(),)
             args = (table, tables.block_tensor, tables.block_index, tables.numels, tables.rows_device, scalars,
-                    tables.block_index if rejected is None else rejected, n)  # block_index: unused without the count
-            key = (aligned, count_nonfinite)
+                    tables.block_index if counters is None else counters, n)  # block_index: unused without counts
+            key = (aligned, count_nonfinite, track_format)
             fast = relaunch.get(key) if relaunch is not None else None
             if fast is not None:
                 fast(grid, args)
             else:
-                constants = {**_constants(fmt, None, count_nonfinite, launch.GPU_BLOCK), "ALIGNED": aligned}
+                constants = {**_constants(fmt, None, count_nonfinite, launch.GPU_BLOCK, track_format), "ALIGNED": aligned}
                 compiled = adamw_multi_tensor_kernel[grid](
                     *args, num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS)
                 if relaunch is not None:
@@ -154,8 +173,9 @@ def launch_step(table: torch.Tensor, params, grads, states, tables: LaunchTables
         if tables.solo:
             rows = scalars.view(-1, SCALAR_ROW)
             for i in tables.solo:
-                _launch_one(params[i], grads[i], states[i], rows[tables.rows[i]], rejected, i, fmt, count_nonfinite)
-    return rejected.tolist() if count_nonfinite else [0] * n
+                _launch_one(params[i], grads[i], states[i], rows[tables.rows[i]], counters, i, fmt, count_nonfinite,
+                            track_format)
+    return _rejected(counters, count_nonfinite, n)
 
 
 class _Relaunch:
@@ -195,7 +215,8 @@ def _triton_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _launch_one(p, g, s, scalars, rejected, i: int, fmt: StateFormat, count_nonfinite: bool) -> None:
+def _launch_one(p, g, s, scalars, counters, i: int, fmt: StateFormat, count_nonfinite: bool,
+                track_format: bool) -> None:
     """The single-tensor kernel on tensor i of a step, in place; `scalars` is its row."""
     from packed_adamw.core.kernel import adamw_kernel
 
@@ -204,8 +225,9 @@ def _launch_one(p, g, s, scalars, rejected, i: int, fmt: StateFormat, count_nonf
         return
     words = s if fmt.mode == "fp32" else s.view(torch.int32)
     adamw_kernel[launch.grid(n, block)](
-        p, g, words, scalars, scalars if rejected is None else rejected[i:], n, p, words,
-        num_warps=launch.GPU_NUM_WARPS, **_constants(fmt, False, count_nonfinite, block), **launch.COMPILE_OPTIONS,
+        p, g, words, scalars, scalars if counters is None else counters[i], n, p, words,
+        num_warps=launch.GPU_NUM_WARPS, **_constants(fmt, False, count_nonfinite, block, track_format),
+        **launch.COMPILE_OPTIONS,
     )
 
 
@@ -215,5 +237,6 @@ def on_device(device: torch.device):
 
 
 @functools.lru_cache(maxsize=64)
-def _constants(fmt: StateFormat, write_update, count_nonfinite: bool, block: int) -> dict:
-    return launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=count_nonfinite, block=block)
+def _constants(fmt: StateFormat, write_update, count_nonfinite: bool, block: int, track_format: bool = False) -> dict:
+    return launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=count_nonfinite, block=block,
+                                   track_format=track_format)

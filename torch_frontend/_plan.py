@@ -11,10 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from packed_adamw.core.numpy_step import apply_step
-
 from . import _dtensor, _launch
-from .functional import _numpy_view, _state_view, row_scalars, scalar_table
+from .functional import cpu_step_, row_scalars, scalar_table
 
 FLOAT32 = torch.float32
 _data_ptr = torch.Tensor.data_ptr
@@ -25,13 +23,15 @@ class StepPlan:
     whenever any of it changes."""
 
     def __init__(self, opt, params: list, kernel_params: list, states: list[dict], stored: list, moments: list,
-                 group_of: list[int], device: int):
+                 group_of: list[int], device: int, counters=None):
         """`params` as the optimizer holds them; `kernel_params` and `moments` the tensors the
         kernel updates (a DTensor's local shard, the uint32 view of sharded words); `stored`
-        the state tensors as the state dicts hold them."""
+        the state tensors as the state dicts hold them; `counters` the format counts the
+        steps of this plan accumulate into (with `track_format`)."""
         everything = [p for group in opt.param_groups for p in group["params"]]
         with_grad = set(map(id, params))
-        self.options = (opt.state_format, opt.multi_tensor, opt.check_nonfinite)
+        self.options = (opt.state_format, opt.multi_tensor, opt.check_nonfinite, opt.track_format)
+        self.counters, self.tracked_steps = counters, 1 if counters is not None else 0
         self.state, self.state_ids = opt.state, tuple(map(id, opt.state.values()))
         self.param_ids = tuple(map(id, everything))
         self.group_sizes = tuple(len(group["params"]) for group in opt.param_groups)
@@ -59,7 +59,7 @@ class StepPlan:
         """(gradients, their addresses, the new step counts) if the plan still holds."""
         groups = opt.param_groups
         if (opt.state is not self.state or tuple(map(id, self.state.values())) != self.state_ids
-                or (opt.state_format, opt.multi_tensor, opt.check_nonfinite) != self.options):
+                or (opt.state_format, opt.multi_tensor, opt.check_nonfinite, opt.track_format) != self.options):
             return None
         if (tuple(map(id, [p for group in groups for p in group["params"]])) != self.param_ids
                 or tuple(len(group["params"]) for group in groups) != self.group_sizes):
@@ -98,7 +98,7 @@ class StepPlan:
         if found is None:
             return None
         grads, grad_pointers, counts = found
-        fmt, multi_tensor, count_nonfinite = self.options
+        fmt, multi_tensor, count_nonfinite, track_format = self.options
         # Scalars first: a bad step count raises here, before anything changes; the full step
         # then names the parameter.
         try:
@@ -111,10 +111,11 @@ class StepPlan:
         except (TypeError, ValueError):
             return None
         if self.device < 0:
-            rejected = [apply_step(_numpy_view(p), _numpy_view(g), _state_view(s, fmt), scalars[row], fmt=fmt)
-                        for p, g, s, row in zip(self.kernel_params, grads, self.moments, rows)]
+            rejected = cpu_step_(self.kernel_params, grads, self.moments, scalars, rows, fmt, self.counters,
+                                 track_format)
         elif not multi_tensor:
-            rejected = _launch.cuda_step_(self.kernel_params, grads, self.moments, scalars, rows, fmt, False, count_nonfinite)
+            rejected = _launch.cuda_step_(self.kernel_params, grads, self.moments, scalars, rows, fmt, False,
+                                          count_nonfinite, self.counters, track_format)
         else:  # CUDA: only the gradients' addresses and the scalars are new
             n, staging = len(counts), self.staging
             pointers = staging.stage(scalars)
@@ -123,8 +124,10 @@ class StepPlan:
             pointers[2 * n:] = self.moment_pointers
             aligned = self.aligned and not (pointers[n:2 * n] & 15).any()
             rejected = _launch.launch_step(staging.send(), self.kernel_params, grads, self.moments, tables, fmt,
-                                           count_nonfinite, aligned, self.relaunch)
+                                           count_nonfinite, aligned, self.relaunch, self.counters, track_format)
             staging.launched()
         for state, count in zip(self.states, counts):
             state["step"] = count
+        if track_format:
+            self.tracked_steps += 1
         return rejected

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from packed_adamw.core import StateFormat
+from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.numpy_step import apply_step, step_scalar_row
 
 from . import _launch
@@ -64,6 +64,8 @@ def adamw_step_(
     multi_tensor: bool = True,
     count_nonfinite: bool = True,
     check_inputs: bool = True,
+    counters: torch.Tensor | None = None,
+    track_format: bool = False,
 ) -> list[int]:
     """One AdamW step in place over tensors on one device; returns each tensor's rejected count.
 
@@ -74,6 +76,11 @@ def adamw_step_(
     one launch per tensor. Same bits either way. Without `count_nonfinite` the CUDA path never
     waits for the GPU and returns zeros. `check_inputs=False` skips the tensor checks, for callers
     that made them already.
+
+    `counters`: [n, launch.COUNTER_ROW] int64 on the tensors' device, tensor i's row
+    accumulating its counts: with `track_format` (packed and fp16 modes) the format counts of
+    FORMAT.md ("Format counts"), read with `launch.sum_counter_slots`; the non-finite count
+    in column 0 is per step. The CUDA path adds to them without waiting for the GPU.
     """
     if not params:
         return []
@@ -81,9 +88,21 @@ def adamw_step_(
         _check_inputs(params, grads, states, counts, hparams, fmt)
     scalars, rows = scalar_table(counts, hparams)  # raises on a step count out of range, before any change
     if params[0].device.type == "cuda":
-        return _launch.cuda_step_(params, grads, states, scalars, rows, fmt, multi_tensor, count_nonfinite)
-    return [apply_step(_numpy_view(p), _numpy_view(g), _state_view(s, fmt), scalars[row], fmt=fmt)
-            for p, g, s, row in zip(params, grads, states, rows)]
+        return _launch.cuda_step_(params, grads, states, scalars, rows, fmt, multi_tensor, count_nonfinite,
+                                  counters, track_format)
+    return cpu_step_(params, grads, states, scalars, rows, fmt, counters, track_format)
+
+
+def cpu_step_(params, grads, states, scalars, rows, fmt: StateFormat, counters=None, track_format=False) -> list[int]:
+    """The numpy step per tensor (zero-copy views); counts as `adamw_step_` says."""
+    rejected = []
+    for i, (p, g, s, row) in enumerate(zip(params, grads, states, rows)):
+        counts = np.zeros(len(launch.FORMAT_COUNTS), np.int64) if track_format else None
+        rejected.append(apply_step(_numpy_view(p), _numpy_view(g), _state_view(s, fmt), scalars[row], fmt=fmt,
+                                   format_counts_out=counts))
+        if counts is not None and counters is not None:
+            counters[i, 1::launch.FORMAT_SLOTS] += torch.from_numpy(counts)  # slot 0 of each count
+    return rejected
 
 
 def scalar_table(counts, hparams) -> tuple[np.ndarray, tuple[int, ...]]:

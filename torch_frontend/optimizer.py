@@ -8,7 +8,9 @@ import numpy as np
 import torch
 from torch.optim import Optimizer
 
-from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, validate_hyperparams
+import warnings
+
+from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, launch, validate_hyperparams
 from packed_adamw.core.portable import PortableState
 
 from . import _dtensor
@@ -19,6 +21,9 @@ STATE_DICT_KEY = "packed_adamw"  # the format identity travels in the state_dict
 GROUP_FORMAT_KEY = "packed_adamw_format"  # ... and in every saved param group (DCP keeps only groups and state)
 STATE_DICT_VERSION = 1
 MAX_STEP = 2**31 - 2  # the step count after one more step must stay below 2**31 (FORMAT.md)
+# format_stats() warns once per parameter when more than this fraction of its element-steps
+# saturated a moment (docs/FORMAT_HEALTH.md).
+SATURATION_WARNING = 1e-3
 FLOAT32, STRIDED = torch.float32, torch.strided
 
 
@@ -61,6 +66,7 @@ class PackedAdamW(Optimizer):
         rms_bias: int = DEFAULT_RMS_BIAS,
         multi_tensor: bool = True,
         check_nonfinite: bool = False,
+        track_format: bool = False,
         maximize: bool = False,
         amsgrad: bool = False,
         foreach: bool | None = None,
@@ -81,8 +87,12 @@ class PackedAdamW(Optimizer):
                     f"(multi_tensor=True: one launch for all tensors on CUDA); pass {flag}=None or False, or leave it out"
                 )
         self.state_format = StateFormat(mode, m_bias, rms_bias)
+        if track_format and self.state_format.mode == "fp32":
+            raise ValueError("track_format=True counts where packed or fp16 codes saturate, flush or go subnormal; "
+                             "fp32 mode stores float32 moments: use mode='packed' or 'fp16'")
         self.multi_tensor = multi_tensor
         self.check_nonfinite = check_nonfinite
+        self.track_format = track_format
         _check_maximize(maximize, "maximize")
         validate_hyperparams(_plain(lr, "lr"), _plain_betas(betas), _plain(eps, "eps"),
                              _plain(weight_decay, "weight_decay"))
@@ -92,7 +102,7 @@ class PackedAdamW(Optimizer):
     def __getstate__(self) -> dict:
         # torch.optim keeps only defaults, state and param_groups; a copy needs the format too.
         state = {**super().__getstate__(), "state_format": self.state_format, "multi_tensor": self.multi_tensor,
-                 "check_nonfinite": self.check_nonfinite}
+                 "check_nonfinite": self.check_nonfinite, "track_format": self.track_format}
         # torch cannot unpickle uint32 storages: plain words travel as int32 views of the same bits.
         key = self.state_format.state_key
         if self.state_format.state_dtype == "uint32":
@@ -104,6 +114,7 @@ class PackedAdamW(Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         as_int32 = state.pop("_words_pickled_as_int32", False)
+        state.setdefault("track_format", False)
         super().__setstate__(state)
         if as_int32:
             key = self.state_format.state_key
@@ -134,7 +145,7 @@ class PackedAdamW(Optimizer):
         plan = self.__dict__.get("_plan")
         rejected = plan.step(self, rows) if plan is not None else None
         if rejected is None:
-            self._plan = None  # a full step that raises must not leave an older plan behind
+            self._drop_plan()  # a full step that raises must not leave an older plan behind
             self._plan, params, rejected = self._full_step(rows)
         else:
             params = plan.params
@@ -177,8 +188,12 @@ class PackedAdamW(Optimizer):
         stored = [state[key] if state else _dtensor.wrap_state(p, new_state(pl, fmt), fmt, name)
                   for p, pl, state, name in zip(params, kernel_params, found, names)]
         moments = [_dtensor.kernel_state(s) for s in stored]
+        counters = None
+        if self.track_format and params:
+            counters = torch.zeros((len(params), launch.COUNTER_ROW), dtype=torch.int64, device=kernel_params[0].device)
         rejected = adamw_step_(kernel_params, kernel_grads, moments, counts, rows, fmt, multi_tensor=self.multi_tensor,
-                               count_nonfinite=self.check_nonfinite, check_inputs=False)  # checked above
+                               count_nonfinite=self.check_nonfinite, check_inputs=False,  # checked above
+                               counters=counters, track_format=self.track_format)
         states = []
         for p, state, tensor, count in zip(params, found, stored, counts):
             if not state:
@@ -186,8 +201,68 @@ class PackedAdamW(Optimizer):
                 state[key] = tensor
             state["step"] = count
             states.append(state)
-        plan = StepPlan(self, params, kernel_params, states, stored, moments, group_of, device) if params else None
+        plan = None
+        if params:
+            plan = StepPlan(self, params, kernel_params, states, stored, moments, group_of, device, counters)
         return plan, params, rejected
+
+    # ---- format health ------------------------------------------------------------------
+    def _drop_plan(self) -> None:
+        """Forget the step plan, keeping the format counts its steps made."""
+        plan = self.__dict__.get("_plan")
+        if plan is not None and plan.counters is not None:
+            self.__dict__.setdefault("_retired_counts", []).append((plan.params, plan.counters, plan.tracked_steps))
+        self._plan = None
+
+    def format_stats(self) -> dict:
+        """Where the moments landed in their formats since the last call (counts reset on
+        read), per parameter (its name when the groups carry `param_names`, else its
+        position): `elements` (element-steps counted), `saturated_m`, `saturated_rms`,
+        `flushed_m`, `flushed_rms`, `subnormal_m`, `subnormal_rms`, as FORMAT.md ("Format
+        counts") defines them. Needs `track_format=True`; the step itself never waits for the
+        GPU, this call does. Warns once per parameter whose saturated share passes
+        `SATURATION_WARNING`, saying which bias to move."""
+        if not self.track_format:
+            raise ValueError("format_stats() needs PackedAdamW(..., track_format=True)")
+        entries = list(self.__dict__.pop("_retired_counts", []))
+        plan = self.__dict__.get("_plan")
+        if plan is not None and plan.counters is not None:
+            entries.append((plan.params, plan.counters, plan.tracked_steps))
+            plan.tracked_steps = 0
+        totals: dict[int, np.ndarray] = {}
+        elements: dict[int, int] = {}
+        for params, counters, steps in entries:
+            counts = launch.sum_counter_slots(counters.cpu().numpy())
+            counters.zero_()
+            for p, row in zip(params, counts):
+                totals[id(p)] = totals.get(id(p), 0) + row
+                elements[id(p)] = elements.get(id(p), 0) + _dtensor.local(p).numel() * steps
+        stats = {}
+        warned = self.__dict__.setdefault("_saturation_warned", set())
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) not in totals:
+                    continue
+                key = group["param_names"][pi] if group.get("param_names") else (gi, pi)
+                entry = {"elements": elements[id(p)], **dict(zip(launch.FORMAT_COUNTS, map(int, totals[id(p)])))}
+                stats[key] = entry
+                if id(p) not in warned and entry["elements"]:
+                    self._warn_saturation(_param_name(group, gi, pi), entry, warned, id(p))
+        return stats
+
+    def _warn_saturation(self, name: str, entry: dict, warned: set, key: int) -> None:
+        fmt = self.state_format
+        problems = []
+        for moment, what, bias_name, bias, codec in (("m", "first moments", "m_bias", fmt.m_bias, fmt.formats[0]),
+                                                      ("rms", "RMS values", "rms_bias", fmt.rms_bias, fmt.formats[1])):
+            share = entry[f"saturated_{moment}"] / entry["elements"]
+            if share > SATURATION_WARNING:
+                hint = (f"lower {bias_name} (now {bias}; each step down doubles the largest value)"
+                        if fmt.mode == "packed" else "use mode='packed' with a lower bias")
+                problems.append(f"{share:.2%} of its {what} saturated at {codec.max_value:g}: {hint}")
+        if problems:
+            warned.add(key)
+            warnings.warn(f"PackedAdamW: {name}: " + "; ".join(problems), RuntimeWarning, stacklevel=3)
 
     def _raise_if_rejected(self, params: list, rejected: list[int]) -> None:
         if not (self.check_nonfinite and any(rejected)):
@@ -273,7 +348,7 @@ class PackedAdamW(Optimizer):
                 tensor = torch.from_numpy(np.ascontiguousarray(moments).view(np.int32).copy()).view(torch.uint32)
             _check_loaded_values(tensor, self.state_format, f"import_state: tensor {i} ({name})")
             new[p] = {"step": count, self._state_key: tensor.to(p.device)}
-        self._plan = None
+        self._drop_plan()
         for p, entry in new.items():
             if entry is None:
                 self.state.pop(p, None)
@@ -310,7 +385,7 @@ class PackedAdamW(Optimizer):
             count = _checked_step_count(entry.get("step"), where)
             _check_loaded_values(_dtensor.kernel_state(tensor), fmt, where)
             loaded[p] = (count, tensor)
-        self._plan = None
+        self._drop_plan()
         groups = [{k: v for k, v in g.items() if k != GROUP_FORMAT_KEY} for g in state_dict["param_groups"]]
         super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
         # torch casts all non-step state to a floating parameter's dtype, which would turn the

@@ -1,0 +1,359 @@
+"""Format health: where values sit in a 16-bit format's window, and exponent biases chosen
+from observed moments (guide: docs/FORMAT_HEALTH.md; formats: docs/FORMAT.md).
+
+A format at exponent bias B covers a fixed window of magnitudes: subnormals from
+`min_subnormal` up to `min_normal`, normals up to `max_value` (16 binades in all for the
+packed formats). Moving the bias slides the window; it never widens it. This module says how
+a set of values falls against one window (`window_histogram`), and which biases put observed
+first moments and RMS values inside the normal range with room to grow (`suggest_biases`).
+Every threshold comes from `MiniFloat` (core/formats.py); nothing here restates a format fact.
+
+numpy only: no torch, no jax.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .formats import (
+    BIAS_RANGE,
+    DEFAULT_M_BIAS,
+    DEFAULT_RMS_BIAS,
+    MiniFloat,
+    StateFormat,
+    first_moment_format,
+    rms_format,
+    unpack_words,
+)
+
+# ---- the window classes ------------------------------------------------------------------
+
+# The order is the order of the classes along the magnitude axis, from the top.
+WINDOW_CLASSES = ("saturated", "normal", "subnormal", "flushed", "zero", "nan")
+_SATURATED, _NORMAL, _SUBNORMAL, _FLUSHED, _ZERO, _NAN = range(len(WINDOW_CLASSES))
+
+
+def classify(values, fmt: MiniFloat) -> np.ndarray:
+    """The window class of each value (an index into WINDOW_CLASSES), for the float32 number
+    the step would encode (values are converted to float32 first; the sign is ignored):
+
+    - saturated: |x| >= fmt.max_value. Encoding stores the largest finite value; anything
+      above it is clamped (a stored value equal to the maximum may have been clamped).
+    - normal: encodes to a code with a nonzero exponent field, below the maximum.
+    - subnormal: encodes to a nonzero code with exponent field 0 (fewer significant bits).
+    - flushed: nonzero, but encodes to code 0 (|x| <= half the smallest subnormal).
+    - zero: +0 or -0.
+    - nan: NaN (no code stands for it; the step never encodes one).
+
+    The bounds follow from round-to-nearest-even: halfway between the largest subnormal (odd
+    fraction) and `min_normal` (even) rounds up, so a value is subnormal below
+    `min_normal - min_subnormal / 2`; exactly half the smallest subnormal rounds to the even
+    code, 0.
+    """
+    magnitude = np.abs(np.asarray(values, dtype=np.float32)).astype(np.float64).ravel()
+    half_step = fmt.min_subnormal / 2  # exact in binary64 and binary32 for every bias
+    classes = np.full(magnitude.shape, _NORMAL, dtype=np.int8)
+    classes[magnitude < fmt.min_normal - half_step] = _SUBNORMAL
+    classes[magnitude <= half_step] = _FLUSHED
+    classes[magnitude == 0] = _ZERO
+    classes[magnitude >= fmt.max_value] = _SATURATED
+    classes[np.isnan(magnitude)] = _NAN
+    return classes
+
+
+@dataclass(frozen=True)
+class WindowCounts:
+    """How many values fall in each window class of one format."""
+
+    format: str  # MiniFloat.identity
+    counts: dict  # class name -> count, every class of WINDOW_CLASSES
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __getitem__(self, name: str) -> int:
+        return self.counts[name]
+
+    def fraction(self, name: str) -> float:
+        return self.counts[name] / self.total if self.total else 0.0
+
+    def as_dict(self) -> dict:
+        return {"format": self.format, "total": self.total, "counts": dict(self.counts),
+                "fractions": {name: self.fraction(name) for name in WINDOW_CLASSES}}
+
+
+def window_histogram(values, fmt: MiniFloat) -> WindowCounts:
+    """Counts of `values` per window class of `fmt` (see `classify`)."""
+    counts = np.bincount(classify(values, fmt), minlength=len(WINDOW_CLASSES))
+    return WindowCounts(fmt.identity, {name: int(c) for name, c in zip(WINDOW_CLASSES, counts)})
+
+
+def window_edges(fmt: MiniFloat) -> dict:
+    """The window of `fmt` as log2 magnitudes: where flushing ends, subnormals end, and
+    saturation begins (for plots and reports)."""
+    return {"log2_min_subnormal": float(np.log2(fmt.min_subnormal)), "log2_min_normal": float(np.log2(fmt.min_normal)),
+            "log2_max_value": float(np.log2(fmt.max_value))}
+
+
+# ---- statistics of observed magnitudes -----------------------------------------------------
+
+DEFAULT_LOW_QUANTILE = 0.01  # of nonzero magnitudes: below it, subnormals are tolerated
+DEFAULT_HIGH_QUANTILE = 0.999999  # of nonzero magnitudes: kept `headroom` below the maximum
+DEFAULT_HEADROOM = 2.0  # factor between the high quantile and the format's largest value
+
+
+@dataclass(frozen=True)
+class MagnitudeQuantiles:
+    """Summary of observed magnitudes: the low and high quantiles of the nonzero ones, and,
+    when known, the largest magnitude and the values themselves (float32, flattened)."""
+
+    low: float
+    high: float
+    maximum: float | None = None
+    nonzero: int | None = None
+    values: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+
+def _flat_float32(values) -> np.ndarray:
+    """One flat float32 array from an array or a sequence of arrays (all tensors of a model)."""
+    if isinstance(values, np.ndarray) or np.isscalar(values):
+        return np.asarray(values, dtype=np.float32).ravel()
+    parts = [np.asarray(v, dtype=np.float32).ravel() for v in values]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def magnitude_quantiles(values, low: float = DEFAULT_LOW_QUANTILE, high: float = DEFAULT_HIGH_QUANTILE
+                        ) -> MagnitudeQuantiles:
+    """Quantiles `low` and `high` of the nonzero |values| (an array, or a sequence of arrays
+    taken together). NaN is refused: it has no magnitude to place."""
+    if not 0.0 <= low <= high <= 1.0:
+        raise ValueError(f"quantiles must satisfy 0 <= low <= high <= 1, got low={low}, high={high}")
+    flat = _flat_float32(values)
+    if np.isnan(flat).any():
+        raise ValueError(f"{int(np.isnan(flat).sum())} values are NaN: moment statistics must be numbers")
+    magnitude = np.abs(flat)
+    nonzero = magnitude[magnitude > 0].astype(np.float64)
+    if nonzero.size == 0:
+        return MagnitudeQuantiles(0.0, 0.0, 0.0, 0, flat)
+    q_low, q_high = np.quantile(nonzero, [low, high])
+    return MagnitudeQuantiles(float(q_low), float(q_high), float(nonzero.max()), int(nonzero.size), flat)
+
+
+def log2_quantiles(values, levels=(0.0, 0.01, 0.5, 0.99, 1.0)) -> dict | None:
+    """log2 of the nonzero |values| at `levels` (None when every value is zero)."""
+    magnitude = np.abs(_flat_float32(values)).astype(np.float64)
+    nonzero = magnitude[(magnitude > 0) & np.isfinite(magnitude)]
+    if nonzero.size == 0:
+        return None
+    return {str(level): float(q) for level, q in zip(levels, np.quantile(np.log2(nonzero), levels))}
+
+
+# ---- choosing a bias ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BiasChoice:
+    """The bias chosen for one format and why."""
+
+    bias: int
+    feasible: bool  # True when both the low quantile and the headroom constraint hold
+    reason: str
+    quantiles: MagnitudeQuantiles
+    headroom: float  # requested factor between the high quantile and the format's maximum
+    max_value: float  # the chosen format's largest value
+    sample: WindowCounts | None  # the sample's classes under the chosen format, when values were given
+
+    def as_dict(self) -> dict:
+        q = self.quantiles
+        return {"bias": self.bias, "feasible": self.feasible, "reason": self.reason,
+                "low_quantile_value": q.low, "high_quantile_value": q.high, "maximum": q.maximum,
+                "headroom": self.headroom, "max_value": self.max_value,
+                "sample": self.sample.as_dict() if self.sample else None}
+
+
+def choose_bias(stats, fmt_at: Callable[[int], MiniFloat], *, low: float = DEFAULT_LOW_QUANTILE,
+                high: float = DEFAULT_HIGH_QUANTILE, headroom: float = DEFAULT_HEADROOM,
+                default: int = DEFAULT_M_BIAS) -> BiasChoice:
+    """The exponent bias for one format family (`fmt_at(bias)` -> MiniFloat) from `stats`:
+    observed values (an array or a sequence of arrays) or a `MagnitudeQuantiles`.
+
+    Two constraints, each monotone in the bias (a larger bias slides the window down):
+      - no saturation: `headroom * high_quantile <= max_value`, and the sample's largest
+        magnitude stays below `max_value` (holds for every bias up to some b_sat);
+      - no subnormal at the low end: the low quantile encodes as a normal number (holds for
+        every bias from some b_low on).
+    When both can hold, the smallest bias that keeps the low quantile normal is returned:
+    all the remaining room goes above the high quantile, since a saturated moment changes
+    the step while a subnormal one only loses relative precision. When they cannot both
+    hold, saturation wins: b_sat, the largest bias without saturation, and the low end goes
+    subnormal (or flushes). With no nonzero value, `default` is returned.
+    """
+    if not headroom >= 1.0:
+        raise ValueError(f"headroom={headroom!r} must be >= 1 (a factor below the format's largest value)")
+    q = stats if isinstance(stats, MagnitudeQuantiles) else magnitude_quantiles(stats, low, high)
+    biases = range(BIAS_RANGE[0], BIAS_RANGE[1] + 1)
+
+    def sample_counts(fmt):
+        return window_histogram(q.values, fmt) if q.values is not None else None
+
+    if not q.nonzero and q.high == 0:
+        fmt = fmt_at(default)
+        return BiasChoice(default, True, "no nonzero values: the default bias", q, headroom, fmt.max_value,
+                          sample_counts(fmt))
+
+    def no_saturation(bias: int) -> bool:
+        fmt = fmt_at(bias)
+        return q.high * headroom <= fmt.max_value and (q.maximum is None or classify([q.maximum], fmt)[0] != _SATURATED)
+
+    def low_end_normal(bias: int) -> bool:
+        return classify([q.low], fmt_at(bias))[0] == _NORMAL
+
+    saturation_free = [b for b in biases if no_saturation(b)]
+    b_sat = max(saturation_free) if saturation_free else None
+    b_low = next((b for b in biases if low_end_normal(b)), None)
+    if b_sat is not None and b_low is not None and b_low <= b_sat:
+        bias, feasible = b_low, True
+        reason = (f"smallest bias keeping the low quantile {q.low:.3g} normal; the high quantile {q.high:.3g} sits "
+                  f"{fmt_at(bias).max_value / q.high:.3g}x below the maximum (>= {headroom:g} required)")
+    elif b_sat is not None:
+        bias, feasible = b_sat, False
+        reason = (f"no bias keeps both {q.low:.3g} normal and {q.high:.3g} {headroom:g}x below the maximum; "
+                  "largest bias without saturation (the low end goes subnormal)")
+    else:
+        bias, feasible = BIAS_RANGE[0], False
+        reason = f"even bias {BIAS_RANGE[0]} saturates these values (high quantile {q.high:.3g}, maximum {q.maximum})"
+    fmt = fmt_at(bias)
+    return BiasChoice(bias, feasible, reason, q, headroom, fmt.max_value, sample_counts(fmt))
+
+
+@dataclass(frozen=True)
+class BiasSuggestion:
+    """`suggest_biases`' answer; unpacks as `m_bias, rms_bias = suggestion`."""
+
+    m_bias: int
+    rms_bias: int
+    m: BiasChoice
+    rms: BiasChoice
+    notes: tuple[str, ...] = ()
+
+    def __iter__(self):
+        return iter((self.m_bias, self.rms_bias))
+
+    @property
+    def state_format(self) -> StateFormat:
+        return StateFormat("packed", self.m_bias, self.rms_bias)
+
+    def as_dict(self) -> dict:
+        return {"m_bias": self.m_bias, "rms_bias": self.rms_bias, "identity": self.state_format.identity,
+                "m": self.m.as_dict(), "rms": self.rms.as_dict(), "notes": list(self.notes)}
+
+
+def suggest_biases(m, rms=None, *, low: float = DEFAULT_LOW_QUANTILE, high: float = DEFAULT_HIGH_QUANTILE,
+                   headroom: float = DEFAULT_HEADROOM):
+    """(m_bias, rms_bias) for the packed formats from observed moments.
+
+    `m` and `rms` are the observed first moments (signs are ignored) and RMS values
+    (`sqrt(v)`, e.g. from a few steps of FP32 AdamW): each an array, a sequence of arrays
+    (all tensors of a model, taken together), or a `MagnitudeQuantiles`. Per parameter group:
+    pass one mapping `name -> (m, rms)` and get `name -> BiasSuggestion` back.
+
+    `low` and `high` are quantiles of the nonzero magnitudes: the `low` one must be a normal
+    number of the format, the `high` one must sit at least `headroom` times below the
+    format's largest value, and no sampled value may saturate. When both cannot hold,
+    saturation is avoided first (see `choose_bias`). Returns a `BiasSuggestion`, which
+    unpacks as `(m_bias, rms_bias)` and carries each choice's reason and the sample's
+    window counts under the chosen formats.
+    """
+    if rms is None:
+        if not isinstance(m, Mapping):
+            raise TypeError("suggest_biases(m, rms) takes the first moments and the RMS values, or one mapping "
+                            "name -> (m, rms) for per-group suggestions")
+        return {name: suggest_biases(*pair, low=low, high=high, headroom=headroom) for name, pair in m.items()}
+    m_choice = choose_bias(m, first_moment_format, low=low, high=high, headroom=headroom, default=DEFAULT_M_BIAS)
+    rms_choice = choose_bias(rms, rms_format, low=low, high=high, headroom=headroom, default=DEFAULT_RMS_BIAS)
+    notes = []
+    m_values, rms_values = m_choice.quantiles.values, rms_choice.quantiles.values
+    if m_values is not None and rms_values is not None and m_values.shape == rms_values.shape:
+        # Elementwise pairs: count the first moments the zero-RMS rule would drop (FORMAT.md).
+        dropped = zero_rms_drops(m_values, rms_values, first_moment_format(m_choice.bias),
+                                 rms_format(rms_choice.bias))
+        if dropped or rms_choice.bias < m_choice.bias:
+            notes.append(f"zero-RMS rule: {dropped} of {m_values.size} sampled elements keep a nonzero first "
+                         f"moment code while their RMS encodes to 0, so the stored first moment becomes 0")
+    elif rms_choice.bias < m_choice.bias:
+        notes.append(f"rms_bias {rms_choice.bias} < m_bias {m_choice.bias}: an RMS at or below "
+                     f"{rms_format(rms_choice.bias).min_subnormal / 2:.3g} encodes to 0 and the zero-RMS rule then "
+                     "drops the first moment too (FORMAT.md); pass elementwise m and RMS arrays to count it")
+    return BiasSuggestion(m_choice.bias, rms_choice.bias, m_choice, rms_choice, tuple(notes))
+
+
+def zero_rms_drops(m, rms, m_fmt: MiniFloat, rms_fmt: MiniFloat) -> int:
+    """How many elements (m[i], rms[i]) lose their first moment to the zero-RMS rule: the RMS
+    encodes to code 0 (zero or flushed) while the first moment alone would not."""
+    gone = (_FLUSHED, _ZERO)
+    return int(np.count_nonzero(np.isin(classify(rms, rms_fmt), gone) & ~np.isin(classify(m, m_fmt), gone)))
+
+
+# ---- the format identity, read back ---------------------------------------------------------
+
+_MINIFLOAT_IDENTITY = re.compile(r"(?P<sign>[SU])E(?P<e>\d+)M(?P<f>\d+)b(?P<bias>\d+)(?P<ieee>ieee)?")
+_STATE_IDENTITY = re.compile(r"(?P<mode>packed|fp16):m=(?P<m>[^,]+),rms=(?P<rms>.+)")
+
+
+def parse_minifloat_identity(text: str) -> dict:
+    """`MiniFloat.identity` (e.g. "SE4M11b15") -> its fields (signed, exponent_bits,
+    fraction_bits, bias, ieee_specials)."""
+    match = _MINIFLOAT_IDENTITY.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a 16-bit format identity such as 'SE4M11b15' or 'UE4M12b18'")
+    return {"signed": match["sign"] == "S", "exponent_bits": int(match["e"]), "fraction_bits": int(match["f"]),
+            "bias": int(match["bias"]), "ieee_specials": match["ieee"] is not None}
+
+
+def state_format_from_identity(identity: str) -> StateFormat:
+    """`StateFormat.identity` (e.g. "packed:m=SE4M11b15,rms=UE4M12b15") back to the StateFormat.
+
+    The result's identity is checked to spell `identity` exactly, so a string that names a
+    format the code does not make (another layout, an unknown mode) is refused."""
+    if identity == StateFormat("fp32").identity:
+        return StateFormat("fp32")
+    match = _STATE_IDENTITY.fullmatch(identity)
+    if match is None:
+        raise ValueError(f"{identity!r} is not a state format identity such as "
+                         f"{StateFormat().identity!r} or {StateFormat('fp32').identity!r}")
+    m_fields, rms_fields = parse_minifloat_identity(match["m"]), parse_minifloat_identity(match["rms"])
+    try:
+        fmt = StateFormat(match["mode"], m_fields["bias"], rms_fields["bias"])
+    except ValueError as error:
+        raise ValueError(f"{identity!r}: {error}") from None
+    if match["mode"] == "fp16":
+        fmt = StateFormat("fp16")  # the half format's bias is fixed; the identity spells it
+    if fmt.identity != identity:
+        raise ValueError(f"{identity!r} names no state format of this code (the nearest is {fmt.identity!r})")
+    return fmt
+
+
+# ---- one tensor's moments against its windows -------------------------------------------------
+
+
+def moment_values(moments: np.ndarray, fmt: StateFormat) -> tuple[np.ndarray, np.ndarray]:
+    """(first moments, RMS values) as float32 arrays from a stored state: uint32 words
+    decoded exactly as the step decodes them (`MiniFloat.decode_table`), or an fp32 state's
+    [2, ...] (m, v) with RMS = sqrt(v) rounded to float32, as the step computes it."""
+    moments = np.asarray(moments)
+    if fmt.mode == "fp32":
+        if moments.dtype != np.float32 or moments.ndim < 1 or moments.shape[0] != 2:
+            raise ValueError(f"an fp32 state is float32 [2, ...], got {moments.dtype} {moments.shape}")
+        with np.errstate(invalid="ignore"):
+            return moments[0], np.sqrt(moments[1])
+    if moments.dtype == np.int32:  # words saved as int32 views of the same bits
+        moments = moments.view(np.uint32)
+    if moments.dtype != np.uint32:
+        raise ValueError(f"a {fmt.mode} state is uint32 words, got {moments.dtype}")
+    m_fmt, r_fmt = fmt.formats
+    m_codes, rms_codes = unpack_words(moments)
+    return m_fmt.decode_table[m_codes], r_fmt.decode_table[rms_codes]

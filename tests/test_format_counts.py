@@ -1,0 +1,172 @@
+"""Format telemetry: the kernel's and the numpy step's counts of saturated, flushed and
+subnormal moments (FORMAT.md, "Format counts"), against a recount from the formats'
+definitions, and `PackedAdamW(track_format=True).format_stats()`."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import kernel_harness as H
+from packed_adamw.core import Hyperparams, StateFormat, launch
+from packed_adamw.core.formats import MOMENT_SHIFT
+from packed_adamw.core.numpy_step import apply_step, step_scalar_row
+from packed_adamw.torch import PackedAdamW
+
+COUNTED_MODES = ["packed", "fp16"]
+HP = Hyperparams(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def recount(m_next, rms_next, new_words, accepted, fmt: StateFormat) -> np.ndarray:
+    """The counts from the definitions, with float64 arithmetic and the codecs' decode only:
+    saturated = beyond the largest value by half a unit in the last place or more (rounding
+    would need a larger code), flushed = nonzero but stored as zero, subnormal = stored below
+    the smallest normal but not zero."""
+    m_fmt, r_fmt = fmt.formats
+    out = np.zeros(6, np.int64)
+    codes = (new_words >> np.uint32(MOMENT_SHIFT), new_words & np.uint32(0xFFFF))
+    for k, (value, code, f) in enumerate(((m_next, codes[0], m_fmt), (rms_next, codes[1], r_fmt))):
+        top = f.max_exponent_code - f.bias
+        half_ulp = 2.0 ** (top - f.fraction_bits - 1)
+        stored = np.abs(f.decode(code).astype(np.float64))
+        magnitude = np.abs(value.astype(np.float64))
+        out[k] = np.count_nonzero(accepted & (magnitude >= f.max_value + half_ulp))
+        out[2 + k] = np.count_nonzero(accepted & (magnitude != 0) & (stored == 0))
+        out[4 + k] = np.count_nonzero(accepted & (stored != 0) & (stored < f.min_normal))
+    return out
+
+
+@pytest.mark.parametrize("mode", COUNTED_MODES)
+@pytest.mark.parametrize("n", [1, 4097, 3 * 65536 + 5])
+def test_numpy_and_interpreted_kernel_counts_equal_a_recount_from_the_definitions(mode, n, device):
+    fmt = StateFormat(mode)
+    rng = np.random.default_rng(n)
+    p, g, state = H.random_params(rng, n), H.random_grads(rng, n, fmt), H.random_state(rng, n, fmt)
+    H.inject_nonfinite(rng, g)
+    count = 3
+    counts = np.zeros(6, np.int64)
+    p_np, s_np = p.copy(), state.copy()
+    apply_step(p_np, g.copy(), s_np, step_scalar_row(count, HP.as_float32_list()), fmt=fmt, format_counts_out=counts)
+    k = H.run_kernel(p, g, state, count=count, hp=HP, fmt=fmt, device=device, track_format=True)
+    H.assert_same_bits(k.state, s_np, "words with counting on")
+    H.assert_same_bits(k.out, p_np, "params with counting on")
+    np.testing.assert_array_equal(k.format_counts, counts)
+    # The recount needs the unrounded moments and which elements the step accepted.
+    from packed_adamw.core.hyperparams import SCALAR_FIELDS
+    from packed_adamw.core.numpy_step import _update_chunk
+
+    scalars = dict(zip(SCALAR_FIELDS, step_scalar_row(count, HP.as_float32_list())))
+    m_fmt, r_fmt = fmt.formats
+    with np.errstate(all="ignore"):
+        _, _, accepted = _update_chunk(p, g, state, scalars, fmt)
+        g0 = np.where(np.isfinite(g), g, np.float32(0))
+        m = m_fmt.decode_table[state >> np.uint32(MOMENT_SHIFT)]
+        rms = r_fmt.decode_table[state & np.uint32(0xFFFF)]
+        m_next = scalars["b1"] * m + scalars["one_minus_b1"] * g0
+        rms_next = np.sqrt(scalars["b2"] * (rms * rms) + scalars["one_minus_b2"] * (g0 * g0))
+    np.testing.assert_array_equal(counts, recount(m_next, rms_next, s_np, accepted, fmt))
+    if n > 1000:  # random spanning values saturate, flush and land subnormal somewhere
+        assert (counts[:2] > 0).all() and (counts[2:4] > 0).all() and (counts[4:] > 0).all(), counts
+
+
+@pytest.mark.parametrize("mode", COUNTED_MODES)
+def test_huge_gradients_saturate_and_tiny_ones_flush(mode):
+    fmt = StateFormat(mode)
+    n = 1000
+    words = np.zeros(n, np.uint32)
+    for scale, saturated, flushed in ((1e8, True, False), (1e-12, False, True)):
+        counts = np.zeros(6, np.int64)
+        apply_step(np.ones(n, np.float32), np.full(n, scale, np.float32), words.copy(),
+                   step_scalar_row(1, HP.as_float32_list()), fmt=fmt, format_counts_out=counts)
+        sat_m, sat_rms, flush_m, flush_rms = counts[:4]
+        assert (sat_m == n and sat_rms == n) == saturated, counts
+        assert (flush_m == n and flush_rms == n) == flushed, counts
+
+
+def _trained(track=True, steps=3, mode="packed", scale=1.0, **kwargs):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((300,), (13, 17), ())]
+    opt = PackedAdamW([("a", params[0]), ("b", params[1]), ("c", params[2])], lr=1e-2, mode=mode,
+                      track_format=track, **kwargs)
+    grads = []
+    for step in range(steps):
+        step_grads = [torch.randn(p.shape, generator=gen) * scale for p in params]
+        grads.append(step_grads)
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    return params, opt, grads
+
+
+@pytest.mark.parametrize("mode", COUNTED_MODES)
+def test_format_stats_are_the_numpy_counts_of_every_step_since_the_last_read(mode):
+    params, opt, grads = _trained(mode=mode, steps=3)
+    # The same steps through the numpy step, counting.
+    fmt = opt.state_format
+    expected = {name: np.zeros(6, np.int64) for name in "abc"}
+    ref = [p0.detach().clone() for p0 in _trained(track=False, steps=0, mode=mode)[0]]
+    states = [np.zeros(max(p.numel(), 1) if p.dim() else 1, np.uint32) for p in ref]
+    for step, step_grads in enumerate(grads, start=1):
+        for name, p, g, s in zip("abc", ref, step_grads, states):
+            apply_step(p.view(-1).numpy(), g.reshape(-1).numpy().copy(), s, step_scalar_row(step, [1e-2, 0.9, 0.999, 1e-8, 1e-2]),
+                       fmt=fmt, format_counts_out=expected[name])
+    stats = opt.format_stats()
+    assert set(stats) == {"a", "b", "c"}
+    for name, p in zip("abc", params):
+        assert stats[name]["elements"] == 3 * p.numel()
+        np.testing.assert_array_equal([stats[name][k] for k in launch.FORMAT_COUNTS], expected[name])
+    assert all(v == 0 for entry in opt.format_stats().values() for v in entry.values())  # reset on read
+
+
+def test_counts_survive_a_rebuilt_plan():
+    params, opt, _ = _trained(steps=2)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(5))], "param_names": ["d"]})  # a new plan
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    stats = opt.format_stats()
+    assert stats["a"]["elements"] == 3 * 300  # two steps before the rebuild, one after
+
+
+def test_saturation_warns_once_per_parameter_naming_the_bias_to_move():
+    _, opt, _ = _trained(scale=1e6, steps=2)
+    with pytest.warns(RuntimeWarning) as record:
+        opt.format_stats()
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 3 and all("first moments saturated" in m and "lower m_bias (now 15" in m
+                                      and "lower rms_bias" in m for m in messages), messages
+    assert [m.split(":")[1].strip() for m in messages] == ["'a'", "'b'", "'c'"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.param_groups[0]["params"][0].grad = torch.full((300,), 1e6)
+        opt.step()
+        opt.format_stats()  # already warned for these parameters
+
+
+def test_track_format_is_refused_in_fp32_and_format_stats_needs_it():
+    with pytest.raises(ValueError, match="fp32 mode stores float32 moments"):
+        PackedAdamW([torch.nn.Parameter(torch.ones(3))], mode="fp32", track_format=True)
+    with pytest.raises(ValueError, match="track_format=True"):
+        PackedAdamW([torch.nn.Parameter(torch.ones(3))]).format_stats()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("multi_tensor", [True, False], ids=["multi_tensor", "per_tensor"])
+def test_cuda_format_stats_equal_cpu(multi_tensor):
+    """Compiled counts (shared launch, a solo launch, per-tensor launches) equal the CPU ones."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(300,), (13, 17), (), (launch.SOLO_ELEMENTS + 3,)]
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    gpu = [torch.nn.Parameter(p.detach().clone().cuda()) for p in cpu]
+    opt_cpu = PackedAdamW(cpu, lr=1e-2, track_format=True)
+    opt_gpu = PackedAdamW(gpu, lr=1e-2, track_format=True, multi_tensor=multi_tensor, check_nonfinite=False)
+    for step in range(3):
+        for p, q in zip(cpu, gpu):
+            g = torch.randn(p.shape, generator=gen) * 10.0 ** (step - 2)
+            p.grad, q.grad = g, g.cuda()
+        opt_cpu.step()
+        opt_gpu.step()
+    assert opt_gpu.format_stats() == opt_cpu.format_stats()
