@@ -106,6 +106,26 @@ def torch_step_ms(shapes, make_opt) -> float:
     return t
 
 
+def captured_step_ms(shapes, make_opt) -> float:
+    """One optimizer step captured in a CUDA graph (after warm-up steps on a side stream, as
+    torch.cuda.graph asks), timed by its replays."""
+    params = make_params(shapes)
+    opt = make_opt(params)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    t = cuda_time_ms(graph.replay)
+    del graph, opt, params
+    torch.cuda.empty_cache()
+    return t
+
+
 def without_direct_relaunch(fn):
     """fn() with the step plan's direct relaunch of the compiled kernel switched off: what the
     shim over Triton's internals saves (torch_frontend/_launch.py)."""
@@ -240,6 +260,12 @@ def main(argv=None):
         entry["packed, check_nonfinite=True"] = torch_step_ms(
             shapes, lambda p: PackedAdamW(p, lr=1e-3, check_nonfinite=True))
         entry["packed, launch per tensor"] = torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3, multi_tensor=False))
+        entry["torch fused AdamW, capturable, CUDA graph"] = captured_step_ms(
+            shapes, lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-3, device="cuda"), fused=True, capturable=True))
+        entry["packed, capturable, CUDA graph"] = captured_step_ms(
+            shapes, lambda p: PackedAdamW(p, lr=torch.tensor(1e-3, device="cuda"), capturable=True))
+        entry["packed, capturable, eager"] = torch_step_ms(
+            shapes, lambda p: PackedAdamW(p, lr=torch.tensor(1e-3, device="cuda"), capturable=True))
         entry["packed, no direct relaunch"] = without_direct_relaunch(
             lambda: torch_step_ms(shapes, lambda p: PackedAdamW(p, lr=1e-3)))
         raw["lists"][name] = entry

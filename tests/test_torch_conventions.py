@@ -61,10 +61,26 @@ def test_adamw_flags_asking_for_nothing_missing_are_accepted(flag, value):
     assert_same_run(params, opt, other, flagged, f"{flag}={value}")
 
 
-@pytest.mark.parametrize("flag", ["foreach", "fused", "capturable", "differentiable"])
+@pytest.mark.parametrize("flag", ["foreach", "fused", "differentiable"])
 def test_adamw_flags_asking_for_something_else_are_refused_naming_the_flag(flag):
     with pytest.raises(ValueError, match=f"{flag}=True is not supported"):
         PackedAdamW(make_params(), **{flag: True})
+
+
+def test_capturable_needs_a_tensor_lr_a_gpu_and_no_host_wait():
+    with pytest.raises(ValueError, match="capturable=True needs the learning rate as a one-element tensor"):
+        PackedAdamW(make_params(), lr=1e-3, capturable=True)
+    with pytest.raises(ValueError, match="check_nonfinite=False"):
+        PackedAdamW(make_params(), lr=torch.tensor(1e-3), capturable=True, check_nonfinite=True)
+    params = make_params()
+    opt = PackedAdamW(params, lr=torch.tensor(1e-3), capturable=True)
+    set_grads(params, 0)
+    with pytest.raises(ValueError, match="capturable=True runs the step on a CUDA device"):
+        opt.step()
+    assert not opt.state  # refused before any state was made
+    opt.param_groups[0]["lr"] = 1e-3  # a float set later, as a float-lr scheduler would
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] is 0.001: capturable=True needs"):
+        opt.step()
 
 
 def test_amsgrad_is_refused_saying_the_word_holds_no_third_moment():
@@ -354,3 +370,47 @@ def test_import_state_refuses_a_bad_count_or_damaged_fp32_moments_before_changin
 def test_a_boolean_bias_is_refused():
     with pytest.raises(TypeError, match="m_bias=True: an exponent bias is an int"):
         PackedAdamW(make_params(), m_bias=True)
+
+
+# ============================================================ torch.compile ====
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("what", ["train_step", "opt.step"])
+def test_torch_compile_of_a_training_step_or_of_opt_step_gives_the_eager_bits(mode, what):
+    """The update runs between compiled graphs (torch.compiler.disable): it must run and give
+    eager's bits for the gradients it is given. (Inductor's forward and backward may round
+    differently from eager's, so the eager optimizer is fed the compiled run's gradients.)"""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    start = [p.detach().clone() for p in model.parameters()]
+    opt = PackedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, mode=mode)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+
+    def train_step():
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        return grads
+
+    if what == "train_step":
+        step = torch.compile(train_step)
+    else:
+        opt_step = torch.compile(opt.step)
+
+        def step():
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            opt_step()
+            return grads
+
+    seen = [step() for _ in range(3)]
+    eager_params = [torch.nn.Parameter(p.clone()) for p in start]
+    eager = PackedAdamW(eager_params, lr=1e-2, weight_decay=0.1, mode=mode)
+    for grads in seen:
+        for p, g in zip(eager_params, grads):
+            p.grad = g.clone()
+        eager.step()
+    assert_same_run(list(model.parameters()), opt, eager_params, eager, f"compiled {what}")

@@ -139,7 +139,7 @@ def cuda_step_(params, grads, states, scalars: np.ndarray, rows: tuple[int, ...]
 
 def launch_step(table: torch.Tensor, params, grads, states, tables: LaunchTables, fmt: StateFormat,
                 count_nonfinite: bool, aligned: bool, relaunch: dict | None = None, counters=None,
-                track_format: bool = False) -> list[int]:
+                track_format: bool = False, scalars: torch.Tensor | None = None) -> list[int]:
     """The CUDA step over a device table laid out as this module's docstring says
     (`aligned`: every address on 16 bytes), the scalar rows assigned by `tables.rows`.
     Tensors of at least `launch.SOLO_ELEMENTS` elements get a launch of their own, which skips
@@ -147,12 +147,15 @@ def launch_step(table: torch.Tensor, params, grads, states, tables: LaunchTables
     (docs/MULTI_TENSOR.md). `counters` as in `cuda_step_`.
 
     `relaunch`: a dict owned by a caller whose tensor count and table shapes stay fixed (a
-    step plan), where `_Relaunch` keeps the compiled multi-tensor kernel between steps."""
+    step plan), where `_Relaunch` keeps the compiled multi-tensor kernel between steps.
+    `scalars`: the scalar rows as a device tensor of their own (derived on the device)
+    instead of the table's tail."""
     from packed_adamw.core.kernel import adamw_multi_tensor_kernel
 
     n, device = len(params), params[0].device
     with on_device(device):
-        scalars = table[3 * n:].view(torch.float32)
+        if scalars is None:
+            scalars = table[3 * n:].view(torch.float32)
         counters = _counters(n, device, count_nonfinite, track_format, counters)
         if tables.block_tensor.numel():  # none when every tensor is empty or solo
             grid = (tables.block_tensor.numel(),)

@@ -49,6 +49,7 @@ class StepPlan:
         self.group_of = tuple(group_of)
         self.device, self.torch_device = device, kernel_params[0].device
         self.state_key = opt.state_format.state_key
+        self.on_device_counts = False
         self.cuda_tables = device >= 0 and opt.multi_tensor
         if self.cuda_tables:
             self.relaunch = {}  # _launch.launch_step keeps the compiled multi-tensor kernel here
@@ -68,7 +69,7 @@ class StepPlan:
             return None
         try:
             stored = [state[self.state_key] for state in self.states]
-            counts = [state["step"] + 1 for state in self.states]
+            counts = None if self.on_device_counts else [state["step"] + 1 for state in self.states]
         except (KeyError, TypeError):
             return None
         if list(map(id, stored)) != self.stored_ids:
@@ -131,3 +132,78 @@ class StepPlan:
         if track_format:
             self.tracked_steps += 1
         return rejected
+
+
+class CapturableStepPlan(StepPlan):
+    """The plan of `PackedAdamW(capturable=True)` on CUDA: the step count of every tensor
+    (`state["step"]`, an int32 tensor) and each group's learning rate (a tensor) stay on the
+    device, and the step scalars are derived there by core's `step_scalars_kernel`, from the
+    same recipe as the host's. A step then makes no host synchronisation and no host-to-device
+    copy of a changing value, so `torch.cuda.graph` can capture it and replays follow the lr
+    tensor. The buffer-address table is uploaded again only when an address changes (as when
+    a captured backward first allocates the gradients), from a pinned buffer kept for good,
+    so a captured copy reads the same addresses at every replay."""
+
+    def __init__(self, opt, params, kernel_params, states, stored, moments, group_of, device, counters=None):
+        super().__init__(opt, params, kernel_params, states, stored, moments, group_of, device, counters)
+        from packed_adamw.core import hyperparams as H
+
+        self.on_device_counts = True
+        n, torch_device = len(params), self.torch_device
+        # One device vector of counts; each state's "step" is a view of its element.
+        self.counts = torch.stack([torch.as_tensor(state["step"], dtype=torch.int32).to(torch_device).reshape(())
+                                   for state in states])
+        for i, state in enumerate(states):
+            state["step"] = self.counts[i]
+        self.step_ids = [id(state["step"]) for state in states]
+        self.tables = _launch.launch_tables(self.numels, tuple(range(n)), torch_device)
+        self.group_index = torch.as_tensor(self.group_of, dtype=torch.int64).to(torch_device)
+        signs = [-1.0 if opt.param_groups[g].get("maximize", False) else 1.0 for g in self.group_of]
+        self.b1_sign = torch.as_tensor(signs, dtype=torch.float32).to(torch_device)
+        self.hparams = torch.zeros((len(opt.param_groups), H.HPARAM_ROW), dtype=torch.float32, device=torch_device)
+        self.constants = None
+        self.uploaded = None  # the addresses the device table holds
+        self.pinned = []  # every host table a captured copy may read again
+        self.table = torch.empty(3 * n, dtype=torch.int64, device=torch_device)
+
+    def step(self, opt, group_rows) -> list[int] | None:
+        found = self._gradients(opt)
+        if found is None or list(map(id, (state["step"] for state in self.states))) != self.step_ids:
+            return None
+        grads, grad_pointers, _ = found
+        fmt, _, _, track_format = self.options
+        from packed_adamw.core import hyperparams as H
+        from packed_adamw.core import launch
+        from packed_adamw.core.kernel import step_scalars_kernel
+
+        constants = tuple(row[1:5] for row in group_rows)  # b1, b2, eps, weight decay: validated floats
+        with _launch.on_device(self.torch_device):
+            if constants != self.constants:  # a change between steps, outside any capture
+                for g, row in enumerate(constants):
+                    self.hparams[g, 1:] = torch.tensor(row, dtype=torch.float32)
+                self.constants = constants
+            # The learning rates, checked on the device: an invalid one refuses its group's step
+            # (a NaN row rejects every element; FORMAT.md), and its tensors' counts stay.
+            lrs = torch.stack([torch.as_tensor(group["lr"], dtype=torch.float32, device=self.torch_device).reshape(())
+                               for group in opt.param_groups])
+            valid = (lrs >= 0) & (lrs <= H.FLOAT32_MAX) & (lrs * self.hparams[:, 4] <= H.FLOAT32_MAX)
+            self.hparams[:, 0] = torch.where(valid, lrs, torch.full_like(lrs, float("nan")))
+            n = len(self.counts)
+            self.counts += valid.index_select(0, self.group_index).to(torch.int32)
+            rows = self.hparams.index_select(0, self.group_index)
+            scalars = torch.empty((n, H.SCALAR_ROW), dtype=torch.float32, device=self.torch_device)
+            step_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
+                rows, self.counts, n, scalars, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
+            scalars[:, H.SCALAR_INDEX["one_minus_b1"]] *= self.b1_sign  # maximize: exact negation
+            addresses = (*self.param_pointers, *grad_pointers, *self.moment_pointers.tolist())
+            if addresses != self.uploaded:
+                host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+                self.pinned.append(host)
+                self.table.copy_(host, non_blocking=True)
+                self.uploaded = addresses
+            aligned = not any(a & 15 for a in addresses)
+            _launch.launch_step(self.table, self.kernel_params, grads, self.moments, self.tables, fmt, False, aligned,
+                                self.relaunch, self.counters, track_format, scalars=scalars)
+        if track_format:
+            self.tracked_steps += 1
+        return [0] * n

@@ -14,7 +14,7 @@ from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, lau
 from packed_adamw.core.portable import PortableState
 
 from . import _dtensor
-from ._plan import StepPlan
+from ._plan import CapturableStepPlan, StepPlan
 from .functional import adamw_step_, new_state
 
 STATE_DICT_KEY = "packed_adamw"  # the format identity travels in the state_dict under this key
@@ -40,9 +40,11 @@ class PackedAdamW(Optimizer):
     the packed formats' exponent biases; the saved state records them. On CUDA,
     `multi_tensor=True` updates all tensors in one kernel launch (same bits as one launch per
     tensor, which `multi_tensor=False` selects). `maximize=True` (per group, as in torch)
-    gives the bits of a step on the negated gradient. `foreach`, `fused`, `capturable` and
-    `differentiable` are accepted as None or False, as configurations pass them; `amsgrad`
-    is refused (the word holds no running maximum).
+    gives the bits of a step on the negated gradient. `foreach`, `fused` and `differentiable`
+    are accepted as None or False, as configurations pass them; `amsgrad` is refused (the
+    word holds no running maximum). `capturable=True` (CUDA, a tensor `lr`) keeps the step
+    counts and the learning rate on the device, so `torch.cuda.graph` can capture a step
+    (README, "Compiling and capturing").
 
     Parameters must be float32, contiguous and on one device; DTensor parameters (FSDP2's
     `fully_shard`) are stepped shard by shard and keep DTensor state (docs/DISTRIBUTED.md).
@@ -79,8 +81,7 @@ class PackedAdamW(Optimizer):
                 "amsgrad=True is not supported: AMSGrad keeps the running maximum of v as a third moment, and "
                 "PackedAdamW's one word per parameter holds only m and sqrt(v); use torch.optim.AdamW(amsgrad=True)"
             )
-        for flag, value in (("foreach", foreach), ("fused", fused), ("capturable", capturable),
-                            ("differentiable", differentiable)):
+        for flag, value in (("foreach", foreach), ("fused", fused), ("differentiable", differentiable)):
             if value not in (None, False):
                 raise ValueError(
                     f"{flag}={value!r} is not supported: PackedAdamW always runs its own fused kernel "
@@ -90,11 +91,24 @@ class PackedAdamW(Optimizer):
         if track_format and self.state_format.mode == "fp32":
             raise ValueError("track_format=True counts where packed or fp16 codes saturate, flush or go subnormal; "
                              "fp32 mode stores float32 moments: use mode='packed' or 'fp16'")
+        if capturable not in (True, False):
+            raise ValueError(f"capturable={capturable!r}: pass True or False")
+        if capturable and (check_nonfinite or not multi_tensor):
+            raise ValueError("capturable=True keeps every step on the GPU: it needs multi_tensor=True and "
+                             "check_nonfinite=False (counting non-finite elements waits for the GPU)")
+        if capturable and not (isinstance(lr, torch.Tensor) and lr.numel() == 1):
+            raise ValueError(
+                "capturable=True needs the learning rate as a one-element tensor on the parameters' device "
+                "(PackedAdamW(..., lr=torch.tensor(1e-3, device='cuda'), capturable=True)): a captured graph "
+                "reads that tensor at every replay, and LR schedulers update it in place; a Python float lr "
+                "would be frozen into the graph"
+            )
         self.multi_tensor = multi_tensor
         self.check_nonfinite = check_nonfinite
         self.track_format = track_format
+        self.capturable = capturable
         _check_maximize(maximize, "maximize")
-        validate_hyperparams(_plain(lr, "lr"), _plain_betas(betas), _plain(eps, "eps"),
+        validate_hyperparams(_plain(lr, "lr") if not capturable else 0.0, _plain_betas(betas), _plain(eps, "eps"),
                              _plain(weight_decay, "weight_decay"))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
@@ -102,7 +116,8 @@ class PackedAdamW(Optimizer):
     def __getstate__(self) -> dict:
         # torch.optim keeps only defaults, state and param_groups; a copy needs the format too.
         state = {**super().__getstate__(), "state_format": self.state_format, "multi_tensor": self.multi_tensor,
-                 "check_nonfinite": self.check_nonfinite, "track_format": self.track_format}
+                 "check_nonfinite": self.check_nonfinite, "track_format": self.track_format,
+                 "capturable": self.capturable}
         # torch cannot unpickle uint32 storages: plain words travel as int32 views of the same bits.
         key = self.state_format.state_key
         if self.state_format.state_dtype == "uint32":
@@ -115,6 +130,7 @@ class PackedAdamW(Optimizer):
     def __setstate__(self, state: dict) -> None:
         as_int32 = state.pop("_words_pickled_as_int32", False)
         state.setdefault("track_format", False)
+        state.setdefault("capturable", False)
         super().__setstate__(state)
         if as_int32:
             key = self.state_format.state_key
@@ -141,6 +157,14 @@ class PackedAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._update()
+        return loss
+
+    # torch.compile runs the update as it is, between compiled graphs: its host-side plan and
+    # raw-address launches (or the numpy step on CPU) are not for dynamo to trace. Its bits are
+    # the eager step's.
+    @torch.compiler.disable
+    def _update(self) -> None:
         rows = [self._checked_row(group, index) for index, group in enumerate(self.param_groups)]
         plan = self.__dict__.get("_plan")
         rejected = plan.step(self, rows) if plan is not None else None
@@ -150,7 +174,6 @@ class PackedAdamW(Optimizer):
         else:
             params = plan.params
         self._raise_if_rejected(params, rejected)
-        return loss
 
     def _full_step(self, group_rows: list) -> tuple["StepPlan | None", list, list[int]]:
         """Every check, then the update, then the new state entries. Returns the plan that
@@ -188,6 +211,9 @@ class PackedAdamW(Optimizer):
         stored = [state[key] if state else _dtensor.wrap_state(p, new_state(pl, fmt), fmt, name)
                   for p, pl, state, name in zip(params, kernel_params, found, names)]
         moments = [_dtensor.kernel_state(s) for s in stored]
+        if self.capturable and params:
+            return self._full_capturable_step(params, kernel_params, found, stored, moments, counts, group_of,
+                                              device, group_rows)
         counters = None
         if self.track_format and params:
             counters = torch.zeros((len(params), launch.COUNTER_ROW), dtype=torch.int64, device=kernel_params[0].device)
@@ -204,6 +230,35 @@ class PackedAdamW(Optimizer):
         plan = None
         if params:
             plan = StepPlan(self, params, kernel_params, states, stored, moments, group_of, device, counters)
+        return plan, params, rejected
+
+    def _full_capturable_step(self, params, kernel_params, found, stored, moments, counts, group_of, device,
+                              group_rows):
+        """The checked full step of `capturable=True`: state entries whose step count is a
+        device tensor, a `CapturableStepPlan`, and that plan's step (on the device)."""
+        if device < 0:
+            raise ValueError("capturable=True runs the step on a CUDA device; these parameters are on the CPU: "
+                             "use capturable=False there")
+        for index, group in enumerate(self.param_groups):
+            if group["lr"].get_device() != device:
+                raise ValueError(f"param_groups[{index}]['lr'] is on {group['lr'].device}, the parameters on cuda:"
+                                 f"{device}: with capturable=True put the lr tensor on the parameters' device")
+        key = self.state_format.state_key
+        states = []
+        for p, state, tensor, count in zip(params, found, stored, counts):
+            if not state:
+                state = self.state[p]
+                state[key] = tensor
+            state["step"] = count - 1  # the plan moves it to the device; its step counts it
+            states.append(state)
+        counters = None
+        if self.track_format:
+            counters = torch.zeros((len(params), launch.COUNTER_ROW), dtype=torch.int64, device=kernel_params[0].device)
+        plan = CapturableStepPlan(self, params, kernel_params, states, stored, moments, group_of, device, counters)
+        plan.tracked_steps = 0
+        rejected = plan.step(self, group_rows)
+        if rejected is None:
+            raise RuntimeError("PackedAdamW: a capturable plan did not hold right after it was made; please report this")
         return plan, params, rejected
 
     # ---- format health ------------------------------------------------------------------
@@ -282,15 +337,21 @@ class PackedAdamW(Optimizer):
         """The group's (lr, b1, b2, eps, weight_decay, maximize) as floats and a bool. Validity
         depends on the values alone, so rows already seen valid are not checked again (a
         scheduler changes lr)."""
+        if self.capturable and not (isinstance(group.get("lr"), torch.Tensor) and group["lr"].numel() == 1):
+            raise ValueError(f"param_groups[{index}]['lr'] is {group.get('lr')!r}: capturable=True needs a one-element "
+                             "tensor lr on the parameters' device; change it in place (lr.fill_(x)), as LR "
+                             "schedulers do")
         try:
             lr, (b1, b2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             maximize = group.get("maximize", False)
-            row = (float(lr), float(b1), float(b2), float(eps), float(weight_decay), maximize)
+            # capturable: the lr stays on the device and is checked there (CapturableStepPlan)
+            row = ("on the device" if self.capturable else float(lr), float(b1), float(b2), float(eps),
+                   float(weight_decay), maximize)
         except (TypeError, ValueError, RuntimeError):
             row = None  # let the validation say what is wrong
         valid = self.__dict__.setdefault("_valid_rows", {})
         if row is None or row not in valid:
-            _validate_hyperparams(group, index)
+            _validate_hyperparams(group, index, check_lr=not self.capturable)
             if len(valid) > 64:
                 valid.clear()
             valid[row] = True
@@ -567,10 +628,10 @@ def _check_maximize(value, where: str) -> None:
         raise TypeError(f"{where}={value!r}: maximize must be True or False")
 
 
-def _validate_hyperparams(group: dict, index: int) -> None:
+def _validate_hyperparams(group: dict, index: int, check_lr: bool = True) -> None:
     try:
-        validate_hyperparams(_plain(group["lr"], "lr"), _plain_betas(group["betas"]), _plain(group["eps"], "eps"),
-                             _plain(group["weight_decay"], "weight_decay"))
+        validate_hyperparams(_plain(group["lr"], "lr") if check_lr else 0.0, _plain_betas(group["betas"]),
+                             _plain(group["eps"], "eps"), _plain(group["weight_decay"], "weight_decay"))
         _check_maximize(group.get("maximize", False), "maximize")
     except (ValueError, TypeError) as e:
         raise type(e)(f"param_groups[{index}]: {e}") from None

@@ -1,0 +1,146 @@
+"""`PackedAdamW(capturable=True)` on CUDA: step counts and the learning rate stay on the
+device, so a training step captured in a CUDA graph replays with the eager step's bits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_helpers as H
+from packed_adamw.torch import PackedAdamW
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+MODES = H.MODES
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 64)).cuda()
+
+
+def groups(m, lr):
+    first, *rest = list(m.parameters())
+    return [{"params": [first], "maximize": True}, {"params": rest}] if isinstance(lr, float) else \
+        [{"params": [first], "maximize": True, "lr": lr}, {"params": rest, "lr": lr}]
+
+
+def assert_same(params_a, opt_a, params_b, opt_b, what):
+    for pa, pb in zip(params_a, params_b):
+        H.assert_same_bits(pa, pb, f"{what}: params")
+        H.assert_same_bits(H.state_tensor(opt_a, pa), H.state_tensor(opt_b, pb), f"{what}: state")
+        assert int(opt_a.state[pa]["step"]) == int(opt_b.state[pb]["step"]), what
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_capturable_steps_equal_the_plain_cuda_steps_as_the_lr_changes(mode):
+    a, b = model(), model()
+    plain = PackedAdamW(groups(a, 1e-2), lr=1e-2, weight_decay=0.1, mode=mode)
+    lr = torch.tensor(1e-2, device="cuda")
+    cap = PackedAdamW(groups(b, lr), lr=lr, weight_decay=0.1, mode=mode, capturable=True)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for step, value in enumerate([1e-2, 1e-2, 3e-3, 7e-4, 2e-2]):
+        for group in plain.param_groups:
+            group["lr"] = value
+        lr.fill_(value)
+        for p, q in zip(a.parameters(), b.parameters()):
+            g = torch.randn(p.shape, device="cuda", generator=gen) * 10.0 ** (step - 3)
+            p.grad, q.grad = g.clone(), g.clone()
+        plain.step()
+        cap.step()
+    assert_same(list(a.parameters()), plain, list(b.parameters()), cap, "capturable vs plain")
+    assert isinstance(cap.state[next(b.parameters())]["step"], torch.Tensor)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_captured_training_step_replays_with_the_bits_of_eager_steps_and_follows_a_scheduler(mode):
+    m = model()
+    lr = torch.tensor(1e-2, device="cuda")
+    opt = PackedAdamW(groups(m, lr), lr=lr, weight_decay=0.1, mode=mode, capturable=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    static_x = torch.randn(32, 64, device="cuda")
+    start = [p.detach().clone() for p in m.parameters()]
+
+    def train_step():
+        loss = m(static_x).pow(2).mean()
+        loss.backward()
+        opt.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    warmup_grads = []
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            train_step()
+            warmup_grads.append([p.grad.clone() for p in m.parameters()])
+    torch.cuda.current_stream().wait_stream(side)
+    opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train_step()
+    replay_grads, lrs = [], []
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for _ in range(6):
+        static_x.copy_(torch.randn(32, 64, device="cuda", generator=gen))
+        graph.replay()
+        replay_grads.append([p.grad.clone() for p in m.parameters()])
+        lrs.append(float(lr))
+        sched.step()
+    assert lrs == pytest.approx([1e-2 * 0.5 ** (i // 2) for i in range(6)], rel=1e-6)  # the scheduler reached the graph
+
+    # The same gradients, and the same lr tensor values, through eager capturable steps.
+    eager_params = [torch.nn.Parameter(p.clone()) for p in start]
+    eager_lr = torch.tensor(1e-2, device="cuda")
+    eager = PackedAdamW([{"params": eager_params[:1], "maximize": True, "lr": eager_lr},
+                         {"params": eager_params[1:], "lr": eager_lr}],
+                        lr=eager_lr, weight_decay=0.1, mode=mode, capturable=True)
+    eager_sched = torch.optim.lr_scheduler.StepLR(eager, step_size=2, gamma=0.5)
+    for grads in warmup_grads:
+        for p, g in zip(eager_params, grads):
+            p.grad = g.clone()
+        eager.step()
+    for grads in replay_grads:
+        for p, g in zip(eager_params, grads):
+            p.grad = g.clone()
+        eager.step()
+        eager_sched.step()
+    torch.cuda.synchronize()
+    assert_same(list(m.parameters()), opt, eager_params, eager, "captured replays vs eager")
+    assert int(opt.state[next(m.parameters())]["step"]) == 9
+
+
+def test_an_invalid_lr_tensor_refuses_the_step_on_the_device_and_counts_nothing():
+    m = model()
+    lr = torch.tensor(1e-2, device="cuda")
+    opt = PackedAdamW(m.parameters(), lr=lr, capturable=True)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = H.snapshot(opt, list(m.parameters()))
+    for bad in (-1e-3, float("nan"), float("inf")):
+        lr.fill_(bad)
+        opt.step()
+        H.assert_same_snapshot(H.snapshot(opt, list(m.parameters())), before, f"after a step with lr={bad}")
+    lr.fill_(1e-3)
+    opt.step()
+    assert int(opt.state[next(m.parameters())]["step"]) == 2
+
+
+def test_capturable_state_dict_round_trips_into_a_plain_optimizer():
+    m, n = model(), model()
+    lr = torch.tensor(1e-2, device="cuda")
+    cap = PackedAdamW(m.parameters(), lr=lr, capturable=True)
+    plain = PackedAdamW(n.parameters(), lr=1e-2)
+    for _ in range(2):
+        for p, q in zip(m.parameters(), n.parameters()):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g, g.clone()
+        cap.step()
+        plain.step()
+    sd = cap.state_dict()
+    fresh = model()
+    fresh.load_state_dict(m.state_dict())
+    loaded = PackedAdamW(fresh.parameters(), lr=1e-2)
+    sd["param_groups"][0]["lr"] = 1e-2
+    loaded.load_state_dict(sd)
+    assert all(type(loaded.state[p]["step"]) is int for p in fresh.parameters())
+    assert_same(list(fresh.parameters()), loaded, list(n.parameters()), plain, "loaded capturable state")
