@@ -1,11 +1,12 @@
 """Format health: where values sit in a 16-bit format's window, and exponent biases chosen
 from observed moments (guide: docs/FORMAT_HEALTH.md; formats: docs/FORMAT.md).
 
-A format at exponent bias B covers a fixed window of magnitudes: subnormals from
-`min_subnormal` up to `min_normal`, normals up to `max_value` (16 binades in all for the
-packed formats). Moving the bias slides the window; it never widens it. This module says how
-a set of values falls against one window (`window_histogram`), and which biases put observed
-first moments and RMS values inside the normal range with room to grow (`suggest_biases`).
+A format at exponent bias B covers a fixed window of magnitudes: normals from `min_normal`
+up to `max_value` (15 binades for the packed formats, exponent fields 1 to 15), and below
+them subnormals down to `min_subnormal`, with fewer significant bits the smaller they are.
+Moving the bias slides the window; it never widens it. This module says how a set of values
+falls against one window (`window_histogram`), and which biases put observed first moments
+and RMS values inside the normal range with room to grow (`suggest_biases`).
 Every threshold comes from `MiniFloat` (core/formats.py); nothing here restates a format fact.
 
 numpy only: no torch, no jax.
@@ -13,7 +14,7 @@ numpy only: no torch, no jax.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +32,7 @@ from .formats import (
 
 # ---- the window classes ------------------------------------------------------------------
 
-# The order is the order of the classes along the magnitude axis, from the top.
+# From the top of the magnitude axis down; NaN last (it has no place on the axis).
 WINDOW_CLASSES = ("saturated", "normal", "subnormal", "flushed", "zero", "nan")
 _SATURATED, _NORMAL, _SUBNORMAL, _FLUSHED, _ZERO, _NAN = range(len(WINDOW_CLASSES))
 
@@ -162,6 +163,7 @@ class BiasChoice:
     bias: int
     feasible: bool  # True when both the low quantile and the headroom constraint hold
     reason: str
+    span: tuple[int, int] | None  # (b_low, b_sat): every bias that meets both constraints, when feasible
     quantiles: MagnitudeQuantiles
     headroom: float  # requested factor between the high quantile and the format's maximum
     max_value: float  # the chosen format's largest value
@@ -170,6 +172,7 @@ class BiasChoice:
     def as_dict(self) -> dict:
         q = self.quantiles
         return {"bias": self.bias, "feasible": self.feasible, "reason": self.reason,
+                "span": list(self.span) if self.span else None,
                 "low_quantile_value": q.low, "high_quantile_value": q.high, "maximum": q.maximum,
                 "headroom": self.headroom, "max_value": self.max_value,
                 "sample": self.sample.as_dict() if self.sample else None}
@@ -202,8 +205,8 @@ def choose_bias(stats, fmt_at: Callable[[int], MiniFloat], *, low: float = DEFAU
 
     if not q.nonzero and q.high == 0:
         fmt = fmt_at(default)
-        return BiasChoice(default, True, "no nonzero values: the default bias", q, headroom, fmt.max_value,
-                          sample_counts(fmt))
+        return BiasChoice(default, True, "no nonzero values: the default bias", None, q, headroom,
+                          fmt.max_value, sample_counts(fmt))
 
     def no_saturation(bias: int) -> bool:
         fmt = fmt_at(bias)
@@ -216,18 +219,19 @@ def choose_bias(stats, fmt_at: Callable[[int], MiniFloat], *, low: float = DEFAU
     b_sat = max(saturation_free) if saturation_free else None
     b_low = next((b for b in biases if low_end_normal(b)), None)
     if b_sat is not None and b_low is not None and b_low <= b_sat:
-        bias, feasible = b_low, True
+        bias, feasible, span = b_low, True, (b_low, b_sat)
         reason = (f"smallest bias keeping the low quantile {q.low:.3g} normal; the high quantile {q.high:.3g} sits "
-                  f"{fmt_at(bias).max_value / q.high:.3g}x below the maximum (>= {headroom:g} required)")
+                  f"{fmt_at(bias).max_value / q.high:.3g}x below the maximum (>= {headroom:g} required); "
+                  f"biases {b_low} to {b_sat} all meet both constraints")
     elif b_sat is not None:
-        bias, feasible = b_sat, False
+        bias, feasible, span = b_sat, False, None
         reason = (f"no bias keeps both {q.low:.3g} normal and {q.high:.3g} {headroom:g}x below the maximum; "
                   "largest bias without saturation (the low end goes subnormal)")
     else:
-        bias, feasible = BIAS_RANGE[0], False
+        bias, feasible, span = BIAS_RANGE[0], False, None
         reason = f"even bias {BIAS_RANGE[0]} saturates these values (high quantile {q.high:.3g}, maximum {q.maximum})"
     fmt = fmt_at(bias)
-    return BiasChoice(bias, feasible, reason, q, headroom, fmt.max_value, sample_counts(fmt))
+    return BiasChoice(bias, feasible, reason, span, q, headroom, fmt.max_value, sample_counts(fmt))
 
 
 @dataclass(frozen=True)
@@ -343,13 +347,14 @@ def state_format_from_identity(identity: str) -> StateFormat:
 def moment_values(moments: np.ndarray, fmt: StateFormat) -> tuple[np.ndarray, np.ndarray]:
     """(first moments, RMS values) as float32 arrays from a stored state: uint32 words
     decoded exactly as the step decodes them (`MiniFloat.decode_table`), or an fp32 state's
-    [2, ...] (m, v) with RMS = sqrt(v) rounded to float32, as the step computes it."""
+    [2, ...] (m, v) with RMS = sqrt(v) rounded to float32, as the step computes it. Both are
+    new arrays, never views of `moments`."""
     moments = np.asarray(moments)
     if fmt.mode == "fp32":
         if moments.dtype != np.float32 or moments.ndim < 1 or moments.shape[0] != 2:
             raise ValueError(f"an fp32 state is float32 [2, ...], got {moments.dtype} {moments.shape}")
         with np.errstate(invalid="ignore"):
-            return moments[0], np.sqrt(moments[1])
+            return moments[0].copy(), np.sqrt(moments[1])  # copies: the state may be stepped in place later
     if moments.dtype == np.int32:  # words saved as int32 views of the same bits
         moments = moments.view(np.uint32)
     if moments.dtype != np.uint32:

@@ -1,0 +1,465 @@
+"""Format health: window classes, bias suggestions, and `python -m packed_adamw.inspect`.
+
+Window classes are checked against a recount by encoding each value (`MiniFloat.encode`)
+and reading the code's fields; the classifier itself uses only the format's thresholds.
+`--explain` is checked bit for bit against `core.numpy_step` (and the scalar authority).
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from packed_adamw.core import authority
+from packed_adamw.core.format_health import (
+    WINDOW_CLASSES,
+    MagnitudeQuantiles,
+    classify,
+    magnitude_quantiles,
+    state_format_from_identity,
+    suggest_biases,
+    window_histogram,
+)
+from packed_adamw.core.formats import FP16, StateFormat, first_moment_format, rms_format, unpack_words
+from packed_adamw.core.hyperparams import Hyperparams
+from packed_adamw.core.numpy_step import adamw_step, apply_step, step_scalar_row
+from packed_adamw.core.portable import PortableState
+from packed_adamw.inspect import load_state_file, walk_step
+from packed_adamw.inspect.__main__ import main as inspect_main
+from packed_adamw.torch import PackedAdamW
+
+F32 = np.float32
+FORMATS = [first_moment_format(15), rms_format(15), first_moment_format(3), rms_format(60), FP16]
+
+
+def bits(x) -> int:
+    return int(np.asarray(x, dtype=F32).view(np.uint32))
+
+
+# ================================================================ window classes ====
+
+def recount(values: np.ndarray, fmt) -> np.ndarray:
+    """Window classes from the encoded code: its magnitude and exponent field."""
+    codes = fmt.encode(np.abs(values)).astype(np.uint32)
+    exponent = codes >> fmt.fraction_bits
+    out = np.where(exponent == 0, WINDOW_CLASSES.index("subnormal"), WINDOW_CLASSES.index("normal"))
+    out = np.where(np.abs(values) >= fmt.max_value, WINDOW_CLASSES.index("saturated"), out)
+    assert (codes[np.abs(values) >= fmt.max_value] == fmt.max_magnitude_code).all()
+    out = np.where(codes == 0, WINDOW_CLASSES.index("flushed"), out)
+    return np.where(values == 0, WINDOW_CLASSES.index("zero"), out)
+
+
+def spanning(fmt, rng, n=40_000) -> np.ndarray:
+    """Signed values log-uniform from below half the smallest subnormal to past the maximum,
+    plus each boundary and its float32 neighbours, zeros and infinities."""
+    lo, hi = math.log2(fmt.min_subnormal) - 3, math.log2(fmt.max_value) + 3
+    x = F32(np.exp2(rng.uniform(lo, hi, n))) * rng.choice(F32([-1, 1]), n)
+    edges = F32([fmt.min_subnormal / 2, fmt.min_subnormal, fmt.min_normal - fmt.min_subnormal / 2, fmt.min_normal,
+                 fmt.max_value, fmt.max_value - fmt.max_value * 2.0 ** -14])
+    around = np.concatenate([edges, np.nextafter(edges, F32(0)), np.nextafter(edges, F32(np.inf))])
+    return np.concatenate([x, around, -around, F32([0.0, -0.0, np.inf, -np.inf])])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.identity)
+def test_window_classes_equal_a_recount_by_encoding(fmt):
+    values = spanning(fmt, np.random.default_rng(fmt.bias))
+    expected = recount(values, fmt)
+    assert np.array_equal(classify(values, fmt), expected)
+    counts = window_histogram(values, fmt)
+    assert counts.total == values.size
+    for index, name in enumerate(WINDOW_CLASSES):
+        assert counts[name] == np.count_nonzero(expected == index), name
+    assert min(counts[name] for name in ("saturated", "normal", "subnormal", "flushed", "zero")) > 0
+
+
+def test_huge_values_saturate_tiny_ones_flush():
+    fmt = rms_format(15)
+    h = window_histogram(F32([1e30, np.inf, fmt.max_value, 3.0]), fmt)
+    assert h["saturated"] == 4 and h.fraction("saturated") == 1.0
+    tiny = F32([fmt.min_subnormal / 2, fmt.min_subnormal * 0.3, 1e-40, 1e-45])
+    assert window_histogram(tiny, fmt)["flushed"] == 4 and (fmt.encode(tiny) == 0).all()
+    just_above = np.nextafter(F32(fmt.min_subnormal / 2), F32(1))
+    assert window_histogram([just_above], fmt)["subnormal"] == 1 and fmt.encode(just_above) == 1
+    h = window_histogram(F32([0.0, -0.0, np.nan]), first_moment_format(15))
+    assert (h["zero"], h["nan"], h["flushed"]) == (2, 1, 0)
+
+
+# ================================================================ suggest_biases ====
+
+def lognormal(rng, log2_median, log2_sigma, n=200_000):
+    return F32(np.exp2(rng.normal(log2_median, log2_sigma, n)))
+
+
+def assert_choice_holds(values, choice, fmt_at, low, high, headroom):
+    """The sample's quantiles are normal (when feasible), nothing saturates, and the choice
+    is the extreme the rule names."""
+    magnitude = np.abs(values.astype(np.float64))
+    q_low, q_high = np.quantile(magnitude[magnitude > 0], [low, high])
+    fmt = fmt_at(choice.bias)
+    assert window_histogram(values, fmt)["saturated"] == 0
+    assert q_high * headroom <= fmt.max_value
+    if choice.feasible:
+        assert window_histogram([q_low, q_high], fmt)["normal"] == 2
+        # the smallest such bias: one less leaves the low quantile subnormal
+        assert choice.bias == 0 or classify([q_low], fmt_at(choice.bias - 1))[0] != WINDOW_CLASSES.index("normal")
+        # the span's top still holds; one more breaks the headroom or saturates
+        top, above = fmt_at(choice.span[1]), fmt_at(choice.span[1] + 1)
+        assert choice.span[0] == choice.bias and q_high * headroom <= top.max_value
+        assert window_histogram(values, top)["saturated"] == 0 and window_histogram([q_low], top)["normal"] == 1
+        assert q_high * headroom > above.max_value or window_histogram(values, above)["saturated"] > 0
+    else:
+        assert classify([q_low], fmt)[0] != WINDOW_CLASSES.index("normal")
+        # the largest bias without saturation: one more breaks the headroom or saturates
+        above = fmt_at(choice.bias + 1)
+        assert q_high * headroom > above.max_value or window_histogram(values, above)["saturated"] > 0
+
+
+@pytest.mark.parametrize("m_log2,rms_log2,sigma", [(-18, -15, 2.0), (-8, -6, 1.5), (4, 5, 1.0), (-30, -27, 4.0)])
+def test_suggested_biases_keep_quantiles_normal_and_nothing_saturated(m_log2, rms_log2, sigma):
+    rng = np.random.default_rng(abs(m_log2))
+    m = lognormal(rng, m_log2, sigma) * rng.choice(F32([-1, 1]), 200_000)
+    rms = lognormal(rng, rms_log2, sigma)
+    low, high, headroom = 0.01, 0.999999, 2.0
+    suggestion = suggest_biases(m, rms, low=low, high=high, headroom=headroom)
+    m_bias, rms_bias = suggestion
+    assert (m_bias, rms_bias) == (suggestion.m.bias, suggestion.rms.bias)
+    assert_choice_holds(m, suggestion.m, first_moment_format, low, high, headroom)
+    assert_choice_holds(rms, suggestion.rms, rms_format, low, high, headroom)
+    assert suggestion.m.sample["saturated"] == suggestion.rms.sample["saturated"] == 0
+
+
+def test_wide_spread_prefers_avoiding_saturation():
+    rng = np.random.default_rng(1)
+    rms = lognormal(rng, -15, 6.0)  # about 36 binades between the quantiles: no window holds them
+    choice = suggest_biases(rms, rms).rms
+    assert not choice.feasible and choice.sample["saturated"] == 0 and choice.sample["flushed"] > 0
+    assert_choice_holds(rms, choice, rms_format, 0.01, 0.999999, 2.0)
+
+
+def test_suggestions_per_group_from_lists_and_from_quantiles():
+    rng = np.random.default_rng(2)
+    weights = [lognormal(rng, -16, 1.0, 1000), lognormal(rng, -17, 1.0, 3000)]
+    biases = [lognormal(rng, -9, 1.0, 500)]
+    per_group = suggest_biases({"weights": (weights, weights), "biases": (biases, biases)})
+    assert per_group.keys() == {"weights", "biases"}
+    assert per_group["weights"].m_bias > per_group["biases"].m_bias  # smaller moments, larger bias
+    together = np.concatenate(weights)
+    assert tuple(per_group["weights"]) == tuple(suggest_biases(together, together))
+    q = magnitude_quantiles(together)
+    only_quantiles = MagnitudeQuantiles(q.low, q.high, q.maximum, q.nonzero)
+    assert tuple(suggest_biases(only_quantiles, only_quantiles)) == tuple(per_group["weights"])
+    assert tuple(suggest_biases(np.zeros(10, F32), np.zeros(10, F32))) == (15, 15)
+
+
+def test_zero_rms_drops_are_counted_from_paired_samples():
+    m = F32([1e-3, 1e-3])
+    rms = F32([1e-2, 1e-12])  # no bias keeps both: 1e-2 stays unsaturated, 1e-12 flushes
+    suggestion = suggest_biases(m, rms, low=0.0, high=1.0)
+    assert any("1 of 2 sampled elements" in note for note in suggestion.notes)
+
+
+@pytest.mark.parametrize("fmt", [StateFormat(), StateFormat("packed", 18, 12), StateFormat("packed", 0, 100),
+                                 StateFormat("fp16"), StateFormat("fp32")], ids=lambda f: f.identity)
+def test_identity_parses_back(fmt):
+    assert state_format_from_identity(fmt.identity) == fmt
+
+
+@pytest.mark.parametrize("bad", ["packed:m=SE4M11b15", "packed:m=SE4M11b15,rms=SE4M12b15", "packed:m=SE5M10b15,"
+                                 "rms=UE4M12b15", "packed:m=SE4M11b101,rms=UE4M12b15", "fp16:m=SE5M10b16ieee,"
+                                 "rms=SE5M10b16ieee", "fp64:m=f64,v=f64", ""])
+def test_identity_parser_refuses_what_the_code_does_not_make(bad):
+    with pytest.raises(ValueError):
+        state_format_from_identity(bad)
+
+
+# ================================================================ --explain against the step ====
+
+HYPERPARAMETERS = [dict(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-2),
+                   dict(lr=0.3, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)]
+
+
+def random_elements(mode: str, rng, n: int):
+    """(p, g, state) arrays: magnitudes over many binades, both signs, special gradients."""
+    p = F32(np.exp2(rng.uniform(-30, 8, n))) * rng.choice(F32([-1, 1]), n)
+    g = F32(np.exp2(rng.uniform(-40, 12, n))) * rng.choice(F32([-1, 1]), n)
+    special = F32([np.nan, np.inf, -np.inf, 1e6, -3e4, 1e20, 0.0, -0.0, 3e38])
+    g[: special.size] = special
+    p[special.size] = -0.0
+    p[special.size + 1] = 3.4e38  # near the float32 maximum
+    if mode == "fp32":
+        m = F32(np.exp2(rng.uniform(-30, 4, n))) * rng.choice(F32([-1, 1]), n)
+        v = F32(np.exp2(rng.uniform(-60, 8, n)))
+        state = np.stack([m, v])
+    else:
+        state = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+        state[:4] = [0, 0x7FFF0000 | 0xFFFF, 0x00010000, 0x80000001]  # zero, maxima, RMS 0 beside m, -0 beside r
+        state[6:8] = [0x00070000, 0x80050001]  # zero gradients: the RMS flushes, the zero-RMS rule drops m
+    return p, g, state
+
+
+@pytest.mark.parametrize("fmt", [StateFormat(), StateFormat("packed", 19, 21), StateFormat("fp16"),
+                                 StateFormat("fp32")], ids=lambda f: f.identity)
+def test_walk_equals_the_numpy_step_bit_for_bit(fmt):
+    rng = np.random.default_rng(5)
+    n = 150
+    for hp_index, hp in enumerate(HYPERPARAMETERS):
+        p, g, state = random_elements(fmt.mode, rng, n)
+        count = [1, 7, 1000][hp_index]
+        p_out, state_out, update = p.copy(), state.copy(), np.empty_like(p)
+        adamw_step(p_out, g, state_out, count=count, hp=Hyperparams(**hp), fmt=fmt)
+        adamw_step(p.copy(), g, state.copy(), count=count, hp=Hyperparams(**hp), fmt=fmt, update_out=update)
+        saturated = rejected = 0
+        for i in range(n):
+            element_state = (float(state[0, i]), float(state[1, i])) if fmt.mode == "fp32" else int(state[i])
+            walk = walk_step(float(p[i]), float(g[i]), element_state, count=count, fmt=fmt, **hp)
+            assert f32_bits_of(walk.p_next) == bits(p_out[i]), (i, walk.as_dict())
+            assert f32_bits_of(walk.update) == bits(update[i]), i
+            if fmt.mode == "fp32":
+                assert tuple(map(f32_bits_of, walk.state_next)) == (bits(state_out[0, i]), bits(state_out[1, i])), i
+            else:
+                assert walk.word_next == int(state_out[i]), i
+                saturated += walk.fields["m_next"].kind == "maximum" or walk.fields["rms_next"].kind == "maximum"
+            rejected += not walk.accepted
+            expected = authority.adamw_element(float(p[i]), float(g[i]), element_state, count=count, mode=fmt.mode,
+                                               m_bias=fmt.m_bias, rms_bias=fmt.rms_bias, **hp)
+            assert (f32_bits_of(walk.p_next), walk.accepted) == (f32_bits_of(expected[0]), expected[3])
+        assert rejected >= 3  # NaN, +Inf, -Inf gradients
+        assert fmt.mode == "fp32" or saturated > 0
+
+
+def test_walk_with_maximize_equals_the_step_on_negated_scalars():
+    fmt, hp = StateFormat(), HYPERPARAMETERS[1]
+    rng = np.random.default_rng(9)
+    p, g, state = random_elements("packed", rng, 60)
+    row = step_scalar_row(3, [hp[k] for k in ("lr", "b1", "b2", "eps", "weight_decay")], maximize=True)
+    p_out, state_out = p.copy(), state.copy()
+    apply_step(p_out, g, state_out, row, fmt=fmt)
+    for i in range(p.size):
+        walk = walk_step(float(p[i]), float(g[i]), int(state[i]), count=3, fmt=fmt, maximize=True, **hp)
+        assert (f32_bits_of(walk.p_next), walk.word_next) == (bits(p_out[i]), int(state_out[i])), i
+
+
+def f32_bits_of(x: float) -> int:
+    return authority.f32_bits(x)
+
+
+# ================================================================ the three file kinds ====
+
+def trained_optimizer(mode="packed", m_bias=18, rms_bias=15, steps=2):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    named = list(model.named_parameters())
+    groups = [{"params": [(n, p) for n, p in named if p.dim() == 2], "weight_decay": 0.1},
+              {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0, "lr": 0.02}]
+    opt = PackedAdamW(groups, lr=0.01, betas=(0.8, 0.99), mode=mode, m_bias=m_bias, rms_bias=rms_bias)
+    for step in range(steps):
+        opt.zero_grad()
+        x = torch.randn(8, 6)
+        (model(x) ** 2).sum().mul(10.0 ** step).backward()
+        opt.step()
+    return model, opt
+
+
+def report_of(path, capsys, *extra) -> dict:
+    assert inspect_main([str(path), "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def expected_counts(opt, fmt: StateFormat, names) -> dict:
+    """Per tensor: window counts of the optimizer's own state, decoded with MiniFloat.decode."""
+    out = {}
+    for group in opt.param_groups:
+        for name, p in zip(group["param_names"], group["params"]):
+            s = opt.state[p][fmt.state_key].reshape(-1)
+            if fmt.mode == "fp32":
+                m, rms = s.reshape(2, -1)[0].numpy(), np.sqrt(s.reshape(2, -1)[1].numpy())
+                m_fmt, r_fmt = first_moment_format(15), rms_format(15)
+            else:
+                m_codes, r_codes = unpack_words(s.view(torch.int32).numpy().view(np.uint32))
+                m_fmt, r_fmt = fmt.formats
+                m, rms = m_fmt.decode(m_codes), r_fmt.decode(r_codes)
+            out[name] = (window_histogram(m, m_fmt).counts, window_histogram(rms, r_fmt).counts)
+    assert sorted(out) == sorted(names)
+    return out
+
+
+def check_report(report, opt, fmt, step=2, groups=True):
+    names = [t["name"] for t in report["tensors"]]
+    assert report["identity"] == fmt.identity
+    assert all(t["step"] == step for t in report["tensors"])
+    for name, (m_counts, rms_counts) in expected_counts(opt, fmt, names).items():
+        tensor = next(t for t in report["tensors"] if t["name"] == name)
+        assert tensor["m"]["counts"] == m_counts and tensor["rms"]["counts"] == rms_counts, name
+    assert report["total"]["elements"] == sum(p.numel() for g in opt.param_groups for p in g["params"])
+    expected = {"all", "param group 0", "param group 1"} if groups else {"all"}
+    assert expected == {k for k, v in report["suggestion"].items() if isinstance(v, dict)}
+
+
+@pytest.mark.parametrize("int32_words", [False, True], ids=["uint32", "int32-view"])
+def test_inspect_reads_a_torch_state_file(tmp_path, capsys, int32_words):
+    _, opt = trained_optimizer()
+    sd = opt.state_dict()
+    if int32_words:
+        for entry in sd["state"].values():
+            entry["words"] = entry["words"].view(torch.int32)
+    torch.save(sd, tmp_path / "opt.pt")
+    report = report_of(tmp_path / "opt.pt", capsys, "--plot", str(tmp_path / "h.png"))
+    assert report["kind"] == "torch state_dict" and report["stored"]
+    assert [t["name"] for t in report["tensors"]] == ["0.weight", "1.weight", "0.bias", "1.bias"]
+    check_report(report, opt, opt.state_format)
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["tensors"][0]["m"]["counts"]["saturated"] > 0  # the 10x gradients of step 2 at m_bias 18
+
+
+def test_inspect_reads_a_portable_state_without_torch(tmp_path):
+    _, opt = trained_optimizer(mode="fp16")
+    opt.export_state().save(tmp_path / "state.safetensors")
+    code = textwrap.dedent(f"""
+        import sys, runpy
+        for name in ("torch", "jax", "matplotlib", "triton"):
+            sys.modules[name] = None
+        sys.argv = ["inspect", {str(tmp_path / "state.safetensors")!r}, "--json"]
+        runpy.run_module("packed_adamw.inspect", run_name="__main__")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["kind"] == "portable state" and report["identity"] == StateFormat("fp16").identity
+    assert [t["name"] for t in report["tensors"]] == ["moments.0", "moments.1", "moments.2", "moments.3"]
+    # PortableState lists tensors in param_groups order: group 0's weights, then group 1's biases
+    renamed = {"moments.0": "0.weight", "moments.1": "1.weight", "moments.2": "0.bias", "moments.3": "1.bias"}
+    for t in report["tensors"]:
+        t["name"] = renamed[t["name"]]
+    check_report(report, opt, opt.state_format, groups=False)
+
+
+def write_trainer_checkpoint(path, model, opt):
+    from packed_adamw.torch.gpt.checkpoint import save_training_state
+
+    class Tape:
+        def state_dict(self):
+            return {"cursor": 0}
+
+    save_training_state(path, model=model, optimizer=opt, tape=Tape(), config={"mode": opt.state_format.mode},
+                        trainer={"step": 2})
+
+
+def test_inspect_reads_a_trainer_checkpoint(tmp_path, capsys):
+    model, opt = trained_optimizer(mode="fp32")
+    write_trainer_checkpoint(tmp_path / "checkpoint.safetensors", model, opt)
+    report = report_of(tmp_path, capsys)  # the run directory is accepted too
+    assert report["kind"] == "trainer checkpoint" and report["trainer_step"] == 2 and not report["stored"]
+    assert report["windows"]["m"]["format"] == "SE4M11b15"
+    check_report(report, opt, opt.state_format)
+    suggestion = report["suggestion"]["all"]
+    assert suggestion["m"]["sample"]["counts"]["saturated"] == suggestion["rms"]["sample"]["counts"]["saturated"] == 0
+    text_rc = inspect_main([str(tmp_path / "checkpoint.safetensors"), "--tensor", "1.bias"])
+    text = capsys.readouterr().out
+    assert text_rc == 0 and "1.bias  (3,)" in text and "0.weight" not in text and "suggested biases" in text
+
+
+# ================================================================ --explain on files ====
+
+def numpy_step_of(opt, name, flat, grad, param, fmt, **hp_override):
+    """The numpy step of one element, with the optimizer's state and its group's hyperparameters."""
+    for group in opt.param_groups:
+        for n, p in zip(group["param_names"], group["params"]):
+            if n != name:
+                continue
+            entry = opt.state[p]
+            raw = entry[fmt.state_key]
+            state = raw.reshape(2, -1)[:, flat:flat + 1].numpy().copy() if fmt.mode == "fp32" else \
+                raw.reshape(-1).view(torch.int32).numpy().view(np.uint32)[flat:flat + 1].copy()
+            hp = dict(lr=group["lr"], b1=group["betas"][0], b2=group["betas"][1], eps=group["eps"],
+                      weight_decay=group["weight_decay"])
+            hp.update(hp_override)
+            p_arr = F32([param])
+            adamw_step(p_arr, F32([grad]), state, count=entry["step"] + 1, hp=Hyperparams(**hp), fmt=fmt)
+            return p_arr[0], state
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("mode", ["packed", "fp16", "fp32"])
+def test_explain_on_a_torch_state_file_equals_the_numpy_step(tmp_path, capsys, mode):
+    _, opt = trained_optimizer(mode=mode)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    fmt = opt.state_format
+    for element, flat, grad, param in (("0.weight[2,3]", 2 * 6 + 3, 0.037, -0.25), ("1.bias[1]", 1, float("nan"), 0.5),
+                                       ("#2[-1]", 4, 3e5, 1.0), ("1.weight[7]", 7, -float("inf"), 2.0)):
+        walk = report_of(tmp_path / "opt.pt", capsys, "--explain", element, f"--grad={grad!r}", f"--param={param!r}")
+        name = walk["tensor"]
+        assert walk["flat_index"] == flat
+        p_next, state = numpy_step_of(opt, name, flat, grad, param, fmt)
+        assert walk["p_next_bits"] == f"0x{bits(p_next):08X}", element
+        if mode == "fp32":
+            assert (walk["m_next_stored_bits"], walk["v_next_stored_bits"]) == (
+                f"0x{bits(state[0, 0]):08X}", f"0x{bits(state[1, 0]):08X}")
+        else:
+            assert walk["word_next"] == f"0x{int(state[0]):08X}", element
+        assert walk["accepted"] == math.isfinite(grad)
+        assert walk["sources"]["lr"] == f"param group {0 if 'weight' in name else 1}"
+
+
+def test_explain_reads_the_parameter_from_a_trainer_checkpoint(tmp_path, capsys):
+    model, opt = trained_optimizer(mode="packed", m_bias=15, rms_bias=15)
+    write_trainer_checkpoint(tmp_path / "checkpoint.safetensors", model, opt)
+    path = tmp_path / "checkpoint.safetensors"
+    walk = report_of(path, capsys, "--explain", "1.weight[2,4]", "--grad", "40.0", "--lr", "0.5")
+    assert walk["sources"]["p"] == "the checkpoint's model weights" and walk["sources"]["lr"] == "--lr"
+    param = float(dict(model.named_parameters())["1.weight"].detach().reshape(-1)[14])
+    p_next, state = numpy_step_of(opt, "1.weight", 14, 40.0, param, opt.state_format, lr=0.5)
+    assert walk["p_next_bits"] == f"0x{bits(p_next):08X}" and walk["word_next"] == f"0x{int(state[0]):08X}"
+    assert walk["fields"]["m_next"]["kind"] == "maximum"  # (1 - 0.8) * 40 = 8 > 2: the first moment saturates
+    assert inspect_main([str(path), "--explain", "1.weight[2,4]", "--grad", "40"]) == 0
+    text = capsys.readouterr().out
+    assert "m'" in text and "zero-RMS rule" in text and "saturated" in text
+
+
+def test_explain_refuses_what_it_cannot_answer(tmp_path, capsys):
+    _, opt = trained_optimizer()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    for argv, message in ((["--explain", "0.weight[1]"], "--grad"), (["--explain", "0.weight[1]", "--grad", "1"], "--param"),
+                          (["--explain", "0.weight[99]", "--grad", "1", "--param", "0"], "outside"),
+                          (["--explain", "nope[0]", "--grad", "1", "--param", "0"], "no tensor 'nope'")):
+        assert inspect_main([str(tmp_path / "opt.pt"), *argv]) == 2
+        assert message in capsys.readouterr().err
+    (tmp_path / "foreign.bin").write_bytes(b"not a state")
+    assert inspect_main([str(tmp_path / "foreign.bin")]) == 2
+    assert "neither safetensors nor a torch file" in capsys.readouterr().err
+
+
+def test_load_state_file_names_and_steps(tmp_path):
+    _, opt = trained_optimizer(steps=3)
+    opt.export_state().save(tmp_path / "s.safetensors")
+    state_file = load_state_file(tmp_path / "s.safetensors")
+    assert [t.step for t in state_file.tensors] == [3, 3, 3, 3]
+    assert state_file.find("#1").key == "moments.1" and state_file.find("moments.2").shape == (5,)
+    assert state_file.state_format == opt.state_format
+    assert PortableState.load(tmp_path / "s.safetensors").format == state_file.identity
+
+
+def test_inspect_reads_a_torch_adamw_state_as_float32_moments(tmp_path, capsys):
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.01)
+    for _ in range(2):
+        opt.zero_grad()
+        (layer(torch.randn(5, 4)) ** 2).sum().backward()
+        opt.step()
+    torch.save(opt.state_dict(), tmp_path / "adamw.pt")
+    report = report_of(tmp_path / "adamw.pt", capsys, "--m-bias", "12", "--rms-bias", "13")
+    assert report["identity"] == "torch.optim.AdamW" and not report["stored"]
+    assert [t["step"] for t in report["tensors"]] == [2, 2]
+    for t, p in zip(report["tensors"], layer.parameters()):
+        state = opt.state[p]
+        m, rms = state["exp_avg"].numpy(), np.sqrt(state["exp_avg_sq"].numpy())
+        assert t["m"]["counts"] == window_histogram(m, first_moment_format(12)).counts
+        assert t["rms"]["counts"] == window_histogram(rms, rms_format(13)).counts
+    assert inspect_main([str(tmp_path / "adamw.pt"), "--explain", "#0[0]", "--grad", "1", "--param", "0"]) == 2
+    assert "torch.optim.AdamW" in capsys.readouterr().err

@@ -1,0 +1,13 @@
+"""packed_adamw.inspect: look inside saved optimizer states (docs/FORMAT_HEALTH.md).
+
+    python -m packed_adamw.inspect PATH [--plot out.png] [--json]
+    python -m packed_adamw.inspect PATH --explain 'NAME[INDEX]' --grad G [--param P] [--lr ...]
+
+PATH is a trainer checkpoint, a torch optimizer state file or a PortableState file. Reading
+a PortableState needs only numpy and safetensors; the other two need torch, the plot
+matplotlib.
+"""
+from .explain import Walk, walk_step
+from .files import InspectError, StateFile, TensorState, load_state_file
+
+__all__ = ["InspectError", "StateFile", "TensorState", "Walk", "load_state_file", "walk_step"]
