@@ -19,7 +19,7 @@ from .formats import (
 from .hyperparams import Hyperparams, validate_hyperparams
 from .numpy_step import adamw_step, step_scalars
 
-__version__ = "1.0.0"
+__version__ = "1.1.0"
 
 __all__ = [
     "DEFAULT_M_BIAS", "DEFAULT_RMS_BIAS", "E4M11", "E4M12", "FP16", "MODES", "MiniFloat",

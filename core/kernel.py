@@ -101,7 +101,37 @@ def _magnitude(code, SIGNED: tl.constexpr):
 @triton.jit
 def _count(pointer, hit):
     n = tl.sum(hit.to(tl.int64), axis=0)
-    tl.atomic_add(pointer, n, mask=n > 0)
+    tl.atomic_add(pointer, n, mask=n > 0, sem="relaxed")  # a count: no ordering needed
+
+
+@triton.jit
+def _add_field(pointer, packed, k: tl.constexpr, FIELD: tl.constexpr):
+    n = (packed >> (k * FIELD)) & ((1 << FIELD) - 1)
+    tl.atomic_add(pointer, n, mask=n > 0, sem="relaxed")
+
+
+@triton.jit
+def _count_six(slot, c0, c1, c2, c3, c4, c5, BLOCK: tl.constexpr):
+    """Adds the block's six format counts to their slots. A compiled block (at most 1023
+    elements) packs the six hits of an element into one int64, 10 bits a count, so the block
+    needs one reduction instead of six; the interpreter's large blocks count one by one."""
+    if BLOCK < 1024:
+        packed = (c0.to(tl.int64) | (c1.to(tl.int64) << 10) | (c2.to(tl.int64) << 20) | (c3.to(tl.int64) << 30)
+                  | (c4.to(tl.int64) << 40) | (c5.to(tl.int64) << 50))
+        total = tl.sum(packed, axis=0)
+        _add_field(slot, total, 0, 10)
+        _add_field(slot + FORMAT_SLOTS, total, 1, 10)
+        _add_field(slot + 2 * FORMAT_SLOTS, total, 2, 10)
+        _add_field(slot + 3 * FORMAT_SLOTS, total, 3, 10)
+        _add_field(slot + 4 * FORMAT_SLOTS, total, 4, 10)
+        _add_field(slot + 5 * FORMAT_SLOTS, total, 5, 10)
+    else:
+        _count(slot, c0)
+        _count(slot + FORMAT_SLOTS, c1)
+        _count(slot + 2 * FORMAT_SLOTS, c2)
+        _count(slot + 3 * FORMAT_SLOTS, c3)
+        _count(slot + 4 * FORMAT_SLOTS, c4)
+        _count(slot + 5 * FORMAT_SLOTS, c5)
 
 
 @triton.jit
@@ -217,12 +247,10 @@ def _adamw_block(
                 counted = accepted
             m_mag, rms_mag = _magnitude(m_code, M_SIGNED), _magnitude(rms_code, R_SIGNED)
             slot = counters_ptr + 1 + tl.program_id(0) % FORMAT_SLOTS
-            _count(slot, counted & (m_raw > M_MAX))
-            _count(slot + FORMAT_SLOTS, counted & (rms_raw > R_MAX))
-            _count(slot + 2 * FORMAT_SLOTS, counted & (m_next != 0.0) & (m_mag == 0))
-            _count(slot + 3 * FORMAT_SLOTS, counted & (rms_next != 0.0) & (rms_mag == 0))
-            _count(slot + 4 * FORMAT_SLOTS, counted & (m_mag != 0) & ((m_mag >> M_FRAC) == 0))
-            _count(slot + 5 * FORMAT_SLOTS, counted & (rms_mag != 0) & ((rms_mag >> R_FRAC) == 0))
+            _count_six(slot, counted & (m_raw > M_MAX), counted & (rms_raw > R_MAX),
+                       counted & (m_next != 0.0) & (m_mag == 0), counted & (rms_next != 0.0) & (rms_mag == 0),
+                       counted & (m_mag != 0) & ((m_mag >> M_FRAC) == 0),
+                       counted & (rms_mag != 0) & ((rms_mag >> R_FRAC) == 0), offsets.shape[0])
     if COUNT_NONFINITE:
         if MASKED:
             accepted = accepted | ~in_bounds

@@ -175,6 +175,22 @@ def fsdp_resume(out: Path, source_world: str) -> None:
         assert "SE4M11b15" in str(e) and "SE4M11b18" in str(e), str(e)
     else:
         raise AssertionError("a checkpoint of another format identity was loaded")
+    # A gradient laid out unlike its parameter is refused, on a planned step too.
+    from torch.distributed.tensor import Partial, Replicate, distribute_tensor
+
+    mesh = model[2].weight.device_mesh
+    weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3, device=DEVICE), mesh, [Replicate()]))
+    replicated = PackedAdamW([weight], lr=LR)
+    weight.grad = distribute_tensor(torch.ones(4, 3, device=DEVICE), mesh, [Replicate()])
+    replicated.step()
+    weight.grad = DTensor.from_local(torch.ones(4, 3, device=DEVICE), mesh, [Partial()], run_check=False)
+    try:
+        replicated.step()
+    except ValueError as e:
+        assert "redistribute the gradient" in str(e), str(e)
+    else:
+        raise AssertionError("a Partial gradient of a Replicate parameter was stepped")
+    assert replicated.state[weight]["step"] == 1
     # A sharded state loaded into a plain model's optimizer (and the reverse) is refused.
     sharded = PackedAdamW(model.parameters(), lr=LR, weight_decay=WD)
     train(model, sharded, range(1))

@@ -120,14 +120,31 @@ def test_format_stats_are_the_numpy_counts_of_every_step_since_the_last_read(mod
     assert all(v == 0 for entry in opt.format_stats().values() for v in entry.values())  # reset on read
 
 
-def test_counts_survive_a_rebuilt_plan():
+def test_counts_survive_a_rebuilt_plan_and_a_loaded_state_starts_them_afresh():
     params, opt, _ = _trained(steps=2)
-    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(5))], "param_names": ["d"]})  # a new plan
-    for p in opt.param_groups[0]["params"]:
+    before_rebuild = opt.format_stats()
+    _, opt2, _ = _trained(steps=2)  # the same two steps, then a rebuild and a third step
+    extra = torch.nn.Parameter(torch.ones(5))
+    opt2.add_param_group({"params": [extra], "param_names": ["d"]})  # the next step makes a new plan
+    gen = torch.Generator().manual_seed(77)
+    grads = [torch.randn(p.shape, generator=gen) for p in opt2.param_groups[0]["params"]]
+    twin_params, twin, _ = _trained(steps=2)  # a twin that takes the third step without a rebuild
+    for p, q, g in zip(opt2.param_groups[0]["params"], twin_params, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    extra.grad = torch.ones(5)
+    opt2.step()
+    twin.step()
+    rebuilt, straight = opt2.format_stats(), twin.format_stats()
+    for name in "abc":
+        assert rebuilt[name] == straight[name], name  # counts from before the rebuild were kept
+        assert rebuilt[name]["elements"] == 3 * before_rebuild[name]["elements"] // 2
+    assert rebuilt["d"]["elements"] == 5
+    # Loading a state starts a new record: the counts of the steps before it are dropped.
+    for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
-    stats = opt.format_stats()
-    assert stats["a"]["elements"] == 3 * 300  # two steps before the rebuild, one after
+    opt.load_state_dict(opt.state_dict())
+    assert opt.format_stats() == {}
 
 
 def test_saturation_warns_once_per_parameter_naming_the_bias_to_move():

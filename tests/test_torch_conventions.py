@@ -414,3 +414,15 @@ def test_torch_compile_of_a_training_step_or_of_opt_step_gives_the_eager_bits(mo
             p.grad = g.clone()
         eager.step()
     assert_same_run(list(model.parameters()), opt, eager_params, eager, f"compiled {what}")
+
+
+def test_load_state_dict_keeps_the_optimizer_s_own_options():
+    """torch's load_state_dict goes through __setstate__ with only state and param groups."""
+    params = make_params()
+    opt = PackedAdamW(params, lr=torch.tensor(1e-3), capturable=True)
+    tracked = PackedAdamW(make_params(), track_format=True, check_nonfinite=True, multi_tensor=False)
+    sd = trained()[1].state_dict()
+    sd["param_groups"][0]["lr"] = torch.tensor(1e-3)
+    opt.load_state_dict(sd)
+    tracked.load_state_dict(trained()[1].state_dict())
+    assert opt.capturable and tracked.track_format and tracked.check_nonfinite and not tracked.multi_tensor

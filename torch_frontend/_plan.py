@@ -38,6 +38,9 @@ class StepPlan:
         self.params_without_grad = [p for p in everything if id(p) not in with_grad]
         self.params, self.kernel_params, self.states, self.moments = params, kernel_params, states, moments
         self.sharded = [_dtensor.is_dtensor(p) for p in params]
+        # A sharded gradient must stay laid out like its parameter (the full step checks it).
+        self.layouts = [(p.device_mesh, tuple(p.placements)) if sharded else None
+                        for p, sharded in zip(params, self.sharded)]
         self.any_sharded = any(self.sharded)
         self.stored_ids = list(map(id, stored))
         self.shapes = [p.shape for p in kernel_params]
@@ -79,7 +82,7 @@ class StepPlan:
             for i, (p, shape, address) in enumerate(zip(self.params, self.shapes, self.param_pointers)):
                 g = p.grad
                 if self.any_sharded and self.sharded[i]:
-                    if not _dtensor.is_dtensor(g):
+                    if not _dtensor.is_dtensor(g) or (g.device_mesh, tuple(g.placements)) != self.layouts[i]:
                         return None
                     g, p = g.to_local(), p.to_local()
                 if (g is None or g.dtype is not FLOAT32 or not g.is_contiguous() or g.shape != shape
@@ -140,9 +143,10 @@ class CapturableStepPlan(StepPlan):
     device, and the step scalars are derived there by core's `step_scalars_kernel`, from the
     same recipe as the host's. A step then makes no host synchronisation and no host-to-device
     copy of a changing value, so `torch.cuda.graph` can capture it and replays follow the lr
-    tensor. The buffer-address table is uploaded again only when an address changes (as when
-    a captured backward first allocates the gradients), from a pinned buffer kept for good,
-    so a captured copy reads the same addresses at every replay."""
+    tensor. The eager table of buffer addresses is uploaded again only when an address
+    changes. A step being captured gets a device table of its own, filled from a pinned host
+    buffer kept for good, so replays read the captured addresses whatever later eager steps
+    upload."""
 
     def __init__(self, opt, params, kernel_params, states, stored, moments, group_of, device, counters=None):
         super().__init__(opt, params, kernel_params, states, stored, moments, group_of, device, counters)
@@ -158,13 +162,15 @@ class CapturableStepPlan(StepPlan):
         self.step_ids = [id(state["step"]) for state in states]
         self.tables = _launch.launch_tables(self.numels, tuple(range(n)), torch_device)
         self.group_index = torch.as_tensor(self.group_of, dtype=torch.int64).to(torch_device)
-        signs = [-1.0 if opt.param_groups[g].get("maximize", False) else 1.0 for g in self.group_of]
-        self.b1_sign = torch.as_tensor(signs, dtype=torch.float32).to(torch_device)
+        self.b1_sign = torch.ones(n, dtype=torch.float32, device=torch_device)
         self.hparams = torch.zeros((len(opt.param_groups), H.HPARAM_ROW), dtype=torch.float32, device=torch_device)
         self.constants = None
-        self.uploaded = None  # the addresses the device table holds
-        self.pinned = []  # every host table a captured copy may read again
+        self.uploaded = None  # the addresses the eager device table holds
         self.table = torch.empty(3 * n, dtype=torch.int64, device=torch_device)
+        # Host tables for captures, pinned now: pinning memory while a stream captures fails on
+        # some torch builds. Each capture takes one for good (its graph's copy reads it again).
+        self.spare_pinned = [torch.empty(3 * n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.captured = []  # (pinned host table, device table) of every capture
 
     def step(self, opt, group_rows) -> list[int] | None:
         found = self._gradients(opt)
@@ -176,12 +182,23 @@ class CapturableStepPlan(StepPlan):
         from packed_adamw.core import launch
         from packed_adamw.core.kernel import step_scalars_kernel
 
-        constants = tuple(row[1:5] for row in group_rows)  # b1, b2, eps, weight decay: validated floats
+        # b1, b2, eps, weight decay (validated floats) and maximize: constants of a capture
+        constants = tuple(row[1:6] for row in group_rows)
+        capturing = torch.cuda.is_current_stream_capturing()
         with _launch.on_device(self.torch_device):
-            if constants != self.constants:  # a change between steps, outside any capture
+            if constants != self.constants:
+                if capturing:
+                    raise RuntimeError("PackedAdamW(capturable=True): betas, eps, weight_decay or maximize changed "
+                                       "since the last eager step; take one eager step before capturing")
                 for g, row in enumerate(constants):
-                    self.hparams[g, 1:] = torch.tensor(row, dtype=torch.float32)
+                    self.hparams[g, 1:] = torch.tensor(row[:4], dtype=torch.float32)
+                signs = [-1.0 if constants[g][4] else 1.0 for g in self.group_of]
+                self.b1_sign.copy_(torch.tensor(signs, dtype=torch.float32))
                 self.constants = constants
+            if capturing and any(isinstance(group["lr"], torch.Tensor) and group["lr"].device != self.torch_device
+                                 for group in opt.param_groups):
+                raise RuntimeError("PackedAdamW(capturable=True): an lr tensor is not on the parameters' device; a "
+                                   "captured step reads it there at every replay: move it there before capturing")
             # The learning rates, checked on the device: an invalid one refuses its group's step
             # (a NaN row rejects every element; FORMAT.md), and its tensors' counts stay.
             lrs = torch.stack([torch.as_tensor(group["lr"], dtype=torch.float32, device=self.torch_device).reshape(())
@@ -196,13 +213,20 @@ class CapturableStepPlan(StepPlan):
                 rows, self.counts, n, scalars, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
             scalars[:, H.SCALAR_INDEX["one_minus_b1"]] *= self.b1_sign  # maximize: exact negation
             addresses = (*self.param_pointers, *grad_pointers, *self.moment_pointers.tolist())
-            if addresses != self.uploaded:
-                host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
-                self.pinned.append(host)
-                self.table.copy_(host, non_blocking=True)
-                self.uploaded = addresses
+            if capturing:
+                host = (self.spare_pinned.pop() if self.spare_pinned
+                        else torch.empty(len(addresses), dtype=torch.int64, pin_memory=True))
+                host.copy_(torch.tensor(addresses, dtype=torch.int64))
+                table = torch.empty_like(self.table)
+                table.copy_(host, non_blocking=True)
+                self.captured.append((host, table))
+            else:
+                if addresses != self.uploaded:  # a plain copy: the host buffer is free when it returns
+                    self.table.copy_(torch.tensor(addresses, dtype=torch.int64))
+                    self.uploaded = addresses
+                table = self.table
             aligned = not any(a & 15 for a in addresses)
-            _launch.launch_step(self.table, self.kernel_params, grads, self.moments, self.tables, fmt, False, aligned,
+            _launch.launch_step(table, self.kernel_params, grads, self.moments, self.tables, fmt, False, aligned,
                                 self.relaunch, self.counters, track_format, scalars=scalars)
         if track_format:
             self.tracked_steps += 1

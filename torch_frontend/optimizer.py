@@ -93,9 +93,10 @@ class PackedAdamW(Optimizer):
                              "fp32 mode stores float32 moments: use mode='packed' or 'fp16'")
         if capturable not in (True, False):
             raise ValueError(f"capturable={capturable!r}: pass True or False")
-        if capturable and (check_nonfinite or not multi_tensor):
-            raise ValueError("capturable=True keeps every step on the GPU: it needs multi_tensor=True and "
-                             "check_nonfinite=False (counting non-finite elements waits for the GPU)")
+        if capturable and (check_nonfinite or not multi_tensor or track_format):
+            raise ValueError("capturable=True keeps every step on the GPU: it needs multi_tensor=True, "
+                             "check_nonfinite=False (counting non-finite elements waits for the GPU) and "
+                             "track_format=False (a captured step's replays are not counted on the host)")
         if capturable and not (isinstance(lr, torch.Tensor) and lr.numel() == 1):
             raise ValueError(
                 "capturable=True needs the learning rate as a one-element tensor on the parameters' device "
@@ -129,8 +130,10 @@ class PackedAdamW(Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         as_int32 = state.pop("_words_pickled_as_int32", False)
-        state.setdefault("track_format", False)
-        state.setdefault("capturable", False)
+        # torch's load_state_dict calls this with only "state" and "param_groups": keep the
+        # options already set; an older pickle without them gets the defaults.
+        for option, default in (("track_format", False), ("capturable", False)):
+            state.setdefault(option, self.__dict__.get(option, default))
         super().__setstate__(state)
         if as_int32:
             key = self.state_format.state_key
@@ -212,6 +215,11 @@ class PackedAdamW(Optimizer):
                   for p, pl, state, name in zip(params, kernel_params, found, names)]
         moments = [_dtensor.kernel_state(s) for s in stored]
         if self.capturable and params:
+            if device >= 0 and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "PackedAdamW(capturable=True): this step must check and (re)build its plan, which cannot happen "
+                    "while a CUDA graph captures: take a few eager steps first (torch.cuda.graph's warm-up on a side "
+                    "stream), and capture again after changing parameters, gradients' presence or the state")
             return self._full_capturable_step(params, kernel_params, found, stored, moments, counts, group_of,
                                               device, group_rows)
         counters = None
@@ -239,35 +247,54 @@ class PackedAdamW(Optimizer):
         if device < 0:
             raise ValueError("capturable=True runs the step on a CUDA device; these parameters are on the CPU: "
                              "use capturable=False there")
-        for index, group in enumerate(self.param_groups):
-            if group["lr"].get_device() != device:
-                raise ValueError(f"param_groups[{index}]['lr'] is on {group['lr'].device}, the parameters on cuda:"
-                                 f"{device}: with capturable=True put the lr tensor on the parameters' device")
         key = self.state_format.state_key
-        states = []
-        for p, state, tensor, count in zip(params, found, stored, counts):
-            if not state:
-                state = self.state[p]
-                state[key] = tensor
-            state["step"] = count - 1  # the plan moves it to the device; its step counts it
-            states.append(state)
-        counters = None
-        if self.track_format:
-            counters = torch.zeros((len(params), launch.COUNTER_ROW), dtype=torch.int64, device=kernel_params[0].device)
-        plan = CapturableStepPlan(self, params, kernel_params, states, stored, moments, group_of, device, counters)
-        plan.tracked_steps = 0
-        rejected = plan.step(self, group_rows)
-        if rejected is None:
-            raise RuntimeError("PackedAdamW: a capturable plan did not hold right after it was made; please report this")
+        states, inserted, old_steps = [], [], []
+        try:
+            for p, state, tensor, count in zip(params, found, stored, counts):
+                if not state:
+                    state = self.state[p]
+                    state[key] = tensor
+                    inserted.append(p)
+                old_steps.append(state.get("step"))
+                state["step"] = count - 1  # the plan moves it to the device; its step counts it
+                states.append(state)
+            plan = CapturableStepPlan(self, params, kernel_params, states, stored, moments, group_of, device)
+            rejected = plan.step(self, group_rows)
+            if rejected is None:
+                raise RuntimeError("PackedAdamW: a capturable plan did not hold right after it was made; please "
+                                   "report this")
+        except BaseException:  # a failed step changes nothing
+            for state, step in zip(states, old_steps):
+                state["step"] = step
+            for p in inserted:
+                self.state.pop(p, None)
+            raise
         return plan, params, rejected
 
     # ---- format health ------------------------------------------------------------------
-    def _drop_plan(self) -> None:
-        """Forget the step plan, keeping the format counts its steps made."""
+    def _drop_plan(self, keep_counts: bool = True) -> None:
+        """Forget the step plan; its format counts go to the per-parameter totals (or, when a
+        loaded state starts a new record, away with every total)."""
         plan = self.__dict__.get("_plan")
-        if plan is not None and plan.counters is not None:
-            self.__dict__.setdefault("_retired_counts", []).append((plan.params, plan.counters, plan.tracked_steps))
+        totals = self.__dict__.setdefault("_format_totals", {})
+        if not keep_counts:
+            totals.clear()
+        elif plan is not None and plan.counters is not None and plan.tracked_steps:
+            self._fold_counts(plan, totals)
         self._plan = None
+
+    @staticmethod
+    def _fold_counts(plan, totals: dict) -> None:
+        """Adds a plan's counts to `totals` (id(param) -> [param, [6] int64 counts, element-steps]),
+        on the device, and zeroes them."""
+        n = len(plan.params)
+        counts = plan.counters[:, 1:].reshape(n, len(launch.FORMAT_COUNTS), launch.FORMAT_SLOTS).sum(dim=2)
+        for i, p in enumerate(plan.params):
+            entry = totals.setdefault(id(p), [p, torch.zeros_like(counts[i]), 0])
+            entry[1] += counts[i]
+            entry[2] += plan.numels[i] * plan.tracked_steps
+        plan.counters.zero_()
+        plan.tracked_steps = 0
 
     def format_stats(self) -> dict:
         """Where the moments landed in their formats since the last call (counts reset on
@@ -275,34 +302,27 @@ class PackedAdamW(Optimizer):
         position): `elements` (element-steps counted), `saturated_m`, `saturated_rms`,
         `flushed_m`, `flushed_rms`, `subnormal_m`, `subnormal_rms`, as FORMAT.md ("Format
         counts") defines them. Needs `track_format=True`; the step itself never waits for the
-        GPU, this call does. Warns once per parameter whose saturated share passes
-        `SATURATION_WARNING`, saying which bias to move."""
+        GPU, this call does. Loading a state starts the counts afresh. Warns once per
+        parameter whose saturated share passes `SATURATION_WARNING`, saying which bias to move."""
         if not self.track_format:
             raise ValueError("format_stats() needs PackedAdamW(..., track_format=True)")
-        entries = list(self.__dict__.pop("_retired_counts", []))
+        totals = self.__dict__.setdefault("_format_totals", {})
         plan = self.__dict__.get("_plan")
-        if plan is not None and plan.counters is not None:
-            entries.append((plan.params, plan.counters, plan.tracked_steps))
-            plan.tracked_steps = 0
-        totals: dict[int, np.ndarray] = {}
-        elements: dict[int, int] = {}
-        for params, counters, steps in entries:
-            counts = launch.sum_counter_slots(counters.cpu().numpy())
-            counters.zero_()
-            for p, row in zip(params, counts):
-                totals[id(p)] = totals.get(id(p), 0) + row
-                elements[id(p)] = elements.get(id(p), 0) + _dtensor.local(p).numel() * steps
+        if plan is not None and plan.counters is not None and plan.tracked_steps:
+            self._fold_counts(plan, totals)
         stats = {}
         warned = self.__dict__.setdefault("_saturation_warned", set())
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
-                if id(p) not in totals:
+                entry = totals.get(id(p))
+                if entry is None or entry[0] is not p:
                     continue
                 key = group["param_names"][pi] if group.get("param_names") else (gi, pi)
-                entry = {"elements": elements[id(p)], **dict(zip(launch.FORMAT_COUNTS, map(int, totals[id(p)])))}
-                stats[key] = entry
-                if id(p) not in warned and entry["elements"]:
-                    self._warn_saturation(_param_name(group, gi, pi), entry, warned, id(p))
+                counts = entry[1].cpu().tolist()
+                stats[key] = {"elements": entry[2], **dict(zip(launch.FORMAT_COUNTS, counts))}
+                if id(p) not in warned and entry[2]:
+                    self._warn_saturation(_param_name(group, gi, pi), stats[key], warned, id(p))
+        totals.clear()
         return stats
 
     def _warn_saturation(self, name: str, entry: dict, warned: set, key: int) -> None:
@@ -396,6 +416,11 @@ class PackedAdamW(Optimizer):
         """Replace the state with one exported from JAX (or torch); checks format, shapes, step
         counts and values before changing anything."""
         params = [p for g in self.param_groups for p in g["params"]]
+        if any(_dtensor.is_dtensor(p) for p in params):
+            raise ValueError(
+                "import_state: the parameters are DTensors (sharded); a PortableState holds whole tensors. "
+                "Load a sharded state with torch.distributed.checkpoint (docs/DISTRIBUTED.md)"
+            )
         portable.check(self.state_format, [tuple(p.shape) for p in params])
         new = {}
         for i, (p, count, moments) in enumerate(zip(params, portable.counts, portable.moments)):
@@ -409,7 +434,7 @@ class PackedAdamW(Optimizer):
                 tensor = torch.from_numpy(np.ascontiguousarray(moments).view(np.int32).copy()).view(torch.uint32)
             _check_loaded_values(tensor, self.state_format, f"import_state: tensor {i} ({name})")
             new[p] = {"step": count, self._state_key: tensor.to(p.device)}
-        self._drop_plan()
+        self._drop_plan(keep_counts=False)
         for p, entry in new.items():
             if entry is None:
                 self.state.pop(p, None)
@@ -446,7 +471,7 @@ class PackedAdamW(Optimizer):
             count = _checked_step_count(entry.get("step"), where)
             _check_loaded_values(_dtensor.kernel_state(tensor), fmt, where)
             loaded[p] = (count, tensor)
-        self._drop_plan()
+        self._drop_plan(keep_counts=False)
         groups = [{k: v for k, v in g.items() if k != GROUP_FORMAT_KEY} for g in state_dict["param_groups"]]
         super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
         # torch casts all non-step state to a floating parameter's dtype, which would turn the

@@ -5,17 +5,22 @@
         --data runs/data/shakespeare --max-steps 5000 --batch-size 64
     python -m packed_adamw.torch.gpt.train ... --resume auto     # continue from <out>/checkpoint.safetensors
     python -m packed_adamw.torch.gpt.train --synthetic           # one update on random tokens (smoke test)
+    torchrun --nproc_per_node=2 -m packed_adamw.torch.gpt.train --parallel fsdp ...   # or --parallel ddp
 
 The tape is read front to back once (docs/TAPE.md); training ends when it runs out or after
 --max-steps. The learning rate is a pure function of the step, there is no dropout, and the
 checkpoint holds everything else (model, optimizer, tape cursor, RNG), so a resumed run
 ends bit-identical to an uninterrupted one. SIGINT/SIGTERM finish the current step, write a
-checkpoint and exit with code 0. See docs/TRAINING.md.
+checkpoint and exit with code 0. Under torchrun, rank r of W reads every W-th batch window
+of the tape (a step reads the tokens a single process with W times the batch would); DDP
+checkpoints are one file, FSDP2 ones a torch.distributed.checkpoint directory. See
+docs/TRAINING.md and docs/DISTRIBUTED.md.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -37,12 +42,15 @@ from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, bu
 
 from ..optimizer import PackedAdamW
 from .checkpoint import (
-    CHECKPOINT_NAME, CheckpointError, config_differences, load_training_state, read_checkpoint,
+    CHECKPOINT_NAME, MANIFEST_NAME, SHARDED_CHECKPOINT_NAME, CheckpointError, checkpoint_info, config_differences,
+    load_sharded_training_state, load_training_state, save_replicated_training_state, save_sharded_training_state,
     save_training_state,
 )
 from .model import GPT, PRESETS, GPTConfig
 
 OPTIMIZERS = ("packed-adamw", "torch-adamw")
+PARALLEL = ("none", "ddp", "fsdp")
+STOP_SIGNALS = (None, "SIGINT", "SIGTERM")  # agreed between ranks as an index (the largest wins)
 
 
 class ConfigError(ValueError):
@@ -68,6 +76,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float | None = 1.0  # global-norm clipping; None (`--grad-clip none`): no clipping
     seed: int = 0
+    parallel: str = "none"  # under torchrun: "ddp" or "fsdp" (FSDP2); batch_size is then per rank
     # -- how the run is carried out: free to change between sessions --
     data: str = "runs/data/shakespeare"
     build_data: bool = False  # build data/train.tape and val.tape from the embedded corpus if missing
@@ -88,17 +97,167 @@ class TrainConfig:
     def trajectory(self) -> dict:
         """The settings that decide the bits of the result, with the model preset spelled out."""
         fields = ("optimizer", "mode", "m_bias", "rms_bias", "batch_size", "max_steps", "lr", "min_lr",
-                  "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed")
+                  "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed", "parallel")
+        # The number of ranks decides which windows each rank reads and the global batch.
         return {"model": dataclasses.asdict(GPTConfig.preset(self.config)),
-                **{name: getattr(self, name) for name in fields}}
+                **{name: getattr(self, name) for name in fields}, "world_size": launched_world_size()}
 
     @property
     def out_dir(self) -> Path:
         name = self.mode if self.optimizer == "packed-adamw" else self.optimizer
+        if self.parallel != "none":
+            name += f"-{self.parallel}{launched_world_size()}"
         return Path(self.out or f"runs/{self.config}-{name}")
+
+    @property
+    def checkpoint_name(self) -> str:
+        return SHARDED_CHECKPOINT_NAME if self.parallel == "fsdp" else CHECKPOINT_NAME
 
 
 DEMO = dict(config="tiny", build_data=True, out="runs/demo", resume="auto")
+
+
+# ---- ranks ----------------------------------------------------------------------------------
+
+def _distributed_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def launched_world_size() -> int:
+    """The number of processes of this run: a process group's, torchrun's WORLD_SIZE, or 1."""
+    if _distributed_ready():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def under_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+@dataclasses.dataclass
+class Ranks:
+    """This process's place in the run; rank 0 of 1 without --parallel."""
+
+    parallel: str = "none"
+    rank: int = 0
+    world_size: int = 1
+    owns_group: bool = False  # the trainer created the process group (and destroys it at the end)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.parallel != "none"
+
+    def barrier(self) -> None:
+        if self.distributed:
+            torch.distributed.barrier()
+
+    def agree(self, value: int, device: torch.device) -> int:
+        """The largest of every rank's `value` (a signal seen by one rank stops them all)."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+    def close(self) -> None:
+        if self.owns_group and _distributed_ready():
+            torch.distributed.destroy_process_group()
+
+
+def start_ranks(config: TrainConfig, device: torch.device) -> Ranks:
+    """Join the process group torchrun set up (NCCL on CUDA, gloo on CPU), or use one that exists."""
+    if config.parallel == "none":
+        return Ranks()
+    owns = not _distributed_ready()
+    if owns:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return Ranks(config.parallel, torch.distributed.get_rank(), torch.distributed.get_world_size(), owns)
+
+
+def wrap_model(model: GPT, ranks: Ranks, device: torch.device) -> torch.nn.Module:
+    """DDP around the model, or FSDP2: each block, then the root (embeddings, tied head, final LayerNorm)."""
+    if ranks.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if ranks.parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(device.type, (ranks.world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor: a DTensor gathered (collective), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class TapeShard:
+    """Rank r of W reads windows r, r+W, r+2W, ... of the tape's consecutive B x T windows.
+
+    Step s reads tokens [s*W*B*T, (s+1)*W*B*T + 1) of the tape: the tokens a single process
+    with batch W*B reads at step s; rank r's share is their r-th B x T window. The cursor
+    (saved per rank) is where this rank's next window starts, g + r*B*T for the run's
+    position g; a step runs only while the last rank's window fits, so all ranks stop at
+    the same step.
+    """
+
+    def __init__(self, reader: TapeReader, rank: int, world_size: int, batch_size: int, context: int):
+        self.reader, self.rank, self.world_size = reader, rank, world_size
+        self.shape = (batch_size, context)
+        self.window = batch_size * context
+        self.cursor = rank * self.window
+        self.path = reader.path
+
+    def _check(self, batch_size: int, context: int) -> None:
+        if (batch_size, context) != self.shape:
+            raise ValueError(f"this shard serves batches of {self.shape}, not {(batch_size, context)}")
+
+    @property
+    def position(self) -> int:
+        return self.cursor - self.rank * self.window
+
+    def remaining_batches(self, batch_size: int, context: int) -> int:
+        """Steps left for the whole run (the same on every rank)."""
+        self._check(batch_size, context)
+        return max(0, (self.reader.num_tokens - 1 - self.position) // (self.world_size * self.window))
+
+    def next_batch(self, batch_size: int, context: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.remaining_batches(batch_size, context) == 0:
+            raise TapeExhausted(
+                f"{self.path}: {self.reader.num_tokens - self.position} tokens left after position {self.position}, "
+                f"a step of {self.world_size} ranks x {batch_size}x{context} needs {self.world_size * self.window + 1}; "
+                "build the tape with more --passes or train fewer steps")
+        self.reader.cursor = self.cursor
+        batch = self.reader.next_batch(batch_size, context)
+        self.cursor += self.world_size * self.window
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor, "tape_header_sha256": self.reader.header.header_sha256,
+                "path": str(self.path), "rank": self.rank, "world_size": self.world_size,
+                "window_tokens": self.window}
+
+    def load_state_dict(self, state: dict) -> None:
+        # The tape's identity, as TapeReader checks it (the cursor itself is checked below).
+        self.reader.load_state_dict({**state, "cursor": 0})
+        for key, ours in (("rank", self.rank), ("world_size", self.world_size), ("window_tokens", self.window)):
+            if state.get(key) != ours:
+                raise TapeError(f"cursor state of {self.path} has {key}={state.get(key)!r}, this rank has {ours}; "
+                                "resume with the number of processes and batch size the run started with")
+        cursor = state["cursor"]
+        position = cursor - self.rank * self.window if isinstance(cursor, int) else -1
+        if not (0 <= position <= self.reader.num_tokens and position % (self.world_size * self.window) == 0):
+            raise TapeError(f"cursor {cursor!r} is not a window of rank {self.rank} of {self.world_size} "
+                            f"in {self.path} ({self.reader.num_tokens} tokens)")
+        self.cursor = cursor
 
 
 # ---- pieces of the loop ---------------------------------------------------------------------
@@ -123,15 +282,19 @@ def make_optimizer(model: GPT, config: TrainConfig) -> torch.optim.Optimizer:
     return PackedAdamW(groups, **common, mode=config.mode, m_bias=config.m_bias, rms_bias=config.rms_bias)
 
 
-def open_tapes(config: TrainConfig) -> tuple[TapeReader, TapeReader]:
+def open_tapes(config: TrainConfig, ranks: "Ranks | None" = None) -> tuple[TapeReader, TapeReader]:
     data = Path(config.data)
     train_path, val_path = data / "train.tape", data / "val.tape"
+    main_rank = ranks is None or ranks.main
     if not (train_path.exists() and val_path.exists()):
         if not config.build_data:
             raise TapeError(f"no tapes in {data}: pass --build-data to build them from the embedded corpus, "
                             f"or build them with `python -m packed_adamw.tokenizer.tape build --out {data}`")
-        print(f"building {train_path} and {val_path} from the embedded corpus ...")
-        build_split(default_corpus_documents(), data)
+        if main_rank:  # one rank builds them, the others wait below
+            print(f"building {train_path} and {val_path} from the embedded corpus ...")
+            build_split(default_corpus_documents(), data)
+    if ranks is not None:
+        ranks.barrier()
     sha = tokenizer_sha256()
     return TapeReader(train_path, tokenizer_sha256=sha), TapeReader(val_path, tokenizer_sha256=sha)
 
@@ -187,7 +350,7 @@ def moment_stats(model: GPT, optimizer: PackedAdamW, step: int, biases: list[int
     """Per kind of tensor: how much of |m| and sqrt(v) the packed formats would saturate or flush."""
     by_kind = collections.defaultdict(list)
     for name, p in model.named_parameters():
-        by_kind[parameter_kind(name)].append(optimizer.state[p]["moments"].reshape(2, -1).cpu().numpy())
+        by_kind[parameter_kind(name)].append(full(optimizer.state[p]["moments"]).reshape(2, -1).cpu().numpy())
     record = {"step": step, "kinds": {}}
     quantile_levels = [0.01, 0.1, 0.5, 0.9, 0.99]
     for kind, moments in sorted(by_kind.items()):
@@ -244,15 +407,18 @@ def keep_records_up_to(path: Path, step: int) -> None:
     path.write_text("".join(kept))
 
 
-def finished(step: int, tape: TapeReader, config: TrainConfig, context: int) -> bool:
+def finished(step: int, tape: TapeReader | TapeShard, config: TrainConfig, context: int) -> bool:
     """Whether a resumed run has nothing left to do (its summary then stands)."""
     return (step >= config.max_steps or 0 < config.stop_at_step <= step
             or tape.remaining_batches(config.batch_size, context) == 0)
 
 
-def resolve_device(name: str, deterministic: bool) -> torch.device:
+def resolve_device(name: str, deterministic: bool, parallel: str = "none") -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if parallel != "none" and name == "cuda":  # one GPU per rank
+        name = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(name)
     if name.startswith("cuda") and deterministic:
         # Atomics (embedding backward) and cuBLAS's split reductions otherwise vary run to run.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -317,6 +483,29 @@ def check_config(config: TrainConfig) -> None:
                               "use --device cpu or auto")
     if config.log_moment_stats and (config.optimizer, config.mode) != ("packed-adamw", "fp32"):
         raise ConfigError("--log-moment-stats needs --mode fp32 (it reads float32 moments)")
+    check_parallel(config)
+
+
+def check_parallel(config: TrainConfig) -> None:
+    if config.parallel not in PARALLEL:
+        raise ConfigError(f"--parallel {config.parallel}: choose one of {', '.join(PARALLEL)}")
+    world = launched_world_size()
+    if config.parallel == "none":
+        if world > 1:
+            raise ConfigError(
+                f"--parallel none (the default) cannot run as one of WORLD_SIZE={world} processes started by "
+                "torchrun: pass --parallel ddp (every rank holds the whole model) or --parallel fsdp (FSDP2: "
+                "parameters and optimizer state sharded across the ranks), or run without torchrun")
+        return
+    if not torch.distributed.is_available():
+        raise ConfigError(f"--parallel {config.parallel}: this torch build has no torch.distributed")
+    if not (under_torchrun() or _distributed_ready()):
+        raise ConfigError(
+            f"--parallel {config.parallel}: start the trainer with torchrun, which sets RANK, WORLD_SIZE and the "
+            f"rendezvous: torchrun --nproc_per_node=N -m packed_adamw.torch.gpt.train --parallel {config.parallel} ...")
+    if config.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {config.device}: under torchrun each rank uses cuda:LOCAL_RANK (or the "
+                          "CPU); pass --device auto, cuda or cpu")
 
 
 def moment_stats_biases(config: TrainConfig) -> list[int]:
@@ -332,6 +521,11 @@ def moment_stats_biases(config: TrainConfig) -> list[int]:
 
 def resume_source(config: TrainConfig, checkpoint_path: Path) -> Path | None:
     """The checkpoint to resume from: None (fresh start), out's own, a file, or a run directory's."""
+    other = checkpoint_path.with_name(CHECKPOINT_NAME if config.parallel == "fsdp" else SHARDED_CHECKPOINT_NAME)
+    if other.exists():  # logs and summary of one run per --out
+        kind = "a --parallel fsdp run" if config.parallel != "fsdp" else "a run without --parallel fsdp"
+        raise CheckpointError(f"--out {checkpoint_path.parent} holds {other}, the checkpoint of {kind}; this run "
+                              f"writes {checkpoint_path.name}: choose another --out")
     if config.resume == "":
         if checkpoint_path.exists():
             raise CheckpointError(f"{checkpoint_path} already exists: pass --resume auto to continue that run, "
@@ -340,11 +534,13 @@ def resume_source(config: TrainConfig, checkpoint_path: Path) -> Path | None:
     if config.resume == "auto":
         return checkpoint_path if checkpoint_path.exists() else None
     path = Path(config.resume)
-    if path.is_dir():  # a run directory: the trainer keeps its checkpoint there under one name
-        if not (path / CHECKPOINT_NAME).is_file():
-            raise CheckpointError(f"--resume {path} is a directory without {CHECKPOINT_NAME} (looked for "
-                                  f"{path / CHECKPOINT_NAME}); pass a checkpoint file or a run's --out directory")
-        path = path / CHECKPOINT_NAME
+    if path.is_dir() and not ((path / MANIFEST_NAME).is_file() or (path / ".metadata").is_file()):
+        # a run directory (not a DCP checkpoint directory): its checkpoint has one name
+        name = config.checkpoint_name
+        if not (path / name).exists():
+            raise CheckpointError(f"--resume {path} is a directory without {name} (looked for {path / name}); "
+                                  "pass a checkpoint or a run's --out directory")
+        path = path / name
     return path
 
 
@@ -355,12 +551,12 @@ def refuse_to_replace_newer(checkpoint_path: Path, resume_path: Path, step: int,
     what_to_do = (f"continue it with --resume auto, resume {resume_path} into another --out, or move "
                   f"{checkpoint_path} away first")
     try:
-        _, existing = read_checkpoint(checkpoint_path)
+        existing = checkpoint_info(checkpoint_path)
     except CheckpointError as error:
         raise CheckpointError(f"--out already holds {checkpoint_path}, which resuming {resume_path} would "
                               f"replace, and it cannot be read ({error}); move it away first, or resume "
                               "into another --out") from None
-    existing_step = existing["trainer"]["step"]
+    existing_step = existing["step"]
     if existing_step > step:
         raise CheckpointError(f"{checkpoint_path} (step {existing_step}) is newer than {resume_path} (step {step}): "
                               f"resuming here would replace it; {what_to_do}")
@@ -372,52 +568,104 @@ def refuse_to_replace_newer(checkpoint_path: Path, resume_path: Path, step: int,
 # ---- the training run -----------------------------------------------------------------------
 
 def train(config: TrainConfig) -> dict:
-    """Run (or resume) training; returns the summary that is also written to summary.json."""
+    """Run (or resume) training; returns the summary that is also written to summary.json.
+
+    With --parallel ddp or fsdp every rank of the torchrun launch runs this; rank 0 alone
+    prints, writes the log, the plot and the summary, and every rank returns the summary.
+    """
     check_config(config)
-    device = resolve_device(config.device, config.deterministic)
+    device = resolve_device(config.device, config.deterministic, config.parallel)
+    ranks = start_ranks(config, device)
+    try:
+        return _train(config, device, ranks)
+    finally:
+        ranks.close()
+
+
+def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
+    say = print if ranks.main else (lambda *args, **kwargs: None)
     out = config.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    checkpoint_path, log_path = out / CHECKPOINT_NAME, out / "log.jsonl"
-    train_tape, val_tape = open_tapes(config)
+    checkpoint_path, log_path = out / config.checkpoint_name, out / "log.jsonl"
+    train_tape, val_tape = open_tapes(config, ranks)
 
     torch.manual_seed(config.seed)
-    model = GPT(GPTConfig.preset(config.config)).to(device)
-    optimizer = make_optimizer(model, config)
+    core = GPT(GPTConfig.preset(config.config)).to(device)  # the same weights on every rank
+    # DDP wraps the GPT; fully_shard turns its parameters into DTensors in place (model is core)
+    model = wrap_model(core, ranks, device)
+    optimizer = make_optimizer(core, config)
     trajectory = config.trajectory()
-    context = model.config.context
-    tokens_per_step = config.batch_size * context
+    context = core.config.context
+    if ranks.distributed:
+        train_tape = TapeShard(train_tape, ranks.rank, ranks.world_size, config.batch_size, context)
+    tokens_per_step = ranks.world_size * config.batch_size * context
 
     resume_path = resume_source(config, checkpoint_path)
     step = 0
     if resume_path is not None:
-        step = load_training_state(resume_path, model=model, optimizer=optimizer, tape=train_tape,
-                                   config=trajectory)["step"]
+        common = dict(model=core, optimizer=optimizer, tape=train_tape, config=trajectory)
+        if ranks.parallel == "fsdp":
+            trainer_entry = load_sharded_training_state(resume_path, **common)
+        else:
+            trainer_entry = load_training_state(resume_path, **common, rank=ranks.rank if ranks.distributed else None)
+        step = trainer_entry["step"]
         # before anything in --out is written or its logs trimmed
         refuse_to_replace_newer(checkpoint_path, resume_path, step, trajectory)
-        print(f"resumed from {resume_path} at step {step}")
+        say(f"resumed from {resume_path} at step {step}")
     # The logs cover steps up to the resume point; later lines came from a session that died
     # (the last of them possibly cut short by the crash).
-    for path in (log_path, out / "moment_stats.jsonl"):
-        keep_records_up_to(path, step if resume_path else 0)
+    if ranks.main:
+        for path in (log_path, out / "moment_stats.jsonl"):
+            keep_records_up_to(path, step if resume_path else 0)
     summary_path = out / "summary.json"
     if resume_path is not None and summary_path.exists() and finished(step, train_tape, config, context):
-        print(f"{resume_path} is a finished run; its summary:")
+        say(f"{resume_path} is a finished run; its summary:")
         return json.loads(summary_path.read_text())
 
     def save(reason: str) -> None:
-        save_training_state(checkpoint_path, model=model, optimizer=optimizer, tape=train_tape,
-                            config=trajectory, trainer={"step": step, "reason": reason})
+        common = dict(model=core, optimizer=optimizer, tape=train_tape, config=trajectory,
+                      trainer={"step": step, "reason": reason})
+        if ranks.parallel == "fsdp":
+            save_sharded_training_state(out, **common)
+        elif ranks.parallel == "ddp":
+            save_replicated_training_state(checkpoint_path, **common)
+        else:
+            save_training_state(checkpoint_path, **common)
 
-    print(f"model {config.config}: {model.num_parameters():,} parameters; optimizer {config.optimizer}"
-          f"{' mode ' + config.mode if config.optimizer == 'packed-adamw' else ''}; device {device}; "
-          f"{train_tape.remaining_batches(config.batch_size, context)} batches left on {train_tape.path}")
+    parallel = f"; {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""
+    say(f"model {config.config}: {core.num_parameters():,} parameters; optimizer {config.optimizer}"
+        f"{' mode ' + config.mode if config.optimizer == 'packed-adamw' else ''}; device {device}{parallel}; "
+        f"{train_tape.remaining_batches(config.batch_size, context)} batches left on {train_tape.path}")
+    if ranks.parallel == "ddp" and step < config.max_steps:
+        ddp_rebuild_buckets(model, config.batch_size, context, device)
     moment_biases = moment_stats_biases(config)
     recent_losses = collections.deque(maxlen=50)
     fwd_bwd_times, optimizer_times, step_times = [], [], []
     val_bpb = None
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    bar = tqdm(total=config.max_steps, initial=step, disable=not config.progress, unit="step")
-    with StopRequest() as stop, log_path.open("a") as log:
+    bar = tqdm(total=config.max_steps, initial=step, disable=not (config.progress and ranks.main), unit="step")
+    log_file = log_path.open("a") if ranks.main else contextlib.nullcontext()
+
+    def evaluate() -> float | None:
+        bpb = validation_bpb(core, val_tape, config.batch_size, config.eval_batches, device)
+        if ranks.parallel == "fsdp":
+            # FSDP2's root keeps its parameters gathered after a forward (until the next
+            # backward) and registers those: put the shards back before the statistics,
+            # checkpoints and optimizer see the module's parameters again.
+            core.reshard()
+        return bpb
+
+    def write_log(path_or_file, record: dict) -> None:
+        if not ranks.main:
+            return
+        if isinstance(path_or_file, Path):
+            with path_or_file.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        else:
+            path_or_file.write(json.dumps(record) + "\n")
+            path_or_file.flush()
+
+    with StopRequest() as stop, log_file as log:
         while True:
             if step >= config.max_steps:
                 reason = "max_steps"
@@ -425,15 +673,17 @@ def train(config: TrainConfig) -> dict:
             if 0 < config.stop_at_step <= step:
                 reason = "stop_at_step"
                 break
-            if stop.signal_name:
-                reason = stop.signal_name
-                print(f"\n{reason} received: writing a checkpoint and stopping", file=sys.stderr)
+            signal_name = STOP_SIGNALS[ranks.agree(STOP_SIGNALS.index(stop.signal_name), device)]
+            if signal_name:
+                reason = signal_name
+                if ranks.main:
+                    print(f"\n{reason} received: writing a checkpoint and stopping", file=sys.stderr)
                 break
             try:
                 x, y = train_tape.next_batch(config.batch_size, context)
-            except TapeExhausted as exhausted:
+            except TapeExhausted as exhausted:  # on every rank at the same step (TapeShard)
                 reason = "tape_exhausted"
-                print(f"\ntraining tape exhausted at step {step}: {exhausted}")
+                say(f"\ntraining tape exhausted at step {step}: {exhausted}")
                 break
 
             start = time.perf_counter()
@@ -441,7 +691,7 @@ def train(config: TrainConfig) -> dict:
                 group["lr"] = learning_rate(step, config)
             _, loss = model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss.backward()  # DDP all-reduces, FSDP2 reduce-scatters the gradients: the mean over ranks
             if config.grad_clip is None:
                 grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
             else:
@@ -453,24 +703,23 @@ def train(config: TrainConfig) -> dict:
             end = time.perf_counter()
             step += 1
 
-            recent_losses.append(loss.item())
+            recent_losses.append(loss.item())  # this rank's loss (its windows)
             fwd_bwd_times.append(after_backward - start)
             optimizer_times.append(end - after_backward)
             step_times.append(end - start)
             record = None
             if step % config.log_every == 0 or step == 1:
                 record = {"step": step, "loss": recent_losses[-1], "lr": optimizer.param_groups[0]["lr"],
-                          "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_step / (end - start),
+                          "grad_norm": float(full(grad_norm)), "tokens_per_s": tokens_per_step / (end - start),
                           "fwd_bwd_ms": 1e3 * fwd_bwd_times[-1], "optimizer_ms": 1e3 * optimizer_times[-1]}
             if config.eval_every and step % config.eval_every == 0:
-                val_bpb = validation_bpb(model, val_tape, config.batch_size, config.eval_batches, device)
+                val_bpb = evaluate()
                 record = {**(record or {"step": step}), "val_bpb": val_bpb}
             if record:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+                write_log(log, record)
             if config.log_moment_stats and step % config.moment_stats_every == 0:
-                with (out / "moment_stats.jsonl").open("a") as stats_file:
-                    stats_file.write(json.dumps(moment_stats(model, optimizer, step, moment_biases)) + "\n")
+                stats = moment_stats(core, optimizer, step, moment_biases)  # every rank: FSDP2 gathers
+                write_log(out / "moment_stats.jsonl", stats)
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 save("periodic")
             bar.update(1)
@@ -479,10 +728,9 @@ def train(config: TrainConfig) -> dict:
 
         save(reason)  # first: a signal's grace period may not outlast a validation pass
         if step_times and not (config.eval_every and step % config.eval_every == 0):
-            val_bpb = validation_bpb(model, val_tape, config.batch_size, config.eval_batches, device)
-            log.write(json.dumps({"step": step, "val_bpb": val_bpb}) + "\n")
+            val_bpb = evaluate()
+            write_log(log, {"step": step, "val_bpb": val_bpb})
 
-    plot_log(log_path, out / "loss.png")
     # Medians skip the first steps' warm-up cost.
     steady = slice(min(5, len(step_times) - 1), None) if step_times else slice(None)
     median_ms = lambda times: 1e3 * statistics.median(times[steady]) if times else None  # noqa: E731
@@ -490,7 +738,7 @@ def train(config: TrainConfig) -> dict:
         "stopped_because": reason,
         "step": step,
         "steps_this_session": len(step_times),
-        "parameters": model.num_parameters(),
+        "parameters": core.num_parameters(),
         "final_train_loss_mean_last_50": statistics.fmean(recent_losses) if recent_losses else None,
         "val_bpb": val_bpb,
         "tokens_per_s": tokens_per_step * len(step_times) / sum(step_times) if step_times else None,
@@ -499,8 +747,29 @@ def train(config: TrainConfig) -> dict:
         "log": str(log_path), "plot": str(out / "loss.png"), "checkpoint": str(checkpoint_path),
         "config": dataclasses.asdict(config),
     }
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    if ranks.distributed:
+        summary["world_size"] = ranks.world_size
+    if ranks.main:
+        plot_log(log_path, out / "loss.png")
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    ranks.barrier()  # the summary is in place before any rank returns
     return summary
+
+
+def ddp_rebuild_buckets(model, batch_size: int, context: int, device: torch.device) -> None:
+    """One forward and backward whose gradients are dropped, before the session's first step.
+
+    DDP all-reduces its first backward in buckets laid out by parameter order and then
+    rebuilds them in the order the gradients became ready. A resumed session's first step
+    would otherwise be reduced in other buckets than the same step of the uninterrupted
+    run; with more than two ranks the order of the sums (and on NCCL the algorithm, chosen
+    by message size) can then differ, and so could the bits. After this call every step of
+    every session uses the rebuilt buckets. Parameters, optimizer state, tape cursor and
+    RNG are untouched (the model has no dropout).
+    """
+    tokens = torch.zeros((batch_size, context), dtype=torch.long, device=device)
+    model(tokens, tokens)[1].backward()
+    model.zero_grad(set_to_none=True)
 
 
 def synthetic_smoke(config: TrainConfig) -> dict:
@@ -559,9 +828,18 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     try:
         check_config(config)
+        if args.synthetic and config.parallel != "none":
+            raise ConfigError(f"--parallel {config.parallel}: --synthetic is one update in one process; "
+                              "leave out --parallel")
     except ConfigError as error:
         parser.error(str(error))  # one line on stderr, exit code 2
     return config, args
+
+
+def _rank() -> int:
+    if _distributed_ready():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def main(argv=None) -> int:
@@ -575,8 +853,11 @@ def main(argv=None) -> int:
             return 0 if result["loss_finite"] and result["tensors_changed"] == result["tensors"] else 1
         summary = train(config)
     except (CheckpointError, ConfigError, TapeError, CorpusNotInstalledError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        where = f" (rank {_rank()})" if config.parallel != "none" else ""
+        print(f"error{where}: {error}", file=sys.stderr)
         return 2
+    if _rank() != 0:
+        return 0
     print(f"\nstopped because: {summary['stopped_because']} at step {summary['step']}")
     for key in ("final_train_loss_mean_last_50", "val_bpb", "tokens_per_s", "median_fwd_bwd_ms",
                 "median_optimizer_ms", "log", "plot", "checkpoint"):
