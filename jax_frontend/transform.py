@@ -1,11 +1,14 @@
 """optax frontend: `packed_adamw` as a GradientTransformation, and a fused in-place step.
 
-On a CUDA backend the core Triton kernels are launched through jax-triton, many leaves per
-launch (docs/MULTI_TENSOR.md); on CPU the numpy step runs through `jax.pure_callback`. Both
-follow docs/FORMAT.md, so they give the same bits as `packed_adamw.torch.PackedAdamW`.
+The step over the leaves is one primitive lowered per platform (`_step.py`): on CUDA the core
+Triton kernels launched through jax-triton, many leaves per launch (docs/MULTI_TENSOR.md); on
+every other platform the numpy step through `jax.pure_callback`. Sharded leaves are stepped
+shard by shard on their own devices (`_sharding.py`). Both paths follow docs/FORMAT.md, so
+they give the same bits as `packed_adamw.torch.PackedAdamW`. docs/JAX.md is the user's page.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -15,22 +18,52 @@ import optax
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
 from packed_adamw.core.hyperparams import FLOAT32_MAX, FLOAT32_TINY, validate_hyperparams
-from packed_adamw.core.numpy_step import apply_step, step_scalar_row
 from packed_adamw.core.portable import PortableState
 
-from . import _triton_launch
+from ._sharding import sharded_step, state_spec
+from ._step import StepConfig
+
+# optax.adamw's default; torch.optim.AdamW (and PackedAdamW) use 1e-2.
+DEFAULT_WEIGHT_DECAY = 1e-4
 
 
 class PackedAdamWState(NamedTuple):
     """`count`: steps taken (int32). `moments`: per leaf, uint32 words of the leaf's shape
-    (packed, fp16) or float32 of shape [2, *shape] (fp32)."""
+    (packed, fp16) or float32 of shape [2, *shape] (fp32), sharded as the leaf is."""
 
     count: jax.Array
     moments: Any
 
 
-def _leaf_paths(tree) -> list[str]:
-    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+def state_format(mode: str | StateFormat = "packed", m_bias: int | None = None,
+                 rms_bias: int | None = None) -> StateFormat:
+    """The `StateFormat` named by `mode` (a mode string or a `StateFormat`) and the biases.
+
+    The biases fix the layout of every state word, so they must be known before compilation.
+    `optax.inject_hyperparams` turns numeric arguments into arrays and leaves other objects
+    as they are: pass the biases inside a `StateFormat` (`mode=StateFormat("packed", 18, 18)`)
+    to keep them static without `static_args`."""
+    for name, bias in (("m_bias", m_bias), ("rms_bias", rms_bias)):
+        if bias is not None and (isinstance(bias, (jax.Array, np.ndarray, bool, np.bool_))
+                                 or not isinstance(bias, numbers.Integral)):
+            raise TypeError(
+                f"packed_adamw: {name}={bias!r} is not a Python int. The exponent biases fix the state "
+                "format, so they must be known before compilation; optax.inject_hyperparams turns numeric "
+                "arguments into arrays. Pass the biases in a format object instead, e.g. "
+                f"mode=StateFormat('packed', m_bias=..., rms_bias=...) (from packed_adamw.core), or list "
+                f"{name!r} in inject_hyperparams' static_args"
+            )
+    if isinstance(mode, StateFormat):
+        for name, bias in (("m_bias", m_bias), ("rms_bias", rms_bias)):
+            if bias is not None and bias != getattr(mode, name):
+                raise ValueError(f"packed_adamw: {name}={bias} contradicts mode={mode!r}; give the biases once, "
+                                 "in the StateFormat")
+        return mode
+    if not isinstance(mode, str):
+        raise TypeError(f"packed_adamw: mode={mode!r} must be a mode name ('packed', 'fp16', 'fp32') or a "
+                        "StateFormat")
+    return StateFormat(mode, DEFAULT_M_BIAS if m_bias is None else m_bias,
+                       DEFAULT_RMS_BIAS if rms_bias is None else rms_bias)
 
 
 def _check_float32(tree, what: str) -> None:
@@ -47,8 +80,11 @@ def _moments_spec(leaf, fmt: StateFormat) -> jax.ShapeDtypeStruct:
 
 
 def _zero_moments(leaf, fmt: StateFormat):
-    spec = _moments_spec(leaf, fmt)
-    return jnp.zeros(spec.shape, spec.dtype)
+    """Zero state for one leaf, placed as the leaf is (as optax's own zeros_like states are):
+    a concrete sharded leaf, a `ShapeDtypeStruct` with a sharding, or a traced leaf with
+    sharding in types give state words with that sharding."""
+    zeros = jnp.zeros_like(leaf, dtype=jnp.dtype(fmt.state_dtype))
+    return jnp.stack([zeros, zeros]) if fmt.mode == "fp32" else zeros
 
 
 def _check_state(moments, params, fmt: StateFormat) -> None:
@@ -77,54 +113,55 @@ def _decay_flags(mask, params):
     return jax.tree_util.tree_map(broadcast, flags, params)
 
 
-def _cpu_leaf_step(p, g, s, hparams, count, *, fmt: StateFormat, write_update: bool):
-    def host_step(p, g, s, hparams, count):
-        p = np.array(p, dtype=np.float32).reshape(-1)  # callback inputs are read-only: copy
-        s = np.array(s).reshape(fmt.flat_state_shape(-1))
-        update = np.empty_like(p) if write_update else None
-        # The row was validated in the graph (`_refuse_invalid`), the same on every backend.
-        scalars = step_scalar_row(int(np.asarray(count).reshape(-1)[0]), np.asarray(hparams, np.float32))
-        apply_step(p, np.asarray(g, np.float32).reshape(-1), s, scalars, fmt=fmt, update_out=update)
-        return (update if write_update else p).reshape(out_types[0].shape), s.reshape(out_types[1].shape)
-
-    out_types = (jax.ShapeDtypeStruct(p.shape, jnp.float32), jax.ShapeDtypeStruct(s.shape, s.dtype))
-    out, new_s = jax.pure_callback(host_step, out_types, p, g, s, hparams, count, vmap_method="sequential")
-    return out.reshape(p.shape), new_s.reshape(s.shape)
-
-
-def _refuse_invalid(hparams):
-    """(rows, all valid): rows [lr, b1, b2, eps, weight_decay] checked in the graph by the rules
-    of `validate_hyperparams`, for values known only there (schedules, injected arrays). An
-    invalid row becomes NaN, so every element of its leaves is rejected and keeps its value and
-    state, on CPU and GPU alike; the caller then leaves the count as it was."""
+def _refuse_invalid(hparams, count):
+    """(rows, valid): rows [lr, b1, b2, eps, weight_decay] checked in the graph by the rules
+    of `validate_hyperparams`, for values known only there (schedules, injected arrays), and
+    the count before the step (>= 0). If anything is invalid every row becomes NaN, so every
+    element of every leaf is rejected and keeps its value and state, on CPU and GPU alike; the
+    caller then leaves the count as it was."""
     lr, b1, b2, eps, wd = (hparams[:, i] for i in range(hparams.shape[1]))
-    valid = ((lr >= 0) & (lr <= FLOAT32_MAX) & (b1 >= 0) & (b1 < 1) & (b2 >= 0) & (b2 < 1)
-             & (eps >= FLOAT32_TINY) & (eps <= FLOAT32_MAX) & (wd >= 0) & (wd <= FLOAT32_MAX)
-             & (lr * wd <= FLOAT32_MAX))
-    return jnp.where(valid[:, None], hparams, jnp.nan), jnp.all(valid)
+    rows_valid = ((lr >= 0) & (lr <= FLOAT32_MAX) & (b1 >= 0) & (b1 < 1) & (b2 >= 0) & (b2 < 1)
+                  & (eps >= FLOAT32_TINY) & (eps <= FLOAT32_MAX) & (wd >= 0) & (wd <= FLOAT32_MAX)
+                  & (lr * wd <= FLOAT32_MAX))
+    valid = jnp.all(rows_valid) & (count >= 0)
+    return jnp.where(valid, hparams, jnp.nan), valid
 
 
-def _known_zero(x) -> bool:
+def _concrete_float(x) -> float | None:
+    """x as a float where it is known before compilation (a number or a concrete array)."""
     try:
-        return float(x) == 0.0
+        return float(x)
     except (TypeError, jax.errors.ConcretizationTypeError):
-        return False  # traced: not known
+        return None  # traced (or not a scalar): not known
 
 
 def _increment(count):
     return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
 
 
+def _check_count(count) -> None:
+    """Refuse a negative count before the step where it is known (under jit the step is
+    refused in the graph instead, by `_refuse_invalid`)."""
+    if isinstance(count, jax.core.Tracer):
+        return
+    value = int(np.asarray(count))
+    if value < 0:
+        raise ValueError(f"packed_adamw: the state's step count is {value}; a count is >= 0 (init() starts at 0). "
+                         "The state is damaged or not a packed_adamw state")
+
+
 class _Stepper:
     """What the transform and the fused step share: hyperparameters, format, the step over leaves."""
 
-    def __init__(self, learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor):
-        # Plain numbers are checked now; arrays (optax.inject_hyperparams) arrive traced.
+    def __init__(self, learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
+                 reuse_grad_buffer=False):
+        self.fmt = state_format(mode, m_bias, rms_bias)
+        self.reuse_grad_buffer = bool(reuse_grad_buffer)
+        # Plain numbers are checked now; arrays (optax.inject_hyperparams) are checked in the graph.
         validate_hyperparams(learning_rate, (b1, b2), eps, weight_decay, allow_arrays=True)
         self.learning_rate, self.b1, self.b2, self.eps, self.weight_decay = learning_rate, b1, b2, eps, weight_decay
         self.mask = mask
         self.multi_tensor = bool(multi_tensor)
-        self.fmt = StateFormat(mode, m_bias, rms_bias)
 
     def init(self, params) -> PackedAdamWState:
         _check_float32(params, "params")
@@ -136,8 +173,16 @@ class _Stepper:
     def run(self, grads, state: PackedAdamWState, params, *, write_update: bool):
         _check_float32(grads, "grads")
         _check_state(state.moments, grads, self.fmt)
+        _check_count(state.count)
+        decay = _decay_flags(self.mask, grads if params is None else params)
         if params is None:
-            if not _known_zero(self.weight_decay):
+            if any(jax.tree_util.tree_leaves(decay)) and _concrete_float(self.weight_decay) != 0.0:
+                if _concrete_float(self.weight_decay) is None:
+                    raise ValueError(
+                        "packed_adamw: weight_decay is not known to be zero (it is traced, e.g. injected by "
+                        "optax.inject_hyperparams under jit), so update() needs params: call "
+                        "tx.update(grads, state, params)"
+                    )
                 raise ValueError(
                     "packed_adamw: weight_decay is nonzero, so update() needs params; call "
                     "tx.update(grads, state, params), or set weight_decay=0"
@@ -146,21 +191,19 @@ class _Stepper:
         else:
             _check_float32(params, "params")
         lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
-        decay = _decay_flags(self.mask, params)
         treedef = jax.tree_util.tree_structure(grads)
+        paths = tuple(jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0])
         params, grads = treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads)
         moments, decay = treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay)
         # One hyperparameter row with weight decay, one without (masked leaves).
         hparams = jnp.asarray([[lr, self.b1, self.b2, self.eps, wd] for wd in (self.weight_decay, 0.0)], jnp.float32)
-        hparams, valid = _refuse_invalid(hparams)
+        hparams, valid = _refuse_invalid(hparams, state.count)
         count = jnp.where(valid, _increment(state.count), state.count)
-        if jax.default_backend() == "gpu":
-            outs, moments = _triton_launch.step(params, grads, moments, decay, hparams, count, fmt=self.fmt,
-                                                write_update=write_update, multi_tensor=self.multi_tensor)
-        else:
-            results = [_cpu_leaf_step(p, g, s, hparams[0 if d else 1], count.reshape(1), fmt=self.fmt,
-                                      write_update=write_update) for p, g, s, d in zip(params, grads, moments, decay)]
-            outs, moments = [r[0] for r in results], [r[1] for r in results]
+        step_count = jnp.where(valid, count, 1)  # a refused step's rows are NaN: any count in range will do
+        config = StepConfig(fmt=self.fmt, write_update=write_update, multi_tensor=self.multi_tensor,
+                            decay=tuple(bool(d) for d in decay), paths=paths,
+                            alias_grads=write_update and self.reuse_grad_buffer)
+        outs, moments = sharded_step(params, grads, moments, hparams, step_count, config=config)
         return treedef.unflatten(outs), PackedAdamWState(count=count, moments=treedef.unflatten(moments))
 
 
@@ -169,31 +212,46 @@ def packed_adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 1e-2,
+    weight_decay: float = DEFAULT_WEIGHT_DECAY,
     mask: Any = None,
-    mode: str = "packed",
+    mode: str | StateFormat = "packed",
     *,
-    m_bias: int = DEFAULT_M_BIAS,
-    rms_bias: int = DEFAULT_RMS_BIAS,
+    m_bias: int | None = None,
+    rms_bias: int | None = None,
     multi_tensor: bool = True,
-) -> optax.GradientTransformation:
+    reuse_grad_buffer: bool = True,
+) -> optax.GradientTransformationExtraArgs:
     """AdamW with one uint32 word of state per float32 parameter, as an optax transformation.
 
-    Like `optax.adamw`: `learning_rate` is a float or a schedule of the step count, and `mask`
-    (a pytree of bools or a callable returning one) limits weight decay to some leaves. The
-    returned updates u satisfy `optax.apply_updates(params, u) == PackedAdamW's in-place step`
-    bit for bit. `mode` is "packed" (4 bytes/parameter), "fp16" (4) or "fp32" (8).
+    Like `optax.adamw` (same defaults, `weight_decay=1e-4` included): `learning_rate` is a
+    float or a schedule of the step count, and `mask` (a pytree of bools or a callable
+    returning one) limits weight decay to some leaves. The returned updates u satisfy
+    `optax.apply_updates(params, u) == PackedAdamW's in-place step` bit for bit.
+
+    `mode` is "packed" (4 bytes/parameter), "fp16" (4) or "fp32" (8), or a
+    `packed_adamw.core.StateFormat` that also carries the exponent biases
+    (`StateFormat("packed", m_bias=18, rms_bias=18)`); `m_bias` / `rms_bias` (default 15) are
+    the same biases given separately. A format object stays static under
+    `optax.inject_hyperparams` without `static_args`.
+
     On CUDA, `multi_tensor=True` updates up to 16 leaves per kernel launch (leaves of 2**24
     elements or more get their own); `False` launches once per leaf. Same bits either way.
+    With `reuse_grad_buffer=True` the CUDA kernel writes u into the gradient's buffer, so a
+    jitted train step whose gradients are computed in the step needs no buffer for u (its
+    peak is parameters + state + gradients); gradients passed into the jitted function and
+    kept by the caller are then copied first, so for such a step pass False. Same bits.
+    Sharded leaves are updated shard by shard on their own devices (docs/JAX.md).
     Gradient elements that are NaN or Inf get update -0.0 and keep their state; wrap the
     transform in `optax.apply_if_finite` to skip such steps whole.
     """
-    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor)
+    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
+                       reuse_grad_buffer)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args  # accepted, as every optax alias does, and unused
         return stepper.run(updates, state, params, write_update=True)
 
-    return optax.GradientTransformation(stepper.init, update_fn)
+    return optax.GradientTransformationExtraArgs(stepper.init, update_fn)
 
 
 def packed_adamw_fused_step(
@@ -201,12 +259,12 @@ def packed_adamw_fused_step(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 1e-2,
+    weight_decay: float = DEFAULT_WEIGHT_DECAY,
     mask: Any = None,
-    mode: str = "packed",
+    mode: str | StateFormat = "packed",
     *,
-    m_bias: int = DEFAULT_M_BIAS,
-    rms_bias: int = DEFAULT_RMS_BIAS,
+    m_bias: int | None = None,
+    rms_bias: int | None = None,
     multi_tensor: bool = True,
 ) -> Callable[[Any, Any, PackedAdamWState], tuple[Any, PackedAdamWState]]:
     """`step(params, grads, state) -> (params, state)`: the same step, writing parameters
@@ -222,22 +280,35 @@ def packed_adamw_fused_step(
     return step
 
 
-def export_state(state: PackedAdamWState, mode: str = "packed", *, m_bias: int = DEFAULT_M_BIAS,
-                 rms_bias: int = DEFAULT_RMS_BIAS) -> PortableState:
-    """The state in leaf order, for `PackedAdamW.import_state` (pass the transform's mode/biases)."""
-    fmt = StateFormat(mode, m_bias, rms_bias)
+def export_state(state: PackedAdamWState, mode: str | StateFormat = "packed", *, m_bias: int | None = None,
+                 rms_bias: int | None = None) -> PortableState:
+    """The state in leaf order, for `PackedAdamW.import_state` (pass the transform's format)."""
+    fmt = state_format(mode, m_bias, rms_bias)
     leaves = jax.tree_util.tree_leaves(state.moments)
     count = int(state.count)
     return PortableState(fmt.identity, [count] * len(leaves), [np.array(leaf) for leaf in leaves])
 
 
-def import_state(portable: PortableState, params, mode: str = "packed", *, m_bias: int = DEFAULT_M_BIAS,
-                 rms_bias: int = DEFAULT_RMS_BIAS) -> PackedAdamWState:
-    """A `PackedAdamWState` for `params` from an exported torch (or JAX) state.
+def _placed_like(moments: np.ndarray, param, fmt: StateFormat):
+    """An imported state leaf on the devices of its (concrete) parameter, sharded alike."""
+    sharding = getattr(param, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (np.ndim(param) - len(sharding.spec))
+        return jax.device_put(moments, jax.sharding.NamedSharding(sharding.mesh,
+                                                                  jax.sharding.PartitionSpec(*state_spec(spec, fmt))))
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return jax.device_put(moments, sharding)
+    return jnp.asarray(moments)
+
+
+def import_state(portable: PortableState, params, mode: str | StateFormat = "packed", *, m_bias: int | None = None,
+                 rms_bias: int | None = None) -> PackedAdamWState:
+    """A `PackedAdamWState` for `params` from an exported torch (or JAX) state, placed (and
+    sharded) as the parameters are.
 
     JAX keeps one step count for all leaves, so every tensor must have taken the same steps.
     """
-    fmt = StateFormat(mode, m_bias, rms_bias)
+    fmt = state_format(mode, m_bias, rms_bias)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     portable.check(fmt, [tuple(jnp.shape(leaf)) for leaf in leaves])
     if len(set(portable.counts)) > 1:
@@ -248,8 +319,9 @@ def import_state(portable: PortableState, params, mode: str = "packed", *, m_bia
     count = portable.counts[0] if portable.counts else 0
     return PackedAdamWState(
         count=jnp.asarray(count, jnp.int32),
-        moments=treedef.unflatten([jnp.asarray(m) for m in portable.moments]),
+        moments=treedef.unflatten([_placed_like(m, p, fmt) for m, p in zip(portable.moments, leaves)]),
     )
 
 
-__all__ = ["PackedAdamWState", "packed_adamw", "packed_adamw_fused_step", "export_state", "import_state"]
+__all__ = ["DEFAULT_WEIGHT_DECAY", "PackedAdamWState", "export_state", "import_state", "packed_adamw",
+           "packed_adamw_fused_step", "state_format"]

@@ -20,7 +20,7 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
-from jax_helpers import F32, MODES, assert_bits_equal, bits, make_problem, run_jax, run_numpy, run_torch  # noqa: E402
+from jax_helpers import F32, MODES, assert_bits_equal, bits, make_problem, run_jax, run_numpy, run_torch  # noqa: E402,F401
 
 pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")]
 
@@ -183,3 +183,146 @@ def test_leaves_launched_in_groups_give_the_bits_of_a_launch_per_leaf(mode):
     for k in shapes:
         assert_bits_equal(results[True][0][k], t_params[k], f"groups vs torch params[{k!r}]")
         assert_bits_equal(results[True][1].moments[k], t_states[k], f"groups vs torch state[{k!r}]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding on the one GPU, the arrays' platform, and the update written into the gradient
+# ---------------------------------------------------------------------------------------------
+def _train_step(tx):
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_sharded_update_and_fused_step_on_a_one_device_mesh_give_the_unsharded_bits(mode, axis_type):
+    """Sharded arrays take the shard_map path (on a mesh of one device, Auto axes too: their
+    one shard is known); it launches the kernels on the shards and must give the bits of the
+    unsharded step."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    params0, grads = problem(seed=26)
+    mask = {k: k != "odd1" for k in SHAPES}
+    tx = packed_adamw(table_schedule, weight_decay=WD, mode=mode, mask=mask)
+    want_p, want_s = run_jax(params0, grads, tx)
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(getattr(AxisType, axis_type),))
+    spec = {k: PartitionSpec("x") if len(s) else PartitionSpec() for k, s in SHAPES.items()}
+    put = lambda tree: {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in tree.items()}  # noqa: E731
+    with jax.set_mesh(mesh):
+        step = jax.jit(_train_step(tx), donate_argnums=(0, 1))
+        fused = jax.jit(packed_adamw_fused_step(table_schedule, weight_decay=WD, mode=mode, mask=mask),
+                        donate_argnums=(0, 2))
+        params, state = put(params0), tx.init(put(params0))
+        f_params, f_state = put(params0), tx.init(put(params0))
+        text = step.lower(params, state, put(grads[0])).compile().as_text()
+        assert "triton" in text.lower() and "all-gather" not in text
+        for g in grads:
+            params, state = step(params, state, put(g))
+            f_params, f_state = fused(f_params, put(g), f_state)
+    for k in SHAPES:
+        assert_bits_equal(params[k], want_p[k], f"sharded transform params[{k!r}]")
+        assert_bits_equal(state.moments[k], want_s.moments[k], f"sharded transform state[{k!r}]")
+        assert_bits_equal(f_params[k], want_p[k], f"sharded fused params[{k!r}]")
+        assert_bits_equal(f_state.moments[k], want_s.moments[k], f"sharded fused state[{k!r}]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_custom_partitioning_step_gives_the_bits_of_the_plain_step(mode):
+    """The Auto-axes path of several GPUs (`custom_partitioning`), built and run here on one GPU,
+    where XLA lowers it inline: same bits as the plain step. (Its partition callback needs two
+    or more GPUs; tests/test_jax_sharding.py checks it on CPU devices with a stand-in body.)"""
+    from packed_adamw.core import StateFormat
+    from packed_adamw.jax._sharding import partitioned_step
+    from packed_adamw.jax._step import StepConfig, local_step
+
+    params0, grads = problem(seed=30)
+    keys = sorted(SHAPES)
+    fmt = StateFormat(mode)
+    config = StepConfig(fmt=fmt, write_update=True, multi_tensor=True, decay=tuple(k != "odd1" for k in keys),
+                        paths=tuple(keys), alias_grads=True)
+    p = [jnp.asarray(params0[k]) for k in keys]
+    g = [jnp.asarray(grads[0][k]) for k in keys]
+    s = [jnp.zeros(fmt.state_shape(SHAPES[k]), fmt.state_dtype) for k in keys]
+    h = jnp.asarray([[LR, 0.9, 0.999, 1e-8, WD], [LR, 0.9, 0.999, 1e-8, 0.0]], jnp.float32)
+    c = jnp.asarray(1, jnp.int32)
+    want = jax.jit(lambda *a: local_step(*a, config=config))(p, g, s, h, c)
+    got = jax.jit(lambda *a: partitioned_step(*a, config=config))(p, g, s, h, c)
+    for i, k in enumerate(keys):
+        assert_bits_equal(got[0][i], want[0][i], f"update[{k!r}]")
+        assert_bits_equal(got[1][i], want[1][i], f"state[{k!r}]")
+    assert np.any(bits(want[1][keys.index("big")])), "the state was never written"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_arrays_on_the_cpu_of_a_gpu_host_take_the_cpu_path(mode):
+    """The path follows the platform the step is compiled for, not jax.default_backend()."""
+    params0, grads = problem(seed=27)
+    small = {k: v for k, v in params0.items() if k != "big"}
+    small_grads = [{k: g[k] for k in small} for g in grads[:3]]
+    tx = packed_adamw(LR, weight_decay=WD, mode=mode)
+    cpu = jax.devices("cpu")[0]
+    params = {k: jax.device_put(v, cpu) for k, v in small.items()}
+    state = jax.device_put(tx.init(params), cpu)
+    step = jax.jit(_train_step(tx))
+    grads0 = {k: jax.device_put(v, cpu) for k, v in small_grads[0].items()}
+    text = step.lower(params, state, grads0).compile().as_text()
+    assert "xla_ffi_python_cpu_callback" in text and "triton" not in text.lower()
+    for g in small_grads:
+        params, state = step(params, state, {k: jax.device_put(v, cpu) for k, v in g.items()})
+    assert all(leaf.devices() == {cpu} for leaf in jax.tree_util.tree_leaves((params, state)))
+    gpu_p, gpu_s = run_jax(small, small_grads, tx)  # the same run on the GPU
+    n_params, n_states = run_numpy(small, small_grads, mode=mode, lr=LR, weight_decay=WD)
+    for k in small:
+        assert_bits_equal(params[k], gpu_p[k], f"CPU-placed vs GPU params[{k!r}]")
+        assert_bits_equal(state.moments[k], gpu_s.moments[k], f"CPU-placed vs GPU state[{k!r}]")
+        assert_bits_equal(params[k], n_params[k], f"CPU-placed vs numpy params[{k!r}]")
+        assert_bits_equal(state.moments[k], n_states[k], f"CPU-placed vs numpy state[{k!r}]")
+
+
+@pytest.mark.parametrize("multi_tensor", [True, False], ids=["groups", "per-leaf"])
+def test_the_transform_writes_its_update_into_the_gradient_buffer(multi_tensor):
+    """In a jitted train step whose gradients are computed in the step, reuse_grad_buffer=True
+    (the default) writes u into the gradient's buffer: XLA's temporaries shrink by one leaf
+    against reuse_grad_buffer=False, with the same bits. Gradients passed in and kept by the
+    caller are copied, never overwritten."""
+    rows, cols, k = 4096, 4096, 64  # the gradient is a matrix product: XLA materializes it
+    n = rows * cols
+    rng = np.random.default_rng(29)
+    params0 = {"w": (rng.standard_normal((rows, cols)) * 0.05).astype(F32), "b": rng.standard_normal(1000).astype(F32)}
+    x = jnp.asarray(rng.standard_normal((k, rows)).astype(F32))
+    y = jnp.asarray(rng.standard_normal((k, cols)).astype(F32))
+
+    def loss(params, x, y):
+        return jnp.sum((x @ params["w"]) * y) * 1e-4 + jnp.sum(params["b"] ** 2)
+
+    results = {}
+    for reuse in (True, False):
+        tx = packed_adamw(LR, weight_decay=WD, multi_tensor=multi_tensor, reuse_grad_buffer=reuse)
+
+        def train_step(params, state, x, y, tx=tx):
+            updates, state = tx.update(jax.grad(loss)(params, x, y), state, params)
+            return optax.apply_updates(params, updates), state
+
+        params = {key: jnp.asarray(v) for key, v in params0.items()}
+        state = tx.init(params)
+        compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(params, state, x, y).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        for _ in range(3):
+            params, state = compiled(params, state, x, y)
+        results[reuse] = (temp, params, state)
+    saved = results[False][0] - results[True][0]
+    assert saved >= 4 * n, f"temporaries {results[True][0]} (reuse) vs {results[False][0]} bytes: saved {saved} < {4 * n}"
+    for key in params0:
+        assert_bits_equal(results[True][1][key], results[False][1][key], f"params[{key!r}], reuse vs not")
+        assert_bits_equal(results[True][2].moments[key], results[False][2].moments[key], f"state[{key!r}], reuse vs not")
+    # Gradients the caller keeps are copied before the kernel writes into them.
+    tx = packed_adamw(LR, weight_decay=WD, multi_tensor=multi_tensor)
+    kept = jax.grad(loss)({key: jnp.asarray(v) for key, v in params0.items()}, x, y)
+    before = {key: bits(v).copy() for key, v in kept.items()}
+    params = {key: jnp.asarray(v) for key, v in params0.items()}
+    jax.block_until_ready(jax.jit(tx.update)(kept, tx.init(params), params))
+    for key in params0:
+        assert_bits_equal(kept[key], before[key], f"kept gradient {key!r} after an update")

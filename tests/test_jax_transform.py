@@ -10,8 +10,10 @@ of `b1*m + (1-b1)*g` differ by one ulp under jit on XLA CPU).
 """
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import re
-import warnings
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 from jax_helpers import F32, MODES, U32, assert_bits_equal, bits, make_problem, run_jax, run_torch
-from packed_adamw.core import authority
+from packed_adamw.core import StateFormat, authority
 from packed_adamw.core.portable import PortableState
 from packed_adamw.jax import PackedAdamWState, export_state, import_state, packed_adamw, packed_adamw_fused_step
 from packed_adamw.torch import PackedAdamW
@@ -207,7 +209,7 @@ def test_chain_with_clip_by_global_norm_equals_clipping_by_hand(mode, variant):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("static_args", [("mode", "m_bias", "rms_bias")])
+@pytest.mark.parametrize("static_args", [(), ("mode", "m_bias", "rms_bias")], ids=["no-static-args", "static-args"])
 def test_inject_hyperparams_learning_rate_changes_without_recompiling(mode, static_args):
     params0, grads = problem(seed=6, steps=3)
     tx = optax.inject_hyperparams(packed_adamw, static_args=static_args)(learning_rate=LR, weight_decay=WD, mode=mode)
@@ -235,14 +237,18 @@ def test_inject_hyperparams_learning_rate_changes_without_recompiling(mode, stat
     assert len(traces) == 1 and step._cache_size() == 1
 
 
-@pytest.mark.parametrize("name, bad", [("learning_rate", -1e-3), ("learning_rate", float("nan")), ("b1", 1.0),
-                                       ("eps", 0.0), ("weight_decay", -0.1)])
-def test_invalid_injected_hyperparameter_refuses_the_step_whole(name, bad, variant):
+# With a mask, the leaves exempt from decay use the row without weight decay: only an invalid
+# weight decay leaves that row valid, so that is the case the mask adds.
+@pytest.mark.parametrize("name, bad, masked", [("learning_rate", -1e-3, False), ("learning_rate", float("nan"), False),
+                                               ("b1", 1.0, False), ("eps", 0.0, False), ("weight_decay", -0.1, False),
+                                               ("weight_decay", -0.1, True)])
+def test_invalid_injected_hyperparameter_refuses_the_step_whole(name, bad, masked, variant):
     """A value known only in the graph is checked there by the rules of the constructor's
-    validation, the same on every backend: the step changes no parameter, word or count."""
+    validation, the same on every backend: the step changes no parameter, word or count,
+    including the leaves a mask exempts from weight decay."""
     params0, grads = problem(seed=16, steps=2)
-    tx = optax.inject_hyperparams(packed_adamw, static_args=("mode", "m_bias", "rms_bias"))(
-        learning_rate=LR, weight_decay=WD)
+    mask = {"b": False, "e": True, "s": False, "w": True} if masked else None
+    tx = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=WD, mask=mask)
     step = variant(step_fn(tx))
     params = to_jax(params0)
     state = tx.init(params)
@@ -256,11 +262,59 @@ def test_invalid_injected_hyperparameter_refuses_the_step_whole(name, bad, varia
         assert np.isfinite(np.asarray(leaf)).all()
 
 
-def test_inject_hyperparams_with_traced_biases_says_to_make_them_static():
-    tx = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=WD)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_state_format_object_gives_the_bits_of_the_same_biases_and_stays_static_when_injected(mode, variant):
+    params0, grads = problem(seed=6, steps=3)
+    fmt = StateFormat(mode, m_bias=13, rms_bias=17)
+    by_args, by_args_state = run_jax(params0, grads, packed_adamw(LR, weight_decay=WD, mode=mode, m_bias=13, rms_bias=17))
+    by_format, by_format_state = run_jax(params0, grads, packed_adamw(LR, weight_decay=WD, mode=fmt))
+    assert_trees_bits_equal(by_format, by_args, "params")
+    assert_trees_bits_equal(by_format_state, by_args_state, "state")
+    injected = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=WD, mode=fmt)
+    params = to_jax(params0)
+    state = variant(injected.init)(params)
+    step = variant(step_fn(injected))
+    for g in grads:
+        params, state = step(params, state, to_jax(g))
+    assert_trees_bits_equal(params, by_args, "params under inject_hyperparams")
+    assert_trees_bits_equal(state.inner_state, by_args_state, "state under inject_hyperparams")
+    if mode == "packed":  # the biases really matter (fp16 and fp32 have none): the default gives other words
+        _, default_state = run_jax(params0, grads, packed_adamw(LR, weight_decay=WD, mode=mode))
+        assert not np.array_equal(bits(default_state.moments["w"]), bits(by_args_state.moments["w"]))
+
+
+def test_integer_biases_under_inject_hyperparams_say_to_use_a_format_object():
+    """inject_hyperparams turns numbers into arrays; a bias must be static, so the error says how."""
+    tx = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=WD, m_bias=18, rms_bias=18)
     params = to_jax(problem(seed=6, steps=1)[0])
-    with pytest.raises(TypeError, match="static_args=\\('mode', 'm_bias', 'rms_bias'\\)"):
+    with pytest.raises(TypeError, match=re.escape("mode=StateFormat('packed', m_bias=..., rms_bias=...)")):
         jax.jit(tx.init)(params)
+    with pytest.raises(TypeError, match="m_bias"):
+        tx.init(params)  # eager too: the bias arrives as an array either way
+    static = optax.inject_hyperparams(packed_adamw, static_args=("m_bias", "rms_bias"))(
+        learning_rate=LR, weight_decay=WD, m_bias=18, rms_bias=18)
+    jax.jit(static.init)(params)  # static_args keep working
+
+
+@pytest.mark.parametrize("kwargs", [dict(mode=StateFormat("packed", 18, 18), m_bias=15),
+                                    dict(mode=StateFormat("fp16"), rms_bias=12)])
+def test_biases_that_contradict_the_format_object_are_refused(kwargs):
+    with pytest.raises(ValueError, match="contradicts"):
+        packed_adamw(LR, **kwargs)
+
+
+def test_defaults_mirror_optax_adamw():
+    """Swapping optax.adamw(lr) for packed_adamw(lr) keeps every shared default (weight decay
+    1e-4, not torch's 1e-2)."""
+    ours, theirs = inspect.signature(packed_adamw).parameters, inspect.signature(optax.adamw).parameters
+    for name in ("b1", "b2", "eps", "weight_decay", "mask"):
+        assert ours[name].default == theirs[name].default, name
+    assert inspect.signature(packed_adamw_fused_step).parameters["weight_decay"].default == theirs["weight_decay"].default
+    params0, grads = problem(seed=3, steps=2)
+    default_p, _ = run_jax(params0, grads, packed_adamw(LR))
+    explicit_p, _ = run_jax(params0, grads, packed_adamw(LR, weight_decay=1e-4))
+    assert_trees_bits_equal(default_p, explicit_p, "params at the default weight decay")
+    assert isinstance(packed_adamw(LR), optax.GradientTransformationExtraArgs)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -539,7 +593,7 @@ def test_non_finite_gradient_elements_keep_param_and_state_like_torch(mode, vari
 def test_weight_decay_without_params_raises_and_zero_decay_works_without_params():
     params = to_jax(problem(steps=1)[0])
     tx = packed_adamw(LR, weight_decay=WD)
-    with pytest.raises(ValueError, match="params"):
+    with pytest.raises(ValueError, match="weight_decay is nonzero.*params"):
         tx.update(params, tx.init(params))
     tx0 = packed_adamw(LR, weight_decay=0.0)
     updates, _ = tx0.update(params, tx0.init(params))
@@ -604,7 +658,86 @@ def test_a_mask_may_be_a_prefix_of_the_params_as_in_optax():
 
 def test_injected_zero_weight_decay_needs_no_params():
     params = to_jax(problem(seed=6, steps=1)[0])
-    tx = optax.inject_hyperparams(packed_adamw, static_args=("mode", "m_bias", "rms_bias"))(
-        learning_rate=LR, weight_decay=0.0)
+    tx = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=0.0)
     updates, _ = tx.update(params, tx.init(params))  # no params: fine, nothing to decay
     assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(params)
+
+
+def test_traced_weight_decay_without_params_says_it_is_not_known_to_be_zero():
+    """Under jit an injected weight decay is traced: it may be zero, but nothing can tell."""
+    params = to_jax(problem(seed=6, steps=1)[0])
+    tx = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=0.0)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="not known to be zero.*pass|not known to be zero.*params"):
+        jax.jit(lambda g, s: tx.update(g, s))(params, state)
+    updates, _ = jax.jit(tx.update)(params, state, params)  # with params it steps
+    assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(params)
+
+
+def test_no_params_are_needed_when_the_mask_exempts_every_leaf():
+    params = to_jax(problem(seed=6, steps=1)[0])
+    none = jax.tree_util.tree_map(lambda _: False, params)
+    tx = packed_adamw(LR, weight_decay=WD, mask=none)
+    without, _ = tx.update(params, tx.init(params))
+    undecayed = packed_adamw(LR, weight_decay=0.0)
+    reference, _ = undecayed.update(params, undecayed.init(params), params)
+    assert_trees_bits_equal(without, reference, "updates with every leaf masked, no params")
+
+
+def test_a_negative_step_count_is_refused_eagerly_and_refuses_the_step_under_jit():
+    params0, grads = problem(seed=17, steps=1)
+    tx = packed_adamw(LR, weight_decay=WD)
+    params = to_jax(params0)
+    state = tx.init(params)._replace(count=jnp.asarray(-3, jnp.int32))
+    with pytest.raises(ValueError, match="step count is -3"):
+        tx.update(to_jax(grads[0]), state, params)
+    updates, new_state = jax.jit(tx.update)(to_jax(grads[0]), state, params)
+    assert int(new_state.count) == -3
+    assert_trees_bits_equal(new_state.moments, state.moments, "words after a refused step")
+    assert all(np.all(bits(u) == U32(0x80000000)) for u in jax.tree_util.tree_leaves(updates))
+
+
+def test_an_error_inside_the_cpu_callback_names_the_leaf_on_its_last_line(monkeypatch):
+    from packed_adamw.jax import _step
+
+    def broken(*args, **kwargs):
+        raise ArithmeticError("the numpy step broke")
+
+    monkeypatch.setattr(_step, "apply_step", broken)
+    params = to_jax(problem(seed=6, steps=1)[0])
+    tx = packed_adamw(LR, weight_decay=WD)
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(jax.jit(tx.update)(params, tx.init(params), params))
+    last_line = str(info.value).strip().splitlines()[-1]
+    assert "packed_adamw CPU step of leaf ['b']: ArithmeticError: the numpy step broke" in last_line, str(info.value)
+
+
+def test_the_path_follows_the_lowering_platform_not_the_default_backend():
+    """The step is chosen when lowering: the CPU lowering is the numpy callback and imports no
+    jax_triton; a CUDA lowering of the same trace reaches the jax-triton launcher (here, with
+    no jax_triton installed, its import fails; tests/test_jax_cuda.py covers a GPU host)."""
+    params = to_jax(problem(seed=6, steps=1)[0])
+    tx = packed_adamw(LR, weight_decay=WD)
+    traced = jax.jit(tx.update).trace(params, tx.init(params), params)
+    cpu_text = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert cpu_text.count("xla_ffi_python_cpu_callback") == 1 and "triton" not in cpu_text
+    if importlib.util.find_spec("jax_triton") is not None:
+        pytest.skip("jax_triton is installed here; the CUDA lowering is checked in tests/test_jax_cuda.py")
+    assert "jax_triton" not in sys.modules
+    with pytest.raises(ImportError, match="jax_triton"):
+        traced.lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("mode", ["packed", "fp32"])
+def test_vmap_over_an_ensemble_steps_each_member_as_alone(mode):
+    params0, grads = problem(seed=18, steps=2)
+    tx = packed_adamw(LR, weight_decay=WD, mode=mode)
+    members = [to_jax(params0), jax.tree_util.tree_map(lambda x: x * 2, to_jax(params0))]
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *members)
+    g = jax.tree_util.tree_map(lambda x: jnp.stack([x, -x]), to_jax(grads[0]))
+    updates, states = jax.jit(jax.vmap(tx.update))(g, jax.vmap(tx.init)(stacked), stacked)
+    for i, member in enumerate(members):
+        alone, alone_state = tx.update(jax.tree_util.tree_map(lambda x: x[i], g), tx.init(member), member)
+        assert_trees_bits_equal(jax.tree_util.tree_map(lambda x: x[i], updates), alone, f"member {i} updates")
+        assert_trees_bits_equal(jax.tree_util.tree_map(lambda x: x[i], states.moments), alone_state.moments,
+                                f"member {i} state")

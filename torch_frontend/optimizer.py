@@ -429,9 +429,9 @@ class PackedAdamW(Optimizer):
             if count == 0:
                 new[p] = None
                 continue
-            tensor = torch.from_numpy(np.ascontiguousarray(moments).copy())
-            if moments.dtype == np.uint32:
-                tensor = torch.from_numpy(np.ascontiguousarray(moments).view(np.int32).copy()).view(torch.uint32)
+            array = np.array(moments, order="C", copy=True)  # keeps 0-d shapes (ascontiguousarray does not)
+            tensor = torch.from_numpy(array.view(np.int32)).view(torch.uint32) if array.dtype == np.uint32 \
+                else torch.from_numpy(array)
             _check_loaded_values(tensor, self.state_format, f"import_state: tensor {i} ({name})")
             new[p] = {"step": count, self._state_key: tensor.to(p.device)}
         self._drop_plan(keep_counts=False)

@@ -1,0 +1,215 @@
+"""Sharded parameters: every device steps its own shards, with no gather.
+
+The step is elementwise per leaf, so a device holding a shard of a parameter, of its gradient
+and of its state words can update that shard alone; the hyperparameter rows and the count are
+replicated scalars. How the shards are handed to `_step.local_step` depends on what is known
+when the step is traced:
+
+- the shardings are known (concrete arrays, as in an eager `tx.update`, or traced arrays whose
+  mesh axes are `Explicit`, JAX's sharding in types): `jax.shard_map` over the parameters'
+  mesh, with each leaf's `PartitionSpec`. This works on every platform, the CPU callbacks
+  included (a callback inside `shard_map` runs once per device, on that device's shards);
+- the mesh axes are `Auto` (`jax.jit` with `in_shardings`, or sharded inputs without
+  sharding in types): the shardings are decided by XLA after tracing, so on GPU the step is a
+  `custom_partitioning` whose partition callback receives them and lowers the step on
+  per-shard shapes. A host callback cannot be part of such a partition (XLA builds it as a
+  separate module, whose callbacks the executable never registers), so on a CPU mesh with
+  `Auto` axes the step runs unpartitioned: XLA gathers the leaves to one device, correct but
+  not distributed (use `Explicit` axes to keep CPU meshes per shard);
+- no mesh (the usual single-device case), or inside a `shard_map` that already made every
+  mesh axis manual: the step is bound as it is. A mesh of one device takes the paths above
+  (one shard per leaf), so a single GPU runs the sharded code too.
+
+A fp32-mode state is [2, *shape]: its sharding is the parameter's with an unsharded leading
+dimension.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from ._step import StepConfig, local_step, packed_adamw_step_p
+
+
+def _spec_tuple(spec, ndim: int) -> tuple:
+    entries = tuple(spec)[:ndim] if spec is not None else ()
+    return entries + (None,) * (ndim - len(entries))
+
+
+def state_spec(param_spec: tuple, fmt) -> tuple:
+    """The state's spec for a parameter's spec (fp32 mode: an unsharded leading dimension)."""
+    return (None, *param_spec) if fmt.mode == "fp32" else tuple(param_spec)
+
+
+class _Placement:
+    """Where a step's leaves are: a mesh (concrete or abstract), their specs and whether those
+    are known at trace time."""
+
+    def __init__(self, mesh, specs, known: bool, axis_names: frozenset):
+        self.mesh, self.specs, self.known, self.axis_names = mesh, specs, known, axis_names
+
+    @property
+    def platform(self) -> str | None:
+        device = getattr(self.mesh.abstract_mesh, "abstract_device", None)
+        return getattr(device, "platform", None)
+
+
+def _leaf_mesh(x):
+    """(mesh, spec tuple, known) of one leaf, or None where it is on one device or not sharded."""
+    ndim = len(jax.numpy.shape(x))
+    if isinstance(x, jax.core.Tracer):
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or mesh.empty:
+            return None
+        if all(t == AxisType.Manual for t in mesh.axis_types):
+            return None  # inside a shard_map over every axis: the arrays are already shards
+        known = all(mesh.shape[a] == 1 or t == AxisType.Explicit
+                    for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+        return mesh, _spec_tuple(sharding.spec, ndim), known
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+        return sharding.mesh, _spec_tuple(sharding.spec, ndim), True
+    return None
+
+
+def placement(params) -> _Placement | None:
+    """The mesh the parameters are sharded over, or None for a step on one device."""
+    found = [(i, _leaf_mesh(p)) for i, p in enumerate(params)]
+    found = [(i, m) for i, m in found if m is not None]
+    if not found:
+        return None
+    meshes = {m[0].abstract_mesh for _, m in found}
+    if len(meshes) > 1:
+        raise ValueError(
+            f"packed_adamw: the parameters are sharded over {len(meshes)} different meshes "
+            f"({sorted(map(str, meshes))}); put every parameter on one mesh"
+        )
+    mesh = found[0][1][0]
+    specs = [tuple([None] * len(jax.numpy.shape(p))) for p in params]
+    for i, (_, spec, _) in found:
+        specs[i] = spec
+    known = all(k for _, (_, _, k) in found)
+    free = frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+    return _Placement(mesh, specs, known, free)
+
+
+def _reshard_to(x, mesh, spec: tuple):
+    """x with `spec` on `mesh` where sharding in types says otherwise (a user's gradients laid
+    out unlike the parameters); a no-op otherwise."""
+    ndim = len(spec)
+    if isinstance(x, jax.core.Tracer):
+        typed = getattr(jax.typeof(x), "sharding", None)
+        explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+        if explicit and typed is not None and _spec_tuple(typed.spec, ndim) != spec:
+            return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*spec)))
+        return x
+    return x  # concrete arrays: shard_map moves them to the specs it is given
+
+
+def sharded_step(params, grads, states, hparams, count, *, config: StepConfig):
+    """`_step.local_step` over the leaves, one device's shards at a time where sharded."""
+    where = placement(params)
+    if where is None:
+        return local_step(params, grads, states, hparams, count, config=config)
+    if not where.known:
+        if where.platform == "gpu":
+            return partitioned_step(params, grads, states, hparams, count, config=config)
+        return local_step(params, grads, states, hparams, count, config=config)  # gathered (see above)
+    mesh, fmt = where.mesh, config.fmt
+    p_specs = [PartitionSpec(*s) for s in where.specs]
+    s_specs = [PartitionSpec(*state_spec(s, fmt)) for s in where.specs]
+    grads = [_reshard_to(g, mesh, s) for g, s in zip(grads, where.specs)]
+    states = [_reshard_to(s, mesh, state_spec(spec, fmt)) for s, spec in zip(states, where.specs)]
+    mapped = _mapped(config, mesh, tuple(p_specs), tuple(s_specs), where.axis_names)
+    outs, new_states = mapped(list(params), list(grads), list(states), hparams, count)
+    return list(outs), list(new_states)
+
+
+@functools.lru_cache(maxsize=128)
+def _mapped(config: StepConfig, mesh, p_specs: tuple, s_specs: tuple, axis_names: frozenset):
+    """The shard_map of the step, jitted and cached: an eager step over the same layout then
+    compiles once (an eager shard_map lowers its body again on every call); under an outer
+    jit it is inlined."""
+
+    def per_device(params, grads, states, hparams, count):
+        return tuple(local_step(params, grads, states, hparams, count, config=config))
+
+    replicated = PartitionSpec()
+    return jax.jit(jax.shard_map(
+        per_device, mesh=mesh, axis_names=axis_names, check_vma=False,
+        in_specs=(list(p_specs), list(p_specs), list(s_specs), replicated, replicated),
+        out_specs=(list(p_specs), list(s_specs)),
+    ))
+
+
+# ---------------------------------------------------------------------------------------------
+# Auto mesh axes on GPU: custom_partitioning
+# ---------------------------------------------------------------------------------------------
+def _factor_rule(ranks: tuple[int, ...], fmt) -> tuple[str, tuple[str, ...]]:
+    """The Shardy sharding rule: leaf i's parameter, gradient and state (and both outputs)
+    share the factors of the parameter's dimensions; a fp32 state's leading dimension and the
+    hyperparameter rows stay replicated."""
+    dims = [[f"l{i}d{k}" for k in range(r)] for i, r in enumerate(ranks)]
+    lead = [f"l{i}m" for i in range(len(ranks))]
+    param = [" ".join(d) for d in dims]
+    state = [" ".join(([lead[i]] if fmt.mode == "fp32" else []) + d) for i, d in enumerate(dims)]
+    operands = param + param + state + ["hr hc", ""]
+    results = param + state
+    # Listed in order of first appearance, as Shardy wants them.
+    replicated = (tuple(lead) if fmt.mode == "fp32" else ()) + ("hr", "hc")
+    return ", ".join(operands) + " -> " + ", ".join(results), replicated
+
+
+def _replicated_like(sharding):
+    return NamedSharding(sharding.mesh, PartitionSpec())
+
+
+@functools.lru_cache(maxsize=128)
+def _partitioned(config: StepConfig, ranks: tuple[int, ...], body=None):
+    """A custom_partitioning of the step for leaves of these ranks (cached: one per layout).
+
+    `body(*args, config=...)` runs on one device's shards; the default binds the step
+    primitive (a test passes a plain function to check the partitioning on CPU)."""
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    n = len(ranks)
+    fmt = config.fmt
+    run = body or (lambda *args, config: packed_adamw_step_p.bind(*args, config=config))
+
+    def step(*args):
+        return tuple(run(*args, config=config))
+
+    def shardings(mesh, arg_shapes):
+        """Each leaf follows its parameter's sharding; hyperparameters are replicated."""
+        p_shardings = []
+        for shape in arg_shapes[:n]:
+            sharding = shape.sharding
+            spec = _spec_tuple(sharding.spec, len(shape.shape))
+            p_shardings.append(NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+        s_shardings = [NamedSharding(s.mesh, PartitionSpec(*state_spec(tuple(s.spec), fmt))) for s in p_shardings]
+        replicated = NamedSharding(p_shardings[0].mesh if p_shardings else mesh, PartitionSpec())
+        return p_shardings, s_shardings, replicated
+
+    def partition(mesh, arg_shapes, result_shape):
+        p_sh, s_sh, rep = shardings(mesh, arg_shapes)
+        return mesh, step, (*p_sh, *s_sh), (*p_sh, *p_sh, *s_sh, rep, rep)
+
+    def infer(mesh, arg_shapes, result_shape):
+        p_sh, s_sh, _ = shardings(mesh, arg_shapes)
+        return (*p_sh, *s_sh)
+
+    partitioned = custom_partitioning(step)
+    rule, replicated_factors = _factor_rule(ranks, fmt)
+    partitioned.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                              sharding_rule=rule, need_replication_factors=replicated_factors)
+    return partitioned
+
+
+def partitioned_step(params, grads, states, hparams, count, *, config: StepConfig, body=None):
+    ranks = tuple(len(jax.numpy.shape(p)) for p in params)
+    results = _partitioned(config, ranks, body)(*params, *grads, *states, hparams, count)
+    n = config.n_leaves
+    return list(results[:n]), list(results[n:])

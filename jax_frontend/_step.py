@@ -1,0 +1,149 @@
+"""The step over one device's leaves as a JAX primitive, lowered per platform.
+
+`local_step` binds `packed_adamw_step`, a primitive whose lowering is chosen by the platform
+the computation is compiled for: on CUDA the jax-triton launches of `_triton_launch`, on
+every other platform (CPU first of all) the numpy step through one `jax.pure_callback`.
+
+Why a primitive and not `jax.default_backend()` or `jax.lax.platform_dependent`: the
+backend default says nothing about where the arrays are (arrays placed on the CPU of a GPU
+host, or `jit(..., backend="cpu")`, compile for the CPU), and `platform_dependent` traces
+every branch when the step is traced, so the CUDA branch would import jax_triton, which fails
+with a CPU-only jaxlib. A lowering rule runs only for the platform being compiled, so the
+CUDA rule, and with it `import jax_triton`, is reached only when compiling for a GPU.
+
+The primitive sees the shapes of the arrays it is given: under `shard_map` or a
+`custom_partitioning` partition (`_sharding.py`) those are one device's shards, so every
+leaf-group table and callback works on the local shards.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from packed_adamw.core import StateFormat
+from packed_adamw.core.numpy_step import apply_step, step_scalar_row
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What the step's compiled code depends on besides array shapes (hashable)."""
+
+    fmt: StateFormat
+    write_update: bool
+    multi_tensor: bool
+    decay: tuple[bool, ...]  # per leaf: weight decay (row 0 of hparams) or not (row 1)
+    paths: tuple[str, ...]  # per leaf, for messages
+    alias_grads: bool = False  # CUDA transform: write u into the gradient's buffer
+
+    @property
+    def n_leaves(self) -> int:
+        return len(self.decay)
+
+
+def _split(args, config: StepConfig):
+    n = config.n_leaves
+    return list(args[:n]), list(args[n:2 * n]), list(args[2 * n:3 * n]), args[3 * n], args[3 * n + 1]
+
+
+def local_step(params, grads, states, hparams, count, *, config: StepConfig):
+    """Every leaf's (update or new parameter, new state), for the arrays as given.
+
+    `hparams` is [2, 5] float32 (the row with weight decay, then without; already checked in
+    the graph), `count` an int32 scalar: the count after this step (>= 1)."""
+    results = packed_adamw_step_p.bind(*params, *grads, *states, hparams, count, config=config)
+    n = config.n_leaves
+    return list(results[:n]), list(results[n:])
+
+
+packed_adamw_step_p = Primitive("packed_adamw_step")
+packed_adamw_step_p.multiple_results = True
+
+
+@packed_adamw_step_p.def_abstract_eval
+def _abstract_eval(*avals, config: StepConfig):
+    params, _, states, _, _ = _split(avals, config)
+    # The outputs have the types (and shardings) of the parameters and states.
+    return [a.update(weak_type=False) for a in params] + [a.update(weak_type=False) for a in states]
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted(config: StepConfig):
+    return jax.jit(lambda *args: packed_adamw_step_p.bind(*args, config=config))
+
+
+@packed_adamw_step_p.def_impl
+def _impl(*args, config: StepConfig):
+    # Outside a trace: compile the primitive alone, for the devices the arrays are on.
+    return _jitted(config)(*args)
+
+
+def _batched(args, dims, *, config: StepConfig):
+    """vmap: one step per batch element, in sequence (as `pure_callback`'s "sequential")."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+             for a, d in zip(args, dims)]
+    outs = jax.lax.map(lambda xs: packed_adamw_step_p.bind(*xs, config=config), moved)
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[packed_adamw_step_p] = _batched
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU (and any platform without a CUDA rule): the numpy step, one callback per leaf
+# ---------------------------------------------------------------------------------------------
+class CpuStepError(RuntimeError):
+    """An error inside the CPU step's callback, with the leaf named on one line."""
+
+
+def _host_step(hparams, count, *arrays, config: StepConfig):
+    """Every leaf of one device in one callback: a callback costs far more than the numpy step
+    of a small leaf, so leaves do not get one each."""
+    n, fmt = config.n_leaves, config.fmt
+    params, grads, states = arrays[:n], arrays[n:2 * n], arrays[2 * n:]
+    hparams = np.asarray(hparams, np.float32)
+    count = int(np.asarray(count).reshape(-1)[0])
+    outs, new_states = [], []
+    for p, g, s, decays, path in zip(params, grads, states, config.decay, config.paths):
+        shape, state_shape = np.shape(p), np.shape(s)
+        try:
+            p = np.array(p, dtype=np.float32).reshape(-1)  # callback inputs are read-only: copy
+            s = np.array(s).reshape(fmt.flat_state_shape(-1))
+            update = np.empty_like(p) if config.write_update else None
+            scalars = step_scalar_row(count, hparams[0 if decays else 1])
+            apply_step(p, np.asarray(g, np.float32).reshape(-1), s, scalars, fmt=fmt, update_out=update)
+        except Exception as e:  # surfaces as JaxRuntimeError; make its last line say what failed
+            raise CpuStepError(f"packed_adamw CPU step of leaf {path or '<root>'}: {type(e).__name__}: {e}") from None
+        outs.append((update if config.write_update else p).reshape(shape))
+        new_states.append(s.reshape(state_shape))
+    return outs + new_states
+
+
+def _cpu_step(*args, config: StepConfig):
+    params, grads, states, hparams, count = _split(args, config)
+    out_types = ([jax.ShapeDtypeStruct(p.shape, jnp.float32) for p in params]
+                 + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states])
+    if not out_types:
+        return []
+    return list(jax.pure_callback(functools.partial(_host_step, config=config), out_types, hparams, count,
+                                  *params, *grads, *states, vmap_method="sequential"))
+
+
+def _cuda_step(*args, config: StepConfig):
+    from . import _triton_launch
+
+    params, grads, states, hparams, count = _split(args, config)
+    outs, new_states = _triton_launch.step(params, grads, states, list(config.decay), hparams, count,
+                                           fmt=config.fmt, write_update=config.write_update,
+                                           multi_tensor=config.multi_tensor, alias_grads=config.alias_grads)
+    return list(outs) + list(new_states)
+
+
+mlir.register_lowering(packed_adamw_step_p, mlir.lower_fun(_cpu_step, multiple_results=True))
+mlir.register_lowering(packed_adamw_step_p, mlir.lower_fun(_cuda_step, multiple_results=True), platform="cuda")
