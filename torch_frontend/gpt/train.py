@@ -233,7 +233,8 @@ class TapeShard:
         if self.remaining_batches(batch_size, context) == 0:
             raise TapeExhausted(
                 f"{self.path}: {self.reader.num_tokens - self.position} tokens left after position {self.position}, "
-                f"a step of {self.world_size} ranks x {batch_size}x{context} needs {self.world_size * self.window + 1}; "
+                f"a step of {self.world_size} ranks x {batch_size}x{context} needs "
+                f"{self.world_size * self.window + 1}; "
                 "build the tape with more --passes or train fewer steps")
         self.reader.cursor = self.cursor
         batch = self.reader.next_batch(batch_size, context)
