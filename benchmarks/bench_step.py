@@ -229,7 +229,7 @@ def main(argv=None):
     if args.interleave:
         return interleave(args.interleave)
 
-    rows, raw = [], {}
+    raw = {}
     bandwidth = copy_bandwidth()
     floor_ms = lambda n: 20 * n / bandwidth  # noqa: E731
     raw["copy_bandwidth_TBps"] = bandwidth / 1e9

@@ -6,16 +6,12 @@ only, bounded in time; the process group of every launch is killed if it overrun
 """
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torchrun_helpers import torchrun
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -24,30 +20,8 @@ SCENARIOS = Path(__file__).with_name("distributed_scenarios.py")
 TIMEOUT_S = 180
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(n_procs: int, *args: str, device: str = "cpu") -> None:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "TORCHELASTIC_ERROR_FILE": "", "SCENARIO_DEVICE": device}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n_procs}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(SCENARIOS), *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"{' '.join(args)} on {n_procs} processes did not finish in {TIMEOUT_S} s:\n{output[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    lines = [line for line in output.splitlines() if "Warning" not in line and "warnings.warn" not in line]
-    assert proc.returncode == 0, f"{' '.join(args)} on {n_procs} processes failed:\n" + "\n".join(lines[-60:])
+    torchrun(n_procs, SCENARIOS, *args, timeout_s=TIMEOUT_S, extra_env={"SCENARIO_DEVICE": device})
 
 
 @pytest.fixture(scope="module")

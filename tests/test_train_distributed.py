@@ -10,10 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from gpt_helpers import MICRO, assert_bitwise_equal, build_data
+from torchrun_helpers import free_port as _free_port
+from torchrun_helpers import torchrun as _torchrun
 from packed_adamw.tokenizer.tape import TapeExhausted, TapeError, TapeReader
 from packed_adamw.torch.gpt import checkpoint
 from packed_adamw.torch.gpt.train import TapeShard, main
@@ -35,32 +33,9 @@ STEPS, STOP_AT = 6, 3
 BATCH, CONTEXT = 4, 16  # MICRO's --batch-size and the micro preset's context
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(n_procs: int, *target: str) -> str:
     """Run `target` (a script and its arguments, or `-m module ...`) on n_procs gloo ranks."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "TORCHELASTIC_ERROR_FILE": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n_procs}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *map(str, target)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun {' '.join(map(str, target))} did not finish in {TIMEOUT_S} s:\n{output[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    lines = [line for line in output.splitlines() if "Warning" not in line and "warnings.warn" not in line]
-    assert proc.returncode == 0, f"torchrun {' '.join(map(str, target))} failed:\n" + "\n".join(lines[-60:])
-    return output
+    return _torchrun(n_procs, *target, timeout_s=TIMEOUT_S)
 
 
 def run_args(data: Path, out: Path, parallel: str, *extra) -> list[str]:
