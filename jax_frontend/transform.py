@@ -157,8 +157,11 @@ class _Stepper:
                  reuse_grad_buffer=False):
         self.fmt = state_format(mode, m_bias, rms_bias)
         self.reuse_grad_buffer = bool(reuse_grad_buffer)
-        # Plain numbers are checked now; arrays (optax.inject_hyperparams) are checked in the graph.
-        validate_hyperparams(learning_rate, (b1, b2), eps, weight_decay, allow_arrays=True)
+        # Numbers and concrete arrays (optax.inject_hyperparams outside jit) are checked now;
+        # traced ones and schedules are checked in the graph.
+        known = lambda x: x if callable(x) or _concrete_float(x) is None else _concrete_float(x)  # noqa: E731
+        validate_hyperparams(known(learning_rate), (known(b1), known(b2)), known(eps), known(weight_decay),
+                             allow_arrays=True)
         self.learning_rate, self.b1, self.b2, self.eps, self.weight_decay = learning_rate, b1, b2, eps, weight_decay
         self.mask = mask
         self.multi_tensor = bool(multi_tensor)
@@ -196,8 +199,17 @@ class _Stepper:
         params, grads = treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads)
         moments, decay = treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay)
         # One hyperparameter row with weight decay, one without (masked leaves).
-        hparams = jnp.asarray([[lr, self.b1, self.b2, self.eps, wd] for wd in (self.weight_decay, 0.0)], jnp.float32)
-        hparams, valid = _refuse_invalid(hparams, state.count)
+        rows = jnp.asarray([[lr, self.b1, self.b2, self.eps, wd] for wd in (self.weight_decay, 0.0)], jnp.float32)
+        hparams, valid = _refuse_invalid(rows, state.count)
+        try:  # known outside jit (a schedule's value, say): say so instead of refusing silently
+            refused = not bool(valid)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
+            refused = False  # under jit the step is refused in the graph (docs/JAX.md)
+        if refused:
+            raise ValueError(
+                f"packed_adamw: invalid hyperparameters at count {int(state.count)}: [lr, b1, b2, eps, weight_decay] = "
+                f"{np.asarray(rows)[0].tolist()}; the learning rate and weight decay must be finite and >= 0, each "
+                "beta in [0, 1) and eps a normal float32 > 0")
         count = jnp.where(valid, _increment(state.count), state.count)
         step_count = jnp.where(valid, count, 1)  # a refused step's rows are NaN: any count in range will do
         config = StepConfig(fmt=self.fmt, write_update=write_update, multi_tensor=self.multi_tensor,
@@ -280,9 +292,11 @@ def packed_adamw_fused_step(
     return step
 
 
-def export_state(state: PackedAdamWState, mode: str | StateFormat = "packed", *, m_bias: int | None = None,
+def export_state(state: PackedAdamWState, mode: str | StateFormat, *, m_bias: int | None = None,
                  rms_bias: int | None = None) -> PortableState:
-    """The state in leaf order, for `PackedAdamW.import_state` (pass the transform's format)."""
+    """The state in leaf order, for `PackedAdamW.import_state`. `mode` (and biases, or a
+    `StateFormat`) must be the transform's: the words do not say which format they hold, and
+    the export records it for the importer to check."""
     fmt = state_format(mode, m_bias, rms_bias)
     leaves = jax.tree_util.tree_leaves(state.moments)
     count = int(state.count)

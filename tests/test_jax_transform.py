@@ -242,18 +242,23 @@ def test_inject_hyperparams_learning_rate_changes_without_recompiling(mode, stat
 @pytest.mark.parametrize("name, bad, masked", [("learning_rate", -1e-3, False), ("learning_rate", float("nan"), False),
                                                ("b1", 1.0, False), ("eps", 0.0, False), ("weight_decay", -0.1, False),
                                                ("weight_decay", -0.1, True)])
-def test_invalid_injected_hyperparameter_refuses_the_step_whole(name, bad, masked, variant):
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_invalid_injected_hyperparameter_refuses_the_step_whole(name, bad, masked, jitted):
     """A value known only in the graph is checked there by the rules of the constructor's
     validation, the same on every backend: the step changes no parameter, word or count,
-    including the leaves a mask exempts from weight decay."""
+    including the leaves a mask exempts from weight decay. Known outside jit, it raises."""
     params0, grads = problem(seed=16, steps=2)
     mask = {"b": False, "e": True, "s": False, "w": True} if masked else None
     tx = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=WD, mask=mask)
-    step = variant(step_fn(tx))
+    step = jax.jit(step_fn(tx)) if jitted else step_fn(tx)
     params = to_jax(params0)
     state = tx.init(params)
     params, state = step(params, state, to_jax(grads[0]))
     state.hyperparams[name] = jnp.asarray(bad, jnp.float32)
+    if not jitted:
+        with pytest.raises(ValueError, match="Invalid|invalid hyperparameters"):
+            step(params, state, to_jax(grads[1]))
+        return
     after, after_state = step(params, state, to_jax(grads[1]))
     assert_trees_bits_equal(after, params, f"params after a step with {name}={bad}")
     assert_trees_bits_equal(after_state.inner_state.moments, state.inner_state.moments, "words")
