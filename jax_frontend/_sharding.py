@@ -106,7 +106,14 @@ def _reshard_to(x, mesh, spec: tuple):
         if explicit and typed is not None and _spec_tuple(typed.spec, ndim) != spec:
             return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*spec)))
         return x
-    return x  # concrete arrays: shard_map moves them to the specs it is given
+    # A concrete array laid out otherwise (replicated gradients, an uncommitted array) is moved
+    # to the specs first: an eager shard_map refuses inputs whose sharding differs from them.
+    target = NamedSharding(mesh, PartitionSpec(*spec))
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and not (isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+                                     and _spec_tuple(sharding.spec, ndim) == spec):
+        return jax.device_put(x, target)
+    return x
 
 
 def sharded_step(params, grads, states, hparams, count, *, config: StepConfig):

@@ -216,6 +216,14 @@ def _cases():
                 leaf = state.moments["a"]
                 assert normalized(leaf.sharding.spec, leaf.ndim) == \
                     normalized(spec_of_state(P("data", "model"), mode), leaf.ndim), leaf.sharding
+                # Eagerly too: replicated or uncommitted gradients are moved to the parameters' layout.
+                eager = packed_adamw_fused_step(1e-2, weight_decay=0.1, mask=mask, mode=mode)
+                params = put(params0, mesh, lambda k: specs2[k])
+                state = packed_adamw(1e-2, mode=mode).init(params)
+                for i, g in enumerate(grads0):
+                    laid_out = put(g, mesh, lambda k: P()) if i % 2 == 0 else {k: jnp.asarray(v) for k, v in g.items()}
+                    params, state = eager(params, laid_out, state)
+                    assert same_bits(params, refs[mode][i][0]) and same_bits(state, refs[mode][i][1]), (mode, i, "eager")
 
     @case("auto_axes_under_jit_on_cpu_give_the_same_bits")
     def _():
