@@ -237,6 +237,13 @@ def _static_int(name: str, value) -> int:
         ) from None
 
 
+# Split masters (FORMAT.md, "Split masters"): a bf16 parameter's FP32 master is its bf16 live
+# weight plus an int16 low half. The helpers with numpy codecs are below; the kernel reads these.
+SPLIT_SIGN_BIT = 1 << 15  # bf16's sign bit
+SPLIT_LO_SIGN = 1 << 15  # int16's sign bit: adding it to an FP32 magnitude rounds to bf16, ties away from zero
+SPLIT_MASTER_MAX = float(np.uint32(0x7F7F7FFF).view(np.float32))  # the largest master whose live weight is finite
+
+
 def pack_words(m_codes, rms_codes) -> np.ndarray:
     return (np.asarray(m_codes).astype(np.uint32) << MOMENT_SHIFT) | np.asarray(rms_codes).astype(np.uint32)
 

@@ -37,6 +37,10 @@ S_STEP_SIZE, S_INV_SQRT_BC2 = tl.constexpr(_S["step_size"]), tl.constexpr(_S["in
 S_EPS, S_LR_WD = tl.constexpr(_S["eps"]), tl.constexpr(_S["lr_wd"])
 COUNTER_ROW = tl.constexpr(launch.COUNTER_ROW)
 FORMAT_SLOTS = tl.constexpr(launch.FORMAT_SLOTS)
+SPLIT_SIGN_BIT = tl.constexpr(formats.SPLIT_SIGN_BIT)  # bf16's sign bit
+SPLIT_MAGNITUDE_MASK = tl.constexpr(formats.SPLIT_SIGN_BIT - 1)
+SPLIT_LO_SIGN = tl.constexpr(formats.SPLIT_LO_SIGN)  # int16's sign bit, and half a bf16 step of the low half
+SPLIT_MASTER_MAX = tl.constexpr(formats.SPLIT_MASTER_MAX)
 
 
 @triton.jit
@@ -156,6 +160,26 @@ def step_scalars_kernel(hparams_ptr, counts_ptr, n_rows, scalars_ptr, BLOCK_ROWS
     tl.store(out + S_INV_SQRT_BC2, tl.div_rn(one, tl.sqrt_rn(1.0 - _float32_power(b2, count))), mask=valid)
     tl.store(out + S_EPS, eps, mask=valid)
     tl.store(out + S_LR_WD, lr * weight_decay, mask=valid)
+
+
+@triton.jit
+def _join_master(w_bits, lo_bits):
+    """A bf16 live weight's bits and its int16 low half (both in uint32, 16 bits used) -> the
+    FP32 master (FORMAT.md, "Split masters"): magnitude = w's magnitude * 2**16 + lo, mod 2**31."""
+    magnitude = ((w_bits & SPLIT_MAGNITUDE_MASK) << 16) + (lo_bits ^ SPLIT_LO_SIGN) - SPLIT_LO_SIGN
+    bits = ((w_bits & SPLIT_SIGN_BIT) << 16) | (magnitude & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_master(master):
+    """FP32 master -> (bf16 bits, int16 low half), each in a uint32: the magnitude rounded to
+    nearest, ties away from zero, and the signed remainder (FORMAT.md, "Split masters")."""
+    bits = master.to(tl.uint32, bitcast=True)
+    rounded = ((bits & 0x7FFFFFFF) + SPLIT_LO_SIGN) & 0x7FFFFFFF
+    w_bits = ((bits >> 16) & SPLIT_SIGN_BIT) | (rounded >> 16)
+    lo_bits = (rounded & 0xFFFF) ^ SPLIT_LO_SIGN
+    return w_bits, lo_bits
 
 
 @triton.jit
