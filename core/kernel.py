@@ -102,40 +102,41 @@ def _magnitude(code, SIGNED: tl.constexpr):
     return code
 
 
+# Format counts per lane: three 21-bit fields per int64, so the lanes of a program's blocks
+# add up without carries as long as the program covers fewer than 2**21 elements.
+COUNT_FIELD = tl.constexpr(21)
+COUNT_FIELD_MASK = tl.constexpr((1 << 21) - 1)
+COUNT_FIELD_LIMIT = tl.constexpr(1 << 21)
+
+
 @triton.jit
-def _count(pointer, hit):
-    n = tl.sum(hit.to(tl.int64), axis=0)
+def _three_fields(c0, c1, c2):
+    return c0.to(tl.int64) | (c1.to(tl.int64) << COUNT_FIELD) | (c2.to(tl.int64) << (2 * COUNT_FIELD))
+
+
+@triton.jit
+def _add_field(pointer, total, k: tl.constexpr):
+    n = (total >> (k * COUNT_FIELD)) & COUNT_FIELD_MASK
     tl.atomic_add(pointer, n, mask=n > 0, sem="relaxed")  # a count: no ordering needed
 
 
 @triton.jit
-def _add_field(pointer, packed, k: tl.constexpr, FIELD: tl.constexpr):
-    n = (packed >> (k * FIELD)) & ((1 << FIELD) - 1)
-    tl.atomic_add(pointer, n, mask=n > 0, sem="relaxed")
-
-
-@triton.jit
-def _count_six(slot, c0, c1, c2, c3, c4, c5, BLOCK: tl.constexpr):
-    """Adds the block's six format counts to their slots. A compiled block (at most 1023
-    elements) packs the six hits of an element into one int64, 10 bits a count, so the block
-    needs one reduction instead of six; the interpreter's large blocks count one by one."""
-    if BLOCK < 1024:
-        packed = (c0.to(tl.int64) | (c1.to(tl.int64) << 10) | (c2.to(tl.int64) << 20) | (c3.to(tl.int64) << 30)
-                  | (c4.to(tl.int64) << 40) | (c5.to(tl.int64) << 50))
-        total = tl.sum(packed, axis=0)
-        _add_field(slot, total, 0, 10)
-        _add_field(slot + FORMAT_SLOTS, total, 1, 10)
-        _add_field(slot + 2 * FORMAT_SLOTS, total, 2, 10)
-        _add_field(slot + 3 * FORMAT_SLOTS, total, 3, 10)
-        _add_field(slot + 4 * FORMAT_SLOTS, total, 4, 10)
-        _add_field(slot + 5 * FORMAT_SLOTS, total, 5, 10)
-    else:
-        _count(slot, c0)
-        _count(slot + FORMAT_SLOTS, c1)
-        _count(slot + 2 * FORMAT_SLOTS, c2)
-        _count(slot + 3 * FORMAT_SLOTS, c3)
-        _count(slot + 4 * FORMAT_SLOTS, c4)
-        _count(slot + 5 * FORMAT_SLOTS, c5)
+def _add_counts(row_ptr, rejected, counts_a, counts_b, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr):
+    """Adds one program's per-lane counts to its tensor's counter row (launch.py): one
+    reduction per int64 of fields, then one relaxed atomic per nonzero count."""
+    if COUNT_NONFINITE:
+        n_rejected = tl.sum(rejected.to(tl.int64), axis=0)
+        tl.atomic_add(row_ptr, n_rejected, mask=n_rejected > 0)
+    if TRACK_FORMAT:
+        slot = row_ptr + 1 + tl.program_id(0) % FORMAT_SLOTS
+        total_a = tl.sum(counts_a, axis=0)
+        total_b = tl.sum(counts_b, axis=0)
+        _add_field(slot, total_a, 0)
+        _add_field(slot + FORMAT_SLOTS, total_a, 1)
+        _add_field(slot + 2 * FORMAT_SLOTS, total_a, 2)
+        _add_field(slot + 3 * FORMAT_SLOTS, total_b, 0)
+        _add_field(slot + 4 * FORMAT_SLOTS, total_b, 1)
+        _add_field(slot + 5 * FORMAT_SLOTS, total_b, 2)
 
 
 @triton.jit
@@ -201,16 +202,23 @@ def _store(pointer, value, mask, MASKED: tl.constexpr):
 
 @triton.jit
 def _adamw_block(
-    param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, out_ptr, new_state_ptr,
+    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
     offsets, n_elements, MASKED: tl.constexpr,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
+    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
 ):
     """One block of one tensor; the whole step contract lives here (FORMAT.md, "The step").
 
+    Returns the block's per-lane counts for `_add_counts`: rejected elements (int32), and the
+    six format counts as two int64 of `_three_fields` (zeros where not asked for).
     MASKED=False for blocks that lie wholly inside the tensor: a bounds mask the compiler
-    cannot prove uniform over 16 bytes splits every access into 4-byte ones."""
+    cannot prove uniform over 16 bytes splits every access into 4-byte ones.
+    SPLIT: the parameter is a bf16 live weight (`param_ptr`, 16-bit) with its int16 low half
+    at `lo_ptr` (FORMAT.md, "Split masters"); the step runs on the FP32 master they hold and
+    writes the new weight to `out_ptr` and the new low half to `new_lo_ptr`.
+    """
     in_bounds = offsets < n_elements
     b1 = tl.load(scalars_ptr + S_B1)
     one_minus_b1 = tl.load(scalars_ptr + S_ONE_MINUS_B1)
@@ -221,8 +229,13 @@ def _adamw_block(
     eps = tl.load(scalars_ptr + S_EPS)
     lr_wd = tl.load(scalars_ptr + S_LR_WD)
 
-    p = _load(param_ptr + offsets, in_bounds, 0.0, MASKED)
-    g = _load(grad_ptr + offsets, in_bounds, 0.0, MASKED)
+    if SPLIT:
+        w_bits = _load(param_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
+        lo_bits = _load(lo_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
+        p = _join_master(w_bits, lo_bits)
+    else:
+        p = _load(param_ptr + offsets, in_bounds, 0.0, MASKED)
+    g = _load(grad_ptr + offsets, in_bounds, 0.0, MASKED).to(tl.float32)  # a bf16 gradient widens exactly
     grad_finite = tl.abs(g) <= FLOAT32_MAX
     g = tl.where(grad_finite, g, 0.0)
     if MODE == FP32_MODE:
@@ -244,15 +257,25 @@ def _adamw_block(
     total = step_size * tl.div_rn(m_next, denom) + lr_wd * p
     update = (total.to(tl.uint32, bitcast=True) ^ sign_bit).to(tl.float32, bitcast=True)
     p_next = p + update
-    accepted = grad_finite & (tl.abs(p_next) <= FLOAT32_MAX)
+    if SPLIT:  # a master past SPLIT_MASTER_MAX would need an Inf live weight
+        accepted = grad_finite & (tl.abs(p_next) <= SPLIT_MASTER_MAX)
+    else:
+        accepted = grad_finite & (tl.abs(p_next) <= FLOAT32_MAX)
     if MODE == FP32_MODE:
         accepted = accepted & (tl.abs(m_next) <= FLOAT32_MAX) & (tl.abs(v_next) <= FLOAT32_MAX)
 
     # Rejected elements write back what they read: unmasked stores stay vectorized.
-    if WRITE_UPDATE:
+    if SPLIT:  # split(join(w, lo)) is (w, lo): a bijection
+        w_next, lo_next = _split_master(tl.where(accepted, p_next, p))
+        _store(out_ptr + offsets, w_next.to(tl.uint16).to(out_ptr.dtype.element_ty, bitcast=True), in_bounds, MASKED)
+        _store(new_lo_ptr + offsets, lo_next.to(tl.uint16).to(new_lo_ptr.dtype.element_ty, bitcast=True),
+               in_bounds, MASKED)
+    elif WRITE_UPDATE:
         _store(out_ptr + offsets, tl.where(accepted, update, sign_bit.to(tl.float32, bitcast=True)), in_bounds, MASKED)
     else:
         _store(out_ptr + offsets, tl.where(accepted, p_next, p), in_bounds, MASKED)
+    counts_a = tl.zeros(offsets.shape, tl.int64)
+    counts_b = tl.zeros(offsets.shape, tl.int64)
     if MODE == FP32_MODE:
         _store(new_state_ptr + offsets, tl.where(accepted, m_next, m), in_bounds, MASKED)
         _store(new_state_ptr + n_elements + offsets, tl.where(accepted, v_next, v), in_bounds, MASKED)
@@ -270,16 +293,57 @@ def _adamw_block(
             else:
                 counted = accepted
             m_mag, rms_mag = _magnitude(m_code, M_SIGNED), _magnitude(rms_code, R_SIGNED)
-            slot = counters_ptr + 1 + tl.program_id(0) % FORMAT_SLOTS
-            _count_six(slot, counted & (m_raw > M_MAX), counted & (rms_raw > R_MAX),
-                       counted & (m_next != 0.0) & (m_mag == 0), counted & (rms_next != 0.0) & (rms_mag == 0),
-                       counted & (m_mag != 0) & ((m_mag >> M_FRAC) == 0),
-                       counted & (rms_mag != 0) & ((rms_mag >> R_FRAC) == 0), offsets.shape[0])
+            counts_a = _three_fields(counted & (m_raw > M_MAX), counted & (rms_raw > R_MAX),
+                                     counted & (m_next != 0.0) & (m_mag == 0))
+            counts_b = _three_fields(counted & (rms_next != 0.0) & (rms_mag == 0),
+                                     counted & (m_mag != 0) & ((m_mag >> M_FRAC) == 0),
+                                     counted & (rms_mag != 0) & ((rms_mag >> R_FRAC) == 0))
+    rejected = tl.zeros(offsets.shape, tl.int32)
     if COUNT_NONFINITE:
         if MASKED:
             accepted = accepted | ~in_bounds
-        rejected = tl.sum((~accepted).to(tl.int64), axis=0)
-        tl.atomic_add(counters_ptr, rejected, mask=rejected > 0)
+        rejected = (~accepted).to(tl.int32)
+    return rejected, counts_a, counts_b
+
+
+@triton.jit
+def _adamw_programs(
+    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
+    out_ptr, new_state_ptr, new_lo_ptr,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
+    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+):
+    """One tensor: program i updates blocks [i*BLOCKS_PER_PROGRAM, (i+1)*BLOCKS_PER_PROGRAM).
+
+    A counting launch (`launch.blocks_per_program`) gives a program several blocks so that
+    its one reduction and its atomics are paid once for all of them."""
+    tl.static_assert(BLOCK * BLOCKS_PER_PROGRAM < COUNT_FIELD_LIMIT)
+    first = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM
+    rejected = tl.zeros([BLOCK], tl.int32)
+    counts_a = tl.zeros([BLOCK], tl.int64)
+    counts_b = tl.zeros([BLOCK], tl.int64)
+    for k in tl.range(0, BLOCKS_PER_PROGRAM):
+        start = (first + k) * BLOCK
+        offsets = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= n_elements:
+            r, a, b = _adamw_block(
+                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
+                offsets, n_elements, False, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
+                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+            )
+        else:  # the tensor's last, partial block (or, in a program of several, one past the end)
+            r, a, b = _adamw_block(
+                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
+                offsets, n_elements, True, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
+                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+            )
+        rejected += r
+        counts_a += a
+        counts_b += b
+    _add_counts(counters_ptr, rejected, counts_a, counts_b, COUNT_NONFINITE, TRACK_FORMAT)
 
 
 @triton.jit
@@ -289,29 +353,39 @@ def adamw_kernel(
     MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
-    """One tensor: program i updates elements [i*BLOCK, (i+1)*BLOCK) with 64-bit offsets.
+    """One FP32 tensor, on the grid `launch.single_tensor_grid`.
 
     `scalars_ptr` points at this tensor's row of `step_scalars_kernel`'s output.
     In place (torch): out_ptr is param_ptr and new_state_ptr is state_ptr. Functional (optax):
     out_ptr receives the update u (p_next = p + u exactly), and new_state_ptr a new state.
     Inputs and scalars come before the outputs because jax-triton appends outputs last.
     """
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    if start + BLOCK <= n_elements:
-        _adamw_block(
-            param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, out_ptr, new_state_ptr,
-            offsets, n_elements, False, MODE, WRITE_UPDATE, COUNT_NONFINITE, TRACK_FORMAT,
-            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-        )
-    else:  # the tensor's last, partial block
-        _adamw_block(
-            param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, out_ptr, new_state_ptr,
-            offsets, n_elements, True, MODE, WRITE_UPDATE, COUNT_NONFINITE, TRACK_FORMAT,
-            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-        )
+    _adamw_programs(
+        param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, counters_ptr, n_elements,
+        out_ptr, new_state_ptr, out_ptr, MODE, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM,
+    )
+
+
+@triton.jit
+def adamw_split_kernel(
+    weight_ptr, lo_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements,
+    new_weight_ptr, new_lo_ptr, new_state_ptr,
+    MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+):
+    """One bf16 tensor with split masters (FORMAT.md, "Split masters"), on the grid
+    `launch.single_tensor_grid`: the bf16 weight and its int16 low half in, the new ones out
+    (the same buffers in place); the gradient may be bf16 or float32."""
+    _adamw_programs(
+        weight_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
+        new_weight_ptr, new_state_ptr, new_lo_ptr, MODE, False, True, COUNT_NONFINITE, TRACK_FORMAT,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM,
+    )
 
 
 @triton.jit
@@ -329,12 +403,13 @@ def adamw_multi_tensor_kernel(
     MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr = False, GRAD_BF16: tl.constexpr = False,
 ):
     """Many tensors in one launch, in place: program i updates block `block_index[i]` of
     tensor `block_tensor[i]`. `pointers` holds the addresses of every parameter, then every
-    gradient, then every state buffer (int64); tensor t reads scalar row `scalar_rows[t]`, so
-    one launch serves several parameter groups and step counts.
+    gradient, then every state buffer (int64), and with SPLIT (bf16 weights with split
+    masters) then every low half; tensor t reads scalar row `scalar_rows[t]`, so one launch
+    serves several parameter groups and step counts. GRAD_BF16: every gradient is bf16.
     """
     pid = tl.program_id(0)
     t = tl.load(block_tensor_ptr + pid)
@@ -343,22 +418,31 @@ def adamw_multi_tensor_kernel(
     if ALIGNED:
         offsets = tl.max_contiguous(tl.multiple_of(offsets, BLOCK), BLOCK)
     n_elements = tl.load(numels_ptr + t)
-    param_ptr = _address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.float32))
-    grad_ptr = _address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
+    if SPLIT:
+        param_ptr = _address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.uint16))
+        lo_ptr = _address(pointers_ptr, 3 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.int16))
+    else:
+        param_ptr = _address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.float32))
+        lo_ptr = param_ptr
+    if GRAD_BF16:
+        grad_ptr = _address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.bfloat16))
+    else:
+        grad_ptr = _address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
     if MODE == FP32_MODE:
         state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
     else:
         state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.uint32))
     scalars_ptr += tl.load(scalar_rows_ptr + t) * SCALAR_ROW
     if start + BLOCK <= n_elements:
-        _adamw_block(
-            param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr + t * COUNTER_ROW, param_ptr, state_ptr,
-            offsets, n_elements, False, MODE, False, COUNT_NONFINITE, TRACK_FORMAT,
+        rejected, counts_a, counts_b = _adamw_block(
+            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr,
+            offsets, n_elements, False, MODE, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
     else:  # the tensor's last, partial block
-        _adamw_block(
-            param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr + t * COUNTER_ROW, param_ptr, state_ptr,
-            offsets, n_elements, True, MODE, False, COUNT_NONFINITE, TRACK_FORMAT,
+        rejected, counts_a, counts_b = _adamw_block(
+            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr,
+            offsets, n_elements, True, MODE, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
+    _add_counts(counters_ptr + t * COUNTER_ROW, rejected, counts_a, counts_b, COUNT_NONFINITE, TRACK_FORMAT)

@@ -53,11 +53,28 @@ def sum_counter_slots(rows: np.ndarray) -> np.ndarray:
     return rows[:, 1:].reshape(len(rows), len(FORMAT_COUNTS), FORMAT_SLOTS).sum(axis=2)
 
 
+# A counting launch of a single-tensor kernel gives each program this many blocks, so that
+# its reductions and atomics are paid once per 8192 elements instead of once per block
+# (H200 sweep in docs/results/BENCHMARKS.md). Uncounted launches keep one block a program.
+COUNTING_BLOCKS_PER_PROGRAM = 16
+
+
+def blocks_per_program(counting: bool) -> int:
+    return COUNTING_BLOCKS_PER_PROGRAM if counting and not interpreting() else 1
+
+
+def single_tensor_grid(n_elements: int, constants: dict) -> tuple[int]:
+    """The grid of `adamw_kernel` / `adamw_split_kernel` launched with `constants`."""
+    return grid(n_elements, constants["BLOCK"] * constants["BLOCKS_PER_PROGRAM"])
+
+
 def kernel_constants(fmt: StateFormat, *, write_update: bool | None, count_nonfinite: bool, block: int,
-                     track_format: bool = False) -> dict:
+                     track_format: bool = False, split: bool = False) -> dict:
     """The constexpr keyword arguments of `adamw_kernel` for this state format
-    (`write_update=None`: for `adamw_multi_tensor_kernel`, which always works in place).
-    `count_nonfinite` and `track_format` make the kernel add to the tensor's counter row."""
+    (`write_update=None`: for `adamw_multi_tensor_kernel`, which always works in place;
+    `split=True` with `write_update=False`: for `adamw_split_kernel`, bf16 weights with split
+    masters). `count_nonfinite` and `track_format` make the kernel add to the tensor's
+    counter row."""
     if track_format and fmt.mode == "fp32":
         raise ValueError("track_format counts packed or fp16 codes; fp32 mode has none")
     if fmt.mode == "fp32":
@@ -73,9 +90,14 @@ def kernel_constants(fmt: StateFormat, *, write_update: bool | None, count_nonfi
         MODE=MODE_IDS[fmt.mode], WRITE_UPDATE=write_update, COUNT_NONFINITE=count_nonfinite, TRACK_FORMAT=track_format,
         M_SIGNED=m_signed, M_FRAC=m_frac, M_BIAS=m_bias, M_MAX=m_max,
         R_SIGNED=r_signed, R_FRAC=r_frac, R_BIAS=r_bias, R_MAX=r_max,
-        BLOCK=block,
+        BLOCK=block, BLOCKS_PER_PROGRAM=blocks_per_program(count_nonfinite or track_format),
     )
-    if write_update is None:
+    if write_update is None:  # the multi-tensor kernel: one block a program, SPLIT as its own argument
+        del constants["WRITE_UPDATE"], constants["BLOCKS_PER_PROGRAM"]
+        constants["SPLIT"] = split
+    elif split:
+        if write_update:
+            raise ValueError("adamw_split_kernel writes the new weight: write_update must be False")
         del constants["WRITE_UPDATE"]
     return constants
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from packed_adamw.core import launch
-from packed_adamw.core.kernel import COUNTER_ROW, FP32_MODE, SCALAR_ROW, _adamw_block
+from packed_adamw.core.kernel import COUNTER_ROW, FP32_MODE, SCALAR_ROW, _adamw_block, _add_counts
 
 # Leaves per launch. Each program selects its leaf's addresses from all of the launch's
 # arguments, so its scalar work grows with this.
@@ -67,17 +67,18 @@ def _leaf_group_program(
             state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.uint32))
             new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.uint32))
         if start + BLOCK <= n_elements:
-            _adamw_block(
-                param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr + leaf * COUNTER_ROW, out_ptr, new_state_ptr,
-                offsets, n_elements, False, MODE, WRITE_UPDATE, COUNT_NONFINITE, TRACK_FORMAT,
+            rejected, counts_a, counts_b = _adamw_block(
+                param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, out_ptr, new_state_ptr, out_ptr,
+                offsets, n_elements, False, MODE, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
         else:  # the leaf's last, partial block
-            _adamw_block(
-                param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr + leaf * COUNTER_ROW, out_ptr, new_state_ptr,
-                offsets, n_elements, True, MODE, WRITE_UPDATE, COUNT_NONFINITE, TRACK_FORMAT,
+            rejected, counts_a, counts_b = _adamw_block(
+                param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, out_ptr, new_state_ptr, out_ptr,
+                offsets, n_elements, True, MODE, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
+        _add_counts(counters_ptr + leaf * COUNTER_ROW, rejected, counts_a, counts_b, COUNT_NONFINITE, TRACK_FORMAT)
 
 
 def leaf_group_kernel_2(

@@ -65,18 +65,18 @@ def leaf_step(p, g, s, scalars, *, fmt: StateFormat, write_update: bool, alias_g
     first = _first_output_alias(write_update, alias_grads)
     flat_p, flat_g = p.reshape(-1), g.reshape(-1)
     flat_s = s.reshape((2, -1) if fmt.mode == "fp32" else (-1,))
-    block = launch.GPU_BLOCK
+    constants = launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=False, block=launch.GPU_BLOCK)
     out_shape = (jax.ShapeDtypeStruct(flat_p.shape, jnp.float32), jax.ShapeDtypeStruct(flat_s.shape, flat_s.dtype))
     # The scalars stand in for the unused non-finite counter (COUNT_NONFINITE=False).
     out, new_s = _jax_triton().triton_call(
         flat_p, flat_g, flat_s, scalars, scalars, n,
         kernel=adamw_kernel,
         out_shape=out_shape,
-        grid=launch.grid(n, block),
+        grid=launch.single_tensor_grid(n, constants),
         num_warps=launch.GPU_NUM_WARPS,
         input_output_aliases={2: 1, **({} if first is None else {first: 0})},
         **launch.COMPILE_OPTIONS,
-        **launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=False, block=block),
+        **constants,
     )
     return out.reshape(p.shape), new_s.reshape(s.shape)
 

@@ -223,14 +223,14 @@ def _launch_one(p, g, s, scalars, counters, i: int, fmt: StateFormat, count_nonf
     """The single-tensor kernel on tensor i of a step, in place; `scalars` is its row."""
     from packed_adamw.core.kernel import adamw_kernel
 
-    n, block = p.numel(), launch.GPU_BLOCK
+    n = p.numel()
     if n == 0:
         return
     words = s if fmt.mode == "fp32" else s.view(torch.int32)
-    adamw_kernel[launch.grid(n, block)](
+    constants = _constants(fmt, False, count_nonfinite, launch.GPU_BLOCK, track_format)
+    adamw_kernel[launch.single_tensor_grid(n, constants)](
         p, g, words, scalars, scalars if counters is None else counters[i], n, p, words,
-        num_warps=launch.GPU_NUM_WARPS, **_constants(fmt, False, count_nonfinite, block, track_format),
-        **launch.COMPILE_OPTIONS,
+        num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS,
     )
 
 
