@@ -128,3 +128,35 @@ def adamw_element(p, g, state, *, count, lr, b1, b2, eps, weight_decay, mode="pa
     if not accepted:
         return p, -0.0, state, False
     return p_next, update, state_next, True
+
+
+# ---- split masters (FORMAT.md, "Split masters"): a bf16 weight and an int16 low half ----
+SPLIT_MASTER_MAX_BITS = 0x7F7F7FFF  # the largest master whose bf16 weight is finite
+
+
+def split_master(master_bits: int) -> tuple[int, int]:
+    """FP32 master bits -> (bf16 bits, low half as a Python int in [-32768, 32767]): add half
+    a bf16 step (2**15) to the 31-bit magnitude, mod 2**31, keep the top 15 bits under the
+    sign, and the remainder below them less 2**15."""
+    sign, magnitude = master_bits >> 31, master_bits & (2**31 - 1)
+    rounded = (magnitude + 2**15) % 2**31
+    return (sign << 15) | (rounded >> 16), (rounded % 2**16) - 2**15
+
+
+def join_master(w_bits: int, lo: int) -> int:
+    """(bf16 bits, low half in [-32768, 32767]) -> FP32 master bits."""
+    magnitude = ((w_bits % 2**15) * 2**16 + lo) % 2**31
+    return ((w_bits >> 15) << 31) | magnitude
+
+
+def adamw_split_element(w_bits, lo, g, state, **step):
+    """One element of a bf16 parameter held as (bf16 bits, low half): the master's
+    `adamw_element` step (same keyword arguments), with a new master past SPLIT_MASTER_MAX
+    rejected like a non-finite one. Returns (w_bits_new, lo_new, state_new, accepted)."""
+    master = bits_f32(join_master(w_bits, lo))
+    p_next, _, state_next, accepted = adamw_element(master, g, state, **step)
+    if accepted and (f32_bits(p_next) & (2**31 - 1)) > SPLIT_MASTER_MAX_BITS:
+        accepted = False
+    if not accepted:
+        return w_bits, lo, state, False
+    return (*split_master(f32_bits(p_next)), state_next, True)

@@ -224,6 +224,30 @@ class StateFormat:
     def state_bytes_per_param(self) -> int:
         return 4 * self.state_words_per_param
 
+    # ---- a bf16 parameter's low half (FORMAT.md, "Split masters") ----
+    @property
+    def low_half_key(self) -> str:
+        """The state entry that holds a bf16 parameter's low half (absent for FP32 parameters)."""
+        return LOW_HALF_KEY
+
+    @property
+    def low_half_dtype(self) -> str:
+        """numpy name of the low half's dtype: int16, one per parameter element."""
+        return LOW_HALF_DTYPE
+
+    def low_half_shape(self, param_shape) -> tuple[int, ...]:
+        """The low half of one bf16 parameter: the parameter's shape."""
+        return tuple(param_shape)
+
+    @property
+    def low_half_bytes_per_param(self) -> int:
+        return LOW_HALF_BYTES_PER_PARAM
+
+    @property
+    def split_state_bytes_per_param(self) -> int:
+        """Optimizer state of a bf16 parameter: the word (or fp32 moments) plus the low half."""
+        return self.state_bytes_per_param + LOW_HALF_BYTES_PER_PARAM
+
 
 def _static_int(name: str, value) -> int:
     if isinstance(value, (bool, np.bool_)):
@@ -242,6 +266,50 @@ def _static_int(name: str, value) -> int:
 SPLIT_SIGN_BIT = 1 << 15  # bf16's sign bit
 SPLIT_LO_SIGN = 1 << 15  # int16's sign bit: adding it to an FP32 magnitude rounds to bf16, ties away from zero
 SPLIT_MASTER_MAX = float(np.uint32(0x7F7F7FFF).view(np.float32))  # the largest master whose live weight is finite
+SPLIT_MASTER_MAX_BITS = int(np.float32(SPLIT_MASTER_MAX).view(np.uint32))  # its float32 bits, 0x7F7F7FFF
+LOW_HALF_KEY = "lo"  # the state entry of a bf16 parameter's low half
+LOW_HALF_DTYPE = "int16"
+LOW_HALF_BYTES_PER_PARAM = 2
+_FP32_MAGNITUDE_MASK = 0x7FFFFFFF
+
+
+def split_master(master) -> tuple[np.ndarray, np.ndarray]:
+    """FP32 masters -> (bf16 live-weight bits as uint16, low halves as int16), any shape.
+
+    The weight is the master rounded to the nearest bf16, ties away from zero; the low half is
+    the signed remainder in float32 ulps (FORMAT.md, "Split masters"). Every
+    float32 bit pattern has a split and `join_master` undoes it exactly; the weight is finite
+    exactly when |master| <= SPLIT_MASTER_MAX (NaN and Inf masters are never stored). To write
+    into a torch bf16 tensor, view it as `.view(torch.int16).numpy().view(np.uint16)`."""
+    bits = np.asarray(master, dtype=np.float32).view(np.uint32)
+    rounded = ((bits & np.uint32(_FP32_MAGNITUDE_MASK)) + np.uint32(SPLIT_LO_SIGN)) & np.uint32(_FP32_MAGNITUDE_MASK)
+    w_bits = ((bits >> np.uint32(16)) & np.uint32(SPLIT_SIGN_BIT)) | (rounded >> np.uint32(16))
+    lo = ((rounded & np.uint32(0xFFFF)) ^ np.uint32(SPLIT_LO_SIGN)).astype(np.uint16).view(np.int16)
+    return w_bits.astype(np.uint16), lo
+
+
+def join_master(w_bits, lo) -> np.ndarray:
+    """(bf16 bits, low halves) -> FP32 masters, the inverse of `split_master` on all 2**32 pairs.
+
+    `w_bits`: uint16 arrays of bf16 bits (int16 views of the same bits, as torch's
+    `bf16.view(torch.int16).numpy()` gives, are read as their bits too); `lo`: int16 (or its
+    uint16 view). Shapes broadcast. magnitude = (w's magnitude << 16) + lo, mod 2**31."""
+    w_bits = _bits16(w_bits, "w_bits").astype(np.uint32)
+    lo_bits = _bits16(lo, "lo").view(np.int16).astype(np.int32).view(np.uint32)  # sign-extended
+    high = (w_bits & np.uint32(SPLIT_SIGN_BIT - 1)) << np.uint32(16)
+    magnitude = (high + lo_bits) & np.uint32(_FP32_MAGNITUDE_MASK)  # uint32 wraps: mod 2**32, then mod 2**31
+    return (((w_bits & np.uint32(SPLIT_SIGN_BIT)) << np.uint32(16)) | magnitude).view(np.float32)
+
+
+def _bits16(array, name: str) -> np.ndarray:
+    """A 16-bit array as its uint16 bits (a view: writes reach the caller's memory)."""
+    array = np.asarray(array)
+    if array.dtype == np.int16:
+        return array.view(np.uint16)
+    if array.dtype != np.uint16:
+        raise TypeError(f"{name} must be a uint16 or int16 array of 16-bit patterns, got dtype {array.dtype}; "
+                        f"view a torch bf16 tensor as .view(torch.int16).numpy()")
+    return array
 
 
 def pack_words(m_codes, rms_codes) -> np.ndarray:

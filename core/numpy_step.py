@@ -11,7 +11,7 @@ import operator
 
 import numpy as np
 
-from .formats import CODE_MASK, MOMENT_SHIFT, StateFormat
+from .formats import CODE_MASK, MOMENT_SHIFT, SPLIT_MASTER_MAX, StateFormat, join_master, split_master
 from .hyperparams import SCALAR_FIELDS, Hyperparams
 
 F32 = np.float32
@@ -70,9 +70,11 @@ def step_scalars(count: int, hp: Hyperparams) -> dict[str, np.float32]:
     return dict(zip(SCALAR_FIELDS, step_scalar_row(count, hp.as_float32_list())))
 
 
-def _update_chunk(p, g, state, s, fmt: StateFormat, counts=None):
+def _update_chunk(p, g, state, s, fmt: StateFormat, counts=None, split=False):
     """Returns (update, new_state, accepted) for one chunk; inputs are not modified. With
-    `counts` (int64, launch.FORMAT_COUNTS order), adds this chunk's format counts to it."""
+    `counts` (int64, launch.FORMAT_COUNTS order), adds this chunk's format counts to it.
+    `split`: `p` is a split master, and a result past SPLIT_MASTER_MAX is rejected too (its
+    live weight would be Inf; FORMAT.md, "Split masters"), before anything is counted."""
     finite_grad = np.isfinite(g)
     g = np.where(finite_grad, g, F32(0.0))
     if fmt.mode == "fp32":
@@ -88,6 +90,8 @@ def _update_chunk(p, g, state, s, fmt: StateFormat, counts=None):
     denom = rms_next * s["inv_sqrt_bias_correction2"] + s["eps"]
     update = -(s["step_size"] * (m_next / denom) + s["lr_wd"] * p)
     accepted = finite_grad & np.isfinite(p + update)
+    if split:
+        accepted &= np.abs(p + update) <= F32(SPLIT_MASTER_MAX)
     if fmt.mode == "fp32":
         accepted &= np.isfinite(m_next) & np.isfinite(v_next)
         new_state = np.stack([m_next, v_next])
@@ -147,3 +151,61 @@ def apply_step(param, grad, state, scalars, *, fmt: StateFormat, update_out=None
             else:
                 update_out[sl] = update
     return rejected
+
+
+def adamw_split_step(weight_bits, low_half, grad, state, *, count: int, hp: Hyperparams, fmt: StateFormat) -> int:
+    """`apply_split_step` with the step scalars derived from `count` and `hp`."""
+    return apply_split_step(weight_bits, low_half, grad, state, step_scalar_row(count, hp.as_float32_list()), fmt=fmt)
+
+
+def apply_split_step(weight_bits, low_half, grad, state, scalars, *, fmt: StateFormat, format_counts_out=None) -> int:
+    """One step of a bf16 parameter held as a split master (FORMAT.md, "Split masters"), in place.
+
+    `weight_bits`: the bf16 live weights' bits, flat uint16 [n] (or the int16 view of the same
+    bits: a torch bf16 tensor's `.view(torch.int16).numpy()`); `low_half`: flat int16 [n] (the
+    state entry `fmt.low_half_key`); `grad`: flat float32 [n] values, or bf16 gradients as their
+    bits in uint16/int16 [n], upcast exactly (bits << 16); `state` and `scalars` as in
+    `apply_step`. The master join(weight, low half) takes exactly `apply_step`'s step; an element
+    is rejected when that step rejects it or when the new master is past SPLIT_MASTER_MAX. A
+    rejected element keeps its weight, low half and state; an accepted one gets the split of
+    the new master. Returns the number rejected; `format_counts_out` as in `apply_step`.
+    """
+    weights, lows = _bits16_array(weight_bits, "weight_bits"), _bits16_array(low_half, "low_half").view(np.int16)
+    n = weights.shape[0]
+    state_length = state.shape[-1] if fmt.mode == "fp32" else state.shape[0]
+    for name, length in (("low_half", lows.shape[0]), ("grad", np.shape(grad)[0]), ("state", state_length)):
+        if length != n:
+            raise ValueError(f"{name} has {length} elements but weight_bits has {n}; pass one per parameter element")
+    bf16_grad = _gradient_is_bf16_bits(grad)
+    s = dict(zip(SCALAR_FIELDS, scalars))
+    rejected = 0
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for start in range(0, n, CHUNK):
+            sl = slice(start, start + CHUNK)
+            master = join_master(weights[sl], lows[sl])
+            g = (grad[sl].view(np.uint16).astype(np.uint32) << np.uint32(16)).view(F32) if bf16_grad else grad[sl]
+            chunk_state = state[:, sl] if fmt.mode == "fp32" else state[sl]
+            update, new_state, accepted = _update_chunk(master, g, chunk_state, s, fmt, format_counts_out, split=True)
+            rejected += int(accepted.size - np.count_nonzero(accepted))
+            chunk_state[...] = np.where(accepted, new_state, chunk_state)
+            # A rejected element rewrites its own weight and low half: split(join(w, lo)) == (w, lo).
+            weights[sl], lows[sl] = split_master(np.where(accepted, master + update, master))
+    return rejected
+
+
+def _bits16_array(array, name: str) -> np.ndarray:
+    """A flat uint16/int16 array as uint16 (a view, so in-place writes reach the caller)."""
+    if not isinstance(array, np.ndarray) or array.dtype not in (np.uint16, np.int16) or array.ndim != 1:
+        raise TypeError(f"{name} must be a flat uint16 or int16 numpy array (bf16 bits or the low half), got "
+                        f"{type(array).__name__} {getattr(array, 'dtype', '')} {np.shape(array)}")
+    return array.view(np.uint16)
+
+
+def _gradient_is_bf16_bits(grad) -> bool:
+    dtype = getattr(grad, "dtype", None)
+    if dtype == np.float32:
+        return False
+    if dtype in (np.uint16, np.int16):
+        return True
+    raise TypeError(f"grad must be float32 values or bf16 bits as uint16/int16, got dtype {dtype}; "
+                    "pass a torch bf16 gradient as .view(torch.int16).numpy()")
