@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from packed_adamw.core import StateFormat, first_moment_format, rms_format, validate_hyperparams
+from packed_adamw.core import StateFormat, first_moment_format, rms_format, launch, validate_hyperparams
 from packed_adamw.tokenizer import tokenizer_sha256
 from packed_adamw.tokenizer.corpus import CorpusNotInstalledError, default_corpus_documents
 from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, build_split
@@ -91,6 +91,9 @@ class TrainConfig:
     log_moment_stats: bool = False  # fp32 mode: write moment_stats.jsonl every moment_stats_every steps
     moment_stats_every: int = 100
     moment_stats_biases: str = "12,15,18,21"
+    # packed/fp16: "format" records in log.jsonl every log_every steps and format.png (counting
+    # changes no bit of training, so it may be switched on or off between sessions)
+    track_format: bool = False
     progress: bool = True
     deterministic: bool = True  # CUDA: deterministic kernels, without which resume is not bit-exact
 
@@ -280,7 +283,8 @@ def make_optimizer(model: GPT, config: TrainConfig) -> torch.optim.Optimizer:
     common = dict(lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
     if config.optimizer == "torch-adamw":
         return torch.optim.AdamW(groups, **common)
-    return PackedAdamW(groups, **common, mode=config.mode, m_bias=config.m_bias, rms_bias=config.rms_bias)
+    return PackedAdamW(groups, **common, mode=config.mode, m_bias=config.m_bias, rms_bias=config.rms_bias,
+                       track_format=config.track_format)
 
 
 def open_tapes(config: TrainConfig, ranks: "Ranks | None" = None) -> tuple[TapeReader, TapeReader]:
@@ -373,12 +377,83 @@ def moment_stats(model: GPT, optimizer: PackedAdamW, step: int, biases: list[int
     return record
 
 
+FORMAT_RECORD = "format"  # the "record" entry of log.jsonl's format-count lines (--track-format)
+
+
+def format_record(optimizer: PackedAdamW, kinds: list[str], first_step: int, step: int, ranks: "Ranks",
+                  device: torch.device) -> dict:
+    """Per kind of tensor, the share of the element-steps of steps first_step..step whose new
+    first moment or RMS saturated, flushed to zero or landed subnormal (FORMAT.md, "Format
+    counts"), with the counts behind each share.
+
+    `format_stats()` returns the counts since its previous call and the element-steps they
+    cover (elements x steps stepped), so a share is count / element_steps of this interval.
+    Under FSDP2 each rank counts its own shard, so every rank calls this and the counts are
+    summed over the ranks; DDP ranks step whole tensors with the same reduced gradients, so
+    each rank's counts already are the whole tensors'.
+    """
+    fields = ("element_steps", *launch.FORMAT_COUNTS)
+    row = {kind: index for index, kind in enumerate(kinds)}
+    totals = torch.zeros((len(kinds), len(fields)), dtype=torch.int64)
+    for name, entry in optimizer.format_stats().items():
+        totals[row[parameter_kind(name)]] += torch.tensor([entry["elements"], *(entry[k] for k in fields[1:])])
+    if ranks.parallel == "fsdp":
+        totals = totals.to(device)  # NCCL reduces CUDA tensors only
+        torch.distributed.all_reduce(totals)
+    record = {"record": FORMAT_RECORD, "step": step, "first_step": first_step, "kinds": {}}
+    for kind, values in zip(kinds, totals.tolist()):
+        element_steps, counts = values[0], dict(zip(fields[1:], values[1:]))
+        shares = {k: n / element_steps if element_steps else None for k, n in counts.items()}
+        record["kinds"][kind] = {"element_steps": element_steps, **shares, "counts": counts}
+    return record
+
+
+def log_records(log_path: Path, record: str | None = None) -> list[dict]:
+    """The lines of log.jsonl of one kind: None for the step lines (loss, val_bpb, ...),
+    FORMAT_RECORD for the format counts."""
+    lines = log_path.read_text().splitlines() if log_path.exists() else []
+    return [r for r in map(json.loads, lines) if r.get("record") == record]
+
+
+def plot_format_log(log_path: Path, png_path: Path) -> None:
+    """One panel per format count, one line per kind of tensor, shares on a log axis (a
+    share of 0 leaves a gap). Each point is the share over the interval ending at its step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = log_records(log_path, FORMAT_RECORD)
+    kinds = sorted({kind for r in records for kind in r["kinds"]})
+    fig, axes = plt.subplots(3, 2, figsize=(10, 10), sharex=True)  # rows: event; columns: m, RMS
+    for ax, count in zip(axes.flat, launch.FORMAT_COUNTS):
+        drawn = False
+        for kind in kinds:
+            points = [(r["step"], r["kinds"][kind][count]) for r in records if kind in r["kinds"]]
+            shares = [share if share else math.nan for _, share in points]
+            drawn = drawn or not all(map(math.isnan, shares))
+            ax.plot([s for s, _ in points], shares, marker=".", label=kind)
+        if drawn:
+            ax.set_yscale("log")
+        else:
+            ax.text(0.5, 0.5, "none counted", transform=ax.transAxes, ha="center", va="center", color="gray")
+            ax.set_yticks([])
+        ax.set(title=count, ylabel="share of element-steps")
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(kinds) or 1)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
 def plot_log(log_path: Path, png_path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    records = log_records(log_path)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_bpb"]) for r in records if r.get("val_bpb") is not None]
     fig, (ax_loss, ax_bpb) = plt.subplots(1, 2, figsize=(10, 4))
@@ -484,6 +559,13 @@ def check_config(config: TrainConfig) -> None:
                               "use --device cpu or auto")
     if config.log_moment_stats and (config.optimizer, config.mode) != ("packed-adamw", "fp32"):
         raise ConfigError("--log-moment-stats needs --mode fp32 (it reads float32 moments)")
+    if config.track_format and config.optimizer != "packed-adamw":
+        raise ConfigError(f"--track-format counts PackedAdamW's format events; --optimizer {config.optimizer} "
+                          "has none: use --optimizer packed-adamw with --mode packed or fp16")
+    if config.track_format and config.mode == "fp32":
+        raise ConfigError("--track-format counts where packed or fp16 codes saturate, flush or go subnormal, and "
+                          "--mode fp32 stores float32 moments: use --mode packed or fp16, or --log-moment-stats "
+                          "for what fp32 moments would do in the packed formats")
     check_parallel(config)
 
 
@@ -640,6 +722,8 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
     if ranks.parallel == "ddp" and step < config.max_steps:
         ddp_rebuild_buckets(model, config.batch_size, context, device)
     moment_biases = moment_stats_biases(config)
+    format_kinds = sorted({parameter_kind(name) for name, _ in core.named_parameters()})
+    format_from = step + 1  # the first step the next format record covers
     recent_losses = collections.deque(maxlen=50)
     fwd_bwd_times, optimizer_times, step_times = [], [], []
     val_bpb = None
@@ -665,6 +749,11 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
         else:
             path_or_file.write(json.dumps(record) + "\n")
             path_or_file.flush()
+
+    def log_format_counts() -> None:  # on every rank: FSDP2 sums the shards' counts
+        nonlocal format_from
+        write_log(log, format_record(optimizer, format_kinds, format_from, step, ranks, device))
+        format_from = step + 1
 
     with StopRequest() as stop, log_file as log:
         while True:
@@ -709,7 +798,8 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
             optimizer_times.append(end - after_backward)
             step_times.append(end - start)
             record = None
-            if step % config.log_every == 0 or step == 1:
+            log_step = step % config.log_every == 0 or step == 1
+            if log_step:
                 record = {"step": step, "loss": recent_losses[-1], "lr": optimizer.param_groups[0]["lr"],
                           "grad_norm": float(full(grad_norm)), "tokens_per_s": tokens_per_step / (end - start),
                           "fwd_bwd_ms": 1e3 * fwd_bwd_times[-1], "optimizer_ms": 1e3 * optimizer_times[-1]}
@@ -718,6 +808,8 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
                 record = {**(record or {"step": step}), "val_bpb": val_bpb}
             if record:
                 write_log(log, record)
+            if config.track_format and log_step:
+                log_format_counts()
             if config.log_moment_stats and step % config.moment_stats_every == 0:
                 stats = moment_stats(core, optimizer, step, moment_biases)  # every rank: FSDP2 gathers
                 write_log(out / "moment_stats.jsonl", stats)
@@ -731,6 +823,8 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
         if step_times and not (config.eval_every and step % config.eval_every == 0):
             val_bpb = evaluate()
             write_log(log, {"step": step, "val_bpb": val_bpb})
+        if config.track_format and format_from <= step:  # the steps since the last record
+            log_format_counts()
 
     # Medians skip the first steps' warm-up cost.
     steady = slice(min(5, len(step_times) - 1), None) if step_times else slice(None)
@@ -748,10 +842,14 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
         "log": str(log_path), "plot": str(out / "loss.png"), "checkpoint": str(checkpoint_path),
         "config": dataclasses.asdict(config),
     }
+    if config.track_format:
+        summary["format_plot"] = str(out / "format.png")
     if ranks.distributed:
         summary["world_size"] = ranks.world_size
     if ranks.main:
         plot_log(log_path, out / "loss.png")
+        if config.track_format:
+            plot_format_log(log_path, out / "format.png")
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     ranks.barrier()  # the summary is in place before any rank returns
     return summary
@@ -861,7 +959,9 @@ def main(argv=None) -> int:
         return 0
     print(f"\nstopped because: {summary['stopped_because']} at step {summary['step']}")
     for key in ("final_train_loss_mean_last_50", "val_bpb", "tokens_per_s", "median_fwd_bwd_ms",
-                "median_optimizer_ms", "log", "plot", "checkpoint"):
+                "median_optimizer_ms", "log", "plot", "format_plot", "checkpoint"):
+        if key not in summary:
+            continue
         value = summary[key]
         print(f"  {key:30s} {value:.4f}" if isinstance(value, float) else f"  {key:30s} {value}")
     return 0
