@@ -102,41 +102,41 @@ def _magnitude(code, SIGNED: tl.constexpr):
     return code
 
 
-# Format counts per lane: three 21-bit fields per int64, so the lanes of a program's blocks
-# add up without carries as long as the program covers fewer than 2**21 elements.
-COUNT_FIELD = tl.constexpr(21)
-COUNT_FIELD_MASK = tl.constexpr((1 << 21) - 1)
-COUNT_FIELD_LIMIT = tl.constexpr(1 << 21)
+# Format counts per lane: two 16-bit fields per int32, so the lanes of a program's blocks add
+# up without carries while a program covers fewer than 2**16 elements. Counting is on the
+# critical path of a kernel that is close to its instruction-issue limit, so it stays in 32 bits.
+COUNT_FIELD = tl.constexpr(16)
+COUNT_FIELD_MASK = tl.constexpr((1 << 16) - 1)
+COUNT_FIELD_LIMIT = tl.constexpr(1 << 16)
 
 
 @triton.jit
-def _three_fields(c0, c1, c2):
-    return c0.to(tl.int64) | (c1.to(tl.int64) << COUNT_FIELD) | (c2.to(tl.int64) << (2 * COUNT_FIELD))
+def _two_fields(low, high):
+    return low.to(tl.int32) | (high.to(tl.int32) << COUNT_FIELD)
 
 
 @triton.jit
-def _add_field(pointer, total, k: tl.constexpr):
-    n = (total >> (k * COUNT_FIELD)) & COUNT_FIELD_MASK
-    tl.atomic_add(pointer, n, mask=n > 0, sem="relaxed")  # a count: no ordering needed
+def _add_fields(pointer, lanes):
+    total = tl.sum(lanes, axis=0)
+    low = (total & COUNT_FIELD_MASK).to(tl.int64)
+    high = ((total >> COUNT_FIELD) & COUNT_FIELD_MASK).to(tl.int64)
+    tl.atomic_add(pointer, low, mask=low > 0, sem="relaxed")  # a count: no ordering needed
+    tl.atomic_add(pointer + FORMAT_SLOTS, high, mask=high > 0, sem="relaxed")
 
 
 @triton.jit
-def _add_counts(row_ptr, rejected, counts_a, counts_b, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr):
+def _add_counts(row_ptr, rejected, saturated, flushed, subnormal, COUNT_NONFINITE: tl.constexpr,
+                TRACK_FORMAT: tl.constexpr):
     """Adds one program's per-lane counts to its tensor's counter row (launch.py): one
-    reduction per int64 of fields, then one relaxed atomic per nonzero count."""
+    reduction per int32 of fields, then one relaxed atomic per nonzero count."""
     if COUNT_NONFINITE:
-        n_rejected = tl.sum(rejected.to(tl.int64), axis=0)
+        n_rejected = tl.sum(rejected, axis=0).to(tl.int64)
         tl.atomic_add(row_ptr, n_rejected, mask=n_rejected > 0)
-    if TRACK_FORMAT:
+    if TRACK_FORMAT:  # launch.FORMAT_COUNTS order: saturated m, rms; flushed m, rms; subnormal m, rms
         slot = row_ptr + 1 + tl.program_id(0) % FORMAT_SLOTS
-        total_a = tl.sum(counts_a, axis=0)
-        total_b = tl.sum(counts_b, axis=0)
-        _add_field(slot, total_a, 0)
-        _add_field(slot + FORMAT_SLOTS, total_a, 1)
-        _add_field(slot + 2 * FORMAT_SLOTS, total_a, 2)
-        _add_field(slot + 3 * FORMAT_SLOTS, total_b, 0)
-        _add_field(slot + 4 * FORMAT_SLOTS, total_b, 1)
-        _add_field(slot + 5 * FORMAT_SLOTS, total_b, 2)
+        _add_fields(slot, saturated)
+        _add_fields(slot + 2 * FORMAT_SLOTS, flushed)
+        _add_fields(slot + 4 * FORMAT_SLOTS, subnormal)
 
 
 @triton.jit
@@ -211,8 +211,8 @@ def _adamw_block(
 ):
     """One block of one tensor; the whole step contract lives here (FORMAT.md, "The step").
 
-    Returns the block's per-lane counts for `_add_counts`: rejected elements (int32), and the
-    six format counts as two int64 of `_three_fields` (zeros where not asked for).
+    Returns the block's per-lane counts for `_add_counts` (zeros where not asked for): rejected
+    elements, then the saturated, flushed and subnormal counts, each as `_two_fields` (m, rms).
     MASKED=False for blocks that lie wholly inside the tensor: a bounds mask the compiler
     cannot prove uniform over 16 bytes splits every access into 4-byte ones.
     SPLIT: the parameter is a bf16 live weight (`param_ptr`, 16-bit) with its int16 low half
@@ -274,8 +274,9 @@ def _adamw_block(
         _store(out_ptr + offsets, tl.where(accepted, update, sign_bit.to(tl.float32, bitcast=True)), in_bounds, MASKED)
     else:
         _store(out_ptr + offsets, tl.where(accepted, p_next, p), in_bounds, MASKED)
-    counts_a = tl.zeros(offsets.shape, tl.int64)
-    counts_b = tl.zeros(offsets.shape, tl.int64)
+    saturated = tl.zeros(offsets.shape, tl.int32)
+    flushed = tl.zeros(offsets.shape, tl.int32)
+    subnormal = tl.zeros(offsets.shape, tl.int32)
     if MODE == FP32_MODE:
         _store(new_state_ptr + offsets, tl.where(accepted, m_next, m), in_bounds, MASKED)
         _store(new_state_ptr + n_elements + offsets, tl.where(accepted, v_next, v), in_bounds, MASKED)
@@ -293,17 +294,16 @@ def _adamw_block(
             else:
                 counted = accepted
             m_mag, rms_mag = _magnitude(m_code, M_SIGNED), _magnitude(rms_code, R_SIGNED)
-            counts_a = _three_fields(counted & (m_raw > M_MAX), counted & (rms_raw > R_MAX),
-                                     counted & (m_next != 0.0) & (m_mag == 0))
-            counts_b = _three_fields(counted & (rms_next != 0.0) & (rms_mag == 0),
-                                     counted & (m_mag != 0) & ((m_mag >> M_FRAC) == 0),
-                                     counted & (rms_mag != 0) & ((rms_mag >> R_FRAC) == 0))
+            saturated = _two_fields(counted & (m_raw > M_MAX), counted & (rms_raw > R_MAX))
+            flushed = _two_fields(counted & (m_mag == 0) & (m_next != 0.0), counted & (rms_mag == 0) & (rms_next != 0.0))
+            subnormal = _two_fields(counted & (m_mag != 0) & ((m_mag >> M_FRAC) == 0),
+                                    counted & (rms_mag != 0) & ((rms_mag >> R_FRAC) == 0))
     rejected = tl.zeros(offsets.shape, tl.int32)
     if COUNT_NONFINITE:
         if MASKED:
             accepted = accepted | ~in_bounds
         rejected = (~accepted).to(tl.int32)
-    return rejected, counts_a, counts_b
+    return rejected, saturated, flushed, subnormal
 
 
 @triton.jit
@@ -323,27 +323,29 @@ def _adamw_programs(
     tl.static_assert(BLOCK * BLOCKS_PER_PROGRAM < COUNT_FIELD_LIMIT)
     first = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM
     rejected = tl.zeros([BLOCK], tl.int32)
-    counts_a = tl.zeros([BLOCK], tl.int64)
-    counts_b = tl.zeros([BLOCK], tl.int64)
+    saturated = tl.zeros([BLOCK], tl.int32)
+    flushed = tl.zeros([BLOCK], tl.int32)
+    subnormal = tl.zeros([BLOCK], tl.int32)
     for k in tl.range(0, BLOCKS_PER_PROGRAM):
         start = (first + k) * BLOCK
         offsets = start + tl.arange(0, BLOCK)
         if start + BLOCK <= n_elements:
-            r, a, b = _adamw_block(
+            r, sat, flush, sub = _adamw_block(
                 param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
                 offsets, n_elements, False, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
         else:  # the tensor's last, partial block (or, in a program of several, one past the end)
-            r, a, b = _adamw_block(
+            r, sat, flush, sub = _adamw_block(
                 param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
                 offsets, n_elements, True, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
         rejected += r
-        counts_a += a
-        counts_b += b
-    _add_counts(counters_ptr, rejected, counts_a, counts_b, COUNT_NONFINITE, TRACK_FORMAT)
+        saturated += sat
+        flushed += flush
+        subnormal += sub
+    _add_counts(counters_ptr, rejected, saturated, flushed, subnormal, COUNT_NONFINITE, TRACK_FORMAT)
 
 
 @triton.jit
@@ -353,7 +355,7 @@ def adamw_kernel(
     MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1,
 ):
     """One FP32 tensor, on the grid `launch.single_tensor_grid`.
 
@@ -376,7 +378,7 @@ def adamw_split_kernel(
     MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1,
 ):
     """One bf16 tensor with split masters (FORMAT.md, "Split masters"), on the grid
     `launch.single_tensor_grid`: the bf16 weight and its int16 low half in, the new ones out
@@ -434,15 +436,15 @@ def adamw_multi_tensor_kernel(
         state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.uint32))
     scalars_ptr += tl.load(scalar_rows_ptr + t) * SCALAR_ROW
     if start + BLOCK <= n_elements:
-        rejected, counts_a, counts_b = _adamw_block(
+        rejected, saturated, flushed, subnormal = _adamw_block(
             param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr,
             offsets, n_elements, False, MODE, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
     else:  # the tensor's last, partial block
-        rejected, counts_a, counts_b = _adamw_block(
+        rejected, saturated, flushed, subnormal = _adamw_block(
             param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr,
             offsets, n_elements, True, MODE, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
-    _add_counts(counters_ptr + t * COUNTER_ROW, rejected, counts_a, counts_b, COUNT_NONFINITE, TRACK_FORMAT)
+    _add_counts(counters_ptr + t * COUNTER_ROW, rejected, saturated, flushed, subnormal, COUNT_NONFINITE, TRACK_FORMAT)

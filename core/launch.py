@@ -20,7 +20,7 @@ GPU_NUM_WARPS = 2
 # time of one such tensor (over 80 us on an H200) hides the extra launch's host cost.
 SOLO_ELEMENTS = 1 << 24
 # Interpreted (CPU tests): per-program overhead dominates, so one program takes a lot.
-INTERPRETER_BLOCK = 1 << 16
+INTERPRETER_BLOCK = 1 << 15  # below the format counts' 16-bit fields (kernel.py)
 # step_scalars_kernel: rows (tensors or leaves) per program.
 SCALAR_BLOCK_ROWS = 128
 # Exact bits need every multiply and add rounded on its own.
@@ -53,19 +53,31 @@ def sum_counter_slots(rows: np.ndarray) -> np.ndarray:
     return rows[:, 1:].reshape(len(rows), len(FORMAT_COUNTS), FORMAT_SLOTS).sum(axis=2)
 
 
-# A counting launch of a single-tensor kernel gives each program this many blocks, so that
-# its reductions and atomics are paid once per 8192 elements instead of once per block
-# (H200 sweep in docs/results/BENCHMARKS.md). Uncounted launches keep one block a program.
+# A counting launch of a single-tensor kernel gives each program several blocks, so that its
+# reductions and atomics are paid once per 8192 elements, and runs more warps (H200 sweep in
+# docs/results/SWEEP.md). Uncounted launches keep one block a program.
 COUNTING_BLOCKS_PER_PROGRAM = 16
+COUNTING_NUM_WARPS = 4
 
 
-def blocks_per_program(counting: bool) -> int:
-    return COUNTING_BLOCKS_PER_PROGRAM if counting and not interpreting() else 1
+def single_tensor_constants(fmt: StateFormat, *, write_update: bool, count_nonfinite: bool, block: int,
+                            track_format: bool = False, split: bool = False) -> dict:
+    """`kernel_constants` for `adamw_kernel` / `adamw_split_kernel`, with the blocks each
+    program takes; launch them on `single_tensor_grid` with `single_tensor_warps`."""
+    constants = kernel_constants(fmt, write_update=write_update, count_nonfinite=count_nonfinite, block=block,
+                                 track_format=track_format, split=split)
+    counting = (count_nonfinite or track_format) and not interpreting()
+    constants["BLOCKS_PER_PROGRAM"] = COUNTING_BLOCKS_PER_PROGRAM if counting else 1
+    return constants
 
 
 def single_tensor_grid(n_elements: int, constants: dict) -> tuple[int]:
     """The grid of `adamw_kernel` / `adamw_split_kernel` launched with `constants`."""
-    return grid(n_elements, constants["BLOCK"] * constants["BLOCKS_PER_PROGRAM"])
+    return grid(n_elements, constants["BLOCK"] * constants.get("BLOCKS_PER_PROGRAM", 1))
+
+
+def single_tensor_warps(constants: dict) -> int:
+    return COUNTING_NUM_WARPS if constants.get("BLOCKS_PER_PROGRAM", 1) > 1 else GPU_NUM_WARPS
 
 
 def kernel_constants(fmt: StateFormat, *, write_update: bool | None, count_nonfinite: bool, block: int,
@@ -90,10 +102,10 @@ def kernel_constants(fmt: StateFormat, *, write_update: bool | None, count_nonfi
         MODE=MODE_IDS[fmt.mode], WRITE_UPDATE=write_update, COUNT_NONFINITE=count_nonfinite, TRACK_FORMAT=track_format,
         M_SIGNED=m_signed, M_FRAC=m_frac, M_BIAS=m_bias, M_MAX=m_max,
         R_SIGNED=r_signed, R_FRAC=r_frac, R_BIAS=r_bias, R_MAX=r_max,
-        BLOCK=block, BLOCKS_PER_PROGRAM=blocks_per_program(count_nonfinite or track_format),
+        BLOCK=block,
     )
-    if write_update is None:  # the multi-tensor kernel: one block a program, SPLIT as its own argument
-        del constants["WRITE_UPDATE"], constants["BLOCKS_PER_PROGRAM"]
+    if write_update is None:  # the multi-tensor kernel, which takes SPLIT as an argument
+        del constants["WRITE_UPDATE"]
         constants["SPLIT"] = split
     elif split:
         if write_update:

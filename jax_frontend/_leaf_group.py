@@ -67,18 +67,19 @@ def _leaf_group_program(
             state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.uint32))
             new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.uint32))
         if start + BLOCK <= n_elements:
-            rejected, counts_a, counts_b = _adamw_block(
+            rejected, saturated, flushed, subnormal = _adamw_block(
                 param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, out_ptr, new_state_ptr, out_ptr,
                 offsets, n_elements, False, MODE, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
         else:  # the leaf's last, partial block
-            rejected, counts_a, counts_b = _adamw_block(
+            rejected, saturated, flushed, subnormal = _adamw_block(
                 param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, out_ptr, new_state_ptr, out_ptr,
                 offsets, n_elements, True, MODE, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
-        _add_counts(counters_ptr + leaf * COUNTER_ROW, rejected, counts_a, counts_b, COUNT_NONFINITE, TRACK_FORMAT)
+        _add_counts(counters_ptr + leaf * COUNTER_ROW, rejected, saturated, flushed, subnormal,
+                    COUNT_NONFINITE, TRACK_FORMAT)
 
 
 def leaf_group_kernel_2(
@@ -111,9 +112,10 @@ def _signature_lines(n: int) -> tuple[str, str]:
     return inputs, outputs
 
 
-def _generated_source(n: int) -> str:
+def _generated_source(n: int, counting: bool = False) -> str:
     """`leaf_group_kernel_2`'s text with n leaves: the signature lists every leaf's buffers,
-    and one block of selections per leaf after the first."""
+    and one block of selections per leaf after the first. `counting`: the counter rows are
+    an output too (`_with_counters_output`)."""
     model = inspect.getsource(leaf_group_kernel_2)
     inputs_2, outputs_2 = _signature_lines(2)
     inputs, outputs = _signature_lines(n)
@@ -123,25 +125,44 @@ def _generated_source(n: int) -> str:
     head, tail = model[:first_select], model[after_select:]
     head = head.replace("leaf_group_kernel_2(", f"leaf_group_kernel_{n}(").replace(inputs_2, inputs).replace(outputs_2, outputs)
     selects = "".join(select_1.replace("leaf == 1", f"leaf == {i}").replace("_1.to", f"_{i}.to") for i in range(1, n))
-    return head + selects + tail.replace("leaf, 2,", f"leaf, {n},")
+    source = head + selects + tail.replace("leaf, 2,", f"leaf, {n},")
+    return _with_counters_output(source, n) if counting else source
+
+
+def _with_counters_output(source: str, n: int) -> str:
+    """The kernel text whose last argument is the counter rows as an output: jax-triton passes
+    every output, aliased ones too, after the inputs, so a launch that returns its counts
+    (`counters` aliased to that output) needs the argument. Both name one buffer; the counts
+    are added through the output's."""
+    edits = ((f"def leaf_group_kernel_{n}(", f"def leaf_group_counting_kernel_{n}("),
+             (f" new_state_{n - 1},\n", f" new_state_{n - 1}, new_counters,\n"),
+             (f"scalars_ptr, counters_ptr, leaf, {n},", f"scalars_ptr, new_counters, leaf, {n},"))
+    for old, new in edits:
+        if source.count(old) != 1:  # the model changed: say where instead of compiling a wrong kernel
+            raise AssertionError(f"leaf_group_kernel_2's text has {source.count(old)} copies of {old!r}, not one")
+        source = source.replace(old, new)
+    return source
 
 
 @functools.cache
-def leaf_group_kernel(n_leaves: int):
+def leaf_group_kernel(n_leaves: int, counting: bool = False):
     """The kernel for one launch over `n_leaves` separate leaves, in jax-triton's argument order:
 
         param_0, grad_0, state_0, ..., leaf_table, scalars, counters, out_0, new_state_0, ...
 
     on a grid (blocks of the largest leaf, n_leaves). Program (i, t) updates block i of leaf t
     with scalar row `leaf_table[n_leaves + t]`; `leaf_table[t]` is leaf t's size
-    (`leaf_group_table`). Outputs as in core's `adamw_kernel`.
+    (`leaf_group_table`). Outputs as in core's `adamw_kernel`. With `counting` (launches with
+    TRACK_FORMAT) one more output follows, `new_counters`: the counter rows (leaf t's at row
+    t, launch.COUNTER_ROW wide), passed aliased to `counters`.
     """
     if not 1 <= n_leaves <= LEAVES_PER_LAUNCH:
         raise ValueError(f"leaf_group_kernel: n_leaves must be in [1, {LEAVES_PER_LAUNCH}], got {n_leaves}")
-    source = _generated_source(n_leaves)
+    source = _generated_source(n_leaves, counting)
+    name = f"leaf_group_{'counting_' if counting else ''}kernel_{n_leaves}"
     # Triton reads a kernel's source through `inspect`, which finds generated text in linecache.
-    filename = f"<packed_adamw.jax leaf_group_kernel_{n_leaves}>"
+    filename = f"<packed_adamw.jax {name}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     namespace = {"tl": tl, "_leaf_group_program": _leaf_group_program}
     exec(compile(source, filename, "exec"), namespace)  # a private namespace: nothing leaks here
-    return triton.jit(namespace[f"leaf_group_kernel_{n_leaves}"])
+    return triton.jit(namespace[name])

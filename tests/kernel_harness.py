@@ -95,8 +95,8 @@ def launch_kernel(param, grad, state, *, count: int, hp: Hyperparams, fmt: State
     n = param.numel()
     block = launch.block_size() if block is None else block
     # By name: robust to the order of the kernel's parameters (jax-triton puts outputs last).
-    constants = launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=True, block=block,
-                                        track_format=track_format)
+    constants = launch.single_tensor_constants(fmt, write_update=write_update, count_nonfinite=True, block=block,
+                                               track_format=track_format)
     adamw_kernel[launch.single_tensor_grid(n, constants)](
         param_ptr=param, grad_ptr=grad, state_ptr=state, scalars_ptr=scalars, counters_ptr=nonfinite,
         n_elements=n, out_ptr=out, new_state_ptr=new_state, **constants, **_compile_options(),
