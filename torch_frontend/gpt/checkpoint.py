@@ -2,9 +2,11 @@
 
 Tensors are stored as tensors, with their own dtypes (PackedAdamW's uint32 words stay uint32):
 
-    model/<name>                    model parameters
+    model/<name>                    model parameters (float32, or bf16 live weights)
     optimizer/state/<i>/<key>       optimizer state tensors of parameter i (PackedAdamW's
-                                    "words" / "moments"; torch AdamW's "step", "exp_avg", "exp_avg_sq")
+                                    "words" / "moments", and "lo", the int16 low half of a bf16
+                                    parameter's FP32 master; torch AdamW's "step", "exp_avg",
+                                    "exp_avg_sq")
     rng/torch_cpu, rng/cuda/<d>     random generator states
 
 Everything else is JSON in the safetensors metadata: the run configuration, the trainer's
@@ -52,8 +54,9 @@ SHARDED_CHECKPOINT_NAME = "checkpoint.dcp"  # a symbolic link to the latest dire
 SHARDED_VERSIONS = "checkpoints"
 SHARDED_FORMAT = "packed-adamw-gpt-sharded-checkpoint/1"
 MANIFEST_NAME = "trainer.json"
-# Keys of the run configuration that checkpoints written before distributed training lack.
-CONFIG_DEFAULTS = {"parallel": "none", "world_size": 1}
+# Keys of the run configuration that older checkpoints lack (written before distributed
+# training, before --param-dtype), with the value those runs had.
+CONFIG_DEFAULTS = {"parallel": "none", "world_size": 1, "param_dtype": "fp32"}
 
 
 class CheckpointError(ValueError):

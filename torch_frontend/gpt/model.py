@@ -2,7 +2,9 @@
 
 Token + learned position embeddings, pre-LayerNorm blocks (causal self-attention, GELU MLP),
 a final LayerNorm, and an output head tied to the token embedding. No dropout, so a run has
-no random state after initialisation and resumes exactly.
+no random state after initialisation and resumes exactly. The model runs in its parameters'
+dtype (float32, or bfloat16 for the trainer's `--param-dtype bf16`, with no autocast); the
+loss is computed from float32 logits either way.
 
 Presets (vocabulary 12,095, the project tokenizer):
 
@@ -125,5 +127,7 @@ class GPT(nn.Module):
         logits = F.linear(self.ln_final(x), self.tok_emb.weight)
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+        # The loss in float32 whatever the parameters' dtype: bf16 logits would round the
+        # log-softmax to 8 bits (a no-op for float32 parameters, whose bits it keeps).
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
         return logits, loss

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from packed_adamw.core import StateFormat, first_moment_format, rms_format, launch, validate_hyperparams
+from packed_adamw.core import StateFormat, first_moment_format, formats, launch, rms_format, validate_hyperparams
 from packed_adamw.tokenizer import tokenizer_sha256
 from packed_adamw.tokenizer.corpus import CorpusNotInstalledError, default_corpus_documents
 from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, build_split
@@ -49,6 +49,10 @@ from .checkpoint import (
 from .model import GPT, PRESETS, GPTConfig
 
 OPTIMIZERS = ("packed-adamw", "torch-adamw")
+# --param-dtype: what the model's parameters are. bf16 trains bf16 live weights (forward and
+# backward in bf16, no autocast); PackedAdamW then keeps each one's exact FP32 master as the
+# weight plus an int16 low half in its state (FORMAT.md, "Split masters").
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PARALLEL = ("none", "ddp", "fsdp")
 STOP_SIGNALS = (None, "SIGINT", "SIGTERM")  # agreed between ranks as an index (the largest wins)
 
@@ -63,6 +67,7 @@ class TrainConfig:
     config: str = "tiny"  # model preset (model.PRESETS)
     optimizer: str = "packed-adamw"  # or "torch-adamw", the fp32 torch.optim.AdamW baseline
     mode: str = "packed"  # PackedAdamW mode: packed | fp16 | fp32
+    param_dtype: str = "fp32"  # or "bf16": bf16 live weights (with packed-adamw: split FP32 masters)
     m_bias: int = 15
     rms_bias: int = 15
     batch_size: int = 16
@@ -99,7 +104,7 @@ class TrainConfig:
 
     def trajectory(self) -> dict:
         """The settings that decide the bits of the result, with the model preset spelled out."""
-        fields = ("optimizer", "mode", "m_bias", "rms_bias", "batch_size", "max_steps", "lr", "min_lr",
+        fields = ("optimizer", "mode", "param_dtype", "m_bias", "rms_bias", "batch_size", "max_steps", "lr", "min_lr",
                   "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed", "parallel")
         # The number of ranks decides which windows each rank reads and the global batch.
         return {"model": dataclasses.asdict(GPTConfig.preset(self.config)),
@@ -108,6 +113,8 @@ class TrainConfig:
     @property
     def out_dir(self) -> Path:
         name = self.mode if self.optimizer == "packed-adamw" else self.optimizer
+        if self.param_dtype != "fp32":
+            name += f"-{self.param_dtype}"
         if self.parallel != "none":
             name += f"-{self.parallel}{launched_world_size()}"
         return Path(self.out or f"runs/{self.config}-{name}")
@@ -274,6 +281,65 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def build_model(config: TrainConfig, device: torch.device) -> tuple[GPT, dict[str, torch.Tensor] | None]:
+    """The GPT initialised from `config.seed`, its parameters in `config.param_dtype`.
+
+    The initialisation is always drawn in FP32 (the same values for every run of a seed). With
+    `--param-dtype bf16` each parameter then becomes its FP32 value rounded to the nearest bf16
+    by the split rule (ties away from zero; FORMAT.md, "Split masters"), the same live weights
+    for PackedAdamW and torch AdamW, and the FP32 values are returned by parameter name (None
+    for an FP32 run) for PackedAdamW to take as its masters (`start_masters`).
+    """
+    torch.manual_seed(config.seed)
+    model = GPT(GPTConfig.preset(config.config)).to(device)
+    if config.param_dtype == "fp32":
+        return model, None
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model.to(PARAM_DTYPES[config.param_dtype])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            weight_bits, _ = formats.split_master(initial[name].cpu().numpy())
+            p.copy_(torch.from_numpy(weight_bits.view(np.int16)).view(torch.bfloat16))
+    return model, initial
+
+
+def start_masters(optimizer: torch.optim.Optimizer, model: GPT, initial: dict[str, torch.Tensor] | None) -> None:
+    """A fresh bf16 PackedAdamW run: the split masters start at the exact FP32 initialisation
+    (the weights stay its bf16 rounding, the low halves take the rest), as an FP32 run's
+    parameters do. torch AdamW on bf16 parameters has no masters: it starts from the weights."""
+    if initial is None or not isinstance(optimizer, PackedAdamW):
+        return
+    name_of = {id(p): name for name, p in model.named_parameters()}  # FSDP2 replaced the parameters
+    masters = []
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
+        value = initial[name_of[id(p)]]
+        if hasattr(p, "device_mesh"):  # FSDP2: the master laid out like its DTensor parameter
+            from torch.distributed.tensor import distribute_tensor
+            value = distribute_tensor(value, p.device_mesh, p.placements)
+        masters.append(value)
+    optimizer.load_master_weights(masters)
+
+
+def gradient_norm_(parameters, max_norm: float | None, param_dtype: str) -> torch.Tensor:
+    """The global gradient norm, after clipping the gradients to `max_norm` (None: no clipping).
+
+    FP32 gradients go through torch's clip_grad_norm_ / get_total_norm. bf16 gradients' norm
+    is accumulated in float32 (torch's would be rounded to bf16, 8 significant bits); torch's
+    clip_grads_with_norm_ then multiplies the float32 clipping factor into the bf16 gradients,
+    each product computed in float32 and rounded once to bf16.
+    """
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
+    if param_dtype == "fp32":
+        if max_norm is None:
+            return torch.nn.utils.get_total_norm(grads)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm
+
+
 def make_optimizer(model: GPT, config: TrainConfig) -> torch.optim.Optimizer:
     named = list(model.named_parameters())
     groups = [
@@ -306,7 +372,10 @@ def open_tapes(config: TrainConfig, ranks: "Ranks | None" = None) -> tuple[TapeR
 
 @torch.no_grad()
 def validation_bpb(model: GPT, tape: TapeReader, batch_size: int, max_batches: int, device) -> float | None:
-    """Bits per byte: summed token losses (nats) / (ln 2 * UTF-8 bytes of the target tokens)."""
+    """Bits per byte: summed token losses (nats) / (ln 2 * UTF-8 bytes of the target tokens).
+
+    The model runs with the weights it trains with: under --param-dtype bf16 the bf16 live
+    weights, not PackedAdamW's FP32 masters."""
     context = model.config.context
     nats, byte_count = 0.0, 0
     for index, (x, y) in enumerate(tape.iter_eval_batches(batch_size, context)):
@@ -521,6 +590,9 @@ def check_config(config: TrainConfig) -> None:
         raise ConfigError(f"--config {config.config}: unknown model preset; choose one of {sorted(PRESETS)}")
     if config.optimizer not in OPTIMIZERS:
         raise ConfigError(f"--optimizer {config.optimizer}: choose one of {', '.join(OPTIMIZERS)}")
+    if config.param_dtype not in PARAM_DTYPES:
+        raise ConfigError(f"--param-dtype {config.param_dtype}: choose one of {', '.join(PARAM_DTYPES)} "
+                          "(bf16: bf16 weights, with PackedAdamW keeping exact FP32 masters)")
     lr_ok, betas_ok, eps_ok = 1e-3, (0.9, 0.95), 1e-8  # values the rules accept
     for option, value in (("--lr", config.lr), ("--min-lr", config.min_lr)):
         _check(option, value, lambda v=value: validate_hyperparams(v, betas_ok, eps_ok, 0.0))
@@ -672,8 +744,7 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
     checkpoint_path, log_path = out / config.checkpoint_name, out / "log.jsonl"
     train_tape, val_tape = open_tapes(config, ranks)
 
-    torch.manual_seed(config.seed)
-    core = GPT(GPTConfig.preset(config.config)).to(device)  # the same weights on every rank
+    core, initial = build_model(config, device)  # the same weights on every rank
     # DDP wraps the GPT; fully_shard turns its parameters into DTensors in place (model is core)
     model = wrap_model(core, ranks, device)
     optimizer = make_optimizer(core, config)
@@ -685,7 +756,9 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
 
     resume_path = resume_source(config, checkpoint_path)
     step = 0
-    if resume_path is not None:
+    if resume_path is None:
+        start_masters(optimizer, core, initial)
+    else:
         common = dict(model=core, optimizer=optimizer, tape=train_tape, config=trajectory)
         if ranks.parallel == "fsdp":
             trainer_entry = load_sharded_training_state(resume_path, **common)
@@ -716,7 +789,9 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
             save_training_state(checkpoint_path, **common)
 
     parallel = f"; {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""
-    say(f"model {config.config}: {core.num_parameters():,} parameters; optimizer {config.optimizer}"
+    dtype = "" if config.param_dtype == "fp32" else (
+        f"; {config.param_dtype} parameters" + (" with split FP32 masters" if config.optimizer == "packed-adamw" else ""))
+    say(f"model {config.config}: {core.num_parameters():,} parameters{dtype}; optimizer {config.optimizer}"
         f"{' mode ' + config.mode if config.optimizer == 'packed-adamw' else ''}; device {device}{parallel}; "
         f"{train_tape.remaining_batches(config.batch_size, context)} batches left on {train_tape.path}")
     if ranks.parallel == "ddp" and step < config.max_steps:
@@ -782,10 +857,7 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
             _, loss = model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces, FSDP2 reduce-scatters the gradients: the mean over ranks
-            if config.grad_clip is None:
-                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            grad_norm = gradient_norm_(model.parameters(), config.grad_clip, config.param_dtype)
             sync()
             after_backward = time.perf_counter()
             optimizer.step()
@@ -875,17 +947,26 @@ def synthetic_smoke(config: TrainConfig) -> dict:
     """One update on random tokens: checks the plumbing, not learning."""
     check_config(config)
     device = resolve_device(config.device, config.deterministic)
-    torch.manual_seed(config.seed)
-    model = GPT(GPTConfig.preset(config.config)).to(device)
+    model, initial = build_model(config, device)
     optimizer = make_optimizer(model, config)
+    start_masters(optimizer, model, initial)
     tokens = torch.randint(0, model.config.vocab_size, (config.batch_size, model.config.context + 1), device=device)
-    before = [p.detach().clone() for p in model.parameters()]
+    split = config.param_dtype != "fp32" and isinstance(optimizer, PackedAdamW)
+
+    def trained_values() -> list[torch.Tensor]:  # a split run's step moves the masters, the weights may not
+        return optimizer.master_weights() if split else [p.detach().clone() for p in model.parameters()]
+
+    before = trained_values()
     _, loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     optimizer.step()
-    changed = sum(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, trained_values()))
+    # torch AdamW on bf16 weights drops every update below half a bf16 ulp (the baseline's
+    # inexactness: a LayerNorm weight of 1.0 moves only by 2**-8 or more), so some tensors
+    # may keep their weights; it must move at least one.
+    inexact = config.param_dtype != "fp32" and not split
     return {"loss": loss.item(), "loss_finite": math.isfinite(loss.item()),
-            "tensors_changed": changed, "tensors": len(before)}
+            "tensors_changed": changed, "tensors": len(before), "tensors_required": 1 if inexact else len(before)}
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -949,7 +1030,7 @@ def main(argv=None) -> int:
             print("SYNTHETIC SMOKE TEST (random tokens, one update): checks that the code runs, "
                   "NOT evidence of learning")
             print(json.dumps(result))
-            return 0 if result["loss_finite"] and result["tensors_changed"] == result["tensors"] else 1
+            return 0 if result["loss_finite"] and result["tensors_changed"] >= result["tensors_required"] else 1
         summary = train(config)
     except (CheckpointError, ConfigError, TapeError, CorpusNotInstalledError) as error:
         where = f" (rank {_rank()})" if config.parallel != "none" else ""
