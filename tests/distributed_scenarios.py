@@ -208,6 +208,102 @@ def fsdp_resume(out: Path, source_world: str) -> None:
             raise AssertionError("a state of the other kind (DTensor / plain) was loaded")
 
 
+# ---- bf16 parameters with split masters (docs/FORMAT.md, "Split masters") -----------------------
+BF16 = torch.bfloat16
+LOW_HALF = "lo"  # packed_adamw.core.formats.LOW_HALF_KEY
+
+
+def make_bf16_model(seed: int = 0) -> torch.nn.Module:
+    return make_model(seed).to(BF16)
+
+
+def low_half_bits(t: torch.Tensor) -> torch.Tensor:
+    """A whole low half as int16: a sharded one is stored as int8 pairs [*shape, 2]."""
+    t = full(t)
+    return t.view(torch.int16).squeeze(-1) if t.dtype == torch.int8 else t
+
+
+def split_snapshot(model, opt) -> dict:
+    """Bits of every bf16 weight, word (or moments), low half, FP32 master and step count."""
+    key = opt.state_format.state_key
+    masters = dict(zip((name for name, _ in model.named_parameters()), opt.master_weights()))
+    return {name: (full(p).view(torch.int16), full(opt.state[p][key]), low_half_bits(opt.state[p][LOW_HALF]),
+                   full(masters[name]), int(opt.state[p]["step"]))
+            for name, p in model.named_parameters()}
+
+
+def assert_same_split(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for name in a:
+        for part, x, y in zip(("weight", "state", "low half", "master", "step"), a[name], b[name]):
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), f"{what}: {name} {part} differs"
+            else:
+                assert x == y, f"{what}: {name} {part} {x} != {y}"
+
+
+def bf16_reference(mode: str, steps) -> dict:
+    model = make_bf16_model()
+    opt = PackedAdamW(model.parameters(), lr=LR, weight_decay=WD, mode=mode)
+    train(model, opt, steps)
+    return split_snapshot(model, opt)
+
+
+def fsdp_bf16(out: Path) -> None:
+    """FSDP2 over a bf16 model: the low halves are DTensors sharded like the parameters (int8
+    pairs), steps equal a single-process bf16 run bit for bit in every mode, master_weights()
+    are DTensors with the single process's bits, load_master_weights takes them back, and a
+    DCP checkpoint taken mid-run resumes exactly in a fresh model."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for mode in MODES:
+        model = shard(make_bf16_model())
+        opt = PackedAdamW(model.parameters(), lr=LR, weight_decay=WD, mode=mode)
+        train(model, opt, range(SAVE_AT))
+        for name, p in model.named_parameters():
+            assert p.dtype == BF16, f"{mode} {name}: the sharded parameter is {p.dtype}"
+            low = opt.state[p][LOW_HALF]
+            assert isinstance(low, DTensor) and low.device_mesh == p.device_mesh, f"{mode} {name}: low half is plain"
+            assert low.placements == p.placements and low.dtype == torch.int8, f"{mode} {name}: low half layout"
+            assert low.to_local().shape == (*p.to_local().shape, 2), f"{mode} {name}: local low half shape"
+        save_checkpoint(model, opt, out / f"ckpt-bf16-{mode}-world{world}")
+        train(model, opt, range(SAVE_AT, STEPS))
+        got = split_snapshot(model, opt)
+        masters = opt.master_weights()
+        assert all(isinstance(m, DTensor) and m.dtype == torch.float32 for m in masters), f"{mode}: masters"
+        if rank == 0:
+            assert_same_split(got, bf16_reference(mode, range(STEPS)), f"bf16 FSDP2 vs single process [{mode}]")
+            torch.save(got, out / f"final-bf16-{mode}.pt")
+
+        # The DCP checkpoint brings weights, words and low halves back into a fresh model.
+        fresh = shard(make_bf16_model(seed=1))
+        fresh_opt = PackedAdamW(fresh.parameters(), lr=LR, weight_decay=WD, mode=mode)
+        load_checkpoint(fresh, fresh_opt, out / f"ckpt-bf16-{mode}-world{world}")
+        train(fresh, fresh_opt, range(SAVE_AT, STEPS))
+        assert_same_split(split_snapshot(fresh, fresh_opt), got, f"bf16 DCP resume on {world} ranks [{mode}]")
+
+        # Sharded masters load into a fresh sharded bf16 model exactly.
+        target = shard(make_bf16_model(seed=2))
+        target_opt = PackedAdamW(target.parameters(), lr=LR, weight_decay=WD, mode=mode)
+        target_opt.load_master_weights(masters)
+        for name, a, b in zip((n for n, _ in model.named_parameters()), masters, target_opt.master_weights()):
+            assert torch.equal(full(a), full(b)), f"{mode} {name}: load_master_weights did not give the masters back"
+
+
+def fsdp_bf16_resume(out: Path, source_world: str) -> None:
+    """The bf16 checkpoint of `source_world` ranks, loaded into this world (resharded when they
+    differ), continued: the uninterrupted run's bits."""
+    world = dist.get_world_size()
+    for mode in MODES:
+        model = shard(make_bf16_model(seed=1))
+        opt = PackedAdamW(model.parameters(), lr=LR, weight_decay=WD, mode=mode)
+        load_checkpoint(model, opt, out / f"ckpt-bf16-{mode}-world{source_world}")
+        train(model, opt, range(SAVE_AT, STEPS))
+        got = split_snapshot(model, opt)
+        if dist.get_rank() == 0:
+            assert_same_split(got, torch.load(out / f"final-bf16-{mode}.pt"),
+                              f"bf16 resumed on {world} from {source_world} [{mode}]")
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     if DEVICE == "cuda":
@@ -218,6 +314,10 @@ def main() -> None:
             fsdp_train(out)
         elif scenario == "fsdp_resume":
             fsdp_resume(out, sys.argv[3])
+        elif scenario == "fsdp_bf16":
+            fsdp_bf16(out)
+        elif scenario == "fsdp_bf16_resume":
+            fsdp_bf16_resume(out, sys.argv[3])
         else:
             raise SystemExit(f"unknown scenario {scenario!r}")
         dist.barrier()

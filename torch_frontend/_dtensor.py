@@ -10,7 +10,11 @@ loads and reshards it:
   uint32 (an all-gather over gloo, as in `full_tensor()`, fails with "Invalid scalar type"),
   while int32 travels everywhere. The kernel reads the local shard as a uint32 view, so the
   bits are the words' bits either way;
-- fp32 moments are [2, *shape] float32; a parameter sharded on dim d has them sharded on d+1.
+- fp32 moments are [2, *shape] float32; a parameter sharded on dim d has them sharded on d+1;
+- a bf16 parameter's low half (FORMAT.md, "Split masters"; int16 in a plain state) is stored as
+  an **int8** DTensor of shape [*shape, 2] holding the low halves' bytes: the collectives carry
+  no int16 either, while a trailing pair dimension keeps every placement of the parameter's
+  dims meaning the same. The kernel reads the local shard as its int16 view.
 """
 from __future__ import annotations
 
@@ -18,12 +22,15 @@ import torch
 
 from packed_adamw.core import StateFormat
 
+from .functional import LOW_HALF_DTYPE
+
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # a torch build without distributed support
     DTensor = None
 
 SHARDED_WORDS_DTYPE = torch.int32
+SHARDED_LOW_HALF_DTYPE = torch.int8  # two per low half, in a trailing dimension
 
 
 def is_dtensor(t) -> bool:
@@ -74,6 +81,42 @@ def wrap_state(param: torch.Tensor, local_state: torch.Tensor, fmt: StateFormat,
             )
     stride = (param.numel(), *param.stride())
     return DTensor.from_local(local_state, param.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def kernel_low_half(low_half: torch.Tensor) -> torch.Tensor:
+    """The local int16 low half as the step reads it (a view: writes reach the stored state)."""
+    if is_dtensor(low_half):
+        local_pairs = low_half.to_local()
+        if local_pairs.dtype == SHARDED_LOW_HALF_DTYPE:
+            return local_pairs.view(torch.int16).squeeze(-1)
+        return local_pairs
+    return low_half
+
+
+def low_half_layout(param: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+    """(dtype, shape) of the stored low half of bf16 `param`."""
+    if is_dtensor(param):
+        return SHARDED_LOW_HALF_DTYPE, (*param.shape, 2)
+    return LOW_HALF_DTYPE, tuple(param.shape)
+
+
+def wrap_low_half(param: torch.Tensor, local_low_half: torch.Tensor) -> torch.Tensor:
+    """The stored low half for `param` from its local int16 one: the tensor itself for a plain
+    parameter; for a DTensor, int8 pairs on the parameter's mesh with its placements."""
+    if not is_dtensor(param):
+        return local_low_half
+    pairs = local_low_half.unsqueeze(-1).view(SHARDED_LOW_HALF_DTYPE)
+    stride = (*(2 * s for s in param.stride()), 1)
+    return DTensor.from_local(pairs, param.device_mesh, param.placements, run_check=False,
+                              shape=(*param.shape, 2), stride=stride)
+
+
+def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A tensor of `param`'s layout from a local shard of it (a DTensor if `param` is one)."""
+    if not is_dtensor(param):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def describe(t) -> str:

@@ -1,9 +1,14 @@
 """CUDA launches of the core kernels from torch: staging, launch tables, the launches.
 
 Private to the torch frontend: `functional.adamw_step_` and `_plan.StepPlan` call these.
-A step's device table is one int64 buffer (`stage_step` / `StagingRing`): the addresses of
-every parameter, then every gradient, then every state buffer, then the float32 step-scalar
-rows (hyperparams.SCALAR_FIELDS), so one host-to-device copy carries a whole step.
+A step's device table is one int64 buffer (`stage_step` / `StagingRing`): the buffer
+addresses of each launch kind's tensors (`step_layout`; an FP32-only step has one kind:
+every parameter, then every gradient, then every state buffer), then the float32
+step-scalar rows (hyperparams.SCALAR_FIELDS), so one host-to-device copy carries a whole step.
+
+Launch kinds (docs/MULTI_TENSOR.md, "bf16 weights with split masters"): FP32 parameters; bf16
+parameters with split masters and FP32 gradients; the same with bf16 gradients. Each kind is
+one multi-tensor launch, whose table section also lists the low halves after the states.
 """
 from __future__ import annotations
 
@@ -16,6 +21,25 @@ import torch
 
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.hyperparams import SCALAR_ROW, SCALAR_ROW_INT64_WORDS
+
+
+class LaunchKind(NamedTuple):
+    """What a launch compiles for: its tensors share it."""
+
+    split: bool  # bf16 weights with split masters (each with an int16 low half)
+    grad_bf16: bool  # bf16 gradients (else float32)
+
+    @property
+    def sections(self) -> int:
+        """Address sections in the table: parameters, gradients, states (and low halves)."""
+        return 4 if self.split else 3
+
+
+FP32_KIND = LaunchKind(False, False)
+
+
+def launch_kind(param: torch.Tensor, grad: torch.Tensor) -> LaunchKind:
+    return LaunchKind(param.dtype is torch.bfloat16, grad.dtype is torch.bfloat16)
 
 
 def stage_step(n_pointers: int, scalars: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
@@ -32,15 +56,16 @@ def stage_step(n_pointers: int, scalars: np.ndarray) -> tuple[torch.Tensor, np.n
 
 class StagingRing:
     """`stage_step`'s buffer for a caller that steps the same tensors again and again (a step
-    plan): pinned host buffers and device buffers for 3n addresses and up to `max_rows` scalar
-    rows, reused in turn, so a step allocates nothing. A slot is refilled only after the launch
-    that read it has finished (an event per slot), whatever stream that launch ran on."""
+    plan): pinned host buffers and device buffers for `n_pointers` addresses and up to
+    `max_rows` scalar rows, reused in turn, so a step allocates nothing. A slot is refilled
+    only after the launch that read it has finished (an event per slot), whatever stream that
+    launch ran on."""
 
     DEPTH = 4
 
-    def __init__(self, n_tensors: int, max_rows: int, device: torch.device):
-        words = 3 * n_tensors + SCALAR_ROW_INT64_WORDS * max_rows
-        self.n_pointers = 3 * n_tensors
+    def __init__(self, n_pointers: int, max_rows: int, device: torch.device):
+        words = n_pointers + SCALAR_ROW_INT64_WORDS * max_rows
+        self.n_pointers = n_pointers
         self.host = [torch.empty(words, dtype=torch.int64, pin_memory=True) for _ in range(self.DEPTH)]
         self.host_arrays = [h.numpy() for h in self.host]
         self.torch_device = device
@@ -98,6 +123,72 @@ def _launch_tables(numels, rows, device, block: int, solo_elements: int) -> Laun
                         as_device(numels, torch.int64), as_device(rows, torch.int32), rows, solo)
 
 
+class Segment(NamedTuple):
+    """The tensors of one launch kind in a step: one multi-tensor launch (plus solo launches)."""
+
+    kind: LaunchKind
+    indices: tuple[int, ...]  # the step's tensors of this kind, in step order
+    offset: int  # where its addresses start in the step's table
+    tables: LaunchTables  # over these tensors (tensor t of the launch is indices[t])
+    span: tuple[int, int] | None  # (first, end) when the indices are consecutive: counter rows are a view
+    indices_device: torch.Tensor | None  # otherwise, the indices on the device (counts are added back)
+
+
+def step_layout(kinds: tuple[LaunchKind, ...], numels: tuple[int, ...], rows: tuple[int, ...],
+                device: torch.device) -> tuple[Segment, ...]:
+    """The table layout of a step: one segment per launch kind present, in LaunchKind order,
+    each with its tensors' addresses as `kind.sections` consecutive sections of
+    len(indices) entries (parameters, gradients, states, low halves)."""
+    return _step_layout(kinds, numels, rows, device, launch.GPU_BLOCK, launch.SOLO_ELEMENTS)
+
+
+@functools.lru_cache(maxsize=16)
+def _step_layout(kinds, numels, rows, device, block: int, solo_elements: int) -> tuple[Segment, ...]:
+    del block, solo_elements  # cache keys: launch_tables reads the current values
+    segments, offset = [], 0
+    for kind in sorted(set(kinds)):
+        indices = tuple(i for i, k in enumerate(kinds) if k == kind)
+        tables = launch_tables(tuple(numels[i] for i in indices), tuple(rows[i] for i in indices), device)
+        consecutive = indices[-1] - indices[0] + 1 == len(indices)
+        span = (indices[0], indices[-1] + 1) if consecutive else None
+        on_device = None if consecutive else torch.as_tensor(indices, dtype=torch.int64).to(device)
+        segments.append(Segment(kind, indices, offset, tables, span, on_device))
+        offset += kind.sections * len(indices)
+    return tuple(segments)
+
+
+def layout_pointers(layout: tuple[Segment, ...]) -> int:
+    """How many addresses the table of `layout` holds before its scalar rows."""
+    return sum(segment.kind.sections * len(segment.indices) for segment in layout)
+
+
+def addresses_of(tensors) -> list[int]:
+    """Each tensor's address (0 for None: an FP32 parameter's absent low half)."""
+    return [0 if t is None else t.data_ptr() for t in tensors]
+
+
+def fill_addresses(pointers: np.ndarray, layout, *sections: list[int]) -> None:
+    """Writes the addresses of every parameter, gradient, state and low half (`sections`, one
+    list each, in step order) where `layout` puts them."""
+    for segment in layout:
+        n, offset, indices = len(segment.indices), segment.offset, list(segment.indices)
+        for k, addresses in enumerate(sections[:segment.kind.sections]):
+            pointers[offset + k * n:offset + (k + 1) * n] = np.asarray(addresses, dtype=np.int64)[indices]
+
+
+def fixed_addresses(layout, param_addresses, state_addresses, low_addresses) -> tuple[np.ndarray, np.ndarray]:
+    """For a caller whose only changing buffers are the gradients (a step plan): the table's
+    addresses with the gradients' left 0, and where each tensor's gradient address goes."""
+    n = len(param_addresses)
+    pointers = np.zeros(layout_pointers(layout), dtype=np.int64)
+    fill_addresses(pointers, layout, param_addresses, [0] * n, state_addresses, low_addresses)
+    grad_slots = np.zeros(n, dtype=np.int64)
+    for segment in layout:
+        count = len(segment.indices)
+        grad_slots[list(segment.indices)] = segment.offset + count + np.arange(count)
+    return pointers, grad_slots
+
+
 def _counters(n: int, device, count_nonfinite: bool, track_format: bool, counters):
     """The counter rows a launch adds to: the caller's (they accumulate format counts across
     steps), or fresh ones when only the non-finite count is wanted, or None."""
@@ -115,70 +206,97 @@ def _rejected(counters, count_nonfinite: bool, n: int) -> list[int]:
 
 
 def cuda_step_(params, grads, states, scalars: np.ndarray, rows: tuple[int, ...], fmt: StateFormat,
-               multi_tensor: bool, count_nonfinite: bool, counters=None, track_format: bool = False) -> list[int]:
-    """One step on CUDA from scratch (no plan): stage, then one multi-tensor launch (plus solo
-    launches), or one launch per tensor. `scalars` holds the distinct step-scalar rows and
-    `rows[i]` tensor i's. `counters` ([n, launch.COUNTER_ROW] int64 on the device): the
-    kernels add their counts there."""
+               multi_tensor: bool, count_nonfinite: bool, counters=None, track_format: bool = False,
+               lows=None) -> list[int]:
+    """One step on CUDA from scratch (no plan): stage, then one multi-tensor launch per launch
+    kind (plus solo launches), or one launch per tensor. `scalars` holds the distinct
+    step-scalar rows and `rows[i]` tensor i's. `counters` ([n, launch.COUNTER_ROW] int64 on
+    the device): the kernels add their counts there. `lows[i]`: tensor i's int16 low half when
+    params[i] is a bf16 weight with a split master, else None."""
     n = len(params)
-    staged, pointers = stage_step(3 * n if multi_tensor else 0, scalars)
+    lows = [None] * n if lows is None else lows
     device = params[0].device
     if multi_tensor:
-        pointers[:] = [t.data_ptr() for t in (*params, *grads, *states)]
-        tables = launch_tables(tuple(p.numel() for p in params), rows, device)
-        return launch_step(staged.to(device, non_blocking=True), params, grads, states, tables, fmt,
+        kinds = tuple(LaunchKind(lo is not None, g.dtype is torch.bfloat16) for lo, g in zip(lows, grads))
+        layout = step_layout(kinds, tuple(p.numel() for p in params), rows, device)
+        staged, pointers = stage_step(layout_pointers(layout), scalars)
+        fill_addresses(pointers, layout, *map(addresses_of, (params, grads, states, lows)))
+        return launch_step(staged.to(device, non_blocking=True), params, grads, states, layout, fmt,
                            count_nonfinite, aligned=not (pointers & 15).any(), counters=counters,
-                           track_format=track_format)
+                           track_format=track_format, lows=lows)
+    staged, _ = stage_step(0, scalars)
     with on_device(device):
         scalars_dev = staged.to(device, non_blocking=True).view(torch.float32).view(-1, SCALAR_ROW)
         counters = _counters(n, device, count_nonfinite, track_format, counters)
-        for i, (p, g, s) in enumerate(zip(params, grads, states)):
-            _launch_one(p, g, s, scalars_dev[rows[i]], counters, i, fmt, count_nonfinite, track_format)
+        for i, (p, g, s, lo) in enumerate(zip(params, grads, states, lows)):
+            _launch_one(p, g, s, lo, scalars_dev[rows[i]], counters, i, fmt, count_nonfinite, track_format)
     return _rejected(counters, count_nonfinite, n)
 
 
-def launch_step(table: torch.Tensor, params, grads, states, tables: LaunchTables, fmt: StateFormat,
+def launch_step(table: torch.Tensor, params, grads, states, layout: tuple[Segment, ...], fmt: StateFormat,
                 count_nonfinite: bool, aligned: bool, relaunch: dict | None = None, counters=None,
-                track_format: bool = False, scalars: torch.Tensor | None = None) -> list[int]:
-    """The CUDA step over a device table laid out as this module's docstring says
-    (`aligned`: every address on 16 bytes), the scalar rows assigned by `tables.rows`.
-    Tensors of at least `launch.SOLO_ELEMENTS` elements get a launch of their own, which skips
-    the table lookups; all others share one launch of the multi-tensor kernel
-    (docs/MULTI_TENSOR.md). `counters` as in `cuda_step_`.
+                track_format: bool = False, scalars: torch.Tensor | None = None, lows=None) -> list[int]:
+    """The CUDA step over a device table laid out as `layout` says (`aligned`: every address
+    on 16 bytes), each segment's scalar rows assigned by its tables. Tensors of at least
+    `launch.SOLO_ELEMENTS` elements get a launch of their own, which skips the table lookups;
+    all others of one launch kind share one launch of the multi-tensor kernel
+    (docs/MULTI_TENSOR.md). `counters` and `lows` as in `cuda_step_`.
 
     `relaunch`: a dict owned by a caller whose tensor count and table shapes stay fixed (a
-    step plan), where `_Relaunch` keeps the compiled multi-tensor kernel between steps.
+    step plan), where `_Relaunch` keeps each launch kind's compiled kernel between steps.
     `scalars`: the scalar rows as a device tensor of their own (derived on the device)
     instead of the table's tail."""
-    from packed_adamw.core.kernel import adamw_multi_tensor_kernel
-
     n, device = len(params), params[0].device
+    lows = [None] * n if lows is None else lows
     with on_device(device):
         if scalars is None:
-            scalars = table[3 * n:].view(torch.float32)
+            scalars = table[layout_pointers(layout):].view(torch.float32)
         counters = _counters(n, device, count_nonfinite, track_format, counters)
-        if tables.block_tensor.numel():  # none when every tensor is empty or solo
-            grid = (tables.block_tensor.numel(),)
-            args = (table, tables.block_tensor, tables.block_index, tables.numels, tables.rows_device, scalars,
-                    tables.block_index if counters is None else counters, n)  # block_index: unused without counts
-            key = (aligned, count_nonfinite, track_format)
-            fast = relaunch.get(key) if relaunch is not None else None
-            if fast is not None:
-                fast(grid, args)
-            else:
-                constants = {**_constants(fmt, None, count_nonfinite, launch.GPU_BLOCK, track_format), "ALIGNED": aligned}
-                compiled = adamw_multi_tensor_kernel[grid](
-                    *args, num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS)
-                if relaunch is not None:
-                    fast = _Relaunch.of(adamw_multi_tensor_kernel, compiled, len(args), constants)
-                    if fast is not None:
-                        relaunch[key] = fast
-        if tables.solo:
-            rows = scalars.view(-1, SCALAR_ROW)
-            for i in tables.solo:
-                _launch_one(params[i], grads[i], states[i], rows[tables.rows[i]], counters, i, fmt, count_nonfinite,
-                            track_format)
+        for segment in layout:
+            _launch_segment(table, segment, scalars, counters, fmt, count_nonfinite, aligned, relaunch, track_format)
+        rows = scalars.view(-1, SCALAR_ROW)
+        for segment in layout:
+            for t in segment.tables.solo:
+                i = segment.indices[t]
+                _launch_one(params[i], grads[i], states[i], lows[i], rows[segment.tables.rows[t]], counters, i, fmt,
+                            count_nonfinite, track_format)
     return _rejected(counters, count_nonfinite, n)
+
+
+def _launch_segment(table, segment: Segment, scalars, counters, fmt: StateFormat, count_nonfinite: bool,
+                    aligned: bool, relaunch: dict | None, track_format: bool) -> None:
+    """One multi-tensor launch over a segment's shared (not solo) tensors."""
+    from packed_adamw.core.kernel import adamw_multi_tensor_kernel
+
+    tables = segment.tables
+    if not tables.block_tensor.numel():  # none when every tensor is empty or solo
+        return
+    rows = None
+    if counters is not None:  # the kernel adds to row t of its launch's tensors
+        if segment.span is not None:
+            rows = counters[segment.span[0]:segment.span[1]]
+        else:
+            rows = torch.zeros((len(segment.indices), launch.COUNTER_ROW), dtype=torch.int64, device=counters.device)
+    pointers = table if segment.offset == 0 else table[segment.offset:]
+    grid = (tables.block_tensor.numel(),)
+    args = (pointers, tables.block_tensor, tables.block_index, tables.numels, tables.rows_device, scalars,
+            tables.block_index if rows is None else rows, len(segment.indices))  # block_index: unused without counts
+    kind = segment.kind
+    key = (kind, aligned, count_nonfinite, track_format)
+    fast = relaunch.get(key) if relaunch is not None else None
+    if fast is not None:
+        fast(grid, args)
+    else:
+        constants = {**_constants(fmt, None, count_nonfinite, launch.GPU_BLOCK, track_format, kind.split),
+                     "ALIGNED": aligned, "GRAD_BF16": kind.grad_bf16}
+        compiled = adamw_multi_tensor_kernel[grid](
+            *args, num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS)
+        if relaunch is not None:
+            fast = _Relaunch.of(adamw_multi_tensor_kernel, compiled, len(args), constants)
+            if fast is not None:
+                relaunch[key] = fast
+    if rows is not None and segment.span is None:
+        counters.index_add_(0, segment.indices_device, rows)
 
 
 class _Relaunch:
@@ -218,20 +336,25 @@ def _triton_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _launch_one(p, g, s, scalars, counters, i: int, fmt: StateFormat, count_nonfinite: bool,
+def _launch_one(p, g, s, lo, scalars, counters, i: int, fmt: StateFormat, count_nonfinite: bool,
                 track_format: bool) -> None:
-    """The single-tensor kernel on tensor i of a step, in place; `scalars` is its row."""
-    from packed_adamw.core.kernel import adamw_kernel
+    """The single-tensor kernel on tensor i of a step, in place; `scalars` is its row; `lo`
+    the int16 low half of a bf16 weight (the split kernel), or None."""
+    from packed_adamw.core.kernel import adamw_kernel, adamw_split_kernel
 
     n = p.numel()
     if n == 0:
         return
     words = s if fmt.mode == "fp32" else s.view(torch.int32)
-    constants = _constants(fmt, False, count_nonfinite, launch.GPU_BLOCK, track_format)
-    adamw_kernel[launch.single_tensor_grid(n, constants)](
-        p, g, words, scalars, scalars if counters is None else counters[i], n, p, words,
-        num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS,
-    )
+    counter_row = scalars if counters is None else counters[i]  # scalars: unused without counts
+    constants = _single_tensor_constants(fmt, count_nonfinite, launch.GPU_BLOCK, track_format, lo is not None)
+    grid, warps = launch.single_tensor_grid(n, constants), launch.single_tensor_warps(constants)
+    if lo is None:
+        adamw_kernel[grid](p, g, words, scalars, counter_row, n, p, words,
+                           num_warps=warps, **constants, **launch.COMPILE_OPTIONS)
+    else:
+        adamw_split_kernel[grid](p, lo, g, words, scalars, counter_row, n, p, lo, words,
+                                 num_warps=warps, **constants, **launch.COMPILE_OPTIONS)
 
 
 def on_device(device: torch.device):
@@ -240,6 +363,14 @@ def on_device(device: torch.device):
 
 
 @functools.lru_cache(maxsize=64)
-def _constants(fmt: StateFormat, write_update, count_nonfinite: bool, block: int, track_format: bool = False) -> dict:
+def _constants(fmt: StateFormat, write_update, count_nonfinite: bool, block: int, track_format: bool = False,
+               split: bool = False) -> dict:
     return launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=count_nonfinite, block=block,
-                                   track_format=track_format)
+                                   track_format=track_format, split=split)
+
+
+@functools.lru_cache(maxsize=64)
+def _single_tensor_constants(fmt: StateFormat, count_nonfinite: bool, block: int, track_format: bool,
+                             split: bool) -> dict:
+    return launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=count_nonfinite, block=block,
+                                          track_format=track_format, split=split)

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from . import _dtensor, _launch
-from .functional import cpu_step_, row_scalars, scalar_table
+from .functional import LOW_HALF_KEY, cpu_step_, row_scalars, scalar_table
 
-FLOAT32 = torch.float32
+FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -23,13 +23,17 @@ class StepPlan:
     whenever any of it changes."""
 
     def __init__(self, opt, params: list, kernel_params: list, states: list[dict], stored: list, moments: list,
-                 group_of: list[int], device: int, counters=None):
+                 group_of: list[int], device: int, counters=None, *, kinds=None, lows=None, stored_lows=None):
         """`params` as the optimizer holds them; `kernel_params` and `moments` the tensors the
         kernel updates (a DTensor's local shard, the uint32 view of sharded words); `stored`
         the state tensors as the state dicts hold them; `counters` the format counts the
-        steps of this plan accumulate into (with `track_format`)."""
+        steps of this plan accumulate into (with `track_format`). `kinds`: each tensor's
+        `_launch.LaunchKind` (all FP32 when left out); `lows` the int16 low halves the kernel
+        updates for bf16 parameters (None for FP32 ones), `stored_lows` as the state dicts hold
+        them."""
         everything = [p for group in opt.param_groups for p in group["params"]]
         with_grad = set(map(id, params))
+        n = len(params)
         self.options = (opt.state_format, opt.multi_tensor, opt.check_nonfinite, opt.track_format)
         self.counters, self.tracked_steps = counters, 1 if counters is not None else 0
         self.state, self.state_ids = opt.state, tuple(map(id, opt.state.values()))
@@ -37,6 +41,13 @@ class StepPlan:
         self.group_sizes = tuple(len(group["params"]) for group in opt.param_groups)
         self.params_without_grad = [p for p in everything if id(p) not in with_grad]
         self.params, self.kernel_params, self.states, self.moments = params, kernel_params, states, moments
+        self.kinds = tuple(kinds) if kinds is not None else (_launch.FP32_KIND,) * n
+        self.lows = list(lows) if lows is not None else [None] * n
+        self.any_split = any(kind.split for kind in self.kinds)
+        self.stored_low_ids = [None if lo is None else id(lo) for lo in (stored_lows or [None] * n)]
+        # What the raw addresses rely on, per tensor: the dtypes stay those the launches were made for.
+        self.param_dtypes = [BFLOAT16 if kind.split else FLOAT32 for kind in self.kinds]
+        self.grad_dtypes = [BFLOAT16 if kind.grad_bf16 else FLOAT32 for kind in self.kinds]
         self.sharded = [_dtensor.is_dtensor(p) for p in params]
         # A sharded gradient must stay laid out like its parameter (the full step checks it).
         self.layouts = [(p.device_mesh, tuple(p.placements)) if sharded else None
@@ -45,9 +56,6 @@ class StepPlan:
         self.stored_ids = list(map(id, stored))
         self.shapes = [p.shape for p in kernel_params]
         self.param_pointers = list(map(_data_ptr, kernel_params))
-        self.param_pointer_array = np.array(self.param_pointers, dtype=np.int64)
-        self.moment_pointers = np.array(list(map(_data_ptr, moments)), dtype=np.int64)
-        self.aligned = not any(address & 15 for address in (*self.param_pointers, *self.moment_pointers.tolist()))
         self.numels = tuple(p.numel() for p in kernel_params)
         self.group_of = tuple(group_of)
         self.device, self.torch_device = device, kernel_params[0].device
@@ -55,9 +63,26 @@ class StepPlan:
         self.on_device_counts = False
         self.cuda_tables = device >= 0 and opt.multi_tensor
         if self.cuda_tables:
-            self.relaunch = {}  # _launch.launch_step keeps the compiled multi-tensor kernel here
-            self.staging = _launch.StagingRing(len(params), max(len(params), len(opt.param_groups)), self.torch_device)
-            self.group_tables = _launch.launch_tables(self.numels, self.group_of, self.torch_device)
+            self.relaunch = {}  # _launch.launch_step keeps each launch kind's compiled kernel here
+            self.group_layout = _launch.step_layout(self.kinds, self.numels, self.group_of, self.torch_device)
+            # Every address but the gradients' is fixed: laid out once, the gradients' slots noted.
+            self.n_pointers = _launch.layout_pointers(self.group_layout)
+            self.static_pointers, self.grad_slots = _launch.fixed_addresses(
+                self.group_layout, self.param_pointers, *map(_launch.addresses_of, (moments, self.lows)))
+            self.aligned = not (self.static_pointers & 15).any()
+            self.staging = _launch.StagingRing(self.n_pointers, max(n, len(opt.param_groups)), self.torch_device)
+
+    def addresses(self, grad_pointers: list[int]) -> np.ndarray:
+        """The step's table addresses, given the gradients' (a new array)."""
+        pointers = self.static_pointers.copy()
+        pointers[self.grad_slots] = grad_pointers
+        return pointers
+
+    def layout(self, rows: tuple[int, ...]):
+        """The launch layout for tensors taking the scalar rows `rows`."""
+        if rows == self.group_of:
+            return self.group_layout
+        return _launch.step_layout(self.kinds, self.numels, rows, self.torch_device)
 
     def _gradients(self, opt) -> tuple[list, list[int], list[int]] | None:
         """(gradients, their addresses, the new step counts) if the plan still holds."""
@@ -77,7 +102,15 @@ class StepPlan:
             return None
         if list(map(id, stored)) != self.stored_ids:
             return None
+        if self.any_split:
+            try:
+                if [None if i is None else id(state[LOW_HALF_KEY])
+                        for state, i in zip(self.states, self.stored_low_ids)] != self.stored_low_ids:
+                    return None
+            except KeyError:
+                return None
         device, grads, grad_pointers = self.device, [], []
+        param_dtypes, grad_dtypes = self.param_dtypes, self.grad_dtypes
         try:  # one pass, the cheapest checks first; a sparse gradient fails or raises
             for i, (p, shape, address) in enumerate(zip(self.params, self.shapes, self.param_pointers)):
                 g = p.grad
@@ -85,8 +118,8 @@ class StepPlan:
                     if not _dtensor.is_dtensor(g) or (g.device_mesh, tuple(g.placements)) != self.layouts[i]:
                         return None
                     g, p = g.to_local(), p.to_local()
-                if (g is None or g.dtype is not FLOAT32 or not g.is_contiguous() or g.shape != shape
-                        or g.get_device() != device or _data_ptr(p) != address or p.dtype is not FLOAT32
+                if (g is None or g.dtype is not grad_dtypes[i] or not g.is_contiguous() or g.shape != shape
+                        or g.get_device() != device or _data_ptr(p) != address or p.dtype is not param_dtypes[i]
                         or not p.is_contiguous()):
                     return None
                 grads.append(g)
@@ -108,27 +141,27 @@ class StepPlan:
         try:
             if self.cuda_tables and counts.count(counts[0]) == len(counts):  # one row per group
                 scalars = np.asarray([row_scalars(counts[0], row) for row in group_rows], dtype=np.float32)
-                rows, tables = self.group_of, self.group_tables
+                rows = self.group_of
             else:
                 scalars, rows = scalar_table(counts, [group_rows[i] for i in self.group_of])
-                tables = _launch.launch_tables(self.numels, rows, self.torch_device) if self.cuda_tables else None
+            layout = self.layout(rows) if self.cuda_tables else None
         except (TypeError, ValueError):
             return None
         if self.device < 0:
             rejected = cpu_step_(self.kernel_params, grads, self.moments, scalars, rows, fmt, self.counters,
-                                 track_format)
+                                 track_format, self.lows)
         elif not multi_tensor:
             rejected = _launch.cuda_step_(self.kernel_params, grads, self.moments, scalars, rows, fmt, False,
-                                          count_nonfinite, self.counters, track_format)
+                                          count_nonfinite, self.counters, track_format, self.lows)
         else:  # CUDA: only the gradients' addresses and the scalars are new
-            n, staging = len(counts), self.staging
+            staging = self.staging
             pointers = staging.stage(scalars)
-            pointers[:n] = self.param_pointer_array
-            pointers[n:2 * n] = grad_pointers
-            pointers[2 * n:] = self.moment_pointers
-            aligned = self.aligned and not (pointers[n:2 * n] & 15).any()
-            rejected = _launch.launch_step(staging.send(), self.kernel_params, grads, self.moments, tables, fmt,
-                                           count_nonfinite, aligned, self.relaunch, self.counters, track_format)
+            pointers[:] = self.static_pointers
+            pointers[self.grad_slots] = grad_pointers
+            aligned = self.aligned and not (pointers[self.grad_slots] & 15).any()
+            rejected = _launch.launch_step(staging.send(), self.kernel_params, grads, self.moments, layout, fmt,
+                                           count_nonfinite, aligned, self.relaunch, self.counters, track_format,
+                                           lows=self.lows)
             staging.launched()
         for state, count in zip(self.states, counts):
             state["step"] = count
@@ -148,8 +181,8 @@ class CapturableStepPlan(StepPlan):
     buffer kept for good, so replays read the captured addresses whatever later eager steps
     upload."""
 
-    def __init__(self, opt, params, kernel_params, states, stored, moments, group_of, device, counters=None):
-        super().__init__(opt, params, kernel_params, states, stored, moments, group_of, device, counters)
+    def __init__(self, opt, params, kernel_params, states, stored, moments, group_of, device, counters=None, **kinds):
+        super().__init__(opt, params, kernel_params, states, stored, moments, group_of, device, counters, **kinds)
         from packed_adamw.core import hyperparams as H
 
         self.on_device_counts = True
@@ -160,16 +193,16 @@ class CapturableStepPlan(StepPlan):
         for i, state in enumerate(states):
             state["step"] = self.counts[i]
         self.step_ids = [id(state["step"]) for state in states]
-        self.tables = _launch.launch_tables(self.numels, tuple(range(n)), torch_device)
+        self.tables = self.layout(tuple(range(n)))  # one scalar row per tensor
         self.group_index = torch.as_tensor(self.group_of, dtype=torch.int64).to(torch_device)
         self.b1_sign = torch.ones(n, dtype=torch.float32, device=torch_device)
         self.hparams = torch.zeros((len(opt.param_groups), H.HPARAM_ROW), dtype=torch.float32, device=torch_device)
         self.constants = None
         self.uploaded = None  # the addresses the eager device table holds
-        self.table = torch.empty(3 * n, dtype=torch.int64, device=torch_device)
+        self.table = torch.empty(self.n_pointers, dtype=torch.int64, device=torch_device)
         # Host tables for captures, pinned now: pinning memory while a stream captures fails on
         # some torch builds. Each capture takes one for good (its graph's copy reads it again).
-        self.spare_pinned = [torch.empty(3 * n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.spare_pinned = [torch.empty(self.n_pointers, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self.captured = []  # (pinned host table, device table) of every capture
 
     def step(self, opt, group_rows) -> list[int] | None:
@@ -212,7 +245,7 @@ class CapturableStepPlan(StepPlan):
             step_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
                 rows, self.counts, n, scalars, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
             scalars[:, H.SCALAR_INDEX["one_minus_b1"]] *= self.b1_sign  # maximize: exact negation
-            addresses = (*self.param_pointers, *grad_pointers, *self.moment_pointers.tolist())
+            addresses = tuple(self.addresses(grad_pointers).tolist())
             if capturing:
                 host = (self.spare_pinned.pop() if self.spare_pinned
                         else torch.empty(len(addresses), dtype=torch.int64, pin_memory=True))
@@ -227,7 +260,7 @@ class CapturableStepPlan(StepPlan):
                 table = self.table
             aligned = not any(a & 15 for a in addresses)
             _launch.launch_step(table, self.kernel_params, grads, self.moments, self.tables, fmt, False, aligned,
-                                self.relaunch, self.counters, track_format, scalars=scalars)
+                                self.relaunch, self.counters, track_format, scalars=scalars, lows=self.lows)
         if track_format:
             self.tracked_steps += 1
         return [0] * n

@@ -3,18 +3,26 @@
 Both paths follow docs/FORMAT.md operation by operation, so they give the same bits.
 `PackedAdamW` calls `adamw_step_` for a full step and a `StepPlan` (`_plan.py`) for the steps
 that reuse one.
+
+A bf16 parameter is a split master (FORMAT.md, "Split masters"): the parameter holds the live
+weight, an int16 low half (`new_low_half`) the rest of the FP32 master, and the step runs on the
+master they join.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.numpy_step import apply_step, step_scalar_row
+from packed_adamw.core import StateFormat, formats, launch
+from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
 
 from . import _launch
 
-_TORCH_DTYPES = {"float32": torch.float32, "uint32": torch.uint32}
+_TORCH_DTYPES = {"float32": torch.float32, "uint32": torch.uint32, "int16": torch.int16}
+LOW_HALF_KEY = formats.LOW_HALF_KEY  # the state entry of a bf16 parameter's low half
+LOW_HALF_DTYPE = _TORCH_DTYPES[formats.LOW_HALF_DTYPE]
+SPLIT_PARAM_DTYPE = torch.bfloat16  # parameters of this dtype are live weights of split masters
+GRAD_DTYPES = {torch.float32: (torch.float32,), torch.bfloat16: (torch.bfloat16, torch.float32)}
 
 
 def state_dtype(fmt: StateFormat) -> torch.dtype:
@@ -30,23 +38,35 @@ def new_state(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     return torch.zeros(shape, dtype=state_dtype(fmt), device=param.device)
 
 
-def _check_inputs(params, grads, states, counts, hparams, fmt: StateFormat) -> None:
-    """The kernel reads raw addresses: anything else than contiguous float32 tensors of the
-    expected shapes on one device would update the wrong memory."""
-    if not len(params) == len(grads) == len(states) == len(counts) == len(hparams):
-        raise ValueError("adamw_step_: params, grads, states, counts and hparams must have the same length")
+def new_low_half(param: torch.Tensor) -> torch.Tensor:
+    """The low half of a new bf16 parameter: zeros, so its master starts at its bf16 value."""
+    return torch.zeros(param.shape, dtype=LOW_HALF_DTYPE, device=param.device)
+
+
+def _check_inputs(params, grads, states, counts, hparams, fmt: StateFormat, lows) -> None:
+    """The kernel reads raw addresses: anything else than contiguous tensors of the expected
+    dtypes and shapes on one device would update the wrong memory."""
+    if not len(params) == len(grads) == len(states) == len(counts) == len(hparams) == len(lows):
+        raise ValueError("adamw_step_: params, grads, states, counts, hparams (and lows) must have the same length")
     device = params[0].device
     expected_dtype = state_dtype(fmt)
-    for i, (p, g, s) in enumerate(zip(params, grads, states)):
+    for i, (p, g, s, lo) in enumerate(zip(params, grads, states, lows)):
         state_shape = fmt.state_shape(p.shape)
+        split = lo is not None
+        param_dtype = SPLIT_PARAM_DTYPE if split else torch.float32
         problems = [
             what for what, bad in (
-                ("param is not contiguous float32", p.dtype != torch.float32 or not p.is_contiguous()),
-                ("grad is not a contiguous float32 tensor of the param's shape",
-                 g.dtype != torch.float32 or not g.is_contiguous() or g.is_sparse or g.shape != p.shape),
+                (f"param is not contiguous {param_dtype}" + ("" if split else " (a bf16 param needs its low half)"),
+                 p.dtype != param_dtype or not p.is_contiguous()),
+                (f"grad is not a contiguous {' or '.join(map(str, GRAD_DTYPES[param_dtype]))} tensor of the param's "
+                 "shape", g.dtype not in GRAD_DTYPES[param_dtype] or not g.is_contiguous() or g.is_sparse
+                 or g.shape != p.shape),
                 (f"state is not a contiguous {expected_dtype} tensor of shape {state_shape}",
                  s.dtype != expected_dtype or not s.is_contiguous() or tuple(s.shape) != state_shape),
-                (f"tensors are not all on {device}", not (p.device == g.device == s.device == device)),
+                (f"low half is not a contiguous {LOW_HALF_DTYPE} tensor of the param's shape",
+                 split and (lo.dtype != LOW_HALF_DTYPE or not lo.is_contiguous() or lo.shape != p.shape)),
+                (f"tensors are not all on {device}",
+                 not (p.device == g.device == s.device == device) or (split and lo.device != device)),
             ) if bad
         ]
         if problems:
@@ -66,6 +86,7 @@ def adamw_step_(
     check_inputs: bool = True,
     counters: torch.Tensor | None = None,
     track_format: bool = False,
+    lows: list[torch.Tensor | None] | None = None,
 ) -> list[int]:
     """One AdamW step in place over tensors on one device; returns each tensor's rejected count.
 
@@ -77,6 +98,12 @@ def adamw_step_(
     waits for the GPU and returns zeros. `check_inputs=False` skips the tensor checks, for callers
     that made them already.
 
+    `lows[i]` (int16, params[i]'s shape): params[i] is a bf16 live weight and this its low half
+    (FORMAT.md, "Split masters"); the step runs on their FP32 master and writes both back. Its
+    gradient may be bf16 or float32. None (or `lows` left out): a float32 parameter. On CUDA
+    FP32 parameters, split ones with FP32 gradients and split ones with bf16 gradients are
+    three multi-tensor launches (one per kind present).
+
     `counters`: [n, launch.COUNTER_ROW] int64 on the tensors' device, tensor i's row
     accumulating its counts: with `track_format` (packed and fp16 modes) the format counts of
     FORMAT.md ("Format counts"), read with `launch.sum_counter_slots`; the non-finite count
@@ -84,22 +111,29 @@ def adamw_step_(
     """
     if not params:
         return []
+    lows = [None] * len(params) if lows is None else list(lows)
     if check_inputs:
-        _check_inputs(params, grads, states, counts, hparams, fmt)
+        _check_inputs(params, grads, states, counts, hparams, fmt, lows)
     scalars, rows = scalar_table(counts, hparams)  # raises on a step count out of range, before any change
     if params[0].device.type == "cuda":
         return _launch.cuda_step_(params, grads, states, scalars, rows, fmt, multi_tensor, count_nonfinite,
-                                  counters, track_format)
-    return cpu_step_(params, grads, states, scalars, rows, fmt, counters, track_format)
+                                  counters, track_format, lows)
+    return cpu_step_(params, grads, states, scalars, rows, fmt, counters, track_format, lows)
 
 
-def cpu_step_(params, grads, states, scalars, rows, fmt: StateFormat, counters=None, track_format=False) -> list[int]:
+def cpu_step_(params, grads, states, scalars, rows, fmt: StateFormat, counters=None, track_format=False,
+              lows=None) -> list[int]:
     """The numpy step per tensor (zero-copy views); counts as `adamw_step_` says."""
     rejected = []
-    for i, (p, g, s, row) in enumerate(zip(params, grads, states, rows)):
+    lows = [None] * len(params) if lows is None else lows
+    for i, (p, g, s, lo, row) in enumerate(zip(params, grads, states, lows, rows)):
         counts = np.zeros(len(launch.FORMAT_COUNTS), np.int64) if track_format else None
-        rejected.append(apply_step(_numpy_view(p), _numpy_view(g), _state_view(s, fmt), scalars[row], fmt=fmt,
-                                   format_counts_out=counts))
+        if lo is None:
+            rejected.append(apply_step(_numpy_view(p), _numpy_view(g), _state_view(s, fmt), scalars[row], fmt=fmt,
+                                       format_counts_out=counts))
+        else:
+            rejected.append(apply_split_step(_numpy_view(p), _numpy_view(lo), _numpy_view(g), _state_view(s, fmt),
+                                             scalars[row], fmt=fmt, format_counts_out=counts))
         if counts is not None and counters is not None:
             counters[i, 1::launch.FORMAT_SLOTS] += torch.from_numpy(counts)  # slot 0 of each count
     return rejected
@@ -129,10 +163,43 @@ def row_scalars(count: int, row: tuple) -> tuple:
     return step_scalar_row(count, row[:5], maximize=len(row) > 5 and bool(row[5]))
 
 
+# ---- split masters outside the step (core/formats.py's codecs, on host copies) ----
+def join_master(weight: torch.Tensor, low_half: torch.Tensor | None) -> torch.Tensor:
+    """The FP32 masters of a bf16 weight and its low half (None: zeros, a weight never
+    stepped), as a new float32 tensor of the weight's shape on its device."""
+    w_bits = _host_bits16(weight)
+    lo = np.zeros_like(w_bits) if low_half is None else _host_bits16(low_half)
+    master = formats.join_master(w_bits, lo)
+    return torch.from_numpy(master).reshape(weight.shape).to(weight.device)
+
+
+def split_master_(master: torch.Tensor, weight: torch.Tensor, low_half: torch.Tensor) -> None:
+    """Writes the split of FP32 `master` into bf16 `weight` and int16 `low_half` (same shape).
+    The caller checks the domain (`outside_split_domain`) first."""
+    w_bits, lo = formats.split_master(master.detach().cpu().contiguous().reshape(-1).numpy())
+    weight.detach().view(torch.int16).copy_(torch.from_numpy(w_bits.view(np.int16)).reshape(weight.shape))
+    low_half.copy_(torch.from_numpy(lo).reshape(low_half.shape))
+
+
+def outside_split_domain(master: torch.Tensor) -> int:
+    """How many FP32 masters have no finite bf16 live weight: NaN, Inf, or |M| > SPLIT_MASTER_MAX
+    (of a DTensor: over all its shards)."""
+    total = (~(master.detach().abs() <= formats.SPLIT_MASTER_MAX)).sum()
+    return int(total.full_tensor() if hasattr(total, "full_tensor") else total)
+
+
+def _host_bits16(t: torch.Tensor) -> np.ndarray:
+    """A bf16 or int16 tensor's 16-bit patterns as a flat numpy uint16 array (a copy for
+    device tensors)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.int16).numpy().view(np.uint16)
+
+
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
     flat = t.detach().reshape(-1) if t.dim() != 0 else t.detach().reshape(1)
     if t.dtype == torch.uint32:
         return flat.view(torch.int32).numpy().view(np.uint32)
+    if t.dtype == torch.bfloat16:  # numpy has no bf16: its bits, as the split step reads them
+        return flat.view(torch.int16).numpy()
     return flat.numpy()
 
 

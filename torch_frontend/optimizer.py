@@ -11,11 +11,14 @@ from torch.optim import Optimizer
 import warnings
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, launch, validate_hyperparams
+from packed_adamw.core import formats
 from packed_adamw.core.portable import PortableState
 
 from . import _dtensor
+from ._launch import launch_kind
 from ._plan import CapturableStepPlan, StepPlan
-from .functional import adamw_step_, new_state
+from .functional import LOW_HALF_DTYPE, LOW_HALF_KEY, adamw_step_, join_master, new_low_half, new_state, \
+    outside_split_domain, split_master_
 
 STATE_DICT_KEY = "packed_adamw"  # the format identity travels in the state_dict under this key
 GROUP_FORMAT_KEY = "packed_adamw_format"  # ... and in every saved param group (DCP keeps only groups and state)
@@ -24,7 +27,7 @@ MAX_STEP = 2**31 - 2  # the step count after one more step must stay below 2**31
 # format_stats() warns once per parameter when more than this fraction of its element-steps
 # saturated a moment (docs/FORMAT_HEALTH.md).
 SATURATION_WARNING = 1e-3
-FLOAT32, STRIDED = torch.float32, torch.strided
+FLOAT32, BFLOAT16, STRIDED = torch.float32, torch.bfloat16, torch.strided
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -46,8 +49,14 @@ class PackedAdamW(Optimizer):
     counts and the learning rate on the device, so `torch.cuda.graph` can capture a step
     (README, "Compiling and capturing").
 
-    Parameters must be float32, contiguous and on one device; DTensor parameters (FSDP2's
-    `fully_shard`) are stepped shard by shard and keep DTensor state (docs/DISTRIBUTED.md).
+    Parameters must be float32 or bfloat16, contiguous and on one device; DTensor parameters
+    (FSDP2's `fully_shard`) are stepped shard by shard and keep DTensor state
+    (docs/DISTRIBUTED.md). A bfloat16 parameter is the live weight of an exact FP32 master
+    (docs/FORMAT.md, "Split masters"): its state adds `"lo"`, an int16 low half (2 bytes per
+    parameter), its gradient may be bfloat16 or float32, and the step runs the FP32 step on the
+    master, so fed the same gradient values its master follows an FP32 parameter's trajectory
+    bit for bit, and the weight is always the master rounded to nearest bf16.
+    `master_weights()` returns the FP32 masters, `load_master_weights(tensors)` sets them.
     A gradient element that is NaN or Inf is skipped: that element's parameter and state
     stay unchanged, so no NaN or Inf is ever stored. With `check_nonfinite=True` the
     optimizer also raises `NonFiniteGradientError` after such a step, naming the parameters
@@ -194,8 +203,9 @@ class PackedAdamW(Optimizer):
                 name = _param_name(group, group_index, param_index)
                 pl, g = _kernel_tensors(p, name)
                 if not (  # what the kernel relies on; _raise_grad_error says which failed
-                    g.dtype is FLOAT32 and pl.dtype is FLOAT32 and g.layout is STRIDED and g.shape == pl.shape
-                    and g.is_contiguous() and pl.is_contiguous() and g.get_device() == pl.get_device()
+                    (pl.dtype is FLOAT32 or pl.dtype is BFLOAT16) and (g.dtype is FLOAT32 or g.dtype is pl.dtype)
+                    and g.layout is STRIDED and g.shape == pl.shape and g.is_contiguous() and pl.is_contiguous()
+                    and g.get_device() == pl.get_device()
                 ):
                     _raise_grad_error(pl, g, name)
                 if device is None:
@@ -211,9 +221,20 @@ class PackedAdamW(Optimizer):
                 found.append(state)
             rows += [group_rows[group_index]] * (len(params) - first)
             group_of += [group_index] * (len(params) - first)
+        kinds = [launch_kind(pl, g) for pl, g in zip(kernel_params, kernel_grads)]
+        if len(set(kinds)) > 1:  # each launch kind's tensors side by side: their counter rows are one view
+            order = sorted(range(len(kinds)), key=kinds.__getitem__)
+            params, kernel_params, kernel_grads, found, names, counts, rows, group_of, kinds = (
+                [column[i] for i in order]
+                for column in (params, kernel_params, kernel_grads, found, names, counts, rows, group_of, kinds))
         stored = [state[key] if state else _dtensor.wrap_state(p, new_state(pl, fmt), fmt, name)
                   for p, pl, state, name in zip(params, kernel_params, found, names)]
         moments = [_dtensor.kernel_state(s) for s in stored]
+        stored_lows = [None if not kind.split else state[LOW_HALF_KEY] if state else
+                       _dtensor.wrap_low_half(p, new_low_half(pl))
+                       for p, pl, state, kind in zip(params, kernel_params, found, kinds)]
+        lows = [None if lo is None else _dtensor.kernel_low_half(lo) for lo in stored_lows]
+        split = dict(kinds=kinds, lows=lows, stored_lows=stored_lows)
         if self.capturable and params:
             if device >= 0 and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
@@ -221,27 +242,29 @@ class PackedAdamW(Optimizer):
                     "while a CUDA graph captures: take a few eager steps first (torch.cuda.graph's warm-up on a side "
                     "stream), and capture again after changing parameters, gradients' presence or the state")
             return self._full_capturable_step(params, kernel_params, found, stored, moments, counts, group_of,
-                                              device, group_rows)
+                                              device, group_rows, split)
         counters = None
         if self.track_format and params:
             counters = torch.zeros((len(params), launch.COUNTER_ROW), dtype=torch.int64, device=kernel_params[0].device)
         rejected = adamw_step_(kernel_params, kernel_grads, moments, counts, rows, fmt, multi_tensor=self.multi_tensor,
                                count_nonfinite=self.check_nonfinite, check_inputs=False,  # checked above
-                               counters=counters, track_format=self.track_format)
+                               counters=counters, track_format=self.track_format, lows=lows)
         states = []
-        for p, state, tensor, count in zip(params, found, stored, counts):
+        for p, state, tensor, low_half, count in zip(params, found, stored, stored_lows, counts):
             if not state:
                 state = self.state[p]
                 state[key] = tensor
+                if low_half is not None:
+                    state[LOW_HALF_KEY] = low_half
             state["step"] = count
             states.append(state)
         plan = None
         if params:
-            plan = StepPlan(self, params, kernel_params, states, stored, moments, group_of, device, counters)
+            plan = StepPlan(self, params, kernel_params, states, stored, moments, group_of, device, counters, **split)
         return plan, params, rejected
 
     def _full_capturable_step(self, params, kernel_params, found, stored, moments, counts, group_of, device,
-                              group_rows):
+                              group_rows, split: dict):
         """The checked full step of `capturable=True`: state entries whose step count is a
         device tensor, a `CapturableStepPlan`, and that plan's step (on the device)."""
         if device < 0:
@@ -250,15 +273,17 @@ class PackedAdamW(Optimizer):
         key = self.state_format.state_key
         states, inserted, old_steps = [], [], []
         try:
-            for p, state, tensor, count in zip(params, found, stored, counts):
+            for p, state, tensor, low_half, count in zip(params, found, stored, split["stored_lows"], counts):
                 if not state:
                     state = self.state[p]
                     state[key] = tensor
+                    if low_half is not None:
+                        state[LOW_HALF_KEY] = low_half
                     inserted.append(p)
                 old_steps.append(state.get("step"))
                 state["step"] = count - 1  # the plan moves it to the device; its step counts it
                 states.append(state)
-            plan = CapturableStepPlan(self, params, kernel_params, states, stored, moments, group_of, device)
+            plan = CapturableStepPlan(self, params, kernel_params, states, stored, moments, group_of, device, **split)
             rejected = plan.step(self, group_rows)
             if rejected is None:
                 raise RuntimeError("PackedAdamW: a capturable plan did not hold right after it was made; please "
@@ -348,7 +373,8 @@ class PackedAdamW(Optimizer):
                if counts_by_param.get(id(p))]
         raise NonFiniteGradientError(
             "PackedAdamW.step: non-finite values (NaN/Inf gradients, or a parameter or update that is not "
-            "finite) in " + ", ".join(bad) + ". Those elements kept their parameter and state; the rest were "
+            "finite; for a bfloat16 parameter also a master past the bf16 range) in " + ", ".join(bad) +
+            ". Those elements kept their parameter and state; the rest were "
             "updated. Find the source of the NaN/Inf, or use torch.amp.GradScaler / "
             "clip_grad_norm_(error_if_nonfinite=True) to skip such steps."
         )
@@ -398,8 +424,9 @@ class PackedAdamW(Optimizer):
         return sd
 
     def export_state(self) -> PortableState:
-        """The moments and step counts in parameter order, for `packed_adamw.jax.import_state`."""
-        counts, moments = [], []
+        """The moments and step counts in parameter order, for `packed_adamw.jax.import_state`
+        (bf16 parameters add their low halves, which the JAX optimizer does not take)."""
+        counts, moments, lows = [], [], []
         for p in (p for g in self.param_groups for p in g["params"]):
             if _dtensor.is_dtensor(p):
                 raise ValueError(
@@ -410,36 +437,115 @@ class PackedAdamW(Optimizer):
             counts.append(int(state["step"]) if state else 0)
             tensor = state[self._state_key] if state else new_state(p, self.state_format)
             moments.append(_to_numpy(tensor))
-        return PortableState(self.state_format.identity, counts, moments)
+            if p.dtype is BFLOAT16:
+                lows.append(_to_numpy(state[LOW_HALF_KEY]) if LOW_HALF_KEY in state else
+                            np.zeros(p.shape, formats.LOW_HALF_DTYPE))
+            else:
+                lows.append(None)
+        return PortableState(self.state_format.identity, counts, moments,
+                             lows if any(low is not None for low in lows) else None)
 
     def import_state(self, portable: PortableState) -> None:
         """Replace the state with one exported from JAX (or torch); checks format, shapes, step
-        counts and values before changing anything."""
+        counts, values and low halves (exactly the bf16 parameters have them) before changing
+        anything."""
         params = [p for g in self.param_groups for p in g["params"]]
         if any(_dtensor.is_dtensor(p) for p in params):
             raise ValueError(
                 "import_state: the parameters are DTensors (sharded); a PortableState holds whole tensors. "
                 "Load a sharded state with torch.distributed.checkpoint (docs/DISTRIBUTED.md)"
             )
-        portable.check(self.state_format, [tuple(p.shape) for p in params])
+        portable.check(self.state_format, [tuple(p.shape) for p in params], [p.dtype is BFLOAT16 for p in params])
+        lows = portable.low_halves or [None] * len(params)
         new = {}
-        for i, (p, count, moments) in enumerate(zip(params, portable.counts, portable.moments)):
+        for i, (p, count, moments, low) in enumerate(zip(params, portable.counts, portable.moments, lows)):
             name = self._name_of(p)
             count = _checked_step_count(count, f"import_state: tensor {i} ({name})")
-            if count == 0:
-                new[p] = None
+            if count == 0 and (low is None or not np.any(low)):
+                new[p] = None  # as never stepped (a nonzero low half is kept: load_master_weights set it)
                 continue
             array = np.array(moments, order="C", copy=True)  # keeps 0-d shapes (ascontiguousarray does not)
             tensor = torch.from_numpy(array.view(np.int32)).view(torch.uint32) if array.dtype == np.uint32 \
                 else torch.from_numpy(array)
             _check_loaded_values(tensor, self.state_format, f"import_state: tensor {i} ({name})")
             new[p] = {"step": count, self._state_key: tensor.to(p.device)}
+            if low is not None:
+                new[p][LOW_HALF_KEY] = torch.from_numpy(np.array(low, order="C", copy=True)).to(p.device)
         self._drop_plan(keep_counts=False)
         for p, entry in new.items():
             if entry is None:
                 self.state.pop(p, None)
             else:
                 self.state[p] = entry
+
+    # ---- FP32 masters of bf16 parameters ------------------------------------------------
+    def master_weights(self) -> list[torch.Tensor]:
+        """The FP32 master weights in parameter order (param_groups flattened): for a bfloat16
+        parameter a new float32 tensor joining its weight and low half exactly (FORMAT.md,
+        "Split masters"; a DTensor laid out like the parameter when it is one), for a float32
+        parameter the parameter itself. For saving or evaluating the model in FP32; on CUDA
+        the join runs on host copies."""
+        masters = []
+        for p in (p for g in self.param_groups for p in g["params"]):
+            if p.dtype is not BFLOAT16:
+                masters.append(p)
+                continue
+            low_half = (self.state.get(p) or {}).get(LOW_HALF_KEY)
+            local_low = None if low_half is None else _dtensor.kernel_low_half(low_half)
+            masters.append(_dtensor.like_param(p, join_master(_dtensor.local(p), local_low)))
+        return masters
+
+    @torch.no_grad()
+    def load_master_weights(self, masters) -> None:
+        """Set the parameters from FP32 master weights in parameter order (as `master_weights()`
+        returns them, e.g. an FP32 model's parameters): a float32 parameter takes the value, a
+        bfloat16 one its exact split (its weight the master rounded to nearest bf16, ties away
+        from zero, and the low half in its optimizer state), so `master_weights()` gives the
+        masters back bit for bit. Moments and step counts stay as they are (a parameter never
+        stepped gets a fresh state holding its low half). Everything is checked before anything
+        changes; masters without a finite bf16 weight (NaN, Inf, |M| > SPLIT_MASTER_MAX) are
+        refused. Masters of DTensor parameters must be DTensors laid out like them."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        masters = list(masters)
+        if len(masters) != len(params):
+            raise ValueError(f"load_master_weights: got {len(masters)} tensors for {len(params)} parameters; pass "
+                             "one FP32 tensor per parameter, in parameter order (as master_weights() returns them)")
+        locals_ = []
+        for p, m in zip(params, masters):
+            name = self._name_of(p)
+            where = f"load_master_weights: the master for {name}"
+            if not isinstance(m, torch.Tensor) or m.dtype is not FLOAT32 or tuple(m.shape) != tuple(p.shape):
+                got = (m.dtype, tuple(m.shape)) if isinstance(m, torch.Tensor) else type(m).__name__
+                raise ValueError(f"{where} should be a float32 tensor of shape {tuple(p.shape)}, got {got}")
+            layout = lambda t: (t.device_mesh, tuple(t.placements)) if _dtensor.is_dtensor(t) else None  # noqa: E731
+            if layout(m) != layout(p):
+                raise ValueError(f"{where} is {_dtensor.describe(m)} but the parameter is {_dtensor.describe(p)}; pass "
+                                 "masters laid out like the parameters (distribute_tensor(t, p.device_mesh, "
+                                 "p.placements) for a sharded one)")
+            if p.dtype is BFLOAT16:
+                outside = outside_split_domain(m)  # a DTensor's count is over every rank: all refuse together
+                if outside:
+                    raise ValueError(
+                        f"{where} has {outside} of {m.numel()} values with no finite bf16 weight (NaN, Inf, or "
+                        f"a magnitude above formats.SPLIT_MASTER_MAX = {formats.SPLIT_MASTER_MAX:.6g}): "
+                        "a bfloat16 parameter cannot hold them; clip or repair those weights, or keep the parameter "
+                        "float32"
+                    )
+                state = self.state.get(p)
+                if state:
+                    _check_live_low_half(p, _dtensor.local(p), state, name)
+            locals_.append(_dtensor.local(m))
+        for p, local in zip(params, locals_):
+            if p.dtype is not BFLOAT16:
+                _dtensor.local(p).copy_(local)
+                continue
+            state = self.state[p]
+            if not state:  # never stepped: a fresh state (step 0) that keeps the low half
+                state["step"] = 0
+                state[self._state_key] = _dtensor.wrap_state(p, new_state(_dtensor.local(p), self.state_format),
+                                                             self.state_format, self._name_of(p))
+                state[LOW_HALF_KEY] = _dtensor.wrap_low_half(p, new_low_half(_dtensor.local(p)))
+            split_master_(local, _dtensor.local(p), _dtensor.kernel_low_half(state[LOW_HALF_KEY]))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state saved by `state_dict()` (also through torch.distributed.checkpoint).
@@ -470,18 +576,19 @@ class PackedAdamW(Optimizer):
             _check_loaded_layout(tensor, p, fmt, key, where)
             count = _checked_step_count(entry.get("step"), where)
             _check_loaded_values(_dtensor.kernel_state(tensor), fmt, where)
-            loaded[p] = (count, tensor)
+            loaded[p] = (count, tensor, _checked_loaded_low_half(entry.get(LOW_HALF_KEY), p, where))
         self._drop_plan(keep_counts=False)
         groups = [{k: v for k, v in g.items() if k != GROUP_FORMAT_KEY} for g in state_dict["param_groups"]]
         super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
         # torch casts all non-step state to a floating parameter's dtype, which would turn the
-        # words into float32 values: put the saved tensors back, bits unchanged, contiguous and
-        # on the parameter's device, with the step counts as checked ints.
-        for p, (count, tensor) in loaded.items():
+        # words (and low halves) into float values: put the saved tensors back, bits unchanged,
+        # contiguous and on the parameter's device, with the step counts as checked ints.
+        for p, (count, tensor, low_half) in loaded.items():
             state = self.state[p]
             state["step"] = count
-            state[key] = tensor.to(p.device, copy=True).contiguous() if not _dtensor.is_dtensor(tensor) else \
-                _contiguous_dtensor(tensor, p)
+            state[key] = _on_param_device(tensor, p)
+            if low_half is not None:
+                state[LOW_HALF_KEY] = _on_param_device(low_half, p)
 
     def _saved_identity(self, state_dict: dict) -> str:
         meta = state_dict.get(STATE_DICT_KEY)
@@ -555,7 +662,41 @@ def _check_live_state(p, pl, state: dict, fmt: StateFormat, name: str) -> int:
             f"writes a contiguous {expected_dtype} tensor in place: put one there (.contiguous()), or load the "
             "state with load_state_dict, which makes it so"
         )
+    _check_live_low_half(p, pl, state, name)
     return _checked_step_count(count, name)
+
+
+def _check_live_low_half(p, pl, state: dict, name: str) -> None:
+    """A bf16 parameter's state holds its low half, laid out as the kernel writes it; an FP32
+    parameter's holds none."""
+    low_half = state.get(LOW_HALF_KEY)
+    if pl.dtype is not BFLOAT16:
+        if low_half is not None:
+            raise ValueError(
+                f"{name} is {pl.dtype} but its optimizer state holds a low half {LOW_HALF_KEY!r} (the rest of a "
+                "bfloat16 parameter's FP32 master): the parameter was converted after the optimizer stepped. Keep "
+                "its dtype, or move the weights with master_weights() / load_master_weights() into a new optimizer"
+            )
+        return
+    if not isinstance(low_half, torch.Tensor):
+        raise ValueError(
+            f"{name} is bfloat16 but its optimizer state has no low half {LOW_HALF_KEY!r} (got {low_half!r}): it "
+            "was made for a float32 parameter, or damaged. A state carries over only between parameters of the "
+            "same dtype; to move a run between FP32 and bf16 parameters use master_weights() / "
+            "load_master_weights() with a new optimizer"
+        )
+    if _dtensor.is_dtensor(p) != _dtensor.is_dtensor(low_half):
+        raise ValueError(f"{name} is {_dtensor.describe(p)} but its low half {LOW_HALF_KEY!r} is "
+                         f"{_dtensor.describe(low_half)}; load sharded states with torch.distributed.checkpoint")
+    local = _dtensor.kernel_low_half(low_half)
+    if (local.dtype != LOW_HALF_DTYPE or local.shape != pl.shape or not local.is_contiguous()
+            or local.get_device() != pl.get_device()):
+        raise ValueError(
+            f"{name}: its low half {LOW_HALF_KEY!r} is {local.dtype} {tuple(local.shape)} on {local.device}, "
+            f"contiguous={local.is_contiguous()}; the step writes a contiguous {LOW_HALF_DTYPE} tensor of the "
+            f"parameter's shape {tuple(pl.shape)} on {pl.device} in place: load the state with load_state_dict, "
+            "which makes it so"
+        )
 
 
 def _checked_step_count(count, where: str) -> int:
@@ -601,6 +742,43 @@ def _check_loaded_values(moments: torch.Tensor, fmt: StateFormat, where: str) ->
     if bad_m or bad_v:
         raise ValueError(f"{where}: {bad_m} first moments are NaN/Inf and {bad_v} second moments are NaN, Inf or "
                          "negative; such a state would freeze those elements. Load an undamaged state")
+
+
+def _checked_loaded_low_half(low_half, p, where: str):
+    """A saved state's low half must be there exactly for a bf16 parameter, laid out as the
+    stored state keeps it; returns it (None for an FP32 parameter)."""
+    if p.dtype is not BFLOAT16:
+        if low_half is not None:
+            raise ValueError(
+                f"{where} holds a low half {LOW_HALF_KEY!r}: it was saved from a bfloat16 parameter (a split FP32 "
+                f"master), but this parameter is {p.dtype}. Load it into an optimizer over the same bfloat16 "
+                "parameters; to move weights between bf16 and FP32 models use master_weights() / "
+                "load_master_weights()"
+            )
+        return None
+    if low_half is None:
+        raise ValueError(
+            f"{where} has no low half {LOW_HALF_KEY!r}: it was saved from a float32 parameter, but this parameter "
+            "is bfloat16 (its FP32 master needs the low half). Load it into an optimizer over float32 parameters "
+            "like the saved run's; to move weights between FP32 and bf16 models use master_weights() / "
+            "load_master_weights()"
+        )
+    dtype, shape = _dtensor.low_half_layout(p)
+    if not isinstance(low_half, torch.Tensor) or _dtensor.is_dtensor(low_half) != _dtensor.is_dtensor(p) \
+            or low_half.dtype != dtype or tuple(low_half.shape) != shape:
+        got = (low_half.dtype, tuple(low_half.shape), _dtensor.describe(low_half)) \
+            if isinstance(low_half, torch.Tensor) else type(low_half).__name__
+        raise ValueError(f"{where} should hold {LOW_HALF_KEY!r} {dtype} of shape {shape} "
+                         f"({_dtensor.describe(p)}, like the parameter), got {got}; the parameters or their order "
+                         "differ from the saved run")
+    return low_half
+
+
+def _on_param_device(tensor, p):
+    """A loaded state tensor, contiguous and on the parameter's device (a copy of a plain one)."""
+    if _dtensor.is_dtensor(tensor):
+        return _contiguous_dtensor(tensor, p)
+    return tensor.to(p.device, copy=True).contiguous()
 
 
 def _contiguous_dtensor(tensor, p):
@@ -667,10 +845,16 @@ def _validate_group(group: dict, index: int) -> None:
     for param_index, p in enumerate(group["params"]):
         name = _param_name(group, index, param_index)
         local = _dtensor.local(p)
-        if p.dtype != torch.float32:
+        if p.dtype is torch.float16:
             raise TypeError(
-                f"{name} has dtype {p.dtype}: this release of PackedAdamW trains float32 parameters only; "
-                "keep FP32 master weights (e.g. torch.autocast for lower-precision compute)"
+                f"{name} has dtype torch.float16: PackedAdamW trains float32 or bfloat16 parameters (a bf16 one keeps "
+                "an exact FP32 master: its bf16 weight plus a 2-byte low half in the optimizer state); convert it "
+                "with .to(torch.bfloat16) or .float()"
+            )
+        if p.dtype not in (FLOAT32, BFLOAT16):
+            raise TypeError(
+                f"{name} has dtype {p.dtype}: PackedAdamW trains float32 or bfloat16 parameters; convert it with "
+                ".float() or .to(torch.bfloat16)"
             )
         if not local.is_contiguous():
             raise ValueError(f"{name} is not contiguous: pass a contiguous parameter (create it with .contiguous())")
@@ -679,14 +863,17 @@ def _validate_group(group: dict, index: int) -> None:
 
 
 def _raise_grad_error(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
-    if p.dtype != torch.float32 or not p.is_contiguous():  # changed after add_param_group
-        raise TypeError(f"{name} is now {p.dtype}, contiguous={p.is_contiguous()}: PackedAdamW trains contiguous float32 parameters")
+    if p.dtype not in (FLOAT32, BFLOAT16) or not p.is_contiguous():  # changed after add_param_group
+        raise TypeError(f"{name} is now {p.dtype}, contiguous={p.is_contiguous()}: PackedAdamW trains contiguous "
+                        "float32 or bfloat16 parameters")
     if g.is_sparse:
         raise RuntimeError(f"{name} has a sparse gradient: PackedAdamW does not support sparse gradients (use dense ones)")
     if g.is_complex():
-        raise TypeError(f"{name} has a complex gradient: PackedAdamW supports real float32 tensors only")
-    if g.dtype != p.dtype:
-        raise TypeError(f"{name}: gradient dtype {g.dtype} differs from the parameter's {p.dtype}; gradients must be float32")
+        raise TypeError(f"{name} has a complex gradient: PackedAdamW supports real float32 and bfloat16 tensors only")
+    if g.dtype not in (FLOAT32, p.dtype):
+        allowed = "float32 or bfloat16" if p.dtype is BFLOAT16 else "float32"
+        raise TypeError(f"{name}: gradient dtype {g.dtype} does not fit the parameter's {p.dtype}; gradients of "
+                        f"{p.dtype} parameters must be {allowed}")
     if g.shape != p.shape:
         raise ValueError(f"{name}: gradient shape {tuple(g.shape)} differs from the parameter's {tuple(p.shape)}")
     if g.device != p.device:
