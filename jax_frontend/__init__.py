@@ -4,12 +4,15 @@ from packed_adamw.core.portable import PortableState
 
 from .transform import (
     DEFAULT_WEIGHT_DECAY,
+    FormatCounts,
     PackedAdamWState,
+    PackedAdamWTrackedState,
     export_state,
+    format_stats,
     import_state,
     packed_adamw,
     packed_adamw_fused_step,
 )
 
-__all__ = ["DEFAULT_WEIGHT_DECAY", "PackedAdamWState", "PortableState", "StateFormat", "packed_adamw",
-           "packed_adamw_fused_step", "export_state", "import_state"]
+__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWState", "PackedAdamWTrackedState", "PortableState",
+           "StateFormat", "packed_adamw", "packed_adamw_fused_step", "export_state", "format_stats", "import_state"]

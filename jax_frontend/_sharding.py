@@ -22,15 +22,23 @@ when the step is traced:
 
 A fp32-mode state is [2, *shape]: its sharding is the parameter's with an unsharded leading
 dimension.
+
+With `track_format` each device counts its own shards; the per-leaf counts are then summed
+with a `psum` over the mesh axes that split that leaf (one small all-reduce per distinct set
+of axes, the step's only collective), so every device holds the totals, replicated like the
+step count. Axes that replicate a leaf are not summed over: each replica counted the same
+elements.
 """
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._step import StepConfig, local_step, packed_adamw_step_p
+from ._step import StepConfig, local_step, packed_adamw_step_p, split_results
 
 
 def _spec_tuple(spec, ndim: int) -> tuple:
@@ -116,23 +124,55 @@ def _reshard_to(x, mesh, spec: tuple):
     return x
 
 
+def _with_counts(results) -> tuple:
+    """(outs, states) or (outs, states, counts) -> (outs, states, counts or None)."""
+    return (*results, None) if len(results) == 2 else tuple(results)
+
+
+def _split_axes(spec: tuple, axis_names) -> tuple:
+    """The mesh axes among `axis_names` that split a leaf of this spec, in spec order."""
+    axes = []
+    for entry in spec:
+        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+            if axis is not None and axis in axis_names:
+                axes.append(axis)
+    return tuple(axes)
+
+
+def summed_over_shards(counts, specs, axis_names):
+    """Per-leaf counts of this device's shards -> the leaves' totals, on every device: leaf i's
+    row summed over the axes that split it (`_split_axes`), one psum per distinct set."""
+    by_axes: dict[tuple, list[int]] = {}
+    for i, spec in enumerate(specs):
+        by_axes.setdefault(_split_axes(spec, axis_names), []).append(i)
+    if list(by_axes) == [()]:
+        return counts  # nothing is split: every device counted whole leaves
+    total = jnp.zeros_like(counts)
+    for axes, leaves in by_axes.items():
+        part = jnp.where(np.isin(np.arange(len(specs)), leaves)[:, None], counts, jnp.zeros_like(counts))
+        total = total + (jax.lax.psum(part, axes) if axes else part)
+    return total
+
+
 def sharded_step(params, grads, states, hparams, count, *, config: StepConfig):
-    """`_step.local_step` over the leaves, one device's shards at a time where sharded."""
+    """`_step.local_step` over the leaves, one device's shards at a time where sharded.
+    Returns (outs, new states, the step's format counts or None without track_format)."""
     where = placement(params)
     if where is None:
-        return local_step(params, grads, states, hparams, count, config=config)
+        return _with_counts(local_step(params, grads, states, hparams, count, config=config))
     if not where.known:
         if where.platform == "gpu":
-            return partitioned_step(params, grads, states, hparams, count, config=config)
-        return local_step(params, grads, states, hparams, count, config=config)  # gathered (see above)
+            return _with_counts(partitioned_step(params, grads, states, hparams, count, config=config))
+        # gathered (see above): the step sees whole leaves, so its counts are the totals
+        return _with_counts(local_step(params, grads, states, hparams, count, config=config))
     mesh, fmt = where.mesh, config.fmt
     p_specs = [PartitionSpec(*s) for s in where.specs]
     s_specs = [PartitionSpec(*state_spec(s, fmt)) for s in where.specs]
     grads = [_reshard_to(g, mesh, s) for g, s in zip(grads, where.specs)]
     states = [_reshard_to(s, mesh, state_spec(spec, fmt)) for s, spec in zip(states, where.specs)]
     mapped = _mapped(config, mesh, tuple(p_specs), tuple(s_specs), where.axis_names)
-    outs, new_states = mapped(list(params), list(grads), list(states), hparams, count)
-    return list(outs), list(new_states)
+    outs, new_states, *counts = mapped(list(params), list(grads), list(states), hparams, count)
+    return list(outs), list(new_states), (counts[0] if counts else None)
 
 
 @functools.lru_cache(maxsize=128)
@@ -142,31 +182,35 @@ def _mapped(config: StepConfig, mesh, p_specs: tuple, s_specs: tuple, axis_names
     jit it is inlined."""
 
     def per_device(params, grads, states, hparams, count):
-        return tuple(local_step(params, grads, states, hparams, count, config=config))
+        results = local_step(params, grads, states, hparams, count, config=config)
+        if not config.track_format:
+            return tuple(results)
+        outs, new_states, counts = results
+        return outs, new_states, summed_over_shards(counts, [tuple(s) for s in p_specs], axis_names)
 
     replicated = PartitionSpec()
     return jax.jit(jax.shard_map(
         per_device, mesh=mesh, axis_names=axis_names, check_vma=False,
         in_specs=(list(p_specs), list(p_specs), list(s_specs), replicated, replicated),
-        out_specs=(list(p_specs), list(s_specs)),
+        out_specs=(list(p_specs), list(s_specs)) + ((replicated,) if config.track_format else ()),
     ))
 
 
 # ---------------------------------------------------------------------------------------------
 # Auto mesh axes on GPU: custom_partitioning
 # ---------------------------------------------------------------------------------------------
-def _factor_rule(ranks: tuple[int, ...], fmt) -> tuple[str, tuple[str, ...]]:
+def _factor_rule(ranks: tuple[int, ...], fmt, track_format: bool = False) -> tuple[str, tuple[str, ...]]:
     """The Shardy sharding rule: leaf i's parameter, gradient and state (and both outputs)
-    share the factors of the parameter's dimensions; a fp32 state's leading dimension and the
-    hyperparameter rows stay replicated."""
+    share the factors of the parameter's dimensions; a fp32 state's leading dimension, the
+    hyperparameter rows and the format counts stay replicated."""
     dims = [[f"l{i}d{k}" for k in range(r)] for i, r in enumerate(ranks)]
     lead = [f"l{i}m" for i in range(len(ranks))]
     param = [" ".join(d) for d in dims]
     state = [" ".join(([lead[i]] if fmt.mode == "fp32" else []) + d) for i, d in enumerate(dims)]
     operands = param + param + state + ["hr hc", ""]
-    results = param + state
+    results = param + state + (["cl cc"] if track_format else [])
     # Listed in order of first appearance, as Shardy wants them.
-    replicated = (tuple(lead) if fmt.mode == "fp32" else ()) + ("hr", "hc")
+    replicated = (tuple(lead) if fmt.mode == "fp32" else ()) + ("hr", "hc") + (("cl", "cc") if track_format else ())
     return ", ".join(operands) + " -> " + ", ".join(results), replicated
 
 
@@ -179,15 +223,23 @@ def _partitioned(config: StepConfig, ranks: tuple[int, ...], body=None):
     """A custom_partitioning of the step for leaves of these ranks (cached: one per layout).
 
     `body(*args, config=...)` runs on one device's shards; the default binds the step
-    primitive (a test passes a plain function to check the partitioning on CPU)."""
+    primitive (a test passes a plain function to check the partitioning on CPU). With
+    `track_format` its last result, the counts of the shards, is summed over the shards.
+    """
     from jax.experimental.custom_partitioning import custom_partitioning
 
     n = len(ranks)
     fmt = config.fmt
     run = body or (lambda *args, config: packed_adamw_step_p.bind(*args, config=config))
 
-    def step(*args):
-        return tuple(run(*args, config=config))
+    def per_shard(p_shardings, mesh):
+        def step(*args):
+            results = tuple(run(*args, config=config))
+            if not config.track_format:
+                return results
+            specs = [tuple(s.spec) for s in p_shardings]  # full rank: `shardings` below
+            return (*results[:2 * n], summed_over_shards(results[2 * n], specs, frozenset(mesh.axis_names)))
+        return step
 
     def shardings(mesh, arg_shapes):
         """Each leaf follows its parameter's sharding; hyperparameters are replicated."""
@@ -200,23 +252,28 @@ def _partitioned(config: StepConfig, ranks: tuple[int, ...], body=None):
         replicated = NamedSharding(p_shardings[0].mesh if p_shardings else mesh, PartitionSpec())
         return p_shardings, s_shardings, replicated
 
+    counted = lambda rep: (rep,) if config.track_format else ()  # noqa: E731
+
     def partition(mesh, arg_shapes, result_shape):
         p_sh, s_sh, rep = shardings(mesh, arg_shapes)
-        return mesh, step, (*p_sh, *s_sh), (*p_sh, *p_sh, *s_sh, rep, rep)
+        return mesh, per_shard(p_sh, mesh), (*p_sh, *s_sh, *counted(rep)), (*p_sh, *p_sh, *s_sh, rep, rep)
 
     def infer(mesh, arg_shapes, result_shape):
-        p_sh, s_sh, _ = shardings(mesh, arg_shapes)
-        return (*p_sh, *s_sh)
+        p_sh, s_sh, rep = shardings(mesh, arg_shapes)
+        return (*p_sh, *s_sh, *counted(rep))
+
+    def step(*args):  # unpartitioned (one device)
+        return tuple(run(*args, config=config))
 
     partitioned = custom_partitioning(step)
-    rule, replicated_factors = _factor_rule(ranks, fmt)
+    rule, replicated_factors = _factor_rule(ranks, fmt, config.track_format)
     partitioned.def_partition(partition=partition, infer_sharding_from_operands=infer,
                               sharding_rule=rule, need_replication_factors=replicated_factors)
     return partitioned
 
 
 def partitioned_step(params, grads, states, hparams, count, *, config: StepConfig, body=None):
+    """As `_step.local_step`, through `_partitioned`: (outs, new states) and, with
+    `config.track_format`, the step's counts summed over the shards."""
     ranks = tuple(len(jax.numpy.shape(p)) for p in params)
-    results = _partitioned(config, ranks, body)(*params, *grads, *states, hparams, count)
-    n = config.n_leaves
-    return list(results[:n]), list(results[n:])
+    return split_results(_partitioned(config, ranks, body)(*params, *grads, *states, hparams, count), config)

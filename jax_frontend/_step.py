@@ -14,11 +14,20 @@ CUDA rule, and with it `import jax_triton`, is reached only when compiling for a
 The primitive sees the shapes of the arrays it is given: under `shard_map` or a
 `custom_partitioning` partition (`_sharding.py`) those are one device's shards, so every
 leaf-group table and callback works on the local shards.
+
+With `StepConfig.track_format` the primitive has one more output, the step's format counts
+(docs/FORMAT.md, "Format counts") of each leaf's elements on this device: uint32
+[n_leaves, len(launch.FORMAT_COUNTS)]. Without it the primitive, its outputs and its launches
+are what they are without counting.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +35,12 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from packed_adamw.core import StateFormat
+from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.numpy_step import apply_step, step_scalar_row
+
+# A step's counts of one leaf on one device travel as uint32, so a counted leaf (or its shard
+# on a device) must have fewer elements than this.
+COUNTABLE_ELEMENTS = 1 << 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +53,35 @@ class StepConfig:
     decay: tuple[bool, ...]  # per leaf: weight decay (row 0 of hparams) or not (row 1)
     paths: tuple[str, ...]  # per leaf, for messages
     alias_grads: bool = False  # CUDA transform: write u into the gradient's buffer
+    track_format: bool = False  # one more output: the step's format counts per leaf
 
     @property
     def n_leaves(self) -> int:
         return len(self.decay)
+
+
+def counts_shape(config: StepConfig) -> tuple[int, int]:
+    """The shape of one step's format counts: a row of launch.FORMAT_COUNTS per leaf."""
+    return (config.n_leaves, len(launch.FORMAT_COUNTS))
+
+
+def split_results(results, config: StepConfig):
+    """The primitive's flat results -> (outs, new states), and the counts with track_format."""
+    n = config.n_leaves
+    outs, states = list(results[:n]), list(results[n:2 * n])
+    return (outs, states, results[2 * n]) if config.track_format else (outs, states)
+
+
+def check_countable(arrays, config: StepConfig) -> None:
+    """Refuses, when counting, a leaf whose local elements could overflow a uint32 count."""
+    if not config.track_format:
+        return
+    for p, path in zip(arrays, config.paths):
+        if int(np.prod(np.shape(p))) >= COUNTABLE_ELEMENTS:
+            raise ValueError(
+                f"packed_adamw: leaf {path or '<root>'} has {int(np.prod(np.shape(p)))} elements on one device; "
+                f"track_format=True counts fewer than 2**32 per leaf and device. Shard it over more devices, "
+                "or pass track_format=False")
 
 
 def _split(args, config: StepConfig):
@@ -52,13 +90,12 @@ def _split(args, config: StepConfig):
 
 
 def local_step(params, grads, states, hparams, count, *, config: StepConfig):
-    """Every leaf's (update or new parameter, new state), for the arrays as given.
+    """Every leaf's (update or new parameter, new state), for the arrays as given, and with
+    `config.track_format` the step's format counts of these arrays (`split_results`).
 
     `hparams` is [2, 5] float32 (the row with weight decay, then without; already checked in
     the graph), `count` an int32 scalar: the count after this step (>= 1)."""
-    results = packed_adamw_step_p.bind(*params, *grads, *states, hparams, count, config=config)
-    n = config.n_leaves
-    return list(results[:n]), list(results[n:])
+    return split_results(packed_adamw_step_p.bind(*params, *grads, *states, hparams, count, config=config), config)
 
 
 packed_adamw_step_p = Primitive("packed_adamw_step")
@@ -67,9 +104,13 @@ packed_adamw_step_p.multiple_results = True
 
 @packed_adamw_step_p.def_abstract_eval
 def _abstract_eval(*avals, config: StepConfig):
-    params, _, states, _, _ = _split(avals, config)
-    # The outputs have the types (and shardings) of the parameters and states.
-    return [a.update(weak_type=False) for a in params] + [a.update(weak_type=False) for a in states]
+    params, _, states, hparams, _ = _split(avals, config)
+    # The outputs have the types (and shardings) of the parameters and states; the counts are
+    # replicated like the hyperparameter rows (both rank 2).
+    outs = [a.update(weak_type=False) for a in params] + [a.update(weak_type=False) for a in states]
+    if config.track_format:
+        outs.append(hparams.update(shape=counts_shape(config), dtype=np.dtype(np.uint32), weak_type=False))
+    return outs
 
 
 @functools.lru_cache(maxsize=256)
@@ -102,6 +143,52 @@ class CpuStepError(RuntimeError):
     """An error inside the CPU step's callback, with the leaf named on one line."""
 
 
+def _flushes_subnormals() -> bool:
+    return bool(np.float32(1e-40) * np.float32(1.0) == 0)  # 1e-40 is a float32 subnormal
+
+
+@functools.cache
+def _c_float_environment():
+    """(fegetenv, fesetenv, the default environment's address) of the C library, or None."""
+    for name in (ctypes.util.find_library("m"), ctypes.util.find_library("c"), None):
+        try:
+            lib = ctypes.CDLL(name)
+            get, set_ = lib.fegetenv, lib.fesetenv
+            if sys.platform == "darwin":
+                default = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.in_dll(lib, "_FE_DFL_ENV")))
+            else:
+                default = ctypes.c_void_p(-1)  # glibc and musl: FE_DFL_ENV is (const fenv_t *) -1
+        except (OSError, AttributeError, ValueError):
+            continue
+        return get, set_, default
+    return None
+
+
+@contextlib.contextmanager
+def _subnormals_kept():
+    """The C default floating-point environment for the numpy step, then the caller's again.
+
+    XLA runs CPU callbacks on its own threads, which flush float32 subnormals to zero (FTZ and
+    DAZ); numpy there would give other bits than the numpy step everywhere else (a subnormal
+    parameter's decay, a fp32-mode v of a gradient below 1e-19, the format counts)."""
+    if not _flushes_subnormals():
+        yield
+        return
+    env = _c_float_environment()
+    saved = ctypes.create_string_buffer(1024)  # larger than any fenv_t
+    if env is None or env[0](saved) != 0:
+        raise CpuStepError("packed_adamw CPU step: this thread flushes float32 subnormals to zero and the C "
+                           "library's fesetenv is not available to undo it, so the numpy step would lose bits")
+    try:
+        env[1](env[2])
+        if _flushes_subnormals():
+            raise CpuStepError("packed_adamw CPU step: fesetenv(FE_DFL_ENV) left this thread flushing float32 "
+                               "subnormals to zero, so the numpy step would lose bits")
+        yield
+    finally:
+        env[1](saved)
+
+
 def _host_step(hparams, count, *arrays, config: StepConfig):
     """Every leaf of one device in one callback: a callback costs far more than the numpy step
     of a small leaf, so leaves do not get one each."""
@@ -110,27 +197,34 @@ def _host_step(hparams, count, *arrays, config: StepConfig):
     hparams = np.asarray(hparams, np.float32)
     count = int(np.asarray(count).reshape(-1)[0])
     outs, new_states = [], []
-    for p, g, s, decays, path in zip(params, grads, states, config.decay, config.paths):
-        shape, state_shape = np.shape(p), np.shape(s)
-        try:
-            p = np.array(p, dtype=np.float32).reshape(-1)  # callback inputs are read-only: copy
-            s = np.array(s).reshape(fmt.flat_state_shape(-1))
-            update = np.empty_like(p) if config.write_update else None
-            scalars = step_scalar_row(count, hparams[0 if decays else 1])
-            apply_step(p, np.asarray(g, np.float32).reshape(-1), s, scalars, fmt=fmt, update_out=update)
-        except Exception as e:  # surfaces as JaxRuntimeError; make its last line say what failed
-            raise CpuStepError(f"packed_adamw CPU step of leaf {path or '<root>'}: {type(e).__name__}: {e}") from None
-        outs.append((update if config.write_update else p).reshape(shape))
-        new_states.append(s.reshape(state_shape))
-    return outs + new_states
+    counts = np.zeros(counts_shape(config), np.int64) if config.track_format else None
+    with _subnormals_kept():
+        for i, (p, g, s, decays, path) in enumerate(zip(params, grads, states, config.decay, config.paths)):
+            shape, state_shape = np.shape(p), np.shape(s)
+            try:
+                p = np.array(p, dtype=np.float32).reshape(-1)  # callback inputs are read-only: copy
+                s = np.array(s).reshape(fmt.flat_state_shape(-1))
+                update = np.empty_like(p) if config.write_update else None
+                scalars = step_scalar_row(count, hparams[0 if decays else 1])
+                apply_step(p, np.asarray(g, np.float32).reshape(-1), s, scalars, fmt=fmt, update_out=update,
+                           format_counts_out=None if counts is None else counts[i])
+            except Exception as e:  # surfaces as JaxRuntimeError; make its last line say what failed
+                raise CpuStepError(f"packed_adamw CPU step of leaf {path or '<root>'}: {type(e).__name__}: {e}") \
+                    from None
+            outs.append((update if config.write_update else p).reshape(shape))
+            new_states.append(s.reshape(state_shape))
+    return outs + new_states + ([] if counts is None else [counts.astype(np.uint32)])  # < 2**32: check_countable
 
 
 def _cpu_step(*args, config: StepConfig):
     params, grads, states, hparams, count = _split(args, config)
+    check_countable(params, config)
+    if not params:
+        return [jnp.zeros(counts_shape(config), jnp.uint32)] if config.track_format else []
     out_types = ([jax.ShapeDtypeStruct(p.shape, jnp.float32) for p in params]
                  + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states])
-    if not out_types:
-        return []
+    if config.track_format:
+        out_types.append(jax.ShapeDtypeStruct(counts_shape(config), jnp.uint32))
     return list(jax.pure_callback(functools.partial(_host_step, config=config), out_types, hparams, count,
                                   *params, *grads, *states, vmap_method="sequential"))
 
@@ -139,10 +233,12 @@ def _cuda_step(*args, config: StepConfig):
     from . import _triton_launch
 
     params, grads, states, hparams, count = _split(args, config)
-    outs, new_states = _triton_launch.step(params, grads, states, list(config.decay), hparams, count,
-                                           fmt=config.fmt, write_update=config.write_update,
-                                           multi_tensor=config.multi_tensor, alias_grads=config.alias_grads)
-    return list(outs) + list(new_states)
+    check_countable(params, config)
+    outs, new_states, counts = _triton_launch.step(params, grads, states, list(config.decay), hparams, count,
+                                                   fmt=config.fmt, write_update=config.write_update,
+                                                   multi_tensor=config.multi_tensor, alias_grads=config.alias_grads,
+                                                   track_format=config.track_format)
+    return list(outs) + list(new_states) + ([counts] if config.track_format else [])
 
 
 mlir.register_lowering(packed_adamw_step_p, mlir.lower_fun(_cpu_step, multiple_results=True))

@@ -1,6 +1,10 @@
 """The CUDA path: jax-triton launches of the core kernels, over groups of leaves or one leaf.
 
 Imported lazily: `import jax_triton` fails with a CPU-only jaxlib.
+
+With `track_format` every launch also returns its counter rows (launch.COUNTER_ROW uint32 per
+leaf): a zeroed array passed in and aliased to an output, which the kernel adds to with
+atomics. The step sums their slots on the device; nothing waits for the GPU.
 """
 from __future__ import annotations
 
@@ -9,8 +13,11 @@ import os
 
 import jax
 import jax.numpy as jnp
+import triton
+import triton.language as tl
 
 from packed_adamw.core import StateFormat, launch
+from packed_adamw.core.kernel import _adamw_programs
 
 
 @functools.cache
@@ -25,6 +32,36 @@ def _jax_triton():
     else:
         os.environ["TRITON_CACHE_DIR"] = saved
     return jax_triton
+
+
+@triton.jit
+def adamw_counting_kernel(
+    param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements,
+    out_ptr, new_state_ptr, new_counters_ptr,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1,
+):
+    """Core's `adamw_kernel` with its counter row as an output as well: jax-triton passes every
+    output, aliased ones too, after the inputs, so a launch that returns its counts needs this
+    last argument. `counters_ptr` and `new_counters_ptr` name one buffer (aliased); the counts
+    are added through the output's."""
+    _adamw_programs(
+        param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, new_counters_ptr, n_elements,
+        out_ptr, new_state_ptr, out_ptr, MODE, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM,
+    )
+
+
+def _zeroed_counters(n_leaves: int):
+    return jnp.zeros((n_leaves, launch.COUNTER_ROW), jnp.uint32)
+
+
+def _format_counts(counters):
+    """[leaves, COUNTER_ROW] counter rows -> [leaves, len(FORMAT_COUNTS)] uint32 counts (fewer
+    than 2**32 per leaf and launch: `_step.check_countable`)."""
+    return launch.sum_counter_slots(counters).astype(jnp.uint32)
 
 
 def step_scalars(hparams, counts):
@@ -52,8 +89,10 @@ def _first_output_alias(write_update: bool, alias_grads: bool) -> int | None:
     return 1 if alias_grads else None
 
 
-def leaf_step(p, g, s, scalars, *, fmt: StateFormat, write_update: bool, alias_grads: bool = False):
+def leaf_step(p, g, s, scalars, *, fmt: StateFormat, write_update: bool, alias_grads: bool = False,
+              track_format: bool = False):
     """Returns (update or new parameter, new state) for one leaf; `scalars` is its [8] row.
+    With `track_format`, also the leaf's [6] format counts.
 
     The state buffer is aliased to the new state, and the first output to the input that
     `_first_output_alias` names: each element is read before its own output is written, so
@@ -65,26 +104,38 @@ def leaf_step(p, g, s, scalars, *, fmt: StateFormat, write_update: bool, alias_g
     first = _first_output_alias(write_update, alias_grads)
     flat_p, flat_g = p.reshape(-1), g.reshape(-1)
     flat_s = s.reshape((2, -1) if fmt.mode == "fp32" else (-1,))
-    constants = launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=False, block=launch.GPU_BLOCK)
-    out_shape = (jax.ShapeDtypeStruct(flat_p.shape, jnp.float32), jax.ShapeDtypeStruct(flat_s.shape, flat_s.dtype))
-    # The scalars stand in for the unused non-finite counter (COUNT_NONFINITE=False).
-    out, new_s = _jax_triton().triton_call(
-        flat_p, flat_g, flat_s, scalars, scalars, n,
-        kernel=adamw_kernel,
-        out_shape=out_shape,
+    out_shape = [jax.ShapeDtypeStruct(flat_p.shape, jnp.float32), jax.ShapeDtypeStruct(flat_s.shape, flat_s.dtype)]
+    aliases = {2: 1, **({} if first is None else {first: 0})}
+    if track_format:  # a program takes several blocks, as in torch's counting launches
+        constants = launch.single_tensor_constants(fmt, write_update=write_update, count_nonfinite=False,
+                                                   block=launch.GPU_BLOCK, track_format=True)
+        kernel, counters, num_warps = adamw_counting_kernel, _zeroed_counters(1), launch.single_tensor_warps(constants)
+        out_shape.append(jax.ShapeDtypeStruct(counters.shape, counters.dtype))
+        aliases[4] = 2  # the counter row: input 4, output 2
+    else:
+        constants = launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=False,
+                                            block=launch.GPU_BLOCK)
+        # The scalars stand in for the unused counters (COUNT_NONFINITE and TRACK_FORMAT off).
+        kernel, counters, num_warps = adamw_kernel, scalars, launch.GPU_NUM_WARPS
+    results = _jax_triton().triton_call(
+        flat_p, flat_g, flat_s, scalars, counters, n,
+        kernel=kernel,
+        out_shape=tuple(out_shape),
         grid=launch.single_tensor_grid(n, constants),
-        num_warps=launch.GPU_NUM_WARPS,
-        input_output_aliases={2: 1, **({} if first is None else {first: 0})},
+        num_warps=num_warps,
+        input_output_aliases=aliases,
         **launch.COMPILE_OPTIONS,
         **constants,
     )
-    return out.reshape(p.shape), new_s.reshape(s.shape)
+    out, new_s = results[0].reshape(p.shape), results[1].reshape(s.shape)
+    return (out, new_s, _format_counts(results[2])[0]) if track_format else (out, new_s)
 
 
 def group_step(params, grads, states, rows, scalars, *, fmt: StateFormat, write_update: bool,
-               alias_grads: bool = False):
+               alias_grads: bool = False, track_format: bool = False):
     """`leaf_step` over up to `_leaf_group.LEAVES_PER_LAUNCH` non-empty leaves in one launch;
-    `rows[i]` picks leaf i's row of `scalars` ([rows, 8]). Returns (outs, new states)."""
+    `rows[i]` picks leaf i's row of `scalars` ([rows, 8]). Returns (outs, new states), and
+    with `track_format` the leaves' [n, 6] format counts."""
     from ._leaf_group import leaf_group_kernel, leaf_group_table
 
     n = len(params)
@@ -100,25 +151,34 @@ def group_step(params, grads, states, rows, scalars, *, fmt: StateFormat, write_
             aliases[3 * i + first] = 2 * i
     table = jnp.asarray(leaf_group_table(numels, rows))
     block = launch.GPU_BLOCK
-    # The scalars stand in for the unused non-finite counter (COUNT_NONFINITE=False).
+    if track_format:  # the counter rows: input 3n + 2 (after the table and scalars), output 2n
+        counters = _zeroed_counters(n)
+        out_shape.append(jax.ShapeDtypeStruct(counters.shape, counters.dtype))
+        aliases[3 * n + 2] = 2 * n
+    else:
+        counters = scalars  # stands in for the unused counters (COUNT_NONFINITE and TRACK_FORMAT off)
     results = _jax_triton().triton_call(
-        *inputs, table, scalars, scalars,
-        kernel=leaf_group_kernel(n),
+        *inputs, table, scalars, counters,
+        kernel=leaf_group_kernel(n, counting=track_format),
         out_shape=out_shape,
         grid=(launch.grid(max(numels), block)[0], n),
         num_warps=launch.GPU_NUM_WARPS,
         input_output_aliases=aliases,
         **launch.COMPILE_OPTIONS,
-        **launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=False, block=block),
+        **launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=False, block=block,
+                                  track_format=track_format),
     )
     outs = [results[2 * i].reshape(p.shape) for i, p in enumerate(params)]
     new_states = [results[2 * i + 1].reshape(s.shape) for i, s in enumerate(states)]
+    if track_format:
+        return outs, new_states, _format_counts(results[2 * n])
     return outs, new_states
 
 
 def step(params, grads, states, decay, hparams, count, *, fmt: StateFormat, write_update: bool, multi_tensor: bool,
-         alias_grads: bool = False):
-    """Every leaf's (out, new state): `hparams` holds the row with weight decay, then the row
+         alias_grads: bool = False, track_format: bool = False):
+    """Every leaf's (out, new state), and the step's format counts ([n_leaves, 6] uint32 with
+    `track_format`, else None): `hparams` holds the row with weight decay, then the row
     without; `decay[i]` picks leaf i's. Large leaves launch alone, the others in groups."""
     scalars = step_scalars(hparams, jnp.stack([count, count]))
     rows = [0 if d else 1 for d in decay]
@@ -131,13 +191,21 @@ def step(params, grads, states, decay, hparams, count, *, fmt: StateFormat, writ
         solo, groups = [i for i, n in enumerate(numels) if n], []
     outs = [jnp.zeros_like(p) if write_update else p for p in params]  # empty leaves stay so
     new_states = list(states)
+    counts = [jnp.zeros(len(launch.FORMAT_COUNTS), jnp.uint32)] * len(params)  # an empty leaf counts nothing
     for i in solo:
-        outs[i], new_states[i] = leaf_step(params[i], grads[i], states[i], scalars[rows[i]], fmt=fmt,
-                                           write_update=write_update, alias_grads=alias_grads)
+        results = leaf_step(params[i], grads[i], states[i], scalars[rows[i]], fmt=fmt, write_update=write_update,
+                            alias_grads=alias_grads, track_format=track_format)
+        outs[i], new_states[i] = results[:2]
+        if track_format:
+            counts[i] = results[2]
     for group in groups:
         pick = lambda xs: [xs[i] for i in group]  # noqa: E731
-        group_outs, group_states = group_step(pick(params), pick(grads), pick(states), pick(rows), scalars,
-                                              fmt=fmt, write_update=write_update, alias_grads=alias_grads)
-        for i, out, new_state in zip(group, group_outs, group_states):
-            outs[i], new_states[i] = out, new_state
-    return outs, new_states
+        results = group_step(pick(params), pick(grads), pick(states), pick(rows), scalars, fmt=fmt,
+                             write_update=write_update, alias_grads=alias_grads, track_format=track_format)
+        for k, i in enumerate(group):
+            outs[i], new_states[i] = results[0][k], results[1][k]
+            if track_format:
+                counts[i] = results[2][k]
+    if not track_format:
+        return outs, new_states, None
+    return outs, new_states, jnp.stack(counts) if counts else jnp.zeros((0, len(launch.FORMAT_COUNTS)), jnp.uint32)

@@ -18,6 +18,7 @@ import optax
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
 from packed_adamw.core.hyperparams import FLOAT32_MAX, FLOAT32_TINY, validate_hyperparams
+from packed_adamw.core.launch import FORMAT_COUNTS
 from packed_adamw.core.portable import PortableState
 
 from ._sharding import sharded_step, state_spec
@@ -33,6 +34,59 @@ class PackedAdamWState(NamedTuple):
 
     count: jax.Array
     moments: Any
+
+
+class FormatCounts(NamedTuple):
+    """The format counts of docs/FORMAT.md ("Format counts"), cumulative since `init` (or
+    `import_state`). `steps`: the steps counted (int32; a step refused whole is not).
+    `counts`: uint32 [n_leaves, len(FORMAT_COUNTS), 2], leaves in tree order, counts in
+    `FORMAT_COUNTS` order, each a 64-bit total as its low and high 32 bits (exact without
+    `jax_enable_x64`). Replicated on every device. `format_stats` reads them."""
+
+    steps: jax.Array
+    counts: jax.Array
+
+
+class PackedAdamWTrackedState(NamedTuple):
+    """The state of a transform built with `track_format=True`: `PackedAdamWState`'s fields
+    and the format counts of every step, kept in the state so that they work under `jax.jit`
+    and need no host synchronisation; read them with `format_stats`."""
+
+    count: jax.Array
+    moments: Any
+    format_counts: FormatCounts
+
+
+def _zero_format_counts(n_leaves: int) -> FormatCounts:
+    return FormatCounts(steps=jnp.zeros([], jnp.int32),
+                        counts=jnp.zeros((n_leaves, len(FORMAT_COUNTS), 2), jnp.uint32))
+
+
+def _accumulated(counts, step_counts):
+    """64-bit totals as (low, high) uint32 halves, plus one step's uint32 counts."""
+    low = counts[..., 0] + step_counts  # wraps modulo 2**32; the carry goes to the high half
+    high = counts[..., 1] + (low < step_counts).astype(jnp.uint32)
+    return jnp.stack([low, high], axis=-1)
+
+
+def _check_format_counts(state, tracked: bool, n_leaves: int) -> None:
+    has_counts = isinstance(state, PackedAdamWTrackedState)
+    if tracked and not has_counts:
+        raise ValueError(
+            "packed_adamw: the transform counts formats (track_format=True) but the state has no format counts; "
+            "build it with init() (or import_state(..., track_format=True)) of a transform with track_format=True")
+    if not tracked and has_counts:
+        raise ValueError(
+            "packed_adamw: the state carries format counts (a track_format=True state) but the transform was built "
+            "with track_format=False; build both with the same track_format")
+    if not tracked:
+        return
+    expected = FormatCounts(jax.ShapeDtypeStruct((), jnp.dtype(jnp.int32)),
+                            jax.ShapeDtypeStruct((n_leaves, len(FORMAT_COUNTS), 2), jnp.dtype(jnp.uint32)))
+    got = FormatCounts(*(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in state.format_counts))
+    if got != expected:
+        raise ValueError(f"packed_adamw: the state's format counts are {got}, expected {expected} for "
+                         f"{n_leaves} leaves; build the state with init() over the same parameters")
 
 
 def state_format(mode: str | StateFormat = "packed", m_bias: int | None = None,
@@ -154,8 +208,14 @@ class _Stepper:
     """What the transform and the fused step share: hyperparameters, format, the step over leaves."""
 
     def __init__(self, learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
-                 reuse_grad_buffer=False):
+                 reuse_grad_buffer=False, track_format=False):
         self.fmt = state_format(mode, m_bias, rms_bias)
+        if track_format not in (True, False):
+            raise TypeError(f"packed_adamw: track_format={track_format!r}: pass True or False")
+        if track_format and self.fmt.mode == "fp32":
+            raise ValueError("packed_adamw: track_format=True counts where packed or fp16 codes saturate, flush or "
+                             "go subnormal; fp32 mode stores float32 moments: use mode='packed' or 'fp16'")
+        self.track_format = bool(track_format)
         self.reuse_grad_buffer = bool(reuse_grad_buffer)
         # Numbers and concrete arrays (optax.inject_hyperparams outside jit) are checked now;
         # traced ones and schedules are checked in the graph.
@@ -166,16 +226,18 @@ class _Stepper:
         self.mask = mask
         self.multi_tensor = bool(multi_tensor)
 
-    def init(self, params) -> PackedAdamWState:
+    def init(self, params) -> PackedAdamWState | PackedAdamWTrackedState:
         _check_float32(params, "params")
-        return PackedAdamWState(
-            count=jnp.zeros([], jnp.int32),
-            moments=jax.tree_util.tree_map(lambda p: _zero_moments(p, self.fmt), params),
-        )
+        count = jnp.zeros([], jnp.int32)
+        moments = jax.tree_util.tree_map(lambda p: _zero_moments(p, self.fmt), params)
+        if self.track_format:
+            return PackedAdamWTrackedState(count, moments, _zero_format_counts(len(jax.tree_util.tree_leaves(params))))
+        return PackedAdamWState(count=count, moments=moments)
 
-    def run(self, grads, state: PackedAdamWState, params, *, write_update: bool):
+    def run(self, grads, state: PackedAdamWState | PackedAdamWTrackedState, params, *, write_update: bool):
         _check_float32(grads, "grads")
         _check_state(state.moments, grads, self.fmt)
+        _check_format_counts(state, self.track_format, len(jax.tree_util.tree_leaves(grads)))
         _check_count(state.count)
         decay = _decay_flags(self.mask, grads if params is None else params)
         if params is None:
@@ -214,9 +276,16 @@ class _Stepper:
         step_count = jnp.where(valid, count, 1)  # a refused step's rows are NaN: any count in range will do
         config = StepConfig(fmt=self.fmt, write_update=write_update, multi_tensor=self.multi_tensor,
                             decay=tuple(bool(d) for d in decay), paths=paths,
-                            alias_grads=write_update and self.reuse_grad_buffer)
-        outs, moments = sharded_step(params, grads, moments, hparams, step_count, config=config)
-        return treedef.unflatten(outs), PackedAdamWState(count=count, moments=treedef.unflatten(moments))
+                            alias_grads=write_update and self.reuse_grad_buffer, track_format=self.track_format)
+        outs, moments, step_counts = sharded_step(params, grads, moments, hparams, step_count, config=config)
+        moments = treedef.unflatten(moments)
+        if not self.track_format:
+            return treedef.unflatten(outs), PackedAdamWState(count=count, moments=moments)
+        # A refused step rejects every element, so it adds no counts; nor does it count as a step.
+        old = state.format_counts
+        format_counts = FormatCounts(steps=jnp.where(valid, _increment(old.steps), old.steps),
+                                     counts=_accumulated(old.counts, step_counts))
+        return treedef.unflatten(outs), PackedAdamWTrackedState(count, moments, format_counts)
 
 
 def packed_adamw(
@@ -232,6 +301,7 @@ def packed_adamw(
     rms_bias: int | None = None,
     multi_tensor: bool = True,
     reuse_grad_buffer: bool = True,
+    track_format: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdamW with one uint32 word of state per float32 parameter, as an optax transformation.
 
@@ -255,9 +325,16 @@ def packed_adamw(
     Sharded leaves are updated shard by shard on their own devices (docs/JAX.md).
     Gradient elements that are NaN or Inf get update -0.0 and keep their state; wrap the
     transform in `optax.apply_if_finite` to skip such steps whole.
+
+    `track_format=True` (packed and fp16 modes) counts, in the step, per leaf, the elements
+    whose new first moment or RMS saturated, flushed to zero or landed subnormal
+    (docs/FORMAT.md, "Format counts"). The counts live in the state
+    (`PackedAdamWTrackedState.format_counts`, cumulative since init, replicated over a mesh),
+    so they work under `jax.jit` and the step never waits for them; `format_stats(state)`
+    reads them. Off (the default) the step, its launches and its state are as without it.
     """
     stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
-                       reuse_grad_buffer)
+                       reuse_grad_buffer, track_format)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args  # accepted, as every optax alias does, and unused
@@ -278,13 +355,15 @@ def packed_adamw_fused_step(
     m_bias: int | None = None,
     rms_bias: int | None = None,
     multi_tensor: bool = True,
+    track_format: bool = False,
 ) -> Callable[[Any, Any, PackedAdamWState], tuple[Any, PackedAdamWState]]:
     """`step(params, grads, state) -> (params, state)`: the same step, writing parameters
     directly. Under `jax.jit(step, donate_argnums=(0, 2))` on CUDA it updates the donated
     buffers in place (20 bytes of traffic per parameter). The state is the transform's:
-    `packed_adamw(...).init(params)` with the same arguments.
+    `packed_adamw(...).init(params)` with the same arguments (`track_format` included).
     """
-    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor)
+    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
+                       track_format=track_format)
 
     def step(params, grads, state):
         return stepper.run(grads, state, params, write_update=False)
@@ -292,11 +371,11 @@ def packed_adamw_fused_step(
     return step
 
 
-def export_state(state: PackedAdamWState, mode: str | StateFormat, *, m_bias: int | None = None,
-                 rms_bias: int | None = None) -> PortableState:
+def export_state(state: PackedAdamWState | PackedAdamWTrackedState, mode: str | StateFormat, *,
+                 m_bias: int | None = None, rms_bias: int | None = None) -> PortableState:
     """The state in leaf order, for `PackedAdamW.import_state`. `mode` (and biases, or a
     `StateFormat`) must be the transform's: the words do not say which format they hold, and
-    the export records it for the importer to check."""
+    the export records it for the importer to check. Format counts are not exported."""
     fmt = state_format(mode, m_bias, rms_bias)
     leaves = jax.tree_util.tree_leaves(state.moments)
     count = int(state.count)
@@ -316,9 +395,11 @@ def _placed_like(moments: np.ndarray, param, fmt: StateFormat):
 
 
 def import_state(portable: PortableState, params, mode: str | StateFormat = "packed", *, m_bias: int | None = None,
-                 rms_bias: int | None = None) -> PackedAdamWState:
+                 rms_bias: int | None = None,
+                 track_format: bool = False) -> PackedAdamWState | PackedAdamWTrackedState:
     """A `PackedAdamWState` for `params` from an exported torch (or JAX) state, placed (and
-    sharded) as the parameters are.
+    sharded) as the parameters are; with `track_format=True` a `PackedAdamWTrackedState`
+    for a transform built so, whose format counts start at zero (as torch's do on a load).
 
     JAX keeps one step count for all leaves, so every tensor must have taken the same steps.
     """
@@ -331,11 +412,67 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
             "state has one count, so export from an optimizer whose parameters all stepped together"
         )
     count = portable.counts[0] if portable.counts else 0
-    return PackedAdamWState(
+    if track_format and fmt.mode == "fp32":
+        raise ValueError("import_state: track_format=True counts packed or fp16 codes; fp32 mode has none")
+    state = PackedAdamWState(
         count=jnp.asarray(count, jnp.int32),
         moments=treedef.unflatten([_placed_like(m, p, fmt) for m, p in zip(portable.moments, leaves)]),
     )
+    return PackedAdamWTrackedState(*state, _zero_format_counts(len(leaves))) if track_format else state
 
 
-__all__ = ["DEFAULT_WEIGHT_DECAY", "PackedAdamWState", "export_state", "import_state", "packed_adamw",
-           "packed_adamw_fused_step", "state_format"]
+def _tracked_state(state) -> PackedAdamWTrackedState:
+    """The one `PackedAdamWTrackedState` inside an optax state (chain, inject_hyperparams, ...)."""
+    is_ours = lambda x: isinstance(x, (PackedAdamWState, PackedAdamWTrackedState))  # noqa: E731
+    found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=is_ours) if is_ours(x)]
+    tracked = [x for x in found if isinstance(x, PackedAdamWTrackedState)]
+    if len(tracked) == 1:
+        return tracked[0]
+    if len(tracked) > 1:
+        raise ValueError(f"format_stats: the state holds {len(tracked)} packed_adamw states with format counts; "
+                         "pass the one you mean (say, state[1] of an optax.chain)")
+    if found:
+        raise ValueError("format_stats: the packed_adamw state has no format counts; build the transform with "
+                         "packed_adamw(..., track_format=True)")
+    raise ValueError(f"format_stats: no packed_adamw state in {type(state).__name__}; pass the state of a "
+                     "packed_adamw(..., track_format=True) transform, or an optax state that contains it")
+
+
+def format_stats(state, params=None) -> dict[str, dict[str, int]]:
+    """Where the moments landed in their formats since `init`, per leaf, from the state of a
+    `packed_adamw(..., track_format=True)` transform (or an optax state holding one, such as
+    a chain's or inject_hyperparams').
+
+    Returns, keyed by each leaf's tree path (`jax.tree_util.keystr`, "" for a bare array), the
+    keys of torch's `PackedAdamW.format_stats()` as Python ints: `elements` (element-steps
+    counted), `saturated_m`, `saturated_rms`, `flushed_m`, `flushed_rms`, `subnormal_m`,
+    `subnormal_rms` (docs/FORMAT.md, "Format counts"). Unlike torch's, which resets on
+    read, the counts are cumulative since init: the state is a value, so take differences
+    between two reads. Reading waits for the step that produced the state (call it outside
+    jit; inside, `state.format_counts` is the data). `params`, if given, must be the
+    parameters the state belongs to (checked: tree and shapes).
+    """
+    tracked = _tracked_state(state)
+    flat = jax.tree_util.tree_flatten_with_path(tracked.moments)[0]
+    if params is not None:
+        want = [(jax.tree_util.keystr(path), tuple(jnp.shape(m))) for path, m in flat]
+        got = [(jax.tree_util.keystr(path), tuple(jnp.shape(p)))
+               for path, p in jax.tree_util.tree_flatten_with_path(params)[0]]
+        if want != got:
+            raise ValueError(f"format_stats: the state's leaves {want} are not those of params {got}; pass the "
+                             "parameters the state was built for")
+    if any(isinstance(x, jax.core.Tracer) for x in tracked.format_counts):
+        raise TypeError("format_stats reads the counts on the host, so it cannot run under jax.jit; call it on the "
+                        "state a jitted step returned, or read state.format_counts inside")
+    halves = np.asarray(tracked.format_counts.counts).astype(np.uint64)
+    totals = halves[..., 0] + (halves[..., 1] << np.uint64(32))
+    steps = int(np.asarray(tracked.format_counts.steps))
+    return {
+        jax.tree_util.keystr(path): {"elements": steps * int(np.prod(jnp.shape(m), dtype=np.int64)),
+                                     **{name: int(c) for name, c in zip(FORMAT_COUNTS, totals[i])}}
+        for i, (path, m) in enumerate(flat)
+    }
+
+
+__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWState", "PackedAdamWTrackedState", "export_state",
+           "format_stats", "import_state", "packed_adamw", "packed_adamw_fused_step", "state_format"]
