@@ -14,9 +14,7 @@ import torch.distributed as dist
 from gpt_helpers import MICRO, assert_bitwise_equal, build_data, checkpoint_tensors, run_train
 from packed_adamw.core import formats
 from packed_adamw.torch.gpt import checkpoint
-from packed_adamw.torch.gpt.train import (
-    PackedAdamW, TrainConfig, build_model, gradient_norm_, main, make_optimizer, start_masters,
-)
+from packed_adamw.torch.gpt.train import TrainConfig, build_model, gradient_norm_, main, make_optimizer, start_masters
 
 BF16 = ["--param-dtype", "bf16"]
 
@@ -190,7 +188,8 @@ def test_invalid_param_dtype_exits_2_naming_the_option(tmp_path, data_dir, capsy
         main([*MICRO, "--data", str(data_dir), "--out", str(out), "--param-dtype", "fp16"])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.startswith("python -m packed_adamw.torch.gpt.train: error: --param-dtype fp16: choose one of fp32, bf16")
+    assert error.startswith("python -m packed_adamw.torch.gpt.train: error: "
+                            "--param-dtype fp16: choose one of fp32, bf16")
     assert not out.exists()
 
 
@@ -247,7 +246,8 @@ def test_ddp_and_fsdp2_bf16_runs_resumed_in_new_processes_are_bit_exact(tmp_path
     torchrun_sessions(*(run_args(data_dir, root / f"{kind}-{run}", kind, *extra)
                         for kind in ("ddp", "fsdp")
                         for run, extra in (("whole", ()), ("split", ("--stop-at-step", STOP_AT)))))
-    torchrun_sessions(*(run_args(data_dir, root / f"{kind}-split", kind, "--resume", "auto") for kind in ("ddp", "fsdp")))
+    torchrun_sessions(*(run_args(data_dir, root / f"{kind}-split", kind, "--resume", "auto")
+                        for kind in ("ddp", "fsdp")))
     for kind in ("ddp", "fsdp"):
         assert summary(root / f"{kind}-split")["steps_this_session"] == STEPS - STOP_AT
     assert_bitwise_equal(root / "ddp-whole" / "checkpoint.safetensors", root / "ddp-split" / "checkpoint.safetensors")

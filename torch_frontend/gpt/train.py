@@ -4,6 +4,7 @@
     python -m packed_adamw.torch.gpt.train --config reference --mode packed --device cuda \\
         --data runs/data/shakespeare --max-steps 5000 --batch-size 64
     python -m packed_adamw.torch.gpt.train ... --resume auto     # continue from <out>/checkpoint.safetensors
+    python -m packed_adamw.torch.gpt.train ... --param-dtype bf16   # bf16 weights, PackedAdamW's split FP32 masters
     python -m packed_adamw.torch.gpt.train --synthetic           # one update on random tokens (smoke test)
     torchrun --nproc_per_node=2 -m packed_adamw.torch.gpt.train --parallel fsdp ...   # or --parallel ddp
 
@@ -65,7 +66,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     # -- what the run computes: recorded in the checkpoint and required equal on resume --
     config: str = "tiny"  # model preset (model.PRESETS)
-    optimizer: str = "packed-adamw"  # or "torch-adamw", the fp32 torch.optim.AdamW baseline
+    optimizer: str = "packed-adamw"  # or "torch-adamw", the torch.optim.AdamW baseline
     mode: str = "packed"  # PackedAdamW mode: packed | fp16 | fp32
     param_dtype: str = "fp32"  # or "bf16": bf16 live weights (with packed-adamw: split FP32 masters)
     m_bias: int = 15
@@ -104,8 +105,8 @@ class TrainConfig:
 
     def trajectory(self) -> dict:
         """The settings that decide the bits of the result, with the model preset spelled out."""
-        fields = ("optimizer", "mode", "param_dtype", "m_bias", "rms_bias", "batch_size", "max_steps", "lr", "min_lr",
-                  "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed", "parallel")
+        fields = ("optimizer", "mode", "param_dtype", "m_bias", "rms_bias", "batch_size", "max_steps", "lr",
+                  "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed", "parallel")
         # The number of ranks decides which windows each rank reads and the global batch.
         return {"model": dataclasses.asdict(GPTConfig.preset(self.config)),
                 **{name: getattr(self, name) for name in fields}, "world_size": launched_world_size()}
@@ -789,8 +790,8 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
             save_training_state(checkpoint_path, **common)
 
     parallel = f"; {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""
-    dtype = "" if config.param_dtype == "fp32" else (
-        f"; {config.param_dtype} parameters" + (" with split FP32 masters" if config.optimizer == "packed-adamw" else ""))
+    masters = " with split FP32 masters" if config.optimizer == "packed-adamw" else ""
+    dtype = "" if config.param_dtype == "fp32" else f"; {config.param_dtype} parameters{masters}"
     say(f"model {config.config}: {core.num_parameters():,} parameters{dtype}; optimizer {config.optimizer}"
         f"{' mode ' + config.mode if config.optimizer == 'packed-adamw' else ''}; device {device}{parallel}; "
         f"{train_tape.remaining_batches(config.batch_size, context)} batches left on {train_tape.path}")
@@ -962,8 +963,8 @@ def synthetic_smoke(config: TrainConfig) -> dict:
     optimizer.step()
     changed = sum(not torch.equal(a, b) for a, b in zip(before, trained_values()))
     # torch AdamW on bf16 weights drops every update below half a bf16 ulp (the baseline's
-    # inexactness: a LayerNorm weight of 1.0 moves only by 2**-8 or more), so some tensors
-    # may keep their weights; it must move at least one.
+    # inexactness: a LayerNorm weight of 1.0 moves only for an update beyond 2**-9), so some
+    # tensors may keep their weights; it must move at least one.
     inexact = config.param_dtype != "fp32" and not split
     return {"loss": loss.item(), "loss_finite": math.isfinite(loss.item()),
             "tensors_changed": changed, "tensors": len(before), "tensors_required": 1 if inexact else len(before)}
