@@ -445,7 +445,6 @@ def _named(tensor, name="encoder.weight"):
 
 BAD_PARAMS = {
     "float64": (lambda: torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64)), TypeError, ["torch.float64", "float32"]),
-    "bfloat16": (lambda: torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16)), TypeError, ["torch.bfloat16", "master weights"]),
     "float16": (lambda: torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float16)), TypeError, ["torch.float16", "float32"]),
     "complex64": (lambda: torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.complex64)), TypeError, ["torch.complex64", "float32"]),
     "non-contiguous": (lambda: torch.zeros(4, 3).t().requires_grad_(), ValueError, ["not contiguous", ".contiguous()"]),
