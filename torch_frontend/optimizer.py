@@ -14,7 +14,7 @@ from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, lau
 from packed_adamw.core import formats
 from packed_adamw.core.portable import PortableState
 
-from . import _dtensor
+from . import _compiled, _dtensor
 from ._launch import launch_kind
 from ._plan import CapturableStepPlan, StepPlan
 from .functional import LOW_HALF_DTYPE, LOW_HALF_KEY, adamw_step_, join_master, new_low_half, new_state, \
@@ -47,7 +47,9 @@ class PackedAdamW(Optimizer):
     are accepted as None or False, as configurations pass them; `amsgrad` is refused (the
     word holds no running maximum). `capturable=True` (CUDA, a tensor `lr`) keeps the step
     counts and the learning rate on the device, so `torch.cuda.graph` can capture a step
-    (README, "Compiling and capturing").
+    (README, "Distributed, compiled, captured"). Under `torch.compile` the step is one custom
+    op (`packed_adamw::step_`) with the eager step's bits and state (docs/MULTI_TENSOR.md,
+    "Compiled steps").
 
     Parameters must be float32 or bfloat16, contiguous and on one device; DTensor parameters
     (FSDP2's `fully_shard`) are stepped shard by shard and keep DTensor state
@@ -122,6 +124,7 @@ class PackedAdamW(Optimizer):
                              _plain(weight_decay, "weight_decay"))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
+        self._compile_token = _compiled.register(self)  # names this optimizer to its compiled steps
 
     def __getstate__(self) -> dict:
         # torch.optim keeps only defaults, state and param_groups; a copy needs the format too.
@@ -144,6 +147,8 @@ class PackedAdamW(Optimizer):
         for option, default in (("track_format", False), ("capturable", False)):
             state.setdefault(option, self.__dict__.get(option, default))
         super().__setstate__(state)
+        if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer (load_state_dict keeps it)
+            self._compile_token = _compiled.register(self)
         if as_int32:
             key = self.state_format.state_key
             for s in self.state.values():
@@ -169,28 +174,73 @@ class PackedAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._update()
+        if torch.compiler.is_compiling():
+            _compiled.traced_step(self)  # one custom op that runs _compiled_step (docs/MULTI_TENSOR.md)
+        else:
+            self._opt_called = True  # for LR schedulers (see below)
+            self._update()
         return loss
 
-    # torch.compile runs the update as it is, between compiled graphs: its host-side plan and
-    # raw-address launches (or the numpy step on CPU) are not for dynamo to trace. Its bits are
-    # the eager step's.
+    # torch's LR schedulers replace `opt.step` by a wrapper that notes the call in
+    # `opt._opt_called` (to warn when the scheduler steps first); dynamo refuses to trace that
+    # wrapper, so `fullgraph=True` would fail for any optimizer with a scheduler. They skip
+    # optimizers whose step is marked as wrapped already: the step notes the call itself
+    # (under compile, when the op runs).
+    step._wrapped_by_lr_sched = True
+
+    # The host-side plan and raw-address launches (or the numpy step on CPU) are not for dynamo
+    # to trace: compiled code reaches them through the custom op (_compiled.py), or, where it
+    # takes a graph break, by calling this between graphs.
     @torch.compiler.disable
-    def _update(self) -> None:
+    def _update(self, live: dict | None = None) -> None:
+        """The eager step. `live` (id(param) -> tensor): parameters whose values a compiled
+        program holds in a tensor of its own (a copy it writes back when its graph ends):
+        those tensors step instead, through a full step whose plan is not kept."""
         rows = [self._checked_row(group, index) for index, group in enumerate(self.param_groups)]
         plan = self.__dict__.get("_plan")
-        rejected = plan.step(self, rows) if plan is not None else None
+        rejected = plan.step(self, rows) if plan is not None and live is None else None
         if rejected is None:
             self._drop_plan()  # a full step that raises must not leave an older plan behind
-            self._plan, params, rejected = self._full_step(rows)
+            self._plan, params, rejected = self._full_step(rows, live)
+            if live is not None:
+                self._drop_plan()  # its addresses are the copies' (its format counts are kept)
         else:
             params = plan.params
         self._raise_if_rejected(params, rejected)
 
-    def _full_step(self, group_rows: list) -> tuple["StepPlan | None", list, list[int]]:
+    def _compiled_step(self, params: list, grads: list, positions: list[int]) -> None:
+        """The run-time body of the custom op `packed_adamw::step_` (`_compiled.py`):
+        `params[i]` is the parameter at flat position `positions[i]` of `param_groups` or the
+        compiled program's copy of it, `grads[i]` its gradient (which the program assigns to
+        `.grad` only when its graph ends). Runs the eager step, so bits, state and plans are
+        the eager step's."""
+        everything = [p for group in self.param_groups for p in group["params"]]
+        if len(params) != len(positions) or len(grads) != len(positions) or \
+                any(not 0 <= i < len(everything) for i in positions):
+            raise RuntimeError("PackedAdamW: a compiled step does not fit this optimizer's param_groups; "
+                               "compile the step again after changing the parameter groups")
+        live = None
+        for i, tensor, grad in zip(positions, params, grads):
+            p = everything[i]
+            if not _same_memory(p.grad, grad):
+                p.grad = grad  # what the program assigns when its graph ends: the step reads .grad
+            if not _same_memory(p, tensor):
+                live = {} if live is None else live
+                live[id(p)] = tensor
+        if live is not None and self.capturable:
+            raise RuntimeError(
+                "PackedAdamW(capturable=True) under torch.compile: the compiled program passed copies of the "
+                "parameters instead of updating them in place (the 'aot_eager' backend does so), and a "
+                "capturable plan steps the parameters' own memory: use the 'inductor' backend (the default), "
+                "or capturable=False")
+        self._opt_called = True
+        self._update(live)
+
+    def _full_step(self, group_rows: list, live: dict | None = None) -> tuple["StepPlan | None", list, list[int]]:
         """Every check, then the update, then the new state entries. Returns the plan that
         later steps reuse while nothing but gradients and hyperparameters changes, the
-        stepped parameters and their rejected counts. A step that raises changes nothing."""
+        stepped parameters and their rejected counts. A step that raises changes nothing.
+        `live` as in `_update`."""
         fmt = self.state_format
         key = fmt.state_key
         params, kernel_params, kernel_grads, found, names, counts, rows, group_of = [], [], [], [], [], [], [], []
@@ -202,6 +252,8 @@ class PackedAdamW(Optimizer):
                     continue
                 name = _param_name(group, group_index, param_index)
                 pl, g = _kernel_tensors(p, name)
+                if live is not None:
+                    pl = live.get(id(p), pl)
                 if not (  # what the kernel relies on; _raise_grad_error says which failed
                     (pl.dtype is FLOAT32 or pl.dtype is BFLOAT16) and (g.dtype is FLOAT32 or g.dtype is pl.dtype)
                     and g.layout is STRIDED and g.shape == pl.shape and g.is_contiguous() and pl.is_contiguous()
@@ -618,6 +670,13 @@ class PackedAdamW(Optimizer):
 
 # ---- helpers ----------------------------------------------------------------------------------
 _data_ptr = torch.Tensor.data_ptr
+
+
+def _same_memory(a, b) -> bool:
+    """`a` and `b` are one tensor's memory, laid out alike (a compiled program may hand the
+    op another tensor object over a parameter's or gradient's storage)."""
+    return a is b or (a is not None and b is not None and _data_ptr(a) == _data_ptr(b) and a.dtype is b.dtype
+                      and a.shape == b.shape and a.stride() == b.stride())
 
 
 def _kernel_tensors(p: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,93 @@
+"""`PackedAdamW.step()` under torch.compile: one opaque custom op per step (docs/MULTI_TENSOR.md,
+"Compiled steps").
+
+Traced code (dynamo) only collects the parameters that have gradients and calls
+`torch.ops.packed_adamw.step_` with them, their gradients, their positions in `param_groups`
+and the optimizer's token. The op declares that it mutates the parameters and has a fake
+implementation that does nothing, so the step is one node of the graph (`fullgraph=True` holds,
+on CPU as on CUDA). At run time its real implementation runs the eager step machinery of the
+optimizer the token names: hyperparameter checks, state creation, the step plan (or the
+capturable plan), the launches or the numpy step. The optimizer state (words, low halves, step
+counts) is never a graph input or output: the compiled graph neither reads nor writes it, only
+the op does, so the state, its step counts (ints, or device tensors with `capturable=True`) and
+`state_dict()` are the eager step's. Nothing the traced code reads changes between steps, so a
+changing learning rate (a float or a tensor) recompiles nothing.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from . import _dtensor
+
+_OPTIMIZERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_TOKENS = itertools.count(1)
+
+
+def register(optimizer) -> int:
+    """A token naming `optimizer` for the op (custom ops take no Python objects). Held weakly:
+    a compiled graph of an optimizer that was freed raises when called."""
+    token = next(_TOKENS)
+    _OPTIMIZERS[token] = optimizer
+    return token
+
+
+@torch.library.custom_op("packed_adamw::step_", mutates_args=("params",))
+def step_(params: list[torch.Tensor], grads: list[torch.Tensor], positions: list[int], optimizer: int) -> None:
+    """One PackedAdamW step of the optimizer registered as `optimizer`: `params[i]` (the
+    parameter at flat position `positions[i]` of its `param_groups`, or the compiled program's
+    copy of it) steps with gradient `grads[i]`."""
+    opt = _OPTIMIZERS.get(optimizer)
+    if opt is None:
+        raise RuntimeError("packed_adamw::step_: the PackedAdamW this compiled step was traced for no longer exists; "
+                           "compile the step again for the new optimizer")
+    opt._compiled_step(params, grads, positions)
+
+
+@step_.register_fake
+def _(params, grads, positions, optimizer) -> None:
+    return None  # mutation only: nothing to describe
+
+
+def traced_step(opt) -> None:
+    """The body of `PackedAdamW.step()` while dynamo traces it: no attribute writes on the
+    optimizer, no reads of tensor data, no hyperparameters read (the op reads them when it
+    runs, so changing them recompiles nothing)."""
+    if opt.check_nonfinite:
+        # Raising after a step from inside a graph would skip the rest of the graph (its
+        # copies back into mutated inputs included): this step runs between graphs.
+        _eager_step_nonfinite(opt)
+        return
+    params, grads, positions, position = [], [], [], 0
+    for group in opt.__dict__["param_groups"]:
+        for p in group["params"]:
+            if p.grad is not None:
+                if _dtensor.is_dtensor(p):
+                    _eager_step_dtensor(opt)
+                    return
+                params.append(p)
+                grads.append(p.grad)
+                positions.append(position)
+            position += 1
+    step_(params, grads, positions, opt._compile_token)
+
+
+def _eager_step(reason: str):
+    """The eager step as a graph break whose reason dynamo shows (and `fullgraph=True` refuses
+    with); older torch releases take no reason."""
+    def eager_step(opt) -> None:
+        opt._update()
+
+    try:
+        return torch.compiler.disable(eager_step, reason=reason)
+    except TypeError:
+        return torch.compiler.disable(eager_step)
+
+
+_eager_step_nonfinite = _eager_step(
+    "PackedAdamW(check_nonfinite=True) raises after a step, which a compiled graph cannot do: the step runs "
+    "eagerly between graphs (a graph break). Use check_nonfinite=False to compile it with fullgraph=True")
+_eager_step_dtensor = _eager_step(
+    "PackedAdamW steps DTensor (FSDP2) parameters eagerly, between compiled graphs (a graph break)")
