@@ -203,6 +203,10 @@ class CapturableStepPlan(StepPlan):
         # Host tables for captures, pinned now: pinning memory while a stream captures fails on
         # some torch builds. Each capture takes one for good (its graph's copy reads it again).
         self.spare_pinned = [torch.empty(self.n_pointers, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        # ... and device tables made outside any capture: a tensor a capture allocates comes from
+        # the graph's private pool, which torch.compile's CUDA graph trees manage as if only the
+        # graph's outputs outlived it.
+        self.spare_tables = [torch.empty_like(self.table) for _ in range(2)]
         self.captured = []  # (pinned host table, device table) of every capture
 
     def step(self, opt, group_rows) -> list[int] | None:
@@ -250,7 +254,7 @@ class CapturableStepPlan(StepPlan):
                 host = (self.spare_pinned.pop() if self.spare_pinned
                         else torch.empty(len(addresses), dtype=torch.int64, pin_memory=True))
                 host.copy_(torch.tensor(addresses, dtype=torch.int64))
-                table = torch.empty_like(self.table)
+                table = self.spare_tables.pop() if self.spare_tables else torch.empty_like(self.table)
                 table.copy_(host, non_blocking=True)
                 self.captured.append((host, table))
             else:
