@@ -355,7 +355,7 @@ def adamw_kernel(
     MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
     """One FP32 tensor, on the grid `launch.single_tensor_grid`.
 
@@ -378,7 +378,7 @@ def adamw_split_kernel(
     MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
     """One bf16 tensor with split masters (FORMAT.md, "Split masters"), on the grid
     `launch.single_tensor_grid`: the bf16 weight and its int16 low half in, the new ones out
