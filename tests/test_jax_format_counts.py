@@ -640,7 +640,9 @@ def test_cuda_counts_equal_the_numpy_step_and_torch_cuda(mode, multi_tensor):
                        format_counts_out=ref_counts[k])
     want = {path_of(k): {"elements": len(grads) * ref_p[k].size,
                          **dict(zip(launch.FORMAT_COUNTS, ref_counts[k].tolist()))} for k in keys}
-    assert all(want[path_of("big")][name] > 0 for name in launch.FORMAT_COUNTS), want
+    # Every count these values can reach is reached; fp16's RMS (max 65504) cannot saturate on gradients below 2**6.
+    reachable = [name for name in launch.FORMAT_COUNTS if not (mode == "fp16" and name == "saturated_rms")]
+    assert all(want[path_of("big")][name] > 0 for name in reachable), want
 
     tx = packed_adamw(LR, B1, B2, EPS, WD, mode=mode, multi_tensor=multi_tensor, track_format=True)
     fused = jax.jit(packed_adamw_fused_step(LR, B1, B2, EPS, WD, mode=mode, multi_tensor=multi_tensor,
