@@ -377,8 +377,8 @@ def test_a_boolean_bias_is_refused():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("what", ["train_step", "opt.step"])
 def test_torch_compile_of_a_training_step_or_of_opt_step_gives_the_eager_bits(mode, what):
-    """The update runs between compiled graphs (torch.compiler.disable): it must run and give
-    eager's bits for the gradients it is given. (Inductor's forward and backward may round
+    """The step is a custom op inside the compiled graph (torch_frontend/_compiled.py): it must
+    give eager's bits for the gradients it is given. (Inductor's forward and backward may round
     differently from eager's, so the eager optimizer is fed the compiled run's gradients.)"""
     torch._dynamo.reset()
     torch.manual_seed(0)
