@@ -5,14 +5,18 @@ from packed_adamw.core.portable import PortableState
 from .transform import (
     DEFAULT_WEIGHT_DECAY,
     FormatCounts,
+    PackedAdamWSplitState,
     PackedAdamWState,
     PackedAdamWTrackedState,
     export_state,
     format_stats,
     import_state,
+    load_master_weights,
+    master_weights,
     packed_adamw,
     packed_adamw_fused_step,
 )
 
-__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWState", "PackedAdamWTrackedState", "PortableState",
-           "StateFormat", "packed_adamw", "packed_adamw_fused_step", "export_state", "format_stats", "import_state"]
+__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState", "PackedAdamWTrackedState",
+           "PortableState", "StateFormat", "packed_adamw", "packed_adamw_fused_step", "export_state", "format_stats",
+           "import_state", "load_master_weights", "master_weights"]

@@ -21,7 +21,8 @@ when the step is traced:
   (one shard per leaf), so a single GPU runs the sharded code too.
 
 A fp32-mode state is [2, *shape]: its sharding is the parameter's with an unsharded leading
-dimension.
+dimension. A bf16 leaf's low half (docs/FORMAT.md, "Split masters") has the parameter's shape
+and sharding.
 
 With `track_format` each device counts its own shards; the per-leaf counts are then summed
 with a `psum` over the mesh axes that split that leaf (one small all-reduce per distinct set
@@ -124,11 +125,6 @@ def _reshard_to(x, mesh, spec: tuple):
     return x
 
 
-def _with_counts(results) -> tuple:
-    """(outs, states) or (outs, states, counts) -> (outs, states, counts or None)."""
-    return (*results, None) if len(results) == 2 else tuple(results)
-
-
 def _split_axes(spec: tuple, axis_names) -> tuple:
     """The mesh axes among `axis_names` that split a leaf of this spec, in spec order."""
     axes = []
@@ -154,25 +150,37 @@ def summed_over_shards(counts, specs, axis_names):
     return total
 
 
-def sharded_step(params, grads, states, hparams, count, *, config: StepConfig):
+def _as_results(results, config: StepConfig) -> tuple:
+    """`split_results`' tuple -> (outs, states, low halves per leaf, counts or None)."""
+    results = list(results)
+    lows = results.pop(2) if config.split else [None] * config.n_leaves
+    return results[0], results[1], lows, (results[2] if config.track_format else None)
+
+
+def sharded_step(params, grads, states, lows, hparams, count, *, config: StepConfig):
     """`_step.local_step` over the leaves, one device's shards at a time where sharded.
-    Returns (outs, new states, the step's format counts or None without track_format)."""
+    `lows`: per leaf, the low half of a split leaf (`config.split`), None for a FP32 leaf.
+    Returns (outs, new states, new low halves per leaf, the step's format counts or None
+    without track_format)."""
+    compact = [lows[i] for i in config.split]
     where = placement(params)
     if where is None:
-        return _with_counts(local_step(params, grads, states, hparams, count, config=config))
+        return _as_results(local_step(params, grads, states, hparams, count, config=config, lows=compact), config)
     if not where.known:
         if where.platform == "gpu":
-            return _with_counts(partitioned_step(params, grads, states, hparams, count, config=config))
+            return _as_results(partitioned_step(params, grads, states, hparams, count, config=config, lows=compact),
+                               config)
         # gathered (see above): the step sees whole leaves, so its counts are the totals
-        return _with_counts(local_step(params, grads, states, hparams, count, config=config))
+        return _as_results(local_step(params, grads, states, hparams, count, config=config, lows=compact), config)
     mesh, fmt = where.mesh, config.fmt
     p_specs = [PartitionSpec(*s) for s in where.specs]
     s_specs = [PartitionSpec(*state_spec(s, fmt)) for s in where.specs]
     grads = [_reshard_to(g, mesh, s) for g, s in zip(grads, where.specs)]
     states = [_reshard_to(s, mesh, state_spec(spec, fmt)) for s, spec in zip(states, where.specs)]
+    compact = [_reshard_to(lo, mesh, where.specs[i]) for lo, i in zip(compact, config.split)]
     mapped = _mapped(config, mesh, tuple(p_specs), tuple(s_specs), where.axis_names)
-    outs, new_states, *counts = mapped(list(params), list(grads), list(states), hparams, count)
-    return list(outs), list(new_states), (counts[0] if counts else None)
+    outs, new_states, new_lows, *counts = mapped(list(params), list(grads), list(states), compact, hparams, count)
+    return list(outs), list(new_states), config.per_leaf(new_lows), (counts[0] if counts else None)
 
 
 @functools.lru_cache(maxsize=128)
@@ -181,34 +189,38 @@ def _mapped(config: StepConfig, mesh, p_specs: tuple, s_specs: tuple, axis_names
     compiles once (an eager shard_map lowers its body again on every call); under an outer
     jit it is inlined."""
 
-    def per_device(params, grads, states, hparams, count):
-        results = local_step(params, grads, states, hparams, count, config=config)
+    def per_device(params, grads, states, lows, hparams, count):
+        outs, new_states, new_lows, counts = _as_results(
+            local_step(params, grads, states, hparams, count, config=config, lows=lows), config)
+        new_lows = [new_lows[i] for i in config.split]
         if not config.track_format:
-            return tuple(results)
-        outs, new_states, counts = results
-        return outs, new_states, summed_over_shards(counts, [tuple(s) for s in p_specs], axis_names)
+            return outs, new_states, new_lows
+        return outs, new_states, new_lows, summed_over_shards(counts, [tuple(s) for s in p_specs], axis_names)
 
     replicated = PartitionSpec()
+    l_specs = [p_specs[i] for i in config.split]  # a low half is laid out as its parameter
     return jax.jit(jax.shard_map(
         per_device, mesh=mesh, axis_names=axis_names, check_vma=False,
-        in_specs=(list(p_specs), list(p_specs), list(s_specs), replicated, replicated),
-        out_specs=(list(p_specs), list(s_specs)) + ((replicated,) if config.track_format else ()),
+        in_specs=(list(p_specs), list(p_specs), list(s_specs), l_specs, replicated, replicated),
+        out_specs=(list(p_specs), list(s_specs), l_specs) + ((replicated,) if config.track_format else ()),
     ))
 
 
 # ---------------------------------------------------------------------------------------------
 # Auto mesh axes on GPU: custom_partitioning
 # ---------------------------------------------------------------------------------------------
-def _factor_rule(ranks: tuple[int, ...], fmt, track_format: bool = False) -> tuple[str, tuple[str, ...]]:
-    """The Shardy sharding rule: leaf i's parameter, gradient and state (and both outputs)
-    share the factors of the parameter's dimensions; a fp32 state's leading dimension, the
-    hyperparameter rows and the format counts stay replicated."""
+def _factor_rule(ranks: tuple[int, ...], fmt, track_format: bool = False,
+                 split: tuple[int, ...] = ()) -> tuple[str, tuple[str, ...]]:
+    """The Shardy sharding rule: leaf i's parameter, gradient, state and low half (a split
+    leaf's) and their outputs share the factors of the parameter's dimensions; a fp32 state's
+    leading dimension, the hyperparameter rows and the format counts stay replicated."""
     dims = [[f"l{i}d{k}" for k in range(r)] for i, r in enumerate(ranks)]
     lead = [f"l{i}m" for i in range(len(ranks))]
     param = [" ".join(d) for d in dims]
     state = [" ".join(([lead[i]] if fmt.mode == "fp32" else []) + d) for i, d in enumerate(dims)]
-    operands = param + param + state + ["hr hc", ""]
-    results = param + state + (["cl cc"] if track_format else [])
+    low = [param[i] for i in split]
+    operands = param + param + state + low + ["hr hc", ""]
+    results = param + state + low + (["cl cc"] if track_format else [])
     # Listed in order of first appearance, as Shardy wants them.
     replicated = (tuple(lead) if fmt.mode == "fp32" else ()) + ("hr", "hc") + (("cl", "cc") if track_format else ())
     return ", ".join(operands) + " -> " + ", ".join(results), replicated
@@ -228,7 +240,7 @@ def _partitioned(config: StepConfig, ranks: tuple[int, ...], body=None):
     """
     from jax.experimental.custom_partitioning import custom_partitioning
 
-    n = len(ranks)
+    n, k = len(ranks), len(config.split)
     fmt = config.fmt
     run = body or (lambda *args, config: packed_adamw_step_p.bind(*args, config=config))
 
@@ -238,7 +250,8 @@ def _partitioned(config: StepConfig, ranks: tuple[int, ...], body=None):
             if not config.track_format:
                 return results
             specs = [tuple(s.spec) for s in p_shardings]  # full rank: `shardings` below
-            return (*results[:2 * n], summed_over_shards(results[2 * n], specs, frozenset(mesh.axis_names)))
+            last = 2 * n + k
+            return (*results[:last], summed_over_shards(results[last], specs, frozenset(mesh.axis_names)))
         return step
 
     def shardings(mesh, arg_shapes):
@@ -253,27 +266,29 @@ def _partitioned(config: StepConfig, ranks: tuple[int, ...], body=None):
         return p_shardings, s_shardings, replicated
 
     counted = lambda rep: (rep,) if config.track_format else ()  # noqa: E731
+    lows = lambda p_sh: [p_sh[i] for i in config.split]  # noqa: E731  (placed as their parameters)
 
     def partition(mesh, arg_shapes, result_shape):
         p_sh, s_sh, rep = shardings(mesh, arg_shapes)
-        return mesh, per_shard(p_sh, mesh), (*p_sh, *s_sh, *counted(rep)), (*p_sh, *p_sh, *s_sh, rep, rep)
+        return (mesh, per_shard(p_sh, mesh), (*p_sh, *s_sh, *lows(p_sh), *counted(rep)),
+                (*p_sh, *p_sh, *s_sh, *lows(p_sh), rep, rep))
 
     def infer(mesh, arg_shapes, result_shape):
         p_sh, s_sh, rep = shardings(mesh, arg_shapes)
-        return (*p_sh, *s_sh, *counted(rep))
+        return (*p_sh, *s_sh, *lows(p_sh), *counted(rep))
 
     def step(*args):  # unpartitioned (one device)
         return tuple(run(*args, config=config))
 
     partitioned = custom_partitioning(step)
-    rule, replicated_factors = _factor_rule(ranks, fmt, config.track_format)
+    rule, replicated_factors = _factor_rule(ranks, fmt, config.track_format, config.split)
     partitioned.def_partition(partition=partition, infer_sharding_from_operands=infer,
                               sharding_rule=rule, need_replication_factors=replicated_factors)
     return partitioned
 
 
-def partitioned_step(params, grads, states, hparams, count, *, config: StepConfig, body=None):
-    """As `_step.local_step`, through `_partitioned`: (outs, new states) and, with
-    `config.track_format`, the step's counts summed over the shards."""
+def partitioned_step(params, grads, states, hparams, count, *, config: StepConfig, body=None, lows=()):
+    """As `_step.local_step`, through `_partitioned`: (outs, new states), the new low halves
+    with split leaves and, with `config.track_format`, the step's counts summed over the shards."""
     ranks = tuple(len(jax.numpy.shape(p)) for p in params)
-    return split_results(_partitioned(config, ranks, body)(*params, *grads, *states, hparams, count), config)
+    return split_results(_partitioned(config, ranks, body)(*params, *grads, *states, *lows, hparams, count), config)

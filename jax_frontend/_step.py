@@ -19,6 +19,14 @@ With `StepConfig.track_format` the primitive has one more output, the step's for
 (docs/FORMAT.md, "Format counts") of each leaf's elements on this device: uint32
 [n_leaves, len(launch.FORMAT_COUNTS)]. Without it the primitive, its outputs and its launches
 are what they are without counting.
+
+Leaves listed in `StepConfig.split` are bf16 live weights of FP32 masters (docs/FORMAT.md,
+"Split masters"): the primitive takes their int16 low halves after the states, and returns
+their new weights (never an update: the transform derives u from the new weight) and, after
+the states, their new low halves. Their gradients may be bf16 or float32.
+
+Operands: *params, *grads, *states, *low halves (split leaves, in order), hparams, count.
+Results: *outs, *new states, *new low halves, and the counts with `track_format`.
 """
 from __future__ import annotations
 
@@ -36,7 +44,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.numpy_step import apply_step, step_scalar_row
+from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
 
 # A step's counts of one leaf on one device travel as uint32, so a counted leaf (or its shard
 # on a device) must have fewer elements than this.
@@ -54,10 +62,18 @@ class StepConfig:
     paths: tuple[str, ...]  # per leaf, for messages
     alias_grads: bool = False  # CUDA transform: write u into the gradient's buffer
     track_format: bool = False  # one more output: the step's format counts per leaf
+    split: tuple[int, ...] = ()  # the leaves that are bf16 weights with split masters (a low half each)
 
     @property
     def n_leaves(self) -> int:
         return len(self.decay)
+
+    def per_leaf(self, compact) -> list:
+        """The split leaves' arrays (in `split` order) -> one entry per leaf, None where FP32."""
+        full = [None] * self.n_leaves
+        for i, x in zip(self.split, compact):
+            full[i] = x
+        return full
 
 
 def counts_shape(config: StepConfig) -> tuple[int, int]:
@@ -65,11 +81,20 @@ def counts_shape(config: StepConfig) -> tuple[int, int]:
     return (config.n_leaves, len(launch.FORMAT_COUNTS))
 
 
-def split_results(results, config: StepConfig):
-    """The primitive's flat results -> (outs, new states), and the counts with track_format."""
-    n = config.n_leaves
+def unpack_results(results, config: StepConfig):
+    """The primitive's flat results -> (outs, new states, new low halves per leaf (None where
+    FP32), the counts or None)."""
+    n, k = config.n_leaves, len(config.split)
     outs, states = list(results[:n]), list(results[n:2 * n])
-    return (outs, states, results[2 * n]) if config.track_format else (outs, states)
+    lows = config.per_leaf(results[2 * n:2 * n + k])
+    return outs, states, lows, (results[2 * n + k] if config.track_format else None)
+
+
+def split_results(results, config: StepConfig):
+    """The primitive's flat results -> (outs, new states), then the new low halves per leaf if
+    some leaves are split, then the counts with track_format."""
+    outs, states, lows, counts = unpack_results(results, config)
+    return (outs, states) + ((lows,) if config.split else ()) + ((counts,) if config.track_format else ())
 
 
 def check_countable(arrays, config: StepConfig) -> None:
@@ -85,17 +110,21 @@ def check_countable(arrays, config: StepConfig) -> None:
 
 
 def _split(args, config: StepConfig):
-    n = config.n_leaves
-    return list(args[:n]), list(args[n:2 * n]), list(args[2 * n:3 * n]), args[3 * n], args[3 * n + 1]
+    """The primitive's operands -> (params, grads, states, low halves per leaf, hparams, count)."""
+    n, k = config.n_leaves, len(config.split)
+    lows = config.per_leaf(args[3 * n:3 * n + k])
+    return list(args[:n]), list(args[n:2 * n]), list(args[2 * n:3 * n]), lows, args[3 * n + k], args[3 * n + k + 1]
 
 
-def local_step(params, grads, states, hparams, count, *, config: StepConfig):
+def local_step(params, grads, states, hparams, count, *, config: StepConfig, lows=()):
     """Every leaf's (update or new parameter, new state), for the arrays as given, and with
     `config.track_format` the step's format counts of these arrays (`split_results`).
 
     `hparams` is [2, 5] float32 (the row with weight decay, then without; already checked in
-    the graph), `count` an int32 scalar: the count after this step (>= 1)."""
-    return split_results(packed_adamw_step_p.bind(*params, *grads, *states, hparams, count, config=config), config)
+    the graph), `count` an int32 scalar: the count after this step (>= 1). `lows`: the low
+    halves of the leaves in `config.split`, in that order."""
+    return split_results(packed_adamw_step_p.bind(*params, *grads, *states, *lows, hparams, count, config=config),
+                         config)
 
 
 packed_adamw_step_p = Primitive("packed_adamw_step")
@@ -104,10 +133,11 @@ packed_adamw_step_p.multiple_results = True
 
 @packed_adamw_step_p.def_abstract_eval
 def _abstract_eval(*avals, config: StepConfig):
-    params, _, states, hparams, _ = _split(avals, config)
-    # The outputs have the types (and shardings) of the parameters and states; the counts are
-    # replicated like the hyperparameter rows (both rank 2).
-    outs = [a.update(weak_type=False) for a in params] + [a.update(weak_type=False) for a in states]
+    params, _, states, lows, hparams, _ = _split(avals, config)
+    # The outputs have the types (and shardings) of the parameters, states and low halves (a
+    # split leaf's out is its new bf16 weight); the counts are replicated like the
+    # hyperparameter rows (both rank 2).
+    outs = [a.update(weak_type=False) for a in params + states + [lo for lo in lows if lo is not None]]
     if config.track_format:
         outs.append(hparams.update(shape=counts_shape(config), dtype=np.dtype(np.uint32), weak_type=False))
     return outs
@@ -193,52 +223,66 @@ def _host_step(hparams, count, *arrays, config: StepConfig):
     """Every leaf of one device in one callback: a callback costs far more than the numpy step
     of a small leaf, so leaves do not get one each."""
     n, fmt = config.n_leaves, config.fmt
-    params, grads, states = arrays[:n], arrays[n:2 * n], arrays[2 * n:]
+    params, grads, states = arrays[:n], arrays[n:2 * n], arrays[2 * n:3 * n]
+    lows = config.per_leaf(arrays[3 * n:])
     hparams = np.asarray(hparams, np.float32)
     count = int(np.asarray(count).reshape(-1)[0])
-    outs, new_states = [], []
+    outs, new_states, new_lows = [], [], []
     counts = np.zeros(counts_shape(config), np.int64) if config.track_format else None
     with _subnormals_kept():
-        for i, (p, g, s, decays, path) in enumerate(zip(params, grads, states, config.decay, config.paths)):
+        for i, (p, g, s, lo, decays, path) in enumerate(zip(params, grads, states, lows, config.decay, config.paths)):
             shape, state_shape = np.shape(p), np.shape(s)
-            try:
-                p = np.array(p, dtype=np.float32).reshape(-1)  # callback inputs are read-only: copy
+            try:  # callback inputs are read-only: the step works on copies
                 s = np.array(s).reshape(fmt.flat_state_shape(-1))
-                update = np.empty_like(p) if config.write_update else None
                 scalars = step_scalar_row(count, hparams[0 if decays else 1])
-                apply_step(p, np.asarray(g, np.float32).reshape(-1), s, scalars, fmt=fmt, update_out=update,
-                           format_counts_out=None if counts is None else counts[i])
+                leaf_counts = None if counts is None else counts[i]
+                if lo is None:
+                    p = np.array(p, dtype=np.float32).reshape(-1)
+                    update = np.empty_like(p) if config.write_update else None
+                    apply_step(p, np.asarray(g, np.float32).reshape(-1), s, scalars, fmt=fmt, update_out=update,
+                               format_counts_out=leaf_counts)
+                    out = update if config.write_update else p
+                else:  # a split master: the new bf16 weight and low half, in place on the copies
+                    p, lo = np.array(p).view(np.uint16).reshape(-1), np.array(lo).reshape(-1)
+                    g = np.asarray(g)
+                    g = (g.view(np.uint16) if g.dtype == jnp.bfloat16 else g.astype(np.float32)).reshape(-1)
+                    apply_split_step(p, lo, g, s, scalars, fmt=fmt, format_counts_out=leaf_counts)
+                    out = p.view(jnp.bfloat16)
+                    new_lows.append(lo.reshape(shape))
             except Exception as e:  # surfaces as JaxRuntimeError; make its last line say what failed
                 raise CpuStepError(f"packed_adamw CPU step of leaf {path or '<root>'}: {type(e).__name__}: {e}") \
                     from None
-            outs.append((update if config.write_update else p).reshape(shape))
+            outs.append(out.reshape(shape))
             new_states.append(s.reshape(state_shape))
-    return outs + new_states + ([] if counts is None else [counts.astype(np.uint32)])  # < 2**32: check_countable
+    return outs + new_states + new_lows + ([] if counts is None else [counts.astype(np.uint32)])  # check_countable
 
 
 def _cpu_step(*args, config: StepConfig):
-    params, grads, states, hparams, count = _split(args, config)
+    params, grads, states, lows, hparams, count = _split(args, config)
     check_countable(params, config)
     if not params:
         return [jnp.zeros(counts_shape(config), jnp.uint32)] if config.track_format else []
-    out_types = ([jax.ShapeDtypeStruct(p.shape, jnp.float32) for p in params]
-                 + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states])
+    compact_lows = [lo for lo in lows if lo is not None]
+    # A FP32 leaf's out (u or p) and a split leaf's (its new weight) have the parameter's type.
+    out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in params + states + compact_lows]
     if config.track_format:
         out_types.append(jax.ShapeDtypeStruct(counts_shape(config), jnp.uint32))
     return list(jax.pure_callback(functools.partial(_host_step, config=config), out_types, hparams, count,
-                                  *params, *grads, *states, vmap_method="sequential"))
+                                  *params, *grads, *states, *compact_lows, vmap_method="sequential"))
 
 
 def _cuda_step(*args, config: StepConfig):
     from . import _triton_launch
 
-    params, grads, states, hparams, count = _split(args, config)
+    params, grads, states, lows, hparams, count = _split(args, config)
     check_countable(params, config)
-    outs, new_states, counts = _triton_launch.step(params, grads, states, list(config.decay), hparams, count,
-                                                   fmt=config.fmt, write_update=config.write_update,
-                                                   multi_tensor=config.multi_tensor, alias_grads=config.alias_grads,
-                                                   track_format=config.track_format)
-    return list(outs) + list(new_states) + ([counts] if config.track_format else [])
+    results = _triton_launch.step(params, grads, states, list(config.decay), hparams, count, fmt=config.fmt,
+                                  write_update=config.write_update, multi_tensor=config.multi_tensor,
+                                  alias_grads=config.alias_grads, track_format=config.track_format,
+                                  lows=lows if config.split else None)
+    outs, new_states, counts = results[:3]
+    new_lows = [lo for lo in results[3] if lo is not None] if config.split else []
+    return list(outs) + list(new_states) + new_lows + ([counts] if config.track_format else [])
 
 
 mlir.register_lowering(packed_adamw_step_p, mlir.lower_fun(_cpu_step, multiple_results=True))

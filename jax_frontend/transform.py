@@ -5,6 +5,11 @@ Triton kernels launched through jax-triton, many leaves per launch (docs/MULTI_T
 every other platform the numpy step through `jax.pure_callback`. Sharded leaves are stepped
 shard by shard on their own devices (`_sharding.py`). Both paths follow docs/FORMAT.md, so
 they give the same bits as `packed_adamw.torch.PackedAdamW`. docs/JAX.md is the user's page.
+
+A bfloat16 leaf is the live weight of an exact FP32 master (docs/FORMAT.md, "Split masters"):
+the state keeps its int16 low half (`PackedAdamWSplitState.low_halves`), the step runs on the
+master, and the transform's float32 update is chosen so that `optax.apply_updates` gives the
+step's new weight (`_masters.transform_update`).
 """
 from __future__ import annotations
 
@@ -18,9 +23,12 @@ import optax
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
 from packed_adamw.core.hyperparams import FLOAT32_MAX, FLOAT32_TINY, validate_hyperparams
+from packed_adamw.core.formats import SPLIT_MASTER_MAX
 from packed_adamw.core.launch import FORMAT_COUNTS
 from packed_adamw.core.portable import PortableState
 
+from . import _masters
+from ._masters import BF16, FLOAT32, LOW_HALF
 from ._sharding import sharded_step, state_spec
 from ._step import StepConfig
 
@@ -57,6 +65,30 @@ class PackedAdamWTrackedState(NamedTuple):
     format_counts: FormatCounts
 
 
+class PackedAdamWSplitState(NamedTuple):
+    """The state of parameters of which some leaves are bfloat16: each such leaf is the live
+    weight of an exact FP32 master (docs/FORMAT.md, "Split masters") whose low half is here.
+
+    `count`, `moments`: as in `PackedAdamWState`. `low_halves`: the parameters' tree with, per
+    bfloat16 leaf, its int16 low half (the leaf's shape and sharding) and None per float32
+    leaf; `master_weights(params, state)` joins them with the weights. `format_counts`: the
+    `FormatCounts` of a transform built with `track_format=True`, else None. Parameters that
+    are all float32 keep `PackedAdamWState` / `PackedAdamWTrackedState`."""
+
+    count: jax.Array
+    moments: Any
+    low_halves: Any
+    format_counts: FormatCounts | None = None
+
+
+_STATES = (PackedAdamWState, PackedAdamWTrackedState, PackedAdamWSplitState)
+
+
+def _has_format_counts(state) -> bool:
+    return isinstance(state, PackedAdamWTrackedState) or (
+        isinstance(state, PackedAdamWSplitState) and state.format_counts is not None)
+
+
 def _zero_format_counts(n_leaves: int) -> FormatCounts:
     return FormatCounts(steps=jnp.zeros([], jnp.int32),
                         counts=jnp.zeros((n_leaves, len(FORMAT_COUNTS), 2), jnp.uint32))
@@ -70,7 +102,7 @@ def _accumulated(counts, step_counts):
 
 
 def _check_format_counts(state, tracked: bool, n_leaves: int) -> None:
-    has_counts = isinstance(state, PackedAdamWTrackedState)
+    has_counts = _has_format_counts(state)
     if tracked and not has_counts:
         raise ValueError(
             "packed_adamw: the transform counts formats (track_format=True) but the state has no format counts; "
@@ -120,13 +152,72 @@ def state_format(mode: str | StateFormat = "packed", m_bias: int | None = None,
                        DEFAULT_RMS_BIAS if rms_bias is None else rms_bias)
 
 
-def _check_float32(tree, what: str) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if jnp.result_type(leaf) != jnp.float32:
+def _leaf_name(path) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def _split_flags(params, what: str = "params") -> list[bool]:
+    """Per leaf: True for a bfloat16 leaf (a split master), False for a float32 one; any
+    other dtype is refused, naming the leaf."""
+    flags = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = jnp.result_type(leaf)
+        if dtype == jnp.float16:
             raise TypeError(
-                f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {jnp.result_type(leaf)}: "
-                "packed_adamw trains float32 parameters only; keep float32 master weights"
-            )
+                f"{what} leaf {_leaf_name(path)} has dtype float16: packed_adamw trains float32 or bfloat16 "
+                "parameters (a bfloat16 leaf keeps an exact FP32 master: its weight plus a 2-byte low half in the "
+                "state); convert it with .astype(jnp.bfloat16) or .astype(jnp.float32)")
+        if dtype not in (FLOAT32, BF16):
+            raise TypeError(
+                f"{what} leaf {_leaf_name(path)} has dtype {dtype}: packed_adamw trains float32 or bfloat16 "
+                "parameters; convert it with .astype(jnp.float32) or .astype(jnp.bfloat16)")
+        flags.append(dtype == BF16)
+    return flags
+
+
+def _check_grad_dtypes(grads, split: list[bool]) -> None:
+    """A float32 leaf takes float32 gradients; a bfloat16 leaf bfloat16 or float32 ones."""
+    for (path, g), is_split in zip(jax.tree_util.tree_flatten_with_path(grads)[0], split):
+        dtype = jnp.result_type(g)
+        if dtype == FLOAT32 or (is_split and dtype == BF16):
+            continue
+        allowed = "bfloat16 or float32 (a bfloat16 parameter)" if is_split else "float32 (a float32 parameter)"
+        raise TypeError(f"grads leaf {_leaf_name(path)} has dtype {dtype}: packed_adamw takes gradients of dtype "
+                        f"{allowed}; cast the gradient with .astype(jnp.float32)")
+
+
+def _check_low_halves(state, treedef, params, split: list[bool]) -> list:
+    """The state's low halves per leaf (None for float32 leaves), checked against the
+    parameters: exactly the bfloat16 leaves have one, int16 of the leaf's shape."""
+    paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    if not isinstance(state, PackedAdamWSplitState):
+        if any(split):
+            leaf = paths[split.index(True)]
+            raise ValueError(
+                f"packed_adamw: params leaf {leaf} is bfloat16 but the state has no low halves (it was built for "
+                "float32 parameters); build the state with init() over these parameters, or move the weights with "
+                "master_weights() / load_master_weights()")
+        return [None] * len(split)
+    try:
+        lows = treedef.flatten_up_to(state.low_halves)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"packed_adamw: the state's low halves do not have the parameters' tree ({e}); build the "
+                         "state with init() over the same parameters") from None
+    for path, p, lo, is_split in zip(paths, jax.tree_util.tree_leaves(params), lows, split):
+        if is_split and lo is None:
+            raise ValueError(
+                f"packed_adamw: params leaf {path} is bfloat16 but the state has no low half for it (it was built "
+                "for a float32 leaf); keep the leaf's dtype, or move the weights with master_weights() / "
+                "load_master_weights() into a state built with init() over the new parameters")
+        if not is_split and lo is not None:
+            raise ValueError(
+                f"packed_adamw: the state holds a low half for params leaf {path} (a bfloat16 leaf's FP32 master) "
+                f"but the leaf is {jnp.result_type(p)}; keep the leaf bfloat16, or move the weights with "
+                "master_weights() / load_master_weights() into a state built with init() over the new parameters")
+        if lo is not None and (tuple(jnp.shape(lo)) != tuple(jnp.shape(p)) or jnp.result_type(lo) != LOW_HALF):
+            raise ValueError(f"packed_adamw: the low half of leaf {path} is {jnp.result_type(lo)} {jnp.shape(lo)}, "
+                             f"expected {LOW_HALF} {jnp.shape(p)}; build the state with init() over these parameters")
+    return lows
 
 
 def _moments_spec(leaf, fmt: StateFormat) -> jax.ShapeDtypeStruct:
@@ -226,17 +317,32 @@ class _Stepper:
         self.mask = mask
         self.multi_tensor = bool(multi_tensor)
 
-    def init(self, params) -> PackedAdamWState | PackedAdamWTrackedState:
-        _check_float32(params, "params")
+    def init(self, params):
+        split = _split_flags(params)
         count = jnp.zeros([], jnp.int32)
         moments = jax.tree_util.tree_map(lambda p: _zero_moments(p, self.fmt), params)
+        counts = _zero_format_counts(len(split)) if self.track_format else None
+        if any(split):  # a low half of 0: each master starts at its bf16 weight
+            low_halves = jax.tree_util.tree_map(
+                lambda p: jnp.zeros_like(p, dtype=LOW_HALF) if jnp.result_type(p) == BF16 else None, params)
+            return PackedAdamWSplitState(count, moments, low_halves, counts)
         if self.track_format:
-            return PackedAdamWTrackedState(count, moments, _zero_format_counts(len(jax.tree_util.tree_leaves(params))))
+            return PackedAdamWTrackedState(count, moments, counts)
         return PackedAdamWState(count=count, moments=moments)
 
-    def run(self, grads, state: PackedAdamWState | PackedAdamWTrackedState, params, *, write_update: bool):
-        _check_float32(grads, "grads")
+    def run(self, grads, state, params, *, write_update: bool):
+        treedef = jax.tree_util.tree_structure(grads)
+        if params is None:
+            split = [False] * treedef.num_leaves
+            if isinstance(state, PackedAdamWSplitState):
+                raise ValueError(
+                    "packed_adamw: the parameters have bfloat16 leaves, whose weights are half of their FP32 "
+                    "masters, so update() needs params: call tx.update(grads, state, params)")
+        else:
+            split = _split_flags(params)
+        _check_grad_dtypes(grads, split)
         _check_state(state.moments, grads, self.fmt)
+        lows = _check_low_halves(state, treedef, grads if params is None else params, split)
         _check_format_counts(state, self.track_format, len(jax.tree_util.tree_leaves(grads)))
         _check_count(state.count)
         decay = _decay_flags(self.mask, grads if params is None else params)
@@ -253,10 +359,7 @@ class _Stepper:
                     "tx.update(grads, state, params), or set weight_decay=0"
                 )
             params = grads  # never read for decay: lr * 0 * p = 0 for finite p
-        else:
-            _check_float32(params, "params")
         lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
-        treedef = jax.tree_util.tree_structure(grads)
         paths = tuple(jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0])
         params, grads = treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads)
         moments, decay = treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay)
@@ -276,16 +379,26 @@ class _Stepper:
         step_count = jnp.where(valid, count, 1)  # a refused step's rows are NaN: any count in range will do
         config = StepConfig(fmt=self.fmt, write_update=write_update, multi_tensor=self.multi_tensor,
                             decay=tuple(bool(d) for d in decay), paths=paths,
-                            alias_grads=write_update and self.reuse_grad_buffer, track_format=self.track_format)
-        outs, moments, step_counts = sharded_step(params, grads, moments, hparams, step_count, config=config)
+                            alias_grads=write_update and self.reuse_grad_buffer, track_format=self.track_format,
+                            split=tuple(i for i, lo in enumerate(lows) if lo is not None))
+        outs, moments, new_lows, step_counts = sharded_step(params, grads, moments, lows, hparams, step_count,
+                                                            config=config)
+        if write_update:  # a split leaf's out is its new weight: the update that gives it (_masters)
+            for i in config.split:
+                outs[i], new_lows[i] = _masters.transform_update(params[i], outs[i], new_lows[i])
         moments = treedef.unflatten(moments)
-        if not self.track_format:
-            return treedef.unflatten(outs), PackedAdamWState(count=count, moments=moments)
-        # A refused step rejects every element, so it adds no counts; nor does it count as a step.
-        old = state.format_counts
-        format_counts = FormatCounts(steps=jnp.where(valid, _increment(old.steps), old.steps),
-                                     counts=_accumulated(old.counts, step_counts))
-        return treedef.unflatten(outs), PackedAdamWTrackedState(count, moments, format_counts)
+        format_counts = None
+        if self.track_format:
+            # A refused step rejects every element, so it adds no counts; nor does it count as a step.
+            old = state.format_counts
+            format_counts = FormatCounts(steps=jnp.where(valid, _increment(old.steps), old.steps),
+                                         counts=_accumulated(old.counts, step_counts))
+        if isinstance(state, PackedAdamWSplitState):  # the state keeps its type across updates
+            return treedef.unflatten(outs), PackedAdamWSplitState(count, moments, treedef.unflatten(new_lows),
+                                                                  format_counts)
+        if self.track_format:
+            return treedef.unflatten(outs), PackedAdamWTrackedState(count, moments, format_counts)
+        return treedef.unflatten(outs), PackedAdamWState(count=count, moments=moments)
 
 
 def packed_adamw(
@@ -332,6 +445,15 @@ def packed_adamw(
     (`PackedAdamWTrackedState.format_counts`, cumulative since init, replicated over a mesh),
     so they work under `jax.jit` and the step never waits for them; `format_stats(state)`
     reads them. Off (the default) the step, its launches and its state are as without it.
+
+    bfloat16 leaves are the live weights of exact FP32 masters (docs/FORMAT.md, "Split
+    masters"): the state (`PackedAdamWSplitState`) keeps each one's int16 low half, the step
+    runs on the master (the bits of a float32 leaf holding it), and their gradients may be
+    bfloat16 or float32. Their updates are float32, u = float32(new weight) - float32(weight),
+    so that `optax.apply_updates(params, u)` gives the new bf16 weight; apply them unchanged
+    (the low half belongs to that weight). docs/JAX.md ("bf16 leaves") gives the rare elements
+    where no float32 u can, and what the state does there. `master_weights(params, state)`
+    returns the masters; `load_master_weights` sets them.
     """
     stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
                        reuse_grad_buffer, track_format)
@@ -360,7 +482,8 @@ def packed_adamw_fused_step(
     """`step(params, grads, state) -> (params, state)`: the same step, writing parameters
     directly. Under `jax.jit(step, donate_argnums=(0, 2))` on CUDA it updates the donated
     buffers in place (20 bytes of traffic per parameter). The state is the transform's:
-    `packed_adamw(...).init(params)` with the same arguments (`track_format` included).
+    `packed_adamw(...).init(params)` with the same arguments (`track_format` included). A
+    bfloat16 leaf gets its new weight and the state its new low half, in place likewise.
     """
     stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
                        track_format=track_format)
@@ -375,20 +498,26 @@ def export_state(state: PackedAdamWState | PackedAdamWTrackedState, mode: str | 
                  m_bias: int | None = None, rms_bias: int | None = None) -> PortableState:
     """The state in leaf order, for `PackedAdamW.import_state`. `mode` (and biases, or a
     `StateFormat`) must be the transform's: the words do not say which format they hold, and
-    the export records it for the importer to check. Format counts are not exported."""
+    the export records it for the importer to check. The low halves of bfloat16 leaves go with
+    it (torch's bf16 parameters take them). Format counts are not exported."""
     fmt = state_format(mode, m_bias, rms_bias)
-    leaves = jax.tree_util.tree_leaves(state.moments)
+    leaves, treedef = jax.tree_util.tree_flatten(state.moments)
     count = int(state.count)
-    return PortableState(fmt.identity, [count] * len(leaves), [np.array(leaf) for leaf in leaves])
+    lows = None
+    if isinstance(state, PackedAdamWSplitState):
+        lows = [None if lo is None else np.array(lo) for lo in treedef.flatten_up_to(state.low_halves)]
+        lows = lows if any(lo is not None for lo in lows) else None
+    return PortableState(fmt.identity, [count] * len(leaves), [np.array(leaf) for leaf in leaves], lows)
 
 
-def _placed_like(moments: np.ndarray, param, fmt: StateFormat):
-    """An imported state leaf on the devices of its (concrete) parameter, sharded alike."""
+def _placed_like(moments: np.ndarray, param, fmt: StateFormat | None):
+    """An imported state leaf on the devices of its (concrete) parameter, sharded alike (the
+    moments for `fmt`; with `fmt=None`, an array of the parameter's shape: a low half)."""
     sharding = getattr(param, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (np.ndim(param) - len(sharding.spec))
-        return jax.device_put(moments, jax.sharding.NamedSharding(sharding.mesh,
-                                                                  jax.sharding.PartitionSpec(*state_spec(spec, fmt))))
+        spec = spec if fmt is None else state_spec(spec, fmt)
+        return jax.device_put(moments, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec)))
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return jax.device_put(moments, sharding)
     return jnp.asarray(moments)
@@ -396,16 +525,19 @@ def _placed_like(moments: np.ndarray, param, fmt: StateFormat):
 
 def import_state(portable: PortableState, params, mode: str | StateFormat = "packed", *, m_bias: int | None = None,
                  rms_bias: int | None = None,
-                 track_format: bool = False) -> PackedAdamWState | PackedAdamWTrackedState:
+                 track_format: bool = False):
     """A `PackedAdamWState` for `params` from an exported torch (or JAX) state, placed (and
     sharded) as the parameters are; with `track_format=True` a `PackedAdamWTrackedState`
     for a transform built so, whose format counts start at zero (as torch's do on a load).
+    With bfloat16 leaves, a `PackedAdamWSplitState` holding their low halves: exactly the
+    bfloat16 leaves must have one in the export (torch's bf16 parameters).
 
     JAX keeps one step count for all leaves, so every tensor must have taken the same steps.
     """
     fmt = state_format(mode, m_bias, rms_bias)
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    portable.check(fmt, [tuple(jnp.shape(leaf)) for leaf in leaves])
+    split = _split_flags(params)
+    portable.check(fmt, [tuple(jnp.shape(leaf)) for leaf in leaves], split)
     if len(set(portable.counts)) > 1:
         raise ValueError(
             f"import_state: the tensors have different step counts {sorted(set(portable.counts))}; the JAX "
@@ -414,18 +546,25 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
     count = portable.counts[0] if portable.counts else 0
     if track_format and fmt.mode == "fp32":
         raise ValueError("import_state: track_format=True counts packed or fp16 codes; fp32 mode has none")
-    state = PackedAdamWState(
-        count=jnp.asarray(count, jnp.int32),
-        moments=treedef.unflatten([_placed_like(m, p, fmt) for m, p in zip(portable.moments, leaves)]),
-    )
-    return PackedAdamWTrackedState(*state, _zero_format_counts(len(leaves))) if track_format else state
+    count = jnp.asarray(count, jnp.int32)
+    moments = treedef.unflatten([_placed_like(m, p, fmt) for m, p in zip(portable.moments, leaves)])
+    counts = _zero_format_counts(len(leaves)) if track_format else None
+    if any(split):
+        lows = treedef.unflatten([None if lo is None else _placed_like(lo, p, None)
+                                  for lo, p in zip(portable.low_halves, leaves)])
+        return PackedAdamWSplitState(count, moments, lows, counts)
+    return PackedAdamWTrackedState(count, moments, counts) if track_format else PackedAdamWState(count, moments)
 
 
-def _tracked_state(state) -> PackedAdamWTrackedState:
-    """The one `PackedAdamWTrackedState` inside an optax state (chain, inject_hyperparams, ...)."""
-    is_ours = lambda x: isinstance(x, (PackedAdamWState, PackedAdamWTrackedState))  # noqa: E731
-    found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=is_ours) if is_ours(x)]
-    tracked = [x for x in found if isinstance(x, PackedAdamWTrackedState)]
+def _is_ours(x) -> bool:
+    return isinstance(x, _STATES)
+
+
+def _tracked_state(state):
+    """The one packed_adamw state with format counts inside an optax state (chain,
+    inject_hyperparams, ...)."""
+    found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=_is_ours) if _is_ours(x)]
+    tracked = [x for x in found if _has_format_counts(x)]
     if len(tracked) == 1:
         return tracked[0]
     if len(tracked) > 1:
@@ -474,5 +613,98 @@ def format_stats(state, params=None) -> dict[str, dict[str, int]]:
     }
 
 
-__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWState", "PackedAdamWTrackedState", "export_state",
-           "format_stats", "import_state", "packed_adamw", "packed_adamw_fused_step", "state_format"]
+# ---------------------------------------------------------------------------------------------
+# FP32 masters of bfloat16 leaves
+# ---------------------------------------------------------------------------------------------
+def _the_packed_state(state, what: str):
+    """The one packed_adamw state inside an optax state (itself, a chain's, inject_hyperparams')."""
+    found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=_is_ours) if _is_ours(x)]
+    if len(found) != 1:
+        raise ValueError(f"{what}: the state holds {len(found)} packed_adamw states; pass a packed_adamw state or an "
+                         "optax state (a chain's, inject_hyperparams') that holds exactly one")
+    return found[0]
+
+
+def _checked_lows(what: str, params, state) -> list:
+    treedef = jax.tree_util.tree_structure(params)
+    try:
+        return _check_low_halves(state, treedef, params, _split_flags(params))
+    except ValueError as e:
+        raise ValueError(f"{what}: {str(e).removeprefix('packed_adamw: ')}") from None
+
+
+def master_weights(params, state):
+    """The FP32 master weights, in the parameters' tree: for a bfloat16 leaf its weight joined
+    with its low half from the state (docs/FORMAT.md, "Split masters"), a new float32 array
+    laid out as the leaf; a float32 leaf as it is. The twin of torch's
+    `PackedAdamW.master_weights()`: for saving or evaluating the model in FP32.
+
+    `state` is the packed_adamw state (or an optax state holding exactly one). Works under
+    `jax.jit`; an elementwise bit operation, so each device joins its own shards."""
+    lows = _checked_lows("master_weights", params, _the_packed_state(state, "master_weights"))
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    return treedef.unflatten([p if lo is None else _masters.join(p, lo) for p, lo in zip(leaves, lows)])
+
+
+def load_master_weights(masters, params, state):
+    """`(params, state)` holding the FP32 `masters` (a float32 tree of the parameters' shapes,
+    as `master_weights` returns it or an FP32 model's parameters): a float32 leaf takes its
+    master, a bfloat16 leaf the master's exact split (its weight the master rounded to the
+    nearest bf16, ties away from zero, its low half in the returned state), so
+    `master_weights` gives the masters back bit for bit. Moments, counts and format counts are
+    kept. The twin of torch's `PackedAdamW.load_master_weights`.
+
+    To start bf16 training from FP32 masters: `params = jax.tree.map(lambda m: m.astype(jnp.bfloat16), masters)`
+    (for the leaves meant to be bf16), `state = tx.init(params)`, then
+    `params, state = load_master_weights(masters, params, state)`.
+
+    `state` is the packed_adamw state or an optax state holding exactly one (replaced in it).
+    Masters with no finite bf16 weight (NaN, Inf or |M| > SPLIT_MASTER_MAX) are refused, naming
+    the leaf, when their values are known (outside jit); under `jax.jit` they are not checked.
+    The masters are placed as the parameters are."""
+    ours = _the_packed_state(state, "load_master_weights")
+    lows = _checked_lows("load_master_weights", params, ours)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    try:
+        master_leaves = treedef.flatten_up_to(masters)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"load_master_weights: the masters do not have the parameters' tree ({e}); pass one float32 "
+                         "array per parameter leaf, in the parameters' tree") from None
+    paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    new_params, new_lows = [], []
+    for path, p, m, lo in zip(paths, leaves, master_leaves, lows):
+        where = f"load_master_weights: the master of leaf {path}"
+        if jnp.result_type(m) != FLOAT32 or tuple(jnp.shape(m)) != tuple(jnp.shape(p)):
+            raise ValueError(f"{where} is {jnp.result_type(m)} {jnp.shape(m)}; expected float32 {jnp.shape(p)}")
+        m = _placed_like_param(m, p)
+        if lo is None:
+            new_params.append(m)
+            new_lows.append(None)
+            continue
+        if not isinstance(m, jax.core.Tracer):
+            outside = int(jnp.count_nonzero(_masters.outside_domain(m)))
+            if outside:
+                raise ValueError(
+                    f"{where} has {outside} of {int(np.prod(jnp.shape(m)))} values with no finite bf16 weight (NaN, "
+                    f"Inf, or a magnitude above formats.SPLIT_MASTER_MAX = {SPLIT_MASTER_MAX:.6g}): a bfloat16 leaf "
+                    "cannot hold them; clip or repair those weights, or keep the leaf float32")
+        w, low = _masters.split(m)
+        new_params.append(w)
+        new_lows.append(low)
+    new_state = ours._replace(low_halves=treedef.unflatten(new_lows)) if isinstance(ours, PackedAdamWSplitState) \
+        else ours
+    replaced = jax.tree_util.tree_map(lambda x: new_state if x is ours else x, state, is_leaf=_is_ours)
+    return treedef.unflatten(new_params), replaced
+
+
+def _placed_like_param(x, param):
+    """A concrete array on its parameter's devices and sharding (no-op for traced arrays)."""
+    sharding = getattr(param, "sharding", None)
+    if isinstance(x, jax.core.Tracer) or isinstance(param, jax.core.Tracer) or sharding is None:
+        return x
+    return x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
+
+
+__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState", "PackedAdamWTrackedState",
+           "export_state", "format_stats", "import_state", "load_master_weights", "master_weights", "packed_adamw",
+           "packed_adamw_fused_step", "state_format"]
