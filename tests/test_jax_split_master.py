@@ -307,6 +307,9 @@ def test_a_nested_mixed_tree_through_chain_inject_hyperparams_and_multi_steps():
         for g in grads:
             params, state = step(params, state, g)
         results.append((params, master_weights(params, state)))
+    moved = [not np.array_equal(leaf_bits(a), leaf_bits(b))
+             for a, b in zip(jax.tree_util.tree_leaves(results[0][0]), jax.tree_util.tree_leaves(template))]
+    assert all(moved), moved
     for params, masters_now in results[1:]:
         assert_trees_same(params, results[0][0], "params under the optax wrappers")
         assert_trees_same(masters_now, results[0][1], "masters under the optax wrappers")
