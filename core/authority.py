@@ -153,10 +153,14 @@ def adamw_split_element(w_bits, lo, g, state, **step):
     """One element of a bf16 parameter held as (bf16 bits, low half): the master's
     `adamw_element` step (same keyword arguments), with a new master past SPLIT_MASTER_MAX
     rejected like a non-finite one. Returns (w_bits_new, lo_new, state_new, accepted)."""
-    master = bits_f32(join_master(w_bits, lo))
+    if w_bits % 2**15 == 0 and lo < 0:  # a zero written to the weight: it reads as that zero
+        master_bits = (w_bits >> 15) << 31
+    else:
+        master_bits = join_master(w_bits, lo)
+    master = bits_f32(master_bits)
     p_next, _, state_next, accepted = adamw_element(master, g, state, **step)
     if accepted and (f32_bits(p_next) & (2**31 - 1)) > SPLIT_MASTER_MAX_BITS:
         accepted = False
-    if not accepted:
-        return w_bits, lo, state, False
+    if not accepted:  # the element keeps what it read (the same pair, but for a zero's stale low half)
+        return (*split_master(master_bits), state, False)
     return (*split_master(f32_bits(p_next)), state_next, True)

@@ -301,6 +301,18 @@ def join_master(w_bits, lo) -> np.ndarray:
     return (((w_bits & np.uint32(SPLIT_SIGN_BIT)) << np.uint32(16)) | magnitude).view(np.float32)
 
 
+def read_master(w_bits, lo) -> np.ndarray:
+    """The master a step reads from (bf16 bits, low half): `join_master`, except that a zero
+    weight with a negative low half reads as that signed zero (FORMAT.md, "Split masters",
+    "Writes to the weight"). Only a write of zero to the weight outside the optimizer leaves
+    such a pair (split never makes one from a number); joined, it would be a NaN."""
+    w_bits = _bits16(w_bits, "w_bits")
+    master = join_master(w_bits, lo)
+    stale = ((w_bits & np.uint16(SPLIT_SIGN_BIT - 1)) == 0) & (_bits16(lo, "lo").view(np.int16) < 0)
+    zero = (w_bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return np.where(stale, zero, master)
+
+
 def _bits16(array, name: str) -> np.ndarray:
     """A 16-bit array as its uint16 bits (a view: writes reach the caller's memory)."""
     array = np.asarray(array)

@@ -233,6 +233,10 @@ def _adamw_block(
         w_bits = _load(param_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
         lo_bits = _load(lo_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
         p = _join_master(w_bits, lo_bits)
+        # A zero weight with a negative low half (a zero written to the weight outside the
+        # optimizer) would join to a NaN: it reads as that signed zero (formats.read_master).
+        stale = ((w_bits & SPLIT_MAGNITUDE_MASK) == 0) & ((lo_bits & SPLIT_LO_SIGN) != 0)
+        p = tl.where(stale, (w_bits << 16).to(tl.float32, bitcast=True), p)
     else:
         p = _load(param_ptr + offsets, in_bounds, 0.0, MASKED)
     g = _load(grad_ptr + offsets, in_bounds, 0.0, MASKED).to(tl.float32)  # a bf16 gradient widens exactly
@@ -413,6 +417,7 @@ def adamw_multi_tensor_kernel(
     masters) then every low half; tensor t reads scalar row `scalar_rows[t]`, so one launch
     serves several parameter groups and step counts. GRAD_BF16: every gradient is bf16.
     """
+    tl.static_assert(BLOCK < COUNT_FIELD_LIMIT)  # the format counts' 16-bit fields
     pid = tl.program_id(0)
     t = tl.load(block_tensor_ptr + pid)
     start = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK

@@ -11,7 +11,7 @@ import operator
 
 import numpy as np
 
-from .formats import CODE_MASK, MOMENT_SHIFT, SPLIT_MASTER_MAX, StateFormat, join_master, split_master
+from .formats import CODE_MASK, MOMENT_SHIFT, SPLIT_MASTER_MAX, StateFormat, read_master, split_master
 from .hyperparams import SCALAR_FIELDS, Hyperparams
 
 F32 = np.float32
@@ -182,7 +182,7 @@ def apply_split_step(weight_bits, low_half, grad, state, scalars, *, fmt: StateF
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for start in range(0, n, CHUNK):
             sl = slice(start, start + CHUNK)
-            master = join_master(weights[sl], lows[sl])
+            master = read_master(weights[sl], lows[sl])
             g = (grad[sl].view(np.uint16).astype(np.uint32) << np.uint32(16)).view(F32) if bf16_grad else grad[sl]
             chunk_state = state[:, sl] if fmt.mode == "fp32" else state[sl]
             update, new_state, accepted = _update_chunk(master, g, chunk_state, s, fmt, format_counts_out, split=True)

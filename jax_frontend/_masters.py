@@ -38,6 +38,14 @@ def join(w, lo):
     return lax.bitcast_convert_type(sign | magnitude, jnp.float32)
 
 
+def read(w, lo):
+    """The masters a step reads (core's `formats.read_master`): `join`, except that a zero
+    weight beside a negative low half (a zero written to the weight) reads as that zero."""
+    stale = ((bits16(w) & np.uint16(SPLIT_SIGN_BIT - 1)) == 0) & (lo < 0)
+    zero = lax.bitcast_convert_type((bits16(w).astype(jnp.uint32) << 16), jnp.float32)
+    return jnp.where(stale, zero, join(w, lo))
+
+
 def split(master):
     """float32 masters -> (bf16 live weights: the nearest bf16, ties away from zero; int16 low halves)."""
     bits = lax.bitcast_convert_type(master.astype(jnp.float32), jnp.uint32)

@@ -643,7 +643,7 @@ def master_weights(params, state):
     `jax.jit`; an elementwise bit operation, so each device joins its own shards."""
     lows = _checked_lows("master_weights", params, _the_packed_state(state, "master_weights"))
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    return treedef.unflatten([p if lo is None else _masters.join(p, lo) for p, lo in zip(leaves, lows)])
+    return treedef.unflatten([p if lo is None else _masters.read(p, lo) for p, lo in zip(leaves, lows)])
 
 
 def load_master_weights(masters, params, state):

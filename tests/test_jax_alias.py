@@ -6,8 +6,8 @@ conventions: tree_map_params, extra args, inject_hyperparams (with no static_arg
 dtypes, state shape/dtype stability through `lax.cond`, gradient accumulation. Where optax
 compares within a tolerance and the packed step is exact, the comparison here is bitwise.
 
-packed_adamw trains float32 only, so optax's complex64 / bfloat16 cases are replaced by a check
-that such leaves are refused with a TypeError.
+packed_adamw trains float32 and bfloat16 (split masters), so optax's complex64 case is replaced
+by a check that such leaves are refused with a TypeError.
 
 The two targets share one run: the step is elementwise, so a tree {parabola, rosenbrock} under
 one transform gives each leaf exactly the trajectory of its own run (one callback per step
@@ -183,10 +183,14 @@ def test_preserve_dtype(mode):
     grads = jax.grad(fun)(params)
     updates, _ = jax.jit(opt.update)(grads, jax.jit(opt.init)(params), params)
     assert updates.dtype == grads.dtype == jnp.float32
-    # optax also runs bfloat16 (and complex64 in test_optimization): packed_adamw refuses them.
-    for dtype in (jnp.bfloat16, jnp.complex64):
-        with pytest.raises(TypeError, match="float32"):
-            opt.init(params.astype(dtype))
+    # optax also runs complex64 (test_optimization): packed_adamw refuses it.
+    with pytest.raises(TypeError, match="float32"):
+        opt.init(params.astype(jnp.complex64))
+    # bfloat16 leaves hold split masters: their updates are float32, so that
+    # optax.apply_updates gives the new bf16 weight (tests/test_jax_split_master.py).
+    bf16 = params.astype(jnp.bfloat16)
+    updates, _ = jax.jit(opt.update)(grads.astype(jnp.bfloat16), jax.jit(opt.init)(bf16), bf16)
+    assert updates.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("mode", MODES)

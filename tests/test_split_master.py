@@ -494,3 +494,60 @@ def test_authority_split_step_agrees_with_numpy(mode):
         else:
             assert state_a == int(state_np[i]), i
     assert rejected_authority == rejected > len(PAST_THE_DOMAIN)
+
+
+# ---- a zero written to the weight outside the optimizer (FORMAT.md, "Writes to the weight") ----
+@pytest.mark.parametrize("mode", MODES)
+def test_a_zero_written_to_the_weight_reads_as_zero_in_numpy_authority_and_kernel(mode, device):
+    """p.mul_(0), p.zero_() or a re-initialisation leave a zero weight beside a low half that
+    may be negative; joined, such a pair is a NaN. The step reads it as the signed zero, so
+    the element keeps learning (it would otherwise be rejected forever, its weight frozen)."""
+    fmt = StateFormat(mode)
+    rng = np.random.default_rng(77)
+    n = 3_000
+    w, lo = split_master(H.random_params(rng, n))
+    assert (lo < 0).mean() > 0.4
+    w[: n // 2] &= np.uint16(0x8000)  # the written zeros keep their sign, as p.mul_(0) does
+    g = H.random_grads(rng, n, fmt)
+    state = H.random_state(rng, n, fmt)
+    hp = Hyperparams(lr=1e-3, weight_decay=0.1)
+    scalars = scalars_of(1, hp)
+    assert np.isnan(join_master(w[: n // 2], lo[: n // 2])[lo[: n // 2] < 0]).all()  # what a plain join reads
+
+    # numpy: equals an FP32 step from the masters the pairs hold, zeros where the weight was zeroed
+    from packed_adamw.core.formats import read_master
+    master = read_master(w, lo)
+    assert not np.isnan(master).any()
+    negative = lo[: n // 2] < 0  # a non-negative low half beside a zero weight is a tiny master: joined as it is
+    assert np.array_equal(master[: n // 2][negative].view(U32), w[: n // 2][negative].astype(U32) << 16)
+    assert np.array_equal(master[: n // 2][~negative].view(U32), join_master(w, lo)[: n // 2][~negative].view(U32))
+    p_ref, state_ref = master.copy(), state.copy()
+    rejected_ref = apply_step(p_ref, g, state_ref, scalars, fmt=fmt)
+    w_np, lo_np, state_np = w.copy(), lo.copy(), state.copy()
+    assert apply_split_step(w_np, lo_np, g, state_np, scalars, fmt=fmt) == rejected_ref < n // 20
+    assert np.array_equal(join_master(w_np, lo_np).view(U32), p_ref.view(U32))
+    assert np.array_equal(state_np.view(U32), state_ref.view(U32))
+    assert (w_np[: n // 2] & 0x7FFF).any()  # the zeroed weights moved
+
+    # authority, element by element
+    for i in list(range(0, 40)) + list(range(n // 2, n // 2 + 10)):
+        element_state = (float(state[0, i]), float(state[1, i])) if mode == "fp32" else int(state[i])
+        w_a, lo_a, _, _ = A.adamw_split_element(int(w[i]), int(lo[i]), float(g[i]), element_state,
+                                                       count=1, mode=mode, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8,
+                                                       weight_decay=0.1)
+        assert (w_a, lo_a) == (int(w_np[i]), int(lo_np[i])), i
+
+    # the kernel (compiled on CUDA, interpreted on CPU)
+    to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    weight = to_device(w.view(np.int16)).view(torch.bfloat16)
+    low = to_device(lo)
+    grad, words = to_device(g), to_device(state if mode == "fp32" else state.view(np.int32))
+    counters = H.new_counters(1, device)
+    constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=True,
+                                               block=launch.block_size(), split=True)
+    K.adamw_split_kernel[launch.single_tensor_grid(n, constants)](
+        weight, low, grad, words, H.kernel_step_scalars(hp, 1, device), counters, n, weight, low, words,
+        **constants, **H._compile_options())
+    assert np.array_equal(weight.view(torch.int16).cpu().numpy().view(U16), w_np)
+    assert np.array_equal(low.cpu().numpy(), lo_np)
+    assert int(counters.reshape(-1)[0]) == rejected_ref

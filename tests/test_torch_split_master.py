@@ -855,3 +855,35 @@ def test_cuda_fsdp2_bf16_on_one_rank_equals_the_plain_step_and_resumes(tmp_path)
     torchrun(1, scenarios, "fsdp_bf16", str(tmp_path), timeout_s=300, extra_env={"SCENARIO_DEVICE": "cuda"})
     torchrun(1, scenarios, "fsdp_bf16_resume", str(tmp_path), "1", timeout_s=300,
              extra_env={"SCENARIO_DEVICE": "cuda"})
+
+
+@pytest.mark.parametrize("mode", ["packed", "fp32"])
+def test_a_bf16_weight_zeroed_outside_the_optimizer_keeps_learning(mode):
+    """p.mul_(mask) pruning or p.zero_() after some steps leaves the old low halves beside
+    zero weights. Those whose low half is negative would join to NaN masters (rejected
+    forever, the weight frozen at zero); they read as the zero instead, and the others as
+    masters below 2**-133 (FORMAT.md, "Writes to the weight"). From there the run follows an
+    FP32 run started at the masters the zeroed pairs read."""
+    torch.manual_seed(3)
+    init = torch.randn(4000) * 0.05
+    bf16 = torch.nn.Parameter(init.to(torch.bfloat16))
+    fp32 = torch.nn.Parameter(bf16.detach().float())
+    opts = [PackedAdamW([p], lr=1e-2, weight_decay=0.1, mode=mode, check_nonfinite=True) for p in (bf16, fp32)]
+    mask = torch.rand(4000) < 0.5
+    for step in range(6):
+        grad = torch.randn(4000) * 1e-2
+        bf16.grad, fp32.grad = grad.to(torch.bfloat16), grad.to(torch.bfloat16).float()
+        for opt in opts:
+            opt.step()
+        if step == 2:
+            with torch.no_grad():
+                bf16.mul_(mask)  # -0.0 on negative weights
+                read = opts[0].master_weights()[0]
+                assert not read.isnan().any() and (read[~mask].abs() < 2.0**-133).all()
+                assert (read[~mask & (opts[0].state[bf16]["lo"] < 0)].view(torch.int32) & 0x7FFFFFFF == 0).all()
+                fp32.copy_(read)
+            assert (opts[0].state[bf16]["lo"][~mask] < 0).any()
+        master = opts[0].master_weights()[0]
+        assert not master.isnan().any()
+        assert torch.equal(master.view(torch.int32), fp32.detach().view(torch.int32)), f"step {step}"
+    assert (bf16.detach()[~mask] != 0).all()  # the zeroed weights moved again

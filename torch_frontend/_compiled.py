@@ -79,6 +79,7 @@ def _eager_step(reason: str):
     with); older torch releases take no reason."""
     def eager_step(opt) -> None:
         opt._update()
+        opt._opt_called = True  # what torch's scheduler wrapper would set (step is marked unwrapped)
 
     try:
         return torch.compiler.disable(eager_step, reason=reason)

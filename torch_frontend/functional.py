@@ -169,7 +169,7 @@ def join_master(weight: torch.Tensor, low_half: torch.Tensor | None) -> torch.Te
     stepped), as a new float32 tensor of the weight's shape on its device."""
     w_bits = _host_bits16(weight)
     lo = np.zeros_like(w_bits) if low_half is None else _host_bits16(low_half)
-    master = formats.join_master(w_bits, lo)
+    master = formats.read_master(w_bits, lo)
     return torch.from_numpy(master).reshape(weight.shape).to(weight.device)
 
 
