@@ -180,6 +180,8 @@ def _flushes_subnormals() -> bool:
 @functools.cache
 def _c_float_environment():
     """(fegetenv, fesetenv, the default environment's address) of the C library, or None."""
+    if not (sys.platform.startswith("linux") or sys.platform == "darwin"):
+        return None  # elsewhere FE_DFL_ENV may be the address of a global: no guessing
     for name in (ctypes.util.find_library("m"), ctypes.util.find_library("c"), None):
         try:
             lib = ctypes.CDLL(name)
@@ -188,7 +190,7 @@ def _c_float_environment():
                 default = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.in_dll(lib, "_FE_DFL_ENV")))
             else:
                 default = ctypes.c_void_p(-1)  # glibc and musl: FE_DFL_ENV is (const fenv_t *) -1
-        except (OSError, AttributeError, ValueError):
+        except (OSError, AttributeError, ValueError, TypeError):
             continue
         return get, set_, default
     return None
