@@ -11,27 +11,13 @@ back-to-back launches (CUDA events); the step scalars are derived once.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from bench_step import cuda_time_ms as timed  # same timing as every benchmark row
+
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.kernel import adamw_kernel, adamw_split_kernel, step_scalars_kernel
-
-
-def timed(fn, repeats=5, inner=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
 
 
 def scalars_row(device) -> torch.Tensor:
