@@ -5,6 +5,12 @@ Data moves between the frameworks through numpy (no dlpack).
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 
 F32 = np.float32
@@ -132,3 +138,40 @@ def run_numpy(params0: dict, grads: list, *, mode: str, lr, weight_decay: float,
     shaped_p = {k: params[k].reshape(np.shape(params0[k])).view(U32) for k in params}
     shaped_s = {k: states[k].reshape(((2,) if mode == "fp32" else ()) + np.shape(params0[k])).view(U32) for k in params}
     return shaped_p, shaped_s
+
+
+def jax_cuda_unavailable() -> str | None:
+    """Why the jax-triton CUDA path cannot run here (a skip reason), or None."""
+    import jax
+    import torch
+
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    if jax.default_backend() != "gpu":
+        return f"JAX backend is {jax.default_backend()!r}, not 'gpu'"
+    try:
+        from packed_adamw.jax import _triton_launch
+
+        _triton_launch._jax_triton()  # the frontend's import, which restores TRITON_CACHE_DIR
+    except Exception as e:  # ImportError, or jax-triton / triton version clashes
+        return f"jax_triton does not import: {type(e).__name__}: {e}"
+    return None
+
+
+def run_cases_child(test_file: str, devices: int) -> dict:
+    """Runs `test_file --cases` in a child process with `devices` forced CPU devices and
+    returns {case: "ok" or the failure}, from the JSON lines the child prints."""
+    import pytest
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    path = Path(test_file).resolve()
+    done = subprocess.run([sys.executable, str(path), "--cases"], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=path.parents[1])
+    results = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            results.update({k: v for k, v in json.loads(line).items() if k != "seconds"})
+    if not results:
+        pytest.fail(f"the {devices}-device child ran no case (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
+                    f"{done.stderr[-3000:]}")
+    return results

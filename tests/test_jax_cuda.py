@@ -20,23 +20,14 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
-from jax_helpers import F32, MODES, assert_bits_equal, bits, make_problem, run_jax, run_numpy, run_torch  # noqa: E402,F401
+from jax_helpers import (  # noqa: E402,F401
+    F32, MODES, assert_bits_equal, bits, jax_cuda_unavailable, make_problem, run_jax, run_numpy, run_torch,
+)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")]
 
 
-def _why_not_runnable() -> str | None:
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA GPU"
-    if jax.default_backend() != "gpu":
-        return f"JAX backend is {jax.default_backend()!r}, not 'gpu'"
-    try:
-        from packed_adamw.jax import _triton_launch
-
-        _triton_launch._jax_triton()  # the frontend's import, which restores TRITON_CACHE_DIR
-    except Exception as e:  # ImportError, or jax-triton / triton version clashes
-        return f"jax_triton does not import: {type(e).__name__}: {e}"
-    return None
+_why_not_runnable = jax_cuda_unavailable
 
 
 _REASON = _why_not_runnable()

@@ -10,13 +10,10 @@ interpreter with a stand-in for jax-triton, and on CUDA (marked `cuda`).
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +23,7 @@ import pytest
 import torch
 
 import kernel_harness as H
-from jax_helpers import F32, assert_bits_equal, spanning_values
+from jax_helpers import F32, assert_bits_equal, jax_cuda_unavailable, run_cases_child, spanning_values
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.formats import MOMENT_SHIFT
 from packed_adamw.core.hyperparams import SCALAR_FIELDS
@@ -575,17 +572,7 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def child_results():
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--cases"], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    results = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            results.update({k: v for k, v in json.loads(line).items() if k != "seconds"})
-    if not results:
-        pytest.fail(f"the 8-device child ran no case (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
-                    f"{done.stderr[-3000:]}")
-    return results
+    return run_cases_child(__file__, DEVICES)
 
 
 @pytest.mark.parametrize("name", ["sharded_counts_equal_unsharded", "replicated_leaves_are_not_counted_twice",
@@ -599,18 +586,7 @@ def test_on_eight_cpu_devices(child_results, name):
 # ---------------------------------------------------------------------------------------------
 # CUDA (jax-triton)
 # ---------------------------------------------------------------------------------------------
-def _why_no_cuda() -> str | None:
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA GPU"
-    if jax.default_backend() != "gpu":
-        return f"JAX backend is {jax.default_backend()!r}, not 'gpu'"
-    try:
-        from packed_adamw.jax import _triton_launch
-
-        _triton_launch._jax_triton()
-    except Exception as e:
-        return f"jax_triton does not import: {type(e).__name__}: {e}"
-    return None
+_why_no_cuda = jax_cuda_unavailable
 
 
 @pytest.mark.cuda

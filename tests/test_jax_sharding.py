@@ -10,15 +10,14 @@ follow optax's sharding tests: axis "x" of 8 devices, `Explicit` axes under `jax
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import pytest
+
+from jax_helpers import run_cases_child
 
 DEVICES = 8
 COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\b")
@@ -300,17 +299,7 @@ def _cases():
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def child_results():
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--cases"], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    results = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            results.update({k: v for k, v in json.loads(line).items() if k != "seconds"})
-    if not results:
-        pytest.fail(f"the 8-device child ran no case (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
-                    f"{done.stderr[-3000:]}")
-    return results
+    return run_cases_child(__file__, DEVICES)
 
 
 def _check(child_results, name):

@@ -19,13 +19,10 @@ Bits are compared as integers (bf16 and int16 as uint16, float32 and uint32 as u
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +32,7 @@ import optax
 import pytest
 import torch
 
+from jax_helpers import jax_cuda_unavailable, run_cases_child
 from packed_adamw.core import StateFormat, formats, launch
 from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
 from packed_adamw.core.portable import PortableState
@@ -933,17 +931,7 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def child_results():
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--cases"], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    results = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            results.update({k: v for k, v in json.loads(line).items() if k != "seconds"})
-    if not results:
-        pytest.fail(f"the 8-device child ran no case (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
-                    f"{done.stderr[-3000:]}")
-    return results
+    return run_cases_child(__file__, DEVICES)
 
 
 @pytest.mark.parametrize("name", ["low_halves_follow_the_params_shardings",
@@ -957,18 +945,7 @@ def test_on_eight_cpu_devices(child_results, name):
 
 
 # ----------------------------------------------------------------------- CUDA (H200) ------
-def _cuda_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA GPU"
-    if jax.default_backend() != "gpu":
-        return f"JAX backend is {jax.default_backend()!r}, not 'gpu'"
-    try:
-        from packed_adamw.jax import _triton_launch
-
-        _triton_launch._jax_triton()
-    except Exception as e:
-        return f"jax_triton does not import: {type(e).__name__}: {e}"
-    return None
+_cuda_reason = jax_cuda_unavailable
 
 
 # One split leaf over 2**24 elements launches alone; the rest share launches of their kind.
