@@ -6,8 +6,8 @@ CUDA, and their parameters, words, low halves, step counts and state_dicts equal
 bit for bit, over steps with a changing learning rate that recompile nothing. Most CPU cases use
 the quick "aot_eager" backend (which hands the op copies of the parameters: the copy path);
 one uses Inductor (which updates the parameters in place: the plan path). The CUDA-marked tests
-compile for the GPU, including `mode="reduce-overhead"` with `capturable=True` and a CUDA-graph
-capture of a compiled training step.
+compile for the GPU, including `mode="reduce-overhead"` (the step runs between the captured
+partitions) and a CUDA-graph capture of a compiled training step.
 
 Compiled forward and backward passes may round differently from eager ones, so the eager
 optimizers are fed the gradients the compiled runs produced. Bits are compared as integers.
@@ -106,6 +106,14 @@ def set_grad(p, g) -> None:
 def feed(params, grads) -> None:
     for p, g in zip(params, grads):
         set_grad(p, g.clone())
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: dynamo's per-code-object recompile limit (8) counts
+    every optimizer a test module compiled a step for."""
+    torch._dynamo.reset()
+    yield
 
 
 @contextlib.contextmanager
@@ -302,6 +310,23 @@ def test_an_invalid_lr_raises_from_the_compiled_step_and_changes_nothing():
     H.assert_same_snapshot(H.snapshot(opt, list(m.parameters())), before, "after a refused compiled step")
 
 
+def test_a_replaced_params_list_is_refused_once_then_retraced():
+    """Compiled steps iterate the optimizer's noted parameter lists, not the group dicts: a
+    group whose list was replaced by hand is not stepped from a stale list."""
+    m = mlp()
+    opt = PackedAdamW(m.parameters(), lr=1e-2)
+    step = torch.compile(opt.step, fullgraph=True, backend="aot_eager")
+    feed(m.parameters(), gradients(list(m.parameters()), 1)[0])
+    step()
+    opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
+    before = H.snapshot(opt, list(m.parameters()))
+    with pytest.raises(RuntimeError, match=r"param_groups\[i\]\['params'\] list was replaced"):
+        step()
+    H.assert_same_snapshot(H.snapshot(opt, list(m.parameters())), before, "after the refused step")
+    step()
+    assert opt.state[m[0].weight]["step"] == 2
+
+
 def test_a_copied_optimizer_is_stepped_by_its_own_compiled_step():
     """The op finds its optimizer by a token: a deepcopy registers a token of its own."""
     m = mlp()
@@ -342,13 +367,17 @@ def test_cuda_compiled_opt_step_equals_the_cpu_step(mode, dtype):
     assert_same_state(list(cpu.parameters()), host, list(gpu.parameters()), dev, "CUDA compiled vs CPU")
 
 
-def _cuda_train_run(compile_mode: str | None, steps: int = 6):
-    """A compiled training step of an MLP on the GPU with a capturable optimizer and a
-    scheduler; returns (params, opt, gradients seen, start)."""
+def _cuda_lr(capturable: bool):
+    return torch.tensor(1e-2, device="cuda") if capturable else 1e-2
+
+
+def _cuda_train_run(compile_mode: str | None, steps: int = 6, capturable: bool = True):
+    """A compiled training step of an MLP on the GPU with a scheduler; returns (params, opt,
+    gradients seen, start)."""
     m = mlp(device="cuda")
     start = [p.detach().clone() for p in m.parameters()]
-    lr = torch.tensor(1e-2, device="cuda")
-    opt = PackedAdamW(two_groups(m.parameters(), lr), lr=lr, weight_decay=0.1, capturable=True)
+    lr = _cuda_lr(capturable)
+    opt = PackedAdamW(two_groups(m.parameters(), lr), lr=lr, weight_decay=0.1, capturable=capturable)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     x = torch.randn(32, 8, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
 
@@ -369,10 +398,10 @@ def _cuda_train_run(compile_mode: str | None, steps: int = 6):
     return m, opt, seen, start
 
 
-def _eager_capturable(start, seen):
+def _eager_run(start, seen, capturable: bool = True):
     params = [torch.nn.Parameter(p.clone()) for p in start]
-    lr = torch.tensor(1e-2, device="cuda")
-    opt = PackedAdamW(two_groups(params, lr), lr=lr, weight_decay=0.1, capturable=True)
+    lr = _cuda_lr(capturable)
+    opt = PackedAdamW(two_groups(params, lr), lr=lr, weight_decay=0.1, capturable=capturable)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for grads in seen:
         feed(params, grads)
@@ -382,29 +411,19 @@ def _eager_capturable(start, seen):
     return params, opt
 
 
+@pytest.mark.parametrize("capturable", [True, False], ids=["capturable", "plain"])
 @pytest.mark.parametrize("compile_mode", [None, "reduce-overhead"])
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_compiled_capturable_training_step_gives_the_eager_bits(compile_mode):
-    """`mode="reduce-overhead"` captures the compiled step (the op included) in CUDA graphs:
-    with capturable=True the replays advance the device step counts and read the lr tensor
-    the scheduler changes."""
-    m, opt, seen, start = _cuda_train_run(compile_mode)
-    params, eager = _eager_capturable(start, seen)
+def test_cuda_compiled_training_step_gives_the_eager_bits(compile_mode, capturable):
+    """`mode="reduce-overhead"` captures the forward and backward partitions in CUDA graphs
+    and runs the step (a cudagraph-unsafe op) between them, capturable or not; the lr follows
+    the scheduler with no recompilation."""
+    with no_recompiles():
+        m, opt, seen, start = _cuda_train_run(compile_mode, capturable=capturable)
+    params, eager = _eager_run(start, seen, capturable)
     assert_same_state(list(m.parameters()), opt, params, eager, f"compiled train step, mode={compile_mode}")
     assert int(opt.state[next(m.parameters())]["step"]) == 6
-
-
-@pytest.mark.cuda
-@needs_cuda
-def test_cuda_reduce_overhead_without_capturable_is_refused():
-    m = mlp(device="cuda")
-    opt = PackedAdamW(m.parameters(), lr=1e-2)
-    step = torch.compile(opt.step, mode="reduce-overhead")
-    with pytest.raises(RuntimeError, match="capturable=True"):
-        for _ in range(4):  # warm-up runs, then the capture
-            feed(m.parameters(), [torch.ones_like(p) for p in m.parameters()])
-            step()
 
 
 @pytest.mark.cuda

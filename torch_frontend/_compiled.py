@@ -34,7 +34,14 @@ def register(optimizer) -> int:
     return token
 
 
-@torch.library.custom_op("packed_adamw::step_", mutates_args=("params",))
+# cudagraph_unsafe: under `mode="reduce-overhead"` Inductor captures the graph partitions around
+# the op, and the op runs between them. A step can allocate (state on the first step, plans when
+# addresses change) and keep what it allocated, which a cudagraph tree's memory pool refuses;
+# capturing the step itself is torch.cuda.graph's job, with capturable=True.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("packed_adamw::step_", mutates_args=("params",), tags=_TAGS)
 def step_(params: list[torch.Tensor], grads: list[torch.Tensor], positions: list[int], optimizer: int) -> None:
     """One PackedAdamW step of the optimizer registered as `optimizer`: `params[i]` (the
     parameter at flat position `positions[i]` of its `param_groups`, or the compiled program's
@@ -61,8 +68,8 @@ def traced_step(opt) -> None:
         _eager_step_nonfinite(opt)
         return
     params, grads, positions, position = [], [], [], 0
-    for group in opt.__dict__["param_groups"]:
-        for p in group["params"]:
+    for group_params in opt.__dict__["_param_lists"]:  # not the group dicts: see _note_param_lists
+        for p in group_params:
             if p.grad is not None:
                 if _dtensor.is_dtensor(p):
                     _eager_step_dtensor(opt)

@@ -147,6 +147,7 @@ class PackedAdamW(Optimizer):
         for option, default in (("track_format", False), ("capturable", False)):
             state.setdefault(option, self.__dict__.get(option, default))
         super().__setstate__(state)
+        self._note_param_lists()
         if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer (load_state_dict keeps it)
             self._compile_token = _compiled.register(self)
         if as_int32:
@@ -166,6 +167,13 @@ class PackedAdamW(Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        self._note_param_lists()
+
+    def _note_param_lists(self) -> None:
+        """The groups' parameter lists, for compiled steps to iterate (`_compiled.traced_step`):
+        dynamo reading the group dicts themselves guards on their hyperparameters (torch 2.11
+        does), so a scheduler changing the lr would recompile the step."""
+        self._param_lists = [group["params"] for group in self.param_groups]
 
     # ---- the step -----------------------------------------------------------------------
     @torch.no_grad()
@@ -214,6 +222,12 @@ class PackedAdamW(Optimizer):
         compiled program's copy of it, `grads[i]` its gradient (which the program assigns to
         `.grad` only when its graph ends). Runs the eager step, so bits, state and plans are
         the eager step's."""
+        lists = self.__dict__.get("_param_lists", [])
+        if len(lists) != len(self.param_groups) or any(a is not g["params"] for a, g in zip(lists, self.param_groups)):
+            self._note_param_lists()  # the next call traces the new lists (or finds them unchanged)
+            raise RuntimeError("PackedAdamW: a param_groups[i]['params'] list was replaced after this step was "
+                               "compiled, so the step was not taken: call the compiled step again (it retraces), "
+                               "and add parameters through add_param_group")
         everything = [p for group in self.param_groups for p in group["params"]]
         if len(params) != len(positions) or len(grads) != len(positions) or \
                 any(not 0 <= i < len(everything) for i in positions):
