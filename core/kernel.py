@@ -141,7 +141,7 @@ def _add_counts(row_ptr, rejected, saturated, flushed, subnormal, COUNT_NONFINIT
 
 @triton.jit
 def step_scalars_kernel(hparams_ptr, counts_ptr, n_rows, scalars_ptr, BLOCK_ROWS: tl.constexpr):
-    """The one place on the device where the step scalars are derived (FORMAT.md)."""
+    """The step scalars of rows of hyperparameters and counts, on the device (FORMAT.md)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     valid = rows < n_rows
     hp = hparams_ptr + rows * HPARAM_ROW
@@ -151,9 +151,45 @@ def step_scalars_kernel(hparams_ptr, counts_ptr, n_rows, scalars_ptr, BLOCK_ROWS
     eps = tl.load(hp + H_EPS, mask=valid, other=1.0)
     weight_decay = tl.load(hp + H_WD, mask=valid, other=0.0)
     count = tl.load(counts_ptr + rows, mask=valid, other=1)
-    out = scalars_ptr + rows * SCALAR_ROW
+    _store_step_scalars(scalars_ptr + rows * SCALAR_ROW, valid, lr, b1, b2, eps, weight_decay, count, 1.0,
+                        BLOCK_ROWS)
+
+
+@triton.jit
+def capturable_step_scalars_kernel(lr_addresses_ptr, hparams_ptr, group_index_ptr, b1_sign_ptr, counts_ptr, n_rows,
+                                   scalars_ptr, BLOCK_ROWS: tl.constexpr):
+    """A capturable step's scalars in one launch (torch `capturable=True`): row i belongs to
+    group `group_index[i]`, whose learning rate is read through that group's address in
+    `lr_addresses` (a float32 on the device, read again at every replay of a captured step).
+    An lr the host would refuse (NaN, negative, above float32's range, or lr * weight decay
+    overflowing) becomes NaN, which rejects every element of the row's tensor and leaves its
+    count; otherwise the count advances, in place. `b1_sign` is -1 for maximizing rows: it
+    negates 1 - b1 exactly (FORMAT.md). The group's other hyperparameters come from its
+    `hparams` row (the lr column is not read)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    valid = rows < n_rows
+    group = tl.load(group_index_ptr + rows, mask=valid, other=0)
+    lr_ptr = tl.load(lr_addresses_ptr + group, mask=valid, other=0).to(tl.pointer_type(tl.float32))
+    lr = tl.load(lr_ptr, mask=valid, other=0.0)
+    hp = hparams_ptr + group * HPARAM_ROW
+    b1 = tl.load(hp + H_B1, mask=valid, other=0.0)
+    b2 = tl.load(hp + H_B2, mask=valid, other=0.0)
+    eps = tl.load(hp + H_EPS, mask=valid, other=1.0)
+    weight_decay = tl.load(hp + H_WD, mask=valid, other=0.0)
+    accepted = (lr >= 0.0) & (lr <= FLOAT32_MAX) & (lr * weight_decay <= FLOAT32_MAX)
+    lr = tl.where(accepted, lr, tl.full([BLOCK_ROWS], float("nan"), tl.float32))
+    count = tl.load(counts_ptr + rows, mask=valid, other=0) + accepted.to(tl.int32)
+    tl.store(counts_ptr + rows, count, mask=valid)
+    sign = tl.load(b1_sign_ptr + rows, mask=valid, other=1.0)
+    _store_step_scalars(scalars_ptr + rows * SCALAR_ROW, valid, lr, b1, b2, eps, weight_decay, count, sign,
+                        BLOCK_ROWS)
+
+
+@triton.jit
+def _store_step_scalars(out, valid, lr, b1, b2, eps, weight_decay, count, one_minus_b1_sign, BLOCK_ROWS: tl.constexpr):
+    """The one place on the device where the step scalars are derived (FORMAT.md)."""
     tl.store(out + S_B1, b1, mask=valid)
-    tl.store(out + S_ONE_MINUS_B1, 1.0 - b1, mask=valid)
+    tl.store(out + S_ONE_MINUS_B1, (1.0 - b1) * one_minus_b1_sign, mask=valid)
     tl.store(out + S_B2, b2, mask=valid)
     tl.store(out + S_ONE_MINUS_B2, 1.0 - b2, mask=valid)
     tl.store(out + S_STEP_SIZE, tl.div_rn(lr, 1.0 - _float32_power(b1, count)), mask=valid)

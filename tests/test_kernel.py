@@ -297,6 +297,48 @@ def test_device_step_scalars_match_numpy(b1, b2, device):
         H.assert_same_bits(got, expected, f"device step scalars, count={count}")
 
 
+def test_capturable_step_scalars_read_and_check_each_groups_lr_and_advance_the_counts(device):
+    """capturable_step_scalars_kernel (torch capturable=True): each row's lr read through its
+    group's address, an lr the host would refuse turned into NaN with the count left, the
+    other rows' counts advanced and their scalars those of numpy_step at the new count;
+    maximizing rows get 1 - b1 negated."""
+    from packed_adamw.core.kernel import capturable_step_scalars_kernel
+
+    lrs = [3e-4, float("nan"), -1e-3, float("inf"), 1e38, 0.0, 1e-2]
+    decays = [0.1, 0.1, 0.1, 0.1, 10.0, 0.0, 0.0]  # 1e38 * 10 overflows float32
+    betas = [(0.9, 0.999), (0.9, 0.95), (0.5, 0.99), (0.9, 0.999), (0.9, 0.999), (0.0, 0.0), (0.95, 0.98)]
+    lr_tensors = [torch.tensor(lr, dtype=torch.float32, device=device) for lr in lrs]
+    hps = [Hyperparams(lr=1.0, b1=b1, b2=b2, eps=1e-8, weight_decay=wd) for (b1, b2), wd in zip(betas, decays)]
+    hparams = torch.tensor([hp.as_float32_list() for hp in hps], dtype=torch.float32, device=device)
+    hparams[:, 0] = float("nan")  # the lr column is not read
+    group_of = [6, 0, 1, 2, 3, 4, 5, 0, 6]
+    counts_before = [0, 1, 5, 7, 2**31 - 2, 3, 0, 99, 12_345]
+    signs = [1.0, -1.0, 1.0, 1.0, -1.0, 1.0, 1.0, 1.0, -1.0]
+    n = len(group_of)
+    counts = torch.tensor(counts_before, dtype=torch.int32, device=device)
+    scalars = torch.empty((n, H.SCALAR_ROW), dtype=torch.float32, device=device)
+    capturable_step_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
+        torch.tensor([t.data_ptr() for t in lr_tensors], dtype=torch.int64, device=device), hparams,
+        torch.tensor(group_of, dtype=torch.int64, device=device), torch.tensor(signs, device=device), counts, n,
+        scalars, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **H._compile_options(num_warps=False))
+    accepted = [0 <= lrs[g] <= 3.4e38 and F32(lrs[g]) * F32(decays[g]) <= 3.4e38 for g in group_of]
+    assert accepted == [True, True, False, False, False, False, True, True, True]
+    expected_counts = [c + a for c, a in zip(counts_before, accepted)]
+    assert counts.cpu().tolist() == expected_counts
+    names = list(step_scalars(1, Hyperparams()).keys())
+    for i, g in enumerate(group_of):
+        hp = Hyperparams(lr=lrs[g] if accepted[i] else 0.0, b1=betas[g][0], b2=betas[g][1], eps=1e-8,
+                         weight_decay=decays[g] if accepted[i] else 0.0)
+        expected = step_scalars(expected_counts[i], hp)
+        expected["one_minus_b1"] = F32(expected["one_minus_b1"] * F32(signs[i]))
+        got = dict(zip(names, scalars[i].cpu().numpy()))
+        if not accepted[i]:  # the refused lr is NaN, and so is every scalar made from it
+            assert np.isnan(got.pop("step_size")) and np.isnan(got.pop("lr_wd")), f"row {i}"
+            expected = {k: v for k, v in expected.items() if k in got}
+        H.assert_same_bits(np.array(list(got.values()), F32), np.array(list(expected.values()), F32),
+                           f"row {i} (group {g})")
+
+
 @pytest.mark.parametrize("b1,b2", BETAS[:4])
 def test_kernel_derives_the_step_scalars_for_many_counts(b1, b2, device):
     """End to end from the int32 count: a small tensor per count makes any difference in the

@@ -197,6 +197,13 @@ class CapturableStepPlan(StepPlan):
         self.group_index = torch.as_tensor(self.group_of, dtype=torch.int64).to(torch_device)
         self.b1_sign = torch.ones(n, dtype=torch.float32, device=torch_device)
         self.hparams = torch.zeros((len(opt.param_groups), H.HPARAM_ROW), dtype=torch.float32, device=torch_device)
+        self.scalars = torch.empty((n, H.SCALAR_ROW), dtype=torch.float32, device=torch_device)
+        # Each group's lr is read on the device through its address: the lr tensor itself when
+        # it is a float32 on the device, else that group's element of `lr_staging`, which the
+        # step fills from it. `lr_tensors` keeps alive the tensors whose addresses are uploaded.
+        self.lr_addresses = torch.zeros(len(opt.param_groups), dtype=torch.int64, device=torch_device)
+        self.lr_staging = torch.zeros(len(opt.param_groups), dtype=torch.float32, device=torch_device)
+        self.lr_tensors = None
         self.constants = None
         self.uploaded = None  # the addresses the eager device table holds
         self.table = torch.empty(self.n_pointers, dtype=torch.int64, device=torch_device)
@@ -209,15 +216,20 @@ class CapturableStepPlan(StepPlan):
         self.spare_tables = [torch.empty_like(self.table) for _ in range(2)]
         self.captured = []  # (pinned host table, device table) of every capture
 
+    def _direct_lr(self, lr: torch.Tensor) -> bool:
+        """Whether the scalar kernel can read this lr tensor where it is."""
+        return lr.dtype == torch.float32 and lr.device == self.torch_device
+
     def step(self, opt, group_rows) -> list[int] | None:
         found = self._gradients(opt)
         if found is None or list(map(id, (state["step"] for state in self.states))) != self.step_ids:
             return None
+        if len(opt.param_groups) != len(self.hparams):
+            return None  # groups were added: a new plan
         grads, grad_pointers, _ = found
         fmt, _, _, track_format = self.options
-        from packed_adamw.core import hyperparams as H
         from packed_adamw.core import launch
-        from packed_adamw.core.kernel import step_scalars_kernel
+        from packed_adamw.core.kernel import capturable_step_scalars_kernel
 
         # b1, b2, eps, weight decay (validated floats) and maximize: constants of a capture
         constants = tuple(row[1:6] for row in group_rows)
@@ -236,19 +248,26 @@ class CapturableStepPlan(StepPlan):
                                  for group in opt.param_groups):
                 raise RuntimeError("PackedAdamW(capturable=True): an lr tensor is not on the parameters' device; a "
                                    "captured step reads it there at every replay: move it there before capturing")
-            # The learning rates, checked on the device: an invalid one refuses its group's step
-            # (a NaN row rejects every element; FORMAT.md), and its tensors' counts stay.
-            lrs = torch.stack([torch.as_tensor(group["lr"], dtype=torch.float32, device=self.torch_device).reshape(())
-                               for group in opt.param_groups])
-            valid = (lrs >= 0) & (lrs <= H.FLOAT32_MAX) & (lrs * self.hparams[:, 4] <= H.FLOAT32_MAX)
-            self.hparams[:, 0] = torch.where(valid, lrs, torch.full_like(lrs, float("nan")))
+            # The learning rates are read and checked on the device, the counts advanced and the
+            # scalars derived by one kernel: an invalid lr refuses its group's step (a NaN row
+            # rejects every element; FORMAT.md), and its tensors' counts stay.
+            lr_tensors = [group["lr"] for group in opt.param_groups]
+            if self.lr_tensors is None or any(a is not b for a, b in zip(lr_tensors, self.lr_tensors)):
+                if capturing:
+                    raise RuntimeError("PackedAdamW(capturable=True): an lr tensor was replaced since the last eager "
+                                       "step; change lr tensors in place, or take one eager step before capturing")
+                self.lr_addresses.copy_(torch.tensor(
+                    [lr.data_ptr() if self._direct_lr(lr) else self.lr_staging[g].data_ptr()
+                     for g, lr in enumerate(lr_tensors)], dtype=torch.int64))
+                self.lr_tensors = lr_tensors
+            for g, lr in enumerate(lr_tensors):
+                if not self._direct_lr(lr):
+                    self.lr_staging[g].copy_(lr.reshape(()))
             n = len(self.counts)
-            self.counts += valid.index_select(0, self.group_index).to(torch.int32)
-            rows = self.hparams.index_select(0, self.group_index)
-            scalars = torch.empty((n, H.SCALAR_ROW), dtype=torch.float32, device=self.torch_device)
-            step_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
-                rows, self.counts, n, scalars, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
-            scalars[:, H.SCALAR_INDEX["one_minus_b1"]] *= self.b1_sign  # maximize: exact negation
+            capturable_step_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
+                self.lr_addresses, self.hparams, self.group_index, self.b1_sign, self.counts, n, self.scalars,
+                BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
+            scalars = self.scalars
             addresses = tuple(self.addresses(grad_pointers).tolist())
             if capturing:
                 host = (self.spare_pinned.pop() if self.spare_pinned
