@@ -175,3 +175,60 @@ def run_cases_child(test_file: str, devices: int) -> dict:
         pytest.fail(f"the {devices}-device child ran no case (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
                     f"{done.stderr[-3000:]}")
     return results
+
+
+class InterpretedJaxTriton:
+    """A stand-in for jax-triton 0.3.1's `triton_call` (monkeypatched into
+    `_triton_launch._jax_triton`), passing the kernel its arguments as that version's lowering
+    does: the array and scalar arguments in order, then one buffer per output, an output
+    aliased to an input (`input_output_aliases`, indices among the array arguments) being that
+    input's buffer and any other output uninitialised (garbage, not zeros). Runs eagerly, in
+    the Triton interpreter, on torch copies of the arrays (float32, uint32, int16 and bf16).
+    `launches` records (kernel, metaparameters) per call."""
+
+    def __init__(self):
+        self.launches = []
+
+    @property
+    def kernels(self) -> list:
+        return [kernel for kernel, _ in self.launches]
+
+    @staticmethod
+    def _tensor(a: np.ndarray):
+        import ml_dtypes
+        import torch
+
+        if a.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy((a.view(np.int32) if a.dtype == np.uint32 else a).copy())
+
+    @staticmethod
+    def _array(t, dtype):
+        import jax.numpy as jnp
+        import ml_dtypes
+        import torch
+
+        if t.dtype == torch.bfloat16:
+            return jnp.asarray(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+        a = t.numpy()
+        return jnp.asarray(a.view(np.uint32) if np.dtype(dtype) == np.uint32 else a)
+
+    def triton_call(self, *args, kernel, out_shape, grid, input_output_aliases=None, num_warps=None,
+                    enable_fp_fusion=True, **metaparams):
+        self.launches.append((kernel, metaparams))
+        arrays = [self._tensor(np.asarray(a)) for a in args if not isinstance(a, (bool, int, float))]
+        aliases = dict(input_output_aliases or {})
+        shapes = list(out_shape) if isinstance(out_shape, (tuple, list)) else [out_shape]
+        outs = []
+        for k, shape in enumerate(shapes):
+            source = [i for i, o in aliases.items() if o == k]
+            if source:
+                assert arrays[source[0]].shape == tuple(shape.shape), (source, shape)
+                outs.append(arrays[source[0]])  # the same buffer, as XLA aliases it
+            else:
+                garbage = np.full(int(np.prod(shape.shape)) * np.dtype(shape.dtype).itemsize, 0x5A, np.uint8)
+                outs.append(self._tensor(garbage.view(np.dtype(shape.dtype)).reshape(shape.shape)))
+        it = iter(arrays)
+        kernel[grid](*[a if isinstance(a, (bool, int, float)) else next(it) for a in args], *outs, **metaparams)
+        results = [self._array(o, s.dtype) for o, s in zip(outs, shapes)]
+        return tuple(results) if isinstance(out_shape, (tuple, list)) else results[0]

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import kernel_harness as H
-from jax_helpers import F32, assert_bits_equal, jax_cuda_unavailable, run_cases_child, spanning_values
+from jax_helpers import (F32, InterpretedJaxTriton, assert_bits_equal, jax_cuda_unavailable, run_cases_child,
+                         spanning_values)
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.formats import MOMENT_SHIFT
 from packed_adamw.core.hyperparams import SCALAR_FIELDS
@@ -332,44 +333,6 @@ def test_refusals_name_what_to_do():
 # ---------------------------------------------------------------------------------------------
 # The CUDA launch code (`_triton_launch.step`), run in the Triton interpreter
 # ---------------------------------------------------------------------------------------------
-class InterpretedJaxTriton:
-    """A stand-in for jax-triton 0.3.1's `triton_call`, passing the kernel its arguments as that
-    version's lowering does: the array and scalar arguments in order, then one buffer per
-    output, an output aliased to an input (`input_output_aliases`, indices among the array
-    arguments) being that input's buffer and any other output uninitialised. Runs eagerly, in
-    the Triton interpreter, on torch copies of the arrays."""
-
-    def __init__(self):
-        self.kernels = []
-
-    @staticmethod
-    def _tensor(x):
-        a = np.array(x)
-        return torch.from_numpy(a.view(np.int32) if a.dtype == np.uint32 else a)
-
-    def triton_call(self, *args, kernel, out_shape, grid, input_output_aliases=None, num_warps=None,
-                    enable_fp_fusion=True, **metaparams):
-        self.kernels.append(kernel)
-        arrays = [self._tensor(a) for a in args if not isinstance(a, (bool, int, float))]
-        aliases = dict(input_output_aliases or {})
-        shapes = list(out_shape) if isinstance(out_shape, (tuple, list)) else [out_shape]
-        outs = []
-        for k, shape in enumerate(shapes):
-            source = [i for i, o in aliases.items() if o == k]
-            if source:
-                outs.append(arrays[source[0]])  # the same buffer, as XLA aliases it
-            else:  # XLA allocates it uninitialised: garbage, not zeros
-                dtype = np.int32 if np.dtype(shape.dtype) == np.uint32 else np.dtype(shape.dtype)
-                garbage = np.full(int(np.prod(shape.shape)) * dtype.itemsize, 0x5A, np.uint8)
-                outs.append(torch.from_numpy(garbage.view(dtype).reshape(shape.shape)))
-        it = iter(arrays)
-        kernel_args = [a if isinstance(a, (bool, int, float)) else next(it) for a in args]
-        kernel[grid](*kernel_args, *outs, **metaparams)
-        results = [jnp.asarray(o.numpy().view(np.uint32) if np.dtype(s.dtype) == np.uint32 else o.numpy())
-                   for o, s in zip(outs, shapes)]
-        return tuple(results) if isinstance(out_shape, (tuple, list)) else results[0]
-
-
 @pytest.mark.skipif(not launch.interpreting(), reason="runs the kernels in the Triton interpreter")
 @pytest.mark.parametrize("mode", COUNTED_MODES)
 @pytest.mark.parametrize("multi_tensor", [True, False], ids=["leaf_groups", "per_leaf"])
@@ -409,7 +372,7 @@ def test_the_cuda_launches_count_as_the_numpy_step_in_the_interpreter(mode, mult
         assert np.asarray(counts[i]).tolist() == expected.tolist(), i
     assert np.asarray(counts[0]).min() > 0, counts[0]
     # Off: no counts, and only the kernels without a counters output.
-    stand_in.kernels.clear()
+    stand_in.launches.clear()
     *_, none = _triton_launch.step(
         [jnp.asarray(p) for p in params], [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words], decay,
         jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt, write_update=write_update,

@@ -32,7 +32,7 @@ import optax
 import pytest
 import torch
 
-from jax_helpers import jax_cuda_unavailable, run_cases_child
+from jax_helpers import InterpretedJaxTriton, jax_cuda_unavailable, run_cases_child
 from packed_adamw.core import StateFormat, formats, launch
 from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
 from packed_adamw.core.portable import PortableState
@@ -625,49 +625,6 @@ def test_states_built_for_other_dtypes_and_updates_without_params_are_refused():
 
 
 # ---------------------------------------------------- the CUDA launch code, interpreted ---
-class Bf16JaxTriton:
-    """A stand-in for jax-triton's `triton_call` that also takes bf16 and int16 arrays: the
-    kernel gets its array and scalar arguments in order, then one buffer per output (an output
-    aliased to an input is that input's buffer, any other is garbage), as jax-triton 0.3.1's
-    lowering passes them. Runs eagerly, in the Triton interpreter, on torch copies."""
-
-    def __init__(self):
-        self.kernels = []
-
-    @staticmethod
-    def _tensor(a: np.ndarray) -> torch.Tensor:
-        if a.dtype == ml_dtypes.bfloat16:
-            return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-        return torch.from_numpy((a.view(np.int32) if a.dtype == np.uint32 else a).copy())
-
-    @staticmethod
-    def _array(t: torch.Tensor, dtype) -> jax.Array:
-        if t.dtype == torch.bfloat16:
-            return jnp.asarray(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
-        a = t.numpy()
-        return jnp.asarray(a.view(np.uint32) if np.dtype(dtype) == np.uint32 else a)
-
-    def triton_call(self, *args, kernel, out_shape, grid, input_output_aliases=None, num_warps=None,
-                    enable_fp_fusion=True, **metaparams):
-        self.kernels.append((kernel, metaparams.get("GRAD_BF16")))
-        arrays = [self._tensor(np.asarray(a)) for a in args if not isinstance(a, (bool, int, float))]
-        aliases = dict(input_output_aliases or {})
-        shapes = list(out_shape) if isinstance(out_shape, (tuple, list)) else [out_shape]
-        outs = []
-        for k, shape in enumerate(shapes):
-            source = [i for i, o in aliases.items() if o == k]
-            if source:
-                assert arrays[source[0]].shape == tuple(shape.shape), (source, shape)
-                outs.append(arrays[source[0]])
-            else:
-                garbage = np.full(int(np.prod(shape.shape)) * np.dtype(shape.dtype).itemsize, 0x5A, np.uint8)
-                outs.append(self._tensor(garbage.view(np.dtype(shape.dtype)).reshape(shape.shape)))
-        it = iter(arrays)
-        kernel[grid](*[a if isinstance(a, (bool, int, float)) else next(it) for a in args], *outs, **metaparams)
-        results = [self._array(o, s.dtype) for o, s in zip(outs, shapes)]
-        return tuple(results) if isinstance(out_shape, (tuple, list)) else results[0]
-
-
 @pytest.mark.skipif(not launch.interpreting(), reason="runs the kernels in the Triton interpreter")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("multi_tensor", [True, False], ids=["leaf_groups", "per_leaf"])
@@ -697,7 +654,7 @@ def test_the_cuda_launches_of_mixed_kinds_equal_the_numpy_step_in_the_interprete
     decay = [i % 3 != 1 for i in range(len(leaves))]
     rows = [[1e-2, 0.9, 0.95, 1e-8, 0.1], [1e-2, 0.9, 0.95, 1e-8, 0.0]]
     count = 3
-    stand_in = Bf16JaxTriton()
+    stand_in = InterpretedJaxTriton()
     monkeypatch.setattr(_triton_launch, "_jax_triton", lambda: stand_in)
     outs, new_states, counts, new_lows = _triton_launch.step(
         params, [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words], decay,
@@ -705,9 +662,9 @@ def test_the_cuda_launches_of_mixed_kinds_equal_the_numpy_step_in_the_interprete
         multi_tensor=multi_tensor, alias_grads=write_update, track_format=track, lows=lows)
     from packed_adamw.core.kernel import step_scalars_kernel
 
-    updates = [k for k, _ in stand_in.kernels if k is not step_scalars_kernel]
+    updates = [k for k in stand_in.kernels if k is not step_scalars_kernel]
     split_kernels = {_leaf_group.leaf_group_kernel(n, counting=track, split=True) for n in range(1, 4)}
-    split_groups = [grad_bf16 for k, grad_bf16 in stand_in.kernels if k in split_kernels]
+    split_groups = [m.get("GRAD_BF16") for k, m in stand_in.launches if k in split_kernels]
     if multi_tensor:
         assert sorted(split_groups) == [False, True], stand_in.kernels  # one launch per split kind
     assert len(updates) == (3 if multi_tensor else len(leaves) - 1), stand_in.kernels
