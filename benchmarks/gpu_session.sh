@@ -33,6 +33,7 @@ fi
 if [[ " $STEPS " == *" profile "* ]]; then  # not by default: where a host-bound step's time goes
   python3 benchmarks/bench_step.py --profile-host > "$OUT/host_profile.txt" 2>&1; head -60 "$OUT/host_profile.txt"
 fi
-if [[ " $STEPS " == *" study "* ]]; then
-  python3 benchmarks/learning_study.py --out-doc "$OUT/LEARNING_STUDY.md" 2>&1 | grep -v Warning | tail -30
+if [[ " $STEPS " == *" study "* ]]; then  # SEEDS="0 1 2" for several seeds (about 25 s a run on an H200)
+  [[ -f runs/data/study/train.tape ]] || python3 -m packed_adamw.tokenizer.tape build --out runs/data/study --passes 3
+  python3 benchmarks/learning_study.py --seeds ${SEEDS:-0} --out-doc "$OUT/LEARNING_STUDY.md" 2>&1 | grep -v Warning | tail -30
 fi

@@ -244,7 +244,7 @@ def write_report(results: dict, doc: Path, plot: Path, command: str) -> None:
 def main(argv=None):
     by_directory = {directory: name for name, (directory, _) in RUNS.items()}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default="runs/data/study", help="tapes built with 3 passes over the corpus")
+    parser.add_argument("--data", default="runs/data/study", help="tapes of 3 passes over the embedded corpus: python -m packed_adamw.tokenizer.tape build --out runs/data/study --passes 3")
     parser.add_argument("--runs", default="runs/study")
     parser.add_argument("--steps", type=int, default=480)
     parser.add_argument("--out-doc", default="docs/results/LEARNING_STUDY.md")
