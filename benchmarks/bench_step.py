@@ -217,6 +217,8 @@ def main(argv=None):
     parser.add_argument("--json", help="write raw numbers here")
     parser.add_argument("--skip-jax", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="only time block sizes and warps on one tensor")
+    parser.add_argument("--sweep-multi", action="store_true",
+                        help="only time the multi-tensor launch's block sizes and warps on captured steps of the lists")
     parser.add_argument("--interleave", type=int, metavar="ROUNDS",
                         help="only alternate fused AdamW and PackedAdamW on the reference GPT list, ROUNDS times")
     parser.add_argument("--profile-host", action="store_true",
@@ -224,6 +226,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.sweep:
         return sweep()
+    if args.sweep_multi:
+        return sweep_multi()
     if args.profile_host:
         return profile_host()
     if args.interleave:
@@ -340,6 +344,29 @@ def sweep():
                      for _ in range(2)]
             print(f"BLOCK {block} warps {warps} {mode}: " + ", ".join(f"{ms:.3f} ms" for ms in times)
                   + f"; {fused / min(times):.2f}x fused AdamW", flush=True)
+
+
+def sweep_multi():
+    """Captured steps (no host time) of each list at several multi-tensor programs, as a
+    markdown table: two passes over the configurations, against fused AdamW captured once."""
+    from packed_adamw.core import launch
+
+    lr = lambda: torch.tensor(1e-3, device="cuda")  # noqa: E731
+    configs = ((512, 2), (256, 1), (256, 2), (128, 1), (512, 4))
+    print("| list | BLOCK | warps | ms (pass 1, pass 2) | / captured fused AdamW (best pass) |")
+    print("|---|---|---|---|---|")
+    default = (launch.MULTI_TENSOR_BLOCK, launch.MULTI_TENSOR_NUM_WARPS)
+    for name, shapes in SHAPE_LISTS.items():
+        fused = captured_step_ms(shapes, lambda p: torch.optim.AdamW(p, lr=lr(), fused=True, capturable=True))
+        times = {config: [] for config in configs}
+        for _ in range(2):
+            for config in configs:
+                launch.MULTI_TENSOR_BLOCK, launch.MULTI_TENSOR_NUM_WARPS = config
+                times[config].append(captured_step_ms(shapes, lambda p: PackedAdamW(p, lr=lr(), capturable=True)))
+        launch.MULTI_TENSOR_BLOCK, launch.MULTI_TENSOR_NUM_WARPS = default
+        print(f"| {name} | fused AdamW | - | {fused:.4f} | 1.000 |")
+        for (block, warps), ms in times.items():
+            print(f"| {name} | {block} | {warps} | {ms[0]:.4f}, {ms[1]:.4f} | {min(ms) / fused:.3f} |", flush=True)
 
 
 def render(raw) -> str:

@@ -15,6 +15,12 @@ from .formats import MODE_IDS, StateFormat
 # (docs/results/BENCHMARKS.md).
 GPU_BLOCK = 512
 GPU_NUM_WARPS = 2
+# The multi-tensor launch: 256 elements and 2 warps a program, one vector of 16 bytes per thread
+# and buffer: captured steps of the reference GPT, GPT-2 and 1.3B lists took 0.550x / 0.629x /
+# 0.618x fused AdamW's against 0.580x / 0.642x / 0.619x at GPU_BLOCK (H200 sweep,
+# docs/results/SWEEP.md): smaller programs finish the short lists' tails sooner.
+MULTI_TENSOR_BLOCK = 256
+MULTI_TENSOR_NUM_WARPS = 2
 # Tensors this large get a launch of their own instead of a share of the multi-tensor launch:
 # its table lookups cost about 8% on a 268M-element tensor (docs/results/BENCHMARKS.md), while the GPU
 # time of one such tensor (over 80 us on an H200) hides the extra launch's host cost.

@@ -110,7 +110,7 @@ class LaunchTables(NamedTuple):
 
 
 def launch_tables(numels: tuple[int, ...], rows: tuple[int, ...], device: torch.device) -> LaunchTables:
-    return _launch_tables(numels, rows, device, launch.GPU_BLOCK, launch.SOLO_ELEMENTS)
+    return _launch_tables(numels, rows, device, launch.MULTI_TENSOR_BLOCK, launch.SOLO_ELEMENTS)
 
 
 @functools.lru_cache(maxsize=16)
@@ -139,7 +139,7 @@ def step_layout(kinds: tuple[LaunchKind, ...], numels: tuple[int, ...], rows: tu
     """The table layout of a step: one segment per launch kind present, in LaunchKind order,
     each with its tensors' addresses as `kind.sections` consecutive sections of
     len(indices) entries (parameters, gradients, states, low halves)."""
-    return _step_layout(kinds, numels, rows, device, launch.GPU_BLOCK, launch.SOLO_ELEMENTS)
+    return _step_layout(kinds, numels, rows, device, launch.MULTI_TENSOR_BLOCK, launch.SOLO_ELEMENTS)
 
 
 @functools.lru_cache(maxsize=16)
@@ -287,10 +287,10 @@ def _launch_segment(table, segment: Segment, scalars, counters, fmt: StateFormat
     if fast is not None:
         fast(grid, args)
     else:
-        constants = {**_constants(fmt, None, count_nonfinite, launch.GPU_BLOCK, track_format, kind.split),
+        constants = {**_constants(fmt, None, count_nonfinite, launch.MULTI_TENSOR_BLOCK, track_format, kind.split),
                      "ALIGNED": aligned, "GRAD_BF16": kind.grad_bf16}
         compiled = adamw_multi_tensor_kernel[grid](
-            *args, num_warps=launch.GPU_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS)
+            *args, num_warps=launch.MULTI_TENSOR_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS)
         if relaunch is not None:
             fast = _Relaunch.of(adamw_multi_tensor_kernel, compiled, len(args), constants)
             if fast is not None:
