@@ -179,6 +179,7 @@ def kept_lines(results: dict) -> list[str]:
 
 def write_report(results: dict, doc: Path, plot: Path, command: str) -> None:
     """`results`: {row name: {seed: run}} as run_all and earlier_runs return them, in table order."""
+    write_results(results, doc)
     plot_curves(results, plot)
     mean = {name: statistics.fmean(final(seeds, "val_bpb")) for name, seeds in results.items()}
     reference = mean.get(REFERENCE)
@@ -233,6 +234,12 @@ def write_report(results: dict, doc: Path, plot: Path, command: str) -> None:
             lines.append("```")
             lines.append("")
     doc.write_text("\n".join(lines) + "\n")
+
+
+def write_results(results: dict, doc: Path) -> None:
+    """The JSON next to the page: written before the page and the plot, so that the runs are
+    kept (and `--merge` finds them) even if a report step fails."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
     (doc.with_suffix(".json")).write_text(json.dumps(
         {name: {"seeds": {str(seed): {"summary": r["summary"], "val_curve": [e for e in r["log"] if "val_bpb" in e],
                                       "moment_stats": r["moment_stats"], "session": r.get("session")}

@@ -144,3 +144,58 @@ def test_capturable_state_dict_round_trips_into_a_plain_optimizer():
     loaded.load_state_dict(sd)
     assert all(type(loaded.state[p]["step"]) is int for p in fresh.parameters())
     assert_same(list(fresh.parameters()), loaded, list(n.parameters()), plain, "loaded capturable state")
+
+
+def test_lr_tensors_of_other_dtypes_devices_and_shapes_and_replaced_lrs_step_like_float_lrs():
+    """The scalar kernel reads a float32 CUDA lr where it is and copies any other lr tensor
+    (float64, bf16, on the CPU, shape (1,)) into a float32 slot first: each gives the bits of a
+    plain optimizer at that lr rounded to float32. An lr tensor replaced between eager steps, or
+    whose data moved (`lr.data = ...`), is followed."""
+    values = [1e-2, 3e-3, 7e-4, 2e-2]
+    for make in (lambda v: torch.tensor(v, dtype=torch.float64, device="cuda"),
+                 lambda v: torch.tensor(v, dtype=torch.bfloat16, device="cuda"),
+                 lambda v: torch.tensor(v),
+                 lambda v: torch.tensor([v], device="cuda")):
+        a, b = model(), model()
+        lr = make(values[0])
+        plain = PackedAdamW(groups(a, float(lr.float())), lr=float(lr.float()), weight_decay=0.1)
+        cap = PackedAdamW(groups(b, lr), lr=lr, weight_decay=0.1, capturable=True)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        for step, value in enumerate(values):
+            new = make(value)
+            if step == 1:  # a new tensor in every group
+                for group in cap.param_groups:
+                    group["lr"] = new
+            elif step == 2:  # the same object, its data moved
+                for group in cap.param_groups:
+                    group["lr"].data = new
+            else:
+                for group in cap.param_groups:
+                    group["lr"].copy_(new)
+            for group in plain.param_groups:
+                group["lr"] = float(new.float())
+            for p, q in zip(a.parameters(), b.parameters()):
+                g = torch.randn(p.shape, device="cuda", generator=gen)
+                p.grad, q.grad = g.clone(), g.clone()
+            plain.step()
+            cap.step()
+        assert_same(list(a.parameters()), plain, list(b.parameters()), cap, f"lr {lr.dtype} on {lr.device}")
+
+
+def test_a_capture_right_after_an_lr_tensor_was_replaced_is_refused():
+    m = model()
+    lr = torch.tensor(1e-2, device="cuda")
+    opt = PackedAdamW(groups(m, lr), lr=lr, weight_decay=0.1, capturable=True)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    for group in opt.param_groups:
+        group["lr"] = torch.tensor(5e-3, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="lr tensor was replaced"):
+        with torch.cuda.graph(graph):
+            opt.step()

@@ -173,7 +173,8 @@ class StepPlan:
 class CapturableStepPlan(StepPlan):
     """The plan of `PackedAdamW(capturable=True)` on CUDA: the step count of every tensor
     (`state["step"]`, an int32 tensor) and each group's learning rate (a tensor) stay on the
-    device, and the step scalars are derived there by core's `step_scalars_kernel`, from the
+    device, and the step scalars are derived there by core's `capturable_step_scalars_kernel`
+    (which also reads and checks each group's lr tensor and advances the counts), from the
     same recipe as the host's. A step then makes no host synchronisation and no host-to-device
     copy of a changing value, so `torch.cuda.graph` can capture it and replays follow the lr
     tensor. The eager table of buffer addresses is uploaded again only when an address
@@ -203,7 +204,7 @@ class CapturableStepPlan(StepPlan):
         # step fills from it. `lr_tensors` keeps alive the tensors whose addresses are uploaded.
         self.lr_addresses = torch.zeros(len(opt.param_groups), dtype=torch.int64, device=torch_device)
         self.lr_staging = torch.zeros(len(opt.param_groups), dtype=torch.float32, device=torch_device)
-        self.lr_tensors = None
+        self.lr_tensors = self.lr_key = None
         self.constants = None
         self.uploaded = None  # the addresses the eager device table holds
         self.table = torch.empty(self.n_pointers, dtype=torch.int64, device=torch_device)
@@ -252,14 +253,16 @@ class CapturableStepPlan(StepPlan):
             # scalars derived by one kernel: an invalid lr refuses its group's step (a NaN row
             # rejects every element; FORMAT.md), and its tensors' counts stay.
             lr_tensors = [group["lr"] for group in opt.param_groups]
-            if self.lr_tensors is None or any(a is not b for a, b in zip(lr_tensors, self.lr_tensors)):
+            # The tensors and where their data lives: `lr.data = ...` keeps the object but moves it.
+            lr_key = tuple((id(lr), lr.data_ptr(), lr.dtype, lr.device) for lr in lr_tensors)
+            if lr_key != self.lr_key:
                 if capturing:
                     raise RuntimeError("PackedAdamW(capturable=True): an lr tensor was replaced since the last eager "
                                        "step; change lr tensors in place, or take one eager step before capturing")
                 self.lr_addresses.copy_(torch.tensor(
                     [lr.data_ptr() if self._direct_lr(lr) else self.lr_staging[g].data_ptr()
                      for g, lr in enumerate(lr_tensors)], dtype=torch.int64))
-                self.lr_tensors = lr_tensors
+                self.lr_tensors, self.lr_key = lr_tensors, lr_key
             for g, lr in enumerate(lr_tensors):
                 if not self._direct_lr(lr):
                     self.lr_staging[g].copy_(lr.reshape(()))
