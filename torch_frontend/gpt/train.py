@@ -5,6 +5,7 @@
         --data runs/data/shakespeare --max-steps 5000 --batch-size 64
     python -m packed_adamw.torch.gpt.train ... --resume auto     # continue from <out>/checkpoint.safetensors
     python -m packed_adamw.torch.gpt.train ... --param-dtype bf16   # bf16 weights, PackedAdamW's split FP32 masters
+    python -m packed_adamw.torch.gpt.train ... --optimizer torchao-adamw8bit --autocast bf16 --no-checkpoints
     python -m packed_adamw.torch.gpt.train --synthetic           # one update on random tokens (smoke test)
     torchrun --nproc_per_node=2 -m packed_adamw.torch.gpt.train --parallel fsdp ...   # or --parallel ddp
 
@@ -49,11 +50,45 @@ from .checkpoint import (
 )
 from .model import GPT, PRESETS, GPTConfig
 
-OPTIMIZERS = ("packed-adamw", "torch-adamw")
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """A low-memory AdamW of another package, for the comparison table (benchmarks/peers.py).
+
+    None of them is a dependency of packed_adamw: each is imported when chosen. `checkpoints`:
+    whether its state fits the trainer's safetensors checkpoints (plain tensors and JSON
+    scalars); torchao keeps its moments as tensor subclasses, which safetensors cannot hold,
+    so its runs need --no-checkpoints (a run then restarts from step 0 rather than resuming).
+    """
+
+    module: str
+    class_name: str
+    pip: str  # what to run when the import fails
+    options: tuple = ()  # (name, value) pairs for the constructor beyond lr, betas, eps, weight_decay
+    checkpoints: bool = True
+
+
+PEERS = {
+    # bitsandbytes: blockwise 8-bit moments for tensors of >= 4096 elements (its min_8bit_size), FP32 below
+    "bnb-adamw8bit": Peer("bitsandbytes.optim", "AdamW8bit", "pip install bitsandbytes==0.50.2"),
+    # torchao: blockwise quantized moments (tensor subclasses) for tensors of >= 4096 elements, FP32 below
+    "torchao-adamw8bit": Peer("torchao.optim", "AdamW8bit", "pip install torchao==0.18.0", checkpoints=False),
+    "torchao-adamw4bit": Peer("torchao.optim", "AdamW4bit", "pip install torchao==0.18.0", checkpoints=False),
+    "torchao-adamwfp8": Peer("torchao.optim", "AdamWFp8", "pip install torchao==0.18.0", checkpoints=False),
+    # FlashOptim: 8-bit moments; on bf16 parameters 24-bit masters (bf16 weight + int8 correction).
+    # decouple_lr=False is torch AdamW's weight decay (param *= 1 - lr * weight_decay).
+    "flashoptim-adamw": Peer("flashoptim", "FlashAdamW", "pip install flashoptim==0.1.4",
+                             options=(("decouple_lr", False),)),
+}
+# torch-adamw-fused: torch.optim.AdamW(fused=True) on CUDA (the foreach implementation on the CPU)
+OPTIMIZERS = ("packed-adamw", "torch-adamw", "torch-adamw-fused", *PEERS)
 # --param-dtype: what the model's parameters are. bf16 trains bf16 live weights (forward and
 # backward in bf16, no autocast); PackedAdamW then keeps each one's exact FP32 master as the
 # weight plus an int16 low half in its state (FORMAT.md, "Split masters").
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# --autocast: the forward and loss under torch.autocast in this dtype, with FP32 parameters
+AUTOCAST = {"none": None, "bf16": torch.bfloat16}
 PARALLEL = ("none", "ddp", "fsdp")
 STOP_SIGNALS = (None, "SIGINT", "SIGTERM")  # agreed between ranks as an index (the largest wins)
 
@@ -69,6 +104,7 @@ class TrainConfig:
     optimizer: str = "packed-adamw"  # or "torch-adamw", the torch.optim.AdamW baseline
     mode: str = "packed"  # PackedAdamW mode: packed | fp16 | fp32
     param_dtype: str = "fp32"  # or "bf16": bf16 live weights (with packed-adamw: split FP32 masters)
+    autocast: str = "none"  # or "bf16": forward and loss under bf16 autocast, FP32 parameters
     m_bias: int = 15
     rms_bias: int = 15
     batch_size: int = 16
@@ -90,6 +126,7 @@ class TrainConfig:
     device: str = "auto"
     resume: str = ""  # "", "auto" (resume if out/checkpoint exists), a checkpoint path or a run directory
     checkpoint_every: int = 100
+    checkpoints: bool = True  # --no-checkpoints: write none (needed by optimizers whose state they cannot hold)
     stop_at_step: int = 0  # >0: write a checkpoint and stop at this step (the schedule keeps max_steps)
     eval_every: int = 100
     eval_batches: int = 8  # validation batches per evaluation; 0 = the whole validation tape
@@ -107,15 +144,19 @@ class TrainConfig:
         """The settings that decide the bits of the result, with the model preset spelled out."""
         fields = ("optimizer", "mode", "param_dtype", "m_bias", "rms_bias", "batch_size", "max_steps", "lr",
                   "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed", "parallel")
+        # Recorded only when on, so checkpoints made before --autocast existed stay resumable.
+        autocast = {"autocast": self.autocast} if self.autocast != "none" else {}
         # The number of ranks decides which windows each rank reads and the global batch.
         return {"model": dataclasses.asdict(GPTConfig.preset(self.config)),
-                **{name: getattr(self, name) for name in fields}, "world_size": launched_world_size()}
+                **{name: getattr(self, name) for name in fields}, **autocast, "world_size": launched_world_size()}
 
     @property
     def out_dir(self) -> Path:
         name = self.mode if self.optimizer == "packed-adamw" else self.optimizer
         if self.param_dtype != "fp32":
             name += f"-{self.param_dtype}"
+        if self.autocast != "none":
+            name += f"-autocast-{self.autocast}"
         if self.parallel != "none":
             name += f"-{self.parallel}{launched_world_size()}"
         return Path(self.out or f"runs/{self.config}-{name}")
@@ -350,8 +391,82 @@ def make_optimizer(model: GPT, config: TrainConfig) -> torch.optim.Optimizer:
     common = dict(lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
     if config.optimizer == "torch-adamw":
         return torch.optim.AdamW(groups, **common)
+    if config.optimizer == "torch-adamw-fused":
+        fused = all(p.device.type == "cuda" for _, p in named)
+        return torch.optim.AdamW(groups, **common, fused=fused)
+    if config.optimizer in PEERS:
+        # The same groups without the names, which not every peer takes
+        plain = [{**group, "params": [p for _, p in group["params"]]} for group in groups]
+        return peer_class(config.optimizer)(plain, **common, **dict(PEERS[config.optimizer].options))
     return PackedAdamW(groups, **common, mode=config.mode, m_bias=config.m_bias, rms_bias=config.rms_bias,
                        track_format=config.track_format)
+
+
+def peer_class(name: str) -> type:
+    """The optimizer class of peer `name`, imported now (ConfigError naming the pip command if absent)."""
+    import importlib
+    peer = PEERS[name]
+    try:
+        module = importlib.import_module(peer.module)
+    except ImportError as error:
+        raise ConfigError(f"--optimizer {name} needs the {peer.module.split('.')[0]} package, which is not "
+                          f"installed ({error}): {peer.pip}") from None
+    return getattr(module, peer.class_name)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):  # torchao's compiled step reads lr from a tensor it owns
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def autocast_context(config: TrainConfig, device: torch.device):
+    """--autocast bf16: torch.autocast around the forward and loss; otherwise nothing."""
+    dtype = AUTOCAST[config.autocast]
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in `optimizer.state`, each storage counted once.
+
+    Measured from the state itself, so it works on the CPU as on CUDA: a tensor subclass
+    (torchao's quantized moments, a DTensor) counts the inner tensors of its
+    `__tensor_flatten__`, recursively; any other holder of tensors (FlashOptim keeps its
+    moments in a plain Python object) counts the tensors among its attributes. Scalars such
+    as a step count held as a Python int count nothing.
+    """
+    storages, objects = set(), set()
+    total = 0
+
+    def visit(value) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "__tensor_flatten__"):
+                names, _ = value.__tensor_flatten__()
+                for name in names:
+                    visit(getattr(value, name))
+                return
+            storage = value.untyped_storage()
+            key = (value.device, storage.data_ptr(), storage.nbytes())
+            if key not in storages:
+                storages.add(key)
+                total += storage.nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+        elif hasattr(value, "__dict__") and id(value) not in objects:
+            objects.add(id(value))
+            for item in vars(value).values():
+                visit(item)
+
+    for state in optimizer.state.values():
+        visit(state)
+    return total
 
 
 def open_tapes(config: TrainConfig, ranks: "Ranks | None" = None) -> tuple[TapeReader, TapeReader]:
@@ -594,6 +709,13 @@ def check_config(config: TrainConfig) -> None:
     if config.param_dtype not in PARAM_DTYPES:
         raise ConfigError(f"--param-dtype {config.param_dtype}: choose one of {', '.join(PARAM_DTYPES)} "
                           "(bf16: bf16 weights, with PackedAdamW keeping exact FP32 masters)")
+    if config.autocast not in AUTOCAST:
+        raise ConfigError(f"--autocast {config.autocast}: choose one of {', '.join(AUTOCAST)}")
+    if config.autocast != "none" and config.param_dtype != "fp32":
+        raise ConfigError(f"--autocast {config.autocast} runs the forward of FP32 parameters in {config.autocast}; "
+                          f"--param-dtype {config.param_dtype} parameters already run in {config.param_dtype}: "
+                          "leave out one of the two")
+    check_peer(config)
     lr_ok, betas_ok, eps_ok = 1e-3, (0.9, 0.95), 1e-8  # values the rules accept
     for option, value in (("--lr", config.lr), ("--min-lr", config.min_lr)):
         _check(option, value, lambda v=value: validate_hyperparams(v, betas_ok, eps_ok, 0.0))
@@ -618,6 +740,9 @@ def check_config(config: TrainConfig) -> None:
     for name, minimum in minimums.items():
         if getattr(config, name) < minimum:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be at least {minimum}")
+    if not config.checkpoints and config.stop_at_step:
+        raise ConfigError(f"--stop-at-step {config.stop_at_step} stops to continue from its checkpoint, and "
+                          "--no-checkpoints writes none: leave out one of the two")
     if not 0 <= config.seed < 2**64:
         raise ConfigError(f"--seed {config.seed}: must be in [0, 2**64)")
     if config.device != "auto":
@@ -640,6 +765,19 @@ def check_config(config: TrainConfig) -> None:
                           "--mode fp32 stores float32 moments: use --mode packed or fp16, or --log-moment-stats "
                           "for what fp32 moments would do in the packed formats")
     check_parallel(config)
+
+
+def check_peer(config: TrainConfig) -> None:
+    """A peer optimizer (PEERS): its package importable, its state storable or checkpoints off."""
+    if config.optimizer not in PEERS:
+        return
+    peer_class(config.optimizer)  # ConfigError with the pip command when the package is missing
+    if config.checkpoints and not PEERS[config.optimizer].checkpoints:
+        raise ConfigError(f"--optimizer {config.optimizer} keeps its state in tensor subclasses, which the "
+                          "trainer's safetensors checkpoints cannot hold: pass --no-checkpoints (the run "
+                          "cannot then resume, and restarts from step 0)")
+    if config.parallel != "none":
+        raise ConfigError(f"--optimizer {config.optimizer} runs in one process here: leave out --parallel")
 
 
 def check_parallel(config: TrainConfig) -> None:
@@ -744,6 +882,8 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     checkpoint_path, log_path = out / config.checkpoint_name, out / "log.jsonl"
     train_tape, val_tape = open_tapes(config, ranks)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the summary's peak_memory_bytes covers this session
 
     core, initial = build_model(config, device)  # the same weights on every rank
     # DDP wraps the GPT; fully_shard turns its parameters into DTensors in place (model is core)
@@ -780,6 +920,8 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
         return json.loads(summary_path.read_text())
 
     def save(reason: str) -> None:
+        if not config.checkpoints:
+            return
         common = dict(model=core, optimizer=optimizer, tape=train_tape, config=trajectory,
                       trainer={"step": step, "reason": reason})
         if ranks.parallel == "fsdp":
@@ -801,6 +943,7 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
     format_kinds = sorted({parameter_kind(name) for name, _ in core.named_parameters()})
     format_from = step + 1  # the first step the next format record covers
     recent_losses = collections.deque(maxlen=50)
+    lowest_loss, loss_events = math.inf, []  # see LOSS_SPIKE
     fwd_bwd_times, optimizer_times, step_times = [], [], []
     val_bpb = None
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -808,7 +951,8 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
     log_file = log_path.open("a") if ranks.main else contextlib.nullcontext()
 
     def evaluate() -> float | None:
-        bpb = validation_bpb(core, val_tape, config.batch_size, config.eval_batches, device)
+        with autocast_context(config, device):  # the model as it trains
+            bpb = validation_bpb(core, val_tape, config.batch_size, config.eval_batches, device)
         if ranks.parallel == "fsdp":
             # FSDP2's root keeps its parameters gathered after a forward (until the next
             # backward) and registers those: put the shards back before the statistics,
@@ -843,7 +987,8 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
             if signal_name:
                 reason = signal_name
                 if ranks.main:
-                    print(f"\n{reason} received: writing a checkpoint and stopping", file=sys.stderr)
+                    print(f"\n{reason} received: {'writing a checkpoint and ' if config.checkpoints else ''}"
+                          "stopping", file=sys.stderr)
                 break
             try:
                 x, y = train_tape.next_batch(config.batch_size, context)
@@ -853,9 +998,9 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
                 break
 
             start = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, config)
-            _, loss = model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+            set_learning_rate(optimizer, learning_rate(step, config))
+            with autocast_context(config, device):
+                _, loss = model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP all-reduces, FSDP2 reduce-scatters the gradients: the mean over ranks
             grad_norm = gradient_norm_(model.parameters(), config.grad_clip, config.param_dtype)
@@ -867,13 +1012,18 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
             step += 1
 
             recent_losses.append(loss.item())  # this rank's loss (its windows)
+            event = loss_event(step, recent_losses[-1], float(full(grad_norm)), lowest_loss, config)
+            if event:
+                loss_events.append(event)
+            if math.isfinite(recent_losses[-1]):
+                lowest_loss = min(lowest_loss, recent_losses[-1])
             fwd_bwd_times.append(after_backward - start)
             optimizer_times.append(end - after_backward)
             step_times.append(end - start)
             record = None
             log_step = step % config.log_every == 0 or step == 1
             if log_step:
-                record = {"step": step, "loss": recent_losses[-1], "lr": optimizer.param_groups[0]["lr"],
+                record = {"step": step, "loss": recent_losses[-1], "lr": float(optimizer.param_groups[0]["lr"]),
                           "grad_norm": float(full(grad_norm)), "tokens_per_s": tokens_per_step / (end - start),
                           "fwd_bwd_ms": 1e3 * fwd_bwd_times[-1], "optimizer_ms": 1e3 * optimizer_times[-1]}
             if config.eval_every and step % config.eval_every == 0:
@@ -912,11 +1062,17 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
         "tokens_per_s": tokens_per_step * len(step_times) / sum(step_times) if step_times else None,
         "median_fwd_bwd_ms": median_ms(fwd_bwd_times),
         "median_optimizer_ms": median_ms(optimizer_times),
-        "log": str(log_path), "plot": str(out / "loss.png"), "checkpoint": str(checkpoint_path),
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),  # this rank's (an FSDP2 shard's)
+        # this session's steps only (the lowest loss is not checkpointed); the first LOSS_EVENTS_KEPT
+        "loss_events": loss_events[:LOSS_EVENTS_KEPT], "loss_event_count": len(loss_events),
+        "log": str(log_path), "plot": str(out / "loss.png"),
+        "checkpoint": str(checkpoint_path) if config.checkpoints else None,
         "config": dataclasses.asdict(config),
     }
     if config.track_format:
         summary["format_plot"] = str(out / "format.png")
+    if device.type == "cuda":
+        summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     if ranks.distributed:
         summary["world_size"] = ranks.world_size
     if ranks.main:
@@ -926,6 +1082,21 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     ranks.barrier()  # the summary is in place before any rank returns
     return summary
+
+
+LOSS_SPIKE = 1.5  # a training loss above 1.5 x the lowest one so far, after warmup, is a spike
+LOSS_EVENTS_KEPT = 100
+
+
+def loss_event(step: int, loss: float, grad_norm: float, lowest_loss: float, config: TrainConfig) -> dict | None:
+    """A record for the summary's loss_events when step `step` went wrong: a non-finite loss or
+    gradient norm (any step), or after warmup a loss above LOSS_SPIKE x the lowest of the steps
+    before it in this session (the schedule's warmup steps are left out: the loss falls fast there)."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return {"step": step, "event": "non-finite", "loss": loss, "grad_norm": grad_norm}
+    if step > config.warmup_steps and loss > LOSS_SPIKE * lowest_loss:
+        return {"step": step, "event": "spike", "loss": loss, "lowest_loss": lowest_loss}
+    return None
 
 
 def ddp_rebuild_buckets(model, batch_size: int, context: int, device: torch.device) -> None:
@@ -982,6 +1153,14 @@ def grad_clip_value(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor `none`") from None
 
 
+FLAG_HELP = {
+    "optimizer": f"one of {', '.join(OPTIMIZERS)} (the peers are imported when chosen); ",
+    "autocast": "bf16: forward and loss under torch.autocast(bfloat16) with FP32 parameters; ",
+    "checkpoints": "write checkpoints (default); --no-checkpoints writes none, for optimizers whose state they "
+                   "cannot hold (torchao's): the run cannot resume",
+}
+
+
 def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(prog="python -m packed_adamw.torch.gpt.train", description=__doc__,
@@ -1000,9 +1179,11 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
             parser.add_argument(flag, type=grad_clip_value, default=default, metavar="NORM|none",
                                 help=f"global gradient-norm clipping, > 0, or none; default {default!r}")
         elif isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=FLAG_HELP.get(field.name))
         else:
-            parser.add_argument(flag, type=type(default), default=default, help=f"default {default!r}")
+            parser.add_argument(flag, type=type(default), default=default,
+                                help=FLAG_HELP.get(field.name, "") + f"default {default!r}")
     # Flags given explicitly override the demo's settings, which override the defaults.
     namespace = argparse.Namespace(**DEMO) if "--demo" in (sys.argv[1:] if argv is None else argv) else None
     args = parser.parse_args(argv, namespace)
