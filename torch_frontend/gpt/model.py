@@ -11,6 +11,7 @@ Presets (vocabulary 12,095, the project tokenizer):
     name       d_model  layers  heads  context  parameters
     reference      288       8      9      256  11,550,240
     tiny           128       4      4      128   2,357,888
+    gpt2-small     768      12     12     1024  95,131,392   (GPT-2 124M's shape; peers table)
     micro           32       2      2       16     413,024   (tests only)
 """
 from __future__ import annotations
@@ -49,6 +50,9 @@ PRESETS = {
     "reference": GPTConfig(d_model=288, n_layers=8, n_heads=9, context=256),
     "tiny": GPTConfig(d_model=128, n_layers=4, n_heads=4, context=128),
     "micro": GPTConfig(d_model=32, n_layers=2, n_heads=2, context=16),
+    # GPT-2 124M's shape (the peers table, benchmarks/peers.py): 95,131,392 parameters with this
+    # vocabulary (GPT-2's 124 M count has its 50,257-token vocabulary in the tied embedding).
+    "gpt2-small": GPTConfig(d_model=768, n_layers=12, n_heads=12, context=1024),
 }
 
 
