@@ -225,7 +225,8 @@ def write_report(results: dict, doc: Path, plot: Path, command: str) -> None:
         lines += ["", "## Moment ranges under FP32 AdamW", "",
                   "Fractions of elements whose |m| (E4M11) or RMS (E4M12) would saturate or flush to zero "
                   f"at each exponent bias, per kind of tensor, at the first and last recorded steps of seed "
-                  f"{stats_seed} (raw records of every seed: moment_stats in the JSON next to this page).", ""]
+                  f"{stats_seed} (its raw records: moment_stats in the JSON next to this page; other seeds' in their "
+                  "run directories).", ""]
         for record in (stats[0], stats[-1]):
             lines.append(f"### step {record.get('step')}")
             lines.append("")
@@ -238,14 +239,19 @@ def write_report(results: dict, doc: Path, plot: Path, command: str) -> None:
 
 def write_results(results: dict, doc: Path) -> None:
     """The JSON next to the page: written before the page and the plot, so that the runs are
-    kept (and `--merge` finds them) even if a report step fails."""
+    kept (and `--merge` finds them) even if a report step fails. Compact, and with the moment
+    statistics of the page's seed only (each run directory keeps its own): it ships in the
+    source release, whose text files stay under tools/release.py's size limit."""
     doc.parent.mkdir(parents=True, exist_ok=True)
+    stats_seed = min(results[REFERENCE]) if REFERENCE in results else None
     (doc.with_suffix(".json")).write_text(json.dumps(
         {name: {"seeds": {str(seed): {"summary": r["summary"], "val_curve": [e for e in r["log"] if "val_bpb" in e],
-                                      "moment_stats": r["moment_stats"], "session": r.get("session")}
+                                      "moment_stats": r["moment_stats"] if (name, seed) == (REFERENCE, stats_seed)
+                                      else [],
+                                      "session": r.get("session")}
                           for seed, r in seeds.items()}}
          for name, seeds in results.items()},
-        indent=1))
+        separators=(",", ":")) + "\n")
 
 
 def main(argv=None):
