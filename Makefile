@@ -24,7 +24,7 @@ demo: setup
 	$(PY) -m packed_adamw.torch.gpt.train --demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15  # the slowest tests: the CPU suite must stay under 15 minutes
 
 clean:
 	rm -rf $(VENV) runs build dist *.egg-info
