@@ -1,0 +1,441 @@
+"""PackedAdamW against low-memory AdamW peers: one table per model, 3 seeds a row (issue 20).
+
+    python benchmarks/peers.py --time-budget 540             # runs what fits in 9 minutes, then the page
+    python benchmarks/peers.py --time-budget 540             # the next call: skips the finished runs
+    python benchmarks/peers.py --report-only                 # the page from the results present
+    python benchmarks/peers.py --rows torch-adamw-fused packed --models reference --seeds 0
+
+Every run trains with the trainer (packed_adamw.torch.gpt.train) on the embedded tape in order,
+the model's schedule, clipping at 1.0 and the seed (the initialisation) the same for every row;
+FP32-weight rows run the forward under bf16 autocast (`--autocast bf16`), bf16-weight rows in
+bf16 without it. The baseline row is torch.optim.AdamW(fused=True). Each run writes
+`<runs>/<model>/<row>/seed<K>/result.json` when it finishes, and a run with one is skipped, so
+the table fills over several calls; a run cut short (no result.json) starts again from step 0:
+runs write no checkpoints (torchao's state cannot go into them), and each is meant to fit
+in one call (minutes on an H200). The loop goes seed by seed, so an interrupted table has every
+row at its first seeds. A row whose package is not installed is recorded once in
+`<runs>/<model>/<row>/not_installed.json` and shown as such; a run that raises is recorded in
+its `failed.json` and skipped until `--retry-failed`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.metadata
+import json
+import math
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from packed_adamw.tokenizer.corpus import default_corpus_documents  # noqa: E402
+from packed_adamw.tokenizer.tape import TapeReader, build_split  # noqa: E402
+from packed_adamw.torch.gpt import train as trainer  # noqa: E402
+from packed_adamw.torch.gpt.model import PRESETS  # noqa: E402
+
+BASELINE = "torch-adamw-fused"  # the "vs FP32 AdamW" column's row
+AUTOCAST = ["--autocast", "bf16"]
+# name -> (what the table calls it, trainer flags). "packed-best" takes its biases from --best-biases.
+ROWS = {
+    BASELINE: ("torch AdamW(fused=True), FP32 weights (baseline)", ["--optimizer", "torch-adamw-fused", *AUTOCAST]),
+    "bnb-adamw8bit": ("bitsandbytes AdamW8bit", ["--optimizer", "bnb-adamw8bit", *AUTOCAST]),
+    "torchao-adamw8bit": ("torchao AdamW8bit", ["--optimizer", "torchao-adamw8bit", *AUTOCAST]),
+    "torchao-adamw4bit": ("torchao AdamW4bit", ["--optimizer", "torchao-adamw4bit", *AUTOCAST]),
+    "torchao-adamwfp8": ("torchao AdamWFp8", ["--optimizer", "torchao-adamwfp8", *AUTOCAST]),
+    "flashoptim-adamw": ("FlashOptim FlashAdamW, FP32 weights", ["--optimizer", "flashoptim-adamw", *AUTOCAST]),
+    "flashoptim-adamw-bf16": ("FlashOptim FlashAdamW, bf16 weights + 24-bit masters",
+                              ["--optimizer", "flashoptim-adamw", "--param-dtype", "bf16"]),
+    "packed": ("PackedAdamW packed, biases 15/15", ["--mode", "packed", *AUTOCAST]),
+    "packed-best": ("PackedAdamW packed, best biases", ["--mode", "packed", *AUTOCAST]),
+    "fp16": ("PackedAdamW fp16", ["--mode", "fp16", *AUTOCAST]),
+    "fp32": ("PackedAdamW fp32", ["--mode", "fp32", *AUTOCAST]),
+    "packed-bf16": ("PackedAdamW packed, bf16 weights + split masters", ["--mode", "packed", "--param-dtype", "bf16"]),
+}
+DEFAULT_BIASES = (15, 15)
+# name -> its batch and trainer flags (preset, schedule). Batches of 8,192 tokens for both models,
+# so that 1,000 steps read 6 passes of the embedded corpus (1.37 M tokens a pass).
+MODELS = {
+    "reference": {"batch_size": 32, "flags": ["--config", "reference"]},  # the learning study's schedule
+    # GPT-2 small's peak learning rate: the trainer's 3e-3 is tuned for the reference, 8x smaller
+    "gpt2-small": {"batch_size": 8, "flags": ["--config", "gpt2-small", "--lr", "6e-4", "--min-lr", "6e-5",
+                                              "--warmup-steps", "100"]},
+    "micro": {"batch_size": 2, "flags": ["--config", "micro"]},  # tests only
+}
+DEFAULT_MODELS = ["reference", "gpt2-small"]
+PACKAGES = ("torch", "triton", "bitsandbytes", "torchao", "flashoptim", "packed_adamw")
+RESULT, NOT_INSTALLED, FAILED = "result.json", "not_installed.json", "failed.json"
+
+
+def flag_value(flags: list[str], name: str) -> str | None:
+    return flags[flags.index(name) + 1] if name in flags else None
+
+
+def preset(model: str) -> str:
+    return flag_value(MODELS[model]["flags"], "--config")
+
+
+def row_flags(row: str, best_biases: tuple[int, int]) -> list[str]:
+    flags = list(ROWS[row][1])
+    if row == "packed-best":
+        flags += ["--m-bias", str(best_biases[0]), "--rms-bias", str(best_biases[1])]
+    return flags
+
+
+def row_directory(runs: Path, model: str, row: str, best_biases: tuple[int, int]) -> Path:
+    """The best-biases row's runs live under their biases, so choosing others starts new runs."""
+    name = f"packed-best-m{best_biases[0]}-rms{best_biases[1]}" if row == "packed-best" else row
+    return runs / model / name
+
+
+def batch_size(model: str, args) -> int:
+    return args.batch_size or MODELS[model]["batch_size"]
+
+
+def trainer_argv(args, model: str, row: str, seed: int, out: Path) -> list[str]:
+    """The trainer's flags for one run: the model's, the row's, then what every run shares."""
+    return [*MODELS[model]["flags"], *row_flags(row, args.best_biases), "--batch-size", str(batch_size(model, args)),
+            "--data", str(args.data), "--out", str(out), "--max-steps", str(args.steps), "--seed", str(seed),
+            "--eval-every", str(max(1, args.steps // 20)), "--eval-batches", "0", "--no-checkpoints",
+            "--no-progress"]
+
+
+def missing_package(row: str, args) -> str | None:
+    """"not installed: <pip command>" when the row's optimizer package cannot be imported, else None."""
+    optimizer = flag_value(row_flags(row, args.best_biases), "--optimizer")
+    if optimizer not in trainer.PEERS:
+        return None
+    try:
+        trainer.peer_class(optimizer)
+    except trainer.ConfigError:
+        return f"not installed: {trainer.PEERS[optimizer].pip}"
+    return None
+
+
+def versions() -> dict:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def session() -> dict:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+    return {"date": datetime.date.today().isoformat(), "gpu": gpu, "versions": versions()}
+
+
+# ---- the runs -------------------------------------------------------------------------------
+
+def tokens_needed(args) -> int:
+    """Training tokens of the longest run (a step reads batch x context + 1 tokens from its cursor)."""
+    return max(args.steps * batch_size(m, args) * PRESETS[preset(m)].context for m in args.models) + 1
+
+
+def ensure_tapes(args) -> None:
+    """Tapes long enough for the longest run, built from the embedded corpus when missing.
+
+    The tape is read once front to back (TapeExhausted ends a run early, with fewer steps than
+    the schedule), so the number of passes is chosen from one pass's length."""
+    data, need = Path(args.data), tokens_needed(args)
+    train_path = data / "train.tape"
+    if not (train_path.exists() and (data / "val.tape").exists()):
+        print(f"building {data} from the embedded corpus: one pass to measure it ...", flush=True)
+        build_split(default_corpus_documents(), data, passes=1)
+        per_pass = TapeReader(train_path).num_tokens
+        passes = math.ceil(need / per_pass)
+        if passes > 1:
+            print(f"... {per_pass:,} tokens a pass; {need:,} needed: {passes} passes "
+                  f"(python -m packed_adamw.tokenizer.tape build --out {data} --passes {passes})", flush=True)
+            build_split(default_corpus_documents(), data, passes=passes)
+    tape = TapeReader(train_path)
+    if tape.num_tokens < need:
+        passes = math.ceil(need / (tape.num_tokens / tape.header.passes))
+        raise SystemExit(f"{train_path} holds {tape.num_tokens:,} tokens, the longest run needs {need:,}: rebuild "
+                         f"it with python -m packed_adamw.tokenizer.tape build --out {data} --passes {passes}, "
+                         "or pass another --data")
+
+
+def planned_runs(args) -> list[tuple[str, str, int]]:
+    """(model, row, seed), seed by seed: a table cut short has every row's first seeds."""
+    return [(model, row, seed) for seed in args.seeds for model in args.models for row in args.rows]
+
+
+def skipped_row(row: str, args) -> bool:
+    """The best-biases row with the default biases is the packed row itself: not run twice."""
+    return row == "packed-best" and tuple(args.best_biases) == DEFAULT_BIASES
+
+
+def run_one(args, model: str, row: str, seed: int, out: Path) -> dict:
+    argv = trainer_argv(args, model, row, seed, out)
+    start = time.perf_counter()
+    summary = trainer.train(trainer.parse_args(argv)[0])
+    wall_s = time.perf_counter() - start
+    if summary["stopped_because"] != "max_steps":  # a shorter run is not a row of the table
+        raise RuntimeError(f"the run stopped at step {summary['step']} of {args.steps}: {summary['stopped_because']}")
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    curve = [[r["step"], r["val_bpb"]] for r in log if r.get("val_bpb") is not None]
+    result = {"model": model, "row": row, "seed": seed, "trainer_argv": argv, "wall_s": wall_s,
+              "summary": summary, "val_curve": curve, "session": session()}
+    (out / RESULT).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def run_all(args) -> None:
+    started = time.perf_counter()
+    longest = {}  # model -> the longest wall time of its finished runs: the next one's estimate
+    runs = Path(args.runs)
+    for model in args.models:
+        for row in args.rows:
+            for seed in args.seeds:
+                result = row_directory(runs, model, row, args.best_biases) / f"seed{seed}" / RESULT
+                if result.exists():
+                    longest[model] = max(longest.get(model, 0.0), json.loads(result.read_text())["wall_s"])
+    left = [(m, r, s) for m, r, s in planned_runs(args) if not skipped_row(r, args)]
+    missing = {}
+    while left:
+        model, row, seed = left[0]
+        directory = row_directory(runs, model, row, args.best_biases)
+        out = directory / f"seed{seed}"
+        if (out / RESULT).exists() or ((out / FAILED).exists() and not args.retry_failed):
+            left.pop(0)
+            continue
+        if row not in missing:
+            missing[row] = missing_package(row, args)
+            if missing[row]:  # once per row and model, not per seed
+                for m in args.models:
+                    path = row_directory(runs, m, row, args.best_biases) / NOT_INSTALLED
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(json.dumps({"row": row, "status": missing[row], "session": session()}) + "\n")
+                print(f"{row}: {missing[row]}", flush=True)
+            else:
+                (directory / NOT_INSTALLED).unlink(missing_ok=True)
+        if missing[row]:
+            left.pop(0)
+            continue
+        elapsed = time.perf_counter() - started
+        if args.time_budget is not None and elapsed + longest.get(model, 0.0) > args.time_budget:
+            print(f"time budget: {elapsed:.0f} s of {args.time_budget:.0f} s spent, the next run ({model} {row} "
+                  f"seed {seed}) is estimated at {longest.get(model, 0.0):.0f} s; {len(left)} runs left:", flush=True)
+            for m, r, s in left:
+                print(f"  {m} {r} seed {s}")
+            return
+        if out.exists():  # a run cut short: it has no checkpoint to resume from
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        print(f"run {model} {row} seed {seed} ({len(left)} left)", flush=True)
+        try:
+            result = run_one(args, model, row, seed, out)
+        except Exception as error:  # one broken peer must not end the table
+            (out / FAILED).write_text(json.dumps({"error": f"{type(error).__name__}: {error}",
+                                                  "traceback": traceback.format_exc(), "session": session()}) + "\n")
+            print(f"{model} {row} seed {seed} failed: {type(error).__name__}: {error}", flush=True)
+        else:
+            longest[model] = max(longest.get(model, 0.0), result["wall_s"])
+            print(model, row, f"seed {seed}", json.dumps({k: result["summary"].get(k) for k in (
+                "val_bpb", "tokens_per_s", "median_optimizer_ms", "optimizer_state_bytes")}), flush=True)
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        left.pop(0)
+    print("every planned run is done", flush=True)
+
+
+# ---- the page -------------------------------------------------------------------------------
+
+def collect(args) -> dict:
+    """{model: {row: {"seeds": {seed: result}, "status": str | None, "failed": {seed: error}}}}."""
+    runs, table = Path(args.runs), {}
+    for model in args.models:
+        for row in args.rows:
+            directory = row_directory(runs, model, row, args.best_biases)
+            entry = {"seeds": {}, "failed": {}, "status": None}
+            if skipped_row(row, args):
+                entry["status"] = "the packed row (no best biases chosen: --best-biases M RMS)"
+            elif (directory / NOT_INSTALLED).exists():
+                entry["status"] = json.loads((directory / NOT_INSTALLED).read_text())["status"]
+            for seed in args.seeds:
+                out = directory / f"seed{seed}"
+                if (out / RESULT).exists():
+                    entry["seeds"][seed] = json.loads((out / RESULT).read_text())
+                elif (out / FAILED).exists():
+                    entry["failed"][seed] = json.loads((out / FAILED).read_text())["error"]
+            table.setdefault(model, {})[row] = entry
+    return table
+
+
+def mean_of(seeds: dict, key: str) -> float | None:
+    values = [r["summary"].get(key) for r in seeds.values()]
+    return statistics.fmean(values) if values and None not in values else None
+
+
+def events_cell(seeds: dict) -> str:
+    found = [(seed, e) for seed, r in seeds.items() for e in r["summary"].get("loss_events", [])]
+    count = sum(r["summary"].get("loss_event_count", 0) for r in seeds.values())
+    if not count:
+        return "none"
+    shown = ", ".join(f"seed {seed} step {e['step']} {e['event']}" for seed, e in found[:3])
+    return f"{count}: {shown}" + (", ..." if count > 3 else "")
+
+
+def table_lines(model: str, rows: dict, args) -> list[str]:
+    lines = ["| row | seeds done | final val bpb (mean) | spread (min-max) | vs FP32 AdamW | optimizer state B/param "
+             "| peak memory B/param | optimizer step ms | tokens/s | spikes / non-finite |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    baseline = rows.get(BASELINE, {}).get("seeds", {})
+    reference = mean_of(baseline, "val_bpb") if baseline else None
+    for row, entry in rows.items():
+        label, seeds = ROWS[row][0], entry["seeds"]
+        if row == "packed-best":
+            label += f" {args.best_biases[0]}/{args.best_biases[1]}"
+        done = f"{len(seeds)}/{len(args.seeds)}"
+        if entry["status"] and not seeds:
+            lines.append(f"| {label} | {done} | {entry['status']} | | | | | | | |")
+            continue
+        if not seeds:
+            failed = "; ".join(f"seed {s}: {e}" for s, e in entry["failed"].items())
+            lines.append(f"| {label} | {done} | {'failed (' + failed + ')' if failed else 'missing'} | | | | | | | |")
+            continue
+        bpbs = [r["summary"]["val_bpb"] for r in seeds.values()]
+        bpb = statistics.fmean(bpbs)
+        spread = f"{min(bpbs):.4f}-{max(bpbs):.4f}" if len(bpbs) > 1 else "-"
+        versus = f"{100 * (bpb / reference - 1):+.2f}%" if reference else "n/a"
+        state = statistics.fmean(r["summary"]["optimizer_state_bytes"] / r["summary"]["parameters"]
+                                 for r in seeds.values())
+        peaks = [r["summary"].get("peak_memory_bytes") for r in seeds.values()]
+        peak = (f"{statistics.fmean(p / r['summary']['parameters'] for p, r in zip(peaks, seeds.values())):.2f}"
+                if None not in peaks else "-")
+        step_ms, tokens = mean_of(seeds, "median_optimizer_ms"), mean_of(seeds, "tokens_per_s")
+        if entry["failed"]:
+            done += " (failed: " + ", ".join(map(str, entry["failed"])) + ")"
+        lines.append(f"| {label} | {done} | {bpb:.4f} | {spread} | {versus} | {state:.2f} | {peak} | "
+                     f"{step_ms:.2f} | {tokens:,.0f} | {events_cell(seeds)} |")
+    return lines
+
+
+def mean_curve(seeds: dict) -> tuple[list[int], list[float]]:
+    """Mean val bpb over the seeds at the evaluation steps every seed has."""
+    curves = [dict(map(tuple, r["val_curve"])) for r in seeds.values()]
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return steps, [statistics.fmean(c[s] for c in curves) for s in steps]
+
+
+def plot_curves(table: dict, png: Path) -> None:
+    fig, axes = plt.subplots(1, len(table), figsize=(7 * len(table), 4.5), squeeze=False)
+    for ax, (model, rows) in zip(axes[0], table.items()):
+        for row, entry in rows.items():
+            if entry["seeds"]:
+                ax.plot(*mean_curve(entry["seeds"]), marker=".", label=f"{row} ({len(entry['seeds'])} seeds)")
+        ax.set(title=model, xlabel="step", ylabel="validation bits per byte (mean over seeds)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def write_page(args, doc: Path, command: str) -> None:
+    table = collect(args)
+    png = doc.with_name("peers.png")
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    plot_curves(table, png)
+    sessions = {json.dumps({k: v for k, v in r["session"].items() if k != "date"}, sort_keys=True)
+                for rows in table.values() for entry in rows.values() for r in entry["seeds"].values()}
+    dates = sorted({r["session"]["date"] for rows in table.values() for entry in rows.values()
+                    for r in entry["seeds"].values()})
+    lines = ["# PackedAdamW against low-memory AdamW peers", "",
+             f"- Page written {datetime.date.today().isoformat()}; runs from "
+             + (f"{dates[0]} to {dates[-1]}" if len(dates) > 1 else dates[0] if dates else "(none yet)")]
+    for text in sorted(sessions):
+        s = json.loads(text)
+        installed = ", ".join(f"{k} {v}" for k, v in s["versions"].items() if v)
+        lines.append(f"- GPU: {s['gpu']}; {installed}")
+    lines += [f"- Command: `{command}`",
+              f"- Each run: {args.steps} steps, seeds {', '.join(map(str, args.seeds))} (the initialisation; the "
+              f"data order is the same), tape `{args.data}` read in order, warmup then cosine decay, clipping at 1.0, "
+              "weight decay 0.1 on matrices and embeddings, betas (0.9, 0.95), eps 1e-8; validation on the whole "
+              f"validation tape every {max(1, args.steps // 20)} steps; FP32-weight rows under bf16 autocast.",
+              "- Columns: final val bpb and the trainer's measurements, the mean over the seeds done; spread: the "
+              "lowest and highest final val bpb; vs FP32 AdamW: the mean against the baseline row's mean. "
+              "Optimizer state: bytes of every tensor in optimizer.state (a tensor subclass counted by its inner "
+              "tensors), per parameter; with bf16 weights it includes the masters' low halves or correction bits. "
+              "Peak memory: torch.cuda.max_memory_allocated over the run (model, gradients, activations, state), per "
+              "parameter. Optimizer step: median ms of optimizer.step() (steps 6 on); tokens/s: training tokens over the summed step "
+              "times (evaluations left out). "
+              f"Spikes: steps whose training loss exceeded {trainer.LOSS_SPIKE} x the lowest so far after warmup; "
+              "non-finite: a loss or gradient norm that was not finite.",
+              "", f"![validation bpb]({png.name})", ""]
+    for model, rows in table.items():
+        shape = PRESETS[preset(model)]
+        lines += [f"## {model}", "",
+                  f"Preset `{preset(model)}` (d_model {shape.d_model}, {shape.n_layers} layers, "
+                  f"{shape.n_heads} heads, context {shape.context}), batch {batch_size(model, args)}; "
+                  f"trainer flags `{' '.join(MODELS[model]['flags'])}`.", "", *table_lines(model, rows, args), ""]
+    lines += ["## Rows", "", "Trainer flags of each row; every run adds the model's flags and `--batch-size`, "
+              "`--data`, `--out`, `--max-steps`, `--seed`, `--eval-every`, `--eval-batches 0 --no-checkpoints "
+              "--no-progress` (each result.json holds its run's whole trainer_argv):", ""]
+    for row in args.rows:
+        lines.append(f"- `{row}`: {ROWS[row][0]}; `{' '.join(row_flags(row, args.best_biases))}`")
+    lines += ["", "Run it (resumable: finished runs are skipped):", "",
+              "```", "python benchmarks/peers.py --time-budget 540   # once per 10-minute device call", "```", ""]
+    doc.write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), metavar="ROW",
+                        help=f"rows to run and show (default all: {', '.join(ROWS)})")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=DEFAULT_MODELS, metavar="MODEL",
+                        help=f"models (default {' '.join(DEFAULT_MODELS)}; micro is for tests)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], metavar="K")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="every model's batch (default: the model's own, 32 for reference, 8 for gpt2-small)")
+    parser.add_argument("--best-biases", nargs=2, type=int, default=list(DEFAULT_BIASES), metavar=("M", "RMS"),
+                        help="the packed-best row's --m-bias and --rms-bias (default 15 15: the packed row itself, "
+                             "not run twice)")
+    parser.add_argument("--runs", default="runs/peers", help="results: <runs>/<model>/<row>/seed<K>/result.json")
+    parser.add_argument("--data", default="runs/data/peers",
+                        help="train.tape and val.tape; built from the embedded corpus when missing, with passes "
+                             "enough for the longest run")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="start no run after this many seconds, nor one that the longest finished run of its "
+                             "model says would end after them; prints the runs left")
+    parser.add_argument("--retry-failed", action="store_true", help="run again the runs that raised")
+    parser.add_argument("--report-only", action="store_true", help="write the page from the results present")
+    parser.add_argument("--out-doc", default="docs/results/PEERS.md", help="the page (and peers.png next to it)")
+    args = parser.parse_args(argv)
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        parser.error(f"--seeds {' '.join(map(str, args.seeds))}: give distinct seeds >= 0")
+    if args.steps < 1 or (args.batch_size is not None and args.batch_size < 1):
+        parser.error("--steps and --batch-size must be at least 1")
+    args.best_biases = tuple(args.best_biases)
+    try:
+        trainer.check_config(trainer.TrainConfig(m_bias=args.best_biases[0], rms_bias=args.best_biases[1]))
+    except trainer.ConfigError as error:
+        parser.error(f"--best-biases {args.best_biases[0]} {args.best_biases[1]}: {error}")
+    if not args.report_only:
+        ensure_tapes(args)
+        run_all(args)
+    command = " ".join(["python", *sys.argv] if argv is None else ["python", "benchmarks/peers.py", *argv])
+    write_page(args, Path(args.out_doc), command)
+    print(f"wrote {args.out_doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
