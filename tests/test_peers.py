@@ -1,0 +1,174 @@
+"""benchmarks/peers.py and the trainer's peer options, on the CPU with the micro preset.
+
+The table's runs are real trainer runs (3 steps each); bitsandbytes, torchao and FlashOptim
+are not installed here, so their rows must come out as "not installed".
+"""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpt_helpers import MICRO, build_data, make_documents
+from packed_adamw.torch.gpt import train as trainer
+
+PEERS_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
+ROWS = ["torch-adamw-fused", "packed", "packed-bf16", "torchao-adamw8bit"]
+
+
+@pytest.fixture(scope="module")
+def peers():
+    spec = importlib.util.spec_from_file_location("peers_under_test", PEERS_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return build_data(tmp_path_factory.mktemp("data"), count=12, words=200)
+
+
+def table_row(page: str, label: str) -> list[str]:
+    (line,) = [line for line in page.splitlines() if line.startswith(f"| {label} |")]
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_table_runs_skips_finished_runs_and_reports_missing_peers(peers, data_dir, tmp_path, monkeypatch):
+    calls = []
+    real_train = peers.trainer.train
+    monkeypatch.setattr(peers.trainer, "train", lambda config: calls.append(config) or real_train(config))
+    runs, doc = tmp_path / "runs", tmp_path / "docs" / "PEERS.md"
+    argv = ["--models", "micro", "--steps", "3", "--seeds", "0", "1", "--rows", *ROWS, "--runs", str(runs),
+            "--data", str(data_dir), "--out-doc", str(doc)]
+    assert peers.main(argv) == 0
+    assert len(calls) == 3 * 2  # three rows that run, two seeds; the torchao row is not installed
+    assert {(c.optimizer, c.mode, c.param_dtype, c.autocast) for c in calls} == {
+        ("torch-adamw-fused", "packed", "fp32", "bf16"), ("packed-adamw", "packed", "fp32", "bf16"),
+        ("packed-adamw", "packed", "bf16", "none")}
+    assert all(not c.checkpoints and c.max_steps == 3 and c.config == "micro" for c in calls)
+
+    results = {}
+    for row in ROWS[:3]:
+        for seed in (0, 1):
+            result = json.loads((runs / "micro" / row / f"seed{seed}" / "result.json").read_text())
+            assert result["summary"]["step"] == 3 and result["seed"] == seed
+            results[row, seed] = result["summary"]
+    missing = json.loads((runs / "micro" / "torchao-adamw8bit" / "not_installed.json").read_text())
+    assert missing["status"] == "not installed: pip install torchao==0.18.0"
+    assert not (runs / "micro" / "torchao-adamw8bit" / "seed0").exists()
+    # Measured state: torch AdamW 2 FP32 moments (+ a 4-byte step per tensor), packed one uint32
+    # word, bf16 split masters a word and an int16 low half per parameter.
+    parameters = results["packed", 0]["parameters"]
+    assert parameters == 413_024
+    tensors = 28  # the micro GPT's parameter tensors
+    assert results["torch-adamw-fused", 0]["optimizer_state_bytes"] == 8 * parameters + 4 * tensors
+    assert results["packed", 0]["optimizer_state_bytes"] == 4 * parameters
+    assert results["packed-bf16", 0]["optimizer_state_bytes"] == 6 * parameters
+
+    page = doc.read_text()
+    assert (doc.parent / "peers.png").stat().st_size > 0
+    header = table_row(page, "row")
+    assert header == ["row", "seeds done", "final val bpb (mean)", "spread (min-max)", "vs FP32 AdamW",
+                      "optimizer state B/param", "peak memory B/param", "optimizer step ms", "tokens/s",
+                      "spikes / non-finite"]
+    label = {row: peers.ROWS[row][0] for row in ROWS}
+    base = [results["torch-adamw-fused", seed]["val_bpb"] for seed in (0, 1)]
+    for row in ROWS[:3]:
+        bpbs = [results[row, seed]["val_bpb"] for seed in (0, 1)]
+        mean = sum(bpbs) / 2
+        cells = table_row(page, label[row])
+        assert cells[1:5] == ["2/2", f"{mean:.4f}", f"{min(bpbs):.4f}-{max(bpbs):.4f}",
+                              f"{100 * (mean / (sum(base) / 2) - 1):+.2f}%"]
+        state = sum(results[row, s]["optimizer_state_bytes"] for s in (0, 1)) / 2 / parameters
+        steps_ms = sum(results[row, s]["median_optimizer_ms"] for s in (0, 1)) / 2
+        assert cells[5:9] == [f"{state:.2f}", "-", f"{steps_ms:.2f}",
+                              f"{sum(results[row, s]['tokens_per_s'] for s in (0, 1)) / 2:,.0f}"]
+        assert cells[9] == "none"
+    assert table_row(page, label["torchao-adamw8bit"])[1:3] == ["0/2", "not installed: pip install torchao==0.18.0"]
+
+    # A second call: every run has its result (or is not installed), so the trainer is not called.
+    calls.clear()
+    assert peers.main(argv) == 0
+    assert calls == []
+    # A run cut short (a directory without result.json) runs again, from step 0.
+    cut = runs / "micro" / "packed" / "seed1"
+    (cut / "result.json").unlink()
+    assert peers.main(argv) == 0
+    assert [(c.mode, c.seed) for c in calls] == [("packed", 1)]
+
+
+def test_missing_runs_show_as_missing_and_the_time_budget_stops(peers, data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(peers.trainer, "train", lambda config: pytest.fail("no run fits a budget of 0 s"))
+    doc = tmp_path / "PEERS.md"
+    argv = ["--models", "micro", "--steps", "3", "--seeds", "0", "--rows", "torch-adamw-fused", "packed",
+            "--runs", str(tmp_path / "runs"), "--data", str(data_dir), "--out-doc", str(doc), "--time-budget", "0"]
+    assert peers.main(argv) == 0
+    assert "2 runs left" in capsys.readouterr().out
+    page = doc.read_text()
+    assert table_row(page, peers.ROWS["packed"][0])[1:3] == ["0/1", "missing"]
+
+
+def test_tapes_are_built_with_passes_enough_for_the_longest_run(peers, tmp_path, monkeypatch):
+    documents = make_documents(12, 200)
+    monkeypatch.setattr(peers, "default_corpus_documents", lambda: documents)
+    args = type("Args", (), {"data": tmp_path / "tapes", "steps": 400, "models": ["micro"], "batch_size": 8})()
+    peers.ensure_tapes(args)
+    tape = peers.TapeReader(tmp_path / "tapes" / "train.tape")
+    assert tape.num_tokens >= 400 * 8 * 16 + 1
+    assert tape.num_tokens - tape.num_tokens // tape.header.passes < 400 * 8 * 16 + 1  # one pass fewer is short
+
+
+def test_a_missing_peer_package_names_the_option_and_the_pip_command(data_dir, tmp_path):
+    config = trainer.TrainConfig(config="micro", optimizer="bnb-adamw8bit", data=str(data_dir), out=str(tmp_path))
+    with pytest.raises(trainer.ConfigError, match=r"--optimizer bnb-adamw8bit .*pip install bitsandbytes==0\.50\.2"):
+        trainer.train(config)
+
+
+def test_cli_refusals_for_autocast_and_checkpoints(capsys):
+    for argv, message in (
+            (["--autocast", "bf16", "--param-dtype", "bf16"], "--autocast bf16 runs the forward of FP32 parameters"),
+            (["--autocast", "fp16"], "--autocast fp16: choose one of none, bf16"),
+            (["--no-checkpoints", "--stop-at-step", "5"], "--no-checkpoints writes none")):
+        with pytest.raises(SystemExit) as exit_info:
+            trainer.parse_args([*MICRO, *argv])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def test_checkpoints_off_writes_none_and_autocast_changes_the_run(data_dir, tmp_path):
+    common = [*MICRO, "--data", str(data_dir), "--max-steps", "3", "--optimizer", "torch-adamw"]
+    summaries = {}
+    for name, extra in (("plain", []), ("autocast", ["--autocast", "bf16", "--no-checkpoints"])):
+        config, _ = trainer.parse_args([*common, *extra, "--out", str(tmp_path / name)])
+        summaries[name] = trainer.train(config)
+    assert (tmp_path / "plain" / "checkpoint.safetensors").exists()
+    assert not (tmp_path / "autocast" / "checkpoint.safetensors").exists()
+    assert summaries["autocast"]["checkpoint"] is None
+    assert summaries["plain"]["val_bpb"] != summaries["autocast"]["val_bpb"]  # bf16 matmuls round otherwise
+
+
+def test_loss_events_rule():
+    config = trainer.TrainConfig(warmup_steps=10)
+    assert trainer.loss_event(5, 9.0, 1.0, 2.0, config) is None  # during warmup
+    assert trainer.loss_event(11, 3.0, 1.0, 2.0, config) is None  # 1.5 x 2.0 is not exceeded
+    assert trainer.loss_event(11, 3.01, 1.0, 2.0, config)["event"] == "spike"
+    assert trainer.loss_event(2, float("nan"), 1.0, 2.0, config)["event"] == "non-finite"
+    assert trainer.loss_event(2, 1.0, float("inf"), 2.0, config)["event"] == "non-finite"
+
+
+def test_state_bytes_count_inner_tensors_of_holders_once():
+    import torch
+
+    class Holder:  # FlashOptim's moments: a plain object holding tensors
+        def __init__(self):
+            self.codes = torch.zeros(10, dtype=torch.int8)
+            self.scales = torch.zeros(2, dtype=torch.float16)
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    shared = torch.zeros(8)
+    optimizer.state[p] = {"h": Holder(), "a": shared[:4], "b": shared[4:], "step": 3}
+    assert trainer.optimizer_state_bytes(optimizer) == 10 + 4 + 32
