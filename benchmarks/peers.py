@@ -1,7 +1,8 @@
 """PackedAdamW against low-memory AdamW peers: one table per model, 3 seeds a row (issue 20).
 
-    python benchmarks/peers.py --time-budget 540             # runs what fits in 9 minutes, then the page
-    python benchmarks/peers.py --time-budget 540             # the next call: skips the finished runs
+    python benchmarks/peers.py --seeds 0 --time-budget 540   # runs what fits in 9 minutes, then the page
+    python benchmarks/peers.py --seeds 0 --time-budget 540   # the next call: skips the finished runs
+    python benchmarks/peers.py --seeds 1 2 --jobs 6          # the other seeds, 6 runs at once (untimed)
     python benchmarks/peers.py --report-only                 # the page from the results present
     python benchmarks/peers.py --rows torch-adamw-fused packed --models reference --seeds 0
 
@@ -20,11 +21,13 @@ its `failed.json` and skipped until `--retry-failed`.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import gc
 import importlib.metadata
 import json
 import math
+import multiprocessing
 import shutil
 import statistics
 import sys
@@ -177,7 +180,8 @@ def skipped_row(row: str, args) -> bool:
     return row == "packed-best" and tuple(args.best_biases) == DEFAULT_BIASES
 
 
-def run_one(args, model: str, row: str, seed: int, out: Path) -> dict:
+def run_one(args, model: str, row: str, seed: int, out: Path, sharing: int = 1) -> dict:
+    """One trainer run; its result.json records how many runs shared the GPU with it (itself included)."""
     argv = trainer_argv(args, model, row, seed, out)
     start = time.perf_counter()
     summary = trainer.train(trainer.parse_args(argv)[0])
@@ -187,69 +191,124 @@ def run_one(args, model: str, row: str, seed: int, out: Path) -> dict:
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     curve = [[r["step"], r["val_bpb"]] for r in log if r.get("val_bpb") is not None]
     result = {"model": model, "row": row, "seed": seed, "trainer_argv": argv, "wall_s": wall_s,
-              "summary": summary, "val_curve": curve, "session": session()}
+              "runs_sharing_the_gpu": sharing, "summary": summary, "val_curve": curve, "session": session()}
     (out / RESULT).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
-def run_all(args) -> None:
-    started = time.perf_counter()
-    longest = {}  # model -> the longest wall time of its finished runs: the next one's estimate
-    runs = Path(args.runs)
-    for model in args.models:
-        for row in args.rows:
-            for seed in args.seeds:
-                result = row_directory(runs, model, row, args.best_biases) / f"seed{seed}" / RESULT
-                if result.exists():
-                    longest[model] = max(longest.get(model, 0.0), json.loads(result.read_text())["wall_s"])
-    left = [(m, r, s) for m, r, s in planned_runs(args) if not skipped_row(r, args)]
-    missing = {}
-    while left:
-        model, row, seed = left[0]
-        directory = row_directory(runs, model, row, args.best_biases)
-        out = directory / f"seed{seed}"
-        if (out / RESULT).exists() or ((out / FAILED).exists() and not args.retry_failed):
-            left.pop(0)
+def record_failure(out: Path, error: str, details: str) -> None:
+    (out / FAILED).write_text(json.dumps({"error": error, "traceback": details, "session": session()}) + "\n")
+
+
+def run_recorded(args, model: str, row: str, seed: int, out: Path, sharing: int) -> dict | None:
+    """run_one, with an exception recorded in failed.json (one broken peer must not end the table)."""
+    print(f"run {model} {row} seed {seed}", flush=True)
+    try:
+        result = run_one(args, model, row, seed, out, sharing)
+    except Exception as error:
+        record_failure(out, f"{type(error).__name__}: {error}", traceback.format_exc())
+        print(f"{model} {row} seed {seed} failed: {type(error).__name__}: {error}", flush=True)
+        return None
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(model, row, f"seed {seed}", json.dumps({k: result["summary"].get(k) for k in (
+        "val_bpb", "tokens_per_s", "median_optimizer_ms", "optimizer_state_bytes")}), flush=True)
+    return result
+
+
+def pending_runs(args) -> list[tuple[str, str, int, Path]]:
+    """The planned runs without a result (or a recorded failure), after recording the rows whose
+    package is missing: once per row and model, not per seed."""
+    runs, missing, pending = Path(args.runs), {}, []
+    for model, row, seed in planned_runs(args):
+        out = row_directory(runs, model, row, args.best_biases) / f"seed{seed}"
+        if skipped_row(row, args) or (out / RESULT).exists() or ((out / FAILED).exists() and not args.retry_failed):
             continue
         if row not in missing:
             missing[row] = missing_package(row, args)
-            if missing[row]:  # once per row and model, not per seed
-                for m in args.models:
-                    path = row_directory(runs, m, row, args.best_biases) / NOT_INSTALLED
+            for m in args.models:
+                path = row_directory(runs, m, row, args.best_biases) / NOT_INSTALLED
+                if missing[row]:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_text(json.dumps({"row": row, "status": missing[row], "session": session()}) + "\n")
+                else:
+                    path.unlink(missing_ok=True)
+            if missing[row]:
                 print(f"{row}: {missing[row]}", flush=True)
-            else:
-                (directory / NOT_INSTALLED).unlink(missing_ok=True)
-        if missing[row]:
-            left.pop(0)
-            continue
-        elapsed = time.perf_counter() - started
-        if args.time_budget is not None and elapsed + longest.get(model, 0.0) > args.time_budget:
-            print(f"time budget: {elapsed:.0f} s of {args.time_budget:.0f} s spent, the next run ({model} {row} "
-                  f"seed {seed}) is estimated at {longest.get(model, 0.0):.0f} s; {len(left)} runs left:", flush=True)
-            for m, r, s in left:
-                print(f"  {m} {r} seed {s}")
-            return
+        if not missing[row]:
+            pending.append((model, row, seed, out))
+    return pending
+
+
+def run_all(args) -> None:
+    """The pending runs, args.jobs at a time: one at a time in this process, or several at once in
+    processes of their own (spawned, one per run, so each has its own CUDA context and peak memory)."""
+    started = time.perf_counter()
+    longest = {}  # (model, runs at once) -> the longest wall time of its finished runs: the next one's estimate
+    for model, row, seed in planned_runs(args):
+        result = row_directory(Path(args.runs), model, row, args.best_biases) / f"seed{seed}" / RESULT
+        if result.exists():
+            done = json.loads(result.read_text())
+            key = (model, done.get("runs_sharing_the_gpu", 1))
+            longest[key] = max(longest.get(key, 0.0), done["wall_s"])
+    left = pending_runs(args)
+
+    def estimate(model: str) -> float:
+        """The longest finished run of the model at this many runs at once, else at fewer (a lower bound)."""
+        known = [wall for (m, jobs), wall in longest.items() if m == model and jobs <= args.jobs]
+        return max(known, default=0.0)
+
+    def fits(model: str) -> bool:
+        return args.time_budget is None or time.perf_counter() - started + estimate(model) <= args.time_budget
+
+    def start(model, row, seed, out) -> None:
         if out.exists():  # a run cut short: it has no checkpoint to resume from
             shutil.rmtree(out)
         out.mkdir(parents=True)
-        print(f"run {model} {row} seed {seed} ({len(left)} left)", flush=True)
-        try:
-            result = run_one(args, model, row, seed, out)
-        except Exception as error:  # one broken peer must not end the table
-            (out / FAILED).write_text(json.dumps({"error": f"{type(error).__name__}: {error}",
-                                                  "traceback": traceback.format_exc(), "session": session()}) + "\n")
-            print(f"{model} {row} seed {seed} failed: {type(error).__name__}: {error}", flush=True)
-        else:
-            longest[model] = max(longest.get(model, 0.0), result["wall_s"])
-            print(model, row, f"seed {seed}", json.dumps({k: result["summary"].get(k) for k in (
-                "val_bpb", "tokens_per_s", "median_optimizer_ms", "optimizer_state_bytes")}), flush=True)
-        finally:
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        left.pop(0)
+
+    def stop_report() -> None:
+        print(f"time budget: {time.perf_counter() - started:.0f} s of {args.time_budget:.0f} s spent, the next run "
+              f"({left[0][0]} {left[0][1]} seed {left[0][2]}) is estimated at {estimate(left[0][0]):.0f} s; "
+              f"{len(left)} runs left:", flush=True)
+        for m, r, s, _ in left:
+            print(f"  {m} {r} seed {s}")
+
+    if args.jobs == 1:
+        while left:
+            model, row, seed, out = left[0]
+            if not fits(model):
+                return stop_report()
+            start(*left[0])
+            result = run_recorded(args, model, row, seed, out, 1)
+            if result:
+                longest[model, 1] = max(longest.get((model, 1), 0.0), result["wall_s"])
+            left.pop(0)
+        print("every planned run is done", flush=True)
+        return
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context, max_tasks_per_child=1) as pool:
+        running = {}
+        while left or running:
+            while left and len(running) < args.jobs and fits(left[0][0]):
+                model, row, seed, out = left.pop(0)
+                start(model, row, seed, out)
+                running[pool.submit(run_recorded, args, model, row, seed, out, args.jobs)] = (model, row, seed, out)
+            if not running:
+                return stop_report()
+            finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                model, row, seed, out = running.pop(future)
+                try:
+                    result = future.result()
+                except Exception as error:  # the run's process died (a crash is not an exception in it)
+                    record_failure(out, f"{type(error).__name__}: {error}", traceback.format_exc())
+                    print(f"{model} {row} seed {seed}: its process failed: {error}", flush=True)
+                    continue
+                if result:
+                    key = (model, args.jobs)
+                    longest[key] = max(longest.get(key, 0.0), result["wall_s"])
     print("every planned run is done", flush=True)
 
 
@@ -317,11 +376,16 @@ def table_lines(model: str, rows: dict, args) -> list[str]:
         peaks = [r["summary"].get("peak_memory_bytes") for r in seeds.values()]
         peak = (f"{statistics.fmean(p / r['summary']['parameters'] for p, r in zip(peaks, seeds.values())):.2f}"
                 if None not in peaks else "-")
-        step_ms, tokens = mean_of(seeds, "median_optimizer_ms"), mean_of(seeds, "tokens_per_s")
+        # Timing only from runs that had the GPU to themselves: runs sharing it slow each other down.
+        alone = {seed: r for seed, r in seeds.items() if r.get("runs_sharing_the_gpu", 1) == 1}
+        step_ms, tokens = mean_of(alone, "median_optimizer_ms"), mean_of(alone, "tokens_per_s")
+        if len(alone) < len(seeds):
+            done += f" (timed: {', '.join(map(str, alone)) or 'none'})"
         if entry["failed"]:
             done += " (failed: " + ", ".join(map(str, entry["failed"])) + ")"
         lines.append(f"| {label} | {done} | {bpb:.4f} | {spread} | {versus} | {state:.2f} | {peak} | "
-                     f"{step_ms:.2f} | {tokens:,.0f} | {events_cell(seeds)} |")
+                     f"{'-' if step_ms is None else f'{step_ms:.2f}'} | {'-' if tokens is None else f'{tokens:,.0f}'} | "
+                     f"{events_cell(seeds)} |")
     return lines
 
 
@@ -374,7 +438,9 @@ def write_page(args, doc: Path, command: str) -> None:
               "tensors), per parameter; with bf16 weights it includes the masters' low halves or correction bits. "
               "Peak memory: torch.cuda.max_memory_allocated over the run (model, gradients, activations, state), per "
               "parameter. Optimizer step: median ms of optimizer.step() (steps 6 on); tokens/s: training tokens over the summed step "
-              "times (evaluations left out). "
+              "times (evaluations left out); both from the runs that had the GPU to themselves only: runs started "
+              "several at once (`--jobs`, for the other seeds) give bits and memory like a run alone but slow each "
+              "other down, and \"timed: 0\" in the seeds column names the seeds timed. "
               f"Spikes: steps whose training loss exceeded {trainer.LOSS_SPIKE} x the lowest so far after warmup; "
               "non-finite: a loss or gradient norm that was not finite.",
               "", f"![validation bpb]({png.name})", ""]
@@ -390,7 +456,9 @@ def write_page(args, doc: Path, command: str) -> None:
     for row in args.rows:
         lines.append(f"- `{row}`: {ROWS[row][0]}; `{' '.join(row_flags(row, args.best_biases))}`")
     lines += ["", "Run it (resumable: finished runs are skipped):", "",
-              "```", "python benchmarks/peers.py --time-budget 540   # once per 10-minute device call", "```", ""]
+              "```", "python benchmarks/peers.py --seeds 0 --time-budget 540            # timed, one run at a time",
+              "python benchmarks/peers.py --seeds 1 2 --jobs 6 --time-budget 540   # the other seeds, 6 at once",
+              "```", ""]
     doc.write_text("\n".join(lines))
 
 
@@ -415,14 +483,17 @@ def main(argv=None) -> int:
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="start no run after this many seconds, nor one that the longest finished run of its "
                              "model says would end after them; prints the runs left")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="runs at once on the GPU, each in a process of its own (default 1); their timings are "
+                             "left out of the table, their bits and peak memory are the same as alone")
     parser.add_argument("--retry-failed", action="store_true", help="run again the runs that raised")
     parser.add_argument("--report-only", action="store_true", help="write the page from the results present")
     parser.add_argument("--out-doc", default="docs/results/PEERS.md", help="the page (and peers.png next to it)")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
         parser.error(f"--seeds {' '.join(map(str, args.seeds))}: give distinct seeds >= 0")
-    if args.steps < 1 or (args.batch_size is not None and args.batch_size < 1):
-        parser.error("--steps and --batch-size must be at least 1")
+    if args.steps < 1 or args.jobs < 1 or (args.batch_size is not None and args.batch_size < 1):
+        parser.error("--steps, --jobs and --batch-size must be at least 1")
     args.best_biases = tuple(args.best_biases)
     try:
         trainer.check_config(trainer.TrainConfig(m_bias=args.best_biases[0], rms_bias=args.best_biases[1]))

@@ -4,6 +4,8 @@ The table's runs are real trainer runs (3 steps each); bitsandbytes, torchao and
 are not installed here, so their rows must come out as "not installed".
 """
 import importlib.util
+import shutil
+import subprocess
 import json
 import sys
 from pathlib import Path
@@ -172,3 +174,32 @@ def test_state_bytes_count_inner_tensors_of_holders_once():
     shared = torch.zeros(8)
     optimizer.state[p] = {"h": Holder(), "a": shared[:4], "b": shared[4:], "step": 3}
     assert trainer.optimizer_state_bytes(optimizer) == 10 + 4 + 32
+
+
+def test_runs_at_once_give_the_bits_of_runs_alone_and_are_left_out_of_the_timing(peers, data_dir, tmp_path):
+    """--jobs 2 runs each run in a spawned process of its own (the command line, as on the GPU)."""
+    rows = ["torch-adamw-fused", "packed"]
+    common = ["--models", "micro", "--steps", "3", "--rows", *rows, "--data", str(data_dir)]
+    alone = [*common, "--seeds", "0", "--runs", str(tmp_path / "alone"), "--out-doc", str(tmp_path / "alone.md")]
+    assert peers.main(alone) == 0
+    at_once = [*common, "--seeds", "0", "1", "--jobs", "2", "--runs", str(tmp_path / "at_once"),
+               "--out-doc", str(tmp_path / "at_once.md")]
+    done = subprocess.run([sys.executable, str(PEERS_SCRIPT), *at_once], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for row in rows:
+        first = json.loads((tmp_path / "alone" / "micro" / row / "seed0" / "result.json").read_text())
+        shared = json.loads((tmp_path / "at_once" / "micro" / row / "seed0" / "result.json").read_text())
+        assert first["runs_sharing_the_gpu"] == 1 and shared["runs_sharing_the_gpu"] == 2
+        assert shared["val_curve"] == first["val_curve"]  # the same bits, every evaluation
+        assert shared["summary"]["optimizer_state_bytes"] == first["summary"]["optimizer_state_bytes"]
+    page = (tmp_path / "at_once.md").read_text()
+    cells = table_row(page, peers.ROWS["packed"][0])
+    assert cells[1] == "2/2 (timed: none)" and cells[7:9] == ["-", "-"]
+    # Merged with a timed seed 0, the timing columns are seed 0's alone.
+    shutil.copytree(tmp_path / "alone" / "micro" / "packed" / "seed0", tmp_path / "at_once" / "micro" / "packed" / "seed0",
+                dirs_exist_ok=True)
+    assert peers.main([*at_once, "--report-only"]) == 0
+    cells = table_row((tmp_path / "at_once.md").read_text(), peers.ROWS["packed"][0])
+    first = json.loads((tmp_path / "alone" / "micro" / "packed" / "seed0" / "result.json").read_text())["summary"]
+    assert cells[1] == "2/2 (timed: 0)"
+    assert cells[7:9] == [f"{first['median_optimizer_ms']:.2f}", f"{first['tokens_per_s']:,.0f}"]
