@@ -66,6 +66,7 @@ class Peer:
     class_name: str
     pip: str  # what to run when the import fails
     options: tuple = ()  # (name, value) pairs for the constructor beyond lr, betas, eps, weight_decay
+    fp32_weight_options: tuple = ()  # more pairs when the parameters are FP32 (--param-dtype fp32)
     checkpoints: bool = True
 
 
@@ -79,7 +80,9 @@ PEERS = {
     # FlashOptim: 8-bit moments; on bf16 parameters 24-bit masters (bf16 weight + int8 correction).
     # decouple_lr=False is torch AdamW's weight decay (param *= 1 - lr * weight_decay).
     "flashoptim-adamw": Peer("flashoptim", "FlashAdamW", "pip install flashoptim==0.1.4",
-                             options=(("decouple_lr", False),)),
+                             options=(("decouple_lr", False),),
+                             # its default 24-bit masters refuse FP32 parameters, which need none
+                             fp32_weight_options=(("master_weight_bits", None),)),
 }
 # torch-adamw-fused: torch.optim.AdamW(fused=True) on CUDA (the foreach implementation on the CPU)
 OPTIMIZERS = ("packed-adamw", "torch-adamw", "torch-adamw-fused", *PEERS)
@@ -397,7 +400,9 @@ def make_optimizer(model: GPT, config: TrainConfig) -> torch.optim.Optimizer:
     if config.optimizer in PEERS:
         # The same groups without the names, which not every peer takes
         plain = [{**group, "params": [p for _, p in group["params"]]} for group in groups]
-        return peer_class(config.optimizer)(plain, **common, **dict(PEERS[config.optimizer].options))
+        peer = PEERS[config.optimizer]
+        options = dict(peer.options) | (dict(peer.fp32_weight_options) if config.param_dtype == "fp32" else {})
+        return peer_class(config.optimizer)(plain, **common, **options)
     return PackedAdamW(groups, **common, mode=config.mode, m_bias=config.m_bias, rms_bias=config.rms_bias,
                        track_format=config.track_format)
 
