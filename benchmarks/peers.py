@@ -29,6 +29,7 @@ import json
 import math
 import multiprocessing
 import shutil
+import socket
 import statistics
 import sys
 import time
@@ -47,6 +48,10 @@ from packed_adamw.torch.gpt import train as trainer  # noqa: E402
 from packed_adamw.torch.gpt.model import PRESETS  # noqa: E402
 
 BASELINE = "torch-adamw-fused"  # the "vs FP32 AdamW" column's row
+# The target's rows: PackedAdamW's packed rows, and the peers that keep 8-bit moments
+PACKED_ROWS = ("packed", "packed-best")
+SAME_ALGORITHM = "fp32"  # PackedAdamW fp32: the baseline's arithmetic in another order, so its gap is noise
+EIGHT_BIT = ("bnb-adamw8bit", "torchao-adamw8bit", "torchao-adamwfp8", "flashoptim-adamw", "flashoptim-adamw-bf16")
 AUTOCAST = ["--autocast", "bf16"]
 # name -> (what the table calls it, trainer flags). "packed-best" takes its biases from --best-biases.
 ROWS = {
@@ -104,12 +109,24 @@ def batch_size(model: str, args) -> int:
     return args.batch_size or MODELS[model]["batch_size"]
 
 
+def run_steps(args) -> int:
+    return args.timing_steps if args.timing else args.steps
+
+
 def trainer_argv(args, model: str, row: str, seed: int, out: Path) -> list[str]:
-    """The trainer's flags for one run: the model's, the row's, then what every run shares."""
+    """The trainer's flags for one run: the model's, the row's, then what every run shares. A
+    timing run evaluates once, at its end: the table's bpb comes from the full runs."""
+    steps = run_steps(args)
     return [*MODELS[model]["flags"], *row_flags(row, args.best_biases), "--batch-size", str(batch_size(model, args)),
-            "--data", str(args.data), "--out", str(out), "--max-steps", str(args.steps), "--seed", str(seed),
-            "--eval-every", str(max(1, args.steps // 20)), "--eval-batches", "0", "--no-checkpoints",
-            "--no-progress"]
+            "--data", str(args.data), "--out", str(out), "--max-steps", str(steps), "--seed", str(seed),
+            "--eval-every", str(steps if args.timing else max(1, steps // 20)), "--eval-batches", "0",
+            "--no-checkpoints", "--no-progress"]
+
+
+def run_directory(args, model: str, row: str, seed: int) -> Path:
+    """<runs>/<model>/<row>/seed<K>, or .../timing for the timing pass's run."""
+    name = "timing" if args.timing else f"seed{seed}"
+    return row_directory(Path(args.runs), model, row, args.best_biases) / name
 
 
 def missing_package(row: str, args) -> str | None:
@@ -143,7 +160,8 @@ def session() -> dict:
 
 def tokens_needed(args) -> int:
     """Training tokens of the longest run (a step reads batch x context + 1 tokens from its cursor)."""
-    return max(args.steps * batch_size(m, args) * PRESETS[preset(m)].context for m in args.models) + 1
+    steps = max(args.steps, run_steps(args))
+    return max(steps * batch_size(m, args) * PRESETS[preset(m)].context for m in args.models) + 1
 
 
 def ensure_tapes(args) -> None:
@@ -171,8 +189,10 @@ def ensure_tapes(args) -> None:
 
 
 def planned_runs(args) -> list[tuple[str, str, int]]:
-    """(model, row, seed), seed by seed: a table cut short has every row's first seeds."""
-    return [(model, row, seed) for seed in args.seeds for model in args.models for row in args.rows]
+    """(model, row, seed), seed by seed: a table cut short has every row's first seeds. The timing
+    pass runs seed 0 of every row."""
+    return [(model, row, seed) for seed in ([0] if args.timing else args.seeds)
+            for model in args.models for row in args.rows]
 
 
 def skipped_row(row: str, args) -> bool:
@@ -187,11 +207,12 @@ def run_one(args, model: str, row: str, seed: int, out: Path, sharing: int = 1) 
     summary = trainer.train(trainer.parse_args(argv)[0])
     wall_s = time.perf_counter() - start
     if summary["stopped_because"] != "max_steps":  # a shorter run is not a row of the table
-        raise RuntimeError(f"the run stopped at step {summary['step']} of {args.steps}: {summary['stopped_because']}")
+        raise RuntimeError(f"the run stopped at step {summary['step']} of {run_steps(args)}: "
+                           f"{summary['stopped_because']}")
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     curve = [[r["step"], r["val_bpb"]] for r in log if r.get("val_bpb") is not None]
     result = {"model": model, "row": row, "seed": seed, "trainer_argv": argv, "wall_s": wall_s,
-              "runs_sharing_the_gpu": sharing, "summary": summary, "val_curve": curve, "session": session()}
+              "runs_sharing_the_gpu": sharing, "invocation": args.invocation, "summary": summary, "val_curve": curve, "session": session()}
     (out / RESULT).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
@@ -223,7 +244,7 @@ def pending_runs(args) -> list[tuple[str, str, int, Path]]:
     package is missing: once per row and model, not per seed."""
     runs, missing, pending = Path(args.runs), {}, []
     for model, row, seed in planned_runs(args):
-        out = row_directory(runs, model, row, args.best_biases) / f"seed{seed}"
+        out = run_directory(args, model, row, seed)
         if skipped_row(row, args) or (out / RESULT).exists() or ((out / FAILED).exists() and not args.retry_failed):
             continue
         if row not in missing:
@@ -248,7 +269,7 @@ def run_all(args) -> None:
     started = time.perf_counter()
     longest = {}  # (model, runs at once) -> the longest wall time of its finished runs: the next one's estimate
     for model, row, seed in planned_runs(args):
-        result = row_directory(Path(args.runs), model, row, args.best_biases) / f"seed{seed}" / RESULT
+        result = run_directory(args, model, row, seed) / RESULT
         if result.exists():
             done = json.loads(result.read_text())
             key = (model, done.get("runs_sharing_the_gpu", 1))
@@ -315,12 +336,13 @@ def run_all(args) -> None:
 # ---- the page -------------------------------------------------------------------------------
 
 def collect(args) -> dict:
-    """{model: {row: {"seeds": {seed: result}, "status": str | None, "failed": {seed: error}}}}."""
+    """{model: {row: {"seeds": {seed: result}, "timing": result | None, "status": str | None,
+    "failed": {seed: error}}}}."""
     runs, table = Path(args.runs), {}
     for model in args.models:
         for row in args.rows:
             directory = row_directory(runs, model, row, args.best_biases)
-            entry = {"seeds": {}, "failed": {}, "status": None}
+            entry = {"seeds": {}, "failed": {}, "status": None, "timing": None}
             if skipped_row(row, args):
                 entry["status"] = "the packed row (no best biases chosen: --best-biases M RMS)"
             elif (directory / NOT_INSTALLED).exists():
@@ -331,6 +353,8 @@ def collect(args) -> dict:
                     entry["seeds"][seed] = json.loads((out / RESULT).read_text())
                 elif (out / FAILED).exists():
                     entry["failed"][seed] = json.loads((out / FAILED).read_text())["error"]
+            if (directory / "timing" / RESULT).exists():
+                entry["timing"] = json.loads((directory / "timing" / RESULT).read_text())
             table.setdefault(model, {})[row] = entry
     return table
 
@@ -338,6 +362,35 @@ def collect(args) -> dict:
 def mean_of(seeds: dict, key: str) -> float | None:
     values = [r["summary"].get(key) for r in seeds.values()]
     return statistics.fmean(values) if values and None not in values else None
+
+
+def final_bpb(seeds: dict, only=None) -> float | None:
+    """Mean final val bpb over the seeds (those in `only` when given)."""
+    chosen = [r["summary"]["val_bpb"] for seed, r in seeds.items() if only is None or seed in only]
+    return statistics.fmean(chosen) if chosen else None
+
+
+def versus_baseline(seeds: dict, baseline: dict) -> tuple[float, list[int]] | None:
+    """The row's mean final bpb against the baseline's over the seeds both have (paired: the seed
+    draws the initialisation, so a seed's runs start alike), as a fraction, and those seeds."""
+    common = sorted(set(seeds) & set(baseline))
+    if not common:
+        return None
+    return final_bpb(seeds, common) / final_bpb(baseline, common) - 1, common
+
+
+def timed_runs(entry: dict) -> tuple[str, list[dict]]:
+    """Where the row's timing columns come from: the timing pass's run when there is one, else the
+    full runs that had the GPU to themselves (runs sharing it slow each other down)."""
+    if entry["timing"]:
+        return "timing pass", [entry["timing"]]
+    alone = {seed: r for seed, r in entry["seeds"].items() if r.get("runs_sharing_the_gpu", 1) == 1}
+    return ("seed " if len(alone) == 1 else "seeds ") + ", ".join(map(str, alone)) if alone else "-", list(alone.values())
+
+
+def tokens_per_s(result: dict) -> float | None:
+    summary = result["summary"]  # steady_tokens_per_s: runs since the trainer recorded it
+    return summary.get("steady_tokens_per_s") or summary.get("tokens_per_s")
 
 
 def events_cell(seeds: dict) -> str:
@@ -349,44 +402,95 @@ def events_cell(seeds: dict) -> str:
     return f"{count}: {shown}" + (", ..." if count > 3 else "")
 
 
+def percent(fraction: float) -> str:
+    return f"{100 * fraction:+.2f}%"
+
+
+def seeds_note(common: list[int], baseline: dict) -> str:
+    """The seeds of a comparison, named when they are fewer than the baseline's."""
+    return "" if len(common) == len(baseline) else f" (seeds {', '.join(map(str, common))})"
+
+
 def table_lines(model: str, rows: dict, args) -> list[str]:
     lines = ["| row | seeds done | final val bpb (mean) | spread (min-max) | vs FP32 AdamW | optimizer state B/param "
-             "| peak memory B/param | optimizer step ms | tokens/s | spikes / non-finite |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak memory B/param | optimizer step ms | tokens/s | timed by | spikes / non-finite |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     baseline = rows.get(BASELINE, {}).get("seeds", {})
-    reference = mean_of(baseline, "val_bpb") if baseline else None
     for row, entry in rows.items():
         label, seeds = ROWS[row][0], entry["seeds"]
         if row == "packed-best":
             label += f" {args.best_biases[0]}/{args.best_biases[1]}"
         done = f"{len(seeds)}/{len(args.seeds)}"
         if entry["status"] and not seeds:
-            lines.append(f"| {label} | {done} | {entry['status']} | | | | | | | |")
+            lines.append(f"| {label} | {done} | {entry['status']} | | | | | | | | |")
             continue
         if not seeds:
             failed = "; ".join(f"seed {s}: {e}" for s, e in entry["failed"].items())
-            lines.append(f"| {label} | {done} | {'failed (' + failed + ')' if failed else 'missing'} | | | | | | | |")
+            lines.append(f"| {label} | {done} | {'failed (' + failed + ')' if failed else 'missing'} | | | | | | | | |")
             continue
         bpbs = [r["summary"]["val_bpb"] for r in seeds.values()]
-        bpb = statistics.fmean(bpbs)
         spread = f"{min(bpbs):.4f}-{max(bpbs):.4f}" if len(bpbs) > 1 else "-"
-        versus = f"{100 * (bpb / reference - 1):+.2f}%" if reference else "n/a"
+        paired = versus_baseline(seeds, baseline)
+        versus = percent(paired[0]) + seeds_note(paired[1], baseline) if paired else "n/a"
         state = statistics.fmean(r["summary"]["optimizer_state_bytes"] / r["summary"]["parameters"]
                                  for r in seeds.values())
         peaks = [r["summary"].get("peak_memory_bytes") for r in seeds.values()]
         peak = (f"{statistics.fmean(p / r['summary']['parameters'] for p, r in zip(peaks, seeds.values())):.2f}"
                 if None not in peaks else "-")
-        # Timing only from runs that had the GPU to themselves: runs sharing it slow each other down.
-        alone = {seed: r for seed, r in seeds.items() if r.get("runs_sharing_the_gpu", 1) == 1}
-        step_ms, tokens = mean_of(alone, "median_optimizer_ms"), mean_of(alone, "tokens_per_s")
-        if len(alone) < len(seeds):
-            done += f" (timed: {', '.join(map(str, alone)) or 'none'})"
+        timed_by, timed = timed_runs(entry)
+        step_ms = statistics.fmean(r["summary"]["median_optimizer_ms"] for r in timed) if timed else None
+        tokens = statistics.fmean(tokens_per_s(r) for r in timed) if timed else None
         if entry["failed"]:
             done += " (failed: " + ", ".join(map(str, entry["failed"])) + ")"
-        lines.append(f"| {label} | {done} | {bpb:.4f} | {spread} | {versus} | {state:.2f} | {peak} | "
+        lines.append(f"| {label} | {done} | {statistics.fmean(bpbs):.4f} | {spread} | {versus} | {state:.2f} | {peak} | "
                      f"{'-' if step_ms is None else f'{step_ms:.2f}'} | {'-' if tokens is None else f'{tokens:,.0f}'} | "
-                     f"{events_cell(seeds)} |")
+                     f"{timed_by} | {events_cell(seeds)} |")
     return lines
+
+
+def target_lines(rows: dict) -> list[str]:
+    """The issue's target in words: packed within 1% of FP32 AdamW and at least as close to it as
+    every 8-bit peer, each compared with the baseline on the seeds both have."""
+    baseline = rows.get(BASELINE, {}).get("seeds", {})
+    if not baseline:
+        return ["- Target: no baseline runs yet."]
+    lines = []
+    values = [r["summary"]["val_bpb"] for r in baseline.values()]
+    if len(values) > 1:
+        spread = 100 * (max(values) - min(values)) / statistics.fmean(values)
+        lines.append(f"- Seed noise: the baseline's {len(values)} seeds (initialisations) span {spread:.2f}% of their "
+                     "mean.")
+    same = rows.get(SAME_ALGORITHM, {}).get("seeds", {})
+    gaps = [f"seed {seed} {percent(same[seed]['summary']['val_bpb'] / baseline[seed]['summary']['val_bpb'] - 1)}"
+            for seed in sorted(set(same) & set(baseline))]
+    if gaps:
+        lines.append(f"- Rounding noise: {ROWS[SAME_ALGORITHM][0]} is FP32 AdamW too, with another rounding order; "
+                     f"its final bpb against the baseline's, seed by seed: {', '.join(gaps)}.")
+    peers = {row: versus_baseline(rows[row]["seeds"], baseline) for row in EIGHT_BIT if row in rows}
+    peers = {row: v for row, v in peers.items() if v}
+    for row in PACKED_ROWS:
+        if row not in rows or not rows[row]["seeds"]:
+            continue
+        ours = versus_baseline(rows[row]["seeds"], baseline)
+        if not ours:
+            continue
+        gap, common = ours
+        within = "within 1%: yes" if abs(gap) <= 0.01 else "within 1%: NO"
+        closer = [f"{ROWS[p][0]} {percent(v[0])}{seeds_note(v[1], baseline)}" for p, v in peers.items()
+                  if abs(v[0]) < abs(gap)]
+        lines.append(f"- Target, {ROWS[row][0]}: {percent(gap)} against FP32 AdamW over seeds "
+                     f"{', '.join(map(str, common))}; {within}; 8-bit peers closer to FP32 AdamW than it: "
+                     + ("; ".join(closer) if closer else "none") + ".")
+    return lines
+
+
+def timing_lines(rows: dict) -> list[str]:
+    calls = sorted({str(r.get("invocation", "unrecorded")) for entry in rows.values() for r in timed_runs(entry)[1]})
+    if len(calls) <= 1:
+        return [f"- Timing: every timed run ran in one call ({calls[0] if calls else 'none yet'})."]
+    return [f"- Timing: the timed runs come from {len(calls)} calls ({'; '.join(calls)}). The same run's speed "
+            "differs from one GPU call to the next, so compare timings only within one call: the timing pass "
+            "(`--timing`) times every row in one call."]
 
 
 def mean_curve(seeds: dict) -> tuple[list[int], list[float]]:
@@ -399,9 +503,14 @@ def mean_curve(seeds: dict) -> tuple[list[int], list[float]]:
 def plot_curves(table: dict, png: Path) -> None:
     fig, axes = plt.subplots(1, len(table), figsize=(7 * len(table), 4.5), squeeze=False)
     for ax, (model, rows) in zip(axes[0], table.items()):
-        for row, entry in rows.items():
-            if entry["seeds"]:
-                ax.plot(*mean_curve(entry["seeds"]), marker=".", label=f"{row} ({len(entry['seeds'])} seeds)")
+        colours = plt.get_cmap("tab20").colors
+        for index, (row, entry) in enumerate(rows.items()):
+            if entry["seeds"]:  # PackedAdamW's rows solid, the peers' dashed
+                ours = flag_value(ROWS[row][1], "--optimizer") is None
+                ax.plot(*mean_curve(entry["seeds"]), marker=".", color=colours[index % len(colours)],
+                        linestyle="-" if ours else "--", label=f"{row} ({len(entry['seeds'])} seeds)")
+        if not any(entry["seeds"] for entry in rows.values()):
+            ax.text(0.5, 0.5, "no runs yet", ha="center", va="center", transform=ax.transAxes)
         ax.set(title=model, xlabel="step", ylabel="validation bits per byte (mean over seeds)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -416,10 +525,10 @@ def write_page(args, doc: Path, command: str) -> None:
     png = doc.with_name("peers.png")
     doc.parent.mkdir(parents=True, exist_ok=True)
     plot_curves(table, png)
-    sessions = {json.dumps({k: v for k, v in r["session"].items() if k != "date"}, sort_keys=True)
-                for rows in table.values() for entry in rows.values() for r in entry["seeds"].values()}
-    dates = sorted({r["session"]["date"] for rows in table.values() for entry in rows.values()
-                    for r in entry["seeds"].values()})
+    results = [r for rows in table.values() for entry in rows.values()
+               for r in [*entry["seeds"].values(), *([entry["timing"]] if entry["timing"] else [])]]
+    sessions = {json.dumps({k: v for k, v in r["session"].items() if k != "date"}, sort_keys=True) for r in results}
+    dates = sorted({r["session"]["date"] for r in results})
     lines = ["# PackedAdamW against low-memory AdamW peers", "",
              f"- Page written {datetime.date.today().isoformat()}; runs from "
              + (f"{dates[0]} to {dates[-1]}" if len(dates) > 1 else dates[0] if dates else "(none yet)")]
@@ -427,20 +536,23 @@ def write_page(args, doc: Path, command: str) -> None:
         s = json.loads(text)
         installed = ", ".join(f"{k} {v}" for k, v in s["versions"].items() if v)
         lines.append(f"- GPU: {s['gpu']}; {installed}")
-    lines += [f"- Command: `{command}`",
+    lines += [f"- This page: `{command}`; the runs: the commands under \"Run it\" below, over several calls",
               f"- Each run: {args.steps} steps, seeds {', '.join(map(str, args.seeds))} (the initialisation; the "
               f"data order is the same), tape `{args.data}` read in order, warmup then cosine decay, clipping at 1.0, "
               "weight decay 0.1 on matrices and embeddings, betas (0.9, 0.95), eps 1e-8; validation on the whole "
               f"validation tape every {max(1, args.steps // 20)} steps; FP32-weight rows under bf16 autocast.",
               "- Columns: final val bpb and the trainer's measurements, the mean over the seeds done; spread: the "
-              "lowest and highest final val bpb; vs FP32 AdamW: the mean against the baseline row's mean. "
+              "lowest and highest final val bpb; vs FP32 AdamW: the row's mean against the baseline row's mean over "
+              "the seeds both have (paired: a seed is an initialisation; named when fewer than the baseline's). "
               "Optimizer state: bytes of every tensor in optimizer.state (a tensor subclass counted by its inner "
               "tensors), per parameter; with bf16 weights it includes the masters' low halves or correction bits. "
               "Peak memory: torch.cuda.max_memory_allocated over the run (model, gradients, activations, state), per "
-              "parameter. Optimizer step: median ms of optimizer.step() (steps 6 on); tokens/s: training tokens over the summed step "
-              "times (evaluations left out); both from the runs that had the GPU to themselves only: runs started "
-              "several at once (`--jobs`, for the other seeds) give bits and memory like a run alone but slow each "
-              "other down, and \"timed: 0\" in the seeds column names the seeds timed. "
+              "parameter. Optimizer step: median ms of optimizer.step() from step 6 on; tokens/s: training tokens over the "
+              "summed step times from step 6 on (runs recorded before the trainer kept that: over every step), "
+              "evaluations left out. Both come from the runs named in \"timed by\": the timing pass (`--timing`: "
+              f"each row's seed-0 run of {args.timing_steps} steps, one after another in one call) where it ran, "
+              "else the full runs that had the GPU to themselves. Runs started several at once (`--jobs`) give the "
+              "same bits and peak memory as alone but slow each other down, so they are never timed. "
               f"Spikes: steps whose training loss exceeded {trainer.LOSS_SPIKE} x the lowest so far after warmup; "
               "non-finite: a loss or gradient norm that was not finite.",
               "", f"![validation bpb]({png.name})", ""]
@@ -449,17 +561,36 @@ def write_page(args, doc: Path, command: str) -> None:
         lines += [f"## {model}", "",
                   f"Preset `{preset(model)}` (d_model {shape.d_model}, {shape.n_layers} layers, "
                   f"{shape.n_heads} heads, context {shape.context}), batch {batch_size(model, args)}; "
-                  f"trainer flags `{' '.join(MODELS[model]['flags'])}`.", "", *table_lines(model, rows, args), ""]
+                  f"trainer flags `{' '.join(MODELS[model]['flags'])}`.", "", *table_lines(model, rows, args), "",
+                  *target_lines(rows), *timing_lines(rows), ""]
     lines += ["## Rows", "", "Trainer flags of each row; every run adds the model's flags and `--batch-size`, "
               "`--data`, `--out`, `--max-steps`, `--seed`, `--eval-every`, `--eval-batches 0 --no-checkpoints "
               "--no-progress` (each result.json holds its run's whole trainer_argv):", ""]
     for row in args.rows:
         lines.append(f"- `{row}`: {ROWS[row][0]}; `{' '.join(row_flags(row, args.best_biases))}`")
-    lines += ["", "Run it (resumable: finished runs are skipped):", "",
-              "```", "python benchmarks/peers.py --seeds 0 --time-budget 540            # timed, one run at a time",
-              "python benchmarks/peers.py --seeds 1 2 --jobs 6 --time-budget 540   # the other seeds, 6 at once",
+    lines += ["", "Run it (resumable: finished runs are skipped; one 10-minute GPU call each, repeated until done):", "",
+              "```", "python benchmarks/peers.py --seeds 0 --time-budget 540          # one run at a time",
+              "python benchmarks/peers.py --seeds 1 2 --jobs 8 --time-budget 400 # the other seeds, 8 at once",
+              "python benchmarks/peers.py --timing --models reference            # every row timed in one call",
+              "python benchmarks/peers.py --timing --models gpt2-small",
               "```", ""]
     doc.write_text("\n".join(lines))
+    doc.with_name("peers.json").write_text(json.dumps(compact_results(table), indent=0) + "\n")
+
+
+def compact_results(table: dict) -> list[dict]:
+    """The page's numbers run by run, without the logs and configurations (those stay in the runs)."""
+    keep = ("val_bpb", "parameters", "optimizer_state_bytes", "peak_memory_bytes", "median_optimizer_ms",
+            "tokens_per_s", "steady_tokens_per_s", "loss_event_count")
+    found = []
+    for model, rows in table.items():
+        for row, entry in rows.items():
+            for seed, r in [*entry["seeds"].items(), *([("timing", entry["timing"])] if entry["timing"] else [])]:
+                found.append({"model": model, "row": row, "seed": seed, "runs_sharing_the_gpu":
+                              r.get("runs_sharing_the_gpu", 1), "invocation": r.get("invocation"),
+                              "session": r["session"], **{k: r["summary"].get(k) for k in keep},
+                              "val_curve": r["val_curve"], "trainer_argv": r["trainer_argv"]})
+    return found
 
 
 def main(argv=None) -> int:
@@ -486,14 +617,25 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="runs at once on the GPU, each in a process of its own (default 1); their timings are "
                              "left out of the table, their bits and peak memory are the same as alone")
+    parser.add_argument("--timing", action="store_true",
+                        help="the timing pass: every row's seed 0 for --timing-steps steps, one at a time, into "
+                             "<runs>/<model>/<row>/timing/; the table's timing columns then come from it")
+    parser.add_argument("--timing-steps", type=int, default=200, metavar="N", help="the timing pass's steps")
     parser.add_argument("--retry-failed", action="store_true", help="run again the runs that raised")
     parser.add_argument("--report-only", action="store_true", help="write the page from the results present")
     parser.add_argument("--out-doc", default="docs/results/PEERS.md", help="the page (and peers.png next to it)")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
         parser.error(f"--seeds {' '.join(map(str, args.seeds))}: give distinct seeds >= 0")
-    if args.steps < 1 or args.jobs < 1 or (args.batch_size is not None and args.batch_size < 1):
-        parser.error("--steps, --jobs and --batch-size must be at least 1")
+    if min(args.steps, args.timing_steps, args.jobs) < 1 or (args.batch_size is not None and args.batch_size < 1):
+        parser.error("--steps, --timing-steps, --jobs and --batch-size must be at least 1")
+    if args.timing and args.jobs != 1:
+        parser.error(f"--timing with --jobs {args.jobs}: the timing pass runs one run at a time (runs sharing the GPU "
+                     "slow each other down)")
+    if args.timing_steps <= 5:
+        parser.error(f"--timing-steps {args.timing_steps}: the timings skip the first 5 steps; give more")
+    # which call a run came from: the same run's speed differs between GPU calls
+    args.invocation = f"{socket.gethostname()} {datetime.datetime.now().isoformat(timespec='seconds')}"
     args.best_biases = tuple(args.best_biases)
     try:
         trainer.check_config(trainer.TrainConfig(m_bias=args.best_biases[0], rms_bias=args.best_biases[1]))

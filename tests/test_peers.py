@@ -75,7 +75,7 @@ def test_table_runs_skips_finished_runs_and_reports_missing_peers(peers, data_di
     header = table_row(page, "row")
     assert header == ["row", "seeds done", "final val bpb (mean)", "spread (min-max)", "vs FP32 AdamW",
                       "optimizer state B/param", "peak memory B/param", "optimizer step ms", "tokens/s",
-                      "spikes / non-finite"]
+                      "timed by", "spikes / non-finite"]
     label = {row: peers.ROWS[row][0] for row in ROWS}
     base = [results["torch-adamw-fused", seed]["val_bpb"] for seed in (0, 1)]
     for row in ROWS[:3]:
@@ -86,9 +86,10 @@ def test_table_runs_skips_finished_runs_and_reports_missing_peers(peers, data_di
                               f"{100 * (mean / (sum(base) / 2) - 1):+.2f}%"]
         state = sum(results[row, s]["optimizer_state_bytes"] for s in (0, 1)) / 2 / parameters
         steps_ms = sum(results[row, s]["median_optimizer_ms"] for s in (0, 1)) / 2
-        assert cells[5:9] == [f"{state:.2f}", "-", f"{steps_ms:.2f}",
-                              f"{sum(results[row, s]['tokens_per_s'] for s in (0, 1)) / 2:,.0f}"]
-        assert cells[9] == "none"
+        assert cells[5:10] == [f"{state:.2f}", "-", f"{steps_ms:.2f}",
+                               f"{sum(results[row, s]['steady_tokens_per_s'] for s in (0, 1)) / 2:,.0f}",
+                               "seeds 0, 1"]
+        assert cells[10] == "none"
     assert table_row(page, label["torchao-adamw8bit"])[1:3] == ["0/2", "not installed: pip install torchao==0.18.0"]
 
     # A second call: every run has its result (or is not installed), so the trainer is not called.
@@ -116,7 +117,8 @@ def test_missing_runs_show_as_missing_and_the_time_budget_stops(peers, data_dir,
 def test_tapes_are_built_with_passes_enough_for_the_longest_run(peers, tmp_path, monkeypatch):
     documents = make_documents(12, 200)
     monkeypatch.setattr(peers, "default_corpus_documents", lambda: documents)
-    args = type("Args", (), {"data": tmp_path / "tapes", "steps": 400, "models": ["micro"], "batch_size": 8})()
+    args = type("Args", (), {"data": tmp_path / "tapes", "steps": 400, "models": ["micro"], "batch_size": 8,
+                         "timing": False})()
     peers.ensure_tapes(args)
     tape = peers.TapeReader(tmp_path / "tapes" / "train.tape")
     assert tape.num_tokens >= 400 * 8 * 16 + 1
@@ -194,12 +196,80 @@ def test_runs_at_once_give_the_bits_of_runs_alone_and_are_left_out_of_the_timing
         assert shared["summary"]["optimizer_state_bytes"] == first["summary"]["optimizer_state_bytes"]
     page = (tmp_path / "at_once.md").read_text()
     cells = table_row(page, peers.ROWS["packed"][0])
-    assert cells[1] == "2/2 (timed: none)" and cells[7:9] == ["-", "-"]
+    assert cells[1] == "2/2" and cells[7:10] == ["-", "-", "-"]
     # Merged with a timed seed 0, the timing columns are seed 0's alone.
     shutil.copytree(tmp_path / "alone" / "micro" / "packed" / "seed0", tmp_path / "at_once" / "micro" / "packed" / "seed0",
                 dirs_exist_ok=True)
     assert peers.main([*at_once, "--report-only"]) == 0
     cells = table_row((tmp_path / "at_once.md").read_text(), peers.ROWS["packed"][0])
     first = json.loads((tmp_path / "alone" / "micro" / "packed" / "seed0" / "result.json").read_text())["summary"]
-    assert cells[1] == "2/2 (timed: 0)"
-    assert cells[7:9] == [f"{first['median_optimizer_ms']:.2f}", f"{first['tokens_per_s']:,.0f}"]
+    assert cells[7:10] == [f"{first['median_optimizer_ms']:.2f}", f"{first['steady_tokens_per_s']:,.0f}", "seed 0"]
+
+
+def fake_result(bpb, optimizer_ms=1.0, tokens=100.0, sharing=1, invocation="call A"):
+    return {"summary": {"val_bpb": bpb, "median_optimizer_ms": optimizer_ms, "steady_tokens_per_s": tokens,
+                        "optimizer_state_bytes": 4, "parameters": 1, "loss_event_count": 0},
+            "runs_sharing_the_gpu": sharing, "invocation": invocation}
+
+
+def test_vs_baseline_is_paired_on_common_seeds_and_the_target_is_stated(peers):
+    entry = lambda seeds, timing=None: {"seeds": seeds, "failed": {}, "status": None, "timing": timing}  # noqa: E731
+    rows = {
+        "torch-adamw-fused": entry({0: fake_result(2.0), 1: fake_result(3.0), 2: fake_result(2.8)}),
+        "bnb-adamw8bit": entry({0: fake_result(2.02), 1: fake_result(3.03)}),  # +1% on seeds 0, 1 (mean 2.5)
+        "torchao-adamwfp8": entry({0: fake_result(2.0), 1: fake_result(3.0)}),
+        "packed": entry({0: fake_result(2.0), 1: fake_result(3.0), 2: fake_result(2.856)}),
+        "fp32": entry({0: fake_result(2.02), 1: fake_result(2.97), 2: fake_result(2.8)}),
+    }
+    args = type("Args", (), {"seeds": [0, 1, 2], "best_biases": (15, 15)})()
+    lines = peers.table_lines("micro", rows, args)
+    cells = {row: table_row("\n".join(lines), peers.ROWS[row][0]) for row in rows}
+    # bnb's mean 2.525 against the baseline's on seeds 0 and 1 (2.5), not on all three (2.6): paired,
+    # and the seeds are named.
+    assert cells["bnb-adamw8bit"][4] == "+1.00% (seeds 0, 1)"
+    assert cells["packed"][4] == "+0.72%"
+    target = peers.target_lines(rows)
+    assert any("span 38.46%" in line for line in target)
+    assert any("seed 0 +1.00%, seed 1 -1.00%, seed 2 +0.00%" in line for line in target)
+    (packed_line,) = [line for line in target if line.startswith("- Target, PackedAdamW packed")]
+    assert "+0.72% against FP32 AdamW over seeds 0, 1, 2; within 1%: yes" in packed_line
+    assert "torchao AdamWFp8 +0.00% (seeds 0, 1)" in packed_line and "bitsandbytes" not in packed_line
+    rows["packed"]["seeds"][2] = fake_result(2.9)  # +1.28%
+    (packed_line,) = [line for line in peers.target_lines(rows) if line.startswith("- Target, PackedAdamW packed")]
+    assert "within 1%: NO" in packed_line and "bitsandbytes AdamW8bit +1.00% (seeds 0, 1)" in packed_line
+
+    # Timing: the timing pass's run when there is one, never a run that shared the GPU, and the calls named
+    rows["packed"] = entry({0: fake_result(2.0, sharing=3)}, timing=fake_result(9.0, optimizer_ms=0.5, invocation="call B"))
+    rows["bnb-adamw8bit"]["seeds"][0]["runs_sharing_the_gpu"] = 2
+    cells = {row: table_row("\n".join(peers.table_lines("micro", rows, args)), peers.ROWS[row][0]) for row in rows}
+    assert cells["packed"][7:10] == ["0.50", "100", "timing pass"]
+    assert cells["bnb-adamw8bit"][7:10] == ["1.00", "100", "seed 1"]
+    (timing,) = peers.timing_lines(rows)
+    assert "from 2 calls (call A; call B)" in timing
+    del rows["packed"]
+    assert peers.timing_lines(rows) == ["- Timing: every timed run ran in one call (call A)."]
+
+
+def test_the_timing_pass_runs_seed_0_of_every_row_into_timing(peers, data_dir, tmp_path, capsys):
+    runs, doc = tmp_path / "runs", tmp_path / "PEERS.md"
+    common = ["--models", "micro", "--steps", "3", "--rows", "torch-adamw-fused", "packed", "--runs", str(runs),
+              "--data", str(data_dir), "--out-doc", str(doc)]
+    assert peers.main([*common, "--seeds", "1", "--timing", "--timing-steps", "7"]) == 0
+    for row in ("torch-adamw-fused", "packed"):
+        timing = json.loads((runs / "micro" / row / "timing" / "result.json").read_text())
+        assert timing["seed"] == 0 and timing["summary"]["step"] == 7 and "--seed" in timing["trainer_argv"]
+        assert [step for step, _ in timing["val_curve"]] == [7]  # one evaluation, at the end
+        assert not (runs / "micro" / row / "seed1").exists()
+    cells = table_row(doc.read_text(), peers.ROWS["packed"][0])
+    assert cells[1:3] == ["0/1", "missing"]  # the timing run is not a seed of the table
+    assert peers.main([*common, "--seeds", "1"]) == 0
+    cells = table_row(doc.read_text(), peers.ROWS["packed"][0])
+    assert cells[1] == "1/1" and cells[9] == "timing pass"
+    data = json.loads((tmp_path / "peers.json").read_text())
+    assert sorted((d["row"], str(d["seed"])) for d in data) == [("packed", "1"), ("packed", "timing"),
+                                                               ("torch-adamw-fused", "1"), ("torch-adamw-fused", "timing")]
+    for argv, message in ((["--timing", "--jobs", "2"], "the timing pass runs one run at a time"),
+                          (["--timing-steps", "5"], "the timings skip the first 5 steps")):
+        with pytest.raises(SystemExit):
+            peers.main([*common, *argv])
+        assert message in capsys.readouterr().err

@@ -1065,6 +1065,9 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
         "final_train_loss_mean_last_50": statistics.fmean(recent_losses) if recent_losses else None,
         "val_bpb": val_bpb,
         "tokens_per_s": tokens_per_step * len(step_times) / sum(step_times) if step_times else None,
+        # the same without the first steps (compilation, autotuning, allocator warm-up)
+        "steady_tokens_per_s": (tokens_per_step * len(step_times[steady]) / sum(step_times[steady])
+                                if step_times else None),
         "median_fwd_bwd_ms": median_ms(fwd_bwd_times),
         "median_optimizer_ms": median_ms(optimizer_times),
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),  # this rank's (an FSDP2 shard's)
