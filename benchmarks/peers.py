@@ -70,6 +70,15 @@ ROWS = {
     "packed-bf16": ("PackedAdamW packed, bf16 weights + split masters", ["--mode", "packed", "--param-dtype", "bf16"]),
 }
 DEFAULT_BIASES = (15, 15)
+PEER_NOTES = (
+    "torchao 0.18: quantized moments only for tensors of at least 4,096 elements whose size its block "
+    "(256 elements; 128 for AdamW4bit) divides, FP32 moments for the rest. The reference GPT's tied "
+    "embedding (12,095 x 288 = 3,483,360 elements, a multiple of neither) keeps FP32 moments: 30% of its "
+    "parameters. gpt2-small's (12,095 x 768) is a multiple of 256.",
+    "bitsandbytes 0.50: blockwise 8-bit moments for tensors of at least 4,096 elements, FP32 below.",
+    "FlashOptim 0.1: 8-bit moments; with bf16 weights an int8 correction per weight (24-bit masters). With FP32 "
+    "weights the trainer passes master_weight_bits=None, which FlashOptim requires there.",
+)
 # name -> its batch and trainer flags (preset, schedule). Batches of 8,192 tokens for both models,
 # so that 1,000 steps read 6 passes of the embedded corpus (1.37 M tokens a pass).
 MODELS = {
@@ -568,6 +577,8 @@ def write_page(args, doc: Path, command: str) -> None:
               "--no-progress` (each result.json holds its run's whole trainer_argv):", ""]
     for row in args.rows:
         lines.append(f"- `{row}`: {ROWS[row][0]}; `{' '.join(row_flags(row, args.best_biases))}`")
+    lines += ["", "What the peers keep (their state bytes above are measured; this is why they differ):", "",
+              *[f"- {note}" for note in PEER_NOTES]]
     lines += ["", "Run it (resumable: finished runs are skipped; one 10-minute GPU call each, repeated until done):", "",
               "```", "python benchmarks/peers.py --seeds 0 --time-budget 540          # one run at a time",
               "python benchmarks/peers.py --seeds 1 2 --jobs 8 --time-budget 400 # the other seeds, 8 at once",

@@ -73,7 +73,8 @@ class Peer:
 PEERS = {
     # bitsandbytes: blockwise 8-bit moments for tensors of >= 4096 elements (its min_8bit_size), FP32 below
     "bnb-adamw8bit": Peer("bitsandbytes.optim", "AdamW8bit", "pip install bitsandbytes==0.50.2"),
-    # torchao: blockwise quantized moments (tensor subclasses) for tensors of >= 4096 elements, FP32 below
+    # torchao: blockwise quantized moments (tensor subclasses) for tensors of >= 4096 elements whose size
+    # its block (256; 128 for 4-bit) divides, FP32 moments otherwise (the reference GPT's 12,095 x 288 embedding)
     "torchao-adamw8bit": Peer("torchao.optim", "AdamW8bit", "pip install torchao==0.18.0", checkpoints=False),
     "torchao-adamw4bit": Peer("torchao.optim", "AdamW4bit", "pip install torchao==0.18.0", checkpoints=False),
     "torchao-adamwfp8": Peer("torchao.optim", "AdamWFp8", "pip install torchao==0.18.0", checkpoints=False),
