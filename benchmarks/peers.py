@@ -14,7 +14,9 @@ bf16 without it. The baseline row is torch.optim.AdamW(fused=True). Each run wri
 the table fills over several calls; a run cut short (no result.json) starts again from step 0:
 runs write no checkpoints (torchao's state cannot go into them), and each is meant to fit
 in one call (minutes on an H200). The loop goes seed by seed, so an interrupted table has every
-row at its first seeds. A row whose package is not installed is recorded once in
+row at its first seeds. The packed-best row's biases come from `suggest_biases` on each model's
+FP32 moments after a short probe run (`--best-biases auto`, the default), or from
+`--best-biases M RMS`. A row whose package is not installed is recorded once in
 `<runs>/<model>/<row>/not_installed.json` and shown as such; a run that raises is recorded in
 its `failed.json` and skipped until `--retry-failed`.
 
@@ -48,6 +50,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from packed_adamw.core.format_health import suggest_biases  # noqa: E402
+from packed_adamw.inspect.files import load_state_file  # noqa: E402
 from packed_adamw.tokenizer.corpus import default_corpus_documents  # noqa: E402
 from packed_adamw.tokenizer.tape import TapeReader, build_split  # noqa: E402
 from packed_adamw.torch.gpt import train as trainer  # noqa: E402
@@ -70,7 +74,7 @@ ROWS = {
     "flashoptim-adamw-bf16": ("FlashOptim FlashAdamW, bf16 weights + 24-bit masters",
                               ["--optimizer", "flashoptim-adamw", "--param-dtype", "bf16"]),
     "packed": ("PackedAdamW packed, biases 15/15", ["--mode", "packed", *AUTOCAST]),
-    "packed-best": ("PackedAdamW packed, best biases", ["--mode", "packed", *AUTOCAST]),
+    "packed-best": ("PackedAdamW packed, suggested biases", ["--mode", "packed", *AUTOCAST]),
     "fp16": ("PackedAdamW fp16", ["--mode", "fp16", *AUTOCAST]),
     "fp32": ("PackedAdamW fp32", ["--mode", "fp32", *AUTOCAST]),
     "packed-bf16": ("PackedAdamW packed, bf16 weights + split masters", ["--mode", "packed", "--param-dtype", "bf16"]),
@@ -97,6 +101,7 @@ MODELS = {
 DEFAULT_MODELS = ["reference", "gpt2-small"]
 PACKAGES = ("torch", "triton", "bitsandbytes", "torchao", "flashoptim", "packed_adamw")
 RESULT, NOT_INSTALLED, FAILED = "result.json", "not_installed.json", "failed.json"
+PROBE = "bias-probe"  # <runs>/<model>/bias-probe: --best-biases auto's FP32 run and its suggested.json
 
 
 def flag_value(flags: list[str], name: str) -> str | None:
@@ -107,17 +112,53 @@ def preset(model: str) -> str:
     return flag_value(MODELS[model]["flags"], "--config")
 
 
-def row_flags(row: str, best_biases: tuple[int, int]) -> list[str]:
+def row_flags(row: str, best_biases: tuple[int, int] | None) -> list[str]:
     flags = list(ROWS[row][1])
-    if row == "packed-best":
+    if row == "packed-best" and best_biases:
         flags += ["--m-bias", str(best_biases[0]), "--rms-bias", str(best_biases[1])]
     return flags
 
 
-def row_directory(runs: Path, model: str, row: str, best_biases: tuple[int, int]) -> Path:
+def row_directory(runs: Path, model: str, row: str, best_biases: tuple[int, int] | None) -> Path:
     """The best-biases row's runs live under their biases, so choosing others starts new runs."""
-    name = f"packed-best-m{best_biases[0]}-rms{best_biases[1]}" if row == "packed-best" else row
+    name = f"packed-best-m{best_biases[0]}-rms{best_biases[1]}" if row == "packed-best" and best_biases else row
     return runs / model / name
+
+
+def model_biases(args, model: str) -> tuple[int, int] | None:
+    """The packed-best row's biases for the model: --best-biases M RMS, or the FP32 probe's
+    suggestion (--best-biases auto; None until the probe has run)."""
+    return args.best_biases if isinstance(args.best_biases, tuple) else args.best_biases.get(model)
+
+
+def probe_biases(args, model: str) -> tuple[int, int] | None:
+    """The biases `suggest_biases` reads off the model's FP32 moments (FORMAT_HEALTH.md): the
+    table's fp32 row, seed 0, stopped after --probe-steps steps of the table's schedule. Kept in
+    <runs>/<model>/bias-probe/suggested.json (with the suggestion's reasons and the probe's
+    command); None when it has not run and this call runs nothing."""
+    directory = Path(args.runs) / model / PROBE
+    kept = directory / "suggested.json"
+    if kept.exists():
+        return tuple(json.loads(kept.read_text())["biases"])
+    if args.report_only:
+        return None
+    argv = [*MODELS[model]["flags"], *ROWS["fp32"][1], "--batch-size", str(batch_size(model, args)),
+            "--data", str(args.data), "--out", str(directory), "--max-steps", str(args.steps),
+            "--stop-at-step", str(args.probe_steps), "--seed", "0", "--eval-every", "0", "--no-progress"]
+    shutil.rmtree(directory, ignore_errors=True)
+    print(f"bias probe {model}: {args.probe_steps} steps of the fp32 row", flush=True)
+    trainer.train(trainer.parse_args(argv)[0])
+    checkpoint = directory / trainer.CHECKPOINT_NAME
+    state = load_state_file(checkpoint)
+    values = [state.values(t) for t in state.tensors]
+    checkpoint.unlink()  # 12 bytes a parameter: too large to carry between GPU calls, and read now
+    suggestion = suggest_biases([m for m, _ in values], [rms for _, rms in values])
+    m_bias, rms_bias = suggestion
+    kept.write_text(json.dumps({"biases": [m_bias, rms_bias], "probe_steps": args.probe_steps,
+                                "suggestion": suggestion.as_dict(), "trainer_argv": argv, "session": session()},
+                               indent=1) + "\n")
+    print(f"bias probe {model}: suggested m_bias {m_bias}, rms_bias {rms_bias}", flush=True)
+    return m_bias, rms_bias
 
 
 def batch_size(model: str, args) -> int:
@@ -132,7 +173,7 @@ def trainer_argv(args, model: str, row: str, seed: int, out: Path) -> list[str]:
     """The trainer's flags for one run: the model's, the row's, then what every run shares. A
     timing run evaluates once, at its end: the table's bpb comes from the full runs."""
     steps = run_steps(args)
-    return [*MODELS[model]["flags"], *row_flags(row, args.best_biases), "--batch-size", str(batch_size(model, args)),
+    return [*MODELS[model]["flags"], *row_flags(row, model_biases(args, model)), "--batch-size", str(batch_size(model, args)),
             "--data", str(args.data), "--out", str(out), "--max-steps", str(steps), "--seed", str(seed),
             "--eval-every", str(steps if args.timing else max(1, steps // 20)), "--eval-batches", "0",
             "--no-checkpoints", "--no-progress"]
@@ -141,12 +182,12 @@ def trainer_argv(args, model: str, row: str, seed: int, out: Path) -> list[str]:
 def run_directory(args, model: str, row: str, seed: int) -> Path:
     """<runs>/<model>/<row>/seed<K>, or .../timing for the timing pass's run."""
     name = "timing" if args.timing else f"seed{seed}"
-    return row_directory(Path(args.runs), model, row, args.best_biases) / name
+    return row_directory(Path(args.runs), model, row, model_biases(args, model)) / name
 
 
 def missing_package(row: str, args) -> str | None:
     """"not installed: <pip command>" when the row's optimizer package cannot be imported, else None."""
-    optimizer = flag_value(row_flags(row, args.best_biases), "--optimizer")
+    optimizer = flag_value(ROWS[row][1], "--optimizer")
     if optimizer not in trainer.PEERS:
         return None
     try:
@@ -210,9 +251,10 @@ def planned_runs(args) -> list[tuple[str, str, int]]:
             for model in args.models for row in args.rows]
 
 
-def skipped_row(row: str, args) -> bool:
-    """The best-biases row with the default biases is the packed row itself: not run twice."""
-    return row == "packed-best" and tuple(args.best_biases) == DEFAULT_BIASES
+def skipped_row(row: str, args, model: str) -> bool:
+    """The best-biases row without biases yet, or with the default ones (the packed row itself:
+    not run twice)."""
+    return row == "packed-best" and model_biases(args, model) in (None, DEFAULT_BIASES)
 
 
 def run_one(args, model: str, row: str, seed: int, out: Path, sharing: int = 1) -> dict:
@@ -260,12 +302,12 @@ def pending_runs(args) -> list[tuple[str, str, int, Path]]:
     runs, missing, pending = Path(args.runs), {}, []
     for model, row, seed in planned_runs(args):
         out = run_directory(args, model, row, seed)
-        if skipped_row(row, args) or (out / RESULT).exists() or ((out / FAILED).exists() and not args.retry_failed):
+        if skipped_row(row, args, model) or (out / RESULT).exists() or ((out / FAILED).exists() and not args.retry_failed):
             continue
         if row not in missing:
             missing[row] = missing_package(row, args)
             for m in args.models:
-                path = row_directory(runs, m, row, args.best_biases) / NOT_INSTALLED
+                path = row_directory(runs, m, row, model_biases(args, m)) / NOT_INSTALLED
                 if missing[row]:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_text(json.dumps({"row": row, "status": missing[row], "session": session()}) + "\n")
@@ -356,10 +398,12 @@ def collect(args) -> dict:
     runs, table = Path(args.runs), {}
     for model in args.models:
         for row in args.rows:
-            directory = row_directory(runs, model, row, args.best_biases)
+            biases = model_biases(args, model)
+            directory = row_directory(runs, model, row, biases)
             entry = {"seeds": {}, "failed": {}, "status": None, "timing": None}
-            if skipped_row(row, args):
-                entry["status"] = "the packed row (no best biases chosen: --best-biases M RMS)"
+            if skipped_row(row, args, model):
+                entry["status"] = ("no biases yet: the FP32 probe of --best-biases auto has not run" if biases is None
+                                   else "the packed row (the best biases are the default 15/15)")
             elif (directory / NOT_INSTALLED).exists():
                 entry["status"] = json.loads((directory / NOT_INSTALLED).read_text())["status"]
             for seed in args.seeds:
@@ -434,7 +478,8 @@ def table_lines(model: str, rows: dict, args) -> list[str]:
     for row, entry in rows.items():
         label, seeds = ROWS[row][0], entry["seeds"]
         if row == "packed-best":
-            label += f" {args.best_biases[0]}/{args.best_biases[1]}"
+            biases = model_biases(args, model)
+            label += f" {biases[0]}/{biases[1]}" if biases else ""
         done = f"{len(seeds)}/{len(args.seeds)}"
         if entry["status"] and not seeds:
             lines.append(f"| {label} | {done} | {entry['status']} | | | | | | | | |")
@@ -582,7 +627,14 @@ def write_page(args, doc: Path, command: str) -> None:
               "`--data`, `--out`, `--max-steps`, `--seed`, `--eval-every`, `--eval-batches 0 --no-checkpoints "
               "--no-progress` (each result.json holds its run's whole trainer_argv):", ""]
     for row in args.rows:
-        lines.append(f"- `{row}`: {ROWS[row][0]}; `{' '.join(row_flags(row, args.best_biases))}`")
+        lines.append(f"- `{row}`: {ROWS[row][0]}; `{' '.join(ROWS[row][1])}`")
+        if row == "packed-best":
+            chosen = {model: model_biases(args, model) for model in args.models}
+            source = (f"suggest_biases on each model's FP32 moments after {args.probe_steps} steps of the fp32 row "
+                      "(<runs>/<model>/bias-probe/suggested.json)" if isinstance(args.best_biases, dict)
+                      else "--best-biases")
+            lines.append("  with `--m-bias M --rms-bias RMS` from " + source + ": " + ", ".join(
+                f"{model} {b[0]}/{b[1]}" if b else f"{model} not yet" for model, b in chosen.items()))
     lines += ["", "What the peers keep (their state bytes above are measured; this is why they differ):", "",
               *[f"- {note}" for note in PEER_NOTES]]
     lines += ["", "Run it (resumable: finished runs are skipped; one 10-minute GPU call each, repeated until done):", "",
@@ -621,9 +673,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=None,
                         help="every model's batch (default: the model's own, 32 for reference, 8 for gpt2-small)")
-    parser.add_argument("--best-biases", nargs=2, type=int, default=list(DEFAULT_BIASES), metavar=("M", "RMS"),
-                        help="the packed-best row's --m-bias and --rms-bias (default 15 15: the packed row itself, "
-                             "not run twice)")
+    parser.add_argument("--best-biases", nargs="+", default=["auto"], metavar="auto|M RMS",
+                        help="the packed-best row's --m-bias and --rms-bias: auto (default) asks suggest_biases "
+                             "per model after an FP32 probe run (--probe-steps); 15 15 is the packed row itself, "
+                             "not run twice")
+    parser.add_argument("--probe-steps", type=int, default=150, metavar="N",
+                        help="steps of the FP32 probe run that --best-biases auto reads the moments of")
     parser.add_argument("--runs", default="runs/peers", help="results: <runs>/<model>/<row>/seed<K>/result.json")
     parser.add_argument("--data", default="runs/data/peers",
                         help="train.tape and val.tape; built from the embedded corpus when missing, with passes "
@@ -653,13 +708,25 @@ def main(argv=None) -> int:
         parser.error(f"--timing-steps {args.timing_steps}: the timings skip the first 5 steps; give more")
     # which call a run came from: the same run's speed differs between GPU calls
     args.invocation = f"{socket.gethostname()} {datetime.datetime.now().isoformat(timespec='seconds')}"
-    args.best_biases = tuple(args.best_biases)
-    try:
-        trainer.check_config(trainer.TrainConfig(m_bias=args.best_biases[0], rms_bias=args.best_biases[1]))
-    except trainer.ConfigError as error:
-        parser.error(f"--best-biases {args.best_biases[0]} {args.best_biases[1]}: {error}")
+    if args.best_biases == ["auto"]:
+        args.best_biases = {}  # model -> biases, filled by the probes
+    else:
+        given = args.best_biases
+        if len(given) != 2 or not all(b.lstrip("-").isdigit() for b in given):
+            parser.error(f"--best-biases {' '.join(given)}: give auto or two integers M RMS")
+        args.best_biases = (int(given[0]), int(given[1]))
+        try:
+            trainer.check_config(trainer.TrainConfig(m_bias=args.best_biases[0], rms_bias=args.best_biases[1]))
+        except trainer.ConfigError as error:
+            parser.error(f"--best-biases {args.best_biases[0]} {args.best_biases[1]}: {error}")
+    if args.probe_steps < 1:
+        parser.error("--probe-steps must be at least 1")
     if not args.report_only:
         ensure_tapes(args)
+    if isinstance(args.best_biases, dict) and "packed-best" in args.rows:
+        for model in args.models:  # a probe is short: it runs before the table's runs, outside the time budget
+            args.best_biases[model] = probe_biases(args, model)
+    if not args.report_only:
         run_all(args)
     command = " ".join(["python", *sys.argv] if argv is None else ["python", "benchmarks/peers.py", *argv])
     write_page(args, Path(args.out_doc), command)

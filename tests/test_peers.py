@@ -273,3 +273,41 @@ def test_the_timing_pass_runs_seed_0_of_every_row_into_timing(peers, data_dir, t
         with pytest.raises(SystemExit):
             peers.main([*common, *argv])
         assert message in capsys.readouterr().err
+
+
+def test_best_biases_auto_probes_fp32_moments_once_and_runs_the_suggested_row(peers, data_dir, tmp_path, monkeypatch,
+                                                                               capsys):
+    runs, doc = tmp_path / "runs", tmp_path / "PEERS.md"
+    argv = ["--models", "micro", "--steps", "12", "--seeds", "0", "--rows", "packed", "packed-best", "--probe-steps", "4",
+            "--runs", str(runs), "--data", str(data_dir), "--out-doc", str(doc)]
+    assert peers.main([*argv, "--report-only"]) == 0  # nothing probed yet: the row says so
+    assert table_row(doc.read_text(), peers.ROWS["packed-best"][0])[2] == (
+        "no biases yet: the FP32 probe of --best-biases auto has not run")
+    assert peers.main(argv) == 0
+    probe = runs / "micro" / "bias-probe"
+    kept = json.loads((probe / "suggested.json").read_text())
+    assert not (probe / "checkpoint.safetensors").exists()  # read, then removed
+    # The suggestion is suggest_biases on the FP32 moments of that probe: the same probe run again
+    # here, by hand, gives the same moments and so the same biases.
+    config, _ = trainer.parse_args([*kept["trainer_argv"][:kept["trainer_argv"].index("--out")], "--out",
+                                    str(tmp_path / "again"), *kept["trainer_argv"][kept["trainer_argv"].index("--out") + 2:]])
+    trainer.train(config)
+    state = peers.load_state_file(tmp_path / "again" / "checkpoint.safetensors")
+    values = [state.values(t) for t in state.tensors]
+    assert list(peers.suggest_biases([m for m, _ in values], [r for _, r in values])) == kept["biases"]
+    m_bias, rms_bias = kept["biases"]
+    assert (m_bias, rms_bias) != (15, 15)  # the micro model's moments are far below the default window
+    result = json.loads((runs / "micro" / f"packed-best-m{m_bias}-rms{rms_bias}" / "seed0" / "result.json").read_text())
+    assert result["summary"]["config"]["m_bias"] == m_bias and result["summary"]["config"]["rms_bias"] == rms_bias
+    assert table_row(doc.read_text(), f"{peers.ROWS['packed-best'][0]} {m_bias}/{rms_bias}")[1] == "1/1"
+    # A second call reads the kept suggestion: no probe, no run.
+    monkeypatch.setattr(peers.trainer, "train", lambda config: pytest.fail("nothing left to run"))
+    assert peers.main(argv) == 0
+    # Explicit biases, and refusals
+    assert peers.main([*argv, "--best-biases", "15", "15", "--report-only"]) == 0
+    assert "the packed row (the best biases are the default 15/15)" in doc.read_text()
+    for biases, message in ((["14"], "give auto or two integers"), (["x", "1"], "give auto or two integers"),
+                            (["101", "15"], "--best-biases 101 15:")):
+        with pytest.raises(SystemExit):
+            peers.main([*argv, "--best-biases", *biases])
+        assert message in capsys.readouterr().err
