@@ -18,7 +18,10 @@ row at its first seeds. The packed-best row's biases come from `suggest_biases` 
 FP32 moments after a short probe run (`--best-biases auto`, the default), or from
 `--best-biases M RMS`. A row whose package is not installed is recorded once in
 `<runs>/<model>/<row>/not_installed.json` and shown as such; a run that raises is recorded in
-its `failed.json` and skipped until `--retry-failed`.
+its `failed.json` and skipped until `--retry-failed`; so is a run whose process died under
+`--jobs`. A result run with other flags than the call's (another `--steps`, `--batch-size`,
+`--data`) stops the call rather than join the table. Every call writes the page, showing the
+models, rows and seeds it asks for and all those found in `--runs`.
 
 The GPU machine needs the peers (`pip install bitsandbytes==0.50.2 torchao==0.18.0
 flashoptim==0.1.4`; none is a dependency of packed-adamw) and, to build the tape, the corpus
@@ -29,13 +32,14 @@ took 186 s, the slowest of them 137 s alone.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import gc
 import importlib.metadata
+import itertools
 import json
 import math
 import multiprocessing
+import multiprocessing.connection
 import shutil
 import socket
 import statistics
@@ -131,20 +135,36 @@ def model_biases(args, model: str) -> tuple[int, int] | None:
     return args.best_biases if isinstance(args.best_biases, tuple) else args.best_biases.get(model)
 
 
+def probe_argv(args, model: str) -> list[str]:
+    directory = Path(args.runs) / model / PROBE
+    return [*MODELS[model]["flags"], *ROWS["fp32"][1], "--batch-size", str(batch_size(model, args)),
+            "--data", str(args.data), "--out", str(directory), "--max-steps", str(args.steps),
+            "--stop-at-step", str(args.probe_steps), "--seed", "0", "--eval-every", "0", "--no-progress"]
+
+
+def kept_probe(args, model: str) -> dict | None:
+    """The model's kept probe (suggested.json) when it ran with this call's flags, else None (a
+    probe of another --steps, --probe-steps, ... is stale: it runs again)."""
+    kept = Path(args.runs) / model / PROBE / "suggested.json"
+    if not kept.exists():
+        return None
+    probe = json.loads(kept.read_text())
+    return probe if flag_items(probe["trainer_argv"]) == flag_items(probe_argv(args, model)) else None
+
+
 def probe_biases(args, model: str) -> tuple[int, int] | None:
     """The biases `suggest_biases` reads off the model's FP32 moments (FORMAT_HEALTH.md): the
     table's fp32 row, seed 0, stopped after --probe-steps steps of the table's schedule. Kept in
     <runs>/<model>/bias-probe/suggested.json (with the suggestion's reasons and the probe's
-    command); None when it has not run and this call runs nothing."""
+    command); None when it has not run and this call runs nothing (--report-only, or a model the
+    call does not run)."""
     directory = Path(args.runs) / model / PROBE
-    kept = directory / "suggested.json"
-    if kept.exists():
-        return tuple(json.loads(kept.read_text())["biases"])
-    if args.report_only:
+    kept = kept_probe(args, model)
+    if kept:
+        return tuple(kept["biases"])
+    if args.report_only or model not in args.models:
         return None
-    argv = [*MODELS[model]["flags"], *ROWS["fp32"][1], "--batch-size", str(batch_size(model, args)),
-            "--data", str(args.data), "--out", str(directory), "--max-steps", str(args.steps),
-            "--stop-at-step", str(args.probe_steps), "--seed", "0", "--eval-every", "0", "--no-progress"]
+    argv = probe_argv(args, model)
     shutil.rmtree(directory, ignore_errors=True)
     print(f"bias probe {model}: {args.probe_steps} steps of the fp32 row", flush=True)
     trainer.train(trainer.parse_args(argv)[0])
@@ -154,7 +174,7 @@ def probe_biases(args, model: str) -> tuple[int, int] | None:
     checkpoint.unlink()  # 12 bytes a parameter: too large to carry between GPU calls, and read now
     suggestion = suggest_biases([m for m, _ in values], [rms for _, rms in values])
     m_bias, rms_bias = suggestion
-    kept.write_text(json.dumps({"biases": [m_bias, rms_bias], "probe_steps": args.probe_steps,
+    (directory / "suggested.json").write_text(json.dumps({"biases": [m_bias, rms_bias], "probe_steps": args.probe_steps,
                                 "suggestion": suggestion.as_dict(), "trainer_argv": argv, "session": session()},
                                indent=1) + "\n")
     print(f"bias probe {model}: suggested m_bias {m_bias}, rms_bias {rms_bias}", flush=True)
@@ -165,24 +185,61 @@ def batch_size(model: str, args) -> int:
     return args.batch_size or MODELS[model]["batch_size"]
 
 
-def run_steps(args) -> int:
-    return args.timing_steps if args.timing else args.steps
+def run_steps(args, timing: bool | None = None) -> int:
+    return args.timing_steps if (args.timing if timing is None else timing) else args.steps
 
 
-def trainer_argv(args, model: str, row: str, seed: int, out: Path) -> list[str]:
+def trainer_argv(args, model: str, row: str, seed: int, out: Path, timing: bool | None = None) -> list[str]:
     """The trainer's flags for one run: the model's, the row's, then what every run shares. A
-    timing run evaluates once, at its end: the table's bpb comes from the full runs."""
-    steps = run_steps(args)
+    timing run (of the timing pass; default: this call's kind) evaluates once, at its end: the
+    table's bpb comes from the full runs."""
+    timing = args.timing if timing is None else timing
+    steps = run_steps(args, timing)
     return [*MODELS[model]["flags"], *row_flags(row, model_biases(args, model)), "--batch-size", str(batch_size(model, args)),
             "--data", str(args.data), "--out", str(out), "--max-steps", str(steps), "--seed", str(seed),
-            "--eval-every", str(steps if args.timing else max(1, steps // 20)), "--eval-batches", "0",
+            "--eval-every", str(steps if timing else max(1, steps // 20)), "--eval-batches", "0",
             "--no-checkpoints", "--no-progress"]
 
 
-def run_directory(args, model: str, row: str, seed: int) -> Path:
+def run_directory(args, model: str, row: str, seed: int, timing: bool | None = None) -> Path:
     """<runs>/<model>/<row>/seed<K>, or .../timing for the timing pass's run."""
-    name = "timing" if args.timing else f"seed{seed}"
+    name = "timing" if (args.timing if timing is None else timing) else f"seed{seed}"
     return row_directory(Path(args.runs), model, row, model_biases(args, model)) / name
+
+
+def flag_items(argv: list[str]) -> list[str]:
+    """A trainer command line as its options ("--flag value ..."), without --out (where a run
+    lives is not how it ran)."""
+    items = []
+    for token in argv:
+        if token.startswith("--") or not items:
+            items.append(token)
+        else:
+            items[-1] += f" {token}"
+    return [item for item in items if not item.startswith("--out ")]
+
+
+def load_result(args, model: str, row: str, seed: int, timing: bool | None = None,
+                length_too: bool = True) -> dict | None:
+    """The run's result.json, or None; a result run with other flags than this call would use
+    (another --steps, --batch-size, --data, ...) stops the call: mixing them would make a table of
+    unlike runs. length_too=False lets the run's length differ (the page's timing runs: a timing
+    pass of other --timing-steps still times the same configuration)."""
+    path = run_directory(args, model, row, seed, timing) / RESULT
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    ran, asked = flag_items(result["trainer_argv"]), flag_items(trainer_argv(args, model, row, seed, path.parent, timing))
+    if not length_too:
+        ran, asked = ([item for item in items if item.split()[0] not in ("--max-steps", "--eval-every")]
+                      for items in (ran, asked))
+    if ran != asked:
+        only_ran = [item for item in ran if item not in asked]
+        only_asked = [item for item in asked if item not in ran]
+        raise SystemExit(f"{path} was run with {' '.join(only_ran) or '(the same options in another order)'} where "
+                         f"this call asks for {' '.join(only_asked) or '(the same options in another order)'}: pass "
+                         "the flags the table was run with, another --runs, or delete that result")
+    return result
 
 
 def missing_package(row: str, args) -> str | None:
@@ -302,7 +359,8 @@ def pending_runs(args) -> list[tuple[str, str, int, Path]]:
     runs, missing, pending = Path(args.runs), {}, []
     for model, row, seed in planned_runs(args):
         out = run_directory(args, model, row, seed)
-        if skipped_row(row, args, model) or (out / RESULT).exists() or ((out / FAILED).exists() and not args.retry_failed):
+        if skipped_row(row, args, model) or load_result(args, model, row, seed) or (
+                (out / FAILED).exists() and not args.retry_failed):
             continue
         if row not in missing:
             missing[row] = missing_package(row, args)
@@ -320,36 +378,62 @@ def pending_runs(args) -> list[tuple[str, str, int, Path]]:
     return pending
 
 
-def run_all(args) -> None:
-    """The pending runs, args.jobs at a time: one at a time in this process, or several at once in
-    processes of their own (spawned, one per run, so each has its own CUDA context and peak memory)."""
-    started = time.perf_counter()
-    longest = {}  # (model, runs at once) -> the longest wall time of its finished runs: the next one's estimate
-    for model, row, seed in planned_runs(args):
-        result = run_directory(args, model, row, seed) / RESULT
-        if result.exists():
-            done = json.loads(result.read_text())
+# The time budget's guesses. A model with no finished run yet: its first run starts only in the
+# first half of the budget. Runs at once take longer than alone: on the H200, 8 reference-model
+# runs at once took 186 s, the slowest of them 137 s alone (1.36x).
+UNKNOWN_RUN_SHARE = 0.5
+SHARED_SLOWDOWN = 1.5
+
+
+def run_all(args, target=None) -> None:
+    """The pending runs, args.jobs at a time: one at a time in this process, or several at once,
+    each in a spawned process of its own (its own CUDA context and peak memory; a run whose
+    process dies is recorded as failed, alone). `target(args, model, row, seed, out, sharing)`
+    does one run (run_recorded; tests pass others)."""
+    target = target or run_recorded
+    longest = {}  # (model, runs at once) -> the longest wall time of its finished runs, of any seed
+    for model, row, seed in itertools.product(args.models, args.rows, page_seeds(args)):
+        done = load_result(args, model, row, seed)
+        if done:
             key = (model, done.get("runs_sharing_the_gpu", 1))
             longest[key] = max(longest.get(key, 0.0), done["wall_s"])
     left = pending_runs(args)
 
-    def estimate(model: str) -> float:
-        """The longest finished run of the model at this many runs at once, else at fewer (a lower bound)."""
-        known = [wall for (m, jobs), wall in longest.items() if m == model and jobs <= args.jobs]
-        return max(known, default=0.0)
+    def estimate(model: str) -> float | None:
+        """Seconds the model's next run may take: its longest finished run at this many at once;
+        else its longest at fewer, times SHARED_SLOWDOWN; else at more (an overestimate); None
+        when none has finished."""
+        walls = {jobs: wall for (m, jobs), wall in longest.items() if m == model}
+        if args.jobs in walls:
+            return walls[args.jobs]
+        fewer = [wall for jobs, wall in walls.items() if jobs < args.jobs]
+        more = [wall for jobs, wall in walls.items() if jobs > args.jobs]
+        return max(fewer) * SHARED_SLOWDOWN if fewer else max(more) if more else None
 
     def fits(model: str) -> bool:
-        return args.time_budget is None or time.perf_counter() - started + estimate(model) <= args.time_budget
+        if args.time_budget is None:
+            return True
+        spent, guess = time.perf_counter() - args.started, estimate(model)
+        if guess is None:
+            return spent <= UNKNOWN_RUN_SHARE * args.time_budget
+        return spent + guess <= args.time_budget
 
-    def start(model, row, seed, out) -> None:
+    def begin(out: Path) -> None:
         if out.exists():  # a run cut short: it has no checkpoint to resume from
             shutil.rmtree(out)
         out.mkdir(parents=True)
 
+    def finished(model: str, out: Path, sharing: int) -> None:
+        if (out / RESULT).exists():
+            key = (model, sharing)
+            longest[key] = max(longest.get(key, 0.0), json.loads((out / RESULT).read_text())["wall_s"])
+
     def stop_report() -> None:
-        print(f"time budget: {time.perf_counter() - started:.0f} s of {args.time_budget:.0f} s spent, the next run "
-              f"({left[0][0]} {left[0][1]} seed {left[0][2]}) is estimated at {estimate(left[0][0]):.0f} s; "
-              f"{len(left)} runs left:", flush=True)
+        guess = estimate(left[0][0])
+        print(f"time budget: {time.perf_counter() - args.started:.0f} s of {args.time_budget:.0f} s spent, the next "
+              f"run ({left[0][0]} {left[0][1]} seed {left[0][2]}) is estimated at "
+              + (f"{guess:.0f} s" if guess is not None else "more than the budget left (no run of its model has "
+                 "finished)") + f"; {len(left)} runs left:", flush=True)
         for m, r, s, _ in left:
             print(f"  {m} {r} seed {s}")
 
@@ -358,46 +442,67 @@ def run_all(args) -> None:
             model, row, seed, out = left[0]
             if not fits(model):
                 return stop_report()
-            start(*left[0])
-            result = run_recorded(args, model, row, seed, out, 1)
-            if result:
-                longest[model, 1] = max(longest.get((model, 1), 0.0), result["wall_s"])
+            begin(out)
+            target(args, model, row, seed, out, 1)
+            finished(model, out, 1)
             left.pop(0)
         print("every planned run is done", flush=True)
         return
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context, max_tasks_per_child=1) as pool:
-        running = {}
+    running = {}  # process sentinel -> (process, model, row, seed, out)
+    try:
         while left or running:
             while left and len(running) < args.jobs and fits(left[0][0]):
                 model, row, seed, out = left.pop(0)
-                start(model, row, seed, out)
-                running[pool.submit(run_recorded, args, model, row, seed, out, args.jobs)] = (model, row, seed, out)
+                begin(out)
+                process = context.Process(target=target, args=(args, model, row, seed, out, args.jobs),
+                                          name=f"{model} {row} seed {seed}")
+                process.start()
+                running[process.sentinel] = (process, model, row, seed, out)
             if not running:
                 return stop_report()
-            finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in finished:
-                model, row, seed, out = running.pop(future)
-                try:
-                    result = future.result()
-                except Exception as error:  # the run's process died (a crash is not an exception in it)
-                    record_failure(out, f"{type(error).__name__}: {error}", traceback.format_exc())
-                    print(f"{model} {row} seed {seed}: its process failed: {error}", flush=True)
-                    continue
-                if result:
-                    key = (model, args.jobs)
-                    longest[key] = max(longest.get(key, 0.0), result["wall_s"])
+            for sentinel in multiprocessing.connection.wait(list(running)):
+                process, model, row, seed, out = running.pop(sentinel)
+                process.join()
+                if not (out / RESULT).exists() and not (out / FAILED).exists():  # it died: a crash or a kill
+                    record_failure(out, f"the run's process exited with code {process.exitcode} without a "
+                                        "result or a recorded error (a crash, or killed)", "")
+                    print(f"{model} {row} seed {seed}: its process exited with code {process.exitcode}", flush=True)
+                finished(model, out, args.jobs)
+    finally:  # an interrupted call stops its runs (their directories restart next time)
+        for process, *_ in running.values():
+            process.terminate()
+            process.join()
     print("every planned run is done", flush=True)
 
 
 # ---- the page -------------------------------------------------------------------------------
 
+def page_models(args) -> list[str]:
+    """The page shows the models, rows and seeds this call asks for and those found in --runs, so
+    a call that runs part of the table still writes all of it."""
+    found = {path.name for path in Path(args.runs).glob("*") if path.is_dir()}
+    return [model for model in MODELS if model in args.models or model in found]
+
+
+def page_rows(args) -> list[str]:
+    found = {path.name for path in Path(args.runs).glob("*/*") if path.is_dir()}
+    return [row for row in ROWS if row in args.rows or row in found
+            or (row == "packed-best" and any(name.startswith("packed-best-") for name in found))]
+
+
+def page_seeds(args) -> list[int]:
+    found = {int(path.parent.name[4:]) for path in Path(args.runs).glob(f"*/*/seed*/{RESULT}")
+             if path.parent.name[4:].isdigit()}
+    return sorted(set(args.seeds) | found)
+
+
 def collect(args) -> dict:
     """{model: {row: {"seeds": {seed: result}, "timing": result | None, "status": str | None,
     "failed": {seed: error}}}}."""
-    runs, table = Path(args.runs), {}
-    for model in args.models:
-        for row in args.rows:
+    runs, table, seeds = Path(args.runs), {}, page_seeds(args)
+    for model in page_models(args):
+        for row in page_rows(args):
             biases = model_biases(args, model)
             directory = row_directory(runs, model, row, biases)
             entry = {"seeds": {}, "failed": {}, "status": None, "timing": None}
@@ -406,14 +511,16 @@ def collect(args) -> dict:
                                    else "the packed row (the best biases are the default 15/15)")
             elif (directory / NOT_INSTALLED).exists():
                 entry["status"] = json.loads((directory / NOT_INSTALLED).read_text())["status"]
-            for seed in args.seeds:
-                out = directory / f"seed{seed}"
-                if (out / RESULT).exists():
-                    entry["seeds"][seed] = json.loads((out / RESULT).read_text())
-                elif (out / FAILED).exists():
-                    entry["failed"][seed] = json.loads((out / FAILED).read_text())["error"]
-            if (directory / "timing" / RESULT).exists():
-                entry["timing"] = json.loads((directory / "timing" / RESULT).read_text())
+            if skipped_row(row, args, model):
+                table.setdefault(model, {})[row] = entry
+                continue
+            for seed in seeds:
+                result = load_result(args, model, row, seed, timing=False)
+                if result:
+                    entry["seeds"][seed] = result
+                elif (directory / f"seed{seed}" / FAILED).exists():
+                    entry["failed"][seed] = json.loads((directory / f"seed{seed}" / FAILED).read_text())["error"]
+            entry["timing"] = load_result(args, model, row, 0, timing=True, length_too=False)
             table.setdefault(model, {})[row] = entry
     return table
 
@@ -470,7 +577,8 @@ def seeds_note(common: list[int], baseline: dict) -> str:
     return "" if len(common) == len(baseline) else f" (seeds {', '.join(map(str, common))})"
 
 
-def table_lines(model: str, rows: dict, args) -> list[str]:
+def table_lines(model: str, rows: dict, args, planned: int) -> list[str]:
+    """The model's table; `planned`: the number of seeds the page shows."""
     lines = ["| row | seeds done | final val bpb (mean) | spread (min-max) | vs FP32 AdamW | optimizer state B/param "
              "| peak memory B/param | optimizer step ms | tokens/s | timed by | spikes / non-finite |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -480,7 +588,7 @@ def table_lines(model: str, rows: dict, args) -> list[str]:
         if row == "packed-best":
             biases = model_biases(args, model)
             label += f" {biases[0]}/{biases[1]}" if biases else ""
-        done = f"{len(seeds)}/{len(args.seeds)}"
+        done = f"{len(seeds)}/{planned}"
         if entry["status"] and not seeds:
             lines.append(f"| {label} | {done} | {entry['status']} | | | | | | | | |")
             continue
@@ -526,8 +634,8 @@ def target_lines(rows: dict) -> list[str]:
     if gaps:
         lines.append(f"- Rounding noise: {ROWS[SAME_ALGORITHM][0]} is FP32 AdamW too, with another rounding order; "
                      f"its final bpb against the baseline's, seed by seed: {', '.join(gaps)}.")
-    peers = {row: versus_baseline(rows[row]["seeds"], baseline) for row in EIGHT_BIT if row in rows}
-    peers = {row: v for row, v in peers.items() if v}
+    peers = [row for row in rows if flag_value(ROWS[row][1], "--optimizer") not in (None, BASELINE)
+             and rows[row]["seeds"]]
     for row in PACKED_ROWS:
         if row not in rows or not rows[row]["seeds"]:
             continue
@@ -536,21 +644,36 @@ def target_lines(rows: dict) -> list[str]:
             continue
         gap, common = ours
         within = "within 1%: yes" if abs(gap) <= 0.01 else "within 1%: NO"
-        closer = [f"{ROWS[p][0]} {percent(v[0])}{seeds_note(v[1], baseline)}" for p, v in peers.items()
-                  if abs(v[0]) < abs(gap)]
+        closer = {True: [], False: []}  # 8-bit peers, other peers
+        for peer in peers:  # each on the seeds it, this row and the baseline all have
+            shared = set(rows[peer]["seeds"]) & set(rows[row]["seeds"]) & set(baseline)
+            if not shared:
+                continue
+            theirs = versus_baseline({k: rows[peer]["seeds"][k] for k in shared}, baseline)[0]
+            mine = versus_baseline({k: rows[row]["seeds"][k] for k in shared}, baseline)[0]
+            if abs(theirs) < abs(mine):
+                closer[peer in EIGHT_BIT].append(f"{ROWS[peer][0]} {percent(theirs)} against this row's "
+                                                 f"{percent(mine)}{seeds_note(sorted(shared), baseline)}")
         lines.append(f"- Target, {ROWS[row][0]}: {percent(gap)} against FP32 AdamW over seeds "
                      f"{', '.join(map(str, common))}; {within}; 8-bit peers closer to FP32 AdamW than it: "
-                     + ("; ".join(closer) if closer else "none") + ".")
+                     + ("; ".join(closer[True]) or "none") + "; other peers closer: "
+                     + ("; ".join(closer[False]) or "none") + ".")
     return lines
 
 
 def timing_lines(rows: dict) -> list[str]:
-    calls = sorted({str(r.get("invocation", "unrecorded")) for entry in rows.values() for r in timed_runs(entry)[1]})
+    timed = [r for entry in rows.values() for r in timed_runs(entry)[1]]
+    calls = sorted({str(r.get("invocation", "unrecorded")) for r in timed})
     if len(calls) <= 1:
-        return [f"- Timing: every timed run ran in one call ({calls[0] if calls else 'none yet'})."]
-    return [f"- Timing: the timed runs come from {len(calls)} calls ({'; '.join(calls)}). The same run's speed "
-            "differs from one GPU call to the next, so compare timings only within one call: the timing pass "
-            "(`--timing`) times every row in one call."]
+        lines = [f"- Timing: every timed run ran in one call ({calls[0] if calls else 'none yet'})."]
+    else:
+        lines = [f"- Timing: the timed runs come from {len(calls)} calls ({'; '.join(calls)}). The same run's speed "
+                 "differs from one GPU call to the next, so compare timings only within one call: the timing pass "
+                 "(`--timing`) times every row in one call."]
+    if any("backfilled" in r for r in timed):
+        lines.append("- The call of runs made before peers.py recorded it was written into their result.json "
+                     "afterwards, from the calls' logs (their `backfilled` field).")
+    return lines
 
 
 def mean_curve(seeds: dict) -> tuple[list[int], list[float]]:
@@ -597,7 +720,7 @@ def write_page(args, doc: Path, command: str) -> None:
         installed = ", ".join(f"{k} {v}" for k, v in s["versions"].items() if v)
         lines.append(f"- GPU: {s['gpu']}; {installed}")
     lines += [f"- This page: `{command}`; the runs: the commands under \"Run it\" below, over several calls",
-              f"- Each run: {args.steps} steps, seeds {', '.join(map(str, args.seeds))} (the initialisation; the "
+              f"- Each run: {args.steps} steps, seeds {', '.join(map(str, page_seeds(args)))} (the initialisation; the "
               f"data order is the same), tape `{args.data}` read in order, warmup then cosine decay, clipping at 1.0, "
               "weight decay 0.1 on matrices and embeddings, betas (0.9, 0.95), eps 1e-8; validation on the whole "
               f"validation tape every {max(1, args.steps // 20)} steps; FP32-weight rows under bf16 autocast.",
@@ -611,8 +734,8 @@ def write_page(args, doc: Path, command: str) -> None:
               "summed step times from step 6 on (runs recorded before the trainer kept that: over every step), "
               "evaluations left out. Both come from the runs named in \"timed by\": the timing pass (`--timing`: "
               f"each row's seed-0 run of {args.timing_steps} steps, one after another in one call) where it ran, "
-              "else the full runs that had the GPU to themselves. Runs started several at once (`--jobs`) give the "
-              "same bits and peak memory as alone but slow each other down, so they are never timed. "
+              "else the full runs that had the GPU to themselves. Runs started several at once (`--jobs`) slow each other down, so "
+              "they are never timed (their bits and peak memory are a run's alone: the tests check that on the CPU). "
               f"Spikes: steps whose training loss exceeded {trainer.LOSS_SPIKE} x the lowest so far after warmup; "
               "non-finite: a loss or gradient norm that was not finite.",
               "", f"![validation bpb]({png.name})", ""]
@@ -621,20 +744,21 @@ def write_page(args, doc: Path, command: str) -> None:
         lines += [f"## {model}", "",
                   f"Preset `{preset(model)}` (d_model {shape.d_model}, {shape.n_layers} layers, "
                   f"{shape.n_heads} heads, context {shape.context}), batch {batch_size(model, args)}; "
-                  f"trainer flags `{' '.join(MODELS[model]['flags'])}`.", "", *table_lines(model, rows, args), "",
+                  f"trainer flags `{' '.join(MODELS[model]['flags'])}`.", "", *table_lines(model, rows, args, len(page_seeds(args))), "",
                   *target_lines(rows), *timing_lines(rows), ""]
     lines += ["## Rows", "", "Trainer flags of each row; every run adds the model's flags and `--batch-size`, "
               "`--data`, `--out`, `--max-steps`, `--seed`, `--eval-every`, `--eval-batches 0 --no-checkpoints "
               "--no-progress` (each result.json holds its run's whole trainer_argv):", ""]
-    for row in args.rows:
+    for row in page_rows(args):
         lines.append(f"- `{row}`: {ROWS[row][0]}; `{' '.join(ROWS[row][1])}`")
-        if row == "packed-best":
-            chosen = {model: model_biases(args, model) for model in args.models}
-            source = (f"suggest_biases on each model's FP32 moments after {args.probe_steps} steps of the fp32 row "
-                      "(<runs>/<model>/bias-probe/suggested.json)" if isinstance(args.best_biases, dict)
-                      else "--best-biases")
-            lines.append("  with `--m-bias M --rms-bias RMS` from " + source + ": " + ", ".join(
-                f"{model} {b[0]}/{b[1]}" if b else f"{model} not yet" for model, b in chosen.items()))
+        if row == "packed-best" and isinstance(args.best_biases, dict):
+            probes = {model: kept_probe(args, model) for model in page_models(args)}
+            lines.append("  with `--m-bias M --rms-bias RMS` from suggest_biases on each model's FP32 moments after "
+                         "a probe run of the fp32 row (<runs>/<model>/bias-probe/suggested.json): " + "; ".join(
+                             f"{model} {p['biases'][0]}/{p['biases'][1]} after {p['probe_steps']} steps" if p
+                             else f"{model} not probed" for model, p in probes.items()))
+        elif row == "packed-best":
+            lines.append(f"  with `--m-bias {args.best_biases[0]} --rms-bias {args.best_biases[1]}` (--best-biases)")
     lines += ["", "What the peers keep (their state bytes above are measured; this is why they differ):", "",
               *[f"- {note}" for note in PEER_NOTES]]
     lines += ["", "Run it (resumable: finished runs are skipped; one 10-minute GPU call each, repeated until done):", "",
@@ -657,12 +781,14 @@ def compact_results(table: dict) -> list[dict]:
             for seed, r in [*entry["seeds"].items(), *([("timing", entry["timing"])] if entry["timing"] else [])]:
                 found.append({"model": model, "row": row, "seed": seed, "runs_sharing_the_gpu":
                               r.get("runs_sharing_the_gpu", 1), "invocation": r.get("invocation"),
+                              **({"backfilled": r["backfilled"]} if "backfilled" in r else {}),
                               "session": r["session"], **{k: r["summary"].get(k) for k in keep},
                               "val_curve": r["val_curve"], "trainer_argv": r["trainer_argv"]})
     return found
 
 
-def main(argv=None) -> int:
+def parse_arguments(argv=None) -> argparse.Namespace:
+    """The command line, checked, with the call's start time and id."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), metavar="ROW",
@@ -684,11 +810,13 @@ def main(argv=None) -> int:
                         help="train.tape and val.tape; built from the embedded corpus when missing, with passes "
                              "enough for the longest run")
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                        help="start no run after this many seconds, nor one that the longest finished run of its "
-                             "model says would end after them; prints the runs left")
+                        help="start no run that the longest finished run of its model says would end after this "
+                             "many seconds from the start of the call (a model's first run: only in the first "
+                             "half); prints the runs left")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="runs at once on the GPU, each in a process of its own (default 1); their timings are "
-                             "left out of the table, their bits and peak memory are the same as alone")
+                             "left out of the table (their bits and peak memory are a run's alone: the tests check "
+                             "this on the CPU)")
     parser.add_argument("--timing", action="store_true",
                         help="the timing pass: every row's seed 0 for --timing-steps steps, one at a time, into "
                              "<runs>/<model>/<row>/timing/; the table's timing columns then come from it")
@@ -697,10 +825,22 @@ def main(argv=None) -> int:
     parser.add_argument("--report-only", action="store_true", help="write the page from the results present")
     parser.add_argument("--out-doc", default="docs/results/PEERS.md", help="the page (and peers.png next to it)")
     args = parser.parse_args(argv)
+    args.started = time.perf_counter()  # the time budget counts from here: tapes and probes too
     if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
         parser.error(f"--seeds {' '.join(map(str, args.seeds))}: give distinct seeds >= 0")
-    if min(args.steps, args.timing_steps, args.jobs) < 1 or (args.batch_size is not None and args.batch_size < 1):
-        parser.error("--steps, --timing-steps, --jobs and --batch-size must be at least 1")
+    for option, names in (("--rows", args.rows), ("--models", args.models)):
+        if len(set(names)) != len(names):
+            parser.error(f"{option} {' '.join(names)}: name each once (a run named twice would run twice, "
+                         "in the same directory)")
+    for option, value in (("--steps", args.steps), ("--timing-steps", args.timing_steps), ("--jobs", args.jobs),
+                          ("--batch-size", args.batch_size), ("--probe-steps", args.probe_steps)):
+        if value is not None and value < 1:
+            parser.error(f"{option} {value}: give at least 1")
+    if args.time_budget is not None and not args.time_budget >= 0:
+        parser.error(f"--time-budget {args.time_budget}: give seconds >= 0 (0 starts nothing)")
+    if args.best_biases == ["auto"] and "packed-best" in args.rows and args.probe_steps >= args.steps:
+        parser.error(f"--probe-steps {args.probe_steps} with --steps {args.steps}: the probe reads the moments part "
+                     "of the way through the run; give fewer probe steps")
     if args.timing and args.jobs != 1:
         parser.error(f"--timing with --jobs {args.jobs}: the timing pass runs one run at a time (runs sharing the GPU "
                      "slow each other down)")
@@ -719,13 +859,17 @@ def main(argv=None) -> int:
             trainer.check_config(trainer.TrainConfig(m_bias=args.best_biases[0], rms_bias=args.best_biases[1]))
         except trainer.ConfigError as error:
             parser.error(f"--best-biases {args.best_biases[0]} {args.best_biases[1]}: {error}")
-    if args.probe_steps < 1:
-        parser.error("--probe-steps must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_arguments(argv)
     if not args.report_only:
         ensure_tapes(args)
-    if isinstance(args.best_biases, dict) and "packed-best" in args.rows:
-        for model in args.models:  # a probe is short: it runs before the table's runs, outside the time budget
-            args.best_biases[model] = probe_biases(args, model)
+    if isinstance(args.best_biases, dict):  # a probe is short: it runs first (its time counts in the budget)
+        for model in page_models(args):
+            args.best_biases[model] = probe_biases(args, model) if "packed-best" in args.rows else (
+                tuple(kept_probe(args, model)["biases"]) if kept_probe(args, model) else None)
     if not args.report_only:
         run_all(args)
     command = " ".join(["python", *sys.argv] if argv is None else ["python", "benchmarks/peers.py", *argv])
