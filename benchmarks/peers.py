@@ -43,6 +43,7 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import shutil
+import signal
 import socket
 import statistics
 import sys
@@ -56,6 +57,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from packed_adamw.core.atomic_file import atomic_write  # noqa: E402
 from packed_adamw.core.format_health import suggest_biases  # noqa: E402
 from packed_adamw.inspect.files import load_state_file  # noqa: E402
 from packed_adamw.tokenizer.corpus import default_corpus_documents  # noqa: E402
@@ -108,6 +110,11 @@ DEFAULT_MODELS = ["reference", "gpt2-small"]
 PACKAGES = ("torch", "triton", "bitsandbytes", "torchao", "flashoptim", "packed_adamw")
 RESULT, NOT_INSTALLED, FAILED = "result.json", "not_installed.json", "failed.json"
 PROBE = "bias-probe"  # <runs>/<model>/bias-probe: --best-biases auto's FP32 run and its suggested.json
+
+
+def write_json(path: Path, value, indent=1) -> None:
+    """A reader (the next call, a killed one's successor) finds the whole file or none of it."""
+    atomic_write(path, (json.dumps(value, indent=indent) + "\n").encode())
 
 
 def flag_value(flags: list[str], name: str) -> str | None:
@@ -176,9 +183,9 @@ def probe_biases(args, model: str) -> tuple[int, int] | None:
     checkpoint.unlink()  # 12 bytes a parameter: too large to carry between GPU calls, and read now
     suggestion = suggest_biases([m for m, _ in values], [rms for _, rms in values])
     m_bias, rms_bias = suggestion
-    (directory / "suggested.json").write_text(json.dumps({"biases": [m_bias, rms_bias], "probe_steps": args.probe_steps,
-                                "suggestion": suggestion.as_dict(), "trainer_argv": argv, "session": session()},
-                               indent=1) + "\n")
+    write_json(directory / "suggested.json", {"biases": [m_bias, rms_bias], "probe_steps": args.probe_steps,
+                                              "suggestion": suggestion.as_dict(), "trainer_argv": argv,
+                                              "session": session()})
     print(f"bias probe {model}: suggested m_bias {m_bias}, rms_bias {rms_bias}", flush=True)
     return m_bias, rms_bias
 
@@ -329,12 +336,25 @@ def run_one(args, model: str, row: str, seed: int, out: Path, sharing: int = 1) 
     curve = [[r["step"], r["val_bpb"]] for r in log if r.get("val_bpb") is not None]
     result = {"model": model, "row": row, "seed": seed, "trainer_argv": argv, "wall_s": wall_s,
               "runs_sharing_the_gpu": sharing, "invocation": args.invocation, "summary": summary, "val_curve": curve, "session": session()}
-    (out / RESULT).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out / RESULT, result)
     return result
 
 
-def record_failure(out: Path, error: str, details: str) -> None:
-    (out / FAILED).write_text(json.dumps({"error": error, "traceback": details, "session": session()}) + "\n")
+def record_failure(out: Path, error: str, details: str, argv: list[str]) -> None:
+    write_json(out / FAILED, {"error": error, "traceback": details, "trainer_argv": argv, "session": session()})
+
+
+def kept_failure(args, model: str, row: str, seed: int, timing: bool | None = None) -> str | None:
+    """The run's recorded error when it failed with this call's flags (a failure of other flags
+    is not this table's: the run goes ahead)."""
+    out = run_directory(args, model, row, seed, timing)
+    if not (out / FAILED).exists():
+        return None
+    failed = json.loads((out / FAILED).read_text())
+    recorded = failed.get("trainer_argv")
+    if recorded is not None and flag_items(recorded) != flag_items(trainer_argv(args, model, row, seed, out, timing)):
+        return None
+    return failed["error"]
 
 
 def run_recorded(args, model: str, row: str, seed: int, out: Path, sharing: int) -> dict | None:
@@ -343,7 +363,8 @@ def run_recorded(args, model: str, row: str, seed: int, out: Path, sharing: int)
     try:
         result = run_one(args, model, row, seed, out, sharing)
     except Exception as error:
-        record_failure(out, f"{type(error).__name__}: {error}", traceback.format_exc())
+        record_failure(out, f"{type(error).__name__}: {error}", traceback.format_exc(),
+                       trainer_argv(args, model, row, seed, out))
         print(f"{model} {row} seed {seed} failed: {type(error).__name__}: {error}", flush=True)
         return None
     finally:
@@ -362,7 +383,7 @@ def pending_runs(args) -> list[tuple[str, str, int, Path]]:
     for model, row, seed in planned_runs(args):
         out = run_directory(args, model, row, seed)
         if skipped_row(row, args, model) or load_result(args, model, row, seed) or (
-                (out / FAILED).exists() and not args.retry_failed):
+                kept_failure(args, model, row, seed) and not args.retry_failed):
             continue
         if row not in missing:
             missing[row] = missing_package(row, args)
@@ -370,7 +391,7 @@ def pending_runs(args) -> list[tuple[str, str, int, Path]]:
                 path = row_directory(runs, m, row, model_biases(args, m)) / NOT_INSTALLED
                 if missing[row]:
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(json.dumps({"row": row, "status": missing[row], "session": session()}) + "\n")
+                    write_json(path, {"row": row, "status": missing[row], "session": session()}, indent=None)
                 else:
                     path.unlink(missing_ok=True)
             if missing[row]:
@@ -394,7 +415,7 @@ def run_all(args, target=None) -> None:
     does one run (run_recorded; tests pass others)."""
     target = target or run_recorded
     longest = {}  # (model, runs at once) -> the longest wall time of its finished runs, of any seed
-    for model, row, seed in itertools.product(args.models, args.rows, page_seeds(args)):
+    for model, row, seed in itertools.product(args.models, args.rows, [0] if args.timing else page_seeds(args)):
         done = load_result(args, model, row, seed)
         if done:
             key = (model, done.get("runs_sharing_the_gpu", 1))
@@ -452,6 +473,12 @@ def run_all(args, target=None) -> None:
         return
     context = multiprocessing.get_context("spawn")
     running = {}  # process sentinel -> (process, model, row, seed, out)
+    most = {}  # process sentinel -> the most runs that were running at once while it ran (itself included)
+
+    def terminated(signum, frame):  # `timeout` sends SIGTERM: stop the runs too (the finally below)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         while left or running:
             while left and len(running) < args.jobs and fits(left[0][0]):
@@ -461,17 +488,25 @@ def run_all(args, target=None) -> None:
                                           name=f"{model} {row} seed {seed}")
                 process.start()
                 running[process.sentinel] = (process, model, row, seed, out)
+                for sentinel in running:
+                    most[sentinel] = max(most.get(sentinel, 0), len(running))
             if not running:
                 return stop_report()
             for sentinel in multiprocessing.connection.wait(list(running)):
                 process, model, row, seed, out = running.pop(sentinel)
                 process.join()
-                if not (out / RESULT).exists() and not (out / FAILED).exists():  # it died: a crash or a kill
+                sharing = most.pop(sentinel)
+                if (out / RESULT).exists():  # the run wrote --jobs; this process saw how many really ran
+                    result = json.loads((out / RESULT).read_text())
+                    write_json(out / RESULT, {**result, "runs_sharing_the_gpu": sharing})
+                elif not (out / FAILED).exists():  # it died: a crash or a kill
                     record_failure(out, f"the run's process exited with code {process.exitcode} without a "
-                                        "result or a recorded error (a crash, or killed)", "")
+                                        "result or a recorded error (a crash, or killed)", "",
+                                   trainer_argv(args, model, row, seed, out))
                     print(f"{model} {row} seed {seed}: its process exited with code {process.exitcode}", flush=True)
-                finished(model, out, args.jobs)
+                finished(model, out, sharing)
     finally:  # an interrupted call stops its runs (their directories restart next time)
+        signal.signal(signal.SIGTERM, previous)
         for process, *_ in running.values():
             process.terminate()
             process.join()
@@ -494,8 +529,13 @@ def page_rows(args) -> list[str]:
 
 
 def page_seeds(args) -> list[int]:
-    found = {int(path.parent.name[4:]) for path in Path(args.runs).glob(f"*/*/seed*/{RESULT}")
-             if path.parent.name[4:].isdigit()}
+    """(The seeds of the rows shown, with their current biases: a result or a failure.)"""
+    found = set()
+    for model in page_models(args):
+        for row in page_rows(args):
+            directory = row_directory(Path(args.runs), model, row, model_biases(args, model))
+            found |= {int(path.name[4:]) for path in directory.glob("seed*") if path.name[4:].isdigit()
+                      and ((path / RESULT).exists() or (path / FAILED).exists())}
     return sorted(set(args.seeds) | found)
 
 
@@ -520,8 +560,8 @@ def collect(args) -> dict:
                 result = load_result(args, model, row, seed, timing=False)
                 if result:
                     entry["seeds"][seed] = result
-                elif (directory / f"seed{seed}" / FAILED).exists():
-                    entry["failed"][seed] = json.loads((directory / f"seed{seed}" / FAILED).read_text())["error"]
+                elif kept_failure(args, model, row, seed, timing=False):
+                    entry["failed"][seed] = kept_failure(args, model, row, seed, timing=False)
             entry["timing"] = load_result(args, model, row, 0, timing=True, length_too=False)
             table.setdefault(model, {})[row] = entry
     return table
@@ -591,12 +631,18 @@ def table_lines(model: str, rows: dict, args, planned: int) -> list[str]:
             biases = model_biases(args, model)
             label += f" {biases[0]}/{biases[1]}" if biases else ""
         done = f"{len(seeds)}/{planned}"
+        timed_by, timed = timed_runs(entry)
+        step_ms = statistics.fmean(r["summary"]["median_optimizer_ms"] for r in timed) if timed else None
+        tokens = statistics.fmean(tokens_per_s(r) for r in timed) if timed else None
+        timing = (f"{'-' if step_ms is None else f'{step_ms:.2f}'} | {'-' if tokens is None else f'{tokens:,.0f}'} | "
+                  f"{timed_by}")
         if entry["status"] and not seeds:
             lines.append(f"| {label} | {done} | {entry['status']} | | | | | | | | |")
             continue
-        if not seeds:
+        if not seeds:  # a timing pass may have timed it already
             failed = "; ".join(f"seed {s}: {e}" for s, e in entry["failed"].items())
-            lines.append(f"| {label} | {done} | {'failed (' + failed + ')' if failed else 'missing'} | | | | | | | | |")
+            lines.append(f"| {label} | {done} | {'failed (' + failed + ')' if failed else 'missing'} | | | | | "
+                         f"{timing if timed else '| |'} | |")
             continue
         bpbs = [r["summary"]["val_bpb"] for r in seeds.values()]
         spread = f"{min(bpbs):.4f}-{max(bpbs):.4f}" if len(bpbs) > 1 else "-"
@@ -607,14 +653,10 @@ def table_lines(model: str, rows: dict, args, planned: int) -> list[str]:
         peaks = [r["summary"].get("peak_memory_bytes") for r in seeds.values()]
         peak = (f"{statistics.fmean(p / r['summary']['parameters'] for p, r in zip(peaks, seeds.values())):.2f}"
                 if None not in peaks else "-")
-        timed_by, timed = timed_runs(entry)
-        step_ms = statistics.fmean(r["summary"]["median_optimizer_ms"] for r in timed) if timed else None
-        tokens = statistics.fmean(tokens_per_s(r) for r in timed) if timed else None
         if entry["failed"]:
             done += " (failed: " + ", ".join(map(str, entry["failed"])) + ")"
         lines.append(f"| {label} | {done} | {statistics.fmean(bpbs):.4f} | {spread} | {versus} | {state:.2f} | {peak} | "
-                     f"{'-' if step_ms is None else f'{step_ms:.2f}'} | {'-' if tokens is None else f'{tokens:,.0f}'} | "
-                     f"{timed_by} | {events_cell(seeds)} |")
+                     f"{timing} | {events_cell(seeds)} |")
     return lines
 
 
@@ -714,6 +756,8 @@ def write_page(args, doc: Path, command: str) -> None:
                for r in [*entry["seeds"].values(), *([entry["timing"]] if entry["timing"] else [])]]
     sessions = {json.dumps({k: v for k, v in r["session"].items() if k != "date"}, sort_keys=True) for r in results}
     dates = sorted({r["session"]["date"] for r in results})
+    timing_steps = " or ".join(sorted({str(entry["timing"]["summary"]["step"]) for rows in table.values()
+                                       for entry in rows.values() if entry["timing"]})) or args.timing_steps
     lines = ["# PackedAdamW against low-memory AdamW peers", "",
              f"- Page written {datetime.date.today().isoformat()}; runs from "
              + (f"{dates[0]} to {dates[-1]}" if len(dates) > 1 else dates[0] if dates else "(none yet)")]
@@ -735,7 +779,7 @@ def write_page(args, doc: Path, command: str) -> None:
               "parameter. Optimizer step: median ms of optimizer.step() from step 6 on; tokens/s: training tokens over the "
               "summed step times from step 6 on (runs recorded before the trainer kept that: over every step), "
               "evaluations left out. Both come from the runs named in \"timed by\": the timing pass (`--timing`: "
-              f"each row's seed-0 run of {args.timing_steps} steps, one after another in one call) where it ran, "
+              f"each row's seed-0 run of {timing_steps} steps, one after another in one call) where it ran, "
               "else the full runs that had the GPU to themselves. Runs started several at once (`--jobs`) slow each other down, so "
               "they are never timed (their bits and peak memory are a run's alone: the tests check that on the CPU). "
               f"Spikes: steps whose training loss exceeded {trainer.LOSS_SPIKE} x the lowest so far after warmup; "
@@ -864,8 +908,17 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     return args
 
 
+def check_results(args) -> None:
+    """Refuses (load_result) results of other flags before anything runs or is probed again."""
+    seeds = [0] if args.timing else page_seeds(args)
+    for model, row, seed in itertools.product(args.models, args.rows, seeds):
+        if row != "packed-best":  # its directory follows the biases, which come after this
+            load_result(args, model, row, seed)
+
+
 def main(argv=None) -> int:
     args = parse_arguments(argv)
+    check_results(args)
     if not args.report_only:
         ensure_tapes(args)
     if isinstance(args.best_biases, dict):  # a probe is short: it runs first (its time counts in the budget)

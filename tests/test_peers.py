@@ -275,6 +275,10 @@ def test_the_timing_pass_runs_seed_0_of_every_row_into_timing(peers, data_dir, t
     data = json.loads((tmp_path / "peers.json").read_text())
     assert sorted((d["row"], str(d["seed"])) for d in data) == [("packed", "1"), ("packed", "timing"),
                                                                ("torch-adamw-fused", "1"), ("torch-adamw-fused", "timing")]
+    # A timing pass resumed in a later call, with seed 1 on disk: only the new row runs
+    assert peers.main([*common, "--rows", "torch-adamw-fused", "packed", "fp16", "--timing", "--timing-steps", "7"]) == 0
+    assert (runs / "micro" / "fp16" / "timing" / "result.json").exists()
+    assert table_row(doc.read_text(), peers.ROWS["fp16"][0])[9] == "timing pass"
     for argv, message in ((["--timing", "--jobs", "2"], "the timing pass runs one run at a time"),
                           (["--timing-steps", "5"], "the timings skip the first 5 steps")):
         with pytest.raises(SystemExit):
@@ -382,6 +386,10 @@ def test_a_table_refuses_results_of_other_flags_and_probes_again_when_its_probe_
         peers.main([*argv, "--steps", "9", "--probe-steps", "3", "--report-only"])
     probe = tmp_path / "runs" / "micro" / "bias-probe" / "suggested.json"
     assert json.loads(probe.read_text())["probe_steps"] == 3
+    before = probe.read_bytes()
+    with pytest.raises(SystemExit, match="was run with --max-steps 8"):  # refused before the probe is redone
+        peers.main([*argv, "--steps", "9", "--probe-steps", "3"])
+    assert probe.read_bytes() == before
     assert peers.main([*argv, "--steps", "8", "--probe-steps", "4"]) == 0
     assert json.loads(probe.read_text())["probe_steps"] == 4  # probed again
     assert "after 4 steps" in (tmp_path / "PEERS.md").read_text()
@@ -393,3 +401,25 @@ def test_a_table_refuses_results_of_other_flags_and_probes_again_when_its_probe_
         with pytest.raises(SystemExit):
             peers.parse_arguments([*argv, *extra])
         assert message in capsys.readouterr().err
+
+
+def test_runs_at_once_record_how_many_really_ran_and_failures_of_other_flags_do_not_count(peers, data_dir, tmp_path):
+    import peers_fake_runs
+
+    argv = ["--models", "micro", "--steps", "3", "--seeds", "0", "--rows", "packed", "fp16", "--runs",
+            str(tmp_path / "runs"), "--data", str(data_dir)]
+    args = peers.parse_arguments([*argv, "--jobs", "8"])
+    peers.run_all(args, target=peers_fake_runs.crash_on_fp32)  # writes runs_sharing_the_gpu 8
+    for row in ("packed", "fp16"):  # two ran at once, not eight
+        result = json.loads((tmp_path / "runs" / "micro" / row / "seed0" / "result.json").read_text())
+        assert result["runs_sharing_the_gpu"] == 2
+    # A failure recorded under other flags is another table's: the run goes ahead
+    failed = tmp_path / "runs" / "micro" / "fp32" / "seed0"
+    failed.mkdir(parents=True)
+    other = peers.parse_arguments([*argv[:2], "--steps", "4", *argv[4:]])
+    peers.record_failure(failed, "RuntimeError: boom", "", peers.trainer_argv(other, "micro", "fp32", 0, failed))
+    args = peers.parse_arguments([*argv, "--rows", "fp32"])
+    assert [r[1] for r in peers.pending_runs(args)] == ["fp32"]
+    peers.record_failure(failed, "RuntimeError: boom", "", peers.trainer_argv(args, "micro", "fp32", 0, failed))
+    assert peers.pending_runs(args) == []
+    assert peers.collect(args)["micro"]["fp32"]["failed"] == {0: "RuntimeError: boom"}
