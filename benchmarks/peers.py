@@ -560,8 +560,8 @@ def collect(args) -> dict:
                 result = load_result(args, model, row, seed, timing=False)
                 if result:
                     entry["seeds"][seed] = result
-                elif kept_failure(args, model, row, seed, timing=False):
-                    entry["failed"][seed] = kept_failure(args, model, row, seed, timing=False)
+                elif error := kept_failure(args, model, row, seed, timing=False):
+                    entry["failed"][seed] = error
             entry["timing"] = load_result(args, model, row, 0, timing=True, length_too=False)
             table.setdefault(model, {})[row] = entry
     return table
@@ -923,8 +923,9 @@ def main(argv=None) -> int:
         ensure_tapes(args)
     if isinstance(args.best_biases, dict):  # a probe is short: it runs first (its time counts in the budget)
         for model in page_models(args):
+            kept = kept_probe(args, model)
             args.best_biases[model] = probe_biases(args, model) if "packed-best" in args.rows else (
-                tuple(kept_probe(args, model)["biases"]) if kept_probe(args, model) else None)
+                tuple(kept["biases"]) if kept else None)
     if not args.report_only:
         run_all(args)
     command = " ".join(["python", *sys.argv] if argv is None else ["python", "benchmarks/peers.py", *argv])

@@ -1,17 +1,13 @@
 """Stand-ins for benchmarks/peers.py's one-run function, importable by its spawned processes."""
-import importlib.util
 import json
 import os
 from pathlib import Path
 
-PEERS_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
+from script_helpers import BENCHMARKS, import_script
 
 
 def peers_module():
-    spec = importlib.util.spec_from_file_location("peers_for_fake_runs", PEERS_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(BENCHMARKS / "peers.py", "peers_for_fake_runs")
 
 
 def crash_on_fp32(args, model, row, seed, out, sharing):

@@ -3,14 +3,14 @@
 The trainer's `train` is replaced by a stand-in that writes a run's log (a real run takes minutes
 on a GPU); its `parse_args` is the real one, so the flags the study passes are checked.
 """
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-STUDY_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_study.py"
+from script_helpers import BENCHMARKS, import_script
+
+STUDY_SCRIPT = BENCHMARKS / "learning_study.py"
 THIS_SESSION = {"date": "2027-01-02", "gpu": "Test GPU", "torch": "2.13.0", "triton": "3.9.0"}
 EARLIER_SESSION = {"date": "2026-12-01", "gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0"}
 STEPS = [30, 60, 90]
@@ -19,11 +19,7 @@ STEPS = [30, 60, 90]
 @pytest.fixture(scope="module")
 def study():
     """benchmarks/learning_study.py imported as a module (benchmarks is not a package)."""
-    spec = importlib.util.spec_from_file_location("learning_study_under_test", STUDY_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_script(STUDY_SCRIPT, "learning_study_under_test")
 
 
 @pytest.fixture(autouse=True)

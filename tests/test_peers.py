@@ -3,29 +3,24 @@
 The table's runs are real trainer runs (3 steps each); bitsandbytes, torchao and FlashOptim
 are not installed here, so their rows must come out as "not installed".
 """
-import importlib.util
 import shutil
 import subprocess
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from gpt_helpers import MICRO, build_data, make_documents
+from script_helpers import BENCHMARKS, import_script
 from packed_adamw.torch.gpt import train as trainer
 
-PEERS_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
+PEERS_SCRIPT = BENCHMARKS / "peers.py"
 ROWS = ["torch-adamw-fused", "packed", "packed-bf16", "torchao-adamw8bit"]
 
 
 @pytest.fixture(scope="module")
 def peers():
-    spec = importlib.util.spec_from_file_location("peers_under_test", PEERS_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_script(PEERS_SCRIPT, "peers_under_test")
 
 
 @pytest.fixture(scope="module")
