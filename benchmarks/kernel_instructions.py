@@ -1,0 +1,115 @@
+"""Instructions per element of the update kernel's hot path, from its SASS, on any machine.
+
+    python benchmarks/kernel_instructions.py [--arch 90] [--block 512] [--warps 4] [--mode packed]
+
+The update kernel runs near the H200's instruction-issue limit as well as its bandwidth, so
+what counting adds per element shows in its time (docs/results/SWEEP.md). This compiles the
+per-block work (`kernel._adamw_block`, a whole block, no bounds mask) for an NVIDIA target with
+Triton's bundled ptxas, so it needs no GPU, and reports the static SASS instructions each
+element costs: a wrapper of one block and one of two blocks unrolled, whose difference is one
+block's instructions without the program's setup, reductions and atomics. Static counts
+include the division and square-root slow paths, which run rarely; the differences between
+launch kinds are what this measures. Times come only from the GPU sweep.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from packed_adamw.core import StateFormat, launch
+from packed_adamw.core.kernel import _adamw_block
+
+KINDS = {"plain": (False, False), "nonfinite counts": (False, True), "format counts": (True, False),
+         "both counts": (True, True)}
+
+
+@triton.jit
+def _blocks(param_ptr, grad_ptr, state_ptr, scalars_ptr, out_ptr, n_elements,
+            MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+            M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+            R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+            BLOCK: tl.constexpr, UNROLLED: tl.constexpr):
+    """UNROLLED whole blocks in place; every count the blocks return is summed and stored, so
+    that the compiler keeps the counting work."""
+    first = tl.program_id(0).to(tl.int64) * UNROLLED
+    total = tl.zeros([BLOCK], tl.int32)
+    for k in tl.static_range(UNROLLED):
+        offsets = (first + k) * BLOCK + tl.arange(0, BLOCK)
+        counts = _adamw_block(param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, param_ptr, state_ptr, param_ptr,
+                              offsets, n_elements, False, MODE, False, False, COUNT_NONFINITE, TRACK_FORMAT,
+                              M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX)
+        for i in tl.static_range(len(counts)):
+            total += counts[i]
+    tl.store(out_ptr + tl.arange(0, BLOCK), total)
+
+
+def _sass_tool() -> str:
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return os.path.join(bin_dir, "cuobjdump")
+
+
+def opcodes(kind: str, unrolled: int, *, arch: int, block: int, warps: int, mode: str) -> list[str]:
+    """The SASS opcodes of `_blocks` (NOPs dropped)."""
+    track, nonfinite = KINDS[kind]
+    constants = launch.kernel_constants(StateFormat(mode), write_update=False, count_nonfinite=nonfinite,
+                                        block=block, track_format=track)
+    constants.pop("WRITE_UPDATE")
+    constants["UNROLLED"] = unrolled
+    pointer_types = {"param_ptr": "*fp32", "grad_ptr": "*fp32", "state_ptr": "*i32", "scalars_ptr": "*fp32",
+                     "out_ptr": "*i32"}
+    signature = {**pointer_types, "n_elements": "i32", **{name: "constexpr" for name in constants}}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointer_types) + 1)}
+    compiled = triton.compile(ASTSource(_blocks, signature, constexprs=constants, attrs=aligned),
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps, **launch.COMPILE_OPTIONS})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        listing = subprocess.run([_sass_tool(), "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    ops = []
+    for line in listing.splitlines():
+        match = re.match(r"^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)
+        if match and not match.group(2).startswith("NOP"):
+            ops.append(match.group(2))
+    return ops
+
+
+def per_block(kind: str, **options) -> dict[str, int]:
+    """One block's opcodes and how often each occurs: two unrolled blocks less one."""
+    two, one = collections.Counter(opcodes(kind, 2, **options)), collections.Counter(opcodes(kind, 1, **options))
+    return {op: two[op] - one[op] for op in set(two) | set(one)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, 90 for the H200")
+    parser.add_argument("--block", type=int, default=launch.GPU_BLOCK)
+    parser.add_argument("--warps", type=int, default=launch.COUNTING_NUM_WARPS)
+    parser.add_argument("--mode", default="packed", choices=("packed", "fp16"))
+    args = parser.parse_args()
+    options = dict(arch=args.arch, block=args.block, warps=args.warps, mode=args.mode)
+    elements_per_thread = args.block // (32 * args.warps)
+    print(f"triton {triton.__version__}, sm_{args.arch}, {args.mode}, BLOCK {args.block}, {args.warps} warps "
+          f"({elements_per_thread} elements a thread)\n")
+    print("| launch | instructions / element | added to plain | largest additions (per element) |")
+    print("|---|---|---|---|")
+    plain = per_block("plain", **options)
+    for kind in KINDS:
+        ops = plain if kind == "plain" else per_block(kind, **options)
+        added = {op: (ops.get(op, 0) - plain.get(op, 0)) / elements_per_thread for op in set(ops) | set(plain)}
+        largest = ", ".join(f"{op} {n:+.1f}" for op, n in sorted(added.items(), key=lambda x: -abs(x[1]))[:4] if n)
+        print(f"| {kind} | {sum(ops.values()) / elements_per_thread:.1f} | "
+              f"{(sum(ops.values()) - sum(plain.values())) / elements_per_thread:+.1f} | {largest or '-'} |")
+
+
+if __name__ == "__main__":
+    main()

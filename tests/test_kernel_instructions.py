@@ -1,0 +1,50 @@
+"""benchmarks/kernel_instructions.py: the update kernel compiled for the H200 (sm_90) on this
+machine, with Triton's bundled ptxas, and its hot path read from the SASS."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from script_helpers import BENCHMARKS
+
+PROBE = """
+import json, sys
+sys.path.insert(0, {benchmarks!r})
+import kernel_instructions as K
+options = dict(arch=90, block=512, warps=4, mode="packed")
+print(json.dumps({{kind: K.per_block(kind, **options) for kind in ("plain", "format counts")}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def per_block():
+    triton = pytest.importorskip("triton")
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, tool)) for tool in ("ptxas", "cuobjdump")):
+        pytest.skip("this Triton has no bundled ptxas and cuobjdump")
+    # Compiled, not interpreted: the suite's TRITON_INTERPRET=1 must not reach the compiler.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", PROBE.format(benchmarks=str(BENCHMARKS))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_whole_block_moves_each_buffer_in_16_byte_vectors(per_block):
+    # 512 elements on 128 threads: 4 float32 each, one 16-byte load of the parameter, gradient
+    # and word, one 16-byte store of the parameter and word. A bounds mask the compiler cannot
+    # prove uniform would split them into 4-byte accesses (kernel.py, `_adamw_block`).
+    for kind, ops in per_block.items():
+        assert ops.get("LDG.E.128", 0) == 3, (kind, ops)
+        assert ops.get("STG.E.128", 0) == 2, (kind, ops)
+        assert ops.get("LDG.E", 0) == 8 and ops.get("STG.E", 0) == 0, (kind, ops)  # the 8 step scalars
+
+
+def test_format_counts_add_instructions_to_every_element(per_block):
+    plain, counted = (sum(per_block[kind].values()) / 4 for kind in ("plain", "format counts"))
+    assert 60 < plain < 160, plain  # decode, step, encode: about a hundred
+    assert counted > plain + 6, (plain, counted)  # six counts an element cannot be free
