@@ -106,7 +106,7 @@ def main() -> None:
     for kind in KINDS:
         ops = plain if kind == "plain" else per_block(kind, **options)
         added = {op: (ops.get(op, 0) - plain.get(op, 0)) / elements_per_thread for op in set(ops) | set(plain)}
-        largest = ", ".join(f"{op} {n:+.1f}" for op, n in sorted(added.items(), key=lambda x: -abs(x[1]))[:4] if n)
+        largest = ", ".join(f"{op} {n:+.1f}" for op, n in sorted(added.items(), key=lambda x: (-abs(x[1]), x[0]))[:4] if n)
         print(f"| {kind} | {sum(ops.values()) / elements_per_thread:.1f} | "
               f"{(sum(ops.values()) - sum(plain.values())) / elements_per_thread:+.1f} | {largest or '-'} |")
 

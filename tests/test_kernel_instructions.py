@@ -47,4 +47,4 @@ def test_a_whole_block_moves_each_buffer_in_16_byte_vectors(per_block):
 def test_format_counts_add_instructions_to_every_element(per_block):
     plain, counted = (sum(per_block[kind].values()) / 4 for kind in ("plain", "format counts"))
     assert 60 < plain < 160, plain  # decode, step, encode: about a hundred
-    assert counted > plain + 6, (plain, counted)  # six counts an element cannot be free
+    assert counted > plain + 6, (plain, counted)  # six counts an element are not free
