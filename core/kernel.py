@@ -26,6 +26,7 @@ CODE_MASK = tl.constexpr(formats.CODE_MASK)
 CODE_SIGN_BIT = tl.constexpr(formats.CODE_SIGN_BIT)
 CODE_MAGNITUDE_MASK = tl.constexpr(formats.CODE_MAGNITUDE_MASK)
 FLOAT32_SIGN_BIT = tl.constexpr(1 << 31)
+FLOAT32_MAGNITUDE_MASK = tl.constexpr((1 << 31) - 1)
 CODE_SIGN_TO_FLOAT32 = tl.constexpr(31 - (formats.CODE_BITS - 1))  # shift from a code's sign bit to float32's
 HPARAM_ROW = tl.constexpr(hyperparams.HPARAM_ROW)
 H_LR, H_B1, H_B2, H_EPS, H_WD = (tl.constexpr(i) for i in range(hyperparams.HPARAM_ROW))
@@ -102,41 +103,52 @@ def _magnitude(code, SIGNED: tl.constexpr):
     return code
 
 
-# Format counts per lane: two 16-bit fields per int32, so the lanes of a program's blocks add
-# up without carries while a program covers fewer than 2**16 elements. Counting is on the
-# critical path of a kernel that is close to its instruction-issue limit, so it stays in 32 bits.
+# Format counts per lane: the six counts of launch.FORMAT_COUNTS share one int32, LANE_FIELD bits
+# each, so adding an element's counts is one add. A lane meets one element per block of its
+# program, so a program takes fewer than 2**LANE_FIELD blocks. Before the program's reductions
+# the fields are spread into pairs of 16-bit fields, which hold a program's
+# BLOCK * BLOCKS_PER_PROGRAM < 2**16 elements without carries. Counting is on the critical path
+# of a kernel close to its instruction-issue limit: every instruction per element shows
+# (benchmarks/kernel_instructions.py counts them).
+_LANE_FIELD_BITS = 5
+LANE_FIELD = tl.constexpr(_LANE_FIELD_BITS)
+LANE_FIELD_MASK = tl.constexpr((1 << _LANE_FIELD_BITS) - 1)
+LANE_FIELD_LIMIT = tl.constexpr(1 << _LANE_FIELD_BITS)
+LANE_ONE = tl.constexpr(1)
 COUNT_FIELD = tl.constexpr(16)
 COUNT_FIELD_MASK = tl.constexpr((1 << 16) - 1)
 COUNT_FIELD_LIMIT = tl.constexpr(1 << 16)
 
 
 @triton.jit
-def _two_fields(low, high):
-    return low.to(tl.int32) | (high.to(tl.int32) << COUNT_FIELD)
+def _lane_bit(flag, INDEX: tl.constexpr):
+    """Bit 31 of `flag` (uint32) as count `INDEX` of launch.FORMAT_COUNTS, in its lane field (int32)."""
+    return ((flag >> (31 - INDEX * LANE_FIELD)) & (LANE_ONE << (INDEX * LANE_FIELD))).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def _add_fields(pointer, lanes):
-    total = tl.sum(lanes, axis=0)
-    low = (total & COUNT_FIELD_MASK).to(tl.int64)
-    high = ((total >> COUNT_FIELD) & COUNT_FIELD_MASK).to(tl.int64)
-    tl.atomic_add(pointer, low, mask=low > 0, sem="relaxed")  # a count: no ordering needed
-    tl.atomic_add(pointer + FORMAT_SLOTS, high, mask=high > 0, sem="relaxed")
+def _add_fields(pointer, format_lanes, LOW: tl.constexpr):
+    """Adds counts LOW and LOW + 1 of every lane to their slots (the second FORMAT_SLOTS on)."""
+    low = (format_lanes >> (LOW * LANE_FIELD)) & LANE_FIELD_MASK
+    high = (format_lanes >> ((LOW + 1) * LANE_FIELD)) & LANE_FIELD_MASK
+    total = tl.sum(low | (high << COUNT_FIELD), axis=0)
+    low_total = (total & COUNT_FIELD_MASK).to(tl.int64)
+    high_total = ((total >> COUNT_FIELD) & COUNT_FIELD_MASK).to(tl.int64)
+    tl.atomic_add(pointer, low_total, mask=low_total > 0, sem="relaxed")  # a count: no ordering needed
+    tl.atomic_add(pointer + FORMAT_SLOTS, high_total, mask=high_total > 0, sem="relaxed")
 
 
 @triton.jit
-def _add_counts(row_ptr, rejected, saturated, flushed, subnormal, COUNT_NONFINITE: tl.constexpr,
-                TRACK_FORMAT: tl.constexpr):
+def _add_counts(row_ptr, rejected, format_lanes, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr):
     """Adds one program's per-lane counts to its tensor's counter row (launch.py): one
-    reduction per int32 of fields, then one relaxed atomic per nonzero count."""
+    reduction per pair of format counts, then one relaxed atomic per nonzero count."""
     if COUNT_NONFINITE:
         n_rejected = tl.sum(rejected, axis=0).to(tl.int64)
         tl.atomic_add(row_ptr, n_rejected, mask=n_rejected > 0)
-    if TRACK_FORMAT:  # launch.FORMAT_COUNTS order: saturated m, rms; flushed m, rms; subnormal m, rms
+    if TRACK_FORMAT:
         slot = row_ptr + 1 + tl.program_id(0) % FORMAT_SLOTS
-        _add_fields(slot, saturated)
-        _add_fields(slot + 2 * FORMAT_SLOTS, flushed)
-        _add_fields(slot + 4 * FORMAT_SLOTS, subnormal)
+        for pair in tl.static_range(3):
+            _add_fields(slot + 2 * pair * FORMAT_SLOTS, format_lanes, 2 * pair)
 
 
 @triton.jit
@@ -248,7 +260,7 @@ def _adamw_block(
     """One block of one tensor; the whole step contract lives here (FORMAT.md, "The step").
 
     Returns the block's per-lane counts for `_add_counts` (zeros where not asked for): rejected
-    elements, then the saturated, flushed and subnormal counts, each as `_two_fields` (m, rms).
+    elements, and the format counts in their lane fields (`_lane_bit`).
     MASKED=False for blocks that lie wholly inside the tensor: a bounds mask the compiler
     cannot prove uniform over 16 bytes splits every access into 4-byte ones.
     SPLIT: the parameter is a bf16 live weight (`param_ptr`, 16-bit) with its int16 low half
@@ -314,9 +326,7 @@ def _adamw_block(
         _store(out_ptr + offsets, tl.where(accepted, update, sign_bit.to(tl.float32, bitcast=True)), in_bounds, MASKED)
     else:
         _store(out_ptr + offsets, tl.where(accepted, p_next, p), in_bounds, MASKED)
-    saturated = tl.zeros(offsets.shape, tl.int32)
-    flushed = tl.zeros(offsets.shape, tl.int32)
-    subnormal = tl.zeros(offsets.shape, tl.int32)
+    format_lanes = tl.zeros(offsets.shape, tl.int32)
     if MODE == FP32_MODE:
         _store(new_state_ptr + offsets, tl.where(accepted, m_next, m), in_bounds, MASKED)
         _store(new_state_ptr + n_elements + offsets, tl.where(accepted, v_next, v), in_bounds, MASKED)
@@ -334,16 +344,25 @@ def _adamw_block(
             else:
                 counted = accepted
             m_mag, rms_mag = _magnitude(m_code, M_SIGNED), _magnitude(rms_code, R_SIGNED)
-            saturated = _two_fields(counted & (m_raw > M_MAX), counted & (rms_raw > R_MAX))
-            flushed = _two_fields(counted & (m_mag == 0) & (m_next != 0.0), counted & (rms_mag == 0) & (rms_next != 0.0))
-            subnormal = _two_fields(counted & (m_mag != 0) & ((m_mag >> M_FRAC) == 0),
-                                    counted & (rms_mag != 0) & ((rms_mag >> R_FRAC) == 0))
+            # Each test leaves its answer in bit 31 of a uint32, so no predicate stays live
+            # (Triton 3.6 spills them): x + (2**31 - 1 - k) has bit 31 set exactly when x > k, for
+            # 0 <= x < 2**31 (raw codes and float32 magnitudes); mag - 1 wraps exactly when mag == 0.
+            saturated_m, saturated_rms = m_raw + (FLOAT32_MAGNITUDE_MASK - M_MAX), rms_raw + (FLOAT32_MAGNITUDE_MASK - R_MAX)
+            zero_m, zero_rms = m_mag - 1, rms_mag - 1
+            subnormal_m = (m_mag - (1 << M_FRAC)) & ~zero_m
+            subnormal_rms = (rms_mag - (1 << R_FRAC)) & ~zero_rms
+            nonzero_m = (m_next.to(tl.uint32, bitcast=True) & FLOAT32_MAGNITUDE_MASK) + FLOAT32_MAGNITUDE_MASK
+            nonzero_rms = rms_next.to(tl.uint32, bitcast=True) + FLOAT32_MAGNITUDE_MASK  # rms_next >= +0.0: no sign
+            flushed_m, flushed_rms = zero_m & nonzero_m, zero_rms & nonzero_rms
+            lanes = (_lane_bit(saturated_m, 0) | _lane_bit(saturated_rms, 1) | _lane_bit(flushed_m, 2)
+                     | _lane_bit(flushed_rms, 3) | _lane_bit(subnormal_m, 4) | _lane_bit(subnormal_rms, 5))
+            format_lanes = tl.where(counted, lanes, 0)
     rejected = tl.zeros(offsets.shape, tl.int32)
     if COUNT_NONFINITE:
         if MASKED:
             accepted = accepted | ~in_bounds
         rejected = (~accepted).to(tl.int32)
-    return rejected, saturated, flushed, subnormal
+    return rejected, format_lanes
 
 
 @triton.jit
@@ -361,31 +380,28 @@ def _adamw_programs(
     A counting launch (`launch.blocks_per_program`) gives a program several blocks so that
     its one reduction and its atomics are paid once for all of them."""
     tl.static_assert(BLOCK * BLOCKS_PER_PROGRAM < COUNT_FIELD_LIMIT)
+    tl.static_assert(BLOCKS_PER_PROGRAM < LANE_FIELD_LIMIT, "a program takes fewer blocks than its lane fields can count")
     first = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM
     rejected = tl.zeros([BLOCK], tl.int32)
-    saturated = tl.zeros([BLOCK], tl.int32)
-    flushed = tl.zeros([BLOCK], tl.int32)
-    subnormal = tl.zeros([BLOCK], tl.int32)
+    format_lanes = tl.zeros([BLOCK], tl.int32)
     for k in tl.range(0, BLOCKS_PER_PROGRAM):
         start = (first + k) * BLOCK
         offsets = start + tl.arange(0, BLOCK)
         if start + BLOCK <= n_elements:
-            r, sat, flush, sub = _adamw_block(
+            r, lanes = _adamw_block(
                 param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
                 offsets, n_elements, False, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
         else:  # the tensor's last, partial block (or, in a program of several, one past the end)
-            r, sat, flush, sub = _adamw_block(
+            r, lanes = _adamw_block(
                 param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
                 offsets, n_elements, True, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
         rejected += r
-        saturated += sat
-        flushed += flush
-        subnormal += sub
-    _add_counts(counters_ptr, rejected, saturated, flushed, subnormal, COUNT_NONFINITE, TRACK_FORMAT)
+        format_lanes += lanes
+    _add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
 
 
 @triton.jit
@@ -477,15 +493,15 @@ def adamw_multi_tensor_kernel(
         state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.uint32))
     scalars_ptr += tl.load(scalar_rows_ptr + t) * SCALAR_ROW
     if start + BLOCK <= n_elements:
-        rejected, saturated, flushed, subnormal = _adamw_block(
+        rejected, format_lanes = _adamw_block(
             param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr,
             offsets, n_elements, False, MODE, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
     else:  # the tensor's last, partial block
-        rejected, saturated, flushed, subnormal = _adamw_block(
+        rejected, format_lanes = _adamw_block(
             param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr,
             offsets, n_elements, True, MODE, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
-    _add_counts(counters_ptr + t * COUNTER_ROW, rejected, saturated, flushed, subnormal, COUNT_NONFINITE, TRACK_FORMAT)
+    _add_counts(counters_ptr + t * COUNTER_ROW, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)

@@ -86,19 +86,18 @@ def _leaf_group_program(
             state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.uint32))
             new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.uint32))
         if start + BLOCK <= n_elements:
-            rejected, saturated, flushed, subnormal = _adamw_block(
+            rejected, format_lanes = _adamw_block(
                 param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
                 offsets, n_elements, False, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
         else:  # the leaf's last, partial block
-            rejected, saturated, flushed, subnormal = _adamw_block(
+            rejected, format_lanes = _adamw_block(
                 param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
                 offsets, n_elements, True, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
                 M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
             )
-        _add_counts(counters_ptr + leaf * COUNTER_ROW, rejected, saturated, flushed, subnormal,
-                    COUNT_NONFINITE, TRACK_FORMAT)
+        _add_counts(counters_ptr + leaf * COUNTER_ROW, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
 
 
 def leaf_group_kernel_2(

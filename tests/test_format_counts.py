@@ -72,6 +72,42 @@ def test_numpy_and_interpreted_kernel_counts_equal_a_recount_from_the_definition
 
 
 @pytest.mark.parametrize("mode", COUNTED_MODES)
+def test_a_program_of_the_most_blocks_counts_every_element_without_carries(mode, device):
+    """A counting launch gives a program several blocks, and each lane adds one element a block
+    into a field of kernel.LANE_FIELD bits per count: with a program of the most blocks allowed
+    and every element in the same two counts, each field reaches its largest value, and the
+    counts still equal the numpy step's (two full programs and a partial one)."""
+    from packed_adamw.core import kernel
+
+    fmt = StateFormat(mode)
+    block, blocks = 64, kernel.LANE_FIELD_LIMIT.value - 1
+    n = 2 * block * blocks + 37
+    # (gradient, the pair of FORMAT_COUNTS every element lands in) from zero moments, step 1
+    for scale, pair in ((1e8, (0, 1)), (1e-12, (2, 3)), (1e-5, (4, 5))):
+        p = np.ones(n, np.float32)
+        g = np.full(n, scale, np.float32)
+        words = np.zeros(n, np.uint32)
+        expected = np.zeros(6, np.int64)
+        p_np, s_np = p.copy(), words.copy()
+        apply_step(p_np, g.copy(), s_np, step_scalar_row(1, HP.as_float32_list()), fmt=fmt, format_counts_out=expected)
+        assert [expected[k] for k in pair] == [n, n], (scale, expected)
+        k = H.run_kernel(p, g, words, count=1, hp=HP, fmt=fmt, device=device, block=block, track_format=True,
+                         blocks_per_program=blocks)
+        H.assert_same_bits(k.state, s_np, "words of a program of many blocks")
+        np.testing.assert_array_equal(k.format_counts, expected)
+
+
+def test_a_program_takes_fewer_blocks_than_its_lane_fields_can_count():
+    from packed_adamw.core import kernel
+
+    n = 64 * kernel.LANE_FIELD_LIMIT.value
+    with pytest.raises(Exception, match="fewer blocks than its lane fields can count"):
+        H.run_kernel(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.uint32), count=1, hp=HP,
+                     fmt=StateFormat("packed"), block=64, track_format=True,
+                     blocks_per_program=kernel.LANE_FIELD_LIMIT.value)
+
+
+@pytest.mark.parametrize("mode", COUNTED_MODES)
 def test_huge_gradients_saturate_and_tiny_ones_flush(mode):
     fmt = StateFormat(mode)
     n = 1000
