@@ -199,3 +199,76 @@ def test_a_capture_right_after_an_lr_tensor_was_replaced_is_refused():
     with pytest.raises(RuntimeError, match="lr tensor was replaced"):
         with torch.cuda.graph(graph):
             opt.step()
+
+
+def test_eager_steps_after_a_capture_leave_its_replays_on_the_captured_gradients():
+    """A capture of the buffers its warm-up stepped reads their address table in place (no copy
+    in the graph); eager steps afterwards, on gradients elsewhere, must upload into another
+    table, and replays still step the captured gradients: bits against a plain optimizer given
+    the same sequence of gradients."""
+    a, b = model(), model()
+    plain = PackedAdamW(a.parameters(), lr=1e-2, weight_decay=0.1)
+    cap = PackedAdamW(b.parameters(), lr=torch.tensor(1e-2, device="cuda"), weight_decay=0.1, capturable=True)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    captured = [torch.randn(p.shape, device="cuda", generator=gen) for p in b.parameters()]
+    for q, g in zip(b.parameters(), captured):
+        q.grad = g
+
+    def plain_step(grads):
+        for p, g in zip(a.parameters(), grads):
+            p.grad = g.clone()
+        plain.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            cap.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cap.step()
+    plain_step(captured)
+    plain_step(captured)
+    for _ in range(2):
+        moved = [torch.randn(p.shape, device="cuda", generator=gen) for p in b.parameters()]
+        for q, g in zip(b.parameters(), moved):
+            q.grad = g
+        cap.step()
+        plain_step(moved)
+        graph.replay()
+        plain_step(captured)
+    torch.cuda.synchronize()
+    assert_same(list(a.parameters()), plain, list(b.parameters()), cap, "eager steps and replays after a capture")
+    assert int(cap.state[next(b.parameters())]["step"]) == 6
+
+
+def test_a_capture_of_the_warmed_up_buffers_holds_no_copy_and_one_of_moved_ones_does(tmp_path):
+    """The captured step's graph: the scalar kernel and the update kernel, and a copy of the
+    address table only when the capture's buffers differ from the last eager step's (the
+    control, which shows that the graph's dump names its copies)."""
+    dumps = {}
+    for case in ("same buffers", "moved gradients"):
+        m = model()
+        opt = PackedAdamW(m.parameters(), lr=torch.tensor(1e-2, device="cuda"), capturable=True)
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                opt.step()
+        torch.cuda.current_stream().wait_stream(side)
+        if case == "moved gradients":
+            for p in m.parameters():
+                p.grad = torch.ones_like(p)
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # a graph not kept has nothing to dump
+        with torch.cuda.graph(graph):
+            opt.step()
+        path = tmp_path / f"{case.replace(' ', '_')}.dot"
+        graph.debug_dump(str(path))
+        dumps[case] = path.read_text()
+    for case, dump in dumps.items():  # an empty or unreadable dump must not pass for "no copy"
+        assert dump.count('label="{KERNEL') >= 2, (case, dump[:2000])
+    assert dumps["same buffers"].count('label="{MEMCPY') == 0, dumps["same buffers"][:2000]
+    assert dumps["moved gradients"].count('label="{MEMCPY') > 0, dumps["moved gradients"][:2000]

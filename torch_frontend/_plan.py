@@ -178,9 +178,10 @@ class CapturableStepPlan(StepPlan):
     same recipe as the host's. A step then makes no host synchronisation and no host-to-device
     copy of a changing value, so `torch.cuda.graph` can capture it and replays follow the lr
     tensor. The eager table of buffer addresses is uploaded again only when an address
-    changes. A step being captured gets a device table of its own, filled from a pinned host
-    buffer kept for good, so replays read the captured addresses whatever later eager steps
-    upload."""
+    changes. A captured step reads a device table that no later eager step writes: when the
+    eager table already holds the captured addresses (the warm-up steps stepped the same
+    buffers) the capture takes that table for good, and the graph holds no copy; otherwise the
+    graph copies the addresses into a table of its own from a pinned host buffer kept for good."""
 
     def __init__(self, opt, params, kernel_params, states, stored, moments, group_of, device, counters=None, **kinds):
         super().__init__(opt, params, kernel_params, states, stored, moments, group_of, device, counters, **kinds)
@@ -272,14 +273,26 @@ class CapturableStepPlan(StepPlan):
                 BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
             scalars = self.scalars
             addresses = tuple(self.addresses(grad_pointers).tolist())
-            if capturing:
+            if capturing and addresses == self.uploaded:
+                # The eager table holds these addresses (its blocking copy was on the device when
+                # it returned): the graph reads it in place, so no copy is captured, and later
+                # eager steps upload into a new table. The warm-up steps torch.cuda.graph asks
+                # for end here whenever the gradients stay put (static ones, or
+                # zero_grad(set_to_none=False)).
+                table = self.table
+                self.captured.append((None, table))
+                self.table = self.spare_tables.pop() if self.spare_tables else None
+                self.uploaded = None
+            elif capturing:
                 host = (self.spare_pinned.pop() if self.spare_pinned
                         else torch.empty(len(addresses), dtype=torch.int64, pin_memory=True))
                 host.copy_(torch.tensor(addresses, dtype=torch.int64))
-                table = self.spare_tables.pop() if self.spare_tables else torch.empty_like(self.table)
+                table = self.spare_tables.pop() if self.spare_tables else torch.empty_like(host, device=self.torch_device)
                 table.copy_(host, non_blocking=True)
                 self.captured.append((host, table))
             else:
+                if self.table is None:  # the last one went to a capture
+                    self.table = torch.empty(self.n_pointers, dtype=torch.int64, device=self.torch_device)
                 if addresses != self.uploaded:  # a plain copy: the host buffer is free when it returns
                     self.table.copy_(torch.tensor(addresses, dtype=torch.int64))
                     self.uploaded = addresses
