@@ -201,6 +201,20 @@ def test_a_capture_right_after_an_lr_tensor_was_replaced_is_refused():
             opt.step()
 
 
+def warm_up_and_capture(step, graph, before_capture=lambda: None):
+    """torch.cuda.graph's recipe: `step` twice on a side stream, then `step` captured in `graph`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    before_capture()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def test_eager_steps_after_a_capture_leave_its_replays_on_the_captured_gradients():
     """A capture of the buffers its warm-up stepped reads their address table in place (no copy
     in the graph); eager steps afterwards, on gradients elsewhere, must upload into another
@@ -219,15 +233,7 @@ def test_eager_steps_after_a_capture_leave_its_replays_on_the_captured_gradients
             p.grad = g.clone()
         plain.step()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            cap.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cap.step()
+    graph = warm_up_and_capture(cap.step, torch.cuda.CUDAGraph())
     plain_step(captured)
     plain_step(captured)
     for _ in range(2):
@@ -251,20 +257,15 @@ def test_a_capture_of_the_warmed_up_buffers_holds_no_copy_and_one_of_moved_ones_
     for case in ("same buffers", "moved gradients"):
         m = model()
         opt = PackedAdamW(m.parameters(), lr=torch.tensor(1e-2, device="cuda"), capturable=True)
-        for p in m.parameters():
-            p.grad = torch.ones_like(p)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                opt.step()
-        torch.cuda.current_stream().wait_stream(side)
-        if case == "moved gradients":
+
+        def new_gradients():  # each allocated while the one it replaces still lives: a new address
             for p in m.parameters():
                 p.grad = torch.ones_like(p)
-        graph = torch.cuda.CUDAGraph(keep_graph=True)  # a graph not kept has nothing to dump
-        with torch.cuda.graph(graph):
-            opt.step()
+
+        new_gradients()
+        # A graph not kept (keep_graph=False) has nothing left to dump.
+        graph = warm_up_and_capture(opt.step, torch.cuda.CUDAGraph(keep_graph=True),
+                                    new_gradients if case == "moved gradients" else lambda: None)
         path = tmp_path / f"{case.replace(' ', '_')}.dot"
         graph.debug_dump(str(path))
         dumps[case] = path.read_text()
