@@ -106,7 +106,7 @@ def torch_step_ms(shapes, make_opt) -> float:
     return t
 
 
-def captured_step_ms(shapes, make_opt) -> float:
+def captured_step_ms(shapes, make_opt, before_capture=lambda opt: None) -> float:
     """One optimizer step captured in a CUDA graph (after warm-up steps on a side stream, as
     torch.cuda.graph asks), timed by its replays."""
     params = make_params(shapes)
@@ -117,6 +117,7 @@ def captured_step_ms(shapes, make_opt) -> float:
         for _ in range(3):
             opt.step()
     torch.cuda.current_stream().wait_stream(side)
+    before_capture(opt)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         opt.step()
@@ -217,6 +218,8 @@ def main(argv=None):
     parser.add_argument("--json", help="write raw numbers here")
     parser.add_argument("--skip-jax", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="only time block sizes and warps on one tensor")
+    parser.add_argument("--captured-ab", action="store_true",
+                        help="only captured steps with the address table read in place against copied")
     parser.add_argument("--sweep-multi", action="store_true",
                         help="only time the multi-tensor launch's block sizes and warps on captured steps of the lists")
     parser.add_argument("--interleave", type=int, metavar="ROUNDS",
@@ -228,6 +231,8 @@ def main(argv=None):
         return sweep()
     if args.sweep_multi:
         return sweep_multi()
+    if args.captured_ab:
+        return captured_table_ab()
     if args.profile_host:
         return profile_host()
     if args.interleave:
@@ -344,6 +349,32 @@ def sweep():
                      for _ in range(2)]
             print(f"BLOCK {block} warps {warps} {mode}: " + ", ".join(f"{ms:.3f} ms" for ms in times)
                   + f"; {fused / min(times):.2f}x fused AdamW", flush=True)
+
+
+def captured_table_ab(passes: int = 2):
+    """Captured packed steps of each list whose gradients are the warm-up's (the graph reads
+    the eager address table in place) against the same with the gradients moved just before
+    the capture (the graph copies the table from pinned memory at each replay), interleaved,
+    against fused AdamW captured the same way."""
+    lr = lambda: torch.tensor(1e-3, device="cuda")  # noqa: E731
+
+    def moved_before_capture(opt):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = p.grad.clone()
+
+    print("| list | fused AdamW ms | packed, table in place: ms | packed, table copied: ms | in place / fused | copied / fused |")
+    print("|---|---|---|---|---|---|")
+    for name, shapes in SHAPE_LISTS.items():
+        fused = captured_step_ms(shapes, lambda p: torch.optim.AdamW(p, lr=lr(), fused=True, capturable=True))
+        in_place, copied = [], []
+        for _ in range(passes):
+            in_place.append(captured_step_ms(shapes, lambda p: PackedAdamW(p, lr=lr(), capturable=True)))
+            copied.append(captured_step_ms(shapes, lambda p: PackedAdamW(p, lr=lr(), capturable=True),
+                                           before_capture=moved_before_capture))
+        print(f"| {name} | {fused:.4f} | {', '.join(f'{t:.4f}' for t in in_place)} | "
+              f"{', '.join(f'{t:.4f}' for t in copied)} | {min(in_place) / fused:.3f} | {min(copied) / fused:.3f} |",
+              flush=True)
 
 
 def sweep_multi():
