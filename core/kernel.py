@@ -27,6 +27,7 @@ CODE_SIGN_BIT = tl.constexpr(formats.CODE_SIGN_BIT)
 CODE_MAGNITUDE_MASK = tl.constexpr(formats.CODE_MAGNITUDE_MASK)
 FLOAT32_SIGN_BIT = tl.constexpr(1 << 31)
 FLOAT32_MAGNITUDE_MASK = tl.constexpr((1 << 31) - 1)
+ALL_ONES = tl.constexpr((1 << 32) - 1)
 CODE_SIGN_TO_FLOAT32 = tl.constexpr(31 - (formats.CODE_BITS - 1))  # shift from a code's sign bit to float32's
 HPARAM_ROW = tl.constexpr(hyperparams.HPARAM_ROW)
 H_LR, H_B1, H_B2, H_EPS, H_WD = (tl.constexpr(i) for i in range(hyperparams.HPARAM_ROW))
@@ -354,8 +355,10 @@ def _adamw_block(
             # 0 <= x < 2**31 (raw codes and float32 magnitudes); mag - 1 wraps exactly when mag == 0.
             saturated_m, saturated_rms = m_raw + (FLOAT32_MAGNITUDE_MASK - M_MAX), rms_raw + (FLOAT32_MAGNITUDE_MASK - R_MAX)
             zero_m, zero_rms = m_mag - 1, rms_mag - 1
-            subnormal_m = (m_mag - (1 << M_FRAC)) & ~zero_m
-            subnormal_rms = (rms_mag - (1 << R_FRAC)) & ~zero_rms
+            # (`^ ALL_ONES`, not `~`: triton 3.6's interpreter computes `~` of a uint32 as a negative
+            # Python integer and refuses it; compiled, both are the same instruction.)
+            subnormal_m = (m_mag - (1 << M_FRAC)) & (zero_m ^ ALL_ONES)
+            subnormal_rms = (rms_mag - (1 << R_FRAC)) & (zero_rms ^ ALL_ONES)
             nonzero_m = (m_next.to(tl.uint32, bitcast=True) & FLOAT32_MAGNITUDE_MASK) + FLOAT32_MAGNITUDE_MASK
             nonzero_rms = rms_next.to(tl.uint32, bitcast=True) + FLOAT32_MAGNITUDE_MASK  # rms_next >= +0.0: no sign
             flushed_m, flushed_rms = zero_m & nonzero_m, zero_rms & nonzero_rms
