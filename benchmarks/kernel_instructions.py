@@ -10,6 +10,10 @@ element costs: a wrapper of one block and one of two blocks unrolled, whose diff
 block's instructions without the program's setup, reductions and atomics. Static counts
 include the division and square-root slow paths, which run rarely; the differences between
 launch kinds are what this measures. Times come only from the GPU sweep.
+
+It also compiles the whole single-tensor kernel (`adamw_kernel`) of each counting launch and
+reports its registers a thread, which bound how many programs an SM keeps in flight: the
+consecutive layout of the counting launches and the SHIFTED one (`launch.COUNTING_SHIFTED`).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.kernel import _adamw_block
+from packed_adamw.core.kernel import _adamw_block, adamw_kernel
 
 KINDS = {"plain": (False, False), "nonfinite counts": (False, True), "format counts": (True, False),
          "both counts": (True, True)}
@@ -57,6 +61,14 @@ def _sass_tool() -> str:
     return os.path.join(bin_dir, "cuobjdump")
 
 
+def _cubin(fn, signature: dict, constants: dict, *, arch: int, warps: int) -> bytes:
+    aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind.startswith("*")}
+    compiled = triton.compile(ASTSource(fn, {**signature, **{name: "constexpr" for name in constants}},
+                                        constexprs=constants, attrs=aligned),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, **launch.COMPILE_OPTIONS})
+    return compiled.asm["cubin"]
+
+
 def opcodes(kind: str, unrolled: int, *, arch: int, block: int, warps: int, mode: str) -> list[str]:
     """The SASS opcodes of `_blocks` (NOPs dropped)."""
     track, nonfinite = KINDS[kind]
@@ -66,13 +78,8 @@ def opcodes(kind: str, unrolled: int, *, arch: int, block: int, warps: int, mode
     constants["UNROLLED"] = unrolled
     pointer_types = {"param_ptr": "*fp32", "grad_ptr": "*fp32", "state_ptr": "*i32", "scalars_ptr": "*fp32",
                      "out_ptr": "*i32"}
-    signature = {**pointer_types, "n_elements": "i32", **{name: "constexpr" for name in constants}}
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointer_types) + 1)}
-    compiled = triton.compile(ASTSource(_blocks, signature, constexprs=constants, attrs=aligned),
-                              target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": warps, **launch.COMPILE_OPTIONS})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
+        cubin.write(_cubin(_blocks, {**pointer_types, "n_elements": "i32"}, constants, arch=arch, warps=warps))
         cubin.flush()
         listing = subprocess.run([_sass_tool(), "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
     ops = []
@@ -81,6 +88,33 @@ def opcodes(kind: str, unrolled: int, *, arch: int, block: int, warps: int, mode
         if match and not match.group(2).startswith("NOP"):
             ops.append(match.group(2))
     return ops
+
+
+# (label, track_format, count_nonfinite, blocks a program, SHIFTED, warps)
+LAUNCHES = [("uncounted (the default launch)", False, False, 1, False, launch.GPU_NUM_WARPS),
+            ("format counts, consecutive", True, False, launch.COUNTING_BLOCKS_PER_PROGRAM, False,
+             launch.COUNTING_NUM_WARPS),
+            ("format counts, consecutive, as many blocks as shifted", True, False, launch.SHIFTED_BLOCKS_PER_PROGRAM,
+             False, launch.COUNTING_NUM_WARPS),
+            ("format counts, shifted", True, False, launch.SHIFTED_BLOCKS_PER_PROGRAM, True, launch.COUNTING_NUM_WARPS),
+            ("both counts, consecutive", True, True, launch.COUNTING_BLOCKS_PER_PROGRAM, False, launch.COUNTING_NUM_WARPS),
+            ("both counts, shifted", True, True, launch.SHIFTED_BLOCKS_PER_PROGRAM, True, launch.COUNTING_NUM_WARPS)]
+
+
+def registers(track: bool, nonfinite: bool, blocks: int, shifted: bool, warps: int, *, arch: int, block: int,
+              mode: str) -> int:
+    """Registers a thread of `adamw_kernel` for that launch (cuobjdump's resource usage)."""
+    constants = launch.kernel_constants(StateFormat(mode), write_update=False, count_nonfinite=nonfinite,
+                                        block=block, track_format=track)
+    constants["BLOCKS_PER_PROGRAM"], constants["SHIFTED"] = blocks, shifted
+    signature = {"param_ptr": "*fp32", "grad_ptr": "*fp32", "state_ptr": "*i32", "scalars_ptr": "*fp32",
+                 "counters_ptr": "*i64", "n_elements": "i32", "out_ptr": "*fp32", "new_state_ptr": "*i32"}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(_cubin(adamw_kernel, signature, constants, arch=arch, warps=warps))
+        cubin.flush()
+        usage = subprocess.run([_sass_tool(), "-res-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def per_block(kind: str, **options) -> dict[str, int]:
@@ -109,6 +143,11 @@ def main() -> None:
         largest = ", ".join(f"{op} {n:+.1f}" for op, n in sorted(added.items(), key=lambda x: (-abs(x[1]), x[0]))[:4] if n)
         print(f"| {kind} | {sum(ops.values()) / elements_per_thread:.1f} | "
               f"{(sum(ops.values()) - sum(plain.values())) / elements_per_thread:+.1f} | {largest or '-'} |")
+    print("\n| adamw_kernel launch | blocks a program | warps | registers a thread |")
+    print("|---|---|---|---|")
+    for label, track, nonfinite, blocks, shifted, warps in LAUNCHES:
+        regs = registers(track, nonfinite, blocks, shifted, warps, arch=args.arch, block=args.block, mode=args.mode)
+        print(f"| {label} | {blocks} | {warps} | {regs} |")
 
 
 if __name__ == "__main__":

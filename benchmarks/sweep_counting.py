@@ -4,7 +4,8 @@
 
 For one tensor of N float32 parameters (default 2**28), times `adamw_kernel` with format
 counts (`track_format`) or non-finite counts on and off, over block sizes, warps and blocks
-per program, against the default launch; then `adamw_split_kernel` (bf16 weights with split
+per program, against the default launch, and the SHIFTED layout (`launch.COUNTING_SHIFTED`); then
+`adamw_split_kernel` (bf16 weights with split
 masters, bf16 and float32 gradients). Times are the median of 5 repeats of the mean of 20
 back-to-back launches (CUDA events); the step scalars are derived once.
 """
@@ -44,10 +45,10 @@ def main() -> None:
     lines = [f"# Counting-launch sweep, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"{n:,} elements", "", "| launch | BLOCK | warps | blocks/program | ms | / default |", "|---|---|---|---|---|---|"]
 
-    def run(track, nonfinite, block, warps, bpp):
+    def run(track, nonfinite, block, warps, bpp, shifted=False):
         constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=nonfinite, block=block,
                                                    track_format=track)
-        constants["BLOCKS_PER_PROGRAM"] = bpp
+        constants["BLOCKS_PER_PROGRAM"], constants["SHIFTED"] = bpp, shifted
         grid = launch.single_tensor_grid(n, constants)
         return timed(lambda: adamw_kernel[grid](p, g, words, scalars, counters, n, p, words, num_warps=warps,
                                                 **constants, **launch.COMPILE_OPTIONS))
@@ -64,9 +65,25 @@ def main() -> None:
             ms = run(track, nonfinite, block, warps, bpp)
             lines.append(f"| {label} | {block} | {warps} | {bpp} | {ms:.3f} | {ms / default:.3f} |")
             print(lines[-1], flush=True)
-    counters.zero_()
-    run(True, False, 512, 2, 16)
-    print("counts after", counters[1:].view(6, -1).sum(1).tolist())
+    # The SHIFTED layout (launch.COUNTING_SHIFTED, off by default), timed in the same run.
+    for block, warps, bpp in ((512, 4, 2), (512, 4, 4), (512, 4, 8), (512, 8, 4), (256, 4, 4), (1024, 4, 4)):
+        ms = run(True, False, block, warps, bpp, shifted=True)
+        lines.append(f"| track_format, shifted | {block} | {warps} | {bpp} | {ms:.3f} | {ms / default:.3f} |")
+        print(lines[-1], flush=True)
+    results = []
+    for shifted, bpp in ((False, 16), (True, 4)):  # one launch of each on the same inputs: the same bits and counts
+        constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=True, block=512,
+                                                   track_format=True)
+        constants["BLOCKS_PER_PROGRAM"], constants["SHIFTED"] = bpp, shifted
+        p1, words1, counters1 = p.clone(), words.clone(), torch.zeros_like(counters)
+        adamw_kernel[launch.single_tensor_grid(n, constants)](p1, g, words1, scalars, counters1, n, p1, words1,
+                                                              num_warps=4, **constants, **launch.COMPILE_OPTIONS)
+        # the counts, not the row: each program adds to its own slot, and the layouts' programs differ
+        totals = torch.cat([counters1[:1], counters1[1:].view(len(launch.FORMAT_COUNTS), -1).sum(1)])
+        results.append((p1.view(torch.int32), words1, totals))
+    same = all(torch.equal(a, b) for a, b in zip(*results))
+    print("one launch, consecutive and shifted: the same bits and counts:", same, results[0][2].tolist())
+    assert same, "the shifted layout changed a bit or a count"
 
     # Split masters: bf16 weight + int16 low half, bf16 or float32 gradient.
     w = p.to(torch.bfloat16)

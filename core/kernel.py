@@ -255,6 +255,14 @@ def _store(pointer, value, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _step_scalars(scalars_ptr):
+    """A tensor's row of `step_scalars_kernel`'s output, as the values `_adamw_block_step` takes."""
+    return (tl.load(scalars_ptr + S_B1), tl.load(scalars_ptr + S_ONE_MINUS_B1), tl.load(scalars_ptr + S_B2),
+            tl.load(scalars_ptr + S_ONE_MINUS_B2), tl.load(scalars_ptr + S_STEP_SIZE),
+            tl.load(scalars_ptr + S_INV_SQRT_BC2), tl.load(scalars_ptr + S_EPS), tl.load(scalars_ptr + S_LR_WD))
+
+
+@triton.jit
 def _adamw_block(
     param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
     offsets, n_elements, MASKED: tl.constexpr,
@@ -263,7 +271,29 @@ def _adamw_block(
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
 ):
+    """`_adamw_block_step` with the step scalars read from the tensor's row at `scalars_ptr`."""
+    in_bounds = offsets < n_elements  # (before the scalars' loads, as the compiled code always had it)
+    return _adamw_block_step(
+        param_ptr, grad_ptr, state_ptr, lo_ptr, _step_scalars(scalars_ptr), out_ptr, new_state_ptr, new_lo_ptr,
+        offsets, in_bounds, n_elements, MASKED, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+    )
+
+
+@triton.jit
+def _adamw_block_step(
+    param_ptr, grad_ptr, state_ptr, lo_ptr, step, out_ptr, new_state_ptr, new_lo_ptr,
+    offsets, in_bounds, n_elements, MASKED: tl.constexpr,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
+    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+):
     """One block of one tensor; the whole step contract lives here (FORMAT.md, "The step").
+
+    `step`: the step scalars (`_step_scalars`). `in_bounds`: which of `offsets` are the
+    tensor's (read only where MASKED); `n_elements`: the tensor's length (fp32 mode's v lies
+    that far past m).
 
     Returns the block's per-lane counts for `_add_counts` (zeros where not asked for): rejected
     elements, and the format counts in their lane fields (`_lane_bit`).
@@ -273,15 +303,7 @@ def _adamw_block(
     at `lo_ptr` (FORMAT.md, "Split masters"); the step runs on the FP32 master they hold and
     writes the new weight to `out_ptr` and the new low half to `new_lo_ptr`.
     """
-    in_bounds = offsets < n_elements
-    b1 = tl.load(scalars_ptr + S_B1)
-    one_minus_b1 = tl.load(scalars_ptr + S_ONE_MINUS_B1)
-    b2 = tl.load(scalars_ptr + S_B2)
-    one_minus_b2 = tl.load(scalars_ptr + S_ONE_MINUS_B2)
-    step_size = tl.load(scalars_ptr + S_STEP_SIZE)
-    inv_sqrt_bias_correction2 = tl.load(scalars_ptr + S_INV_SQRT_BC2)
-    eps = tl.load(scalars_ptr + S_EPS)
-    lr_wd = tl.load(scalars_ptr + S_LR_WD)
+    b1, one_minus_b1, b2, one_minus_b2, step_size, inv_sqrt_bias_correction2, eps, lr_wd = step
 
     if SPLIT:
         w_bits = _load(param_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
@@ -381,32 +403,93 @@ def _adamw_programs(
     COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, SHIFTED: tl.constexpr = False,
 ):
     """One tensor: program i updates blocks [i*BLOCKS_PER_PROGRAM, (i+1)*BLOCKS_PER_PROGRAM).
 
-    A counting launch (`launch.blocks_per_program`) gives a program several blocks so that
-    its one reduction and its atomics are paid once for all of them."""
+    A counting launch (`launch.single_tensor_constants`) gives a program several blocks so that
+    its one reduction and its atomics are paid once for all of them. SHIFTED (format-counting
+    launches; an experiment, off by default: docs/results/SWEEP.md) lays such a program out once:
+    its pointers moved to its first element, int32 offsets inside it, the step scalars read
+    once, whole blocks in a loop and the partial one after it."""
     tl.static_assert(BLOCK * BLOCKS_PER_PROGRAM < COUNT_FIELD_LIMIT)
     tl.static_assert(BLOCKS_PER_PROGRAM < LANE_FIELD_LIMIT, "a program takes fewer blocks than its lane fields can count")
-    first = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM
+    if SHIFTED:
+        _adamw_shifted_program(
+            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
+            out_ptr, new_state_ptr, new_lo_ptr, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
+            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM,
+        )
+    else:
+        first = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM
+        rejected = tl.zeros([BLOCK], tl.int32)
+        format_lanes = tl.zeros([BLOCK], tl.int32)
+        for k in tl.range(0, BLOCKS_PER_PROGRAM):
+            start = (first + k) * BLOCK
+            offsets = start + tl.arange(0, BLOCK)
+            if start + BLOCK <= n_elements:
+                r, lanes = _adamw_block(
+                    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
+                    offsets, n_elements, False, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
+                    M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+                )
+            else:  # the tensor's last, partial block (or, in a program of several, one past the end)
+                r, lanes = _adamw_block(
+                    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
+                    offsets, n_elements, True, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
+                    M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+                )
+            rejected += r
+            format_lanes += lanes
+        _add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
+
+
+@triton.jit
+def _adamw_shifted_program(
+    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
+    out_ptr, new_state_ptr, new_lo_ptr,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
+    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+):
+    """`_adamw_programs` with SHIFTED: fewer registers a program (64-bit addresses computed once,
+    not per block and pointer), so more programs in flight."""
+    # Format counts, the only launches that take SHIFTED, have no fp32 mode; its v offset here,
+    # n_elements + int32 offsets, would also be 32-bit arithmetic near 2**31 elements.
+    tl.static_assert(MODE != FP32_MODE, "SHIFTED serves the format-counting launches, which fp32 mode has none of")
+    first = tl.program_id(0).to(tl.int64) * (BLOCKS_PER_PROGRAM * BLOCK)
+    param_ptr += first
+    grad_ptr += first
+    state_ptr += first
+    lo_ptr += first
+    out_ptr += first
+    new_state_ptr += first
+    new_lo_ptr += first
+    # The program's elements, at most BLOCKS_PER_PROGRAM * BLOCK: int32 from here on.
+    remaining = tl.minimum(tl.maximum(n_elements - first, 0), BLOCKS_PER_PROGRAM * BLOCK).to(tl.int32)
+    whole = remaining // BLOCK
+    step = _step_scalars(scalars_ptr)
     rejected = tl.zeros([BLOCK], tl.int32)
     format_lanes = tl.zeros([BLOCK], tl.int32)
-    for k in tl.range(0, BLOCKS_PER_PROGRAM):
-        start = (first + k) * BLOCK
-        offsets = start + tl.arange(0, BLOCK)
-        if start + BLOCK <= n_elements:
-            r, lanes = _adamw_block(
-                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
-                offsets, n_elements, False, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-            )
-        else:  # the tensor's last, partial block (or, in a program of several, one past the end)
-            r, lanes = _adamw_block(
-                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
-                offsets, n_elements, True, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-            )
+    k = 0
+    while k < whole:  # (a scalar bound: triton 3.6's interpreter refuses a tensor one in tl.range)
+        r, lanes = _adamw_block_step(
+            param_ptr, grad_ptr, state_ptr, lo_ptr, step, out_ptr, new_state_ptr, new_lo_ptr,
+            k * BLOCK + tl.arange(0, BLOCK), None, n_elements, False, MODE, WRITE_UPDATE, SPLIT,
+            COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+        )
+        rejected += r
+        format_lanes += lanes
+        k += 1
+    if whole * BLOCK < remaining:  # the tensor's last, partial block
+        offsets = whole * BLOCK + tl.arange(0, BLOCK)
+        r, lanes = _adamw_block_step(
+            param_ptr, grad_ptr, state_ptr, lo_ptr, step, out_ptr, new_state_ptr, new_lo_ptr,
+            offsets, offsets < remaining, n_elements, True, MODE, WRITE_UPDATE, SPLIT,
+            COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+        )
         rejected += r
         format_lanes += lanes
     _add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
@@ -419,7 +502,7 @@ def adamw_kernel(
     MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, SHIFTED: tl.constexpr = False,
 ):
     """One FP32 tensor, on the grid `launch.single_tensor_grid`.
 
@@ -431,7 +514,7 @@ def adamw_kernel(
     _adamw_programs(
         param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, counters_ptr, n_elements,
         out_ptr, new_state_ptr, out_ptr, MODE, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, SHIFTED,
     )
 
 
@@ -442,7 +525,7 @@ def adamw_split_kernel(
     MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, SHIFTED: tl.constexpr = False,
 ):
     """One bf16 tensor with split masters (FORMAT.md, "Split masters"), on the grid
     `launch.single_tensor_grid`: the bf16 weight and its int16 low half in, the new ones out
@@ -450,7 +533,7 @@ def adamw_split_kernel(
     _adamw_programs(
         weight_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
         new_weight_ptr, new_state_ptr, new_lo_ptr, MODE, False, True, COUNT_NONFINITE, TRACK_FORMAT,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, SHIFTED,
     )
 
 

@@ -64,6 +64,13 @@ def sum_counter_slots(rows: np.ndarray) -> np.ndarray:
 # docs/results/SWEEP.md). Uncounted launches keep one block a program.
 COUNTING_BLOCKS_PER_PROGRAM = 16
 COUNTING_NUM_WARPS = 4
+# An experiment, off until the H200 has timed it and run its CUDA tests: format-counting
+# launches (packed, fp16) whose programs are laid out once (kernel._adamw_shifted_program), with
+# fewer blocks each. A variant of it measured 1.037x the uncounted launch at 4 blocks a program
+# (docs/results/SWEEP.md, "Programs of several blocks, set up once"); this form is untimed. Set it
+# before the first launch: the launchers cache their constants (torch) or trace them (jax.jit).
+COUNTING_SHIFTED = False
+SHIFTED_BLOCKS_PER_PROGRAM = 4
 
 
 def single_tensor_constants(fmt: StateFormat, *, write_update: bool, count_nonfinite: bool, block: int,
@@ -73,7 +80,10 @@ def single_tensor_constants(fmt: StateFormat, *, write_update: bool, count_nonfi
     constants = kernel_constants(fmt, write_update=write_update, count_nonfinite=count_nonfinite, block=block,
                                  track_format=track_format, split=split)
     counting = (count_nonfinite or track_format) and not interpreting()
-    constants["BLOCKS_PER_PROGRAM"] = COUNTING_BLOCKS_PER_PROGRAM if counting else 1
+    shifted = counting and track_format and COUNTING_SHIFTED  # (track_format: never fp32 mode)
+    constants["BLOCKS_PER_PROGRAM"] = (SHIFTED_BLOCKS_PER_PROGRAM if shifted else COUNTING_BLOCKS_PER_PROGRAM if counting
+                                       else 1)
+    constants["SHIFTED"] = shifted  # passed always: jax-triton fills in no default constexpr
     return constants
 
 

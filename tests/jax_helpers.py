@@ -5,6 +5,7 @@ Data moves between the frameworks through numpy (no dlpack).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -182,7 +183,8 @@ class InterpretedJaxTriton:
     `_triton_launch._jax_triton`), passing the kernel its arguments as that version's lowering
     does: the array and scalar arguments in order, then one buffer per output, an output
     aliased to an input (`input_output_aliases`, indices among the array arguments) being that
-    input's buffer and any other output uninitialised (garbage, not zeros). Runs eagerly, in
+    input's buffer and any other output uninitialised (garbage, not zeros), and every constexpr
+    passed by name, those with defaults too, as that version requires. Runs eagerly, in
     the Triton interpreter, on torch copies of the arrays (float32, uint32, int16 and bf16).
     `launches` records (kernel, metaparameters) per call."""
 
@@ -215,6 +217,13 @@ class InterpretedJaxTriton:
 
     def triton_call(self, *args, kernel, out_shape, grid, input_output_aliases=None, num_warps=None,
                     enable_fp_fusion=True, **metaparams):
+        # jax-triton 0.3.1 fills in no default constexpr: a launch that leaves one out fails there.
+        fn = kernel
+        while hasattr(fn, "fn"):  # the interpreter's wrapper, then the JITFunction, then the function
+            fn = fn.fn
+        left_out = [name for name, p in inspect.signature(fn).parameters.items()
+                    if "constexpr" in str(p.annotation) and name not in metaparams]
+        assert not left_out, f"{fn.__name__} launched without its constexpr {', '.join(left_out)}"
         self.launches.append((kernel, metaparams))
         arrays = [self._tensor(np.asarray(a)) for a in args if not isinstance(a, (bool, int, float))]
         aliases = dict(input_output_aliases or {})

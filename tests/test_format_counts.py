@@ -71,12 +71,14 @@ def test_numpy_and_interpreted_kernel_counts_equal_a_recount_from_the_definition
         assert (counts[:2] > 0).all() and (counts[2:4] > 0).all() and (counts[4:] > 0).all(), counts
 
 
-@pytest.mark.parametrize("mode", COUNTED_MODES)
-def test_a_program_of_the_most_blocks_counts_every_element_without_carries(mode, device):
+@pytest.mark.parametrize("mode,shifted", [("packed", False), ("fp16", False), ("packed", True)],
+                         ids=["packed-consecutive", "fp16-consecutive", "packed-shifted"])
+def test_a_program_of_the_most_blocks_counts_every_element_without_carries(mode, shifted, device):
     """A counting launch gives a program several blocks, and each lane adds one element a block
     into a field of kernel.LANE_FIELD bits per count: with a program of the most blocks allowed
     and every element in the same two counts, each field reaches its largest value, and the
-    counts still equal the numpy step's (two full programs and a partial one)."""
+    counts still equal the numpy step's (two full programs and a partial one), in either
+    layout of a program."""
     from packed_adamw.core import kernel
 
     fmt = StateFormat(mode)
@@ -92,9 +94,108 @@ def test_a_program_of_the_most_blocks_counts_every_element_without_carries(mode,
         apply_step(p_np, g.copy(), s_np, step_scalar_row(1, HP.as_float32_list()), fmt=fmt, format_counts_out=expected)
         assert [expected[k] for k in pair] == [n, n], (scale, expected)
         k = H.run_kernel(p, g, words, count=1, hp=HP, fmt=fmt, device=device, block=block, track_format=True,
-                         blocks_per_program=blocks)
+                         blocks_per_program=blocks, shifted=shifted)
         H.assert_same_bits(k.state, s_np, "words of a program of many blocks")
         np.testing.assert_array_equal(k.format_counts, expected)
+
+
+@pytest.mark.parametrize("mode", COUNTED_MODES)
+@pytest.mark.parametrize("blocks,n", [(4, 4 * 64 * 3), (4, 4 * 64 * 3 + 64 * 2 + 17), (3, 3 * 64 * 2 + 1), (4, 5),
+                                      (1, 64 * 7 + 3)],
+                         ids=["whole_programs", "whole_blocks_then_a_partial_one", "one_element_past", "under_a_block",
+                              "one_block_a_program"])
+@pytest.mark.parametrize("write_update", [False, True], ids=["in_place", "update"])
+def test_shifted_programs_give_the_numpy_bits_and_counts(mode, blocks, n, write_update, device):
+    """The SHIFTED layout of a counting launch (launch.COUNTING_SHIFTED; pointers moved to the
+    program's first element, whole blocks in a loop, then the partial one): the same bits and
+    counts as the numpy step, with non-finite counts too, whatever the program's last block."""
+    fmt = StateFormat(mode)
+    rng = np.random.default_rng(n + blocks)
+    p, g, state = H.random_params(rng, n), H.random_grads(rng, n, fmt), H.random_state(rng, n, fmt)
+    H.inject_nonfinite(rng, g)
+    counts, update = np.zeros(6, np.int64), np.empty_like(p)
+    p_np, s_np = p.copy(), state.copy()
+    rejected = apply_step(p_np, g.copy(), s_np, step_scalar_row(3, HP.as_float32_list()), fmt=fmt,
+                          update_out=update if write_update else None, format_counts_out=counts)
+    k = H.run_kernel(p, g, state, count=3, hp=HP, fmt=fmt, device=device, block=64, track_format=True,
+                     blocks_per_program=blocks, shifted=True, write_update=write_update)
+    H.assert_same_bits(k.state, s_np, "words of shifted programs")
+    H.assert_same_bits(k.out, update if write_update else p_np, "the update or params of shifted programs")
+    np.testing.assert_array_equal(k.format_counts, counts)
+    assert k.nonfinite == rejected
+
+
+@pytest.mark.parametrize("mode", COUNTED_MODES)
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16_grad", "fp32_grad"])
+def test_shifted_split_programs_equal_consecutive_ones_and_write_nothing_past_the_tensor(mode, grad_dtype, device):
+    """bf16 weights with split masters (adamw_split_kernel): the shifted layout moves 2-byte
+    pointers too. Its launch gives the consecutive layout's bits and counts (that layout is
+    checked against the numpy split step in test_split_master.py), and the sentinels just past
+    each tensor, in the same buffers, stay as they were."""
+    from packed_adamw.core import kernel as K
+
+    fmt, block, blocks, n, pad = StateFormat(mode), 64, 4, 3 * 4 * 64 + 2 * 64 + 9, 300
+    rng = np.random.default_rng(5)
+    master = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    weight_bits = (master.view(np.uint32) >> 16).astype(np.uint16)  # a bf16 weight, low half 0
+    grad = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)).to(device)
+    grad[::97] = float("inf")  # rejected elements, counted
+    state = torch.from_numpy(H.random_state(rng, n, fmt).view(np.int32)).to(device)
+    runs = []
+    for shifted in (False, True):
+        def padded(values, sentinel):
+            buffer = torch.full((n + pad,), sentinel, dtype=values.dtype, device=device)
+            buffer[:n] = values
+            return buffer
+        w = padded(torch.from_numpy(weight_bits.view(np.int16)).to(device), -7)
+        lo, words = padded(torch.zeros(n, dtype=torch.int16, device=device), -7), padded(state, -7)
+        counters = H.new_counters(1, device)
+        constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=True, block=block,
+                                                   track_format=True, split=True)
+        constants["BLOCKS_PER_PROGRAM"], constants["SHIFTED"] = blocks, shifted
+        weight = w[:n].view(torch.bfloat16)
+        K.adamw_split_kernel[launch.single_tensor_grid(n, constants)](
+            weight, lo[:n], grad.to(grad_dtype), words[:n], H.kernel_step_scalars(HP, 2, device), counters, n,
+            weight, lo[:n], words[:n], **constants, **H._compile_options())
+        for buffer in (w, lo, words):
+            assert (buffer[n:] == -7).all(), "a write past the tensor"
+        runs.append((w[:n].cpu().numpy(), lo[:n].cpu().numpy(), words[:n].cpu().numpy(),
+                     int(counters[0, 0]), launch.sum_counter_slots(counters.cpu().numpy())[0]))
+    (w0, lo0, s0, rejected0, counts0), (w1, lo1, s1, rejected1, counts1) = runs
+    assert np.array_equal(w0, w1) and np.array_equal(lo0, lo1) and np.array_equal(s0, s1)
+    assert rejected0 == rejected1 == len(range(0, n, 97)) and np.array_equal(counts0, counts1)
+    assert not np.array_equal(w0, weight_bits.view(np.int16))  # the step moved the weights
+
+
+def test_the_shifted_layout_is_an_opt_in_for_format_counting_launches(monkeypatch):
+    fmt = StateFormat("packed")
+
+    def constants(**kinds):
+        return launch.single_tensor_constants(fmt, write_update=False, block=512, **kinds)
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)  # the compiled launches' constants
+    assert launch.COUNTING_SHIFTED is False
+    assert {constants(count_nonfinite=False, track_format=True)[k] for k in ("SHIFTED",)} == {False}
+    monkeypatch.setattr(launch, "COUNTING_SHIFTED", True)
+    on = constants(count_nonfinite=True, track_format=True)
+    assert (on["SHIFTED"], on["BLOCKS_PER_PROGRAM"]) == (True, launch.SHIFTED_BLOCKS_PER_PROGRAM)
+    nonfinite_only = constants(count_nonfinite=True, track_format=False)
+    assert (nonfinite_only["SHIFTED"], nonfinite_only["BLOCKS_PER_PROGRAM"]) == (False, launch.COUNTING_BLOCKS_PER_PROGRAM)
+    uncounted = constants(count_nonfinite=False, track_format=False)
+    assert (uncounted["SHIFTED"], uncounted["BLOCKS_PER_PROGRAM"]) == (False, 1)
+
+
+def test_shifted_programs_refuse_fp32_mode(device):
+    # SHIFTED serves format counts, which fp32 mode has none of (kernel._adamw_shifted_program).
+    n = 200
+    with pytest.raises(Exception) as raised:
+        H.run_kernel(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros((2, n), np.float32), count=1, hp=HP,
+                     fmt=StateFormat("fp32"), device=device, block=64, blocks_per_program=4, shifted=True)
+    messages, error = [], raised.value
+    while error is not None:
+        messages.append(str(error))
+        error = error.__cause__ or error.__context__
+    assert any("which fp32 mode has none of" in m for m in messages), messages
 
 
 def test_a_program_takes_fewer_blocks_than_its_lane_fields_can_count(device):
