@@ -414,12 +414,44 @@ def _adamw_programs(
     once, whole blocks in a loop and the partial one after it."""
     tl.static_assert(BLOCK * BLOCKS_PER_PROGRAM < COUNT_FIELD_LIMIT)
     tl.static_assert(BLOCKS_PER_PROGRAM < LANE_FIELD_LIMIT, "a program takes fewer blocks than its lane fields can count")
-    if SHIFTED:
-        _adamw_shifted_program(
-            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
-            out_ptr, new_state_ptr, new_lo_ptr, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM,
-        )
+    if SHIFTED:  # fewer registers a program: 64-bit addresses computed once, not per block and pointer
+        # Format counts, the only launches that take SHIFTED, have no fp32 mode; its v offset here,
+        # n_elements + int32 offsets, would also be 32-bit arithmetic near 2**31 elements.
+        tl.static_assert(MODE != FP32_MODE, "SHIFTED serves the format-counting launches, which fp32 mode has none of")
+        first = tl.program_id(0).to(tl.int64) * (BLOCKS_PER_PROGRAM * BLOCK)
+        param_ptr += first
+        grad_ptr += first
+        state_ptr += first
+        lo_ptr += first
+        out_ptr += first
+        new_state_ptr += first
+        new_lo_ptr += first
+        # The program's elements, at most BLOCKS_PER_PROGRAM * BLOCK: int32 from here on.
+        remaining = tl.minimum(tl.maximum(n_elements - first, 0), BLOCKS_PER_PROGRAM * BLOCK).to(tl.int32)
+        whole = remaining // BLOCK
+        step = _step_scalars(scalars_ptr)
+        rejected = tl.zeros([BLOCK], tl.int32)
+        format_lanes = tl.zeros([BLOCK], tl.int32)
+        k = 0
+        while k < whole:  # (a scalar bound: triton 3.6's interpreter refuses a tensor one in tl.range)
+            r, lanes = _adamw_block_step(
+                param_ptr, grad_ptr, state_ptr, lo_ptr, step, out_ptr, new_state_ptr, new_lo_ptr,
+                k * BLOCK + tl.arange(0, BLOCK), None, n_elements, False, MODE, WRITE_UPDATE, SPLIT,
+                COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+            )
+            rejected += r
+            format_lanes += lanes
+            k += 1
+        if whole * BLOCK < remaining:  # the tensor's last, partial block
+            offsets = whole * BLOCK + tl.arange(0, BLOCK)
+            r, lanes = _adamw_block_step(
+                param_ptr, grad_ptr, state_ptr, lo_ptr, step, out_ptr, new_state_ptr, new_lo_ptr,
+                offsets, offsets < remaining, n_elements, True, MODE, WRITE_UPDATE, SPLIT,
+                COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+            )
+            rejected += r
+            format_lanes += lanes
+        _add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
     else:
         first = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM
         rejected = tl.zeros([BLOCK], tl.int32)
@@ -442,57 +474,6 @@ def _adamw_programs(
             rejected += r
             format_lanes += lanes
         _add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
-
-
-@triton.jit
-def _adamw_shifted_program(
-    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
-    out_ptr, new_state_ptr, new_lo_ptr,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
-    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
-    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
-    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
-):
-    """`_adamw_programs` with SHIFTED: fewer registers a program (64-bit addresses computed once,
-    not per block and pointer), so more programs in flight."""
-    # Format counts, the only launches that take SHIFTED, have no fp32 mode; its v offset here,
-    # n_elements + int32 offsets, would also be 32-bit arithmetic near 2**31 elements.
-    tl.static_assert(MODE != FP32_MODE, "SHIFTED serves the format-counting launches, which fp32 mode has none of")
-    first = tl.program_id(0).to(tl.int64) * (BLOCKS_PER_PROGRAM * BLOCK)
-    param_ptr += first
-    grad_ptr += first
-    state_ptr += first
-    lo_ptr += first
-    out_ptr += first
-    new_state_ptr += first
-    new_lo_ptr += first
-    # The program's elements, at most BLOCKS_PER_PROGRAM * BLOCK: int32 from here on.
-    remaining = tl.minimum(tl.maximum(n_elements - first, 0), BLOCKS_PER_PROGRAM * BLOCK).to(tl.int32)
-    whole = remaining // BLOCK
-    step = _step_scalars(scalars_ptr)
-    rejected = tl.zeros([BLOCK], tl.int32)
-    format_lanes = tl.zeros([BLOCK], tl.int32)
-    k = 0
-    while k < whole:  # (a scalar bound: triton 3.6's interpreter refuses a tensor one in tl.range)
-        r, lanes = _adamw_block_step(
-            param_ptr, grad_ptr, state_ptr, lo_ptr, step, out_ptr, new_state_ptr, new_lo_ptr,
-            k * BLOCK + tl.arange(0, BLOCK), None, n_elements, False, MODE, WRITE_UPDATE, SPLIT,
-            COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-        )
-        rejected += r
-        format_lanes += lanes
-        k += 1
-    if whole * BLOCK < remaining:  # the tensor's last, partial block
-        offsets = whole * BLOCK + tl.arange(0, BLOCK)
-        r, lanes = _adamw_block_step(
-            param_ptr, grad_ptr, state_ptr, lo_ptr, step, out_ptr, new_state_ptr, new_lo_ptr,
-            offsets, offsets < remaining, n_elements, True, MODE, WRITE_UPDATE, SPLIT,
-            COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-        )
-        rejected += r
-        format_lanes += lanes
-    _add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
 
 
 @triton.jit

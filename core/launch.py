@@ -65,7 +65,7 @@ def sum_counter_slots(rows: np.ndarray) -> np.ndarray:
 COUNTING_BLOCKS_PER_PROGRAM = 16
 COUNTING_NUM_WARPS = 4
 # An experiment, off until the H200 has timed it and run its CUDA tests: format-counting
-# launches (packed, fp16) whose programs are laid out once (kernel._adamw_shifted_program), with
+# launches (packed, fp16) whose programs are laid out once (kernel._adamw_programs, SHIFTED), with
 # fewer blocks each. A variant of it measured 1.037x the uncounted launch at 4 blocks a program
 # (docs/results/SWEEP.md, "Programs of several blocks, set up once"); this form is untimed. Set it
 # before the first launch: the launchers cache their constants (torch) or trace them (jax.jit).

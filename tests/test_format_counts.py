@@ -186,7 +186,7 @@ def test_the_shifted_layout_is_an_opt_in_for_format_counting_launches(monkeypatc
 
 
 def test_shifted_programs_refuse_fp32_mode(device):
-    # SHIFTED serves format counts, which fp32 mode has none of (kernel._adamw_shifted_program).
+    # SHIFTED serves format counts, which fp32 mode has none of (kernel._adamw_programs).
     n = 200
     with pytest.raises(Exception) as raised:
         H.run_kernel(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros((2, n), np.float32), count=1, hp=HP,
