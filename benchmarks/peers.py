@@ -860,7 +860,7 @@ def write_page(args, doc: Path, command: str) -> None:
               "the recorded ones are not run again",
               "```", ""]
     atomic_write(doc, "\n".join(lines).encode())
-    atomic_write(doc.with_name("peers.json"), (json.dumps(compact_results(args), indent=0) + "\n").encode())
+    write_json(doc.with_name("peers.json"), compact_results(args), indent=0)
 
 
 # A result.json's fields that peers.json keeps (the rest of its summary, the log and the

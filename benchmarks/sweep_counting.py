@@ -71,7 +71,7 @@ def main() -> None:
         lines.append(f"| track_format, shifted | {block} | {warps} | {bpp} | {ms:.3f} | {ms / default:.3f} |")
         print(lines[-1], flush=True)
     results = []
-    for shifted, bpp in ((False, 16), (True, 4)):  # one launch of each on the same inputs: the same bits and counts
+    for shifted, bpp in ((False, launch.COUNTING_BLOCKS_PER_PROGRAM), (True, launch.SHIFTED_BLOCKS_PER_PROGRAM)):  # one launch of each on the same inputs: the same bits and counts
         constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=True, block=512,
                                                    track_format=True)
         constants["BLOCKS_PER_PROGRAM"], constants["SHIFTED"] = bpp, shifted
