@@ -13,7 +13,7 @@ launch kinds are what this measures. Times come only from the GPU sweep.
 
 It also compiles the whole single-tensor kernel (`adamw_kernel`) of each counting launch and
 reports its registers a thread, which bound how many programs an SM keeps in flight: the
-consecutive layout of the counting launches and the SHIFTED one (`launch.COUNTING_SHIFTED`).
+consecutive layout and the layouts laid out once (`launch.LAYOUT_SHIFTED`, `LAYOUT_PREFETCHED`).
 """
 from __future__ import annotations
 
@@ -90,31 +90,43 @@ def opcodes(kind: str, unrolled: int, *, arch: int, block: int, warps: int, mode
     return ops
 
 
-# (label, track_format, count_nonfinite, blocks a program, SHIFTED, warps)
-LAUNCHES = [("uncounted (the default launch)", False, False, 1, False, launch.GPU_NUM_WARPS),
-            ("format counts, consecutive", True, False, launch.COUNTING_BLOCKS_PER_PROGRAM, False,
-             launch.COUNTING_NUM_WARPS),
-            ("format counts, consecutive, as many blocks as shifted", True, False, launch.SHIFTED_BLOCKS_PER_PROGRAM,
-             False, launch.COUNTING_NUM_WARPS),
-            ("format counts, shifted", True, False, launch.SHIFTED_BLOCKS_PER_PROGRAM, True, launch.COUNTING_NUM_WARPS),
-            ("both counts, consecutive", True, True, launch.COUNTING_BLOCKS_PER_PROGRAM, False, launch.COUNTING_NUM_WARPS),
-            ("both counts, shifted", True, True, launch.SHIFTED_BLOCKS_PER_PROGRAM, True, launch.COUNTING_NUM_WARPS)]
+# (label, track_format, count_nonfinite, blocks a program, launch.LAYOUT_*, warps)
+_CONSECUTIVE, _SHIFTED, _PREFETCHED = launch.LAYOUT_CONSECUTIVE, launch.LAYOUT_SHIFTED, launch.LAYOUT_PREFETCHED
+_WARPS, _LAID_OUT = launch.COUNTING_NUM_WARPS, launch.LAID_OUT_BLOCKS_PER_PROGRAM
+LAUNCHES = [("uncounted (the default launch)", False, False, 1, _CONSECUTIVE, launch.GPU_NUM_WARPS),
+            ("format counts, consecutive", True, False, launch.COUNTING_BLOCKS_PER_PROGRAM, _CONSECUTIVE, _WARPS),
+            ("format counts, consecutive, as many blocks as shifted", True, False, _LAID_OUT, _CONSECUTIVE, _WARPS),
+            ("format counts, shifted", True, False, _LAID_OUT, _SHIFTED, _WARPS),
+            ("format counts, prefetched", True, False, _LAID_OUT, _PREFETCHED, _WARPS),
+            ("both counts, consecutive", True, True, launch.COUNTING_BLOCKS_PER_PROGRAM, _CONSECUTIVE, _WARPS),
+            ("both counts, shifted", True, True, _LAID_OUT, _SHIFTED, _WARPS),
+            ("both counts, prefetched", True, True, _LAID_OUT, _PREFETCHED, _WARPS)]
+LAUNCHES_BY_LABEL = {label: kind for label, *kind in LAUNCHES}
 
 
-def registers(track: bool, nonfinite: bool, blocks: int, shifted: bool, warps: int, *, arch: int, block: int,
-              mode: str) -> int:
-    """Registers a thread of `adamw_kernel` for that launch (cuobjdump's resource usage)."""
+def _launch_tool_output(flag: str, track: bool, nonfinite: bool, blocks: int, layout: int, warps: int, *,
+                        arch: int, block: int, mode: str) -> str:
+    """cuobjdump `flag` of `adamw_kernel` compiled for that launch."""
     constants = launch.kernel_constants(StateFormat(mode), write_update=False, count_nonfinite=nonfinite,
                                         block=block, track_format=track)
-    constants["BLOCKS_PER_PROGRAM"], constants["SHIFTED"] = blocks, shifted
+    constants["BLOCKS_PER_PROGRAM"], constants["LAYOUT"] = blocks, layout
     signature = {"param_ptr": "*fp32", "grad_ptr": "*fp32", "state_ptr": "*i32", "scalars_ptr": "*fp32",
                  "counters_ptr": "*i64", "n_elements": "i32", "out_ptr": "*fp32", "new_state_ptr": "*i32"}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(_cubin(adamw_kernel, signature, constants, arch=arch, warps=warps))
         cubin.flush()
-        usage = subprocess.run([_sass_tool(), "-res-usage", cubin.name], capture_output=True, text=True,
-                               check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1))
+        return subprocess.run([_sass_tool(), flag, cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def registers(*launch_kind, **options) -> int:
+    """Registers a thread of `adamw_kernel` for that launch (cuobjdump's resource usage)."""
+    return int(re.search(r"REG:(\d+)", _launch_tool_output("-res-usage", *launch_kind, **options)).group(1))
+
+
+def memory_instructions(*launch_kind, **options) -> dict[str, int]:
+    """The global loads and stores of that launch's whole `adamw_kernel`, by opcode."""
+    return dict(collections.Counter(re.findall(r"\b((?:LDG|STG)[A-Z0-9_.]*)",
+                                               _launch_tool_output("-sass", *launch_kind, **options))))
 
 
 def per_block(kind: str, **options) -> dict[str, int]:
@@ -145,8 +157,8 @@ def main() -> None:
               f"{(sum(ops.values()) - sum(plain.values())) / elements_per_thread:+.1f} | {largest or '-'} |")
     print("\n| adamw_kernel launch | blocks a program | warps | registers a thread |")
     print("|---|---|---|---|")
-    for label, track, nonfinite, blocks, shifted, warps in LAUNCHES:
-        regs = registers(track, nonfinite, blocks, shifted, warps, arch=args.arch, block=args.block, mode=args.mode)
+    for label, track, nonfinite, blocks, layout, warps in LAUNCHES:
+        regs = registers(track, nonfinite, blocks, layout, warps, arch=args.arch, block=args.block, mode=args.mode)
         print(f"| {label} | {blocks} | {warps} | {regs} |")
 
 

@@ -4,7 +4,7 @@
 
 For one tensor of N float32 parameters (default 2**28), times `adamw_kernel` with format
 counts (`track_format`) or non-finite counts on and off, over block sizes, warps and blocks
-per program, against the default launch, and the SHIFTED layout (`launch.COUNTING_SHIFTED`); then
+per program and the layouts of a program's blocks (`launch.LAYOUT_*`), against the default launch; then
 `adamw_split_kernel` (bf16 weights with split
 masters, bf16 and float32 gradients). Times are the median of 5 repeats of the mean of 20
 back-to-back launches (CUDA events); the step scalars are derived once.
@@ -19,6 +19,8 @@ from bench_step import cuda_time_ms as timed  # same timing as every benchmark r
 
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.kernel import adamw_kernel, adamw_split_kernel, step_scalars_kernel
+
+CONSECUTIVE, SHIFTED, PREFETCHED = launch.LAYOUT_CONSECUTIVE, launch.LAYOUT_SHIFTED, launch.LAYOUT_PREFETCHED
 
 
 def scalars_row(device) -> torch.Tensor:
@@ -43,47 +45,61 @@ def main() -> None:
     scalars = scalars_row(device)
     counters = torch.zeros(launch.COUNTER_ROW, dtype=torch.int64, device=device)
     lines = [f"# Counting-launch sweep, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-             f"{n:,} elements", "", "| launch | BLOCK | warps | blocks/program | ms | / default |", "|---|---|---|---|---|---|"]
+             f"{n:,} elements", "", "| launch | layout | BLOCK | warps | blocks/program | ms, two passes | / default (best pass) |",
+             "|---|---|---|---|---|---|---|"]
 
-    def run(track, nonfinite, block, warps, bpp, shifted=False):
+    def run(track, nonfinite, block, warps, bpp, layout=launch.LAYOUT_CONSECUTIVE):
         constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=nonfinite, block=block,
                                                    track_format=track)
-        constants["BLOCKS_PER_PROGRAM"], constants["SHIFTED"] = bpp, shifted
+        constants["BLOCKS_PER_PROGRAM"], constants["LAYOUT"] = bpp, layout
         grid = launch.single_tensor_grid(n, constants)
         return timed(lambda: adamw_kernel[grid](p, g, words, scalars, counters, n, p, words, num_warps=warps,
                                                 **constants, **launch.COMPILE_OPTIONS))
 
     default = run(False, False, 512, 2, 1)
-    lines.append(f"| default | 512 | 2 | 1 | {default:.3f} | 1.000 |")
-    configs = [(512, 2, 1), (512, 2, 16), (512, 4, 1), (512, 4, 8), (512, 4, 16), (512, 4, 24),
-               (512, 8, 16), (1024, 4, 16), (1024, 8, 16), (256, 2, 16)]
-    for label, track, nonfinite in (("track_format", True, False), ("check_nonfinite", False, True),
-                                    ("no counts", False, False)):
-        for block, warps, bpp in configs:
-            if label == "no counts" and bpp != 1:
-                continue
-            ms = run(track, nonfinite, block, warps, bpp)
-            lines.append(f"| {label} | {block} | {warps} | {bpp} | {ms:.3f} | {ms / default:.3f} |")
-            print(lines[-1], flush=True)
-    # The SHIFTED layout (launch.COUNTING_SHIFTED, off by default), timed in the same run.
-    for block, warps, bpp in ((512, 4, 2), (512, 4, 4), (512, 4, 8), (512, 8, 4), (256, 4, 4), (1024, 4, 4)):
-        ms = run(True, False, block, warps, bpp, shifted=True)
-        lines.append(f"| track_format, shifted | {block} | {warps} | {bpp} | {ms:.3f} | {ms / default:.3f} |")
-        print(lines[-1], flush=True)
+    lines.append(f"| default | - | 512 | 2 | 1 | {default:.3f} | 1.000 |")
+    layouts = {CONSECUTIVE: "consecutive", SHIFTED: "shifted", PREFETCHED: "shifted, prefetched"}
+    # (counts, layout, BLOCK, warps, blocks a program); the layouts of kernel._adamw_programs
+    configs = [("track_format", CONSECUTIVE, 512, 4, 16), ("track_format", SHIFTED, 512, 4, 8)]
+    configs += [("track_format", PREFETCHED, 512, warps, bpp) for warps, bpp in
+                ((4, 4), (4, 8), (4, 16), (4, 24), (2, 8), (2, 16), (8, 8))]
+    configs += [("track_format", PREFETCHED, 256, 2, 16), ("track_format", PREFETCHED, 1024, 8, 8)]
+    configs += [("both counts", CONSECUTIVE, 512, 4, 16), ("both counts", SHIFTED, 512, 4, 8),
+                ("both counts", PREFETCHED, 512, 4, 8), ("both counts", PREFETCHED, 512, 4, 16)]
+    configs += [("check_nonfinite", CONSECUTIVE, 512, 4, 1), ("check_nonfinite", CONSECUTIVE, 512, 4, 16),
+                ("check_nonfinite", PREFETCHED, 512, 4, 8), ("check_nonfinite", PREFETCHED, 512, 4, 16)]
+    configs += [("no counts", CONSECUTIVE, 512, 4, 1), ("no counts", SHIFTED, 512, 4, 8),
+                ("no counts", PREFETCHED, 512, 4, 8), ("no counts", PREFETCHED, 512, 4, 16)]
+    times = {c: [] for c in configs}
+    for _ in range(2):  # two passes: the spread between them is the noise
+        for config in configs:
+            label, layout, block, warps, bpp = config
+            times[config].append(run(label in ("track_format", "both counts"), label in ("check_nonfinite", "both counts"),
+                                     block, warps, bpp, layout=layout))
+            print(config, f"{times[config][-1]:.3f}", flush=True)
+    default2 = run(False, False, 512, 2, 1)
+    for config in configs:
+        label, layout, block, warps, bpp = config
+        ms = times[config]
+        lines.append(f"| {label} | {layouts[layout]} | {block} | {warps} | {bpp} | {ms[0]:.3f}, {ms[1]:.3f} | "
+                     f"{min(ms) / default:.3f} |")
+    lines.append(f"| default, again at the end | - | 512 | 2 | 1 | {default2:.3f} | {default2 / default:.3f} |")
     results = []
-    for shifted, bpp in ((False, launch.COUNTING_BLOCKS_PER_PROGRAM), (True, launch.SHIFTED_BLOCKS_PER_PROGRAM)):  # one launch of each on the same inputs: the same bits and counts
+    # one launch of each layout on the same inputs: the same bits and counts
+    for layout, bpp in ((CONSECUTIVE, launch.COUNTING_BLOCKS_PER_PROGRAM), (SHIFTED, launch.LAID_OUT_BLOCKS_PER_PROGRAM),
+                         (PREFETCHED, launch.LAID_OUT_BLOCKS_PER_PROGRAM), (PREFETCHED, 16)):
         constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=True, block=512,
                                                    track_format=True)
-        constants["BLOCKS_PER_PROGRAM"], constants["SHIFTED"] = bpp, shifted
+        constants["BLOCKS_PER_PROGRAM"], constants["LAYOUT"] = bpp, layout
         p1, words1, counters1 = p.clone(), words.clone(), torch.zeros_like(counters)
         adamw_kernel[launch.single_tensor_grid(n, constants)](p1, g, words1, scalars, counters1, n, p1, words1,
                                                               num_warps=4, **constants, **launch.COMPILE_OPTIONS)
         # the counts, not the row: each program adds to its own slot, and the layouts' programs differ
         totals = torch.cat([counters1[:1], counters1[1:].view(len(launch.FORMAT_COUNTS), -1).sum(1)])
         results.append((p1.view(torch.int32), words1, totals))
-    same = all(torch.equal(a, b) for a, b in zip(*results))
-    print("one launch, consecutive and shifted: the same bits and counts:", same, results[0][2].tolist())
-    assert same, "the shifted layout changed a bit or a count"
+    same = all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))
+    print("one launch of each layout: the same bits and counts:", same, results[0][2].tolist())
+    assert same, "a layout changed a bit or a count"
 
     # Split masters: bf16 weight + int16 low half, bf16 or float32 gradient.
     w = p.to(torch.bfloat16)
@@ -96,6 +112,16 @@ def main() -> None:
                                                     num_warps=2, **constants, **launch.COMPILE_OPTIONS))
         lines.append(f"| split | {grad_name} | {ms:.3f} | {ms / default:.3f} |")
         print(lines[-1], flush=True)
+        for layout, bpp in ((CONSECUTIVE, 16), (SHIFTED, 8), (PREFETCHED, 8)):  # format counts on the split launch
+            counting = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=False, block=512,
+                                                      split=True, track_format=True)
+            counting["BLOCKS_PER_PROGRAM"], counting["LAYOUT"] = bpp, layout
+            grid = launch.single_tensor_grid(n, counting)
+            counted = timed(lambda: adamw_split_kernel[grid](w, lo, grad, words, scalars, counters, n, w, lo, words,
+                                                             num_warps=4, **counting, **launch.COMPILE_OPTIONS))
+            lines.append(f"| split, format counts, {layouts[layout]}, {bpp} blocks | {grad_name} | {counted:.3f} | "
+                         f"{counted / default:.3f} ({counted / ms:.3f} of the uncounted split launch) |")
+            print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

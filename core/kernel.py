@@ -43,6 +43,8 @@ SPLIT_SIGN_BIT = tl.constexpr(formats.SPLIT_SIGN_BIT)  # bf16's sign bit
 SPLIT_MAGNITUDE_MASK = tl.constexpr(formats.SPLIT_SIGN_BIT - 1)
 SPLIT_LO_SIGN = tl.constexpr(formats.SPLIT_LO_SIGN)  # int16's sign bit, and half a bf16 step of the low half
 SPLIT_MASTER_MAX = tl.constexpr(formats.SPLIT_MASTER_MAX)
+LAYOUT_CONSECUTIVE = tl.constexpr(launch.LAYOUT_CONSECUTIVE)
+LAYOUT_PREFETCHED = tl.constexpr(launch.LAYOUT_PREFETCHED)
 
 
 @triton.jit
@@ -273,56 +275,78 @@ def _adamw_block(
 ):
     """`_adamw_block_step` with the step scalars read from the tensor's row at `scalars_ptr`."""
     in_bounds = offsets < n_elements  # (before the scalars' loads, as the compiled code always had it)
+    step = _step_scalars(scalars_ptr)
     return _adamw_block_step(
-        param_ptr, grad_ptr, state_ptr, lo_ptr, _step_scalars(scalars_ptr), out_ptr, new_state_ptr, new_lo_ptr,
+        step, out_ptr, new_state_ptr, new_lo_ptr,
         offsets, in_bounds, n_elements, MASKED, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
         M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+        _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets, in_bounds, n_elements, MASKED, MODE, SPLIT),
     )
 
 
 @triton.jit
+def _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets, in_bounds, n_elements, MASKED: tl.constexpr,
+                MODE: tl.constexpr, SPLIT: tl.constexpr):
+    """A block's inputs, as `_adamw_block_step` takes them: (the parameter, or the bf16 weight's
+    bits; the low half's bits, or the parameter again; the gradient, widened; the words, or fp32
+    mode's m; fp32 mode's v, or the words again)."""
+    if SPLIT:
+        first = _load(param_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
+        lo = _load(lo_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
+    else:
+        first = _load(param_ptr + offsets, in_bounds, 0.0, MASKED)
+        lo = first
+    g = _load(grad_ptr + offsets, in_bounds, 0.0, MASKED).to(tl.float32)  # a bf16 gradient widens exactly
+    if MODE == FP32_MODE:
+        state = _load(state_ptr + offsets, in_bounds, 0.0, MASKED)
+        v = _load(state_ptr + n_elements + offsets, in_bounds, 0.0, MASKED)
+    else:
+        state = _load(state_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint32, bitcast=True)
+        v = state
+    return first, lo, g, state, v
+
+
+@triton.jit
 def _adamw_block_step(
-    param_ptr, grad_ptr, state_ptr, lo_ptr, step, out_ptr, new_state_ptr, new_lo_ptr,
+    step, out_ptr, new_state_ptr, new_lo_ptr,
     offsets, in_bounds, n_elements, MASKED: tl.constexpr,
     MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
     COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
-    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr, loaded,
 ):
     """One block of one tensor; the whole step contract lives here (FORMAT.md, "The step").
 
-    `step`: the step scalars (`_step_scalars`). `in_bounds`: which of `offsets` are the
-    tensor's (read only where MASKED); `n_elements`: the tensor's length (fp32 mode's v lies
-    that far past m).
+    `step`: the step scalars (`_step_scalars`); `loaded`: the block's inputs (`_load_block`).
+    `in_bounds`: which of `offsets` are the tensor's (used only where MASKED); `n_elements`:
+    the tensor's length (fp32 mode's v lies that far past m).
 
     Returns the block's per-lane counts for `_add_counts` (zeros where not asked for): rejected
     elements, and the format counts in their lane fields (`_lane_bit`).
     MASKED=False for blocks that lie wholly inside the tensor: a bounds mask the compiler
     cannot prove uniform over 16 bytes splits every access into 4-byte ones.
-    SPLIT: the parameter is a bf16 live weight (`param_ptr`, 16-bit) with its int16 low half
-    at `lo_ptr` (FORMAT.md, "Split masters"); the step runs on the FP32 master they hold and
+    SPLIT: the parameter is a bf16 live weight with its int16 low half (FORMAT.md, "Split
+    masters"), as `_load_block` read them; the step runs on the FP32 master they hold and
     writes the new weight to `out_ptr` and the new low half to `new_lo_ptr`.
     """
     b1, one_minus_b1, b2, one_minus_b2, step_size, inv_sqrt_bias_correction2, eps, lr_wd = step
+    first_in, lo_in, g, state_in, v_in = loaded
 
     if SPLIT:
-        w_bits = _load(param_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
-        lo_bits = _load(lo_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
+        w_bits, lo_bits = first_in, lo_in
         p = _join_master(w_bits, lo_bits)
         # A zero weight with a negative low half (a zero written to the weight outside the
         # optimizer) would join to a NaN: it reads as that signed zero (formats.read_master).
         stale = ((w_bits & SPLIT_MAGNITUDE_MASK) == 0) & ((lo_bits & SPLIT_LO_SIGN) != 0)
         p = tl.where(stale, (w_bits << 16).to(tl.float32, bitcast=True), p)
     else:
-        p = _load(param_ptr + offsets, in_bounds, 0.0, MASKED)
-    g = _load(grad_ptr + offsets, in_bounds, 0.0, MASKED).to(tl.float32)  # a bf16 gradient widens exactly
+        p = first_in
     grad_finite = tl.abs(g) <= FLOAT32_MAX
     g = tl.where(grad_finite, g, 0.0)
     if MODE == FP32_MODE:
-        m = _load(state_ptr + offsets, in_bounds, 0.0, MASKED)
-        v = _load(state_ptr + n_elements + offsets, in_bounds, 0.0, MASKED)
+        m, v = state_in, v_in
     else:
-        word = _load(state_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint32, bitcast=True)
+        word = state_in
         m = _decode(word >> MOMENT_SHIFT, M_SIGNED, M_FRAC, M_BIAS)
         rms = _decode(word & CODE_MASK, R_SIGNED, R_FRAC, R_BIAS)
         v = rms * rms
@@ -403,21 +427,24 @@ def _adamw_programs(
     COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, SHIFTED: tl.constexpr = False,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, LAYOUT: tl.constexpr = 0,
 ):
     """One tensor: program i updates blocks [i*BLOCKS_PER_PROGRAM, (i+1)*BLOCKS_PER_PROGRAM).
 
     A counting launch (`launch.single_tensor_constants`) gives a program several blocks so that
-    its one reduction and its atomics are paid once for all of them. SHIFTED (format-counting
-    launches; an experiment, off by default: docs/results/SWEEP.md) lays such a program out once:
-    its pointers moved to its first element, int32 offsets inside it, the step scalars read
-    once, whole blocks in a loop and the partial one after it."""
+    its one reduction and its atomics are paid once for all of them. LAYOUT (launch.LAYOUT_*):
+    CONSECUTIVE computes each block's addresses afresh; SHIFTED, for format-counting launches,
+    lays the program out once: its pointers moved to its first element, int32 offsets inside
+    it, the step scalars read once, whole blocks in a loop and the partial one after it;
+    PREFETCHED is SHIFTED with each whole block's loads issued before the block before it is
+    stepped, so that a program keeps a block's loads in flight while it computes
+    (docs/results/SWEEP.md has the H200 timings)."""
     tl.static_assert(BLOCK * BLOCKS_PER_PROGRAM < COUNT_FIELD_LIMIT)
     tl.static_assert(BLOCKS_PER_PROGRAM < LANE_FIELD_LIMIT, "a program takes fewer blocks than its lane fields can count")
-    if SHIFTED:  # fewer registers a program: 64-bit addresses computed once, not per block and pointer
-        # Format counts, the only launches that take SHIFTED, have no fp32 mode; its v offset here,
+    if LAYOUT != LAYOUT_CONSECUTIVE:  # fewer registers a program: 64-bit addresses computed once, not per block
+        # Format counts, the only launches laid out so, have no fp32 mode; its v offset here,
         # n_elements + int32 offsets, would also be 32-bit arithmetic near 2**31 elements.
-        tl.static_assert(MODE != FP32_MODE, "SHIFTED serves the format-counting launches, which fp32 mode has none of")
+        tl.static_assert(MODE != FP32_MODE, "a shifted layout serves the format-counting launches, which fp32 mode has none of")
         first = tl.program_id(0).to(tl.int64) * (BLOCKS_PER_PROGRAM * BLOCK)
         param_ptr += first
         grad_ptr += first
@@ -433,21 +460,45 @@ def _adamw_programs(
         rejected = tl.zeros([BLOCK], tl.int32)
         format_lanes = tl.zeros([BLOCK], tl.int32)
         k = 0
-        while k < whole:  # (a scalar bound: triton 3.6's interpreter refuses a tensor one in tl.range)
-            r, lanes = _adamw_block_step(
-                param_ptr, grad_ptr, state_ptr, lo_ptr, step, out_ptr, new_state_ptr, new_lo_ptr,
-                k * BLOCK + tl.arange(0, BLOCK), None, n_elements, False, MODE, WRITE_UPDATE, SPLIT,
-                COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-            )
-            rejected += r
-            format_lanes += lanes
-            k += 1
+        if LAYOUT == LAYOUT_PREFETCHED:  # a block's loads are issued before the block before it is stepped
+            offsets = tl.arange(0, BLOCK)
+            loaded = _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets,
+                                 tl.full([BLOCK], 1, tl.int1) & (whole > 0), n_elements, True, MODE, SPLIT)
+            while k < whole:
+                current = loaded
+                offsets = (k + 1) * BLOCK + tl.arange(0, BLOCK)
+                # one flag for the whole block (not an element-wise bound): the loads stay 16 bytes wide
+                loaded = _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets,
+                                     tl.full([BLOCK], 1, tl.int1) & (k + 1 < whole), n_elements, True, MODE, SPLIT)
+                r, lanes = _adamw_block_step(
+                    step, out_ptr, new_state_ptr, new_lo_ptr,
+                    k * BLOCK + tl.arange(0, BLOCK), None, n_elements, False, MODE, WRITE_UPDATE, SPLIT,
+                    COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+                    current,
+                )
+                rejected += r
+                format_lanes += lanes
+                k += 1
+        else:
+            while k < whole:  # (a scalar bound: triton 3.6's interpreter refuses a tensor one in tl.range)
+                offsets = k * BLOCK + tl.arange(0, BLOCK)
+                r, lanes = _adamw_block_step(
+                    step, out_ptr, new_state_ptr, new_lo_ptr,
+                    offsets, None, n_elements, False, MODE, WRITE_UPDATE, SPLIT,
+                    COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+                    _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets, None, n_elements, False, MODE, SPLIT),
+                )
+                rejected += r
+                format_lanes += lanes
+                k += 1
         if whole * BLOCK < remaining:  # the tensor's last, partial block
             offsets = whole * BLOCK + tl.arange(0, BLOCK)
+            in_bounds = offsets < remaining
             r, lanes = _adamw_block_step(
-                param_ptr, grad_ptr, state_ptr, lo_ptr, step, out_ptr, new_state_ptr, new_lo_ptr,
-                offsets, offsets < remaining, n_elements, True, MODE, WRITE_UPDATE, SPLIT,
+                step, out_ptr, new_state_ptr, new_lo_ptr,
+                offsets, in_bounds, n_elements, True, MODE, WRITE_UPDATE, SPLIT,
                 COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+                _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets, in_bounds, n_elements, True, MODE, SPLIT),
             )
             rejected += r
             format_lanes += lanes
@@ -483,7 +534,7 @@ def adamw_kernel(
     MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, SHIFTED: tl.constexpr = False,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, LAYOUT: tl.constexpr = 0,
 ):
     """One FP32 tensor, on the grid `launch.single_tensor_grid`.
 
@@ -495,7 +546,7 @@ def adamw_kernel(
     _adamw_programs(
         param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, counters_ptr, n_elements,
         out_ptr, new_state_ptr, out_ptr, MODE, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, SHIFTED,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, LAYOUT,
     )
 
 
@@ -506,7 +557,7 @@ def adamw_split_kernel(
     MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, SHIFTED: tl.constexpr = False,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, LAYOUT: tl.constexpr = 0,
 ):
     """One bf16 tensor with split masters (FORMAT.md, "Split masters"), on the grid
     `launch.single_tensor_grid`: the bf16 weight and its int16 low half in, the new ones out
@@ -514,7 +565,7 @@ def adamw_split_kernel(
     _adamw_programs(
         weight_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
         new_weight_ptr, new_state_ptr, new_lo_ptr, MODE, False, True, COUNT_NONFINITE, TRACK_FORMAT,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, SHIFTED,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, LAYOUT,
     )
 
 

@@ -60,18 +60,26 @@ def sum_counter_slots(rows: np.ndarray) -> np.ndarray:
 
 
 # A counting launch of a single-tensor kernel gives each program several blocks, so that its
-# reductions and atomics are paid once per 8192 elements, and runs more warps (H200 sweep in
-# docs/results/SWEEP.md). Uncounted launches keep one block a program.
+# reductions and atomics are paid once for all of them, and runs more warps (H200 sweeps in
+# docs/results/SWEEP.md): 16 blocks, consecutive, when it counts only non-finite elements;
+# LAID_OUT_BLOCKS_PER_PROGRAM, laid out once, when it counts formats. Uncounted launches keep one
+# block a program.
 COUNTING_BLOCKS_PER_PROGRAM = 16
 COUNTING_NUM_WARPS = 4
-# An experiment, off until the torch and JAX CUDA tests have run with it: format-counting
-# launches (packed, fp16) whose programs are laid out once (kernel._adamw_programs, SHIFTED), with
-# fewer blocks each. On the H200 it took 1.053x the uncounted launch at 4 blocks a program and
-# 1.047x at 8, against 1.067x for the 16-block consecutive launch above (docs/results/SWEEP.md,
-# "Programs of several blocks, set up once"). Set it before the first launch: the launchers cache
-# their constants (torch) or trace them (jax.jit).
-COUNTING_SHIFTED = False
-SHIFTED_BLOCKS_PER_PROGRAM = 4
+# How a program of several blocks lays them out (kernel._adamw_programs' LAYOUT).
+LAYOUT_CONSECUTIVE = 0  # each block's addresses computed afresh (any mode)
+LAYOUT_SHIFTED = 1  # pointers moved once to the program's first element, int32 offsets (not fp32 mode)
+LAYOUT_PREFETCHED = 2  # SHIFTED, each block's loads issued before the block before it is stepped
+# Format-counting launches (packed, fp16) are laid out once, with fewer blocks a program. On the
+# H200, with 8 blocks, the FP32-weight launch took 1.030x to 1.035x the uncounted one PREFETCHED
+# and 1.040x SHIFTED, where the 16-block consecutive launch took 1.062x. The bf16 split launch
+# with a bf16 gradient took 1.057x its uncounted launch SHIFTED but 1.109x PREFETCHED (one
+# reading each; with an FP32 gradient they tie): docs/results/SWEEP.md, "Programs laid out once,
+# prefetched". Set these before the first launch: the launchers cache their constants (torch) or
+# trace them (jax.jit).
+COUNTING_LAYOUT = LAYOUT_PREFETCHED
+COUNTING_SPLIT_LAYOUT = LAYOUT_SHIFTED
+LAID_OUT_BLOCKS_PER_PROGRAM = 8
 
 
 def single_tensor_constants(fmt: StateFormat, *, write_update: bool, count_nonfinite: bool, block: int,
@@ -81,10 +89,12 @@ def single_tensor_constants(fmt: StateFormat, *, write_update: bool, count_nonfi
     constants = kernel_constants(fmt, write_update=write_update, count_nonfinite=count_nonfinite, block=block,
                                  track_format=track_format, split=split)
     counting = (count_nonfinite or track_format) and not interpreting()
-    shifted = counting and track_format and COUNTING_SHIFTED  # (track_format: never fp32 mode)
-    constants["BLOCKS_PER_PROGRAM"] = (SHIFTED_BLOCKS_PER_PROGRAM if shifted else COUNTING_BLOCKS_PER_PROGRAM if counting
-                                       else 1)
-    constants["SHIFTED"] = shifted  # passed always: jax-triton fills in no default constexpr
+    layout = LAYOUT_CONSECUTIVE
+    if counting and track_format:  # (track_format: never fp32 mode)
+        layout = COUNTING_SPLIT_LAYOUT if split else COUNTING_LAYOUT
+    constants["BLOCKS_PER_PROGRAM"] = (LAID_OUT_BLOCKS_PER_PROGRAM if layout != LAYOUT_CONSECUTIVE
+                                       else COUNTING_BLOCKS_PER_PROGRAM if counting else 1)
+    constants["LAYOUT"] = layout  # passed always: jax-triton fills in no default constexpr
     return constants
 
 

@@ -46,7 +46,7 @@ def adamw_counting_kernel(
     MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1, SHIFTED: tl.constexpr = False,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1, LAYOUT: tl.constexpr = 0,
 ):
     """Core's `adamw_kernel` with its counter row as an output as well: jax-triton passes every
     output, aliased ones too, after the inputs, so a launch that returns its counts needs this
@@ -55,7 +55,7 @@ def adamw_counting_kernel(
     _adamw_programs(
         param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, new_counters_ptr, n_elements,
         out_ptr, new_state_ptr, out_ptr, MODE, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, SHIFTED,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, LAYOUT,
     )
 
 
@@ -66,14 +66,14 @@ def adamw_split_counting_kernel(
     MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
     M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
     R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1, SHIFTED: tl.constexpr = False,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1, LAYOUT: tl.constexpr = 0,
 ):
     """Core's `adamw_split_kernel` with its counter row as an output as well (as
     `adamw_counting_kernel` for `adamw_kernel`)."""
     _adamw_programs(
         weight_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, new_counters_ptr, n_elements,
         new_weight_ptr, new_state_ptr, new_lo_ptr, MODE, False, True, COUNT_NONFINITE, TRACK_FORMAT,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, SHIFTED,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, LAYOUT,
     )
 
 

@@ -74,10 +74,10 @@ def new_counters(n_tensors: int, device) -> torch.Tensor:
 
 def launch_kernel(param, grad, state, *, count: int, hp: Hyperparams, fmt: StateFormat, write_update=False,
                   out=None, new_state=None, nonfinite=None, block=None, track_format=False,
-                  blocks_per_program=None, shifted=None):
+                  blocks_per_program=None, layout=None):
     """Launch on torch tensors (all on one device): step_scalars_kernel, then adamw_kernel.
     Returns (out, new_state, counters): one counter row, the non-finite count first.
-    `blocks_per_program` and `shifted` override the launch's (launch.single_tensor_constants).
+    `blocks_per_program` and `layout` override the launch's (launch.single_tensor_constants).
 
     In place (write_update=False): `out` is `param` and `new_state` is `state`.
     Functional (write_update=True): `out` receives the update, `new_state` a fresh state;
@@ -101,8 +101,8 @@ def launch_kernel(param, grad, state, *, count: int, hp: Hyperparams, fmt: State
                                                track_format=track_format)
     if blocks_per_program is not None:
         constants["BLOCKS_PER_PROGRAM"] = blocks_per_program
-    if shifted is not None:
-        constants["SHIFTED"] = shifted
+    if layout is not None:
+        constants["LAYOUT"] = layout
     adamw_kernel[launch.single_tensor_grid(n, constants)](
         param_ptr=param, grad_ptr=grad, state_ptr=state, scalars_ptr=scalars, counters_ptr=nonfinite,
         n_elements=n, out_ptr=out, new_state_ptr=new_state, **constants, **_compile_options(),
@@ -120,14 +120,14 @@ class KernelResult(NamedTuple):
 
 
 def run_kernel(p, g, state, *, count, hp, fmt, write_update=False, device="cpu", block=None,
-               track_format=False, blocks_per_program=None, shifted=None) -> KernelResult:
+               track_format=False, blocks_per_program=None, layout=None) -> KernelResult:
     """Copies the numpy inputs to `device`, launches, and copies everything back."""
     tp = torch.from_numpy(np.array(p, dtype=F32, copy=True)).to(device)
     tg = torch.from_numpy(np.array(g, dtype=F32, copy=True)).to(device)
     ts = _state_to_torch(state, fmt, device)
     out, new_state, counters = launch_kernel(tp, tg, ts, count=count, hp=hp, fmt=fmt,
                                              write_update=write_update, block=block, track_format=track_format,
-                                             blocks_per_program=blocks_per_program, shifted=shifted)
+                                             blocks_per_program=blocks_per_program, layout=layout)
     if device != "cpu":
         torch.cuda.synchronize()
     return KernelResult(

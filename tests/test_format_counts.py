@@ -3,6 +3,10 @@ subnormal moments (FORMAT.md, "Format counts"), against a recount from the forma
 definitions, and `PackedAdamW(track_format=True).format_stats()`."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -71,9 +75,15 @@ def test_numpy_and_interpreted_kernel_counts_equal_a_recount_from_the_definition
         assert (counts[:2] > 0).all() and (counts[2:4] > 0).all() and (counts[4:] > 0).all(), counts
 
 
-@pytest.mark.parametrize("mode,shifted", [("packed", False), ("fp16", False), ("packed", True)],
-                         ids=["packed-consecutive", "fp16-consecutive", "packed-shifted"])
-def test_a_program_of_the_most_blocks_counts_every_element_without_carries(mode, shifted, device):
+LAYOUTS = {"consecutive": launch.LAYOUT_CONSECUTIVE, "shifted": launch.LAYOUT_SHIFTED,
+           "prefetched": launch.LAYOUT_PREFETCHED}
+LAID_OUT_ONCE = pytest.mark.parametrize("layout", [launch.LAYOUT_SHIFTED, launch.LAYOUT_PREFETCHED],
+                                        ids=["shifted", "prefetched"])
+
+
+@pytest.mark.parametrize("mode,layout", [("packed", "consecutive"), ("fp16", "consecutive"), ("packed", "shifted"),
+                                         ("packed", "prefetched")])
+def test_a_program_of_the_most_blocks_counts_every_element_without_carries(mode, layout, device):
     """A counting launch gives a program several blocks, and each lane adds one element a block
     into a field of kernel.LANE_FIELD bits per count: with a program of the most blocks allowed
     and every element in the same two counts, each field reaches its largest value, and the
@@ -94,7 +104,7 @@ def test_a_program_of_the_most_blocks_counts_every_element_without_carries(mode,
         apply_step(p_np, g.copy(), s_np, step_scalar_row(1, HP.as_float32_list()), fmt=fmt, format_counts_out=expected)
         assert [expected[k] for k in pair] == [n, n], (scale, expected)
         k = H.run_kernel(p, g, words, count=1, hp=HP, fmt=fmt, device=device, block=block, track_format=True,
-                         blocks_per_program=blocks, shifted=shifted)
+                         blocks_per_program=blocks, layout=LAYOUTS[layout])
         H.assert_same_bits(k.state, s_np, "words of a program of many blocks")
         np.testing.assert_array_equal(k.format_counts, expected)
 
@@ -105,10 +115,12 @@ def test_a_program_of_the_most_blocks_counts_every_element_without_carries(mode,
                          ids=["whole_programs", "whole_blocks_then_a_partial_one", "one_element_past", "under_a_block",
                               "one_block_a_program"])
 @pytest.mark.parametrize("write_update", [False, True], ids=["in_place", "update"])
-def test_shifted_programs_give_the_numpy_bits_and_counts(mode, blocks, n, write_update, device):
-    """The SHIFTED layout of a counting launch (launch.COUNTING_SHIFTED; pointers moved to the
-    program's first element, whole blocks in a loop, then the partial one): the same bits and
-    counts as the numpy step, with non-finite counts too, whatever the program's last block."""
+@LAID_OUT_ONCE
+def test_laid_out_programs_give_the_numpy_bits_and_counts(mode, blocks, n, write_update, layout, device):
+    """The layouts of a format-counting launch (launch.LAYOUT_SHIFTED: pointers moved to the
+    program's first element, whole blocks in a loop, then the partial one; LAYOUT_PREFETCHED:
+    each whole block's loads issued a block early): the same bits and counts as the numpy step,
+    with non-finite counts too, whatever the program's last block."""
     fmt = StateFormat(mode)
     rng = np.random.default_rng(n + blocks)
     p, g, state = H.random_params(rng, n), H.random_grads(rng, n, fmt), H.random_state(rng, n, fmt)
@@ -118,17 +130,32 @@ def test_shifted_programs_give_the_numpy_bits_and_counts(mode, blocks, n, write_
     rejected = apply_step(p_np, g.copy(), s_np, step_scalar_row(3, HP.as_float32_list()), fmt=fmt,
                           update_out=update if write_update else None, format_counts_out=counts)
     k = H.run_kernel(p, g, state, count=3, hp=HP, fmt=fmt, device=device, block=64, track_format=True,
-                     blocks_per_program=blocks, shifted=True, write_update=write_update)
-    H.assert_same_bits(k.state, s_np, "words of shifted programs")
-    H.assert_same_bits(k.out, update if write_update else p_np, "the update or params of shifted programs")
+                     blocks_per_program=blocks, layout=layout, write_update=write_update)
+    H.assert_same_bits(k.state, s_np, "words of programs laid out once")
+    H.assert_same_bits(k.out, update if write_update else p_np, "the update or params of programs laid out once")
     np.testing.assert_array_equal(k.format_counts, counts)
     assert k.nonfinite == rejected
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="guard pages through mmap and mprotect")
+def test_programs_of_several_blocks_read_nothing_past_a_tensor():
+    """Each layout of several blocks a program, interpreted, on tensors that end right before an
+    inaccessible page (tests/guarded_reads.py): a load past the end, such as a prefetch of a
+    block the program does not own, faults. The control shows that such a read does fault."""
+    script = os.path.join(os.path.dirname(__file__), "guarded_reads.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, script, "launch"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "no read past a tensor" in done.stdout, (done.returncode, done.stderr[-2000:])
+    control = subprocess.run([sys.executable, script, "control"], env=env, capture_output=True, text=True, timeout=60)
+    assert control.returncode == -signal.SIGSEGV, (control.returncode, control.stdout, control.stderr[-2000:])
+
+
 @pytest.mark.parametrize("mode", COUNTED_MODES)
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16_grad", "fp32_grad"])
-def test_shifted_split_programs_equal_consecutive_ones_and_write_nothing_past_the_tensor(mode, grad_dtype, device):
-    """bf16 weights with split masters (adamw_split_kernel): the shifted layout moves 2-byte
+@LAID_OUT_ONCE
+def test_laid_out_split_programs_equal_consecutive_ones_and_write_nothing_past_the_tensor(mode, grad_dtype, layout,
+                                                                                            device):
+    """bf16 weights with split masters (adamw_split_kernel): a layout laid out once moves 2-byte
     pointers too. Its launch gives the consecutive layout's bits and counts (that layout is
     checked against the numpy split step in test_split_master.py), and the sentinels just past
     each tensor, in the same buffers, stay as they were."""
@@ -142,7 +169,7 @@ def test_shifted_split_programs_equal_consecutive_ones_and_write_nothing_past_th
     grad[::97] = float("inf")  # rejected elements, counted
     state = torch.from_numpy(H.random_state(rng, n, fmt).view(np.int32)).to(device)
     runs = []
-    for shifted in (False, True):
+    for laid_out in (launch.LAYOUT_CONSECUTIVE, layout):
         def padded(values, sentinel):
             buffer = torch.full((n + pad,), sentinel, dtype=values.dtype, device=device)
             buffer[:n] = values
@@ -152,7 +179,7 @@ def test_shifted_split_programs_equal_consecutive_ones_and_write_nothing_past_th
         counters = H.new_counters(1, device)
         constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=True, block=block,
                                                    track_format=True, split=True)
-        constants["BLOCKS_PER_PROGRAM"], constants["SHIFTED"] = blocks, shifted
+        constants["BLOCKS_PER_PROGRAM"], constants["LAYOUT"] = blocks, laid_out
         weight = w[:n].view(torch.bfloat16)
         K.adamw_split_kernel[launch.single_tensor_grid(n, constants)](
             weight, lo[:n], grad.to(grad_dtype), words[:n], H.kernel_step_scalars(HP, 2, device), counters, n,
@@ -167,30 +194,39 @@ def test_shifted_split_programs_equal_consecutive_ones_and_write_nothing_past_th
     assert not np.array_equal(w0, weight_bits.view(np.int16))  # the step moved the weights
 
 
-def test_the_shifted_layout_is_an_opt_in_for_format_counting_launches(monkeypatch):
+def test_only_format_counting_launches_are_laid_out_once(monkeypatch):
+    """Compiled launches' layouts (launch.single_tensor_constants): format counts take the
+    timed layouts, FP32 weights prefetched and bf16 split weights shifted; other launches keep
+    the consecutive layout, of one block unless they count non-finite elements; the interpreter
+    launches one block a program, consecutive."""
     fmt = StateFormat("packed")
 
-    def constants(**kinds):
-        return launch.single_tensor_constants(fmt, write_update=False, block=512, **kinds)
+    def layout(split=False, **kinds):
+        constants = launch.single_tensor_constants(fmt, write_update=False, block=512, split=split, **kinds)
+        return constants["LAYOUT"], constants["BLOCKS_PER_PROGRAM"]
 
+    monkeypatch.setattr(launch, "interpreting", lambda: True)
+    interpreted = layout(count_nonfinite=True, track_format=True)
     monkeypatch.setattr(launch, "interpreting", lambda: False)  # the compiled launches' constants
-    assert launch.COUNTING_SHIFTED is False
-    assert {constants(count_nonfinite=False, track_format=True)[k] for k in ("SHIFTED",)} == {False}
-    monkeypatch.setattr(launch, "COUNTING_SHIFTED", True)
-    on = constants(count_nonfinite=True, track_format=True)
-    assert (on["SHIFTED"], on["BLOCKS_PER_PROGRAM"]) == (True, launch.SHIFTED_BLOCKS_PER_PROGRAM)
-    nonfinite_only = constants(count_nonfinite=True, track_format=False)
-    assert (nonfinite_only["SHIFTED"], nonfinite_only["BLOCKS_PER_PROGRAM"]) == (False, launch.COUNTING_BLOCKS_PER_PROGRAM)
-    uncounted = constants(count_nonfinite=False, track_format=False)
-    assert (uncounted["SHIFTED"], uncounted["BLOCKS_PER_PROGRAM"]) == (False, 1)
+    assert (launch.COUNTING_LAYOUT, launch.COUNTING_SPLIT_LAYOUT) == (launch.LAYOUT_PREFETCHED, launch.LAYOUT_SHIFTED)
+    for nonfinite in (False, True):
+        assert layout(count_nonfinite=nonfinite, track_format=True) == (launch.LAYOUT_PREFETCHED,
+                                                                         launch.LAID_OUT_BLOCKS_PER_PROGRAM)
+        assert layout(split=True, count_nonfinite=nonfinite, track_format=True) == (launch.LAYOUT_SHIFTED,
+                                                                                     launch.LAID_OUT_BLOCKS_PER_PROGRAM)
+    assert layout(count_nonfinite=True, track_format=False) == (launch.LAYOUT_CONSECUTIVE,
+                                                                launch.COUNTING_BLOCKS_PER_PROGRAM)
+    assert layout(count_nonfinite=False, track_format=False) == (launch.LAYOUT_CONSECUTIVE, 1)
+    assert interpreted == (launch.LAYOUT_CONSECUTIVE, 1)
 
 
-def test_shifted_programs_refuse_fp32_mode(device):
-    # SHIFTED serves format counts, which fp32 mode has none of (kernel._adamw_programs).
+@LAID_OUT_ONCE
+def test_laid_out_programs_refuse_fp32_mode(layout, device):
+    # Those layouts serve format counts, which fp32 mode has none of (kernel._adamw_programs).
     n = 200
     with pytest.raises(Exception) as raised:
         H.run_kernel(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros((2, n), np.float32), count=1, hp=HP,
-                     fmt=StateFormat("fp32"), device=device, block=64, blocks_per_program=4, shifted=True)
+                     fmt=StateFormat("fp32"), device=device, block=64, blocks_per_program=4, layout=layout)
     messages, error = [], raised.value
     while error is not None:
         messages.append(str(error))

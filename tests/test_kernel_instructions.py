@@ -19,6 +19,8 @@ options = dict(arch=90, block=512, warps=4, mode="packed")
 found = {{kind: K.per_block(kind, **options) for kind in ("plain", "format counts")}}
 found["registers"] = {{label: K.registers(*launch, arch=90, block=512, mode="packed") for label, *launch in K.LAUNCHES
                        if "counts" in label}}
+found["prefetched memory"] = K.memory_instructions(*K.LAUNCHES_BY_LABEL["format counts, prefetched"], arch=90,
+                                                   block=512, mode="packed")
 print(json.dumps(found))
 """
 
@@ -42,7 +44,7 @@ def test_a_whole_block_moves_each_buffer_in_16_byte_vectors(per_block):
     # and word, one 16-byte store of the parameter and word. A bounds mask the compiler cannot
     # prove uniform would split them into 4-byte accesses (kernel.py, `_adamw_block`).
     for kind, ops in per_block.items():
-        if kind == "registers":
+        if kind in ("registers", "prefetched memory"):
             continue
         assert ops.get("LDG.E.128", 0) == 3, (kind, ops)
         assert ops.get("STG.E.128", 0) == 2, (kind, ops)
@@ -59,7 +61,7 @@ def test_format_counts_add_instructions_to_every_element(per_block):
 
 
 def test_a_shifted_counting_program_needs_fewer_registers(per_block):
-    # The premise of launch.COUNTING_SHIFTED: 64-bit addresses computed once a program, not per
+    # The premise of launch.LAYOUT_SHIFTED: 64-bit addresses computed once a program, not per
     # block and pointer, leave registers for more programs in flight (56 to 62 against 76 to 85 under
     # triton 3.6 and 3.9; docs/results/SWEEP.md).
     regs = per_block["registers"]
@@ -67,3 +69,11 @@ def test_a_shifted_counting_program_needs_fewer_registers(per_block):
         assert regs[f"{kind}, shifted"] <= regs[f"{kind}, consecutive"] - 12, regs
     # the layout, not the number of blocks: consecutive programs of as many blocks keep theirs
     assert regs["format counts, shifted"] <= regs["format counts, consecutive, as many blocks as shifted"] - 12, regs
+
+
+def test_a_prefetched_program_keeps_its_loads_16_bytes_wide(per_block):
+    # The next block's loads take one flag for the whole block (kernel.py, LAYOUT_PREFETCHED), not
+    # an element-wise bound: 16-byte loads of the first block before the loop and of the next one
+    # in it, 16-byte stores of the block stepped; the partial last block's accesses are 4 bytes.
+    ops = per_block["prefetched memory"]
+    assert ops.get("LDG.E.128", 0) == 6 and ops.get("STG.E.128", 0) == 2, ops
