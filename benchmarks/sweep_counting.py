@@ -1,6 +1,7 @@
 """H200 sweep: the single-tensor kernel's launch shape for counting launches, and the split kernel.
 
     python benchmarks/sweep_counting.py [--elements N] [--out FILE]
+    python benchmarks/sweep_counting.py --chosen [--passes 5] [--out FILE]
 
 For one tensor of N float32 parameters (default 2**28), times `adamw_kernel` with format
 counts (`track_format`) or non-finite counts on and off, over block sizes, warps and blocks
@@ -8,10 +9,17 @@ per program and the layouts of a program's blocks (`launch.LAYOUT_*`), against t
 `adamw_split_kernel` (bf16 weights with split
 masters, bf16 and float32 gradients). Times are the median of 5 repeats of the mean of 20
 back-to-back launches (CUDA events); the step scalars are derived once.
+
+`--chosen` times only the launches the library makes (`launch.single_tensor_constants` and
+`single_tensor_warps`, as the launchers call them), each against the uncounted launch of the
+same pass: each pass times the uncounted launch again before its rows, so that a drift of the
+GPU's speed during the run falls on both sides of each ratio. It reports each row's median
+ratio over the passes and their range.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
@@ -31,10 +39,51 @@ def scalars_row(device) -> torch.Tensor:
     return out[0]
 
 
+def chosen_launches(n, fmt, p, g, words, scalars, counters, passes: int) -> str:
+    """The launches as the library makes them, each pass against its own uncounted launch."""
+    w, lo, g16 = p.to(torch.bfloat16), torch.zeros(n, dtype=torch.int16, device=p.device), g.to(torch.bfloat16)
+
+    def launcher(split, nonfinite, track):
+        constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=nonfinite,
+                                                   block=launch.GPU_BLOCK, track_format=track, split=split)
+        grid, warps = launch.single_tensor_grid(n, constants), launch.single_tensor_warps(constants)
+        if split:
+            return lambda: adamw_split_kernel[grid](w, lo, g16, words, scalars, counters, n, w, lo, words,
+                                                    num_warps=warps, **constants, **launch.COMPILE_OPTIONS)
+        return lambda: adamw_kernel[grid](p, g, words, scalars, counters, n, p, words, num_warps=warps,
+                                          **constants, **launch.COMPILE_OPTIONS)
+
+    # (row, the launch, its uncounted launch): FP32 weights against the default launch, bf16
+    # split weights (bf16 gradient) against the uncounted split launch
+    rows = [("format counts", launcher(False, False, True), "fp32"),
+            ("format and non-finite counts", launcher(False, True, True), "fp32"),
+            ("non-finite counts", launcher(False, True, False), "fp32"),
+            ("bf16 split, format counts", launcher(True, False, True), "split"),
+            ("bf16 split, non-finite counts", launcher(True, True, False), "split")]
+    uncounted = {"fp32": launcher(False, False, False), "split": launcher(True, False, False)}
+    ratios = {row: [] for row, *_ in rows}
+    for _ in range(passes):
+        base = {kind: timed(fn) for kind, fn in uncounted.items()}
+        for row, fn, kind in rows:
+            ratios[row].append(timed(fn) / base[kind])
+            print(row, f"{ratios[row][-1]:.4f}", flush=True)
+    lines = [f"# The library's counting launches, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+             f"{n:,} elements, {passes} passes", "",
+             f"Counting launches: `launch.COUNTING_LAYOUT` {launch.COUNTING_LAYOUT}, `COUNTING_SPLIT_LAYOUT` "
+             f"{launch.COUNTING_SPLIT_LAYOUT}, {launch.LAID_OUT_BLOCKS_PER_PROGRAM} blocks a program laid out; "
+             f"non-finite only: {launch.COUNTING_BLOCKS_PER_PROGRAM} blocks.", "",
+             "| launch | / its uncounted launch, median of the passes | lowest | highest |", "|---|---|---|---|"]
+    for row, values in ratios.items():
+        lines.append(f"| {row} | {statistics.median(values):.4f} | {min(values):.4f} | {max(values):.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=1 << 28)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--chosen", action="store_true", help="only the launches the library makes, pass by pass")
+    parser.add_argument("--passes", type=int, default=5, help="passes of --chosen")
     args = parser.parse_args()
     n, device = args.elements, torch.device("cuda")
     fmt = StateFormat("packed")
@@ -47,6 +96,13 @@ def main() -> None:
     lines = [f"# Counting-launch sweep, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"{n:,} elements", "", "| launch | layout | BLOCK | warps | blocks/program | ms, two passes | / default (best pass) |",
              "|---|---|---|---|---|---|---|"]
+
+    if args.chosen:
+        text = chosen_launches(n, fmt, p, g, words, scalars, counters, args.passes)
+        print(text)
+        if args.out:
+            open(args.out, "w").write(text)
+        return
 
     def run(track, nonfinite, block, warps, bpp, layout=launch.LAYOUT_CONSECUTIVE):
         constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=nonfinite, block=block,
