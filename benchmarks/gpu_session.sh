@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh            # all three
 #   STEPS="tests bench" bash benchmarks/gpu_session.sh
 #   STEPS="sweep" bash benchmarks/gpu_session.sh                                          # not by default
-#   STEPS="counting" PASSES=5 bash benchmarks/gpu_session.sh                              # not by default
+#   STEPS="counting" PASSES=5 [COUNTING_ARGS=--candidates] bash benchmarks/gpu_session.sh  # not by default
 #   STEPS=peers PEERS_ARGS="--seeds 0 --time-budget 540" bash benchmarks/gpu_session.sh   # not by default
 set -uo pipefail
 OUT=${OUT:-docs/results}
@@ -38,7 +38,7 @@ if [[ " $STEPS " == *" sweep "* ]]; then  # not by default: the counting launche
   python3 benchmarks/kernel_instructions.py > "$OUT/KERNEL_INSTRUCTIONS.md" 2>&1; cat "$OUT/KERNEL_INSTRUCTIONS.md"
 fi
 if [[ " $STEPS " == *" counting "* ]]; then  # not by default: the library's counting launches, pass by pass
-  python3 benchmarks/sweep_counting.py --chosen --passes "${PASSES:-5}" --out "$OUT/COUNTING_LAUNCHES.md" 2>&1 | tail -12
+  python3 benchmarks/sweep_counting.py --chosen --passes "${PASSES:-5}" ${COUNTING_ARGS:-} --out "$OUT/COUNTING_LAUNCHES.md" 2>&1 | tail -60
 fi
 if [[ " $STEPS " == *" profile "* ]]; then  # not by default: where a host-bound step's time goes
   python3 benchmarks/bench_step.py --profile-host > "$OUT/host_profile.txt" 2>&1; head -60 "$OUT/host_profile.txt"

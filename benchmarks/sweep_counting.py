@@ -1,7 +1,7 @@
 """H200 sweep: the single-tensor kernel's launch shape for counting launches, and the split kernel.
 
     python benchmarks/sweep_counting.py [--elements N] [--out FILE]
-    python benchmarks/sweep_counting.py --chosen [--passes 5] [--out FILE]
+    python benchmarks/sweep_counting.py --chosen [--passes 5] [--candidates] [--out FILE]
 
 For one tensor of N float32 parameters (default 2**28), times `adamw_kernel` with format
 counts (`track_format`) or non-finite counts on and off, over block sizes, warps and blocks
@@ -11,10 +11,13 @@ masters, bf16 and float32 gradients). Times are the median of 5 repeats of the m
 back-to-back launches (CUDA events); the step scalars are derived once.
 
 `--chosen` times only the launches the library makes (`launch.single_tensor_constants` and
-`single_tensor_warps`, as the launchers call them), each against the uncounted launch of the
-same pass: each pass times the uncounted launch again before its rows, so that a drift of the
-GPU's speed during the run falls on both sides of each ratio. It reports each row's median
-ratio over the passes and their range.
+`single_tensor_warps`, as the launchers call them) on three data profiles (`data_profiles`):
+the random codes above read out of place, the state after 30 synthetic steps read out of place,
+and that state stepped on in place.
+Each ratio is a timing of the row over the mean of its uncounted launch timed just before and
+after it: the H200 runs these launches at its power cap, where its clocks move. It reports each
+row's median ratio over the passes and their range; `--candidates` adds other launch shapes
+(CANDIDATES) and the uncounted launch against itself, whose ratio is the noise.
 """
 from __future__ import annotations
 
@@ -39,43 +42,126 @@ def scalars_row(device) -> torch.Tensor:
     return out[0]
 
 
-def chosen_launches(n, fmt, p, g, words, scalars, counters, passes: int) -> str:
-    """The launches as the library makes them, each pass against its own uncounted launch."""
-    w, lo, g16 = p.to(torch.bfloat16), torch.zeros(n, dtype=torch.int16, device=p.device), g.to(torch.bfloat16)
+# `--chosen --candidates`: FP32-weight launches the library does not make, timed in the same
+# passes as its own: (row, track_format, count_nonfinite, BLOCK, warps, blocks a program, layout).
+CANDIDATES = [
+    ("no counts, prefetched, 8 blocks (the cost of a loop of blocks)", False, False, 512, 4, 8, PREFETCHED),
+    ("non-finite counts, prefetched, 8 blocks", False, True, 512, 4, 8, PREFETCHED),
+    ("non-finite counts, 1 block a program, 4 warps", False, True, 512, 4, 1, CONSECUTIVE),
+    ("format counts, prefetched, 16 blocks", True, False, 512, 4, 16, PREFETCHED),
+    ("format counts, prefetched, BLOCK 256, 2 warps, 16 blocks", True, False, 256, 2, 16, PREFETCHED),
+]
+TRAINED_STEPS = 30  # synthetic steps from zero moments before the second and third profiles
 
-    def launcher(split, nonfinite, track):
+
+def gradient(n, device, gen) -> torch.Tensor:
+    """Synthetic gradients: normal draws scaled by 2**-6 to 2**-18, log-uniformly."""
+    return torch.randn(n, device=device, generator=gen) * torch.exp2(torch.rand(n, device=device, generator=gen) * -12 - 6)
+
+
+class Profile:
+    """The inputs of the timed launches. Out of place (`in_place=False`) every launch reads the
+    same inputs; in place, each steps the state the last one wrote, with `grads` in turn, and the
+    step scalars of step 3 throughout. In place the state moves on over a run (5 passes of
+    `--chosen --candidates` step it about 16,000 times): the moments stay those of the four
+    gradients, while weight decay shrinks the weights."""
+
+    def __init__(self, p, words, grads, in_place: bool):
+        self.p, self.words, self.grads, self.turn = p, words, grads, 0
+        self.p_out, self.words_out = (p, words) if in_place else (torch.empty_like(p), torch.empty_like(words))
+        # bf16 weights with split masters (a zero low half) and bf16 gradients, the same way
+        self.w, self.lo = p.to(torch.bfloat16), torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+        self.grads16 = [g.to(torch.bfloat16) for g in grads]
+        self.w_out, self.lo_out = (self.w, self.lo) if in_place else (torch.empty_like(self.w), torch.empty_like(self.lo))
+        self.split_words = words.clone() if in_place else words  # in place: a state of their own
+        self.split_words_out = self.split_words if in_place else self.words_out
+
+    def launcher(self, constants: dict, warps: int, scalars, counters, split: bool = False):
+        n, grid = self.p.numel(), launch.single_tensor_grid(self.p.numel(), constants)
+
+        def run():
+            k, self.turn = self.turn % len(self.grads), self.turn + 1
+            if split:
+                adamw_split_kernel[grid](self.w, self.lo, self.grads16[k], self.split_words, scalars, counters, n,
+                                         self.w_out, self.lo_out, self.split_words_out, num_warps=warps, **constants,
+                                         **launch.COMPILE_OPTIONS)
+            else:
+                adamw_kernel[grid](self.p, self.grads[k], self.words, scalars, counters, n, self.p_out, self.words_out,
+                                   num_warps=warps, **constants, **launch.COMPILE_OPTIONS)
+        return run
+
+
+def data_profiles(p, random_words, g, scalars, counters) -> dict:
+    """Three inputs: the sweep's random codes; the state after TRAINED_STEPS steps from zero
+    moments, a fresh `gradient` each (about 8% of its first moments subnormal, almost none of its
+    RMS), read as it is; and that state stepped on in place with four gradients in turn."""
+    n, gen = p.numel(), torch.Generator(device=p.device).manual_seed(1)
+    fmt = StateFormat("packed")
+    p_trained, words_trained = p.clone(), torch.zeros_like(random_words)
+    uncounted = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=False, block=launch.GPU_BLOCK)
+    for _ in range(TRAINED_STEPS):
+        adamw_kernel[launch.single_tensor_grid(n, uncounted)](
+            p_trained, gradient(n, p.device, gen), words_trained, scalars, counters, n, p_trained, words_trained,
+            num_warps=launch.single_tensor_warps(uncounted), **uncounted, **launch.COMPILE_OPTIONS)
+    grads = [gradient(n, p.device, gen) for _ in range(4)]
+    return {"random codes, the same inputs every launch": Profile(p, random_words, [g], in_place=False),
+            f"after {TRAINED_STEPS} synthetic steps, the same inputs every launch": Profile(
+                p_trained, words_trained, grads[:1], in_place=False),
+            f"after {TRAINED_STEPS} synthetic steps, stepped in place, four gradients in turn": Profile(
+                p_trained.clone(), words_trained.clone(), grads, in_place=True)}
+
+
+def chosen_launches(profiles: dict, scalars, counters, passes: int, candidates: bool = False) -> str:
+    """The launches as the library makes them, on each data profile. Each ratio is one timing of
+    the row over the mean of the uncounted launch of its kind timed just before and just after
+    it, so that the GPU's clocks, which its power cap moves, fall on both sides of the ratio;
+    `candidates` adds CANDIDATES to the same passes."""
+    fmt = StateFormat("packed")
+
+    def library(split, nonfinite, track):
         constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=nonfinite,
                                                    block=launch.GPU_BLOCK, track_format=track, split=split)
-        grid, warps = launch.single_tensor_grid(n, constants), launch.single_tensor_warps(constants)
-        if split:
-            return lambda: adamw_split_kernel[grid](w, lo, g16, words, scalars, counters, n, w, lo, words,
-                                                    num_warps=warps, **constants, **launch.COMPILE_OPTIONS)
-        return lambda: adamw_kernel[grid](p, g, words, scalars, counters, n, p, words, num_warps=warps,
-                                          **constants, **launch.COMPILE_OPTIONS)
+        return constants, launch.single_tensor_warps(constants), split
 
-    # (row, the launch, its uncounted launch): FP32 weights against the default launch, bf16
-    # split weights (bf16 gradient) against the uncounted split launch
-    rows = [("format counts", launcher(False, False, True), "fp32"),
-            ("format and non-finite counts", launcher(False, True, True), "fp32"),
-            ("non-finite counts", launcher(False, True, False), "fp32"),
-            ("bf16 split, format counts", launcher(True, False, True), "split"),
-            ("bf16 split, non-finite counts", launcher(True, True, False), "split")]
-    uncounted = {"fp32": launcher(False, False, False), "split": launcher(True, False, False)}
-    ratios = {row: [] for row, *_ in rows}
-    for _ in range(passes):
-        base = {kind: timed(fn) for kind, fn in uncounted.items()}
-        for row, fn, kind in rows:
-            ratios[row].append(timed(fn) / base[kind])
-            print(row, f"{ratios[row][-1]:.4f}", flush=True)
+    # (row, (constants, warps, split)): FP32 weights against the default launch, bf16 split
+    # weights (bf16 gradient) against the uncounted split launch
+    rows = [("format counts", library(False, False, True)),
+            ("format and non-finite counts", library(False, True, True)),
+            ("non-finite counts", library(False, True, False)),
+            ("bf16 split, format counts", library(True, False, True)),
+            ("bf16 split, non-finite counts", library(True, True, False))]
+    if candidates:
+        rows.append(("candidate: the uncounted launch itself (the noise)", library(False, False, False)))
+        for row, track, nonfinite, block, warps, bpp, layout in CANDIDATES:
+            constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=nonfinite, block=block,
+                                                       track_format=track)
+            constants["BLOCKS_PER_PROGRAM"], constants["LAYOUT"] = bpp, layout
+            rows.append((f"candidate: {row}", (constants, warps, False)))
     lines = [f"# The library's counting launches, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-             f"{n:,} elements, {passes} passes", "",
+             f"{next(iter(profiles.values())).p.numel():,} elements, {passes} passes", "",
              f"Counting launches: `launch.COUNTING_LAYOUT` {launch.COUNTING_LAYOUT}, `COUNTING_SPLIT_LAYOUT` "
              f"{launch.COUNTING_SPLIT_LAYOUT}, {launch.LAID_OUT_BLOCKS_PER_PROGRAM} blocks a program laid out; "
-             f"non-finite only: {launch.COUNTING_BLOCKS_PER_PROGRAM} blocks.", "",
-             "| launch | / its uncounted launch, median of the passes | lowest | highest |", "|---|---|---|---|"]
-    for row, values in ratios.items():
-        lines.append(f"| {row} | {statistics.median(values):.4f} | {min(values):.4f} | {max(values):.4f} |")
-    return "\n".join(lines) + "\n"
+             f"non-finite only: {launch.COUNTING_BLOCKS_PER_PROGRAM} blocks. Each ratio: the row over the mean of "
+             "its uncounted launch timed just before and after it.", ""]
+    for name, profile in profiles.items():
+        counters.zero_()
+        Profile(profile.p, profile.words, profile.grads[:1], in_place=False).launcher(*rows[0][1][:2], scalars,
+                                                                                       counters)()
+        counts = dict(zip(launch.FORMAT_COUNTS, launch.sum_counter_slots(counters.cpu().numpy()[None])[0].tolist()))
+        uncounted = {split: profile.launcher(*library(split, False, False)[:2], scalars, counters, split)
+                     for split in (False, True)}
+        ratios = {row: [] for row, _ in rows}
+        for _ in range(passes):
+            for row, (constants, warps, split) in rows:
+                before = timed(uncounted[split])
+                counted = timed(profile.launcher(constants, warps, scalars, counters, split))
+                ratios[row].append(2 * counted / (before + timed(uncounted[split])))
+                print(name, "|", row, f"{ratios[row][-1]:.4f}", flush=True)
+        lines += [f"## {name}", "", f"Format counts of one launch, before the timings: {counts}", "",
+                  "| launch | / its uncounted launch, median of the passes | lowest | highest |", "|---|---|---|---|"]
+        lines += [f"| {row} | {statistics.median(v):.4f} | {min(v):.4f} | {max(v):.4f} |" for row, v in ratios.items()]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -84,6 +170,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--chosen", action="store_true", help="only the launches the library makes, pass by pass")
     parser.add_argument("--passes", type=int, default=5, help="passes of --chosen")
+    parser.add_argument("--candidates", action="store_true", help="with --chosen: CANDIDATES too, in the same passes")
     args = parser.parse_args()
     n, device = args.elements, torch.device("cuda")
     fmt = StateFormat("packed")
@@ -98,7 +185,8 @@ def main() -> None:
              "|---|---|---|---|---|---|---|"]
 
     if args.chosen:
-        text = chosen_launches(n, fmt, p, g, words, scalars, counters, args.passes)
+        text = chosen_launches(data_profiles(p, words, g, scalars, counters), scalars, counters, args.passes,
+                               args.candidates)
         print(text)
         if args.out:
             open(args.out, "w").write(text)

@@ -72,11 +72,13 @@ LAYOUT_SHIFTED = 1  # pointers moved once to the program's first element, int32 
 LAYOUT_PREFETCHED = 2  # SHIFTED, each block's loads issued before the block before it is stepped
 # Format-counting launches (packed, fp16) are laid out once, with fewer blocks a program. On the
 # H200, with 8 blocks, the FP32-weight launch took 1.030x to 1.035x the uncounted one PREFETCHED
-# and 1.040x SHIFTED, where the 16-block consecutive launch took 1.062x. The bf16 split launch
-# with a bf16 gradient took 1.057x its uncounted launch SHIFTED but 1.109x PREFETCHED (one
-# reading each; with an FP32 gradient they tie): docs/results/SWEEP.md, "Programs laid out once,
-# prefetched". Set these before the first launch: the launchers cache their constants (torch) or
-# trace them (jax.jit).
+# on random codes and 1.040x SHIFTED, where the 16-block consecutive launch took 1.062x. The bf16
+# split launch with a bf16 gradient took 1.057x its uncounted launch SHIFTED but 1.109x PREFETCHED
+# (one reading each; with an FP32 gradient they tie): docs/results/SWEEP.md, "Programs laid out
+# once, prefetched". After 30 synthetic steps the FP32-weight launch took 1.035x to 1.10x, and no
+# other shape timed came near 1.03x (the section after that one).
+# Set these before the first launch: the launchers cache their constants (torch) or trace them
+# (jax.jit).
 COUNTING_LAYOUT = LAYOUT_PREFETCHED
 COUNTING_SPLIT_LAYOUT = LAYOUT_SHIFTED
 LAID_OUT_BLOCKS_PER_PROGRAM = 8

@@ -1,0 +1,149 @@
+"""benchmarks/sweep_counting.py --chosen: each data profile's launches compute the step its name
+says (bits against core.numpy_step), and the table's ratios are each timing over the mean of the
+uncounted timings around it (interpreted on CPU; the timer is replaced, the launches run)."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from kernel_harness import assert_same_bits, numpy_reference
+from packed_adamw.core import Hyperparams, StateFormat, formats, launch
+from script_helpers import BENCHMARKS, import_script
+
+N = 1024  # two programs of launch.GPU_BLOCK, interpreted
+HP = Hyperparams(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)  # sweep_counting.scalars_row's, step 3
+FMT = StateFormat("packed")
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    pytest.importorskip("triton")
+    paths = pytest.MonkeyPatch()
+    paths.syspath_prepend(str(BENCHMARKS))  # its `from bench_step import ...`
+    yield import_script(BENCHMARKS / "sweep_counting.py", "sweep_counting_under_test")
+    paths.undo()
+
+
+@pytest.fixture
+def profiles(sweep, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    p = torch.randn(N, device=device, generator=gen) * 0.02
+    g = torch.randn(N, device=device, generator=gen) * 1e-3
+    words = torch.randint(0, 2**31 - 1, (N,), dtype=torch.int32, device=device, generator=gen) & 0x3C003C00
+    scalars = sweep.scalars_row(torch.device(device))
+    counters = torch.zeros(launch.COUNTER_ROW, dtype=torch.int64, device=device)
+    return sweep.data_profiles(p, words, g, scalars, counters), scalars, counters
+
+
+def counting(split=False):
+    return launch.single_tensor_constants(FMT, write_update=False, count_nonfinite=False, block=launch.GPU_BLOCK,
+                                          track_format=True, split=split)
+
+
+def host(t):
+    return t.cpu().numpy()
+
+
+def reference(p, g, words):
+    """One packed step of FP32 weights by core.numpy_step: (new weights, new words)."""
+    new_p, new_state, _ = numpy_reference(host(p), host(g), host(words).view(np.uint32), count=3, hp=HP, fmt=FMT)
+    return new_p, new_state
+
+
+def split_reference(w, lo, g16, words):
+    """The same step of bf16 weights with split masters: (weight bits, low halves, new words)."""
+    master = formats.read_master(host(w.view(torch.int16)), host(lo))
+    new_master, new_state, _ = numpy_reference(master, host(g16.float()), host(words).view(np.uint32), count=3,
+                                               hp=HP, fmt=FMT)
+    return (*formats.split_master(new_master), new_state)
+
+
+def check_fp32(profile, expected, what):
+    assert_same_bits(host(profile.p_out), expected[0], f"{what}: weights")
+    assert_same_bits(host(profile.words_out).view(np.uint32), expected[1], f"{what}: words")
+
+
+def check_split(profile, expected, what):
+    assert_same_bits(host(profile.w_out.view(torch.int16)).view(np.uint16), expected[0], f"{what}: bf16 weights")
+    assert_same_bits(host(profile.lo_out), expected[1], f"{what}: low halves")
+    assert_same_bits(host(profile.split_words_out).view(np.uint32), expected[2], f"{what}: words")
+
+
+def test_the_same_inputs_every_launch_give_the_step_and_are_left_alone(sweep, profiles):
+    profiles, scalars, counters = profiles
+    for name, fixed in profiles.items():
+        if "same inputs" not in name:
+            continue
+        inputs = [t.clone() for t in (fixed.p, fixed.words, fixed.w, fixed.lo)]
+        expected = reference(fixed.p, fixed.grads[0], fixed.words)
+        expected_split = split_reference(fixed.w, fixed.lo, fixed.grads16[0], fixed.words)
+        for _ in range(2):  # again: the same step from the same inputs
+            for out in (fixed.p_out, fixed.w_out):
+                out.fill_(float("nan"))
+            fixed.words_out.fill_(-1)
+            fixed.lo_out.fill_(-1)
+            fixed.launcher(counting(), 4, scalars, counters)()
+            check_fp32(fixed, expected, name)
+            fixed.launcher(counting(split=True), 4, scalars, counters, split=True)()
+            check_split(fixed, expected_split, name)
+        for before, now in zip(inputs, (fixed.p, fixed.words, fixed.w, fixed.lo)):
+            assert torch.equal(before.view(torch.uint8), now.view(torch.uint8)), f"{name}: an input was written"
+
+
+def test_in_place_each_launch_steps_the_last_state_with_the_next_gradient(sweep, profiles):
+    profiles, scalars, counters = profiles
+    stepped = profiles[f"after {sweep.TRAINED_STEPS} synthetic steps, stepped in place, four gradients in turn"]
+    assert len(stepped.grads) == 4
+    # the synthetic steps left first moments partly subnormal
+    counters.zero_()
+    probe = sweep.Profile(stepped.p, stepped.words, stepped.grads[:1], in_place=False)
+    probe.launcher(counting(), 4, scalars, counters)()
+    counts = dict(zip(launch.FORMAT_COUNTS, launch.sum_counter_slots(host(counters)[None])[0]))
+    assert 0.02 * N < counts["subnormal_m"] < 0.3 * N
+    split_words_before = stepped.split_words.clone()
+    for k in range(5):  # the fifth launch takes the first gradient again
+        expected = reference(stepped.p, stepped.grads[k % 4], stepped.words)
+        stepped.launcher(counting(), 4, scalars, counters)()
+        check_fp32(stepped, expected, f"launch {k}")
+    # the split launches step a state of their own
+    assert torch.equal(stepped.split_words, split_words_before)
+    expected_split = split_reference(stepped.w, stepped.lo, stepped.grads16[5 % 4], stepped.split_words)
+    stepped.launcher(counting(split=True), 4, scalars, counters, split=True)()
+    check_split(stepped, expected_split, "split launch")
+
+
+def timer_of(triples, rows_per_pass):
+    """A stand-in for cuda_time_ms: runs the launch, then gives pass q's timings `triples[q]`
+    (uncounted before, the row, uncounted after) for every row of that pass."""
+    calls = itertools.count()
+
+    def timed(fn):
+        fn()
+        k = next(calls)
+        return triples[k // (3 * rows_per_pass) % len(triples)][k % 3]
+    return timed
+
+
+def test_each_ratio_is_a_timing_over_the_uncounted_timings_around_it(sweep, profiles, monkeypatch):
+    profiles, scalars, counters = profiles
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "CPU (interpreted)")
+    rows = ["format counts", "format and non-finite counts", "non-finite counts", "bf16 split, format counts",
+            "bf16 split, non-finite counts"]
+    # uncounted before, the row, uncounted after: 2 * 3 / (1 + 2) = 2
+    monkeypatch.setattr(sweep, "timed", timer_of([(1.0, 3.0, 2.0)], len(rows)))
+    text = sweep.chosen_launches(profiles, scalars, counters, passes=1)
+    for name in profiles:
+        assert f"## {name}" in text
+    for row in rows:
+        assert text.count(f"| {row} | 2.0000 | 2.0000 | 2.0000 |") == len(profiles), row
+    assert "candidate" not in text
+    # candidates join the same passes; the median and the range are over the passes (2, 1, 0.5)
+    candidates = ["the uncounted launch itself (the noise)"] + [row for row, *_ in sweep.CANDIDATES]
+    triples = [(1.0, 3.0, 2.0), (1.0, 1.0, 1.0), (2.0, 1.0, 2.0)]
+    monkeypatch.setattr(sweep, "timed", timer_of(triples, len(rows) + len(candidates)))
+    name = next(iter(profiles))
+    text = sweep.chosen_launches({name: profiles[name]}, scalars, counters, passes=3, candidates=True)
+    for row in rows + [f"candidate: {c}" for c in candidates]:
+        line = next(line for line in text.splitlines() if line.startswith(f"| {row} |"))
+        assert line == f"| {row} | 1.0000 | 0.5000 | 2.0000 |"
