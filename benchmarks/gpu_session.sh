@@ -5,6 +5,7 @@
 #   STEPS="tests bench" bash benchmarks/gpu_session.sh
 #   STEPS="sweep" bash benchmarks/gpu_session.sh                                          # not by default
 #   STEPS="counting" PASSES=5 [COUNTING_ARGS=--candidates] bash benchmarks/gpu_session.sh  # not by default
+#   STEPS="ncu" bash benchmarks/gpu_session.sh        # not by default: the counting launches under Nsight Compute
 #   STEPS=peers PEERS_ARGS="--seeds 0 --time-budget 540" bash benchmarks/gpu_session.sh   # not by default
 set -uo pipefail
 OUT=${OUT:-docs/results}
@@ -39,6 +40,13 @@ if [[ " $STEPS " == *" sweep "* ]]; then  # not by default: the counting launche
 fi
 if [[ " $STEPS " == *" counting "* ]]; then  # not by default: the library's counting launches, pass by pass
   python3 benchmarks/sweep_counting.py --chosen --passes "${PASSES:-5}" ${COUNTING_ARGS:-} --out "$OUT/COUNTING_LAUNCHES.md" 2>&1 | tail -60
+fi
+if [[ " $STEPS " == *" ncu "* ]]; then  # not by default: the counting launches under Nsight Compute
+  ncu --clock-control none --profile-from-start off --csv --print-units base --log-file "$OUT/ncu_counting.csv" \
+    --metrics "$(python3 benchmarks/sweep_counting.py --ncu-metrics)" \
+    python3 benchmarks/sweep_counting.py --chosen --profile --candidates --out "$OUT/ncu_launches.json" 2>&1 | tail -20
+  python3 benchmarks/sweep_counting.py --ncu-table "$OUT/ncu_counting.csv" --launches "$OUT/ncu_launches.json" \
+    --out "$OUT/NCU_COUNTING.md"
 fi
 if [[ " $STEPS " == *" profile "* ]]; then  # not by default: where a host-bound step's time goes
   python3 benchmarks/bench_step.py --profile-host > "$OUT/host_profile.txt" 2>&1; head -60 "$OUT/host_profile.txt"

@@ -98,6 +98,8 @@ LAUNCHES = [("uncounted (the default launch)", False, False, 1, _CONSECUTIVE, la
             ("format counts, consecutive, as many blocks as shifted", True, False, _LAID_OUT, _CONSECUTIVE, _WARPS),
             ("format counts, shifted", True, False, _LAID_OUT, _SHIFTED, _WARPS),
             ("format counts, prefetched", True, False, _LAID_OUT, _PREFETCHED, _WARPS),
+            ("nonfinite counts, consecutive", False, True, launch.COUNTING_BLOCKS_PER_PROGRAM, _CONSECUTIVE, _WARPS),
+            ("nonfinite counts, prefetched (the check_nonfinite launch)", False, True, _LAID_OUT, _PREFETCHED, _WARPS),
             ("both counts, consecutive", True, True, launch.COUNTING_BLOCKS_PER_PROGRAM, _CONSECUTIVE, _WARPS),
             ("both counts, shifted", True, True, _LAID_OUT, _SHIFTED, _WARPS),
             ("both counts, prefetched", True, True, _LAID_OUT, _PREFETCHED, _WARPS)]

@@ -18,10 +18,24 @@ Each ratio is a timing of the row over the mean of its uncounted launch timed ju
 after it: the H200 runs these launches at its power cap, where its clocks move. It reports each
 row's median ratio over the passes and their range; `--candidates` adds other launch shapes
 (CANDIDATES) and the uncounted launch against itself, whose ratio is the noise.
+
+`--chosen --profile` launches the uncounted launches and each row once on the stepped state, for
+Nsight Compute, which reads what the timings cannot: the SM clock, DRAM throughput and the
+instructions each launch executes (`STEPS=ncu bash benchmarks/gpu_session.sh` runs it):
+
+    ncu --clock-control none --profile-from-start off --csv --print-units base --log-file LOG \
+        --metrics $(python benchmarks/sweep_counting.py --ncu-metrics) \
+        python benchmarks/sweep_counting.py --chosen --profile --candidates --out LAUNCHES.json
+    python benchmarks/sweep_counting.py --ncu-table LOG --launches LAUNCHES.json --out NCU_COUNTING.md
+
+`--clock-control none` leaves the clocks to the GPU, as in the timings. Nsight Compute replays
+each launch alone, so the power cap that slows back-to-back launches does not show there.
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import statistics
 
 import torch
@@ -46,7 +60,8 @@ def scalars_row(device) -> torch.Tensor:
 # passes as its own: (row, track_format, count_nonfinite, BLOCK, warps, blocks a program, layout).
 CANDIDATES = [
     ("no counts, prefetched, 8 blocks (the cost of a loop of blocks)", False, False, 512, 4, 8, PREFETCHED),
-    ("non-finite counts, prefetched, 8 blocks", False, True, 512, 4, 8, PREFETCHED),
+    ("non-finite counts, consecutive, 16 blocks (their launch before launch.NONFINITE_LAYOUT)", False, True, 512, 4,
+     16, CONSECUTIVE),
     ("non-finite counts, 1 block a program, 4 warps", False, True, 512, 4, 1, CONSECUTIVE),
     ("format counts, prefetched, 16 blocks", True, False, 512, 4, 16, PREFETCHED),
     ("format counts, prefetched, BLOCK 256, 2 warps, 16 blocks", True, False, 256, 2, 16, PREFETCHED),
@@ -111,44 +126,51 @@ def data_profiles(p, random_words, g, scalars, counters) -> dict:
                 p_trained.clone(), words_trained.clone(), grads, in_place=True)}
 
 
+def _library(split: bool, nonfinite: bool, track: bool) -> tuple:
+    """(constants, warps, split) of the launch the library makes for these counts."""
+    constants = launch.single_tensor_constants(StateFormat("packed"), write_update=False, count_nonfinite=nonfinite,
+                                               block=launch.GPU_BLOCK, track_format=track, split=split)
+    return constants, launch.single_tensor_warps(constants), split
+
+
+def launch_rows(candidates: bool = False) -> list:
+    """(row, (constants, warps, split)) of `--chosen`: FP32 weights, each against the default
+    launch, and bf16 split weights (bf16 gradient), against the uncounted split launch;
+    `candidates` adds CANDIDATES and the uncounted launch itself."""
+    rows = [("format counts", _library(False, False, True)),
+            ("format and non-finite counts", _library(False, True, True)),
+            ("non-finite counts", _library(False, True, False)),
+            ("bf16 split, format counts", _library(True, False, True)),
+            ("bf16 split, non-finite counts", _library(True, True, False))]
+    if candidates:
+        rows.append(("candidate: the uncounted launch itself (the noise)", _library(False, False, False)))
+        for row, track, nonfinite, block, warps, bpp, layout in CANDIDATES:
+            constants = launch.single_tensor_constants(StateFormat("packed"), write_update=False,
+                                                       count_nonfinite=nonfinite, block=block, track_format=track)
+            constants["BLOCKS_PER_PROGRAM"], constants["LAYOUT"] = bpp, layout
+            rows.append((f"candidate: {row}", (constants, warps, False)))
+    return rows
+
+
 def chosen_launches(profiles: dict, scalars, counters, passes: int, candidates: bool = False) -> str:
     """The launches as the library makes them, on each data profile. Each ratio is one timing of
     the row over the mean of the uncounted launch of its kind timed just before and just after
     it, so that the GPU's clocks, which its power cap moves, fall on both sides of the ratio;
     `candidates` adds CANDIDATES to the same passes."""
-    fmt = StateFormat("packed")
-
-    def library(split, nonfinite, track):
-        constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=nonfinite,
-                                                   block=launch.GPU_BLOCK, track_format=track, split=split)
-        return constants, launch.single_tensor_warps(constants), split
-
-    # (row, (constants, warps, split)): FP32 weights against the default launch, bf16 split
-    # weights (bf16 gradient) against the uncounted split launch
-    rows = [("format counts", library(False, False, True)),
-            ("format and non-finite counts", library(False, True, True)),
-            ("non-finite counts", library(False, True, False)),
-            ("bf16 split, format counts", library(True, False, True)),
-            ("bf16 split, non-finite counts", library(True, True, False))]
-    if candidates:
-        rows.append(("candidate: the uncounted launch itself (the noise)", library(False, False, False)))
-        for row, track, nonfinite, block, warps, bpp, layout in CANDIDATES:
-            constants = launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=nonfinite, block=block,
-                                                       track_format=track)
-            constants["BLOCKS_PER_PROGRAM"], constants["LAYOUT"] = bpp, layout
-            rows.append((f"candidate: {row}", (constants, warps, False)))
+    rows = launch_rows(candidates)
     lines = [f"# The library's counting launches, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"{next(iter(profiles.values())).p.numel():,} elements, {passes} passes", "",
              f"Counting launches: `launch.COUNTING_LAYOUT` {launch.COUNTING_LAYOUT}, `COUNTING_SPLIT_LAYOUT` "
              f"{launch.COUNTING_SPLIT_LAYOUT}, {launch.LAID_OUT_BLOCKS_PER_PROGRAM} blocks a program laid out; "
-             f"non-finite only: {launch.COUNTING_BLOCKS_PER_PROGRAM} blocks. Each ratio: the row over the mean of "
+             f"non-finite only: `NONFINITE_LAYOUT` {launch.NONFINITE_LAYOUT} with FP32 weights, "
+             f"{launch.COUNTING_BLOCKS_PER_PROGRAM} blocks consecutive on split weights. Each ratio: the row over the mean of "
              "its uncounted launch timed just before and after it.", ""]
     for name, profile in profiles.items():
         counters.zero_()
         Profile(profile.p, profile.words, profile.grads[:1], in_place=False).launcher(*rows[0][1][:2], scalars,
                                                                                        counters)()
         counts = dict(zip(launch.FORMAT_COUNTS, launch.sum_counter_slots(counters.cpu().numpy()[None])[0].tolist()))
-        uncounted = {split: profile.launcher(*library(split, False, False)[:2], scalars, counters, split)
+        uncounted = {split: profile.launcher(*_library(split, False, False)[:2], scalars, counters, split)
                      for split in (False, True)}
         ratios = {row: [] for row, _ in rows}
         for _ in range(passes):
@@ -164,6 +186,61 @@ def chosen_launches(profiles: dict, scalars, counters, passes: int, candidates: 
     return "\n".join(lines)
 
 
+# `--profile` under Nsight Compute: its metric -> (the table's column, the factor from ncu's
+# base units, `--print-units base`). Instructions are warp instructions, 32 threads' worth.
+NCU_METRICS = {
+    "gpu__time_duration.sum": ("ms", 1e-6),
+    "sm__cycles_elapsed.avg.per_second": ("SM clock, MHz", 1e-6),
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": ("DRAM, % of peak", 1.0),
+    "sm__inst_executed.sum": ("instructions an element", 32.0),
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": ("issue slots busy, %", 1.0),
+    "launch__registers_per_thread": ("registers a thread", 1.0),
+}
+
+
+def profiled_launches(profile: Profile, scalars, counters, candidates: bool = False) -> list:
+    """`--profile`: the uncounted launches, then each launch of `--chosen`, once each on `profile`
+    inside a CUDA profiler range (Nsight Compute's `--profile-from-start off` sees only those),
+    each compiled before it. Returns the launches' names in launch order."""
+    rows = [("the uncounted launch", _library(False, False, False)),
+            ("the uncounted split launch", _library(True, False, False))] + launch_rows(candidates)
+    runs = [(row, profile.launcher(constants, warps, scalars, counters, split)) for row, (constants, warps, split) in rows]
+    for _, run in runs:
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for _, run in runs:
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return [row for row, _ in runs]
+
+
+def ncu_table(log_text: str, launches: list, n_elements: int) -> str:
+    """Nsight Compute's `--csv --print-units base` log of `--profile` as a table: a row per
+    launch, in launch order, with NCU_METRICS's columns (instructions per element of the tensor)."""
+    lines = log_text.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if header is None:
+        raise ValueError("no CSV header (\"ID\",...) in the Nsight Compute log: was it run with --csv?")
+    values: dict = {}
+    for record in csv.DictReader(lines[header:]):
+        if record.get("Metric Name") in NCU_METRICS:
+            values.setdefault(int(record["ID"]), {})[record["Metric Name"]] = float(record["Metric Value"].replace(",", ""))
+    if len(values) != len(launches):
+        raise ValueError(f"the log holds {len(values)} profiled launches, the launch list {len(launches)}")
+    columns = [column for column, _ in NCU_METRICS.values()]
+    table = ["| launch | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for (_, metrics), name in zip(sorted(values.items()), launches):
+        cells = []
+        for metric, (column, factor) in NCU_METRICS.items():
+            value = metrics[metric] * factor / (n_elements if metric == "sm__inst_executed.sum" else 1)
+            cells.append(f"{value:.0f}" if column in ("SM clock, MHz", "registers a thread") else
+                         f"{value:.3f}" if column == "ms" else f"{value:.1f}")
+        table.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(table) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=1 << 28)
@@ -171,7 +248,26 @@ def main() -> None:
     parser.add_argument("--chosen", action="store_true", help="only the launches the library makes, pass by pass")
     parser.add_argument("--passes", type=int, default=5, help="passes of --chosen")
     parser.add_argument("--candidates", action="store_true", help="with --chosen: CANDIDATES too, in the same passes")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --chosen: launch each row once on the stepped state, for Nsight Compute; --out "
+                             "gets the launch list (JSON)")
+    parser.add_argument("--ncu-metrics", action="store_true", help="print NCU_METRICS for ncu --metrics, and exit")
+    parser.add_argument("--ncu-table", metavar="LOG", help="the table of an ncu --csv --print-units base log of "
+                                                           "--profile; --launches names its launch list")
+    parser.add_argument("--launches", metavar="JSON", help="with --ncu-table: the launch list --profile wrote")
     args = parser.parse_args()
+    if args.ncu_metrics:
+        print(",".join(NCU_METRICS))
+        return
+    if args.ncu_table:
+        if not args.launches:
+            parser.error("--ncu-table needs --launches, the launch list that --profile wrote")
+        record = json.load(open(args.launches))
+        text = ncu_table(open(args.ncu_table).read(), record["launches"], record["elements"])
+        print(text)
+        if args.out:
+            open(args.out, "w").write(text)
+        return
     n, device = args.elements, torch.device("cuda")
     fmt = StateFormat("packed")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -184,6 +280,14 @@ def main() -> None:
              f"{n:,} elements", "", "| launch | layout | BLOCK | warps | blocks/program | ms, two passes | / default (best pass) |",
              "|---|---|---|---|---|---|---|"]
 
+    if args.chosen and args.profile:
+        name, profile = list(data_profiles(p, words, g, scalars, counters).items())[-1]  # stepped in place
+        record = {"elements": n, "profile": name,
+                  "launches": profiled_launches(profile, scalars, counters, args.candidates)}
+        print("\n".join(f"{i}: {name}" for i, name in enumerate(record["launches"])))
+        if args.out:
+            open(args.out, "w").write(json.dumps(record, indent=1) + "\n")
+        return
     if args.chosen:
         text = chosen_launches(data_profiles(p, words, g, scalars, counters), scalars, counters, args.passes,
                                args.candidates)

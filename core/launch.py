@@ -61,9 +61,9 @@ def sum_counter_slots(rows: np.ndarray) -> np.ndarray:
 
 # A counting launch of a single-tensor kernel gives each program several blocks, so that its
 # reductions and atomics are paid once for all of them, and runs more warps (H200 sweeps in
-# docs/results/SWEEP.md): 16 blocks, consecutive, when it counts only non-finite elements;
-# LAID_OUT_BLOCKS_PER_PROGRAM, laid out once, when it counts formats. Uncounted launches keep one
-# block a program.
+# docs/results/SWEEP.md): LAID_OUT_BLOCKS_PER_PROGRAM, laid out once, when it counts formats, or
+# only non-finite elements in packed and fp16 modes with FP32 weights; otherwise 16 blocks,
+# consecutive. Uncounted launches keep one block a program.
 COUNTING_BLOCKS_PER_PROGRAM = 16
 COUNTING_NUM_WARPS = 4
 # How a program of several blocks lays them out (kernel._adamw_programs' LAYOUT).
@@ -77,10 +77,17 @@ LAYOUT_PREFETCHED = 2  # SHIFTED, each block's loads issued before the block bef
 # (one reading each; with an FP32 gradient they tie): docs/results/SWEEP.md, "Programs laid out
 # once, prefetched". After 30 synthetic steps the FP32-weight launch took 1.035x to 1.10x, and no
 # other shape timed came near 1.03x (the section after that one).
+# Launches that count only non-finite elements (check_nonfinite) are laid out the same way,
+# PREFETCHED with 8 blocks, in packed and fp16 modes with FP32 weights: on the H200 they took
+# 1.008x to 1.019x the uncounted launch where the 16-block consecutive launch took 1.037x to 1.059x,
+# in every data profile of four calls (SWEEP.md, "The counting launches on a stepped state").
+# fp32 mode keeps the consecutive layout (the laid-out layouts have no fp32 mode), and so do bf16
+# split weights, whose non-finite-only launch was not timed laid out.
 # Set these before the first launch: the launchers cache their constants (torch) or trace them
 # (jax.jit).
 COUNTING_LAYOUT = LAYOUT_PREFETCHED
 COUNTING_SPLIT_LAYOUT = LAYOUT_SHIFTED
+NONFINITE_LAYOUT = LAYOUT_PREFETCHED
 LAID_OUT_BLOCKS_PER_PROGRAM = 8
 
 
@@ -94,6 +101,8 @@ def single_tensor_constants(fmt: StateFormat, *, write_update: bool, count_nonfi
     layout = LAYOUT_CONSECUTIVE
     if counting and track_format:  # (track_format: never fp32 mode)
         layout = COUNTING_SPLIT_LAYOUT if split else COUNTING_LAYOUT
+    elif counting and fmt.mode != "fp32" and not split:  # non-finite counts only
+        layout = NONFINITE_LAYOUT
     constants["BLOCKS_PER_PROGRAM"] = (LAID_OUT_BLOCKS_PER_PROGRAM if layout != LAYOUT_CONSECUTIVE
                                        else COUNTING_BLOCKS_PER_PROGRAM if counting else 1)
     constants["LAYOUT"] = layout  # passed always: jax-triton fills in no default constexpr

@@ -47,9 +47,10 @@ def main(kind: str) -> None:
             p.copy_(torch.from_numpy(rng.standard_normal(n).astype(np.float32)))
             g.copy_(torch.from_numpy(rng.standard_normal(n).astype(np.float32) * np.float32(1e-3)))
             words.zero_()
-            for write_update in (False, True):
+            # format counts, and non-finite counts alone (the check_nonfinite launch)
+            for write_update, track_format in ((False, True), (True, True), (False, False)):
                 H.launch_kernel(p, g, words, count=1, hp=hp, fmt=StateFormat("packed"), write_update=write_update,
-                                block=64, track_format=True, blocks_per_program=4, layout=layout)
+                                block=64, track_format=track_format, blocks_per_program=4, layout=layout)
     print("no read past a tensor")
 
 

@@ -115,12 +115,16 @@ def test_a_program_of_the_most_blocks_counts_every_element_without_carries(mode,
                          ids=["whole_programs", "whole_blocks_then_a_partial_one", "one_element_past", "under_a_block",
                               "one_block_a_program"])
 @pytest.mark.parametrize("write_update", [False, True], ids=["in_place", "update"])
-@LAID_OUT_ONCE
-def test_laid_out_programs_give_the_numpy_bits_and_counts(mode, blocks, n, write_update, layout, device):
-    """The layouts of a format-counting launch (launch.LAYOUT_SHIFTED: pointers moved to the
-    program's first element, whole blocks in a loop, then the partial one; LAYOUT_PREFETCHED:
-    each whole block's loads issued a block early): the same bits and counts as the numpy step,
-    with non-finite counts too, whatever the program's last block."""
+@pytest.mark.parametrize("layout,track_format", [(launch.LAYOUT_SHIFTED, True), (launch.LAYOUT_PREFETCHED, True),
+                                                 (launch.LAYOUT_PREFETCHED, False)],
+                         ids=["shifted", "prefetched", "prefetched_nonfinite_only"])
+def test_laid_out_programs_give_the_numpy_bits_and_counts(mode, blocks, n, write_update, layout, track_format,
+                                                          device):
+    """The layouts of a counting launch (launch.LAYOUT_SHIFTED: pointers moved to the program's
+    first element, whole blocks in a loop, then the partial one; LAYOUT_PREFETCHED: each whole
+    block's loads issued a block early): the same bits and counts as the numpy step, with
+    non-finite counts, with or without format counts (the check_nonfinite launch is prefetched),
+    whatever the program's last block."""
     fmt = StateFormat(mode)
     rng = np.random.default_rng(n + blocks)
     p, g, state = H.random_params(rng, n), H.random_grads(rng, n, fmt), H.random_state(rng, n, fmt)
@@ -129,11 +133,11 @@ def test_laid_out_programs_give_the_numpy_bits_and_counts(mode, blocks, n, write
     p_np, s_np = p.copy(), state.copy()
     rejected = apply_step(p_np, g.copy(), s_np, step_scalar_row(3, HP.as_float32_list()), fmt=fmt,
                           update_out=update if write_update else None, format_counts_out=counts)
-    k = H.run_kernel(p, g, state, count=3, hp=HP, fmt=fmt, device=device, block=64, track_format=True,
+    k = H.run_kernel(p, g, state, count=3, hp=HP, fmt=fmt, device=device, block=64, track_format=track_format,
                      blocks_per_program=blocks, layout=layout, write_update=write_update)
     H.assert_same_bits(k.state, s_np, "words of programs laid out once")
     H.assert_same_bits(k.out, update if write_update else p_np, "the update or params of programs laid out once")
-    np.testing.assert_array_equal(k.format_counts, counts)
+    np.testing.assert_array_equal(k.format_counts, counts if track_format else np.zeros(6, np.int64))
     assert k.nonfinite == rejected
 
 
@@ -194,15 +198,15 @@ def test_laid_out_split_programs_equal_consecutive_ones_and_write_nothing_past_t
     assert not np.array_equal(w0, weight_bits.view(np.int16))  # the step moved the weights
 
 
-def test_only_format_counting_launches_are_laid_out_once(monkeypatch):
+def test_counting_launches_take_their_timed_layouts(monkeypatch):
     """Compiled launches' layouts (launch.single_tensor_constants): format counts take the
-    timed layouts, FP32 weights prefetched and bf16 split weights shifted; other launches keep
-    the consecutive layout, of one block unless they count non-finite elements; the interpreter
-    launches one block a program, consecutive."""
-    fmt = StateFormat("packed")
-
-    def layout(split=False, **kinds):
-        constants = launch.single_tensor_constants(fmt, write_update=False, block=512, split=split, **kinds)
+    timed layouts, FP32 weights prefetched and bf16 split weights shifted; non-finite counts
+    alone are prefetched with FP32 weights outside fp32 mode, and consecutive (16 blocks) in
+    fp32 mode and on split weights; uncounted launches take one block, consecutive; the
+    interpreter launches one block a program, consecutive."""
+    def layout(split=False, mode="packed", **kinds):
+        constants = launch.single_tensor_constants(StateFormat(mode), write_update=False, block=512, split=split,
+                                                   **kinds)
         return constants["LAYOUT"], constants["BLOCKS_PER_PROGRAM"]
 
     monkeypatch.setattr(launch, "interpreting", lambda: True)
@@ -214,15 +218,22 @@ def test_only_format_counting_launches_are_laid_out_once(monkeypatch):
                                                                          launch.LAID_OUT_BLOCKS_PER_PROGRAM)
         assert layout(split=True, count_nonfinite=nonfinite, track_format=True) == (launch.LAYOUT_SHIFTED,
                                                                                      launch.LAID_OUT_BLOCKS_PER_PROGRAM)
-    assert layout(count_nonfinite=True, track_format=False) == (launch.LAYOUT_CONSECUTIVE,
-                                                                launch.COUNTING_BLOCKS_PER_PROGRAM)
-    assert layout(count_nonfinite=False, track_format=False) == (launch.LAYOUT_CONSECUTIVE, 1)
+    laid_out, consecutive = ((launch.LAYOUT_PREFETCHED, launch.LAID_OUT_BLOCKS_PER_PROGRAM),
+                             (launch.LAYOUT_CONSECUTIVE, launch.COUNTING_BLOCKS_PER_PROGRAM))
+    assert launch.NONFINITE_LAYOUT == launch.LAYOUT_PREFETCHED
+    for mode in ("packed", "fp16"):
+        assert layout(mode=mode, count_nonfinite=True, track_format=False) == laid_out
+        assert layout(mode=mode, split=True, count_nonfinite=True, track_format=False) == consecutive
+    assert layout(mode="fp32", count_nonfinite=True, track_format=False) == consecutive
+    assert layout(mode="fp32", split=True, count_nonfinite=True, track_format=False) == consecutive
+    for mode in ("packed", "fp16", "fp32"):
+        assert layout(mode=mode, count_nonfinite=False, track_format=False) == (launch.LAYOUT_CONSECUTIVE, 1)
     assert interpreted == (launch.LAYOUT_CONSECUTIVE, 1)
 
 
 @LAID_OUT_ONCE
 def test_laid_out_programs_refuse_fp32_mode(layout, device):
-    # Those layouts serve format counts, which fp32 mode has none of (kernel._adamw_programs).
+    # Those layouts serve packed and fp16 modes only (kernel._adamw_programs).
     n = 200
     with pytest.raises(Exception) as raised:
         H.run_kernel(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros((2, n), np.float32), count=1, hp=HP,
@@ -231,7 +242,7 @@ def test_laid_out_programs_refuse_fp32_mode(layout, device):
     while error is not None:
         messages.append(str(error))
         error = error.__cause__ or error.__context__
-    assert any("which fp32 mode has none of" in m for m in messages), messages
+    assert any("serve packed and fp16 modes only" in m for m in messages), messages
 
 
 def test_a_program_takes_fewer_blocks_than_its_lane_fields_can_count(device):

@@ -147,3 +147,64 @@ def test_each_ratio_is_a_timing_over_the_uncounted_timings_around_it(sweep, prof
     for row in rows + [f"candidate: {c}" for c in candidates]:
         line = next(line for line in text.splitlines() if line.startswith(f"| {row} |"))
         assert line == f"| {row} | 1.0000 | 0.5000 | 2.0000 |"
+
+
+def test_profile_launches_each_row_once_inside_the_profiler_range(sweep, profiles, monkeypatch):
+    """`--chosen --profile`: the uncounted launches and every row of `--chosen`, each compiled
+    (launched once) before the profiler range and launched once inside it, in the listed order."""
+    profiles, scalars, counters = profiles
+    events = []
+
+    class Cudart:
+        def cudaProfilerStart(self):
+            events.append("start")
+
+        def cudaProfilerStop(self):
+            events.append("stop")
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    profile = list(profiles.values())[-1]
+    launcher = profile.launcher
+
+    def recording(constants, warps, scalars, counters, split=False):
+        run = launcher(constants, warps, scalars, counters, split)
+
+        def launched():
+            events.append((tuple(sorted(constants.items())), warps, split))
+            run()
+        return launched
+
+    monkeypatch.setattr(profile, "launcher", recording)
+    words = profile.words.clone()
+    names = sweep.profiled_launches(profile, scalars, counters, candidates=True)
+    rows = sweep.launch_rows(candidates=True)
+    assert names == ["the uncounted launch", "the uncounted split launch"] + [row for row, _ in rows]
+    expected = [(tuple(sorted(c.items())), w, s) for _, (c, w, s) in
+                [(None, sweep._library(False, False, False)), (None, sweep._library(True, False, False))] + rows]
+    assert events == expected + ["start"] + expected + ["stop"]
+    assert not torch.equal(profile.words, words)  # the launches ran: the in-place state moved on
+
+
+def test_the_ncu_table_reads_each_launch_of_the_log_in_order(sweep):
+    """`--ncu-table`: Nsight Compute's CSV log (base units) as a row per launch, named from the
+    launch list in ID order; a log and a list of different lengths are refused."""
+    metrics = {"gpu__time_duration.sum": "1250000", "sm__cycles_elapsed.avg.per_second": "1950000000",
+               "dram__throughput.avg.pct_of_peak_sustained_elapsed": "89.15",
+               "sm__inst_executed.sum": "2,560", "smsp__issue_active.avg.pct_of_peak_sustained_active": "52.44",
+               "launch__registers_per_thread": "72"}
+    assert set(metrics) == set(sweep.NCU_METRICS)
+    head = '"ID","Process ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    log = ["==PROF== Connected to process 1", head]
+    for launch_id in (1, 0):  # out of order in the log: rows follow the IDs
+        for name, value in metrics.items():
+            value = value if launch_id == 0 else str(2 * float(value.replace(",", "")))
+            log.append(f'"{launch_id}","1","adamw_kernel","{name}","unit","{value}"')
+    table = sweep.ncu_table("\n".join(log), ["uncounted", "format counts"], n_elements=1024)
+    lines = table.splitlines()
+    assert lines[2] == "| uncounted | 1.250 | 1950 | 89.2 | 80.0 | 52.4 | 72 |"
+    assert lines[3] == "| format counts | 2.500 | 3900 | 178.3 | 160.0 | 104.9 | 144 |"
+    with pytest.raises(ValueError, match="2 profiled launches, the launch list 3"):
+        sweep.ncu_table("\n".join(log), ["a", "b", "c"], n_elements=1024)
+    with pytest.raises(ValueError, match="--csv"):
+        sweep.ncu_table("==PROF== no CSV here", ["a"], n_elements=1024)
