@@ -42,11 +42,15 @@ if [[ " $STEPS " == *" counting "* ]]; then  # not by default: the library's cou
   python3 benchmarks/sweep_counting.py --chosen --passes "${PASSES:-5}" ${COUNTING_ARGS:-} --out "$OUT/COUNTING_LAUNCHES.md" 2>&1 | tail -60
 fi
 if [[ " $STEPS " == *" ncu "* ]]; then  # not by default: the counting launches under Nsight Compute
-  ncu --clock-control none --profile-from-start off --csv --print-units base --log-file "$OUT/ncu_counting.csv" \
-    --metrics "$(python3 benchmarks/sweep_counting.py --ncu-metrics)" \
-    python3 benchmarks/sweep_counting.py --chosen --profile --candidates --out "$OUT/ncu_launches.json" 2>&1 | tail -20
-  python3 benchmarks/sweep_counting.py --ncu-table "$OUT/ncu_counting.csv" --launches "$OUT/ncu_launches.json" \
-    --out "$OUT/NCU_COUNTING.md"
+  rm -f "$OUT/ncu_counting.csv" "$OUT/ncu_launches.json"  # a failed run leaves no table from an older one
+  if ncu --clock-control none --profile-from-start off --csv --print-units base --log-file "$OUT/ncu_counting.csv" \
+      --metrics "$(python3 benchmarks/sweep_counting.py --ncu-metrics)" \
+      python3 benchmarks/sweep_counting.py --chosen --profile --candidates --out "$OUT/ncu_launches.json"; then
+    python3 benchmarks/sweep_counting.py --ncu-table "$OUT/ncu_counting.csv" --launches "$OUT/ncu_launches.json" \
+      --out "$OUT/NCU_COUNTING.md"
+  else
+    echo "ncu failed: no table" >&2
+  fi
 fi
 if [[ " $STEPS " == *" profile "* ]]; then  # not by default: where a host-bound step's time goes
   python3 benchmarks/bench_step.py --profile-host > "$OUT/host_profile.txt" 2>&1; head -60 "$OUT/host_profile.txt"

@@ -2,6 +2,8 @@
 
     python benchmarks/sweep_counting.py [--elements N] [--out FILE]
     python benchmarks/sweep_counting.py --chosen [--passes 5] [--candidates] [--out FILE]
+    python benchmarks/sweep_counting.py --chosen --profile [--candidates] [--out LAUNCHES.json]  # under ncu
+    python benchmarks/sweep_counting.py --ncu-table LOG --launches LAUNCHES.json [--out FILE]
 
 For one tensor of N float32 parameters (default 2**28), times `adamw_kernel` with format
 counts (`track_format`) or non-finite counts on and off, over block sizes, warps and blocks
@@ -186,15 +188,16 @@ def chosen_launches(profiles: dict, scalars, counters, passes: int, candidates: 
     return "\n".join(lines)
 
 
-# `--profile` under Nsight Compute: its metric -> (the table's column, the factor from ncu's
-# base units, `--print-units base`). Instructions are warp instructions, 32 threads' worth.
+# `--profile` under Nsight Compute: its metric -> (the table's column, its unit in ncu's base
+# units, `--print-units base`, and the factor from that unit to the column's). Instructions are
+# warp instructions, 32 threads' worth.
 NCU_METRICS = {
-    "gpu__time_duration.sum": ("ms", 1e-6),
-    "sm__cycles_elapsed.avg.per_second": ("SM clock, MHz", 1e-6),
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed": ("DRAM, % of peak", 1.0),
-    "sm__inst_executed.sum": ("instructions an element", 32.0),
-    "smsp__issue_active.avg.pct_of_peak_sustained_active": ("issue slots busy, %", 1.0),
-    "launch__registers_per_thread": ("registers a thread", 1.0),
+    "gpu__time_duration.sum": ("ms", "ns", 1e-6),
+    "sm__cycles_elapsed.avg.per_second": ("SM clock, MHz", "hz", 1e-6),
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": ("DRAM, % of peak", "%", 1.0),
+    "sm__inst_executed.sum": ("instructions an element", "inst", 32.0),
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": ("issue slots busy, %", "%", 1.0),
+    "launch__registers_per_thread": ("registers a thread", "register/thread", 1.0),
 }
 
 
@@ -225,15 +228,25 @@ def ncu_table(log_text: str, launches: list, n_elements: int) -> str:
         raise ValueError("no CSV header (\"ID\",...) in the Nsight Compute log: was it run with --csv?")
     values: dict = {}
     for record in csv.DictReader(lines[header:]):
-        if record.get("Metric Name") in NCU_METRICS:
-            values.setdefault(int(record["ID"]), {})[record["Metric Name"]] = float(record["Metric Value"].replace(",", ""))
+        metric = record.get("Metric Name")
+        if metric in NCU_METRICS:
+            unit = NCU_METRICS[metric][1]
+            if record["Metric Unit"].lower() != unit:
+                raise ValueError(f"{metric} of launch {record['ID']} is in {record['Metric Unit']!r}, not {unit!r}: "
+                                 "run ncu with --print-units base")
+            values.setdefault(int(record["ID"]), {})[metric] = float(record["Metric Value"].replace(",", ""))
     if len(values) != len(launches):
         raise ValueError(f"the log holds {len(values)} profiled launches, the launch list {len(launches)}")
-    columns = [column for column, _ in NCU_METRICS.values()]
+    for launch_id, metrics in values.items():
+        missing = sorted(set(NCU_METRICS) - set(metrics))
+        if missing:
+            raise ValueError(f"launch {launch_id} of the log lacks {missing}: run ncu with --metrics "
+                             "$(python benchmarks/sweep_counting.py --ncu-metrics)")
+    columns = [column for column, _, _ in NCU_METRICS.values()]
     table = ["| launch | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for (_, metrics), name in zip(sorted(values.items()), launches):
         cells = []
-        for metric, (column, factor) in NCU_METRICS.items():
+        for metric, (column, _, factor) in NCU_METRICS.items():
             value = metrics[metric] * factor / (n_elements if metric == "sm__inst_executed.sum" else 1)
             cells.append(f"{value:.0f}" if column in ("SM clock, MHz", "registers a thread") else
                          f"{value:.3f}" if column == "ms" else f"{value:.1f}")
@@ -256,6 +269,10 @@ def main() -> None:
                                                            "--profile; --launches names its launch list")
     parser.add_argument("--launches", metavar="JSON", help="with --ncu-table: the launch list --profile wrote")
     args = parser.parse_args()
+    if args.profile and not args.chosen:
+        parser.error("--profile profiles the launches of --chosen: give both")
+    if args.launches and not args.ncu_table:
+        parser.error("--launches names the launch list of --ncu-table LOG: give both")
     if args.ncu_metrics:
         print(",".join(NCU_METRICS))
         return

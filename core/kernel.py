@@ -433,17 +433,18 @@ def _adamw_programs(
 
     A counting launch (`launch.single_tensor_constants`) gives a program several blocks so that
     its one reduction and its atomics are paid once for all of them. LAYOUT (launch.LAYOUT_*):
-    CONSECUTIVE computes each block's addresses afresh; SHIFTED, for counting launches outside
-    fp32 mode, lays the program out once: its pointers moved to its first element, int32 offsets inside
-    it, the step scalars read once, whole blocks in a loop and the partial one after it;
-    PREFETCHED is SHIFTED with each whole block's loads issued before the block before it is
-    stepped, so that a program keeps a block's loads in flight while it computes
-    (docs/results/SWEEP.md has the H200 timings)."""
+    CONSECUTIVE computes each block's addresses afresh; SHIFTED lays the program out once: its
+    pointers moved to its first element, int32 offsets inside it, the step scalars read once,
+    whole blocks in a loop and the partial one after it; PREFETCHED is SHIFTED with each whole
+    block's loads issued before the block before it is stepped, so that a program keeps a
+    block's loads in flight while it computes. Which launch takes which: launch.py
+    (COUNTING_LAYOUT, COUNTING_SPLIT_LAYOUT, NONFINITE_LAYOUT); docs/results/SWEEP.md has the
+    H200 timings."""
     tl.static_assert(BLOCK * BLOCKS_PER_PROGRAM < COUNT_FIELD_LIMIT)
     tl.static_assert(BLOCKS_PER_PROGRAM < LANE_FIELD_LIMIT, "a program takes fewer blocks than its lane fields can count")
     if LAYOUT != LAYOUT_CONSECUTIVE:  # fewer registers a program: 64-bit addresses computed once, not per block
-        # fp32 mode is never laid out so (launch.single_tensor_constants): its v offset here,
-        # n_elements + int32 offsets, would be 32-bit arithmetic near 2**31 elements.
+        # fp32 mode is never laid out so (launch.single_tensor_constants), and no test runs it
+        # so: it keeps the consecutive layout.
         tl.static_assert(MODE != FP32_MODE, "the laid-out layouts serve packed and fp16 modes only")
         first = tl.program_id(0).to(tl.int64) * (BLOCKS_PER_PROGRAM * BLOCK)
         param_ptr += first

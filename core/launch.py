@@ -77,12 +77,14 @@ LAYOUT_PREFETCHED = 2  # SHIFTED, each block's loads issued before the block bef
 # (one reading each; with an FP32 gradient they tie): docs/results/SWEEP.md, "Programs laid out
 # once, prefetched". After 30 synthetic steps the FP32-weight launch took 1.035x to 1.10x, and no
 # other shape timed came near 1.03x (the section after that one).
-# Launches that count only non-finite elements (check_nonfinite) are laid out the same way,
-# PREFETCHED with 8 blocks, in packed and fp16 modes with FP32 weights: on the H200 they took
-# 1.008x to 1.019x the uncounted launch where the 16-block consecutive launch took 1.037x to 1.059x,
-# in every data profile of four calls (SWEEP.md, "The counting launches on a stepped state").
-# fp32 mode keeps the consecutive layout (the laid-out layouts have no fp32 mode), and so do bf16
-# split weights, whose non-finite-only launch was not timed laid out.
+# Launches that count only non-finite elements (check_nonfinite, and adamw_step_'s default) are
+# laid out the same way, PREFETCHED with 8 blocks, for FP32 weights in packed and fp16 modes. On
+# the H200, packed, they took 1.014x to 1.020x the uncounted launch where the 16-block consecutive
+# launch took 1.039x to 1.046x in the same passes (SWEEP.md, "Nsight Compute on the counting
+# launches"; 1.008x to 1.019x against 1.037x to 1.059x in three earlier calls). fp16 mode, with the
+# same loads and stores, was not timed. fp32 mode keeps the consecutive layout (the laid-out
+# layouts have no fp32 mode), and so do bf16 split weights, whose non-finite-only launch was not
+# timed laid out.
 # Set these before the first launch: the launchers cache their constants (torch) or trace them
 # (jax.jit).
 COUNTING_LAYOUT = LAYOUT_PREFETCHED

@@ -189,6 +189,10 @@ def test_profile_launches_each_row_once_inside_the_profiler_range(sweep, profile
 def test_the_ncu_table_reads_each_launch_of_the_log_in_order(sweep):
     """`--ncu-table`: Nsight Compute's CSV log (base units) as a row per launch, named from the
     launch list in ID order; a log and a list of different lengths are refused."""
+    units = {"gpu__time_duration.sum": "ns", "sm__cycles_elapsed.avg.per_second": "hz",
+             "dram__throughput.avg.pct_of_peak_sustained_elapsed": "%", "sm__inst_executed.sum": "inst",
+             "smsp__issue_active.avg.pct_of_peak_sustained_active": "%",
+             "launch__registers_per_thread": "register/thread"}  # as ncu 2025.3 wrote them on the H200
     metrics = {"gpu__time_duration.sum": "1250000", "sm__cycles_elapsed.avg.per_second": "1950000000",
                "dram__throughput.avg.pct_of_peak_sustained_elapsed": "89.15",
                "sm__inst_executed.sum": "2,560", "smsp__issue_active.avg.pct_of_peak_sustained_active": "52.44",
@@ -199,12 +203,20 @@ def test_the_ncu_table_reads_each_launch_of_the_log_in_order(sweep):
     for launch_id in (1, 0):  # out of order in the log: rows follow the IDs
         for name, value in metrics.items():
             value = value if launch_id == 0 else str(2 * float(value.replace(",", "")))
-            log.append(f'"{launch_id}","1","adamw_kernel","{name}","unit","{value}"')
+            log.append(f'"{launch_id}","1","adamw_kernel","{name}","{units[name]}","{value}"')
     table = sweep.ncu_table("\n".join(log), ["uncounted", "format counts"], n_elements=1024)
     lines = table.splitlines()
+    assert lines[0] == ("| launch | ms | SM clock, MHz | DRAM, % of peak | instructions an element | "
+                        "issue slots busy, % | registers a thread |")
     assert lines[2] == "| uncounted | 1.250 | 1950 | 89.2 | 80.0 | 52.4 | 72 |"
     assert lines[3] == "| format counts | 2.500 | 3900 | 178.3 | 160.0 | 104.9 | 144 |"
     with pytest.raises(ValueError, match="2 profiled launches, the launch list 3"):
         sweep.ncu_table("\n".join(log), ["a", "b", "c"], n_elements=1024)
     with pytest.raises(ValueError, match="--csv"):
         sweep.ncu_table("==PROF== no CSV here", ["a"], n_elements=1024)
+    scaled = [line.replace('"ns"', '"ms"') for line in log]  # not base units: the factors would be wrong
+    with pytest.raises(ValueError, match="--print-units base"):
+        sweep.ncu_table("\n".join(scaled), ["uncounted", "format counts"], n_elements=1024)
+    partial = [line for line in log if "launch__registers_per_thread" not in line or line.startswith('"1"')]
+    with pytest.raises(ValueError, match=r"launch 0 of the log lacks \['launch__registers_per_thread'\]"):
+        sweep.ncu_table("\n".join(partial), ["uncounted", "format counts"], n_elements=1024)
