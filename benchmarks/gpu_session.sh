@@ -39,7 +39,15 @@ if [[ " $STEPS " == *" sweep "* ]]; then  # not by default: the counting launche
   python3 benchmarks/kernel_instructions.py > "$OUT/KERNEL_INSTRUCTIONS.md" 2>&1; cat "$OUT/KERNEL_INSTRUCTIONS.md"
 fi
 if [[ " $STEPS " == *" counting "* ]]; then  # not by default: the library's counting launches, pass by pass
-  python3 benchmarks/sweep_counting.py --chosen --passes "${PASSES:-5}" ${COUNTING_ARGS:-} --out "$OUT/COUNTING_LAUNCHES.md" 2>&1 | tail -60
+  # the SM clock every 100 ms meanwhile: --clock-table reads each ratio against it (the power cap moves it)
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active --format=csv -lms 100 \
+    > "$OUT/counting_smi.csv" & smi=$!
+  python3 benchmarks/sweep_counting.py --chosen --passes "${PASSES:-5}" ${COUNTING_ARGS:-} --out "$OUT/COUNTING_LAUNCHES.md" \
+    > "$OUT/counting_progress.txt" 2>&1
+  kill "$smi"
+  tail -60 "$OUT/COUNTING_LAUNCHES.md"
+  python3 benchmarks/sweep_counting.py --clock-table "$OUT/counting_smi.csv" --progress "$OUT/counting_progress.txt" \
+    --out "$OUT/COUNTING_CLOCKS.md"
 fi
 if [[ " $STEPS " == *" ncu "* ]]; then  # not by default: the counting launches under Nsight Compute
   rm -f "$OUT/ncu_counting.csv" "$OUT/ncu_launches.json"  # a failed run leaves no table from an older one

@@ -4,6 +4,7 @@
     python benchmarks/sweep_counting.py --chosen [--passes 5] [--candidates] [--out FILE]
     python benchmarks/sweep_counting.py --chosen --profile [--candidates] [--out LAUNCHES.json]  # under ncu
     python benchmarks/sweep_counting.py --ncu-table LOG --launches LAUNCHES.json [--out FILE]
+    python benchmarks/sweep_counting.py --clock-table SMI_CSV --progress CHOSEN_OUTPUT [--out FILE]
 
 For one tensor of N float32 parameters (default 2**28), times `adamw_kernel` with format
 counts (`track_format`) or non-finite counts on and off, over block sizes, warps and blocks
@@ -32,12 +33,18 @@ instructions each launch executes (`STEPS=ncu bash benchmarks/gpu_session.sh` ru
 
 `--clock-control none` leaves the clocks to the GPU, as in the timings. Nsight Compute replays
 each launch alone, so the power cap that slows back-to-back launches does not show there.
+
+`--chosen` prints each ratio with the UTC span of its timings; `--clock-table` reads those lines
+against an `nvidia-smi` log taken meanwhile (`STEPS=counting` in gpu_session.sh takes one) and
+gives each row's ratios against the SM clock while it was timed.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
+import re
 import statistics
 
 import torch
@@ -154,6 +161,10 @@ def launch_rows(candidates: bool = False) -> list:
     return rows
 
 
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+
+
 def chosen_launches(profiles: dict, scalars, counters, passes: int, candidates: bool = False) -> str:
     """The launches as the library makes them, on each data profile. Each ratio is one timing of
     the row over the mean of the uncounted launch of its kind timed just before and just after
@@ -177,15 +188,58 @@ def chosen_launches(profiles: dict, scalars, counters, passes: int, candidates: 
         ratios = {row: [] for row, _ in rows}
         for _ in range(passes):
             for row, (constants, warps, split) in rows:
+                started = _utc_now()
                 before = timed(uncounted[split])
                 counted = timed(profile.launcher(constants, warps, scalars, counters, split))
                 ratios[row].append(2 * counted / (before + timed(uncounted[split])))
-                print(name, "|", row, f"{ratios[row][-1]:.4f}", flush=True)
+                # the UTC span of the three timings, to read against a clock log (nvidia-smi's timestamps)
+                print(name, "|", row, f"{ratios[row][-1]:.4f}", "|", started, _utc_now(), flush=True)
         lines += [f"## {name}", "", f"Format counts of one launch, before the timings: {counts}", "",
                   "| launch | / its uncounted launch, median of the passes | lowest | highest |", "|---|---|---|---|"]
         lines += [f"| {row} | {statistics.median(v):.4f} | {min(v):.4f} | {max(v):.4f} |" for row, v in ratios.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+_SPAN = re.compile(r"^(?P<profile>.*?) \| (?P<row>.*) (?P<ratio>\d+\.\d{4}) \| (?P<start>\S+ \S+) (?P<end>\S+ \S+)$")
+_SMI_TIME = "%Y/%m/%d %H:%M:%S.%f"
+
+
+def clock_table(progress: str, smi_log: str, busy_watts: float = 500.0) -> str:
+    """`--clock-table`: each row's ratios of `--chosen` against the SM clock while it was timed.
+    `progress` is `--chosen`'s output, a line per ratio with the UTC span of its three timings;
+    `smi_log` is `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 100`
+    (further columns are ignored). A ratio's clock is the mean of the samples in its span that
+    drew more than `busy_watts` (the GPU at work); a ratio with no such sample is left out."""
+    samples = []
+    for record in list(csv.reader(smi_log.splitlines(), skipinitialspace=True))[1:]:
+        if len(record) >= 3 and record[1].endswith("MHz") and record[2].endswith("W"):
+            samples.append((datetime.datetime.strptime(record[0], _SMI_TIME), float(record[1].split()[0]),
+                            float(record[2].split()[0])))
+    if not samples:
+        raise ValueError("no clock samples: the log must start with nvidia-smi's columns timestamp, clocks.sm, "
+                         "power.draw (--format=csv)")
+    rows: dict = {}
+    for line in progress.splitlines():
+        match = _SPAN.match(line)
+        if not match:
+            continue
+        start, end = (datetime.datetime.strptime(match[k], _SMI_TIME) for k in ("start", "end"))
+        clocks = [mhz for t, mhz, watts in samples if start <= t <= end and watts > busy_watts]
+        kept = rows.setdefault(match["row"], ([], [0]))
+        if clocks:
+            kept[0].append((statistics.mean(clocks), float(match["ratio"])))
+        else:
+            kept[1][0] += 1
+    table = ["| launch | passes with samples (without) | SM clock while timed, MHz | ratio | correlation of ratio and clock |",
+             "|---|---|---|---|---|"]
+    for row, (pairs, [without]) in rows.items():
+        clocks, ratios = [c for c, _ in pairs], [r for _, r in pairs]
+        correlation = (f"{statistics.correlation(clocks, ratios):+.2f}"
+                       if len(pairs) > 2 and len(set(clocks)) > 1 and len(set(ratios)) > 1 else "-")
+        spans = (f"{min(clocks):,.0f} to {max(clocks):,.0f}", f"{min(ratios):.4f} to {max(ratios):.4f}") if pairs else ("-", "-")
+        table.append(f"| {row} | {len(pairs)} ({without}) | {spans[0]} | {spans[1]} | {correlation} |")
+    return "\n".join(table) + "\n"
 
 
 # `--profile` under Nsight Compute: its metric -> (the table's column, its unit in ncu's base
@@ -268,13 +322,24 @@ def main() -> None:
     parser.add_argument("--ncu-table", metavar="LOG", help="the table of an ncu --csv --print-units base log of "
                                                            "--profile; --launches names its launch list")
     parser.add_argument("--launches", metavar="JSON", help="with --ncu-table: the launch list --profile wrote")
+    parser.add_argument("--clock-table", metavar="SMI_CSV", help="each --chosen row's ratios against the SM clock "
+                                                                 "of an nvidia-smi log; --progress names --chosen's output")
+    parser.add_argument("--progress", metavar="TXT", help="with --clock-table: what --chosen printed")
     args = parser.parse_args()
     if args.profile and not args.chosen:
         parser.error("--profile profiles the launches of --chosen: give both")
     if args.launches and not args.ncu_table:
         parser.error("--launches names the launch list of --ncu-table LOG: give both")
+    if bool(args.clock_table) != bool(args.progress):
+        parser.error("--clock-table SMI_CSV and --progress TXT go together")
     if args.ncu_metrics:
         print(",".join(NCU_METRICS))
+        return
+    if args.clock_table:
+        text = clock_table(open(args.progress).read(), open(args.clock_table).read())
+        print(text)
+        if args.out:
+            open(args.out, "w").write(text)
         return
     if args.ncu_table:
         if not args.launches:

@@ -220,3 +220,27 @@ def test_the_ncu_table_reads_each_launch_of_the_log_in_order(sweep):
     partial = [line for line in log if "launch__registers_per_thread" not in line or line.startswith('"1"')]
     with pytest.raises(ValueError, match=r"launch 0 of the log lacks \['launch__registers_per_thread'\]"):
         sweep.ncu_table("\n".join(partial), ["uncounted", "format counts"], n_elements=1024)
+
+
+def test_the_clock_table_reads_each_ratio_against_the_clock_while_it_was_timed(sweep):
+    """`--clock-table`: a ratio takes the mean clock of the busy samples inside its printed span
+    (samples at idle power and outside the span do not count); rows gather their passes over the
+    profiles; a ratio with no busy sample is counted apart."""
+    smi = ["timestamp, clocks.sm [MHz], power.draw [W], clocks_event_reasons.active",
+           "2026/12/02 15:00:00.050, 1980 MHz, 650.00 W, 0x4",
+           "2026/12/02 15:00:00.150, 1900 MHz, 640.00 W, 0x4",
+           "2026/12/02 15:00:00.250, 1200 MHz, 90.00 W, 0x0",  # idle: left out
+           "2026/12/02 15:00:01.050, 1500 MHz, 700.00 W, 0x4",
+           "2026/12/02 15:00:02.050, 1600 MHz, 700.00 W, 0x4",
+           "2026/12/02 15:00:03.050, 1800 MHz, 700.00 W, 0x4"]
+    progress = ["some other line",
+                "random codes | format counts 1.0200 | 2026/12/02 15:00:00.000 2026/12/02 15:00:00.300",
+                "after 30 steps | format counts 1.1000 | 2026/12/02 15:00:01.000 2026/12/02 15:00:01.100",
+                "after 30 steps | format counts 1.0800 | 2026/12/02 15:00:02.000 2026/12/02 15:00:02.100",
+                "after 30 steps | non-finite counts 1.0100 | 2026/12/02 15:00:04.000 2026/12/02 15:00:04.100"]
+    table = sweep.clock_table("\n".join(progress), "\n".join(smi)).splitlines()
+    assert table[2] == "| format counts | 3 (0) | 1,500 to 1,940 | 1.0200 to 1.1000 | -1.00 |"  # statistics.correlation: -0.9997
+    assert table[3] == "| non-finite counts | 0 (1) | - | - | - |"
+    assert len(table) == 4
+    with pytest.raises(ValueError, match="no clock samples"):
+        sweep.clock_table("\n".join(progress), "timestamp, clocks.sm [MHz]\n")
