@@ -41,11 +41,13 @@ gives each row's ratios against the SM clock while it was timed.
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import datetime
 import json
 import re
 import statistics
+from typing import NamedTuple
 
 import torch
 
@@ -165,6 +167,12 @@ def _utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
 
 
+def progress_line(profile: str, row: str, ratio: float, started: str, ended: str) -> str:
+    """`--chosen`'s line for one ratio, with the UTC span of its three timings (nvidia-smi's time
+    format), which `--clock-table` reads against a clock log (`_PROGRESS`)."""
+    return f"{profile} | {row} {ratio:.4f} | {started} {ended}"
+
+
 def chosen_launches(profiles: dict, scalars, counters, passes: int, candidates: bool = False) -> str:
     """The launches as the library makes them, on each data profile. Each ratio is one timing of
     the row over the mean of the uncounted launch of its kind timed just before and just after
@@ -192,8 +200,7 @@ def chosen_launches(profiles: dict, scalars, counters, passes: int, candidates: 
                 before = timed(uncounted[split])
                 counted = timed(profile.launcher(constants, warps, scalars, counters, split))
                 ratios[row].append(2 * counted / (before + timed(uncounted[split])))
-                # the UTC span of the three timings, to read against a clock log (nvidia-smi's timestamps)
-                print(name, "|", row, f"{ratios[row][-1]:.4f}", "|", started, _utc_now(), flush=True)
+                print(progress_line(name, row, ratios[row][-1], started, _utc_now()), flush=True)
         lines += [f"## {name}", "", f"Format counts of one launch, before the timings: {counts}", "",
                   "| launch | / its uncounted launch, median of the passes | lowest | highest |", "|---|---|---|---|"]
         lines += [f"| {row} | {statistics.median(v):.4f} | {min(v):.4f} | {max(v):.4f} |" for row, v in ratios.items()]
@@ -201,7 +208,7 @@ def chosen_launches(profiles: dict, scalars, counters, passes: int, candidates: 
     return "\n".join(lines)
 
 
-_SPAN = re.compile(r"^(?P<profile>.*?) \| (?P<row>.*) (?P<ratio>\d+\.\d{4}) \| (?P<start>\S+ \S+) (?P<end>\S+ \S+)$")
+_PROGRESS = re.compile(r"^(?P<profile>.*?) \| (?P<row>.*) (?P<ratio>\d+\.\d{4}) \| (?P<start>\S+ \S+) (?P<end>\S+ \S+)$")
 _SMI_TIME = "%Y/%m/%d %H:%M:%S.%f"
 
 
@@ -219,21 +226,23 @@ def clock_table(progress: str, smi_log: str, busy_watts: float = 500.0) -> str:
     if not samples:
         raise ValueError("no clock samples: the log must start with nvidia-smi's columns timestamp, clocks.sm, "
                          "power.draw (--format=csv)")
-    rows: dict = {}
+    timed: dict = {}  # row -> [(mean clock, ratio)] over its passes, in the order of the log
+    unsampled: collections.Counter = collections.Counter()
     for line in progress.splitlines():
-        match = _SPAN.match(line)
+        match = _PROGRESS.match(line)
         if not match:
             continue
         start, end = (datetime.datetime.strptime(match[k], _SMI_TIME) for k in ("start", "end"))
         clocks = [mhz for t, mhz, watts in samples if start <= t <= end and watts > busy_watts]
-        kept = rows.setdefault(match["row"], ([], [0]))
+        pairs = timed.setdefault(match["row"], [])
         if clocks:
-            kept[0].append((statistics.mean(clocks), float(match["ratio"])))
+            pairs.append((statistics.mean(clocks), float(match["ratio"])))
         else:
-            kept[1][0] += 1
+            unsampled[match["row"]] += 1
     table = ["| launch | passes with samples (without) | SM clock while timed, MHz | ratio | correlation of ratio and clock |",
              "|---|---|---|---|---|"]
-    for row, (pairs, [without]) in rows.items():
+    for row, pairs in timed.items():
+        without = unsampled[row]
         clocks, ratios = [c for c, _ in pairs], [r for _, r in pairs]
         correlation = (f"{statistics.correlation(clocks, ratios):+.2f}"
                        if len(pairs) > 2 and len(set(clocks)) > 1 and len(set(ratios)) > 1 else "-")
@@ -242,16 +251,26 @@ def clock_table(progress: str, smi_log: str, busy_watts: float = 500.0) -> str:
     return "\n".join(table) + "\n"
 
 
-# `--profile` under Nsight Compute: its metric -> (the table's column, its unit in ncu's base
-# units, `--print-units base`, and the factor from that unit to the column's). Instructions are
-# warp instructions, 32 threads' worth.
+class NcuColumn(NamedTuple):
+    """A column of `--ncu-table`: its heading, the metric's unit in ncu's base units
+    (`--print-units base`), the factor from that unit to the column's, whether the value is per
+    element of the tensor, and its format."""
+    heading: str
+    unit: str
+    factor: float
+    per_element: bool
+    spec: str
+
+
+# `--profile` under Nsight Compute: each metric it reads. Instructions are warp instructions,
+# 32 threads' worth.
 NCU_METRICS = {
-    "gpu__time_duration.sum": ("ms", "ns", 1e-6),
-    "sm__cycles_elapsed.avg.per_second": ("SM clock, MHz", "hz", 1e-6),
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed": ("DRAM, % of peak", "%", 1.0),
-    "sm__inst_executed.sum": ("instructions an element", "inst", 32.0),
-    "smsp__issue_active.avg.pct_of_peak_sustained_active": ("issue slots busy, %", "%", 1.0),
-    "launch__registers_per_thread": ("registers a thread", "register/thread", 1.0),
+    "gpu__time_duration.sum": NcuColumn("ms", "ns", 1e-6, False, ".3f"),
+    "sm__cycles_elapsed.avg.per_second": NcuColumn("SM clock, MHz", "hz", 1e-6, False, ".0f"),
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": NcuColumn("DRAM, % of peak", "%", 1.0, False, ".1f"),
+    "sm__inst_executed.sum": NcuColumn("instructions an element", "inst", 32.0, True, ".1f"),
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": NcuColumn("issue slots busy, %", "%", 1.0, False, ".1f"),
+    "launch__registers_per_thread": NcuColumn("registers a thread", "register/thread", 1.0, False, ".0f"),
 }
 
 
@@ -284,7 +303,7 @@ def ncu_table(log_text: str, launches: list, n_elements: int) -> str:
     for record in csv.DictReader(lines[header:]):
         metric = record.get("Metric Name")
         if metric in NCU_METRICS:
-            unit = NCU_METRICS[metric][1]
+            unit = NCU_METRICS[metric].unit
             if record["Metric Unit"].lower() != unit:
                 raise ValueError(f"{metric} of launch {record['ID']} is in {record['Metric Unit']!r}, not {unit!r}: "
                                  "run ncu with --print-units base")
@@ -296,16 +315,19 @@ def ncu_table(log_text: str, launches: list, n_elements: int) -> str:
         if missing:
             raise ValueError(f"launch {launch_id} of the log lacks {missing}: run ncu with --metrics "
                              "$(python benchmarks/sweep_counting.py --ncu-metrics)")
-    columns = [column for column, _, _ in NCU_METRICS.values()]
-    table = ["| launch | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    table = ["| launch | " + " | ".join(c.heading for c in NCU_METRICS.values()) + " |",
+             "|---|" + "---|" * len(NCU_METRICS)]
     for (_, metrics), name in zip(sorted(values.items()), launches):
-        cells = []
-        for metric, (column, _, factor) in NCU_METRICS.items():
-            value = metrics[metric] * factor / (n_elements if metric == "sm__inst_executed.sum" else 1)
-            cells.append(f"{value:.0f}" if column in ("SM clock, MHz", "registers a thread") else
-                         f"{value:.3f}" if column == "ms" else f"{value:.1f}")
+        cells = [format(metrics[metric] * c.factor / (n_elements if c.per_element else 1), c.spec)
+                 for metric, c in NCU_METRICS.items()]
         table.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(table) + "\n"
+
+
+def _report(text: str, out: str | None) -> None:
+    print(text)
+    if out:
+        open(out, "w").write(text)
 
 
 def main() -> None:
@@ -328,27 +350,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.profile and not args.chosen:
         parser.error("--profile profiles the launches of --chosen: give both")
-    if args.launches and not args.ncu_table:
-        parser.error("--launches names the launch list of --ncu-table LOG: give both")
+    if bool(args.ncu_table) != bool(args.launches):
+        parser.error("--ncu-table LOG and --launches JSON (the launch list --profile wrote) go together")
     if bool(args.clock_table) != bool(args.progress):
         parser.error("--clock-table SMI_CSV and --progress TXT go together")
     if args.ncu_metrics:
         print(",".join(NCU_METRICS))
         return
     if args.clock_table:
-        text = clock_table(open(args.progress).read(), open(args.clock_table).read())
-        print(text)
-        if args.out:
-            open(args.out, "w").write(text)
+        _report(clock_table(open(args.progress).read(), open(args.clock_table).read()), args.out)
         return
     if args.ncu_table:
-        if not args.launches:
-            parser.error("--ncu-table needs --launches, the launch list that --profile wrote")
         record = json.load(open(args.launches))
-        text = ncu_table(open(args.ncu_table).read(), record["launches"], record["elements"])
-        print(text)
-        if args.out:
-            open(args.out, "w").write(text)
+        _report(ncu_table(open(args.ncu_table).read(), record["launches"], record["elements"]), args.out)
         return
     n, device = args.elements, torch.device("cuda")
     fmt = StateFormat("packed")
@@ -371,11 +385,8 @@ def main() -> None:
             open(args.out, "w").write(json.dumps(record, indent=1) + "\n")
         return
     if args.chosen:
-        text = chosen_launches(data_profiles(p, words, g, scalars, counters), scalars, counters, args.passes,
-                               args.candidates)
-        print(text)
-        if args.out:
-            open(args.out, "w").write(text)
+        _report(chosen_launches(data_profiles(p, words, g, scalars, counters), scalars, counters, args.passes,
+                                args.candidates), args.out)
         return
 
     def run(track, nonfinite, block, warps, bpp, layout=launch.LAYOUT_CONSECUTIVE):
@@ -452,10 +463,7 @@ def main() -> None:
             lines.append(f"| split, format counts, {layouts[layout]}, {bpp} blocks | {grad_name} | {counted:.3f} | "
                          f"{counted / default:.3f} ({counted / ms:.3f} of the uncounted split launch) |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text)
+    _report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -233,11 +233,13 @@ def test_the_clock_table_reads_each_ratio_against_the_clock_while_it_was_timed(s
            "2026/12/02 15:00:01.050, 1500 MHz, 700.00 W, 0x4",
            "2026/12/02 15:00:02.050, 1600 MHz, 700.00 W, 0x4",
            "2026/12/02 15:00:03.050, 1800 MHz, 700.00 W, 0x4"]
-    progress = ["some other line",
-                "random codes | format counts 1.0200 | 2026/12/02 15:00:00.000 2026/12/02 15:00:00.300",
-                "after 30 steps | format counts 1.1000 | 2026/12/02 15:00:01.000 2026/12/02 15:00:01.100",
-                "after 30 steps | format counts 1.0800 | 2026/12/02 15:00:02.000 2026/12/02 15:00:02.100",
-                "after 30 steps | non-finite counts 1.0100 | 2026/12/02 15:00:04.000 2026/12/02 15:00:04.100"]
+    day = "2026/12/02 15:00:0"
+    progress = ["some other line"] + [  # the lines --chosen prints
+        sweep.progress_line(profile, row, ratio, day + start, day + end) for profile, row, ratio, start, end in
+        [("random codes", "format counts", 1.02, "0.000", "0.300"),
+         ("after 30 steps", "format counts", 1.1, "1.000", "1.100"),
+         ("after 30 steps", "format counts", 1.08, "2.000", "2.100"),
+         ("after 30 steps", "non-finite counts", 1.01, "4.000", "4.100")]]
     table = sweep.clock_table("\n".join(progress), "\n".join(smi)).splitlines()
     assert table[2] == "| format counts | 3 (0) | 1,500 to 1,940 | 1.0200 to 1.1000 | -1.00 |"  # statistics.correlation: -0.9997
     assert table[3] == "| non-finite counts | 0 (1) | - | - | - |"
