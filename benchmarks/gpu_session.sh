@@ -6,6 +6,7 @@
 #   STEPS="sweep" bash benchmarks/gpu_session.sh                                          # not by default
 #   STEPS="counting" PASSES=5 [COUNTING_ARGS=--candidates] bash benchmarks/gpu_session.sh  # not by default
 #   STEPS="ncu" bash benchmarks/gpu_session.sh        # not by default: the counting launches under Nsight Compute
+#   STEPS="sampling" bash benchmarks/gpu_session.sh   # not by default: counting every step against every 10th
 #   STEPS=peers PEERS_ARGS="--seeds 0 --time-budget 540" bash benchmarks/gpu_session.sh   # not by default
 set -uo pipefail
 OUT=${OUT:-docs/results}
@@ -59,6 +60,9 @@ if [[ " $STEPS " == *" ncu "* ]]; then  # not by default: the counting launches 
   else
     echo "ncu failed: no table" >&2
   fi
+fi
+if [[ " $STEPS " == *" sampling "* ]]; then  # not by default: counting only some steps (--format-steps logged)
+  python3 benchmarks/format_sampling.py --out "$OUT/FORMAT_SAMPLING.md" 2>&1 | tail -12
 fi
 if [[ " $STEPS " == *" profile "* ]]; then  # not by default: where a host-bound step's time goes
   python3 benchmarks/bench_step.py --profile-host > "$OUT/host_profile.txt" 2>&1; head -60 "$OUT/host_profile.txt"

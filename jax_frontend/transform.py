@@ -330,7 +330,23 @@ class _Stepper:
             return PackedAdamWTrackedState(count, moments, counts)
         return PackedAdamWState(count=count, moments=moments)
 
-    def run(self, grads, state, params, *, write_update: bool):
+    def counting(self, track_format) -> bool:
+        """Whether this step counts: the transform's `track_format` unless the caller's
+        per-step `track_format` (a Python bool, static under jit) turns it off."""
+        if track_format is None:
+            return self.track_format
+        if not isinstance(track_format, bool):
+            raise TypeError(
+                f"packed_adamw: update(..., track_format={track_format!r}) picks the step's launch, so it must be a "
+                "Python bool known when the step is traced; under jax.jit pass it as a static argument "
+                "(jax.jit(train_step, static_argnames='track_format')), one compilation each way")
+        if track_format and not self.track_format:
+            raise ValueError("packed_adamw: update(..., track_format=True) counts into the state's format counts, "
+                             "and this transform keeps none: build it with packed_adamw(..., track_format=True)")
+        return track_format
+
+    def run(self, grads, state, params, *, write_update: bool, track_format: bool | None = None):
+        counting = self.counting(track_format)
         treedef = jax.tree_util.tree_structure(grads)
         if params is None:
             split = [False] * treedef.num_leaves
@@ -379,7 +395,7 @@ class _Stepper:
         step_count = jnp.where(valid, count, 1)  # a refused step's rows are NaN: any count in range will do
         config = StepConfig(fmt=self.fmt, write_update=write_update, multi_tensor=self.multi_tensor,
                             decay=tuple(bool(d) for d in decay), paths=paths,
-                            alias_grads=write_update and self.reuse_grad_buffer, track_format=self.track_format,
+                            alias_grads=write_update and self.reuse_grad_buffer, track_format=counting,
                             split=tuple(i for i, lo in enumerate(lows) if lo is not None))
         outs, moments, new_lows, step_counts = sharded_step(params, grads, moments, lows, hparams, step_count,
                                                             config=config)
@@ -387,8 +403,8 @@ class _Stepper:
             for i in config.split:
                 outs[i], new_lows[i] = _masters.transform_update(params[i], outs[i], new_lows[i])
         moments = treedef.unflatten(moments)
-        format_counts = None
-        if self.track_format:
+        format_counts = state.format_counts if self.track_format else None  # an uncounted step keeps them
+        if counting:
             # A refused step rejects every element, so it adds no counts; nor does it count as a step.
             old = state.format_counts
             format_counts = FormatCounts(steps=jnp.where(valid, _increment(old.steps), old.steps),
@@ -445,6 +461,9 @@ def packed_adamw(
     (`PackedAdamWTrackedState.format_counts`, cumulative since init, replicated over a mesh),
     so they work under `jax.jit` and the step never waits for them; `format_stats(state)`
     reads them. Off (the default) the step, its launches and its state are as without it.
+    To count only some steps (those a training loop logs), pass `track_format=False` to
+    `update` on the others (a Python bool: static under `jax.jit`; `optax.chain` passes it
+    through): they run the uncounted launch and leave the counts as they were.
 
     bfloat16 leaves are the live weights of exact FP32 masters (docs/FORMAT.md, "Split
     masters"): the state (`PackedAdamWSplitState`) keeps each one's int16 low half, the step
@@ -458,9 +477,9 @@ def packed_adamw(
     stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
                        reuse_grad_buffer, track_format)
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def update_fn(updates, state, params=None, *, track_format: bool | None = None, **extra_args):
         del extra_args  # accepted, as every optax alias does, and unused
-        return stepper.run(updates, state, params, write_update=True)
+        return stepper.run(updates, state, params, write_update=True, track_format=track_format)
 
     return optax.GradientTransformationExtraArgs(stepper.init, update_fn)
 
@@ -482,14 +501,15 @@ def packed_adamw_fused_step(
     """`step(params, grads, state) -> (params, state)`: the same step, writing parameters
     directly. Under `jax.jit(step, donate_argnums=(0, 2))` on CUDA it updates the donated
     buffers in place (20 bytes of traffic per parameter). The state is the transform's:
-    `packed_adamw(...).init(params)` with the same arguments (`track_format` included). A
+    `packed_adamw(...).init(params)` with the same arguments (`track_format` included; as in
+    `update`, `step(..., track_format=False)` leaves a step uncounted). A
     bfloat16 leaf gets its new weight and the state its new low half, in place likewise.
     """
     stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
                        track_format=track_format)
 
-    def step(params, grads, state):
-        return stepper.run(grads, state, params, write_update=False)
+    def step(params, grads, state, *, track_format: bool | None = None):
+        return stepper.run(grads, state, params, write_update=False, track_format=track_format)
 
     return step
 

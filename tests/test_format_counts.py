@@ -3,7 +3,9 @@ subnormal moments (FORMAT.md, "Format counts"), against a recount from the forma
 definitions, and `PackedAdamW(track_format=True).format_stats()`."""
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -290,18 +292,26 @@ def _trained(track=True, steps=3, mode="packed", scale=1.0, **kwargs):
     return params, opt, grads
 
 
-@pytest.mark.parametrize("mode", COUNTED_MODES)
-def test_format_stats_are_the_numpy_counts_of_every_step_since_the_last_read(mode):
-    params, opt, grads = _trained(mode=mode, steps=3)
-    # The same steps through the numpy step, counting.
-    fmt = opt.state_format
+def _numpy_counts(grads, mode: str, counted_steps) -> dict[str, np.ndarray]:
+    """`_trained`'s steps through the numpy step; the counts of the steps in `counted_steps`."""
+    fmt = StateFormat(mode)
     expected = {name: np.zeros(6, np.int64) for name in "abc"}
     ref = [p0.detach().clone() for p0 in _trained(track=False, steps=0, mode=mode)[0]]
     states = [np.zeros(max(p.numel(), 1) if p.dim() else 1, np.uint32) for p in ref]
     for step, step_grads in enumerate(grads, start=1):
         for name, p, g, s in zip("abc", ref, step_grads, states):
+            counts = np.zeros(6, np.int64)
             apply_step(p.view(-1).numpy(), g.reshape(-1).numpy().copy(), s, step_scalar_row(step, [1e-2, 0.9, 0.999, 1e-8, 1e-2]),
-                       fmt=fmt, format_counts_out=expected[name])
+                       fmt=fmt, format_counts_out=counts)
+            if step in counted_steps:
+                expected[name] += counts
+    return expected
+
+
+@pytest.mark.parametrize("mode", COUNTED_MODES)
+def test_format_stats_are_the_numpy_counts_of_every_step_since_the_last_read(mode):
+    params, opt, grads = _trained(mode=mode, steps=3)
+    expected = _numpy_counts(grads, mode, counted_steps={1, 2, 3})
     stats = opt.format_stats()
     assert set(stats) == {"a", "b", "c"}
     for name, p in zip("abc", params):
@@ -335,6 +345,55 @@ def test_counts_survive_a_rebuilt_plan_and_a_loaded_state_starts_them_afresh():
     opt.step()
     opt.load_state_dict(opt.state_dict())
     assert opt.format_stats() == {}
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["built_off", "built_on"])
+def test_track_format_switched_between_steps_counts_only_the_steps_made_with_it_on(first):
+    """Counting on sampled steps only (a training loop's logged ones): the counts are those of
+    the steps made with the switch on, and the bits are those of an optimizer never counting."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((300,), (13, 17), ())]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = PackedAdamW([("a", params[0]), ("b", params[1]), ("c", params[2])], lr=1e-2, track_format=first)
+    plain = PackedAdamW(twins, lr=1e-2)
+    switch = [first, True, False, False, True, False]
+    grads = []
+    for step, on in enumerate(switch, start=1):
+        opt.track_format = on
+        step_grads = [torch.randn(p.shape, generator=gen) * 10.0 ** (step - 3) for p in params]
+        grads.append(step_grads)
+        for p, q, g in zip(params, twins, step_grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        plain.step()
+        if step == 3:
+            assert not opt.track_format  # off, the counts of step 2 still wait to be read
+    counted = {step for step, on in enumerate(switch, start=1) if on}
+    expected = _numpy_counts(grads, "packed", counted)
+    stats = opt.format_stats()
+    for name, p in zip("abc", params):
+        assert stats[name]["elements"] == len(counted) * p.numel()
+        np.testing.assert_array_equal([stats[name][k] for k in launch.FORMAT_COUNTS], expected[name])
+    for p, q in zip(params, twins):
+        assert torch.equal(p.detach().view(torch.int32), q.detach().view(torch.int32))
+        assert torch.equal(opt.state[p]["words"].view(torch.int32), plain.state[q]["words"].view(torch.int32))
+    with pytest.raises(ValueError, match="none was made since the last read"):
+        opt.format_stats()  # off, and nothing left to read
+
+
+def test_the_track_format_switch_is_checked_and_travels_with_the_optimizer():
+    opt = PackedAdamW([torch.nn.Parameter(torch.ones(3))])
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError, match="track_format="):
+            opt.track_format = value
+    fp32 = PackedAdamW([torch.nn.Parameter(torch.ones(3))], mode="fp32")
+    with pytest.raises(ValueError, match="fp32 mode stores float32 moments"):
+        fp32.track_format = True
+    assert not fp32.track_format
+    opt.track_format = True
+    assert copy.deepcopy(opt).track_format and pickle.loads(pickle.dumps(opt)).track_format
+    opt.load_state_dict(PackedAdamW([torch.nn.Parameter(torch.ones(3))]).state_dict())
+    assert opt.track_format  # an option of the optimizer, not of its state
 
 
 def test_saturation_warns_once_per_parameter_naming_the_bias_to_move():

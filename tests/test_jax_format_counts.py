@@ -249,6 +249,53 @@ def test_counting_changes_no_bit_and_costs_nothing_when_off(mode):
     assert format_stats(f_on) == format_stats(jax.jit(on.update)(grads, on.init(params), params)[1])
 
 
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_steps_updated_with_track_format_false_count_nothing_and_change_no_bit(jitted):
+    """Counting on sampled steps: `update(..., track_format=False)` runs the uncounted step
+    and keeps the counts, through `optax.chain` too; the counts are the numpy step's over the
+    counted steps only and every bit is the plain transform's."""
+    fmt = StateFormat("packed")
+    params, grads, words = random_start("packed", seed=9)
+    params = {k: jnp.asarray(v) for k, v in params.items()}
+    tracked = optax.chain(optax.identity(), packed_adamw(LR, B1, B2, EPS, WD, track_format=True))
+    plain = packed_adamw(LR, B1, B2, EPS, WD)
+    update = jax.jit(tracked.update, static_argnames="track_format") if jitted else tracked.update
+    state = tracked.init(params)
+    state = (state[0], state[1]._replace(moments={k: jnp.asarray(v) for k, v in words.items()}))
+    plain_state = plain.init(params)._replace(moments={k: jnp.asarray(v) for k, v in words.items()})
+    host_words, expected = {k: np.array(v) for k, v in words.items()}, {k: np.zeros(6, np.int64) for k in KEYS}
+    counted = (False, True, False, True)
+    for step, on in enumerate(counted, start=1):
+        g = {k: jnp.asarray(v) * (4.0 ** (step - 2)) for k, v in grads.items()}
+        for k, (new_words, counts) in numpy_counts(params, g, host_words, step, fmt).items():
+            host_words[k] = new_words.reshape(SHAPES[k])
+            expected[k] += counts if on else 0
+        updates, state = update(g, state, params, track_format=on)
+        plain_updates, plain_state = plain.update(g, plain_state, params)
+        for k in KEYS:
+            assert_bits_equal(updates[k], plain_updates[k], f"updates of {k}, step {step}")
+            assert_bits_equal(state[1].moments[k].reshape(-1), host_words[k].reshape(-1), f"words of {k}")
+        params = optax.apply_updates(params, updates)
+    assert int(state[1].format_counts.steps) == sum(counted)
+    stats = format_stats(state)
+    for k in KEYS:
+        assert as_counts(stats, k) == expected[k].tolist(), k
+        assert stats[path_of(k)]["elements"] == sum(counted) * int(np.prod(SHAPES[k]))
+
+
+def test_the_per_step_track_format_is_a_python_bool_of_a_counting_transform():
+    params = {"w": jnp.ones(3)}
+    tracked, plain = packed_adamw(LR, track_format=True), packed_adamw(LR)
+    with pytest.raises(TypeError, match="static argument"):
+        jax.jit(lambda flag: tracked.update(params, tracked.init(params), params, track_format=flag))(True)
+    with pytest.raises(TypeError, match="Python bool"):
+        tracked.update(params, tracked.init(params), params, track_format=1)
+    with pytest.raises(ValueError, match="build it with packed_adamw"):
+        plain.update(params, plain.init(params), params, track_format=True)
+    _, state = plain.update(params, plain.init(params), params, track_format=False)  # off stays off
+    assert type(state) is PackedAdamWState
+
+
 def test_the_state_keeps_its_types_through_scan_cond_chain_multi_steps_and_inject_hyperparams():
     params = {k: jnp.ones(s, jnp.float32) for k, s in SHAPES.items()}
     grads = {k: jnp.full(s, 1e-3, jnp.float32) for k, s in SHAPES.items()}

@@ -174,6 +174,27 @@ def test_track_format_may_start_at_a_resume_and_the_records_continue_the_run(run
     assert [(r["first_step"], r["step"]) for r in format_records(out)] == [(3, 4), (5, 5)]
 
 
+def test_format_steps_logged_counts_only_the_logged_steps(runs, data_dir, tmp_path):
+    """--format-steps logged: a record per logged step, covering that step alone (the steps
+    between run uncounted), the same records as the every-step run where that one's cover a
+    single step, the stored words' subnormal counts at the last one, and the same losses."""
+    out = tmp_path / "logged"
+    assert main(common(data_dir, "--out", out, "--track-format", "--format-steps", "logged",
+                       "--stop-at-step", 4)) == 0
+    records = format_records(out)
+    assert [(r["first_step"], r["step"]) for r in records] == [(1, 1), (2, 2), (4, 4)]
+    numels = micro_numels()
+    assert all(e["element_steps"] == numels[kind] for r in records for kind, e in r["kinds"].items())
+    assert records[:2] == format_records(runs[0] / "packed-tracked")[:2]
+    assert_subnormals_match_words(records[-1], checkpoint_words(out / "checkpoint.safetensors"), "packed")
+    losses = [{r["step"]: r.get("loss") for r in map(json.loads, (run / "log.jsonl").read_text().splitlines())
+               if "record" not in r and "loss" in r} for run in (out, runs[0] / "packed-plain")]
+    assert losses[0] == {step: losses[1][step] for step in (1, 2, 4)}
+    with pytest.raises(SystemExit) as exit_info:
+        main([*MICRO, "--out", str(tmp_path / "bad"), "--track-format", "--format-steps", "some"])
+    assert exit_info.value.code == 2
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--mode", "fp32"], "--track-format counts where packed or fp16 codes saturate, flush or go subnormal, "
                          "and --mode fp32 stores float32 moments: use --mode packed or fp16"),
@@ -245,3 +266,14 @@ def test_track_format_changes_no_bit_on_cuda(data_dir, tmp_path, mode):
     records = format_records(tmp_path / "tracked")
     assert [(r["first_step"], r["step"]) for r in records] == [(1, 1), (2, 2), (3, 4), (5, 5)]
     assert_subnormals_match_words(records[-1], checkpoint_words(tmp_path / "tracked" / "checkpoint.safetensors"), mode)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_format_steps_logged_changes_no_bit_on_cuda(data_dir, tmp_path):
+    """Counting launches on the logged steps, uncounted ones between (the plan kept): the
+    plain run's bits, and one record per logged step, each of that step alone."""
+    for run, extra in (("logged", ["--track-format", "--format-steps", "logged"]), ("plain", [])):
+        run_train(*common(data_dir, "--device", "cuda", "--out", tmp_path / run, *extra))
+    assert_bitwise_equal(tmp_path / "logged" / "checkpoint.safetensors", tmp_path / "plain" / "checkpoint.safetensors")
+    assert [(r["first_step"], r["step"]) for r in format_records(tmp_path / "logged")] == [(1, 1), (2, 2), (4, 4)]

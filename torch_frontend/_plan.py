@@ -34,8 +34,10 @@ class StepPlan:
         everything = [p for group in opt.param_groups for p in group["params"]]
         with_grad = set(map(id, params))
         n = len(params)
-        self.options = (opt.state_format, opt.multi_tensor, opt.check_nonfinite, opt.track_format)
-        self.counters, self.tracked_steps = counters, 1 if counters is not None else 0
+        # track_format may be switched between steps (it picks the launch); a plan made
+        # without counters holds only while it stays off.
+        self.options = (opt.state_format, opt.multi_tensor, opt.check_nonfinite)
+        self.counters, self.tracked_steps = counters, 1 if counters is not None and opt.track_format else 0
         self.state, self.state_ids = opt.state, tuple(map(id, opt.state.values()))
         self.param_ids = tuple(map(id, everything))
         self.group_sizes = tuple(len(group["params"]) for group in opt.param_groups)
@@ -88,7 +90,8 @@ class StepPlan:
         """(gradients, their addresses, the new step counts) if the plan still holds."""
         groups = opt.param_groups
         if (opt.state is not self.state or tuple(map(id, self.state.values())) != self.state_ids
-                or (opt.state_format, opt.multi_tensor, opt.check_nonfinite, opt.track_format) != self.options):
+                or (opt.state_format, opt.multi_tensor, opt.check_nonfinite) != self.options
+                or (opt.track_format and self.counters is None)):
             return None
         if (tuple(map(id, [p for group in groups for p in group["params"]])) != self.param_ids
                 or tuple(len(group["params"]) for group in groups) != self.group_sizes):
@@ -135,7 +138,8 @@ class StepPlan:
         if found is None:
             return None
         grads, grad_pointers, counts = found
-        fmt, multi_tensor, count_nonfinite, track_format = self.options
+        fmt, multi_tensor, count_nonfinite = self.options
+        track_format = opt.track_format
         # Scalars first: a bad step count raises here, before anything changes; the full step
         # then names the parameter.
         try:
@@ -229,7 +233,7 @@ class CapturableStepPlan(StepPlan):
         if len(opt.param_groups) != len(self.hparams):
             return None  # groups were added: a new plan
         grads, grad_pointers, _ = found
-        fmt, _, _, track_format = self.options
+        fmt = self.options[0]  # capturable optimizers never count formats (PackedAdamW.track_format)
         from packed_adamw.core import launch
         from packed_adamw.core.kernel import capturable_step_scalars_kernel
 
@@ -299,7 +303,5 @@ class CapturableStepPlan(StepPlan):
                 table = self.table
             aligned = not any(a & 15 for a in addresses)
             _launch.launch_step(table, self.kernel_params, grads, self.moments, self.tables, fmt, False, aligned,
-                                self.relaunch, self.counters, track_format, scalars=scalars, lows=self.lows)
-        if track_format:
-            self.tracked_steps += 1
+                                self.relaunch, self.counters, False, scalars=scalars, lows=self.lows)
         return [0] * n

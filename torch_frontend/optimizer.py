@@ -99,15 +99,11 @@ class PackedAdamW(Optimizer):
                     f"(multi_tensor=True: one launch for all tensors on CUDA); pass {flag}=None or False, or leave it out"
                 )
         self.state_format = StateFormat(mode, m_bias, rms_bias)
-        if track_format and self.state_format.mode == "fp32":
-            raise ValueError("track_format=True counts where packed or fp16 codes saturate, flush or go subnormal; "
-                             "fp32 mode stores float32 moments: use mode='packed' or 'fp16'")
         if capturable not in (True, False):
             raise ValueError(f"capturable={capturable!r}: pass True or False")
-        if capturable and (check_nonfinite or not multi_tensor or track_format):
-            raise ValueError("capturable=True keeps every step on the GPU: it needs multi_tensor=True, "
-                             "check_nonfinite=False (counting non-finite elements waits for the GPU) and "
-                             "track_format=False (a captured step's replays are not counted on the host)")
+        if capturable and (check_nonfinite or not multi_tensor):
+            raise ValueError("capturable=True keeps every step on the GPU: it needs multi_tensor=True and "
+                             "check_nonfinite=False (counting non-finite elements waits for the GPU)")
         if capturable and not (isinstance(lr, torch.Tensor) and lr.numel() == 1):
             raise ValueError(
                 "capturable=True needs the learning rate as a one-element tensor on the parameters' device "
@@ -117,14 +113,34 @@ class PackedAdamW(Optimizer):
             )
         self.multi_tensor = multi_tensor
         self.check_nonfinite = check_nonfinite
-        self.track_format = track_format
         self.capturable = capturable
+        self.track_format = track_format  # checked against the mode and capturable (the property)
         _check_maximize(maximize, "maximize")
         validate_hyperparams(_plain(lr, "lr") if not capturable else 0.0, _plain_betas(betas), _plain(eps, "eps"),
                              _plain(weight_decay, "weight_decay"))
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self._compile_token = _compiled.register(self)  # names this optimizer to its compiled steps
+
+    @property
+    def track_format(self) -> bool:
+        """Whether the steps made from now on count format events (`format_stats`). It may be
+        switched between steps, for instance on only the steps a training loop logs: a step
+        made with it off runs the uncounted launch and costs what an optimizer built without
+        it costs, and the counts already made wait for `format_stats`."""
+        return self.__dict__.get("_track_format", False)
+
+    @track_format.setter
+    def track_format(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"track_format={value!r}: pass True or False")
+        if value and self.state_format.mode == "fp32":
+            raise ValueError("track_format=True counts where packed or fp16 codes saturate, flush or go subnormal; "
+                             "fp32 mode stores float32 moments: use mode='packed' or 'fp16'")
+        if value and self.__dict__.get("capturable"):
+            raise ValueError("track_format=True with capturable=True: a captured step's replays are not counted "
+                             "on the host; count with an eager optimizer (capturable=False)")
+        self._track_format = bool(value)
 
     def __getstate__(self) -> dict:
         # torch.optim keeps only defaults, state and param_groups; a copy needs the format too.
@@ -144,8 +160,9 @@ class PackedAdamW(Optimizer):
         as_int32 = state.pop("_words_pickled_as_int32", False)
         # torch's load_state_dict calls this with only "state" and "param_groups": keep the
         # options already set; an older pickle without them gets the defaults.
-        for option, default in (("track_format", False), ("capturable", False)):
-            state.setdefault(option, self.__dict__.get(option, default))
+        state.setdefault("capturable", self.__dict__.get("capturable", False))
+        # The switch lives behind the property (`_track_format`); a pickle carries it by name.
+        state["_track_format"] = bool(state.pop("track_format", self.__dict__.get("_track_format", False)))
         super().__setstate__(state)
         self._note_param_lists()
         if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer (load_state_dict keeps it)
@@ -392,13 +409,17 @@ class PackedAdamW(Optimizer):
         read), per parameter (its name when the groups carry `param_names`, else its
         position): `elements` (element-steps counted), `saturated_m`, `saturated_rms`,
         `flushed_m`, `flushed_rms`, `subnormal_m`, `subnormal_rms`, as FORMAT.md ("Format
-        counts") defines them. Needs `track_format=True`; the step itself never waits for the
-        GPU, this call does. Loading a state starts the counts afresh. Warns once per
+        counts") defines them, over the steps made with `track_format` on (`elements` says
+        how many element-steps that was); the step itself never waits for the GPU, this call
+        does. Loading a state starts the counts afresh. Warns once per
         parameter whose saturated share passes `SATURATION_WARNING`, saying which bias to move."""
-        if not self.track_format:
-            raise ValueError("format_stats() needs PackedAdamW(..., track_format=True)")
         totals = self.__dict__.setdefault("_format_totals", {})
         plan = self.__dict__.get("_plan")
+        pending = totals or (plan is not None and plan.counters is not None and plan.tracked_steps)
+        if not (self.track_format or pending):
+            raise ValueError("format_stats() reads the counts of steps made with track_format on, and none was made "
+                             "since the last read: pass PackedAdamW(..., track_format=True), or set "
+                             "opt.track_format = True before the steps to count")
         if plan is not None and plan.counters is not None and plan.tracked_steps:
             self._fold_counts(plan, totals)
         stats = {}

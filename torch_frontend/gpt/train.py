@@ -141,6 +141,9 @@ class TrainConfig:
     # packed/fp16: "format" records in log.jsonl every log_every steps and format.png (counting
     # changes no bit of training, so it may be switched on or off between sessions)
     track_format: bool = False
+    # "all": every step counts (a record covers the steps since the last); "logged": only the
+    # logged steps count, so counting costs nothing on the others (a record covers its step)
+    format_steps: str = "all"
     progress: bool = True
     deterministic: bool = True  # CUDA: deterministic kernels, without which resume is not bit-exact
 
@@ -569,6 +572,13 @@ def moment_stats(model: GPT, optimizer: PackedAdamW, step: int, biases: list[int
 
 
 FORMAT_RECORD = "format"  # the "record" entry of log.jsonl's format-count lines (--track-format)
+FORMAT_STEPS = ("all", "logged")  # --format-steps: which steps --track-format counts
+
+
+def is_log_step(step: int, config: TrainConfig) -> bool:
+    """Whether the trainer logs step `step` (counted from 1): every log_every-th, and the first."""
+    return step % config.log_every == 0 or step == 1
+
 
 
 def format_record(optimizer: PackedAdamW, kinds: list[str], first_step: int, step: int, ranks: "Ranks",
@@ -770,6 +780,8 @@ def check_config(config: TrainConfig) -> None:
         raise ConfigError("--track-format counts where packed or fp16 codes saturate, flush or go subnormal, and "
                           "--mode fp32 stores float32 moments: use --mode packed or fp16, or --log-moment-stats "
                           "for what fp32 moments would do in the packed formats")
+    if config.format_steps not in FORMAT_STEPS:
+        raise ConfigError(f"--format-steps {config.format_steps}: one of {', '.join(FORMAT_STEPS)}")
     check_parallel(config)
 
 
@@ -978,7 +990,8 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
 
     def log_format_counts() -> None:  # on every rank: FSDP2 sums the shards' counts
         nonlocal format_from
-        write_log(log, format_record(optimizer, format_kinds, format_from, step, ranks, device))
+        first_step = step if config.format_steps == "logged" else format_from  # logged: its step alone counted
+        write_log(log, format_record(optimizer, format_kinds, first_step, step, ranks, device))
         format_from = step + 1
 
     with StopRequest() as stop, log_file as log:
@@ -1012,6 +1025,8 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
             grad_norm = gradient_norm_(model.parameters(), config.grad_clip, config.param_dtype)
             sync()
             after_backward = time.perf_counter()
+            if config.track_format and config.format_steps == "logged":
+                optimizer.track_format = is_log_step(step + 1, config)  # the others run uncounted
             optimizer.step()
             sync()
             end = time.perf_counter()
@@ -1027,7 +1042,7 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
             optimizer_times.append(end - after_backward)
             step_times.append(end - start)
             record = None
-            log_step = step % config.log_every == 0 or step == 1
+            log_step = is_log_step(step, config)
             if log_step:
                 record = {"step": step, "loss": recent_losses[-1], "lr": float(optimizer.param_groups[0]["lr"]),
                           "grad_norm": float(full(grad_norm)), "tokens_per_s": tokens_per_step / (end - start),
@@ -1052,7 +1067,7 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
         if step_times and not (config.eval_every and step % config.eval_every == 0):
             val_bpb = evaluate()
             write_log(log, {"step": step, "val_bpb": val_bpb})
-        if config.track_format and format_from <= step:  # the steps since the last record
+        if config.track_format and config.format_steps == "all" and format_from <= step:  # since the last record
             log_format_counts()
 
     # Medians skip the first steps' warm-up cost.
@@ -1187,6 +1202,10 @@ def parse_args(argv=None) -> tuple[TrainConfig, argparse.Namespace]:
         elif field.name == "grad_clip":
             parser.add_argument(flag, type=grad_clip_value, default=default, metavar="NORM|none",
                                 help=f"global gradient-norm clipping, > 0, or none; default {default!r}")
+        elif field.name == "format_steps":
+            parser.add_argument(flag, choices=FORMAT_STEPS, default=default,
+                                help="with --track-format: count every step (all) or only the logged ones "
+                                     f"(logged: no counting cost on the others); default {default!r}")
         elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=FLAG_HELP.get(field.name))
