@@ -332,7 +332,8 @@ class _Stepper:
 
     def counting(self, track_format) -> bool:
         """Whether this step counts: the transform's `track_format` unless the caller's
-        per-step `track_format` (a Python bool, static under jit) turns it off."""
+        per-step `track_format` (a Python bool, static under jit) turns it off. `True` only
+        leaves it on: optax trees hand the argument to every member, counting or not."""
         if track_format is None:
             return self.track_format
         if not isinstance(track_format, bool):
@@ -340,10 +341,7 @@ class _Stepper:
                 f"packed_adamw: update(..., track_format={track_format!r}) picks the step's launch, so it must be a "
                 "Python bool known when the step is traced; under jax.jit pass it as a static argument "
                 "(jax.jit(train_step, static_argnames='track_format')), one compilation each way")
-        if track_format and not self.track_format:
-            raise ValueError("packed_adamw: update(..., track_format=True) counts into the state's format counts, "
-                             "and this transform keeps none: build it with packed_adamw(..., track_format=True)")
-        return track_format
+        return self.track_format and track_format
 
     def run(self, grads, state, params, *, write_update: bool, track_format: bool | None = None):
         counting = self.counting(track_format)

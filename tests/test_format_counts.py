@@ -390,6 +390,11 @@ def test_the_track_format_switch_is_checked_and_travels_with_the_optimizer():
     with pytest.raises(ValueError, match="fp32 mode stores float32 moments"):
         fp32.track_format = True
     assert not fp32.track_format
+    captured = PackedAdamW([torch.nn.Parameter(torch.ones(3))], lr=torch.tensor(1e-3), capturable=True)
+    with pytest.raises(ValueError, match="capturable=True"):
+        captured.track_format = True
+    with pytest.raises(ValueError, match="capturable=True"):
+        PackedAdamW([torch.nn.Parameter(torch.ones(3))], lr=torch.tensor(1e-3), capturable=True, track_format=True)
     opt.track_format = True
     assert copy.deepcopy(opt).track_format and pickle.loads(pickle.dumps(opt)).track_format
     opt.load_state_dict(PackedAdamW([torch.nn.Parameter(torch.ones(3))]).state_dict())

@@ -588,7 +588,7 @@ def format_record(optimizer: PackedAdamW, kinds: list[str], first_step: int, ste
     counts"), with the counts behind each share.
 
     `format_stats()` returns the counts since its previous call and the element-steps they
-    cover (elements x steps stepped), so a share is count / element_steps of this interval.
+    cover (elements x steps counted), so a share is count / element_steps of this interval.
     Under FSDP2 each rank counts its own shard, so every rank calls this and the counts are
     summed over the ranks; DDP ranks step whole tensors with the same reduced gradients, so
     each rank's counts already are the whole tensors'.
