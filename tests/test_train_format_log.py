@@ -193,6 +193,8 @@ def test_format_steps_logged_counts_only_the_logged_steps(runs, data_dir, tmp_pa
     with pytest.raises(SystemExit) as exit_info:
         main([*MICRO, "--out", str(tmp_path / "bad"), "--track-format", "--format-steps", "some"])
     assert exit_info.value.code == 2
+    with pytest.raises(ConfigError, match="add --track-format"):
+        train(TrainConfig(format_steps="logged", out=str(tmp_path / "untracked")))
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -580,7 +580,6 @@ def is_log_step(step: int, config: TrainConfig) -> bool:
     return step % config.log_every == 0 or step == 1
 
 
-
 def format_record(optimizer: PackedAdamW, kinds: list[str], first_step: int, step: int, ranks: "Ranks",
                   device: torch.device) -> dict:
     """Per kind of tensor, the share of the element-steps of steps first_step..step whose new
@@ -782,6 +781,9 @@ def check_config(config: TrainConfig) -> None:
                           "for what fp32 moments would do in the packed formats")
     if config.format_steps not in FORMAT_STEPS:
         raise ConfigError(f"--format-steps {config.format_steps}: one of {', '.join(FORMAT_STEPS)}")
+    if config.format_steps != "all" and not config.track_format:
+        raise ConfigError(f"--format-steps {config.format_steps} says which steps --track-format counts: "
+                          "add --track-format, or leave --format-steps out")
     check_parallel(config)
 
 
