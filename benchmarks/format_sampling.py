@@ -8,8 +8,8 @@ counts every step (`track_format=True`), one counts every `--every`-th step by s
 times `2 * --every` steps of each optimizer, back to back, with CUDA events (the counts are
 read after the timings, as a loop reads them when it logs). The ratios are each round's time
 against the uncounted optimizer's in the same round; the table gives their medians and
-ranges. The SM clock moves under the power cap and the every-step ratio moves with it
-(docs/results/SWEEP.md), so only ratios within one run compare.
+ranges. The SM clock moves under the power cap, and the counting launch's cost rose as it fell
+in docs/results/SWEEP.md's launch timings, so only ratios within one run compare.
 """
 from __future__ import annotations
 

@@ -441,3 +441,58 @@ def test_cuda_format_stats_equal_cpu(multi_tensor):
         opt_cpu.step()
         opt_gpu.step()
     assert opt_gpu.format_stats() == opt_cpu.format_stats()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.filterwarnings("ignore:PackedAdamW.*saturated:RuntimeWarning")  # gradients up to 100 saturate
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32_weights", "bf16_weights"])
+@pytest.mark.parametrize("multi_tensor", [True, False], ids=["multi_tensor", "per_tensor"])
+def test_cuda_track_format_switched_between_steps_equals_cpu(multi_tensor, dtype, monkeypatch):
+    """Sampled counting compiled: steps made with the switch off run the uncounted launches
+    (shared, solo and per-tensor; split masters for bf16 weights), the counts are the CPU
+    optimizer's over the counted steps, and every bit is a never-counting GPU optimizer's."""
+    from packed_adamw.torch import _launch
+
+    launched = []  # the track_format of every launch of the switched optimizer's current step
+    for name in ("_launch_segment", "_launch_one"):  # both take track_format last
+        def spy(*args, launcher=getattr(_launch, name)):
+            launched.append(args[-1])
+            return launcher(*args)
+        monkeypatch.setattr(_launch, name, spy)
+    gen = torch.Generator().manual_seed(8)
+    shapes = [(300,), (13, 17), (), (launch.SOLO_ELEMENTS + 3,)]
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    gpu, plain_gpu, every_gpu = ([torch.nn.Parameter(p.detach().clone().cuda()) for p in cpu] for _ in range(3))
+    opt_cpu = PackedAdamW(cpu, lr=1e-2, track_format=True)
+    opt_gpu = PackedAdamW(gpu, lr=1e-2, track_format=False, multi_tensor=multi_tensor)
+    plain = PackedAdamW(plain_gpu, lr=1e-2, multi_tensor=multi_tensor)
+    every_step = PackedAdamW(every_gpu, lr=1e-2, multi_tensor=multi_tensor, track_format=True)
+    switch = [False, True, True, False, True]
+    for step, on in enumerate(switch, start=1):
+        opt_gpu.track_format = opt_cpu.track_format = on
+        for p, q, r, e in zip(cpu, gpu, plain_gpu, every_gpu):
+            g = (torch.randn(p.shape, generator=gen) * 10.0 ** (step - 3)).to(dtype)
+            p.grad, q.grad, r.grad, e.grad = g, g.cuda(), g.cuda(), g.cuda()
+        opt_cpu.step()
+        plain.step()
+        every_step.step()
+        launched.clear()
+        opt_gpu.step()
+        assert launched and set(launched) == {on}, (step, launched)
+    stats = opt_gpu.format_stats()
+    assert stats == opt_cpu.format_stats()
+    assert stats[(0, 3)]["elements"] == sum(switch) * cpu[3].numel()
+    every = every_step.format_stats()
+    for key in stats:  # the uncounted steps had something to count
+        assert [stats[key][k] for k in launch.FORMAT_COUNTS] != [every[key][k] for k in launch.FORMAT_COUNTS], key
+    as_bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int16: torch.int16,
+               torch.uint32: torch.int32}
+    for p, q, r in zip(cpu, gpu, plain_gpu):
+        tensors = [(q, r, p)] + [(opt_gpu.state[q][key], plain.state[r][key], opt_cpu.state[p][key])
+                                 for key in ("words", "lo") if key in opt_cpu.state[p]]
+        assert len(tensors) == (3 if dtype == torch.bfloat16 else 2)
+        for counted, uncounted, on_cpu in tensors:
+            bits = counted.detach().cpu().view(as_bits[counted.dtype])
+            assert torch.equal(bits, uncounted.detach().cpu().view(as_bits[counted.dtype]))
+            assert torch.equal(bits, on_cpu.detach().view(as_bits[counted.dtype]))

@@ -9,6 +9,7 @@ interpreter with a stand-in for jax-triton, and on CUDA (marked `cuda`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -529,6 +530,53 @@ def _cases():
             assert {k: v["elements"] for k, v in want.items()} == \
                 {f"['{k}']": 3 * int(np.prod(s)) for k, s in shapes2.items()}
 
+    @case("sharded_uncounted_steps_count_nothing_and_change_no_bit")
+    def _():
+        # Counting on sampled steps over a mesh: a step given track_format=False is the step
+        # primitive without counts (compiled: no all-reduce, the counts being the only collective)
+        # and gives the plain transform's bits; the counts are the numpy step's over the counted steps.
+        counted = (True, False, True)
+        fmt, row = StateFormat("packed"), [1e-2, 0.9, 0.999, 1e-8, 0.1]
+        want, every_step = {}, {}
+        for k, shape in shapes.items():
+            p, s = params0[k].reshape(-1).copy(), np.zeros(params0[k].size, np.uint32)
+            sampled, full = np.zeros(6, np.int64), np.zeros(6, np.int64)
+            for t, (on, g) in enumerate(zip(counted, grads0), start=1):
+                step_counts = np.zeros(6, np.int64)
+                apply_step(p, g[k].reshape(-1), s, step_scalar_row(t, row), fmt=fmt, format_counts_out=step_counts)
+                sampled += step_counts if on else 0
+                full += step_counts
+            want[f"['{k}']"] = {"elements": sum(counted) * p.size, **dict(zip(launch.FORMAT_COUNTS, sampled.tolist()))}
+            every_step[k] = full
+        assert any((every_step[k] - [want[f"['{k}']"][n] for n in launch.FORMAT_COUNTS]).any() for k in shapes)
+        with jax.set_mesh(explicit):
+            tx = packed_adamw(1e-2, weight_decay=0.1, track_format=True)
+            plain = packed_adamw(1e-2, weight_decay=0.1)
+
+            def sampled_step(params, state, grads, track_format):
+                updates, state = tx.update(grads, state, params, track_format=track_format)
+                return optax.apply_updates(params, updates), state
+
+            step = jax.jit(sampled_step, static_argnames="track_format")
+            plain_step = jax.jit(train_step(plain))
+            p, q = put(params0, explicit, specs), put(params0, explicit, specs)
+            state, plain_state = tx.init(p), plain.init(q)
+            g0 = put(grads0[0], explicit, specs)
+            uncounted = step_outputs(plain.update, g0, plain_state, q)
+            for on in (False, True):
+                assert step_outputs(tx.update, g0, state, p, track_format=on) == uncounted + on, on
+                text = step.lower(p, state, g0, on).compile().as_text()
+                assert ("all-reduce" in text) == on, on
+            for on, g in zip(counted, grads0):
+                p, state = step(p, state, put(g, explicit, specs), on)
+                q, plain_state = plain_step(q, plain_state, put(g, explicit, specs))
+            assert int(state.format_counts.steps) == sum(counted)
+            assert format_stats(state) == want, (format_stats(state), want)
+            for k in shapes:
+                assert p[k].sharding.is_equivalent_to(NamedSharding(explicit, specs[k]), p[k].ndim), k  # stays sharded
+                for a, b in ((p[k], q[k]), (state.moments[k], plain_state.moments[k])):
+                    assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32)), k
+
     @case("tracked_state_types_agree_eager_and_jit")
     def _():
         with jax.set_mesh(explicit):
@@ -584,7 +632,9 @@ def child_results():
     return run_cases_child(__file__, DEVICES)
 
 
-@pytest.mark.parametrize("name", ["sharded_counts_equal_unsharded", "replicated_leaves_are_not_counted_twice",
+@pytest.mark.parametrize("name", ["sharded_counts_equal_unsharded",
+                                  "sharded_uncounted_steps_count_nothing_and_change_no_bit",
+                                  "replicated_leaves_are_not_counted_twice",
                                   "tracked_state_types_agree_eager_and_jit", "the_counts_are_the_only_collective",
                                   "custom_partitioning_sums_the_counts_of_the_shards"])
 def test_on_eight_cpu_devices(child_results, name):
@@ -686,6 +736,106 @@ def test_cuda_custom_partitioning_counts_equal_the_plain_step():
     assert np.asarray(want[2]).tolist() == [expected[k][1].tolist() for k in KEYS]
     assert np.asarray(got[2]).tolist() == np.asarray(want[2]).tolist()
 
+
+def _step_equations(jaxpr):
+    """The `packed_adamw_step` equations of a jaxpr, also inside nested ones (jit, shard_map)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "packed_adamw_step":
+            yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from _step_equations(inner)
+
+
+def step_outputs(step, *args, **kwargs) -> int:
+    """How many results the step primitive has in `step(*args, **kwargs)`: one more (the
+    counts) when the step counts."""
+    eqns = list(_step_equations(jax.make_jaxpr(functools.partial(step, **kwargs))(*args).jaxpr))
+    assert len(eqns) == 1, eqns
+    return len(eqns[0].outvars)
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:PackedAdamW.*saturated:RuntimeWarning")  # gradients up to 100 saturate
+@pytest.mark.parametrize("multi_tensor", [True, False], ids=["leaf_groups", "per_leaf"])
+def test_cuda_steps_updated_with_track_format_false_count_nothing_and_change_no_bit(multi_tensor):
+    """Sampled counting on CUDA: steps given track_format=False (the transform under jit and
+    the donated fused step; a bf16 leaf's split launch among them, and with leaf groups a solo
+    launch) lower to the step without counts; the counts are torch CUDA's over the same
+    counted steps, and every bit is that of a transform that never counts."""
+    reason = _why_no_cuda()
+    if reason is not None:
+        pytest.skip(reason)
+    shapes = {"big": (1031, 1027), "odd": (7,), "s": (), "w16": (129, 33)}
+    if multi_tensor:
+        shapes["huge"] = (launch.SOLO_ELEMENTS + 3,)  # a launch of its own
+    dtypes = {k: (jnp.bfloat16 if k == "w16" else jnp.float32) for k in shapes}
+    keys = sorted(shapes)
+    rng = np.random.default_rng(29)
+    params0 = {k: jnp.asarray(spanning_values(rng, s, -4.0, 1.0)).astype(dtypes[k]) for k, s in shapes.items()}
+    switch = (False, True, True, False, True)
+    grads = [{k: jnp.asarray(spanning_values(rng, s, -14.0, 2.0)).astype(dtypes[k]) for k, s in shapes.items()}
+             for _ in switch]
+
+    tracked = packed_adamw(LR, B1, B2, EPS, WD, multi_tensor=multi_tensor, track_format=True)
+    plain = packed_adamw(LR, B1, B2, EPS, WD, multi_tensor=multi_tensor)
+    fused_step = packed_adamw_fused_step(LR, B1, B2, EPS, WD, multi_tensor=multi_tensor, track_format=True)
+    fused = jax.jit(fused_step, donate_argnums=(0, 2), static_argnames="track_format")
+
+    def jitted_train_step(tx):
+        def run(p, s, g, track_format=None):
+            kwargs = {} if track_format is None else {"track_format": track_format}
+            u, s = tx.update(g, s, p, **kwargs)
+            return optax.apply_updates(p, u), s
+        return jax.jit(run, static_argnames="track_format")
+
+    # An uncounted step is the plain transform's step primitive, not a counted one whose counts are dropped.
+    g0, uncounted = grads[0], step_outputs(plain.update, grads[0], plain.init(params0), params0)
+    for on in (False, True):
+        assert step_outputs(tracked.update, g0, tracked.init(params0), params0, track_format=on) == uncounted + on
+        assert step_outputs(fused_step, params0, g0, tracked.init(params0), track_format=on) == uncounted + on
+
+    tracked_step, plain_step = jitted_train_step(tracked), jitted_train_step(plain)
+    p_t, p_p = dict(params0), dict(params0)
+    p_f = {k: jnp.array(v, copy=True) for k, v in params0.items()}  # donated
+    s_t, s_p, s_f = tracked.init(p_t), plain.init(p_p), tracked.init(p_f)
+    for on, g in zip(switch, grads):
+        p_t, s_t = tracked_step(p_t, s_t, g, track_format=on)
+        p_p, s_p = plain_step(p_p, s_p, g)
+        p_f, s_f = fused(p_f, g, s_f, track_format=on)
+    assert int(s_t.format_counts.steps) == int(s_f.format_counts.steps) == sum(switch)
+    as_bits = lambda x: np.asarray(x).view(np.uint16 if x.dtype == jnp.bfloat16 else np.uint32)  # noqa: E731
+    for k in keys:
+        for got, what in ((p_t[k], "transform"), (p_f[k], "fused step"), (s_t.moments[k], "transform words"),
+                          (s_f.moments[k], "fused step words")):
+            want = s_p.moments[k] if "words" in what else p_p[k]
+            np.testing.assert_array_equal(as_bits(got), as_bits(want), err_msg=f"{what} [{k!r}]")
+    for s in (s_t, s_f):
+        np.testing.assert_array_equal(np.asarray(s.low_halves["w16"]), np.asarray(s_p.low_halves["w16"]))
+
+    # torch's CUDA launches, switched the same way, count the same; counting every step would count more.
+    def torch_counts(switched: bool) -> dict:
+        tensors = [torch.nn.Parameter(torch.from_numpy(np.array(params0[k].astype(jnp.float32))).to(
+            torch.bfloat16 if k == "w16" else torch.float32).cuda()) for k in keys]
+        opt = PackedAdamW(list(zip(keys, tensors)), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD,
+                          multi_tensor=multi_tensor, track_format=True)
+        for on, g in zip(switch, grads):
+            opt.track_format = on or not switched
+            for k, t in zip(keys, tensors):
+                t.grad = torch.from_numpy(np.array(g[k].astype(jnp.float32))).to(t.dtype).cuda()  # exact
+            opt.step()
+        return {path_of(k): v for k, v in opt.format_stats().items()}
+
+    want, every_step = torch_counts(switched=True), torch_counts(switched=False)
+    assert want[path_of("big")]["elements"] == sum(switch) * 1031 * 1027
+    for k in keys:  # the uncounted steps had something to count
+        if k != "s":
+            assert [want[path_of(k)][n] for n in launch.FORMAT_COUNTS] != \
+                [every_step[path_of(k)][n] for n in launch.FORMAT_COUNTS], k
+    assert format_stats(s_t) == want
+    assert format_stats(s_f) == want
 
 if __name__ == "__main__" and "--cases" in sys.argv:
     _cases()
