@@ -116,6 +116,26 @@ def as_counts(stats: dict, key: str) -> list[int]:
     return [stats[path_of(key)][name] for name in launch.FORMAT_COUNTS]
 
 
+def _step_equations(jaxpr):
+    """The `packed_adamw_step` equations of a jaxpr, also inside nested ones (jit, shard_map)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "packed_adamw_step":
+            yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from _step_equations(inner)
+
+
+def step_outputs(step, *args, **kwargs) -> int:
+    """How many results the step primitive has in `step(*args, **kwargs)`: one more (the
+    counts) when the step counts."""
+    eqns = list(_step_equations(jax.make_jaxpr(functools.partial(step, **kwargs))(*args).jaxpr))
+    assert len(eqns) == 1, eqns
+    return len(eqns[0].outvars)
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU: the numpy step in the callback
 # ---------------------------------------------------------------------------------------------
@@ -233,9 +253,7 @@ def test_counting_changes_no_bit_and_costs_nothing_when_off(mode):
     off, on = packed_adamw(LR, mode=mode), packed_adamw(LR, mode=mode, track_format=True)
     assert type(off.init(params)) is PackedAdamWState and len(off.init(params)) == 2
     for tx in (off, on):
-        jaxpr = jax.make_jaxpr(tx.update)(grads, tx.init(params), params)
-        steps = [e for e in jaxpr.eqns if e.primitive.name == "packed_adamw_step"]
-        assert len(steps) == 1 and len(steps[0].outvars) == 2 * len(KEYS) + (tx is on), steps
+        assert step_outputs(tx.update, grads, tx.init(params), params) == 2 * len(KEYS) + (tx is on)
     u_off, s_off = jax.jit(off.update)(grads, off.init(params)._replace(moments=words), params)
     u_on, s_on = jax.jit(on.update)(grads, on.init(params)._replace(moments=words), params)
     for k in KEYS:
@@ -737,26 +755,6 @@ def test_cuda_custom_partitioning_counts_equal_the_plain_step():
     assert np.asarray(got[2]).tolist() == np.asarray(want[2]).tolist()
 
 
-def _step_equations(jaxpr):
-    """The `packed_adamw_step` equations of a jaxpr, also inside nested ones (jit, shard_map)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "packed_adamw_step":
-            yield eqn
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
-                if hasattr(inner, "eqns"):
-                    yield from _step_equations(inner)
-
-
-def step_outputs(step, *args, **kwargs) -> int:
-    """How many results the step primitive has in `step(*args, **kwargs)`: one more (the
-    counts) when the step counts."""
-    eqns = list(_step_equations(jax.make_jaxpr(functools.partial(step, **kwargs))(*args).jaxpr))
-    assert len(eqns) == 1, eqns
-    return len(eqns[0].outvars)
-
-
 @pytest.mark.cuda
 @pytest.mark.filterwarnings("ignore:PackedAdamW.*saturated:RuntimeWarning")  # gradients up to 100 saturate
 @pytest.mark.parametrize("multi_tensor", [True, False], ids=["leaf_groups", "per_leaf"])
@@ -836,6 +834,7 @@ def test_cuda_steps_updated_with_track_format_false_count_nothing_and_change_no_
                 [every_step[path_of(k)][n] for n in launch.FORMAT_COUNTS], k
     assert format_stats(s_t) == want
     assert format_stats(s_f) == want
+
 
 if __name__ == "__main__" and "--cases" in sys.argv:
     _cases()
