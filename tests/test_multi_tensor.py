@@ -21,6 +21,34 @@ def _tensors(rng, sizes, fmt):
     return ps, gs, states
 
 
+def test_the_fast_relaunch_is_used_on_checked_triton_releases_only_and_says_so_once_elsewhere(monkeypatch):
+    """_Relaunch leans on Triton internals: on a release it was not checked on it stays off (the
+    caller launches through Triton's usual path) and warns once per process."""
+    import types
+    import warnings
+
+    from packed_adamw.torch import _launch
+
+    assert _launch.triton_release("3.6.0") == (3, 6)
+    assert _launch.triton_release("3.10.1+git1a2b3c4") == (3, 10)
+    assert _launch.triton_release("unknown") == (0, 0)
+    jit_fn = types.SimpleNamespace(arg_names=["x", "n", "BLOCK"])
+    compiled = types.SimpleNamespace(run=None)
+    monkeypatch.setattr(_launch._Relaunch, "warned", False)
+    monkeypatch.setattr(_launch, "_triton_version", lambda: (3, 6))
+    assert _launch._Relaunch.CHECKED_TRITON == ((3, 6),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = _launch._Relaunch.of(jit_fn, compiled, 2, {"BLOCK": 256})
+    assert fast is not None and fast.constants == (256,)
+    monkeypatch.setattr(_launch, "_triton_version", lambda: (3, 8))
+    with pytest.warns(_launch.UncheckedTritonWarning, match=r"Triton 3.8 is not a release .*checked on \(3.6\)"):
+        assert _launch._Relaunch.of(jit_fn, compiled, 2, {"BLOCK": 256}) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert _launch._Relaunch.of(jit_fn, compiled, 2, {"BLOCK": 256}) is None
+
+
 def test_block_table_covers_every_block_once():
     sizes, block = [1, 7, 300, 256, 257, 3], 256
     block_tensor, block_index = launch.block_table(sizes, block)

@@ -279,6 +279,34 @@ def test_check_nonfinite_breaks_the_graph_and_still_raises():
     assert opt.state[m[0].weight]["step"] == 2
 
 
+def test_gradients_dynamo_cannot_trace_are_named_by_the_compiled_step():
+    """A bf16 parameter's float32 gradient, and a gradient reshaped through .data after a
+    compiled step: fullgraph=True refuses them naming the problem (dynamo's own errors blame FSDP
+    or say `2 != 1`); a plain compile steps eagerly, refusing the wrong shape as eager does."""
+    w = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16))
+    opt = PackedAdamW([w], lr=1e-2)
+    set_grad(w, torch.ones(4, 3))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="a bfloat16 parameter's float32 gradient"):
+        torch.compile(opt.step, fullgraph=True, backend="aot_eager")()
+    assert not opt.state, "a refused compile stepped"
+    torch.compile(opt.step, backend="aot_eager")()
+    assert opt.state[w]["step"] == 1
+
+    torch._dynamo.reset()
+    p = torch.nn.Parameter(torch.zeros(4, 3))
+    opt = PackedAdamW([p], lr=1e-2)
+    p.grad = torch.ones(4, 3)
+    for fullgraph in (True, False):
+        step = torch.compile(opt.step, fullgraph=fullgraph, backend="aot_eager")
+        step()
+        p.grad.data = torch.ones(12)
+        with pytest.raises(torch._dynamo.exc.Unsupported if fullgraph else ValueError,
+                           match="gradient has another shape" if fullgraph else r"gradient shape \(12,\) differs"):
+            step()
+        p.grad = torch.ones(4, 3)
+    assert opt.state[p]["step"] == 2
+
+
 def test_track_format_counts_compiled_steps_like_eager_ones():
     a, b = mlp(), mlp()
     eager = PackedAdamW(a.parameters(), lr=1e-2, track_format=True)

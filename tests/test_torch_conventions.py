@@ -292,6 +292,61 @@ def test_a_step_count_edited_out_of_range_is_refused_at_step_naming_the_paramete
         assert opt.state[params[0]]["step"] == 3
 
 
+def test_the_step_count_limit_is_named_when_it_is_reached_and_nothing_changes():
+    """A state one step short of the limit loads and steps once; the next step is refused
+    saying the limit (2**31 - 1 steps), not that the state was damaged."""
+    params, opt = trained()
+    sd = copy.deepcopy(opt.state_dict())
+    for entry in sd["state"].values():
+        entry["step"] = MAX_STEP
+    opt.load_state_dict(sd)
+    run(opt, params, [4])
+    assert all(opt.state[p]["step"] == 2**31 - 1 for p in params)
+    set_grads(params, 5)
+    before = H.snapshot(opt, params)
+    with pytest.raises(ValueError, match=r"\['params'\]\[0\]: step count 2147483647 is the limit: a parameter steps "
+                                         r"at most 2\*\*31 - 1") as info:
+        opt.step()
+    assert "damaged" not in str(info.value)
+    H.assert_same_snapshot(H.snapshot(opt, params), before, "after the limit was reached")
+    # A saved state at the limit is refused on load with the same reason.
+    sd = opt.state_dict()
+    with pytest.raises(ValueError, match=r"saved parameter 0 .*step count 2147483647 is the limit"):
+        PackedAdamW(make_params(0), lr=1e-2, weight_decay=0.1).load_state_dict(sd)
+
+
+def test_a_parameter_listed_twice_is_refused_naming_both_places():
+    """torch.optim.AdamW warns and steps it twice per step; PackedAdamW refuses the list."""
+    a, b = make_params(0)[:2]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\] is the same tensor as "
+                                         r"param_groups\[0\]\['params'\]\[0\]"):
+        PackedAdamW([a, b, a])
+    with pytest.raises(ValueError, match=r"'second' is the same tensor as 'first'"):
+        PackedAdamW([("first", a), ("second", a)])
+    opt = PackedAdamW([a])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[1\] is the same tensor as "
+                                         r"param_groups\[1\]\['params'\]\[0\]"):
+        opt.add_param_group({"params": [b, b]})
+    assert len(opt.param_groups) == 1  # the refused group is not kept
+
+
+def test_a_step_inside_a_cuda_graph_capture_needs_capturable_and_changes_nothing(monkeypatch):
+    """Refused before anything is launched, naming capturable=True (CUDA's own error would say
+    only that an operation failed during capture). The capture is simulated: on CPU nothing
+    else notices it."""
+    params, opt = trained()
+    set_grads(params, 9)
+    before = H.snapshot(opt, params)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"built without capturable=True.*capturable=True\) to capture"):
+        opt.step()
+    H.assert_same_snapshot(H.snapshot(opt, params), before, "after a refused step in a capture")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    opt.step()
+    assert opt.state[params[0]]["step"] == 4
+
+
 def test_a_state_dict_without_the_format_or_with_an_unknown_version_is_refused():
     params, opt = trained()
     sd = opt.state_dict()

@@ -217,6 +217,19 @@ def warm_up_and_capture(step, graph, before_capture=lambda: None):
     return graph
 
 
+def test_capturing_the_step_of_an_optimizer_built_without_capturable_is_refused_naming_it():
+    m = model()
+    opt = PackedAdamW(m.parameters(), lr=1e-2)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"built without capturable=True"):
+        warm_up_and_capture(opt.step, torch.cuda.CUDAGraph())
+    assert all(opt.state[p]["step"] == 2 for p in m.parameters())  # the warm-up's steps only
+    opt.step()  # the stream and the optimizer are usable: nothing was launched in the capture
+    torch.cuda.synchronize()
+    assert all(opt.state[p]["step"] == 3 for p in m.parameters())
+
+
 def test_eager_steps_after_a_capture_leave_its_replays_on_the_captured_gradients():
     """A capture of the buffers its warm-up stepped reads their address table in place (no copy
     in the graph); eager steps afterwards, on gradients elsewhere, must upload into another

@@ -329,6 +329,24 @@ def test_load_master_weights_refuses_masters_outside_the_domain_and_changes_noth
     assert bits16(params[1])[2] == 0x7F7F and bits16(low_half(opt, params[1]))[2] == 0x7FFF
 
 
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
+def test_load_master_weights_refuses_a_non_finite_master_of_an_fp32_parameter_too_and_changes_nothing(bad):
+    """A bf16 parameter refuses it as outside the split domain; an FP32 one took it and held a
+    NaN (or Inf) weight that no step changes."""
+    bf16, _ = make_pair(16, shapes=((10,),))
+    fp32 = torch.nn.Parameter(torch.linspace(-1, 1, 4))
+    opt = PackedAdamW([("enc.weight", bf16[0]), ("enc.bias", fp32)], lr=1e-2)
+    masters = [m.detach().clone() for m in opt.master_weights()]
+    masters[0] += 0.5  # a valid change, refused with the rest
+    masters[1][2] = bad
+    before = (bits16(bf16[0]), H.bits(fp32))
+    with pytest.raises(ValueError, match=r"'enc.bias' has 1 of 4 values that are NaN or Inf"):
+        opt.load_master_weights(masters)
+    assert_same16(bits16(bf16[0]), before[0], "bf16 weight after a refused load")
+    H.assert_same_bits(fp32, before[1], "FP32 weight after a refused load")
+    assert not opt.state  # no low half was written either
+
+
 def test_load_master_weights_refuses_a_wrong_count_dtype_or_shape():
     params, _ = make_pair(15, shapes=((10,), (4,)))
     opt = PackedAdamW(params)

@@ -67,6 +67,16 @@ def traced_step(opt) -> None:
         # copies back into mutated inputs included): this step runs between graphs.
         _eager_step_nonfinite(opt)
         return
+    # Before any parameter is traced: dynamo fails on a tensor whose gradient differs from it in
+    # dtype or shape with messages that do not name the parameter (a dtype "mismatch" it
+    # ascribes to FSDP; a bare AssertionError for a gradient reshaped through `.data`).
+    untraceable = _untraceable_gradient(opt._compile_token)
+    if untraceable == "dtype":
+        _eager_step_grad_dtype(opt)
+        return
+    if untraceable == "shape":
+        _eager_step_grad_shape(opt)
+        return
     params, grads, positions, position = [], [], [], 0
     for group_params in opt.__dict__["_param_lists"]:  # not the group dicts: see _note_param_lists
         for p in group_params:
@@ -79,6 +89,25 @@ def traced_step(opt) -> None:
                 positions.append(position)
             position += 1
     step_(params, grads, positions, opt._compile_token)
+
+
+@torch.compiler.assume_constant_result
+def _untraceable_gradient(token: int) -> str | None:
+    """Run (not traced) when dynamo traces a step, its result a constant of the graph:
+    "dtype" or "shape" when a parameter's gradient differs from it so, which dynamo cannot
+    trace, else None. The graph's guards on the gradients make a later change retrace."""
+    opt = _OPTIMIZERS.get(token)
+    if opt is None:
+        return None  # the op says so when it runs
+    found = None
+    for group in opt.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and g.dtype != p.dtype:
+                found = "dtype"
+            elif g is not None and g.shape != p.shape:
+                return "shape"  # the eager step refuses it: it wins over a dtype that only breaks the graph
+    return found
 
 
 def _eager_step(reason: str):
@@ -97,5 +126,13 @@ def _eager_step(reason: str):
 _eager_step_nonfinite = _eager_step(
     "PackedAdamW(check_nonfinite=True) raises after a step, which a compiled graph cannot do: the step runs "
     "eagerly between graphs (a graph break). Use check_nonfinite=False to compile it with fullgraph=True")
+_eager_step_grad_dtype = _eager_step(
+    "PackedAdamW: a parameter's gradient has another dtype (a bfloat16 parameter's float32 gradient), which dynamo "
+    "cannot trace: the step runs eagerly between graphs (a graph break), where a dtype that does not fit is refused "
+    "naming the parameter. For fullgraph=True, give bf16 parameters bf16 gradients")
+_eager_step_grad_shape = _eager_step(
+    "PackedAdamW: a parameter's gradient has another shape (changed through .data?), which dynamo cannot trace: the "
+    "step runs eagerly between graphs (a graph break), where it is refused naming the parameter. Give every "
+    "gradient its parameter's shape")
 _eager_step_dtensor = _eager_step(
     "PackedAdamW steps DTensor (FSDP2) parameters eagerly, between compiled graphs (a graph break)")

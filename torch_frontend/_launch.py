@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -299,6 +301,10 @@ def _launch_segment(table, segment: Segment, scalars, counters, fmt: StateFormat
         counters.index_add_(0, segment.indices_device, rows)
 
 
+class UncheckedTritonWarning(UserWarning):
+    """The installed Triton is not a release `_Relaunch` was checked on: it stays off."""
+
+
 class _Relaunch:
     """Launches an already compiled Triton kernel again, skipping `JITFunction.run`'s argument
     binding and specialization (docs/results/BENCHMARKS.md times a step with and without it):
@@ -306,18 +312,31 @@ class _Relaunch:
     between launches, which a step plan guarantees.
 
     It relies on Triton internals (`CompiledKernel[grid](*args)`, `JITFunction.arg_names`),
-    so it is used only on the Triton versions it was checked on; elsewhere `of` returns None
-    and the caller launches normally (same bits, more host time)."""
+    so it is used only on the Triton releases it was checked on (`CHECKED_TRITON`, major and
+    minor). On any other release pyproject allows, `of` returns None, warns once per process
+    (`UncheckedTritonWarning`) and the caller launches through `JITFunction.run`: same bits,
+    more host time per step (docs/MULTI_TENSOR.md, "The host side")."""
 
     CHECKED_TRITON = ((3, 6),)  # on the H200; the CPU interpreter never returns a CompiledKernel
     enabled = True  # the benchmark switches it off to time what it saves
+    warned = False
 
     def __init__(self, compiled, constants: tuple):
         self.compiled, self.constants = compiled, constants
 
     @classmethod
     def of(cls, jit_fn, compiled, n_args: int, constants: dict) -> "_Relaunch | None":
-        if not cls.enabled or _triton_version() not in cls.CHECKED_TRITON or not hasattr(compiled, "run"):
+        if not cls.enabled or not hasattr(compiled, "run"):
+            return None
+        version = _triton_version()
+        if version not in cls.CHECKED_TRITON:
+            if not cls.warned:
+                cls.warned = True
+                checked = ", ".join(f"{major}.{minor}" for major, minor in cls.CHECKED_TRITON)
+                warnings.warn(
+                    f"PackedAdamW: Triton {version[0]}.{version[1]} is not a release its fast relaunch of compiled "
+                    f"kernels was checked on ({checked}): step plans launch through Triton's usual path instead "
+                    "(same bits, more host time per step; docs/MULTI_TENSOR.md)", UncheckedTritonWarning, stacklevel=2)
             return None
         names = getattr(jit_fn, "arg_names", None)
         if names is None or set(names[n_args:]) != set(constants):
@@ -332,8 +351,15 @@ class _Relaunch:
 def _triton_version() -> tuple[int, int]:
     import triton
 
-    major, minor = triton.__version__.split(".")[:2]
-    return int(major), int(minor)
+    return triton_release(triton.__version__)
+
+
+def triton_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a Triton version string ("3.6.0", "3.7.0+git1a2b3c", "3.10.0rc1")."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        return (0, 0)  # unknown: never a checked release
+    return int(match[1]), int(match[2])
 
 
 def _launch_one(p, g, s, lo, scalars, counters, i: int, fmt: StateFormat, count_nonfinite: bool,

@@ -184,7 +184,16 @@ def split_master_(master: torch.Tensor, weight: torch.Tensor, low_half: torch.Te
 def outside_split_domain(master: torch.Tensor) -> int:
     """How many FP32 masters have no finite bf16 live weight: NaN, Inf, or |M| > SPLIT_MASTER_MAX
     (of a DTensor: over all its shards)."""
-    total = (~(master.detach().abs() <= formats.SPLIT_MASTER_MAX)).sum()
+    return _total(~(master.detach().abs() <= formats.SPLIT_MASTER_MAX))
+
+
+def nonfinite_count(master: torch.Tensor) -> int:
+    """How many values of an FP32 master are NaN or Inf (of a DTensor: over all its shards)."""
+    return _total(~torch.isfinite(master.detach()))
+
+
+def _total(flags: torch.Tensor) -> int:
+    total = flags.sum()
     return int(total.full_tensor() if hasattr(total, "full_tensor") else total)
 
 

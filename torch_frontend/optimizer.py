@@ -18,12 +18,15 @@ from . import _compiled, _dtensor
 from ._launch import launch_kind
 from ._plan import CapturableStepPlan, StepPlan
 from .functional import LOW_HALF_DTYPE, LOW_HALF_KEY, adamw_step_, join_master, new_low_half, new_state, \
-    outside_split_domain, split_master_
+    nonfinite_count, outside_split_domain, split_master_
 
 STATE_DICT_KEY = "packed_adamw"  # the format identity travels in the state_dict under this key
 GROUP_FORMAT_KEY = "packed_adamw_format"  # ... and in every saved param group (DCP keeps only groups and state)
 STATE_DICT_VERSION = 1
-MAX_STEP = 2**31 - 2  # the step count after one more step must stay below 2**31 (FORMAT.md)
+# The step scalars' powers b**t need the count t below 2**31 (FORMAT.md): a parameter steps at
+# most STEP_LIMIT times, and a state may hold a count up to MAX_STEP, one step short of it.
+STEP_LIMIT = 2**31 - 1
+MAX_STEP = STEP_LIMIT - 1
 # format_stats() warns once per parameter when more than this fraction of its element-steps
 # saturated a moment (docs/FORMAT_HEALTH.md).
 SATURATION_WARNING = 1e-3
@@ -176,9 +179,12 @@ class PackedAdamW(Optimizer):
 
     # ---- parameter groups -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
+        with warnings.catch_warnings():  # torch's warning about a repeated parameter: refused below instead
+            warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
+            super().add_param_group(param_group)
         try:  # a refused group must not stay behind
             index = len(self.param_groups) - 1
+            _check_listed_once(self.param_groups[index], index)
             _validate_group(self.param_groups[index], index)
             _check_one_device([p for g in self.param_groups for p in g["params"]], f"param_groups[{index}]")
         except Exception:
@@ -221,6 +227,12 @@ class PackedAdamW(Optimizer):
         """The eager step. `live` (id(param) -> tensor): parameters whose values a compiled
         program holds in a tensor of its own (a copy it writes back when its graph ends):
         those tensors step instead, through a full step whose plan is not kept."""
+        if not self.capturable and _capturing():
+            raise RuntimeError(
+                "PackedAdamW.step() was called while a CUDA graph captures, but this optimizer was built without "
+                "capturable=True: its step reads the step counts and the learning rate on the host, which a captured "
+                "graph would freeze. Build it with PackedAdamW(..., lr=torch.tensor(lr, device='cuda'), "
+                "capturable=True) to capture its step, or step it outside the capture")
         rows = [self._checked_row(group, index) for index, group in enumerate(self.param_groups)]
         plan = self.__dict__.get("_plan")
         rejected = plan.step(self, rows) if plan is not None and live is None else None
@@ -609,7 +621,13 @@ class PackedAdamW(Optimizer):
                 raise ValueError(f"{where} is {_dtensor.describe(m)} but the parameter is {_dtensor.describe(p)}; pass "
                                  "masters laid out like the parameters (distribute_tensor(t, p.device_mesh, "
                                  "p.placements) for a sharded one)")
-            if p.dtype is BFLOAT16:
+            if p.dtype is not BFLOAT16:
+                bad = nonfinite_count(m)  # a DTensor's count is over every rank: all refuse together
+                if bad:
+                    raise ValueError(f"{where} has {bad} of {m.numel()} values that are NaN or Inf: a weight "
+                                     "must be finite (no step would ever change such an element); repair those "
+                                     "weights first")
+            else:
                 outside = outside_split_domain(m)  # a DTensor's count is over every rank: all refuse together
                 if outside:
                     raise ValueError(
@@ -707,6 +725,12 @@ class PackedAdamW(Optimizer):
 _data_ptr = torch.Tensor.data_ptr
 
 
+def _capturing() -> bool:
+    """Whether a CUDA graph captures on the current stream (a capture needs CUDA initialized,
+    and a CPU-only torch build cannot ask)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _same_memory(a, b) -> bool:
     """`a` and `b` are one tensor's memory, laid out alike (a compiled program may hand the
     op another tensor object over a parameter's or gradient's storage)."""
@@ -800,6 +824,10 @@ def _checked_step_count(count, where: str) -> int:
         count = count.item()
     if isinstance(count, float) and count.is_integer():
         count = int(count)
+    if isinstance(count, numbers.Integral) and not isinstance(count, (bool, np.bool_)) and count == STEP_LIMIT:
+        raise ValueError(f"{where}: step count {count} is the limit: a parameter steps at most 2**31 - 1 = "
+                         f"{STEP_LIMIT} times (the step scalars' powers need the count below 2**31), so it cannot "
+                         "step again. To train it further, give it a fresh state (its moments and count restart)")
     if not isinstance(count, numbers.Integral) or isinstance(count, (bool, np.bool_)) or not 0 <= count <= MAX_STEP:
         raise ValueError(f"{where}: step count {count!r} must be a whole number in [0, {MAX_STEP}]; the state is "
                          "damaged or was edited: load an undamaged state, or start this parameter fresh")
@@ -932,6 +960,21 @@ def _validate_hyperparams(group: dict, index: int, check_lr: bool = True) -> Non
         _check_maximize(group.get("maximize", False), "maximize")
     except (ValueError, TypeError) as e:
         raise type(e)(f"param_groups[{index}]: {e}") from None
+
+
+def _check_listed_once(group: dict, index: int) -> None:
+    """A parameter listed twice in a group is refused: torch.optim.AdamW steps it twice (and
+    warns that this will become an error), a step plan would step it once."""
+    first = {}
+    for param_index, p in enumerate(group["params"]):
+        earlier = first.setdefault(id(p), param_index)
+        if earlier != param_index:
+            raise ValueError(
+                f"{_param_name(group, index, param_index)} is the same tensor as "
+                f"{_param_name(group, index, earlier)}: a parameter may be listed once in an optimizer "
+                "(torch.optim.AdamW would step it twice per step and warns that this will become an error); "
+                "list each parameter once"
+            )
 
 
 def _validate_group(group: dict, index: int) -> None:
