@@ -973,7 +973,7 @@ def test_an_empty_parameter_steps_beside_the_others():
 def test_hyperparameters_are_validated_when_they_change_not_per_tensor_per_step(monkeypatch):
     """One validation per distinct hyperparameter row, however many tensors and steps."""
     import packed_adamw.core.hyperparams as hyperparams
-    import packed_adamw.torch.optimizer as optimizer_module
+    import packed_adamw.torch._checks as checks_module
 
     calls = []
     real = hyperparams.validate_hyperparams
@@ -982,7 +982,7 @@ def test_hyperparameters_are_validated_when_they_change_not_per_tensor_per_step(
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(optimizer_module, "validate_hyperparams", counting)
+    monkeypatch.setattr(checks_module, "validate_hyperparams", counting)
     monkeypatch.setattr(hyperparams, "validate_hyperparams", counting)
     params = make_params(seed=3, shapes=((50,), (7, 3), (4,), ()))
     opt = PackedAdamW(params, lr=1e-3, weight_decay=0.1)

@@ -23,6 +23,7 @@ import torch
 from . import _dtensor
 
 _OPTIMIZERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_BY_ID: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # id(optimizer) -> it
 _TOKENS = itertools.count(1)
 
 
@@ -31,6 +32,7 @@ def register(optimizer) -> int:
     a compiled graph of an optimizer that was freed raises when called."""
     token = next(_TOKENS)
     _OPTIMIZERS[token] = optimizer
+    _BY_ID[id(optimizer)] = optimizer
     return token
 
 
@@ -50,12 +52,56 @@ def step_(params: list[torch.Tensor], grads: list[torch.Tensor], positions: list
     if opt is None:
         raise RuntimeError("packed_adamw::step_: the PackedAdamW this compiled step was traced for no longer exists; "
                            "compile the step again for the new optimizer")
-    opt._compiled_step(params, grads, positions)
+    run(opt, params, grads, positions)
 
 
 @step_.register_fake
 def _(params, grads, positions, optimizer) -> None:
     return None  # mutation only: nothing to describe
+
+
+def run(opt, params: list, grads: list, positions: list[int]) -> None:
+    """The run-time body of the op: `params[i]` is the parameter at flat position
+    `positions[i]` of `param_groups` or the compiled program's copy of it, `grads[i]` its
+    gradient (which the program assigns to `.grad` only when its graph ends). Runs the eager
+    step, so bits, state and plans are the eager step's."""
+    lists = opt.__dict__.get("_param_lists", [])
+    if len(lists) != len(opt.param_groups) or any(a is not g["params"] for a, g in zip(lists, opt.param_groups)):
+        opt._note_param_lists()  # the next call traces the new lists (or finds them unchanged)
+        raise RuntimeError("PackedAdamW: a param_groups[i]['params'] list was replaced after this step was "
+                           "compiled, so the step was not taken: call the compiled step again (it retraces), "
+                           "and add parameters through add_param_group")
+    everything = [p for group in opt.param_groups for p in group["params"]]
+    if len(params) != len(positions) or len(grads) != len(positions) or \
+            any(not 0 <= i < len(everything) for i in positions):
+        raise RuntimeError("PackedAdamW: a compiled step does not fit this optimizer's param_groups; "
+                           "compile the step again after changing the parameter groups")
+    live = None
+    for i, tensor, grad in zip(positions, params, grads):
+        p = everything[i]
+        if not _same_memory(p.grad, grad):
+            p.grad = grad  # what the program assigns when its graph ends: the step reads .grad
+        if not _same_memory(p, tensor):
+            live = {} if live is None else live
+            live[id(p)] = tensor
+    if live is not None and opt.capturable:
+        raise RuntimeError(
+            "PackedAdamW(capturable=True) under torch.compile: the compiled program passed copies of the "
+            "parameters instead of updating them in place (the 'aot_eager' backend does so), and a "
+            "capturable plan steps the parameters' own memory: use the 'inductor' backend (the default), "
+            "or capturable=False")
+    opt._opt_called = True
+    opt._update(live)
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _same_memory(a, b) -> bool:
+    """`a` and `b` are one tensor's memory, laid out alike (a compiled program may hand the
+    op another tensor object over a parameter's or gradient's storage)."""
+    return a is b or (a is not None and b is not None and _data_ptr(a) == _data_ptr(b) and a.dtype is b.dtype
+                      and a.shape == b.shape and a.stride() == b.stride())
 
 
 def traced_step(opt) -> None:
@@ -70,7 +116,7 @@ def traced_step(opt) -> None:
     # Before any parameter is traced: dynamo fails on a tensor whose gradient differs from it in
     # dtype or shape with messages that do not name the parameter (a dtype "mismatch" it
     # ascribes to FSDP; a bare AssertionError for a gradient reshaped through `.data`).
-    untraceable = _untraceable_gradient(opt._compile_token)
+    untraceable = _untraceable_gradient(id(opt))  # a constant while tracing (the token may be a SymInt)
     if untraceable == "dtype":
         _eager_step_grad_dtype(opt)
         return
@@ -92,11 +138,11 @@ def traced_step(opt) -> None:
 
 
 @torch.compiler.assume_constant_result
-def _untraceable_gradient(token: int) -> str | None:
+def _untraceable_gradient(optimizer_id: int) -> str | None:
     """Run (not traced) when dynamo traces a step, its result a constant of the graph:
     "dtype" or "shape" when a parameter's gradient differs from it so, which dynamo cannot
     trace, else None. The graph's guards on the gradients make a later change retrace."""
-    opt = _OPTIMIZERS.get(token)
+    opt = _BY_ID.get(optimizer_id)
     if opt is None:
         return None  # the op says so when it runs
     found = None

@@ -22,7 +22,7 @@ import torch
 
 from packed_adamw.core import StateFormat
 
-from .functional import LOW_HALF_DTYPE
+from ._state import LOW_HALF_DTYPE, state_dtype
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -53,9 +53,8 @@ def kernel_state(state: torch.Tensor) -> torch.Tensor:
 
 def state_dtype_for(param: torch.Tensor, fmt: StateFormat) -> torch.dtype:
     """The dtype of the stored state of `param`."""
-    if fmt.state_dtype == "uint32":
-        return SHARDED_WORDS_DTYPE if is_dtensor(param) else torch.uint32
-    return torch.float32
+    plain = state_dtype(fmt)
+    return SHARDED_WORDS_DTYPE if plain is torch.uint32 and is_dtensor(param) else plain
 
 
 def wrap_state(param: torch.Tensor, local_state: torch.Tensor, fmt: StateFormat, name: str) -> torch.Tensor:
@@ -64,7 +63,7 @@ def wrap_state(param: torch.Tensor, local_state: torch.Tensor, fmt: StateFormat,
     if not is_dtensor(param):
         return local_state
     shape = fmt.state_shape(param.shape)
-    if fmt.state_dtype == "uint32":
+    if state_dtype(fmt) is torch.uint32:
         return DTensor.from_local(local_state.view(SHARDED_WORDS_DTYPE), param.device_mesh, param.placements,
                                   run_check=False, shape=shape, stride=param.stride())
     placements = []

@@ -24,6 +24,8 @@ import torch
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.hyperparams import SCALAR_ROW, SCALAR_ROW_INT64_WORDS
 
+from ._state import NONFINITE_COLUMN, new_counters
+
 
 class LaunchKind(NamedTuple):
     """What a launch compiles for: its tensors share it."""
@@ -196,15 +198,15 @@ def _counters(n: int, device, count_nonfinite: bool, track_format: bool, counter
     steps), or fresh ones when only the non-finite count is wanted, or None."""
     if counters is not None:
         if count_nonfinite:
-            counters[:, 0].zero_()  # the non-finite count is per step
+            counters[:, NONFINITE_COLUMN].zero_()  # the non-finite count is per step
         return counters
     if count_nonfinite or track_format:
-        return torch.zeros((n, launch.COUNTER_ROW), dtype=torch.int64, device=device)
+        return new_counters(n, device)
     return None
 
 
 def _rejected(counters, count_nonfinite: bool, n: int) -> list[int]:
-    return counters[:, 0].tolist() if count_nonfinite else [0] * n
+    return counters[:, NONFINITE_COLUMN].tolist() if count_nonfinite else [0] * n
 
 
 def cuda_step_(params, grads, states, scalars: np.ndarray, rows: tuple[int, ...], fmt: StateFormat,
@@ -278,7 +280,7 @@ def _launch_segment(table, segment: Segment, scalars, counters, fmt: StateFormat
         if segment.span is not None:
             rows = counters[segment.span[0]:segment.span[1]]
         else:
-            rows = torch.zeros((len(segment.indices), launch.COUNTER_ROW), dtype=torch.int64, device=counters.device)
+            rows = new_counters(len(segment.indices), counters.device)
     pointers = table if segment.offset == 0 else table[segment.offset:]
     grid = (tables.block_tensor.numel(),)
     args = (pointers, tables.block_tensor, tables.block_index, tables.numels, tables.rows_device, scalars,
@@ -371,7 +373,7 @@ def _launch_one(p, g, s, lo, scalars, counters, i: int, fmt: StateFormat, count_
     n = p.numel()
     if n == 0:
         return
-    words = s if fmt.mode == "fp32" else s.view(torch.int32)
+    words = s.view(torch.int32) if s.dtype is torch.uint32 else s  # the kernel reads words as int32
     counter_row = scalars if counters is None else counters[i]  # scalars: unused without counts
     constants = _single_tensor_constants(fmt, count_nonfinite, launch.GPU_BLOCK, track_format, lo is not None)
     grid, warps = launch.single_tensor_grid(n, constants), launch.single_tensor_warps(constants)

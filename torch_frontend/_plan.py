@@ -1,10 +1,13 @@
 """A step plan: what `PackedAdamW` can reuse between steps while only gradients and
 hyperparameters change, so a step costs a fraction of a full step's host time.
 
-Its surface is two calls: `StepPlan(opt, ...)` after a full step, and `plan.step(opt, rows)`,
-which either makes the step and returns the rejected counts, or returns None, having changed
-nothing, when the plan no longer holds and the full step must run. The checks the kernel's
-raw addresses need are still made every step.
+Its surface is three calls: `StepPlan(opt, ...)`, made by a full step (`_engine.full_step`)
+over the tensors it checked; `plan.run(...)`, the step itself, which the full step calls with
+the gradients and counts it checked; and `plan.step(opt, rows)`, which later steps call: it
+checks that the plan still holds, then runs it and returns the rejected counts, or returns
+None, having changed nothing, when the full step must run. So every step reaches the launches
+(or the numpy step) through `run`. The checks the kernel's raw addresses need are still made
+every step.
 """
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import numpy as np
 import torch
 
 from . import _dtensor, _launch
-from .functional import LOW_HALF_KEY, cpu_step_, row_scalars, scalar_table
+from ._state import LOW_HALF_KEY
+from .functional import cpu_step_, row_scalars, scalar_table
 
 FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
 _data_ptr = torch.Tensor.data_ptr
@@ -35,9 +39,9 @@ class StepPlan:
         with_grad = set(map(id, params))
         n = len(params)
         # track_format may be switched between steps (it picks the launch); a plan made
-        # without counters holds only while it stays off.
+        # without counters holds only while it stays off. `run` counts the steps it counted.
         self.options = (opt.state_format, opt.multi_tensor, opt.check_nonfinite)
-        self.counters, self.tracked_steps = counters, 1 if counters is not None and opt.track_format else 0
+        self.counters, self.tracked_steps = counters, 0
         self.state, self.state_ids = opt.state, tuple(map(id, opt.state.values()))
         self.param_ids = tuple(map(id, everything))
         self.group_sizes = tuple(len(group["params"]) for group in opt.param_groups)
@@ -137,7 +141,13 @@ class StepPlan:
         found = self._gradients(opt)
         if found is None:
             return None
-        grads, grad_pointers, counts = found
+        return self.run(opt, *found, group_rows)
+
+    def run(self, opt, grads: list, grad_pointers: list[int], counts: list[int] | None,
+            group_rows: list[tuple[float, ...]]) -> list[int] | None:
+        """The step over the plan's tensors with these (checked) gradients, their addresses
+        and the new step counts; None, having changed nothing, if the step scalars cannot be
+        derived."""
         fmt, multi_tensor, count_nonfinite = self.options
         track_format = opt.track_format
         # Scalars first: a bad step count raises here, before anything changes; the full step
@@ -232,7 +242,11 @@ class CapturableStepPlan(StepPlan):
             return None
         if len(opt.param_groups) != len(self.hparams):
             return None  # groups were added: a new plan
-        grads, grad_pointers, _ = found
+        return self.run(opt, *found, group_rows)
+
+    def run(self, opt, grads, grad_pointers, counts, group_rows) -> list[int]:
+        """The step on the device; `counts` is unused (the counts live there)."""
+        del counts
         fmt = self.options[0]  # capturable optimizers never count formats (PackedAdamW.track_format)
         from packed_adamw.core import launch
         from packed_adamw.core.kernel import capturable_step_scalars_kernel

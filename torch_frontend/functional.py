@@ -17,30 +17,12 @@ from packed_adamw.core import StateFormat, formats, launch
 from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
 
 from . import _launch
+from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, flat_moments, format_count_slots, new_low_half, new_state, \
+    state_dtype
 
-_TORCH_DTYPES = {"float32": torch.float32, "uint32": torch.uint32, "int16": torch.int16}
-LOW_HALF_KEY = formats.LOW_HALF_KEY  # the state entry of a bf16 parameter's low half
-LOW_HALF_DTYPE = _TORCH_DTYPES[formats.LOW_HALF_DTYPE]
+__all__ = ["adamw_step_", "new_state", "new_low_half", "state_dtype", "LOW_HALF_KEY", "LOW_HALF_DTYPE"]
 SPLIT_PARAM_DTYPE = torch.bfloat16  # parameters of this dtype are live weights of split masters
 GRAD_DTYPES = {torch.float32: (torch.float32,), torch.bfloat16: (torch.bfloat16, torch.float32)}
-
-
-def state_dtype(fmt: StateFormat) -> torch.dtype:
-    return _TORCH_DTYPES[fmt.state_dtype]
-
-
-def new_state(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
-    """Zero state for one parameter, laid out as `fmt.state_shape` says."""
-    shape = fmt.state_shape(param.shape)
-    if fmt.state_dtype == "uint32":
-        # Created as int32 and viewed: torch fills uint32 on every device only from 2.3 on.
-        return torch.zeros(shape, dtype=torch.int32, device=param.device).view(torch.uint32)
-    return torch.zeros(shape, dtype=state_dtype(fmt), device=param.device)
-
-
-def new_low_half(param: torch.Tensor) -> torch.Tensor:
-    """The low half of a new bf16 parameter: zeros, so its master starts at its bf16 value."""
-    return torch.zeros(param.shape, dtype=LOW_HALF_DTYPE, device=param.device)
 
 
 def _check_inputs(params, grads, states, counts, hparams, fmt: StateFormat, lows) -> None:
@@ -135,7 +117,7 @@ def cpu_step_(params, grads, states, scalars, rows, fmt: StateFormat, counters=N
             rejected.append(apply_split_step(_numpy_view(p), _numpy_view(lo), _numpy_view(g), _state_view(s, fmt),
                                              scalars[row], fmt=fmt, format_counts_out=counts))
         if counts is not None and counters is not None:
-            counters[i, 1::launch.FORMAT_SLOTS] += torch.from_numpy(counts)  # slot 0 of each count
+            format_count_slots(counters)[i, :, 0] += torch.from_numpy(counts)  # slot 0 of each count
     return rejected
 
 
@@ -213,6 +195,6 @@ def _numpy_view(t: torch.Tensor) -> np.ndarray:
 
 
 def _state_view(state: torch.Tensor, fmt: StateFormat) -> np.ndarray:
-    if fmt.mode == "fp32":
-        return state.detach().reshape(fmt.flat_state_shape(-1)).numpy()
-    return _numpy_view(state)
+    if state.dtype is torch.uint32:
+        return _numpy_view(state)
+    return flat_moments(state, fmt).numpy()

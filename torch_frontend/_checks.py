@@ -1,0 +1,378 @@
+"""The checks `PackedAdamW` makes: of its options and parameter groups, of each step's
+tensors and stored state (what the kernel's raw addresses rely on), of saved states before they
+load, and of FP32 masters. Each raises an error that names the parameter and says what to do;
+none changes anything."""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+from packed_adamw.core import StateFormat, formats, validate_hyperparams
+
+from . import _dtensor
+from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, has_format_counts, state_dtype
+from .functional import nonfinite_count, outside_split_domain
+
+FLOAT32, BFLOAT16, STRIDED = torch.float32, torch.bfloat16, torch.strided
+# The step scalars' powers b**t need the count t below 2**31 (FORMAT.md): a parameter steps at
+# most STEP_LIMIT times, and a state may hold a count up to MAX_STEP, one step short of it.
+STEP_LIMIT = 2**31 - 1
+MAX_STEP = STEP_LIMIT - 1
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph captures on the current stream (a capture needs CUDA initialized,
+    and a CPU-only torch build cannot ask)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def kernel_tensors(p: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local parameter, local gradient) for the kernel: a DTensor's shard, or the tensors."""
+    g = p.grad
+    if _dtensor.is_dtensor(p) != _dtensor.is_dtensor(g):
+        raise ValueError(f"{name} is {_dtensor.describe(p)} but its gradient is {_dtensor.describe(g)}; "
+                         "both must be DTensors (FSDP2) or both plain tensors")
+    if _dtensor.is_dtensor(p) and (g.placements != p.placements or g.device_mesh != p.device_mesh):
+        raise ValueError(f"{name} is {_dtensor.describe(p)} but its gradient is {_dtensor.describe(g)}; "
+                         "redistribute the gradient like the parameter before step()")
+    return _dtensor.local(p), _dtensor.local(g)
+
+
+def check_live_state(p, pl, state: dict, fmt: StateFormat, name: str) -> int:
+    """The state a step is about to use must be what the kernel's raw addresses expect;
+    returns its step count."""
+    stored = state.get(fmt.state_key)
+    count = state.get("step")
+    if stored is None or not isinstance(stored, torch.Tensor):
+        raise ValueError(f"{name}: its optimizer state has no {fmt.state_key!r} tensor (got {state!r}); "
+                         "load a state saved by PackedAdamW with the same mode, or start fresh")
+    if _dtensor.is_dtensor(p) != _dtensor.is_dtensor(stored):
+        raise ValueError(f"{name} is {_dtensor.describe(p)} but its optimizer state is {_dtensor.describe(stored)}; "
+                         "load sharded states with torch.distributed.checkpoint into the sharded model")
+    moments = _dtensor.kernel_state(stored)
+    if moments.get_device() != pl.get_device():
+        raise ValueError(
+            f"{name} is on {pl.device} but its optimizer state is on {moments.device}: "
+            "move the model before creating the optimizer, or save the state_dict and load it into "
+            "a new optimizer (load_state_dict moves the state to the parameters' device)"
+        )
+    expected_shape, expected_dtype = fmt.state_shape(pl.shape), state_dtype(fmt)
+    if tuple(moments.shape) != expected_shape:
+        raise ValueError(
+            f"{name} has shape {tuple(pl.shape)} but its optimizer state has shape {tuple(moments.shape)}: the "
+            "parameter was replaced after the optimizer stepped; build a new optimizer for the new parameter"
+        )
+    if moments.dtype != expected_dtype or not moments.is_contiguous():
+        raise ValueError(
+            f"{name}: its optimizer state is {moments.dtype}, contiguous={moments.is_contiguous()}; the step "
+            f"writes a contiguous {expected_dtype} tensor in place: put one there (.contiguous()), or load the "
+            "state with load_state_dict, which makes it so"
+        )
+    check_live_low_half(p, pl, state, name)
+    return checked_step_count(count, name)
+
+
+def check_live_low_half(p, pl, state: dict, name: str) -> None:
+    """A bf16 parameter's state holds its low half, laid out as the kernel writes it; an FP32
+    parameter's holds none."""
+    low_half = state.get(LOW_HALF_KEY)
+    if pl.dtype is not BFLOAT16:
+        if low_half is not None:
+            raise ValueError(
+                f"{name} is {pl.dtype} but its optimizer state holds a low half {LOW_HALF_KEY!r} (the rest of a "
+                "bfloat16 parameter's FP32 master): the parameter was converted after the optimizer stepped. Keep "
+                "its dtype, or move the weights with master_weights() / load_master_weights() into a new optimizer"
+            )
+        return
+    if not isinstance(low_half, torch.Tensor):
+        raise ValueError(
+            f"{name} is bfloat16 but its optimizer state has no low half {LOW_HALF_KEY!r} (got {low_half!r}): it "
+            "was made for a float32 parameter, or damaged. A state carries over only between parameters of the "
+            "same dtype; to move a run between FP32 and bf16 parameters use master_weights() / "
+            "load_master_weights() with a new optimizer"
+        )
+    if _dtensor.is_dtensor(p) != _dtensor.is_dtensor(low_half):
+        raise ValueError(f"{name} is {_dtensor.describe(p)} but its low half {LOW_HALF_KEY!r} is "
+                         f"{_dtensor.describe(low_half)}; load sharded states with torch.distributed.checkpoint")
+    local = _dtensor.kernel_low_half(low_half)
+    if (local.dtype != LOW_HALF_DTYPE or local.shape != pl.shape or not local.is_contiguous()
+            or local.get_device() != pl.get_device()):
+        raise ValueError(
+            f"{name}: its low half {LOW_HALF_KEY!r} is {local.dtype} {tuple(local.shape)} on {local.device}, "
+            f"contiguous={local.is_contiguous()}; the step writes a contiguous {LOW_HALF_DTYPE} tensor of the "
+            f"parameter's shape {tuple(pl.shape)} on {pl.device} in place: load the state with load_state_dict, "
+            "which makes it so"
+        )
+
+
+def checked_step_count(count, where: str) -> int:
+    """A saved or stored step count as an int in [0, MAX_STEP]: a one-element tensor or a
+    whole float is taken as its value, fractions and bools are refused."""
+    if isinstance(count, torch.Tensor) and count.numel() == 1:
+        count = count.item()
+    if isinstance(count, float) and count.is_integer():
+        count = int(count)
+    if isinstance(count, numbers.Integral) and not isinstance(count, (bool, np.bool_)) and count == STEP_LIMIT:
+        raise ValueError(f"{where}: step count {count} is the limit: a parameter steps at most 2**31 - 1 = "
+                         f"{STEP_LIMIT} times (the step scalars' powers need the count below 2**31), so it cannot "
+                         "step again. To train it further, give it a fresh state (its moments and count restart)")
+    if not isinstance(count, numbers.Integral) or isinstance(count, (bool, np.bool_)) or not 0 <= count <= MAX_STEP:
+        raise ValueError(f"{where}: step count {count!r} must be a whole number in [0, {MAX_STEP}]; the state is "
+                         "damaged or was edited: load an undamaged state, or start this parameter fresh")
+    return int(count)
+
+
+def check_loaded_layout(tensor, p, fmt: StateFormat, key: str, where: str) -> None:
+    expected_shape = fmt.state_shape(p.shape)
+    if tensor is None or not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{where} should hold {key!r} (a tensor of shape {expected_shape}), got "
+                         f"{None if tensor is None else type(tensor).__name__}; the parameters or their order "
+                         "differ from the saved run")
+    if _dtensor.is_dtensor(p) != _dtensor.is_dtensor(tensor):
+        raise ValueError(f"{where} is {_dtensor.describe(tensor)} but the parameter is {_dtensor.describe(p)}: a "
+                         "sharded state loads into the sharded model through torch.distributed.checkpoint "
+                         "(set_optimizer_state_dict), which also reshards it; see docs/DISTRIBUTED.md")
+    dtype = _dtensor.state_dtype_for(p, fmt)
+    if tensor.dtype != dtype or tuple(tensor.shape) != expected_shape:
+        raise ValueError(
+            f"{where} should hold {key!r} {dtype} of shape {expected_shape} (to match parameter of shape "
+            f"{tuple(p.shape)}), got {(tensor.dtype, tuple(tensor.shape))}; the parameters or their order differ "
+            "from the saved run"
+        )
+
+
+def check_loaded_values(moments: torch.Tensor, fmt: StateFormat, where: str) -> None:
+    """fp32 moments that are not finite, or a negative v, would make every element reject its
+    update and freeze the parameter silently. (Every packed or fp16 word decodes finitely.)"""
+    if state_dtype(fmt) is not FLOAT32 or moments.numel() == 0:
+        return
+    m, v = moments[0], moments[1]
+    bad_m = int((~torch.isfinite(m)).sum())
+    bad_v = int((~torch.isfinite(v) | (v < 0)).sum())
+    if bad_m or bad_v:
+        raise ValueError(f"{where}: {bad_m} first moments are NaN/Inf and {bad_v} second moments are NaN, Inf or "
+                         "negative; such a state would freeze those elements. Load an undamaged state")
+
+
+def checked_loaded_low_half(low_half, p, where: str):
+    """A saved state's low half must be there exactly for a bf16 parameter, laid out as the
+    stored state keeps it; returns it (None for an FP32 parameter)."""
+    if p.dtype is not BFLOAT16:
+        if low_half is not None:
+            raise ValueError(
+                f"{where} holds a low half {LOW_HALF_KEY!r}: it was saved from a bfloat16 parameter (a split FP32 "
+                f"master), but this parameter is {p.dtype}. Load it into an optimizer over the same bfloat16 "
+                "parameters; to move weights between bf16 and FP32 models use master_weights() / "
+                "load_master_weights()"
+            )
+        return None
+    if low_half is None:
+        raise ValueError(
+            f"{where} has no low half {LOW_HALF_KEY!r}: it was saved from a float32 parameter, but this parameter "
+            "is bfloat16 (its FP32 master needs the low half). Load it into an optimizer over float32 parameters "
+            "like the saved run's; to move weights between FP32 and bf16 models use master_weights() / "
+            "load_master_weights()"
+        )
+    dtype, shape = _dtensor.low_half_layout(p)
+    if not isinstance(low_half, torch.Tensor) or _dtensor.is_dtensor(low_half) != _dtensor.is_dtensor(p) \
+            or low_half.dtype != dtype or tuple(low_half.shape) != shape:
+        got = (low_half.dtype, tuple(low_half.shape), _dtensor.describe(low_half)) \
+            if isinstance(low_half, torch.Tensor) else type(low_half).__name__
+        raise ValueError(f"{where} should hold {LOW_HALF_KEY!r} {dtype} of shape {shape} "
+                         f"({_dtensor.describe(p)}, like the parameter), got {got}; the parameters or their order "
+                         "differ from the saved run")
+    return low_half
+
+
+def check_one_device(params: list, where: str) -> None:
+    devices = {_dtensor.local(p).device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{where}: parameters are on several devices {sorted(map(str, devices))}; PackedAdamW updates one "
+            "device: move the model with .to(device) first, or use one optimizer per device"
+        )
+
+
+def param_name(group: dict, group_index: int, param_index: int) -> str:
+    names = group.get("param_names")
+    if names:
+        return repr(names[param_index])
+    return f"param_groups[{group_index}]['params'][{param_index}]"
+
+
+def plain(value, name: str):
+    """A one-element tensor hyperparameter as a float (as torch.optim accepts); other values as they are."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Invalid {name}: a tensor {name} must have one element, got shape {tuple(value.shape)}")
+        return float(value)
+    return value
+
+
+def plain_betas(betas):
+    try:
+        return tuple(plain(b, f"beta at index {i}") for i, b in enumerate(betas))
+    except TypeError:
+        return betas  # not a pair: validate_hyperparams says so
+
+
+def check_maximize(value, where: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}={value!r}: maximize must be True or False")
+
+
+def validate_group_hyperparams(group: dict, index: int, check_lr: bool = True) -> None:
+    try:
+        validate_hyperparams(plain(group["lr"], "lr") if check_lr else 0.0, plain_betas(group["betas"]),
+                             plain(group["eps"], "eps"), plain(group["weight_decay"], "weight_decay"))
+        check_maximize(group.get("maximize", False), "maximize")
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"param_groups[{index}]: {e}") from None
+
+
+def check_listed_once(group: dict, index: int) -> None:
+    """A parameter listed twice in a group is refused: torch.optim.AdamW steps it twice (and
+    warns that this will become an error), a step plan would step it once."""
+    first = {}
+    for param_index, p in enumerate(group["params"]):
+        earlier = first.setdefault(id(p), param_index)
+        if earlier != param_index:
+            raise ValueError(
+                f"{param_name(group, index, param_index)} is the same tensor as "
+                f"{param_name(group, index, earlier)}: a parameter may be listed once in an optimizer "
+                "(torch.optim.AdamW would step it twice per step and warns that this will become an error); "
+                "list each parameter once"
+            )
+
+
+def validate_group(group: dict, index: int) -> None:
+    validate_group_hyperparams(group, index)
+    for param_index, p in enumerate(group["params"]):
+        name = param_name(group, index, param_index)
+        local = _dtensor.local(p)
+        if p.dtype is torch.float16:
+            raise TypeError(
+                f"{name} has dtype torch.float16: PackedAdamW trains float32 or bfloat16 parameters (a bf16 one keeps "
+                "an exact FP32 master: its bf16 weight plus a 2-byte low half in the optimizer state); convert it "
+                "with .to(torch.bfloat16) or .float()"
+            )
+        if p.dtype not in (FLOAT32, BFLOAT16):
+            raise TypeError(
+                f"{name} has dtype {p.dtype}: PackedAdamW trains float32 or bfloat16 parameters; convert it with "
+                ".float() or .to(torch.bfloat16)"
+            )
+        if not local.is_contiguous():
+            raise ValueError(f"{name} is not contiguous: pass a contiguous parameter (create it with .contiguous())")
+        if local.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on {local.device}: PackedAdamW runs on CPU and CUDA devices")
+
+
+def raise_grad_error(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
+    if p.dtype not in (FLOAT32, BFLOAT16) or not p.is_contiguous():  # changed after add_param_group
+        raise TypeError(f"{name} is now {p.dtype}, contiguous={p.is_contiguous()}: PackedAdamW trains contiguous "
+                        "float32 or bfloat16 parameters")
+    if g.is_sparse:
+        raise RuntimeError(f"{name} has a sparse gradient: PackedAdamW does not support sparse gradients (use dense ones)")
+    if g.is_complex():
+        raise TypeError(f"{name} has a complex gradient: PackedAdamW supports real float32 and bfloat16 tensors only")
+    if g.dtype not in (FLOAT32, p.dtype):
+        allowed = "float32 or bfloat16" if p.dtype is BFLOAT16 else "float32"
+        raise TypeError(f"{name}: gradient dtype {g.dtype} does not fit the parameter's {p.dtype}; gradients of "
+                        f"{p.dtype} parameters must be {allowed}")
+    if g.shape != p.shape:
+        raise ValueError(f"{name}: gradient shape {tuple(g.shape)} differs from the parameter's {tuple(p.shape)}")
+    if g.device != p.device:
+        raise ValueError(f"{name}: gradient is on {g.device} but the parameter is on {p.device}")
+    raise ValueError(f"{name}: gradient is not contiguous; make it contiguous before step() (g.contiguous())")
+
+
+# ---- the optimizer's options --------------------------------------------------------------
+def check_adamw_flags(*, amsgrad, foreach, fused, differentiable) -> None:
+    """torch.optim.AdamW's flags: those asking for nothing PackedAdamW lacks are accepted."""
+    if amsgrad:
+        raise ValueError(
+            "amsgrad=True is not supported: AMSGrad keeps the running maximum of v as a third moment, and "
+            "PackedAdamW's one word per parameter holds only m and sqrt(v); use torch.optim.AdamW(amsgrad=True)"
+        )
+    for flag, value in (("foreach", foreach), ("fused", fused), ("differentiable", differentiable)):
+        if value not in (None, False):
+            raise ValueError(
+                f"{flag}={value!r} is not supported: PackedAdamW always runs its own fused kernel "
+                f"(multi_tensor=True: one launch for all tensors on CUDA); pass {flag}=None or False, or leave it out"
+            )
+
+
+def check_capturable(capturable, lr, *, check_nonfinite: bool, multi_tensor: bool) -> None:
+    if capturable not in (True, False):
+        raise ValueError(f"capturable={capturable!r}: pass True or False")
+    if capturable and (check_nonfinite or not multi_tensor):
+        raise ValueError("capturable=True keeps every step on the GPU: it needs multi_tensor=True and "
+                         "check_nonfinite=False (counting non-finite elements waits for the GPU)")
+    if capturable and not (isinstance(lr, torch.Tensor) and lr.numel() == 1):
+        raise ValueError(
+            "capturable=True needs the learning rate as a one-element tensor on the parameters' device "
+            "(PackedAdamW(..., lr=torch.tensor(1e-3, device='cuda'), capturable=True)): a captured graph "
+            "reads that tensor at every replay, and LR schedulers update it in place; a Python float lr "
+            "would be frozen into the graph"
+        )
+
+
+def check_hyperparams(lr, betas, eps, weight_decay, maximize, *, check_lr: bool) -> None:
+    """The constructor's defaults (a capturable lr is checked on the device, at each step)."""
+    check_maximize(maximize, "maximize")
+    validate_hyperparams(plain(lr, "lr") if check_lr else 0.0, plain_betas(betas), plain(eps, "eps"),
+                         plain(weight_decay, "weight_decay"))
+
+
+def check_track_format(value, fmt: StateFormat, capturable: bool) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"track_format={value!r}: pass True or False")
+    if value and not has_format_counts(fmt):
+        raise ValueError("track_format=True counts where packed or fp16 codes saturate, flush or go subnormal; "
+                         "fp32 mode stores float32 moments: use mode='packed' or 'fp16'")
+    if value and capturable:
+        raise ValueError("track_format=True with capturable=True: a captured step's replays are not counted "
+                         "on the host; count with an eager optimizer (capturable=False)")
+
+
+# ---- FP32 masters ---------------------------------------------------------------------------
+def checked_masters(params: list, masters: list, names: list[str], states) -> list[torch.Tensor]:
+    """`load_master_weights`' checks: one float32 master per parameter, of its shape and layout,
+    finite, and for a bfloat16 parameter with a finite bf16 weight (|M| <= SPLIT_MASTER_MAX)
+    beside a low half laid out as the step writes it. Returns the masters' local tensors."""
+    if len(masters) != len(params):
+        raise ValueError(f"load_master_weights: got {len(masters)} tensors for {len(params)} parameters; pass "
+                         "one FP32 tensor per parameter, in parameter order (as master_weights() returns them)")
+    locals_ = []
+    for p, m, name in zip(params, masters, names):
+        where = f"load_master_weights: the master for {name}"
+        if not isinstance(m, torch.Tensor) or m.dtype is not FLOAT32 or tuple(m.shape) != tuple(p.shape):
+            got = (m.dtype, tuple(m.shape)) if isinstance(m, torch.Tensor) else type(m).__name__
+            raise ValueError(f"{where} should be a float32 tensor of shape {tuple(p.shape)}, got {got}")
+        layout = lambda t: (t.device_mesh, tuple(t.placements)) if _dtensor.is_dtensor(t) else None  # noqa: E731
+        if layout(m) != layout(p):
+            raise ValueError(f"{where} is {_dtensor.describe(m)} but the parameter is {_dtensor.describe(p)}; pass "
+                             "masters laid out like the parameters (distribute_tensor(t, p.device_mesh, "
+                             "p.placements) for a sharded one)")
+        if p.dtype is not BFLOAT16:
+            bad = nonfinite_count(m)  # a DTensor's count is over every rank: all refuse together
+            if bad:
+                raise ValueError(f"{where} has {bad} of {m.numel()} values that are NaN or Inf: a weight "
+                                 "must be finite (no step would ever change such an element); repair those "
+                                 "weights first")
+        else:
+            outside = outside_split_domain(m)  # a DTensor's count is over every rank: all refuse together
+            if outside:
+                raise ValueError(
+                    f"{where} has {outside} of {m.numel()} values with no finite bf16 weight (NaN, Inf, or "
+                    f"a magnitude above formats.SPLIT_MASTER_MAX = {formats.SPLIT_MASTER_MAX:.6g}): "
+                    "a bfloat16 parameter cannot hold them; clip or repair those weights, or keep the parameter "
+                    "float32"
+                )
+            state = states.get(p)
+            if state:
+                check_live_low_half(p, _dtensor.local(p), state, name)
+        locals_.append(_dtensor.local(m))
+    return locals_

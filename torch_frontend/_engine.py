@@ -1,0 +1,286 @@
+"""How a `PackedAdamW` step runs, apart from the class that holds the options and the state.
+
+Every step takes one route to the launches (or the numpy step): a `StepPlan` (`_plan.py`) and
+its `run`. A step whose plan still holds calls `plan.step`; otherwise `full_step` checks every
+tensor and its state, inserts the state entries a first step needs, builds a new plan over
+them and runs it, so what a full step launches is what the plan's later steps launch. A step
+that raises changes nothing: the entries it inserted are taken out again.
+
+Also here: the format counts a plan accumulates, folded into per-parameter totals
+(`drop_plan`, `format_stats`), and the error that names the parameters a step rejected
+elements of.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from . import _checks, _dtensor
+from ._launch import launch_kind
+from ._plan import CapturableStepPlan, StepPlan
+from ._state import LOW_HALF_KEY, STEP_KEY, format_counts, has_format_counts, new_counters, new_low_half, new_state
+
+# format_stats() warns once per parameter when more than this fraction of its element-steps
+# saturated a moment (docs/FORMAT_HEALTH.md).
+SATURATION_WARNING = 1e-3
+FLOAT32, BFLOAT16, STRIDED = torch.float32, torch.bfloat16, torch.strided
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Some gradient elements were NaN or Inf; those elements were left unchanged."""
+
+
+class _Checked(NamedTuple):
+    """What a full step checked, one entry per parameter with a gradient, launch kinds side
+    by side (their counter rows are then one view)."""
+
+    params: list  # as the optimizer holds them
+    kernel_params: list  # the tensors the kernel updates (a DTensor's local shard, or a compiled program's copy)
+    grads: list  # local gradients
+    states: list  # each parameter's state dict, or None before its first step
+    names: list[str]
+    counts: list[int]  # the step counts after this step
+    group_of: list[int]
+    kinds: list
+    device: int  # -1 for the CPU
+
+
+# ---- the step ------------------------------------------------------------------------------
+def step(opt, live: dict | None = None) -> None:
+    """One eager step of `opt`. `live` (id(param) -> tensor): parameters whose values a
+    compiled program holds in a tensor of its own (a copy it writes back when its graph ends):
+    those tensors step instead, through a full step whose plan is not kept."""
+    if not opt.capturable and _checks.capturing():
+        raise RuntimeError(
+            "PackedAdamW.step() was called while a CUDA graph captures, but this optimizer was built without "
+            "capturable=True: its step reads the step counts and the learning rate on the host, which a captured "
+            "graph would freeze. Build it with PackedAdamW(..., lr=torch.tensor(lr, device='cuda'), "
+            "capturable=True) to capture its step, or step it outside the capture")
+    rows = [checked_row(opt, group, index) for index, group in enumerate(opt.param_groups)]
+    plan = opt.__dict__.get("_plan")
+    rejected = plan.step(opt, rows) if plan is not None and live is None else None
+    if rejected is None:
+        drop_plan(opt)  # a full step that raises must not leave an older plan behind
+        opt._plan, params, rejected = full_step(opt, rows, live)
+        if live is not None:
+            drop_plan(opt)  # its addresses are the copies' (its format counts are kept)
+    else:
+        params = plan.params
+    raise_if_rejected(opt, params, rejected)
+
+
+def full_step(opt, group_rows: list, live: dict | None = None) -> tuple[StepPlan | None, list, list[int]]:
+    """Every check, then the state entries a first step needs, then a new plan and its run.
+    Returns the plan (later steps reuse it while nothing but gradients and hyperparameters
+    changes), the stepped parameters and their rejected counts."""
+    checked = _check_step(opt, live)
+    if not checked.params:
+        return None, [], []
+    if opt.capturable:
+        if checked.device < 0:
+            raise ValueError("capturable=True runs the step on a CUDA device; these parameters are on the CPU: "
+                             "use capturable=False there")
+        if _checks.capturing():
+            raise RuntimeError(
+                "PackedAdamW(capturable=True): this step must check and (re)build its plan, which cannot happen "
+                "while a CUDA graph captures: take a few eager steps first (torch.cuda.graph's warm-up on a side "
+                "stream), and capture again after changing parameters, gradients' presence or the state")
+    fmt = opt.state_format
+    stored = [state[fmt.state_key] if state else _dtensor.wrap_state(p, new_state(pl, fmt), fmt, name)
+              for p, pl, state, name in zip(checked.params, checked.kernel_params, checked.states, checked.names)]
+    stored_lows = [None if not kind.split else state[LOW_HALF_KEY] if state else
+                   _dtensor.wrap_low_half(p, new_low_half(pl))
+                   for p, pl, state, kind in zip(checked.params, checked.kernel_params, checked.states, checked.kinds)]
+    counters = None
+    if opt.track_format and not opt.capturable:
+        counters = new_counters(len(checked.params), checked.kernel_params[0].device)
+    states, undo = _insert_states(opt, checked, stored, stored_lows)
+    try:
+        plan_type = CapturableStepPlan if opt.capturable else StepPlan
+        plan = plan_type(opt, checked.params, checked.kernel_params, states, stored,
+                         [_dtensor.kernel_state(s) for s in stored], checked.group_of, checked.device, counters,
+                         kinds=checked.kinds, lows=[None if lo is None else _dtensor.kernel_low_half(lo)
+                                                    for lo in stored_lows], stored_lows=stored_lows)
+        rejected = plan.run(opt, checked.grads, [g.data_ptr() for g in checked.grads], checked.counts, group_rows)
+        if rejected is None:
+            raise RuntimeError("PackedAdamW: a step plan could not run right after it was made; please report this")
+    except BaseException:  # a failed step changes nothing
+        undo()
+        raise
+    return plan, checked.params, rejected
+
+
+def _check_step(opt, live: dict | None) -> _Checked:
+    """The parameters with gradients and what their step needs, every check made."""
+    fmt = opt.state_format
+    params, kernel_params, grads, states, names, counts, group_of = [], [], [], [], [], [], []
+    device = None
+    for group_index, group in enumerate(opt.param_groups):
+        for param_index, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            name = _checks.param_name(group, group_index, param_index)
+            pl, g = _checks.kernel_tensors(p, name)
+            if live is not None:
+                pl = live.get(id(p), pl)
+            if not (  # what the kernel relies on; raise_grad_error says which failed
+                (pl.dtype is FLOAT32 or pl.dtype is BFLOAT16) and (g.dtype is FLOAT32 or g.dtype is pl.dtype)
+                and g.layout is STRIDED and g.shape == pl.shape and g.is_contiguous() and pl.is_contiguous()
+                and g.get_device() == pl.get_device()
+            ):
+                _checks.raise_grad_error(pl, g, name)
+            if device is None:
+                device = pl.get_device()  # an int (-1 for CPU): cheaper than torch.device objects
+            elif pl.get_device() != device:
+                _checks.check_one_device([pl, kernel_params[0]], "PackedAdamW.step")
+            state = opt.state.get(p)
+            counts.append(_checks.check_live_state(p, pl, state, fmt, name) + 1 if state else 1)
+            params.append(p)
+            names.append(name)
+            kernel_params.append(pl)
+            grads.append(g)
+            states.append(state)
+            group_of.append(group_index)
+    kinds = [launch_kind(pl, g) for pl, g in zip(kernel_params, grads)]
+    columns = [params, kernel_params, grads, states, names, counts, group_of, kinds]
+    if len(set(kinds)) > 1:  # each launch kind's tensors side by side: their counter rows are one view
+        order = sorted(range(len(kinds)), key=kinds.__getitem__)
+        columns = [[column[i] for i in order] for column in columns]
+    return _Checked(*columns, device)
+
+
+def _insert_states(opt, checked: _Checked, stored: list, stored_lows: list) -> tuple[list[dict], callable]:
+    """Each parameter's state dict, with the entries a first step needs inserted and the step
+    count the plan's run advances (this step's count less one); and the function that undoes
+    all of it."""
+    key = opt.state_format.state_key
+    states, inserted, old_steps = [], [], []
+    for p, state, tensor, low_half, count in zip(checked.params, checked.states, stored, stored_lows, checked.counts):
+        if not state:
+            state = opt.state[p]
+            state[key] = tensor
+            if low_half is not None:
+                state[LOW_HALF_KEY] = low_half
+            inserted.append(p)
+        old_steps.append(state.get(STEP_KEY))
+        state[STEP_KEY] = count - 1
+        states.append(state)
+
+    def undo() -> None:
+        for state, old in zip(states, old_steps):
+            state[STEP_KEY] = old
+        for p in inserted:
+            opt.state.pop(p, None)
+
+    return states, undo
+
+
+def checked_row(opt, group: dict, index: int) -> tuple:
+    """The group's (lr, b1, b2, eps, weight_decay, maximize) as floats and a bool. Validity
+    depends on the values alone, so rows already seen valid are not checked again (a
+    scheduler changes lr)."""
+    if opt.capturable and not (isinstance(group.get("lr"), torch.Tensor) and group["lr"].numel() == 1):
+        raise ValueError(f"param_groups[{index}]['lr'] is {group.get('lr')!r}: capturable=True needs a one-element "
+                         "tensor lr on the parameters' device; change it in place (lr.fill_(x)), as LR "
+                         "schedulers do")
+    try:
+        lr, (b1, b2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        maximize = group.get("maximize", False)
+        # capturable: the lr stays on the device and is checked there (CapturableStepPlan)
+        row = ("on the device" if opt.capturable else float(lr), float(b1), float(b2), float(eps),
+               float(weight_decay), maximize)
+    except (TypeError, ValueError, RuntimeError):
+        row = None  # let the validation say what is wrong
+    valid = opt.__dict__.setdefault("_valid_rows", {})
+    if row is None or row not in valid:
+        _checks.validate_group_hyperparams(group, index, check_lr=not opt.capturable)
+        if len(valid) > 64:
+            valid.clear()
+        valid[row] = True
+    return row
+
+
+def raise_if_rejected(opt, params: list, rejected: list[int]) -> None:
+    if not (opt.check_nonfinite and any(rejected)):
+        return
+    counts_by_param = dict(zip(map(id, params), rejected))
+    bad = [f"{_checks.param_name(group, gi, pi)} ({counts_by_param[id(p)]} of {p.numel()} elements)"
+           for gi, group in enumerate(opt.param_groups) for pi, p in enumerate(group["params"])
+           if counts_by_param.get(id(p))]
+    raise NonFiniteGradientError(
+        "PackedAdamW.step: non-finite values (NaN/Inf gradients, or a parameter or update that is not "
+        "finite; for a bfloat16 parameter also a master past the bf16 range) in " + ", ".join(bad) +
+        ". Those elements kept their parameter and state; the rest were "
+        "updated. Find the source of the NaN/Inf, or use torch.amp.GradScaler / "
+        "clip_grad_norm_(error_if_nonfinite=True) to skip such steps."
+    )
+
+
+# ---- format counts -----------------------------------------------------------------------
+def drop_plan(opt, keep_counts: bool = True) -> None:
+    """Forget the step plan; its format counts go to the per-parameter totals (or, when a
+    loaded state starts a new record, away with every total)."""
+    plan = opt.__dict__.get("_plan")
+    totals = opt.__dict__.setdefault("_format_totals", {})
+    if not keep_counts:
+        totals.clear()
+    elif plan is not None and plan.counters is not None and plan.tracked_steps:
+        _fold_counts(plan, totals)
+    opt._plan = None
+
+
+def _fold_counts(plan, totals: dict) -> None:
+    """Adds a plan's counts to `totals` (id(param) -> [param, [6] int64 counts, element-steps]),
+    on the device, and zeroes them."""
+    counts = format_counts(plan.counters)
+    for i, p in enumerate(plan.params):
+        entry = totals.setdefault(id(p), [p, torch.zeros_like(counts[i]), 0])
+        entry[1] += counts[i]
+        entry[2] += plan.numels[i] * plan.tracked_steps
+    plan.counters.zero_()
+    plan.tracked_steps = 0
+
+
+def format_stats(opt, count_names: tuple[str, ...]) -> dict:
+    """`PackedAdamW.format_stats`: the counts since the last call, per parameter."""
+    totals = opt.__dict__.setdefault("_format_totals", {})
+    plan = opt.__dict__.get("_plan")
+    pending = totals or (plan is not None and plan.counters is not None and plan.tracked_steps)
+    if not (opt.track_format or pending):
+        raise ValueError("format_stats() reads the counts of steps made with track_format on, and none was made "
+                         "since the last read: pass PackedAdamW(..., track_format=True), or set "
+                         "opt.track_format = True before the steps to count")
+    if plan is not None and plan.counters is not None and plan.tracked_steps:
+        _fold_counts(plan, totals)
+    stats = {}
+    warned = opt.__dict__.setdefault("_saturation_warned", set())
+    for gi, group in enumerate(opt.param_groups):
+        for pi, p in enumerate(group["params"]):
+            entry = totals.get(id(p))
+            if entry is None or entry[0] is not p:
+                continue
+            key = group["param_names"][pi] if group.get("param_names") else (gi, pi)
+            counts = entry[1].cpu().tolist()
+            stats[key] = {"elements": entry[2], **dict(zip(count_names, counts))}
+            if id(p) not in warned and entry[2]:
+                _warn_saturation(opt.state_format, _checks.param_name(group, gi, pi), stats[key], warned, id(p))
+    totals.clear()
+    return stats
+
+
+def _warn_saturation(fmt, name: str, entry: dict, warned: set, key: int) -> None:
+    if not has_format_counts(fmt):
+        return
+    problems = []
+    for moment, what, bias_name, bias, codec in (("m", "first moments", "m_bias", fmt.m_bias, fmt.formats[0]),
+                                                  ("rms", "RMS values", "rms_bias", fmt.rms_bias, fmt.formats[1])):
+        share = entry[f"saturated_{moment}"] / entry["elements"]
+        if share > SATURATION_WARNING:
+            hint = (f"lower {bias_name} (now {bias}; each step down doubles the largest value)"
+                    if fmt.mode == "packed" else "use mode='packed' with a lower bias")
+            problems.append(f"{share:.2%} of its {what} saturated at {codec.max_value:g}: {hint}")
+    if problems:
+        warned.add(key)
+        warnings.warn(f"PackedAdamW: {name}: " + "; ".join(problems), RuntimeWarning, stacklevel=4)

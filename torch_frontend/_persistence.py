@@ -1,0 +1,259 @@
+"""Saving, loading and moving a `PackedAdamW` state, and the FP32 masters of bf16 parameters.
+
+Written against a parameter's state entries (`_state.py`: the moments under
+`fmt.state_key`, a bf16 parameter's low half, the step count): the state_dict's format
+identity and its checks on load, pickling of uint32 words, `PortableState` export and import
+(to and from JAX), and `master_weights` / `load_master_weights`. Everything a load reads is
+checked before anything changes.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from packed_adamw.core import formats
+from packed_adamw.core.portable import PortableState
+
+from . import _dtensor
+from ._checks import BFLOAT16, check_loaded_layout, check_loaded_values, checked_loaded_low_half, \
+    checked_masters, checked_step_count, param_name
+from ._engine import drop_plan
+from ._state import LOW_HALF_KEY, STEP_KEY, new_low_half, new_state, state_dtype
+from .functional import join_master, split_master_
+
+STATE_DICT_KEY = "packed_adamw"  # the format identity travels in the state_dict under this key
+GROUP_FORMAT_KEY = "packed_adamw_format"  # ... and in every saved param group (DCP keeps only groups and state)
+STATE_DICT_VERSION = 1
+
+
+def name_of(opt, p) -> str:
+    for gi, group in enumerate(opt.param_groups):
+        for pi, q in enumerate(group["params"]):
+            if q is p:
+                return param_name(group, gi, pi)
+    return "a parameter"
+
+
+# ---- state_dict ---------------------------------------------------------------------------
+def with_identity(sd: dict, identity: str) -> dict:
+    """torch's state_dict with the format identity, at the top and in every group:
+    torch.distributed.checkpoint keeps only "state" and "param_groups", so a sharded save is
+    checked on load like a plain one."""
+    sd[STATE_DICT_KEY] = {"version": STATE_DICT_VERSION, "format": identity}
+    sd["param_groups"] = [{**group, GROUP_FORMAT_KEY: identity} for group in sd["param_groups"]]
+    return sd
+
+
+def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
+    """Every check of `load_state_dict`: returns what torch's loader takes (groups without the
+    identity) and, per parameter, the checked (step count, moments, low half)."""
+    identity = saved_identity(opt, state_dict)
+    if identity != opt.state_format.identity:
+        raise ValueError(
+            f"load_state_dict: the saved state has format {identity!r} but this optimizer uses "
+            f"{opt.state_format.identity!r}; construct PackedAdamW with the same mode, m_bias and rms_bias"
+        )
+    saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
+    our_params = [p for g in opt.param_groups for p in g["params"]]
+    if len(saved_params) != len(our_params):
+        raise ValueError(
+            f"load_state_dict: the saved state has {len(saved_params)} parameters, this optimizer "
+            f"{len(our_params)}; load it into an optimizer built over the same parameters"
+        )
+    fmt = opt.state_format
+    key = fmt.state_key
+    loaded = {}
+    for saved_id, p in zip(saved_params, our_params):
+        entry = state_dict["state"].get(saved_id)
+        if entry is None:
+            continue
+        where = f"load_state_dict: state of saved parameter {saved_id!r} (for {name_of(opt, p)})"
+        tensor = entry.get(key)
+        check_loaded_layout(tensor, p, fmt, key, where)
+        count = checked_step_count(entry.get(STEP_KEY), where)
+        check_loaded_values(_dtensor.kernel_state(tensor), fmt, where)
+        loaded[p] = (count, tensor, checked_loaded_low_half(entry.get(LOW_HALF_KEY), p, where))
+    groups = [{k: v for k, v in g.items() if k != GROUP_FORMAT_KEY} for g in state_dict["param_groups"]]
+    return {"state": state_dict["state"], "param_groups": groups}, loaded
+
+
+def restore_loaded(opt, loaded: dict) -> None:
+    """After torch's loader: torch casts all non-step state to a floating parameter's dtype,
+    which would turn the words (and low halves) into float values. Puts the saved tensors
+    back, bits unchanged, contiguous and on the parameter's device, with the step counts as
+    checked ints."""
+    key = opt.state_format.state_key
+    for p, (count, tensor, low_half) in loaded.items():
+        state = opt.state[p]
+        state[STEP_KEY] = count
+        state[key] = _on_param_device(tensor, p)
+        if low_half is not None:
+            state[LOW_HALF_KEY] = _on_param_device(low_half, p)
+
+
+# ---- pickling -----------------------------------------------------------------------------
+def words_as_int32(opt, state: dict) -> dict:
+    """torch cannot unpickle uint32 storages: plain words travel as int32 views of the same
+    bits (`words_from_int32` undoes it)."""
+    key = opt.state_format.state_key
+    if state_dtype(opt.state_format) is torch.uint32:
+        state["state"] = defaultdict(dict, {
+            p: {k: (v.view(torch.int32) if k == key and v.dtype == torch.uint32 else v) for k, v in s.items()}
+            for p, s in opt.state.items()})
+        state["_words_pickled_as_int32"] = True
+    return state
+
+
+def words_from_int32(opt) -> None:
+    key = opt.state_format.state_key
+    for s in opt.state.values():
+        words = s.get(key)
+        if words is not None and not _dtensor.is_dtensor(words) and words.dtype == torch.int32:
+            s[key] = words.view(torch.uint32)
+
+
+# ---- PortableState, masters -----------------------------------------------------------------
+def export_state(opt) -> PortableState:
+    """The moments and step counts in parameter order, for `packed_adamw.jax.import_state`
+    (bf16 parameters add their low halves, which the JAX optimizer does not take)."""
+    counts, moments, lows = [], [], []
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        if _dtensor.is_dtensor(p):
+            raise ValueError(
+                "export_state: the parameters are DTensors (sharded); a PortableState holds whole tensors. "
+                "Save a sharded state with torch.distributed.checkpoint (docs/DISTRIBUTED.md)"
+            )
+        state = opt.state.get(p) or {}
+        counts.append(int(state["step"]) if state else 0)
+        tensor = state[opt.state_format.state_key] if state else new_state(p, opt.state_format)
+        moments.append(_to_numpy(tensor))
+        if p.dtype is BFLOAT16:
+            lows.append(_to_numpy(state[LOW_HALF_KEY]) if LOW_HALF_KEY in state else
+                        np.zeros(p.shape, formats.LOW_HALF_DTYPE))
+        else:
+            lows.append(None)
+    return PortableState(opt.state_format.identity, counts, moments,
+                         lows if any(low is not None for low in lows) else None)
+
+
+def import_state(opt, portable: PortableState) -> None:
+    """Replace the state with one exported from JAX (or torch); checks format, shapes, step
+    counts, values and low halves (exactly the bf16 parameters have them) before changing
+    anything."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if any(_dtensor.is_dtensor(p) for p in params):
+        raise ValueError(
+            "import_state: the parameters are DTensors (sharded); a PortableState holds whole tensors. "
+            "Load a sharded state with torch.distributed.checkpoint (docs/DISTRIBUTED.md)"
+        )
+    portable.check(opt.state_format, [tuple(p.shape) for p in params], [p.dtype is BFLOAT16 for p in params])
+    lows = portable.low_halves or [None] * len(params)
+    new = {}
+    for i, (p, count, moments, low) in enumerate(zip(params, portable.counts, portable.moments, lows)):
+        name = name_of(opt, p)
+        count = checked_step_count(count, f"import_state: tensor {i} ({name})")
+        if count == 0 and (low is None or not np.any(low)):
+            new[p] = None  # as never stepped (a nonzero low half is kept: load_master_weights set it)
+            continue
+        array = np.array(moments, order="C", copy=True)  # keeps 0-d shapes (ascontiguousarray does not)
+        tensor = torch.from_numpy(array.view(np.int32)).view(torch.uint32) if array.dtype == np.uint32 \
+            else torch.from_numpy(array)
+        check_loaded_values(tensor, opt.state_format, f"import_state: tensor {i} ({name})")
+        new[p] = {"step": count, opt.state_format.state_key: tensor.to(p.device)}
+        if low is not None:
+            new[p][LOW_HALF_KEY] = torch.from_numpy(np.array(low, order="C", copy=True)).to(p.device)
+    drop_plan(opt, keep_counts=False)
+    for p, entry in new.items():
+        if entry is None:
+            opt.state.pop(p, None)
+        else:
+            opt.state[p] = entry
+
+
+def master_weights(opt) -> list[torch.Tensor]:
+    """The FP32 master weights in parameter order (param_groups flattened): for a bfloat16
+    parameter a new float32 tensor joining its weight and low half exactly (FORMAT.md,
+    "Split masters"; a DTensor laid out like the parameter when it is one), for a float32
+    parameter the parameter itself. For saving or evaluating the model in FP32; on CUDA
+    the join runs on host copies."""
+    masters = []
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        if p.dtype is not BFLOAT16:
+            masters.append(p)
+            continue
+        low_half = (opt.state.get(p) or {}).get(LOW_HALF_KEY)
+        local_low = None if low_half is None else _dtensor.kernel_low_half(low_half)
+        masters.append(_dtensor.like_param(p, join_master(_dtensor.local(p), local_low)))
+    return masters
+
+
+def load_master_weights(opt, masters) -> None:
+    """Set the parameters from FP32 master weights in parameter order (as `master_weights()`
+    returns them, e.g. an FP32 model's parameters): a float32 parameter takes the value, a
+    bfloat16 one its exact split (its weight the master rounded to nearest bf16, ties away
+    from zero, and the low half in its optimizer state), so `master_weights()` gives the
+    masters back bit for bit. Moments and step counts stay as they are (a parameter never
+    stepped gets a fresh state holding its low half). Everything is checked before anything
+    changes (`_checks.checked_masters`). Masters of DTensor parameters must be DTensors laid
+    out like them."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    locals_ = checked_masters(params, list(masters), [name_of(opt, p) for p in params], opt.state)
+    for p, local in zip(params, locals_):
+        if p.dtype is not BFLOAT16:
+            _dtensor.local(p).copy_(local)
+            continue
+        state = opt.state[p]
+        if not state:  # never stepped: a fresh state (step 0) that keeps the low half
+            state["step"] = 0
+            state[opt.state_format.state_key] = _dtensor.wrap_state(p, new_state(_dtensor.local(p), opt.state_format),
+                                                         opt.state_format, name_of(opt, p))
+            state[LOW_HALF_KEY] = _dtensor.wrap_low_half(p, new_low_half(_dtensor.local(p)))
+        split_master_(local, _dtensor.local(p), _dtensor.kernel_low_half(state[LOW_HALF_KEY]))
+
+
+def saved_identity(opt, state_dict: dict) -> str:
+    meta = state_dict.get(STATE_DICT_KEY)
+    if meta is not None:
+        if not isinstance(meta, dict) or "format" not in meta:
+            raise ValueError(
+                f"load_state_dict: the {STATE_DICT_KEY!r} entry has no 'format' (got {meta!r}); the state_dict "
+                "was not written by PackedAdamW.state_dict() or was edited: save it again from the optimizer"
+            )
+        version = meta.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= STATE_DICT_VERSION:
+            raise ValueError(
+                f"load_state_dict: state_dict version {version!r} is not one this release reads (1 to "
+                f"{STATE_DICT_VERSION}); load it with the packed-adamw release that saved it"
+            )
+        return meta["format"]
+    groups = state_dict.get("param_groups") or []
+    identities = {g.get(GROUP_FORMAT_KEY) for g in groups}
+    if groups and None not in identities and len(identities) == 1:
+        return identities.pop()  # a distributed checkpoint: only the groups came through
+    raise ValueError(
+        "load_state_dict: this state_dict was not saved by PackedAdamW (no 'packed_adamw' entry and no "
+        f"{GROUP_FORMAT_KEY!r} in its param groups); start this optimizer fresh instead of loading another "
+        "optimizer's state"
+    )
+
+
+def _on_param_device(tensor, p):
+    """A loaded state tensor, contiguous and on the parameter's device (a copy of a plain one)."""
+    if _dtensor.is_dtensor(tensor):
+        return _contiguous_dtensor(tensor, p)
+    return tensor.to(p.device, copy=True).contiguous()
+
+
+def _contiguous_dtensor(tensor, p):
+    local = tensor.to_local()
+    if local.is_contiguous() and local.device == _dtensor.local(p).device:
+        return tensor
+    return type(tensor).from_local(local.to(_dtensor.local(p).device).contiguous(), tensor.device_mesh,
+                                   tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride())
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu()
+    return t.view(torch.int32).numpy().view(np.uint32).copy() if t.dtype == torch.uint32 else t.numpy().copy()
