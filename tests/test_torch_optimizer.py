@@ -612,6 +612,51 @@ def test_a_refused_full_step_leaves_no_older_plan_behind():
     assert planned.state[params[1]]["step"] == 4
 
 
+def test_full_and_planned_steps_reach_the_update_through_one_route(monkeypatch):
+    """Every step runs a StepPlan: a full step builds one and runs it, later steps run it
+    again; a first step whose run fails takes out the state entries it inserted."""
+    from packed_adamw.torch._plan import StepPlan
+
+    runs, real_run = [], StepPlan.run
+
+    def counted(plan, *args):
+        runs.append(plan)
+        return real_run(plan, *args)
+
+    monkeypatch.setattr(StepPlan, "run", counted)
+    params = make_params(0)
+    opt = PackedAdamW(params)
+    for seed in (1, 2):
+        set_grads(params, seed)
+        opt.step()
+    assert len(runs) == 2 and runs[0] is runs[1] is opt._plan
+    opt.state.clear()  # the next step is a full one again, with a new plan
+    set_grads(params, 3)
+    opt.step()
+    assert len(runs) == 3 and runs[2] is opt._plan is not runs[0]
+
+    def failing(plan, *args):
+        raise RuntimeError("no launch")
+
+    monkeypatch.setattr(StepPlan, "run", failing)
+    opt.state.clear()
+    set_grads(params, 4)
+    opt.step = _fully_checked(opt)
+    before = H.snapshot(opt, params)
+    with pytest.raises(RuntimeError, match="no launch"):
+        opt.step()
+    H.assert_same_snapshot(H.snapshot(opt, params), before, "after a failed first step")
+    assert not opt.state and opt.__dict__.get("_plan") is None
+    monkeypatch.setattr(StepPlan, "run", real_run)
+    opt.step()  # stepped once: the counts of the failed step were taken back
+    monkeypatch.setattr(StepPlan, "run", failing)
+    before = H.snapshot(opt, params)
+    with pytest.raises(RuntimeError, match="no launch"):
+        opt.step()
+    H.assert_same_snapshot(H.snapshot(opt, params), before, "after a failed full step")
+    assert all(opt.state[p]["step"] == 1 for p in params)
+
+
 def test_a_parameter_made_non_contiguous_in_place_after_stepping_is_refused():
     p = torch.nn.Parameter(torch.zeros(4, 4))
     opt = PackedAdamW(_named(p))

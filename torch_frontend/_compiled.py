@@ -12,6 +12,11 @@ counts) is never a graph input or output: the compiled graph neither reads nor w
 the op does, so the state, its step counts (ints, or device tensors with `capturable=True`) and
 `state_dict()` are the eager step's. Nothing the traced code reads changes between steps, so a
 changing learning rate (a float or a tensor) recompiles nothing.
+
+Steps dynamo cannot trace run eagerly between graphs (a graph break whose reason names why,
+which `fullgraph=True` refuses with): `check_nonfinite=True`, DTensor parameters, and a
+gradient whose dtype or shape differs from its parameter's (asked at trace time, before any
+parameter is traced: dynamo's own errors there do not say what is wrong).
 """
 from __future__ import annotations
 
