@@ -171,6 +171,23 @@ def test_missing_tapes_without_build_data_are_an_error(tmp_path, capsys):
     assert "--build-data" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("build_data", [[], ["--build-data"]])
+@pytest.mark.parametrize("kept", ["train.tape", "val.tape"])
+def test_a_lone_tape_is_never_replaced_and_the_missing_one_is_named(tmp_path, data_dir, capsys, kept, build_data):
+    """The user's own tape beside a missing one: --build-data would build both from the embedded
+    corpus, over the user's file; the run is refused, naming the missing file, and nothing is written."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(data_dir / kept, data / kept)
+    kept_bytes = (data / kept).read_bytes()
+    missing = data / ("val.tape" if kept == "train.tape" else "train.tape")
+    argv = [*MICRO, "--data", data, "--out", tmp_path / "out", "--max-steps", 2, *build_data]
+    assert main(list(map(str, argv))) == 2
+    error = capsys.readouterr().err
+    assert f"{missing} is missing ({data} holds {kept} alone)" in error and "tokenizer.tape build" in error
+    assert (data / kept).read_bytes() == kept_bytes and not missing.exists()
+
+
 def test_synthetic_smoke_path(capsys):
     assert main(["--synthetic", "--config", "micro", "--batch-size", "2"]) == 0
     output = capsys.readouterr().out

@@ -479,13 +479,27 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def open_tapes(config: TrainConfig, ranks: "Ranks | None" = None) -> tuple[TapeReader, TapeReader]:
+    """The training and validation tapes of --data, built from the embedded corpus when neither
+    exists and --build-data is given. One tape without the other is refused, with or without
+    --build-data: the two must be split from one corpus, so the missing one cannot be built
+    alone, and building both would replace the user's file."""
     data = Path(config.data)
     train_path, val_path = data / "train.tape", data / "val.tape"
     main_rank = ranks is None or ranks.main
-    if not (train_path.exists() and val_path.exists()):
+    present = [path for path in (train_path, val_path) if path.exists()]
+    if ranks is not None:
+        ranks.barrier()  # every rank has looked before one of them builds
+    build_command = f"`python -m packed_adamw.tokenizer.tape build --out {data}`"
+    if len(present) == 1:
+        (kept,), missing = present, val_path if present == [train_path] else train_path
+        raise TapeError(f"{missing} is missing ({data} holds {kept.name} alone); the tapes are split from one "
+                        f"corpus, so neither is built without the other and {kept.name} is never replaced: build "
+                        f"both from your corpus with {build_command} --text (or --parquet) FILES, or pass a --data "
+                        "directory that holds both (or neither, with --build-data)")
+    if not present:
         if not config.build_data:
             raise TapeError(f"no tapes in {data}: pass --build-data to build them from the embedded corpus, "
-                            f"or build them with `python -m packed_adamw.tokenizer.tape build --out {data}`")
+                            f"or build them with {build_command}")
         if main_rank:  # one rank builds them, the others wait below
             print(f"building {train_path} and {val_path} from the embedded corpus ...")
             build_split(default_corpus_documents(), data)
