@@ -16,7 +16,8 @@ from packed_adamw.core import formats
 from packed_adamw.inspect import load_state_file
 from packed_adamw.inspect.__main__ import main as inspect_main
 from packed_adamw.torch.gpt import checkpoint
-from packed_adamw.torch.gpt.train import TrainConfig, build_model, gradient_norm_, main, make_optimizer, start_masters
+from packed_adamw.torch.gpt.optimizers import optimizer_kind
+from packed_adamw.torch.gpt.train import TrainConfig, build_model, gradient_norm_, main
 
 BF16 = ["--param-dtype", "bf16"]
 
@@ -75,8 +76,9 @@ def test_bf16_run_trains_bf16_weights_with_split_masters(bf16_run):
 def trainer_pieces(config: TrainConfig):
     """Model and optimizer as the trainer builds them for a fresh run (CPU)."""
     model, initial = build_model(config, torch.device("cpu"))
-    optimizer = make_optimizer(model, config)
-    start_masters(optimizer, model, initial)
+    kind = optimizer_kind(config.optimizer)
+    optimizer = kind.build(model, config)
+    kind.start_masters(optimizer, model, initial)
     return model, optimizer
 
 

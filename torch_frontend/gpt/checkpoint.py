@@ -458,3 +458,23 @@ def checkpoint_info(path) -> dict:
     else:
         _, metadata = read_checkpoint(path)
     return {"step": metadata["trainer"]["step"], "config": saved_config(metadata)}
+
+
+def save_run_state(path: Path, parallel: str, **state) -> None:
+    """Write a run's checkpoint `path` as its --parallel writes it: one file (rank 0's under DDP,
+    every rank's entry gathered) or, under FSDP2, a sharded directory published as `path` (the
+    link in its run directory). Collective under torchrun."""
+    if parallel == "fsdp":
+        save_sharded_training_state(path.parent, **state)
+    elif parallel == "ddp":
+        save_replicated_training_state(path, **state)
+    else:
+        save_training_state(path, **state)
+
+
+def load_run_state(path: Path, parallel: str, rank: int | None, **state) -> dict:
+    """Restore a run from checkpoint `path` as its --parallel wrote it; returns the trainer entry
+    (`rank`: this process's in a DDP run, whose file holds every rank's cursor and RNG state)."""
+    if parallel == "fsdp":
+        return load_sharded_training_state(path, **state)
+    return load_training_state(path, **state, rank=rank)
