@@ -188,6 +188,28 @@ def test_a_lone_tape_is_never_replaced_and_the_missing_one_is_named(tmp_path, da
     assert (data / kept).read_bytes() == kept_bytes and not missing.exists()
 
 
+def test_a_second_model_family_trains_through_the_preset_lookup(tmp_path, data_dir, monkeypatch):
+    """A family added to the lookup (families.py) is checked, built, logged and checkpointed by the
+    unchanged loop: its presets are --config choices, its parameter kinds name the format records."""
+    from packed_adamw.torch.gpt import families
+    from packed_adamw.torch.gpt.checkpoint import read_checkpoint
+    from packed_adamw.torch.gpt.model import GPT, GPTConfig
+
+    built = []
+    toy = families.ModelFamily("toy", {"toy-micro": GPTConfig(d_model=16, n_layers=1, n_heads=2, context=16)},
+                               lambda config: built.append(config) or GPT(config), lambda name: "every")
+    monkeypatch.setitem(families.MODEL_PRESETS, "toy-micro", toy)
+    out = tmp_path / "out"
+    train_in_process(*MICRO, "--config", "toy-micro", "--data", data_dir, "--out", out, "--max-steps", 3,
+                     "--track-format")
+    assert built == [toy.presets["toy-micro"]]
+    assert summary(out)["step"] == 3 and summary(out)["config"]["config"] == "toy-micro"
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [list(r["kinds"]) for r in records if r.get("record") == "format"] == [["every"]] * 3
+    _, metadata = read_checkpoint(out / "checkpoint.safetensors")
+    assert metadata["config"]["model"]["d_model"] == 16 and metadata["config"]["model"]["n_layers"] == 1
+
+
 def test_synthetic_smoke_path(capsys):
     assert main(["--synthetic", "--config", "micro", "--batch-size", "2"]) == 0
     output = capsys.readouterr().out

@@ -84,7 +84,7 @@ class TrainConfig:
 
     @property
     def out_dir(self) -> Path:
-        from .optimizers import optimizer_kind  # the registry builds from this module's settings
+        from .optimizers import optimizer_kind  # here, not above: optimizers.py imports this module
 
         name = optimizer_kind(self.optimizer).run_name(self)
         if self.param_dtype != "fp32":
