@@ -74,11 +74,19 @@ class PortableState:
 
     @classmethod
     def load(cls, path) -> "PortableState":
-        from safetensors import safe_open
+        """Read a saved state; ValueError naming the file when it is damaged or not a PortableState."""
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="numpy") as f:
-            metadata = f.metadata()
-        tensors = load_file(str(path))
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                metadata = f.metadata() or {}
+            tensors = load_file(str(path))
+        except SafetensorError as error:
+            raise ValueError(f"cannot read portable state {path}: {error}; it is truncated or corrupted: "
+                             "export the state again") from error
+        if not {"format", "counts"} <= metadata.keys():
+            raise ValueError(f"{path} is a safetensors file but not a portable state (its metadata has no "
+                             "'format' and 'counts'); pass a file written by PortableState.save")
         counts = json.loads(metadata["counts"])
         lows = [tensors.get(f"low_half.{i}") for i in range(len(counts))]
         return cls(metadata["format"], counts, [tensors[f"moments.{i}"] for i in range(len(counts))],

@@ -91,6 +91,27 @@ def test_missing_and_foreign_files_are_refused(tmp_path):
         read_checkpoint(tmp_path / "other.safetensors")
 
 
+def test_resume_from_a_saved_optimizer_state_dict_says_what_the_file_is(run, tmp_path, capsys):
+    """torch.save(opt.state_dict()) is a zip archive, which safetensors reads as a huge header."""
+    argv, _ = run
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    saved = tmp_path / "optimizer.pt"
+    torch.save(optimizer.state_dict(), saved)
+    assert main([*argv, "--out", str(tmp_path / "out"), "--resume", str(saved)]) == 2
+    error = capsys.readouterr().err
+    assert f"{saved} appears to be an optimizer state_dict saved with torch.save" in error
+    assert "checkpoint.safetensors the trainer writes" in error and "corrupted" not in error
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match="model.pt appears to be a file saved with torch.save"):
+        read_checkpoint(tmp_path / "model.pt")
+    torch.save(model.state_dict(), tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match="legacy.pt appears to be a pickle file"):
+        read_checkpoint(tmp_path / "legacy.pt")
+
+
 @pytest.mark.parametrize("metadata", [{"format": "pt"}, {"format": "pt", "note": "not json"}, {"format": "5"}])
 def test_foreign_safetensors_is_named_foreign_not_corrupted(tmp_path, metadata):
     """A valid safetensors file of another program (a Hugging Face model file has {"format": "pt"})."""

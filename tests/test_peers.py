@@ -13,6 +13,8 @@ import pytest
 from gpt_helpers import MICRO, build_data, make_documents
 from script_helpers import BENCHMARKS, import_script
 from packed_adamw.torch.gpt import train as trainer
+from packed_adamw.torch.gpt.optimizers import optimizer_state_bytes
+from packed_adamw.torch.gpt.telemetry import loss_event
 
 PEERS_SCRIPT = BENCHMARKS / "peers.py"
 ROWS = ["torch-adamw-fused", "packed", "packed-bf16", "torchao-adamw8bit"]
@@ -151,11 +153,11 @@ def test_checkpoints_off_writes_none_and_autocast_changes_the_run(data_dir, tmp_
 
 def test_loss_events_rule():
     config = trainer.TrainConfig(warmup_steps=10)
-    assert trainer.loss_event(5, 9.0, 1.0, 2.0, config) is None  # during warmup
-    assert trainer.loss_event(11, 3.0, 1.0, 2.0, config) is None  # 1.5 x 2.0 is not exceeded
-    assert trainer.loss_event(11, 3.01, 1.0, 2.0, config)["event"] == "spike"
-    assert trainer.loss_event(2, float("nan"), 1.0, 2.0, config)["event"] == "non-finite"
-    assert trainer.loss_event(2, 1.0, float("inf"), 2.0, config)["event"] == "non-finite"
+    assert loss_event(5, 9.0, 1.0, 2.0, config) is None  # during warmup
+    assert loss_event(11, 3.0, 1.0, 2.0, config) is None  # 1.5 x 2.0 is not exceeded
+    assert loss_event(11, 3.01, 1.0, 2.0, config)["event"] == "spike"
+    assert loss_event(2, float("nan"), 1.0, 2.0, config)["event"] == "non-finite"
+    assert loss_event(2, 1.0, float("inf"), 2.0, config)["event"] == "non-finite"
 
 
 def test_state_bytes_count_inner_tensors_of_holders_once():
@@ -170,7 +172,7 @@ def test_state_bytes_count_inner_tensors_of_holders_once():
     optimizer = torch.optim.SGD([p], lr=0.1)
     shared = torch.zeros(8)
     optimizer.state[p] = {"h": Holder(), "a": shared[:4], "b": shared[4:], "step": 3}
-    assert trainer.optimizer_state_bytes(optimizer) == 10 + 4 + 32
+    assert optimizer_state_bytes(optimizer) == 10 + 4 + 32
 
 
 def test_runs_at_once_give_the_bits_of_runs_alone_and_are_left_out_of_the_timing(peers, data_dir, tmp_path):

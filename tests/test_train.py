@@ -171,6 +171,45 @@ def test_missing_tapes_without_build_data_are_an_error(tmp_path, capsys):
     assert "--build-data" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("build_data", [[], ["--build-data"]])
+@pytest.mark.parametrize("kept", ["train.tape", "val.tape"])
+def test_a_lone_tape_is_never_replaced_and_the_missing_one_is_named(tmp_path, data_dir, capsys, kept, build_data):
+    """The user's own tape beside a missing one: --build-data would build both from the embedded
+    corpus, over the user's file; the run is refused, naming the missing file, and nothing is written."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(data_dir / kept, data / kept)
+    kept_bytes = (data / kept).read_bytes()
+    missing = data / ("val.tape" if kept == "train.tape" else "train.tape")
+    argv = [*MICRO, "--data", data, "--out", tmp_path / "out", "--max-steps", 2, *build_data]
+    assert main(list(map(str, argv))) == 2
+    error = capsys.readouterr().err
+    assert f"{missing} is missing ({data} holds {kept} alone)" in error and "tokenizer.tape build" in error
+    assert (data / kept).read_bytes() == kept_bytes and not missing.exists()
+
+
+def test_a_second_model_family_trains_through_the_preset_lookup(tmp_path, data_dir, monkeypatch):
+    """A family added to the lookup (families.py) is checked, built, logged and checkpointed by the
+    unchanged loop: its presets are --config choices, its parameter kinds name the format records."""
+    from packed_adamw.torch.gpt import families
+    from packed_adamw.torch.gpt.checkpoint import read_checkpoint
+    from packed_adamw.torch.gpt.model import GPT, GPTConfig
+
+    built = []
+    toy = families.ModelFamily("toy", {"toy-micro": GPTConfig(d_model=16, n_layers=1, n_heads=2, context=16)},
+                               lambda config: built.append(config) or GPT(config), lambda name: "every")
+    monkeypatch.setitem(families.MODEL_PRESETS, "toy-micro", toy)
+    out = tmp_path / "out"
+    train_in_process(*MICRO, "--config", "toy-micro", "--data", data_dir, "--out", out, "--max-steps", 3,
+                     "--track-format")
+    assert built == [toy.presets["toy-micro"]]
+    assert summary(out)["step"] == 3 and summary(out)["config"]["config"] == "toy-micro"
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [list(r["kinds"]) for r in records if r.get("record") == "format"] == [["every"]] * 3
+    _, metadata = read_checkpoint(out / "checkpoint.safetensors")
+    assert metadata["config"]["model"]["d_model"] == 16 and metadata["config"]["model"]["n_layers"] == 1
+
+
 def test_synthetic_smoke_path(capsys):
     assert main(["--synthetic", "--config", "micro", "--batch-size", "2"]) == 0
     output = capsys.readouterr().out

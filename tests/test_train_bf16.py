@@ -13,8 +13,11 @@ import torch.distributed as dist
 
 from gpt_helpers import MICRO, assert_bitwise_equal, build_data, checkpoint_tensors, run_train
 from packed_adamw.core import formats
+from packed_adamw.inspect import load_state_file
+from packed_adamw.inspect.__main__ import main as inspect_main
 from packed_adamw.torch.gpt import checkpoint
-from packed_adamw.torch.gpt.train import TrainConfig, build_model, gradient_norm_, main, make_optimizer, start_masters
+from packed_adamw.torch.gpt.optimizers import optimizer_kind
+from packed_adamw.torch.gpt.train import TrainConfig, build_model, gradient_norm_, main
 
 BF16 = ["--param-dtype", "bf16"]
 
@@ -73,8 +76,9 @@ def test_bf16_run_trains_bf16_weights_with_split_masters(bf16_run):
 def trainer_pieces(config: TrainConfig):
     """Model and optimizer as the trainer builds them for a fresh run (CPU)."""
     model, initial = build_model(config, torch.device("cpu"))
-    optimizer = make_optimizer(model, config)
-    start_masters(optimizer, model, initial)
+    kind = optimizer_kind(config.optimizer)
+    optimizer = kind.build(model, config)
+    kind.start_masters(optimizer, model, initial)
     return model, optimizer
 
 
@@ -148,6 +152,40 @@ def test_torch_adamw_on_bf16_weights_trains_and_resumes_exactly(tmp_path, data_d
     assert tensors["optimizer/state/0/exp_avg"].dtype == torch.bfloat16
     assert not any(k.endswith(("/lo", "/words")) for k in tensors)
     assert summary(tmp_path / "whole")["config"]["param_dtype"] == "bf16"
+    # The inspect tool reads its bf16 moments and weights, widened to float32 exactly.
+    state_file = load_state_file(tmp_path / "whole" / "checkpoint.safetensors")
+    first = state_file.tensors[0]
+    assert first.moments.dtype == np.float32 and first.param.dtype == np.float32
+    assert torch.equal(torch.from_numpy(first.moments[0]), tensors["optimizer/state/0/exp_avg"].float())
+    assert torch.equal(torch.from_numpy(first.param), tensors[f"model/{first.name}"].float())
+
+
+@pytest.fixture(scope="module")
+def bf16_fp32_mode_run(tmp_path_factory, data_dir) -> Path:
+    out = tmp_path_factory.mktemp("bf16-fp32") / "out"
+    train_in_process(*MICRO, *BF16, "--mode", "fp32", "--data", data_dir, "--out", out, "--max-steps", 3)
+    return out
+
+
+@pytest.mark.parametrize("run", ["bf16_run", "bf16_fp32_mode_run"])
+def test_inspect_reads_a_bf16_run_checkpoint_with_its_masters_as_the_parameters(run, request, capsys):
+    """bf16 weights are no numpy dtype: the inspect tool joins each with its low half into the
+    FP32 master, the value --explain steps from, in packed and fp32 mode alike."""
+    path = request.getfixturevalue(run) / "checkpoint.safetensors"
+    capsys.readouterr()  # the trainer's output, when the run is made here
+    assert inspect_main([str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["kind"] == "trainer checkpoint" and len(report["tensors"]) == 28
+    tensors = checkpoint_tensors(path)
+    state_file = load_state_file(path)
+    for tensor in state_file.tensors:
+        weight, lo = tensors[f"model/{tensor.name}"], tensors[f"optimizer/state/{tensor.index}/lo"]
+        master = formats.read_master(bits16(weight), bits16(lo))
+        assert np.array_equal(tensor.param.view(np.uint32), master.view(np.uint32)), tensor.name
+    assert inspect_main([str(path), "--explain", "blocks.0.mlp.fc.weight[1,2]", "--grad", "0.01", "--json"]) == 0
+    walk = json.loads(capsys.readouterr().out)
+    assert walk["sources"]["p"] == "the checkpoint's model weights"
+    assert walk["p"] == float(state_file.find("blocks.0.mlp.fc.weight").param[1, 2])
 
 
 def test_default_out_directories_name_the_param_dtype():

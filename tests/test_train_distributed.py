@@ -22,7 +22,8 @@ from torchrun_helpers import free_port as _free_port
 from torchrun_helpers import torchrun as _torchrun
 from packed_adamw.tokenizer.tape import TapeExhausted, TapeError, TapeReader
 from packed_adamw.torch.gpt import checkpoint
-from packed_adamw.torch.gpt.train import TapeShard, main
+from packed_adamw.torch.gpt.data import TapeShard
+from packed_adamw.torch.gpt.train import main
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -321,14 +322,15 @@ def test_ddp_rebuilds_its_buckets_before_the_first_step_of_every_session(monkeyp
     trainer's warm-up backward makes that happen before the first real step, so resumed and
     uninterrupted runs reduce every step in the same buckets (with 3 ranks, a resume without
     it differed from the uninterrupted run in 31 of 56 tensors; with it, none)."""
-    from packed_adamw.torch.gpt import train as train_module
+    from packed_adamw.torch.gpt.distributed import ddp_rebuild_buckets
+    from packed_adamw.torch.gpt.families import new_model
 
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     dist.init_process_group("gloo")
     try:
-        model = torch.nn.parallel.DistributedDataParallel(train_module.GPT(train_module.GPTConfig.preset("micro")))
+        model = torch.nn.parallel.DistributedDataParallel(new_model("micro"))
         tokens = torch.zeros((2, CONTEXT), dtype=torch.long)
-        train_module.ddp_rebuild_buckets(model, 2, CONTEXT, torch.device("cpu"))
+        ddp_rebuild_buckets(model, 2, CONTEXT, torch.device("cpu"))
         assert not model._has_rebuilt_buckets
         model(tokens, tokens)  # the first real step's forward
         assert model._has_rebuilt_buckets, "the first step of the session ran in the initial buckets"

@@ -16,8 +16,9 @@ from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.formats import MOMENT_SHIFT
 from packed_adamw.torch import PackedAdamW
 from packed_adamw.torch.gpt import checkpoint
+from packed_adamw.torch.gpt.families import gpt_parameter_kind as parameter_kind
 from packed_adamw.torch.gpt.model import GPT, GPTConfig
-from packed_adamw.torch.gpt.train import ConfigError, TrainConfig, main, parameter_kind, train
+from packed_adamw.torch.gpt.train import ConfigError, TrainConfig, main, train
 
 KINDS = {"embedding", "attention_qkv", "attention_proj", "mlp", "layernorm", "bias"}
 STEPS, STOP_AT, LOG_EVERY = 6, 5, 2  # format records at steps 1, 2, 4 and (the session's end) 5

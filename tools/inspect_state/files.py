@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from packed_adamw.core.format_health import moment_values, state_format_from_identity
-from packed_adamw.core.formats import StateFormat
+from packed_adamw.core.formats import StateFormat, read_master
 
 TORCH_ADAMW = "torch.optim.AdamW"  # `identity` of a torch.optim.AdamW state (no packed-adamw format)
 
@@ -38,7 +38,9 @@ class TensorState:
     step: int  # the step count stored with it (steps taken)
     moments: np.ndarray  # uint32 words shaped like the parameter, or float32 [2, *shape] (m, v)
     group: int | None = None  # index of its param group, when the file has groups
-    param: np.ndarray | None = None  # the parameter's values, when the file holds the model
+    # the parameter's values as float32, when the file holds the model: a bf16 weight with a low
+    # half is its split FP32 master (the value the step reads), one without is the widened weight
+    param: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -128,12 +130,27 @@ def _words_or_moments(array: np.ndarray, key: str) -> np.ndarray:
 
 
 def _torch_numpy(tensor) -> np.ndarray:
+    """A torch tensor as numpy; bf16 (which numpy lacks) widened to float32, exactly."""
     import torch
 
     tensor = tensor.detach().cpu()
     if tensor.dtype == torch.uint32:
         return tensor.contiguous().view(torch.int32).numpy().view(np.uint32).copy()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.float().contiguous().numpy()
     return tensor.contiguous().numpy().copy()
+
+
+def _split_master(weight: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """The FP32 master a bf16 weight (widened to float32) and its int16 low half stand for."""
+    weight_bits = (np.ascontiguousarray(weight, dtype=np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    return read_master(weight_bits, _low_half(lo))
+
+
+def _low_half(lo: np.ndarray) -> np.ndarray:
+    if lo.dtype != np.int16:
+        raise InspectError(f"state entry 'lo' is {lo.dtype}, expected the int16 low halves of split masters")
+    return lo
 
 
 def _group_hyperparameters(group: dict) -> dict:
@@ -174,6 +191,8 @@ def _from_optimizer_state(path, kind, identity, state: dict, param_groups: list,
             continue
         name = names.get(p_index, f"#{p_index}")
         param = params.get(name) if params else None
+        if param is not None and "lo" in entry:
+            param = _split_master(param, entry["lo"])
         tensors.append(TensorState(p_index, name, key_of(p_index, entry_key), _plain_step(entry.get("step", 0)),
                                    moments, group_of.get(p_index), param))
     return StateFile(path, kind, identity, tensors, groups)

@@ -132,6 +132,11 @@ def read_checkpoint(path) -> tuple[dict[str, torch.Tensor], dict]:
                               f"({path / CHECKPOINT_NAME} in a run directory the trainer wrote)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    torch_file = _torch_save_contents(path)
+    if torch_file is not None:
+        raise CheckpointError(f"{path} appears to be {torch_file}, not a trainer checkpoint: a checkpoint is the "
+                              f"{CHECKPOINT_NAME} the trainer writes into --out (model, optimizer, tape cursor and "
+                              "RNG together); pass that file or its run directory")
     hint = "it is truncated or corrupted; resume from an older copy or start a new run"
     try:
         with safe_open(path, framework="pt") as f:
@@ -148,6 +153,36 @@ def read_checkpoint(path) -> tuple[dict[str, torch.Tensor], dict]:
     if _checkpoint_sha256(tensors, metadata) != metadata.get("sha256"):
         raise CheckpointError(f"checkpoint {path} fails its checksum: {hint}")
     return tensors, metadata
+
+
+def _torch_save_contents(path: Path) -> str | None:
+    """What a file written by torch.save holds, in words; None for any other file.
+
+    torch.save writes a zip archive around a pickle (older versions: the bare pickle). The
+    pickle's opcodes are listed, never run, so the file may come from anywhere."""
+    import pickletools
+    import zipfile
+
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head.startswith(b"\x80"):  # a pickle's PROTO opcode
+        return "a pickle file (torch.save's legacy format, or another program's)"
+    if head != b"PK\x03\x04" or not zipfile.is_zipfile(path):
+        return None
+    with zipfile.ZipFile(path) as archive:
+        pickles = [name for name in archive.namelist() if name.rsplit("/", 1)[-1] == "data.pkl"]
+        if not pickles:
+            return None
+        strings = set()
+        try:
+            for _, argument, _ in pickletools.genops(archive.read(pickles[0])):
+                if isinstance(argument, str):
+                    strings.add(argument)
+        except (ValueError, zipfile.BadZipFile):
+            pass  # a damaged pickle: what was read so far still tells the kind
+    if {"state", "param_groups"} <= strings:
+        return "an optimizer state_dict saved with torch.save (torch.save(optimizer.state_dict(), path))"
+    return "a file saved with torch.save (a zip archive around a pickle)"
 
 
 def _check_format(path: Path, raw_format: str | None) -> None:
@@ -423,3 +458,23 @@ def checkpoint_info(path) -> dict:
     else:
         _, metadata = read_checkpoint(path)
     return {"step": metadata["trainer"]["step"], "config": saved_config(metadata)}
+
+
+def save_run_state(path: Path, parallel: str, **state) -> None:
+    """Write a run's checkpoint `path` as its --parallel writes it: one file (rank 0's under DDP,
+    every rank's entry gathered) or, under FSDP2, a sharded directory published as `path` (the
+    link in its run directory). Collective under torchrun."""
+    if parallel == "fsdp":
+        save_sharded_training_state(path.parent, **state)
+    elif parallel == "ddp":
+        save_replicated_training_state(path, **state)
+    else:
+        save_training_state(path, **state)
+
+
+def load_run_state(path: Path, parallel: str, rank: int | None, **state) -> dict:
+    """Restore a run from checkpoint `path` as its --parallel wrote it; returns the trainer entry
+    (`rank`: this process's in a DDP run, whose file holds every rank's cursor and RNG state)."""
+    if parallel == "fsdp":
+        return load_sharded_training_state(path, **state)
+    return load_training_state(path, **state, rank=rank)

@@ -1,0 +1,103 @@
+"""A training run's settings (`TrainConfig`) and their choices; cli.py checks them and parses
+the command line into them."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME
+from .distributed import launched_world_size
+from .families import preset_config
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work together."""
+
+
+# --param-dtype: what the model's parameters are. bf16 trains bf16 live weights (forward and
+# backward in bf16, no autocast); PackedAdamW then keeps each one's exact FP32 master as the
+# weight plus an int16 low half in its state (FORMAT.md, "Split masters").
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# --autocast: the forward and loss under torch.autocast in this dtype, with FP32 parameters
+AUTOCAST = {"none": None, "bf16": torch.bfloat16}
+PARALLEL = ("none", "ddp", "fsdp")
+FORMAT_STEPS = ("all", "logged")  # --format-steps: which steps --track-format counts
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    # -- what the run computes: recorded in the checkpoint and required equal on resume --
+    config: str = "tiny"  # model preset (families.MODEL_PRESETS)
+    optimizer: str = "packed-adamw"  # or "torch-adamw", the torch.optim.AdamW baseline
+    mode: str = "packed"  # PackedAdamW mode: packed | fp16 | fp32
+    param_dtype: str = "fp32"  # or "bf16": bf16 live weights (with packed-adamw: split FP32 masters)
+    autocast: str = "none"  # or "bf16": forward and loss under bf16 autocast, FP32 parameters
+    m_bias: int = 15
+    rms_bias: int = 15
+    batch_size: int = 16
+    max_steps: int = 500  # step budget, and the length of the cosine schedule
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.1  # on matrices and embeddings; biases and LayerNorms get none
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0  # global-norm clipping; None (`--grad-clip none`): no clipping
+    seed: int = 0
+    parallel: str = "none"  # under torchrun: "ddp" or "fsdp" (FSDP2); batch_size is then per rank
+    # -- how the run is carried out: free to change between sessions --
+    data: str = "runs/data/shakespeare"
+    build_data: bool = False  # build data/train.tape and val.tape from the embedded corpus if neither exists
+    out: str = ""  # default runs/<config>-<mode or optimizer>
+    device: str = "auto"
+    resume: str = ""  # "", "auto" (resume if out/checkpoint exists), a checkpoint path or a run directory
+    checkpoint_every: int = 100
+    checkpoints: bool = True  # --no-checkpoints: write none (needed by optimizers whose state they cannot hold)
+    stop_at_step: int = 0  # >0: write a checkpoint and stop at this step (the schedule keeps max_steps)
+    eval_every: int = 100
+    eval_batches: int = 8  # validation batches per evaluation; 0 = the whole validation tape
+    log_every: int = 10
+    log_moment_stats: bool = False  # fp32 mode: write moment_stats.jsonl every moment_stats_every steps
+    moment_stats_every: int = 100
+    moment_stats_biases: str = "12,15,18,21"
+    # packed/fp16: "format" records in log.jsonl every log_every steps and format.png (counting
+    # changes no bit of training, so it may be switched on or off between sessions)
+    track_format: bool = False
+    # "all": every step counts (a record covers the steps since the last); "logged": only the
+    # logged steps count, so counting costs nothing on the others (a record covers its step)
+    format_steps: str = "all"
+    progress: bool = True
+    deterministic: bool = True  # CUDA: deterministic kernels, without which resume is not bit-exact
+
+    def trajectory(self) -> dict:
+        """The settings that decide the bits of the result, with the model preset spelled out."""
+        fields = ("optimizer", "mode", "param_dtype", "m_bias", "rms_bias", "batch_size", "max_steps", "lr",
+                  "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed", "parallel")
+        # Recorded only when on, so checkpoints made before --autocast existed stay resumable.
+        autocast = {"autocast": self.autocast} if self.autocast != "none" else {}
+        # The number of ranks decides which windows each rank reads and the global batch.
+        return {"model": dataclasses.asdict(preset_config(self.config)),
+                **{name: getattr(self, name) for name in fields}, **autocast, "world_size": launched_world_size()}
+
+    @property
+    def out_dir(self) -> Path:
+        from .optimizers import optimizer_kind  # here, not above: optimizers.py imports this module
+
+        name = optimizer_kind(self.optimizer).run_name(self)
+        if self.param_dtype != "fp32":
+            name += f"-{self.param_dtype}"
+        if self.autocast != "none":
+            name += f"-autocast-{self.autocast}"
+        if self.parallel != "none":
+            name += f"-{self.parallel}{launched_world_size()}"
+        return Path(self.out or f"runs/{self.config}-{name}")
+
+    @property
+    def checkpoint_name(self) -> str:
+        return SHARDED_CHECKPOINT_NAME if self.parallel == "fsdp" else CHECKPOINT_NAME
+
+
+DEMO = dict(config="tiny", build_data=True, out="runs/demo", resume="auto")

@@ -1,0 +1,285 @@
+"""What a run reports: log.jsonl's records, the moments' statistics and format counts, loss
+events, step times, and the plots drawn from the log (docs/TRAINING.md)."""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from packed_adamw.core import first_moment_format, launch, rms_format
+
+from ..optimizer import PackedAdamW
+from .config import TrainConfig
+from .distributed import Ranks, full
+
+
+def moment_stats(model: torch.nn.Module, optimizer: PackedAdamW, step: int, biases: list[int],
+                 parameter_kind: Callable[[str], str]) -> dict:
+    """Per kind of tensor: how much of |m| and sqrt(v) the packed formats would saturate or flush."""
+    by_kind = collections.defaultdict(list)
+    for name, p in model.named_parameters():
+        by_kind[parameter_kind(name)].append(full(optimizer.state[p]["moments"]).reshape(2, -1).cpu().numpy())
+    record = {"step": step, "kinds": {}}
+    quantile_levels = [0.01, 0.1, 0.5, 0.9, 0.99]
+    for kind, moments in sorted(by_kind.items()):
+        m, v = np.concatenate(moments, axis=1).astype(np.float64)
+        abs_m, rms = np.abs(m), np.sqrt(v)
+        stats = {"elements": int(m.size)}
+        for label, values in (("m", abs_m), ("rms", rms)):
+            nonzero = values[values > 0]
+            quantiles = np.quantile(np.log2(nonzero), quantile_levels).tolist() if nonzero.size else None
+            stats[f"log2_{label}_quantiles"] = dict(zip(map(str, quantile_levels), quantiles)) if quantiles else None
+        for bias in biases:
+            for label, values, fmt in (("m", abs_m, first_moment_format(bias)), ("rms", rms, rms_format(bias))):
+                stats[f"{label}_bias{bias}"] = {
+                    "saturate": float(np.mean(values > fmt.max_value)),
+                    "subnormal": float(np.mean((values > 0) & (values < fmt.min_normal))),
+                    # round-to-nearest-even sends values up to half the smallest subnormal to zero
+                    "flush_to_zero": float(np.mean((values > 0) & (values <= fmt.min_subnormal / 2))),
+                }
+        record["kinds"][kind] = stats
+    return record
+
+
+FORMAT_RECORD = "format"  # the "record" entry of log.jsonl's format-count lines (--track-format)
+
+
+def is_log_step(step: int, config: TrainConfig) -> bool:
+    """Whether the trainer logs step `step` (counted from 1): every log_every-th, and the first."""
+    return step % config.log_every == 0 or step == 1
+
+
+def format_record(optimizer: PackedAdamW, kinds: list[str], first_step: int, step: int, ranks: Ranks,
+                  device: torch.device, parameter_kind: Callable[[str], str]) -> dict:
+    """Per kind of tensor, the share of the element-steps of steps first_step..step whose new
+    first moment or RMS saturated, flushed to zero or landed subnormal (FORMAT.md, "Format
+    counts"), with the counts behind each share.
+
+    `format_stats()` returns the counts since its previous call and the element-steps they
+    cover (elements x steps counted), so a share is count / element_steps of this interval.
+    Under FSDP2 each rank counts its own shard, so every rank calls this and the counts are
+    summed over the ranks; DDP ranks step whole tensors with the same reduced gradients, so
+    each rank's counts already are the whole tensors'.
+    """
+    fields = ("element_steps", *launch.FORMAT_COUNTS)
+    row = {kind: index for index, kind in enumerate(kinds)}
+    totals = torch.zeros((len(kinds), len(fields)), dtype=torch.int64)
+    for name, entry in optimizer.format_stats().items():
+        totals[row[parameter_kind(name)]] += torch.tensor([entry["elements"], *(entry[k] for k in fields[1:])])
+    if ranks.parallel == "fsdp":
+        totals = totals.to(device)  # NCCL reduces CUDA tensors only
+        torch.distributed.all_reduce(totals)
+    record = {"record": FORMAT_RECORD, "step": step, "first_step": first_step, "kinds": {}}
+    for kind, values in zip(kinds, totals.tolist()):
+        element_steps, counts = values[0], dict(zip(fields[1:], values[1:]))
+        shares = {k: n / element_steps if element_steps else None for k, n in counts.items()}
+        record["kinds"][kind] = {"element_steps": element_steps, **shares, "counts": counts}
+    return record
+
+
+def log_records(log_path: Path, record: str | None = None) -> list[dict]:
+    """The lines of log.jsonl of one kind: None for the step lines (loss, val_bpb, ...),
+    FORMAT_RECORD for the format counts."""
+    lines = log_path.read_text().splitlines() if log_path.exists() else []
+    return [r for r in map(json.loads, lines) if r.get("record") == record]
+
+
+def plot_format_log(log_path: Path, png_path: Path) -> None:
+    """One panel per format count, one line per kind of tensor, shares on a log axis (a
+    share of 0 leaves a gap). Each point is the share over the interval ending at its step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = log_records(log_path, FORMAT_RECORD)
+    kinds = sorted({kind for r in records for kind in r["kinds"]})
+    fig, axes = plt.subplots(3, 2, figsize=(10, 10), sharex=True)  # rows: event; columns: m, RMS
+    for ax, count in zip(axes.flat, launch.FORMAT_COUNTS):
+        drawn = False
+        for kind in kinds:
+            points = [(r["step"], r["kinds"][kind][count]) for r in records if kind in r["kinds"]]
+            shares = [share if share else math.nan for _, share in points]
+            drawn = drawn or not all(map(math.isnan, shares))
+            ax.plot([s for s, _ in points], shares, marker=".", label=kind)
+        if drawn:
+            ax.set_yscale("log")
+        else:
+            ax.text(0.5, 0.5, "none counted", transform=ax.transAxes, ha="center", va="center", color="gray")
+            ax.set_yticks([])
+        ax.set(title=count, ylabel="share of element-steps")
+        ax.grid(alpha=0.3)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(kinds) or 1)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def plot_log(log_path: Path, png_path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = log_records(log_path)
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_bpb"]) for r in records if r.get("val_bpb") is not None]
+    fig, (ax_loss, ax_bpb) = plt.subplots(1, 2, figsize=(10, 4))
+    if train:
+        ax_loss.plot(*zip(*train))
+    ax_loss.set(xlabel="step", ylabel="training loss (nats/token)", title="training loss")
+    if val:
+        ax_bpb.plot(*zip(*val), marker="o")
+    ax_bpb.set(xlabel="step", ylabel="bits per byte", title="validation bpb")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def keep_records_up_to(path: Path, step: int) -> None:
+    """Drop JSONL records after `step` and any line a crash cut short."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    path.write_text("".join(kept))
+
+
+LOSS_SPIKE = 1.5  # a training loss above 1.5 x the lowest one so far, after warmup, is a spike
+LOSS_EVENTS_KEPT = 100
+
+
+def loss_event(step: int, loss: float, grad_norm: float, lowest_loss: float, config: TrainConfig) -> dict | None:
+    """A record for the summary's loss_events when step `step` went wrong: a non-finite loss or
+    gradient norm (any step), or after warmup a loss above LOSS_SPIKE x the lowest of the steps
+    before it in this session (the schedule's warmup steps are left out: the loss falls fast there)."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return {"step": step, "event": "non-finite", "loss": loss, "grad_norm": grad_norm}
+    if step > config.warmup_steps and loss > LOSS_SPIKE * lowest_loss:
+        return {"step": step, "event": "spike", "loss": loss, "lowest_loss": lowest_loss}
+    return None
+
+
+class LossWatch:
+    """The session's training losses: the last 50 for the summary, and the loss events."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.recent = collections.deque(maxlen=50)
+        self.lowest, self.events = math.inf, []  # see LOSS_SPIKE
+
+    @property
+    def last(self) -> float:
+        return self.recent[-1]
+
+    def observe(self, step: int, loss: float, grad_norm: float) -> None:
+        self.recent.append(loss)
+        event = loss_event(step, loss, grad_norm, self.lowest, self.config)
+        if event:
+            self.events.append(event)
+        if math.isfinite(loss):
+            self.lowest = min(self.lowest, loss)
+
+    def recent_mean(self) -> float | None:
+        return statistics.fmean(self.recent) if self.recent else None
+
+    def summary(self) -> dict:
+        # this session's steps only (the lowest loss is not checkpointed); the first LOSS_EVENTS_KEPT
+        return {"loss_events": self.events[:LOSS_EVENTS_KEPT], "loss_event_count": len(self.events)}
+
+
+class StepTimes:
+    """Wall-clock times of the session's steps: forward and backward, optimizer, whole step."""
+
+    def __init__(self):
+        self.fwd_bwd, self.optimizer, self.step = [], [], []
+
+    def add(self, start: float, after_backward: float, end: float) -> None:
+        self.fwd_bwd.append(after_backward - start)
+        self.optimizer.append(end - after_backward)
+        self.step.append(end - start)
+
+    def summary(self, tokens_per_step: int) -> dict:
+        steps = self.step
+        # Medians skip the first steps' warm-up cost.
+        steady = slice(min(5, len(steps) - 1), None) if steps else slice(None)
+        median_ms = lambda times: 1e3 * statistics.median(times[steady]) if times else None  # noqa: E731
+        return {
+            "tokens_per_s": tokens_per_step * len(steps) / sum(steps) if steps else None,
+            # the same without the first steps (compilation, autotuning, allocator warm-up)
+            "steady_tokens_per_s": tokens_per_step * len(steps[steady]) / sum(steps[steady]) if steps else None,
+            "median_fwd_bwd_ms": median_ms(self.fwd_bwd),
+            "median_optimizer_ms": median_ms(self.optimizer),
+        }
+
+
+class RunLog:
+    """log.jsonl, opened for appending on rank 0 (the other ranks' records are dropped)."""
+
+    def __init__(self, path: Path, ranks: Ranks):
+        self.path, self.main = path, ranks.main
+        self.file = None
+
+    def __enter__(self) -> "RunLog":
+        if self.main:
+            self.file = self.path.open("a")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            self.file.close()
+
+    def write(self, record: dict) -> None:
+        if self.main:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def append_to(self, path: Path, record: dict) -> None:
+        """A record in another JSONL file of the run (moment_stats.jsonl)."""
+        if self.main:
+            with path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class FormatCounts:
+    """--track-format's records in log.jsonl, written on every rank's call (FSDP2 sums the
+    shards' counts). With --format-steps all a record covers the steps since the previous one;
+    with logged only the logged steps are counted, and a record covers its own step."""
+
+    def __init__(self, config: TrainConfig, optimizer, kinds: list[str], first_step: int, ranks: Ranks,
+                 device: torch.device, parameter_kind: Callable[[str], str]):
+        self.config, self.optimizer, self.kinds = config, optimizer, kinds
+        self.ranks, self.device, self.parameter_kind = ranks, device, parameter_kind
+        self.first_step = first_step  # the first step the next record covers
+
+    def before_step(self, step: int) -> None:
+        """Count the coming step (step + 1) or not: logged counts only the steps it logs."""
+        if self.config.track_format and self.config.format_steps == "logged":
+            self.optimizer.track_format = is_log_step(step + 1, self.config)  # the others run uncounted
+
+    def after_step(self, step: int, log: RunLog) -> None:
+        if self.config.track_format and is_log_step(step, self.config):
+            self._write(step, log)
+
+    def finish(self, step: int, log: RunLog) -> None:
+        """The steps since the last record, at the end of a session that counts every step."""
+        if self.config.track_format and self.config.format_steps == "all" and self.first_step <= step:
+            self._write(step, log)
+
+    def _write(self, step: int, log: RunLog) -> None:
+        first = step if self.config.format_steps == "logged" else self.first_step  # logged: its step alone counted
+        log.write(format_record(self.optimizer, self.kinds, first, step, self.ranks, self.device, self.parameter_kind))
+        self.first_step = step + 1
