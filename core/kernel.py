@@ -117,7 +117,7 @@ def _magnitude(code, SIGNED: tl.constexpr):
 # the fields are spread into pairs of 16-bit fields, which hold a program's
 # BLOCK * BLOCKS_PER_PROGRAM < 2**16 elements without carries. Counting is on the critical path
 # of a kernel close to its instruction-issue limit: every instruction per element shows
-# (benchmarks/kernel_instructions.py counts them).
+# (docs/results/SWEEP.md; benchmarks/investigations/kernel_instructions.py counted them).
 _LANE_FIELD_BITS = 5
 LANE_FIELD = tl.constexpr(_LANE_FIELD_BITS)
 LANE_FIELD_MASK = tl.constexpr((1 << _LANE_FIELD_BITS) - 1)
@@ -437,9 +437,8 @@ def _adamw_programs(
     pointers moved to its first element, int32 offsets inside it, the step scalars read once,
     whole blocks in a loop and the partial one after it; PREFETCHED is SHIFTED with each whole
     block's loads issued before the block before it is stepped, so that a program keeps a
-    block's loads in flight while it computes. Which launch takes which: launch.py
-    (COUNTING_LAYOUT, COUNTING_SPLIT_LAYOUT, NONFINITE_LAYOUT); docs/results/SWEEP.md has the
-    H200 timings."""
+    block's loads in flight while it computes. `launch.single_tensor_constants` says which
+    launch takes which (H200 timings: docs/results/SWEEP.md)."""
     tl.static_assert(BLOCK * BLOCKS_PER_PROGRAM < COUNT_FIELD_LIMIT)
     tl.static_assert(BLOCKS_PER_PROGRAM < LANE_FIELD_LIMIT, "a program takes fewer blocks than its lane fields can count")
     if LAYOUT != LAYOUT_CONSECUTIVE:  # fewer registers a program: 64-bit addresses computed once, not per block

@@ -60,37 +60,16 @@ def sum_counter_slots(rows: np.ndarray) -> np.ndarray:
 
 
 # A counting launch of a single-tensor kernel gives each program several blocks, so that its
-# reductions and atomics are paid once for all of them, and runs more warps (H200 sweeps in
-# docs/results/SWEEP.md): LAID_OUT_BLOCKS_PER_PROGRAM, laid out once, when it counts formats, or
-# only non-finite elements in packed and fp16 modes with FP32 weights; otherwise 16 blocks,
-# consecutive. Uncounted launches keep one block a program.
-COUNTING_BLOCKS_PER_PROGRAM = 16
+# reductions and atomics are paid once for all of them, and runs more warps. How a program of
+# several blocks lays them out is kernel._adamw_programs' LAYOUT. These are the shapes the H200
+# timed fastest (docs/results/SWEEP.md records the sweeps); they are facts of the product, not
+# settings: the launchers cache (torch) or trace (jax.jit) what `single_tensor_constants` gives.
+COUNTING_BLOCKS_PER_PROGRAM = 16  # consecutive counting launches: fp32 mode, bf16 split non-finite only
+LAID_OUT_BLOCKS_PER_PROGRAM = 8  # launches laid out once
 COUNTING_NUM_WARPS = 4
-# How a program of several blocks lays them out (kernel._adamw_programs' LAYOUT).
 LAYOUT_CONSECUTIVE = 0  # each block's addresses computed afresh (any mode)
 LAYOUT_SHIFTED = 1  # pointers moved once to the program's first element, int32 offsets (not fp32 mode)
 LAYOUT_PREFETCHED = 2  # SHIFTED, each block's loads issued before the block before it is stepped
-# Format-counting launches (packed, fp16) are laid out once, with fewer blocks a program. On the
-# H200, with 8 blocks, the FP32-weight launch took 1.030x to 1.035x the uncounted one PREFETCHED
-# on random codes and 1.040x SHIFTED, where the 16-block consecutive launch took 1.062x. The bf16
-# split launch with a bf16 gradient took 1.057x its uncounted launch SHIFTED but 1.109x PREFETCHED
-# (one reading each; with an FP32 gradient they tie): docs/results/SWEEP.md, "Programs laid out
-# once, prefetched". After 30 synthetic steps the FP32-weight launch took 1.035x to 1.10x, and no
-# other shape timed came near 1.03x (the section after that one).
-# Launches that count only non-finite elements (check_nonfinite, and adamw_step_'s default) are
-# laid out the same way, PREFETCHED with 8 blocks, for FP32 weights in packed and fp16 modes. On
-# the H200, packed, they took 1.014x to 1.020x the uncounted launch where the 16-block consecutive
-# launch took 1.039x to 1.046x in the same passes (SWEEP.md, "Nsight Compute on the counting
-# launches"; 1.008x to 1.019x against 1.037x to 1.059x in three earlier calls). fp16 mode, with the
-# same loads and stores, was not timed. fp32 mode keeps the consecutive layout (the laid-out
-# layouts have no fp32 mode), and so do bf16 split weights, whose non-finite-only launch was not
-# timed laid out.
-# Set these before the first launch: the launchers cache their constants (torch) or trace them
-# (jax.jit).
-COUNTING_LAYOUT = LAYOUT_PREFETCHED
-COUNTING_SPLIT_LAYOUT = LAYOUT_SHIFTED
-NONFINITE_LAYOUT = LAYOUT_PREFETCHED
-LAID_OUT_BLOCKS_PER_PROGRAM = 8
 
 
 def single_tensor_constants(fmt: StateFormat, *, write_update: bool, count_nonfinite: bool, block: int,
@@ -101,10 +80,10 @@ def single_tensor_constants(fmt: StateFormat, *, write_update: bool, count_nonfi
                                  track_format=track_format, split=split)
     counting = (count_nonfinite or track_format) and not interpreting()
     layout = LAYOUT_CONSECUTIVE
-    if counting and track_format:  # (track_format: never fp32 mode)
-        layout = COUNTING_SPLIT_LAYOUT if split else COUNTING_LAYOUT
-    elif counting and fmt.mode != "fp32" and not split:  # non-finite counts only
-        layout = NONFINITE_LAYOUT
+    if counting and track_format:  # (track_format: never fp32 mode) bf16 split: prefetching was slower
+        layout = LAYOUT_SHIFTED if split else LAYOUT_PREFETCHED
+    elif counting and fmt.mode != "fp32" and not split:  # non-finite counts only (split: never timed laid out)
+        layout = LAYOUT_PREFETCHED
     constants["BLOCKS_PER_PROGRAM"] = (LAID_OUT_BLOCKS_PER_PROGRAM if layout != LAYOUT_CONSECUTIVE
                                        else COUNTING_BLOCKS_PER_PROGRAM if counting else 1)
     constants["LAYOUT"] = layout  # passed always: jax-triton fills in no default constexpr

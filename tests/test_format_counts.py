@@ -214,7 +214,6 @@ def test_counting_launches_take_their_timed_layouts(monkeypatch):
     monkeypatch.setattr(launch, "interpreting", lambda: True)
     interpreted = layout(count_nonfinite=True, track_format=True)
     monkeypatch.setattr(launch, "interpreting", lambda: False)  # the compiled launches' constants
-    assert (launch.COUNTING_LAYOUT, launch.COUNTING_SPLIT_LAYOUT) == (launch.LAYOUT_PREFETCHED, launch.LAYOUT_SHIFTED)
     for nonfinite in (False, True):
         assert layout(count_nonfinite=nonfinite, track_format=True) == (launch.LAYOUT_PREFETCHED,
                                                                          launch.LAID_OUT_BLOCKS_PER_PROGRAM)
@@ -222,7 +221,6 @@ def test_counting_launches_take_their_timed_layouts(monkeypatch):
                                                                                      launch.LAID_OUT_BLOCKS_PER_PROGRAM)
     laid_out, consecutive = ((launch.LAYOUT_PREFETCHED, launch.LAID_OUT_BLOCKS_PER_PROGRAM),
                              (launch.LAYOUT_CONSECUTIVE, launch.COUNTING_BLOCKS_PER_PROGRAM))
-    assert launch.NONFINITE_LAYOUT == launch.LAYOUT_PREFETCHED
     for mode in ("packed", "fp16"):
         assert layout(mode=mode, count_nonfinite=True, track_format=False) == laid_out
         assert layout(mode=mode, split=True, count_nonfinite=True, track_format=False) == consecutive

@@ -1,6 +1,6 @@
 """Instructions per element of the update kernel's hot path, from its SASS, on any machine.
 
-    python benchmarks/kernel_instructions.py [--arch 90] [--block 512] [--warps 4] [--mode packed]
+    python benchmarks/investigations/kernel_instructions.py [--arch 90] [--block 512] [--warps 4] [--mode packed]
 
 The update kernel runs near the H200's instruction-issue limit as well as its bandwidth, so
 what counting adds per element shows in its time (docs/results/SWEEP.md). This compiles the
