@@ -57,7 +57,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmar
 from bench_step import cuda_time_ms as timed  # noqa: E402 (same timing as every benchmark row)
 
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.kernel import adamw_kernel, adamw_split_kernel, step_scalars_kernel
+from packed_adamw.core.adamw.kernel import adamw_kernel, adamw_split_kernel, step_scalars_kernel
 
 CONSECUTIVE, SHIFTED, PREFETCHED = launch.LAYOUT_CONSECUTIVE, launch.LAYOUT_SHIFTED, launch.LAYOUT_PREFETCHED
 
@@ -403,7 +403,7 @@ def main() -> None:
     default = run(False, False, 512, 2, 1)
     lines.append(f"| default | - | 512 | 2 | 1 | {default:.3f} | 1.000 |")
     layouts = {CONSECUTIVE: "consecutive", SHIFTED: "shifted", PREFETCHED: "shifted, prefetched"}
-    # (counts, layout, BLOCK, warps, blocks a program); the layouts of kernel._adamw_programs
+    # (counts, layout, BLOCK, warps, blocks a program); the layouts of adamw_programs (core/adamw/kernel.py)
     configs = [("track_format", CONSECUTIVE, 512, 4, 16), ("track_format", SHIFTED, 512, 4, 8)]
     configs += [("track_format", PREFETCHED, 512, warps, bpp) for warps, bpp in
                 ((4, 4), (4, 8), (4, 16), (4, 24), (2, 8), (2, 16), (8, 8))]
