@@ -1,5 +1,5 @@
 """AdamW's state format: the mode, the two 16-bit codes of the packed word and their biases
-(spec: docs/FORMAT.md). Its state entries come from the rule's declaration (rule.py)."""
+(spec: docs/FORMAT.md). Its state entries come from the declaration in core/adamw/rule.py."""
 from __future__ import annotations
 
 import functools
@@ -68,7 +68,7 @@ class StateFormat:
         m_fmt, r_fmt = self.formats
         return f"{self.mode}:m={m_fmt.identity},rms={r_fmt.identity}"
 
-    # ---- the state's layout, from the rule's declaration (rule.py): every frontend asks here ----
+    # ---- the state's layout, from AdamW's declaration (rule.py here): every frontend asks ----
     @property
     def state_entry(self) -> StateEntry:
         """The state entry that holds the moments: fp32 mode's [2, *shape] float32 moments, else
