@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one call: CUDA tests, the speed benchmark, the learning
-# study. Run from the repository root on a CUDA machine; logs land in $OUT (default docs/results/).
-#   bash benchmarks/gpu_session.sh            # all three
+# Everything users run on the GPU, in one call: CUDA tests, the step benchmarks, the learning
+# study, the peers table. Finished investigations (benchmarks/investigations/) are not steps.
+# Run from the repository root on a CUDA machine; logs land in $OUT (default docs/results/).
+#   bash benchmarks/gpu_session.sh            # tests, bench, study
 #   STEPS="tests bench" bash benchmarks/gpu_session.sh
-#   STEPS="sweep" bash benchmarks/gpu_session.sh                                          # not by default
-#   STEPS="counting" PASSES=5 [COUNTING_ARGS=--candidates] bash benchmarks/gpu_session.sh  # not by default
-#   STEPS="ncu" bash benchmarks/gpu_session.sh        # not by default: the counting launches under Nsight Compute
-#   STEPS="sampling" bash benchmarks/gpu_session.sh   # not by default: counting every step against every 10th
+#   STEPS="bf16 compiled jaxmem profile" bash benchmarks/gpu_session.sh                 # not by default
 #   STEPS=peers PEERS_ARGS="--seeds 0 --time-budget 540" bash benchmarks/gpu_session.sh   # not by default
 set -uo pipefail
 OUT=${OUT:-docs/results}
@@ -35,34 +33,14 @@ fi
 if [[ " $STEPS " == *" bench "* ]]; then
   python3 benchmarks/bench_step.py --out "$OUT/BENCHMARKS.md" --json "$OUT/benchmarks.json" 2>&1 | tail -45
 fi
-if [[ " $STEPS " == *" sweep "* ]]; then  # not by default: the counting launches' shapes and costs (SWEEP.md)
-  python3 benchmarks/sweep_counting.py --out "$OUT/SWEEP_COUNTING.md" 2>&1 | tail -40
-  python3 benchmarks/kernel_instructions.py > "$OUT/KERNEL_INSTRUCTIONS.md" 2>&1; cat "$OUT/KERNEL_INSTRUCTIONS.md"
+if [[ " $STEPS " == *" bf16 "* ]]; then  # not by default: bf16 weights with split masters against the FP32 step
+  python3 benchmarks/bench_bf16.py --out "$OUT/BF16.md" --json "$OUT/bf16.json" 2>&1 | tail -30
 fi
-if [[ " $STEPS " == *" counting "* ]]; then  # not by default: the library's counting launches, pass by pass
-  # the SM clock every 100 ms meanwhile: --clock-table reads each ratio against it (the power cap moves it)
-  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active --format=csv -lms 100 \
-    > "$OUT/counting_smi.csv" & smi=$!
-  python3 benchmarks/sweep_counting.py --chosen --passes "${PASSES:-5}" ${COUNTING_ARGS:-} --out "$OUT/COUNTING_LAUNCHES.md" \
-    > "$OUT/counting_progress.txt" 2>&1
-  kill "$smi"
-  tail -60 "$OUT/COUNTING_LAUNCHES.md"
-  python3 benchmarks/sweep_counting.py --clock-table "$OUT/counting_smi.csv" --progress "$OUT/counting_progress.txt" \
-    --out "$OUT/COUNTING_CLOCKS.md"
+if [[ " $STEPS " == *" compiled "* ]]; then  # not by default: the step under torch.compile and CUDA graphs
+  python3 benchmarks/bench_compiled_step.py --out "$OUT/COMPILED_STEP.md" 2>&1 | tail -30
 fi
-if [[ " $STEPS " == *" ncu "* ]]; then  # not by default: the counting launches under Nsight Compute
-  rm -f "$OUT/ncu_counting.csv" "$OUT/ncu_launches.json"  # a failed run leaves no table from an older one
-  if ncu --clock-control none --profile-from-start off --csv --print-units base --log-file "$OUT/ncu_counting.csv" \
-      --metrics "$(python3 benchmarks/sweep_counting.py --ncu-metrics)" \
-      python3 benchmarks/sweep_counting.py --chosen --profile --candidates --out "$OUT/ncu_launches.json"; then
-    python3 benchmarks/sweep_counting.py --ncu-table "$OUT/ncu_counting.csv" --launches "$OUT/ncu_launches.json" \
-      --out "$OUT/NCU_COUNTING.md"
-  else
-    echo "ncu failed: no table" >&2
-  fi
-fi
-if [[ " $STEPS " == *" sampling "* ]]; then  # not by default: counting only some steps (--format-steps logged)
-  python3 benchmarks/format_sampling.py --out "$OUT/FORMAT_SAMPLING.md" 2>&1 | tail -12
+if [[ " $STEPS " == *" jaxmem "* ]]; then  # not by default: the JAX transform's device memory
+  python3 benchmarks/bench_jax_memory.py --out "$OUT/JAX_MEMORY.md" 2>&1 | tail -30
 fi
 if [[ " $STEPS " == *" profile "* ]]; then  # not by default: where a host-bound step's time goes
   python3 benchmarks/bench_step.py --profile-host > "$OUT/host_profile.txt" 2>&1; head -60 "$OUT/host_profile.txt"

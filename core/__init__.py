@@ -1,23 +1,25 @@
-"""packed_adamw.core: formats, the scalar authority, the numpy CPU step and the Triton kernel.
+"""packed_adamw.core: the generic machinery (codecs, rule declarations, launch layout, Triton
+pieces, scalar-authority primitives, portable state, format health) and AdamW's rule (core/adamw/).
 
-Imports neither torch nor jax. The kernel module imports triton and is loaded on first use.
+Imports neither torch nor jax. The kernel modules import triton and are loaded on first use.
 """
-from .formats import (
+from .adamw import (
     DEFAULT_M_BIAS,
     DEFAULT_RMS_BIAS,
     E4M11,
     E4M12,
-    FP16,
     MODES,
-    MiniFloat,
+    Hyperparams,
     StateFormat,
+    adamw_step,
     first_moment_format,
     pack_words,
     rms_format,
+    step_scalars,
     unpack_words,
+    validate_hyperparams,
 )
-from .hyperparams import Hyperparams, validate_hyperparams
-from .numpy_step import adamw_step, step_scalars
+from .codecs import FP16, MiniFloat
 
 __version__ = "1.1.0"
 

@@ -7,7 +7,7 @@ them subnormals down to `min_subnormal`, with fewer significant bits the smaller
 Moving the bias slides the window; it never widens it. This module says how a set of values
 falls against one window (`window_histogram`), and which biases put observed first moments
 and RMS values inside the normal range with room to grow (`suggest_biases`).
-Every threshold comes from `MiniFloat` (core/formats.py); nothing here restates a format fact.
+Every threshold comes from `MiniFloat` (core/codecs.py); nothing here restates a format fact.
 
 numpy only: no torch, no jax.
 """
@@ -19,16 +19,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .formats import (
-    BIAS_RANGE,
+from .adamw.state_format import (
     DEFAULT_M_BIAS,
     DEFAULT_RMS_BIAS,
-    MiniFloat,
     StateFormat,
     first_moment_format,
     rms_format,
     unpack_words,
 )
+from .codecs import BIAS_RANGE, MiniFloat
 
 # ---- the window classes ------------------------------------------------------------------
 

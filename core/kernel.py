@@ -1,54 +1,42 @@
-"""The fused AdamW update: the one Triton kernel source, for every mode and both frontends.
+"""The generic Triton pieces every rule's kernels are built from (no rule's arithmetic here).
+
+The 16-bit minifloat codec given a format's constexpr fields (`decode`, `encode_magnitude`,
+`finish_code`), the split-master codec (`join_master`, `split_master`), loads and stores
+that are masked only where a block crosses the tensor's end, the multi-tensor pointer table
+(`table_address`), float32 powers by square-and-multiply, and the per-tensor counter rows
+(`lane_bit`, `add_counts`; layout: launch.py). A rule's kernels (core/adamw/kernel.py) import
+them; Triton inlines them, so the compiled code is what it would be written in place.
 
 Launch rules (the launchers in `launch.py` follow them): compile with
 `enable_fp_fusion=False` so no multiply-add is contracted into an FMA; every division and
 square root is the correctly rounded `div_rn` / `sqrt_rn`. Then the compiled kernel, its
 interpreted run on CPU, the numpy path and the scalar authority agree bit for bit.
-
-The update kernels read their step scalars (hyperparams.SCALAR_FIELDS) as float32 rows in
-device memory, so neither a new learning rate nor a new step recompiles anything. The torch
-launcher derives those rows on the host (`numpy_step.step_scalar_row`) and uploads them with
-the step's addresses; the JAX launcher derives them on the device with `step_scalars_kernel`,
-because under `jax.jit` the learning rate and count are traced. Both follow FORMAT.md's
-recipe and give the same bits.
 """
 import triton
 import triton.language as tl
 
-from . import formats, hyperparams, launch
+from . import codecs, launch
 
-# Every layout fact comes from formats.py and hyperparams.py; Triton reads globals only as
-# constexprs.
-FLOAT32_MAX = tl.constexpr(hyperparams.FLOAT32_MAX)
-FP32_MODE = tl.constexpr(formats.MODE_IDS["fp32"])
-MOMENT_SHIFT = tl.constexpr(formats.MOMENT_SHIFT)
-CODE_MASK = tl.constexpr(formats.CODE_MASK)
-CODE_SIGN_BIT = tl.constexpr(formats.CODE_SIGN_BIT)
-CODE_MAGNITUDE_MASK = tl.constexpr(formats.CODE_MAGNITUDE_MASK)
+# Every layout fact comes from codecs.py and launch.py; Triton reads globals only as constexprs.
+FLOAT32_MAX = tl.constexpr(codecs.FLOAT32_MAX)
+CODE_MASK = tl.constexpr(codecs.CODE_MASK)
+CODE_SIGN_BIT = tl.constexpr(codecs.CODE_SIGN_BIT)
+CODE_MAGNITUDE_MASK = tl.constexpr(codecs.CODE_MAGNITUDE_MASK)
 FLOAT32_SIGN_BIT = tl.constexpr(1 << 31)
 FLOAT32_MAGNITUDE_MASK = tl.constexpr((1 << 31) - 1)
 ALL_ONES = tl.constexpr((1 << 32) - 1)
-CODE_SIGN_TO_FLOAT32 = tl.constexpr(31 - (formats.CODE_BITS - 1))  # shift from a code's sign bit to float32's
-HPARAM_ROW = tl.constexpr(hyperparams.HPARAM_ROW)
-H_LR, H_B1, H_B2, H_EPS, H_WD = (tl.constexpr(i) for i in range(hyperparams.HPARAM_ROW))
-SCALAR_ROW = tl.constexpr(hyperparams.SCALAR_ROW)
-_S = hyperparams.SCALAR_INDEX
-S_B1, S_ONE_MINUS_B1 = tl.constexpr(_S["b1"]), tl.constexpr(_S["one_minus_b1"])
-S_B2, S_ONE_MINUS_B2 = tl.constexpr(_S["b2"]), tl.constexpr(_S["one_minus_b2"])
-S_STEP_SIZE, S_INV_SQRT_BC2 = tl.constexpr(_S["step_size"]), tl.constexpr(_S["inv_sqrt_bias_correction2"])
-S_EPS, S_LR_WD = tl.constexpr(_S["eps"]), tl.constexpr(_S["lr_wd"])
+CODE_SIGN_TO_FLOAT32 = tl.constexpr(31 - (codecs.CODE_BITS - 1))  # shift from a code's sign bit to float32's
 COUNTER_ROW = tl.constexpr(launch.COUNTER_ROW)
 FORMAT_SLOTS = tl.constexpr(launch.FORMAT_SLOTS)
-SPLIT_SIGN_BIT = tl.constexpr(formats.SPLIT_SIGN_BIT)  # bf16's sign bit
-SPLIT_MAGNITUDE_MASK = tl.constexpr(formats.SPLIT_SIGN_BIT - 1)
-SPLIT_LO_SIGN = tl.constexpr(formats.SPLIT_LO_SIGN)  # int16's sign bit, and half a bf16 step of the low half
-SPLIT_MASTER_MAX = tl.constexpr(formats.SPLIT_MASTER_MAX)
-LAYOUT_CONSECUTIVE = tl.constexpr(launch.LAYOUT_CONSECUTIVE)
-LAYOUT_PREFETCHED = tl.constexpr(launch.LAYOUT_PREFETCHED)
+FORMAT_COUNT_PAIRS = tl.constexpr(launch.MAX_FORMAT_COUNTS // 2)  # add_counts reduces two counts at once
+SPLIT_SIGN_BIT = tl.constexpr(codecs.SPLIT_SIGN_BIT)  # bf16's sign bit
+SPLIT_MAGNITUDE_MASK = tl.constexpr(codecs.SPLIT_SIGN_BIT - 1)
+SPLIT_LO_SIGN = tl.constexpr(codecs.SPLIT_LO_SIGN)  # int16's sign bit, and half a bf16 step of the low half
+SPLIT_MASTER_MAX = tl.constexpr(codecs.SPLIT_MASTER_MAX)
 
 
 @triton.jit
-def _float32_power(base, exponent):
+def float32_power(base, exponent):
     """base**exponent by square-and-multiply over 31 bits: plain float32 products, no pow()."""
     result = tl.full(base.shape, 1.0, tl.float32)
     square = base
@@ -61,19 +49,19 @@ def _float32_power(base, exponent):
 
 
 @triton.jit
-def _decode(code, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr):
+def decode(code, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr):
     """16-bit code (in a uint32) -> float32. Exact: the values are all float32 numbers.
 
     The code's exponent and fraction fields, moved into float32's, make the float32 of the
     code's value times 2**(BIAS - 127): normal codes become normal float32s and subnormal codes
     float32 subnormals with the same fraction. One multiplication by 2**(127 - BIAS), exact
-    for every bias in formats.BIAS_RANGE, rescales both, with no branch on the exponent (and no
+    for every bias in codecs.BIAS_RANGE, rescales both, with no branch on the exponent (and no
     int-to-float conversion). It relies on float32 subnormal inputs being kept: compiled, Triton's
     float32 multiplication does not flush them (`mul.rn.f32`, no `.ftz`); interpreted (tests and
     TRITON_INTERPRET only: CPU tensors take core.numpy_step), numpy keeps them unless the process
     flushes subnormals (`torch.set_flush_denormal(True)`), which would decode subnormal codes as 0.
     """
-    magnitude = _magnitude(code, SIGNED)
+    magnitude = code_magnitude(code, SIGNED)
     bits = magnitude << (23 - FRAC_BITS)
     if SIGNED:  # the sign moves across as a bit: -0.0 stays -0.0
         bits = bits | ((code & CODE_SIGN_BIT) << CODE_SIGN_TO_FLOAT32)
@@ -81,7 +69,7 @@ def _decode(code, SIGNED: tl.constexpr, FRAC_BITS: tl.constexpr, BIAS: tl.conste
 
 
 @triton.jit
-def _encode_magnitude(magnitude, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr):
+def encode_magnitude(magnitude, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr):
     """finite float32 magnitude -> its code rounded to nearest even, before saturation."""
     DROP: tl.constexpr = 23 - FRAC_BITS
     # Normal codes: move the exponent bias, then round away the dropped mantissa bits.
@@ -96,8 +84,8 @@ def _encode_magnitude(magnitude, FRAC_BITS: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _finish_code(raw, x, SIGNED: tl.constexpr, MAX_MAGNITUDE: tl.constexpr):
-    """`_encode_magnitude`'s code of |x| -> the stored code: saturate, then the sign (zero is code 0)."""
+def finish_code(raw, x, SIGNED: tl.constexpr, MAX_MAGNITUDE: tl.constexpr):
+    """`encode_magnitude`'s code of |x| -> the stored code: saturate, then the sign (zero is code 0)."""
     code = tl.minimum(raw, MAX_MAGNITUDE)
     if SIGNED:
         code = tl.where((x < 0.0) & (code != 0), code | CODE_SIGN_BIT, code)
@@ -105,19 +93,19 @@ def _finish_code(raw, x, SIGNED: tl.constexpr, MAX_MAGNITUDE: tl.constexpr):
 
 
 @triton.jit
-def _magnitude(code, SIGNED: tl.constexpr):
+def code_magnitude(code, SIGNED: tl.constexpr):
     if SIGNED:
         code = code & CODE_MAGNITUDE_MASK
     return code
 
 
-# Format counts per lane: the six counts of launch.FORMAT_COUNTS share one int32, LANE_FIELD bits
-# each, so adding an element's counts is one add. A lane meets one element per block of its
+# Format counts per lane: a rule's counts (at most launch.MAX_FORMAT_COUNTS) share one int32,
+# LANE_FIELD bits each, so adding an element's counts is one add. A lane meets one element per block of its
 # program, so a program takes fewer than 2**LANE_FIELD blocks. Before the program's reductions
 # the fields are spread into pairs of 16-bit fields, which hold a program's
 # BLOCK * BLOCKS_PER_PROGRAM < 2**16 elements without carries. Counting is on the critical path
 # of a kernel close to its instruction-issue limit: every instruction per element shows
-# (benchmarks/kernel_instructions.py counts them).
+# (docs/results/SWEEP.md; benchmarks/investigations/kernel_instructions.py counted them).
 _LANE_FIELD_BITS = 5
 LANE_FIELD = tl.constexpr(_LANE_FIELD_BITS)
 LANE_FIELD_MASK = tl.constexpr((1 << _LANE_FIELD_BITS) - 1)
@@ -129,8 +117,9 @@ COUNT_FIELD_LIMIT = tl.constexpr(1 << 16)
 
 
 @triton.jit
-def _lane_bit(flag, INDEX: tl.constexpr):
-    """Bit 31 of `flag` (uint32) as count `INDEX` of launch.FORMAT_COUNTS, in its lane field (int32)."""
+def lane_bit(flag, INDEX: tl.constexpr):
+    """Bit 31 of `flag` (uint32) as format count `INDEX` (the rule's `count_names` order), in
+    its lane field (int32)."""
     return ((flag >> (31 - INDEX * LANE_FIELD)) & (LANE_ONE << (INDEX * LANE_FIELD))).to(tl.int32, bitcast=True)
 
 
@@ -147,7 +136,7 @@ def _add_fields(pointer, format_lanes, LOW: tl.constexpr):
 
 
 @triton.jit
-def _add_counts(row_ptr, rejected, format_lanes, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr):
+def add_counts(row_ptr, rejected, format_lanes, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr):
     """Adds one program's per-lane counts to its tensor's counter row (launch.py): one
     reduction per pair of format counts, then one relaxed atomic per nonzero count."""
     if COUNT_NONFINITE:
@@ -155,72 +144,12 @@ def _add_counts(row_ptr, rejected, format_lanes, COUNT_NONFINITE: tl.constexpr, 
         tl.atomic_add(row_ptr, n_rejected, mask=n_rejected > 0)
     if TRACK_FORMAT:
         slot = row_ptr + 1 + tl.program_id(0) % FORMAT_SLOTS
-        for pair in tl.static_range(3):
+        for pair in tl.static_range(FORMAT_COUNT_PAIRS):
             _add_fields(slot + 2 * pair * FORMAT_SLOTS, format_lanes, 2 * pair)
 
 
 @triton.jit
-def step_scalars_kernel(hparams_ptr, counts_ptr, n_rows, scalars_ptr, BLOCK_ROWS: tl.constexpr):
-    """The step scalars of rows of hyperparameters and counts, on the device (FORMAT.md)."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    valid = rows < n_rows
-    hp = hparams_ptr + rows * HPARAM_ROW
-    lr = tl.load(hp + H_LR, mask=valid, other=0.0)
-    b1 = tl.load(hp + H_B1, mask=valid, other=0.0)
-    b2 = tl.load(hp + H_B2, mask=valid, other=0.0)
-    eps = tl.load(hp + H_EPS, mask=valid, other=1.0)
-    weight_decay = tl.load(hp + H_WD, mask=valid, other=0.0)
-    count = tl.load(counts_ptr + rows, mask=valid, other=1)
-    _store_step_scalars(scalars_ptr + rows * SCALAR_ROW, valid, lr, b1, b2, eps, weight_decay, count, 1.0,
-                        BLOCK_ROWS)
-
-
-@triton.jit
-def capturable_step_scalars_kernel(lr_addresses_ptr, hparams_ptr, group_index_ptr, b1_sign_ptr, counts_ptr, n_rows,
-                                   scalars_ptr, BLOCK_ROWS: tl.constexpr):
-    """A capturable step's scalars in one launch (torch `capturable=True`): row i belongs to
-    group `group_index[i]`, whose learning rate is read through that group's address in
-    `lr_addresses` (a float32 on the device, read again at every replay of a captured step).
-    An lr the host would refuse (NaN, negative, above float32's range, or lr * weight decay
-    overflowing) becomes NaN, which rejects every element of the row's tensor and leaves its
-    count; otherwise the count advances, in place. `b1_sign` is -1 for maximizing rows: it
-    negates 1 - b1 exactly (FORMAT.md). The group's other hyperparameters come from its
-    `hparams` row (the lr column is not read)."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    valid = rows < n_rows
-    group = tl.load(group_index_ptr + rows, mask=valid, other=0)
-    lr_ptr = tl.load(lr_addresses_ptr + group, mask=valid, other=0).to(tl.pointer_type(tl.float32))
-    lr = tl.load(lr_ptr, mask=valid, other=0.0)
-    hp = hparams_ptr + group * HPARAM_ROW
-    b1 = tl.load(hp + H_B1, mask=valid, other=0.0)
-    b2 = tl.load(hp + H_B2, mask=valid, other=0.0)
-    eps = tl.load(hp + H_EPS, mask=valid, other=1.0)
-    weight_decay = tl.load(hp + H_WD, mask=valid, other=0.0)
-    accepted = (lr >= 0.0) & (lr <= FLOAT32_MAX) & (lr * weight_decay <= FLOAT32_MAX)
-    lr = tl.where(accepted, lr, tl.full([BLOCK_ROWS], float("nan"), tl.float32))
-    count = tl.load(counts_ptr + rows, mask=valid, other=0) + accepted.to(tl.int32)
-    tl.store(counts_ptr + rows, count, mask=valid)
-    sign = tl.load(b1_sign_ptr + rows, mask=valid, other=1.0)
-    _store_step_scalars(scalars_ptr + rows * SCALAR_ROW, valid, lr, b1, b2, eps, weight_decay, count, sign,
-                        BLOCK_ROWS)
-
-
-@triton.jit
-def _store_step_scalars(out, valid, lr, b1, b2, eps, weight_decay, count, one_minus_b1_sign, BLOCK_ROWS: tl.constexpr):
-    """The one place on the device where the step scalars are derived (FORMAT.md)."""
-    tl.store(out + S_B1, b1, mask=valid)
-    tl.store(out + S_ONE_MINUS_B1, (1.0 - b1) * one_minus_b1_sign, mask=valid)
-    tl.store(out + S_B2, b2, mask=valid)
-    tl.store(out + S_ONE_MINUS_B2, 1.0 - b2, mask=valid)
-    tl.store(out + S_STEP_SIZE, tl.div_rn(lr, 1.0 - _float32_power(b1, count)), mask=valid)
-    one = tl.full([BLOCK_ROWS], 1.0, tl.float32)
-    tl.store(out + S_INV_SQRT_BC2, tl.div_rn(one, tl.sqrt_rn(1.0 - _float32_power(b2, count))), mask=valid)
-    tl.store(out + S_EPS, eps, mask=valid)
-    tl.store(out + S_LR_WD, lr * weight_decay, mask=valid)
-
-
-@triton.jit
-def _join_master(w_bits, lo_bits):
+def join_master(w_bits, lo_bits):
     """A bf16 live weight's bits and its int16 low half (both in uint32, 16 bits used) -> the
     FP32 master (FORMAT.md, "Split masters"): magnitude = w's magnitude * 2**16 + lo, mod 2**31."""
     magnitude = ((w_bits & SPLIT_MAGNITUDE_MASK) << 16) + (lo_bits ^ SPLIT_LO_SIGN) - SPLIT_LO_SIGN
@@ -229,7 +158,7 @@ def _join_master(w_bits, lo_bits):
 
 
 @triton.jit
-def _split_master(master):
+def split_master(master):
     """FP32 master -> (bf16 bits, int16 low half), each in a uint32: the magnitude rounded to
     nearest, ties away from zero, and the signed remainder (FORMAT.md, "Split masters")."""
     bits = master.to(tl.uint32, bitcast=True)
@@ -240,7 +169,7 @@ def _split_master(master):
 
 
 @triton.jit
-def _load(pointer, mask, other, MASKED: tl.constexpr):
+def masked_load(pointer, mask, other, MASKED: tl.constexpr):
     if MASKED:
         value = tl.load(pointer, mask=mask, other=other)
     else:
@@ -249,7 +178,7 @@ def _load(pointer, mask, other, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _store(pointer, value, mask, MASKED: tl.constexpr):
+def masked_store(pointer, value, mask, MASKED: tl.constexpr):
     if MASKED:
         tl.store(pointer, value, mask=mask)
     else:
@@ -257,375 +186,8 @@ def _store(pointer, value, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _step_scalars(scalars_ptr):
-    """A tensor's row of `step_scalars_kernel`'s output, as the values `_adamw_block_step` takes."""
-    return (tl.load(scalars_ptr + S_B1), tl.load(scalars_ptr + S_ONE_MINUS_B1), tl.load(scalars_ptr + S_B2),
-            tl.load(scalars_ptr + S_ONE_MINUS_B2), tl.load(scalars_ptr + S_STEP_SIZE),
-            tl.load(scalars_ptr + S_INV_SQRT_BC2), tl.load(scalars_ptr + S_EPS), tl.load(scalars_ptr + S_LR_WD))
-
-
-@triton.jit
-def _adamw_block(
-    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
-    offsets, n_elements, MASKED: tl.constexpr,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
-    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
-    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
-    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-):
-    """`_adamw_block_step` with the step scalars read from the tensor's row at `scalars_ptr`."""
-    in_bounds = offsets < n_elements  # (before the scalars' loads, as the compiled code always had it)
-    step = _step_scalars(scalars_ptr)
-    return _adamw_block_step(
-        step, out_ptr, new_state_ptr, new_lo_ptr,
-        offsets, in_bounds, n_elements, MASKED, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-        _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets, in_bounds, n_elements, MASKED, MODE, SPLIT),
-    )
-
-
-@triton.jit
-def _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets, in_bounds, n_elements, MASKED: tl.constexpr,
-                MODE: tl.constexpr, SPLIT: tl.constexpr):
-    """A block's inputs, as `_adamw_block_step` takes them: (the parameter, or the bf16 weight's
-    bits; the low half's bits, or the parameter again; the gradient, widened; the words, or fp32
-    mode's m; fp32 mode's v, or the words again)."""
-    if SPLIT:
-        first = _load(param_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
-        lo = _load(lo_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
-    else:
-        first = _load(param_ptr + offsets, in_bounds, 0.0, MASKED)
-        lo = first
-    g = _load(grad_ptr + offsets, in_bounds, 0.0, MASKED).to(tl.float32)  # a bf16 gradient widens exactly
-    if MODE == FP32_MODE:
-        state = _load(state_ptr + offsets, in_bounds, 0.0, MASKED)
-        v = _load(state_ptr + n_elements + offsets, in_bounds, 0.0, MASKED)
-    else:
-        state = _load(state_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint32, bitcast=True)
-        v = state
-    return first, lo, g, state, v
-
-
-@triton.jit
-def _adamw_block_step(
-    step, out_ptr, new_state_ptr, new_lo_ptr,
-    offsets, in_bounds, n_elements, MASKED: tl.constexpr,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
-    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
-    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
-    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr, loaded,
-):
-    """One block of one tensor; the whole step contract lives here (FORMAT.md, "The step").
-
-    `step`: the step scalars (`_step_scalars`); `loaded`: the block's inputs (`_load_block`).
-    `in_bounds`: which of `offsets` are the tensor's (used only where MASKED); `n_elements`:
-    the tensor's length (fp32 mode's v lies that far past m).
-
-    Returns the block's per-lane counts for `_add_counts` (zeros where not asked for): rejected
-    elements, and the format counts in their lane fields (`_lane_bit`).
-    MASKED=False for blocks that lie wholly inside the tensor: a bounds mask the compiler
-    cannot prove uniform over 16 bytes splits every access into 4-byte ones.
-    SPLIT: the parameter is a bf16 live weight with its int16 low half (FORMAT.md, "Split
-    masters"), as `_load_block` read them; the step runs on the FP32 master they hold and
-    writes the new weight to `out_ptr` and the new low half to `new_lo_ptr`.
-    """
-    b1, one_minus_b1, b2, one_minus_b2, step_size, inv_sqrt_bias_correction2, eps, lr_wd = step
-    first_in, lo_in, g, state_in, v_in = loaded
-
-    if SPLIT:
-        w_bits, lo_bits = first_in, lo_in
-        p = _join_master(w_bits, lo_bits)
-        # A zero weight with a negative low half (a zero written to the weight outside the
-        # optimizer) would join to a NaN: it reads as that signed zero (formats.read_master).
-        stale = ((w_bits & SPLIT_MAGNITUDE_MASK) == 0) & ((lo_bits & SPLIT_LO_SIGN) != 0)
-        p = tl.where(stale, (w_bits << 16).to(tl.float32, bitcast=True), p)
-    else:
-        p = first_in
-    grad_finite = tl.abs(g) <= FLOAT32_MAX
-    g = tl.where(grad_finite, g, 0.0)
-    if MODE == FP32_MODE:
-        m, v = state_in, v_in
-    else:
-        word = state_in
-        m = _decode(word >> MOMENT_SHIFT, M_SIGNED, M_FRAC, M_BIAS)
-        rms = _decode(word & CODE_MASK, R_SIGNED, R_FRAC, R_BIAS)
-        v = rms * rms
-
-    m_next = b1 * m + one_minus_b1 * g
-    v_next = b2 * v + one_minus_b2 * (g * g)
-    rms_next = tl.sqrt_rn(v_next)
-    denom = rms_next * inv_sqrt_bias_correction2 + eps
-    # The sign is flipped on the bits: compiled float negation may become 0 - x, which turns
-    # the update -0.0 into +0.0 (and then p = -0.0 into +0.0).
-    sign_bit = tl.full(offsets.shape, FLOAT32_SIGN_BIT, tl.uint32)
-    total = step_size * tl.div_rn(m_next, denom) + lr_wd * p
-    update = (total.to(tl.uint32, bitcast=True) ^ sign_bit).to(tl.float32, bitcast=True)
-    p_next = p + update
-    if SPLIT:  # a master past SPLIT_MASTER_MAX would need an Inf live weight
-        accepted = grad_finite & (tl.abs(p_next) <= SPLIT_MASTER_MAX)
-    else:
-        accepted = grad_finite & (tl.abs(p_next) <= FLOAT32_MAX)
-    if MODE == FP32_MODE:
-        accepted = accepted & (tl.abs(m_next) <= FLOAT32_MAX) & (tl.abs(v_next) <= FLOAT32_MAX)
-
-    # Rejected elements write back what they read: unmasked stores stay vectorized.
-    if SPLIT:  # split(join(w, lo)) is (w, lo): a bijection
-        w_next, lo_next = _split_master(tl.where(accepted, p_next, p))
-        _store(out_ptr + offsets, w_next.to(tl.uint16).to(out_ptr.dtype.element_ty, bitcast=True), in_bounds, MASKED)
-        _store(new_lo_ptr + offsets, lo_next.to(tl.uint16).to(new_lo_ptr.dtype.element_ty, bitcast=True),
-               in_bounds, MASKED)
-    elif WRITE_UPDATE:
-        _store(out_ptr + offsets, tl.where(accepted, update, sign_bit.to(tl.float32, bitcast=True)), in_bounds, MASKED)
-    else:
-        _store(out_ptr + offsets, tl.where(accepted, p_next, p), in_bounds, MASKED)
-    format_lanes = tl.zeros(offsets.shape, tl.int32)
-    if MODE == FP32_MODE:
-        _store(new_state_ptr + offsets, tl.where(accepted, m_next, m), in_bounds, MASKED)
-        _store(new_state_ptr + n_elements + offsets, tl.where(accepted, v_next, v), in_bounds, MASKED)
-    else:
-        rms_raw = _encode_magnitude(tl.abs(rms_next), R_FRAC, R_BIAS)
-        m_raw = _encode_magnitude(tl.abs(m_next), M_FRAC, M_BIAS)
-        rms_code = _finish_code(rms_raw, rms_next, R_SIGNED, R_MAX)
-        m_code = _finish_code(m_raw, m_next, M_SIGNED, M_MAX)
-        m_code = tl.where(rms_code == 0, tl.zeros_like(m_code), m_code)  # the zero-RMS rule
-        new_word = tl.where(accepted, (m_code << MOMENT_SHIFT) | rms_code, word)
-        _store(new_state_ptr + offsets, new_word.to(new_state_ptr.dtype.element_ty, bitcast=True), in_bounds, MASKED)
-        if TRACK_FORMAT:  # FORMAT.md, "Format counts": over the accepted elements
-            if MASKED:
-                counted = accepted & in_bounds
-            else:
-                counted = accepted
-            m_mag, rms_mag = _magnitude(m_code, M_SIGNED), _magnitude(rms_code, R_SIGNED)
-            # Each test leaves its answer in bit 31 of a uint32, so no predicate stays live
-            # (Triton 3.6 spills them): x + (2**31 - 1 - k) has bit 31 set exactly when x > k, for
-            # 0 <= x < 2**31 (raw codes and float32 magnitudes); mag - 1 wraps exactly when mag == 0.
-            saturated_m, saturated_rms = m_raw + (FLOAT32_MAGNITUDE_MASK - M_MAX), rms_raw + (FLOAT32_MAGNITUDE_MASK - R_MAX)
-            zero_m, zero_rms = m_mag - 1, rms_mag - 1
-            # (`^ ALL_ONES`, not `~`: triton 3.6's interpreter computes `~` of a uint32 as a negative
-            # Python integer and refuses it; compiled, both are the same instruction.)
-            subnormal_m = (m_mag - (1 << M_FRAC)) & (zero_m ^ ALL_ONES)
-            subnormal_rms = (rms_mag - (1 << R_FRAC)) & (zero_rms ^ ALL_ONES)
-            nonzero_m = (m_next.to(tl.uint32, bitcast=True) & FLOAT32_MAGNITUDE_MASK) + FLOAT32_MAGNITUDE_MASK
-            nonzero_rms = rms_next.to(tl.uint32, bitcast=True) + FLOAT32_MAGNITUDE_MASK  # rms_next >= +0.0: no sign
-            flushed_m, flushed_rms = zero_m & nonzero_m, zero_rms & nonzero_rms
-            lanes = (_lane_bit(saturated_m, 0) | _lane_bit(saturated_rms, 1) | _lane_bit(flushed_m, 2)
-                     | _lane_bit(flushed_rms, 3) | _lane_bit(subnormal_m, 4) | _lane_bit(subnormal_rms, 5))
-            format_lanes = tl.where(counted, lanes, 0)
-    rejected = tl.zeros(offsets.shape, tl.int32)
-    if COUNT_NONFINITE:
-        if MASKED:
-            accepted = accepted | ~in_bounds
-        rejected = (~accepted).to(tl.int32)
-    return rejected, format_lanes
-
-
-@triton.jit
-def _adamw_programs(
-    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
-    out_ptr, new_state_ptr, new_lo_ptr,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
-    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
-    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
-    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, LAYOUT: tl.constexpr = 0,
-):
-    """One tensor: program i updates blocks [i*BLOCKS_PER_PROGRAM, (i+1)*BLOCKS_PER_PROGRAM).
-
-    A counting launch (`launch.single_tensor_constants`) gives a program several blocks so that
-    its one reduction and its atomics are paid once for all of them. LAYOUT (launch.LAYOUT_*):
-    CONSECUTIVE computes each block's addresses afresh; SHIFTED lays the program out once: its
-    pointers moved to its first element, int32 offsets inside it, the step scalars read once,
-    whole blocks in a loop and the partial one after it; PREFETCHED is SHIFTED with each whole
-    block's loads issued before the block before it is stepped, so that a program keeps a
-    block's loads in flight while it computes. Which launch takes which: launch.py
-    (COUNTING_LAYOUT, COUNTING_SPLIT_LAYOUT, NONFINITE_LAYOUT); docs/results/SWEEP.md has the
-    H200 timings."""
-    tl.static_assert(BLOCK * BLOCKS_PER_PROGRAM < COUNT_FIELD_LIMIT)
-    tl.static_assert(BLOCKS_PER_PROGRAM < LANE_FIELD_LIMIT, "a program takes fewer blocks than its lane fields can count")
-    if LAYOUT != LAYOUT_CONSECUTIVE:  # fewer registers a program: 64-bit addresses computed once, not per block
-        # fp32 mode is never laid out so (launch.single_tensor_constants), and no test runs it
-        # so: it keeps the consecutive layout.
-        tl.static_assert(MODE != FP32_MODE, "the laid-out layouts serve packed and fp16 modes only")
-        first = tl.program_id(0).to(tl.int64) * (BLOCKS_PER_PROGRAM * BLOCK)
-        param_ptr += first
-        grad_ptr += first
-        state_ptr += first
-        lo_ptr += first
-        out_ptr += first
-        new_state_ptr += first
-        new_lo_ptr += first
-        # The program's elements, at most BLOCKS_PER_PROGRAM * BLOCK: int32 from here on.
-        remaining = tl.minimum(tl.maximum(n_elements - first, 0), BLOCKS_PER_PROGRAM * BLOCK).to(tl.int32)
-        whole = remaining // BLOCK
-        step = _step_scalars(scalars_ptr)
-        rejected = tl.zeros([BLOCK], tl.int32)
-        format_lanes = tl.zeros([BLOCK], tl.int32)
-        k = 0
-        if LAYOUT == LAYOUT_PREFETCHED:  # a block's loads are issued before the block before it is stepped
-            offsets = tl.arange(0, BLOCK)
-            loaded = _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets,
-                                 tl.full([BLOCK], 1, tl.int1) & (whole > 0), n_elements, True, MODE, SPLIT)
-            while k < whole:
-                current = loaded
-                offsets = (k + 1) * BLOCK + tl.arange(0, BLOCK)
-                # one flag for the whole block (not an element-wise bound): the loads stay 16 bytes wide
-                loaded = _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets,
-                                     tl.full([BLOCK], 1, tl.int1) & (k + 1 < whole), n_elements, True, MODE, SPLIT)
-                r, lanes = _adamw_block_step(
-                    step, out_ptr, new_state_ptr, new_lo_ptr,
-                    k * BLOCK + tl.arange(0, BLOCK), None, n_elements, False, MODE, WRITE_UPDATE, SPLIT,
-                    COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-                    current,
-                )
-                rejected += r
-                format_lanes += lanes
-                k += 1
-        else:
-            while k < whole:  # (a scalar bound: triton 3.6's interpreter refuses a tensor one in tl.range)
-                offsets = k * BLOCK + tl.arange(0, BLOCK)
-                r, lanes = _adamw_block_step(
-                    step, out_ptr, new_state_ptr, new_lo_ptr,
-                    offsets, None, n_elements, False, MODE, WRITE_UPDATE, SPLIT,
-                    COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-                    _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets, None, n_elements, False, MODE, SPLIT),
-                )
-                rejected += r
-                format_lanes += lanes
-                k += 1
-        if whole * BLOCK < remaining:  # the tensor's last, partial block
-            offsets = whole * BLOCK + tl.arange(0, BLOCK)
-            in_bounds = offsets < remaining
-            r, lanes = _adamw_block_step(
-                step, out_ptr, new_state_ptr, new_lo_ptr,
-                offsets, in_bounds, n_elements, True, MODE, WRITE_UPDATE, SPLIT,
-                COUNT_NONFINITE, TRACK_FORMAT, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-                _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets, in_bounds, n_elements, True, MODE, SPLIT),
-            )
-            rejected += r
-            format_lanes += lanes
-        _add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
-    else:
-        first = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM
-        rejected = tl.zeros([BLOCK], tl.int32)
-        format_lanes = tl.zeros([BLOCK], tl.int32)
-        for k in tl.range(0, BLOCKS_PER_PROGRAM):
-            start = (first + k) * BLOCK
-            offsets = start + tl.arange(0, BLOCK)
-            if start + BLOCK <= n_elements:
-                r, lanes = _adamw_block(
-                    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
-                    offsets, n_elements, False, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-                    M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-                )
-            else:  # the tensor's last, partial block (or, in a program of several, one past the end)
-                r, lanes = _adamw_block(
-                    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
-                    offsets, n_elements, True, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-                    M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-                )
-            rejected += r
-            format_lanes += lanes
-        _add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
-
-
-@triton.jit
-def adamw_kernel(
-    param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements,
-    out_ptr, new_state_ptr,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
-    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
-    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, LAYOUT: tl.constexpr = 0,
-):
-    """One FP32 tensor, on the grid `launch.single_tensor_grid`.
-
-    `scalars_ptr` points at this tensor's row of `step_scalars_kernel`'s output.
-    In place (torch): out_ptr is param_ptr and new_state_ptr is state_ptr. Functional (optax):
-    out_ptr receives the update u (p_next = p + u exactly), and new_state_ptr a new state.
-    Inputs and scalars come before the outputs because jax-triton appends outputs last.
-    """
-    _adamw_programs(
-        param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, counters_ptr, n_elements,
-        out_ptr, new_state_ptr, out_ptr, MODE, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, LAYOUT,
-    )
-
-
-@triton.jit
-def adamw_split_kernel(
-    weight_ptr, lo_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements,
-    new_weight_ptr, new_lo_ptr, new_state_ptr,
-    MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
-    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
-    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, LAYOUT: tl.constexpr = 0,
-):
-    """One bf16 tensor with split masters (FORMAT.md, "Split masters"), on the grid
-    `launch.single_tensor_grid`: the bf16 weight and its int16 low half in, the new ones out
-    (the same buffers in place); the gradient may be bf16 or float32."""
-    _adamw_programs(
-        weight_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
-        new_weight_ptr, new_state_ptr, new_lo_ptr, MODE, False, True, COUNT_NONFINITE, TRACK_FORMAT,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, LAYOUT,
-    )
-
-
-@triton.jit
-def _address(table_ptr, index, ALIGNED: tl.constexpr):
+def table_address(table_ptr, index, ALIGNED: tl.constexpr):
     address = tl.load(table_ptr + index)
     if ALIGNED:  # every buffer starts on 16 bytes: lets the loads and stores be 16 bytes wide
         address = tl.multiple_of(address, 16)
     return address
-
-
-@triton.jit
-def adamw_multi_tensor_kernel(
-    pointers_ptr, block_tensor_ptr, block_index_ptr, numels_ptr, scalar_rows_ptr, scalars_ptr, counters_ptr,
-    n_tensors,
-    MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
-    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
-    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr = False, GRAD_BF16: tl.constexpr = False,
-):
-    """Many tensors in one launch, in place: program i updates block `block_index[i]` of
-    tensor `block_tensor[i]`. `pointers` holds the addresses of every parameter, then every
-    gradient, then every state buffer (int64), and with SPLIT (bf16 weights with split
-    masters) then every low half; tensor t reads scalar row `scalar_rows[t]`, so one launch
-    serves several parameter groups and step counts. GRAD_BF16: every gradient is bf16.
-    """
-    tl.static_assert(BLOCK < COUNT_FIELD_LIMIT)  # the format counts' 16-bit fields
-    pid = tl.program_id(0)
-    t = tl.load(block_tensor_ptr + pid)
-    start = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    if ALIGNED:
-        offsets = tl.max_contiguous(tl.multiple_of(offsets, BLOCK), BLOCK)
-    n_elements = tl.load(numels_ptr + t)
-    if SPLIT:
-        param_ptr = _address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.uint16))
-        lo_ptr = _address(pointers_ptr, 3 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.int16))
-    else:
-        param_ptr = _address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.float32))
-        lo_ptr = param_ptr
-    if GRAD_BF16:
-        grad_ptr = _address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.bfloat16))
-    else:
-        grad_ptr = _address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
-    if MODE == FP32_MODE:
-        state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
-    else:
-        state_ptr = _address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.uint32))
-    scalars_ptr += tl.load(scalar_rows_ptr + t) * SCALAR_ROW
-    if start + BLOCK <= n_elements:
-        rejected, format_lanes = _adamw_block(
-            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr,
-            offsets, n_elements, False, MODE, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-        )
-    else:  # the tensor's last, partial block
-        rejected, format_lanes = _adamw_block(
-            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr,
-            offsets, n_elements, True, MODE, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-        )
-    _add_counts(counters_ptr + t * COUNTER_ROW, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)

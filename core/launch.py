@@ -1,15 +1,16 @@
-"""How to launch the kernel, shared by the torch and JAX launchers (no framework imports).
+"""How to launch a rule's kernels, shared by the torch and JAX launchers (no framework imports).
 
-Everything a launcher needs besides its arrays: the constexpr arguments for a state format,
-the block size and the compile options that keep the bits exact.
+Everything a launcher needs besides its arrays: the launch kinds, the constexpr arguments for
+a state format, the block sizes, the counter rows and the compile options that keep the bits
+exact. Nothing here knows a rule: a state format (e.g. core/adamw's StateFormat) supplies its
+own constexprs (`kernel_constexprs`) and its state entry (`state_entry`).
 """
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
-
-from .formats import MODE_IDS, StateFormat
 
 # Compiled: two 16-byte vectors per thread and buffer was fastest in an H200 sweep
 # (docs/results/BENCHMARKS.md).
@@ -45,55 +46,76 @@ def grid(n_elements: int, block: int) -> tuple[int]:
     return ((n_elements + block - 1) // block,)
 
 
+class LaunchKind(NamedTuple):
+    """What a multi-tensor launch compiles for; its tensors share it (docs/MULTI_TENSOR.md,
+    "bf16 weights with split masters"): FP32 parameters; bf16 parameters with split masters and
+    FP32 gradients; the same with bf16 gradients. Ordered as the launches are made."""
+
+    split: bool  # bf16 weights with split masters (each with an int16 low half)
+    grad_bf16: bool  # bf16 gradients (else float32)
+
+    @property
+    def sections(self) -> int:
+        """Address sections in a multi-tensor table: parameters, gradients, states (and low halves)."""
+        return 4 if self.split else 3
+
+
+FP32_KIND = LaunchKind(False, False)
+SPLIT_FP32_GRAD_KIND = LaunchKind(True, False)
+SPLIT_BF16_GRAD_KIND = LaunchKind(True, True)
+LAUNCH_KINDS = (FP32_KIND, SPLIT_FP32_GRAD_KIND, SPLIT_BF16_GRAD_KIND)
+
+
 # Per-tensor counters the kernels can add to, one int64 row per tensor: the non-finite
-# (rejected) count, then each format count of FORMAT_COUNTS in FORMAT_SLOTS slots (a program
-# adds to slot program_id % FORMAT_SLOTS, so a large tensor's programs do not all contend for
-# one address); a reader sums the slots. Definitions: FORMAT.md, "Format counts".
-FORMAT_COUNTS = ("saturated_m", "saturated_rms", "flushed_m", "flushed_rms", "subnormal_m", "subnormal_rms")
+# (rejected) count at NONFINITE_COLUMN, then each of a rule's format counts (at most
+# MAX_FORMAT_COUNTS, its `count_names` order) in FORMAT_SLOTS slots (a program adds to slot
+# program_id % FORMAT_SLOTS, so a large tensor's programs do not all contend for one address);
+# a reader sums the slots. Definitions: FORMAT.md, "Format counts". Read rows with the helpers
+# below rather than with these offsets.
+NONFINITE_COLUMN = 0
+MAX_FORMAT_COUNTS = 6  # the kernels' lane fields (core/kernel.py) hold six counts
 FORMAT_SLOTS = 32
-COUNTER_ROW = 1 + len(FORMAT_COUNTS) * FORMAT_SLOTS
+COUNTER_ROW = 1 + MAX_FORMAT_COUNTS * FORMAT_SLOTS
 
 
-def sum_counter_slots(rows: np.ndarray) -> np.ndarray:
-    """[tensors, COUNTER_ROW] counters -> [tensors, len(FORMAT_COUNTS)] format counts."""
-    return rows[:, 1:].reshape(len(rows), len(FORMAT_COUNTS), FORMAT_SLOTS).sum(axis=2)
+def format_count_columns(index: int) -> slice:
+    """The columns of a counter row that hold format count `index`'s slots."""
+    if not 0 <= index < MAX_FORMAT_COUNTS:
+        raise IndexError(f"format count {index} is outside [0, {MAX_FORMAT_COUNTS})")
+    start = NONFINITE_COLUMN + 1 + index * FORMAT_SLOTS
+    return slice(start, start + FORMAT_SLOTS)
+
+
+def first_slot_columns() -> slice:
+    """Slot 0 of every format count: where a host-side step adds its counts."""
+    return slice(NONFINITE_COLUMN + 1, COUNTER_ROW, FORMAT_SLOTS)
+
+
+def nonfinite_counts(rows):
+    """[tensors, COUNTER_ROW] counters -> each tensor's non-finite count (numpy, torch or jnp)."""
+    return rows[:, NONFINITE_COLUMN]
+
+
+def sum_counter_slots(rows):
+    """[tensors, COUNTER_ROW] counters -> [tensors, MAX_FORMAT_COUNTS] format counts (numpy,
+    torch or jnp arrays)."""
+    return rows[:, NONFINITE_COLUMN + 1:].reshape(len(rows), MAX_FORMAT_COUNTS, FORMAT_SLOTS).sum(axis=2)
 
 
 # A counting launch of a single-tensor kernel gives each program several blocks, so that its
-# reductions and atomics are paid once for all of them, and runs more warps (H200 sweeps in
-# docs/results/SWEEP.md): LAID_OUT_BLOCKS_PER_PROGRAM, laid out once, when it counts formats, or
-# only non-finite elements in packed and fp16 modes with FP32 weights; otherwise 16 blocks,
-# consecutive. Uncounted launches keep one block a program.
-COUNTING_BLOCKS_PER_PROGRAM = 16
+# reductions and atomics are paid once for all of them, and runs more warps. How a program of
+# several blocks lays them out is kernel._adamw_programs' LAYOUT. These are the shapes the H200
+# timed fastest (docs/results/SWEEP.md records the sweeps); they are facts of the product, not
+# settings: the launchers cache (torch) or trace (jax.jit) what `single_tensor_constants` gives.
+COUNTING_BLOCKS_PER_PROGRAM = 16  # consecutive counting launches: fp32 mode, bf16 split non-finite only
+LAID_OUT_BLOCKS_PER_PROGRAM = 8  # launches laid out once
 COUNTING_NUM_WARPS = 4
-# How a program of several blocks lays them out (kernel._adamw_programs' LAYOUT).
 LAYOUT_CONSECUTIVE = 0  # each block's addresses computed afresh (any mode)
 LAYOUT_SHIFTED = 1  # pointers moved once to the program's first element, int32 offsets (not fp32 mode)
 LAYOUT_PREFETCHED = 2  # SHIFTED, each block's loads issued before the block before it is stepped
-# Format-counting launches (packed, fp16) are laid out once, with fewer blocks a program. On the
-# H200, with 8 blocks, the FP32-weight launch took 1.030x to 1.035x the uncounted one PREFETCHED
-# on random codes and 1.040x SHIFTED, where the 16-block consecutive launch took 1.062x. The bf16
-# split launch with a bf16 gradient took 1.057x its uncounted launch SHIFTED but 1.109x PREFETCHED
-# (one reading each; with an FP32 gradient they tie): docs/results/SWEEP.md, "Programs laid out
-# once, prefetched". After 30 synthetic steps the FP32-weight launch took 1.035x to 1.10x, and no
-# other shape timed came near 1.03x (the section after that one).
-# Launches that count only non-finite elements (check_nonfinite, and adamw_step_'s default) are
-# laid out the same way, PREFETCHED with 8 blocks, for FP32 weights in packed and fp16 modes. On
-# the H200, packed, they took 1.014x to 1.020x the uncounted launch where the 16-block consecutive
-# launch took 1.039x to 1.046x in the same passes (SWEEP.md, "Nsight Compute on the counting
-# launches"; 1.008x to 1.019x against 1.037x to 1.059x in three earlier calls). fp16 mode, with the
-# same loads and stores, was not timed. fp32 mode keeps the consecutive layout (the laid-out
-# layouts have no fp32 mode), and so do bf16 split weights, whose non-finite-only launch was not
-# timed laid out.
-# Set these before the first launch: the launchers cache their constants (torch) or trace them
-# (jax.jit).
-COUNTING_LAYOUT = LAYOUT_PREFETCHED
-COUNTING_SPLIT_LAYOUT = LAYOUT_SHIFTED
-NONFINITE_LAYOUT = LAYOUT_PREFETCHED
-LAID_OUT_BLOCKS_PER_PROGRAM = 8
 
 
-def single_tensor_constants(fmt: StateFormat, *, write_update: bool, count_nonfinite: bool, block: int,
+def single_tensor_constants(fmt, *, write_update: bool, count_nonfinite: bool, block: int,
                             track_format: bool = False, split: bool = False) -> dict:
     """`kernel_constants` for `adamw_kernel` / `adamw_split_kernel`, with the blocks each
     program takes; launch them on `single_tensor_grid` with `single_tensor_warps`."""
@@ -101,10 +123,11 @@ def single_tensor_constants(fmt: StateFormat, *, write_update: bool, count_nonfi
                                  track_format=track_format, split=split)
     counting = (count_nonfinite or track_format) and not interpreting()
     layout = LAYOUT_CONSECUTIVE
-    if counting and track_format:  # (track_format: never fp32 mode)
-        layout = COUNTING_SPLIT_LAYOUT if split else COUNTING_LAYOUT
-    elif counting and fmt.mode != "fp32" and not split:  # non-finite counts only
-        layout = NONFINITE_LAYOUT
+    if counting and track_format:  # (track_format: never fp32 mode) bf16 split: prefetching was slower
+        layout = LAYOUT_SHIFTED if split else LAYOUT_PREFETCHED
+    elif counting and not fmt.state_entry.leading and not split:  # non-finite counts only, one word per element
+        # (fp32 mode's moments are never laid out; split weights' launch was never timed laid out)
+        layout = LAYOUT_PREFETCHED
     constants["BLOCKS_PER_PROGRAM"] = (LAID_OUT_BLOCKS_PER_PROGRAM if layout != LAYOUT_CONSECUTIVE
                                        else COUNTING_BLOCKS_PER_PROGRAM if counting else 1)
     constants["LAYOUT"] = layout  # passed always: jax-triton fills in no default constexpr
@@ -120,29 +143,16 @@ def single_tensor_warps(constants: dict) -> int:
     return COUNTING_NUM_WARPS if constants.get("BLOCKS_PER_PROGRAM", 1) > 1 else GPU_NUM_WARPS
 
 
-def kernel_constants(fmt: StateFormat, *, write_update: bool | None, count_nonfinite: bool, block: int,
+def kernel_constants(fmt, *, write_update: bool | None, count_nonfinite: bool, block: int,
                      track_format: bool = False, split: bool = False) -> dict:
-    """The constexpr keyword arguments of `adamw_kernel` for this state format
-    (`write_update=None`: for `adamw_multi_tensor_kernel`, which always works in place;
-    `split=True` with `write_update=False`: for `adamw_split_kernel`, bf16 weights with split
-    masters). `count_nonfinite` and `track_format` make the kernel add to the tensor's
-    counter row."""
-    if track_format and fmt.mode == "fp32":
-        raise ValueError("track_format counts packed or fp16 codes; fp32 mode has none")
-    if fmt.mode == "fp32":
-        m_fmt = r_fmt = None
-    else:
-        m_fmt, r_fmt = fmt.formats
-    codec = lambda f: (  # noqa: E731
-        (f.signed, f.fraction_bits, f.bias, f.max_magnitude_code) if f else (False, 0, 0, 0)
-    )
-    m_signed, m_frac, m_bias, m_max = codec(m_fmt)
-    r_signed, r_frac, r_bias, r_max = codec(r_fmt)
+    """The constexpr keyword arguments of a rule's single-tensor kernel (`adamw_kernel`) for the
+    state format `fmt` (its `kernel_constexprs`), with `write_update=None`: for the multi-tensor
+    kernel, which always works in place; `split=True` with `write_update=False`: for the split
+    kernel, bf16 weights with split masters. `count_nonfinite` and `track_format` make the
+    kernel add to the tensor's counter row."""
     constants = dict(
-        MODE=MODE_IDS[fmt.mode], WRITE_UPDATE=write_update, COUNT_NONFINITE=count_nonfinite, TRACK_FORMAT=track_format,
-        M_SIGNED=m_signed, M_FRAC=m_frac, M_BIAS=m_bias, M_MAX=m_max,
-        R_SIGNED=r_signed, R_FRAC=r_frac, R_BIAS=r_bias, R_MAX=r_max,
-        BLOCK=block,
+        **fmt.kernel_constexprs(track_format=track_format),
+        WRITE_UPDATE=write_update, COUNT_NONFINITE=count_nonfinite, TRACK_FORMAT=track_format, BLOCK=block,
     )
     if write_update is None:  # the multi-tensor kernel, which takes SPLIT as an argument
         del constants["WRITE_UPDATE"]
@@ -161,3 +171,13 @@ def block_table(numels: list[int], block: int) -> tuple[np.ndarray, np.ndarray]:
     starts = np.concatenate([[0], np.cumsum(blocks)[:-1]])
     block_index = (np.arange(int(blocks.sum()), dtype=np.int64) - np.repeat(starts, blocks)).astype(np.int32)
     return block_tensor, block_index
+
+
+def __getattr__(name):
+    # Transitional (issue 36): AdamW's count names, still read here by the frontends and the
+    # trainer; they belong to the rule (core/adamw/rule.py, FORMAT_COUNTS).
+    if name == "FORMAT_COUNTS":
+        from .adamw.rule import FORMAT_COUNTS
+
+        return FORMAT_COUNTS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

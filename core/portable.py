@@ -17,7 +17,8 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from .atomic_file import atomic_path
-from .formats import LOW_HALF_DTYPE, StateFormat
+from .adamw.state_format import StateFormat
+from .codecs import LOW_HALF_DTYPE
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Helpers shared by the kernel tests: launch the Triton kernel, run the references, make inputs.
 
-Not a test module. `run_kernel` launches `core.kernel.adamw_kernel` exactly as a frontend
+Not a test module. `run_kernel` launches `core.adamw.kernel.adamw_kernel` exactly as a frontend
 would (launch.py's constants, compile options when compiled) on torch tensors, interpreted on
 CPU or compiled on CUDA, and hands back numpy arrays. `numpy_reference` and
-`authority_reference` compute the same step with `core.numpy_step` and with the scalar
+`authority_reference` compute the same step with `core.adamw.numpy_step` and with the scalar
 authority, so a test can demand equal bits from all three.
 
 State words travel as a torch.int32 view of the uint32 words: both int32 and uint32 views work
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from packed_adamw.core import Hyperparams, StateFormat, adamw_step
-from packed_adamw.core import authority as A
+from packed_adamw.core.adamw import authority as A
 from packed_adamw.core import launch
-from packed_adamw.core.formats import CODE_MASK
+from packed_adamw.core.codecs import CODE_MASK
 
 F32 = np.float32
 U32 = np.uint32
@@ -46,7 +46,7 @@ def _state_to_numpy(state: torch.Tensor, fmt: StateFormat) -> np.ndarray:
 def kernel_step_scalars(hp: Hyperparams, count: int, device) -> torch.Tensor:
     """One row of device step scalars from `step_scalars_kernel`, as the launchers compute them
     (order: numpy_step.step_scalars' keys)."""
-    from packed_adamw.core.kernel import step_scalars_kernel  # after conftest chose interpreter or not
+    from packed_adamw.core.adamw.kernel import step_scalars_kernel  # after conftest chose interpreter or not
 
     hparams = torch.tensor([hp.as_float32_list()], dtype=torch.float32, device=device)
     counts = torch.tensor([count], dtype=torch.int32, device=device)
@@ -83,7 +83,7 @@ def launch_kernel(param, grad, state, *, count: int, hp: Hyperparams, fmt: State
     Functional (write_update=True): `out` receives the update, `new_state` a fresh state;
     `param` and `state` are only read.
     """
-    from packed_adamw.core.kernel import adamw_kernel
+    from packed_adamw.core.adamw.kernel import adamw_kernel
 
     device = param.device
     if write_update:
@@ -143,7 +143,7 @@ def run_kernel(p, g, state, *, count, hp, fmt, write_update=False, device="cpu",
 # ------------------------------------------------------------- the references ----
 
 def numpy_reference(p, g, state, *, count, hp, fmt, write_update=False):
-    """core.numpy_step on copies: returns (out, new_state, rejected) like run_kernel."""
+    """core.adamw.numpy_step on copies: returns (out, new_state, rejected) like run_kernel."""
     p = np.array(p, dtype=F32, copy=True)
     state = np.array(state, copy=True)
     if write_update:

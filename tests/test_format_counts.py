@@ -17,8 +17,8 @@ import torch
 
 import kernel_harness as H
 from packed_adamw.core import Hyperparams, StateFormat, launch
-from packed_adamw.core.formats import MOMENT_SHIFT
-from packed_adamw.core.numpy_step import apply_step, step_scalar_row
+from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
+from packed_adamw.core.adamw.numpy_step import apply_step, step_scalar_row
 from packed_adamw.torch import PackedAdamW
 
 COUNTED_MODES = ["packed", "fp16"]
@@ -60,13 +60,13 @@ def test_numpy_and_interpreted_kernel_counts_equal_a_recount_from_the_definition
     H.assert_same_bits(k.out, p_np, "params with counting on")
     np.testing.assert_array_equal(k.format_counts, counts)
     # The recount needs the unrounded moments and which elements the step accepted.
-    from packed_adamw.core.hyperparams import SCALAR_FIELDS
-    from packed_adamw.core.numpy_step import _update_chunk
+    from packed_adamw.core.adamw.hyperparams import SCALAR_FIELDS
+    from packed_adamw.core.adamw.numpy_step import update_chunk
 
     scalars = dict(zip(SCALAR_FIELDS, step_scalar_row(count, HP.as_float32_list())))
     m_fmt, r_fmt = fmt.formats
     with np.errstate(all="ignore"):
-        _, _, accepted = _update_chunk(p, g, state, scalars, fmt)
+        _, _, accepted = update_chunk(p, g, state, scalars, fmt)
         g0 = np.where(np.isfinite(g), g, np.float32(0))
         m = m_fmt.decode_table[state >> np.uint32(MOMENT_SHIFT)]
         rms = r_fmt.decode_table[state & np.uint32(0xFFFF)]
@@ -165,7 +165,7 @@ def test_laid_out_split_programs_equal_consecutive_ones_and_write_nothing_past_t
     pointers too. Its launch gives the consecutive layout's bits and counts (that layout is
     checked against the numpy split step in test_split_master.py), and the sentinels just past
     each tensor, in the same buffers, stay as they were."""
-    from packed_adamw.core import kernel as K
+    from packed_adamw.core.adamw import kernel as K
 
     fmt, block, blocks, n, pad = StateFormat(mode), 64, 4, 3 * 4 * 64 + 2 * 64 + 9, 300
     rng = np.random.default_rng(5)
@@ -214,7 +214,6 @@ def test_counting_launches_take_their_timed_layouts(monkeypatch):
     monkeypatch.setattr(launch, "interpreting", lambda: True)
     interpreted = layout(count_nonfinite=True, track_format=True)
     monkeypatch.setattr(launch, "interpreting", lambda: False)  # the compiled launches' constants
-    assert (launch.COUNTING_LAYOUT, launch.COUNTING_SPLIT_LAYOUT) == (launch.LAYOUT_PREFETCHED, launch.LAYOUT_SHIFTED)
     for nonfinite in (False, True):
         assert layout(count_nonfinite=nonfinite, track_format=True) == (launch.LAYOUT_PREFETCHED,
                                                                          launch.LAID_OUT_BLOCKS_PER_PROGRAM)
@@ -222,7 +221,6 @@ def test_counting_launches_take_their_timed_layouts(monkeypatch):
                                                                                      launch.LAID_OUT_BLOCKS_PER_PROGRAM)
     laid_out, consecutive = ((launch.LAYOUT_PREFETCHED, launch.LAID_OUT_BLOCKS_PER_PROGRAM),
                              (launch.LAYOUT_CONSECUTIVE, launch.COUNTING_BLOCKS_PER_PROGRAM))
-    assert launch.NONFINITE_LAYOUT == launch.LAYOUT_PREFETCHED
     for mode in ("packed", "fp16"):
         assert layout(mode=mode, count_nonfinite=True, track_format=False) == laid_out
         assert layout(mode=mode, split=True, count_nonfinite=True, track_format=False) == consecutive
@@ -235,7 +233,7 @@ def test_counting_launches_take_their_timed_layouts(monkeypatch):
 
 @LAID_OUT_ONCE
 def test_laid_out_programs_refuse_fp32_mode(layout, device):
-    # Those layouts serve packed and fp16 modes only (kernel._adamw_programs).
+    # Those layouts serve packed and fp16 modes only (adamw/kernel.py, adamw_programs).
     n = 200
     with pytest.raises(Exception) as raised:
         H.run_kernel(np.ones(n, np.float32), np.ones(n, np.float32), np.zeros((2, n), np.float32), count=1, hp=HP,

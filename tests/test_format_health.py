@@ -2,7 +2,7 @@
 
 Window classes are checked against a recount by encoding each value (`MiniFloat.encode`)
 and reading the code's fields; the classifier itself uses only the format's thresholds.
-`--explain` is checked bit for bit against `core.numpy_step` (and the scalar authority).
+`--explain` is checked bit for bit against `core.adamw.numpy_step` (and the scalar authority).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from packed_adamw.core import authority
+from packed_adamw.core.adamw import authority
 from packed_adamw.core.format_health import (
     WINDOW_CLASSES,
     MagnitudeQuantiles,
@@ -26,9 +26,10 @@ from packed_adamw.core.format_health import (
     suggest_biases,
     window_histogram,
 )
-from packed_adamw.core.formats import FP16, StateFormat, first_moment_format, rms_format, unpack_words
-from packed_adamw.core.hyperparams import Hyperparams
-from packed_adamw.core.numpy_step import adamw_step, apply_step, step_scalar_row
+from packed_adamw.core.codecs import FP16
+from packed_adamw.core.adamw.state_format import StateFormat, first_moment_format, rms_format, unpack_words
+from packed_adamw.core.adamw.hyperparams import Hyperparams
+from packed_adamw.core.adamw.numpy_step import adamw_step, apply_step, step_scalar_row
 from packed_adamw.core.portable import PortableState
 from packed_adamw.inspect import load_state_file, walk_step
 from packed_adamw.inspect.__main__ import main as inspect_main

@@ -1,5 +1,6 @@
-"""The numpy codecs (core/formats.py) against the scalar authority (core/authority.py) and
-against the rounding rules of docs/FORMAT.md, code by code."""
+"""The numpy codecs (core/codecs.py) against the scalar authority (core/authority.py) and
+against the rounding rules of docs/FORMAT.md, code by code; the rule declarations (core/rule.py,
+core/adamw/rule.py) against what the state format, validation and launch layout do."""
 from __future__ import annotations
 
 import numpy as np
@@ -295,3 +296,131 @@ def test_authority_encodes_top_binade_at_bias_0(name):
     values = fmt.decode(codes)
     np.testing.assert_array_equal(fmt.encode(values).astype(U32), codes)  # numpy is right
     np.testing.assert_array_equal(authority_encode(auth, values), codes)
+
+
+# ---- the rule's declaration: one home for the state layout, the bounds, the counter row ----
+
+@pytest.mark.parametrize("mode", ["packed", "fp16", "fp32"])
+def test_state_layout_comes_from_the_rules_declaration(mode):
+    from packed_adamw.core.adamw.rule import MOMENTS, WORDS
+
+    fmt = StateFormat(mode)
+    entry = MOMENTS if mode == "fp32" else WORDS
+    assert fmt.state_entry is entry
+    assert (fmt.state_key, fmt.state_dtype) == (("moments", "float32") if mode == "fp32" else ("words", "uint32"))
+    assert fmt.state_shape((3, 4)) == ((2, 3, 4) if mode == "fp32" else (3, 4))
+    assert fmt.flat_state_shape(5) == ((2, 5) if mode == "fp32" else (5,))
+    assert fmt.state_bytes_per_param == (8 if mode == "fp32" else 4)
+    assert (fmt.low_half_key, fmt.low_half_dtype, fmt.low_half_shape((3, 4))) == ("lo", "int16", (3, 4))
+    assert fmt.split_state_bytes_per_param == fmt.state_bytes_per_param + 2
+
+
+def test_state_entries_shard_past_their_leading_axes():
+    from packed_adamw.core.adamw.rule import MOMENTS, WORDS
+    from packed_adamw.core.rule import LOW_HALF
+
+    assert MOMENTS.sharding(("data", None)) == (None, "data", None)
+    assert MOMENTS.sharded_axis(0) == 1
+    assert WORDS.sharding(("data", None)) == ("data", None) == LOW_HALF.sharding(("data", None))
+    assert WORDS.sharded_axis(1) == 1
+
+
+def test_adamw_declares_its_rows_and_counts():
+    from packed_adamw.core import launch
+    from packed_adamw.core.adamw import FORMAT_COUNTS, RULE, hyperparams
+
+    assert RULE.hyperparam_fields == hyperparams.HPARAM_FIELDS and RULE.hyperparam_row == hyperparams.HPARAM_ROW
+    assert RULE.scalar_fields == hyperparams.SCALAR_FIELDS and RULE.scalar_index == hyperparams.SCALAR_INDEX
+    assert RULE.count_names == FORMAT_COUNTS and len(FORMAT_COUNTS) <= launch.MAX_FORMAT_COUNTS
+    assert not RULE.matrix_phase
+
+
+_EDGES = [0.0, -0.0, -1e-30, 1e-30, float(np.nextafter(F32(1), F32(0))), 1.0, 1 - 1e-9, 2.0,
+          1.1754943508222875e-38, 1e-39, 3.4028234663852886e38, 3.5e38, float("inf"), float("nan")]
+
+
+@pytest.mark.parametrize("field", ["lr", "b1", "b2", "eps", "weight_decay"])
+def test_validation_refuses_exactly_what_the_bounds_table_refuses(field):
+    from packed_adamw.core.adamw.hyperparams import HPARAM_BOUNDS, validate_hyperparams
+
+    for value in _EDGES:
+        row = {"lr": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0, field: value}
+        if field == "weight_decay":
+            row["lr"] = 0.0  # lr * weight_decay stays finite: the bound alone decides
+        with np.errstate(over="ignore"):  # 3.5e38 is Inf in float32, as the step sees it
+            valid = bool(HPARAM_BOUNDS[field].holds(float(F32(value))))
+        args = (row["lr"], (row["b1"], row["b2"]), row["eps"], row["weight_decay"])
+        with np.errstate(over="ignore"):
+            if valid:
+                validate_hyperparams(*args)
+            else:
+                with pytest.raises(ValueError, match="Invalid"):
+                    validate_hyperparams(*args)
+    # The table serves arrays too (device-side checks are written from it).
+    with np.errstate(over="ignore"):
+        values = np.array(_EDGES, np.float32)
+    expected = [bool(HPARAM_BOUNDS[field].holds(float(v))) for v in values]
+    assert HPARAM_BOUNDS[field].holds(values).tolist() == expected
+
+
+def test_counter_row_readers_agree_with_its_layout():
+    from packed_adamw.core import kernel, launch
+
+    rows = np.arange(2 * launch.COUNTER_ROW, dtype=np.int64).reshape(2, launch.COUNTER_ROW)
+    sums = launch.sum_counter_slots(rows)
+    for k in range(launch.MAX_FORMAT_COUNTS):
+        np.testing.assert_array_equal(sums[:, k], rows[:, launch.format_count_columns(k)].sum(axis=1))
+    np.testing.assert_array_equal(launch.nonfinite_counts(rows), rows[:, 0])
+    first_slots = [launch.format_count_columns(k).start for k in range(launch.MAX_FORMAT_COUNTS)]
+    assert list(range(launch.COUNTER_ROW))[launch.first_slot_columns()] == first_slots
+    assert launch.format_count_columns(launch.MAX_FORMAT_COUNTS - 1).stop == launch.COUNTER_ROW
+    with pytest.raises(IndexError, match="format count 6"):
+        launch.format_count_columns(launch.MAX_FORMAT_COUNTS)
+    # Every count has a lane field in the kernels' int32, and add_counts reduces them in pairs.
+    assert launch.MAX_FORMAT_COUNTS * kernel.LANE_FIELD.value <= 32
+    assert kernel.FORMAT_COUNT_PAIRS.value * 2 == launch.MAX_FORMAT_COUNTS
+
+
+def test_launch_kinds_in_launch_order():
+    from packed_adamw.core import launch
+
+    assert launch.LAUNCH_KINDS == (launch.FP32_KIND, launch.SPLIT_FP32_GRAD_KIND, launch.SPLIT_BF16_GRAD_KIND)
+    assert sorted(launch.LAUNCH_KINDS) == list(launch.LAUNCH_KINDS)
+    assert [kind.sections for kind in launch.LAUNCH_KINDS] == [3, 4, 4]
+
+
+@pytest.mark.parametrize("mode", ["packed", "fp16", "fp32"])
+def test_kernel_constants_come_from_the_format(mode):
+    from packed_adamw.core import launch
+
+    fmt = StateFormat(mode)
+    constants = launch.kernel_constants(fmt, write_update=True, count_nonfinite=False, block=512)
+    if mode == "fp32":
+        assert (constants["M_MAX"], constants["R_MAX"]) == (0, 0)
+        with pytest.raises(ValueError, match="fp32 mode has none"):
+            launch.kernel_constants(fmt, write_update=True, count_nonfinite=False, block=512, track_format=True)
+    else:
+        m_fmt, r_fmt = fmt.formats
+        assert (constants["M_SIGNED"], constants["M_FRAC"], constants["M_BIAS"], constants["M_MAX"]) == (
+            m_fmt.signed, m_fmt.fraction_bits, m_fmt.bias, m_fmt.max_magnitude_code)
+        assert (constants["R_SIGNED"], constants["R_FRAC"], constants["R_BIAS"], constants["R_MAX"]) == (
+            r_fmt.signed, r_fmt.fraction_bits, r_fmt.bias, r_fmt.max_magnitude_code)
+
+
+def test_transitional_paths_answer_with_the_rules_names():
+    # tools/inspect_state and the trainer still import through these (docs/ARCHITECTURE.md);
+    # imported by name so that an import rewrite leaves them be.
+    import importlib
+
+    from packed_adamw.core.adamw import FORMAT_COUNTS
+
+    authority, formats, launch = (importlib.import_module(f"packed_adamw.core.{name}")
+                                  for name in ("authority", "formats", "launch"))
+    from packed_adamw.core.adamw import authority as adamw_authority
+
+    assert launch.FORMAT_COUNTS is FORMAT_COUNTS
+    assert authority.codecs is adamw_authority.codecs and authority.adamw_element is adamw_authority.adamw_element
+    assert formats.StateFormat is StateFormat and formats.FP16 is FP16
+    with pytest.raises(AttributeError):
+        launch.NOT_A_NAME  # noqa: B018
+

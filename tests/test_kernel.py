@@ -1,4 +1,4 @@
-"""The Triton kernel (interpreted on CPU, compiled on CUDA) against core.numpy_step and the
+"""The Triton kernel (interpreted on CPU, compiled on CUDA) against core.adamw.numpy_step and the
 scalar authority, bit for bit, in every mode (docs/FORMAT.md, "The step").
 
 Every comparison is on float32/uint32 bits, never allclose. Kernel == numpy is checked on every
@@ -14,7 +14,8 @@ import torch
 import kernel_harness as H
 from packed_adamw.core import Hyperparams, StateFormat, step_scalars
 from packed_adamw.core import launch
-from packed_adamw.core.formats import CODE_MASK, MOMENT_SHIFT
+from packed_adamw.core.codecs import CODE_MASK
+from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
 
 F32 = np.float32
 U32 = np.uint32
@@ -302,7 +303,7 @@ def test_capturable_step_scalars_read_and_check_each_groups_lr_and_advance_the_c
     group's address, an lr the host would refuse turned into NaN with the count left, the
     other rows' counts advanced and their scalars those of numpy_step at the new count;
     maximizing rows get 1 - b1 negated."""
-    from packed_adamw.core.kernel import capturable_step_scalars_kernel
+    from packed_adamw.core.adamw.kernel import capturable_step_scalars_kernel
 
     lrs = [3e-4, float("nan"), -1e-3, float("inf"), 1e38, 0.0, 1e-2]
     decays = [0.1, 0.1, 0.1, 0.1, 10.0, 0.0, 0.0]  # 1e38 * 10 overflows float32

@@ -1,7 +1,7 @@
 """The compiled kernel on a CUDA GPU: bit parity at scale, 64-bit indexing, no recompiles.
 
 Skipped without a GPU (and when TRITON_INTERPRET=1 forces the interpreter). The references
-run on the CPU from the same inputs: core.numpy_step on every element (or on slices, for the
+run on the CPU from the same inputs: core.adamw.numpy_step on every element (or on slices, for the
 tensor past 2**31 elements) and the scalar authority on a strided subset.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ def compiled_kernels(fn, device_index: int) -> dict:
 
 
 def test_new_learning_rate_and_count_do_not_recompile():
-    from packed_adamw.core.kernel import adamw_kernel, step_scalars_kernel
+    from packed_adamw.core.adamw.kernel import adamw_kernel, step_scalars_kernel
 
     fmt = StateFormat("packed")
     n = 100_000

@@ -48,7 +48,8 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 def test_core_needs_neither_framework_nor_triton():
     assert_ok(run_without(TORCH_SIDE + JAX_SIDE + TRAIN_ONLY, """
         import packed_adamw.core, packed_adamw.core.portable, packed_adamw.core.atomic_file
-        import packed_adamw.core.authority, packed_adamw.core.launch
+        import packed_adamw.core.authority, packed_adamw.core.launch, packed_adamw.core.rule
+        import packed_adamw.core.adamw, packed_adamw.core.adamw.authority, packed_adamw.core.format_health
         print("OK")
     """))
 

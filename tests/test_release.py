@@ -25,7 +25,7 @@ from packed_adamw.core import __version__ as VERSION
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RELEASE_SCRIPT = REPO_ROOT / "tools" / "release.py"
 TOKENIZER_ARTIFACT = "tokenizer/bpe-12095.json"
-WHEEL_PACKAGES = ["core", "torch", "torch/gpt", "jax", "tokenizer"]
+WHEEL_PACKAGES = ["core", "core/adamw", "torch", "torch/gpt", "jax", "tokenizer"]
 SLOW_TESTS = os.environ.get("PACKED_ADAMW_SLOW_TESTS") == "1"
 
 # Isolate the temporary repositories from the user's git config (signing, hooks).

@@ -1,10 +1,10 @@
 """Split masters (docs/FORMAT.md, "Split masters"): a bf16 live weight plus an int16 low half
 hold an FP32 master exactly.
 
-The numpy codecs (core/formats.py), the kernel's `_split_master` / `_join_master` (interpreted
-on CPU; compiled and exhaustive over all 2**32 patterns on CUDA) and the scalar authority agree
-bit for bit; the live weight equals an independent rounding to nearest, ties away from zero;
-and the split numpy step follows the FP32-parameter step's master trajectory bit for bit.
+The numpy codecs (core/codecs.py), the kernel's `split_master` / `join_master` (core/kernel.py;
+interpreted on CPU, compiled and exhaustive over all 2**32 patterns on CUDA) and the scalar
+authority agree bit for bit; the live weight equals an independent rounding to nearest, ties
+away from zero; and the split numpy step follows the FP32-parameter step's master trajectory bit for bit.
 """
 from __future__ import annotations
 
@@ -16,14 +16,12 @@ import triton.language as tl
 
 import kernel_harness as H
 from conftest import CUDA, interpreting
-from packed_adamw.core import Hyperparams, StateFormat
-from packed_adamw.core import authority as A
-from packed_adamw.core import kernel as K
-from packed_adamw.core import launch
-from packed_adamw.core.formats import (
-    LOW_HALF_KEY, SPLIT_MASTER_MAX, SPLIT_MASTER_MAX_BITS, join_master, split_master,
-)
-from packed_adamw.core.numpy_step import CHUNK, apply_split_step, apply_step, step_scalar_row
+from packed_adamw.core import Hyperparams, StateFormat, launch
+from packed_adamw.core import kernel as G
+from packed_adamw.core.adamw import authority as A
+from packed_adamw.core.adamw import kernel as K
+from packed_adamw.core.adamw.numpy_step import CHUNK, apply_split_step, apply_step, step_scalar_row
+from packed_adamw.core.codecs import LOW_HALF_KEY, SPLIT_MASTER_MAX, SPLIT_MASTER_MAX_BITS, join_master, split_master
 
 F32 = np.float32
 U32 = np.uint32
@@ -198,10 +196,10 @@ def _split_kernel(master_ptr, w_ptr, lo_ptr, round_trip_ptr, n_elements, BLOCK: 
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n_elements
     master = tl.load(master_ptr + offsets, mask=mask).to(tl.float32, bitcast=True)
-    w_bits, lo_bits = K._split_master(master)
+    w_bits, lo_bits = G.split_master(master)
     tl.store(w_ptr + offsets, w_bits.to(tl.int32, bitcast=True), mask=mask)
     tl.store(lo_ptr + offsets, lo_bits.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(round_trip_ptr + offsets, K._join_master(w_bits, lo_bits).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(round_trip_ptr + offsets, G.join_master(w_bits, lo_bits).to(tl.int32, bitcast=True), mask=mask)
 
 
 @triton.jit
@@ -210,7 +208,7 @@ def _join_kernel(w_ptr, lo_ptr, master_ptr, n_elements, BLOCK: tl.constexpr):
     mask = offsets < n_elements
     w_bits = tl.load(w_ptr + offsets, mask=mask).to(tl.uint32, bitcast=True)
     lo_bits = tl.load(lo_ptr + offsets, mask=mask).to(tl.uint32, bitcast=True)
-    tl.store(master_ptr + offsets, K._join_master(w_bits, lo_bits).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(master_ptr + offsets, G.join_master(w_bits, lo_bits).to(tl.int32, bitcast=True), mask=mask)
 
 
 def kernel_split(bits: torch.Tensor, block: int):
@@ -515,7 +513,7 @@ def test_a_zero_written_to_the_weight_reads_as_zero_in_numpy_authority_and_kerne
     assert np.isnan(join_master(w[: n // 2], lo[: n // 2])[lo[: n // 2] < 0]).all()  # what a plain join reads
 
     # numpy: equals an FP32 step from the masters the pairs hold, zeros where the weight was zeroed
-    from packed_adamw.core.formats import read_master
+    from packed_adamw.core.codecs import read_master
     master = read_master(w, lo)
     assert not np.isnan(master).any()
     negative = lo[: n // 2] < 0  # a non-negative low half beside a zero weight is a tiny master: joined as it is

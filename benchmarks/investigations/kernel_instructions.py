@@ -1,10 +1,10 @@
 """Instructions per element of the update kernel's hot path, from its SASS, on any machine.
 
-    python benchmarks/kernel_instructions.py [--arch 90] [--block 512] [--warps 4] [--mode packed]
+    python benchmarks/investigations/kernel_instructions.py [--arch 90] [--block 512] [--warps 4] [--mode packed]
 
 The update kernel runs near the H200's instruction-issue limit as well as its bandwidth, so
 what counting adds per element shows in its time (docs/results/SWEEP.md). This compiles the
-per-block work (`kernel._adamw_block`, a whole block, no bounds mask) for an NVIDIA target with
+per-block work (`adamw_block` of core/adamw/kernel.py, a whole block, no bounds mask) for an NVIDIA target with
 Triton's bundled ptxas, so it needs no GPU, and reports the static SASS instructions each
 element costs: a wrapper of one block and one of two blocks unrolled, whose difference is one
 block's instructions without the program's setup, reductions and atomics. Static counts
@@ -30,7 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.kernel import _adamw_block, adamw_kernel
+from packed_adamw.core.adamw.kernel import adamw_block, adamw_kernel
 
 KINDS = {"plain": (False, False), "nonfinite counts": (False, True), "format counts": (True, False),
          "both counts": (True, True)}
@@ -48,7 +48,7 @@ def _blocks(param_ptr, grad_ptr, state_ptr, scalars_ptr, out_ptr, n_elements,
     total = tl.zeros([BLOCK], tl.int32)
     for k in tl.static_range(UNROLLED):
         offsets = (first + k) * BLOCK + tl.arange(0, BLOCK)
-        counts = _adamw_block(param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, param_ptr, state_ptr, param_ptr,
+        counts = adamw_block(param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, param_ptr, state_ptr, param_ptr,
                               offsets, n_elements, False, MODE, False, False, COUNT_NONFINITE, TRACK_FORMAT,
                               M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX)
         for i in tl.static_range(len(counts)):

@@ -1,6 +1,6 @@
 """What format counting costs a training loop that counts only some steps (CUDA).
 
-    python benchmarks/format_sampling.py [--elements 268435456] [--every 10] [--rounds 40] [--out FILE]
+    python benchmarks/investigations/format_sampling.py [--elements 268435456] [--every 10] [--rounds 40] [--out FILE]
 
 Three `PackedAdamW` optimizers step one FP32 tensor each, in rounds: one never counts, one
 counts every step (`track_format=True`), one counts every `--every`-th step by switching

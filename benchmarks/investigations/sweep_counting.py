@@ -1,10 +1,10 @@
 """H200 sweep: the single-tensor kernel's launch shape for counting launches, and the split kernel.
 
-    python benchmarks/sweep_counting.py [--elements N] [--out FILE]
-    python benchmarks/sweep_counting.py --chosen [--passes 5] [--candidates] [--out FILE]
-    python benchmarks/sweep_counting.py --chosen --profile [--candidates] [--out LAUNCHES.json]  # under ncu
-    python benchmarks/sweep_counting.py --ncu-table LOG --launches LAUNCHES.json [--out FILE]
-    python benchmarks/sweep_counting.py --clock-table SMI_CSV --progress CHOSEN_OUTPUT [--out FILE]
+    python benchmarks/investigations/sweep_counting.py [--elements N] [--out FILE]
+    python benchmarks/investigations/sweep_counting.py --chosen [--passes 5] [--candidates] [--out FILE]
+    python benchmarks/investigations/sweep_counting.py --chosen --profile [--candidates] [--out LAUNCHES.json]  # under ncu
+    python benchmarks/investigations/sweep_counting.py --ncu-table LOG --launches LAUNCHES.json [--out FILE]
+    python benchmarks/investigations/sweep_counting.py --clock-table SMI_CSV --progress CHOSEN_OUTPUT [--out FILE]
 
 For one tensor of N float32 parameters (default 2**28), times `adamw_kernel` with format
 counts (`track_format`) or non-finite counts on and off, over block sizes, warps and blocks
@@ -24,18 +24,18 @@ row's median ratio over the passes and their range; `--candidates` adds other la
 
 `--chosen --profile` launches the uncounted launches and each row once on the stepped state, for
 Nsight Compute, which reads what the timings cannot: the SM clock, DRAM throughput and the
-instructions each launch executes (`STEPS=ncu bash benchmarks/gpu_session.sh` runs it):
+instructions each launch executes :
 
     ncu --clock-control none --profile-from-start off --csv --print-units base --log-file LOG \
-        --metrics $(python benchmarks/sweep_counting.py --ncu-metrics) \
-        python benchmarks/sweep_counting.py --chosen --profile --candidates --out LAUNCHES.json
-    python benchmarks/sweep_counting.py --ncu-table LOG --launches LAUNCHES.json --out NCU_COUNTING.md
+        --metrics $(python benchmarks/investigations/sweep_counting.py --ncu-metrics) \
+        python benchmarks/investigations/sweep_counting.py --chosen --profile --candidates --out LAUNCHES.json
+    python benchmarks/investigations/sweep_counting.py --ncu-table LOG --launches LAUNCHES.json --out NCU_COUNTING.md
 
 `--clock-control none` leaves the clocks to the GPU, as in the timings. Nsight Compute replays
 each launch alone, so the power cap that slows back-to-back launches does not show there.
 
 `--chosen` prints each ratio with the UTC span of its timings; `--clock-table` reads those lines
-against an `nvidia-smi` log taken meanwhile (`STEPS=counting` in gpu_session.sh takes one) and
+against an `nvidia-smi` log taken meanwhile (the session script took one with `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active --format=csv -lms 100`) and
 gives each row's ratios against the SM clock while it was timed.
 """
 from __future__ import annotations
@@ -45,16 +45,19 @@ import collections
 import csv
 import datetime
 import json
+import pathlib
 import re
 import statistics
+import sys
 from typing import NamedTuple
 
 import torch
 
-from bench_step import cuda_time_ms as timed  # same timing as every benchmark row
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/, for bench_step
+from bench_step import cuda_time_ms as timed  # noqa: E402 (same timing as every benchmark row)
 
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.kernel import adamw_kernel, adamw_split_kernel, step_scalars_kernel
+from packed_adamw.core.adamw.kernel import adamw_kernel, adamw_split_kernel, step_scalars_kernel
 
 CONSECUTIVE, SHIFTED, PREFETCHED = launch.LAYOUT_CONSECUTIVE, launch.LAYOUT_SHIFTED, launch.LAYOUT_PREFETCHED
 
@@ -181,9 +184,9 @@ def chosen_launches(profiles: dict, scalars, counters, passes: int, candidates: 
     rows = launch_rows(candidates)
     lines = [f"# The library's counting launches, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"{next(iter(profiles.values())).p.numel():,} elements, {passes} passes", "",
-             f"Counting launches: `launch.COUNTING_LAYOUT` {launch.COUNTING_LAYOUT}, `COUNTING_SPLIT_LAYOUT` "
-             f"{launch.COUNTING_SPLIT_LAYOUT}, {launch.LAID_OUT_BLOCKS_PER_PROGRAM} blocks a program laid out; "
-             f"non-finite only: `NONFINITE_LAYOUT` {launch.NONFINITE_LAYOUT} with FP32 weights, "
+             f"Counting launches: format counts {PREFETCHED} with FP32 weights, {SHIFTED} with bf16 split weights, "
+             f"{launch.LAID_OUT_BLOCKS_PER_PROGRAM} blocks a program laid out; "
+             f"non-finite only: {PREFETCHED} with FP32 weights, "
              f"{launch.COUNTING_BLOCKS_PER_PROGRAM} blocks consecutive on split weights. Each ratio: the row over the mean of "
              "its uncounted launch timed just before and after it.", ""]
     for name, profile in profiles.items():
@@ -314,7 +317,7 @@ def ncu_table(log_text: str, launches: list, n_elements: int) -> str:
         missing = sorted(set(NCU_METRICS) - set(metrics))
         if missing:
             raise ValueError(f"launch {launch_id} of the log lacks {missing}: run ncu with --metrics "
-                             "$(python benchmarks/sweep_counting.py --ncu-metrics)")
+                             "$(python benchmarks/investigations/sweep_counting.py --ncu-metrics)")
     table = ["| launch | " + " | ".join(c.heading for c in NCU_METRICS.values()) + " |",
              "|---|" + "---|" * len(NCU_METRICS)]
     for (_, metrics), name in zip(sorted(values.items()), launches):
@@ -400,7 +403,7 @@ def main() -> None:
     default = run(False, False, 512, 2, 1)
     lines.append(f"| default | - | 512 | 2 | 1 | {default:.3f} | 1.000 |")
     layouts = {CONSECUTIVE: "consecutive", SHIFTED: "shifted", PREFETCHED: "shifted, prefetched"}
-    # (counts, layout, BLOCK, warps, blocks a program); the layouts of kernel._adamw_programs
+    # (counts, layout, BLOCK, warps, blocks a program); the layouts of adamw_programs (core/adamw/kernel.py)
     configs = [("track_format", CONSECUTIVE, 512, 4, 16), ("track_format", SHIFTED, 512, 4, 8)]
     configs += [("track_format", PREFETCHED, 512, warps, bpp) for warps, bpp in
                 ((4, 4), (4, 8), (4, 16), (4, 24), (2, 8), (2, 16), (8, 8))]

@@ -1,10 +1,14 @@
-"""AdamW hyperparameters: validation with errors that say what to do, and the kernel's layout."""
+"""AdamW's hyperparameters: their rows, their valid values, and validation with errors that
+say what to do."""
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..codecs import FLOAT32_MAX, FLOAT32_TINY
+from ..rule import Bound
 
 # The hyperparameter row: float32 values in this order, one row per parameter group (torch) or
 # per weight-decay choice (JAX). Step scalars are derived from it and the step count.
@@ -17,8 +21,18 @@ SCALAR_ROW = len(SCALAR_FIELDS)
 SCALAR_INDEX = {name: i for i, name in enumerate(SCALAR_FIELDS)}
 # The torch launcher stages scalar rows inside an int64 table beside the buffer addresses.
 SCALAR_ROW_INT64_WORDS = SCALAR_ROW * 4 // 8
-FLOAT32_MAX = 3.4028234663852886e38
-FLOAT32_TINY = 1.1754943508222875e-38
+# The valid values of each field, as float32 numbers: the one table the host check below is
+# written from (a device-side check can be written from it too: `Bound.holds` takes arrays).
+# eps keeps the update finite; each beta must leave 1 - beta > 0.
+HPARAM_BOUNDS = {
+    "lr": Bound(0.0, FLOAT32_MAX),
+    "b1": Bound(0.0, 1.0, high_open=True),
+    "b2": Bound(0.0, 1.0, high_open=True),
+    "eps": Bound(FLOAT32_TINY, FLOAT32_MAX),
+    "weight_decay": Bound(0.0, FLOAT32_MAX),
+}
+# The step derives lr * weight_decay: it must be a finite float32 number too.
+FINITE_PRODUCTS = (("lr", "weight_decay"),)
 
 
 @dataclass(frozen=True)
@@ -62,8 +76,9 @@ def validate_hyperparams(lr, betas, eps, weight_decay, *, allow_arrays=False) ->
     injected array) are left to the caller: they may only be known inside a compiled step.
     """
     skip = (lambda x: not _is_number(x)) if allow_arrays else (lambda x: False)
+    bounds = HPARAM_BOUNDS
     if not skip(lr):
-        if not _is_number(lr) or not 0 <= _f32(lr) <= FLOAT32_MAX:
+        if not _is_number(lr) or not bounds["lr"].holds(_f32(lr)):
             raise ValueError(f"Invalid learning rate: lr={lr!r}; the learning rate must be a finite float32 number >= 0")
     try:
         b1, b2 = betas
@@ -72,16 +87,16 @@ def validate_hyperparams(lr, betas, eps, weight_decay, *, allow_arrays=False) ->
     for index, beta in enumerate((b1, b2)):
         if skip(beta):
             continue
-        if not _is_number(beta) or not 0.0 <= _f32(beta) < 1.0:
+        if not _is_number(beta) or not bounds[f"b{index + 1}"].holds(_f32(beta)):
             raise ValueError(f"Invalid beta parameter at index {index}: b{index + 1} (betas[{index}])={beta!r} "
                              f"{_beta_problem(beta)}; each beta must be in [0, 1)")
-    if not skip(eps) and (not _is_number(eps) or not FLOAT32_TINY <= _f32(eps) <= FLOAT32_MAX):
+    if not skip(eps) and (not _is_number(eps) or not bounds["eps"].holds(_f32(eps))):
         raise ValueError(f"Invalid epsilon value: eps={eps!r}; eps must be a finite float32-normal number > 0 "
                          "(it keeps the update finite)")
     if not skip(weight_decay):
-        if not _is_number(weight_decay) or not 0 <= _f32(weight_decay) <= FLOAT32_MAX:
+        if not _is_number(weight_decay) or not bounds["weight_decay"].holds(_f32(weight_decay)):
             raise ValueError(f"Invalid weight_decay value: weight_decay={weight_decay!r}; weight decay must be a "
                              "finite number >= 0")
-        if not skip(lr) and _f32(lr) * _f32(weight_decay) > FLOAT32_MAX:
+        if not skip(lr) and _f32(lr) * _f32(weight_decay) > FLOAT32_MAX:  # FINITE_PRODUCTS
             raise ValueError(f"Invalid weight_decay value: lr * weight_decay = {lr} * {weight_decay} overflows "
                              "float32; lower one of them")

@@ -11,8 +11,9 @@ import operator
 
 import numpy as np
 
-from .formats import CODE_MASK, MOMENT_SHIFT, SPLIT_MASTER_MAX, StateFormat, read_master, split_master
+from ..codecs import CODE_MASK, SPLIT_MASTER_MAX, read_master, split_master
 from .hyperparams import SCALAR_FIELDS, Hyperparams
+from .state_format import MOMENT_SHIFT, StateFormat
 
 F32 = np.float32
 CHUNK = 1 << 16  # keeps the temporaries in cache
@@ -70,9 +71,9 @@ def step_scalars(count: int, hp: Hyperparams) -> dict[str, np.float32]:
     return dict(zip(SCALAR_FIELDS, step_scalar_row(count, hp.as_float32_list())))
 
 
-def _update_chunk(p, g, state, s, fmt: StateFormat, counts=None, split=False):
+def update_chunk(p, g, state, s, fmt: StateFormat, counts=None, split=False):
     """Returns (update, new_state, accepted) for one chunk; inputs are not modified. With
-    `counts` (int64, launch.FORMAT_COUNTS order), adds this chunk's format counts to it.
+    `counts` (int64, rule.FORMAT_COUNTS order), adds this chunk's format counts to it.
     `split`: `p` is a split master, and a result past SPLIT_MASTER_MAX is rejected too (its
     live weight would be Inf; FORMAT.md, "Split masters"), before anything is counted."""
     finite_grad = np.isfinite(g)
@@ -107,7 +108,7 @@ def _update_chunk(p, g, state, s, fmt: StateFormat, counts=None, split=False):
 
 def format_counts(m, rms, m_code, rms_code, accepted, m_fmt, r_fmt) -> np.ndarray:
     """The format counts of FORMAT.md ("Format counts") over the accepted elements, in
-    launch.FORMAT_COUNTS order: saturated (the value lay beyond the largest code), flushed (a
+    rule.FORMAT_COUNTS order: saturated (the value lay beyond the largest code), flushed (a
     nonzero value stored as code 0, the zero-RMS rule included), subnormal (a nonzero code
     with exponent field 0); for the first moment, then the RMS."""
     out = np.zeros(6, np.int64)
@@ -142,7 +143,7 @@ def apply_step(param, grad, state, scalars, *, fmt: StateFormat, update_out=None
         for start in range(0, param.shape[0], CHUNK):
             sl = slice(start, start + CHUNK)
             chunk_state = state[:, sl] if fmt.mode == "fp32" else state[sl]
-            update, new_state, accepted = _update_chunk(param[sl], grad[sl], chunk_state, s, fmt, format_counts_out)
+            update, new_state, accepted = update_chunk(param[sl], grad[sl], chunk_state, s, fmt, format_counts_out)
             update = np.where(accepted, update, F32(-0.0))  # p + (-0.0) == p for every p
             rejected += int(accepted.size - np.count_nonzero(accepted))
             chunk_state[...] = np.where(accepted, new_state, chunk_state)
@@ -185,7 +186,7 @@ def apply_split_step(weight_bits, low_half, grad, state, scalars, *, fmt: StateF
             master = read_master(weights[sl], lows[sl])
             g = (grad[sl].view(np.uint16).astype(np.uint32) << np.uint32(16)).view(F32) if bf16_grad else grad[sl]
             chunk_state = state[:, sl] if fmt.mode == "fp32" else state[sl]
-            update, new_state, accepted = _update_chunk(master, g, chunk_state, s, fmt, format_counts_out, split=True)
+            update, new_state, accepted = update_chunk(master, g, chunk_state, s, fmt, format_counts_out, split=True)
             rejected += int(accepted.size - np.count_nonzero(accepted))
             chunk_state[...] = np.where(accepted, new_state, chunk_state)
             # A rejected element rewrites its own weight and low half: split(join(w, lo)) == (w, lo).

@@ -1,0 +1,103 @@
+"""What an optimizer rule declares, so that the shared machinery can serve it without knowing it.
+
+A rule (AdamW in core/adamw/; Muon next) is an update written elementwise, possibly after a
+phase that needs whole matrices, over state kept in the generic codecs (core/codecs.py). The
+machinery (launch layout, counter rows, checkpoints, sharding, split masters) reads only what
+the rule declares here: its state entries, its count names, its hyperparameters and the
+step-scalar row derived from them. docs/ARCHITECTURE.md, "How a rule plugs in", says what a
+rule writes itself.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from .codecs import LOW_HALF_DTYPE, LOW_HALF_KEY
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """One state tensor kept per parameter: `leading` axes, then the parameter's shape.
+
+    It shards with its parameter: the parameter's axes, moved past the leading ones (which
+    are never split), as fp32 mode's [2, *shape] moments."""
+
+    key: str  # its name in a state dict (torch) and in checkpoints
+    dtype: str  # numpy name of its dtype
+    leading: tuple[int, ...] = ()  # axes before the parameter's, whole on every shard
+
+    def shape(self, param_shape) -> tuple[int, ...]:
+        return (*self.leading, *param_shape)
+
+    def flat_shape(self, n_elements: int) -> tuple[int, ...]:
+        """`shape` of the flattened parameter, as the kernels and the numpy steps read it."""
+        return self.shape((n_elements,))
+
+    @property
+    def values_per_param(self) -> int:
+        """Values of `dtype` per parameter element."""
+        return math.prod(self.leading)
+
+    @property
+    def bytes_per_param(self) -> int:
+        return np.dtype(self.dtype).itemsize * self.values_per_param
+
+    def sharded_axis(self, param_axis: int) -> int:
+        """The axis of this entry that shards as the parameter's axis `param_axis` does."""
+        return len(self.leading) + param_axis
+
+    def sharding(self, param_spec: tuple) -> tuple:
+        """The entry's partition spec (one item per axis; None: whole) from its parameter's."""
+        return (None,) * len(self.leading) + tuple(param_spec)
+
+
+# A bf16 parameter's low half (FORMAT.md, "Split masters"): the same for every rule.
+LOW_HALF = StateEntry(LOW_HALF_KEY, LOW_HALF_DTYPE)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The valid values of one hyperparameter, as the float32 number the step uses:
+    low <= x <= high (x < high with `high_open`). NaN is never valid. `holds` takes Python
+    or numpy numbers and arrays alike, so device-side checks can be written from it."""
+
+    low: float
+    high: float
+    high_open: bool = False
+
+    def holds(self, value):
+        below = value < self.high if self.high_open else value <= self.high
+        return (value >= self.low) & below
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule's declaration. Its state entries depend on the state format it runs in, so the
+    format (e.g. core/adamw's StateFormat) gives them; the rest is fixed."""
+
+    name: str
+    hyperparam_fields: tuple[str, ...]  # the float32 hyperparameter row, in order
+    scalar_fields: tuple[str, ...]  # the step-scalar row its kernels read, in order
+    bounds: Mapping[str, Bound]  # per hyperparameter field: its valid float32 values
+    finite_products: tuple[tuple[str, str], ...] = ()  # pairs whose float32 product must stay finite
+    count_names: tuple[str, ...] = ()  # format counts, in counter-row order (launch.py)
+    matrix_phase: bool = False  # a phase over whole matrices (Muon's Newton-Schulz) precedes the elementwise one
+
+    def __post_init__(self):
+        if set(self.bounds) != set(self.hyperparam_fields):
+            raise ValueError(f"rule {self.name}: bounds must cover exactly {self.hyperparam_fields}")
+
+    @property
+    def hyperparam_row(self) -> int:
+        return len(self.hyperparam_fields)
+
+    @property
+    def scalar_row(self) -> int:
+        return len(self.scalar_fields)
+
+    @property
+    def scalar_index(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.scalar_fields)}
