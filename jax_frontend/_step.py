@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
@@ -164,6 +164,21 @@ def _batched(args, dims, *, config: StepConfig):
 
 
 batching.primitive_batchers[packed_adamw_step_p] = _batched
+
+
+def _not_differentiable(primals, tangents, *, config: StepConfig):
+    """jax.grad (jvp, linearize) through the step: refused, saying why and what to do. JAX
+    calls this only when some operand carries a tangent, so a step beside a gradient (the
+    usual train step) never reaches it."""
+    raise TypeError(
+        "packed_adamw: the optimizer step is not differentiable (its moments are rounded to 16-bit codes and it "
+        "steps in place), and jax.grad / jax.jvp reached it through its parameters, gradients, state or "
+        "hyperparameters. Differentiate the loss alone and call update() outside the differentiated function, "
+        "or wrap its inputs in jax.lax.stop_gradient; to differentiate through optimizer steps (meta-learning), "
+        "use optax.adamw")
+
+
+ad.primitive_jvps[packed_adamw_step_p] = _not_differentiable
 
 
 # ---------------------------------------------------------------------------------------------

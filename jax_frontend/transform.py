@@ -255,6 +255,13 @@ def _decay_flags(mask, params):
             raise TypeError(f"packed_adamw: mask entries must be Python bools known before compilation, got {flag!r}")
         return jax.tree_util.tree_map(lambda _: bool(flag), subtree)
 
+    try:
+        jax.tree_util.tree_structure(flags).flatten_up_to(params)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"packed_adamw: mask has the tree {jax.tree_util.tree_structure(flags)}, which is neither the parameters' "
+            f"tree {jax.tree_util.tree_structure(params)} nor a prefix of it; give one bool per parameter leaf (or "
+            "per subtree of a prefix), or a callable that returns such a tree from the parameters") from None
     return jax.tree_util.tree_map(broadcast, flags, params)
 
 
@@ -677,8 +684,9 @@ def load_master_weights(masters, params, state):
     `params, state = load_master_weights(masters, params, state)`.
 
     `state` is the packed_adamw state or an optax state holding exactly one (replaced in it).
-    Masters with no finite bf16 weight (NaN, Inf or |M| > SPLIT_MASTER_MAX) are refused, naming
-    the leaf, when their values are known (outside jit); under `jax.jit` they are not checked.
+    Non-finite masters (NaN, Inf), and for a bfloat16 leaf masters with no finite bf16 weight
+    (|M| > SPLIT_MASTER_MAX), are refused, naming the leaf, before anything changes, when their
+    values are known (outside jit); under `jax.jit` they are not checked.
     The masters are placed as the parameters are."""
     ours = _the_packed_state(state, "load_master_weights")
     lows = _checked_lows("load_master_weights", params, ours)
@@ -689,23 +697,33 @@ def load_master_weights(masters, params, state):
         raise ValueError(f"load_master_weights: the masters do not have the parameters' tree ({e}); pass one float32 "
                          "array per parameter leaf, in the parameters' tree") from None
     paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    new_params, new_lows = [], []
+    # Every master is checked before any is placed or split: a refusal changes nothing.
     for path, p, m, lo in zip(paths, leaves, master_leaves, lows):
         where = f"load_master_weights: the master of leaf {path}"
         if jnp.result_type(m) != FLOAT32 or tuple(jnp.shape(m)) != tuple(jnp.shape(p)):
             raise ValueError(f"{where} is {jnp.result_type(m)} {jnp.shape(m)}; expected float32 {jnp.shape(p)}")
+        if isinstance(m, jax.core.Tracer):
+            continue
+        if lo is None:  # a float32 leaf holds any float32, but a NaN or Inf weight is no weight to train
+            bad = int(jnp.count_nonzero(~jnp.isfinite(m)))
+            if bad:
+                raise ValueError(
+                    f"{where} has {bad} of {int(np.prod(jnp.shape(m)))} values that are NaN or Inf: a master must be "
+                    "finite; repair those weights (or reload them from a checkpoint taken before they diverged)")
+            continue
+        outside = int(jnp.count_nonzero(_masters.outside_domain(m)))
+        if outside:
+            raise ValueError(
+                f"{where} has {outside} of {int(np.prod(jnp.shape(m)))} values with no finite bf16 weight (NaN, "
+                f"Inf, or a magnitude above formats.SPLIT_MASTER_MAX = {SPLIT_MASTER_MAX:.6g}): a bfloat16 leaf "
+                "cannot hold them; clip or repair those weights, or keep the leaf float32")
+    new_params, new_lows = [], []
+    for p, m, lo in zip(leaves, master_leaves, lows):
         m = _placed_like_param(m, p)
         if lo is None:
             new_params.append(m)
             new_lows.append(None)
             continue
-        if not isinstance(m, jax.core.Tracer):
-            outside = int(jnp.count_nonzero(_masters.outside_domain(m)))
-            if outside:
-                raise ValueError(
-                    f"{where} has {outside} of {int(np.prod(jnp.shape(m)))} values with no finite bf16 weight (NaN, "
-                    f"Inf, or a magnitude above formats.SPLIT_MASTER_MAX = {SPLIT_MASTER_MAX:.6g}): a bfloat16 leaf "
-                    "cannot hold them; clip or repair those weights, or keep the leaf float32")
         w, low = _masters.split(m)
         new_params.append(w)
         new_lows.append(low)

@@ -475,8 +475,23 @@ def test_load_master_weights_refuses_masters_no_bf16_weight_can_hold(bad):
     with pytest.raises(ValueError, match=r"master of leaf \['a'\] has 1 of 4 values with no finite bf16 weight"):
         load_master_weights(to_jax(masters), params, state)
     masters["a"][2] = 1.0
-    masters["b"][0] = bad  # a float32 leaf may hold it
-    load_master_weights(to_jax(masters), params, state)
+    masters["b"][0] = bad
+    if np.isfinite(bad):  # a float32 leaf may hold a finite master above SPLIT_MASTER_MAX
+        load_master_weights(to_jax(masters), params, state)
+    else:  # but not a NaN or Inf one, though it is a float32
+        with pytest.raises(ValueError, match=r"master of leaf \['b'\] has 1 of 3 values that are NaN or Inf"):
+            load_master_weights(to_jax(masters), params, state)
+
+
+def test_load_master_weights_checks_every_master_before_changing_anything():
+    """A non-finite master of a float32 leaf after a good bfloat16 one: refused before the
+    bfloat16 leaf is split (no half-done load), and the state given stays as it was."""
+    params = {"a": jnp.zeros(4, BF16), "b": jnp.zeros(3, jnp.float32)}
+    state = packed_adamw(LR).init(params)
+    masters = {"a": jnp.full(4, 1.5, jnp.float32), "b": jnp.asarray([1.0, np.nan, 2.0], jnp.float32)}
+    with pytest.raises(ValueError, match=r"master of leaf \['b'\] has 1 of 3 values that are NaN or Inf"):
+        load_master_weights(masters, params, state)
+    assert not np.any(np.asarray(bits16(state.low_halves["a"]))) and not np.any(np.asarray(params["b"]))
 
 
 def test_load_master_weights_refuses_other_dtypes_shapes_and_trees():

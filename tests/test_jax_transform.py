@@ -661,6 +661,45 @@ def test_a_mask_may_be_a_prefix_of_the_params_as_in_optax():
     assert_trees_bits_equal(updates, expected, "prefix mask vs full mask")
 
 
+@pytest.mark.parametrize("mask", [{"a": True, "z": False}, [True, False], {"a": {"x": True}, "c": True}],
+                         ids=["other_keys", "a_list", "deeper_than_params"])
+def test_a_mask_of_another_tree_is_refused_naming_mask(mask):
+    params = {"a": {"x": jnp.ones(3), "y": jnp.ones(2)}, "c": jnp.ones(4)}
+    tx = packed_adamw(LR, weight_decay=WD, mask=mask)
+    with pytest.raises(ValueError, match="mask has the tree .* nor a prefix of it; give one bool per parameter leaf"):
+        tx.update(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize("through", ["grads", "params", "learning_rate"])
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_differentiating_through_the_step_says_it_is_not_differentiable(through, jitted):
+    """jax.grad through update raises saying the step is not differentiable and what to do,
+    not JAX's missing-rule error; a gradient beside the step (the train step) still works."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32)}
+    grads = {"w": jnp.full(6, 0.25, jnp.float32)}
+    inject = optax.inject_hyperparams(packed_adamw)
+
+    def loss(x):
+        if through == "learning_rate":
+            tx = packed_adamw(lambda count: x)
+            state = tx.init(params)
+            updates, _ = tx.update(grads, state, params)
+        else:
+            tx = packed_adamw(LR)
+            p, g = (x, grads) if through == "params" else (params, x)
+            updates, _ = tx.update(g, tx.init(p), p)
+        return sum(jnp.sum(u) for u in jax.tree_util.tree_leaves(updates))
+
+    arg = jnp.asarray(LR, jnp.float32) if through == "learning_rate" else (params if through == "params" else grads)
+    fn = jax.jit(jax.grad(loss)) if jitted else jax.grad(loss)
+    with pytest.raises(TypeError, match="optimizer step is not differentiable.*stop_gradient.*optax.adamw"):
+        fn(arg)
+    tx = inject(learning_rate=LR)
+    step = jax.jit(lambda p, s: tx.update(jax.grad(lambda q: jnp.sum(q["w"] ** 2))(p), s, p))
+    updates, _ = step(params, tx.init(params))
+    assert np.all(np.isfinite(np.asarray(updates["w"])))
+
+
 def test_injected_zero_weight_decay_needs_no_params():
     params = to_jax(problem(seed=6, steps=1)[0])
     tx = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=0.0)
