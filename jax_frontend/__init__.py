@@ -8,6 +8,7 @@ from .transform import (
     PackedAdamWSplitState,
     PackedAdamWState,
     PackedAdamWTrackedState,
+    RefusedStepWarning,
     export_state,
     format_stats,
     import_state,
@@ -18,5 +19,5 @@ from .transform import (
 )
 
 __all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState", "PackedAdamWTrackedState",
-           "PortableState", "StateFormat", "packed_adamw", "packed_adamw_fused_step", "export_state", "format_stats",
+           "PortableState", "RefusedStepWarning", "StateFormat", "packed_adamw", "packed_adamw_fused_step", "export_state", "format_stats",
            "import_state", "load_master_weights", "master_weights"]

@@ -14,6 +14,7 @@ step's new weight (`_masters.transform_update`).
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -279,6 +280,43 @@ def _refuse_invalid(hparams, count):
     return jnp.where(valid, hparams, jnp.nan), valid
 
 
+class RefusedStepWarning(RuntimeWarning):
+    """A step under `jax.jit` was refused in the graph (an invalid hyperparameter or a negative
+    count): nothing changed, and the count did not move."""
+
+
+def _refusal_reason(row, count: int) -> str:
+    """What made a step invalid, in the words of the constructor's validation."""
+    if count < 0:
+        return f"the state's step count is {count} (a count is >= 0: the state is damaged or not a packed_adamw state)"
+    lr, b1, b2, eps, wd = (float(x) for x in row)
+    try:
+        validate_hyperparams(lr, (b1, b2), eps, wd)
+    except ValueError as e:
+        return str(e)
+    return f"[lr, b1, b2, eps, weight_decay] = {[lr, b1, b2, eps, wd]}"  # not reached: the graph found one
+
+
+def _warn_refused(valid, row, count) -> None:
+    """Host side of `_report_refusal` (runs every step; warns only for a refused one)."""
+    if bool(np.asarray(valid)):
+        return
+    count = int(np.asarray(count))
+    warnings.warn(
+        f"packed_adamw: step refused at count {count}: {_refusal_reason(np.asarray(row), count)}. No parameter, "
+        "state word or count changed, and since the count did not move a schedule is evaluated at the same count "
+        "next step: fix the schedule or the injected value (the eager update raises on it)", RefusedStepWarning,
+        stacklevel=2)
+
+
+def _report_refusal(valid, row, count) -> None:
+    """Under jit an invalid step cannot raise: a `jax.debug.callback` warns instead
+    (`RefusedStepWarning`, naming the value), so a refusal is never silent. The callback is
+    taken only on the refusing branch of a `lax.cond`; under `vmap` the cond becomes a select,
+    so the host side checks `valid` again."""
+    jax.lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(_warn_refused, *args), valid, row, count)
+
+
 def _concrete_float(x) -> float | None:
     """x as a float where it is known before compilation (a number or a concrete array)."""
     try:
@@ -391,11 +429,13 @@ class _Stepper:
             refused = not bool(valid)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
             refused = False  # under jit the step is refused in the graph (docs/JAX.md)
+            if any(_concrete_float(x) is None for x in (lr, self.b1, self.b2, self.eps, self.weight_decay)):
+                # A value known only in the graph (a schedule, an injected array) may turn invalid
+                # mid-run; plain numbers were validated when the transform was built.
+                _report_refusal(valid, rows[0], state.count)
         if refused:
-            raise ValueError(
-                f"packed_adamw: invalid hyperparameters at count {int(state.count)}: [lr, b1, b2, eps, weight_decay] = "
-                f"{np.asarray(rows)[0].tolist()}; the learning rate and weight decay must be finite and >= 0, each "
-                "beta in [0, 1) and eps a normal float32 > 0")
+            raise ValueError(f"packed_adamw: invalid hyperparameters at count {int(state.count)}: "
+                             f"{_refusal_reason(np.asarray(rows)[0], int(state.count))}")
         count = jnp.where(valid, _increment(state.count), state.count)
         step_count = jnp.where(valid, count, 1)  # a refused step's rows are NaN: any count in range will do
         config = StepConfig(fmt=self.fmt, write_update=write_update, multi_tensor=self.multi_tensor,
@@ -742,5 +782,5 @@ def _placed_like_param(x, param):
 
 
 __all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState", "PackedAdamWTrackedState",
-           "export_state", "format_stats", "import_state", "load_master_weights", "master_weights", "packed_adamw",
+           "RefusedStepWarning", "export_state", "format_stats", "import_state", "load_master_weights", "master_weights", "packed_adamw",
            "packed_adamw_fused_step", "state_format"]

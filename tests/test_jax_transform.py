@@ -267,6 +267,51 @@ def test_invalid_injected_hyperparameter_refuses_the_step_whole(name, bad, maske
         assert np.isfinite(np.asarray(leaf)).all()
 
 
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_a_schedule_gone_negative_is_refused_visibly(jitted):
+    """A schedule that turns invalid at some count: eagerly the update raises; under jit the
+    step is refused in the graph and a RefusedStepWarning names the value, every refused step
+    (the count stays, so the schedule stays invalid). Valid steps warn nothing."""
+    import warnings
+
+    from packed_adamw.jax import RefusedStepWarning
+
+    params0, grads = problem(seed=18, steps=3)
+    table = jnp.asarray([LR, -2e-3, -2e-3, -2e-3], jnp.float32)
+    tx = packed_adamw(lambda count: table[count], weight_decay=WD)
+    step = jax.jit(step_fn(tx)) if jitted else step_fn(tx)
+    params = to_jax(params0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RefusedStepWarning)
+        params, state = step(params, tx.init(params), to_jax(grads[0]))
+        jax.effects_barrier()
+    if not jitted:
+        with pytest.raises(ValueError, match="Invalid learning rate: lr=-0.002"):
+            step(params, state, to_jax(grads[1]))
+        return
+    for g in grads[1:]:
+        with pytest.warns(RefusedStepWarning, match=r"step refused at count 1: Invalid learning rate: lr=-0.002"):
+            after, after_state = step(params, state, to_jax(g))
+            jax.effects_barrier()
+        assert_trees_bits_equal(after, params, "params after a refused step")
+        assert int(after_state.count) == 1
+
+
+def test_a_negative_count_under_jit_warns_that_the_step_was_refused():
+    """With a hyperparameter known only in the graph (here injected), the refusal warning also
+    names a negative count (plain-number hyperparameters add no callback: see docs/JAX.md)."""
+    from packed_adamw.jax import RefusedStepWarning
+
+    params0, grads = problem(seed=17, steps=1)
+    tx = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=WD)
+    params = to_jax(params0)
+    state = tx.init(params)
+    state = state._replace(inner_state=state.inner_state._replace(count=jnp.asarray(-3, jnp.int32)))
+    with pytest.warns(RefusedStepWarning, match="step refused at count -3: the state's step count is -3"):
+        jax.jit(tx.update)(to_jax(grads[0]), state, params)
+        jax.effects_barrier()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_state_format_object_gives_the_bits_of_the_same_biases_and_stays_static_when_injected(mode, variant):
     params0, grads = problem(seed=6, steps=3)
