@@ -7,7 +7,7 @@ shard by shard on their own devices (`_sharding.py`). Both paths follow docs/FOR
 they give the same bits as `packed_adamw.torch.PackedAdamW`. docs/JAX.md is the user's page.
 
 A bfloat16 leaf is the live weight of an exact FP32 master (docs/FORMAT.md, "Split masters"):
-the state keeps its int16 low half (`PackedAdamWSplitState.low_halves`), the step runs on the
+the state keeps its int16 low half (`PackedAdamWState.low_halves`), the step runs on the
 master, and the transform's float32 update is chosen so that `optax.apply_updates` gives the
 step's new weight (`_masters.transform_update`).
 """
@@ -31,18 +31,10 @@ from packed_adamw.core.portable import PortableState
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
 from ._sharding import sharded_step, state_spec
-from ._step import StepConfig
+from ._step import StepConfig, StepOperands
 
 # optax.adamw's default; torch.optim.AdamW (and PackedAdamW) use 1e-2.
 DEFAULT_WEIGHT_DECAY = 1e-4
-
-
-class PackedAdamWState(NamedTuple):
-    """`count`: steps taken (int32). `moments`: per leaf, uint32 words of the leaf's shape
-    (packed, fp16) or float32 of shape [2, *shape] (fp32), sharded as the leaf is."""
-
-    count: jax.Array
-    moments: Any
 
 
 class FormatCounts(NamedTuple):
@@ -56,38 +48,51 @@ class FormatCounts(NamedTuple):
     counts: jax.Array
 
 
-class PackedAdamWTrackedState(NamedTuple):
-    """The state of a transform built with `track_format=True`: `PackedAdamWState`'s fields
-    and the format counts of every step, kept in the state so that they work under `jax.jit`
-    and need no host synchronisation; read them with `format_stats`."""
+class PackedAdamWState(NamedTuple):
+    """The state of `packed_adamw` (and of the fused step): one type for every tree, as optax
+    keeps one state type per transformation; the fields a tree does not use are None, which
+    holds no arrays.
+
+    `count`: steps taken (int32). `moments`: per leaf, uint32 words of the leaf's shape
+    (packed, fp16) or float32 of shape [2, *shape] (fp32), sharded as the leaf is.
+    `low_halves`: None when no leaf is bfloat16; otherwise the parameters' tree with, per
+    bfloat16 leaf, the int16 low half of its exact FP32 master (docs/FORMAT.md, "Split
+    masters"; the leaf's shape and sharding) and None per float32 leaf; `master_weights(params,
+    state)` joins them with the weights. `format_counts`: the `FormatCounts` of a transform
+    built with `track_format=True`, else None.
+
+    A float32 tree's state thus holds exactly `count` and `moments` (plus the counts when
+    tracked), with the key paths of the earlier per-feature types, so pytree checkpoints
+    keyed by path and `PortableState`s load as before."""
 
     count: jax.Array
     moments: Any
-    format_counts: FormatCounts
-
-
-class PackedAdamWSplitState(NamedTuple):
-    """The state of parameters of which some leaves are bfloat16: each such leaf is the live
-    weight of an exact FP32 master (docs/FORMAT.md, "Split masters") whose low half is here.
-
-    `count`, `moments`: as in `PackedAdamWState`. `low_halves`: the parameters' tree with, per
-    bfloat16 leaf, its int16 low half (the leaf's shape and sharding) and None per float32
-    leaf; `master_weights(params, state)` joins them with the weights. `format_counts`: the
-    `FormatCounts` of a transform built with `track_format=True`, else None. Parameters that
-    are all float32 keep `PackedAdamWState` / `PackedAdamWTrackedState`."""
-
-    count: jax.Array
-    moments: Any
-    low_halves: Any
+    low_halves: Any = None
     format_counts: FormatCounts | None = None
 
 
-_STATES = (PackedAdamWState, PackedAdamWTrackedState, PackedAdamWSplitState)
+# The names of the per-feature state types of version 1.0 (tracked counts, bf16 leaves): the
+# one state type now. Kept so that imports and isinstance checks keep working.
+PackedAdamWTrackedState = PackedAdamWState
+PackedAdamWSplitState = PackedAdamWState
+
+# optax.tree_utils.tree_map_params calls `init` on a placeholder with no leaves and no dtypes,
+# then maps its function over the fields where the placeholder comes back (the copies of the
+# parameters' tree). Whether a tree has low halves depends on its dtypes, which the placeholder
+# lacks, so `init` gives the placeholder's state this mark instead: a leaf, which matches the
+# field whatever it holds (None, or the low halves), and which tree_map_params treats as a
+# non-parameter field (`transform_non_params`, if given, applies to it).
+_LOW_HALVES_UNKNOWN = "low halves: known only from the parameters' dtypes"
+
+
+def _is_params_placeholder(params) -> bool:
+    """Whether `params` is optax's `tree_map_params` placeholder (a leafless node of optax's)."""
+    kind = type(params)
+    return kind.__module__.startswith("optax.") and kind.__name__ == "_ParamsPlaceholder"
 
 
 def _has_format_counts(state) -> bool:
-    return isinstance(state, PackedAdamWTrackedState) or (
-        isinstance(state, PackedAdamWSplitState) and state.format_counts is not None)
+    return state.format_counts is not None
 
 
 def _zero_format_counts(n_leaves: int) -> FormatCounts:
@@ -176,9 +181,10 @@ def _split_flags(params, what: str = "params") -> list[bool]:
     return flags
 
 
-def _check_grad_dtypes(grads, split: list[bool]) -> None:
-    """A float32 leaf takes float32 gradients; a bfloat16 leaf bfloat16 or float32 ones."""
-    for (path, g), is_split in zip(jax.tree_util.tree_flatten_with_path(grads)[0], split):
+def _check_grad_dtypes(flat_grads, split: list[bool]) -> None:
+    """A float32 leaf takes float32 gradients; a bfloat16 leaf bfloat16 or float32 ones
+    (`flat_grads`: the gradients' (path, leaf) pairs)."""
+    for (path, g), is_split in zip(flat_grads, split):
         dtype = jnp.result_type(g)
         if dtype == FLOAT32 or (is_split and dtype == BF16):
             continue
@@ -191,7 +197,7 @@ def _check_low_halves(state, treedef, params, split: list[bool]) -> list:
     """The state's low halves per leaf (None for float32 leaves), checked against the
     parameters: exactly the bfloat16 leaves have one, int16 of the leaf's shape."""
     paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    if not isinstance(state, PackedAdamWSplitState):
+    if state.low_halves is None:
         if any(split):
             leaf = paths[split.index(True)]
             raise ValueError(
@@ -363,17 +369,16 @@ class _Stepper:
         self.multi_tensor = bool(multi_tensor)
 
     def init(self, params):
-        split = _split_flags(params)
         count = jnp.zeros([], jnp.int32)
         moments = jax.tree_util.tree_map(lambda p: _zero_moments(p, self.fmt), params)
-        counts = _zero_format_counts(len(split)) if self.track_format else None
-        if any(split):  # a low half of 0: each master starts at its bf16 weight
+        counts = _zero_format_counts(len(jax.tree_util.tree_leaves(params))) if self.track_format else None
+        if _is_params_placeholder(params):  # optax.tree_utils.tree_map_params: no dtypes to go by
+            return PackedAdamWState(count, moments, _LOW_HALVES_UNKNOWN, counts)
+        low_halves = None
+        if any(_split_flags(params)):  # a low half of 0: each master starts at its bf16 weight
             low_halves = jax.tree_util.tree_map(
                 lambda p: jnp.zeros_like(p, dtype=LOW_HALF) if jnp.result_type(p) == BF16 else None, params)
-            return PackedAdamWSplitState(count, moments, low_halves, counts)
-        if self.track_format:
-            return PackedAdamWTrackedState(count, moments, counts)
-        return PackedAdamWState(count=count, moments=moments)
+        return PackedAdamWState(count, moments, low_halves, counts)
 
     def counting(self, track_format) -> bool:
         """Whether this step counts: the transform's `track_format` unless the caller's
@@ -390,19 +395,19 @@ class _Stepper:
 
     def run(self, grads, state, params, *, write_update: bool, track_format: bool | None = None):
         counting = self.counting(track_format)
-        treedef = jax.tree_util.tree_structure(grads)
+        flat_grads, treedef = jax.tree_util.tree_flatten_with_path(grads)
         if params is None:
             split = [False] * treedef.num_leaves
-            if isinstance(state, PackedAdamWSplitState):
+            if state.low_halves is not None:
                 raise ValueError(
                     "packed_adamw: the parameters have bfloat16 leaves, whose weights are half of their FP32 "
                     "masters, so update() needs params: call tx.update(grads, state, params)")
         else:
             split = _split_flags(params)
-        _check_grad_dtypes(grads, split)
+        _check_grad_dtypes(flat_grads, split)
         _check_state(state.moments, grads, self.fmt)
         lows = _check_low_halves(state, treedef, grads if params is None else params, split)
-        _check_format_counts(state, self.track_format, len(jax.tree_util.tree_leaves(grads)))
+        _check_format_counts(state, self.track_format, treedef.num_leaves)
         _check_count(state.count)
         decay = _decay_flags(self.mask, grads if params is None else params)
         if params is None:
@@ -419,8 +424,8 @@ class _Stepper:
                 )
             params = grads  # never read for decay: lr * 0 * p = 0 for finite p
         lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
-        paths = tuple(jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0])
-        params, grads = treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads)
+        paths = tuple(jax.tree_util.keystr(path) for path, _ in flat_grads)
+        params, grads = treedef.flatten_up_to(params), [g for _, g in flat_grads]
         moments, decay = treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay)
         # One hyperparameter row with weight decay, one without (masked leaves).
         rows = jnp.asarray([[lr, self.b1, self.b2, self.eps, wd] for wd in (self.weight_decay, 0.0)], jnp.float32)
@@ -442,25 +447,20 @@ class _Stepper:
                             decay=tuple(bool(d) for d in decay), paths=paths,
                             alias_grads=write_update and self.reuse_grad_buffer, track_format=counting,
                             split=tuple(i for i, lo in enumerate(lows) if lo is not None))
-        outs, moments, new_lows, step_counts = sharded_step(params, grads, moments, lows, hparams, step_count,
-                                                            config=config)
+        results = sharded_step(StepOperands(params, grads, moments, lows, hparams, step_count), config=config)
+        outs, new_lows = results.outs, results.lows
         if write_update:  # a split leaf's out is its new weight: the update that gives it (_masters)
             for i in config.split:
                 outs[i], new_lows[i] = _masters.transform_update(params[i], outs[i], new_lows[i])
-        moments = treedef.unflatten(moments)
         format_counts = state.format_counts if self.track_format else None  # an uncounted step keeps them
         if counting:
             # A refused step rejects every element, so it adds no counts; nor does it count as a step.
             old = state.format_counts
             format_counts = FormatCounts(steps=jnp.where(valid, _increment(old.steps), old.steps),
-                                         counts=_accumulated(old.counts, step_counts))
-        if isinstance(state, PackedAdamWSplitState):  # the state keeps its type across updates
-            return treedef.unflatten(outs), PackedAdamWSplitState(count, moments, treedef.unflatten(new_lows),
-                                                                  format_counts)
-        if self.track_format:
-            return treedef.unflatten(outs), PackedAdamWTrackedState(count, moments, format_counts)
-        return treedef.unflatten(outs), PackedAdamWState(count=count, moments=moments)
-
+                                         counts=_accumulated(old.counts, results.counts))
+        low_halves = None if state.low_halves is None else treedef.unflatten(new_lows)
+        return treedef.unflatten(outs), PackedAdamWState(count, treedef.unflatten(results.states), low_halves,
+                                                         format_counts)
 
 def packed_adamw(
     learning_rate: float | Callable[[jax.Array], jax.Array],
@@ -503,7 +503,7 @@ def packed_adamw(
     `track_format=True` (packed and fp16 modes) counts, in the step, per leaf, the elements
     whose new first moment or RMS saturated, flushed to zero or landed subnormal
     (docs/FORMAT.md, "Format counts"). The counts live in the state
-    (`PackedAdamWTrackedState.format_counts`, cumulative since init, replicated over a mesh),
+    (`PackedAdamWState.format_counts`, cumulative since init, replicated over a mesh),
     so they work under `jax.jit` and the step never waits for them; `format_stats(state)`
     reads them. Off (the default) the step, its launches and its state are as without it.
     To count only some steps (those a training loop logs), pass `track_format=False` to
@@ -511,7 +511,7 @@ def packed_adamw(
     through): they run the uncounted launch and leave the counts as they were.
 
     bfloat16 leaves are the live weights of exact FP32 masters (docs/FORMAT.md, "Split
-    masters"): the state (`PackedAdamWSplitState`) keeps each one's int16 low half, the step
+    masters"): the state (`PackedAdamWState.low_halves`) keeps each one's int16 low half, the step
     runs on the master (the bits of a float32 leaf holding it), and their gradients may be
     bfloat16 or float32. Their updates are float32, u = float32(new weight) - float32(weight),
     so that `optax.apply_updates(params, u)` gives the new bf16 weight; apply them unchanged
@@ -559,7 +559,7 @@ def packed_adamw_fused_step(
     return step
 
 
-def export_state(state: PackedAdamWState | PackedAdamWTrackedState, mode: str | StateFormat, *,
+def export_state(state: PackedAdamWState, mode: str | StateFormat, *,
                  m_bias: int | None = None, rms_bias: int | None = None) -> PortableState:
     """The state in leaf order, for `PackedAdamW.import_state`. `mode` (and biases, or a
     `StateFormat`) must be the transform's: the words do not say which format they hold, and
@@ -569,7 +569,7 @@ def export_state(state: PackedAdamWState | PackedAdamWTrackedState, mode: str | 
     leaves, treedef = jax.tree_util.tree_flatten(state.moments)
     count = int(state.count)
     lows = None
-    if isinstance(state, PackedAdamWSplitState):
+    if state.low_halves is not None:
         lows = [None if lo is None else np.array(lo) for lo in treedef.flatten_up_to(state.low_halves)]
         lows = lows if any(lo is not None for lo in lows) else None
     return PortableState(fmt.identity, [count] * len(leaves), [np.array(leaf) for leaf in leaves], lows)
@@ -592,10 +592,10 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
                  rms_bias: int | None = None,
                  track_format: bool = False):
     """A `PackedAdamWState` for `params` from an exported torch (or JAX) state, placed (and
-    sharded) as the parameters are; with `track_format=True` a `PackedAdamWTrackedState`
-    for a transform built so, whose format counts start at zero (as torch's do on a load).
-    With bfloat16 leaves, a `PackedAdamWSplitState` holding their low halves: exactly the
-    bfloat16 leaves must have one in the export (torch's bf16 parameters).
+    sharded) as the parameters are; with `track_format=True` for a transform built so, its
+    format counts starting at zero (as torch's do on a load). With bfloat16 leaves it holds
+    their low halves: exactly the bfloat16 leaves must have one in the export (torch's bf16
+    parameters).
 
     JAX keeps one step count for all leaves, so every tensor must have taken the same steps.
     """
@@ -614,15 +614,15 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
     count = jnp.asarray(count, jnp.int32)
     moments = treedef.unflatten([_placed_like(m, p, fmt) for m, p in zip(portable.moments, leaves)])
     counts = _zero_format_counts(len(leaves)) if track_format else None
+    lows = None
     if any(split):
         lows = treedef.unflatten([None if lo is None else _placed_like(lo, p, None)
                                   for lo, p in zip(portable.low_halves, leaves)])
-        return PackedAdamWSplitState(count, moments, lows, counts)
-    return PackedAdamWTrackedState(count, moments, counts) if track_format else PackedAdamWState(count, moments)
+    return PackedAdamWState(count, moments, lows, counts)
 
 
 def _is_ours(x) -> bool:
-    return isinstance(x, _STATES)
+    return isinstance(x, PackedAdamWState)
 
 
 def _tracked_state(state):
@@ -767,8 +767,7 @@ def load_master_weights(masters, params, state):
         w, low = _masters.split(m)
         new_params.append(w)
         new_lows.append(low)
-    new_state = ours._replace(low_halves=treedef.unflatten(new_lows)) if isinstance(ours, PackedAdamWSplitState) \
-        else ours
+    new_state = ours if ours.low_halves is None else ours._replace(low_halves=treedef.unflatten(new_lows))
     replaced = jax.tree_util.tree_map(lambda x: new_state if x is ours else x, state, is_leaf=_is_ours)
     return treedef.unflatten(new_params), replaced
 
@@ -781,6 +780,6 @@ def _placed_like_param(x, param):
     return x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
 
 
-__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState", "PackedAdamWTrackedState",
-           "RefusedStepWarning", "export_state", "format_stats", "import_state", "load_master_weights", "master_weights", "packed_adamw",
-           "packed_adamw_fused_step", "state_format"]
+__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState",
+           "PackedAdamWTrackedState", "RefusedStepWarning", "export_state", "format_stats", "import_state",
+           "load_master_weights", "master_weights", "packed_adamw", "packed_adamw_fused_step", "state_format"]
