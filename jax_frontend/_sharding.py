@@ -214,10 +214,6 @@ def _factor_rule(ranks: tuple[int, ...], config: StepConfig) -> tuple[str, tuple
     return ", ".join(operands) + " -> " + ", ".join(results), replicated
 
 
-def _replicated_like(sharding):
-    return NamedSharding(sharding.mesh, PartitionSpec())
-
-
 @functools.lru_cache(maxsize=128)
 def _partitioned(config: StepConfig, ranks: tuple[int, ...], body=None):
     """A custom_partitioning of the step for leaves of these ranks (cached: one per layout).

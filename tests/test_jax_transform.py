@@ -259,7 +259,11 @@ def test_invalid_injected_hyperparameter_refuses_the_step_whole(name, bad, maske
         with pytest.raises(ValueError, match="Invalid|invalid hyperparameters"):
             step(params, state, to_jax(grads[1]))
         return
-    after, after_state = step(params, state, to_jax(grads[1]))
+    from packed_adamw.jax import RefusedStepWarning
+
+    with pytest.warns(RefusedStepWarning, match="step refused at count 1: Invalid"):  # never silent
+        after, after_state = step(params, state, to_jax(grads[1]))
+        jax.effects_barrier()
     assert_trees_bits_equal(after, params, f"params after a step with {name}={bad}")
     assert_trees_bits_equal(after_state.inner_state.moments, state.inner_state.moments, "words")
     assert int(after_state.inner_state.count) == int(state.inner_state.count) == 1
