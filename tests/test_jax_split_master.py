@@ -212,6 +212,8 @@ def test_init_gives_low_halves_of_zero_for_bf16_leaves_and_keeps_fp32_only_state
     assert len(jax.tree_util.tree_leaves(fp32_state)) == 1 + len(masters)  # the count and the words, no more
     tracked = packed_adamw(LR, track_format=True).init(params)
     assert type(tracked) is PackedAdamWState and tracked.low_halves is not None and tracked.format_counts is not None
+    from packed_adamw.jax import PackedAdamWSplitState, PackedAdamWTrackedState  # the 1.0 names: one type now
+    assert PackedAdamWSplitState is PackedAdamWState and PackedAdamWTrackedState is PackedAdamWState
 
 
 @pytest.mark.parametrize("track_format", [False, True], ids=["plain", "tracked"])
