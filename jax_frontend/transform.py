@@ -304,7 +304,8 @@ def _refusal_reason(row, count: int) -> str:
 
 
 def _warn_refused(valid, row, count) -> None:
-    """Host side of `_report_refusal` (runs every step; warns only for a refused one)."""
+    """Host side of `_report_refusal`: warns for a refused step (under `vmap` it runs for every
+    batch element, refused or not)."""
     if bool(np.asarray(valid)):
         return
     count = int(np.asarray(count))
@@ -461,6 +462,7 @@ class _Stepper:
         low_halves = None if state.low_halves is None else treedef.unflatten(new_lows)
         return treedef.unflatten(outs), PackedAdamWState(count, treedef.unflatten(results.states), low_halves,
                                                          format_counts)
+
 
 def packed_adamw(
     learning_rate: float | Callable[[jax.Array], jax.Array],
