@@ -8,6 +8,7 @@ from .transform import (
     PackedAdamWSplitState,
     PackedAdamWState,
     PackedAdamWTrackedState,
+    RefusedStepWarning,
     export_state,
     format_stats,
     import_state,
@@ -17,6 +18,8 @@ from .transform import (
     packed_adamw_fused_step,
 )
 
-__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState", "PackedAdamWTrackedState",
-           "PortableState", "StateFormat", "packed_adamw", "packed_adamw_fused_step", "export_state", "format_stats",
-           "import_state", "load_master_weights", "master_weights"]
+# PackedAdamWSplitState and PackedAdamWTrackedState are PackedAdamWState (their 1.0 names).
+__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState",
+           "PackedAdamWTrackedState", "PortableState", "RefusedStepWarning", "StateFormat", "packed_adamw",
+           "packed_adamw_fused_step", "export_state", "format_stats", "import_state", "load_master_weights",
+           "master_weights"]

@@ -25,7 +25,7 @@ dimension. A bf16 leaf's low half (docs/FORMAT.md, "Split masters") has the para
 and sharding.
 
 With `track_format` each device counts its own shards; the per-leaf counts are then summed
-with a `psum` over the mesh axes that split that leaf (one small all-reduce per distinct set
+with a `psum` over the mesh axes that divide that leaf (one small all-reduce per distinct set
 of axes, the step's only collective), so every device holds the totals, replicated like the
 step count. Axes that replicate a leaf are not summed over: each replica counted the same
 elements.
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._step import StepConfig, local_step, packed_adamw_step_p, split_results
+from ._step import StepConfig, StepOperands, StepResults, local_step, packed_adamw_step_p
 
 
 def _spec_tuple(spec, ndim: int) -> tuple:
@@ -125,8 +125,8 @@ def _reshard_to(x, mesh, spec: tuple):
     return x
 
 
-def _split_axes(spec: tuple, axis_names) -> tuple:
-    """The mesh axes among `axis_names` that split a leaf of this spec, in spec order."""
+def _dividing_axes(spec: tuple, axis_names) -> tuple:
+    """The mesh axes among `axis_names` that divide a leaf of this spec, in spec order."""
     axes = []
     for entry in spec:
         for axis in (entry if isinstance(entry, tuple) else (entry,)):
@@ -137,12 +137,12 @@ def _split_axes(spec: tuple, axis_names) -> tuple:
 
 def summed_over_shards(counts, specs, axis_names):
     """Per-leaf counts of this device's shards -> the leaves' totals, on every device: leaf i's
-    row summed over the axes that split it (`_split_axes`), one psum per distinct set."""
+    row summed over the axes that divide it (`_dividing_axes`), one psum per distinct set."""
     by_axes: dict[tuple, list[int]] = {}
     for i, spec in enumerate(specs):
-        by_axes.setdefault(_split_axes(spec, axis_names), []).append(i)
+        by_axes.setdefault(_dividing_axes(spec, axis_names), []).append(i)
     if list(by_axes) == [()]:
-        return counts  # nothing is split: every device counted whole leaves
+        return counts  # no leaf is divided: every device counted whole leaves
     total = jnp.zeros_like(counts)
     for axes, leaves in by_axes.items():
         part = jnp.where(np.isin(np.arange(len(specs)), leaves)[:, None], counts, jnp.zeros_like(counts))
@@ -150,84 +150,68 @@ def summed_over_shards(counts, specs, axis_names):
     return total
 
 
-def _as_results(results, config: StepConfig) -> tuple:
-    """`split_results`' tuple -> (outs, states, low halves per leaf, counts or None)."""
-    results = list(results)
-    lows = results.pop(2) if config.split else [None] * config.n_leaves
-    return results[0], results[1], lows, (results[2] if config.track_format else None)
-
-
-def sharded_step(params, grads, states, lows, hparams, count, *, config: StepConfig):
-    """`_step.local_step` over the leaves, one device's shards at a time where sharded.
-    `lows`: per leaf, the low half of a split leaf (`config.split`), None for a FP32 leaf.
-    Returns (outs, new states, new low halves per leaf, the step's format counts or None
-    without track_format)."""
-    compact = [lows[i] for i in config.split]
-    where = placement(params)
+def sharded_step(operands: StepOperands, *, config: StepConfig) -> StepResults:
+    """`_step.local_step` over the leaves, one device's shards at a time where sharded, with
+    the format counts (`config.track_format`) summed over the shards."""
+    where = placement(operands.params)
     if where is None:
-        return _as_results(local_step(params, grads, states, hparams, count, config=config, lows=compact), config)
+        return local_step(operands, config=config)
     if not where.known:
         if where.platform == "gpu":
-            return _as_results(partitioned_step(params, grads, states, hparams, count, config=config, lows=compact),
-                               config)
+            return partitioned_step(operands, config=config)
         # gathered (see above): the step sees whole leaves, so its counts are the totals
-        return _as_results(local_step(params, grads, states, hparams, count, config=config, lows=compact), config)
+        return local_step(operands, config=config)
     mesh, fmt = where.mesh, config.fmt
     p_specs = [PartitionSpec(*s) for s in where.specs]
     s_specs = [PartitionSpec(*state_spec(s, fmt)) for s in where.specs]
-    grads = [_reshard_to(g, mesh, s) for g, s in zip(grads, where.specs)]
-    states = [_reshard_to(s, mesh, state_spec(spec, fmt)) for s, spec in zip(states, where.specs)]
-    compact = [_reshard_to(lo, mesh, where.specs[i]) for lo, i in zip(compact, config.split)]
+    # Gradients, states and low halves laid out otherwise are moved to their parameter's layout.
+    def resharded(arrays, specs):
+        return [x if x is None else _reshard_to(x, mesh, tuple(spec)) for x, spec in zip(arrays, specs)]
+
+    operands = StepOperands(list(operands.params), resharded(operands.grads, p_specs),
+                            resharded(operands.states, s_specs), resharded(operands.lows, p_specs),
+                            operands.hparams, operands.count)
     mapped = _mapped(config, mesh, tuple(p_specs), tuple(s_specs), where.axis_names)
-    outs, new_states, new_lows, *counts = mapped(list(params), list(grads), list(states), compact, hparams, count)
-    return list(outs), list(new_states), config.per_leaf(new_lows), (counts[0] if counts else None)
+    return StepResults.of(mapped(*operands.flat(config)), config)
 
 
 @functools.lru_cache(maxsize=128)
 def _mapped(config: StepConfig, mesh, p_specs: tuple, s_specs: tuple, axis_names: frozenset):
-    """The shard_map of the step, jitted and cached: an eager step over the same layout then
-    compiles once (an eager shard_map lowers its body again on every call); under an outer
-    jit it is inlined."""
+    """The shard_map of the step over its flat operands, jitted and cached: an eager step over
+    the same layout then compiles once (an eager shard_map lowers its body again on every
+    call); under an outer jit it is inlined."""
 
-    def per_device(params, grads, states, lows, hparams, count):
-        outs, new_states, new_lows, counts = _as_results(
-            local_step(params, grads, states, hparams, count, config=config, lows=lows), config)
-        new_lows = [new_lows[i] for i in config.split]
-        if not config.track_format:
-            return outs, new_states, new_lows
-        return outs, new_states, new_lows, summed_over_shards(counts, [tuple(s) for s in p_specs], axis_names)
+    def per_device(*flat):
+        results = local_step(StepOperands.of(flat, config), config=config)
+        if config.track_format:
+            results.counts = summed_over_shards(results.counts, [tuple(s) for s in p_specs], axis_names)
+        return tuple(results.flat(config))
 
     replicated = PartitionSpec()
-    l_specs = [p_specs[i] for i in config.split]  # a low half is laid out as its parameter
-    return jax.jit(jax.shard_map(
-        per_device, mesh=mesh, axis_names=axis_names, check_vma=False,
-        in_specs=(list(p_specs), list(p_specs), list(s_specs), l_specs, replicated, replicated),
-        out_specs=(list(p_specs), list(s_specs), l_specs) + ((replicated,) if config.track_format else ()),
-    ))
+    p_specs, s_specs = list(p_specs), list(s_specs)  # a low half is laid out as its parameter
+    in_specs = StepOperands(p_specs, p_specs, s_specs, p_specs, replicated, replicated).flat(config)
+    out_specs = StepResults(p_specs, s_specs, p_specs, replicated).flat(config)
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, axis_names=axis_names, check_vma=False,
+                                 in_specs=tuple(in_specs), out_specs=tuple(out_specs)))
 
 
 # ---------------------------------------------------------------------------------------------
 # Auto mesh axes on GPU: custom_partitioning
 # ---------------------------------------------------------------------------------------------
-def _factor_rule(ranks: tuple[int, ...], fmt, track_format: bool = False,
-                 split: tuple[int, ...] = ()) -> tuple[str, tuple[str, ...]]:
+def _factor_rule(ranks: tuple[int, ...], config: StepConfig) -> tuple[str, tuple[str, ...]]:
     """The Shardy sharding rule: leaf i's parameter, gradient, state and low half (a split
     leaf's) and their outputs share the factors of the parameter's dimensions; a fp32 state's
     leading dimension, the hyperparameter rows and the format counts stay replicated."""
+    fp32 = config.fmt.mode == "fp32"
     dims = [[f"l{i}d{k}" for k in range(r)] for i, r in enumerate(ranks)]
     lead = [f"l{i}m" for i in range(len(ranks))]
     param = [" ".join(d) for d in dims]
-    state = [" ".join(([lead[i]] if fmt.mode == "fp32" else []) + d) for i, d in enumerate(dims)]
-    low = [param[i] for i in split]
-    operands = param + param + state + low + ["hr hc", ""]
-    results = param + state + low + (["cl cc"] if track_format else [])
+    state = [" ".join(([lead[i]] if fp32 else []) + d) for i, d in enumerate(dims)]
+    operands = StepOperands(param, param, state, param, "hr hc", "").flat(config)
+    results = StepResults(param, state, param, "cl cc").flat(config)
     # Listed in order of first appearance, as Shardy wants them.
-    replicated = (tuple(lead) if fmt.mode == "fp32" else ()) + ("hr", "hc") + (("cl", "cc") if track_format else ())
+    replicated = (tuple(lead) if fp32 else ()) + ("hr", "hc") + (("cl", "cc") if config.track_format else ())
     return ", ".join(operands) + " -> " + ", ".join(results), replicated
-
-
-def _replicated_like(sharding):
-    return NamedSharding(sharding.mesh, PartitionSpec())
 
 
 @functools.lru_cache(maxsize=128)
@@ -240,55 +224,51 @@ def _partitioned(config: StepConfig, ranks: tuple[int, ...], body=None):
     """
     from jax.experimental.custom_partitioning import custom_partitioning
 
-    n, k = len(ranks), len(config.split)
-    fmt = config.fmt
+    n, fmt = len(ranks), config.fmt
     run = body or (lambda *args, config: packed_adamw_step_p.bind(*args, config=config))
 
     def per_shard(p_shardings, mesh):
-        def step(*args):
-            results = tuple(run(*args, config=config))
+        def step(*flat):
             if not config.track_format:
-                return results
+                return tuple(run(*flat, config=config))
+            results = StepResults.of(run(*flat, config=config), config)
             specs = [tuple(s.spec) for s in p_shardings]  # full rank: `shardings` below
-            last = 2 * n + k
-            return (*results[:last], summed_over_shards(results[last], specs, frozenset(mesh.axis_names)))
+            results.counts = summed_over_shards(results.counts, specs, frozenset(mesh.axis_names))
+            return tuple(results.flat(config))
         return step
 
     def shardings(mesh, arg_shapes):
-        """Each leaf follows its parameter's sharding; hyperparameters are replicated."""
-        p_shardings = []
+        """(operand shardings, result shardings): each leaf follows its parameter's sharding;
+        hyperparameters and counts are replicated."""
+        p_sh = []
         for shape in arg_shapes[:n]:
             sharding = shape.sharding
             spec = _spec_tuple(sharding.spec, len(shape.shape))
-            p_shardings.append(NamedSharding(sharding.mesh, PartitionSpec(*spec)))
-        s_shardings = [NamedSharding(s.mesh, PartitionSpec(*state_spec(tuple(s.spec), fmt))) for s in p_shardings]
-        replicated = NamedSharding(p_shardings[0].mesh if p_shardings else mesh, PartitionSpec())
-        return p_shardings, s_shardings, replicated
-
-    counted = lambda rep: (rep,) if config.track_format else ()  # noqa: E731
-    lows = lambda p_sh: [p_sh[i] for i in config.split]  # noqa: E731  (placed as their parameters)
+            p_sh.append(NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+        s_sh = [NamedSharding(s.mesh, PartitionSpec(*state_spec(tuple(s.spec), fmt))) for s in p_sh]
+        rep = NamedSharding(p_sh[0].mesh if p_sh else mesh, PartitionSpec())
+        return (p_sh, StepOperands(p_sh, p_sh, s_sh, p_sh, rep, rep).flat(config),
+                StepResults(p_sh, s_sh, p_sh, rep).flat(config))
 
     def partition(mesh, arg_shapes, result_shape):
-        p_sh, s_sh, rep = shardings(mesh, arg_shapes)
-        return (mesh, per_shard(p_sh, mesh), (*p_sh, *s_sh, *lows(p_sh), *counted(rep)),
-                (*p_sh, *p_sh, *s_sh, *lows(p_sh), rep, rep))
+        p_sh, operand_sh, result_sh = shardings(mesh, arg_shapes)
+        return mesh, per_shard(p_sh, mesh), tuple(result_sh), tuple(operand_sh)
 
     def infer(mesh, arg_shapes, result_shape):
-        p_sh, s_sh, rep = shardings(mesh, arg_shapes)
-        return (*p_sh, *s_sh, *lows(p_sh), *counted(rep))
+        return tuple(shardings(mesh, arg_shapes)[2])
 
-    def step(*args):  # unpartitioned (one device)
-        return tuple(run(*args, config=config))
+    def step(*flat):  # unpartitioned (one device)
+        return tuple(run(*flat, config=config))
 
     partitioned = custom_partitioning(step)
-    rule, replicated_factors = _factor_rule(ranks, fmt, config.track_format, config.split)
+    rule, replicated_factors = _factor_rule(ranks, config)
     partitioned.def_partition(partition=partition, infer_sharding_from_operands=infer,
                               sharding_rule=rule, need_replication_factors=replicated_factors)
     return partitioned
 
 
-def partitioned_step(params, grads, states, hparams, count, *, config: StepConfig, body=None, lows=()):
-    """As `_step.local_step`, through `_partitioned`: (outs, new states), the new low halves
-    with split leaves and, with `config.track_format`, the step's counts summed over the shards."""
-    ranks = tuple(len(jax.numpy.shape(p)) for p in params)
-    return split_results(_partitioned(config, ranks, body)(*params, *grads, *states, *lows, hparams, count), config)
+def partitioned_step(operands: StepOperands, *, config: StepConfig, body=None) -> StepResults:
+    """As `_step.local_step`, through `_partitioned`, the counts (`config.track_format`)
+    summed over the shards."""
+    ranks = tuple(len(jax.numpy.shape(p)) for p in operands.params)
+    return StepResults.of(_partitioned(config, ranks, body)(*operands.flat(config)), config)

@@ -21,12 +21,14 @@ With `StepConfig.track_format` the primitive has one more output, the step's for
 are what they are without counting.
 
 Leaves listed in `StepConfig.split` are bf16 live weights of FP32 masters (docs/FORMAT.md,
-"Split masters"): the primitive takes their int16 low halves after the states, and returns
-their new weights (never an update: the transform derives u from the new weight) and, after
-the states, their new low halves. Their gradients may be bf16 or float32.
+"Split masters"): the primitive takes their int16 low halves and returns their new weights
+(never an update: the transform derives u from the new weight) and new low halves. Their
+gradients may be bf16 or float32.
 
-Operands: *params, *grads, *states, *low halves (split leaves, in order), hparams, count.
-Results: *outs, *new states, *new low halves, and the counts with `track_format`.
+The primitive's operands and results are flat lists; `StepOperands` and `StepResults` are the
+one place that orders them (`flat` / `of`), and everything else (the transform, the lowerings,
+the host callback, `shard_map` specs, `custom_partitioning` shardings and sharding rule) goes
+through them.
 """
 from __future__ import annotations
 
@@ -36,12 +38,13 @@ import ctypes.util
 import dataclasses
 import functools
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
@@ -81,20 +84,59 @@ def counts_shape(config: StepConfig) -> tuple[int, int]:
     return (config.n_leaves, len(launch.FORMAT_COUNTS))
 
 
-def unpack_results(results, config: StepConfig):
-    """The primitive's flat results -> (outs, new states, new low halves per leaf (None where
-    FP32), the counts or None)."""
-    n, k = config.n_leaves, len(config.split)
-    outs, states = list(results[:n]), list(results[n:2 * n])
-    lows = config.per_leaf(results[2 * n:2 * n + k])
-    return outs, states, lows, (results[2 * n + k] if config.track_format else None)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "grads", "states", "lows", "hparams",
+                                                                  "count"], meta_fields=[])
+@dataclasses.dataclass
+class StepOperands:
+    """The step primitive's operands, by name. `lows` has one entry per leaf: the low half of a
+    leaf in `config.split`, None for a FP32 leaf. Also used for what follows the operands
+    (their shardings, specs, sharding-rule factors). `hparams` is [2, 5] float32 (the row with
+    weight decay, then without), `count` the int32 count after this step (>= 1)."""
+
+    params: list
+    grads: list
+    states: list
+    lows: list
+    hparams: Any
+    count: Any
+
+    def flat(self, config: StepConfig) -> list:
+        """The primitive's operand order: *params, *grads, *states, *low halves (split
+        leaves, in order), hparams, count."""
+        return [*self.params, *self.grads, *self.states, *(self.lows[i] for i in config.split), self.hparams,
+                self.count]
+
+    @classmethod
+    def of(cls, flat, config: StepConfig) -> "StepOperands":
+        n, k = config.n_leaves, len(config.split)
+        return cls(list(flat[:n]), list(flat[n:2 * n]), list(flat[2 * n:3 * n]),
+                   config.per_leaf(flat[3 * n:3 * n + k]), flat[3 * n + k], flat[3 * n + k + 1])
 
 
-def split_results(results, config: StepConfig):
-    """The primitive's flat results -> (outs, new states), then the new low halves per leaf if
-    some leaves are split, then the counts with track_format."""
-    outs, states, lows, counts = unpack_results(results, config)
-    return (outs, states) + ((lows,) if config.split else ()) + ((counts,) if config.track_format else ())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["outs", "states", "lows", "counts"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class StepResults:
+    """The step primitive's results, by name: per leaf its out (update, or new parameter; a
+    split leaf's new weight), new state and new low half (None for a FP32 leaf), and the step's
+    format counts with `config.track_format` (else None)."""
+
+    outs: list
+    states: list
+    lows: list
+    counts: Any = None
+
+    def flat(self, config: StepConfig) -> list:
+        """The primitive's result order: *outs, *new states, *new low halves (split leaves,
+        in order), then the counts with `track_format`."""
+        return [*self.outs, *self.states, *(self.lows[i] for i in config.split),
+                *([self.counts] if config.track_format else [])]
+
+    @classmethod
+    def of(cls, flat, config: StepConfig) -> "StepResults":
+        n, k = config.n_leaves, len(config.split)
+        return cls(list(flat[:n]), list(flat[n:2 * n]), config.per_leaf(flat[2 * n:2 * n + k]),
+                   flat[2 * n + k] if config.track_format else None)
 
 
 def check_countable(arrays, config: StepConfig) -> None:
@@ -109,22 +151,10 @@ def check_countable(arrays, config: StepConfig) -> None:
                 "or pass track_format=False")
 
 
-def _split(args, config: StepConfig):
-    """The primitive's operands -> (params, grads, states, low halves per leaf, hparams, count)."""
-    n, k = config.n_leaves, len(config.split)
-    lows = config.per_leaf(args[3 * n:3 * n + k])
-    return list(args[:n]), list(args[n:2 * n]), list(args[2 * n:3 * n]), lows, args[3 * n + k], args[3 * n + k + 1]
-
-
-def local_step(params, grads, states, hparams, count, *, config: StepConfig, lows=()):
-    """Every leaf's (update or new parameter, new state), for the arrays as given, and with
-    `config.track_format` the step's format counts of these arrays (`split_results`).
-
-    `hparams` is [2, 5] float32 (the row with weight decay, then without; already checked in
-    the graph), `count` an int32 scalar: the count after this step (>= 1). `lows`: the low
-    halves of the leaves in `config.split`, in that order."""
-    return split_results(packed_adamw_step_p.bind(*params, *grads, *states, *lows, hparams, count, config=config),
-                         config)
+def local_step(operands: StepOperands, *, config: StepConfig) -> StepResults:
+    """Every leaf's out and new state (and low half), for the arrays as given, and with
+    `config.track_format` the step's format counts of these arrays."""
+    return StepResults.of(packed_adamw_step_p.bind(*operands.flat(config), config=config), config)
 
 
 packed_adamw_step_p = Primitive("packed_adamw_step")
@@ -133,14 +163,13 @@ packed_adamw_step_p.multiple_results = True
 
 @packed_adamw_step_p.def_abstract_eval
 def _abstract_eval(*avals, config: StepConfig):
-    params, _, states, lows, hparams, _ = _split(avals, config)
+    ops = StepOperands.of(avals, config)
     # The outputs have the types (and shardings) of the parameters, states and low halves (a
     # split leaf's out is its new bf16 weight); the counts are replicated like the
     # hyperparameter rows (both rank 2).
-    outs = [a.update(weak_type=False) for a in params + states + [lo for lo in lows if lo is not None]]
-    if config.track_format:
-        outs.append(hparams.update(shape=counts_shape(config), dtype=np.dtype(np.uint32), weak_type=False))
-    return outs
+    strong = lambda xs: [None if a is None else a.update(weak_type=False) for a in xs]  # noqa: E731
+    counts = ops.hparams.update(shape=counts_shape(config), dtype=np.dtype(np.uint32), weak_type=False)
+    return StepResults(strong(ops.params), strong(ops.states), strong(ops.lows), counts).flat(config)
 
 
 @functools.lru_cache(maxsize=256)
@@ -164,6 +193,21 @@ def _batched(args, dims, *, config: StepConfig):
 
 
 batching.primitive_batchers[packed_adamw_step_p] = _batched
+
+
+def _not_differentiable(primals, tangents, *, config: StepConfig):
+    """jax.grad (jvp, linearize) through the step: refused, saying why and what to do. JAX
+    calls this only when some operand carries a tangent, so a step beside a gradient (the
+    usual train step) never reaches it."""
+    raise TypeError(
+        "packed_adamw: the optimizer step is not differentiable (its moments are rounded to 16-bit codes and it "
+        "steps in place), and jax.grad / jax.jvp reached it through its parameters, gradients, state or "
+        "hyperparameters. Differentiate the loss alone and call update() outside the differentiated function, "
+        "or wrap its inputs in jax.lax.stop_gradient; to differentiate through optimizer steps (meta-learning), "
+        "use optax.adamw")
+
+
+ad.primitive_jvps[packed_adamw_step_p] = _not_differentiable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,15 +265,14 @@ def _subnormals_kept():
         env[1](saved)
 
 
-def _host_step(hparams, count, *arrays, config: StepConfig):
+def _host_step(*flat, config: StepConfig):
     """Every leaf of one device in one callback: a callback costs far more than the numpy step
     of a small leaf, so leaves do not get one each."""
-    n, fmt = config.n_leaves, config.fmt
-    params, grads, states = arrays[:n], arrays[n:2 * n], arrays[2 * n:3 * n]
-    lows = config.per_leaf(arrays[3 * n:])
+    fmt, ops = config.fmt, StepOperands.of(flat, config)
+    params, grads, states, lows, hparams, count = ops.params, ops.grads, ops.states, ops.lows, ops.hparams, ops.count
     hparams = np.asarray(hparams, np.float32)
     count = int(np.asarray(count).reshape(-1)[0])
-    outs, new_states, new_lows = [], [], []
+    outs, new_states, new_lows = [], [], [None] * config.n_leaves
     counts = np.zeros(counts_shape(config), np.int64) if config.track_format else None
     with _subnormals_kept():
         for i, (p, g, s, lo, decays, path) in enumerate(zip(params, grads, states, lows, config.decay, config.paths)):
@@ -250,41 +293,40 @@ def _host_step(hparams, count, *arrays, config: StepConfig):
                     g = (g.view(np.uint16) if g.dtype == jnp.bfloat16 else g.astype(np.float32)).reshape(-1)
                     apply_split_step(p, lo, g, s, scalars, fmt=fmt, format_counts_out=leaf_counts)
                     out = p.view(jnp.bfloat16)
-                    new_lows.append(lo.reshape(shape))
+                    new_lows[i] = lo.reshape(shape)
             except Exception as e:  # surfaces as JaxRuntimeError; make its last line say what failed
                 raise CpuStepError(f"packed_adamw CPU step of leaf {path or '<root>'}: {type(e).__name__}: {e}") \
                     from None
             outs.append(out.reshape(shape))
             new_states.append(s.reshape(state_shape))
-    return outs + new_states + new_lows + ([] if counts is None else [counts.astype(np.uint32)])  # check_countable
+    counts = None if counts is None else counts.astype(np.uint32)  # fits: check_countable
+    return StepResults(outs, new_states, new_lows, counts).flat(config)
 
 
 def _cpu_step(*args, config: StepConfig):
-    params, grads, states, lows, hparams, count = _split(args, config)
-    check_countable(params, config)
-    if not params:
-        return [jnp.zeros(counts_shape(config), jnp.uint32)] if config.track_format else []
-    compact_lows = [lo for lo in lows if lo is not None]
+    ops = StepOperands.of(args, config)
+    check_countable(ops.params, config)
+    if not ops.params:
+        return StepResults([], [], [], jnp.zeros(counts_shape(config), jnp.uint32)).flat(config)
     # A FP32 leaf's out (u or p) and a split leaf's (its new weight) have the parameter's type.
-    out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in params + states + compact_lows]
-    if config.track_format:
-        out_types.append(jax.ShapeDtypeStruct(counts_shape(config), jnp.uint32))
-    return list(jax.pure_callback(functools.partial(_host_step, config=config), out_types, hparams, count,
-                                  *params, *grads, *states, *compact_lows, vmap_method="sequential"))
+    like = lambda xs: [None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]  # noqa: E731
+    out_types = StepResults(like(ops.params), like(ops.states), like(ops.lows),
+                            jax.ShapeDtypeStruct(counts_shape(config), jnp.uint32)).flat(config)
+    return list(jax.pure_callback(functools.partial(_host_step, config=config), out_types, *args,
+                                  vmap_method="sequential"))
 
 
 def _cuda_step(*args, config: StepConfig):
     from . import _triton_launch
 
-    params, grads, states, lows, hparams, count = _split(args, config)
-    check_countable(params, config)
-    results = _triton_launch.step(params, grads, states, list(config.decay), hparams, count, fmt=config.fmt,
-                                  write_update=config.write_update, multi_tensor=config.multi_tensor,
-                                  alias_grads=config.alias_grads, track_format=config.track_format,
-                                  lows=lows if config.split else None)
-    outs, new_states, counts = results[:3]
-    new_lows = [lo for lo in results[3] if lo is not None] if config.split else []
-    return list(outs) + list(new_states) + new_lows + ([counts] if config.track_format else [])
+    ops = StepOperands.of(args, config)
+    check_countable(ops.params, config)
+    outs, new_states, counts, *new_lows = _triton_launch.step(
+        ops.params, ops.grads, ops.states, list(config.decay), ops.hparams, ops.count, fmt=config.fmt,
+        write_update=config.write_update, multi_tensor=config.multi_tensor, alias_grads=config.alias_grads,
+        track_format=config.track_format, lows=ops.lows if config.split else None)
+    new_lows = new_lows[0] if config.split else [None] * config.n_leaves
+    return StepResults(list(outs), list(new_states), list(new_lows), counts).flat(config)
 
 
 mlir.register_lowering(packed_adamw_step_p, mlir.lower_fun(_cpu_step, multiple_results=True))

@@ -7,13 +7,14 @@ shard by shard on their own devices (`_sharding.py`). Both paths follow docs/FOR
 they give the same bits as `packed_adamw.torch.PackedAdamW`. docs/JAX.md is the user's page.
 
 A bfloat16 leaf is the live weight of an exact FP32 master (docs/FORMAT.md, "Split masters"):
-the state keeps its int16 low half (`PackedAdamWSplitState.low_halves`), the step runs on the
+the state keeps its int16 low half (`PackedAdamWState.low_halves`), the step runs on the
 master, and the transform's float32 update is chosen so that `optax.apply_updates` gives the
 step's new weight (`_masters.transform_update`).
 """
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -30,18 +31,10 @@ from packed_adamw.core.portable import PortableState
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
 from ._sharding import sharded_step, state_spec
-from ._step import StepConfig
+from ._step import StepConfig, StepOperands
 
 # optax.adamw's default; torch.optim.AdamW (and PackedAdamW) use 1e-2.
 DEFAULT_WEIGHT_DECAY = 1e-4
-
-
-class PackedAdamWState(NamedTuple):
-    """`count`: steps taken (int32). `moments`: per leaf, uint32 words of the leaf's shape
-    (packed, fp16) or float32 of shape [2, *shape] (fp32), sharded as the leaf is."""
-
-    count: jax.Array
-    moments: Any
 
 
 class FormatCounts(NamedTuple):
@@ -55,38 +48,51 @@ class FormatCounts(NamedTuple):
     counts: jax.Array
 
 
-class PackedAdamWTrackedState(NamedTuple):
-    """The state of a transform built with `track_format=True`: `PackedAdamWState`'s fields
-    and the format counts of every step, kept in the state so that they work under `jax.jit`
-    and need no host synchronisation; read them with `format_stats`."""
+class PackedAdamWState(NamedTuple):
+    """The state of `packed_adamw` (and of the fused step): one type for every tree, as optax
+    keeps one state type per transformation; the fields a tree does not use are None, which
+    holds no arrays.
+
+    `count`: steps taken (int32). `moments`: per leaf, uint32 words of the leaf's shape
+    (packed, fp16) or float32 of shape [2, *shape] (fp32), sharded as the leaf is.
+    `low_halves`: None when no leaf is bfloat16; otherwise the parameters' tree with, per
+    bfloat16 leaf, the int16 low half of its exact FP32 master (docs/FORMAT.md, "Split
+    masters"; the leaf's shape and sharding) and None per float32 leaf; `master_weights(params,
+    state)` joins them with the weights. `format_counts`: the `FormatCounts` of a transform
+    built with `track_format=True`, else None.
+
+    A float32 tree's state thus holds exactly `count` and `moments` (plus the counts when
+    tracked), with the key paths of the earlier per-feature types, so pytree checkpoints
+    keyed by path and `PortableState`s load as before."""
 
     count: jax.Array
     moments: Any
-    format_counts: FormatCounts
-
-
-class PackedAdamWSplitState(NamedTuple):
-    """The state of parameters of which some leaves are bfloat16: each such leaf is the live
-    weight of an exact FP32 master (docs/FORMAT.md, "Split masters") whose low half is here.
-
-    `count`, `moments`: as in `PackedAdamWState`. `low_halves`: the parameters' tree with, per
-    bfloat16 leaf, its int16 low half (the leaf's shape and sharding) and None per float32
-    leaf; `master_weights(params, state)` joins them with the weights. `format_counts`: the
-    `FormatCounts` of a transform built with `track_format=True`, else None. Parameters that
-    are all float32 keep `PackedAdamWState` / `PackedAdamWTrackedState`."""
-
-    count: jax.Array
-    moments: Any
-    low_halves: Any
+    low_halves: Any = None
     format_counts: FormatCounts | None = None
 
 
-_STATES = (PackedAdamWState, PackedAdamWTrackedState, PackedAdamWSplitState)
+# The names of the per-feature state types of version 1.0 (tracked counts, bf16 leaves): the
+# one state type now. Kept so that imports and isinstance checks keep working.
+PackedAdamWTrackedState = PackedAdamWState
+PackedAdamWSplitState = PackedAdamWState
+
+# optax.tree_utils.tree_map_params calls `init` on a placeholder with no leaves and no dtypes,
+# then maps its function over the fields where the placeholder comes back (the copies of the
+# parameters' tree). Whether a tree has low halves depends on its dtypes, which the placeholder
+# lacks, so `init` gives the placeholder's state this mark instead: a leaf, which matches the
+# field whatever it holds (None, or the low halves), and which tree_map_params treats as a
+# non-parameter field (`transform_non_params`, if given, applies to it).
+_LOW_HALVES_UNKNOWN = "low halves: known only from the parameters' dtypes"
+
+
+def _is_params_placeholder(params) -> bool:
+    """Whether `params` is optax's `tree_map_params` placeholder (a leafless node of optax's)."""
+    kind = type(params)
+    return kind.__module__.startswith("optax.") and kind.__name__ == "_ParamsPlaceholder"
 
 
 def _has_format_counts(state) -> bool:
-    return isinstance(state, PackedAdamWTrackedState) or (
-        isinstance(state, PackedAdamWSplitState) and state.format_counts is not None)
+    return state.format_counts is not None
 
 
 def _zero_format_counts(n_leaves: int) -> FormatCounts:
@@ -175,9 +181,10 @@ def _split_flags(params, what: str = "params") -> list[bool]:
     return flags
 
 
-def _check_grad_dtypes(grads, split: list[bool]) -> None:
-    """A float32 leaf takes float32 gradients; a bfloat16 leaf bfloat16 or float32 ones."""
-    for (path, g), is_split in zip(jax.tree_util.tree_flatten_with_path(grads)[0], split):
+def _check_grad_dtypes(flat_grads, split: list[bool]) -> None:
+    """A float32 leaf takes float32 gradients; a bfloat16 leaf bfloat16 or float32 ones
+    (`flat_grads`: the gradients' (path, leaf) pairs)."""
+    for (path, g), is_split in zip(flat_grads, split):
         dtype = jnp.result_type(g)
         if dtype == FLOAT32 or (is_split and dtype == BF16):
             continue
@@ -190,7 +197,7 @@ def _check_low_halves(state, treedef, params, split: list[bool]) -> list:
     """The state's low halves per leaf (None for float32 leaves), checked against the
     parameters: exactly the bfloat16 leaves have one, int16 of the leaf's shape."""
     paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    if not isinstance(state, PackedAdamWSplitState):
+    if state.low_halves is None:
         if any(split):
             leaf = paths[split.index(True)]
             raise ValueError(
@@ -255,6 +262,13 @@ def _decay_flags(mask, params):
             raise TypeError(f"packed_adamw: mask entries must be Python bools known before compilation, got {flag!r}")
         return jax.tree_util.tree_map(lambda _: bool(flag), subtree)
 
+    try:
+        jax.tree_util.tree_structure(flags).flatten_up_to(params)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"packed_adamw: mask has the tree {jax.tree_util.tree_structure(flags)}, which is neither the parameters' "
+            f"tree {jax.tree_util.tree_structure(params)} nor a prefix of it; give one bool per parameter leaf (or "
+            "per subtree of a prefix), or a callable that returns such a tree from the parameters") from None
     return jax.tree_util.tree_map(broadcast, flags, params)
 
 
@@ -270,6 +284,44 @@ def _refuse_invalid(hparams, count):
                   & (lr * wd <= FLOAT32_MAX))
     valid = jnp.all(rows_valid) & (count >= 0)
     return jnp.where(valid, hparams, jnp.nan), valid
+
+
+class RefusedStepWarning(RuntimeWarning):
+    """A step under `jax.jit` was refused in the graph (an invalid hyperparameter or a negative
+    count): nothing changed, and the count did not move."""
+
+
+def _refusal_reason(row, count: int) -> str:
+    """What made a step invalid, in the words of the constructor's validation."""
+    if count < 0:
+        return f"the state's step count is {count} (a count is >= 0: the state is damaged or not a packed_adamw state)"
+    lr, b1, b2, eps, wd = (float(x) for x in row)
+    try:
+        validate_hyperparams(lr, (b1, b2), eps, wd)
+    except ValueError as e:
+        return str(e)
+    return f"[lr, b1, b2, eps, weight_decay] = {[lr, b1, b2, eps, wd]}"  # not reached: the graph found one
+
+
+def _warn_refused(valid, row, count) -> None:
+    """Host side of `_report_refusal`: warns for a refused step (under `vmap` it runs for every
+    batch element, refused or not)."""
+    if bool(np.asarray(valid)):
+        return
+    count = int(np.asarray(count))
+    warnings.warn(
+        f"packed_adamw: step refused at count {count}: {_refusal_reason(np.asarray(row), count)}. No parameter, "
+        "state word or count changed, and since the count did not move a schedule is evaluated at the same count "
+        "next step: fix the schedule or the injected value (the eager update raises on it)", RefusedStepWarning,
+        stacklevel=2)
+
+
+def _report_refusal(valid, row, count) -> None:
+    """Under jit an invalid step cannot raise: a `jax.debug.callback` warns instead
+    (`RefusedStepWarning`, naming the value), so a refusal is never silent. The callback is
+    taken only on the refusing branch of a `lax.cond`; under `vmap` the cond becomes a select,
+    so the host side checks `valid` again."""
+    jax.lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(_warn_refused, *args), valid, row, count)
 
 
 def _concrete_float(x) -> float | None:
@@ -318,17 +370,16 @@ class _Stepper:
         self.multi_tensor = bool(multi_tensor)
 
     def init(self, params):
-        split = _split_flags(params)
         count = jnp.zeros([], jnp.int32)
         moments = jax.tree_util.tree_map(lambda p: _zero_moments(p, self.fmt), params)
-        counts = _zero_format_counts(len(split)) if self.track_format else None
-        if any(split):  # a low half of 0: each master starts at its bf16 weight
+        counts = _zero_format_counts(len(jax.tree_util.tree_leaves(params))) if self.track_format else None
+        if _is_params_placeholder(params):  # optax.tree_utils.tree_map_params: no dtypes to go by
+            return PackedAdamWState(count, moments, _LOW_HALVES_UNKNOWN, counts)
+        low_halves = None
+        if any(_split_flags(params)):  # a low half of 0: each master starts at its bf16 weight
             low_halves = jax.tree_util.tree_map(
                 lambda p: jnp.zeros_like(p, dtype=LOW_HALF) if jnp.result_type(p) == BF16 else None, params)
-            return PackedAdamWSplitState(count, moments, low_halves, counts)
-        if self.track_format:
-            return PackedAdamWTrackedState(count, moments, counts)
-        return PackedAdamWState(count=count, moments=moments)
+        return PackedAdamWState(count, moments, low_halves, counts)
 
     def counting(self, track_format) -> bool:
         """Whether this step counts: the transform's `track_format` unless the caller's
@@ -345,19 +396,19 @@ class _Stepper:
 
     def run(self, grads, state, params, *, write_update: bool, track_format: bool | None = None):
         counting = self.counting(track_format)
-        treedef = jax.tree_util.tree_structure(grads)
+        flat_grads, treedef = jax.tree_util.tree_flatten_with_path(grads)
         if params is None:
             split = [False] * treedef.num_leaves
-            if isinstance(state, PackedAdamWSplitState):
+            if state.low_halves is not None:
                 raise ValueError(
                     "packed_adamw: the parameters have bfloat16 leaves, whose weights are half of their FP32 "
                     "masters, so update() needs params: call tx.update(grads, state, params)")
         else:
             split = _split_flags(params)
-        _check_grad_dtypes(grads, split)
+        _check_grad_dtypes(flat_grads, split)
         _check_state(state.moments, grads, self.fmt)
         lows = _check_low_halves(state, treedef, grads if params is None else params, split)
-        _check_format_counts(state, self.track_format, len(jax.tree_util.tree_leaves(grads)))
+        _check_format_counts(state, self.track_format, treedef.num_leaves)
         _check_count(state.count)
         decay = _decay_flags(self.mask, grads if params is None else params)
         if params is None:
@@ -374,8 +425,8 @@ class _Stepper:
                 )
             params = grads  # never read for decay: lr * 0 * p = 0 for finite p
         lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
-        paths = tuple(jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0])
-        params, grads = treedef.flatten_up_to(params), jax.tree_util.tree_leaves(grads)
+        paths = tuple(jax.tree_util.keystr(path) for path, _ in flat_grads)
+        params, grads = treedef.flatten_up_to(params), [g for _, g in flat_grads]
         moments, decay = treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay)
         # One hyperparameter row with weight decay, one without (masked leaves).
         rows = jnp.asarray([[lr, self.b1, self.b2, self.eps, wd] for wd in (self.weight_decay, 0.0)], jnp.float32)
@@ -384,35 +435,33 @@ class _Stepper:
             refused = not bool(valid)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
             refused = False  # under jit the step is refused in the graph (docs/JAX.md)
+            if any(_concrete_float(x) is None for x in (lr, self.b1, self.b2, self.eps, self.weight_decay)):
+                # A value known only in the graph (a schedule, an injected array) may turn invalid
+                # mid-run; plain numbers were validated when the transform was built.
+                _report_refusal(valid, rows[0], state.count)
         if refused:
-            raise ValueError(
-                f"packed_adamw: invalid hyperparameters at count {int(state.count)}: [lr, b1, b2, eps, weight_decay] = "
-                f"{np.asarray(rows)[0].tolist()}; the learning rate and weight decay must be finite and >= 0, each "
-                "beta in [0, 1) and eps a normal float32 > 0")
+            raise ValueError(f"packed_adamw: invalid hyperparameters at count {int(state.count)}: "
+                             f"{_refusal_reason(np.asarray(rows)[0], int(state.count))}")
         count = jnp.where(valid, _increment(state.count), state.count)
         step_count = jnp.where(valid, count, 1)  # a refused step's rows are NaN: any count in range will do
         config = StepConfig(fmt=self.fmt, write_update=write_update, multi_tensor=self.multi_tensor,
                             decay=tuple(bool(d) for d in decay), paths=paths,
                             alias_grads=write_update and self.reuse_grad_buffer, track_format=counting,
                             split=tuple(i for i, lo in enumerate(lows) if lo is not None))
-        outs, moments, new_lows, step_counts = sharded_step(params, grads, moments, lows, hparams, step_count,
-                                                            config=config)
+        results = sharded_step(StepOperands(params, grads, moments, lows, hparams, step_count), config=config)
+        outs, new_lows = results.outs, results.lows
         if write_update:  # a split leaf's out is its new weight: the update that gives it (_masters)
             for i in config.split:
                 outs[i], new_lows[i] = _masters.transform_update(params[i], outs[i], new_lows[i])
-        moments = treedef.unflatten(moments)
         format_counts = state.format_counts if self.track_format else None  # an uncounted step keeps them
         if counting:
             # A refused step rejects every element, so it adds no counts; nor does it count as a step.
             old = state.format_counts
             format_counts = FormatCounts(steps=jnp.where(valid, _increment(old.steps), old.steps),
-                                         counts=_accumulated(old.counts, step_counts))
-        if isinstance(state, PackedAdamWSplitState):  # the state keeps its type across updates
-            return treedef.unflatten(outs), PackedAdamWSplitState(count, moments, treedef.unflatten(new_lows),
-                                                                  format_counts)
-        if self.track_format:
-            return treedef.unflatten(outs), PackedAdamWTrackedState(count, moments, format_counts)
-        return treedef.unflatten(outs), PackedAdamWState(count=count, moments=moments)
+                                         counts=_accumulated(old.counts, results.counts))
+        low_halves = None if state.low_halves is None else treedef.unflatten(new_lows)
+        return treedef.unflatten(outs), PackedAdamWState(count, treedef.unflatten(results.states), low_halves,
+                                                         format_counts)
 
 
 def packed_adamw(
@@ -456,7 +505,7 @@ def packed_adamw(
     `track_format=True` (packed and fp16 modes) counts, in the step, per leaf, the elements
     whose new first moment or RMS saturated, flushed to zero or landed subnormal
     (docs/FORMAT.md, "Format counts"). The counts live in the state
-    (`PackedAdamWTrackedState.format_counts`, cumulative since init, replicated over a mesh),
+    (`PackedAdamWState.format_counts`, cumulative since init, replicated over a mesh),
     so they work under `jax.jit` and the step never waits for them; `format_stats(state)`
     reads them. Off (the default) the step, its launches and its state are as without it.
     To count only some steps (those a training loop logs), pass `track_format=False` to
@@ -464,7 +513,7 @@ def packed_adamw(
     through): they run the uncounted launch and leave the counts as they were.
 
     bfloat16 leaves are the live weights of exact FP32 masters (docs/FORMAT.md, "Split
-    masters"): the state (`PackedAdamWSplitState`) keeps each one's int16 low half, the step
+    masters"): the state (`PackedAdamWState.low_halves`) keeps each one's int16 low half, the step
     runs on the master (the bits of a float32 leaf holding it), and their gradients may be
     bfloat16 or float32. Their updates are float32, u = float32(new weight) - float32(weight),
     so that `optax.apply_updates(params, u)` gives the new bf16 weight; apply them unchanged
@@ -512,7 +561,7 @@ def packed_adamw_fused_step(
     return step
 
 
-def export_state(state: PackedAdamWState | PackedAdamWTrackedState, mode: str | StateFormat, *,
+def export_state(state: PackedAdamWState, mode: str | StateFormat, *,
                  m_bias: int | None = None, rms_bias: int | None = None) -> PortableState:
     """The state in leaf order, for `PackedAdamW.import_state`. `mode` (and biases, or a
     `StateFormat`) must be the transform's: the words do not say which format they hold, and
@@ -522,7 +571,7 @@ def export_state(state: PackedAdamWState | PackedAdamWTrackedState, mode: str | 
     leaves, treedef = jax.tree_util.tree_flatten(state.moments)
     count = int(state.count)
     lows = None
-    if isinstance(state, PackedAdamWSplitState):
+    if state.low_halves is not None:
         lows = [None if lo is None else np.array(lo) for lo in treedef.flatten_up_to(state.low_halves)]
         lows = lows if any(lo is not None for lo in lows) else None
     return PortableState(fmt.identity, [count] * len(leaves), [np.array(leaf) for leaf in leaves], lows)
@@ -545,10 +594,10 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
                  rms_bias: int | None = None,
                  track_format: bool = False):
     """A `PackedAdamWState` for `params` from an exported torch (or JAX) state, placed (and
-    sharded) as the parameters are; with `track_format=True` a `PackedAdamWTrackedState`
-    for a transform built so, whose format counts start at zero (as torch's do on a load).
-    With bfloat16 leaves, a `PackedAdamWSplitState` holding their low halves: exactly the
-    bfloat16 leaves must have one in the export (torch's bf16 parameters).
+    sharded) as the parameters are; with `track_format=True` for a transform built so, its
+    format counts starting at zero (as torch's do on a load). With bfloat16 leaves it holds
+    their low halves: exactly the bfloat16 leaves must have one in the export (torch's bf16
+    parameters).
 
     JAX keeps one step count for all leaves, so every tensor must have taken the same steps.
     """
@@ -567,15 +616,15 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
     count = jnp.asarray(count, jnp.int32)
     moments = treedef.unflatten([_placed_like(m, p, fmt) for m, p in zip(portable.moments, leaves)])
     counts = _zero_format_counts(len(leaves)) if track_format else None
+    lows = None
     if any(split):
         lows = treedef.unflatten([None if lo is None else _placed_like(lo, p, None)
                                   for lo, p in zip(portable.low_halves, leaves)])
-        return PackedAdamWSplitState(count, moments, lows, counts)
-    return PackedAdamWTrackedState(count, moments, counts) if track_format else PackedAdamWState(count, moments)
+    return PackedAdamWState(count, moments, lows, counts)
 
 
 def _is_ours(x) -> bool:
-    return isinstance(x, _STATES)
+    return isinstance(x, PackedAdamWState)
 
 
 def _tracked_state(state):
@@ -677,8 +726,9 @@ def load_master_weights(masters, params, state):
     `params, state = load_master_weights(masters, params, state)`.
 
     `state` is the packed_adamw state or an optax state holding exactly one (replaced in it).
-    Masters with no finite bf16 weight (NaN, Inf or |M| > SPLIT_MASTER_MAX) are refused, naming
-    the leaf, when their values are known (outside jit); under `jax.jit` they are not checked.
+    Non-finite masters (NaN, Inf), and for a bfloat16 leaf masters with no finite bf16 weight
+    (|M| > SPLIT_MASTER_MAX), are refused, naming the leaf, before anything changes, when their
+    values are known (outside jit); under `jax.jit` they are not checked.
     The masters are placed as the parameters are."""
     ours = _the_packed_state(state, "load_master_weights")
     lows = _checked_lows("load_master_weights", params, ours)
@@ -689,28 +739,37 @@ def load_master_weights(masters, params, state):
         raise ValueError(f"load_master_weights: the masters do not have the parameters' tree ({e}); pass one float32 "
                          "array per parameter leaf, in the parameters' tree") from None
     paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    new_params, new_lows = [], []
+    # Every master is checked before any is placed or split: a refusal changes nothing.
     for path, p, m, lo in zip(paths, leaves, master_leaves, lows):
         where = f"load_master_weights: the master of leaf {path}"
         if jnp.result_type(m) != FLOAT32 or tuple(jnp.shape(m)) != tuple(jnp.shape(p)):
             raise ValueError(f"{where} is {jnp.result_type(m)} {jnp.shape(m)}; expected float32 {jnp.shape(p)}")
+        if isinstance(m, jax.core.Tracer):
+            continue
+        if lo is None:  # a float32 leaf holds any float32, but a NaN or Inf weight is no weight to train
+            bad = int(jnp.count_nonzero(~jnp.isfinite(m)))
+            if bad:
+                raise ValueError(
+                    f"{where} has {bad} of {int(np.prod(jnp.shape(m)))} values that are NaN or Inf: a master must be "
+                    "finite; repair those weights (or reload them from a checkpoint taken before they diverged)")
+            continue
+        outside = int(jnp.count_nonzero(_masters.outside_domain(m)))
+        if outside:
+            raise ValueError(
+                f"{where} has {outside} of {int(np.prod(jnp.shape(m)))} values with no finite bf16 weight (NaN, "
+                f"Inf, or a magnitude above formats.SPLIT_MASTER_MAX = {SPLIT_MASTER_MAX:.6g}): a bfloat16 leaf "
+                "cannot hold them; clip or repair those weights, or keep the leaf float32")
+    new_params, new_lows = [], []
+    for p, m, lo in zip(leaves, master_leaves, lows):
         m = _placed_like_param(m, p)
         if lo is None:
             new_params.append(m)
             new_lows.append(None)
             continue
-        if not isinstance(m, jax.core.Tracer):
-            outside = int(jnp.count_nonzero(_masters.outside_domain(m)))
-            if outside:
-                raise ValueError(
-                    f"{where} has {outside} of {int(np.prod(jnp.shape(m)))} values with no finite bf16 weight (NaN, "
-                    f"Inf, or a magnitude above formats.SPLIT_MASTER_MAX = {SPLIT_MASTER_MAX:.6g}): a bfloat16 leaf "
-                    "cannot hold them; clip or repair those weights, or keep the leaf float32")
         w, low = _masters.split(m)
         new_params.append(w)
         new_lows.append(low)
-    new_state = ours._replace(low_halves=treedef.unflatten(new_lows)) if isinstance(ours, PackedAdamWSplitState) \
-        else ours
+    new_state = ours if ours.low_halves is None else ours._replace(low_halves=treedef.unflatten(new_lows))
     replaced = jax.tree_util.tree_map(lambda x: new_state if x is ours else x, state, is_leaf=_is_ours)
     return treedef.unflatten(new_params), replaced
 
@@ -723,6 +782,6 @@ def _placed_like_param(x, param):
     return x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
 
 
-__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState", "PackedAdamWTrackedState",
-           "export_state", "format_stats", "import_state", "load_master_weights", "master_weights", "packed_adamw",
-           "packed_adamw_fused_step", "state_format"]
+__all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState",
+           "PackedAdamWTrackedState", "RefusedStepWarning", "export_state", "format_stats", "import_state",
+           "load_master_weights", "master_weights", "packed_adamw", "packed_adamw_fused_step", "state_format"]

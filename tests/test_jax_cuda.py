@@ -227,7 +227,7 @@ def test_the_custom_partitioning_step_gives_the_bits_of_the_plain_step(mode):
     or more GPUs; tests/test_jax_sharding.py checks it on CPU devices with a stand-in body.)"""
     from packed_adamw.core import StateFormat
     from packed_adamw.jax._sharding import partitioned_step
-    from packed_adamw.jax._step import StepConfig, local_step
+    from packed_adamw.jax._step import StepConfig, StepOperands, local_step
 
     params0, grads = problem(seed=30)
     keys = sorted(SHAPES)
@@ -239,12 +239,13 @@ def test_the_custom_partitioning_step_gives_the_bits_of_the_plain_step(mode):
     s = [jnp.zeros(fmt.state_shape(SHAPES[k]), fmt.state_dtype) for k in keys]
     h = jnp.asarray([[LR, 0.9, 0.999, 1e-8, WD], [LR, 0.9, 0.999, 1e-8, 0.0]], jnp.float32)
     c = jnp.asarray(1, jnp.int32)
-    want = jax.jit(lambda *a: local_step(*a, config=config))(p, g, s, h, c)
-    got = jax.jit(lambda *a: partitioned_step(*a, config=config))(p, g, s, h, c)
+    operands = lambda p, g, s, h, c: StepOperands(p, g, s, [None] * len(p), h, c)  # noqa: E731
+    want = jax.jit(lambda *a: local_step(operands(*a), config=config))(p, g, s, h, c)
+    got = jax.jit(lambda *a: partitioned_step(operands(*a), config=config))(p, g, s, h, c)
     for i, k in enumerate(keys):
-        assert_bits_equal(got[0][i], want[0][i], f"update[{k!r}]")
-        assert_bits_equal(got[1][i], want[1][i], f"state[{k!r}]")
-    assert np.any(bits(want[1][keys.index("big")])), "the state was never written"
+        assert_bits_equal(got.outs[i], want.outs[i], f"update[{k!r}]")
+        assert_bits_equal(got.states[i], want.states[i], f"state[{k!r}]")
+    assert np.any(bits(want.states[keys.index("big")])), "the state was never written"
 
 
 @pytest.mark.parametrize("mode", MODES)

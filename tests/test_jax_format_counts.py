@@ -33,7 +33,6 @@ from packed_adamw.core.numpy_step import _update_chunk, apply_step, step_scalar_
 from packed_adamw.jax import (
     FormatCounts,
     PackedAdamWState,
-    PackedAdamWTrackedState,
     export_state,
     format_stats,
     import_state,
@@ -245,13 +244,16 @@ def test_torch_and_jax_count_the_same(variant):
 
 @pytest.mark.parametrize("mode", COUNTED_MODES)
 def test_counting_changes_no_bit_and_costs_nothing_when_off(mode):
-    """Off (the default): the state is the two-field `PackedAdamWState` and the step primitive
-    has no counts output; on, the parameters and words are the same bits."""
+    """Off (the default): the state holds only the count and the words (its format counts are
+    None) and the step primitive has no counts output; on, the parameters and words are the
+    same bits."""
     params, grads, words = random_start(mode, seed=5)
     params = {k: jnp.asarray(v) for k, v in params.items()}
     grads = {k: jnp.asarray(v) for k, v in grads.items()}
     off, on = packed_adamw(LR, mode=mode), packed_adamw(LR, mode=mode, track_format=True)
-    assert type(off.init(params)) is PackedAdamWState and len(off.init(params)) == 2
+    off_state = off.init(params)
+    assert type(off_state) is PackedAdamWState and off_state.format_counts is None and off_state.low_halves is None
+    assert len(jax.tree_util.tree_leaves(off_state)) == 1 + len(KEYS)  # the count and the words, no more
     for tx in (off, on):
         assert step_outputs(tx.update, grads, tx.init(params), params) == 2 * len(KEYS) + (tx is on)
     u_off, s_off = jax.jit(off.update)(grads, off.init(params)._replace(moments=words), params)
@@ -311,7 +313,7 @@ def test_the_per_step_track_format_is_a_python_bool_of_a_counting_transform():
         tracked.update(params, tracked.init(params), params, track_format=1)
     for flag in (True, False):  # a member of an optax tree that does not count ignores the switch
         _, state = plain.update(params, plain.init(params), params, track_format=flag)
-        assert type(state) is PackedAdamWState
+        assert type(state) is PackedAdamWState and state.format_counts is None
 
 
 def test_the_state_keeps_its_types_through_scan_cond_chain_multi_steps_and_inject_hyperparams():
@@ -361,11 +363,12 @@ def test_import_state_with_track_format_starts_the_counts_at_zero():
     tx = packed_adamw(LR, track_format=True)
     _, state = tx.update(grads, tx.init(params), params)
     imported = import_state(export_state(state, "packed"), params, "packed", track_format=True)
-    assert isinstance(imported, PackedAdamWTrackedState) and int(imported.count) == 1
+    assert isinstance(imported, PackedAdamWState) and imported.format_counts is not None and int(imported.count) == 1
     assert all(v == 0 for entry in format_stats(imported).values() for v in entry.values())
     _, again = tx.update(grads, imported, params)
     assert format_stats(again)["['a']"]["elements"] == int(np.prod(SHAPES["a"]))
-    assert type(import_state(export_state(state, "packed"), params, "packed")) is PackedAdamWState
+    untracked = import_state(export_state(state, "packed"), params, "packed")
+    assert type(untracked) is PackedAdamWState and untracked.format_counts is None
 
 
 def test_refusals_name_what_to_do():
@@ -622,7 +625,7 @@ def _cases():
     @case("custom_partitioning_sums_the_counts_of_the_shards")
     def _():
         from packed_adamw.jax._sharding import partitioned_step
-        from packed_adamw.jax._step import StepConfig
+        from packed_adamw.jax._step import StepConfig, StepOperands
 
         def body(*args, config):  # stand-in: each shard "counts" its elements, i + 1 per element
             n = config.n_leaves
@@ -636,8 +639,9 @@ def _cases():
         p = [jax.device_put(params0[k], NamedSharding(auto, specs[k])) for k in shapes]
         s = [jax.device_put(np.zeros(shapes[k], np.uint32), NamedSharding(auto, specs[k])) for k in shapes]
         h, c = jnp.full((2, 5), 0.5, jnp.float32), jnp.asarray(3, jnp.int32)
-        fn = jax.jit(lambda p, g, s, h, c: partitioned_step(p, g, s, h, c, config=config, body=body))
-        outs, states, counts = fn(p, p, s, h, c)
+        fn = jax.jit(lambda p, g, s, h, c: partitioned_step(StepOperands(p, g, s, [None] * len(p), h, c),
+                                                             config=config, body=body))
+        counts = fn(p, p, s, h, c).counts
         want = [np.full(6, int(np.prod(shapes[k])) * (i + 1)) for i, k in enumerate(shapes)]
         assert np.asarray(counts).tolist() == np.stack(want).tolist(), np.asarray(counts)
         assert counts.sharding.is_fully_replicated, counts.sharding
@@ -737,7 +741,7 @@ def test_cuda_custom_partitioning_counts_equal_the_plain_step():
     if reason is not None:
         pytest.skip(reason)
     from packed_adamw.jax._sharding import partitioned_step
-    from packed_adamw.jax._step import StepConfig, local_step
+    from packed_adamw.jax._step import StepConfig, StepOperands, local_step
 
     fmt = StateFormat("packed")
     params, grads, words = random_start("packed", seed=31)
@@ -748,11 +752,12 @@ def test_cuda_custom_partitioning_counts_equal_the_plain_step():
     s = [jnp.asarray(words[k]) for k in KEYS]
     h = jnp.asarray([ROW, ROW[:4] + [0.0]], jnp.float32)
     c = jnp.asarray(3, jnp.int32)
-    want = jax.jit(lambda *a: local_step(*a, config=config))(p, g, s, h, c)
-    got = jax.jit(lambda *a: partitioned_step(*a, config=config))(p, g, s, h, c)
+    operands = lambda p, g, s, h, c: StepOperands(p, g, s, [None] * len(p), h, c)  # noqa: E731
+    want = jax.jit(lambda *a: local_step(operands(*a), config=config))(p, g, s, h, c)
+    got = jax.jit(lambda *a: partitioned_step(operands(*a), config=config))(p, g, s, h, c)
     expected = numpy_counts(params, grads, words, 3, fmt)
-    assert np.asarray(want[2]).tolist() == [expected[k][1].tolist() for k in KEYS]
-    assert np.asarray(got[2]).tolist() == np.asarray(want[2]).tolist()
+    assert np.asarray(want.counts).tolist() == [expected[k][1].tolist() for k in KEYS]
+    assert np.asarray(got.counts).tolist() == np.asarray(want.counts).tolist()
 
 
 @pytest.mark.cuda

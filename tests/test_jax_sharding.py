@@ -242,7 +242,7 @@ def _cases():
         # The GPU path for Auto axes, with a stand-in body (a host callback cannot run inside a
         # partition): each device must see only its shards, and nothing is gathered.
         from packed_adamw.jax._sharding import partitioned_step
-        from packed_adamw.jax._step import StepConfig
+        from packed_adamw.jax._step import StepConfig, StepOperands
 
         seen = []
 
@@ -261,14 +261,16 @@ def _cases():
             s = [jax.device_put(np.zeros(fmt.state_shape(shapes[k]), fmt.state_dtype),
                                 NamedSharding(auto, spec_of_state(specs[k], mode))) for k in shapes]
             h, c = jnp.full((2, 5), 0.5, jnp.float32), jnp.asarray(3, jnp.int32)
-            fn = jax.jit(lambda p, g, s, h, c: partitioned_step(p, g, s, h, c, config=config, body=body))
+            fn = jax.jit(lambda p, g, s, h, c: partitioned_step(StepOperands(p, g, s, [None] * len(p), h, c),
+                                                                 config=config, body=body))
             text = fn.lower(p, g, s, h, c).compile().as_text()
             assert collectives(text) == [], collectives(text)
             local_p, local_s, h_shape, c_shape = seen[-1]
             assert local_p == [(2, 12), (1,), (), (3, 2), (5,)], local_p
             assert local_s == [fmt.state_shape(x) for x in local_p], local_s
             assert (h_shape, c_shape) == ((2, 5), ())
-            outs, states = fn(p, g, s, h, c)
+            results = fn(p, g, s, h, c)
+            outs, states = results.outs, results.states
             for k, o, st, pp, gg in zip(shapes, outs, states, p, g):
                 assert np.array_equal(np.asarray(o), np.asarray(pp) * 2 + np.asarray(gg) + np.float32(0.5)), k
                 assert np.all(np.asarray(st) == 3), k

@@ -37,7 +37,6 @@ from packed_adamw.core import StateFormat, formats, launch
 from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
 from packed_adamw.core.portable import PortableState
 from packed_adamw.jax import (
-    PackedAdamWSplitState,
     PackedAdamWState,
     export_state,
     format_stats,
@@ -200,7 +199,7 @@ def test_init_gives_low_halves_of_zero_for_bf16_leaves_and_keeps_fp32_only_state
     masters, _, _ = problem(steps=1)
     params = bf16_template(masters)
     state = packed_adamw(LR).init(params)
-    assert type(state) is PackedAdamWSplitState and state.format_counts is None
+    assert type(state) is PackedAdamWState and state.low_halves is not None and state.format_counts is None
     assert state.low_halves["b"] is None
     for k in SPLIT_KEYS:
         lo = state.low_halves[k]
@@ -209,8 +208,36 @@ def test_init_gives_low_halves_of_zero_for_bf16_leaves_and_keeps_fp32_only_state
     for k, m in master_weights(params, state).items():
         assert_same(bits32(m), bits32(np.asarray(params[k]).astype(F32)), f"initial master {k!r}")
     fp32_state = packed_adamw(LR).init(to_jax(masters))
-    assert type(fp32_state) is PackedAdamWState and len(fp32_state) == 2
-    assert type(packed_adamw(LR, track_format=True).init(params)) is PackedAdamWSplitState
+    assert type(fp32_state) is PackedAdamWState and fp32_state.low_halves is None and fp32_state.format_counts is None
+    assert len(jax.tree_util.tree_leaves(fp32_state)) == 1 + len(masters)  # the count and the words, no more
+    tracked = packed_adamw(LR, track_format=True).init(params)
+    assert type(tracked) is PackedAdamWState and tracked.low_halves is not None and tracked.format_counts is not None
+    from packed_adamw.jax import PackedAdamWSplitState, PackedAdamWTrackedState  # the 1.0 names: one type now
+    assert PackedAdamWSplitState is PackedAdamWState and PackedAdamWTrackedState is PackedAdamWState
+
+
+@pytest.mark.parametrize("track_format", [False, True], ids=["plain", "tracked"])
+def test_tree_map_params_maps_the_moments_of_trees_with_and_without_bf16_leaves(track_format):
+    """optax.tree_utils.tree_map_params calls init on a placeholder with no dtypes; the one
+    state type lets it map the moments of a tree with bf16 leaves (it raised on the old
+    per-feature types), with and without extra trees, and keeps the low halves (not a copy of
+    the parameters' tree: transform_non_params applies to them). Float32 trees as before."""
+    masters, _, _ = problem(steps=1)
+    for params in (bf16_template(masters), to_jax(masters)):
+        for tx in (packed_adamw(LR, track_format=track_format),
+                   optax.chain(optax.clip_by_global_norm(1.0), packed_adamw(LR, track_format=track_format))):
+            state = tx.init(params)
+            ones = optax.tree_utils.tree_map_params(tx, lambda v: jnp.ones_like(v), state)
+            ours = ones if isinstance(ones, PackedAdamWState) else ones[1]
+            assert all(np.all(np.asarray(m) == 1) for m in jax.tree_util.tree_leaves(ours.moments))
+            assert jax.tree_util.tree_structure(ones) == jax.tree_util.tree_structure(state)
+            start = state if isinstance(state, PackedAdamWState) else state[1]
+            assert jax.tree_util.tree_structure(ours.low_halves) == jax.tree_util.tree_structure(start.low_halves)
+            shapes = optax.tree_utils.tree_map_params(tx, lambda v, p: (v.shape, p.shape), state, params,
+                                                      transform_non_params=lambda _: None)
+            ours = shapes if isinstance(shapes, PackedAdamWState) else shapes[1]
+            assert ours.moments == {k: (p.shape, p.shape) for k, p in params.items()}
+            assert ours.count is None and ours.low_halves is None
 
 
 # ------------------------------------------------------- masters follow the FP32 run ------
@@ -275,7 +302,7 @@ def test_format_counts_of_bf16_leaves_equal_the_fp32_run(mode, variant):
     for g, g32 in zip(grads, grads32):
         p32, s32 = step(p32, s32, to_jax(g32))
         pb, sb = step(pb, sb, to_jax(g))
-    assert isinstance(sb, PackedAdamWSplitState) and sb.format_counts is not None
+    assert isinstance(sb, PackedAdamWState) and sb.low_halves is not None and sb.format_counts is not None
     assert format_stats(sb, pb) == format_stats(s32, p32)
     assert any(v["flushed_m"] or v["subnormal_rms"] or v["saturated_m"] for v in format_stats(sb).values())
 
@@ -395,7 +422,7 @@ def test_portable_state_carries_the_low_halves_from_torch_to_jax_and_back(mode, 
     params = {k: jnp.asarray(np.asarray(bits16(t)).view(ml_dtypes.bfloat16).reshape(t.shape)) if k in SPLIT_KEYS
               else jnp.asarray(t.detach().numpy().copy()) for k, t in tensors.items()}
     state = import_state(PortableState.load(tmp_path / "torch.safetensors"), params, mode)
-    assert isinstance(state, PackedAdamWSplitState) and int(state.count) == 3 and state.low_halves["b"] is None
+    assert isinstance(state, PackedAdamWState) and int(state.count) == 3 and state.low_halves["b"] is None
     tx = packed_adamw(LR, weight_decay=WD, mode=mode)
     step, fused = jax.jit(step_fn(tx)), jax.jit(packed_adamw_fused_step(LR, weight_decay=WD, mode=mode))
     pf, sf = params, state
@@ -445,7 +472,8 @@ def test_portable_states_between_fp32_and_bf16_leaves_are_refused_both_ways():
     # the round trip inside JAX keeps the state exactly
     assert_trees_same(import_state(split_export, pb, "packed"), sb, "export/import round trip")
     tracked = import_state(split_export, pb, "packed", track_format=True)
-    assert isinstance(tracked, PackedAdamWSplitState) and int(tracked.format_counts.steps) == 0
+    assert isinstance(tracked, PackedAdamWState) and tracked.low_halves is not None
+    assert int(tracked.format_counts.steps) == 0
 
 
 # ------------------------------------------------------------------ master weights --------
@@ -458,7 +486,8 @@ def test_load_master_weights_then_master_weights_gives_the_masters_back_at_ties_
     chain = optax.chain(optax.clip(1.0), packed_adamw(LR))  # a nested state: replaced where it is
     state = chain.init(params)
     new_params, new_state = jax.jit(load_master_weights)(to_jax(masters), params, state)
-    assert isinstance(new_state[1], PackedAdamWSplitState) and new_params["a"].dtype == BF16
+    assert isinstance(new_state[1], PackedAdamWState) and new_state[1].low_halves is not None
+    assert new_params["a"].dtype == BF16
     assert_trees_same(master_weights(new_params, new_state), masters, "masters after load_master_weights")
     w, lo = formats.split_master(masters["a"])
     assert_same(bits16(new_params["a"]), w, "weights: the masters' split (ties away from zero)")
@@ -475,8 +504,23 @@ def test_load_master_weights_refuses_masters_no_bf16_weight_can_hold(bad):
     with pytest.raises(ValueError, match=r"master of leaf \['a'\] has 1 of 4 values with no finite bf16 weight"):
         load_master_weights(to_jax(masters), params, state)
     masters["a"][2] = 1.0
-    masters["b"][0] = bad  # a float32 leaf may hold it
-    load_master_weights(to_jax(masters), params, state)
+    masters["b"][0] = bad
+    if np.isfinite(bad):  # a float32 leaf may hold a finite master above SPLIT_MASTER_MAX
+        load_master_weights(to_jax(masters), params, state)
+    else:  # but not a NaN or Inf one, though it is a float32
+        with pytest.raises(ValueError, match=r"master of leaf \['b'\] has 1 of 3 values that are NaN or Inf"):
+            load_master_weights(to_jax(masters), params, state)
+
+
+def test_load_master_weights_checks_every_master_before_changing_anything():
+    """A non-finite master of a float32 leaf after a good bfloat16 one: refused before the
+    bfloat16 leaf is split (no half-done load), and the state given stays as it was."""
+    params = {"a": jnp.zeros(4, BF16), "b": jnp.zeros(3, jnp.float32)}
+    state = packed_adamw(LR).init(params)
+    masters = {"a": jnp.full(4, 1.5, jnp.float32), "b": jnp.asarray([1.0, np.nan, 2.0], jnp.float32)}
+    with pytest.raises(ValueError, match=r"master of leaf \['b'\] has 1 of 3 values that are NaN or Inf"):
+        load_master_weights(masters, params, state)
+    assert not np.any(np.asarray(bits16(state.low_halves["a"]))) and not np.any(np.asarray(params["b"]))
 
 
 def test_load_master_weights_refuses_other_dtypes_shapes_and_trees():
@@ -859,7 +903,7 @@ def _cases():
     @case("custom_partitioning_places_the_low_halves_like_the_params")
     def _():
         from packed_adamw.jax._sharding import partitioned_step
-        from packed_adamw.jax._step import StepConfig
+        from packed_adamw.jax._step import StepConfig, StepOperands
 
         def body(*args, config):  # stand-in for the step: passes its operands through
             n, k = config.n_leaves, len(config.split)
@@ -874,8 +918,9 @@ def _cases():
         lows = [jax.device_put(np.full(shapes[k], 3, np.int16), NamedSharding(auto, specs[k])) for k in keys
                 if k in split]
         h, c = jnp.full((2, 5), 0.5, jnp.float32), jnp.asarray(3, jnp.int32)
-        fn = jax.jit(lambda p, s, lows, h, c: partitioned_step(p, p, s, h, c, config=config, body=body, lows=lows))
-        outs, states, new_lows = fn(p, s, lows, h, c)
+        fn = jax.jit(lambda p, s, lows, h, c: partitioned_step(StepOperands(p, p, s, config.per_leaf(lows), h, c),
+                                                                config=config, body=body))
+        new_lows = fn(p, s, lows, h, c).lows
         for k, lo in zip(keys, new_lows):
             if k in split:
                 assert np.asarray(lo).tolist() == np.full(shapes[k], 3).tolist()

@@ -259,12 +259,61 @@ def test_invalid_injected_hyperparameter_refuses_the_step_whole(name, bad, maske
         with pytest.raises(ValueError, match="Invalid|invalid hyperparameters"):
             step(params, state, to_jax(grads[1]))
         return
-    after, after_state = step(params, state, to_jax(grads[1]))
+    from packed_adamw.jax import RefusedStepWarning
+
+    with pytest.warns(RefusedStepWarning, match="step refused at count 1: Invalid"):  # never silent
+        after, after_state = step(params, state, to_jax(grads[1]))
+        jax.effects_barrier()
     assert_trees_bits_equal(after, params, f"params after a step with {name}={bad}")
     assert_trees_bits_equal(after_state.inner_state.moments, state.inner_state.moments, "words")
     assert int(after_state.inner_state.count) == int(state.inner_state.count) == 1
     for leaf in jax.tree_util.tree_leaves(after):
         assert np.isfinite(np.asarray(leaf)).all()
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_a_schedule_gone_negative_is_refused_visibly(jitted):
+    """A schedule that turns invalid at some count: eagerly the update raises; under jit the
+    step is refused in the graph and a RefusedStepWarning names the value, every refused step
+    (the count stays, so the schedule stays invalid). Valid steps warn nothing."""
+    import warnings
+
+    from packed_adamw.jax import RefusedStepWarning
+
+    params0, grads = problem(seed=18, steps=3)
+    table = jnp.asarray([LR, -2e-3, -2e-3, -2e-3], jnp.float32)
+    tx = packed_adamw(lambda count: table[count], weight_decay=WD)
+    step = jax.jit(step_fn(tx)) if jitted else step_fn(tx)
+    params = to_jax(params0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RefusedStepWarning)
+        params, state = step(params, tx.init(params), to_jax(grads[0]))
+        jax.effects_barrier()
+    if not jitted:
+        with pytest.raises(ValueError, match="Invalid learning rate: lr=-0.002"):
+            step(params, state, to_jax(grads[1]))
+        return
+    for g in grads[1:]:
+        with pytest.warns(RefusedStepWarning, match=r"step refused at count 1: Invalid learning rate: lr=-0.002"):
+            after, after_state = step(params, state, to_jax(g))
+            jax.effects_barrier()
+        assert_trees_bits_equal(after, params, "params after a refused step")
+        assert int(after_state.count) == 1
+
+
+def test_a_negative_count_under_jit_warns_that_the_step_was_refused():
+    """With a hyperparameter known only in the graph (here injected), the refusal warning also
+    names a negative count (plain-number hyperparameters add no callback: see docs/JAX.md)."""
+    from packed_adamw.jax import RefusedStepWarning
+
+    params0, grads = problem(seed=17, steps=1)
+    tx = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=WD)
+    params = to_jax(params0)
+    state = tx.init(params)
+    state = state._replace(inner_state=state.inner_state._replace(count=jnp.asarray(-3, jnp.int32)))
+    with pytest.warns(RefusedStepWarning, match="step refused at count -3: the state's step count is -3"):
+        jax.jit(tx.update)(to_jax(grads[0]), state, params)
+        jax.effects_barrier()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -659,6 +708,45 @@ def test_a_mask_may_be_a_prefix_of_the_params_as_in_optax():
     reference = packed_adamw(LR, weight_decay=WD, mask=full)
     expected, _ = reference.update(grads, reference.init(params), params)
     assert_trees_bits_equal(updates, expected, "prefix mask vs full mask")
+
+
+@pytest.mark.parametrize("mask", [{"a": True, "z": False}, [True, False], {"a": {"x": True}, "c": True}],
+                         ids=["other_keys", "a_list", "deeper_than_params"])
+def test_a_mask_of_another_tree_is_refused_naming_mask(mask):
+    params = {"a": {"x": jnp.ones(3), "y": jnp.ones(2)}, "c": jnp.ones(4)}
+    tx = packed_adamw(LR, weight_decay=WD, mask=mask)
+    with pytest.raises(ValueError, match="mask has the tree .* nor a prefix of it; give one bool per parameter leaf"):
+        tx.update(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize("through", ["grads", "params", "learning_rate"])
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_differentiating_through_the_step_says_it_is_not_differentiable(through, jitted):
+    """jax.grad through update raises saying the step is not differentiable and what to do,
+    not JAX's missing-rule error; a gradient beside the step (the train step) still works."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32)}
+    grads = {"w": jnp.full(6, 0.25, jnp.float32)}
+    inject = optax.inject_hyperparams(packed_adamw)
+
+    def loss(x):
+        if through == "learning_rate":
+            tx = packed_adamw(lambda count: x)
+            state = tx.init(params)
+            updates, _ = tx.update(grads, state, params)
+        else:
+            tx = packed_adamw(LR)
+            p, g = (x, grads) if through == "params" else (params, x)
+            updates, _ = tx.update(g, tx.init(p), p)
+        return sum(jnp.sum(u) for u in jax.tree_util.tree_leaves(updates))
+
+    arg = jnp.asarray(LR, jnp.float32) if through == "learning_rate" else (params if through == "params" else grads)
+    fn = jax.jit(jax.grad(loss)) if jitted else jax.grad(loss)
+    with pytest.raises(TypeError, match="optimizer step is not differentiable.*stop_gradient.*optax.adamw"):
+        fn(arg)
+    tx = inject(learning_rate=LR)
+    step = jax.jit(lambda p, s: tx.update(jax.grad(lambda q: jnp.sum(q["w"] ** 2))(p), s, p))
+    updates, _ = step(params, tx.init(params))
+    assert np.all(np.isfinite(np.asarray(updates["w"])))
 
 
 def test_injected_zero_weight_decay_needs_no_params():
