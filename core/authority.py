@@ -99,13 +99,3 @@ def join_master(w_bits: int, lo: int) -> int:
     """(bf16 bits, low half in [-32768, 32767]) -> FP32 master bits."""
     magnitude = ((w_bits % 2**15) * 2**16 + lo) % 2**31
     return ((w_bits >> 15) << 31) | magnitude
-
-
-def __getattr__(name):
-    # Transitional (issue 36): tools/inspect_state still reads AdamW's authority through this
-    # module; it lives in core/adamw/authority.py.
-    if name in ("MODES", "codecs", "adamw_element", "adamw_split_element"):
-        from .adamw import authority
-
-        return getattr(authority, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -171,13 +171,3 @@ def block_table(numels: list[int], block: int) -> tuple[np.ndarray, np.ndarray]:
     starts = np.concatenate([[0], np.cumsum(blocks)[:-1]])
     block_index = (np.arange(int(blocks.sum()), dtype=np.int64) - np.repeat(starts, blocks)).astype(np.int32)
     return block_tensor, block_index
-
-
-def __getattr__(name):
-    # Transitional (issue 36): AdamW's count names, still read here by the frontends and the
-    # trainer; they belong to the rule (core/adamw/rule.py, FORMAT_COUNTS).
-    if name == "FORMAT_COUNTS":
-        from .adamw.rule import FORMAT_COUNTS
-
-        return FORMAT_COUNTS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

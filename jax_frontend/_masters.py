@@ -2,7 +2,7 @@
 
 The codec here is FORMAT.md's split and join written with jnp bit operations, so that
 `master_weights` and `load_master_weights` run under `jax.jit` and keep each leaf's sharding;
-the layout constants come from `core/formats.py` and the tests check it against the numpy
+the layout constants come from `core/codecs.py` and the tests check it against the numpy
 codec (`formats.split_master` / `join_master`) bit for bit.
 
 `transform_update` is how the optax transform turns the step's new live weight into an update:
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from packed_adamw.core.formats import LOW_HALF_DTYPE, SPLIT_LO_SIGN, SPLIT_MASTER_MAX, SPLIT_SIGN_BIT
-from packed_adamw.core.hyperparams import FLOAT32_MAX
+from packed_adamw.core.codecs import LOW_HALF_DTYPE, SPLIT_LO_SIGN, SPLIT_MASTER_MAX, SPLIT_SIGN_BIT
+from packed_adamw.core.codecs import FLOAT32_MAX
 
 BF16 = jnp.dtype(jnp.bfloat16)
 FLOAT32 = jnp.dtype(jnp.float32)

@@ -17,7 +17,7 @@ leaf-group table and callback works on the local shards.
 
 With `StepConfig.track_format` the primitive has one more output, the step's format counts
 (docs/FORMAT.md, "Format counts") of each leaf's elements on this device: uint32
-[n_leaves, len(launch.FORMAT_COUNTS)]. Without it the primitive, its outputs and its launches
+[n_leaves, len(FORMAT_COUNTS)]. Without it the primitive, its outputs and its launches
 are what they are without counting.
 
 Leaves listed in `StepConfig.split` are bf16 live weights of FP32 masters (docs/FORMAT.md,
@@ -47,7 +47,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
+from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 # A step's counts of one leaf on one device travel as uint32, so a counted leaf (or its shard
 # on a device) must have fewer elements than this.
@@ -80,8 +81,8 @@ class StepConfig:
 
 
 def counts_shape(config: StepConfig) -> tuple[int, int]:
-    """The shape of one step's format counts: a row of launch.FORMAT_COUNTS per leaf."""
-    return (config.n_leaves, len(launch.FORMAT_COUNTS))
+    """The shape of one step's format counts: a row of FORMAT_COUNTS per leaf."""
+    return (config.n_leaves, len(FORMAT_COUNTS))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "grads", "states", "lows", "hparams",

@@ -23,9 +23,10 @@ import numpy as np
 import optax
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
-from packed_adamw.core.hyperparams import FLOAT32_MAX, FLOAT32_TINY, validate_hyperparams
-from packed_adamw.core.formats import SPLIT_MASTER_MAX
-from packed_adamw.core.launch import FORMAT_COUNTS
+from packed_adamw.core.codecs import FLOAT32_MAX, FLOAT32_TINY
+from packed_adamw.core.adamw.hyperparams import validate_hyperparams
+from packed_adamw.core.codecs import SPLIT_MASTER_MAX
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 from packed_adamw.core.portable import PortableState
 
 from . import _masters
@@ -757,7 +758,7 @@ def load_master_weights(masters, params, state):
         if outside:
             raise ValueError(
                 f"{where} has {outside} of {int(np.prod(jnp.shape(m)))} values with no finite bf16 weight (NaN, "
-                f"Inf, or a magnitude above formats.SPLIT_MASTER_MAX = {SPLIT_MASTER_MAX:.6g}): a bfloat16 leaf "
+                f"Inf, or a magnitude above codecs.SPLIT_MASTER_MAX = {SPLIT_MASTER_MAX:.6g}): a bfloat16 leaf "
                 "cannot hold them; clip or repair those weights, or keep the leaf float32")
     new_params, new_lows = [], []
     for p, m, lo in zip(leaves, master_leaves, lows):

@@ -210,7 +210,7 @@ def fsdp_resume(out: Path, source_world: str) -> None:
 
 # ---- bf16 parameters with split masters (docs/FORMAT.md, "Split masters") -----------------------
 BF16 = torch.bfloat16
-LOW_HALF = "lo"  # packed_adamw.core.formats.LOW_HALF_KEY
+LOW_HALF = "lo"  # packed_adamw.core.codecs.LOW_HALF_KEY
 
 
 def make_bf16_model(seed: int = 0) -> torch.nn.Module:

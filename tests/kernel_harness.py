@@ -22,6 +22,7 @@ from packed_adamw.core import Hyperparams, StateFormat, adamw_step
 from packed_adamw.core.adamw import authority as A
 from packed_adamw.core import launch
 from packed_adamw.core.codecs import CODE_MASK
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 F32 = np.float32
 U32 = np.uint32
@@ -116,7 +117,7 @@ class KernelResult(NamedTuple):
     nonfinite: int  # elements rejected, as counted by the kernel
     param_buffer: np.ndarray  # the input parameter buffer after the launch
     state_buffer: np.ndarray  # the input state buffer after the launch
-    format_counts: np.ndarray  # launch.FORMAT_COUNTS (zeros unless track_format)
+    format_counts: np.ndarray  # FORMAT_COUNTS (zeros unless track_format)
 
 
 def run_kernel(p, g, state, *, count, hp, fmt, write_update=False, device="cpu", block=None,

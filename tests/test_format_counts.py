@@ -20,6 +20,7 @@ from packed_adamw.core import Hyperparams, StateFormat, launch
 from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
 from packed_adamw.core.adamw.numpy_step import apply_step, step_scalar_row
 from packed_adamw.torch import PackedAdamW
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 COUNTED_MODES = ["packed", "fp16"]
 HP = Hyperparams(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
@@ -314,7 +315,7 @@ def test_format_stats_are_the_numpy_counts_of_every_step_since_the_last_read(mod
     assert set(stats) == {"a", "b", "c"}
     for name, p in zip("abc", params):
         assert stats[name]["elements"] == 3 * p.numel()
-        np.testing.assert_array_equal([stats[name][k] for k in launch.FORMAT_COUNTS], expected[name])
+        np.testing.assert_array_equal([stats[name][k] for k in FORMAT_COUNTS], expected[name])
     assert all(v == 0 for entry in opt.format_stats().values() for v in entry.values())  # reset on read
 
 
@@ -371,7 +372,7 @@ def test_track_format_switched_between_steps_counts_only_the_steps_made_with_it_
     stats = opt.format_stats()
     for name, p in zip("abc", params):
         assert stats[name]["elements"] == len(counted) * p.numel()
-        np.testing.assert_array_equal([stats[name][k] for k in launch.FORMAT_COUNTS], expected[name])
+        np.testing.assert_array_equal([stats[name][k] for k in FORMAT_COUNTS], expected[name])
     for p, q in zip(params, twins):
         assert torch.equal(p.detach().view(torch.int32), q.detach().view(torch.int32))
         assert torch.equal(opt.state[p]["words"].view(torch.int32), plain.state[q]["words"].view(torch.int32))
@@ -483,7 +484,7 @@ def test_cuda_track_format_switched_between_steps_equals_cpu(multi_tensor, dtype
     assert stats[(0, 3)]["elements"] == sum(switch) * cpu[3].numel()
     every = every_step.format_stats()
     for key in stats:  # the uncounted steps had something to count
-        assert [stats[key][k] for k in launch.FORMAT_COUNTS] != [every[key][k] for k in launch.FORMAT_COUNTS], key
+        assert [stats[key][k] for k in FORMAT_COUNTS] != [every[key][k] for k in FORMAT_COUNTS], key
     as_bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int16: torch.int16,
                torch.uint32: torch.int32}
     for p, q, r in zip(cpu, gpu, plain_gpu):

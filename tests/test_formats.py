@@ -405,22 +405,3 @@ def test_kernel_constants_come_from_the_format(mode):
             m_fmt.signed, m_fmt.fraction_bits, m_fmt.bias, m_fmt.max_magnitude_code)
         assert (constants["R_SIGNED"], constants["R_FRAC"], constants["R_BIAS"], constants["R_MAX"]) == (
             r_fmt.signed, r_fmt.fraction_bits, r_fmt.bias, r_fmt.max_magnitude_code)
-
-
-def test_transitional_paths_answer_with_the_rules_names():
-    # tools/inspect_state and the trainer still import through these (docs/ARCHITECTURE.md);
-    # imported by name so that an import rewrite leaves them be.
-    import importlib
-
-    from packed_adamw.core.adamw import FORMAT_COUNTS
-
-    authority, formats, launch = (importlib.import_module(f"packed_adamw.core.{name}")
-                                  for name in ("authority", "formats", "launch"))
-    from packed_adamw.core.adamw import authority as adamw_authority
-
-    assert launch.FORMAT_COUNTS is FORMAT_COUNTS
-    assert authority.codecs is adamw_authority.codecs and authority.adamw_element is adamw_authority.adamw_element
-    assert formats.StateFormat is StateFormat and formats.FP16 is FP16
-    with pytest.raises(AttributeError):
-        launch.NOT_A_NAME  # noqa: B018
-

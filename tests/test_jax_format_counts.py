@@ -27,9 +27,9 @@ import kernel_harness as H
 from jax_helpers import (F32, InterpretedJaxTriton, assert_bits_equal, jax_cuda_unavailable, run_cases_child,
                          spanning_values)
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.formats import MOMENT_SHIFT
-from packed_adamw.core.hyperparams import SCALAR_FIELDS
-from packed_adamw.core.numpy_step import _update_chunk, apply_step, step_scalar_row
+from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
+from packed_adamw.core.adamw.hyperparams import SCALAR_FIELDS
+from packed_adamw.core.adamw.numpy_step import update_chunk as _update_chunk, apply_step, step_scalar_row
 from packed_adamw.jax import (
     FormatCounts,
     PackedAdamWState,
@@ -41,6 +41,7 @@ from packed_adamw.jax import (
 )
 from packed_adamw.torch import PackedAdamW
 from test_format_counts import recount
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -112,7 +113,7 @@ def tracked_state(tx, params, words, count: int):
 
 
 def as_counts(stats: dict, key: str) -> list[int]:
-    return [stats[path_of(key)][name] for name in launch.FORMAT_COUNTS]
+    return [stats[path_of(key)][name] for name in FORMAT_COUNTS]
 
 
 def _step_equations(jaxpr):
@@ -353,7 +354,7 @@ def test_a_step_refused_whole_counts_neither_elements_nor_moments():
     state = tx.init(params)
     state.hyperparams["learning_rate"] = jnp.asarray(-1.0)  # invalid: refused in the graph under jit
     _, state = jax.jit(tx.update)({"w": jnp.full((10,), 1e8, jnp.float32)}, state, params)
-    assert format_stats(state)["['w']"] == dict.fromkeys(["elements", *launch.FORMAT_COUNTS], 0)
+    assert format_stats(state)["['w']"] == dict.fromkeys(["elements", *FORMAT_COUNTS], 0)
 
 
 def test_import_state_with_track_format_starts_the_counts_at_zero():
@@ -567,9 +568,9 @@ def _cases():
                 apply_step(p, g[k].reshape(-1), s, step_scalar_row(t, row), fmt=fmt, format_counts_out=step_counts)
                 sampled += step_counts if on else 0
                 full += step_counts
-            want[f"['{k}']"] = {"elements": sum(counted) * p.size, **dict(zip(launch.FORMAT_COUNTS, sampled.tolist()))}
+            want[f"['{k}']"] = {"elements": sum(counted) * p.size, **dict(zip(FORMAT_COUNTS, sampled.tolist()))}
             every_step[k] = full
-        assert any((every_step[k] - [want[f"['{k}']"][n] for n in launch.FORMAT_COUNTS]).any() for k in shapes)
+        assert any((every_step[k] - [want[f"['{k}']"][n] for n in FORMAT_COUNTS]).any() for k in shapes)
         with jax.set_mesh(explicit):
             tx = packed_adamw(1e-2, weight_decay=0.1, track_format=True)
             plain = packed_adamw(1e-2, weight_decay=0.1)
@@ -696,9 +697,9 @@ def test_cuda_counts_equal_the_numpy_step_and_torch_cuda(mode, multi_tensor):
             apply_step(ref_p[k], g[k].reshape(-1), ref_s[k], step_scalar_row(t, ROW), fmt=fmt,
                        format_counts_out=ref_counts[k])
     want = {path_of(k): {"elements": len(grads) * ref_p[k].size,
-                         **dict(zip(launch.FORMAT_COUNTS, ref_counts[k].tolist()))} for k in keys}
+                         **dict(zip(FORMAT_COUNTS, ref_counts[k].tolist()))} for k in keys}
     # Every count these values can reach is reached; fp16's RMS (max 65504) cannot saturate on gradients below 2**6.
-    reachable = [name for name in launch.FORMAT_COUNTS if not (mode == "fp16" and name == "saturated_rms")]
+    reachable = [name for name in FORMAT_COUNTS if not (mode == "fp16" and name == "saturated_rms")]
     assert all(want[path_of("big")][name] > 0 for name in reachable), want
 
     tx = packed_adamw(LR, B1, B2, EPS, WD, mode=mode, multi_tensor=multi_tensor, track_format=True)
@@ -835,8 +836,8 @@ def test_cuda_steps_updated_with_track_format_false_count_nothing_and_change_no_
     assert want[path_of("big")]["elements"] == sum(switch) * 1031 * 1027
     for k in keys:  # the uncounted steps had something to count
         if k != "s":
-            assert [want[path_of(k)][n] for n in launch.FORMAT_COUNTS] != \
-                [every_step[path_of(k)][n] for n in launch.FORMAT_COUNTS], k
+            assert [want[path_of(k)][n] for n in FORMAT_COUNTS] != \
+                [every_step[path_of(k)][n] for n in FORMAT_COUNTS], k
     assert format_stats(s_t) == want
     assert format_stats(s_f) == want
 

@@ -22,6 +22,7 @@ from packed_adamw.core.adamw import authority as A
 from packed_adamw.core.adamw import kernel as K
 from packed_adamw.core.adamw.numpy_step import CHUNK, apply_split_step, apply_step, step_scalar_row
 from packed_adamw.core.codecs import LOW_HALF_KEY, SPLIT_MASTER_MAX, SPLIT_MASTER_MAX_BITS, join_master, split_master
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 F32 = np.float32
 U32 = np.uint32
@@ -311,7 +312,7 @@ def scalars_of(count, hp):
 
 
 def format_counts():
-    return np.zeros(len(launch.FORMAT_COUNTS), np.int64)
+    return np.zeros(len(FORMAT_COUNTS), np.int64)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gpt_helpers import MICRO, assert_bitwise_equal, build_data, checkpoint_tensors, run_train
-from packed_adamw.core import formats
+from packed_adamw.core import codecs as formats
 from packed_adamw.inspect import load_state_file
 from packed_adamw.inspect.__main__ import main as inspect_main
 from packed_adamw.torch.gpt import checkpoint

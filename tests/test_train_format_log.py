@@ -13,12 +13,13 @@ import torch
 
 from gpt_helpers import MICRO, assert_bitwise_equal, build_data, run_train
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.formats import MOMENT_SHIFT
+from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
 from packed_adamw.torch import PackedAdamW
 from packed_adamw.torch.gpt import checkpoint
 from packed_adamw.torch.gpt.families import gpt_parameter_kind as parameter_kind
 from packed_adamw.torch.gpt.model import GPT, GPTConfig
 from packed_adamw.torch.gpt.train import ConfigError, TrainConfig, main, train
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 KINDS = {"embedding", "attention_qkv", "attention_proj", "mlp", "layernorm", "bias"}
 STEPS, STOP_AT, LOG_EVERY = 6, 5, 2  # format records at steps 1, 2, 4 and (the session's end) 5
@@ -85,7 +86,7 @@ def test_format_records_are_the_optimizers_counts_per_kind_over_each_interval(ru
             expected[parameter_kind(name)].update(entry)
         for kind, entry in record["kinds"].items():
             assert entry["element_steps"] == expected[kind]["elements"] == numels[kind] * steps, kind
-            for count in launch.FORMAT_COUNTS:
+            for count in FORMAT_COUNTS:
                 n = expected[kind][count]
                 assert entry["counts"][count] == n
                 assert entry[count] == n / entry["element_steps"] and 0 <= entry[count] <= 1, (kind, count)

@@ -9,7 +9,7 @@ import numbers
 import numpy as np
 import torch
 
-from packed_adamw.core import StateFormat, formats, validate_hyperparams
+from packed_adamw.core import StateFormat, codecs as formats, validate_hyperparams
 
 from . import _dtensor
 from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, has_format_counts, state_dtype
@@ -367,7 +367,7 @@ def checked_masters(params: list, masters: list, names: list[str], states) -> li
             if outside:
                 raise ValueError(
                     f"{where} has {outside} of {m.numel()} values with no finite bf16 weight (NaN, Inf, or "
-                    f"a magnitude above formats.SPLIT_MASTER_MAX = {formats.SPLIT_MASTER_MAX:.6g}): "
+                    f"a magnitude above codecs.SPLIT_MASTER_MAX = {formats.SPLIT_MASTER_MAX:.6g}): "
                     "a bfloat16 parameter cannot hold them; clip or repair those weights, or keep the parameter "
                     "float32"
                 )

@@ -13,7 +13,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from packed_adamw.core import formats
+from packed_adamw.core import codecs as formats
 from packed_adamw.core.portable import PortableState
 
 from . import _dtensor

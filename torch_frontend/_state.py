@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from packed_adamw.core import StateFormat, formats, launch
+from packed_adamw.core import StateFormat, codecs as formats, launch
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 # core's numpy dtype names as torch dtypes: the only such map in the torch frontend.
 TORCH_DTYPES = {"float32": torch.float32, "uint32": torch.uint32, "int16": torch.int16}
@@ -62,7 +63,7 @@ def new_counters(n: int, device) -> torch.Tensor:
 
 def format_count_slots(counters: torch.Tensor) -> torch.Tensor:
     """[n, len(FORMAT_COUNTS), FORMAT_SLOTS] view of counter rows' format counts."""
-    return counters[:, NONFINITE_COLUMN + 1:].view(len(counters), len(launch.FORMAT_COUNTS), launch.FORMAT_SLOTS)
+    return counters[:, NONFINITE_COLUMN + 1:].view(len(counters), len(FORMAT_COUNTS), launch.FORMAT_SLOTS)
 
 
 def format_counts(counters: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from packed_adamw.core import StateFormat, formats, launch
-from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
+from packed_adamw.core import StateFormat, codecs as formats, launch
+from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
 
 from . import _launch
 from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, flat_moments, format_count_slots, new_low_half, new_state, \
     state_dtype
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 __all__ = ["adamw_step_", "new_state", "new_low_half", "state_dtype", "LOW_HALF_KEY", "LOW_HALF_DTYPE"]
 SPLIT_PARAM_DTYPE = torch.bfloat16  # parameters of this dtype are live weights of split masters
@@ -109,7 +110,7 @@ def cpu_step_(params, grads, states, scalars, rows, fmt: StateFormat, counters=N
     rejected = []
     lows = [None] * len(params) if lows is None else lows
     for i, (p, g, s, lo, row) in enumerate(zip(params, grads, states, lows, rows)):
-        counts = np.zeros(len(launch.FORMAT_COUNTS), np.int64) if track_format else None
+        counts = np.zeros(len(FORMAT_COUNTS), np.int64) if track_format else None
         if lo is None:
             rejected.append(apply_step(_numpy_view(p), _numpy_view(g), _state_view(s, fmt), scalars[row], fmt=fmt,
                                        format_counts_out=counts))
@@ -145,7 +146,7 @@ def row_scalars(count: int, row: tuple) -> tuple:
     return step_scalar_row(count, row[:5], maximize=len(row) > 5 and bool(row[5]))
 
 
-# ---- split masters outside the step (core/formats.py's codecs, on host copies) ----
+# ---- split masters outside the step (core/codecs.py's codecs, on host copies) ----
 def join_master(weight: torch.Tensor, low_half: torch.Tensor | None) -> torch.Tensor:
     """The FP32 masters of a bf16 weight and its low half (None: zeros, a weight never
     stepped), as a new float32 tensor of the weight's shape on its device."""

@@ -19,6 +19,7 @@ from . import _checks, _compiled, _engine, _persistence
 from ._checks import MAX_STEP, STEP_LIMIT  # noqa: F401  (public names of this module)
 from ._engine import SATURATION_WARNING, NonFiniteGradientError  # noqa: F401
 from ._persistence import GROUP_FORMAT_KEY, STATE_DICT_KEY, STATE_DICT_VERSION  # noqa: F401
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 
 class PackedAdamW(Optimizer):
@@ -180,7 +181,7 @@ class PackedAdamW(Optimizer):
         how many element-steps that was); the step itself never waits for the GPU, this call
         does. Loading a state starts the counts afresh. Warns once per
         parameter whose saturated share passes `SATURATION_WARNING`, saying which bias to move."""
-        return _engine.format_stats(self, launch.FORMAT_COUNTS)
+        return _engine.format_stats(self, FORMAT_COUNTS)
 
     # ---- saving and loading -------------------------------------------------------------
     def state_dict(self) -> dict:

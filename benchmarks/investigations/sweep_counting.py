@@ -58,6 +58,7 @@ from bench_step import cuda_time_ms as timed  # noqa: E402 (same timing as every
 
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.adamw.kernel import adamw_kernel, adamw_split_kernel, step_scalars_kernel
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 CONSECUTIVE, SHIFTED, PREFETCHED = launch.LAYOUT_CONSECUTIVE, launch.LAYOUT_SHIFTED, launch.LAYOUT_PREFETCHED
 
@@ -193,7 +194,7 @@ def chosen_launches(profiles: dict, scalars, counters, passes: int, candidates: 
         counters.zero_()
         Profile(profile.p, profile.words, profile.grads[:1], in_place=False).launcher(*rows[0][1][:2], scalars,
                                                                                        counters)()
-        counts = dict(zip(launch.FORMAT_COUNTS, launch.sum_counter_slots(counters.cpu().numpy()[None])[0].tolist()))
+        counts = dict(zip(FORMAT_COUNTS, launch.sum_counter_slots(counters.cpu().numpy()[None])[0].tolist()))
         uncounted = {split: profile.launcher(*_library(split, False, False)[:2], scalars, counters, split)
                      for split in (False, True)}
         ratios = {row: [] for row, _ in rows}
@@ -439,7 +440,7 @@ def main() -> None:
         adamw_kernel[launch.single_tensor_grid(n, constants)](p1, g, words1, scalars, counters1, n, p1, words1,
                                                               num_warps=4, **constants, **launch.COMPILE_OPTIONS)
         # the counts, not the row: each program adds to its own slot, and the layouts' programs differ
-        totals = torch.cat([counters1[:1], counters1[1:].view(len(launch.FORMAT_COUNTS), -1).sum(1)])
+        totals = torch.cat([counters1[:1], counters1[1:].view(len(FORMAT_COUNTS), -1).sum(1)])
         results.append((p1.view(torch.int32), words1, totals))
     same = all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))
     print("one launch of each layout: the same bits and counts:", same, results[0][2].tolist())

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 from packed_adamw.core.format_health import DEFAULT_HEADROOM, DEFAULT_HIGH_QUANTILE, DEFAULT_LOW_QUANTILE
-from packed_adamw.core.formats import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS
+from packed_adamw.core.adamw.state_format import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS
 
 from .explain import walk_step
 from .files import TORCH_ADAMW, InspectError, load_state_file

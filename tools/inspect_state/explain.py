@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from packed_adamw.core import authority
+from packed_adamw.core.adamw import authority
 from packed_adamw.core.authority import f32, f32_bits
-from packed_adamw.core.formats import CODE_MASK, MOMENT_SHIFT, MiniFloat, StateFormat
+from packed_adamw.core.codecs import CODE_MASK, MiniFloat
+from packed_adamw.core.adamw.state_format import MOMENT_SHIFT, StateFormat
 
 FLT_MAX = authority.bits_f32(0x7F7FFFFF)
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from packed_adamw.core.format_health import moment_values, state_format_from_identity
-from packed_adamw.core.formats import StateFormat, read_master
+from packed_adamw.core.adamw.state_format import StateFormat
+from packed_adamw.core.codecs import read_master
 
 TORCH_ADAMW = "torch.optim.AdamW"  # `identity` of a torch.optim.AdamW state (no packed-adamw format)
 

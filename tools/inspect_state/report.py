@@ -14,7 +14,8 @@ from packed_adamw.core.format_health import (
     window_edges,
     window_histogram,
 )
-from packed_adamw.core.formats import MiniFloat, first_moment_format, rms_format
+from packed_adamw.core.codecs import MiniFloat
+from packed_adamw.core.adamw.state_format import first_moment_format, rms_format
 
 from .files import StateFile, TensorState
 

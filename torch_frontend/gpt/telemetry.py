@@ -17,6 +17,7 @@ from packed_adamw.core import first_moment_format, launch, rms_format
 from ..optimizer import PackedAdamW
 from .config import TrainConfig
 from .distributed import Ranks, full
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 
 def moment_stats(model: torch.nn.Module, optimizer: PackedAdamW, step: int, biases: list[int],
@@ -67,7 +68,7 @@ def format_record(optimizer: PackedAdamW, kinds: list[str], first_step: int, ste
     summed over the ranks; DDP ranks step whole tensors with the same reduced gradients, so
     each rank's counts already are the whole tensors'.
     """
-    fields = ("element_steps", *launch.FORMAT_COUNTS)
+    fields = ("element_steps", *FORMAT_COUNTS)
     row = {kind: index for index, kind in enumerate(kinds)}
     totals = torch.zeros((len(kinds), len(fields)), dtype=torch.int64)
     for name, entry in optimizer.format_stats().items():
@@ -100,7 +101,7 @@ def plot_format_log(log_path: Path, png_path: Path) -> None:
     records = log_records(log_path, FORMAT_RECORD)
     kinds = sorted({kind for r in records for kind in r["kinds"]})
     fig, axes = plt.subplots(3, 2, figsize=(10, 10), sharex=True)  # rows: event; columns: m, RMS
-    for ax, count in zip(axes.flat, launch.FORMAT_COUNTS):
+    for ax, count in zip(axes.flat, FORMAT_COUNTS):
         drawn = False
         for kind in kinds:
             points = [(r["step"], r["kinds"][kind][count]) for r in records if kind in r["kinds"]]

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from packed_adamw.core import formats
+from packed_adamw.core import codecs as formats
 from packed_adamw.tokenizer.corpus import CorpusNotInstalledError
 from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader
 
