@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from packed_adamw.core import launch
-from packed_adamw.core.kernel import COUNTER_ROW, FP32_MODE, SCALAR_ROW, _adamw_block, _add_counts
+from packed_adamw.core.kernel import COUNTER_ROW, add_counts as _add_counts
+from packed_adamw.core.adamw.kernel import FP32_MODE, SCALAR_ROW, adamw_block as _adamw_block
 
 # Leaves per launch. Each program selects its leaf's addresses from all of the launch's
 # arguments, so its scalar work grows with this.

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from packed_adamw.core.formats import LOW_HALF_DTYPE, SPLIT_LO_SIGN, SPLIT_MASTER_MAX, SPLIT_SIGN_BIT
-from packed_adamw.core.hyperparams import FLOAT32_MAX
+from packed_adamw.core.codecs import LOW_HALF_DTYPE, SPLIT_LO_SIGN, SPLIT_MASTER_MAX, SPLIT_SIGN_BIT
+from packed_adamw.core.codecs import FLOAT32_MAX
 
 BF16 = jnp.dtype(jnp.bfloat16)
 FLOAT32 = jnp.dtype(jnp.float32)

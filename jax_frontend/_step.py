@@ -44,7 +44,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
+from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
 
 # A step's counts of one leaf on one device travel as uint32, so a counted leaf (or its shard
 # on a device) must have fewer elements than this.

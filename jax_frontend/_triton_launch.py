@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.kernel import _adamw_programs
+from packed_adamw.core.adamw.kernel import adamw_programs as _adamw_programs
 
 
 @functools.cache
@@ -89,7 +89,7 @@ def _format_counts(counters):
 
 def step_scalars(hparams, counts):
     """[rows, 5] float32 hyperparameters and [rows] int32 counts -> [rows, 8] step scalars."""
-    from packed_adamw.core.kernel import step_scalars_kernel
+    from packed_adamw.core.adamw.kernel import step_scalars_kernel
 
     rows = hparams.shape[0]
     return _jax_triton().triton_call(
@@ -121,7 +121,7 @@ def leaf_step(p, g, s, scalars, *, fmt: StateFormat, write_update: bool, alias_g
     `_first_output_alias` names: each element is read before its own output is written, so
     under jit with donated arguments the kernel works in place.
     """
-    from packed_adamw.core.kernel import adamw_kernel
+    from packed_adamw.core.adamw.kernel import adamw_kernel
 
     n = int(p.size)  # not 0: a grid of zero programs is not a launch
     first = _first_output_alias(write_update, alias_grads)
@@ -170,7 +170,7 @@ def split_leaf_step(w, lo, g, s, scalars, *, fmt: StateFormat, write_update: boo
     """Returns (new weight, new low half, new state) for one bf16 leaf with a split master,
     through core's `adamw_split_kernel`, and with `track_format` its [6] format counts. The
     low half and state are aliased to their new ones, the weight as `_split_weight_alias` says."""
-    from packed_adamw.core.kernel import adamw_split_kernel
+    from packed_adamw.core.adamw.kernel import adamw_split_kernel
 
     n = int(w.size)  # not 0: a grid of zero programs is not a launch
     flat_s = s.reshape((2, -1) if fmt.mode == "fp32" else (-1,))

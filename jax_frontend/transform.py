@@ -22,9 +22,10 @@ import numpy as np
 import optax
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
-from packed_adamw.core.hyperparams import FLOAT32_MAX, FLOAT32_TINY, validate_hyperparams
-from packed_adamw.core.formats import SPLIT_MASTER_MAX
-from packed_adamw.core.launch import FORMAT_COUNTS
+from packed_adamw.core.codecs import FLOAT32_MAX, FLOAT32_TINY
+from packed_adamw.core.adamw.hyperparams import validate_hyperparams
+from packed_adamw.core.codecs import SPLIT_MASTER_MAX
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 from packed_adamw.core.portable import PortableState
 
 from . import _masters

@@ -27,9 +27,9 @@ import kernel_harness as H
 from jax_helpers import (F32, InterpretedJaxTriton, assert_bits_equal, jax_cuda_unavailable, run_cases_child,
                          spanning_values)
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.formats import MOMENT_SHIFT
-from packed_adamw.core.hyperparams import SCALAR_FIELDS
-from packed_adamw.core.numpy_step import _update_chunk, apply_step, step_scalar_row
+from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
+from packed_adamw.core.adamw.hyperparams import SCALAR_FIELDS
+from packed_adamw.core.adamw.numpy_step import update_chunk as _update_chunk, apply_step, step_scalar_row
 from packed_adamw.jax import (
     FormatCounts,
     PackedAdamWState,

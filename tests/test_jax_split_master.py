@@ -33,8 +33,8 @@ import pytest
 import torch
 
 from jax_helpers import InterpretedJaxTriton, jax_cuda_unavailable, run_cases_child
-from packed_adamw.core import StateFormat, formats, launch
-from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
+from packed_adamw.core import StateFormat, codecs as formats, launch
+from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
 from packed_adamw.core.portable import PortableState
 from packed_adamw.jax import (
     PackedAdamWSplitState,
@@ -660,7 +660,7 @@ def test_the_cuda_launches_of_mixed_kinds_equal_the_numpy_step_in_the_interprete
         params, [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words], decay,
         jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt, write_update=write_update,
         multi_tensor=multi_tensor, alias_grads=write_update, track_format=track, lows=lows)
-    from packed_adamw.core.kernel import step_scalars_kernel
+    from packed_adamw.core.adamw.kernel import step_scalars_kernel
 
     updates = [k for k in stand_in.kernels if k is not step_scalars_kernel]
     split_kernels = {_leaf_group.leaf_group_kernel(n, counting=track, split=True) for n in range(1, 4)}

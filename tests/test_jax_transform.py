@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from jax_helpers import F32, MODES, U32, assert_bits_equal, bits, make_problem, run_jax, run_torch
-from packed_adamw.core import StateFormat, authority
+from packed_adamw.core import StateFormat
+from packed_adamw.core.adamw import authority
 from packed_adamw.core.portable import PortableState
 from packed_adamw.jax import PackedAdamWState, export_state, import_state, packed_adamw, packed_adamw_fused_step
 from packed_adamw.torch import PackedAdamW

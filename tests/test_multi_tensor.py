@@ -31,7 +31,7 @@ def test_block_table_covers_every_block_once():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_interpreted_multi_tensor_kernel_equals_numpy_per_tensor(mode, device):
-    from packed_adamw.core.kernel import adamw_multi_tensor_kernel, step_scalars_kernel
+    from packed_adamw.core.adamw.kernel import adamw_multi_tensor_kernel, step_scalars_kernel
 
     fmt = StateFormat(mode)
     rng = np.random.default_rng(11)

@@ -972,7 +972,7 @@ def test_an_empty_parameter_steps_beside_the_others():
 
 def test_hyperparameters_are_validated_when_they_change_not_per_tensor_per_step(monkeypatch):
     """One validation per distinct hyperparameter row, however many tensors and steps."""
-    import packed_adamw.core.hyperparams as hyperparams
+    import packed_adamw.core.adamw.hyperparams as hyperparams
     import packed_adamw.torch.optimizer as optimizer_module
 
     calls = []

@@ -25,7 +25,7 @@ import torch
 
 import torch_helpers as H
 from conftest import interpreting
-from packed_adamw.core import StateFormat, formats
+from packed_adamw.core import StateFormat, codecs as formats
 from packed_adamw.core.portable import PortableState
 from packed_adamw.torch import NonFiniteGradientError, PackedAdamW, adamw_step_, new_state
 
@@ -558,7 +558,7 @@ def test_interpreted_launch_layer_equals_the_cpu_step(mode, sorted_kinds, monkey
     single-tensor kernels (launch.SOLO_ELEMENTS lowered), counter rows as views or gathered and
     added back, several scalar rows; equal to the numpy step, bit for bit, counts included."""
     from packed_adamw.core import launch
-    from packed_adamw.core.hyperparams import SCALAR_ROW_INT64_WORDS
+    from packed_adamw.core.adamw.hyperparams import SCALAR_ROW_INT64_WORDS
     from packed_adamw.torch import _launch, functional
 
     monkeypatch.setattr(launch, "SOLO_ELEMENTS", 1500)

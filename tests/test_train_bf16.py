@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gpt_helpers import MICRO, assert_bitwise_equal, build_data, checkpoint_tensors, run_train
-from packed_adamw.core import formats
+from packed_adamw.core import codecs as formats
 from packed_adamw.torch.gpt import checkpoint
 from packed_adamw.torch.gpt.train import TrainConfig, build_model, gradient_norm_, main, make_optimizer, start_masters
 

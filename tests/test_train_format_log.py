@@ -13,7 +13,7 @@ import torch
 
 from gpt_helpers import MICRO, assert_bitwise_equal, build_data, run_train
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.formats import MOMENT_SHIFT
+from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
 from packed_adamw.torch import PackedAdamW
 from packed_adamw.torch.gpt import checkpoint
 from packed_adamw.torch.gpt.model import GPT, GPTConfig

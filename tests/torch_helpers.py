@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from packed_adamw.core import Hyperparams, StateFormat, adamw_step
-from packed_adamw.core import authority as A
-from packed_adamw.core.formats import CODE_MASK, MOMENT_SHIFT
+from packed_adamw.core.adamw import authority as A
+from packed_adamw.core.codecs import CODE_MASK
+from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
 
 F32 = np.float32
 U32 = np.uint32

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.hyperparams import SCALAR_ROW, SCALAR_ROW_INT64_WORDS
+from packed_adamw.core.adamw.hyperparams import SCALAR_ROW, SCALAR_ROW_INT64_WORDS
 
 
 class LaunchKind(NamedTuple):
@@ -266,7 +266,7 @@ def launch_step(table: torch.Tensor, params, grads, states, layout: tuple[Segmen
 def _launch_segment(table, segment: Segment, scalars, counters, fmt: StateFormat, count_nonfinite: bool,
                     aligned: bool, relaunch: dict | None, track_format: bool) -> None:
     """One multi-tensor launch over a segment's shared (not solo) tensors."""
-    from packed_adamw.core.kernel import adamw_multi_tensor_kernel
+    from packed_adamw.core.adamw.kernel import adamw_multi_tensor_kernel
 
     tables = segment.tables
     if not tables.block_tensor.numel():  # none when every tensor is empty or solo
@@ -340,7 +340,7 @@ def _launch_one(p, g, s, lo, scalars, counters, i: int, fmt: StateFormat, count_
                 track_format: bool) -> None:
     """The single-tensor kernel on tensor i of a step, in place; `scalars` is its row; `lo`
     the int16 low half of a bf16 weight (the split kernel), or None."""
-    from packed_adamw.core.kernel import adamw_kernel, adamw_split_kernel
+    from packed_adamw.core.adamw.kernel import adamw_kernel, adamw_split_kernel
 
     n = p.numel()
     if n == 0:

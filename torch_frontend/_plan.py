@@ -189,7 +189,7 @@ class CapturableStepPlan(StepPlan):
 
     def __init__(self, opt, params, kernel_params, states, stored, moments, group_of, device, counters=None, **kinds):
         super().__init__(opt, params, kernel_params, states, stored, moments, group_of, device, counters, **kinds)
-        from packed_adamw.core import hyperparams as H
+        from packed_adamw.core.adamw import hyperparams as H
 
         self.on_device_counts = True
         n, torch_device = len(params), self.torch_device
@@ -235,7 +235,7 @@ class CapturableStepPlan(StepPlan):
         grads, grad_pointers, _ = found
         fmt = self.options[0]  # capturable optimizers never count formats (PackedAdamW.track_format)
         from packed_adamw.core import launch
-        from packed_adamw.core.kernel import capturable_step_scalars_kernel
+        from packed_adamw.core.adamw.kernel import capturable_step_scalars_kernel
 
         # b1, b2, eps, weight decay (validated floats) and maximize: constants of a capture
         constants = tuple(row[1:6] for row in group_rows)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from packed_adamw.core import StateFormat, formats, launch
-from packed_adamw.core.numpy_step import apply_split_step, apply_step, step_scalar_row
+from packed_adamw.core import StateFormat, codecs as formats, launch
+from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
 
 from . import _launch
 

@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 import warnings
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, launch, validate_hyperparams
-from packed_adamw.core import formats
+from packed_adamw.core import codecs as formats
 from packed_adamw.core.portable import PortableState
 
 from . import _compiled, _dtensor
