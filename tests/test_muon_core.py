@@ -317,35 +317,58 @@ def test_lerp_and_weight_update_equal_torch_cpu_ops(n, weight):
     assert np.array_equal(bits(got), bits(expected.numpy()))
 
 
-def torch_newton_schulz(ns_bits, ns_coefficients, ns_steps, eps):
-    """torch.optim.Muon's own Newton-Schulz (a private function: the oracle's, not ours)."""
+def torch_newton_schulz(ns_bits, ns_coefficients, ns_steps, eps, device="cpu"):
+    """torch.optim.Muon's own Newton-Schulz (a private function: the oracle's, not ours), on
+    `device`; returns its bf16 output's bits."""
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    x = torch.from_numpy(ns_bits.view(np.int16)).view(torch.bfloat16)
-    return _zeropower_via_newtonschulz(x, ns_coefficients, ns_steps, eps).view(torch.int16).numpy()
+    x = torch.from_numpy(ns_bits.view(np.int16)).view(torch.bfloat16).to(device)
+    return _zeropower_via_newtonschulz(x, ns_coefficients, ns_steps, eps).view(torch.int16).cpu().numpy()
 
 
-@fused_torch
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = [pytest.param("cpu", marks=fused_torch), pytest.param("cuda", marks=[pytest.mark.cuda, cuda])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(12, 5), (5, 12), (8, 8)])
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
-def test_fp32_mode_steps_equal_torch_optim_muon(shape, nesterov, adjust_lr_fn):
+def test_fp32_mode_steps_equal_torch_optim_muon(device, shape, nesterov, adjust_lr_fn):
+    """Our elementwise phases around torch's Newton-Schulz on the same device give
+    torch.optim.Muon's parameters and momentum buffer bit for bit (on CUDA: its lerp and
+    add(alpha=) compile to fused multiply-adds, as the contract's)."""
     rng = np.random.default_rng(sum(shape))
     lr, momentum, wd, eps, coefficients, steps = 0.02, 0.95, 0.1, 1e-7, (3.4445, -4.775, 2.0315), 5
     p0 = (rng.standard_normal(shape) * 0.2).astype(F32)
-    param = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+    param = torch.nn.Parameter(torch.from_numpy(p0.copy()).to(device))
     opt = torch.optim.Muon([param], lr=lr, momentum=momentum, weight_decay=wd, nesterov=nesterov, eps=eps,
                            ns_coefficients=coefficients, ns_steps=steps, adjust_lr_fn=adjust_lr_fn)
     ours, buffer = p0.copy(), np.zeros(shape, F32)
     scalars = step_scalar_row((lr, momentum, wd, eps), shape, adjust_lr_fn=adjust_lr_fn)
     for _ in range(4):
         grad = (rng.standard_normal(shape) * 2.0 ** rng.integers(-12, 0, shape)).astype(F32)
-        param.grad = torch.from_numpy(grad.copy())
+        param.grad = torch.from_numpy(grad.copy()).to(device)
         opt.step()
         ns_in = momentum_phase(grad, buffer, scalars, fmt=StateFormat("fp32"), nesterov=nesterov)
-        assert weight_phase(ours, torch_newton_schulz(ns_in, coefficients, steps, eps), scalars) == 0
-        assert np.array_equal(bits(buffer), bits(opt.state[param]["momentum_buffer"].numpy()))
-        assert np.array_equal(bits(ours), bits(param.detach().numpy()))
+        assert weight_phase(ours, torch_newton_schulz(ns_in, coefficients, steps, eps, device), scalars) == 0
+        assert np.array_equal(bits(buffer), bits(opt.state[param]["momentum_buffer"].cpu().numpy()))
+        assert np.array_equal(bits(ours), bits(param.detach().cpu().numpy()))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("weight", [1 - 0.95, 0.95, 0.3, 0.7])
+def test_torch_cuda_lerp_and_add_are_the_contracts_fused_forms(weight):
+    rng = np.random.default_rng(17)
+    n = 100_003
+    a, b = spread(rng, n, -40, 4), spread(rng, n, -40, 4)
+    got = torch.from_numpy(a).cuda().lerp(torch.from_numpy(b).cuda(), weight).cpu().numpy()
+    assert np.array_equal(bits(got), bits(lerp32(a, b, F32(weight))))
+    o = torch.from_numpy(b).bfloat16()
+    p = torch.from_numpy(a.copy()).cuda()
+    p.add_(o.cuda(), alpha=-weight)
+    assert np.array_equal(bits(p.cpu().numpy()), bits(fma32(F32(-weight), o.float().numpy(), a)))
 
 
 def test_numpy_newton_schulz_reference_is_close_to_torchs():
