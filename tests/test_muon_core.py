@@ -228,6 +228,20 @@ def test_a_non_finite_gradient_refuses_the_whole_matrix(mode):
         assert not MA.momentum_element(float(bad), 0, momentum=0.95, mode=mode)[2]
 
 
+def test_state_of_the_wrong_dtype_is_refused_and_int16_views_are_read_as_bits():
+    scalars = step_scalar_row((0.02, 0.95, 0.1, 1e-7), (1, 3))
+    grad = np.array([[1.0, -2.0, 0.5]], F32)
+    with pytest.raises(TypeError, match="momentum_code"):
+        momentum_phase(grad, np.zeros((1, 3), F32), scalars, fmt=StateFormat())
+    with pytest.raises(TypeError, match="momentum_buffer"):
+        momentum_phase(grad, np.zeros((1, 3), np.uint16), scalars, fmt=StateFormat("fp32"))
+    codes = StateFormat().code.encode(np.array([[-0.5, 1.5, -1e-3]], F32))
+    as_int16 = codes.view(np.int16).copy()
+    momentum_phase(grad, codes, scalars, fmt=StateFormat())
+    momentum_phase(grad, as_int16, scalars, fmt=StateFormat())
+    assert np.array_equal(as_int16.view(np.uint16), codes)
+
+
 def test_overflowing_momenta_refuse_the_matrix():
     scalars = step_scalar_row((0.02, 0.5, 0.1, 1e-7), (1, 2))
     state = np.array([[3.0e38, -3.0e38]], F32)  # fp32: g - m overflows
@@ -315,6 +329,24 @@ def test_lerp_and_weight_update_equal_torch_cpu_ops(n, weight):
     got = p.copy()
     weight_phase(got, o.view(torch.int16).numpy(), scalars)
     assert np.array_equal(bits(got), bits(expected.numpy()))
+
+
+def test_bf16_mode_rounds_as_torchs_bfloat16():
+    """Every tie between neighbouring bf16 numbers, its float32 neighbours, the overflow edge,
+    signed zeros and random values: the bf16 momentum's bits are torch's `.bfloat16()`'s."""
+    finite = np.arange(0x7F80, dtype=U32)
+    low, high = (finite[:-1] << 16).view(F32), (finite[1:] << 16).view(F32)
+    ties = ((low.astype(np.float64) + high) / 2).astype(F32)
+    rng = np.random.default_rng(19)
+    values = np.concatenate([ties, np.nextafter(ties, F32(np.inf)), np.nextafter(ties, F32(0)),
+                             np.array([0.0, -0.0, 3.3895e38, 3.3961e38, 3.4e38], F32), spread(rng, 5000, -140, 127)])
+    values = np.concatenate([values, -values])
+    expected = torch.from_numpy(values).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(bf16_bits(values), expected)
+    sample = values[::37]
+    got = [MA.encode(float(v), "bf16") for v in sample]
+    assert [g for g in got if g is not None] == [int(e) for e, g in zip(expected[::37], got) if g is not None]
+    assert [g is None for g in got] == ((expected[::37] & 0x7FFF) == 0x7F80).tolist()
 
 
 def torch_newton_schulz(ns_bits, ns_coefficients, ns_steps, eps, device="cpu"):

@@ -82,7 +82,8 @@ def momentum_phase(grad, state, scalars, *, fmt: StateFormat, nesterov: bool = T
     `format_counts_out` (int64 [3], packed mode): adds the accepted matrix's format counts."""
     s = dict(zip(SCALAR_FIELDS, scalars))
     g = _gradient_values(grad)
-    if np.shape(state) != g.shape:
+    state = _state_array(state, fmt)
+    if state.shape != g.shape:
         raise ValueError(f"state has shape {np.shape(state)} but the gradient has {g.shape}; pass one momentum "
                          "value per gradient element")
     with np.errstate(over="ignore", invalid="ignore"):
@@ -166,6 +167,20 @@ def newton_schulz_reference(x, coefficients=(3.4445, -4.775, 2.0315), steps=5, e
         gram = x @ x.T
         x = a * x + (b * gram + c * (gram @ gram)) @ x
     return (x.T if tall else x).astype(F32)
+
+
+def _state_array(state, fmt: StateFormat) -> np.ndarray:
+    """The momentum entry as the phase reads and writes it (a view: writes reach the caller):
+    uint16 codes (an int16 view of them, as torch holds 16-bit bits, is read as its bits) or
+    float32 in fp32 mode."""
+    if not isinstance(state, np.ndarray):
+        raise TypeError(f"state must be a numpy array (the {fmt.state_key!r} entry), got {type(state).__name__}")
+    if fmt.mode == "fp32" and state.dtype == F32:
+        return state
+    if fmt.mode != "fp32" and state.dtype in (np.uint16, np.int16):
+        return state.view(np.uint16)
+    raise TypeError(f"state has dtype {state.dtype} but {fmt.identity} keeps {fmt.state_dtype} "
+                    f"(the {fmt.state_key!r} entry); pass the entry this state format created")
 
 
 def _gradient_values(grad) -> np.ndarray:
