@@ -12,6 +12,7 @@ from packed_adamw.core import authority as A
 from packed_adamw.core.codecs import split_master
 from packed_adamw.core.muon import (
     RULE,
+    Hyperparams,
     StateFormat,
     adjusted_lr,
     bf16_bits,
@@ -123,8 +124,9 @@ def test_state_entries_and_declaration():
     (dict(lr=-1e-3), "Learning rate should be >= 0 but is: -0.001"),
     (dict(lr=float("nan")), "Learning rate should be >= 0"),
     (dict(momentum=-0.1), "momentum should be >= 0 but is: -0.1"),
-    (dict(momentum=1.0), "momentum should be >= 0 but is: 1.0"),
-    (dict(momentum=1 - 1e-9), "momentum should be >= 0"),
+    (dict(momentum=float("nan")), "momentum should be >= 0 but is: nan"),
+    (dict(momentum=1.0), "momentum should be below 1 but is: 1.0"),
+    (dict(momentum=1 - 1e-9), "momentum should be below 1 but is: 0.999999999"),
     (dict(weight_decay=-0.1), "weight decay should be >= 0 but is: -0.1"),
     (dict(lr=1e30, weight_decay=1e30), "weight decay should keep lr \\* weight_decay finite"),
     (dict(eps=0.0), "eps should be > 0 but is: 0.0"),
@@ -135,7 +137,10 @@ def test_bad_hyperparameters_name_the_argument(kwargs, message):
         validate_hyperparams(**args)
 
 
-def test_ns_settings_are_checked():
+def test_ns_settings_are_checked_and_defaults_are_torchs():
+    assert Hyperparams().as_row() == [1e-3, 0.95, 0.1, 1e-7]  # torch.optim.Muon's defaults
+    with pytest.raises(ValueError, match="momentum should be >= 0"):
+        Hyperparams(momentum=-1.0)
     assert validate_ns((3.4445, -4.775, 2.0315), 5, None) == ((3.4445, -4.775, 2.0315), 5)
     with pytest.raises(ValueError, match="Coefficients must be a tuple of exactly 3"):
         validate_ns((1.0, 2.0), 5, None)

@@ -93,8 +93,10 @@ def validate_hyperparams(lr, momentum, weight_decay, eps, *, allow_arrays=False)
     if not skip(lr) and (not _is_number(lr) or not bounds["lr"].holds(_f32(lr))):
         raise ValueError(f"Learning rate should be >= 0 but is: {lr!r}; pass a finite float32 number >= 0 as lr")
     if not skip(momentum) and (not _is_number(momentum) or not bounds["momentum"].holds(_f32(momentum))):
-        raise ValueError(f"momentum should be >= 0 but is: {momentum!r}; pass momentum in [0, 1) "
-                         "(as a float32 number: values within 3e-8 of 1 round to 1)")
+        # torch.optim.Muon refuses only negative momenta; 1 and above never forget a gradient.
+        below_one = _is_number(momentum) and _f32(momentum) >= 1
+        raise ValueError(f"momentum should be {'below 1' if below_one else '>= 0'} but is: {momentum!r}; pass "
+                         "momentum in [0, 1) (as a float32 number: values within 3e-8 of 1 round to 1)")
     if not skip(weight_decay):
         if not _is_number(weight_decay) or not bounds["weight_decay"].holds(_f32(weight_decay)):
             raise ValueError(f"weight decay should be >= 0 but is: {weight_decay!r}; pass a finite number >= 0 "
