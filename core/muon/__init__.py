@@ -1,0 +1,33 @@
+"""Muon's rule: its declaration (rule.py), state format, hyperparameters, elementwise phases
+in numpy and a scalar authority (docs/MUON.md). The Newton-Schulz phase between them is the
+frameworks' (a float32 numpy reference is in numpy_step for tests). Imports neither torch nor jax."""
+from .hyperparams import (
+    ADJUST_LR_FNS,
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_STEPS,
+    HPARAM_BOUNDS,
+    Hyperparams,
+    adjusted_lr,
+    step_scalar_row,
+    validate_hyperparams,
+    validate_ns,
+)
+from .numpy_step import (
+    bf16_bits,
+    bf16_values,
+    fma32,
+    lerp32,
+    momentum_phase,
+    newton_schulz_reference,
+    weight_phase,
+    weight_phase_split,
+)
+from .rule import FORMAT_COUNTS, RULE
+from .state_format import DEFAULT_MU_BIAS, E5M10, MODES, StateFormat, momentum_format
+
+__all__ = [
+    "RULE", "FORMAT_COUNTS", "StateFormat", "MODES", "DEFAULT_MU_BIAS", "E5M10", "momentum_format",
+    "Hyperparams", "HPARAM_BOUNDS", "validate_hyperparams", "validate_ns", "adjusted_lr", "step_scalar_row",
+    "ADJUST_LR_FNS", "DEFAULT_NS_COEFFICIENTS", "DEFAULT_NS_STEPS", "fma32", "lerp32", "bf16_bits", "bf16_values",
+    "momentum_phase", "weight_phase", "weight_phase_split", "newton_schulz_reference",
+]

@@ -1,0 +1,204 @@
+"""Muon's two elementwise phases on the CPU, in numpy float32, bit for bit as docs/MUON.md says.
+
+The contract's lerp and weight update are fused multiply-adds (one rounding), as torch's CPU
+kernels compute them. numpy has no fused multiply-add, so `fma32` computes it exactly: the
+product of two float32 numbers is exact in float64, the sum's rounding error is recovered
+exactly (TwoSum), and the float64 sum is rounded to odd before the final rounding to float32,
+which makes the double rounding innocuous (53 >= 24 + 2 bits).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..codecs import SPLIT_MASTER_MAX, read_master, split_master
+from .hyperparams import SCALAR_FIELDS
+from .state_format import StateFormat
+
+F32 = np.float32
+BF16_EXPONENT_MASK = 0x7F80
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """a * b + c rounded once to float32 (ties to even), elementwise; inputs are float32."""
+    a, b, c = (np.asarray(x, F32).astype(np.float64) for x in (a, b, c))
+    with np.errstate(over="ignore", invalid="ignore"):
+        product = a * b  # exact: 24 + 24 significant bits, exponents far inside float64's
+        total = product + c
+        c_part = total - product
+        error = (product - (total - c_part)) + (c - c_part)  # TwoSum: exact sum - total, exactly
+        bits = total.view(np.int64)
+        # Round to odd: an inexact total with an even last bit moves one float64 ulp toward the
+        # exact sum (int64 steps move magnitudes: +1 away from zero, -1 toward it).
+        nudge = np.isfinite(total) & (error != 0) & ((bits & 1) == 0)
+        away = (error > 0) == (total > 0)
+        bits = np.where(nudge, bits + np.where(away, 1, -1), bits)
+        return bits.view(np.float64).astype(F32)
+
+
+def lerp32(start, end, weight) -> np.ndarray:
+    """start + weight * (end - start) as MUON.md's `lerp`: weight < 0.5 (in magnitude):
+    fma(weight, end - start, start); otherwise fma(weight - 1, end - start, end)."""
+    weight = F32(weight)
+    with np.errstate(over="ignore", invalid="ignore"):
+        difference = np.asarray(end, F32) - np.asarray(start, F32)
+    if abs(weight) < F32(0.5):
+        return fma32(weight, difference, start)
+    return fma32(weight - F32(1.0), difference, end)
+
+
+def bf16_bits(values) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), rounded to nearest even as torch's `.bfloat16()`; a value
+    that rounds past bf16's largest finite number gives Inf's bits. NaN inputs are the caller's."""
+    bits = np.asarray(values, F32).view(np.uint32)
+    return ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def bf16_values(bits) -> np.ndarray:
+    """bf16 bits (uint16 or int16) -> float32, exactly."""
+    return (np.asarray(bits).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(F32)
+
+
+def decode_momentum(state, fmt: StateFormat) -> np.ndarray:
+    if fmt.mode == "fp32":
+        return np.asarray(state, F32)
+    if fmt.mode == "bf16":
+        return bf16_values(state)
+    return fmt.code.decode_table[np.asarray(state).astype(np.intp)]
+
+
+def _finite_bf16(bits) -> np.ndarray:
+    return (bits & np.uint16(BF16_EXPONENT_MASK)) != np.uint16(BF16_EXPONENT_MASK)
+
+
+def momentum_phase(grad, state, scalars, *, fmt: StateFormat, nesterov: bool = True, maximize: bool = False,
+                   format_counts_out=None):
+    """Phase 1 of one matrix's step, in place on `state` (MUON.md, "The momentum phase").
+
+    `grad`: the matrix's gradient, float32, or bf16 bits as uint16/int16 (upcast exactly);
+    `state`: the momentum entry of the same shape (uint16 codes, or float32 in fp32 mode);
+    `scalars`: `hyperparams.step_scalar_row`. Returns the Newton-Schulz input as bf16 bits
+    (uint16, the gradient's shape), or None when the matrix is refused: a non-finite gradient,
+    momentum or Newton-Schulz input anywhere in it. A refused matrix's state is left as it was.
+    `format_counts_out` (int64 [3], packed mode): adds the accepted matrix's format counts."""
+    s = dict(zip(SCALAR_FIELDS, scalars))
+    g = _gradient_values(grad)
+    state = _state_array(state, fmt)
+    if state.shape != g.shape:
+        raise ValueError(f"state has shape {np.shape(state)} but the gradient has {g.shape}; pass one momentum "
+                         "value per gradient element")
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not np.isfinite(g).all():
+            return None
+        if maximize:
+            g = -g
+        m_next = lerp32(decode_momentum(state, fmt), g, s["one_minus_momentum"])
+        if not np.isfinite(m_next).all():
+            return None
+        ns_in = lerp32(g, m_next, s["momentum"]) if nesterov else m_next
+        ns_bits = bf16_bits(ns_in)
+        if not np.isfinite(ns_in).all() or not _finite_bf16(ns_bits).all():
+            return None
+        if fmt.mode == "fp32":
+            new_state = m_next
+        elif fmt.mode == "bf16":
+            new_state = bf16_bits(m_next)
+            if not _finite_bf16(new_state).all():
+                return None
+        else:
+            new_state = fmt.code.encode_unchecked(m_next).astype(np.uint16)
+            if format_counts_out is not None:
+                format_counts_out += format_counts(m_next, new_state, fmt)
+    state[...] = new_state
+    return ns_bits
+
+
+def format_counts(m_next, codes, fmt: StateFormat) -> np.ndarray:
+    """MUON.md, "Format counts", in rule.FORMAT_COUNTS order: saturated (beyond the largest
+    code), flushed (nonzero, stored as code 0), subnormal (a nonzero code with exponent 0)."""
+    code = fmt.code
+    magnitude = codes.astype(np.uint32) & np.uint32(code.sign_bit - 1)
+    beyond = code.unsaturated_code(np.abs(m_next).astype(F32)) > code.max_magnitude_code
+    return np.array([
+        np.count_nonzero(beyond),
+        np.count_nonzero((m_next != 0) & (magnitude == 0)),
+        np.count_nonzero((magnitude != 0) & ((magnitude >> np.uint32(code.fraction_bits)) == 0)),
+    ], np.int64)
+
+
+def weight_phase(param, ortho, scalars) -> int:
+    """Phase 2 of one matrix's step on FP32 weights, in place (MUON.md, "The weight phase"):
+    p' = fma(neg_adjusted_lr, O, p * decay). `ortho`: Newton-Schulz's output O, float32 or bf16
+    bits (uint16/int16). An element whose p' is not finite keeps its weight. Returns how many."""
+    s = dict(zip(SCALAR_FIELDS, scalars))
+    o = _ortho_values(ortho, np.shape(param))
+    with np.errstate(over="ignore", invalid="ignore"):
+        p_next = fma32(s["neg_adjusted_lr"], o, param * s["decay"])
+        accepted = np.isfinite(p_next)
+    param[...] = np.where(accepted, p_next, param)
+    return int(accepted.size - np.count_nonzero(accepted))
+
+
+def weight_phase_split(weight_bits, low_half, ortho, scalars) -> int:
+    """`weight_phase` for a bf16 parameter held as a split master (FORMAT.md, "Split masters"),
+    in place on its bf16 bits (uint16/int16) and int16 low half: the master read(w, lo) takes
+    the FP32 step; a result past SPLIT_MASTER_MAX is rejected like a non-finite one."""
+    weights, lows = np.asarray(weight_bits).view(np.uint16), np.asarray(low_half).view(np.int16)
+    if lows.shape != weights.shape:
+        raise ValueError(f"low_half has shape {lows.shape} but weight_bits has {weights.shape}")
+    s = dict(zip(SCALAR_FIELDS, scalars))
+    o = _ortho_values(ortho, weights.shape)
+    master = read_master(weights, lows)
+    with np.errstate(over="ignore", invalid="ignore"):
+        p_next = fma32(s["neg_adjusted_lr"], o, master * s["decay"])
+        accepted = np.isfinite(p_next) & (np.abs(p_next) <= F32(SPLIT_MASTER_MAX))
+    weights[...], lows[...] = split_master(np.where(accepted, p_next, master))
+    return int(accepted.size - np.count_nonzero(accepted))
+
+
+def newton_schulz_reference(x, coefficients=(3.4445, -4.775, 2.0315), steps=5, eps=1e-7) -> np.ndarray:
+    """A float32 Newton-Schulz for documentation and tests: no bits are promised (MUON.md).
+    X / max(||X||_F, eps), wide orientation, then `steps` times X <- a X + (b A + c A A) X."""
+    a, b, c = (F32(v) for v in coefficients)
+    x = np.asarray(x, F32)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / max(F32(np.linalg.norm(x)), F32(eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return (x.T if tall else x).astype(F32)
+
+
+def _state_array(state, fmt: StateFormat) -> np.ndarray:
+    """The momentum entry as the phase reads and writes it (a view: writes reach the caller):
+    uint16 codes (an int16 view of them, as torch holds 16-bit bits, is read as its bits) or
+    float32 in fp32 mode."""
+    if not isinstance(state, np.ndarray):
+        raise TypeError(f"state must be a numpy array (the {fmt.state_key!r} entry), got {type(state).__name__}")
+    if fmt.mode == "fp32" and state.dtype == F32:
+        return state
+    if fmt.mode != "fp32" and state.dtype in (np.uint16, np.int16):
+        return state.view(np.uint16)
+    raise TypeError(f"state has dtype {state.dtype} but {fmt.identity} keeps {fmt.state_dtype} "
+                    f"(the {fmt.state_key!r} entry); pass the entry this state format created")
+
+
+def _gradient_values(grad) -> np.ndarray:
+    grad = np.asarray(grad)
+    if grad.dtype == F32:
+        return grad
+    if grad.dtype in (np.uint16, np.int16):
+        return bf16_values(grad)
+    raise TypeError(f"grad must be float32 values or bf16 bits as uint16/int16, got dtype {grad.dtype}; "
+                    "pass a torch bf16 gradient as .view(torch.int16).numpy()")
+
+
+def _ortho_values(ortho, shape) -> np.ndarray:
+    ortho = np.asarray(ortho)
+    if ortho.shape != tuple(shape):
+        raise ValueError(f"ortho has shape {ortho.shape} but the parameter has {tuple(shape)}")
+    if ortho.dtype in (np.uint16, np.int16):
+        return bf16_values(ortho)
+    if ortho.dtype != F32:
+        raise TypeError(f"ortho must be float32 or bf16 bits as uint16/int16, got dtype {ortho.dtype}")
+    return ortho
