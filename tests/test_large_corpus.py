@@ -207,7 +207,8 @@ def test_the_default_tokenizer_is_unchanged_and_sizes_are_not_mixed():
     assert load_tokenizer().get_vocab_size(with_added_tokens=True) == VOCAB_SIZE
     assert tokenizer_artifact() == tokenizer_artifact(VOCAB_SIZE)
     large = tokenizer_artifact(LARGE_VOCAB_SIZE)
-    with pytest.raises(ValueError, match=rf"bpe-32768\.json has 32768 entries, expected exactly {VOCAB_SIZE}"):
+    expected = rf"bpe-32768\.json has 32768 entries, expected exactly {VOCAB_SIZE}"
+    with pytest.raises(ValueError, match=expected):
         load_tokenizer(large)
     with pytest.raises(ValueError, match=r"vocab_size=1000: the committed tokenizers have 12095 or 32768"):
         load_tokenizer(vocab_size=1000)

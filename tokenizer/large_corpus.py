@@ -41,8 +41,8 @@ from pathlib import Path
 
 from packed_adamw.core.atomic_file import atomic_write
 
-from . import EOT_TOKEN, LARGE_VOCAB_SIZE, PACKAGE_DIR, tokenizer_artifact
-from .corpus import CorpusError, Document, corpus_sha256, deduplicate_documents, document_sha256
+from . import LARGE_VOCAB_SIZE, PACKAGE_DIR, tokenizer_artifact
+from .corpus import CorpusError, Document, corpus_sha256, deduplicate_documents
 
 PROVENANCE_PATH = PACKAGE_DIR / "LARGE_CORPUS_PROVENANCE.json"
 VAL_FRACTION = 0.05  # the share of documents held out, as tape.build_split holds them out
