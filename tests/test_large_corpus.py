@@ -232,3 +232,26 @@ def test_record_is_valid_json_with_sorted_sources():
     record = json.loads(large_corpus.PROVENANCE_PATH.read_text())
     packages = [source["package"] for source in record["sources"]]
     assert packages == sorted(packages)
+
+
+def test_tapes_of_the_large_tokenizer_round_trip(tmp_path):
+    import inspect
+
+    import numpy as np
+
+    from packed_adamw.tokenizer.tape import TapeReader, build_split
+
+    if "vocab_size" not in inspect.signature(build_split).parameters:
+        pytest.skip("tape.py writes only 12,095-entry tapes (build_split takes no vocab_size)")
+    documents = [(f"d{i}", f"Document {i}: {PROSE}") for i in range(20)]
+    train_path, val_path = build_split(documents, tmp_path, val_fraction=0.1,
+                                       tokenizer=tokenizer_artifact(LARGE_VOCAB_SIZE),
+                                       vocab_size=LARGE_VOCAB_SIZE)
+    tokenizer = load_tokenizer(vocab_size=LARGE_VOCAB_SIZE)
+    reader = TapeReader(val_path, vocab_size=LARGE_VOCAB_SIZE,
+                        tokenizer_sha256=tokenizer_sha256(tokenizer_artifact(LARGE_VOCAB_SIZE)))
+    assert reader.header.vocab_size == LARGE_VOCAB_SIZE and reader.header.documents_per_pass == 2
+    tokens = np.asarray(reader.tokens)
+    assert tokens.max() < LARGE_VOCAB_SIZE and (tokens == 0).sum() == 2
+    texts = tokenizer.decode(tokens.tolist(), skip_special_tokens=False).split(EOT_TOKEN)
+    assert len(texts) == 3 and texts[2] == "" and set(texts[:2]) <= {text for _, text in documents}

