@@ -32,13 +32,13 @@ TRAINER_SETTINGS = {
 }
 
 
-def train_tokenizer(documents: Sequence[Document]) -> Tokenizer:
-    """Train the byte-level BPE tokenizer on the documents, in the given order."""
+def train_tokenizer(documents: Sequence[Document], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """Train the byte-level BPE tokenizer with `vocab_size` entries on the documents, in order."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=0,
         special_tokens=[EOT_TOKEN],
         # All 256 bytes, so any UTF-8 text encodes even if the corpus never shows a byte.
@@ -48,9 +48,9 @@ def train_tokenizer(documents: Sequence[Document]) -> Tokenizer:
     tokenizer.train_from_iterator((text for _, text in documents), trainer=trainer)
     # The trainer silently stops early when the corpus runs out of merges.
     size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if size != VOCAB_SIZE:
+    if size != vocab_size:
         raise ValueError(
-            f"training gave {size} entries instead of {VOCAB_SIZE}: the corpus is too small"
+            f"training gave {size} entries instead of {vocab_size}: the corpus is too small"
         )
     return tokenizer
 

@@ -65,6 +65,8 @@ MAX_TEXT_BYTES = 256 * 1024
 LARGE_FILE_ALLOWANCE = {  # in the source tree, and where the wheel installs it
     "tokenizer/bpe-12095.json": 8 * 1024 * 1024,
     "packed_adamw/tokenizer/bpe-12095.json": 8 * 1024 * 1024,
+    "tokenizer/bpe-32768.json": 8 * 1024 * 1024,
+    "packed_adamw/tokenizer/bpe-32768.json": 8 * 1024 * 1024,
 }
 
 FORBIDDEN_SUFFIXES = {
