@@ -489,13 +489,8 @@ def _build(args) -> None:
           f"{manifest['train']['bytes'] + manifest['validation']['bytes']} bytes, "
           f"corpus sha256 {manifest['corpus_sha256']} ({time.monotonic() - started:.0f} s)")
     if args.tapes:
-        import inspect
-
         from .tape import build_split, read_header
 
-        if "vocab_size" not in inspect.signature(build_split).parameters:
-            raise CorpusError("--tapes: this version of tape.py writes only 12,095-entry tapes "
-                              "(build_split takes no vocab_size); documents.jsonl is written")
         for path in build_split(documents, args.out, val_fraction=VAL_FRACTION,
                                 tokenizer=tokenizer_artifact(LARGE_VOCAB_SIZE),
                                 vocab_size=LARGE_VOCAB_SIZE):

@@ -27,7 +27,7 @@ import numpy as np
 
 from packed_adamw.core.atomic_file import atomic_open
 
-from . import EOT_TOKEN, VOCAB_SIZE, load_tokenizer, token_byte_counts
+from . import EOT_TOKEN, RETRAIN_HINTS, VOCAB_SIZE, load_tokenizer, token_byte_counts, tokenizer_artifact
 from . import tokenizer_sha256 as file_tokenizer_sha256
 from .corpus import (
     CorpusError, CorpusNotInstalledError, Document, corpus_sha256, deduplicate_documents,
@@ -113,8 +113,10 @@ def _document_ids(documents: Sequence[Document]) -> list[str]:
 
 def _write_tape(
     documents: Sequence[Document], out_path: Path, *, tokenizer_path, passes: int, seed: int,
-    split: str, val_fraction: float, source_corpus_sha256: str,
+    split: str, val_fraction: float, source_corpus_sha256: str, vocab_size: int = VOCAB_SIZE,
 ) -> TapeHeader:
+    if tokenizer_path is None:
+        tokenizer_path = tokenizer_artifact(vocab_size)
     if passes < 1:
         raise ValueError(f"passes must be at least 1, got {passes}")
     if not 0 <= seed < 2**64:
@@ -122,7 +124,7 @@ def _write_tape(
     if not any(text for _, text in documents):
         raise CorpusError(f"empty corpus: no text to write to {out_path}")
 
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, vocab_size=vocab_size)
     eot_id = tokenizer.token_to_id(EOT_TOKEN)
     # Tokenize each document once; every pass reuses these arrays in its own order.
     document_tokens = [
@@ -136,7 +138,7 @@ def _write_tape(
     ]
     token_count = passes * sum(len(tokens) for tokens in document_tokens)
 
-    payload_offset = _payload_offset(VOCAB_SIZE)
+    payload_offset = _payload_offset(vocab_size)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     # flush, fsync and rename, as for every file the project writes (core/atomic_file.py)
     with atomic_open(out_path, "wb") as tape_file:
@@ -148,7 +150,7 @@ def _write_tape(
                 tape_file.write(document_tokens[i].data)
         header = TapeHeader(
             format_version=FORMAT_VERSION, payload_offset=payload_offset,
-            vocab_size=VOCAB_SIZE, eot_token_id=eot_id, passes=passes, split=split,
+            vocab_size=vocab_size, eot_token_id=eot_id, passes=passes, split=split,
             val_fraction=val_fraction, seed=seed, documents_per_pass=len(documents),
             token_count=token_count, tokenizer_sha256=file_tokenizer_sha256(tokenizer_path),
             corpus_sha256=source_corpus_sha256, payload_sha256=payload_hash.hexdigest(),
@@ -166,6 +168,7 @@ def _write_tape(
 def build_tape(
     documents: Sequence[Document], out_path: str | os.PathLike, *,
     tokenizer: str | os.PathLike | None = None, passes: int = 1, seed: int = 0,
+    vocab_size: int = VOCAB_SIZE,
 ) -> TapeHeader:
     """Write all documents as one tape of `passes` seeded passes (atomically).
 
@@ -174,6 +177,7 @@ def build_tape(
     return _write_tape(
         documents, Path(out_path), tokenizer_path=tokenizer, passes=passes, seed=seed,
         split="all", val_fraction=0.0, source_corpus_sha256=corpus_sha256(documents),
+        vocab_size=vocab_size,
     )
 
 
@@ -199,6 +203,7 @@ def split_documents(
 def build_split(
     documents: Sequence[Document], out_dir: str | os.PathLike, *, val_fraction: float = 0.05,
     passes: int = 1, seed: int = 0, tokenizer: str | os.PathLike | None = None,
+    vocab_size: int = VOCAB_SIZE,
 ) -> tuple[Path, Path]:
     """Write `out_dir/train.tape` (`passes` passes) and `out_dir/val.tape` (one pass).
 
@@ -221,7 +226,7 @@ def build_split(
     ):
         _write_tape(
             docs, path, tokenizer_path=tokenizer, passes=split_passes, seed=seed, split=split,
-            val_fraction=val_fraction, source_corpus_sha256=source_hash,
+            val_fraction=val_fraction, source_corpus_sha256=source_hash, vocab_size=vocab_size,
         )
     return train_path, val_path
 
@@ -272,7 +277,7 @@ class TapeReader:
 
     def __init__(
         self, path: str | os.PathLike, *, tokenizer_sha256: str | None = None,
-        verify_payload: bool = True,
+        verify_payload: bool = True, vocab_size: int = VOCAB_SIZE,
     ):
         self.path = Path(path)
         self.header, self.token_byte_counts = read_header(self.path)
@@ -284,10 +289,10 @@ class TapeReader:
                 f"{self.path} is {actual_size} bytes but its header says {expected_size} "
                 f"({header.token_count} tokens): the file is truncated or damaged; {REBUILD_HINT}"
             )
-        if header.vocab_size != VOCAB_SIZE:
+        if header.vocab_size != vocab_size:
             raise TapeError(
                 f"{self.path} was built with a {header.vocab_size}-token vocabulary, this project "
-                f"uses {VOCAB_SIZE}; {REBUILD_HINT}"
+                f"uses {vocab_size}; {REBUILD_HINT}"
             )
         if tokenizer_sha256 is not None and header.tokenizer_sha256 != tokenizer_sha256:
             raise TapeError(
@@ -400,7 +405,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     build.add_argument("--val-fraction", type=float, default=0.05,
                        help="fraction of documents held out for validation (one pass)")
     build.add_argument("--tokenizer", type=Path, default=None,
-                       help="tokenizer file (default: the committed artifact)")
+                       help="tokenizer file (default: the committed artifact of --vocab-size)")
+    build.add_argument("--vocab-size", type=int, default=VOCAB_SIZE, choices=sorted(RETRAIN_HINTS),
+                       help=f"entries of the tokenizer (default {VOCAB_SIZE})")
     info = commands.add_parser("info", help="print a tape's header as JSON and verify the file")
     info.add_argument("tape", type=Path)
     args = parser.parse_args(argv)
@@ -416,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             fail(str(error))
         print(json.dumps(dataclasses.asdict(header), indent=2))
         try:  # the size, vocabulary and payload checksum, as a reader checks them
-            TapeReader(args.tape)
+            TapeReader(args.tape, vocab_size=header.vocab_size)
         except (TapeError, OSError) as error:
             fail(f"{error} (the header above is intact; the tape is not usable)")
         print(f"{args.tape}: size and payload checksum verified", file=sys.stderr)
@@ -432,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not args.tokenizer.is_file():
             parser.error(f"--tokenizer {args.tokenizer}: no such file")
         try:
-            load_tokenizer(args.tokenizer)
+            load_tokenizer(args.tokenizer, vocab_size=args.vocab_size)
         except Exception as error:  # the tokenizers library raises plain Exception for a bad file
             fail(f"--tokenizer {args.tokenizer}: {error}")
     try:
@@ -451,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"{', ...' if len(duplicates) > 3 else ''}")
         paths = build_split(
             documents, args.out, val_fraction=args.val_fraction, passes=args.passes,
-            seed=args.seed, tokenizer=args.tokenizer,
+            seed=args.seed, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         )
     except (CorpusError, CorpusNotInstalledError, TapeError) as error:
         fail(str(error))
