@@ -215,6 +215,10 @@ def test_a_foreign_identity_is_refused_before_anything_changes():
         with pytest.raises(ValueError, match=message):
             opt.load_state_dict(foreign.state_dict())
         assert torch.equal(opt.state[p]["momentum_code"], before) and opt.param_groups[0]["lr"] == 1e-3
+    torchs = torch.optim.Muon([torch.nn.Parameter(torch.ones(4, 3))], lr=0.5)
+    with pytest.raises(ValueError, match="not saved by PackedMuon"):
+        opt.load_state_dict(torchs.state_dict())
+    assert opt.param_groups[0]["lr"] == 1e-3
 
 
 # ---- the kernels, interpreted on CPU tensors ------------------------------------------------------
