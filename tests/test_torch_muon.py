@@ -223,15 +223,16 @@ def test_a_foreign_identity_is_refused_before_anything_changes():
 
 # ---- the kernels, interpreted on CPU tensors ------------------------------------------------------
 def run_kernels(fmt, grad, state, weights, low, scalars, *, nesterov, maximize):
-    """Both phase kernels on CPU tensors (the Triton interpreter) around our Newton-Schulz."""
+    """Both phase kernels around our Newton-Schulz, in place on `state`, `weights` and `low`,
+    on their device: CPU tensors run in the Triton interpreter, CUDA ones compiled."""
     from packed_adamw.core.muon.kernel import muon_momentum_kernel, muon_weight_kernel
 
     c = fmt.kernel_constexprs(track_format=False)
     n, block = grad.numel(), 64  # several programs per matrix
     grid = launch.grid(n, block)
-    counters = torch.zeros(2, dtype=torch.int32)
-    scratch, x = torch.empty_like(state), torch.empty(grad.shape, dtype=torch.int16)
-    scalar_row = torch.tensor(np.array(scalars, np.float32))
+    counters = torch.zeros(2, dtype=torch.int32, device=grad.device)
+    scratch, x = torch.empty_like(state), torch.empty(grad.shape, dtype=torch.int16, device=grad.device)
+    scalar_row = torch.tensor(np.array(scalars, np.float32), device=grad.device)
     grad_bf16 = grad.dtype is torch.bfloat16
     muon_momentum_kernel[grid](grad.view(torch.int16) if grad_bf16 else grad, state, scratch, x, scalar_row,
                                counters[0:1], n, MODE=c["MODE"], MU_FRAC=c["MU_FRAC"], MU_BIAS=c["MU_BIAS"],
@@ -247,7 +248,7 @@ def run_kernels(fmt, grad, state, weights, low, scalars, *, nesterov, maximize):
 @pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
 @pytest.mark.parametrize("nesterov, maximize, split", [(True, False, False), (False, True, True),
                                                        (True, True, True), (False, False, False)])
-def test_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split):
+def test_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split, device):
     rng = np.random.default_rng(12)
     fmt, shape = StateFormat(mode, 33), (9, 17)
     scalars = step_scalar_row((0.02, 0.9, 0.1, 1e-7), shape, adjust_lr_fn="match_rms_adamw")
@@ -268,11 +269,13 @@ def test_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split):
     ref_low = None if low is None else low.numpy().copy()
     grad_np = grad.view(torch.int16).numpy() if split else grad.numpy()
     x_ref = momentum_phase(grad_np, ref_state, scalars, fmt=fmt, nesterov=nesterov, maximize=maximize)
-    x, ortho, counters = run_kernels(fmt, grad, state, weights, low, scalars, nesterov=nesterov, maximize=maximize)
+    on_device = [None if t is None else t.to(device) for t in (grad, state, weights, low)]
+    x, ortho, counters = run_kernels(fmt, *on_device, scalars, nesterov=nesterov, maximize=maximize)
+    state, weights, low = (None if t is None else t.cpu() for t in on_device[1:])
     assert x_ref is not None and int(counters[0]) == 0
-    assert np.array_equal(x.numpy().view(np.uint16), x_ref)
-    rejected = (weight_phase_split(ref_w, ref_low, ortho.numpy(), scalars) if split
-                else weight_phase(ref_w, ortho.numpy(), scalars))
+    assert np.array_equal(x.cpu().numpy().view(np.uint16), x_ref)
+    ortho = ortho.cpu().numpy()
+    rejected = weight_phase_split(ref_w, ref_low, ortho, scalars) if split else weight_phase(ref_w, ortho, scalars)
     assert int(counters[1]) == rejected
     assert np.array_equal(state.numpy().view(np.uint8), ref_state.view(np.uint8))
     assert np.array_equal(weights.numpy().view(np.uint8), ref_w.view(np.uint8))
@@ -280,13 +283,14 @@ def test_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split):
         assert np.array_equal(low.numpy(), ref_low)
 
 
-def test_kernels_refuse_a_matrix_with_a_non_finite_gradient():
+def test_kernels_refuse_a_matrix_with_a_non_finite_gradient(device):
     rng = np.random.default_rng(13)
     fmt, shape = StateFormat("packed"), (5, 6)
     grad = gradient(rng, shape)
     grad[4, 5] = float("inf")
-    state = torch.from_numpy(rng.integers(0, 2**15, shape).astype(np.int16))
-    weights = gradient(rng, shape)
+    grad = grad.to(device)
+    state = torch.from_numpy(rng.integers(0, 2**15, shape).astype(np.int16)).to(device)
+    weights = gradient(rng, shape).to(device)
     state_before, weights_before = state.clone(), weights.clone()
     _, _, counters = run_kernels(fmt, grad, state, weights, None, step_scalar_row((0.1, 0.9, 0.1, 1e-7), shape),
                                  nesterov=True, maximize=False)
@@ -319,6 +323,8 @@ def test_cuda_step_equals_the_cpu_phases_around_the_cuda_newton_schulz(mode):
     rng = np.random.default_rng(15)
     shape, fmt = (40, 24), StateFormat(mode)
     param = torch.nn.Parameter(torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).cuda().bfloat16())
+    if hasattr(param, "grad_dtype"):
+        param.grad_dtype = None  # float32 gradients on a bf16 parameter
     opt = PackedMuon([param], lr=0.02, mode=mode, check_nonfinite=True)
     state = np.zeros(shape, np.uint16)
     scalars = step_scalar_row((0.02, 0.95, 0.1, 1e-7), shape)
