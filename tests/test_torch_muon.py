@@ -419,3 +419,21 @@ def test_combined_refuses_groups_without_a_rule_or_shared_between_rules():
                          {"params": [model.up.weight], "kind": "adamw"}])
     with pytest.raises(ValueError, match="PackedMuonAdamW"):
         PackedMuonAdamW([{"params": [model.up.bias], "kind": "muon"}])
+
+
+def test_bad_gradients_are_refused_naming_the_parameter_and_nothing_steps():
+    a, b = torch.nn.Parameter(torch.ones(3, 4)), torch.nn.Parameter(torch.ones(3, 4))
+    opt = PackedMuon([{"params": [a, b], "param_names": ["a", "b"]}], lr=0.1)
+    if hasattr(b, "grad_dtype"):
+        b.grad_dtype = None  # let torch assign a float64 gradient
+    a.grad = torch.ones(3, 4)
+    b.grad = torch.ones(3, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match="'b': gradient dtype torch.float64"):
+        opt.step()
+    b.grad = torch.ones(4, 3).T
+    with pytest.raises(ValueError, match="'b': gradient is not contiguous"):
+        opt.step()
+    b.grad = torch.ones(3, 4).to_sparse()
+    with pytest.raises(RuntimeError, match="'b' has a sparse gradient: PackedMuon"):
+        opt.step()
+    assert torch.equal(a.detach(), torch.ones(3, 4)) and not opt.state

@@ -126,7 +126,8 @@ class PackedMuon(Optimizer):
             validate_group(group, f"param_groups[{index}]")
             for param_index, p in enumerate(group["params"]):
                 check_matrix(p, _checks.param_name(group, index, param_index))
-            _checks.check_one_device([p for g in self.param_groups for p in g["params"]], f"param_groups[{index}]")
+            _checks.check_one_device([p for g in self.param_groups for p in g["params"]], f"param_groups[{index}]",
+                                     "PackedMuon")
         except Exception:
             self.param_groups.pop()
             raise
@@ -216,7 +217,7 @@ def _checked_grad(p: torch.Tensor, name: str) -> torch.Tensor:
     g = p.grad
     if not (g.layout is torch.strided and g.shape == p.shape and g.is_contiguous()
             and (g.dtype is FLOAT32 or g.dtype is p.dtype) and g.device == p.device):
-        _checks.raise_grad_error(p, g, name)
+        _checks.raise_grad_error(p, g, name, "PackedMuon")
     return g
 
 
@@ -254,7 +255,7 @@ def step(opt) -> None:
             name = _checks.param_name(group, gi, pi)
             check_matrix(p, name)
             work.append((p, _checked_grad(p, name), _checked_state(opt, p, name), group, row, name))
-    _checks.check_one_device([w[0] for w in work], "PackedMuon.step")
+    _checks.check_one_device([w[0] for w in work], "PackedMuon.step", "PackedMuon")
     for p, _, state, _, _, _ in work:
         if not state:
             entries = opt.state[p]
