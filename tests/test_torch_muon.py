@@ -437,3 +437,36 @@ def test_bad_gradients_are_refused_naming_the_parameter_and_nothing_steps():
     with pytest.raises(RuntimeError, match="'b' has a sparse gradient: PackedMuon"):
         opt.step()
     assert torch.equal(a.detach(), torch.ones(3, 4)) and not opt.state
+
+
+def test_combined_check_nonfinite_steps_both_rules_before_raising():
+    rng = np.random.default_rng(18)
+    model = TinyModel()
+    opt = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)), check_nonfinite=True)
+    set_gradients(rng, model)
+    model.up.weight.grad[0, 0] = float("nan")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(NonFiniteGradientError, match="'up.weight' \\(refused whole\\)"):
+        opt.step()
+    changed = {name for name, p in model.named_parameters() if not torch.equal(bits(p), bits(before[name]))}
+    assert changed == set(before) - {"up.weight"}
+
+
+@fused_torch
+def test_groups_with_their_own_settings_equal_torch_optim_muon():
+    rng = np.random.default_rng(19)
+    shapes = [(6, 4), (4, 9), (5, 5)]
+    settings = [dict(lr=0.03, weight_decay=0.0, nesterov=False), dict(lr=0.01, adjust_lr_fn="match_rms_adamw"),
+                dict(momentum=0.8, ns_steps=3, eps=1e-3)]
+    theirs = [torch.nn.Parameter(torch.from_numpy(rng.standard_normal(s).astype(np.float32))) for s in shapes]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    opt_t = torch.optim.Muon([{"params": [p], **kw} for p, kw in zip(theirs, settings)], lr=0.02)
+    opt_o = PackedMuon([{"params": [p], **kw} for p, kw in zip(ours, settings)], lr=0.02, mode="fp32")
+    for _ in range(3):
+        for p, q in zip(theirs, ours):
+            p.grad = gradient(rng, tuple(p.shape))
+            q.grad = p.grad.clone()
+        opt_t.step()
+        opt_o.step()
+        for p, q in zip(theirs, ours):
+            assert torch.equal(bits(p), bits(q))

@@ -16,6 +16,7 @@ from packed_adamw.core.adamw.state_format import DEFAULT_M_BIAS, DEFAULT_RMS_BIA
 from packed_adamw.core.muon import DEFAULT_MU_BIAS
 
 from . import _engine, _persistence
+from ._engine import NonFiniteGradientError
 from . import muon as _muon
 from .muon import PackedMuon
 from .optimizer import PackedAdamW
@@ -131,8 +132,14 @@ class PackedMuonAdamW(Optimizer):
             raise RuntimeError("PackedMuonAdamW.step() under torch.compile is not offered yet: call it outside the "
                                "compiled region, as an eager step")
         self._opt_called = True
+        errors = []
         for rule in self._rules.values():
-            rule._update()
+            try:
+                rule._update()
+            except NonFiniteGradientError as e:  # raised after its rule stepped: the other rule steps too
+                errors.append(str(e))
+        if errors:
+            raise NonFiniteGradientError("; ".join(errors))
         return loss
 
     step._wrapped_by_lr_sched = True
