@@ -488,3 +488,19 @@ def test_dtensor_parameters_are_refused():
             PackedMuonAdamW([{"params": [sharded], "kind": "muon"}])
     finally:
         dist.destroy_process_group()
+
+
+def test_a_group_changed_to_bad_values_is_refused_at_the_next_step():
+    p = torch.nn.Parameter(torch.ones(3, 4))
+    opt = PackedMuon([p], lr=0.1)
+    p.grad = torch.ones(3, 4)
+    opt.step()
+    after_one = p.detach().clone()
+    for key, value, message in (("momentum", 1.5, "momentum should be below 1"), ("lr", -1.0, "Learning rate"),
+                                ("ns_steps", 100, "ns_steps"), ("adjust_lr_fn", "cubic", "adjust_lr_fn")):
+        good = opt.param_groups[0][key]
+        opt.param_groups[0][key] = value
+        with pytest.raises(ValueError, match=message):
+            opt.step()
+        opt.param_groups[0][key] = good
+    assert torch.equal(p.detach(), after_one)

@@ -272,7 +272,8 @@ def step(opt) -> None:
         raise NonFiniteGradientError(
             "PackedMuon.step: non-finite values in " + ", ".join(bad) + ". A refused matrix (NaN/Inf gradient, "
             "momentum or Newton-Schulz input) kept its weights and momentum; the others were updated. Find the "
-            "source of the NaN/Inf, or skip such steps with torch.amp.GradScaler / clip_grad_norm_(error_if_nonfinite=True)")
+            "source of the NaN/Inf, or skip such steps with torch.amp.GradScaler / "
+            "clip_grad_norm_(error_if_nonfinite=True)")
 
 
 def _checked_row(opt, group: dict, index: int) -> tuple:
@@ -287,6 +288,9 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
     valid = opt.__dict__.setdefault("_valid_rows", {})
     if key is None or key not in valid:
         validate_group(group, f"param_groups[{index}]")
+        if key is None:  # validation said nothing, yet the row is not plain numbers: say so
+            raise TypeError(f"param_groups[{index}]: lr, momentum, weight_decay and eps must be numbers, "
+                            "ns_coefficients three numbers")
         if len(valid) > 64:
             valid.clear()
         valid[key] = True
