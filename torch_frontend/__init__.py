@@ -1,11 +1,16 @@
 """packed_adamw.torch: the PyTorch frontend.
 
-`PackedAdamW` is the optimizer; `functional.adamw_step_` the functional step it calls. The
+`PackedAdamW` is the optimizer; `functional.adamw_step_` the functional step it calls.
+`PackedMuon` is Muon with 2-byte momentum codes (docs/MUON.md); `PackedMuonAdamW` steps Muon
+groups and AdamW groups as one optimizer, `muon_param_groups` splits a model for it. The
 reference GPT, its trainer and checkpoints live apart, in `packed_adamw.torch.gpt`.
 """
 from packed_adamw.core.portable import PortableState
 
+from .combined import PackedMuonAdamW, muon_param_groups
 from .functional import adamw_step_, new_state
+from .muon import PackedMuon
 from .optimizer import NonFiniteGradientError, PackedAdamW
 
-__all__ = ["PackedAdamW", "NonFiniteGradientError", "PortableState", "adamw_step_", "new_state"]
+__all__ = ["PackedAdamW", "PackedMuon", "PackedMuonAdamW", "muon_param_groups", "NonFiniteGradientError",
+           "PortableState", "adamw_step_", "new_state"]

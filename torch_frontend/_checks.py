@@ -186,11 +186,11 @@ def checked_loaded_low_half(low_half, p, where: str):
     return low_half
 
 
-def check_one_device(params: list, where: str) -> None:
+def check_one_device(params: list, where: str, optimizer: str = "PackedAdamW") -> None:
     devices = {_dtensor.local(p).device for p in params}
     if len(devices) > 1:
         raise ValueError(
-            f"{where}: parameters are on several devices {sorted(map(str, devices))}; PackedAdamW updates one "
+            f"{where}: parameters are on several devices {sorted(map(str, devices))}; {optimizer} updates one "
             "device: move the model with .to(device) first, or use one optimizer per device"
         )
 
@@ -269,14 +269,15 @@ def validate_group(group: dict, index: int) -> None:
             raise ValueError(f"{name} is on {local.device}: PackedAdamW runs on CPU and CUDA devices")
 
 
-def raise_grad_error(p: torch.Tensor, g: torch.Tensor, name: str) -> None:
+def raise_grad_error(p: torch.Tensor, g: torch.Tensor, name: str, optimizer: str = "PackedAdamW") -> None:
     if p.dtype not in (FLOAT32, BFLOAT16) or not p.is_contiguous():  # changed after add_param_group
-        raise TypeError(f"{name} is now {p.dtype}, contiguous={p.is_contiguous()}: PackedAdamW trains contiguous "
+        raise TypeError(f"{name} is now {p.dtype}, contiguous={p.is_contiguous()}: {optimizer} trains contiguous "
                         "float32 or bfloat16 parameters")
     if g.is_sparse:
-        raise RuntimeError(f"{name} has a sparse gradient: PackedAdamW does not support sparse gradients (use dense ones)")
+        raise RuntimeError(f"{name} has a sparse gradient: {optimizer} does not support sparse gradients (use dense "
+                           "ones)")
     if g.is_complex():
-        raise TypeError(f"{name} has a complex gradient: PackedAdamW supports real float32 and bfloat16 tensors only")
+        raise TypeError(f"{name} has a complex gradient: {optimizer} supports real float32 and bfloat16 tensors only")
     if g.dtype not in (FLOAT32, p.dtype):
         allowed = "float32 or bfloat16" if p.dtype is BFLOAT16 else "float32"
         raise TypeError(f"{name}: gradient dtype {g.dtype} does not fit the parameter's {p.dtype}; gradients of "

@@ -1,4 +1,6 @@
 """Saving, loading and moving a `PackedAdamW` state, and the FP32 masters of bf16 parameters.
+`PackedMuon` and `PackedMuonAdamW` reuse the identity (`with_identity`, `saved_identity`) and,
+for AdamW groups, the load checks and restoration.
 
 Written against a parameter's state entries (`_state.py`: the moments under
 `fmt.state_key`, a bf16 parameter's low half, the step count): the state_dict's format
@@ -219,7 +221,7 @@ def saved_identity(opt, state_dict: dict) -> str:
         if not isinstance(meta, dict) or "format" not in meta:
             raise ValueError(
                 f"load_state_dict: the {STATE_DICT_KEY!r} entry has no 'format' (got {meta!r}); the state_dict "
-                "was not written by PackedAdamW.state_dict() or was edited: save it again from the optimizer"
+                f"was not written by {type(opt).__name__}.state_dict() or was edited: save it again from the optimizer"
             )
         version = meta.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= STATE_DICT_VERSION:
@@ -233,7 +235,7 @@ def saved_identity(opt, state_dict: dict) -> str:
     if groups and None not in identities and len(identities) == 1:
         return identities.pop()  # a distributed checkpoint: only the groups came through
     raise ValueError(
-        "load_state_dict: this state_dict was not saved by PackedAdamW (no 'packed_adamw' entry and no "
+        f"load_state_dict: this state_dict was not saved by {type(opt).__name__} (no 'packed_adamw' entry and no "
         f"{GROUP_FORMAT_KEY!r} in its param groups); start this optimizer fresh instead of loading another "
         "optimizer's state"
     )

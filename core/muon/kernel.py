@@ -1,0 +1,147 @@
+"""Muon's Triton source: the two elementwise phases (docs/MUON.md), bit for bit with
+core/muon/numpy_step.py. Compile with launch.COMPILE_OPTIONS (`enable_fp_fusion=False`): the
+contract's only fused multiply-adds are the explicit `tl.fma`s below.
+
+`muon_momentum_kernel` reads the gradient and the stored momentum, writes the Newton-Schulz
+input X (bf16 bits) and the new momentum into a scratch entry, and adds the matrix's refusing
+elements to one counter. The framework runs Newton-Schulz on X. `muon_weight_kernel` then, if
+the counter is zero, commits the scratch momentum to the state and steps the weights; a refused
+matrix keeps everything (MUON.md, "The matrix is refused"). One launch of each per matrix.
+"""
+import triton
+import triton.language as tl
+
+from ..kernel import (
+    FLOAT32_SIGN_BIT,
+    SPLIT_LO_SIGN,
+    SPLIT_MAGNITUDE_MASK,
+    SPLIT_MASTER_MAX,
+    decode,
+    encode_magnitude,
+    finish_code,
+    join_master,
+    split_master,
+)
+
+PACKED_MODE = tl.constexpr(0)  # StateFormat.kernel_constexprs' MODE: MODES.index(mode)
+BF16_MODE = tl.constexpr(1)
+FP32_MODE = tl.constexpr(2)
+EXPONENT_MASK = tl.constexpr(0x7F800000)
+BF16_EXPONENT_MASK = tl.constexpr(0x7F80)
+
+
+@triton.jit
+def _finite(x):
+    return (x.to(tl.uint32, bitcast=True) & EXPONENT_MASK) != EXPONENT_MASK
+
+
+@triton.jit
+def _bf16_from_bits(bits16):
+    """int16 bf16 bits -> float32 (exact)."""
+    return ((bits16.to(tl.uint16, bitcast=True).to(tl.uint32)) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """float32 -> bf16 bits in a uint32, nearest even (Inf's bits past bf16's range)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+@triton.jit
+def lerp(start, end, weight):
+    """MUON.md's lerp: fma(w, end - start, start) if |w| < 0.5, else fma(w - 1, end - start, end)."""
+    difference = end - start
+    low = tl.fma(weight + tl.zeros_like(difference), difference, start)
+    high = tl.fma((weight - 1.0) + tl.zeros_like(difference), difference, end)
+    return tl.where(tl.abs(weight) < 0.5, low, high)
+
+
+@triton.jit
+def muon_momentum_kernel(
+    grad_ptr, state_ptr, new_state_ptr, x_ptr, scalars_ptr, refused_ptr, n_elements,
+    MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Phase 1 of one matrix (flat, n_elements): `grad` float32 (or int16 bf16 bits with
+    GRAD_BF16); `state` and `new_state` int16 codes (float32 in fp32 mode); `x` int16 bf16 bits;
+    `scalars` the matrix's float32 step-scalar row; `refused` one int32 counter."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offsets < n_elements
+    one_minus_momentum = tl.load(scalars_ptr)
+    momentum = tl.load(scalars_ptr + 1)
+    if GRAD_BF16:
+        g = _bf16_from_bits(tl.load(grad_ptr + offsets, mask=in_bounds, other=0))
+    else:
+        g = tl.load(grad_ptr + offsets, mask=in_bounds, other=0.0)
+    bad = ~_finite(g)
+    if MAXIMIZE:  # on the bits: compiled negation may become 0 - x, which loses -0
+        g = (g.to(tl.uint32, bitcast=True) ^ FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True)
+    if MODE == FP32_MODE:
+        m = tl.load(state_ptr + offsets, mask=in_bounds, other=0.0)
+    elif MODE == BF16_MODE:
+        m = _bf16_from_bits(tl.load(state_ptr + offsets, mask=in_bounds, other=0))
+    else:
+        code = tl.load(state_ptr + offsets, mask=in_bounds, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        m = decode(code, True, MU_FRAC, MU_BIAS)
+    m_next = lerp(m, g, one_minus_momentum)
+    bad = bad | ~_finite(m_next)
+    if NESTEROV:
+        x = lerp(g, m_next, momentum)
+    else:
+        x = m_next
+    x_bits = _bf16_bits(x)
+    bad = bad | ~_finite(x) | ((x_bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK)
+    tl.store(x_ptr + offsets, x_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+    if MODE == FP32_MODE:
+        tl.store(new_state_ptr + offsets, m_next, mask=in_bounds)
+    elif MODE == BF16_MODE:
+        m_bits = _bf16_bits(m_next)
+        bad = bad | ((m_bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK)
+        tl.store(new_state_ptr + offsets, m_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+    else:
+        m_code = finish_code(encode_magnitude(tl.abs(m_next), MU_FRAC, MU_BIAS), m_next, True, MU_MAX)
+        tl.store(new_state_ptr + offsets, m_code.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+    n_bad = tl.sum((bad & in_bounds).to(tl.int32), axis=0)
+    tl.atomic_add(refused_ptr, n_bad, mask=n_bad > 0)
+
+
+@triton.jit
+def muon_weight_kernel(
+    param_ptr, lo_ptr, ortho_ptr, new_state_ptr, state_ptr, scalars_ptr, refused_ptr, rejected_ptr, n_elements,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Phase 2 of one matrix, unless `refused` (phase 1's counter) is nonzero: commits
+    `new_state` to `state` (same dtype, copied as bits), then p' = fma(neg_adjusted_lr, O,
+    p * decay) on float32 weights (SPLIT: int16 bf16 weights and their int16 low halves);
+    elements whose p' is not finite (or past SPLIT_MASTER_MAX) keep p and are added to `rejected`."""
+    if tl.load(refused_ptr) == 0:
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_bounds = offsets < n_elements
+        tl.store(state_ptr + offsets, tl.load(new_state_ptr + offsets, mask=in_bounds), mask=in_bounds)
+        decay = tl.load(scalars_ptr + 2)
+        neg_adjusted_lr = tl.load(scalars_ptr + 3)
+        o = _bf16_from_bits(tl.load(ortho_ptr + offsets, mask=in_bounds, other=0))
+        if SPLIT:
+            w_bits = tl.load(param_ptr + offsets, mask=in_bounds, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+            lo_bits = tl.load(lo_ptr + offsets, mask=in_bounds, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+            p = join_master(w_bits, lo_bits)
+            # A zero weight beside a negative low half reads as that signed zero (codecs.read_master).
+            stale = ((w_bits & SPLIT_MAGNITUDE_MASK) == 0) & ((lo_bits & SPLIT_LO_SIGN) != 0)
+            p = tl.where(stale, (w_bits << 16).to(tl.float32, bitcast=True), p)
+        else:
+            p = tl.load(param_ptr + offsets, mask=in_bounds, other=0.0)
+        p_next = tl.fma(neg_adjusted_lr + tl.zeros_like(o), o, p * decay)
+        if SPLIT:
+            accepted = tl.abs(p_next) <= SPLIT_MASTER_MAX
+        else:
+            accepted = _finite(p_next)
+        p_next = tl.where(accepted, p_next, p)
+        if SPLIT:
+            w_next, lo_next = split_master(p_next)
+            tl.store(param_ptr + offsets, w_next.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+            tl.store(lo_ptr + offsets, lo_next.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+        else:
+            tl.store(param_ptr + offsets, p_next, mask=in_bounds)
+        n_rejected = tl.sum((~accepted & in_bounds).to(tl.int32), axis=0)
+        tl.atomic_add(rejected_ptr, n_rejected, mask=n_rejected > 0)

@@ -1,0 +1,206 @@
+"""`PackedMuonAdamW`: Muon for a model's block matrices and packed AdamW for the rest, as one
+`torch.optim.Optimizer` (one step, one state_dict, one scheduler), and `muon_param_groups`, the
+usual split of a model's parameters.
+
+Each param group names its rule (`kind="muon"` or `kind="adamw"`). The combined optimizer holds
+one `PackedMuon` and one `PackedAdamW` that share its group dicts and its state, so a scheduler
+changing a group's lr reaches the rule that steps it, and each rule steps, checks, saves and
+loads exactly as it does alone: the combined step has their bits.
+"""
+from __future__ import annotations
+
+import torch
+from torch.optim import Optimizer
+
+from packed_adamw.core.adamw.state_format import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS
+from packed_adamw.core.muon import DEFAULT_MU_BIAS
+
+from . import _engine, _persistence
+from ._engine import NonFiniteGradientError
+from . import muon as _muon
+from .muon import PackedMuon
+from .optimizer import PackedAdamW
+
+KINDS = ("muon", "adamw")
+# What each rule's groups take by default (their own optimizer's defaults, the lr aside).
+_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn",
+              "maximize")
+_ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize")
+
+
+def muon_param_groups(model: torch.nn.Module, *, exclude=(), muon: dict | None = None,
+                      adamw: dict | None = None) -> list[dict]:
+    """The usual split: every 2-D weight -> Muon, except embeddings and the output head (an
+    `nn.Embedding`'s weight, and any parameter whose name is in `exclude` or contains one of
+    its entries); 1-D and 0-D parameters (norms, biases, scalars), embeddings and the head ->
+    AdamW. Tied parameters are listed once. Returns two groups (one if the other is empty),
+    with `param_names`, `kind`, and the options in `muon` / `adamw` (e.g. each group's lr).
+    For a head that is a plain `nn.Linear`, pass its name in `exclude` (e.g. exclude=("lm_head",))."""
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    seen, groups = set(), {"muon": ([], []), "adamw": ([], [])}
+    for name, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        excluded = any(name == e or e in name for e in exclude)
+        kind = "muon" if p.dim() == 2 and id(p) not in embedding_weights and not excluded else "adamw"
+        groups[kind][0].append(p)
+        groups[kind][1].append(name)
+    options = {"muon": dict(muon or {}), "adamw": dict(adamw or {})}
+    return [{"params": params, "param_names": names, "kind": kind, **options[kind]}
+            for kind, (params, names) in groups.items() if params]
+
+
+class PackedMuonAdamW(Optimizer):
+    """One optimizer over Muon groups and AdamW groups (`kind` in every group; see
+    `muon_param_groups`). Muon's options (`lr`, `weight_decay`, `momentum`, `nesterov`,
+    `ns_coefficients`, `eps`, `ns_steps`, `adjust_lr_fn`, `mode`, `mu_bias`) default to
+    PackedMuon's, AdamW's (`adamw_lr`, `adamw_betas`, `adamw_eps`, `adamw_weight_decay`,
+    `adamw_mode`, `m_bias`, `rms_bias`) to PackedAdamW's; a group's own entries win. The step,
+    state_dict and load_state_dict are both rules', each rule's state with its format identity
+    (every saved group records its rule's); a load checks both before anything changes.
+    Not offered: capturable steps, torch.compile and DTensor parameters for the Muon groups."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients=_muon.DEFAULT_NS_COEFFICIENTS, eps: float = 1e-7,
+                 ns_steps: int = _muon.DEFAULT_NS_STEPS, adjust_lr_fn: str | None = None, *, mode: str = "packed",
+                 mu_bias: int = DEFAULT_MU_BIAS, adamw_lr: float = 1e-3, adamw_betas=(0.9, 0.999),
+                 adamw_eps: float = 1e-8, adamw_weight_decay: float = 1e-2, adamw_mode: str = "packed",
+                 m_bias: int = DEFAULT_M_BIAS, rms_bias: int = DEFAULT_RMS_BIAS, maximize: bool = False,
+                 check_nonfinite: bool = False, multi_tensor: bool = True, capturable: bool = False):
+        if capturable:
+            raise ValueError("PackedMuonAdamW(capturable=True): Muon's steps are not capturable (CUDA graphs) yet; "
+                             "step it eagerly")
+        self._rule_options = {
+            "muon": dict(defaults=dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                       ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                                       adjust_lr_fn=adjust_lr_fn, maximize=maximize),
+                         options=dict(mode=mode, mu_bias=mu_bias, check_nonfinite=check_nonfinite)),
+            "adamw": dict(defaults=dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                                        weight_decay=adamw_weight_decay, maximize=maximize),
+                          options=dict(mode=adamw_mode, m_bias=m_bias, rms_bias=rms_bias,
+                                       check_nonfinite=check_nonfinite, multi_tensor=multi_tensor)),
+        }
+        self._rules: dict[str, Optimizer] = {}
+        super().__init__(params, {})
+
+    # ---- groups: each one belongs to its rule's optimizer, which validates it --------------------
+    def add_param_group(self, param_group: dict) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError("PackedMuonAdamW takes param groups (dicts with 'params' and 'kind'), e.g. "
+                            "muon_param_groups(model)")
+        kind = param_group.get("kind")
+        if kind not in KINDS:
+            raise ValueError(f"param_groups[{len(self.param_groups)}] has kind={kind!r}: every group of "
+                             f"PackedMuonAdamW says its rule, kind='muon' or kind='adamw' (muon_param_groups(model) "
+                             "makes them)")
+        group = dict(param_group)
+        params = group["params"]
+        group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+        ours = {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in ours for p in group["params"]):
+            raise ValueError(f"param_groups[{len(self.param_groups)}] lists a parameter another group has: a "
+                             "parameter belongs to one rule; list each parameter once")
+        rule = self._rules.get(kind)
+        if rule is None:
+            settings = self._rule_options[kind]
+            group = {**settings["defaults"], **group}
+            cls = PackedMuon if kind == "muon" else PackedAdamW
+            rule = cls([group], **settings["defaults"], **settings["options"])
+            rule.state = self.state  # one state: torch's state_dict packs every parameter's
+            self._rules[kind] = rule
+        else:
+            rule.add_param_group(group)
+        self.param_groups.append(rule.param_groups[-1])  # the same dict: schedulers reach the rule
+
+    @property
+    def rules(self) -> dict[str, Optimizer]:
+        """The rule optimizers (kind -> PackedMuon / PackedAdamW) that step the groups."""
+        return dict(self._rules)
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_rule_options": self._rule_options, "_rules": self._rules}
+
+    # ---- the step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if torch.compiler.is_compiling():
+            raise RuntimeError("PackedMuonAdamW.step() under torch.compile is not offered yet: call it outside the "
+                               "compiled region, as an eager step")
+        self._opt_called = True
+        errors = []
+        for rule in self._rules.values():
+            try:
+                rule._update()
+            except NonFiniteGradientError as e:  # raised after its rule stepped: the other rule steps too
+                errors.append(str(e))
+        if errors:
+            raise NonFiniteGradientError("; ".join(errors))
+        return loss
+
+    step._wrapped_by_lr_sched = True
+
+    # ---- saving and loading -------------------------------------------------------------------
+    def identities(self) -> dict[str, str]:
+        return {kind: rule.state_format.identity for kind, rule in self._rules.items()}
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        identities = self.identities()
+        sd[_persistence.STATE_DICT_KEY] = {"version": _persistence.STATE_DICT_VERSION, "format": identities}
+        sd["param_groups"] = [{**g, _persistence.GROUP_FORMAT_KEY: identities[g["kind"]]} for g in sd["param_groups"]]
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Every group's rule and format identity, and each rule's state, are checked before
+        anything changes; then torch loads, and each rule puts its codes back bit for bit."""
+        saved_groups = state_dict.get("param_groups") or []
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"load_state_dict: the saved state has {len(saved_groups)} param groups, this optimizer "
+                             f"{len(self.param_groups)}; load it into an optimizer built over the same groups")
+        identities = self.identities()
+        for i, (saved, ours) in enumerate(zip(saved_groups, self.param_groups)):
+            if saved.get("kind") != ours["kind"]:
+                raise ValueError(f"load_state_dict: saved param_groups[{i}] is kind={saved.get('kind')!r}, this "
+                                 f"optimizer's is {ours['kind']!r}; build the optimizer with the saved run's groups")
+            saved_identity = saved.get(_persistence.GROUP_FORMAT_KEY)
+            if saved_identity != identities[ours["kind"]]:
+                raise ValueError(f"load_state_dict: saved param_groups[{i}] ({ours['kind']}) has format "
+                                 f"{saved_identity!r} but this optimizer uses {identities[ours['kind']]!r}; "
+                                 "construct it with the saved run's modes and biases")
+        checked = {}
+        for kind, rule in self._rules.items():
+            part = {"state": state_dict["state"],
+                    "param_groups": [g for g in saved_groups if g["kind"] == kind],
+                    _persistence.STATE_DICT_KEY: {"version": _persistence.STATE_DICT_VERSION,
+                                                  "format": identities[kind]}}
+            check = _muon.checked_load if kind == "muon" else _persistence.checked_load
+            checked[kind] = check(rule, part)[1]
+        groups = [{k: v for k, v in g.items() if k != _persistence.GROUP_FORMAT_KEY} for g in saved_groups]
+        super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
+        self._bind_rules()
+        for kind, loaded in checked.items():
+            restore = _muon.restore_loaded if kind == "muon" else _persistence.restore_loaded
+            restore(self._rules[kind], loaded)
+
+    def _bind_rules(self) -> None:
+        """torch's loader makes new group dicts and a new state: the rules take them."""
+        for kind, rule in self._rules.items():
+            rule.param_groups = [g for g in self.param_groups if g["kind"] == kind]
+            rule.state = self.state
+            rule.__dict__.pop("_valid_rows", None)
+            if isinstance(rule, PackedAdamW):
+                rule._note_param_lists()
+                _engine.drop_plan(rule, keep_counts=False)
+
+    def master_weights(self) -> list[torch.Tensor]:
+        """The FP32 masters in this optimizer's parameter order (param_groups flattened)."""
+        by_param = {}
+        for rule in self._rules.values():
+            params = [p for g in rule.param_groups for p in g["params"]]
+            by_param.update(zip(map(id, params), rule.master_weights()))
+        return [by_param[id(p)] for g in self.param_groups for p in g["params"]]
