@@ -27,19 +27,8 @@ from packed_adamw.core.adamw.hyperparams import SCALAR_ROW, SCALAR_ROW_INT64_WOR
 from ._state import NONFINITE_COLUMN, new_counters
 
 
-class LaunchKind(NamedTuple):
-    """What a launch compiles for: its tensors share it."""
-
-    split: bool  # bf16 weights with split masters (each with an int16 low half)
-    grad_bf16: bool  # bf16 gradients (else float32)
-
-    @property
-    def sections(self) -> int:
-        """Address sections in the table: parameters, gradients, states (and low halves)."""
-        return 4 if self.split else 3
-
-
-FP32_KIND = LaunchKind(False, False)
+# The launch kinds are core's (core/launch.py): FP32; split masters with FP32 or bf16 gradients.
+LaunchKind, FP32_KIND = launch.LaunchKind, launch.FP32_KIND
 
 
 def launch_kind(param: torch.Tensor, grad: torch.Tensor) -> LaunchKind:
