@@ -319,6 +319,18 @@ def test_format_stats_are_the_numpy_counts_of_every_step_since_the_last_read(mod
     assert all(v == 0 for entry in opt.format_stats().values() for v in entry.values())  # reset on read
 
 
+def test_a_state_of_other_groups_is_refused_before_pending_counts_are_dropped():
+    params = [torch.nn.Parameter(torch.full((3,), float(i + 1))) for i in range(3)]
+    saved = PackedAdamW([{"params": params[:1]}, {"params": params[1:]}], track_format=True).state_dict()
+    opt = PackedAdamW([{"params": params[:2]}, {"params": params[2:]}], track_format=True)
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    with pytest.raises(ValueError, match="parameter groups hold"):
+        opt.load_state_dict(saved)
+    assert all(entry["elements"] == 3 for entry in opt.format_stats().values())  # the step's counts are still there
+
+
 def test_counts_survive_a_rebuilt_plan_and_a_loaded_state_starts_them_afresh():
     params, opt, _ = _trained(steps=2)
     before_rebuild = opt.format_stats()

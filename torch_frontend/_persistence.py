@@ -64,6 +64,15 @@ def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
             f"load_state_dict: the saved state has {len(saved_params)} parameters, this optimizer "
             f"{len(our_params)}; load it into an optimizer built over the same parameters"
         )
+    # torch's loader makes this check too, but only after the plan and its pending counts are
+    # dropped: made here, a refused state leaves the optimizer as it was.
+    saved_sizes = [len(g["params"]) for g in state_dict["param_groups"]]
+    our_sizes = [len(g["params"]) for g in opt.param_groups]
+    if saved_sizes != our_sizes:
+        raise ValueError(
+            f"load_state_dict: the saved state's parameter groups hold {saved_sizes} parameters, this "
+            f"optimizer's {our_sizes}; load it into an optimizer built with the same groups"
+        )
     fmt = opt.state_format
     key = fmt.state_key
     loaded = {}
