@@ -46,7 +46,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from packed_adamw.core import StateFormat, launch
+from packed_adamw.core import StateFormat
 from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
 from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 

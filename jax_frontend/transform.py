@@ -319,7 +319,9 @@ def _warn_refused(valid, row, count) -> None:
 
 def _report_refusal(valid, row, count) -> None:
     """Under jit an invalid step cannot raise: a `jax.debug.callback` warns instead
-    (`RefusedStepWarning`, naming the value), so a refusal is never silent. The callback is
+    (`RefusedStepWarning`, naming the value) where a hyperparameter is known only in the
+    graph; a negative (damaged) count with plain-number hyperparameters is refused without it
+    (docs/JAX.md, "Known gaps"). The callback is
     taken only on the refusing branch of a `lax.cond`; under `vmap` the cond becomes a select,
     so the host side checks `valid` again."""
     jax.lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(_warn_refused, *args), valid, row, count)

@@ -405,3 +405,27 @@ def test_kernel_constants_come_from_the_format(mode):
             m_fmt.signed, m_fmt.fraction_bits, m_fmt.bias, m_fmt.max_magnitude_code)
         assert (constants["R_SIGNED"], constants["R_FRAC"], constants["R_BIAS"], constants["R_MAX"]) == (
             r_fmt.signed, r_fmt.fraction_bits, r_fmt.bias, r_fmt.max_magnitude_code)
+
+
+def test_the_1_0_module_paths_still_load_pickles_and_imports_with_a_deprecation_warning():
+    # 1.0 pickled StateFormat (and a pickled PackedAdamW holds one) under packed_adamw.core.formats.
+    import importlib
+    import pickle
+    import sys
+
+    from packed_adamw.core import adamw as core_adamw
+    from packed_adamw.core.adamw import numpy_step
+    from packed_adamw.core.adamw.state_format import StateFormat as home
+
+    data = pickle.dumps(home(mode="packed", m_bias=12), protocol=2)
+    assert b"packed_adamw.core.adamw.state_format" in data
+    for name in ("formats", "numpy_step", "hyperparams"):
+        sys.modules.pop(f"packed_adamw.core.{name}", None)
+    with pytest.warns(DeprecationWarning, match="core.formats is deprecated"):
+        loaded = pickle.loads(data.replace(b"packed_adamw.core.adamw.state_format", b"packed_adamw.core.formats"))
+    assert loaded == home(mode="packed", m_bias=12) and type(loaded) is home
+    with pytest.warns(DeprecationWarning, match="core.numpy_step is deprecated"):
+        assert importlib.import_module("packed_adamw.core.numpy_step").apply_step is numpy_step.apply_step
+    with pytest.warns(DeprecationWarning, match="core.hyperparams is deprecated"):
+        old = importlib.import_module("packed_adamw.core.hyperparams")
+    assert old.validate_hyperparams is core_adamw.validate_hyperparams and old.FLOAT32_MAX == 3.4028234663852886e38

@@ -151,7 +151,7 @@ def state_as_numpy(t: torch.Tensor, mode: str) -> np.ndarray:
 
 def numpy_reference_step(p: np.ndarray, g: np.ndarray, state: np.ndarray, *, count: int, group: dict,
                          fmt: StateFormat) -> int:
-    """core.numpy_step in place on flat numpy copies, with a param group's hyperparameters."""
+    """core.adamw.numpy_step in place on flat numpy copies, with a param group's hyperparameters."""
     hp = Hyperparams(lr=float(group["lr"]), b1=float(group["betas"][0]), b2=float(group["betas"][1]),
                      eps=float(group["eps"]), weight_decay=float(group["weight_decay"]))
     return adamw_step(p, g, state, count=count, hp=hp, fmt=fmt)

@@ -22,10 +22,6 @@ from .muon import PackedMuon
 from .optimizer import PackedAdamW
 
 KINDS = ("muon", "adamw")
-# What each rule's groups take by default (their own optimizer's defaults, the lr aside).
-_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn",
-              "maximize")
-_ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize")
 
 
 def muon_param_groups(model: torch.nn.Module, *, exclude=(), muon: dict | None = None,

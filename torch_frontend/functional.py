@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from packed_adamw.core import StateFormat, codecs as formats, launch
+from packed_adamw.core import StateFormat, codecs as formats
 from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 from . import _launch
 from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, flat_moments, format_count_slots, new_low_half, new_state, \
     state_dtype
-from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 __all__ = ["adamw_step_", "new_state", "new_low_half", "state_dtype", "LOW_HALF_KEY", "LOW_HALF_DTYPE"]
 SPLIT_PARAM_DTYPE = torch.bfloat16  # parameters of this dtype are live weights of split masters

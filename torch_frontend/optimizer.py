@@ -12,14 +12,14 @@ import warnings
 import torch
 from torch.optim import Optimizer
 
-from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat, launch
+from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
 from packed_adamw.core.portable import PortableState
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 from . import _checks, _compiled, _engine, _persistence
 from ._checks import MAX_STEP, STEP_LIMIT  # noqa: F401  (public names of this module)
 from ._engine import SATURATION_WARNING, NonFiniteGradientError  # noqa: F401
 from ._persistence import GROUP_FORMAT_KEY, STATE_DICT_KEY, STATE_DICT_VERSION  # noqa: F401
-from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 
 class PackedAdamW(Optimizer):

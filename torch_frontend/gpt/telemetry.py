@@ -12,12 +12,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from packed_adamw.core import first_moment_format, launch, rms_format
+from packed_adamw.core import first_moment_format, rms_format
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 from ..optimizer import PackedAdamW
 from .config import TrainConfig
 from .distributed import Ranks, full
-from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 
 def moment_stats(model: torch.nn.Module, optimizer: PackedAdamW, step: int, biases: list[int],
