@@ -11,7 +11,8 @@ from muon_helpers import TinyModel, bits, cuda_only, fused_torch, gradient, set_
 from packed_adamw.core import launch
 from packed_adamw.core.muon import StateFormat, momentum_phase, step_scalar_row, weight_phase, weight_phase_split
 from packed_adamw.torch import NonFiniteGradientError, PackedAdamW, PackedMuon, PackedMuonAdamW, muon_param_groups
-from packed_adamw.torch.muon import newton_schulz
+from packed_adamw.torch import muon as torch_muon
+from packed_adamw.torch.muon import newton_schulz, newton_schulz_batched
 
 SHAPES = [(12, 5), (5, 12), (8, 8)]
 
@@ -66,6 +67,124 @@ def test_our_newton_schulz_is_torchs():
         x = gradient(rng, shape).bfloat16()
         expected = _zeropower_via_newtonschulz(x.clone(), (3.4445, -4.775, 2.0315), 5, 1e-7)  # it divides in place
         assert torch.equal(bits(newton_schulz(x)), bits(expected))
+
+
+# ---- Newton-Schulz batched over matrices of one shape -----------------------------------------
+def assert_batched_equals_per_matrix(shape_lists, device, seed):
+    rng = np.random.default_rng(seed)
+    for shapes in shape_lists:
+        xs = [gradient(rng, s, -6, 2).bfloat16().to(device) for s in shapes]
+        for x, y in zip(xs, newton_schulz_batched(xs)):
+            assert y.shape == x.shape
+            assert torch.equal(bits(y.contiguous()), bits(newton_schulz(x).contiguous())), (shapes, len(xs))
+
+
+# Batches of 1, 2, 3 and 8 matrices, wide, tall, square, and tall with wide in one batch.
+BATCHES = [[s] * b for s in [(12, 5), (5, 12), (8, 8), (48, 64)] for b in (1, 2, 3, 8)] + [
+    [(12, 5), (5, 12), (12, 5)], [(64, 48), (48, 64)]]
+
+
+def test_batched_newton_schulz_equals_per_matrix_on_cpu():
+    """CPU bf16 GEMMs (MKL/oneDNN here): each matrix of a batch gets its solo bits."""
+    assert_batched_equals_per_matrix(BATCHES + [[(96, 200)] * 3, [(200, 96), (96, 200)]], "cpu", 20)
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_batched_newton_schulz_equals_per_matrix_on_cuda():
+    """Decides `batch_ns`'s default (MUON.md, "Batched Newton-Schulz"): cuBLAS may pick another
+    algorithm (another split of the sum) for a batched GEMM than for the solo one. The model
+    lists of benchmarks/bench_muon.py are here, each shape at its list's batch size."""
+    model_batches = [[(864, 288)] * 8, [(288, 288)] * 8, [(1152, 288), (288, 1152)] * 8, [(2304, 768)] * 12,
+                     [(768, 768)] * 12, [(3072, 768), (768, 3072)] * 12, [(768, 768)] * 48,
+                     [(6144, 2048)] * 24, [(2048, 2048)] * 24, [(8192, 2048), (2048, 8192)] * 24]
+    assert_batched_equals_per_matrix(BATCHES + model_batches, "cuda", 21)
+
+
+# Shapes that batch (two wide with one tall), a square pair, a lone shape; a last matrix in a
+# group of its own Newton-Schulz settings stays out of its shape's batch.
+BATCH_NS_SHAPES = [(6, 10), (10, 6), (6, 10), (7, 7), (7, 7), (3, 5), (6, 10)]
+
+
+def batch_ns_optimizer(p0, device, batch_ns, dtype):
+    params = [torch.nn.Parameter(p.to(dtype).to(device)) for p in p0]
+    for p in params:
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = None  # float32 gradients on a bf16 parameter
+    groups = [{"params": params[:-1]}, {"params": params[-1:], "ns_steps": 3}]
+    return params, PackedMuon(groups, lr=0.03, batch_ns=batch_ns, check_nonfinite=True)
+
+
+def step_and_compare(rng, runs, steps=3, bad_at=(1, 1)):
+    """Steps each (params, optimizer) of `runs` on the same gradients; at step bad_at[0] the
+    gradient of matrix bad_at[1] holds a NaN (its matrix is refused). All end equal bit for bit."""
+    for step in range(steps):
+        grads = [gradient(rng, tuple(p.shape)) for p in runs[0][0]]
+        if step == bad_at[0]:
+            grads[bad_at[1]][0, 0] = float("nan")
+        for params, opt in runs:
+            for p, g in zip(params, grads):
+                p.grad = g.to(p.device)
+            if step == bad_at[0]:
+                with pytest.raises(NonFiniteGradientError, match=rf"\['params'\]\[{bad_at[1]}\] \(refused whole\)"):
+                    opt.step()
+            else:
+                opt.step()
+        (a, opt_a), *others = runs
+        for b, opt_b in others:
+            for p, q in zip(a, b):
+                assert torch.equal(bits(p), bits(q.cpu()))
+                assert opt_a.state[p].keys() == opt_b.state[q].keys()
+                for key, value in opt_a.state[p].items():
+                    assert torch.equal(bits(value), bits(opt_b.state[q][key].cpu()))
+
+
+def p0_for_batch_ns(rng):
+    return [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in BATCH_NS_SHAPES]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_ns_steps_as_the_per_matrix_newton_schulz_on_cpu(dtype, monkeypatch):
+    batches = []
+    monkeypatch.setattr(torch_muon, "newton_schulz_batched",
+                        lambda xs, *a: batches.append([tuple(x.shape) for x in xs]) or newton_schulz_batched(xs, *a))
+    rng = np.random.default_rng(22)
+    p0 = p0_for_batch_ns(rng)
+    step_and_compare(rng, [batch_ns_optimizer(p0, "cpu", batch_ns, dtype) for batch_ns in (False, True)])
+    # Each step batches the three (6, 10)-wide matrices and the (7, 7) pair; the lone (3, 5) and
+    # the ns_steps=3 group's matrix run per matrix. At the NaN step the refused (10, 6) is left out.
+    assert batches == [[(6, 10), (10, 6), (6, 10)], [(7, 7), (7, 7)],
+                       [(6, 10), (6, 10)], [(7, 7), (7, 7)],
+                       [(6, 10), (10, 6), (6, 10)], [(7, 7), (7, 7)]]
+
+
+@pytest.mark.parametrize("batch_ns", [False, True])
+def test_kernel_step_equals_the_numpy_step(batch_ns, is_interpreting, monkeypatch):
+    """The CUDA step's code (both kernels around per-matrix or batched Newton-Schulz) against
+    the numpy phases, on CPU tensors: the kernels in Triton's interpreter, Newton-Schulz on the
+    CPU for both (on a GPU the CUDA tests compare the compiled step)."""
+    if not is_interpreting:
+        pytest.skip("runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    rng = np.random.default_rng(23)
+    p0 = p0_for_batch_ns(rng)
+    numpy_run, kernel_run = (batch_ns_optimizer(p0, "cpu", batch_ns, torch.bfloat16) for _ in range(2))
+    monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: opt is kernel_run[1])
+    step_and_compare(rng, [numpy_run, kernel_run], steps=2, bad_at=(1, 4))
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_batch_ns_steps_as_the_per_matrix_newton_schulz(dtype):
+    """With the batched Newton-Schulz test above, decides `batch_ns`'s default on CUDA."""
+    rng = np.random.default_rng(24)
+    p0 = p0_for_batch_ns(rng)
+    step_and_compare(rng, [batch_ns_optimizer(p0, "cuda", batch_ns, dtype) for batch_ns in (False, True)])
+
+
+def test_batch_ns_must_be_a_bool():
+    with pytest.raises(TypeError, match="batch_ns must be True or False"):
+        PackedMuon([torch.nn.Parameter(torch.ones(2, 2))], batch_ns=1)
 
 
 # ---- the state and the modes ------------------------------------------------------------------
