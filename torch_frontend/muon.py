@@ -66,21 +66,32 @@ def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int =
     """`newton_schulz` of several bf16 matrices that share one wide orientation (m, n), m <= n
     (a tall one enters transposed): stacked into one [B, m, n] tensor, each matrix divided by its
     own Frobenius norm, the iterations as batched GEMMs. Fifteen GEMM launches for the whole
-    batch instead of fifteen per matrix. Returns each result in its input's orientation (a tall
-    one's is a transposed view).
+    batch instead of fifteen per matrix, and a few copies (the stacking, the tall results'
+    transposition) whatever B is. Returns each result contiguous, in its input's orientation.
 
     Each matrix's arithmetic is the per-matrix one, but a batched GEMM or reduction may sum in
     another order than the solo one; whether the bits agree depends on the library (MUON.md,
     "Batched Newton-Schulz"); tests/test_torch_muon.py compares them."""
     a, b, c = coefficients
-    tall = [x.size(0) > x.size(1) for x in xs]
-    y = torch.stack([x.bfloat16().T if t else x.bfloat16() for x, t in zip(xs, tall)])
+    tall = [i for i, x in enumerate(xs) if x.size(0) > x.size(1)]
+    wide = [i for i, x in enumerate(xs) if x.size(0) <= x.size(1)]
+    m, n = sorted(xs[0].shape)
+    y = torch.empty((len(xs), m, n), dtype=BFLOAT16, device=xs[0].device)  # the tall matrices first
+    if tall:
+        y[:len(tall)] = torch.stack([xs[i].bfloat16() for i in tall]).transpose(1, 2)
+    if wide:
+        torch.stack([xs[i].bfloat16() for i in wide], out=y[len(tall):])
     y = y / torch.linalg.vector_norm(y, dim=(1, 2), keepdim=True).clamp(min=eps)
     for _ in range(steps):
         gram = torch.bmm(y, y.transpose(1, 2))
         polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         y = torch.baddbmm(y, polynomial, y, beta=a)
-    return [y[i].T if t else y[i] for i, t in enumerate(tall)]
+    results = [None] * len(xs)
+    for i, result in zip(tall, y[:len(tall)].transpose(1, 2).contiguous()):
+        results[i] = result
+    for i, result in zip(wide, y[len(tall):]):
+        results[i] = result
+    return results
 
 
 def ns_batch_key(shape, group: dict) -> tuple:
