@@ -418,6 +418,8 @@ def _cuda_step(opt, work) -> tuple[list[bool], list[int]]:
     block = launch.block_size()
     scalar_rows = torch.tensor(np.array([step_scalar_row(w[4], w[0].shape, adjust_lr_fn=w[3]["adjust_lr_fn"])
                                          for w in work], np.float32).reshape(len(work), 4), device=device)
+    # Each matrix's views made in two calls, not by indexing per launch (host time is the cost here).
+    rows, counts = scalar_rows.unbind(0), counters.view(-1).split(1)  # counts: refused 2i, rejected 2i + 1
     for batch in _ns_batches(opt, work):
         batch = [i for i in batch if work[i][0].numel()]
         scratches, inputs = {}, {}
@@ -427,8 +429,8 @@ def _cuda_step(opt, work) -> tuple[list[bool], list[int]]:
             scratches[i], x = torch.empty_like(stored), torch.empty(p.shape, dtype=torch.int16, device=device)
             grad_bf16 = g.dtype is BFLOAT16
             muon_momentum_kernel[launch.grid(p.numel(), block)](
-                g.view(torch.int16) if grad_bf16 else g, stored, scratches[i], x, scalar_rows[i], counters[i, 0:1],
-                p.numel(), MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"], MU_BIAS=constants["MU_BIAS"],
+                g.view(torch.int16) if grad_bf16 else g, stored, scratches[i], x, rows[i], counts[2 * i], p.numel(),
+                MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"], MU_BIAS=constants["MU_BIAS"],
                 MU_MAX=constants["MU_MAX"], NESTEROV=bool(group["nesterov"]),
                 MAXIMIZE=bool(group.get("maximize", False)), GRAD_BF16=grad_bf16, BLOCK=block,
                 **launch.COMPILE_OPTIONS)
@@ -445,8 +447,8 @@ def _cuda_step(opt, work) -> tuple[list[bool], list[int]]:
             weights = p.detach().view(torch.int16) if split else p.detach()
             low = state[LOW_HALF_KEY] if split else weights
             muon_weight_kernel[launch.grid(p.numel(), block)](
-                weights, low, ortho, scratches[i], state[fmt.state_key], scalar_rows[i], counters[i, 0:1],
-                counters[i, 1:2], p.numel(), SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
+                weights, low, ortho, scratches[i], state[fmt.state_key], rows[i], counts[2 * i], counts[2 * i + 1],
+                p.numel(), SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
     if not opt.check_nonfinite:
         return [False] * len(work), [0] * len(work)
     host = counters.cpu().tolist()
