@@ -69,9 +69,10 @@ def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int =
     batch instead of fifteen per matrix, and a few copies (the stacking, the tall results'
     transposition) whatever B is. Returns each result contiguous, in its input's orientation.
 
-    Each matrix's arithmetic is the per-matrix one, but a batched GEMM or reduction may sum in
-    another order than the solo one; whether the bits agree depends on the library (MUON.md,
-    "Batched Newton-Schulz"); tests/test_torch_muon.py compares them."""
+    Each matrix's arithmetic is the per-matrix one, but a batched GEMM may sum or round in
+    another order than the solo one: on the CPU rare elements differ from `newton_schulz`'s; on
+    CUDA tests/test_torch_muon.py compares them (MUON.md, "Batched Newton-Schulz"). A matrix's
+    result does not depend on its batch-mates."""
     a, b, c = coefficients
     tall = [i for i, x in enumerate(xs) if x.size(0) > x.size(1)]
     wide = [i for i, x in enumerate(xs) if x.size(0) <= x.size(1)]
@@ -121,9 +122,10 @@ class PackedMuon(Optimizer):
     (CUDA graphs) and DTensor (FSDP2) parameters; they are refused.
 
     `batch_ns=True` runs Newton-Schulz once per batch of matrices that share a shape (up to
-    transposition) and settings, as batched GEMMs: far fewer launches on CUDA. Its bits equal
-    the per-matrix ones only where the library's batched GEMMs and norms sum as its solo ones
-    (MUON.md, "Batched Newton-Schulz"); the default, False, is torch.optim.Muon's per-matrix way.
+    transposition) and settings, as batched GEMMs: far fewer launches on CUDA. Its bits are its
+    own: on the CPU they differ from the per-matrix ones in rare elements, on CUDA it is not
+    known yet (MUON.md, "Batched Newton-Schulz"). The default, False, is torch.optim.Muon's
+    per-matrix way and bits.
     """
 
     rule_name = "muon"
