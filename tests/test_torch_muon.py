@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import numpy as np
 import pytest
@@ -238,9 +239,12 @@ def test_cuda_batch_ns_steps_as_the_per_matrix_newton_schulz(dtype):
     step_and_compare(rng, [batch_ns_optimizer(p0, "cuda", batch_ns, dtype) for batch_ns in (False, True)])
 
 
-def test_batch_ns_must_be_a_bool():
+def test_batch_ns_is_a_checked_bool_that_a_pickle_keeps():
     with pytest.raises(TypeError, match="batch_ns must be True or False"):
         PackedMuon([torch.nn.Parameter(torch.ones(2, 2))], batch_ns=1)
+    assert not PackedMuon([torch.nn.Parameter(torch.ones(2, 2))]).batch_ns
+    opt = PackedMuon([torch.nn.Parameter(torch.ones(2, 2))], batch_ns=True)
+    assert pickle.loads(pickle.dumps(opt)).batch_ns is True
 
 
 # ---- the state and the modes ------------------------------------------------------------------
