@@ -194,10 +194,7 @@ def test_batch_ns_steps_as_the_core_phases_around_the_batched_newton_schulz(dtyp
         for batch, steps in (([0, 1, 2], 5), ([3, 4], 5), ([5], 5), ([6], 3)):
             batch = [i for i in batch if xs[i] is not None]
             inputs = [torch.from_numpy(xs[i].view(np.int16)).view(torch.bfloat16) for i in batch]
-            if len(batch) == 1:  # a batch of one runs the per-matrix function
-                results = [newton_schulz(inputs[0], steps=steps)]
-            else:
-                results = newton_schulz_batched(inputs, steps=steps)
+            results = newton_schulz_batched(inputs, steps=steps)  # a lone matrix too
             for i, ortho in zip(batch, results):
                 ortho = ortho.contiguous().view(torch.int16).numpy()
                 if split:
@@ -208,10 +205,9 @@ def test_batch_ns_steps_as_the_core_phases_around_the_batched_newton_schulz(dtyp
             assert np.array_equal(bits(p).numpy(), weights[i].view(np.int16 if split else np.int32))
             assert np.array_equal(opt.state[p]["momentum_code"].numpy().view(np.uint16), states[i])
     # Each step batches the three (6, 10)-wide matrices and the (7, 7) pair; the lone (3, 5) and
-    # the ns_steps=3 group's matrix run per matrix. At the NaN step the refused (10, 6) is left out.
-    assert batches == [[(6, 10), (10, 6), (6, 10)], [(7, 7), (7, 7)],
-                       [(6, 10), (6, 10)], [(7, 7), (7, 7)],
-                       [(6, 10), (10, 6), (6, 10)], [(7, 7), (7, 7)]]
+    # the ns_steps=3 group's matrix are batches of one. At the NaN step the refused (10, 6) is left out.
+    full = [[(6, 10), (10, 6), (6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]]
+    assert batches == full + [[(6, 10), (6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]] + full
 
 
 @pytest.mark.parametrize("batch_ns", [False, True])

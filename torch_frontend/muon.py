@@ -359,7 +359,7 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
 def _ns_batches(opt, work) -> list[list[int]]:
     """Indices into `work` of the matrices whose Newton-Schulz runs as one call: all of one
     `ns_batch_key` with `batch_ns`, else each matrix alone (torch.optim.Muon's way)."""
-    if not getattr(opt, "batch_ns", False):  # optimizers pickled before batch_ns existed
+    if not _batches_ns(opt):
         return [[i] for i in range(len(work))]
     batches: dict[tuple, list[int]] = {}
     for i, w in enumerate(work):
@@ -367,12 +367,16 @@ def _ns_batches(opt, work) -> list[list[int]]:
     return list(batches.values())
 
 
-def _ns(xs: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-    """Newton-Schulz of one batch with its group's settings; a batch of one runs the
-    per-matrix function."""
+def _batches_ns(opt) -> bool:
+    return getattr(opt, "batch_ns", False)  # optimizers pickled before batch_ns existed have none
+
+
+def _ns(opt, xs: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+    """Newton-Schulz of one batch with its group's settings. With `batch_ns` a lone matrix runs
+    the batched function too: its bits do not depend on whether it has batch-mates."""
     settings = (tuple(group["ns_coefficients"]), int(group["ns_steps"]), float(group["eps"]))
-    if len(xs) == 1:
-        return [newton_schulz(xs[0], *settings)]
+    if not _batches_ns(opt):
+        return [newton_schulz(x, *settings) for x in xs]
     return newton_schulz_batched(xs, *settings)
 
 
@@ -397,7 +401,7 @@ def _cpu_step(opt, work) -> tuple[list[bool], list[int]]:
                 inputs[i] = torch.from_numpy(ns_bits.view(np.int16)).view(torch.bfloat16)
         if not inputs:
             continue
-        for i, result in zip(inputs, _ns(list(inputs.values()), work[batch[0]][3])):
+        for i, result in zip(inputs, _ns(opt, list(inputs.values()), work[batch[0]][3])):
             p, state, scalars = work[i][0], opt.state[work[i][0]], scalar_rows[i]
             ortho = _numpy16(result.contiguous())
             if p.dtype is BFLOAT16:
@@ -441,7 +445,7 @@ def _cuda_step(opt, work) -> tuple[list[bool], list[int]]:
             continue
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
         # output is not used, and a batch's matrices do not mix.
-        for i, result in zip(batch, _ns(list(inputs.values()), work[batch[0]][3])):
+        for i, result in zip(batch, _ns(opt, list(inputs.values()), work[batch[0]][3])):
             p = work[i][0]
             state = opt.state[p]
             ortho = result.contiguous().view(torch.int16)
