@@ -1,4 +1,5 @@
-"""Muon step times on the GPU: PackedMuon (packed, bf16, fp32 momentum) against torch.optim.Muon.
+"""Muon step times on the GPU: PackedMuon (packed, bf16, fp32 momentum; per-matrix and batched
+Newton-Schulz) against torch.optim.Muon.
 
     python benchmarks/bench_muon.py --out docs/results/MUON_STEP.md
 
@@ -6,7 +7,10 @@ Each list is the Muon matrices of a model (FP32 parameters, random gradients): t
 GPT's 32, GPT-2 124M's 48, a nanochat d12's 72 (q, k, v, proj, fc, mlp proj per layer), a 1.3B
 list's 96. Times are CUDA-event medians of `--repeats` means of `--steps` back-to-back steps,
 the optimizers alternating by round; state bytes are torch.cuda.memory_allocated around the
-first step, per parameter.
+first step, per parameter. Rows with `batch_ns` run Newton-Schulz batched over the matrices of
+one shape; their last column says whether, after all the timed steps, their weights and momentum
+equal the per-matrix run's of the same mode bit for bit (both start equal and step on equal
+gradients).
 """
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ def matrices(name: str) -> list[tuple[int, int]]:
 LISTS = ("reference GPT", "GPT-2 124M", "d12", "1.3B")
 
 
+KINDS = ("torch.optim.Muon", "packed", "bf16", "fp32", "packed batch_ns", "fp32 batch_ns")
+
+
 def make(shapes, kind: str):
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen) * 0.02) for s in shapes]
@@ -41,7 +48,18 @@ def make(shapes, kind: str):
         p.grad = torch.randn(p.shape, device="cuda", generator=gen) * 1e-3
     if kind == "torch.optim.Muon":
         return params, torch.optim.Muon(params, lr=0.02, momentum=0.95)
-    return params, PackedMuon(params, lr=0.02, momentum=0.95, mode=kind)
+    mode, _, batched = kind.partition(" ")
+    return params, PackedMuon(params, lr=0.02, momentum=0.95, mode=mode, batch_ns=batched == "batch_ns")
+
+
+def same_bits(a, b) -> str:
+    """Whether two PackedMuon runs hold equal weights and state, bit for bit."""
+    (params_a, opt_a), (params_b, opt_b) = a, b
+    for p, q in zip(params_a, params_b):
+        tensors = [(p, q)] + [(opt_a.state[p][k], opt_b.state[q][k]) for k in opt_a.state[p]]
+        if not all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in tensors):
+            return "no"
+    return "yes"
 
 
 def time_steps(opt, steps: int) -> float:
@@ -62,14 +80,13 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lists", nargs="+", default=list(LISTS), choices=LISTS)
     args = parser.parse_args(argv)
-    kinds = ("torch.optim.Muon", "packed", "bf16", "fp32")
-    lines = ["| list | matrices | parameters | optimizer | ms/step | vs torch.optim.Muon | state B/param |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| list | matrices | parameters | optimizer | ms/step | vs torch.optim.Muon | state B/param | "
+             "bits = per-matrix |", "|---|---|---|---|---|---|---|---|"]
     for name in args.lists:
         shapes = matrices(name)
         n = sum(a * b for a, b in shapes)
         built, state_bytes = {}, {}
-        for kind in kinds:
+        for kind in KINDS:
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             params, opt = make(shapes, kind)
@@ -77,19 +94,21 @@ def main(argv=None) -> None:
             opt.step()
             torch.cuda.synchronize()
             state_bytes[kind] = (torch.cuda.memory_allocated() - after_params) / n
-            built[kind] = opt
+            built[kind] = (params, opt)
             del before
-        times = {kind: [] for kind in kinds}
+        times = {kind: [] for kind in KINDS}
         for _ in range(args.repeats):
-            for kind in kinds:
-                time_steps(built[kind], 2)
-                times[kind].append(time_steps(built[kind], args.steps))
+            for kind in KINDS:
+                time_steps(built[kind][1], 2)
+                times[kind].append(time_steps(built[kind][1], args.steps))
         base = statistics.median(times["torch.optim.Muon"])
-        for kind in kinds:
+        for kind in KINDS:
             t = statistics.median(times[kind])
             label = kind if kind == "torch.optim.Muon" else f"PackedMuon {kind}"
+            mode, _, batched = kind.partition(" ")
+            equal = same_bits(built[mode], built[kind]) if batched else ""
             lines.append(f"| {name} | {len(shapes)} | {n:,} | {label} | {t:.3f} | {t / base:.2f}x | "
-                         f"{state_bytes[kind]:.3f} |")
+                         f"{state_bytes[kind]:.3f} | {equal} |")
             print(lines[-1], flush=True)
         del built
         torch.cuda.empty_cache()

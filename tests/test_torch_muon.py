@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from muon_helpers import TinyModel, bits, cuda_only, fused_torch, gradient, set_
 from packed_adamw.core import launch
 from packed_adamw.core.muon import StateFormat, momentum_phase, step_scalar_row, weight_phase, weight_phase_split
 from packed_adamw.torch import NonFiniteGradientError, PackedAdamW, PackedMuon, PackedMuonAdamW, muon_param_groups
-from packed_adamw.torch.muon import newton_schulz
+from packed_adamw.torch import muon as torch_muon
+from packed_adamw.torch.muon import newton_schulz, newton_schulz_batched
 
 SHAPES = [(12, 5), (5, 12), (8, 8)]
 
@@ -66,6 +68,179 @@ def test_our_newton_schulz_is_torchs():
         x = gradient(rng, shape).bfloat16()
         expected = _zeropower_via_newtonschulz(x.clone(), (3.4445, -4.775, 2.0315), 5, 1e-7)  # it divides in place
         assert torch.equal(bits(newton_schulz(x)), bits(expected))
+
+
+# ---- Newton-Schulz batched over matrices of one shape -----------------------------------------
+def assert_batched_equals_per_matrix(shape_lists, device, seed):
+    """Every listed batch checked; the failure names each batch whose results differ, with its
+    differing matrices and elements (one GPU run tells the whole story)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    differing = []
+    for shapes in shape_lists:
+        xs = [(torch.randn(s, generator=gen, device=device)
+               * torch.exp2(torch.randint(-6, 2, s, generator=gen, device=device).float())).bfloat16() for s in shapes]
+        results = newton_schulz_batched(xs)
+        diffs = []
+        for x, y in zip(xs, results):
+            assert y.shape == x.shape and y.is_contiguous()
+            diffs.append(int((bits(y) != bits(newton_schulz(x).contiguous())).sum()))
+        if any(diffs):
+            differing.append(f"{len(shapes)} x {sorted(set(shapes))}: {sum(map(bool, diffs))} matrices differ, "
+                             f"{sum(diffs)} elements")
+    assert not differing, "batched Newton-Schulz differs from per-matrix: " + "; ".join(differing)
+
+
+# Batches of 1, 2, 3 and 8 matrices, wide, tall, square, and tall with wide in one batch.
+BATCHES = [[s] * b for s in [(12, 5), (5, 12), (8, 8), (48, 64)] for b in (1, 2, 3, 8)] + [
+    [(12, 5), (5, 12), (12, 5)], [(64, 48), (48, 64)], [(96, 200)] * 3, [(200, 96), (96, 200)]]
+
+
+@pytest.mark.parametrize("on", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, cuda_only])])
+def test_a_matrix_gets_the_same_batched_bits_in_any_batch(on):
+    """A matrix's batched result does not depend on its batch-mates, their number or order:
+    batch_ns's bits are each matrix's own. (Equal to the per-matrix bits they are not on the
+    CPU: there torch's bf16 addmm and baddbmm round differently in rare elements; MUON.md.)"""
+    gen = torch.Generator(device=on).manual_seed(20)
+    for shapes in BATCHES:
+        xs = [(torch.randn(s, generator=gen, device=on) * 2.0 ** -3).bfloat16() for s in shapes]
+        together, reversed_ = newton_schulz_batched(xs), newton_schulz_batched(xs[::-1])[::-1]
+        for x, a, b in zip(xs, together, reversed_):
+            alone = newton_schulz_batched([x])[0]
+            assert a.shape == x.shape and a.is_contiguous()
+            assert torch.equal(bits(a), bits(alone)) and torch.equal(bits(b), bits(alone)), shapes
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_batched_newton_schulz_equals_per_matrix_on_cuda():
+    """Decides `batch_ns`'s default (MUON.md, "Batched Newton-Schulz"): cuBLAS may pick another
+    algorithm (another split of the sum) for a batched GEMM than for the solo one. The model
+    lists of benchmarks/bench_muon.py are here, each shape at its list's batch size. (On the
+    CPU, torch 2.13 with oneDNN, rare elements differ: a 1-ulp rounding of the last baddbmm
+    against addmm's, spreading through the later iterations; MUON.md.)"""
+    model_batches = [[(864, 288)] * 8, [(288, 288)] * 8, [(1152, 288), (288, 1152)] * 8, [(2304, 768)] * 12,
+                     [(768, 768)] * 12, [(3072, 768), (768, 3072)] * 12, [(768, 768)] * 48,
+                     [(6144, 2048)] * 24, [(2048, 2048)] * 24, [(8192, 2048), (2048, 8192)] * 24]
+    assert_batched_equals_per_matrix(BATCHES + model_batches, "cuda", 21)
+
+
+# Shapes that batch (two wide with one tall), a square pair, a lone shape; a last matrix in a
+# group of its own Newton-Schulz settings stays out of its shape's batch.
+BATCH_NS_SHAPES = [(6, 10), (10, 6), (6, 10), (7, 7), (7, 7), (3, 5), (6, 10)]
+
+
+def batch_ns_optimizer(p0, device, batch_ns, dtype):
+    params = [torch.nn.Parameter(p.to(dtype).to(device)) for p in p0]
+    for p in params:
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = None  # float32 gradients on a bf16 parameter
+    groups = [{"params": params[:-1]}, {"params": params[-1:], "ns_steps": 3}]
+    return params, PackedMuon(groups, lr=0.03, batch_ns=batch_ns, check_nonfinite=True)
+
+
+def step_and_compare(rng, runs, steps=3, bad_at=(1, 1)):
+    """Steps each (params, optimizer) of `runs` on the same gradients; at step bad_at[0] the
+    gradient of matrix bad_at[1] holds a NaN (its matrix is refused). All end equal bit for bit."""
+    for step in range(steps):
+        grads = [gradient(rng, tuple(p.shape)) for p in runs[0][0]]
+        if step == bad_at[0]:
+            grads[bad_at[1]][0, 0] = float("nan")
+        for params, opt in runs:
+            for p, g in zip(params, grads):
+                p.grad = g.to(p.device)
+            if step == bad_at[0]:
+                with pytest.raises(NonFiniteGradientError, match=rf"\['params'\]\[{bad_at[1]}\] \(refused whole\)"):
+                    opt.step()
+            else:
+                opt.step()
+        (a, opt_a), *others = runs
+        for b, opt_b in others:
+            for p, q in zip(a, b):
+                assert torch.equal(bits(p), bits(q.cpu()))
+                assert opt_a.state[p].keys() == opt_b.state[q].keys()
+                for key, value in opt_a.state[p].items():
+                    assert torch.equal(bits(value), bits(opt_b.state[q][key].cpu()))
+
+
+def p0_for_batch_ns(rng):
+    return [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in BATCH_NS_SHAPES]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_ns_steps_as_the_core_phases_around_the_batched_newton_schulz(dtype, monkeypatch):
+    batches = []
+    monkeypatch.setattr(torch_muon, "newton_schulz_batched",
+                        lambda xs, *a: batches.append([tuple(x.shape) for x in xs]) or newton_schulz_batched(xs, *a))
+    rng = np.random.default_rng(22)
+    p0 = p0_for_batch_ns(rng)
+    params, opt = batch_ns_optimizer(p0, "cpu", True, dtype)
+    fmt, split = StateFormat("packed"), dtype is torch.bfloat16
+    weights = [p.detach().clone().view(torch.int16 if split else torch.int32).numpy() for p in params]
+    weights = [w.view(np.int16) if split else w.view(np.float32) for w in weights]
+    states, lows = [np.zeros(s, np.uint16) for s in BATCH_NS_SHAPES], [np.zeros(s, np.int16) for s in BATCH_NS_SHAPES]
+    scalars = [step_scalar_row((0.03, 0.95, 0.1, 1e-7), s) for s in BATCH_NS_SHAPES]
+    for step in range(3):
+        grads = [gradient(rng, s) for s in BATCH_NS_SHAPES]
+        if step == 1:
+            grads[1][0, 0] = float("nan")
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        if step == 1:
+            with pytest.raises(NonFiniteGradientError, match=r"\['params'\]\[1\] \(refused whole\)"):
+                opt.step()
+        else:
+            opt.step()
+        xs = {i: momentum_phase(g.numpy(), states[i], scalars[i], fmt=fmt) for i, g in enumerate(grads)}
+        for batch, steps in (([0, 1, 2], 5), ([3, 4], 5), ([5], 5), ([6], 3)):
+            batch = [i for i in batch if xs[i] is not None]
+            inputs = [torch.from_numpy(xs[i].view(np.int16)).view(torch.bfloat16) for i in batch]
+            results = newton_schulz_batched(inputs, steps=steps)  # a lone matrix too
+            for i, ortho in zip(batch, results):
+                ortho = ortho.contiguous().view(torch.int16).numpy()
+                if split:
+                    weight_phase_split(weights[i], lows[i], ortho, scalars[i])
+                else:
+                    weight_phase(weights[i], ortho, scalars[i])
+        for i, p in enumerate(params):
+            assert np.array_equal(bits(p).numpy(), weights[i].view(np.int16 if split else np.int32))
+            assert np.array_equal(opt.state[p]["momentum_code"].numpy().view(np.uint16), states[i])
+    # Each step batches the three (6, 10)-wide matrices and the (7, 7) pair; the lone (3, 5) and
+    # the ns_steps=3 group's matrix are batches of one. At the NaN step the refused (10, 6) is left out.
+    full = [[(6, 10), (10, 6), (6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]]
+    assert batches == full + [[(6, 10), (6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]] + full
+
+
+@pytest.mark.parametrize("batch_ns", [False, True])
+def test_kernel_step_equals_the_numpy_step(batch_ns, is_interpreting, monkeypatch):
+    """The CUDA step's code (both kernels around per-matrix or batched Newton-Schulz) against
+    the numpy phases, on CPU tensors: the kernels in Triton's interpreter, Newton-Schulz on the
+    CPU for both (on a GPU the CUDA tests compare the compiled step)."""
+    if not is_interpreting:
+        pytest.skip("runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    rng = np.random.default_rng(23)
+    p0 = p0_for_batch_ns(rng)
+    numpy_run, kernel_run = (batch_ns_optimizer(p0, "cpu", batch_ns, torch.bfloat16) for _ in range(2))
+    monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: opt is kernel_run[1])
+    step_and_compare(rng, [numpy_run, kernel_run], steps=2, bad_at=(1, 4))
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_batch_ns_steps_as_the_per_matrix_newton_schulz(dtype):
+    """With test_batched_newton_schulz_equals_per_matrix_on_cuda, decides `batch_ns`'s default
+    on CUDA: batched and per-matrix steps equal bit for bit, or not."""
+    rng = np.random.default_rng(24)
+    p0 = p0_for_batch_ns(rng)
+    step_and_compare(rng, [batch_ns_optimizer(p0, "cuda", batch_ns, dtype) for batch_ns in (False, True)])
+
+
+def test_batch_ns_is_a_checked_bool_that_a_pickle_keeps():
+    with pytest.raises(TypeError, match="batch_ns must be True or False"):
+        PackedMuon([torch.nn.Parameter(torch.ones(2, 2))], batch_ns=1)
+    assert not PackedMuon([torch.nn.Parameter(torch.ones(2, 2))]).batch_ns
+    opt = PackedMuon([torch.nn.Parameter(torch.ones(2, 2))], batch_ns=True)
+    assert pickle.loads(pickle.dumps(opt)).batch_ns is True
 
 
 # ---- the state and the modes ------------------------------------------------------------------

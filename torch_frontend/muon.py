@@ -2,7 +2,8 @@
 
 A step per matrix: the momentum phase (core/muon's numpy phase on the CPU, its Triton kernel
 on CUDA), Newton-Schulz with torch operations in bf16 (`newton_schulz`, as torch.optim.Muon
-runs it), the weight phase (numpy or kernel). The shared machinery serves it as it serves
+runs it; or `newton_schulz_batched` over the matrices of one shape, with `batch_ns`), the
+weight phase (numpy or kernel). The shared machinery serves it as it serves
 PackedAdamW: parameter names and group checks (`_checks.py`), the low halves of bf16
 parameters and their masters (`_state.py`, `functional.py`), the state_dict's identity and the
 loaded tensors' restoration (`_persistence.py`).
@@ -60,6 +61,48 @@ def newton_schulz(x: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS, steps: 
     return y.T if tall else y
 
 
+def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS,
+                          eps: float = 1e-7) -> list[torch.Tensor]:
+    """`newton_schulz` of several bf16 matrices that share one wide orientation (m, n), m <= n
+    (a tall one enters transposed): stacked into one [B, m, n] tensor, each matrix divided by its
+    own Frobenius norm, the iterations as batched GEMMs. Fifteen GEMM launches for the whole
+    batch instead of fifteen per matrix, and a few copies (the stacking, the tall results'
+    transposition) whatever B is. Returns each result contiguous, in its input's orientation.
+
+    Each matrix's arithmetic is the per-matrix one, but a batched GEMM may sum or round in
+    another order than the solo one: on the CPU rare elements differ from `newton_schulz`'s; on
+    CUDA tests/test_torch_muon.py compares them (MUON.md, "Batched Newton-Schulz"). A matrix's
+    result does not depend on its batch-mates."""
+    a, b, c = coefficients
+    tall = [i for i, x in enumerate(xs) if x.size(0) > x.size(1)]
+    wide = [i for i, x in enumerate(xs) if x.size(0) <= x.size(1)]
+    m, n = sorted(xs[0].shape)
+    y = torch.empty((len(xs), m, n), dtype=BFLOAT16, device=xs[0].device)  # the tall matrices first
+    if tall:
+        y[:len(tall)] = torch.stack([xs[i].bfloat16() for i in tall]).transpose(1, 2)
+    if wide:
+        torch.stack([xs[i].bfloat16() for i in wide], out=y[len(tall):])
+    y = y / torch.linalg.vector_norm(y, dim=(1, 2), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = torch.bmm(y, y.transpose(1, 2))
+        polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        y = torch.baddbmm(y, polynomial, y, beta=a)
+    results = [None] * len(xs)
+    for i, result in zip(tall, y[:len(tall)].transpose(1, 2).contiguous()):
+        results[i] = result
+    for i, result in zip(wide, y[len(tall):]):
+        results[i] = result
+    return results
+
+
+def ns_batch_key(shape, group: dict) -> tuple:
+    """Matrices with equal keys run Newton-Schulz as one batch: the wide orientation and the
+    group's Newton-Schulz settings."""
+    rows, cols = shape
+    return (min(rows, cols), max(rows, cols), tuple(float(v) for v in group["ns_coefficients"]),
+            int(group["ns_steps"]), float(group["eps"]))
+
+
 def new_momentum(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     return torch.zeros(fmt.state_shape(param.shape), dtype=_TORCH_DTYPES[fmt.state_dtype], device=param.device)
 
@@ -77,6 +120,12 @@ class PackedMuon(Optimizer):
     stay as they were (MUON.md); with `check_nonfinite=True` the step then raises
     `NonFiniteGradientError` naming it. Not offered here: torch.compile, capturable steps
     (CUDA graphs) and DTensor (FSDP2) parameters; they are refused.
+
+    `batch_ns=True` runs Newton-Schulz once per batch of matrices that share a shape (up to
+    transposition) and settings, as batched GEMMs: far fewer launches on CUDA. Its bits are its
+    own: on the CPU they differ from the per-matrix ones in rare elements, on CUDA it is not
+    known yet (MUON.md, "Batched Newton-Schulz"). The default, False, is torch.optim.Muon's
+    per-matrix way and bits.
     """
 
     rule_name = "muon"
@@ -98,6 +147,7 @@ class PackedMuon(Optimizer):
         maximize: bool = False,
         check_nonfinite: bool = False,
         capturable: bool = False,
+        batch_ns: bool = False,
     ):
         if capturable:
             raise ValueError("PackedMuon(capturable=True): capturable steps (CUDA graphs) are not offered for Muon "
@@ -105,6 +155,9 @@ class PackedMuon(Optimizer):
         self.state_format = StateFormat(mode, mu_bias)
         self.check_nonfinite = check_nonfinite
         self.capturable = False
+        if not isinstance(batch_ns, bool):
+            raise TypeError(f"PackedMuon(batch_ns={batch_ns!r}): batch_ns must be True or False")
+        self.batch_ns = batch_ns
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, maximize=maximize)
@@ -113,7 +166,7 @@ class PackedMuon(Optimizer):
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "state_format": self.state_format, "check_nonfinite": self.check_nonfinite,
-                "capturable": False}
+                "capturable": False, "batch_ns": getattr(self, "batch_ns", False)}
 
     def add_param_group(self, param_group: dict) -> None:
         with warnings.catch_warnings():  # a repeated parameter is refused below instead
@@ -262,7 +315,7 @@ def step(opt) -> None:
             entries[fmt.state_key] = new_momentum(p, fmt)
             if p.dtype is BFLOAT16:
                 entries[LOW_HALF_KEY] = new_low_half(p)
-    if work and work[0][0].device.type == "cuda":
+    if work and _runs_kernels(opt, work[0][0].device):
         refused, rejected = _cuda_step(opt, work)
     else:
         refused, rejected = _cpu_step(opt, work)
@@ -274,6 +327,12 @@ def step(opt) -> None:
             "momentum or Newton-Schulz input) kept its weights and momentum; the others were updated. Find the "
             "source of the NaN/Inf, or skip such steps with torch.amp.GradScaler / "
             "clip_grad_norm_(error_if_nonfinite=True)")
+
+
+def _runs_kernels(opt, device: torch.device) -> bool:
+    """The Triton phases on CUDA; core/muon's numpy phases on the CPU (a test also runs an
+    optimizer's kernel step on CPU tensors, through Triton's interpreter)."""
+    return device.type == "cuda"
 
 
 def _checked_row(opt, group: dict, index: int) -> tuple:
@@ -297,8 +356,28 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
     return row
 
 
-def _ns(x: torch.Tensor, group: dict) -> torch.Tensor:
-    return newton_schulz(x, tuple(group["ns_coefficients"]), int(group["ns_steps"]), float(group["eps"]))
+def _ns_batches(opt, work) -> list[list[int]]:
+    """Indices into `work` of the matrices whose Newton-Schulz runs as one call: all of one
+    `ns_batch_key` with `batch_ns`, else each matrix alone (torch.optim.Muon's way)."""
+    if not _batches_ns(opt):
+        return [[i] for i in range(len(work))]
+    batches: dict[tuple, list[int]] = {}
+    for i, w in enumerate(work):
+        batches.setdefault(ns_batch_key(w[0].shape, w[3]), []).append(i)
+    return list(batches.values())
+
+
+def _batches_ns(opt) -> bool:
+    return getattr(opt, "batch_ns", False)  # optimizers pickled before batch_ns existed have none
+
+
+def _ns(opt, xs: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+    """Newton-Schulz of one batch with its group's settings. With `batch_ns` a lone matrix runs
+    the batched function too: its bits do not depend on whether it has batch-mates."""
+    settings = (tuple(group["ns_coefficients"]), int(group["ns_steps"]), float(group["eps"]))
+    if not _batches_ns(opt):
+        return [newton_schulz(x, *settings) for x in xs]
+    return newton_schulz_batched(xs, *settings)
 
 
 def _numpy16(t: torch.Tensor) -> np.ndarray:
@@ -307,30 +386,35 @@ def _numpy16(t: torch.Tensor) -> np.ndarray:
 
 def _cpu_step(opt, work) -> tuple[list[bool], list[int]]:
     fmt = opt.state_format
-    refused, rejected = [], []
-    for p, g, _, group, row, _ in work:
-        state = opt.state[p]
-        scalars = step_scalar_row(row, p.shape, adjust_lr_fn=group["adjust_lr_fn"])
-        grad = g.detach().numpy() if g.dtype is FLOAT32 else _numpy16(g)
-        stored = state[fmt.state_key].numpy()
-        ns_bits = momentum_phase(grad, stored, scalars, fmt=fmt, nesterov=group["nesterov"],
-                                 maximize=bool(group.get("maximize", False)))
-        refused.append(ns_bits is None)
-        if ns_bits is None:
-            rejected.append(0)
+    refused, rejected = [False] * len(work), [0] * len(work)
+    for batch in _ns_batches(opt, work):
+        inputs, scalar_rows = {}, {}
+        for i in batch:
+            p, g, _, group, row, _ = work[i]
+            scalar_rows[i] = step_scalar_row(row, p.shape, adjust_lr_fn=group["adjust_lr_fn"])
+            grad = g.detach().numpy() if g.dtype is FLOAT32 else _numpy16(g)
+            ns_bits = momentum_phase(grad, opt.state[p][fmt.state_key].numpy(), scalar_rows[i], fmt=fmt,
+                                     nesterov=group["nesterov"], maximize=bool(group.get("maximize", False)))
+            if ns_bits is None:
+                refused[i] = True
+            else:
+                inputs[i] = torch.from_numpy(ns_bits.view(np.int16)).view(torch.bfloat16)
+        if not inputs:
             continue
-        x = torch.from_numpy(ns_bits.view(np.int16)).view(torch.bfloat16)
-        ortho = _numpy16(_ns(x, group).contiguous())
-        if p.dtype is BFLOAT16:
-            rejected.append(weight_phase_split(_numpy16(p), state[LOW_HALF_KEY].numpy(), ortho, scalars))
-        else:
-            rejected.append(weight_phase(p.detach().numpy(), ortho, scalars))
+        for i, result in zip(inputs, _ns(opt, list(inputs.values()), work[batch[0]][3])):
+            p, state, scalars = work[i][0], opt.state[work[i][0]], scalar_rows[i]
+            ortho = _numpy16(result.contiguous())
+            if p.dtype is BFLOAT16:
+                rejected[i] = weight_phase_split(_numpy16(p), state[LOW_HALF_KEY].numpy(), ortho, scalars)
+            else:
+                rejected[i] = weight_phase(p.detach().numpy(), ortho, scalars)
     return refused, rejected
 
 
 def _cuda_step(opt, work) -> tuple[list[bool], list[int]]:
     """One momentum launch and one weight launch per matrix (core/muon/kernel.py), with
-    Newton-Schulz between them; nothing waits for the GPU unless `check_nonfinite` asks."""
+    Newton-Schulz between them, per matrix or per batch (`batch_ns`); nothing waits for the GPU
+    unless `check_nonfinite` asks."""
     from packed_adamw.core.muon.kernel import muon_momentum_kernel, muon_weight_kernel
 
     fmt = opt.state_format
@@ -340,28 +424,37 @@ def _cuda_step(opt, work) -> tuple[list[bool], list[int]]:
     block = launch.block_size()
     scalar_rows = torch.tensor(np.array([step_scalar_row(w[4], w[0].shape, adjust_lr_fn=w[3]["adjust_lr_fn"])
                                          for w in work], np.float32).reshape(len(work), 4), device=device)
-    for i, (p, g, _, group, _, _) in enumerate(work):
-        state = opt.state[p]
-        n = p.numel()
-        if n == 0:
+    # Each matrix's views made in two calls, not by indexing per launch (host time is the cost here).
+    rows, counts = scalar_rows.unbind(0), counters.view(-1).split(1)  # counts: refused 2i, rejected 2i + 1
+    for batch in _ns_batches(opt, work):
+        batch = [i for i in batch if work[i][0].numel()]
+        scratches, inputs = {}, {}
+        for i in batch:
+            p, g, _, group, _, _ = work[i]
+            stored = opt.state[p][fmt.state_key]
+            scratches[i], x = torch.empty_like(stored), torch.empty(p.shape, dtype=torch.int16, device=device)
+            grad_bf16 = g.dtype is BFLOAT16
+            muon_momentum_kernel[launch.grid(p.numel(), block)](
+                g.view(torch.int16) if grad_bf16 else g, stored, scratches[i], x, rows[i], counts[2 * i], p.numel(),
+                MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"], MU_BIAS=constants["MU_BIAS"],
+                MU_MAX=constants["MU_MAX"], NESTEROV=bool(group["nesterov"]),
+                MAXIMIZE=bool(group.get("maximize", False)), GRAD_BF16=grad_bf16, BLOCK=block,
+                **launch.COMPILE_OPTIONS)
+            inputs[i] = x.view(torch.bfloat16)
+        if not batch:
             continue
-        grid = launch.grid(n, block)
-        stored = state[fmt.state_key]
-        scratch, x = torch.empty_like(stored), torch.empty(p.shape, dtype=torch.int16, device=device)
-        grad_bf16 = g.dtype is BFLOAT16
-        muon_momentum_kernel[grid](
-            g.view(torch.int16) if grad_bf16 else g, stored, scratch, x, scalar_rows[i], counters[i, 0:1], n,
-            MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"], MU_BIAS=constants["MU_BIAS"],
-            MU_MAX=constants["MU_MAX"], NESTEROV=bool(group["nesterov"]), MAXIMIZE=bool(group.get("maximize", False)),
-            GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
-        # output is not used.
-        ortho = _ns(x.view(torch.bfloat16), group).contiguous().view(torch.int16)
-        split = p.dtype is BFLOAT16
-        weights = p.detach().view(torch.int16) if split else p.detach()
-        low = state[LOW_HALF_KEY] if split else weights
-        muon_weight_kernel[grid](weights, low, ortho, scratch, stored, scalar_rows[i], counters[i, 0:1],
-                                 counters[i, 1:2], n, SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
+        # output is not used, and a batch's matrices do not mix.
+        for i, result in zip(batch, _ns(opt, list(inputs.values()), work[batch[0]][3])):
+            p = work[i][0]
+            state = opt.state[p]
+            ortho = result.contiguous().view(torch.int16)
+            split = p.dtype is BFLOAT16
+            weights = p.detach().view(torch.int16) if split else p.detach()
+            low = state[LOW_HALF_KEY] if split else weights
+            muon_weight_kernel[launch.grid(p.numel(), block)](
+                weights, low, ortho, scratches[i], state[fmt.state_key], rows[i], counts[2 * i], counts[2 * i + 1],
+                p.numel(), SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
     if not opt.check_nonfinite:
         return [False] * len(work), [0] * len(work)
     host = counters.cpu().tolist()
@@ -422,4 +515,4 @@ def restore_loaded(opt, loaded: dict) -> None:
             state[LOW_HALF_KEY] = low.to(p.device, copy=True).contiguous()
 
 
-__all__ = ["PackedMuon", "newton_schulz"]
+__all__ = ["PackedMuon", "newton_schulz", "newton_schulz_batched"]
