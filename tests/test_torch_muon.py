@@ -95,11 +95,12 @@ BATCHES = [[s] * b for s in [(12, 5), (5, 12), (8, 8), (48, 64)] for b in (1, 2,
     [(12, 5), (5, 12), (12, 5)], [(64, 48), (48, 64)], [(96, 200)] * 3, [(200, 96), (96, 200)]]
 
 
-@pytest.mark.parametrize("on", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, cuda_only])])
+@pytest.mark.parametrize("on", ["cpu"])
 def test_a_matrix_gets_the_same_batched_bits_in_any_batch(on):
-    """A matrix's batched result does not depend on its batch-mates, their number or order:
-    batch_ns's bits are each matrix's own. (Equal to the per-matrix bits they are not on the
-    CPU: there torch's bf16 addmm and baddbmm round differently in rare elements; MUON.md.)"""
+    """On the CPU a matrix's batched result does not depend on its batch-mates, their number or
+    order. (Equal to the per-matrix bits they are not on the CPU: there torch's bf16 addmm and
+    baddbmm round differently in rare elements. On the H200 a batch of one differed from the same
+    matrix in a batch of twelve (12x5), so this holds on the CPU only; MUON.md.)"""
     gen = torch.Generator(device=on).manual_seed(20)
     for shapes in BATCHES:
         xs = [(torch.randn(s, generator=gen, device=on) * 2.0 ** -3).bfloat16() for s in shapes]
@@ -222,17 +223,6 @@ def test_kernel_step_equals_the_numpy_step(batch_ns, is_interpreting, monkeypatc
     numpy_run, kernel_run = (batch_ns_optimizer(p0, "cpu", batch_ns, torch.bfloat16) for _ in range(2))
     monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: opt is kernel_run[1])
     step_and_compare(rng, [numpy_run, kernel_run], steps=2, bad_at=(1, 4))
-
-
-@pytest.mark.cuda
-@cuda_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_batch_ns_steps_as_the_per_matrix_newton_schulz(dtype):
-    """With test_batched_newton_schulz_equals_per_matrix_on_cuda, decides `batch_ns`'s default
-    on CUDA: batched and per-matrix steps equal bit for bit, or not."""
-    rng = np.random.default_rng(24)
-    p0 = p0_for_batch_ns(rng)
-    step_and_compare(rng, [batch_ns_optimizer(p0, "cuda", batch_ns, dtype) for batch_ns in (False, True)])
 
 
 def test_batch_ns_is_a_checked_bool_that_a_pickle_keeps():
