@@ -2,7 +2,7 @@
 from packed_adamw.core import StateFormat
 from packed_adamw.core.portable import PortableState
 
-from .muon import PackedMuonState, packed_muon
+from .muon import PackedMuonState, packed_muon, packed_muon_fused_step
 from .transform import (
     DEFAULT_WEIGHT_DECAY,
     FormatCounts,
@@ -21,6 +21,6 @@ from .transform import (
 
 # PackedAdamWSplitState and PackedAdamWTrackedState are PackedAdamWState (their 1.0 names).
 __all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState",
-           "PackedAdamWTrackedState", "PackedMuonState", "PortableState", "RefusedStepWarning", "StateFormat", "packed_adamw",
-           "packed_adamw_fused_step", "packed_muon", "export_state", "format_stats", "import_state", "load_master_weights",
-           "master_weights"]
+           "PackedAdamWTrackedState", "PackedMuonState", "PortableState", "RefusedStepWarning", "StateFormat",
+           "packed_adamw", "packed_adamw_fused_step", "packed_muon", "packed_muon_fused_step", "export_state",
+           "format_stats", "import_state", "load_master_weights", "master_weights"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 import warnings
@@ -70,26 +71,38 @@ class PackedMuonState(NamedTuple):
     adamw: Any
 
 
+@functools.partial(jax.jit, static_argnames=("coefficients", "steps"))
 def newton_schulz(x, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS, eps=1e-7):
-    """MUON.md's Newton-Schulz phase on one matrix in torch's [rows, cols] layout, with jnp
-    bf16 operands: the wide orientation, division by the Frobenius norm clamped at eps (the
-    norm and eps rounded to bf16, as torch's bf16 `norm().clamp(min=eps)`), then `steps`
-    quintic iterations whose GEMMs accumulate in float32 and whose combined results (`b A +
-    c A A`, `a Y + B Y`, as torch's `addmm`) are rounded to bf16 once. Returns bf16 in `x`'s
-    orientation. Its bits are XLA's (MUON.md says what that promises)."""
+    """MUON.md's Newton-Schulz phase on one JAX [in, out] matrix, read as torch's [out, in]
+    matrix (its transpose), with jnp bf16 operands: the wide orientation, division by the
+    Frobenius norm clamped at eps (norm and eps rounded to bf16, as torch's bf16
+    `norm().clamp(min=eps)`), then `steps` quintic iterations whose GEMMs accumulate in float32
+    and whose combined results (`b A + c A A`, `a Y + B Y`, as torch's `addmm`) are rounded to
+    bf16 once. Returns bf16 [in, out].
+
+    Always compiled (jax.jit), so a call outside jit and the same call inside a jitted step
+    give the same bits: XLA's GEMMs sum in an order that depends on how their operands are laid
+    out, which op-by-op dispatch would change. MUON.md ("JAX / optax") gives its distance to
+    torch's Newton-Schulz."""
+    return _newton_schulz_torch_layout(jnp.asarray(x).astype(BF16).T, coefficients, steps, eps).T
+
+
+def _newton_schulz_torch_layout(y, coefficients, steps, eps):
     a, b, c = coefficients
-    y = jnp.asarray(x).astype(BF16)
+    # Each scaled term is rounded to float32 before its sum: the barrier keeps XLA from
+    # contracting `s * t + r` into a fused multiply-add.
+    scaled = lambda scalar, t: jax.lax.optimization_barrier(np.float32(scalar) * t)  # noqa: E731
     tall = y.shape[0] > y.shape[1]
     if tall:
         y = y.T
-    norm = jnp.sqrt(jnp.sum(jnp.square(y.astype(FLOAT32)))).astype(BF16)
+    norm = jnp.sqrt(jnp.sum(jnp.square(y.astype(FLOAT32)))).astype(BF16)  # bf16 squares are exact in float32
     norm = jnp.maximum(norm, jnp.asarray(eps).astype(BF16))
     y = (y.astype(FLOAT32) / norm.astype(FLOAT32)).astype(BF16)
     for _ in range(steps):
         gram = jnp.matmul(y, y.T, preferred_element_type=FLOAT32).astype(BF16)
         square = jnp.matmul(gram, gram, preferred_element_type=FLOAT32)
-        polynomial = (np.float32(b) * gram.astype(FLOAT32) + np.float32(c) * square).astype(BF16)
-        y = (np.float32(a) * y.astype(FLOAT32) + jnp.matmul(polynomial, y, preferred_element_type=FLOAT32)).astype(BF16)
+        polynomial = (scaled(b, gram.astype(FLOAT32)) + scaled(c, square)).astype(BF16)
+        y = (scaled(a, y.astype(FLOAT32)) + jnp.matmul(polynomial, y, preferred_element_type=FLOAT32)).astype(BF16)
     return y.T if tall else y
 
 
@@ -261,26 +274,22 @@ def _like(x) -> jax.ShapeDtypeStruct:
 
 
 def _orthogonalize(inputs, coefficients, steps, eps):
-    """Newton-Schulz of each [in, out] matrix of `inputs` [batch, in, out] (bf16), read in
-    torch's [out, in] layout; one matrix at a time (`lax.map`), so a batched leaf's matrices
-    get the bits a 2-D leaf of that shape gets."""
-    one = lambda m: newton_schulz(m.T, coefficients, steps, eps).T  # noqa: E731
+    """`newton_schulz` of each [in, out] matrix of `inputs` [batch, in, out] (bf16), one matrix
+    at a time (`lax.map`), so a batched leaf's matrices get the bits a 2-D leaf gets."""
+    one = lambda m: newton_schulz(m, coefficients, steps, eps)  # noqa: E731
     if inputs.shape[0] == 1:
         return one(inputs[0])[None]
     return jax.lax.map(one, inputs)
 
 
 def _float32_update(p, p_new):
-    """A float32 u with `optax.apply_updates(p, u) == p_new` where one exists (MUON.md, "JAX /
-    optax"): u = p_new - p, or its float32 neighbour where that difference is inexact and its
-    neighbour lands on p_new; -0.0 where p does not change. Where no float32 u gives p_new,
-    u = p_new - p, whose result is p_new's neighbour. Computed with apply_updates' own
-    operation, so the check holds on the backend that applies it."""
-    exact = lambda u: jax.lax.bitcast_convert_type((p + u).astype(p.dtype), jnp.uint32) == \
-        jax.lax.bitcast_convert_type(p_new, jnp.uint32)  # noqa: E731
+    """The float32 u for `optax.apply_updates(p, u)`: p_new - p, or -0.0 where the weight does
+    not change (p + -0.0 is p for every p, -0.0 included). Where p_new - p is exact (most
+    elements: |p_new| and |p| within a factor 2 of each other) p + u is p_new. Where it is not,
+    no float32 u gives p_new when p_new - p rounded is not it: the rounding of p + u is a
+    second rounding, and the neighbours of p_new - p land farther away (MUON.md, "JAX / optax"
+    measures how often; `packed_muon_fused_step` writes p_new itself)."""
     u = jnp.clip(p_new - p, -FLOAT32_MAX, FLOAT32_MAX)
-    for neighbour in (jnp.nextafter(u, jnp.float32(np.inf)), jnp.nextafter(u, jnp.float32(-np.inf))):
-        u = jnp.where(~exact(u) & exact(neighbour), neighbour, u)
     unchanged = jax.lax.bitcast_convert_type(p, jnp.uint32) == jax.lax.bitcast_convert_type(p_new, jnp.uint32)
     return jnp.where(unchanged, np.float32(-0.0), u)
 
@@ -388,6 +397,38 @@ def packed_muon(
     MUON.md says which, and that those land one ulp away). CPU only: on a GPU backend the
     transform raises NotImplementedError (issue 37's CUDA slice is to come).
     """
+    init_fn, run = _muon(**locals())
+
+    def update_fn(updates, state, params=None, **extra_args):
+        return run(updates, state, params, extra_args, write_update=True)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def packed_muon_fused_step(*args, **kwargs) -> Callable[[Any, Any, PackedMuonState], tuple[Any, PackedMuonState]]:
+    """`step(params, grads, state) -> (params, state)`: `packed_muon`'s step (same arguments,
+    same state: `packed_muon(...).init(params)`) writing the new parameters instead of updates.
+    A float32 Muon leaf then gets the contract's new weight bit for bit everywhere, which an
+    update cannot give for the elements MUON.md ("JAX / optax") names; the AdamW leaves get
+    `optax.apply_updates` of packed_adamw's updates, which is its exact step."""
+    bound = inspect.signature(packed_muon).bind(*args, **kwargs)
+    bound.apply_defaults()
+    _, run = _muon(**bound.arguments)
+
+    def step(params, grads, state):
+        return run(grads, state, params, {}, write_update=False)
+
+    return step
+
+
+def _applied(updates, params, write_update: bool):
+    return updates if write_update else optax.apply_updates(params, updates)
+
+
+def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nesterov, adjust_lr_fn, mode, mu_bias,
+          adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_mask, adam_mode,
+          muon_weight_dimension_numbers):
+    """`packed_muon`'s checks, then its (init, run)."""
     fmt = StateFormat(mode, mu_bias)
     coefficients, steps = validate_ns(ns_coeffs, ns_steps, adjust_lr_fn)
     if not isinstance(nesterov, (bool, np.bool_)):
@@ -414,16 +455,17 @@ def packed_muon(
                                       for p, s in zip(leaves, split)])
         return PackedMuonState(jnp.zeros([], jnp.int32), treedef.unflatten(momentum), lows, adamw.init(params))
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def run(updates, state, params, extra_args, *, write_update: bool):
+        """(updates, state), or with write_update=False (new params, state)."""
         _refuse_accelerators((updates, params))
         if not isinstance(state, PackedMuonState):
             raise TypeError(f"packed_muon: the state is a {type(state).__name__}; pass the state init() returned")
-        adamw_updates, adamw_state = adamw.update(updates, state.adamw, params, **extra_args)
         flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
         views = leaf_views(muon_weight_dimension_numbers, updates)
         muon = [i for i, v in enumerate(views) if v is not None]
         if not muon:
-            return adamw_updates, state._replace(adamw=adamw_state)
+            adamw_updates, adamw_state = adamw.update(updates, state.adamw, params, **extra_args)
+            return _applied(adamw_updates, params, write_update), state._replace(adamw=adamw_state)
         if params is None:
             raise ValueError("packed_muon: the Muon step reads the weights (decay, and the update that gives the new "
                              "weight), so update() needs params: call tx.update(grads, state, params)")
@@ -450,6 +492,8 @@ def packed_muon(
             raise ValueError(f"packed_muon: invalid hyperparameters at count {int(state.count)}: "
                              f"{_refusal_reason(row) if bool(state.count >= 0) else 'the count is negative'}")
 
+        # After Muon's checks, so that a bad shared learning rate is reported by Muon's words first.
+        adamw_updates, adamw_state = adamw.update(updates, state.adamw, params, **extra_args)
         config = _PhaseConfig(fmt, bool(nesterov), adjust_lr_fn, tuple(_python_number(x) for x in given),
                               tuple(views[i].torch_shape for i in muon), tuple(split[i] for i in muon),
                               tuple(paths[i] for i in muon))
@@ -470,23 +514,27 @@ def packed_muon(
                                     *lo_mats, *orthos, *accepted, vmap_method="sequential")
         new_params, new_lows = stepped[:n], iter(stepped[n:])
 
-        out = list(treedef.flatten_up_to(adamw_updates))
+        out = list(treedef.flatten_up_to(_applied(adamw_updates, params, write_update)))
         new_momenta = list(treedef.flatten_up_to(state.momentum))
         low_list = None if state.low_halves is None else list(treedef.flatten_up_to(state.low_halves))
         for i, p_new, s_new in zip(muon, new_params, new_states):
             view, p = views[i], p_leaves[i]
             p_new, new_momenta[i] = view.from_matrices(p_new), view.from_matrices(s_new)
-            if split[i]:
-                out[i], low_list[i] = _masters.transform_update(p, p_new, view.from_matrices(next(new_lows)))
+            if not split[i]:
+                out[i] = p_new if not write_update else _float32_update(p, p_new)
+                continue
+            lo_new = view.from_matrices(next(new_lows))
+            if not write_update:
+                out[i], low_list[i] = p_new, lo_new
             else:
-                out[i] = _float32_update(p, p_new)
+                out[i], low_list[i] = _masters.transform_update(p, p_new, lo_new)
         count = jnp.where(valid, jnp.where(state.count < jnp.iinfo(jnp.int32).max, state.count + 1, state.count),
                           state.count)
         new_state = PackedMuonState(count, treedef.unflatten(new_momenta),
                                     None if low_list is None else treedef.unflatten(low_list), adamw_state)
         return treedef.unflatten(out), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return init_fn, run
 
 
 def _check_param_dtypes(params, views) -> list[bool]:
@@ -553,4 +601,4 @@ def _checked_lows(low_halves, treedef, params, split, paths) -> list:
 
 
 __all__ = ["DEFAULT_EPS", "DEFAULT_WEIGHT_DECAY", "MatrixView", "PackedMuonState", "leaf_views", "newton_schulz",
-           "packed_muon"]
+           "packed_muon", "packed_muon_fused_step"]
