@@ -431,6 +431,11 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
           adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_mask, adam_mode,
           muon_weight_dimension_numbers):
     """`packed_muon`'s checks, then its (init, run)."""
+    for name, value in (("ns_steps", ns_steps), ("mu_bias", mu_bias)):
+        if isinstance(value, (jax.Array, np.ndarray)):
+            raise TypeError(f"packed_muon: {name}={value!r} is an array, but it fixes the compiled step (the "
+                            "Newton-Schulz loop, the momentum code), so it must be a Python int; "
+                            f"optax.inject_hyperparams turns numbers into arrays: list {name!r} in its static_args")
     fmt = StateFormat(mode, mu_bias)
     coefficients, steps = validate_ns(ns_coeffs, ns_steps, adjust_lr_fn)
     if not isinstance(nesterov, (bool, np.bool_)):

@@ -146,7 +146,8 @@ def test_updates_give_the_new_weights_where_a_float32_update_can(jit):
     assert missed < total // 20
 
 
-def test_bf16_muon_leaves_keep_exact_masters():
+@pytest.mark.parametrize("jit", [False, True])
+def test_bf16_muon_leaves_keep_exact_masters(jit):
     """A bf16 kernel steps its FP32 master (weight + low half) as the contract's split phase;
     the update gives the new bf16 weight through apply_updates."""
     rng = np.random.default_rng(7)
@@ -155,9 +156,10 @@ def test_bf16_muon_leaves_keep_exact_masters():
     state = tx.init(params)
     assert state.low_halves["tall"].dtype == jnp.int16 and isinstance(state.low_halves["wide"], optax.MaskedNode)
     ref = Reference(params["tall"], StateFormat("packed"), jax_ns)
+    update = jax.jit(tx.update) if jit else tx.update
     for _ in range(3):
         grads = make_grads(rng, params)
-        updates, state = tx.update(grads, state, params)
+        updates, state = update(grads, state, params)
         params = optax.apply_updates(params, updates)
         ref.step(grads["tall"])
         assert params["tall"].dtype == jnp.bfloat16
@@ -325,3 +327,25 @@ def test_misuse_is_refused_with_a_message(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(NotImplementedError, match="CPU only.*issue 37"):
         tx.update(grads, state, params)
+
+
+def test_injected_hyperparameters_step_as_the_same_float32_numbers():
+    """optax.inject_hyperparams (arrays, traced under jit) gives the bits of a transform built
+    from the same float32 values as numbers; the ints that fix the compiled step must be
+    static, and saying so is the error."""
+    rng = np.random.default_rng(29)
+    params = make_params(rng)
+    with pytest.raises(TypeError, match="static_args"):
+        optax.inject_hyperparams(packed_muon)(learning_rate=LR).init(params)
+    injected = optax.inject_hyperparams(packed_muon, static_args=("ns_steps", "mu_bias"))(
+        learning_rate=LR, beta=0.9, weight_decay=0.05)
+    plain = packed_muon(float(F32(LR)), beta=float(F32(0.9)), weight_decay=float(F32(0.05)),
+                        eps=float(F32(EPS)), adam_learning_rate=LR, adam_weight_decay=0.0)
+    state, plain_state = injected.init(params), plain.init(params)
+    for _ in range(2):
+        grads = make_grads(rng, params)
+        updates, state = jax.jit(injected.update)(grads, state, params)
+        plain_updates, plain_state = plain.update(grads, plain_state, params)
+        for k in MUON_LEAVES:
+            assert np.array_equal(bits(updates[k]), bits(plain_updates[k])), k
+        params = optax.apply_updates(params, updates)
