@@ -423,6 +423,10 @@ def packed_muon_fused_step(*args, **kwargs) -> Callable[[Any, Any, PackedMuonSta
     return step
 
 
+def _increment(count):
+    return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
+
+
 def _applied(updates, params, write_update: bool):
     return updates if write_update else optax.apply_updates(params, updates)
 
@@ -472,7 +476,8 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         muon = [i for i, v in enumerate(views) if v is not None]
         if not muon:
             adamw_updates, adamw_state = adamw.update(updates, state.adamw, params, **extra_args)
-            return _applied(adamw_updates, params, write_update), state._replace(adamw=adamw_state)
+            return _applied(adamw_updates, params, write_update), state._replace(count=_increment(state.count),
+                                                                                 adamw=adamw_state)
         if params is None:
             raise ValueError("packed_muon: the Muon step reads the weights (decay, and the update that gives the new "
                              "weight), so update() needs params: call tx.update(grads, state, params)")
@@ -535,8 +540,7 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
                 out[i], low_list[i] = p_new, lo_new
             else:
                 out[i], low_list[i] = _masters.transform_update(p, p_new, lo_new)
-        count = jnp.where(valid, jnp.where(state.count < jnp.iinfo(jnp.int32).max, state.count + 1, state.count),
-                          state.count)
+        count = jnp.where(valid, _increment(state.count), state.count)
         new_state = PackedMuonState(count, treedef.unflatten(new_momenta),
                                     None if low_list is None else treedef.unflatten(low_list), adamw_state)
         return treedef.unflatten(out), new_state

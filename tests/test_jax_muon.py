@@ -349,3 +349,13 @@ def test_injected_hyperparameters_step_as_the_same_float32_numbers():
         for k in MUON_LEAVES:
             assert np.array_equal(bits(updates[k]), bits(plain_updates[k])), k
         params = optax.apply_updates(params, updates)
+
+
+def test_a_tree_without_matrices_is_packed_adamws_and_counts_its_steps():
+    params = {"bias": jnp.ones((5,), jnp.float32)}
+    tx, alone = packed_muon(LR, adam_weight_decay=0.01), packed_adamw(LR, weight_decay=0.01)
+    state, alone_state = tx.init(params), alone.init(params)
+    grads = {"bias": jnp.full((5,), 0.5, jnp.float32)}
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    alone_updates, _ = alone.update(grads, alone_state, params)
+    assert np.array_equal(bits(updates["bias"]), bits(alone_updates["bias"])) and int(state.count) == 1
