@@ -143,7 +143,7 @@ def test_updates_give_the_new_weights_where_a_float32_update_can(jit):
             assert np.all((np.abs(got - want) <= np.spacing(np.abs(u)))[miss]), k
             missed, total = missed + int(miss.sum()), total + miss.size
         params = applied
-    assert missed < total // 20
+    assert 0 < missed < total // 20  # present (the checks above ran), and rare here
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -293,6 +293,7 @@ def test_bad_hyperparameters_are_refused_when_built(kwargs, error, message):
         packed_muon(**kwargs)
 
 
+@pytest.mark.filterwarnings("ignore:packed_adamw. step refused")  # the AdamW half refuses its step too
 def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph():
     params = make_params(np.random.default_rng(19))
     tx = packed_muon(lambda count: jnp.where(count >= 1, -1.0, LR))
