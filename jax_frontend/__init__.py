@@ -1,7 +1,8 @@
-"""packed_adamw.jax: the optax frontend (CUDA through jax-triton, CPU through numpy)."""
+"""packed_adamw.jax: the optax frontend (CUDA through jax-triton, CPU through numpy; Muon on the CPU)."""
 from packed_adamw.core import StateFormat
 from packed_adamw.core.portable import PortableState
 
+from .muon import PackedMuonState, packed_muon, packed_muon_fused_step
 from .transform import (
     DEFAULT_WEIGHT_DECAY,
     FormatCounts,
@@ -20,6 +21,6 @@ from .transform import (
 
 # PackedAdamWSplitState and PackedAdamWTrackedState are PackedAdamWState (their 1.0 names).
 __all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState",
-           "PackedAdamWTrackedState", "PortableState", "RefusedStepWarning", "StateFormat", "packed_adamw",
-           "packed_adamw_fused_step", "export_state", "format_stats", "import_state", "load_master_weights",
-           "master_weights"]
+           "PackedAdamWTrackedState", "PackedMuonState", "PortableState", "RefusedStepWarning", "StateFormat",
+           "packed_adamw", "packed_adamw_fused_step", "packed_muon", "packed_muon_fused_step", "export_state",
+           "format_stats", "import_state", "load_master_weights", "master_weights"]

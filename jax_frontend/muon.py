@@ -1,0 +1,615 @@
+"""optax frontend for Muon: `packed_muon`, a GradientTransformation (docs/MUON.md, "JAX / optax").
+
+Muon leaves (2-D by default, or those given `MuonDimensionNumbers`) take the contract's step:
+the momentum phase is core/muon's numpy phase through `jax.pure_callback`, Newton-Schulz runs
+in jax.numpy with bf16 operands (`newton_schulz`), the weight phase is core/muon's numpy phase
+again. Every other leaf takes `packed_adamw`, reused unchanged behind `optax.masked`.
+
+Only the CPU path exists: on a GPU backend the transform refuses with NotImplementedError
+(issue 37's CUDA slice, through jax-triton, is to come).
+
+Layout: a JAX kernel is [in, out] (optax's reduction axis, then output axis). Muon's contract
+is written in torch's [out, in] layout, so each matrix is read as its transpose there: the
+learning-rate ratio and the Newton-Schulz orientation are those torch gives the same layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import numbers
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax.contrib import MuonDimensionNumbers
+
+from packed_adamw.core.codecs import FLOAT32_MAX, FLOAT32_TINY
+from packed_adamw.core.muon import (
+    DEFAULT_MU_BIAS,
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_STEPS,
+    StateFormat,
+    momentum_phase,
+    step_scalar_row,
+    validate_hyperparams,
+    validate_ns,
+    weight_phase,
+    weight_phase_split,
+)
+
+from . import _masters
+from ._masters import BF16, FLOAT32, LOW_HALF
+from ._step import CpuStepError, _subnormals_kept
+from .transform import RefusedStepWarning, packed_adamw
+
+# torch.optim.Muon's defaults (optax.contrib.muon's are eps=1e-8 and weight_decay=0).
+DEFAULT_EPS = 1e-7
+DEFAULT_WEIGHT_DECAY = 0.1
+ISSUE = "issue 37"
+
+
+class PackedMuonState(NamedTuple):
+    """The state of `packed_muon`.
+
+    `count`: steps taken (int32; a step refused for invalid hyperparameters does not count).
+    `momentum`: the parameters' tree with, per Muon leaf, its momentum entry of the leaf's
+    shape (uint16 codes in packed and bf16 modes: 2 bytes per parameter; float32 in fp32 mode)
+    and `optax.MaskedNode()` per AdamW leaf. `low_halves`: None when no Muon leaf is bfloat16;
+    else the tree with the int16 low half of each bfloat16 Muon leaf's FP32 master
+    (docs/FORMAT.md, "Split masters") and MaskedNode elsewhere. `adamw`: the AdamW half's state
+    (`optax.masked` around `packed_adamw`: its `inner_state` is a `PackedAdamWState` over the
+    AdamW leaves)."""
+
+    count: jax.Array
+    momentum: Any
+    low_halves: Any
+    adamw: Any
+
+
+@functools.partial(jax.jit, static_argnames=("coefficients", "steps"))
+def newton_schulz(x, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS, eps=1e-7):
+    """MUON.md's Newton-Schulz phase on one JAX [in, out] matrix, read as torch's [out, in]
+    matrix (its transpose), with jnp bf16 operands: the wide orientation, division by the
+    Frobenius norm clamped at eps (norm and eps rounded to bf16, as torch's bf16
+    `norm().clamp(min=eps)`), then `steps` quintic iterations whose GEMMs accumulate in float32
+    and whose combined results (`b A + c A A`, `a Y + B Y`, as torch's `addmm`) are rounded to
+    bf16 once. Returns bf16 [in, out].
+
+    Always compiled (jax.jit), so a call outside jit and the same call inside a jitted step
+    give the same bits: XLA's GEMMs sum in an order that depends on how their operands are laid
+    out, which op-by-op dispatch would change. MUON.md ("JAX / optax") gives its distance to
+    torch's Newton-Schulz."""
+    return _newton_schulz_torch_layout(jnp.asarray(x).astype(BF16).T, coefficients, steps, eps).T
+
+
+def _newton_schulz_torch_layout(y, coefficients, steps, eps):
+    a, b, c = coefficients
+    # Each scaled term is rounded to float32 before its sum: the barrier keeps XLA from
+    # contracting `s * t + r` into a fused multiply-add.
+    scaled = lambda scalar, t: jax.lax.optimization_barrier(np.float32(scalar) * t)  # noqa: E731
+    tall = y.shape[0] > y.shape[1]
+    if tall:
+        y = y.T
+    norm = jnp.sqrt(jnp.sum(jnp.square(y.astype(FLOAT32)))).astype(BF16)  # bf16 squares are exact in float32
+    norm = jnp.maximum(norm, jnp.asarray(eps).astype(BF16))
+    y = (y.astype(FLOAT32) / norm.astype(FLOAT32)).astype(BF16)
+    for _ in range(steps):
+        gram = jnp.matmul(y, y.T, preferred_element_type=FLOAT32).astype(BF16)
+        square = jnp.matmul(gram, gram, preferred_element_type=FLOAT32)
+        polynomial = (scaled(b, gram.astype(FLOAT32)) + scaled(c, square)).astype(BF16)
+        y = (scaled(a, y.astype(FLOAT32)) + jnp.matmul(polynomial, y, preferred_element_type=FLOAT32)).astype(BF16)
+    return y.T if tall else y
+
+
+# ---------------------------------------------------------------------------------------------
+# Which leaves are Muon's, and each one's matrices
+# ---------------------------------------------------------------------------------------------
+def _is_spec(x) -> bool:
+    return x is None or isinstance(x, MuonDimensionNumbers)
+
+
+def _axes(value, ndim: int, what: str, path: str) -> tuple[int, ...]:
+    values = (value,) if isinstance(value, numbers.Integral) else tuple(value)
+    if not values or not all(isinstance(v, numbers.Integral) and -ndim <= v < ndim for v in values):
+        raise ValueError(f"packed_muon: leaf {path} (rank {ndim}) has {what}={value!r}; give axes in "
+                         f"[-{ndim}, {ndim})")
+    return tuple(int(v) % ndim for v in values)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixView:
+    """How one Muon leaf is read as matrices: its axes permuted to (batch..., reduction...,
+    output...) and reshaped to [batch, rows, cols] in the leaf's [in, out] layout."""
+
+    perm: tuple[int, ...]
+    permuted_shape: tuple[int, ...]
+    batch: int
+    rows: int
+    cols: int
+
+    @property
+    def torch_shape(self) -> tuple[int, int]:
+        """The matrix in torch's [out, in] layout: what the learning-rate ratio reads."""
+        return (self.cols, self.rows)
+
+    def to_matrices(self, x):
+        return jnp.transpose(x, self.perm).reshape(self.batch, self.rows, self.cols)
+
+    def from_matrices(self, x):
+        return jnp.transpose(x.reshape(self.permuted_shape), tuple(int(i) for i in np.argsort(self.perm)))
+
+
+def _view_of(shape, spec: MuonDimensionNumbers, path: str) -> MatrixView:
+    ndim = len(shape)
+    if ndim < 2:
+        raise ValueError(f"packed_muon: leaf {path} has rank {ndim} but muon_weight_dimension_numbers gives it "
+                         f"{spec}; Muon steps matrices (rank >= 2). Give it None to train it with AdamW")
+    reduction = _axes(spec.reduction_axis, ndim, "reduction_axis", path)
+    output = _axes(spec.output_axis, ndim, "output_axis", path)
+    if set(reduction) & set(output) or len(set(reduction)) < len(reduction) or len(set(output)) < len(output):
+        raise ValueError(f"packed_muon: leaf {path} has reduction axes {reduction} and output axes {output}; "
+                         "each axis may be named once, in one of them")
+    batch = tuple(i for i in range(ndim) if i not in reduction and i not in output)
+    perm = batch + reduction + output
+    size = lambda axes: math.prod(shape[i] for i in axes)  # noqa: E731
+    return MatrixView(perm, tuple(shape[i] for i in perm), size(batch), size(reduction), size(output))
+
+
+def leaf_views(dim_numbers, tree) -> list[MatrixView | None]:
+    """Per leaf of `tree` (in tree order): its MatrixView if it is a Muon leaf, else None.
+    `dim_numbers`: None (every 2-D leaf is a [in, out] matrix), or a tree of
+    MuonDimensionNumbers / None over the leaves (or a prefix of them), or a callable giving
+    one from `tree`, as optax.contrib.muon's `muon_weight_dimension_numbers`."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
+    shapes = [tuple(jnp.shape(leaf)) for _, leaf in flat]
+    if dim_numbers is None:
+        specs = [MuonDimensionNumbers() if len(s) == 2 else None for s in shapes]
+    else:
+        given = dim_numbers(tree) if callable(dim_numbers) else dim_numbers
+        prefix, prefix_def = jax.tree_util.tree_flatten(given, is_leaf=_is_spec)
+        if not all(_is_spec(x) for x in prefix):
+            raise TypeError("packed_muon: muon_weight_dimension_numbers must hold MuonDimensionNumbers or None per "
+                            f"leaf (or subtree), got {given!r}")
+        try:
+            subtrees = prefix_def.flatten_up_to(tree)
+        except (ValueError, TypeError):
+            raise ValueError(f"packed_muon: muon_weight_dimension_numbers has the tree {prefix_def}, which is neither "
+                             f"the parameters' tree {jax.tree_util.tree_structure(tree)} nor a prefix of it; give "
+                             "one MuonDimensionNumbers or None per leaf (or subtree)") from None
+        specs = [spec for spec, sub in zip(prefix, subtrees) for _ in jax.tree_util.tree_leaves(sub)]
+    return [None if spec is None else _view_of(shape, spec, path) for spec, shape, path in zip(specs, shapes, paths)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The host side: core/muon's numpy phases
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _PhaseConfig:
+    """What the host phases depend on besides the arrays (hashable, static under jit)."""
+
+    fmt: StateFormat
+    nesterov: bool
+    adjust_lr_fn: str | None
+    static_row: tuple  # (lr, momentum, weight_decay, eps): a Python number, or None where traced
+    shapes: tuple  # per Muon leaf: its matrices' torch shape (rows, cols)
+    split: tuple  # per Muon leaf: a bfloat16 weight with a low half
+    paths: tuple  # per Muon leaf, for messages
+
+
+def _row_values(row, config: _PhaseConfig) -> tuple[float, ...]:
+    """The hyperparameters as given where known before compilation (binary64, as torch takes
+    Python floats), else the float32 values the graph computed (MUON.md, "Step scalars")."""
+    row = np.asarray(row, np.float32)
+    return tuple(float(row[k]) if given is None else float(given) for k, given in enumerate(config.static_row))
+
+
+def _bits16(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.uint16) if x.dtype.itemsize == 2 and x.dtype != np.int16 else x
+
+
+def _host_momentum(valid, row, *flat, config: _PhaseConfig):
+    """Per Muon leaf [batch, rows, cols]: (new state, Newton-Schulz input as bf16 bits,
+    accepted per matrix). A refused matrix keeps its state and gets a zero input."""
+    n = len(config.shapes)
+    grads, states = flat[:n], flat[n:]
+    values = _row_values(row, config)
+    new_states, inputs, accepted = [], [], []
+    with _subnormals_kept():
+        for g, s, shape, path in zip(grads, states, config.shapes, config.paths):
+            g, s = _bits16(g), np.array(s)  # callback inputs are read-only: the phase writes a copy
+            scalars = step_scalar_row(values, shape, adjust_lr_fn=config.adjust_lr_fn)
+            x = np.zeros(g.shape, np.uint16)
+            ok = np.zeros(g.shape[0], np.bool_)
+            for b in range(g.shape[0] if bool(np.asarray(valid)) else 0):
+                try:
+                    result = momentum_phase(g[b], s[b], scalars, fmt=config.fmt, nesterov=config.nesterov)
+                except Exception as e:  # surfaces as JaxRuntimeError: say which leaf
+                    raise CpuStepError(f"packed_muon momentum phase of leaf {path}: {type(e).__name__}: {e}") from None
+                if result is not None:
+                    x[b], ok[b] = result, True
+            new_states.append(s)
+            inputs.append(x)
+            accepted.append(ok)
+    return [*new_states, *inputs, *accepted]
+
+
+def _host_weight(row, *flat, config: _PhaseConfig):
+    """Per Muon leaf [batch, rows, cols]: the new weights (and low halves of split leaves),
+    stepped where the matrix was accepted."""
+    n, k = len(config.shapes), sum(config.split)
+    params, lows, orthos, accepted = flat[:n], flat[n:n + k], flat[n + k:2 * n + k], flat[2 * n + k:]
+    values = _row_values(row, config)
+    lows = iter(lows)
+    new_params, new_lows = [], []
+    with _subnormals_kept():
+        for p, o, ok, shape, split, path in zip(params, orthos, accepted, config.shapes, config.split, config.paths):
+            scalars = step_scalar_row(values, shape, adjust_lr_fn=config.adjust_lr_fn)
+            o = _bits16(o)
+            try:
+                if split:
+                    w, lo = np.array(_bits16(p)), np.array(next(lows))
+                    for b in np.flatnonzero(ok):
+                        weight_phase_split(w[b], lo[b], o[b], scalars)
+                    new_params.append(w.view(jnp.bfloat16))
+                    new_lows.append(lo)
+                else:
+                    w = np.array(p, np.float32)
+                    for b in np.flatnonzero(ok):
+                        weight_phase(w[b], o[b], scalars)
+                    new_params.append(w)
+            except Exception as e:
+                raise CpuStepError(f"packed_muon weight phase of leaf {path}: {type(e).__name__}: {e}") from None
+    return [*new_params, *new_lows]
+
+
+def _like(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
+def _orthogonalize(inputs, coefficients, steps, eps):
+    """`newton_schulz` of each [in, out] matrix of `inputs` [batch, in, out] (bf16), one matrix
+    at a time (`lax.map`), so a batched leaf's matrices get the bits a 2-D leaf gets."""
+    one = lambda m: newton_schulz(m, coefficients, steps, eps)  # noqa: E731
+    if inputs.shape[0] == 1:
+        return one(inputs[0])[None]
+    return jax.lax.map(one, inputs)
+
+
+def _float32_update(p, p_new):
+    """The float32 u for `optax.apply_updates(p, u)`: p_new - p, or -0.0 where the weight does
+    not change (p + -0.0 is p for every p, -0.0 included). Where p_new - p is exact (most
+    elements: |p_new| and |p| within a factor 2 of each other) p + u is p_new. Where it is not,
+    no float32 u gives p_new when p_new - p rounded is not it: the rounding of p + u is a
+    second rounding, and the neighbours of p_new - p land farther away (MUON.md, "JAX / optax"
+    measures how often; `packed_muon_fused_step` writes p_new itself)."""
+    u = jnp.clip(p_new - p, -FLOAT32_MAX, FLOAT32_MAX)
+    unchanged = jax.lax.bitcast_convert_type(p, jnp.uint32) == jax.lax.bitcast_convert_type(p_new, jnp.uint32)
+    return jnp.where(unchanged, np.float32(-0.0), u)
+
+
+# ---------------------------------------------------------------------------------------------
+# The transform
+# ---------------------------------------------------------------------------------------------
+def _python_number(x) -> float | None:
+    """x as a float if it is a plain number (known before compilation, exact in binary64)."""
+    if isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)):
+        return float(x)
+    return None
+
+
+def _concrete(x) -> float | None:
+    try:
+        return float(x)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _valid_in_graph(row):
+    """MUON.md's hyperparameter bounds on the float32 row (lr, momentum, weight_decay, eps)."""
+    lr, momentum, wd, eps = (row[k] for k in range(4))
+    return ((lr >= 0) & (lr <= FLOAT32_MAX) & (momentum >= 0) & (momentum < 1) & (wd >= 0) & (wd <= FLOAT32_MAX)
+            & (lr * wd <= FLOAT32_MAX) & (eps >= FLOAT32_TINY) & (eps <= FLOAT32_MAX))
+
+
+def _refusal_reason(row) -> str:
+    try:
+        validate_hyperparams(*(float(x) for x in np.asarray(row)))
+    except ValueError as e:
+        return str(e)
+    return f"[lr, momentum, weight_decay, eps] = {[float(x) for x in np.asarray(row)]}"
+
+
+def _warn_refused(valid, row, count) -> None:
+    if bool(np.asarray(valid)):
+        return
+    warnings.warn(f"packed_muon: step refused at count {int(np.asarray(count))}: {_refusal_reason(row)}. No "
+                  "weight, momentum or count changed; fix the schedule or the injected value", RefusedStepWarning,
+                  stacklevel=2)
+
+
+def _refuse_accelerators(tree) -> None:
+    """This slice steps Muon on the CPU only; a GPU would run the callbacks on the host and the
+    Newton-Schulz phase with other bits than the kernels to come, so it is refused."""
+    platforms = {jax.default_backend()}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if not isinstance(leaf, jax.core.Tracer) and isinstance(leaf, jax.Array):
+            platforms |= {d.platform for d in leaf.devices()}
+    others = sorted(platforms - {"cpu"})
+    if others:
+        raise NotImplementedError(
+            f"packed_muon runs on the CPU only for now (the numpy phases through jax.pure_callback, Newton-Schulz in "
+            f"jax.numpy); found platform {others[0]!r}. The CUDA path (Triton kernels through jax-triton) is "
+            f"{ISSUE}'s next slice; until then run the Muon step on the CPU (jax.config.update('jax_platforms', "
+            "'cpu')) or use packed_adamw.torch.PackedMuonAdamW on the GPU")
+
+
+def packed_muon(
+    learning_rate: float | Callable[[jax.Array], jax.Array],
+    ns_coeffs: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+    ns_steps: int = DEFAULT_NS_STEPS,
+    beta: float = 0.95,
+    eps: float = DEFAULT_EPS,
+    weight_decay: float = DEFAULT_WEIGHT_DECAY,
+    *,
+    nesterov: bool = True,
+    adjust_lr_fn: str | None = None,
+    mode: str = "packed",
+    mu_bias: int = DEFAULT_MU_BIAS,
+    adam_learning_rate: float | Callable[[jax.Array], jax.Array] | None = None,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.999,
+    adam_eps: float = 1e-8,
+    adam_weight_decay: float = 0.0,
+    adam_mask: Any = None,
+    adam_mode: Any = "packed",
+    muon_weight_dimension_numbers: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Muon with its momentum in 2 bytes per parameter, as an optax transformation; the step
+    of docs/MUON.md (torch.optim.Muon's semantics: on the CPU, fp32 mode with a torch
+    Newton-Schulz is torch.optim.Muon bit for bit; docs/MUON.md, "JAX / optax", says what the
+    jax.numpy Newton-Schulz gives instead).
+
+    Named as optax.contrib.muon: `beta` is torch's `momentum`, `ns_coeffs` its
+    `ns_coefficients`. Defaults are torch.optim.Muon's: `eps=1e-7` (a clamp of the Frobenius
+    norm, not optax's 1e-8 added to it) and `weight_decay=0.1` (decoupled: p * (1 - lr * wd));
+    `adjust_lr_fn` None / "original" is optax's width scaling, "match_rms_adamw" its
+    `consistent_rms=0.2`. `mode`: "packed" (E5M10 codes, exponent bias `mu_bias`), "bf16"
+    (2 bytes per parameter each) or "fp32" (4). `learning_rate` may be a schedule of the count.
+
+    Muon leaves: by default every 2-D leaf, read as a JAX [in, out] kernel; or as given by
+    `muon_weight_dimension_numbers` (a tree of `optax.contrib.MuonDimensionNumbers` / None,
+    or a callable returning one; batch axes give one matrix each). They are float32 or
+    bfloat16 (an exact FP32 master: its low half in `PackedMuonState.low_halves`). A matrix
+    whose gradient, momentum or Newton-Schulz input is not finite is refused whole: update
+    -0.0, momentum kept. Every other leaf takes `packed_adamw(adam_learning_rate (default:
+    learning_rate), adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_mask, adam_mode)`
+    (optax.contrib.muon's AdamW defaults: weight decay 0). `update` needs `params`.
+
+    A float32 Muon leaf's update is u = p' - p in float32: `optax.apply_updates` gives the
+    contract's p' wherever that difference is exact, and elsewhere (0.2% to 2% of elements
+    in our measurements, more where steps are large beside the weights) no float32 u can, and
+    the weight lands within an ulp of u from p' (MUON.md, "JAX / optax").
+    `packed_muon_fused_step` writes p' itself. CPU only: on a GPU backend the transform raises
+    NotImplementedError (issue 37's CUDA slice is to come).
+    """
+    init_fn, run = _muon(**locals())
+
+    def update_fn(updates, state, params=None, **extra_args):
+        return run(updates, state, params, extra_args, write_update=True)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def packed_muon_fused_step(*args, **kwargs) -> Callable[[Any, Any, PackedMuonState], tuple[Any, PackedMuonState]]:
+    """`step(params, grads, state) -> (params, state)`: `packed_muon`'s step (same arguments,
+    same state: `packed_muon(...).init(params)`) writing the new parameters instead of updates.
+    A float32 Muon leaf then gets the contract's new weight bit for bit everywhere, which an
+    update cannot give for the elements MUON.md ("JAX / optax") names; the AdamW leaves get
+    `optax.apply_updates` of packed_adamw's updates, which is its exact step."""
+    bound = inspect.signature(packed_muon).bind(*args, **kwargs)
+    bound.apply_defaults()
+    _, run = _muon(**bound.arguments)
+
+    def step(params, grads, state):
+        return run(grads, state, params, {}, write_update=False)
+
+    return step
+
+
+def _increment(count):
+    return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
+
+
+def _applied(updates, params, write_update: bool):
+    return updates if write_update else optax.apply_updates(params, updates)
+
+
+def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nesterov, adjust_lr_fn, mode, mu_bias,
+          adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_mask, adam_mode,
+          muon_weight_dimension_numbers):
+    """`packed_muon`'s checks, then its (init, run)."""
+    for name, value in (("ns_steps", ns_steps), ("mu_bias", mu_bias)):
+        if isinstance(value, (jax.Array, np.ndarray)):
+            raise TypeError(f"packed_muon: {name}={value!r} is an array, but it fixes the compiled step (the "
+                            "Newton-Schulz loop, the momentum code), so it must be a Python int; "
+                            f"optax.inject_hyperparams turns numbers into arrays: list {name!r} in its static_args")
+    fmt = StateFormat(mode, mu_bias)
+    coefficients, steps = validate_ns(ns_coeffs, ns_steps, adjust_lr_fn)
+    if not isinstance(nesterov, (bool, np.bool_)):
+        raise TypeError(f"packed_muon: nesterov={nesterov!r}: pass True or False")
+    known = lambda x: x if callable(x) or _concrete(x) is None else _concrete(x)  # noqa: E731
+    validate_hyperparams(known(learning_rate), known(beta), known(weight_decay), known(eps), allow_arrays=True)
+    adamw = optax.masked(
+        packed_adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, adam_b1, adam_b2, adam_eps,
+                     adam_weight_decay, mask=adam_mask, mode=adam_mode),
+        lambda tree: jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree),
+                                                  [v is None for v in leaf_views(muon_weight_dimension_numbers, tree)]))
+
+    def init_fn(params):
+        _refuse_accelerators(params)
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        views = leaf_views(muon_weight_dimension_numbers, params)
+        _check_param_dtypes(params, views)
+        momentum = [optax.MaskedNode() if v is None else jnp.zeros_like(p, dtype=jnp.dtype(fmt.state_dtype))
+                    for p, v in zip(leaves, views)]
+        split = [v is not None and jnp.result_type(p) == BF16 for p, v in zip(leaves, views)]
+        lows = None
+        if any(split):
+            lows = treedef.unflatten([jnp.zeros_like(p, dtype=LOW_HALF) if s else optax.MaskedNode()
+                                      for p, s in zip(leaves, split)])
+        return PackedMuonState(jnp.zeros([], jnp.int32), treedef.unflatten(momentum), lows, adamw.init(params))
+
+    def run(updates, state, params, extra_args, *, write_update: bool):
+        """(updates, state), or with write_update=False (new params, state)."""
+        _refuse_accelerators((updates, params))
+        if not isinstance(state, PackedMuonState):
+            raise TypeError(f"packed_muon: the state is a {type(state).__name__}; pass the state init() returned")
+        flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        views = leaf_views(muon_weight_dimension_numbers, updates)
+        muon = [i for i, v in enumerate(views) if v is not None]
+        if not muon:
+            adamw_updates, adamw_state = adamw.update(updates, state.adamw, params, **extra_args)
+            return _applied(adamw_updates, params, write_update), state._replace(count=_increment(state.count),
+                                                                                 adamw=adamw_state)
+        if params is None:
+            raise ValueError("packed_muon: the Muon step reads the weights (decay, and the update that gives the new "
+                             "weight), so update() needs params: call tx.update(grads, state, params)")
+        p_leaves = treedef.flatten_up_to(params)
+        paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
+        split = _check_param_dtypes(params, views)
+        grads = [g for _, g in flat]
+        _check_grads(grads, split, views, paths)
+        momenta = _checked_momenta(state.momentum, treedef, p_leaves, views, paths, fmt)
+        lows = _checked_lows(state.low_halves, treedef, p_leaves, split, paths)
+
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        given = (lr, beta, weight_decay, eps)
+        row = jnp.asarray([jnp.asarray(x, jnp.float32) for x in given])
+        valid = _valid_in_graph(row) & (state.count >= 0)
+        try:
+            refused = not bool(valid)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
+            refused = False  # under jit: refused in the graph, with a warning from the host
+            if any(_python_number(x) is None for x in given):
+                jax.lax.cond(valid, lambda *_: None, lambda *a: jax.debug.callback(_warn_refused, *a), valid, row,
+                             state.count)
+        if refused:
+            raise ValueError(f"packed_muon: invalid hyperparameters at count {int(state.count)}: "
+                             f"{_refusal_reason(row) if bool(state.count >= 0) else 'the count is negative'}")
+
+        # After Muon's checks, so that a bad shared learning rate is reported by Muon's words first.
+        adamw_updates, adamw_state = adamw.update(updates, state.adamw, params, **extra_args)
+        config = _PhaseConfig(fmt, bool(nesterov), adjust_lr_fn, tuple(_python_number(x) for x in given),
+                              tuple(views[i].torch_shape for i in muon), tuple(split[i] for i in muon),
+                              tuple(paths[i] for i in muon))
+        g_mats = [views[i].to_matrices(grads[i]) for i in muon]
+        s_mats = [views[i].to_matrices(momenta[i]) for i in muon]
+        out_types = ([_like(s) for s in s_mats] + [jax.ShapeDtypeStruct(s.shape, jnp.uint16) for s in s_mats]
+                     + [jax.ShapeDtypeStruct(s.shape[:1], jnp.bool_) for s in s_mats])
+        results = jax.pure_callback(functools.partial(_host_momentum, config=config), out_types, valid, row,
+                                    *g_mats, *s_mats, vmap_method="sequential")
+        n = len(muon)
+        new_states, inputs, accepted = results[:n], results[n:2 * n], results[2 * n:]
+        ns_eps = eps if _python_number(eps) is not None else row[3]
+        orthos = [_orthogonalize(jax.lax.bitcast_convert_type(x, BF16), coefficients, steps, ns_eps) for x in inputs]
+        p_mats = [views[i].to_matrices(p_leaves[i]) for i in muon]
+        lo_mats = [views[i].to_matrices(lows[i]) for i in muon if split[i]]
+        weight_types = [_like(p) for p in p_mats] + [_like(lo) for lo in lo_mats]
+        stepped = jax.pure_callback(functools.partial(_host_weight, config=config), weight_types, row, *p_mats,
+                                    *lo_mats, *orthos, *accepted, vmap_method="sequential")
+        new_params, new_lows = stepped[:n], iter(stepped[n:])
+
+        out = list(treedef.flatten_up_to(_applied(adamw_updates, params, write_update)))
+        new_momenta = list(treedef.flatten_up_to(state.momentum))
+        low_list = None if state.low_halves is None else list(treedef.flatten_up_to(state.low_halves))
+        for i, p_new, s_new in zip(muon, new_params, new_states):
+            view, p = views[i], p_leaves[i]
+            p_new, new_momenta[i] = view.from_matrices(p_new), view.from_matrices(s_new)
+            if not split[i]:
+                out[i] = p_new if not write_update else _float32_update(p, p_new)
+                continue
+            lo_new = view.from_matrices(next(new_lows))
+            if not write_update:
+                out[i], low_list[i] = p_new, lo_new
+            else:
+                out[i], low_list[i] = _masters.transform_update(p, p_new, lo_new)
+        count = jnp.where(valid, _increment(state.count), state.count)
+        new_state = PackedMuonState(count, treedef.unflatten(new_momenta),
+                                    None if low_list is None else treedef.unflatten(low_list), adamw_state)
+        return treedef.unflatten(out), new_state
+
+    return init_fn, run
+
+
+def _check_param_dtypes(params, views) -> list[bool]:
+    """Per leaf: whether it is a bfloat16 Muon leaf (a split master). Muon leaves must be
+    float32 or bfloat16 (the AdamW half checks its own)."""
+    split = []
+    for (path, p), view in zip(jax.tree_util.tree_flatten_with_path(params)[0], views):
+        dtype = jnp.result_type(p)
+        if view is not None and dtype not in (FLOAT32, BF16):
+            raise TypeError(f"packed_muon: params leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}: "
+                            "Muon trains float32 or bfloat16 matrices (a bfloat16 one keeps an exact FP32 master); "
+                            "convert it with .astype(jnp.float32) or .astype(jnp.bfloat16)")
+        split.append(view is not None and dtype == BF16)
+    return split
+
+
+def _check_grads(grads, split, views, paths) -> None:
+    for g, is_split, view, path in zip(grads, split, views, paths):
+        dtype = jnp.result_type(g)
+        if view is None or dtype == FLOAT32 or (is_split and dtype == BF16):
+            continue
+        allowed = "bfloat16 or float32 (a bfloat16 parameter)" if is_split else "float32 (a float32 parameter)"
+        raise TypeError(f"packed_muon: grads leaf {path} has dtype {dtype}: Muon takes gradients of dtype {allowed}; "
+                        "cast it with .astype(jnp.float32)")
+
+
+def _checked_momenta(momentum, treedef, params, views, paths, fmt: StateFormat) -> list:
+    try:
+        entries = treedef.flatten_up_to(momentum)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"packed_muon: the state's momentum does not have the parameters' tree ({e}); build the "
+                         "state with init() over the same parameters") from None
+    for entry, p, view, path in zip(entries, params, views, paths):
+        is_masked = isinstance(entry, optax.MaskedNode)
+        if view is None and not is_masked:
+            raise ValueError(f"packed_muon: the state holds a momentum for leaf {path}, which is not a Muon leaf here; "
+                             "build the state with init() with the same muon_weight_dimension_numbers")
+        if view is None:
+            continue
+        want = jax.ShapeDtypeStruct(fmt.state_shape(jnp.shape(p)), jnp.dtype(fmt.state_dtype))
+        if is_masked or _like(entry) != want:
+            got = "none" if is_masked else f"{jnp.result_type(entry)} {jnp.shape(entry)}"
+            raise ValueError(f"packed_muon: the momentum of leaf {path} is {got}, expected {want.dtype} {want.shape} "
+                             f"for {fmt.identity}; build the state with init() of a transform with the same mode and "
+                             "mu_bias over the same parameters")
+    return entries
+
+
+def _checked_lows(low_halves, treedef, params, split, paths) -> list:
+    if low_halves is None:
+        if any(split):
+            raise ValueError(f"packed_muon: params leaf {paths[split.index(True)]} is bfloat16 but the state has no "
+                             "low halves (it was built for float32 leaves); build the state with init() over these "
+                             "parameters")
+        return [None] * len(split)
+    entries = treedef.flatten_up_to(low_halves)
+    for lo, p, is_split, path in zip(entries, params, split, paths):
+        has = not isinstance(lo, optax.MaskedNode)
+        if has != is_split or (has and _like(lo) != jax.ShapeDtypeStruct(jnp.shape(p), LOW_HALF)):
+            raise ValueError(f"packed_muon: the state's low half of leaf {path} does not fit the leaf "
+                             f"({jnp.result_type(p)} {jnp.shape(p)}); build the state with init() over these "
+                             "parameters")
+    return [lo if s else None for lo, s in zip(entries, split)]
+
+
+__all__ = ["DEFAULT_EPS", "DEFAULT_WEIGHT_DECAY", "MatrixView", "PackedMuonState", "leaf_views", "newton_schulz",
+           "packed_muon", "packed_muon_fused_step"]

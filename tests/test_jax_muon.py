@@ -1,0 +1,362 @@
+"""`packed_muon` (jax_frontend/muon.py, docs/MUON.md "JAX / optax") on the CPU: its Muon
+leaves against the contract's numpy phases (bit for bit around its own Newton-Schulz), against
+torch.optim.Muon (momentum bit for bit, weights within the measured Newton-Schulz tolerance),
+its AdamW leaves against packed_adamw alone, its state, jit, refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+from optax.contrib import MuonDimensionNumbers  # noqa: E402
+
+from muon_helpers import fused_torch  # noqa: E402
+from packed_adamw.core.muon import (  # noqa: E402
+    StateFormat,
+    momentum_phase,
+    step_scalar_row,
+    weight_phase,
+    weight_phase_split,
+)
+from packed_adamw.jax import RefusedStepWarning, packed_adamw  # noqa: E402
+from packed_adamw.jax.muon import newton_schulz, packed_muon, packed_muon_fused_step  # noqa: E402
+
+F32 = np.float32
+LR, BETA, WD, EPS = 0.02, 0.95, 0.1, 1e-7
+COEFFICIENTS, STEPS = (3.4445, -4.775, 2.0315), 5
+# |O_jax - O_torch| measured on the CPU (jax 0.10.2 against torch 2.13; docs/MUON.md, "JAX /
+# optax"): equal bits up to 33 x 17, then at most 2**-7 (two bf16 ulps below 1) up to
+# 512 x 512 and 256 x 1024. The tests allow twice that.
+NS_TOLERANCE = 2.0 ** -6
+
+
+def bits(x) -> np.ndarray:
+    a = np.asarray(x)
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint32)
+
+
+def gradient(rng, shape, low=-12, high=0):
+    return (rng.standard_normal(shape) * 2.0 ** rng.integers(low, high, shape)).astype(F32)
+
+
+def make_params(rng, bf16=False):
+    """[in, out] kernels: tall, wide and square in torch's layout; a bias and a scalar."""
+    w = lambda shape: jnp.asarray((rng.standard_normal(shape) * 0.2).astype(F32))  # noqa: E731
+    params = {"tall": w((6, 14)), "wide": w((14, 5)), "square": w((8, 8)), "bias": w((14,)), "scale": w(())}
+    if bf16:
+        params["tall"] = params["tall"].astype(jnp.bfloat16)
+    return params
+
+
+def make_grads(rng, params):
+    return jax.tree.map(lambda p: jnp.asarray(gradient(rng, p.shape)), params)
+
+
+def jax_ns(x_bits):
+    """Our Newton-Schulz of an [in, out] matrix given as bf16 bits."""
+    return bits(newton_schulz(jnp.asarray(x_bits).view(jnp.bfloat16), COEFFICIENTS, STEPS, EPS))
+
+
+def torch_ns(x_bits):
+    """torch.optim.Muon's own Newton-Schulz (private: the oracle's) of the same [in, out]
+    matrix, run on its [out, in] transpose as torch holds the layer."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    x = torch.from_numpy(np.ascontiguousarray(x_bits.T).view(np.int16)).view(torch.bfloat16)
+    return _zeropower_via_newtonschulz(x, COEFFICIENTS, STEPS, EPS).view(torch.int16).numpy().view(np.uint16).T
+
+
+class Reference:
+    """The contract on one [in, out] float32 or bf16 kernel: numpy phases around `ns`; the
+    learning-rate ratio of torch's [out, in] layout."""
+
+    def __init__(self, p, fmt, ns, nesterov=True, adjust_lr_fn=None, lr=LR):
+        self.fmt, self.ns, self.nesterov = fmt, ns, nesterov
+        self.bf16 = p.dtype == jnp.bfloat16
+        self.p = np.array(p).view(np.uint16).copy() if self.bf16 else np.array(p, F32)
+        self.lo = np.zeros(p.shape, np.int16)
+        self.state = np.zeros(p.shape, np.dtype(fmt.state_dtype))
+        self.scalars = step_scalar_row((lr, BETA, WD, EPS), p.shape[::-1], adjust_lr_fn=adjust_lr_fn)
+
+    def step(self, g):
+        x = momentum_phase(np.asarray(g), self.state, self.scalars, fmt=self.fmt, nesterov=self.nesterov)
+        assert x is not None
+        ortho = self.ns(x)
+        if self.bf16:
+            assert weight_phase_split(self.p, self.lo, ortho, self.scalars) == 0
+        else:
+            assert weight_phase(self.p, ortho, self.scalars) == 0
+
+
+MUON_LEAVES = ("tall", "wide", "square")
+
+
+@pytest.mark.parametrize("mode", ["fp32", "packed", "bf16"])
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("nesterov,adjust_lr_fn", [(True, None), (False, "match_rms_adamw")])
+def test_muon_leaves_take_the_contracts_step_bit_for_bit(mode, jit, nesterov, adjust_lr_fn):
+    """The fused step's new weights and the momenta equal the numpy phases around the same
+    jax.numpy Newton-Schulz, bit for bit, over three steps."""
+    rng = np.random.default_rng(3)
+    params = make_params(rng)
+    fmt = StateFormat(mode)
+    step = packed_muon_fused_step(LR, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn, mode=mode)
+    step = jax.jit(step) if jit else step
+    state = packed_muon(LR, mode=mode).init(params)
+    refs = {k: Reference(params[k], fmt, jax_ns, nesterov, adjust_lr_fn) for k in MUON_LEAVES}
+    for _ in range(3):
+        grads = make_grads(rng, params)
+        params, state = step(params, grads, state)
+        for k in MUON_LEAVES:
+            refs[k].step(grads[k])
+            assert np.array_equal(bits(params[k]), bits(refs[k].p)), k
+            assert np.array_equal(bits(state.momentum[k]), bits(refs[k].state)), k
+    assert int(state.count) == 3
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_updates_give_the_new_weights_where_a_float32_update_can(jit):
+    """optax.apply_updates(p, u) is the contract's new weight except where p' - p is inexact in
+    float32 and its rounding misses p'; there no float32 u gives p' (its neighbours checked
+    too) and the weight lands within an ulp of u. Such elements are rare but present."""
+    rng = np.random.default_rng(5)
+    params = make_params(rng)
+    tx = packed_muon(LR, mode="fp32")
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(params)
+    missed = total = 0
+    for _ in range(3):
+        grads = make_grads(rng, params)
+        contract, _ = packed_muon_fused_step(LR, mode="fp32")(params, grads, state)
+        updates, state = update(grads, state, params)
+        applied = optax.apply_updates(params, updates)
+        for k in MUON_LEAVES:
+            p, want, got = np.asarray(params[k]), np.asarray(contract[k]), np.asarray(applied[k])
+            miss = bits(got) != bits(want)
+            u = (want - p).astype(F32)
+            for candidate in (u, np.nextafter(u, F32(np.inf)), np.nextafter(u, F32(-np.inf))):
+                assert not np.any(miss & (bits((p + candidate).astype(F32)) == bits(want))), k
+            # apply_updates rounds p + u once more: off by at most half an ulp of u (plus half of p').
+            assert np.all((np.abs(got - want) <= np.spacing(np.abs(u)))[miss]), k
+            missed, total = missed + int(miss.sum()), total + miss.size
+        params = applied
+    assert 0 < missed < total // 20  # present (the checks above ran), and rare here
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_bf16_muon_leaves_keep_exact_masters(jit):
+    """A bf16 kernel steps its FP32 master (weight + low half) as the contract's split phase;
+    the update gives the new bf16 weight through apply_updates."""
+    rng = np.random.default_rng(7)
+    params = make_params(rng, bf16=True)
+    tx = packed_muon(LR)
+    state = tx.init(params)
+    assert state.low_halves["tall"].dtype == jnp.int16 and isinstance(state.low_halves["wide"], optax.MaskedNode)
+    ref = Reference(params["tall"], StateFormat("packed"), jax_ns)
+    update = jax.jit(tx.update) if jit else tx.update
+    for _ in range(3):
+        grads = make_grads(rng, params)
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        ref.step(grads["tall"])
+        assert params["tall"].dtype == jnp.bfloat16
+        assert np.array_equal(bits(params["tall"]), ref.p)
+        assert np.array_equal(bits(state.low_halves["tall"]), bits(ref.lo))
+
+
+@fused_torch
+@pytest.mark.parametrize("shape", [(6, 14), (14, 5), (8, 8), (48, 160)])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_fp32_mode_against_torch_optim_muon(shape, nesterov):
+    """torch.optim.Muon on the transposed ([out, in]) matrix: the momentum is the same bits
+    (the momentum phase reads only gradients); the weights differ only through Newton-Schulz
+    (XLA's GEMMs against torch's), within NS_TOLERANCE * adjusted lr per step."""
+    rng = np.random.default_rng(sum(shape))
+    p0 = (rng.standard_normal(shape) * 0.2).astype(F32)
+    torch_param = torch.nn.Parameter(torch.from_numpy(p0.T.copy()))
+    opt = torch.optim.Muon([torch_param], lr=LR, momentum=BETA, weight_decay=WD, nesterov=nesterov, eps=EPS,
+                           ns_coefficients=COEFFICIENTS, ns_steps=STEPS)
+    step = packed_muon_fused_step(LR, nesterov=nesterov, mode="fp32")
+    params = {"w": jnp.asarray(p0)}
+    state = packed_muon(LR, mode="fp32").init(params)
+    adjusted = LR * max(1.0, shape[1] / shape[0]) ** 0.5
+    for n in range(1, 5):
+        g = gradient(rng, shape)
+        torch_param.grad = torch.from_numpy(g.T.copy())
+        opt.step()
+        params, state = step(params, {"w": jnp.asarray(g)}, state)
+        assert np.array_equal(bits(state.momentum["w"]), bits(opt.state[torch_param]["momentum_buffer"].numpy().T))
+        gap = np.abs(np.asarray(params["w"]) - torch_param.detach().numpy().T).max()
+        assert gap <= n * adjusted * NS_TOLERANCE * 1.01, gap
+
+
+@pytest.mark.parametrize("shape", [(12, 5), (5, 12), (8, 8), (64, 256), (256, 64), (128, 128)])
+def test_newton_schulz_is_within_the_stated_tolerance_of_torchs(shape):
+    rng = np.random.default_rng(sum(shape))
+    x = torch.from_numpy(gradient(rng, shape)).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    ours = np.asarray(jnp.asarray(jax_ns(x)).view(jnp.bfloat16).astype(jnp.float32))
+    theirs = torch.from_numpy(torch_ns(x).view(np.int16)).view(torch.bfloat16).float().numpy()
+    assert ours.shape == shape and np.abs(theirs).max() < 2
+    assert np.abs(ours - theirs).max() <= NS_TOLERANCE
+
+
+@pytest.mark.parametrize("mode,nbytes", [("packed", 2), ("bf16", 2), ("fp32", 4)])
+def test_state_holds_one_momentum_entry_per_muon_element(mode, nbytes):
+    params = make_params(np.random.default_rng(0))
+    state = packed_muon(LR, mode=mode).init(params)
+    for k in MUON_LEAVES:
+        m = state.momentum[k]
+        assert m.shape == params[k].shape and m.dtype == (jnp.uint16 if nbytes == 2 else jnp.float32)
+        assert m.nbytes == nbytes * params[k].size
+    assert isinstance(state.momentum["bias"], optax.MaskedNode) and state.low_halves is None
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_other_leaves_take_packed_adamws_bits(jit):
+    """Non-2-D leaves get packed_adamw's updates and state, as packed_adamw alone on them."""
+    rng = np.random.default_rng(11)
+    params = make_params(rng)
+    kw = dict(b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05)
+    tx = packed_muon(LR, adam_learning_rate=3e-3, adam_b1=kw["b1"], adam_b2=kw["b2"], adam_eps=kw["eps"],
+                     adam_weight_decay=kw["weight_decay"])
+    alone = packed_adamw(3e-3, **kw)
+    others = lambda tree: {k: tree[k] for k in ("bias", "scale")}  # noqa: E731
+    update = jax.jit(tx.update) if jit else tx.update
+    state, alone_state = tx.init(params), alone.init(others(params))
+    for _ in range(3):
+        grads = make_grads(rng, params)
+        updates, state = update(grads, state, params)
+        alone_updates, alone_state = alone.update(others(grads), alone_state, others(params))
+        for k in ("bias", "scale"):
+            assert np.array_equal(bits(updates[k]), bits(alone_updates[k])), k
+            assert np.array_equal(bits(state.adamw.inner_state.moments[k]), bits(alone_state.moments[k])), k
+        params = optax.apply_updates(params, updates)
+
+
+def test_dimension_numbers_pick_muon_leaves_and_batch_their_matrices():
+    """A 3-D leaf with a batch axis steps each matrix as a 2-D leaf of that shape would; a leaf
+    given None goes to AdamW."""
+    rng = np.random.default_rng(13)
+    stack = jnp.asarray((rng.standard_normal((3, 6, 10)) * 0.2).astype(F32))
+    params = {"stack": stack, "kept": jnp.asarray((rng.standard_normal((4, 4))).astype(F32))}
+    dims = {"stack": MuonDimensionNumbers(reduction_axis=1, output_axis=2), "kept": None}
+    step = packed_muon_fused_step(LR, muon_weight_dimension_numbers=dims)
+    state = packed_muon(LR, muon_weight_dimension_numbers=dims).init(params)
+    assert isinstance(state.momentum["kept"], optax.MaskedNode) and state.momentum["stack"].shape == (3, 6, 10)
+    single = packed_muon_fused_step(LR)
+    slices = {str(b): stack[b] for b in range(3)}
+    single_state = packed_muon(LR).init(slices)
+    for _ in range(2):
+        g = jnp.asarray(gradient(rng, (3, 6, 10)))
+        params, state = step(params, {"stack": g, "kept": jnp.ones((4, 4), jnp.float32)}, state)
+        slices, single_state = single(slices, {str(b): g[b] for b in range(3)}, single_state)
+        for b in range(3):
+            assert np.array_equal(bits(params["stack"][b]), bits(slices[str(b)]))
+    assert not np.array_equal(bits(state.adamw.inner_state.moments["kept"]), np.zeros((4, 4), np.uint32))
+
+
+def test_a_non_finite_gradient_refuses_its_matrix_only():
+    rng = np.random.default_rng(17)
+    params = make_params(rng)
+    tx = packed_muon(LR)
+    state = tx.init(params)
+    grads = make_grads(rng, params)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    grads = make_grads(rng, params)
+    grads["wide"] = grads["wide"].at[2, 3].set(jnp.nan)
+    updates, new_state = tx.update(grads, state, params)
+    assert np.all(bits(updates["wide"]) == 0x80000000)  # -0.0 everywhere: the weight stays
+    assert np.array_equal(bits(new_state.momentum["wide"]), bits(state.momentum["wide"]))
+    assert not np.array_equal(bits(new_state.momentum["tall"]), bits(state.momentum["tall"]))
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(learning_rate=-1.0), ValueError, "Learning rate"),
+    (dict(beta=1.0), ValueError, "momentum should be below 1"),
+    (dict(eps=0.0), ValueError, "eps should be > 0"),
+    (dict(weight_decay=-0.1), ValueError, "weight decay"),
+    (dict(ns_steps=0), ValueError, "ns_steps=0"),
+    (dict(ns_coeffs=(1.0, 2.0)), ValueError, "exactly 3"),
+    (dict(adjust_lr_fn="rms"), ValueError, "adjust_lr_fn"),
+    (dict(mode="fp16"), ValueError, "mode='fp16'"),
+    (dict(mu_bias=200), ValueError, "mu_bias=200"),
+    (dict(nesterov="yes"), TypeError, "nesterov"),
+    (dict(adam_b1=1.5), ValueError, "b1"),
+])
+def test_bad_hyperparameters_are_refused_when_built(kwargs, error, message):
+    kwargs = {"learning_rate": LR, **kwargs}
+    with pytest.raises(error, match=message):
+        packed_muon(**kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:packed_adamw. step refused")  # the AdamW half refuses its step too
+def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph():
+    params = make_params(np.random.default_rng(19))
+    tx = packed_muon(lambda count: jnp.where(count >= 1, -1.0, LR))
+    state = tx.init(params)
+    grads = make_grads(np.random.default_rng(20), params)
+    _, state = tx.update(grads, state, params)
+    with pytest.raises(ValueError, match="Learning rate"):
+        tx.update(grads, state, params)
+    with pytest.warns(RefusedStepWarning, match="Learning rate"):
+        updates, refused = jax.jit(tx.update)(grads, state, params)
+        jax.block_until_ready(updates)
+    assert int(refused.count) == 1
+    for k in MUON_LEAVES:
+        assert np.all(bits(updates[k]) == 0x80000000)
+        assert np.array_equal(bits(refused.momentum[k]), bits(state.momentum[k]))
+
+
+def test_misuse_is_refused_with_a_message(monkeypatch):
+    params = make_params(np.random.default_rng(23))
+    tx = packed_muon(LR)
+    state = tx.init(params)
+    grads = make_grads(np.random.default_rng(24), params)
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(grads, state)
+    with pytest.raises(ValueError, match="momentum of leaf \\['square'\\] is uint16"):
+        packed_muon(LR, mode="fp32").update(grads, state, params)
+    with pytest.raises(TypeError, match="dtype float16"):
+        tx.init({**params, "tall": params["tall"].astype(jnp.float16)})
+    with pytest.raises(ValueError, match="rank 1"):
+        packed_muon(LR, muon_weight_dimension_numbers={**{k: None for k in params},
+                                                       "bias": MuonDimensionNumbers()}).init(params)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(NotImplementedError, match="CPU only.*issue 37"):
+        tx.update(grads, state, params)
+
+
+def test_injected_hyperparameters_step_as_the_same_float32_numbers():
+    """optax.inject_hyperparams (arrays, traced under jit) gives the bits of a transform built
+    from the same float32 values as numbers; the ints that fix the compiled step must be
+    static, and saying so is the error."""
+    rng = np.random.default_rng(29)
+    params = make_params(rng)
+    with pytest.raises(TypeError, match="static_args"):
+        optax.inject_hyperparams(packed_muon)(learning_rate=LR).init(params)
+    injected = optax.inject_hyperparams(packed_muon, static_args=("ns_steps", "mu_bias"))(
+        learning_rate=LR, beta=0.9, weight_decay=0.05)
+    plain = packed_muon(float(F32(LR)), beta=float(F32(0.9)), weight_decay=float(F32(0.05)),
+                        eps=float(F32(EPS)), adam_learning_rate=LR, adam_weight_decay=0.0)
+    state, plain_state = injected.init(params), plain.init(params)
+    for _ in range(2):
+        grads = make_grads(rng, params)
+        updates, state = jax.jit(injected.update)(grads, state, params)
+        plain_updates, plain_state = plain.update(grads, plain_state, params)
+        for k in MUON_LEAVES:
+            assert np.array_equal(bits(updates[k]), bits(plain_updates[k])), k
+        params = optax.apply_updates(params, updates)
+
+
+def test_a_tree_without_matrices_is_packed_adamws_and_counts_its_steps():
+    params = {"bias": jnp.ones((5,), jnp.float32)}
+    tx, alone = packed_muon(LR, adam_weight_decay=0.01), packed_adamw(LR, weight_decay=0.01)
+    state, alone_state = tx.init(params), alone.init(params)
+    grads = {"bias": jnp.full((5,), 0.5, jnp.float32)}
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    alone_updates, _ = alone.update(grads, alone_state, params)
+    assert np.array_equal(bits(updates["bias"]), bits(alone_updates["bias"])) and int(state.count) == 1
