@@ -101,3 +101,57 @@ class Rule:
     @property
     def scalar_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.scalar_fields)}
+
+
+class StateLayout:
+    """The layout a rule's state format gives every frontend, derived from its one
+    `state_entry` (and the low half every rule shares): a state format (AdamW's, Muon's)
+    defines `state_entry` and inherits the rest, so no frontend re-derives a shape or a size."""
+
+    state_entry: StateEntry  # defined by each state format (a property of its mode)
+
+    @property
+    def state_key(self) -> str:
+        """The state entry's name in state dicts and checkpoints."""
+        return self.state_entry.key
+
+    @property
+    def state_dtype(self) -> str:
+        """numpy name of the state entry's dtype."""
+        return self.state_entry.dtype
+
+    def state_shape(self, param_shape) -> tuple[int, ...]:
+        """The state entry of one parameter of shape `param_shape`."""
+        return self.state_entry.shape(param_shape)
+
+    def flat_state_shape(self, n_elements: int) -> tuple[int, ...]:
+        """`state_shape` of the flattened parameter, as the kernels and the numpy steps read it."""
+        return self.state_entry.flat_shape(n_elements)
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        return self.state_entry.bytes_per_param
+
+    # ---- a bf16 parameter's low half (FORMAT.md, "Split masters"), as every rule keeps it ----
+    @property
+    def low_half_key(self) -> str:
+        """The state entry that holds a bf16 parameter's low half (absent for FP32 parameters)."""
+        return LOW_HALF.key
+
+    @property
+    def low_half_dtype(self) -> str:
+        """numpy name of the low half's dtype: int16, one per parameter element."""
+        return LOW_HALF.dtype
+
+    def low_half_shape(self, param_shape) -> tuple[int, ...]:
+        """The low half of one bf16 parameter: the parameter's shape."""
+        return LOW_HALF.shape(param_shape)
+
+    @property
+    def low_half_bytes_per_param(self) -> int:
+        return LOW_HALF.bytes_per_param
+
+    @property
+    def split_state_bytes_per_param(self) -> int:
+        """Optimizer state of a bf16 parameter: its state entry plus the low half."""
+        return self.state_bytes_per_param + LOW_HALF.bytes_per_param

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codecs import BIAS_RANGE, CODE_MASK, FP16, MiniFloat
-from ..rule import LOW_HALF, Rule, StateEntry
+from ..rule import Rule, StateEntry, StateLayout
 from .rule import MOMENTS, RULE, WORDS
 
 MOMENT_SHIFT = 16  # first-moment code in the high half of the word, RMS code in the low half
@@ -35,8 +35,9 @@ E4M12 = rms_format()
 
 
 @dataclass(frozen=True)
-class StateFormat:
-    """What a saved state must match: the mode and, for packed words, both formats."""
+class StateFormat(StateLayout):
+    """What a saved state must match: the mode and, for packed words, both formats. The state's
+    layout (key, dtype, shapes, bytes; the low half) comes from `state_entry` (`StateLayout`)."""
 
     mode: str = "packed"
     m_bias: int = DEFAULT_M_BIAS
@@ -76,56 +77,9 @@ class StateFormat:
         return MOMENTS if self.mode == "fp32" else WORDS
 
     @property
-    def state_key(self) -> str:
-        """The state entry's name (torch state dicts)."""
-        return self.state_entry.key
-
-    @property
-    def state_dtype(self) -> str:
-        """numpy name of the state's dtype: two float32 moments, or one uint32 word."""
-        return self.state_entry.dtype
-
-    def state_shape(self, param_shape) -> tuple[int, ...]:
-        """The state of one parameter: [2, *shape] float32 in fp32 mode, else the parameter's
-        shape in uint32 words."""
-        return self.state_entry.shape(param_shape)
-
-    def flat_state_shape(self, n_elements: int) -> tuple[int, ...]:
-        """`state_shape` of the flattened parameter, as the kernels and the numpy step read it."""
-        return self.state_entry.flat_shape(n_elements)
-
-    @property
     def state_words_per_param(self) -> int:
         """uint32 words (packed, fp16) or float32 values (fp32) of state per parameter."""
         return self.state_entry.values_per_param
-
-    @property
-    def state_bytes_per_param(self) -> int:
-        return self.state_entry.bytes_per_param
-
-    # ---- a bf16 parameter's low half (FORMAT.md, "Split masters"), as every rule keeps it ----
-    @property
-    def low_half_key(self) -> str:
-        """The state entry that holds a bf16 parameter's low half (absent for FP32 parameters)."""
-        return LOW_HALF.key
-
-    @property
-    def low_half_dtype(self) -> str:
-        """numpy name of the low half's dtype: int16, one per parameter element."""
-        return LOW_HALF.dtype
-
-    def low_half_shape(self, param_shape) -> tuple[int, ...]:
-        """The low half of one bf16 parameter: the parameter's shape."""
-        return LOW_HALF.shape(param_shape)
-
-    @property
-    def low_half_bytes_per_param(self) -> int:
-        return LOW_HALF.bytes_per_param
-
-    @property
-    def split_state_bytes_per_param(self) -> int:
-        """Optimizer state of a bf16 parameter: the word (or fp32 moments) plus the low half."""
-        return self.state_bytes_per_param + LOW_HALF.bytes_per_param
 
     # ---- what the generic launch (core/launch.py) asks of a rule's format ----
     @property

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codecs import BIAS_RANGE, MiniFloat
-from ..rule import LOW_HALF, Rule, StateEntry
+from ..rule import Rule, StateEntry, StateLayout
 from .rule import MOMENTUM_BUFFER, MOMENTUM_CODE, RULE
 
 DEFAULT_MU_BIAS = 31
@@ -26,7 +26,7 @@ E5M10 = momentum_format()
 
 
 @dataclass(frozen=True)
-class StateFormat:
+class StateFormat(StateLayout):
     """What a saved Muon state must match: the mode and, in packed mode, the code's bias."""
 
     mode: str = "packed"
@@ -68,30 +68,6 @@ class StateFormat:
     def state_entry(self) -> StateEntry:
         """One uint16 code (packed: E5M10; bf16: the bf16 bits) or one float32 per element."""
         return MOMENTUM_BUFFER if self.mode == "fp32" else MOMENTUM_CODE
-
-    @property
-    def state_key(self) -> str:
-        return self.state_entry.key
-
-    @property
-    def state_dtype(self) -> str:
-        return self.state_entry.dtype
-
-    def state_shape(self, param_shape) -> tuple[int, ...]:
-        return self.state_entry.shape(param_shape)
-
-    @property
-    def state_bytes_per_param(self) -> int:
-        return self.state_entry.bytes_per_param
-
-    @property
-    def low_half_key(self) -> str:
-        return LOW_HALF.key
-
-    @property
-    def split_state_bytes_per_param(self) -> int:
-        """A bf16 parameter's optimizer state: the momentum plus the low half."""
-        return self.state_bytes_per_param + LOW_HALF.bytes_per_param
 
     @property
     def rule(self) -> Rule:
