@@ -211,6 +211,52 @@ def test_batch_ns_steps_as_the_core_phases_around_the_batched_newton_schulz(dtyp
     assert batches == full + [[(6, 10), (6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]] + full
 
 
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_batch_ns_step_equals_the_cpu_phases_around_the_cuda_batched_newton_schulz(dtype):
+    """The compiled table kernels (one launch per phase and batch) against the numpy phases
+    around CUDA's `newton_schulz_batched` of the same batches. The refused matrix's X stays in
+    its batch on CUDA (nothing waits for the GPU), so the reference batch keeps a zero matrix in
+    its place: cuBLAS may choose its algorithm by the batch's size."""
+    rng = np.random.default_rng(24)
+    params, opt = batch_ns_optimizer(p0_for_batch_ns(rng), "cuda", True, dtype)
+    fmt, split = StateFormat("packed"), dtype is torch.bfloat16
+    weights = [p.detach().cpu().clone().view(torch.int16 if split else torch.int32).numpy() for p in params]
+    weights = [w.view(np.int16) if split else w.view(np.float32) for w in weights]
+    states, lows = [np.zeros(s, np.uint16) for s in BATCH_NS_SHAPES], [np.zeros(s, np.int16) for s in BATCH_NS_SHAPES]
+    scalars = [step_scalar_row((0.03, 0.95, 0.1, 1e-7), s) for s in BATCH_NS_SHAPES]
+    for step in range(3):
+        grads = [gradient(rng, s) for s in BATCH_NS_SHAPES]
+        if step == 1:
+            grads[1][0, 0] = float("nan")
+        for p, g in zip(params, grads):
+            p.grad = g.cuda()
+        if step == 1:
+            with pytest.raises(NonFiniteGradientError, match=r"\['params'\]\[1\] \(refused whole\)"):
+                opt.step()
+        else:
+            opt.step()
+        xs = {i: momentum_phase(g.numpy(), states[i], scalars[i], fmt=fmt) for i, g in enumerate(grads)}
+        for batch, steps in (([0, 1, 2], 5), ([3, 4], 5), ([5], 5), ([6], 3)):
+            inputs = [torch.zeros(BATCH_NS_SHAPES[i], dtype=torch.bfloat16) if xs[i] is None
+                      else torch.from_numpy(xs[i].view(np.int16)).view(torch.bfloat16) for i in batch]
+            results = newton_schulz_batched([x.cuda() for x in inputs], steps=steps)
+            for i, ortho in zip(batch, results):
+                if xs[i] is None:
+                    continue
+                ortho = ortho.contiguous().view(torch.int16).cpu().numpy()
+                if split:
+                    weight_phase_split(weights[i], lows[i], ortho, scalars[i])
+                else:
+                    weight_phase(weights[i], ortho, scalars[i])
+        for i, p in enumerate(params):
+            assert np.array_equal(bits(p).cpu().numpy(), weights[i].view(np.int16 if split else np.int32))
+            assert np.array_equal(opt.state[p]["momentum_code"].cpu().numpy().view(np.uint16), states[i])
+            if split:
+                assert np.array_equal(opt.state[p]["lo"].cpu().numpy(), lows[i])
+
+
 @pytest.mark.parametrize("batch_ns", [False, True])
 def test_kernel_step_equals_the_numpy_step(batch_ns, is_interpreting, monkeypatch):
     """The CUDA step's code (both kernels around per-matrix or batched Newton-Schulz) against
