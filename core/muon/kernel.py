@@ -24,6 +24,7 @@ from ..kernel import (
     join_master,
     split_master,
 )
+from .hyperparams import SCALAR_FIELDS
 
 PACKED_MODE = tl.constexpr(0)  # StateFormat.kernel_constexprs' MODE: MODES.index(mode)
 BF16_MODE = tl.constexpr(1)
@@ -176,7 +177,7 @@ MOMENTUM_TABLE_COLUMNS = 5  # grad, state, matrix index, slot, tall
 WEIGHT_TABLE_COLUMNS = 6  # param, low half (the param again without SPLIT), state, matrix index, slot, tall
 _MOMENTUM_COLUMNS = tl.constexpr(MOMENTUM_TABLE_COLUMNS)  # Triton reads globals only as constexprs
 _WEIGHT_COLUMNS = tl.constexpr(WEIGHT_TABLE_COLUMNS)
-SCALAR_ROW = tl.constexpr(4)  # core/muon's step_scalar_row
+SCALAR_ROW = tl.constexpr(len(SCALAR_FIELDS))  # a matrix's step_scalar_row
 COUNTER_ROW = tl.constexpr(2)  # refused elements, rejected weights
 
 
@@ -201,7 +202,7 @@ def muon_momentum_table_kernel(
     ([B, rows, cols] int16 bf16 bits, a tall matrix transposed); `scalars` the step's [n, 4]
     float32 rows, `counters` its [n, 2] int32 rows."""
     row = table_ptr + tl.program_id(1).to(tl.int64) * _MOMENTUM_COLUMNS
-    n_elements = rows.to(tl.int64) * cols
+    n_elements = tl.cast(rows, tl.int64) * cols  # tl.cast: a 1 may arrive as a constexpr
     index = tl.load(row + 2)
     slot = tl.load(row + 3) * n_elements
     if GRAD_BF16:
@@ -231,7 +232,7 @@ def muon_weight_table_kernel(
     index = tl.load(row + 3)
     counters_ptr += index * COUNTER_ROW
     if tl.load(counters_ptr) == 0:
-        n_elements = rows.to(tl.int64) * cols
+        n_elements = tl.cast(rows, tl.int64) * cols  # tl.cast: a 1 may arrive as a constexpr
         slot = tl.load(row + 4) * n_elements
         if SPLIT:
             param_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
