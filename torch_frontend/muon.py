@@ -492,7 +492,8 @@ def _cuda_step_batched(opt, work) -> tuple[list[bool], list[int]]:
     device = work[0][0].device
     words, plans = [], []
     for batch in _ns_batches(opt, work):
-        batch = sorted((i for i in batch if work[i][0].numel()), key=lambda i: not _tall(work[i][0]))
+        batch = [i for i in batch if work[i][0].numel()]
+        batch = [i for i in batch if _tall(work[i][0])] + [i for i in batch if not _tall(work[i][0])]
         if not batch:
             continue
         rows, cols = sorted(work[batch[0]][0].shape)
@@ -515,7 +516,12 @@ def _cuda_step_batched(opt, work) -> tuple[list[bool], list[int]]:
                 words.extend(word for member in members for word in member)
             launches.append(offsets)
         plans.append((batch, rows, cols, work[batch[0]][3], *launches))
-    scalar_rows = np.array([step_scalar_row(w[4], w[0].shape, adjust_lr_fn=w[3]["adjust_lr_fn"]) for w in work],
+    distinct = {}  # a model's matrices share a few (row, shape, adjustment)s: each row computed once
+    for w in work:
+        key = (w[4], tuple(w[0].shape), w[3]["adjust_lr_fn"])
+        if key not in distinct:
+            distinct[key] = step_scalar_row(*key[:2], adjust_lr_fn=key[2])
+    scalar_rows = np.array([distinct[(w[4], tuple(w[0].shape), w[3]["adjust_lr_fn"])] for w in work],
                            np.float32).reshape(len(work), 4)
     staged = torch.empty(len(words) + scalar_rows.size // 2, dtype=torch.int64, pin_memory=device.type == "cuda")
     host = staged.numpy()
