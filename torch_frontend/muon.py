@@ -516,13 +516,10 @@ def _cuda_step_batched(opt, work) -> tuple[list[bool], list[int]]:
                 words.extend(word for member in members for word in member)
             launches.append(offsets)
         plans.append((batch, rows, cols, work[batch[0]][3], *launches))
-    distinct = {}  # a model's matrices share a few (row, shape, adjustment)s: each row computed once
-    for w in work:
-        key = (w[4], tuple(w[0].shape), w[3]["adjust_lr_fn"])
-        if key not in distinct:
-            distinct[key] = step_scalar_row(*key[:2], adjust_lr_fn=key[2])
-    scalar_rows = np.array([distinct[(w[4], tuple(w[0].shape), w[3]["adjust_lr_fn"])] for w in work],
-                           np.float32).reshape(len(work), 4)
+    # A model's matrices share a few (row, shape, adjustment)s: each scalar row is computed once.
+    row_keys = [(w[4], tuple(w[0].shape), w[3]["adjust_lr_fn"]) for w in work]
+    distinct = {k: step_scalar_row(k[0], k[1], adjust_lr_fn=k[2]) for k in dict.fromkeys(row_keys)}
+    scalar_rows = np.array([distinct[k] for k in row_keys], np.float32).reshape(len(work), 4)
     staged = torch.empty(len(words) + scalar_rows.size // 2, dtype=torch.int64, pin_memory=device.type == "cuda")
     host = staged.numpy()
     host[:len(words)] = words
