@@ -1,7 +1,7 @@
 """`PackedMuon`: torch.optim.Muon with its momentum in 2 bytes per parameter (docs/MUON.md).
 
 A step per matrix: the momentum phase (core/muon's numpy phase on the CPU, its Triton kernel
-on CUDA), Newton-Schulz with torch operations in bf16 (`newton_schulz`, as torch.optim.Muon
+on CUDA: per matrix, or per batch with `batch_ns`), Newton-Schulz with torch operations in bf16 (`newton_schulz`, as torch.optim.Muon
 runs it; or `newton_schulz_batched` over the matrices of one shape, with `batch_ns`), the
 weight phase (numpy or kernel). The shared machinery serves it as it serves
 PackedAdamW: parameter names and group checks (`_checks.py`), the low halves of bf16
@@ -131,7 +131,8 @@ class PackedMuon(Optimizer):
     (CUDA graphs) and DTensor (FSDP2) parameters; they are refused.
 
     `batch_ns=True` runs Newton-Schulz once per batch of matrices that share a shape (up to
-    transposition) and settings, as batched GEMMs: far fewer launches on CUDA. Its bits are its
+    transposition) and settings, as batched GEMMs, and on CUDA each elementwise phase as one
+    launch per batch: far fewer launches. Its bits are its
     own: on the CPU they differ from the per-matrix ones in rare elements, on CUDA it is not
     known yet (MUON.md, "Batched Newton-Schulz"). The default, False, is torch.optim.Muon's
     per-matrix way and bits.

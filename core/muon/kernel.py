@@ -177,8 +177,8 @@ MOMENTUM_TABLE_COLUMNS = 5  # grad, state, matrix index, slot, tall
 WEIGHT_TABLE_COLUMNS = 6  # param, low half (the param again without SPLIT), state, matrix index, slot, tall
 _MOMENTUM_COLUMNS = tl.constexpr(MOMENTUM_TABLE_COLUMNS)  # Triton reads globals only as constexprs
 _WEIGHT_COLUMNS = tl.constexpr(WEIGHT_TABLE_COLUMNS)
-SCALAR_ROW = tl.constexpr(len(SCALAR_FIELDS))  # a matrix's step_scalar_row
-COUNTER_ROW = tl.constexpr(2)  # refused elements, rejected weights
+MATRIX_SCALARS = tl.constexpr(len(SCALAR_FIELDS))  # a matrix's step_scalar_row
+MATRIX_COUNTERS = tl.constexpr(2)  # refused elements, rejected weights
 
 
 @triton.jit
@@ -216,7 +216,7 @@ def muon_momentum_table_kernel(
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x_offsets = _slot_offsets(offsets, tl.load(row + 4), rows, cols)
     _momentum_elements(grad_ptr, state_ptr, scratch_ptr + slot, x_ptr + slot, x_offsets,
-                       scalars_ptr + index * SCALAR_ROW, counters_ptr + index * COUNTER_ROW, offsets,
+                       scalars_ptr + index * MATRIX_SCALARS, counters_ptr + index * MATRIX_COUNTERS, offsets,
                        offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE, GRAD_BF16)
 
 
@@ -230,7 +230,7 @@ def muon_weight_table_kernel(
     bits, a tall matrix transposed), `scratch` phase 1's new momenta."""
     row = table_ptr + tl.program_id(1).to(tl.int64) * _WEIGHT_COLUMNS
     index = tl.load(row + 3)
-    counters_ptr += index * COUNTER_ROW
+    counters_ptr += index * MATRIX_COUNTERS
     if tl.load(counters_ptr) == 0:
         n_elements = tl.cast(rows, tl.int64) * cols  # tl.cast: a 1 may arrive as a constexpr
         slot = tl.load(row + 4) * n_elements
@@ -247,4 +247,4 @@ def muon_weight_table_kernel(
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ortho_offsets = _slot_offsets(offsets, tl.load(row + 5), rows, cols)
         _weight_elements(param_ptr, lo_ptr, ortho_ptr + slot, ortho_offsets, scratch_ptr + slot, state_ptr,
-                         scalars_ptr + index * SCALAR_ROW, counters_ptr + 1, offsets, offsets < n_elements, SPLIT)
+                         scalars_ptr + index * MATRIX_SCALARS, counters_ptr + 1, offsets, offsets < n_elements, SPLIT)
