@@ -1,9 +1,9 @@
 """`PackedMuon`: torch.optim.Muon with its momentum in 2 bytes per parameter (docs/MUON.md).
 
 A step per matrix: the momentum phase (core/muon's numpy phase on the CPU, its Triton kernel
-on CUDA: per matrix, or per batch with `batch_ns`), Newton-Schulz with torch operations in bf16 (`newton_schulz`, as torch.optim.Muon
-runs it; or `newton_schulz_batched` over the matrices of one shape, with `batch_ns`), the
-weight phase (numpy or kernel). The shared machinery serves it as it serves
+on CUDA: per matrix, or per batch with `batch_ns`), Newton-Schulz with torch operations in
+bf16 (`newton_schulz`, as torch.optim.Muon runs it; or `newton_schulz_batched` over the
+matrices of one shape, with `batch_ns`), the weight phase (numpy or kernel). The shared machinery serves it as it serves
 PackedAdamW: parameter names and group checks (`_checks.py`), the low halves of bf16
 parameters and their masters (`_state.py`, `functional.py`), the state_dict's identity and the
 loaded tensors' restoration (`_persistence.py`).
