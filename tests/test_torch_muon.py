@@ -131,7 +131,7 @@ BATCH_NS_SHAPES = [(6, 10), (10, 6), (6, 10), (7, 7), (7, 7), (3, 5), (6, 10)]
 
 
 def batch_ns_optimizer(p0, device, batch_ns, dtype):
-    params = [torch.nn.Parameter(p.to(dtype).to(device)) for p in p0]
+    params = [torch.nn.Parameter(p.to(dtype).to(device).clone()) for p in p0]  # never p0 itself
     for p in params:
         if hasattr(p, "grad_dtype"):
             p.grad_dtype = None  # float32 gradients on a bf16 parameter
@@ -274,6 +274,20 @@ def test_kernel_step_equals_the_numpy_step(batch_ns, is_interpreting, monkeypatc
     # matrix's batch too), else one per matrix.
     per_phase = 2 * 4 if batch_ns else 2 * len(BATCH_NS_SHAPES)
     assert launches == {"momentum": per_phase, "weight": per_phase, "table": batch_ns}
+
+
+def test_batched_kernel_step_equals_the_per_matrix_kernel_step(is_interpreting, monkeypatch):
+    """The table kernels' step against the per-matrix kernels' where both get the same
+    Newton-Schulz bits: the per-matrix step's Newton-Schulz is the batched function on a batch
+    of one (on the CPU a matrix's batched bits do not depend on its batch-mates; tested above)."""
+    if not is_interpreting:
+        pytest.skip("runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    rng = np.random.default_rng(25)
+    p0 = p0_for_batch_ns(rng)
+    per_matrix, batched = (batch_ns_optimizer(p0, "cpu", batch_ns, torch.float32) for batch_ns in (False, True))
+    monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: True)
+    monkeypatch.setattr(torch_muon, "newton_schulz", lambda x, *settings: newton_schulz_batched([x], *settings)[0])
+    step_and_compare(rng, [per_matrix, batched], steps=2, bad_at=(1, 1))
 
 
 def count_launches(monkeypatch) -> dict:
