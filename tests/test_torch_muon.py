@@ -131,7 +131,7 @@ BATCH_NS_SHAPES = [(6, 10), (10, 6), (6, 10), (7, 7), (7, 7), (3, 5), (6, 10)]
 
 
 def batch_ns_optimizer(p0, device, batch_ns, dtype):
-    params = [torch.nn.Parameter(p.to(dtype).to(device)) for p in p0]
+    params = [torch.nn.Parameter(p.to(dtype).to(device).clone()) for p in p0]  # never p0 itself
     for p in params:
         if hasattr(p, "grad_dtype"):
             p.grad_dtype = None  # float32 gradients on a bf16 parameter
@@ -211,6 +211,52 @@ def test_batch_ns_steps_as_the_core_phases_around_the_batched_newton_schulz(dtyp
     assert batches == full + [[(6, 10), (6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]] + full
 
 
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_batch_ns_step_equals_the_cpu_phases_around_the_cuda_batched_newton_schulz(dtype):
+    """The compiled table kernels (one launch per phase and batch) against the numpy phases
+    around CUDA's `newton_schulz_batched` of the same batches. The refused matrix's X stays in
+    its batch on CUDA (nothing waits for the GPU), so the reference batch keeps a zero matrix in
+    its place: cuBLAS may choose its algorithm by the batch's size."""
+    rng = np.random.default_rng(24)
+    params, opt = batch_ns_optimizer(p0_for_batch_ns(rng), "cuda", True, dtype)
+    fmt, split = StateFormat("packed"), dtype is torch.bfloat16
+    weights = [p.detach().cpu().clone().view(torch.int16 if split else torch.int32).numpy() for p in params]
+    weights = [w.view(np.int16) if split else w.view(np.float32) for w in weights]
+    states, lows = [np.zeros(s, np.uint16) for s in BATCH_NS_SHAPES], [np.zeros(s, np.int16) for s in BATCH_NS_SHAPES]
+    scalars = [step_scalar_row((0.03, 0.95, 0.1, 1e-7), s) for s in BATCH_NS_SHAPES]
+    for step in range(3):
+        grads = [gradient(rng, s) for s in BATCH_NS_SHAPES]
+        if step == 1:
+            grads[1][0, 0] = float("nan")
+        for p, g in zip(params, grads):
+            p.grad = g.cuda()
+        if step == 1:
+            with pytest.raises(NonFiniteGradientError, match=r"\['params'\]\[1\] \(refused whole\)"):
+                opt.step()
+        else:
+            opt.step()
+        xs = {i: momentum_phase(g.numpy(), states[i], scalars[i], fmt=fmt) for i, g in enumerate(grads)}
+        for batch, steps in (([0, 1, 2], 5), ([3, 4], 5), ([5], 5), ([6], 3)):
+            inputs = [torch.zeros(BATCH_NS_SHAPES[i], dtype=torch.bfloat16) if xs[i] is None
+                      else torch.from_numpy(xs[i].view(np.int16)).view(torch.bfloat16) for i in batch]
+            results = newton_schulz_batched([x.cuda() for x in inputs], steps=steps)
+            for i, ortho in zip(batch, results):
+                if xs[i] is None:
+                    continue
+                ortho = ortho.contiguous().view(torch.int16).cpu().numpy()
+                if split:
+                    weight_phase_split(weights[i], lows[i], ortho, scalars[i])
+                else:
+                    weight_phase(weights[i], ortho, scalars[i])
+        for i, p in enumerate(params):
+            assert np.array_equal(bits(p).cpu().numpy(), weights[i].view(np.int16 if split else np.int32))
+            assert np.array_equal(opt.state[p]["momentum_code"].cpu().numpy().view(np.uint16), states[i])
+            if split:
+                assert np.array_equal(opt.state[p]["lo"].cpu().numpy(), lows[i])
+
+
 @pytest.mark.parametrize("batch_ns", [False, True])
 def test_kernel_step_equals_the_numpy_step(batch_ns, is_interpreting, monkeypatch):
     """The CUDA step's code (both kernels around per-matrix or batched Newton-Schulz) against
@@ -222,7 +268,48 @@ def test_kernel_step_equals_the_numpy_step(batch_ns, is_interpreting, monkeypatc
     p0 = p0_for_batch_ns(rng)
     numpy_run, kernel_run = (batch_ns_optimizer(p0, "cpu", batch_ns, torch.bfloat16) for _ in range(2))
     monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: opt is kernel_run[1])
+    launches = count_launches(monkeypatch)
     step_and_compare(rng, [numpy_run, kernel_run], steps=2, bad_at=(1, 4))
+    # Per step: with batch_ns one launch of each phase per batch (four batches; the refused
+    # matrix's batch too), else one per matrix.
+    per_phase = 2 * 4 if batch_ns else 2 * len(BATCH_NS_SHAPES)
+    assert launches == {"momentum": per_phase, "weight": per_phase, "table": batch_ns}
+
+
+def test_batched_kernel_step_equals_the_per_matrix_kernel_step(is_interpreting, monkeypatch):
+    """The table kernels' step against the per-matrix kernels' where both get the same
+    Newton-Schulz bits: the per-matrix step's Newton-Schulz is the batched function on a batch
+    of one (on the CPU a matrix's batched bits do not depend on its batch-mates; tested above)."""
+    if not is_interpreting:
+        pytest.skip("runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    rng = np.random.default_rng(25)
+    p0 = p0_for_batch_ns(rng)
+    per_matrix, batched = (batch_ns_optimizer(p0, "cpu", batch_ns, torch.float32) for batch_ns in (False, True))
+    monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: True)
+    monkeypatch.setattr(torch_muon, "newton_schulz", lambda x, *settings: newton_schulz_batched([x], *settings)[0])
+    step_and_compare(rng, [per_matrix, batched], steps=2, bad_at=(1, 1))
+
+
+def count_launches(monkeypatch) -> dict:
+    """Counts the launches of Muon's phase kernels (per-matrix or table) from here on."""
+    from packed_adamw.core.muon import kernel
+
+    launches = {"momentum": 0, "weight": 0, "table": None}
+
+    class Counted:
+        def __init__(self, kernel_fn, phase, table):
+            self.kernel_fn, self.phase, self.table = kernel_fn, phase, table
+
+        def __getitem__(self, grid):
+            launches[self.phase] += 1
+            assert launches["table"] in (None, self.table)  # one path per step
+            launches["table"] = self.table
+            return self.kernel_fn[grid]
+
+    for name in ("muon_momentum_kernel", "muon_weight_kernel", "muon_momentum_table_kernel",
+                 "muon_weight_table_kernel"):
+        monkeypatch.setattr(kernel, name, Counted(getattr(kernel, name), name.split("_")[1], "table" in name))
+    return launches
 
 
 def test_batch_ns_is_a_checked_bool_that_a_pickle_keeps():
@@ -461,6 +548,95 @@ def test_kernels_refuse_a_matrix_with_a_non_finite_gradient(device):
                                  nesterov=True, maximize=False)
     assert int(counters[0]) > 0
     assert torch.equal(state, state_before) and torch.equal(bits(weights), bits(weights_before))
+
+
+# A batch for the table kernels: the tall matrix first (as newton_schulz_batched stacks it), each
+# matrix's counters and scalar row at an index other than its slot.
+TABLE_SHAPES, TABLE_INDICES = [(20, 12), (12, 20), (12, 20)], [2, 0, 1]
+
+
+def run_table_kernels(fmt, grads, states, weights, lows, scalar_rows, *, nesterov, maximize):
+    """Both table kernels, one launch each, around the batched Newton-Schulz of their [B, m, n]
+    buffer; in place on `states`, `weights` and `lows`. Returns the X and result buffers and the
+    [n, 2] counters."""
+    from packed_adamw.core.muon.kernel import muon_momentum_table_kernel, muon_weight_table_kernel
+
+    c, device = fmt.kernel_constexprs(track_format=False), grads[0].device
+    rows, cols = sorted(grads[0].shape)
+    block, n = 64, len(TABLE_INDICES)  # several programs per matrix
+    tall = [int(g.size(0) > g.size(1)) for g in grads]
+    momentum_table = torch.tensor([[g.data_ptr(), s.data_ptr(), i, slot, t] for slot, (g, s, i, t)
+                                   in enumerate(zip(grads, states, TABLE_INDICES, tall))], device=device)
+    split = weights[0].dtype is torch.int16
+    weight_table = torch.tensor([[w.data_ptr(), (lo if split else w).data_ptr(), s.data_ptr(), i, slot, t]
+                                 for slot, (w, lo, s, i, t) in enumerate(zip(weights, lows, states, TABLE_INDICES,
+                                                                              tall))], device=device)
+    scalars = torch.tensor(np.array(scalar_rows, np.float32), device=device)
+    counters = torch.zeros((n, 2), dtype=torch.int32, device=device)
+    x = torch.empty((n, rows, cols), dtype=torch.int16, device=device)
+    scratch = torch.empty((n, rows * cols), dtype=states[0].dtype, device=device)
+    grid = (launch.grid(rows * cols, block)[0], n)
+    grad_bf16 = grads[0].dtype is torch.bfloat16
+    muon_momentum_table_kernel[grid](momentum_table, scratch, x, scalars, counters, rows, cols, MODE=c["MODE"],
+                                     MU_FRAC=c["MU_FRAC"], MU_BIAS=c["MU_BIAS"], MU_MAX=c["MU_MAX"],
+                                     NESTEROV=nesterov, MAXIMIZE=maximize, GRAD_BF16=grad_bf16, BLOCK=block,
+                                     **launch.COMPILE_OPTIONS)
+    ortho = torch_muon.newton_schulz_stacked(x.view(torch.bfloat16)).view(torch.int16)
+    muon_weight_table_kernel[grid](weight_table, scratch, ortho, scalars, counters, rows, cols, MODE=c["MODE"],
+                                   SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
+    return x, ortho, counters
+
+
+@pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
+@pytest.mark.parametrize("nesterov, maximize, split", [(True, False, False), (False, True, True),
+                                                       (True, True, True), (False, False, False)])
+def test_table_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split, device):
+    """One launch per phase for a batch, a tall matrix's X and result in its slot transposed, and
+    a refused matrix (slot 1) that keeps everything while its batch-mates step."""
+    rng = np.random.default_rng(16)
+    fmt = StateFormat(mode, 33)
+    scalar_rows = [None] * len(TABLE_SHAPES)
+    for lr, shape, i in zip((0.02, 0.03, 0.05), TABLE_SHAPES, TABLE_INDICES):
+        scalar_rows[i] = step_scalar_row((lr, 0.9, 0.1, 1e-7), shape, adjust_lr_fn="match_rms_adamw")
+    grads, states, weights, lows = [], [], [], []
+    for slot, shape in enumerate(TABLE_SHAPES):
+        grad = gradient(rng, shape, -40, 1)
+        if slot == 1:
+            grad[3, 7] = float("nan")
+        grads.append(grad.bfloat16() if split else grad)
+        if mode == "fp32":
+            states.append(gradient(rng, shape, -30, 0))
+        else:
+            codes = rng.integers(0, 2**16, shape).astype(np.uint16)
+            if mode == "bf16":
+                codes &= np.uint16(0xBFFF)  # finite bf16 codes (exponent below all ones)
+            states.append(torch.from_numpy(codes.view(np.int16)))
+        p0 = gradient(rng, shape, -8, 4)
+        weights.append(p0.bfloat16().view(torch.int16).clone() if split else p0.clone())
+        lows.append(torch.from_numpy(rng.integers(-2**15, 2**15, shape).astype(np.int16)) if split else None)
+    refs = [(s.numpy().copy(), w.numpy().copy(), None if lo is None else lo.numpy().copy())
+            for s, w, lo in zip(states, weights, lows)]
+    on_device = [[None if t is None else t.to(device) for t in ts] for ts in (grads, states, weights, lows)]
+    x, ortho, counters = run_table_kernels(fmt, *on_device, scalar_rows, nesterov=nesterov, maximize=maximize)
+    x, ortho, counters = x.cpu().numpy(), ortho.cpu().numpy(), counters.cpu().numpy()
+    for slot, (grad, (ref_state, ref_w, ref_low), i) in enumerate(zip(grads, refs, TABLE_INDICES)):
+        state, w = on_device[1][slot].cpu().numpy(), on_device[2][slot].cpu().numpy()
+        grad_np = grad.view(torch.int16).numpy() if split else grad.numpy()
+        x_ref = momentum_phase(grad_np, ref_state, scalar_rows[i], fmt=fmt, nesterov=nesterov, maximize=maximize)
+        tall = grad.size(0) > grad.size(1)
+        if slot == 1:
+            assert x_ref is None and counters[i, 0] > 0 and counters[i, 1] == 0
+        else:
+            assert x_ref is not None and counters[i, 0] == 0
+            assert np.array_equal((x[slot].T if tall else x[slot]).view(np.uint16), x_ref)
+            result = np.ascontiguousarray(ortho[slot].T if tall else ortho[slot])
+            rejected = (weight_phase_split(ref_w, ref_low, result, scalar_rows[i]) if split
+                        else weight_phase(ref_w, result, scalar_rows[i]))
+            assert counters[i, 1] == rejected
+        assert np.array_equal(state.view(np.uint8), ref_state.view(np.uint8))
+        assert np.array_equal(w.view(np.uint8), ref_w.view(np.uint8))
+        if split:
+            assert np.array_equal(on_device[3][slot].cpu().numpy(), ref_low)
 
 
 @pytest.mark.cuda

@@ -1,9 +1,9 @@
 """`PackedMuon`: torch.optim.Muon with its momentum in 2 bytes per parameter (docs/MUON.md).
 
 A step per matrix: the momentum phase (core/muon's numpy phase on the CPU, its Triton kernel
-on CUDA), Newton-Schulz with torch operations in bf16 (`newton_schulz`, as torch.optim.Muon
-runs it; or `newton_schulz_batched` over the matrices of one shape, with `batch_ns`), the
-weight phase (numpy or kernel). The shared machinery serves it as it serves
+on CUDA: per matrix, or per batch with `batch_ns`), Newton-Schulz with torch operations in
+bf16 (`newton_schulz`, as torch.optim.Muon runs it; or `newton_schulz_batched` over the
+matrices of one shape, with `batch_ns`), the weight phase (numpy or kernel). The shared machinery serves it as it serves
 PackedAdamW: parameter names and group checks (`_checks.py`), the low halves of bf16
 parameters and their masters (`_state.py`, `functional.py`), the state_dict's identity and the
 loaded tensors' restoration (`_persistence.py`).
@@ -73,7 +73,6 @@ def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int =
     another order than the solo one: on the CPU rare elements differ from `newton_schulz`'s; on
     CUDA tests/test_torch_muon.py compares them (MUON.md, "Batched Newton-Schulz"). A matrix's
     result does not depend on its batch-mates."""
-    a, b, c = coefficients
     tall = [i for i, x in enumerate(xs) if x.size(0) > x.size(1)]
     wide = [i for i, x in enumerate(xs) if x.size(0) <= x.size(1)]
     m, n = sorted(xs[0].shape)
@@ -82,17 +81,27 @@ def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int =
         y[:len(tall)] = torch.stack([xs[i].bfloat16() for i in tall]).transpose(1, 2)
     if wide:
         torch.stack([xs[i].bfloat16() for i in wide], out=y[len(tall):])
-    y = y / torch.linalg.vector_norm(y, dim=(1, 2), keepdim=True).clamp(min=eps)
-    for _ in range(steps):
-        gram = torch.bmm(y, y.transpose(1, 2))
-        polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        y = torch.baddbmm(y, polynomial, y, beta=a)
+    y = newton_schulz_stacked(y, coefficients, steps, eps)
     results = [None] * len(xs)
     for i, result in zip(tall, y[:len(tall)].transpose(1, 2).contiguous()):
         results[i] = result
     for i, result in zip(wide, y[len(tall):]):
         results[i] = result
     return results
+
+
+def newton_schulz_stacked(y: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS,
+                          eps: float = 1e-7) -> torch.Tensor:
+    """`newton_schulz_batched`'s arithmetic on matrices already stacked in their wide
+    orientation: `y` a [B, m, n] bf16 tensor, m <= n (left unchanged). Returns the [B, m, n]
+    results, contiguous."""
+    a, b, c = coefficients
+    y = y / torch.linalg.vector_norm(y, dim=(1, 2), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = torch.bmm(y, y.transpose(1, 2))
+        polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        y = torch.baddbmm(y, polynomial, y, beta=a)
+    return y.contiguous()
 
 
 def ns_batch_key(shape, group: dict) -> tuple:
@@ -122,7 +131,8 @@ class PackedMuon(Optimizer):
     (CUDA graphs) and DTensor (FSDP2) parameters; they are refused.
 
     `batch_ns=True` runs Newton-Schulz once per batch of matrices that share a shape (up to
-    transposition) and settings, as batched GEMMs: far fewer launches on CUDA. Its bits are its
+    transposition) and settings, as batched GEMMs, and on CUDA each elementwise phase as one
+    launch per batch: far fewer launches. Its bits are its
     own: on the CPU they differ from the per-matrix ones in rare elements, on CUDA it is not
     known yet (MUON.md, "Batched Newton-Schulz"). The default, False, is torch.optim.Muon's
     per-matrix way and bits.
@@ -413,8 +423,10 @@ def _cpu_step(opt, work) -> tuple[list[bool], list[int]]:
 
 def _cuda_step(opt, work) -> tuple[list[bool], list[int]]:
     """One momentum launch and one weight launch per matrix (core/muon/kernel.py), with
-    Newton-Schulz between them, per matrix or per batch (`batch_ns`); nothing waits for the GPU
-    unless `check_nonfinite` asks."""
+    Newton-Schulz per matrix between them; with `batch_ns`, `_cuda_step_batched`. Nothing waits
+    for the GPU unless `check_nonfinite` asks."""
+    if _batches_ns(opt):
+        return _cuda_step_batched(opt, work)
     from packed_adamw.core.muon.kernel import muon_momentum_kernel, muon_weight_kernel
 
     fmt = opt.state_format
@@ -455,10 +467,91 @@ def _cuda_step(opt, work) -> tuple[list[bool], list[int]]:
             muon_weight_kernel[launch.grid(p.numel(), block)](
                 weights, low, ortho, scratches[i], state[fmt.state_key], rows[i], counts[2 * i], counts[2 * i + 1],
                 p.numel(), SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
+    return _counted(opt, counters)
+
+
+def _counted(opt, counters: torch.Tensor) -> tuple[list[bool], list[int]]:
+    """Per matrix: refused, and how many weights were rejected (read only if `check_nonfinite`)."""
     if not opt.check_nonfinite:
-        return [False] * len(work), [0] * len(work)
+        return [False] * len(counters), [0] * len(counters)
     host = counters.cpu().tolist()
     return [r > 0 for r, _ in host], [n for _, n in host]
+
+
+def _cuda_step_batched(opt, work) -> tuple[list[bool], list[int]]:
+    """The CUDA step with `batch_ns`: per Newton-Schulz batch one momentum launch, which writes
+    each matrix's X into its slot of one [B, m, n] buffer (a tall matrix transposed, as
+    `newton_schulz_batched` stacks it: the tall first), Newton-Schulz on that buffer, and one
+    weight launch reading each matrix's slot of the result (core/muon/kernel.py's table kernels;
+    a batch whose matrices differ in a kernel constant, such as bf16 and float32 gradients,
+    takes one launch per constant). Every matrix's addresses and the step's scalar rows reach
+    the GPU in one copy. A matrix's counters row refuses it alone, as per matrix."""
+    from packed_adamw.core.muon.kernel import muon_momentum_table_kernel, muon_weight_table_kernel
+
+    fmt = opt.state_format
+    key, state_dtype = fmt.state_key, _TORCH_DTYPES[fmt.state_dtype]
+    device = work[0][0].device
+    words, plans = [], []
+    for batch in _ns_batches(opt, work):
+        batch = [i for i in batch if work[i][0].numel()]
+        batch = [i for i in batch if _tall(work[i][0])] + [i for i in batch if not _tall(work[i][0])]
+        if not batch:
+            continue
+        rows, cols = sorted(work[batch[0]][0].shape)
+        momentum_rows, weight_rows = {}, {}
+        for slot, i in enumerate(batch):
+            p, g, _, group, _, _ = work[i]
+            state, tall = opt.state[p], int(_tall(p))
+            constants = (bool(group["nesterov"]), bool(group.get("maximize", False)), g.dtype is BFLOAT16)
+            # The table rows' words, in the order core/muon/kernel.py's *_TABLE_COLUMNS name them.
+            momentum_rows.setdefault(constants, []).append((g.data_ptr(), state[key].data_ptr(), i, slot, tall))
+            split = p.dtype is BFLOAT16
+            low = state[LOW_HALF_KEY] if split else p
+            weight_rows.setdefault(split, []).append(
+                (p.data_ptr(), low.data_ptr(), state[key].data_ptr(), i, slot, tall))
+        launches = []
+        for table_rows in (momentum_rows, weight_rows):
+            offsets = {}
+            for constants, members in table_rows.items():
+                offsets[constants] = (len(words), len(members))
+                words.extend(word for member in members for word in member)
+            launches.append(offsets)
+        plans.append((batch, rows, cols, work[batch[0]][3], *launches))
+    # A model's matrices share a few (row, shape, adjustment)s: each scalar row is computed once.
+    row_keys = [(w[4], tuple(w[0].shape), w[3]["adjust_lr_fn"]) for w in work]
+    distinct = {k: step_scalar_row(k[0], k[1], adjust_lr_fn=k[2]) for k in dict.fromkeys(row_keys)}
+    scalar_rows = np.array([distinct[k] for k in row_keys], np.float32).reshape(len(work), 4)
+    staged = torch.empty(len(words) + scalar_rows.size // 2, dtype=torch.int64, pin_memory=device.type == "cuda")
+    host = staged.numpy()
+    host[:len(words)] = words
+    host[len(words):].view(np.float32)[:] = scalar_rows.reshape(-1)
+    table = staged.to(device, non_blocking=True)
+    scalars = table[len(words):].view(torch.float32)
+    counters = torch.zeros((len(work), 2), dtype=torch.int32, device=device)  # refused elements, rejected weights
+    mode = fmt.kernel_constexprs(track_format=False)
+    block = launch.block_size()
+    for batch, rows, cols, group, momentum_launches, weight_launches in plans:
+        x = torch.empty((len(batch), rows, cols), dtype=torch.int16, device=device)
+        scratch = torch.empty((len(batch), rows * cols), dtype=state_dtype, device=device)
+        blocks = launch.grid(rows * cols, block)[0]
+        for (nesterov, maximize, grad_bf16), (offset, count) in momentum_launches.items():
+            muon_momentum_table_kernel[(blocks, count)](
+                table[offset:], scratch, x, scalars, counters, rows, cols, MODE=mode["MODE"],
+                MU_FRAC=mode["MU_FRAC"], MU_BIAS=mode["MU_BIAS"], MU_MAX=mode["MU_MAX"], NESTEROV=nesterov,
+                MAXIMIZE=maximize, GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
+        # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
+        # output is not used, and a batch's matrices do not mix.
+        ortho = newton_schulz_stacked(x.view(BFLOAT16), tuple(group["ns_coefficients"]), int(group["ns_steps"]),
+                                      float(group["eps"])).view(torch.int16)
+        for split, (offset, count) in weight_launches.items():
+            muon_weight_table_kernel[(blocks, count)](
+                table[offset:], scratch, ortho, scalars, counters, rows, cols, MODE=mode["MODE"], SPLIT=split,
+                BLOCK=block, **launch.COMPILE_OPTIONS)
+    return _counted(opt, counters)
+
+
+def _tall(p: torch.Tensor) -> bool:
+    return p.size(0) > p.size(1)
 
 
 # ---- saving and loading --------------------------------------------------------------------

@@ -6,7 +6,9 @@ contract's only fused multiply-adds are the explicit `tl.fma`s below.
 input X (bf16 bits) and the new momentum into a scratch entry, and adds the matrix's refusing
 elements to one counter. The framework runs Newton-Schulz on X. `muon_weight_kernel` then, if
 the counter is zero, commits the scratch momentum to the state and steps the weights; a refused
-matrix keeps everything (MUON.md, "The matrix is refused"). One launch of each per matrix.
+matrix keeps everything (MUON.md, "The matrix is refused"). One launch of each per matrix, or
+(`muon_momentum_table_kernel`, `muon_weight_table_kernel`) one per Newton-Schulz batch, whose
+matrices' addresses come from a table: the same arithmetic per element, other addressing.
 """
 import triton
 import triton.language as tl
@@ -22,6 +24,7 @@ from ..kernel import (
     join_master,
     split_master,
 )
+from .hyperparams import SCALAR_FIELDS
 
 PACKED_MODE = tl.constexpr(0)  # StateFormat.kernel_constexprs' MODE: MODES.index(mode)
 BF16_MODE = tl.constexpr(1)
@@ -58,16 +61,12 @@ def lerp(start, end, weight):
 
 
 @triton.jit
-def muon_momentum_kernel(
-    grad_ptr, state_ptr, new_state_ptr, x_ptr, scalars_ptr, refused_ptr, n_elements,
-    MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
-    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Phase 1 of one matrix (flat, n_elements): `grad` float32 (or int16 bf16 bits with
-    GRAD_BF16); `state` and `new_state` int16 codes (float32 in fp32 mode); `x` int16 bf16 bits;
-    `scalars` the matrix's float32 step-scalar row; `refused` one int32 counter."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_bounds = offsets < n_elements
+def _momentum_elements(grad_ptr, state_ptr, new_state_ptr, x_ptr, x_offsets, scalars_ptr, refused_ptr, offsets,
+                       in_bounds, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
+                       MU_MAX: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+                       GRAD_BF16: tl.constexpr):
+    """Phase 1 of one block of a matrix: every pointer but `x` is read and written at `offsets`,
+    the Newton-Schulz input at `x_offsets` (a batch slot may hold it transposed)."""
     one_minus_momentum = tl.load(scalars_ptr)
     momentum = tl.load(scalars_ptr + 1)
     if GRAD_BF16:
@@ -92,7 +91,7 @@ def muon_momentum_kernel(
         x = m_next
     x_bits = _bf16_bits(x)
     bad = bad | ~_finite(x) | ((x_bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK)
-    tl.store(x_ptr + offsets, x_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+    tl.store(x_ptr + x_offsets, x_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
     if MODE == FP32_MODE:
         tl.store(new_state_ptr + offsets, m_next, mask=in_bounds)
     elif MODE == BF16_MODE:
@@ -107,6 +106,53 @@ def muon_momentum_kernel(
 
 
 @triton.jit
+def _weight_elements(param_ptr, lo_ptr, ortho_ptr, ortho_offsets, new_state_ptr, state_ptr, scalars_ptr,
+                     rejected_ptr, offsets, in_bounds, SPLIT: tl.constexpr):
+    """Phase 2 of one block of an accepted matrix; the Newton-Schulz result read at `ortho_offsets`."""
+    tl.store(state_ptr + offsets, tl.load(new_state_ptr + offsets, mask=in_bounds), mask=in_bounds)
+    decay = tl.load(scalars_ptr + 2)
+    neg_adjusted_lr = tl.load(scalars_ptr + 3)
+    o = _bf16_from_bits(tl.load(ortho_ptr + ortho_offsets, mask=in_bounds, other=0))
+    if SPLIT:
+        w_bits = tl.load(param_ptr + offsets, mask=in_bounds, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        lo_bits = tl.load(lo_ptr + offsets, mask=in_bounds, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        p = join_master(w_bits, lo_bits)
+        # A zero weight beside a negative low half reads as that signed zero (codecs.read_master).
+        stale = ((w_bits & SPLIT_MAGNITUDE_MASK) == 0) & ((lo_bits & SPLIT_LO_SIGN) != 0)
+        p = tl.where(stale, (w_bits << 16).to(tl.float32, bitcast=True), p)
+    else:
+        p = tl.load(param_ptr + offsets, mask=in_bounds, other=0.0)
+    p_next = tl.fma(neg_adjusted_lr + tl.zeros_like(o), o, p * decay)
+    if SPLIT:
+        accepted = tl.abs(p_next) <= SPLIT_MASTER_MAX
+    else:
+        accepted = _finite(p_next)
+    p_next = tl.where(accepted, p_next, p)
+    if SPLIT:
+        w_next, lo_next = split_master(p_next)
+        tl.store(param_ptr + offsets, w_next.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+        tl.store(lo_ptr + offsets, lo_next.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+    else:
+        tl.store(param_ptr + offsets, p_next, mask=in_bounds)
+    n_rejected = tl.sum((~accepted & in_bounds).to(tl.int32), axis=0)
+    tl.atomic_add(rejected_ptr, n_rejected, mask=n_rejected > 0)
+
+
+@triton.jit
+def muon_momentum_kernel(
+    grad_ptr, state_ptr, new_state_ptr, x_ptr, scalars_ptr, refused_ptr, n_elements,
+    MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Phase 1 of one matrix (flat, n_elements): `grad` float32 (or int16 bf16 bits with
+    GRAD_BF16); `state` and `new_state` int16 codes (float32 in fp32 mode); `x` int16 bf16 bits;
+    `scalars` the matrix's float32 step-scalar row; `refused` one int32 counter."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _momentum_elements(grad_ptr, state_ptr, new_state_ptr, x_ptr, offsets, scalars_ptr, refused_ptr, offsets,
+                       offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE, GRAD_BF16)
+
+
+@triton.jit
 def muon_weight_kernel(
     param_ptr, lo_ptr, ortho_ptr, new_state_ptr, state_ptr, scalars_ptr, refused_ptr, rejected_ptr, n_elements,
     SPLIT: tl.constexpr, BLOCK: tl.constexpr,
@@ -117,31 +163,88 @@ def muon_weight_kernel(
     elements whose p' is not finite (or past SPLIT_MASTER_MAX) keep p and are added to `rejected`."""
     if tl.load(refused_ptr) == 0:
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        in_bounds = offsets < n_elements
-        tl.store(state_ptr + offsets, tl.load(new_state_ptr + offsets, mask=in_bounds), mask=in_bounds)
-        decay = tl.load(scalars_ptr + 2)
-        neg_adjusted_lr = tl.load(scalars_ptr + 3)
-        o = _bf16_from_bits(tl.load(ortho_ptr + offsets, mask=in_bounds, other=0))
+        _weight_elements(param_ptr, lo_ptr, ortho_ptr, offsets, new_state_ptr, state_ptr, scalars_ptr,
+                         rejected_ptr, offsets, offsets < n_elements, SPLIT)
+
+
+# ---- one launch per Newton-Schulz batch -------------------------------------------------------
+# A batch's matrices share one wide shape (rows, cols), rows <= cols; a tall matrix is its
+# transpose. Matrix j of a launch is row j of an int64 table of MOMENTUM_TABLE_COLUMNS (or
+# WEIGHT_TABLE_COLUMNS) words: its addresses, its index into the step's scalar rows and
+# counters, its slot in the batch's [B, rows, cols] buffers, and whether it is tall (its slot
+# holds it transposed). The elementwise arithmetic is the per-matrix kernels'.
+MOMENTUM_TABLE_COLUMNS = 5  # grad, state, matrix index, slot, tall
+WEIGHT_TABLE_COLUMNS = 6  # param, low half (the param again without SPLIT), state, matrix index, slot, tall
+_MOMENTUM_COLUMNS = tl.constexpr(MOMENTUM_TABLE_COLUMNS)  # Triton reads globals only as constexprs
+_WEIGHT_COLUMNS = tl.constexpr(WEIGHT_TABLE_COLUMNS)
+MATRIX_SCALARS = tl.constexpr(len(SCALAR_FIELDS))  # a matrix's step_scalar_row
+MATRIX_COUNTERS = tl.constexpr(2)  # refused elements, rejected weights
+
+
+@triton.jit
+def _slot_offsets(offsets, tall, rows, cols):
+    """Where element `offsets` of a matrix lies in its [rows, cols] slot: itself for a wide
+    matrix; for a tall one ([cols, rows] row-major) the transposed position."""
+    slot_offsets = offsets
+    if tall != 0:
+        slot_offsets = (offsets % rows) * cols + offsets // rows
+    return slot_offsets
+
+
+@triton.jit
+def muon_momentum_table_kernel(
+    table_ptr, scratch_ptr, x_ptr, scalars_ptr, counters_ptr, rows, cols,
+    MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Phase 1 of a batch's matrices, grid (blocks per matrix, matrices): the new momentum into
+    the matrix's slot of `scratch` ([B, rows * cols], the state's dtype), X into its slot of `x`
+    ([B, rows, cols] int16 bf16 bits, a tall matrix transposed); `scalars` the step's [n, 4]
+    float32 rows, `counters` its [n, 2] int32 rows."""
+    row = table_ptr + tl.program_id(1).to(tl.int64) * _MOMENTUM_COLUMNS
+    n_elements = tl.cast(rows, tl.int64) * cols  # tl.cast: a 1 may arrive as a constexpr
+    index = tl.load(row + 2)
+    slot = tl.load(row + 3) * n_elements
+    if GRAD_BF16:
+        grad_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
+    else:
+        grad_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    if MODE == FP32_MODE:
+        state_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    else:
+        state_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x_offsets = _slot_offsets(offsets, tl.load(row + 4), rows, cols)
+    _momentum_elements(grad_ptr, state_ptr, scratch_ptr + slot, x_ptr + slot, x_offsets,
+                       scalars_ptr + index * MATRIX_SCALARS, counters_ptr + index * MATRIX_COUNTERS, offsets,
+                       offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE, GRAD_BF16)
+
+
+@triton.jit
+def muon_weight_table_kernel(
+    table_ptr, scratch_ptr, ortho_ptr, scalars_ptr, counters_ptr, rows, cols,
+    MODE: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Phase 2 of a batch's matrices, grid (blocks per matrix, matrices), each unless its refused
+    counter is nonzero: `ortho` the batch's Newton-Schulz result [B, rows, cols] (int16 bf16
+    bits, a tall matrix transposed), `scratch` phase 1's new momenta."""
+    row = table_ptr + tl.program_id(1).to(tl.int64) * _WEIGHT_COLUMNS
+    index = tl.load(row + 3)
+    counters_ptr += index * MATRIX_COUNTERS
+    if tl.load(counters_ptr) == 0:
+        n_elements = tl.cast(rows, tl.int64) * cols  # tl.cast: a 1 may arrive as a constexpr
+        slot = tl.load(row + 4) * n_elements
         if SPLIT:
-            w_bits = tl.load(param_ptr + offsets, mask=in_bounds, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-            lo_bits = tl.load(lo_ptr + offsets, mask=in_bounds, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-            p = join_master(w_bits, lo_bits)
-            # A zero weight beside a negative low half reads as that signed zero (codecs.read_master).
-            stale = ((w_bits & SPLIT_MAGNITUDE_MASK) == 0) & ((lo_bits & SPLIT_LO_SIGN) != 0)
-            p = tl.where(stale, (w_bits << 16).to(tl.float32, bitcast=True), p)
+            param_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
+            lo_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
         else:
-            p = tl.load(param_ptr + offsets, mask=in_bounds, other=0.0)
-        p_next = tl.fma(neg_adjusted_lr + tl.zeros_like(o), o, p * decay)
-        if SPLIT:
-            accepted = tl.abs(p_next) <= SPLIT_MASTER_MAX
+            param_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+            lo_ptr = param_ptr
+        if MODE == FP32_MODE:
+            state_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
         else:
-            accepted = _finite(p_next)
-        p_next = tl.where(accepted, p_next, p)
-        if SPLIT:
-            w_next, lo_next = split_master(p_next)
-            tl.store(param_ptr + offsets, w_next.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
-            tl.store(lo_ptr + offsets, lo_next.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
-        else:
-            tl.store(param_ptr + offsets, p_next, mask=in_bounds)
-        n_rejected = tl.sum((~accepted & in_bounds).to(tl.int32), axis=0)
-        tl.atomic_add(rejected_ptr, n_rejected, mask=n_rejected > 0)
+            state_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int16))
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ortho_offsets = _slot_offsets(offsets, tl.load(row + 5), rows, cols)
+        _weight_elements(param_ptr, lo_ptr, ortho_ptr + slot, ortho_offsets, scratch_ptr + slot, state_ptr,
+                         scalars_ptr + index * MATRIX_SCALARS, counters_ptr + 1, offsets, offsets < n_elements, SPLIT)
