@@ -16,6 +16,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from .chat_model import PRESETS as CHAT_PRESETS
+from .chat_model import ChatGPT, chat_parameter_kind
 from .model import GPT
 from .model import PRESETS as GPT_PRESETS
 
@@ -41,8 +43,14 @@ def gpt_parameter_kind(name: str) -> str:
     return "mlp"
 
 
-FAMILIES = (ModelFamily("gpt", GPT_PRESETS, GPT, gpt_parameter_kind),)
+FAMILIES = (
+    ModelFamily("gpt", GPT_PRESETS, GPT, gpt_parameter_kind),
+    # nanochat-style (chat_model.py); its forward also takes cu_seqlens= for packed documents,
+    # and muon_adamw_groups() gives nanochat's optimizer split.
+    ModelFamily("chat", CHAT_PRESETS, ChatGPT, chat_parameter_kind),
+)
 MODEL_PRESETS = {name: family for family in FAMILIES for name in family.presets}  # preset -> its family
+assert len(MODEL_PRESETS) == sum(len(family.presets) for family in FAMILIES), "two families name the same preset"
 
 
 def family_of(preset: str) -> ModelFamily:
