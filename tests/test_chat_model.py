@@ -104,6 +104,16 @@ def test_masked_attention_equals_attention_query_by_query(window):
     assert not uses_varlen(q, window)
 
 
+def test_varlen_keywords_follow_this_torchs_signature(monkeypatch):
+    from packed_adamw.torch.gpt import attention
+    monkeypatch.setattr(attention, "_VARLEN_PARAMETERS", frozenset({"window_size", "return_aux", "scale"}))  # 2.11+
+    assert attention._varlen_window_options(None) == {"window_size": (-1, 0)}
+    assert attention._varlen_window_options(511) == {"window_size": (511, 0)}
+    monkeypatch.setattr(attention, "_VARLEN_PARAMETERS", frozenset({"is_causal", "return_aux"}))  # 2.10
+    assert attention._varlen_window_options(None) == {"is_causal": True}
+    assert attention._varlen_window_options(511) is None  # the masked SDPA path runs it
+
+
 def test_the_mask_is_block_diagonal_causal_and_windowed():
     mask = attention_mask(cu_seqlens_of(DOCUMENTS), 2, ROW_LENGTH, 2, torch.device("cpu"))[0, 0]
     assert mask[4, 2] and mask[4, 4] and not mask[4, 1] and not mask[4, 5]  # 2 back, itself, not beyond, not ahead
@@ -113,9 +123,10 @@ def test_the_mask_is_block_diagonal_causal_and_windowed():
 def test_packed_forward_and_backward_equal_each_document_alone():
     """A packed batch against each document run alone (float64): logits, the summed loss, and
     every parameter's gradient against the sum of the documents' gradients. The matmuls have
-    other shapes (so other blockings and summation orders), so the bits may differ: the
-    tolerance, 1e-10 relative / 1e-12 absolute, is ~10^6 float64 ulps, far below the 1e-2 and
-    more that a token seeing another document makes (checked on the unpacked run)."""
+    other shapes (so other blockings and summation orders), so the bits may differ: measured
+    1.4e-14 at most in the logits and 1.3e-14 of a gradient's largest entry; the tolerance,
+    1e-11 relative / 1e-12 absolute, leaves ~100x of that, and is far below the 1e-2 and more
+    that a token seeing another document makes (checked on the unpacked run)."""
     model = perturbed_model(SMALL)
     torch.manual_seed(3)
     idx = torch.randint(0, TINY_VOCAB, (2, ROW_LENGTH))
@@ -137,7 +148,7 @@ def test_packed_forward_and_backward_equal_each_document_alone():
             alone_logits.append(doc_logits[0])
             alone_loss = alone_loss + doc_loss
             start += n
-    tolerance = dict(rtol=1e-10, atol=1e-12)
+    tolerance = dict(rtol=1e-11, atol=1e-12)
     torch.testing.assert_close(logits.reshape(-1, TINY_VOCAB), torch.cat(alone_logits), **tolerance)
     torch.testing.assert_close(loss, alone_loss, **tolerance)
     for name, p in model.named_parameters():
@@ -243,10 +254,11 @@ def test_cuda_varlen_attention_equals_the_masked_sdpa_reference(window):
     cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(B, T, H, D, generator=generator).cuda() for _ in range(3))
     grad_out = torch.randn(B, T, H, D, generator=generator).cuda()
-    assert uses_varlen(q.bfloat16(), window), "this torch's varlen_attn cannot run this window"
+    if not uses_varlen(q.bfloat16(), window):
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn cannot run window={window} (2.10 has no window_size)")
 
     def run(dtype, reference):
-        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        inputs = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
         mask = attention_mask(cu_seqlens, B, T, window, q.device)
         if reference:
             out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in inputs),

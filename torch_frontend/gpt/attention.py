@@ -15,7 +15,6 @@ with the block-diagonal causal (and windowed) boolean mask.
 """
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -81,18 +80,16 @@ def attention_mask(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int, wi
     return (allowed & same_document)[:, None]
 
 
-@functools.lru_cache(maxsize=None)
-def _varlen_parameters() -> frozenset:
-    return frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else frozenset()
+# What this torch's varlen_attn takes, read once (its keywords changed between 2.10 and 2.11).
+_VARLEN_PARAMETERS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else frozenset()
 
 
 def _varlen_window_options(window: int | None) -> dict | None:
     """varlen_attn's keywords for causal attention with this window, or None where this
     torch's varlen_attn cannot express it (then the masked SDPA path runs)."""
-    parameters = _varlen_parameters()
-    if "window_size" in parameters:  # torch >= 2.11: (left, right); -1 is unlimited
+    if "window_size" in _VARLEN_PARAMETERS:  # torch >= 2.11: (left, right); -1 is unlimited
         return {"window_size": (-1 if window is None else window, 0)}
-    if window is None and "is_causal" in parameters:  # torch 2.10: causal, no window
+    if window is None and "is_causal" in _VARLEN_PARAMETERS:  # torch 2.10: causal, no window
         return {"is_causal": True}
     return None
 
