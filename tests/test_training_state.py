@@ -45,7 +45,7 @@ def test_schedule_tables_follow_nanochat():
         ScheduleConfig(num_steps=10, weight_decay_shape="step")
 
 
-def test_apply_schedule_sets_each_group(tmp_path):
+def test_apply_schedule_sets_each_group():
     model = TinyLM()
     optimizer = make_optimizer(model)
     tables = build_schedule(ScheduleConfig(num_steps=10, warmup_steps=4, weight_decay=0.1))
@@ -99,9 +99,10 @@ def tape(tmp_path_factory):
 
 
 class Run:
-    def __init__(self, tape, dtype, seed=0):
+    def __init__(self, tape, dtype, seed=0, device="cpu"):
         torch.manual_seed(seed)
-        self.model = TinyLM(dtype)
+        self.device = device
+        self.model = TinyLM(dtype).to(device)
         self.optimizer = make_optimizer(self.model)
         self.loader = PackedDocumentLoader(TapeReader(tape), B, T)
         self.schedule = build_schedule(ScheduleConfig(num_steps=20, warmup_steps=3, momentum_warmup_steps=5,
@@ -113,7 +114,7 @@ class Run:
         for _ in range(steps):
             batch = self.loader.next_batch()
             apply_schedule(self.optimizer, self.schedule, self.t_step)
-            self.model(batch.inputs, batch.targets).backward()
+            self.model(batch.inputs.to(self.device), batch.targets.to(self.device)).backward()
             self.optimizer.step()
             self.optimizer.zero_grad()
             self.step += 1
@@ -150,26 +151,43 @@ def assert_same_run(a: Run, b: Run):
             else:
                 assert value == other, (index, key)
     assert a.loader.state_dict() == b.loader.state_dict() and (a.step, a.t_step) == (b.step, b.t_step)
-    assert torch.equal(torch.get_rng_state(), torch.get_rng_state())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-masters", "fp32"])
-def test_resume_is_bit_exact(tape, tmp_path, dtype):
-    straight = Run(tape, dtype)
+def rng_states(device: str) -> list[torch.Tensor]:
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if device == "cuda" else [])
+
+
+def check_resume(tape, tmp_path, dtype, device):
+    """Train 3 steps, save, train 3 more; versus load into a fresh run (other weights, other RNG)
+    and train 3: the same bits everywhere."""
+    straight = Run(tape, dtype, device=device)
     straight.train(3)
     path = straight.save(tmp_path)
     assert path.name == "state_step000003.safetensors"
     straight.train(3)
-    rng_after = torch.get_rng_state()
+    rng_after = rng_states(device)
 
-    resumed = Run(tape, dtype, seed=1)  # other initial weights: everything must come from the file
+    resumed = Run(tape, dtype, seed=1, device=device)  # other initial weights: everything comes from the file
     torch.manual_seed(99)
     loaded = resumed.load(path)
     assert (loaded.step, loaded.t_step) == (3, 3)
     assert torch.equal(loaded.batch.inputs, resumed.loader.peek().inputs)
     resumed.train(3)
-    assert torch.equal(torch.get_rng_state(), rng_after)
+    assert all(torch.equal(a, b) for a, b in zip(rng_states(device), rng_after))
     assert_same_run(straight, resumed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-masters", "fp32"])
+def test_resume_is_bit_exact(tape, tmp_path, dtype):
+    check_resume(tape, tmp_path, dtype, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-masters", "fp32"])
+def test_resume_is_bit_exact_on_cuda(tape, tmp_path, dtype):
+    """The Triton kernels' steps, the CUDA generator (dropout) and tensors moved to and from the GPU."""
+    check_resume(tape, tmp_path, dtype, "cuda")
 
 
 def test_state_holds_the_layout(tape, tmp_path):

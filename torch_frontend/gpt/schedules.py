@@ -14,8 +14,9 @@ nanochat's base_train (its 2026 version; the earlier values in parentheses):
   when momentum_final is None (the earlier schedule).
 - `muon_weight_decay`: the Muon groups' weight decay, `weight_decay` times a cosine
   0.5 * (1 + cos(pi * t / num_steps)) ("cosine"), or (1 - t / num_steps) ("linear", the
-  earlier one), or constant. nanochat first scales its base value with batch size and depth;
-  here `weight_decay` is the value the run uses (the caller scales).
+  earlier one), or constant. nanochat first scales its base value (0.28; earlier 0.2) with
+  batch size and depth; here `weight_decay` is the value the run uses (the caller scales;
+  default 0: no decay unless asked).
 
 The tables are float64 numpy arrays; `apply_schedule` writes row t into the optimizer's
 groups: every group's lr = its base lr (`initial_lr`) * lr_multiplier[t], and the Muon groups

@@ -58,7 +58,7 @@ from packed_adamw.core.muon.state_format import StateFormat as MuonFormat
 
 from .checkpoint import CheckpointError, _atomic_save, _checkpoint_sha256, _torch_save_contents, config_differences
 from .packed_data import PackedBatch
-from .schedules import ScheduleConfig, ScheduleTables
+from .schedules import ScheduleTables
 
 STATE_FORMAT = "packed-adamw-training-state/1"
 EXPORT_FORMAT = "packed-adamw-reference-export/1"
