@@ -1,0 +1,280 @@
+"""Schedule tables (gpt/schedules.py) and the entire training state (gpt/training_state.py):
+bit-exact resume of a tiny packed-document run with PackedMuonAdamW, refusals, the reference export."""
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from packed_adamw.core.codecs import join_master
+from packed_adamw.tokenizer.tape import TapeReader, build_tape
+from packed_adamw.torch.combined import PackedMuonAdamW, muon_param_groups
+from packed_adamw.torch.gpt.packed_data import PackedDocumentLoader
+from packed_adamw.torch.gpt.schedules import ScheduleConfig, apply_schedule, build_schedule
+from packed_adamw.torch.gpt.training_state import (
+    SIGN_CONVENTION, TrainingStateError, code_identity, export_reference_layout, load_state, read_state,
+    save_state, state_file_name,
+)
+
+WORDS = "the king and queen of a far country went over hills to see what lay beyond".split()
+B, T, VOCAB = 2, 12, 64
+
+
+# ---- schedules ----------------------------------------------------------------------------------
+def test_schedule_tables_follow_nanochat():
+    tables = build_schedule(ScheduleConfig(num_steps=1000, weight_decay=0.2)).tables
+    lr, mu, wd = tables["lr_multiplier"], tables["muon_momentum"], tables["muon_weight_decay"]
+    assert all(t.dtype == np.float64 and t.shape == (1000,) for t in (lr, mu, wd))
+    warmdown = 650  # round(0.65 * 1000); the warmdown starts after step 350
+    assert lr[0] == 1 / 40 and lr[39] == 1.0 and lr[350] == 1.0
+    assert lr[351] == 649 / warmdown + (1 - 649 / warmdown) * 0.05
+    assert lr[999] == 1 / warmdown + (1 - 1 / warmdown) * 0.05
+    assert mu[0] == 0.85 and mu[100] == 0.75 * 0.85 + 0.25 * 0.97
+    assert mu[349] == (1 - 349 / 400) * 0.85 + 349 / 400 * 0.97  # momentum warmup still on
+    assert mu[400] == (1 - 50 / warmdown) * 0.97 + 50 / warmdown * 0.90  # in the lr warmdown
+    assert wd[0] == 0.2 and wd[500] == 0.2 * 0.5 * (1 + math.cos(math.pi / 2))
+    earlier = build_schedule(ScheduleConfig(num_steps=1000, warmdown_ratio=0.5, final_lr_frac=0.0,
+                                            momentum_peak=0.95, momentum_warmup_steps=300, momentum_final=None,
+                                            weight_decay=0.2, weight_decay_shape="linear")).tables
+    assert earlier["muon_momentum"][300] == 0.95 and earlier["muon_momentum"][999] == 0.95
+    assert earlier["muon_weight_decay"][250] == 0.2 * 0.75 and earlier["lr_multiplier"][999] == 1 / 500
+    with pytest.raises(ValueError, match="weight_decay_shape"):
+        ScheduleConfig(num_steps=10, weight_decay_shape="step")
+
+
+def test_apply_schedule_sets_each_group():
+    model = TinyLM()
+    optimizer = make_optimizer(model)
+    tables = build_schedule(ScheduleConfig(num_steps=10, warmup_steps=4, weight_decay=0.1))
+    row = apply_schedule(optimizer, tables, 2)
+    muon, adamw = optimizer.param_groups
+    assert muon["initial_lr"] == 0.02 and adamw["initial_lr"] == 0.01
+    assert muon["lr"] == 0.02 * 0.75 and adamw["lr"] == 0.01 * 0.75
+    assert muon["momentum"] == row["muon_momentum"] == tables.tables["muon_momentum"][2]
+    assert muon["weight_decay"] == tables.tables["muon_weight_decay"][2] and adamw["weight_decay"] == 0.0
+    apply_schedule(optimizer, tables, 3)  # from the base lr, not from the last step's lr
+    assert muon["lr"] == 0.02 and "momentum" not in adamw
+    with pytest.raises(IndexError, match="outside the schedule's 10 steps"):
+        apply_schedule(optimizer, tables, 10)
+
+
+# ---- a tiny packed-document run -------------------------------------------------------------------
+class TinyLM(torch.nn.Module):
+    """Embedding, two matrices (Muon), a norm weight, a scalar, a head (AdamW); dropout draws
+    from the RNG, so a resume that lost the generator state would not match."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.up = torch.nn.Linear(16, 32, bias=False)
+        self.down = torch.nn.Linear(32, 16, bias=False)
+        self.norm = torch.nn.Parameter(torch.ones(16))
+        self.gate = torch.nn.Parameter(torch.tensor(0.5))
+        self.head = torch.nn.Linear(16, VOCAB, bias=False)
+        self.register_buffer("scale", torch.tensor(1.25))
+        self.to(dtype)
+
+    def forward(self, inputs, targets):
+        x = self.embed(inputs % VOCAB)
+        x = x + self.gate * self.down(F.dropout(F.relu(self.up(x)).square(), 0.1))
+        x = F.rms_norm(x, (16,)) * self.norm * self.scale
+        return F.cross_entropy(self.head(x).float().reshape(-1, VOCAB), (targets % VOCAB).reshape(-1))
+
+
+def make_optimizer(model):
+    groups = muon_param_groups(model, exclude=("head",), muon=dict(lr=0.02), adamw=dict(lr=0.01, weight_decay=0.0))
+    return PackedMuonAdamW(groups)
+
+
+@pytest.fixture(scope="module")
+def tape(tmp_path_factory):
+    rng = random.Random(1)
+    documents = [(f"d{i}", " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))) for i in range(40)]
+    path = tmp_path_factory.mktemp("state") / "a.tape"
+    build_tape(documents, path)
+    return path
+
+
+class Run:
+    def __init__(self, tape, dtype, seed=0, device="cpu"):
+        torch.manual_seed(seed)
+        self.device = device
+        self.model = TinyLM(dtype).to(device)
+        self.optimizer = make_optimizer(self.model)
+        self.loader = PackedDocumentLoader(TapeReader(tape), B, T)
+        self.schedule = build_schedule(ScheduleConfig(num_steps=20, warmup_steps=3, momentum_warmup_steps=5,
+                                                      weight_decay=0.05))
+        self.config = {"dtype": str(dtype), "batch_size": B, "context": T, "lr": 0.02}
+        self.step = self.t_step = 0
+
+    def train(self, steps):
+        for _ in range(steps):
+            batch = self.loader.next_batch()
+            apply_schedule(self.optimizer, self.schedule, self.t_step)
+            self.model(batch.inputs.to(self.device), batch.targets.to(self.device)).backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.step += 1
+            self.t_step += 1
+
+    def save(self, directory):
+        return save_state(directory / state_file_name(self.step), model=self.model, optimizer=self.optimizer,
+                          loader=self.loader, schedule=self.schedule, config=self.config, step=self.step,
+                          t_step=self.t_step)
+
+    def load(self, path, **kwargs):
+        loaded = load_state(path, model=self.model, optimizer=self.optimizer, loader=self.loader,
+                            config=kwargs.pop("config", self.config), schedule=self.schedule, **kwargs)
+        self.step, self.t_step = loaded.step, loaded.t_step
+        return loaded
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def assert_same_run(a: Run, b: Run):
+    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert p.dtype == q.dtype and torch.equal(bits(p), bits(q)), name
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for index, entry in sa["state"].items():
+        assert entry.keys() == sb["state"][index].keys()
+        for key, value in entry.items():
+            other = sb["state"][index][key]
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == other.dtype and torch.equal(bits(value), bits(other)), (index, key)
+            else:
+                assert value == other, (index, key)
+    assert a.loader.state_dict() == b.loader.state_dict() and (a.step, a.t_step) == (b.step, b.t_step)
+
+
+def rng_states(device: str) -> list[torch.Tensor]:
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if device == "cuda" else [])
+
+
+def check_resume(tape, tmp_path, dtype, device):
+    """Train 3 steps, save, train 3 more; versus load into a fresh run (other weights, other RNG)
+    and train 3: the same bits everywhere."""
+    straight = Run(tape, dtype, device=device)
+    straight.train(3)
+    path = straight.save(tmp_path)
+    assert path.name == "state_step000003.safetensors"
+    straight.train(3)
+    rng_after = rng_states(device)
+
+    resumed = Run(tape, dtype, seed=1, device=device)  # other initial weights: everything comes from the file
+    torch.manual_seed(99)
+    loaded = resumed.load(path)
+    assert (loaded.step, loaded.t_step) == (3, 3)
+    assert torch.equal(loaded.batch.inputs, resumed.loader.peek().inputs)
+    resumed.train(3)
+    assert all(torch.equal(a, b) for a, b in zip(rng_states(device), rng_after))
+    assert_same_run(straight, resumed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-masters", "fp32"])
+def test_resume_is_bit_exact(tape, tmp_path, dtype):
+    check_resume(tape, tmp_path, dtype, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-masters", "fp32"])
+def test_resume_is_bit_exact_on_cuda(tape, tmp_path, dtype):
+    """The Triton kernels' steps, the CUDA generator (dropout) and tensors moved to and from the GPU."""
+    check_resume(tape, tmp_path, dtype, "cuda")
+
+
+def test_state_holds_the_layout(tape, tmp_path):
+    run = Run(tape, torch.bfloat16)
+    run.train(2)
+    next_batch = run.loader.peek()
+    tensors, metadata = read_state(run.save(tmp_path))
+    masters = dict(zip((n for g in run.optimizer.param_groups for n in g["param_names"]),
+                       run.optimizer.master_weights()))
+    for name, p in run.model.named_parameters():
+        assert torch.equal(bits(tensors[f"params/{name}/w"]), bits(p))
+        mantissa = tensors[f"params/{name}/mantissa"]
+        assert mantissa.dtype == torch.uint16
+        # the mantissa is the FP32 master's low 16 bits
+        low = masters[name].detach().view(torch.int32) & 0xFFFF
+        assert torch.equal(mantissa.view(torch.int16).to(torch.int32) & 0xFFFF, low), name
+    assert tensors["params/up.weight/opt/momentum_code"].dtype == torch.int16
+    assert tensors["params/head.weight/opt/words"].dtype == torch.uint32
+    assert tensors["buffers/scale"].item() == 1.25
+    for key, value in zip(("inputs", "targets", "cu_seqlens"), next_batch):
+        assert torch.equal(tensors[f"batch/{key}"], value)
+    assert tensors["batch/cu_seqlens"].dtype == torch.int32
+    assert np.array_equal(tensors["schedule/muon_momentum"].numpy(), run.schedule.tables["muon_momentum"])
+    assert tensors["rng/torch_cpu"].dtype == torch.uint8
+    assert (metadata["step"], metadata["t_step"]) == (2, 2) and metadata["config"] == run.config
+    assert metadata["code"]["files"]["packed_adamw.torch/gpt/training_state.py"]
+    entries = {e["name"]: e for e in metadata["optimizer"]["entries"].values()}
+    assert entries["head.weight"]["scalars"] == {"step": 2} and entries["head.weight"]["kind"] == "adamw"
+    assert entries["up.weight"]["tensors"] == ["lo", "momentum_code"] and entries["up.weight"]["kind"] == "muon"
+
+
+def test_refuses_other_config_code_or_damage(tape, tmp_path):
+    run = Run(tape, torch.float32)
+    run.train(1)
+    path = run.save(tmp_path)
+    other = Run(tape, torch.float32, seed=1)
+    before = [p.detach().clone() for p in other.model.parameters()]
+    with pytest.raises(TrainingStateError, match="lr=0.02.*lr=0.03"):
+        other.load(path, config={**run.config, "lr": 0.03})
+    code = code_identity()
+    changed = {**code, "sha256": "0" * 64, "files": {**code["files"], "packed_adamw.torch/combined.py": "x"}}
+    with pytest.raises(TrainingStateError, match="combined.py: changed"):
+        other.load(path, code=changed)
+    assert all(torch.equal(a, p) for a, p in zip(before, other.model.parameters()))  # nothing changed
+    with pytest.warns(UserWarning, match="combined.py: changed"):
+        other.load(path, code=changed, allow_code_change=True)
+    assert_same_run(run, other)
+
+    damaged = tmp_path / "damaged.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(TrainingStateError, match="checksum"):
+        read_state(damaged)
+    pickled = tmp_path / "state.pt"
+    torch.save({"params": {}}, pickled)
+    with pytest.raises(TrainingStateError, match="pickle"):
+        read_state(pickled)
+
+
+def test_export_has_reference_signs(tape, tmp_path):
+    run = Run(tape, torch.bfloat16)
+    # One step from zero moments: AdamW's m = (1 - beta1) * g, Muon's buffer = (1 - momentum) * g.
+    batch = run.loader.next_batch()
+    apply_schedule(run.optimizer, run.schedule, run.t_step)
+    run.model(batch.inputs, batch.targets).backward()
+    grads = {name: p.grad.float().clone() for name, p in run.model.named_parameters()}
+    run.optimizer.step()
+    run.step += 1
+    run.t_step += 1
+    out = export_reference_layout(run.save(tmp_path), tmp_path / "export.safetensors")
+    tensors, metadata = read_state(out, expected_format="packed-adamw-reference-export/1")
+    assert metadata["sign_convention"] == SIGN_CONVENTION
+    masters = run.optimizer.master_weights()
+    names = [n for g in run.optimizer.param_groups for n in g["param_names"]]
+    for name, master in zip(names, masters):
+        assert torch.equal(bits(tensors[f"params/{name}/master"]), bits(master)), name
+        w, mantissa = tensors[f"params/{name}/w"], tensors[f"params/{name}/mantissa"]
+        joined = join_master(w.view(torch.int16).numpy(), mantissa.numpy())
+        assert np.array_equal(joined.view(np.uint32), master.detach().numpy().view(np.uint32))
+    # Update directions: every nonzero first moment points against the loss gradient.
+    for name in ("up.weight", "down.weight", "head.weight", "embed.weight", "norm", "gate"):
+        first, g = tensors[f"params/{name}/first_mntm"].reshape(-1), grads[name].reshape(-1)
+        nonzero = first != 0
+        assert nonzero.sum() > 0.5 * (g != 0).sum(), name  # (the rows of tokens not in the batch have none)
+        assert (torch.sign(first[nonzero]) == -torch.sign(g[nonzero])).all(), name
+    assert (tensors["params/head.weight/scnd_mntm"] >= 0).all()
+    assert "params/up.weight/scnd_mntm" not in tensors  # Muon keeps one moment
+    assert not torch.signbit(tensors["params/gate/first_mntm"][tensors["params/gate/first_mntm"] == 0]).any()
+    assert json.loads(json.dumps(metadata["config"])) == run.config

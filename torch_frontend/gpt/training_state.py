@@ -1,0 +1,435 @@
+"""The entire training state of a packed-document run in one file, `state_stepNNNNNN.safetensors`,
+and its export to the reference layout (update-direction moments).
+
+Tensors (safetensors: no pickle, nothing executes on load):
+
+    params/<name>/w                the live weight, as the model holds it (bf16 when the run has
+                                   bf16 weights, else float32)
+    params/<name>/mantissa         uint16, bf16 weights only: the low 16 bits of the FP32 master
+                                   (the optimizer's int16 low half `lo`, viewed as uint16; FORMAT.md,
+                                   "Split masters": lo's bits are the master's low 16 bits, and the
+                                   weight is the master rounded to nearest, so master = join(w, lo),
+                                   not (w << 16) | mantissa)
+    params/<name>/opt/<key>        the optimizer's other state tensors of that parameter, as its
+                                   state_dict gives them (PackedMuon: momentum_code int16 /
+                                   momentum_buffer; PackedAdamW: words uint32 / moments float32)
+    buffers/<name>                 the model's persistent buffers
+    rng/torch_cpu, rng/cuda/<d>    torch generator states (uint8)
+    batch/inputs, batch/targets,   the next unconsumed batch (the loader's `peek()`), so a reload
+    batch/cu_seqlens               sees exactly the batch training would see next
+    schedule/<table>               the run's schedule tables (float64, schedules.TABLE_NAMES)
+
+Metadata (JSON strings): `format`, `step` (optimizer steps taken), `t_step` (the schedule row
+the next step reads), `config` (the full run configuration, compared on load), `schedule`
+(the ScheduleConfig), `code` (below), `loader` (the cursor), `optimizer` (class, each rule's
+state format, param_groups, per-parameter names, kinds, state keys and non-tensor state such
+as AdamW's step counts), and `sha256` over every tensor and every other metadata entry.
+
+The code: `code_identity()` records the SHA-256 of every Python source file of the packages
+that train (packed_adamw.core, .torch, .tokenizer), one hash over them all, and the git commit
+(and whether the work tree had changes) when git can tell. The sources themselves are not
+stored: the per-file hashes say which files differ on load, the commit says where to find
+them, and the state stays the size of the run's tensors. Load refuses a state written by
+other code (listing the files that differ) unless `allow_code_change=True`; it always refuses
+another configuration, listing the fields that differ.
+
+Writes are atomic (core/atomic_file.py, through checkpoint.py's helpers): a crash leaves the
+previous file as it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import subprocess
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+
+from packed_adamw.core import __version__ as CODE_VERSION
+from packed_adamw.core import codecs
+from packed_adamw.core.adamw.state_format import StateFormat as AdamWFormat
+from packed_adamw.core.adamw.state_format import unpack_words
+from packed_adamw.core.muon.numpy_step import decode_momentum
+from packed_adamw.core.muon.state_format import StateFormat as MuonFormat
+
+from .checkpoint import CheckpointError, _atomic_save, _checkpoint_sha256, _torch_save_contents, config_differences
+from .packed_data import PackedBatch
+from .schedules import ScheduleTables
+
+STATE_FORMAT = "packed-adamw-training-state/1"
+EXPORT_FORMAT = "packed-adamw-reference-export/1"
+LOW_HALF_KEY = codecs.LOW_HALF_KEY  # the optimizer's state entry stored as `mantissa`
+CODE_PACKAGES = ("packed_adamw.core", "packed_adamw.torch", "packed_adamw.tokenizer")
+BATCH_KEYS = PackedBatch._fields
+
+
+class TrainingStateError(CheckpointError):
+    """A training state that cannot be used: unreadable, corrupted, or of another config or code."""
+
+
+def state_file_name(step: int) -> str:
+    return f"state_step{step:06d}.safetensors"
+
+
+# ---- the code ----------------------------------------------------------------------------------
+def code_identity(packages=CODE_PACKAGES) -> dict:
+    """{"sha256", "files": {name: sha256}, "git_commit", "git_dirty", "version"} of the packages'
+    Python sources (module docstring)."""
+    import importlib
+
+    files, roots = {}, []
+    for package in packages:
+        root = Path(importlib.import_module(package).__file__).parent
+        roots.append(root)
+        for path in sorted(root.rglob("*.py")):
+            files[f"{package}/{path.relative_to(root).as_posix()}"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    commit, dirty = _git_state(roots)
+    return {"sha256": digest, "files": files, "git_commit": commit, "git_dirty": dirty, "version": CODE_VERSION}
+
+
+def _git_state(roots: list[Path]) -> tuple[str | None, bool | None]:
+    """(commit, whether the packages' files differ from it), or (None, None) outside a checkout."""
+    try:
+        run = lambda *args: subprocess.run(["git", *args], cwd=roots[0], capture_output=True, text=True,  # noqa: E731
+                                           timeout=10, check=True).stdout.strip()
+        commit = run("rev-parse", "HEAD")
+        dirty = bool(run("status", "--porcelain", "--", *map(str, roots)))
+        return commit, dirty
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def code_differences(saved: dict, current: dict) -> list[str]:
+    """One line per source file added, removed or changed between the saved code and this."""
+    a, b = saved.get("files", {}), current.get("files", {})
+    lines = [f"{name}: {'only in the state' if name not in b else 'only in this code' if name not in a else 'changed'}"
+             for name in sorted(a.keys() | b.keys()) if a.get(name) != b.get(name)]
+    if not lines and saved.get("sha256") != current.get("sha256"):
+        lines.append(f"code hash {saved.get('sha256')} vs {current.get('sha256')}")
+    return lines
+
+
+# ---- saving ------------------------------------------------------------------------------------
+def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) -> its (first) name; tied parameters are one entry."""
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def _optimizer_params(optimizer) -> list[tuple[torch.nn.Parameter, str]]:
+    """(parameter, kind) in state_dict index order."""
+    default_kind = {"PackedAdamW": "adamw", "PackedMuon": "muon"}.get(type(optimizer).__name__)
+    return [(p, group.get("kind", default_kind)) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _formats(optimizer) -> dict:
+    """{kind: the rule's state format fields}, for decoding the saved moments."""
+    rules = optimizer.rules if hasattr(optimizer, "rules") else {
+        {"PackedAdamW": "adamw", "PackedMuon": "muon"}[type(optimizer).__name__]: optimizer}
+    return {kind: dataclasses.asdict(rule.state_format) for kind, rule in rules.items()}
+
+
+def _jsonable(value):
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        raise TypeError("training_state: a param group holds a tensor (a capturable lr?); the state file writes "
+                        "hyperparameters as JSON: build the optimizer with float hyperparameters")
+    return value
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A CPU contiguous tensor owning its storage (safetensors refuses tensors sharing one)."""
+    t = t.detach().cpu().contiguous()
+    return t.clone() if t.untyped_storage().nbytes() != t.nbytes else t
+
+
+def save_state(path, *, model: torch.nn.Module, optimizer, loader, schedule: ScheduleTables, config: dict,
+               step: int, t_step: int, code: dict | None = None) -> Path:
+    """Write the entire training state to `path` atomically (layout: module docstring); returns
+    the path. `loader`: a PackedDocumentLoader (its cursor and `peek()` are saved); `code`:
+    `code_identity()` by default."""
+    path = Path(path)
+    names = _parameter_names(model)
+    tensors, entries = {}, {}
+    state_dict = optimizer.state_dict()
+    params = _optimizer_params(optimizer)
+    for index, (p, kind) in enumerate(params):
+        if id(p) not in names:
+            raise ValueError(f"save_state: optimizer parameter {index} is not a parameter of the model; "
+                             "save the model the optimizer steps")
+        name = names[id(p)]
+        entry = state_dict["state"].get(index, {})
+        tensor_keys = sorted(k for k, v in entry.items() if isinstance(v, torch.Tensor))
+        entries[str(index)] = {"name": name, "kind": kind, "tensors": tensor_keys,
+                               "scalars": {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}}
+        for key in tensor_keys:
+            if key == LOW_HALF_KEY:
+                tensors[f"params/{name}/mantissa"] = _own(entry[key]).view(torch.uint16)
+            else:
+                tensors[f"params/{name}/opt/{key}"] = _own(entry[key])
+        if p.dtype == torch.bfloat16 and LOW_HALF_KEY not in entry:  # never stepped: the master is w
+            tensors[f"params/{name}/mantissa"] = torch.zeros(p.shape, dtype=torch.uint16)
+    for name, p in model.named_parameters():
+        tensors[f"params/{name}/w"] = _own(p)
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in names:  # a persistent buffer (a tied parameter's other name is the parameter)
+            tensors[f"buffers/{name}"] = _own(t)
+    tensors["rng/torch_cpu"] = torch.get_rng_state()
+    if torch.cuda.is_initialized():
+        for device, rng in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng/cuda/{device}"] = rng
+    batch = loader.peek()
+    for key in BATCH_KEYS:
+        tensors[f"batch/{key}"] = _own(getattr(batch, key))
+    tensors.update(schedule.to_tensors())
+    tensors = {key: _own(t) for key, t in tensors.items()}
+    metadata = {
+        "format": STATE_FORMAT,
+        "step": int(step),
+        "t_step": int(t_step),
+        "config": config,
+        "schedule": schedule.config.to_dict(),
+        "code": code if code is not None else code_identity(),
+        "loader": loader.state_dict(),
+        "optimizer": {
+            "class": type(optimizer).__name__,
+            "formats": _formats(optimizer),
+            "param_groups": _jsonable(state_dict["param_groups"]),
+            "extra": {k: v for k, v in state_dict.items() if k not in ("state", "param_groups")},
+            "entries": entries,
+        },
+    }
+    metadata["sha256"] = _checkpoint_sha256(tensors, metadata)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_save(tensors, {key: json.dumps(value) for key, value in metadata.items()}, path)
+    return path
+
+
+# ---- reading -----------------------------------------------------------------------------------
+def read_state(path, expected_format: str = STATE_FORMAT) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors on CPU, decoded metadata) of a state file, checked: its format and checksum."""
+    path = Path(path)
+    if not path.is_file():
+        raise TrainingStateError(f"training state {path} does not exist" if not path.exists() else
+                                 f"training state {path} is not a file; pass a {state_file_name(0)}-style file")
+    pickled = _torch_save_contents(path)
+    if pickled is not None:
+        raise TrainingStateError(f"{path} appears to be {pickled}, not a training state; this project reads only "
+                                 "safetensors states (a pickle can run code on load): pass a state_stepNNNNNN."
+                                 "safetensors written by save_state")
+    hint = "it is truncated or corrupted; use an older state or start a new run"
+    try:
+        with safe_open(path, framework="pt") as f:
+            raw = f.metadata() or {}
+            found = raw.get("format")
+            if found != json.dumps(expected_format):
+                raise TrainingStateError(f"{path} is a safetensors file of format {found!r}, not a training state "
+                                         f"({expected_format!r}); pass a file written by save_state")
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+        metadata = {key: json.loads(value) for key, value in raw.items()}
+    except (SafetensorError, OSError, ValueError) as error:
+        if isinstance(error, TrainingStateError):
+            raise
+        raise TrainingStateError(f"cannot read training state {path}: {error}; {hint}") from error
+    if _checkpoint_sha256(tensors, metadata) != metadata.get("sha256"):
+        raise TrainingStateError(f"training state {path} fails its checksum: {hint}")
+    return tensors, metadata
+
+
+@dataclasses.dataclass
+class LoadedState:
+    step: int
+    t_step: int
+    batch: PackedBatch  # the next unconsumed batch, as saved (equal to the restored loader's peek())
+    schedule: ScheduleTables
+    config: dict
+    code: dict
+    metadata: dict
+
+
+def _optimizer_state_dict(tensors: dict, meta: dict) -> dict:
+    groups = []
+    for group in meta["param_groups"]:
+        # JSON made tuples lists (betas, ns_coefficients); the lists of params and names stay lists.
+        groups.append({k: (tuple(v) if isinstance(v, list) and k not in ("params", "param_names") else v)
+                       for k, v in group.items()})
+    state = {}
+    for index, entry in meta["entries"].items():
+        if not entry["tensors"] and not entry["scalars"]:
+            continue
+        name, values = entry["name"], dict(entry["scalars"])
+        for key in entry["tensors"]:
+            values[key] = (tensors[f"params/{name}/mantissa"].view(torch.int16) if key == LOW_HALF_KEY
+                           else tensors[f"params/{name}/opt/{key}"])
+        state[int(index)] = values
+    return {"state": state, "param_groups": groups, **meta["extra"]}
+
+
+def load_state(path, *, model: torch.nn.Module, optimizer, loader, config: dict,
+               schedule: ScheduleTables | None = None, code: dict | None = None,
+               allow_code_change: bool = False) -> LoadedState:
+    """Restore model, optimizer, loader cursor and RNG from a state file; returns the step
+    counters, the saved next batch and the run's schedule tables (as saved).
+
+    Refused, before anything changes, with the differences listed: another `config`; other code
+    (`code`, default `code_identity()`) unless `allow_code_change` (then a warning); other
+    schedule tables than `schedule` (when given); a loader whose restored cursor would not give
+    the saved next batch bit for bit (another tape or packing)."""
+    path = Path(path)
+    tensors, metadata = read_state(path)
+    differences = config_differences(metadata["config"], config)
+    if differences:
+        raise TrainingStateError(f"training state {path} belongs to another configuration:\n  "
+                                 + "\n  ".join(differences) + "\nrun with the state's configuration, or start anew")
+    current_code = code if code is not None else code_identity()
+    code_changes = code_differences(metadata["code"], current_code)
+    if code_changes:
+        message = (f"training state {path} was written by other code (commit {metadata['code'].get('git_commit')}, "
+                   f"this is {current_code.get('git_commit')}):\n  " + "\n  ".join(code_changes))
+        if not allow_code_change:
+            raise TrainingStateError(message + "\nrun the code that wrote it, or pass allow_code_change=True to "
+                                     "continue with this code (the continuation may differ)")
+        warnings.warn(message + "\ncontinuing with this code (allow_code_change=True)", stacklevel=2)
+    saved_schedule = ScheduleTables.from_tensors(metadata["schedule"], tensors)
+    if schedule is not None:
+        changed = saved_schedule.differences(schedule)
+        if changed or saved_schedule.config != schedule.config:
+            raise TrainingStateError(f"training state {path} has other schedule tables: "
+                                     + "; ".join(changed or ["its ScheduleConfig differs"]))
+    batch = PackedBatch(*(tensors[f"batch/{key}"] for key in BATCH_KEYS))
+    _check_loader(path, loader, metadata["loader"], batch)
+    _check_model(path, model, tensors)
+
+    model_state = {}
+    names = {id(p): name for name, p in model.named_parameters()}  # first names, as saved
+    for key, value in model.state_dict(keep_vars=True).items():
+        model_state[key] = tensors[f"params/{names[id(value)]}/w"] if id(value) in names else tensors[f"buffers/{key}"]
+    optimizer_state = _optimizer_state_dict(tensors, metadata["optimizer"])
+    optimizer.load_state_dict(optimizer_state)  # checks formats and layouts before it changes anything
+    model.load_state_dict(model_state)
+    loader.load_state_dict(metadata["loader"])
+    torch.set_rng_state(tensors["rng/torch_cpu"])
+    cuda_states = [tensors[f"rng/cuda/{d}"] for d in range(sum(k.startswith("rng/cuda/") for k in tensors))]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states)
+    return LoadedState(metadata["step"], metadata["t_step"], batch, saved_schedule, metadata["config"],
+                       metadata["code"], metadata)
+
+
+def _check_loader(path: Path, loader, state: dict, batch: PackedBatch) -> None:
+    """The saved cursor, in this loader, must give the saved next batch; the loader is left as it was."""
+    before = loader.state_dict()
+    loader.load_state_dict(state)
+    try:
+        peeked = loader.peek()
+    finally:
+        loader.load_state_dict(before)
+    for key, saved, ours in zip(BATCH_KEYS, batch, peeked):
+        if saved.dtype != ours.dtype or saved.shape != ours.shape or not torch.equal(saved, ours):
+            raise TrainingStateError(f"training state {path}: the loader's restored cursor gives another batch "
+                                     f"than the saved next batch ({key} differs); the tape or the packing changed")
+
+
+def _check_model(path: Path, model: torch.nn.Module, tensors: dict) -> None:
+    problems = []
+    for name, p in model.named_parameters():
+        saved = tensors.get(f"params/{name}/w")
+        if saved is None:
+            problems.append(f"{name}: not in the state")
+        elif saved.dtype != p.dtype or saved.shape != p.shape:
+            problems.append(f"{name}: saved {saved.dtype} {tuple(saved.shape)}, the model has {p.dtype} "
+                            f"{tuple(p.shape)}")
+    if problems:
+        raise TrainingStateError(f"training state {path} does not fit this model:\n  " + "\n  ".join(problems))
+
+
+# ---- the reference layout ----------------------------------------------------------------------
+SIGN_CONVENTION = (
+    "first_mntm holds update directions: the negated loss-gradient moment (this project's optimizers "
+    "store the moment of the loss gradient and apply w - lr * f(m); the reference seeds the backward "
+    "with (onehot - probs) and applies w + update, so its first_mntm = -m). scnd_mntm (AdamW only) is "
+    "the second moment v, sign-free. Zeros are +0.")
+
+
+def _decoded_moments(entry: dict, tensors: dict, formats: dict, shape) -> dict[str, np.ndarray]:
+    """{"first_mntm", "scnd_mntm" (AdamW)} of one parameter, float32, reference signs."""
+    name, kind = entry["name"], entry["kind"]
+    keys = [k for k in entry["tensors"] if k != LOW_HALF_KEY]
+    zeros = np.zeros(shape, np.float32)
+    if kind == "muon":
+        fmt = MuonFormat(**formats["muon"])
+        state = tensors[f"params/{name}/opt/{fmt.state_key}"] if keys else None
+        # the 16-bit codes live in int16 tensors (muon.py); the codec indexes by their uint16 bits
+        codes = None if state is None else (state.numpy().view(np.uint16) if state.dtype == torch.int16
+                                            else state.numpy())
+        m = decode_momentum(codes, fmt) if keys else zeros
+        return {"first_mntm": np.float32(0) - m.reshape(shape)}
+    fmt = AdamWFormat(**formats["adamw"])
+    if not keys:
+        m = v = zeros
+    elif fmt.mode == "fp32":
+        moments = tensors[f"params/{name}/opt/{fmt.state_key}"].numpy()
+        m, v = moments[0], moments[1]
+    else:
+        words = tensors[f"params/{name}/opt/{fmt.state_key}"].view(torch.int32).numpy().view(np.uint32)
+        m_codes, rms_codes = unpack_words(words)
+        m_fmt, r_fmt = fmt.formats
+        m = m_fmt.decode_table[m_codes.astype(np.intp)]
+        rms = r_fmt.decode_table[rms_codes.astype(np.intp)]
+        v = rms * rms  # what the step reads as v (core/adamw/numpy_step.py)
+    return {"first_mntm": (np.float32(0) - m).reshape(shape), "scnd_mntm": np.asarray(v, np.float32).reshape(shape)}
+
+
+def export_reference_layout(state_path, out_path) -> Path:
+    """Write a state's parameters and decoded moments in the reference's layout and signs to
+    `out_path` (safetensors, atomically); returns it.
+
+        params/<name>/w            the live weight, as stored
+        params/<name>/mantissa     uint16, bf16 weights: the low 16 bits of the FP32 master
+        params/<name>/master       float32: the FP32 master (join of w and mantissa; w itself for
+                                   an FP32 weight). Our w is the master rounded to nearest bf16,
+                                   so (w << 16) | mantissa is NOT the master when mantissa >= 0x8000
+        params/<name>/first_mntm   float32: -(first moment) (AdamW's m, Muon's momentum buffer), decoded
+        params/<name>/scnd_mntm    float32: AdamW's second moment v = rms * rms (Muon has none)
+        batch/inputs, batch/targets, batch/cu_seqlens, rng/..., schedule/...   copied
+
+    Metadata: format, step, t_step, config, code, sign_convention (SIGN_CONVENTION), sha256 (as
+    in a state: `read_state(out_path, EXPORT_FORMAT)` reads it back checked). A parameter
+    the optimizer never stepped has zero moments."""
+    tensors, metadata = read_state(state_path)
+    optimizer = metadata["optimizer"]
+    out = {key: t for key, t in tensors.items() if key.startswith(("batch/", "rng/", "schedule/"))}
+    covered = set()
+    for entry in optimizer["entries"].values():
+        name = entry["name"]
+        covered.add(name)
+        w = tensors[f"params/{name}/w"]
+        out[f"params/{name}/w"] = w
+        if w.dtype == torch.bfloat16:
+            mantissa = tensors[f"params/{name}/mantissa"]
+            out[f"params/{name}/mantissa"] = mantissa
+            master = codecs.read_master(w.view(torch.int16).numpy(), mantissa.view(torch.int16).numpy())
+        else:
+            master = w.float().numpy()
+        out[f"params/{name}/master"] = torch.from_numpy(np.ascontiguousarray(master, np.float32))
+        for key, array in _decoded_moments(entry, tensors, optimizer["formats"], tuple(w.shape)).items():
+            out[f"params/{name}/{key}"] = torch.from_numpy(np.ascontiguousarray(array, np.float32))
+    for key, t in tensors.items():  # parameters the optimizer does not step: weights only
+        if key.startswith("params/") and key.endswith("/w") and key[len("params/"):-len("/w")] not in covered:
+            out[key] = t
+    out = {key: _own(t) for key, t in out.items()}
+    export_metadata = {"format": EXPORT_FORMAT, "step": metadata["step"], "t_step": metadata["t_step"],
+                       "config": metadata["config"], "code": metadata["code"], "sign_convention": SIGN_CONVENTION}
+    export_metadata["sha256"] = _checkpoint_sha256(out, export_metadata)  # read_state(out, EXPORT_FORMAT) checks it
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_save(out, {key: json.dumps(value) for key, value in export_metadata.items()}, out_path)
+    return out_path
