@@ -120,14 +120,13 @@ class PackedMuonAdamW(Optimizer):
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if torch.compiler.is_compiling():
-            raise RuntimeError("PackedMuonAdamW.step() under torch.compile is not offered yet: call it outside the "
-                               "compiled region, as an eager step")
-        self._opt_called = True
+        return _muon.eager_step(self, closure)
+
+    step._wrapped_by_lr_sched = True
+
+    def _update(self) -> None:
+        """Both rules' steps; a rule that raises NonFiniteGradientError has stepped, and the
+        other steps too before the error names what either refused."""
         errors = []
         for rule in self._rules.values():
             try:
@@ -136,9 +135,6 @@ class PackedMuonAdamW(Optimizer):
                 errors.append(str(e))
         if errors:
             raise NonFiniteGradientError("; ".join(errors))
-        return loss
-
-    step._wrapped_by_lr_sched = True
 
     # ---- saving and loading -------------------------------------------------------------------
     def identities(self) -> dict[str, str]:
