@@ -813,22 +813,45 @@ def test_groups_with_their_own_settings_equal_torch_optim_muon():
             assert torch.equal(bits(p), bits(q))
 
 
-def test_dtensor_parameters_are_refused():
-    """FSDP2 would shard the matrix Newton-Schulz needs whole: not offered yet (one fake rank of two)."""
+def test_dtensor_parameters_that_no_rank_holds_a_part_of_are_refused():
+    """Sharded and replicated DTensors are stepped (tests/test_muon_distributed.py); a Partial one
+    says no rank's part of the matrix: refused (one fake rank of two)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), init_device_mesh("cpu", (2,)), [Shard(0)]))
-        with pytest.raises(ValueError, match="is a DTensor: PackedMuon does not step sharded"):
-            PackedMuon([sharded])
-        with pytest.raises(ValueError, match="is a DTensor"):
-            PackedMuonAdamW([{"params": [sharded], "kind": "muon"}])
+        partial = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 3), init_device_mesh("cpu", (2,)), [Partial()]))
+        with pytest.raises(ValueError, match="sharded or replicated"):
+            PackedMuon([partial])
+        with pytest.raises(ValueError, match="sharded or replicated"):
+            PackedMuonAdamW([{"params": [partial], "kind": "muon"}])
     finally:
         dist.destroy_process_group()
+
+
+@fused_torch
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_zero_size_matrices_are_skipped_with_an_empty_state(adjust_lr_fn):
+    """torch.optim.Muon steps a (0, 5) matrix as a no-op with an empty buffer, but divides by zero
+    on a (5, 0) one with the default adjustment; here every zero-size matrix is a no-op, and its
+    neighbours step as torch's."""
+    rng = np.random.default_rng(26)
+    empties = [torch.nn.Parameter(torch.zeros(s)) for s in ((5, 0), (0, 5), (0, 0))]
+    theirs, ours, opt_t, _ = torch_muon_pair(gradient(rng, (6, 4)), lr=0.02, adjust_lr_fn=adjust_lr_fn)
+    opt_o = PackedMuon([*empties, ours], lr=0.02, mode="fp32", adjust_lr_fn=adjust_lr_fn)
+    for _ in range(2):
+        for p in empties:
+            p.grad = torch.zeros(p.shape)
+        theirs.grad = gradient(rng, (6, 4))
+        ours.grad = theirs.grad.clone()
+        opt_t.step()
+        opt_o.step()
+        assert torch.equal(bits(theirs), bits(ours))
+    for p in empties:
+        assert opt_o.state[p]["momentum_buffer"].shape == p.shape
 
 
 def test_a_group_changed_to_bad_values_is_refused_at_the_next_step():
