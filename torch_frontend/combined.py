@@ -55,7 +55,8 @@ class PackedMuonAdamW(Optimizer):
     `adamw_mode`, `m_bias`, `rms_bias`) to PackedAdamW's; a group's own entries win. The step,
     state_dict and load_state_dict are both rules', each rule's state with its format identity
     (every saved group records its rule's); a load checks both before anything changes.
-    Not offered: capturable steps, torch.compile and DTensor parameters for the Muon groups."""
+    DTensor (FSDP2) parameters step as each rule steps them, and the state_dict shards with them
+    (torch.distributed.checkpoint). Not offered: capturable steps and torch.compile."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=_muon.DEFAULT_NS_COEFFICIENTS, eps: float = 1e-7,

@@ -6,7 +6,7 @@ bf16 (`newton_schulz`, as torch.optim.Muon runs it; or `newton_schulz_batched` o
 matrices of one shape, with `batch_ns`), the weight phase (numpy or kernel). The shared machinery serves it as it serves
 PackedAdamW: parameter names and group checks (`_checks.py`), the low halves of bf16
 parameters and their masters (`_state.py`, `functional.py`), the state_dict's identity and the
-loaded tensors' restoration (`_persistence.py`).
+loaded tensors' restoration (`_persistence.py`), DTensor state layouts (`_dtensor.py`).
 """
 from __future__ import annotations
 
@@ -165,8 +165,10 @@ class PackedMuon(Optimizer):
     as one optimizer. `maximize=True` steps on the negated gradient. A matrix whose gradient,
     momentum or Newton-Schulz input is not finite is refused whole: its weights and momentum
     stay as they were (MUON.md); with `check_nonfinite=True` the step then raises
-    `NonFiniteGradientError` naming it. Not offered here: torch.compile, capturable steps
-    (CUDA graphs) and DTensor (FSDP2) parameters; they are refused.
+    `NonFiniteGradientError` naming it. DTensor parameters (FSDP2's `fully_shard`) step shard
+    by shard with Newton-Schulz on the gathered whole matrix, with the single process's bits,
+    and keep DTensor state that torch.distributed.checkpoint saves and reshards (MUON.md,
+    "FSDP2"). Not offered here: torch.compile and capturable steps (CUDA graphs); they are refused.
 
     `batch_ns=True` runs Newton-Schulz once per batch of matrices that share a shape (up to
     transposition) and settings, as batched GEMMs, and on CUDA each elementwise phase as one
