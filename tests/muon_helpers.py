@@ -1,10 +1,14 @@
 """Shared pieces of the torch Muon tests: the skip for torch's unfused CPU kernels, gradients
-over many binades, and a tiny model with every kind of parameter."""
+over many binades, a tiny model with every kind of parameter, random states and weights for the
+kernels, and the numpy phases as a reference step."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+
+from packed_adamw.core.muon import StateFormat, momentum_phase, step_scalar_row, weight_phase, weight_phase_split
+from packed_adamw.torch import NonFiniteGradientError
 
 # torch's AVX2/AVX512 CPU kernels fuse lerp's and add(alpha=)'s multiply-add as the contract
 # does; its DEFAULT (no-SIMD) build rounds twice (docs/MUON.md, "lerp").
@@ -41,3 +45,70 @@ def set_gradients(rng: np.random.Generator, *models) -> None:
         g = gradient(rng, tuple(params[0].shape), -10, -2)
         for p in params:
             p.grad = g.to(p.dtype).clone()
+
+
+def taking_fp32_gradients(p: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A bf16 parameter that accepts float32 gradients (newer torch checks a gradient's dtype)."""
+    if hasattr(p, "grad_dtype"):
+        p.grad_dtype = None
+    return p
+
+
+def step_refusing(opt, index: int) -> None:
+    """A step that must refuse matrix `index` of the first group (NonFiniteGradientError)."""
+    with pytest.raises(NonFiniteGradientError, match=rf"\['params'\]\[{index}\] \(refused whole\)"):
+        opt.step()
+
+
+def random_state(rng: np.random.Generator, mode: str, shape) -> torch.Tensor:
+    """A momentum entry of `mode` with random finite values over many binades."""
+    if mode == "fp32":
+        return gradient(rng, shape, -30, 0)
+    codes = rng.integers(0, 2**16, shape).astype(np.uint16)
+    if mode == "bf16":
+        codes &= np.uint16(0xBFFF)  # finite bf16 codes (exponent below all ones)
+    return torch.from_numpy(codes.view(np.int16))
+
+
+def random_weights(rng: np.random.Generator, shape, split: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weights, low half): float32 weights, or bf16 weights' bits as int16 with a random low half."""
+    p0 = gradient(rng, shape, -8, 4)
+    if not split:
+        return p0.clone(), None
+    return p0.bfloat16().view(torch.int16).clone(), torch.from_numpy(rng.integers(-2**15, 2**15, shape).astype(np.int16))
+
+
+class PhasesReference:
+    """The numpy phases (core/muon) around a given Newton-Schulz, on host copies of matrices'
+    weights, packed momenta and low halves: what a PackedMuon step must equal."""
+
+    def __init__(self, params, shapes, lr: float = 0.03):
+        self.split = params[0].dtype is torch.bfloat16
+        self.fmt = StateFormat("packed")
+        self.weights = [bits(p).cpu().numpy().copy() for p in params]
+        if not self.split:
+            self.weights = [w.view(np.float32) for w in self.weights]
+        self.states = [np.zeros(s, np.uint16) for s in shapes]
+        self.lows = [np.zeros(s, np.int16) for s in shapes]
+        self.scalars = [step_scalar_row((lr, 0.95, 0.1, 1e-7), s) for s in shapes]
+
+    def step(self, grads, batches, newton_schulz_batch) -> None:
+        """`batches`: (indices, ns_steps) per Newton-Schulz batch; `newton_schulz_batch(xs,
+        indices, steps)` returns the results of the accepted matrices' inputs `xs` (a dict)."""
+        xs = {i: momentum_phase(g.numpy(), self.states[i], self.scalars[i], fmt=self.fmt) for i, g in enumerate(grads)}
+        for batch, steps in batches:
+            accepted = {i: torch.from_numpy(xs[i].view(np.int16)).view(torch.bfloat16)
+                        for i in batch if xs[i] is not None}
+            for i, ortho in newton_schulz_batch(accepted, batch, steps).items():
+                ortho = ortho.contiguous().view(torch.int16).cpu().numpy()
+                if self.split:
+                    weight_phase_split(self.weights[i], self.lows[i], ortho, self.scalars[i])
+                else:
+                    weight_phase(self.weights[i], ortho, self.scalars[i])
+
+    def assert_equals(self, params, opt) -> None:
+        for i, p in enumerate(params):
+            assert np.array_equal(bits(p).cpu().numpy(), self.weights[i].view(np.int16 if self.split else np.int32))
+            assert np.array_equal(opt.state[p]["momentum_code"].cpu().numpy().view(np.uint16), self.states[i])
+            if self.split:
+                assert np.array_equal(opt.state[p]["lo"].cpu().numpy(), self.lows[i])

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from muon_helpers import TinyModel, bits, cuda_only, fused_torch, gradient, set_gradients
+from muon_helpers import (PhasesReference, TinyModel, bits, cuda_only, fused_torch, gradient, random_state,
+                          random_weights, set_gradients, step_refusing, taking_fp32_gradients)
 from packed_adamw.core import launch
 from packed_adamw.core.muon import StateFormat, momentum_phase, step_scalar_row, weight_phase, weight_phase_split
 from packed_adamw.torch import NonFiniteGradientError, PackedAdamW, PackedMuon, PackedMuonAdamW, muon_param_groups
@@ -131,10 +132,7 @@ BATCH_NS_SHAPES = [(6, 10), (10, 6), (6, 10), (7, 7), (7, 7), (3, 5), (6, 10)]
 
 
 def batch_ns_optimizer(p0, device, batch_ns, dtype):
-    params = [torch.nn.Parameter(p.to(dtype).to(device).clone()) for p in p0]  # never p0 itself
-    for p in params:
-        if hasattr(p, "grad_dtype"):
-            p.grad_dtype = None  # float32 gradients on a bf16 parameter
+    params = [taking_fp32_gradients(torch.nn.Parameter(p.to(dtype).to(device).clone())) for p in p0]  # never p0
     groups = [{"params": params[:-1]}, {"params": params[-1:], "ns_steps": 3}]
     return params, PackedMuon(groups, lr=0.03, batch_ns=batch_ns, check_nonfinite=True)
 
@@ -149,11 +147,7 @@ def step_and_compare(rng, runs, steps=3, bad_at=(1, 1)):
         for params, opt in runs:
             for p, g in zip(params, grads):
                 p.grad = g.to(p.device)
-            if step == bad_at[0]:
-                with pytest.raises(NonFiniteGradientError, match=rf"\['params'\]\[{bad_at[1]}\] \(refused whole\)"):
-                    opt.step()
-            else:
-                opt.step()
+            step_refusing(opt, bad_at[1]) if step == bad_at[0] else opt.step()
         (a, opt_a), *others = runs
         for b, opt_b in others:
             for p, q in zip(a, b):
@@ -167,44 +161,37 @@ def p0_for_batch_ns(rng):
     return [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in BATCH_NS_SHAPES]
 
 
+# The Newton-Schulz batches of a BATCH_NS_SHAPES step with batch_ns: (indices, ns_steps).
+NS_BATCHES = (([0, 1, 2], 5), ([3, 4], 5), ([5], 5), ([6], 3))
+
+
+def step_batch_ns_against_the_phases(opt, params, device, newton_schulz_batch, rng):
+    """Three steps of `opt` (the second with a NaN refusing matrix 1) against the numpy phases
+    around `newton_schulz_batch` of NS_BATCHES (PhasesReference.step)."""
+    reference = PhasesReference(params, BATCH_NS_SHAPES)
+    for step in range(3):
+        grads = [gradient(rng, s) for s in BATCH_NS_SHAPES]
+        if step == 1:
+            grads[1][0, 0] = float("nan")
+        for p, g in zip(params, grads):
+            p.grad = g.to(device)
+        step_refusing(opt, 1) if step == 1 else opt.step()
+        reference.step(grads, NS_BATCHES, newton_schulz_batch)
+        reference.assert_equals(params, opt)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_ns_steps_as_the_core_phases_around_the_batched_newton_schulz(dtype, monkeypatch):
     batches = []
     monkeypatch.setattr(torch_muon, "newton_schulz_batched",
                         lambda xs, *a: batches.append([tuple(x.shape) for x in xs]) or newton_schulz_batched(xs, *a))
     rng = np.random.default_rng(22)
-    p0 = p0_for_batch_ns(rng)
-    params, opt = batch_ns_optimizer(p0, "cpu", True, dtype)
-    fmt, split = StateFormat("packed"), dtype is torch.bfloat16
-    weights = [p.detach().clone().view(torch.int16 if split else torch.int32).numpy() for p in params]
-    weights = [w.view(np.int16) if split else w.view(np.float32) for w in weights]
-    states, lows = [np.zeros(s, np.uint16) for s in BATCH_NS_SHAPES], [np.zeros(s, np.int16) for s in BATCH_NS_SHAPES]
-    scalars = [step_scalar_row((0.03, 0.95, 0.1, 1e-7), s) for s in BATCH_NS_SHAPES]
-    for step in range(3):
-        grads = [gradient(rng, s) for s in BATCH_NS_SHAPES]
-        if step == 1:
-            grads[1][0, 0] = float("nan")
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        if step == 1:
-            with pytest.raises(NonFiniteGradientError, match=r"\['params'\]\[1\] \(refused whole\)"):
-                opt.step()
-        else:
-            opt.step()
-        xs = {i: momentum_phase(g.numpy(), states[i], scalars[i], fmt=fmt) for i, g in enumerate(grads)}
-        for batch, steps in (([0, 1, 2], 5), ([3, 4], 5), ([5], 5), ([6], 3)):
-            batch = [i for i in batch if xs[i] is not None]
-            inputs = [torch.from_numpy(xs[i].view(np.int16)).view(torch.bfloat16) for i in batch]
-            results = newton_schulz_batched(inputs, steps=steps)  # a lone matrix too
-            for i, ortho in zip(batch, results):
-                ortho = ortho.contiguous().view(torch.int16).numpy()
-                if split:
-                    weight_phase_split(weights[i], lows[i], ortho, scalars[i])
-                else:
-                    weight_phase(weights[i], ortho, scalars[i])
-        for i, p in enumerate(params):
-            assert np.array_equal(bits(p).numpy(), weights[i].view(np.int16 if split else np.int32))
-            assert np.array_equal(opt.state[p]["momentum_code"].numpy().view(np.uint16), states[i])
+    params, opt = batch_ns_optimizer(p0_for_batch_ns(rng), "cpu", True, dtype)
+
+    def accepted_only(xs, batch, steps):  # a lone matrix runs batched too
+        return dict(zip(xs, newton_schulz_batched(list(xs.values()), steps=steps))) if xs else {}
+
+    step_batch_ns_against_the_phases(opt, params, "cpu", accepted_only, rng)
     # Each step batches the three (6, 10)-wide matrices and the (7, 7) pair; the lone (3, 5) and
     # the ns_steps=3 group's matrix are batches of one. At the NaN step the refused (10, 6) is left out.
     full = [[(6, 10), (10, 6), (6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]]
@@ -221,40 +208,12 @@ def test_cuda_batch_ns_step_equals_the_cpu_phases_around_the_cuda_batched_newton
     its place: cuBLAS may choose its algorithm by the batch's size."""
     rng = np.random.default_rng(24)
     params, opt = batch_ns_optimizer(p0_for_batch_ns(rng), "cuda", True, dtype)
-    fmt, split = StateFormat("packed"), dtype is torch.bfloat16
-    weights = [p.detach().cpu().clone().view(torch.int16 if split else torch.int32).numpy() for p in params]
-    weights = [w.view(np.int16) if split else w.view(np.float32) for w in weights]
-    states, lows = [np.zeros(s, np.uint16) for s in BATCH_NS_SHAPES], [np.zeros(s, np.int16) for s in BATCH_NS_SHAPES]
-    scalars = [step_scalar_row((0.03, 0.95, 0.1, 1e-7), s) for s in BATCH_NS_SHAPES]
-    for step in range(3):
-        grads = [gradient(rng, s) for s in BATCH_NS_SHAPES]
-        if step == 1:
-            grads[1][0, 0] = float("nan")
-        for p, g in zip(params, grads):
-            p.grad = g.cuda()
-        if step == 1:
-            with pytest.raises(NonFiniteGradientError, match=r"\['params'\]\[1\] \(refused whole\)"):
-                opt.step()
-        else:
-            opt.step()
-        xs = {i: momentum_phase(g.numpy(), states[i], scalars[i], fmt=fmt) for i, g in enumerate(grads)}
-        for batch, steps in (([0, 1, 2], 5), ([3, 4], 5), ([5], 5), ([6], 3)):
-            inputs = [torch.zeros(BATCH_NS_SHAPES[i], dtype=torch.bfloat16) if xs[i] is None
-                      else torch.from_numpy(xs[i].view(np.int16)).view(torch.bfloat16) for i in batch]
-            results = newton_schulz_batched([x.cuda() for x in inputs], steps=steps)
-            for i, ortho in zip(batch, results):
-                if xs[i] is None:
-                    continue
-                ortho = ortho.contiguous().view(torch.int16).cpu().numpy()
-                if split:
-                    weight_phase_split(weights[i], lows[i], ortho, scalars[i])
-                else:
-                    weight_phase(weights[i], ortho, scalars[i])
-        for i, p in enumerate(params):
-            assert np.array_equal(bits(p).cpu().numpy(), weights[i].view(np.int16 if split else np.int32))
-            assert np.array_equal(opt.state[p]["momentum_code"].cpu().numpy().view(np.uint16), states[i])
-            if split:
-                assert np.array_equal(opt.state[p]["lo"].cpu().numpy(), lows[i])
+
+    def refused_kept_as_zeros(xs, batch, steps):
+        inputs = [xs.get(i, torch.zeros(BATCH_NS_SHAPES[i], dtype=torch.bfloat16)).cuda() for i in batch]
+        return {i: y for i, y in zip(batch, newton_schulz_batched(inputs, steps=steps)) if i in xs}
+
+    step_batch_ns_against_the_phases(opt, params, "cuda", refused_kept_as_zeros, rng)
 
 
 @pytest.mark.parametrize("batch_ns", [False, True])
@@ -361,9 +320,7 @@ def test_bf16_parameters_keep_the_fp32_trajectory_in_their_masters():
     FP32 parameter's bits, and its weight is that master rounded."""
     rng = np.random.default_rng(9)
     p0 = torch.from_numpy(rng.standard_normal((8, 6)).astype(np.float32)).bfloat16().float()
-    fp32, bf16 = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.bfloat16())
-    if hasattr(bf16, "grad_dtype"):
-        bf16.grad_dtype = None  # float32 gradients on a bf16 parameter (newer torch checks the dtype)
+    fp32, bf16 = torch.nn.Parameter(p0.clone()), taking_fp32_gradients(torch.nn.Parameter(p0.bfloat16()))
     opt_f, opt_b = PackedMuon([fp32], lr=0.05), PackedMuon([bf16], lr=0.05)
     for grad_dtype in (torch.float32, torch.bfloat16, torch.float32):
         g = gradient(rng, (8, 6)).to(grad_dtype).float()
@@ -389,8 +346,7 @@ def test_a_non_finite_gradient_refuses_its_whole_matrix():
     before, state_before = bad.detach().clone(), opt.state[bad]["momentum_code"].clone()
     good_before = good.detach().clone()
     bad.grad[1, 2] = float("nan")
-    with pytest.raises(NonFiniteGradientError, match=r"\['params'\]\[0\] \(refused whole\)"):
-        opt.step()
+    step_refusing(opt, 0)
     assert torch.equal(bits(bad), bits(before))
     assert torch.equal(opt.state[bad]["momentum_code"], state_before)
     assert not torch.equal(bits(good), bits(good_before))
@@ -507,16 +463,8 @@ def test_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split, device)
     grad = gradient(rng, shape, -40, 1)
     if split:
         grad = grad.bfloat16()
-    if mode == "fp32":
-        state = gradient(rng, shape, -30, 0)
-    else:
-        codes = rng.integers(0, 2**16, shape).astype(np.uint16)
-        if mode == "bf16":
-            codes &= np.uint16(0xBFFF)  # finite bf16 codes (exponent below all ones)
-        state = torch.from_numpy(codes.view(np.int16))
-    p0 = gradient(rng, shape, -8, 4)
-    weights = p0.bfloat16().view(torch.int16).clone() if split else p0.clone()
-    low = torch.from_numpy(rng.integers(-2**15, 2**15, shape).astype(np.int16)) if split else None
+    state = random_state(rng, mode, shape)
+    weights, low = random_weights(rng, shape, split)
     ref_state, ref_w = state.numpy().copy(), weights.numpy().copy()
     ref_low = None if low is None else low.numpy().copy()
     grad_np = grad.view(torch.int16).numpy() if split else grad.numpy()
@@ -604,16 +552,10 @@ def test_table_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split, d
         if slot == 1:
             grad[3, 7] = float("nan")
         grads.append(grad.bfloat16() if split else grad)
-        if mode == "fp32":
-            states.append(gradient(rng, shape, -30, 0))
-        else:
-            codes = rng.integers(0, 2**16, shape).astype(np.uint16)
-            if mode == "bf16":
-                codes &= np.uint16(0xBFFF)  # finite bf16 codes (exponent below all ones)
-            states.append(torch.from_numpy(codes.view(np.int16)))
-        p0 = gradient(rng, shape, -8, 4)
-        weights.append(p0.bfloat16().view(torch.int16).clone() if split else p0.clone())
-        lows.append(torch.from_numpy(rng.integers(-2**15, 2**15, shape).astype(np.int16)) if split else None)
+        states.append(random_state(rng, mode, shape))
+        w, low = random_weights(rng, shape, split)
+        weights.append(w)
+        lows.append(low)
     refs = [(s.numpy().copy(), w.numpy().copy(), None if lo is None else lo.numpy().copy())
             for s, w, lo in zip(states, weights, lows)]
     on_device = [[None if t is None else t.to(device) for t in ts] for ts in (grads, states, weights, lows)]
@@ -663,9 +605,8 @@ def test_cuda_fp32_mode_equals_torch_optim_muon_on_cuda(shape):
 def test_cuda_step_equals_the_cpu_phases_around_the_cuda_newton_schulz(mode):
     rng = np.random.default_rng(15)
     shape, fmt = (40, 24), StateFormat(mode)
-    param = torch.nn.Parameter(torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).cuda().bfloat16())
-    if hasattr(param, "grad_dtype"):
-        param.grad_dtype = None  # float32 gradients on a bf16 parameter
+    param = taking_fp32_gradients(
+        torch.nn.Parameter(torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).cuda().bfloat16()))
     opt = PackedMuon([param], lr=0.02, mode=mode, check_nonfinite=True)
     state = np.zeros(shape, np.uint16)
     scalars = step_scalar_row((0.02, 0.95, 0.1, 1e-7), shape)
@@ -813,22 +754,45 @@ def test_groups_with_their_own_settings_equal_torch_optim_muon():
             assert torch.equal(bits(p), bits(q))
 
 
-def test_dtensor_parameters_are_refused():
-    """FSDP2 would shard the matrix Newton-Schulz needs whole: not offered yet (one fake rank of two)."""
+def test_dtensor_parameters_that_no_rank_holds_a_part_of_are_refused():
+    """Sharded and replicated DTensors are stepped (tests/test_muon_distributed.py); a Partial one
+    says no rank's part of the matrix: refused (one fake rank of two)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), init_device_mesh("cpu", (2,)), [Shard(0)]))
-        with pytest.raises(ValueError, match="is a DTensor: PackedMuon does not step sharded"):
-            PackedMuon([sharded])
-        with pytest.raises(ValueError, match="is a DTensor"):
-            PackedMuonAdamW([{"params": [sharded], "kind": "muon"}])
+        partial = torch.nn.Parameter(DTensor.from_local(torch.ones(4, 3), init_device_mesh("cpu", (2,)), [Partial()]))
+        with pytest.raises(ValueError, match="sharded or replicated"):
+            PackedMuon([partial])
+        with pytest.raises(ValueError, match="sharded or replicated"):
+            PackedMuonAdamW([{"params": [partial], "kind": "muon"}])
     finally:
         dist.destroy_process_group()
+
+
+@fused_torch
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+def test_zero_size_matrices_are_skipped_with_an_empty_state(adjust_lr_fn):
+    """torch.optim.Muon steps a (0, 5) matrix as a no-op with an empty buffer, but divides by zero
+    on a (5, 0) one with the default adjustment; here every zero-size matrix is a no-op, and its
+    neighbours step as torch's."""
+    rng = np.random.default_rng(26)
+    empties = [torch.nn.Parameter(torch.zeros(s)) for s in ((5, 0), (0, 5), (0, 0))]
+    theirs, ours, opt_t, _ = torch_muon_pair(gradient(rng, (6, 4)), lr=0.02, adjust_lr_fn=adjust_lr_fn)
+    opt_o = PackedMuon([*empties, ours], lr=0.02, mode="fp32", adjust_lr_fn=adjust_lr_fn)
+    for _ in range(2):
+        for p in empties:
+            p.grad = torch.zeros(p.shape)
+        theirs.grad = gradient(rng, (6, 4))
+        ours.grad = theirs.grad.clone()
+        opt_t.step()
+        opt_o.step()
+        assert torch.equal(bits(theirs), bits(ours))
+    for p in empties:
+        assert opt_o.state[p]["momentum_buffer"].shape == p.shape
 
 
 def test_a_group_changed_to_bad_values_is_refused_at_the_next_step():

@@ -55,7 +55,8 @@ class PackedMuonAdamW(Optimizer):
     `adamw_mode`, `m_bias`, `rms_bias`) to PackedAdamW's; a group's own entries win. The step,
     state_dict and load_state_dict are both rules', each rule's state with its format identity
     (every saved group records its rule's); a load checks both before anything changes.
-    Not offered: capturable steps, torch.compile and DTensor parameters for the Muon groups."""
+    DTensor (FSDP2) parameters step as each rule steps them, and the state_dict shards with them
+    (torch.distributed.checkpoint). Not offered: capturable steps and torch.compile."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=_muon.DEFAULT_NS_COEFFICIENTS, eps: float = 1e-7,
@@ -120,14 +121,13 @@ class PackedMuonAdamW(Optimizer):
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if torch.compiler.is_compiling():
-            raise RuntimeError("PackedMuonAdamW.step() under torch.compile is not offered yet: call it outside the "
-                               "compiled region, as an eager step")
-        self._opt_called = True
+        return _muon.eager_step(self, closure)
+
+    step._wrapped_by_lr_sched = True
+
+    def _update(self) -> None:
+        """Both rules' steps; a rule that raises NonFiniteGradientError has stepped, and the
+        other steps too before the error names what either refused."""
         errors = []
         for rule in self._rules.values():
             try:
@@ -136,9 +136,6 @@ class PackedMuonAdamW(Optimizer):
                 errors.append(str(e))
         if errors:
             raise NonFiniteGradientError("; ".join(errors))
-        return loss
-
-    step._wrapped_by_lr_sched = True
 
     # ---- saving and loading -------------------------------------------------------------------
     def identities(self) -> dict[str, str]:

@@ -6,11 +6,12 @@ bf16 (`newton_schulz`, as torch.optim.Muon runs it; or `newton_schulz_batched` o
 matrices of one shape, with `batch_ns`), the weight phase (numpy or kernel). The shared machinery serves it as it serves
 PackedAdamW: parameter names and group checks (`_checks.py`), the low halves of bf16
 parameters and their masters (`_state.py`, `functional.py`), the state_dict's identity and the
-loaded tensors' restoration (`_persistence.py`).
+loaded tensors' restoration (`_persistence.py`), DTensor state layouts (`_dtensor.py`).
 """
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from packed_adamw.core.muon import (
 from . import _checks, _dtensor, _persistence
 from ._engine import NonFiniteGradientError
 from ._state import LOW_HALF_KEY, new_low_half
-from .functional import join_master, split_master_
+from .functional import nonfinite_count, split_master_
 
 FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
 COMBINED_NAME = "PackedMuonAdamW"  # where the parameters Muon refuses belong (combined.py)
@@ -112,8 +113,45 @@ def ns_batch_key(shape, group: dict) -> tuple:
             int(group["ns_steps"]), float(group["eps"]))
 
 
+# ---- the state of DTensor (FSDP2) parameters ------------------------------------------------
+# A DTensor parameter's momentum entry is a DTensor on its mesh with its placements, so that
+# torch.distributed.checkpoint saves, loads and reshards it as the model's. The 16-bit codes are
+# stored as int8 pairs [*shape, 2], as _dtensor.py stores a low half: torch.distributed's
+# collectives carry no int16, and a trailing pair dimension keeps every placement of the
+# parameter's dims meaning the same. fp32 momenta are float32 DTensors laid out like the parameter.
+SHARDED_CODES_DTYPE = _dtensor.SHARDED_LOW_HALF_DTYPE
+NAN_BF16_BITS = 0x7FC0  # a shard that refuses its part of X sends these (see `_gathered_input`)
+
+
+def momentum_layout(param: torch.Tensor, fmt: StateFormat) -> tuple[torch.dtype, tuple[int, ...]]:
+    """(dtype, shape) of the stored momentum entry of `param` (a DTensor's: its global shape)."""
+    dtype = _TORCH_DTYPES[fmt.state_dtype]
+    if _dtensor.is_dtensor(param) and dtype is torch.int16:
+        return SHARDED_CODES_DTYPE, (*param.shape, 2)
+    return dtype, tuple(fmt.state_shape(param.shape))
+
+
 def new_momentum(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
-    return torch.zeros(fmt.state_shape(param.shape), dtype=_TORCH_DTYPES[fmt.state_dtype], device=param.device)
+    """A zero momentum entry for `param`: a DTensor laid out like it when it is one."""
+    local_param = _dtensor.local(param)
+    local = torch.zeros(fmt.state_shape(local_param.shape), dtype=_TORCH_DTYPES[fmt.state_dtype],
+                        device=local_param.device)
+    if not _dtensor.is_dtensor(param):
+        return local
+    if local.dtype is torch.int16:
+        return _dtensor.wrap_low_half(param, local)  # int16 -> int8 pairs, laid out like the parameter
+    return _dtensor.like_param(param, local)
+
+
+def local_entry(stored: torch.Tensor) -> torch.Tensor:
+    """The local tensor the phases read and write of a stored momentum entry or low half: a
+    view of the stored bits (int16 codes from int8 pairs, float32 momenta as they are)."""
+    return _dtensor.kernel_low_half(stored)
+
+
+def new_split_low_half(param: torch.Tensor) -> torch.Tensor:
+    """A bf16 parameter's low half, stored as PackedAdamW stores it (int8 pairs for a DTensor)."""
+    return _dtensor.wrap_low_half(param, new_low_half(_dtensor.local(param)))
 
 
 class PackedMuon(Optimizer):
@@ -127,8 +165,10 @@ class PackedMuon(Optimizer):
     as one optimizer. `maximize=True` steps on the negated gradient. A matrix whose gradient,
     momentum or Newton-Schulz input is not finite is refused whole: its weights and momentum
     stay as they were (MUON.md); with `check_nonfinite=True` the step then raises
-    `NonFiniteGradientError` naming it. Not offered here: torch.compile, capturable steps
-    (CUDA graphs) and DTensor (FSDP2) parameters; they are refused.
+    `NonFiniteGradientError` naming it. DTensor parameters (FSDP2's `fully_shard`) step shard
+    by shard with Newton-Schulz on the gathered whole matrix, with the single process's bits,
+    and keep DTensor state that torch.distributed.checkpoint saves and reshards (MUON.md,
+    "FSDP2"). Not offered here: torch.compile and capturable steps (CUDA graphs); they are refused.
 
     `batch_ns=True` runs Newton-Schulz once per batch of matrices that share a shape (up to
     transposition) and settings, as batched GEMMs, and on CUDA each elementwise phase as one
@@ -197,16 +237,7 @@ class PackedMuon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if torch.compiler.is_compiling():
-            raise RuntimeError("PackedMuon.step() under torch.compile is not offered yet: call it outside the "
-                               "compiled region (torch.compiler.disable), as an eager step")
-        self._opt_called = True  # for LR schedulers (see PackedAdamW.step)
-        self._update()
-        return loss
+        return eager_step(self, closure)
 
     step._wrapped_by_lr_sched = True
 
@@ -224,9 +255,9 @@ class PackedMuon(Optimizer):
         restore_loaded(self, loaded)
 
     def master_weights(self) -> list[torch.Tensor]:
-        """As PackedAdamW.master_weights: the FP32 masters in parameter order."""
-        return [p if p.dtype is not BFLOAT16 else join_master(p, (self.state.get(p) or {}).get(LOW_HALF_KEY))
-                for g in self.param_groups for p in g["params"]]
+        """As PackedAdamW.master_weights: the FP32 masters in parameter order (DTensors laid
+        out like DTensor parameters)."""
+        return _persistence.master_weights(self)
 
     def load_master_weights(self, masters) -> None:
         """As PackedAdamW.load_master_weights: float32 parameters take the values, bf16 ones
@@ -235,14 +266,31 @@ class PackedMuon(Optimizer):
         masters = _checks.checked_masters(params, list(masters), [_persistence.name_of(self, p) for p in params],
                                           self.state)
         for p, master in zip(params, masters):
+            local_param = _dtensor.local(p)
             if p.dtype is not BFLOAT16:
-                p.detach().copy_(master)
+                local_param.detach().copy_(master)
                 continue
             state = self.state[p]
             if not state:
                 state[self.state_format.state_key] = new_momentum(p, self.state_format)
-                state[LOW_HALF_KEY] = new_low_half(p)
-            split_master_(master, p, state[LOW_HALF_KEY])
+                state[LOW_HALF_KEY] = new_split_low_half(p)
+            split_master_(master, local_param, local_entry(state[LOW_HALF_KEY]))
+
+
+def eager_step(opt: Optimizer, closure):
+    """`step(closure)` of an optimizer whose step runs only eagerly (PackedMuon, PackedMuonAdamW):
+    the closure re-evaluated with gradients on, a refusal under torch.compile, the note LR
+    schedulers read (see PackedAdamW.step), then `opt._update()`. Returns the closure's loss."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"{type(opt).__name__}.step() under torch.compile is not offered yet: call it outside "
+                           "the compiled region (torch.compiler.disable), as an eager step")
+    opt._opt_called = True
+    opt._update()
+    return loss
 
 
 # ---- checks ------------------------------------------------------------------------------
@@ -260,9 +308,6 @@ def validate_group(group: dict, where: str) -> None:
 
 
 def check_matrix(p: torch.Tensor, name: str) -> None:
-    if _dtensor.is_dtensor(p):
-        raise ValueError(f"{name} is a DTensor: PackedMuon does not step sharded (FSDP2) parameters yet; "
-                         "Newton-Schulz needs the whole matrix. Use PackedAdamW for sharded models")
     if p.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(p.shape)}: Muon orthogonalises 2-D matrices only; give it to "
                          f"AdamW: {COMBINED_NAME} steps both (a group with kind='adamw'; muon_param_groups(model) "
@@ -270,17 +315,25 @@ def check_matrix(p: torch.Tensor, name: str) -> None:
     if p.dtype not in (FLOAT32, BFLOAT16):
         raise TypeError(f"{name} has dtype {p.dtype}: PackedMuon trains float32 or bfloat16 matrices; convert it "
                         "with .float() or .to(torch.bfloat16)")
-    if not p.is_contiguous():
+    if _dtensor.is_dtensor(p):
+        # Newton-Schulz gathers the whole matrix and each rank keeps its part of the result: a
+        # placement must say which part of the matrix a rank holds.
+        if not all(isinstance(pl, (_dtensor.Shard, _dtensor.Replicate)) for pl in p.placements):
+            raise ValueError(f"{name} is {_dtensor.describe(p)}: PackedMuon steps DTensor parameters that are "
+                             "sharded or replicated (Shard, Replicate), as FSDP2 and tensor parallelism lay them out")
+    if not _dtensor.local(p).is_contiguous():
         raise ValueError(f"{name} is not contiguous: pass a contiguous parameter")
     if p.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on {p.device}: PackedMuon runs on CPU and CUDA devices")
 
 
 def _checked_grad(p: torch.Tensor, name: str) -> torch.Tensor:
-    g = p.grad
-    if not (g.layout is torch.strided and g.shape == p.shape and g.is_contiguous()
-            and (g.dtype is FLOAT32 or g.dtype is p.dtype) and g.device == p.device):
-        _checks.raise_grad_error(p, g, name, "PackedMuon")
+    """The gradient the phases read: a DTensor gradient's local shard (laid out like its
+    parameter's), or the gradient itself."""
+    p_local, g = _checks.kernel_tensors(p, name)
+    if not (g.layout is torch.strided and g.shape == p_local.shape and g.is_contiguous()
+            and (g.dtype is FLOAT32 or g.dtype is p.dtype) and g.device == p_local.device):
+        _checks.raise_grad_error(p_local, g, name, "PackedMuon")
     return g
 
 
@@ -290,18 +343,40 @@ def _checked_state(opt, p, name: str) -> dict:
     if not state:
         return {}
     stored = state.get(fmt.state_key)
-    expected = _TORCH_DTYPES[fmt.state_dtype]
-    if not isinstance(stored, torch.Tensor) or stored.dtype != expected or stored.shape != p.shape \
-            or stored.device != p.device or not stored.is_contiguous():
-        raise ValueError(f"{name}: its optimizer state has no contiguous {expected} {fmt.state_key!r} tensor of "
-                         f"shape {tuple(p.shape)} on {p.device}; load a state saved by PackedMuon with the same "
-                         "mode, or start fresh")
+    dtype, shape = momentum_layout(p, fmt)
+    p_local = _dtensor.local(p)
+    laid_out = isinstance(stored, torch.Tensor) and _dtensor.is_dtensor(stored) == _dtensor.is_dtensor(p) \
+        and stored.dtype == dtype and tuple(stored.shape) == shape \
+        and (not _dtensor.is_dtensor(p) or tuple(stored.placements) == tuple(p.placements))
+    local = local_entry(stored) if laid_out else None
+    if not laid_out or local.shape != p_local.shape or local.device != p_local.device or not local.is_contiguous():
+        raise ValueError(f"{name}: its optimizer state has no contiguous {dtype} {fmt.state_key!r} tensor of "
+                         f"shape {shape} on {p_local.device} ({_dtensor.describe(p)}, like the parameter); load a "
+                         "state saved by PackedMuon with the same mode (a sharded one through "
+                         "torch.distributed.checkpoint), or start fresh")
     if p.dtype is BFLOAT16:
-        _checks.check_live_low_half(p, p, state, name)
+        _checks.check_live_low_half(p, p_local, state, name)
     return state
 
 
 # ---- the step ------------------------------------------------------------------------------
+class Matrix(NamedTuple):
+    """One matrix of a step, with the local tensors its phases read and write (a DTensor
+    parameter's local shards; a plain one's tensors themselves)."""
+    param: torch.Tensor  # as the optimizer holds it: its shape is the whole matrix's
+    grad: torch.Tensor
+    group: dict
+    row: tuple
+    name: str
+    weights: torch.Tensor
+    momentum: torch.Tensor
+    low: torch.Tensor | None  # a bf16 parameter's int16 low half
+
+    @property
+    def sharded(self) -> bool:
+        return _dtensor.is_dtensor(self.param)
+
+
 def step(opt) -> None:
     """One step of every matrix with a gradient. Everything is checked, and the first step's
     state entries made, before any matrix steps."""
@@ -309,7 +384,7 @@ def step(opt) -> None:
         raise RuntimeError("PackedMuon.step() was called while a CUDA graph captures; Muon's step is not "
                            "capturable: step it outside the capture")
     fmt = opt.state_format
-    work = []
+    checked = []
     for gi, group in enumerate(opt.param_groups):
         row = _checked_row(opt, group, gi)
         for pi, p in enumerate(group["params"]):
@@ -317,20 +392,27 @@ def step(opt) -> None:
                 continue
             name = _checks.param_name(group, gi, pi)
             check_matrix(p, name)
-            work.append((p, _checked_grad(p, name), _checked_state(opt, p, name), group, row, name))
-    _checks.check_one_device([w[0] for w in work], "PackedMuon.step", "PackedMuon")
-    for p, _, state, _, _, _ in work:
+            checked.append((p, _checked_grad(p, name), _checked_state(opt, p, name), group, row, name))
+    _checks.check_one_device([c[0] for c in checked], "PackedMuon.step", "PackedMuon")
+    work = []
+    for p, g, state, group, row, name in checked:
         if not state:
-            entries = opt.state[p]
-            entries[fmt.state_key] = new_momentum(p, fmt)
+            state = opt.state[p]
+            state[fmt.state_key] = new_momentum(p, fmt)
             if p.dtype is BFLOAT16:
-                entries[LOW_HALF_KEY] = new_low_half(p)
-    if work and _runs_kernels(opt, work[0][0].device):
+                state[LOW_HALF_KEY] = new_split_low_half(p)
+        if p.numel() == 0:
+            # Nothing to step (and no learning-rate ratio for a matrix without columns); the
+            # empty state is made, as torch.optim.Muon makes its empty buffer.
+            continue
+        low = local_entry(state[LOW_HALF_KEY]) if p.dtype is BFLOAT16 else None
+        work.append(Matrix(p, g, group, row, name, _dtensor.local(p), local_entry(state[fmt.state_key]), low))
+    if work and _runs_kernels(opt, work[0].weights.device):
         refused, rejected = _cuda_step(opt, work)
     else:
         refused, rejected = _cpu_step(opt, work)
     if opt.check_nonfinite and (any(refused) or any(rejected)):
-        bad = [f"{w[5]} ({'refused whole' if r else f'{n} of {w[0].numel()} weights kept'})"
+        bad = [f"{w.name} ({'refused whole' if r else f'{n} of {w.param.numel()} weights kept'})"
                for w, r, n in zip(work, refused, rejected) if r or n]
         raise NonFiniteGradientError(
             "PackedMuon.step: non-finite values in " + ", ".join(bad) + ". A refused matrix (NaN/Inf gradient, "
@@ -373,7 +455,7 @@ def _ns_batches(opt, work) -> list[list[int]]:
         return [[i] for i in range(len(work))]
     batches: dict[tuple, list[int]] = {}
     for i, w in enumerate(work):
-        batches.setdefault(ns_batch_key(w[0].shape, w[3]), []).append(i)
+        batches.setdefault(ns_batch_key(w.param.shape, w.group), []).append(i)
     return list(batches.values())
 
 
@@ -394,79 +476,132 @@ def _numpy16(t: torch.Tensor) -> np.ndarray:
     return t.detach().view(torch.int16).numpy()
 
 
-def _cpu_step(opt, work) -> tuple[list[bool], list[int]]:
+def _scalar_row(w: Matrix) -> tuple:
+    return step_scalar_row(w.row, tuple(w.param.shape), adjust_lr_fn=w.group["adjust_lr_fn"])
+
+
+# ---- DTensor parameters: Newton-Schulz on the whole matrix ----------------------------------
+# Each rank runs the elementwise phases on its shards; the Newton-Schulz input X is gathered
+# whole (DTensor.full_tensor), every rank orthogonalises the same bits, and each keeps its part of
+# the result for its weight phase. A matrix is refused on every rank or on none: a rank that
+# refuses its part sends NaNs in place of X, so all of them see a non-finite X.
+def _gathered_input(param: torch.Tensor, local_x: torch.Tensor) -> torch.Tensor:
+    """The whole X (bf16 bits as int16, the matrix's shape) from every rank's part `local_x`."""
+    pairs = _dtensor.wrap_low_half(param, local_x.contiguous())  # int8 pairs: the collectives carry no int16
+    return pairs.full_tensor().view(torch.int16).squeeze(-1)
+
+
+def _local_part(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a whole matrix laid out as `param`'s local shard (a local
+    redistribution from Replicate: no communication)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = param.device_mesh
+    replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, param.placements).to_local().contiguous()
+
+
+def _summed_over_shards(param: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """A per-rank count summed over the ranks that hold different parts of `param` (a replica
+    counts once), so that `check_nonfinite` raises on every rank or on none."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    placements = [Partial() if isinstance(pl, Shard) else Replicate() for pl in param.placements]
+    return DTensor.from_local(count, param.device_mesh, placements, run_check=False).full_tensor()
+
+
+def _cpu_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     fmt = opt.state_format
     refused, rejected = [False] * len(work), [0] * len(work)
     for batch in _ns_batches(opt, work):
         inputs, scalar_rows = {}, {}
         for i in batch:
-            p, g, _, group, row, _ = work[i]
-            scalar_rows[i] = step_scalar_row(row, p.shape, adjust_lr_fn=group["adjust_lr_fn"])
-            grad = g.detach().numpy() if g.dtype is FLOAT32 else _numpy16(g)
-            ns_bits = momentum_phase(grad, opt.state[p][fmt.state_key].numpy(), scalar_rows[i], fmt=fmt,
-                                     nesterov=group["nesterov"], maximize=bool(group.get("maximize", False)))
-            if ns_bits is None:
+            w = work[i]
+            scalar_rows[i] = _scalar_row(w)
+            grad = w.grad.detach().numpy() if w.grad.dtype is FLOAT32 else _numpy16(w.grad)
+            # A shard's new momentum is committed only once every rank accepted the matrix.
+            momentum = w.momentum.numpy().copy() if w.sharded else w.momentum.numpy()
+            ns_bits = momentum_phase(grad, momentum, scalar_rows[i], fmt=fmt, nesterov=w.group["nesterov"],
+                                     maximize=bool(w.group.get("maximize", False)))
+            x = None if ns_bits is None else torch.from_numpy(ns_bits.view(np.int16))
+            if w.sharded:
+                x = _gathered_input(w.param, torch.full(w.weights.shape, NAN_BF16_BITS, dtype=torch.int16)
+                                    if x is None else x)
+                if not bool(torch.isfinite(x.view(BFLOAT16)).all()):
+                    x = None
+                else:
+                    np.copyto(w.momentum.numpy(), momentum)
+            if x is None:
                 refused[i] = True
             else:
-                inputs[i] = torch.from_numpy(ns_bits.view(np.int16)).view(torch.bfloat16)
+                inputs[i] = x.view(BFLOAT16)
         if not inputs:
             continue
-        for i, result in zip(inputs, _ns(opt, list(inputs.values()), work[batch[0]][3])):
-            p, state, scalars = work[i][0], opt.state[work[i][0]], scalar_rows[i]
-            ortho = _numpy16(result.contiguous())
-            if p.dtype is BFLOAT16:
-                rejected[i] = weight_phase_split(_numpy16(p), state[LOW_HALF_KEY].numpy(), ortho, scalars)
+        for i, result in zip(inputs, _ns(opt, list(inputs.values()), work[batch[0]].group)):
+            w = work[i]
+            ortho = _numpy16(_local_part(w.param, result) if w.sharded else result.contiguous())
+            if w.low is not None:
+                rejected[i] = weight_phase_split(_numpy16(w.weights), w.low.numpy(), ortho, scalar_rows[i])
             else:
-                rejected[i] = weight_phase(p.detach().numpy(), ortho, scalars)
+                rejected[i] = weight_phase(w.weights.detach().numpy(), ortho, scalar_rows[i])
+            if w.sharded and opt.check_nonfinite:
+                rejected[i] = int(_summed_over_shards(w.param, torch.tensor(rejected[i])))
     return refused, rejected
 
 
-def _cuda_step(opt, work) -> tuple[list[bool], list[int]]:
+def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     """One momentum launch and one weight launch per matrix (core/muon/kernel.py), with
-    Newton-Schulz per matrix between them; with `batch_ns`, `_cuda_step_batched`. Nothing waits
-    for the GPU unless `check_nonfinite` asks."""
-    if _batches_ns(opt):
+    Newton-Schulz per matrix between them; with `batch_ns`, `_cuda_step_batched` (for plain
+    parameters: DTensor ones take this path, gathering each X). Nothing waits for the GPU
+    unless `check_nonfinite` asks."""
+    if _batches_ns(opt) and not any(w.sharded for w in work):
         return _cuda_step_batched(opt, work)
     from packed_adamw.core.muon.kernel import muon_momentum_kernel, muon_weight_kernel
 
     fmt = opt.state_format
     constants = fmt.kernel_constexprs(track_format=False)
-    device = work[0][0].device
+    device = work[0].weights.device
     counters = torch.zeros((len(work), 2), dtype=torch.int32, device=device)  # refused elements, rejected weights
     block = launch.block_size()
-    scalar_rows = torch.tensor(np.array([step_scalar_row(w[4], w[0].shape, adjust_lr_fn=w[3]["adjust_lr_fn"])
-                                         for w in work], np.float32).reshape(len(work), 4), device=device)
+    scalar_rows = torch.tensor(np.array([_scalar_row(w) for w in work], np.float32).reshape(len(work), 4),
+                               device=device)
     # Each matrix's views made in two calls, not by indexing per launch (host time is the cost here).
     rows, counts = scalar_rows.unbind(0), counters.view(-1).split(1)  # counts: refused 2i, rejected 2i + 1
     for batch in _ns_batches(opt, work):
-        batch = [i for i in batch if work[i][0].numel()]
         scratches, inputs = {}, {}
         for i in batch:
-            p, g, _, group, _, _ = work[i]
-            stored = opt.state[p][fmt.state_key]
-            scratches[i], x = torch.empty_like(stored), torch.empty(p.shape, dtype=torch.int16, device=device)
-            grad_bf16 = g.dtype is BFLOAT16
-            muon_momentum_kernel[launch.grid(p.numel(), block)](
-                g.view(torch.int16) if grad_bf16 else g, stored, scratches[i], x, rows[i], counts[2 * i], p.numel(),
-                MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"], MU_BIAS=constants["MU_BIAS"],
-                MU_MAX=constants["MU_MAX"], NESTEROV=bool(group["nesterov"]),
-                MAXIMIZE=bool(group.get("maximize", False)), GRAD_BF16=grad_bf16, BLOCK=block,
-                **launch.COMPILE_OPTIONS)
-            inputs[i] = x.view(torch.bfloat16)
-        if not batch:
-            continue
+            w = work[i]
+            n = w.weights.numel()
+            scratches[i], x = torch.empty_like(w.momentum), torch.empty(w.weights.shape, dtype=torch.int16,
+                                                                       device=device)
+            grad_bf16 = w.grad.dtype is BFLOAT16
+            if n:
+                muon_momentum_kernel[launch.grid(n, block)](
+                    w.grad.view(torch.int16) if grad_bf16 else w.grad, w.momentum, scratches[i], x, rows[i],
+                    counts[2 * i], n, MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"],
+                    MU_BIAS=constants["MU_BIAS"], MU_MAX=constants["MU_MAX"], NESTEROV=bool(w.group["nesterov"]),
+                    MAXIMIZE=bool(w.group.get("maximize", False)), GRAD_BF16=grad_bf16, BLOCK=block,
+                    **launch.COMPILE_OPTIONS)
+            if w.sharded:
+                # On the device, without a wait: a refusing rank sends NaNs, and every rank's
+                # refused count becomes the whole X's non-finite count, which the weight kernel reads.
+                x = _gathered_input(w.param, torch.where(counts[2 * i] > 0, NAN_BF16_BITS, x))
+                counts[2 * i].copy_((~torch.isfinite(x.view(BFLOAT16))).sum())
+            inputs[i] = x.view(BFLOAT16)
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
         # output is not used, and a batch's matrices do not mix.
-        for i, result in zip(batch, _ns(opt, list(inputs.values()), work[batch[0]][3])):
-            p = work[i][0]
-            state = opt.state[p]
-            ortho = result.contiguous().view(torch.int16)
-            split = p.dtype is BFLOAT16
-            weights = p.detach().view(torch.int16) if split else p.detach()
-            low = state[LOW_HALF_KEY] if split else weights
-            muon_weight_kernel[launch.grid(p.numel(), block)](
-                weights, low, ortho, scratches[i], state[fmt.state_key], rows[i], counts[2 * i], counts[2 * i + 1],
-                p.numel(), SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
+        for i, result in zip(batch, _ns(opt, list(inputs.values()), work[batch[0]].group)):
+            w = work[i]
+            n = w.weights.numel()
+            ortho = (_local_part(w.param, result) if w.sharded else result.contiguous()).view(torch.int16)
+            split = w.low is not None
+            weights = w.weights.detach().view(torch.int16) if split else w.weights.detach()
+            if n:
+                muon_weight_kernel[launch.grid(n, block)](
+                    weights, w.low if split else weights, ortho, scratches[i], w.momentum, rows[i], counts[2 * i],
+                    counts[2 * i + 1], n, SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
+            if w.sharded and opt.check_nonfinite:
+                counts[2 * i + 1].copy_(_summed_over_shards(w.param, counts[2 * i + 1]))
     return _counted(opt, counters)
 
 
@@ -478,7 +613,7 @@ def _counted(opt, counters: torch.Tensor) -> tuple[list[bool], list[int]]:
     return [r > 0 for r, _ in host], [n for _, n in host]
 
 
-def _cuda_step_batched(opt, work) -> tuple[list[bool], list[int]]:
+def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     """The CUDA step with `batch_ns`: per Newton-Schulz batch one momentum launch, which writes
     each matrix's X into its slot of one [B, m, n] buffer (a tall matrix transposed, as
     `newton_schulz_batched` stacks it: the tall first), Newton-Schulz on that buffer, and one
@@ -489,26 +624,23 @@ def _cuda_step_batched(opt, work) -> tuple[list[bool], list[int]]:
     from packed_adamw.core.muon.kernel import muon_momentum_table_kernel, muon_weight_table_kernel
 
     fmt = opt.state_format
-    key, state_dtype = fmt.state_key, _TORCH_DTYPES[fmt.state_dtype]
-    device = work[0][0].device
+    state_dtype = _TORCH_DTYPES[fmt.state_dtype]
+    device = work[0].weights.device
     words, plans = [], []
     for batch in _ns_batches(opt, work):
-        batch = [i for i in batch if work[i][0].numel()]
-        batch = [i for i in batch if _tall(work[i][0])] + [i for i in batch if not _tall(work[i][0])]
-        if not batch:
-            continue
-        rows, cols = sorted(work[batch[0]][0].shape)
+        batch = [i for i in batch if _tall(work[i].param)] + [i for i in batch if not _tall(work[i].param)]
+        rows, cols = sorted(work[batch[0]].param.shape)
         momentum_rows, weight_rows = {}, {}
         for slot, i in enumerate(batch):
-            p, g, _, group, _, _ = work[i]
-            state, tall = opt.state[p], int(_tall(p))
-            constants = (bool(group["nesterov"]), bool(group.get("maximize", False)), g.dtype is BFLOAT16)
+            w = work[i]
+            tall = int(_tall(w.param))
+            constants = (bool(w.group["nesterov"]), bool(w.group.get("maximize", False)), w.grad.dtype is BFLOAT16)
             # The table rows' words, in the order core/muon/kernel.py's *_TABLE_COLUMNS name them.
-            momentum_rows.setdefault(constants, []).append((g.data_ptr(), state[key].data_ptr(), i, slot, tall))
-            split = p.dtype is BFLOAT16
-            low = state[LOW_HALF_KEY] if split else p
+            momentum_rows.setdefault(constants, []).append((w.grad.data_ptr(), w.momentum.data_ptr(), i, slot, tall))
+            split = w.low is not None
+            low = w.low if split else w.weights
             weight_rows.setdefault(split, []).append(
-                (p.data_ptr(), low.data_ptr(), state[key].data_ptr(), i, slot, tall))
+                (w.weights.data_ptr(), low.data_ptr(), w.momentum.data_ptr(), i, slot, tall))
         launches = []
         for table_rows in (momentum_rows, weight_rows):
             offsets = {}
@@ -516,9 +648,9 @@ def _cuda_step_batched(opt, work) -> tuple[list[bool], list[int]]:
                 offsets[constants] = (len(words), len(members))
                 words.extend(word for member in members for word in member)
             launches.append(offsets)
-        plans.append((batch, rows, cols, work[batch[0]][3], *launches))
+        plans.append((batch, rows, cols, work[batch[0]].group, *launches))
     # A model's matrices share a few (row, shape, adjustment)s: each scalar row is computed once.
-    row_keys = [(w[4], tuple(w[0].shape), w[3]["adjust_lr_fn"]) for w in work]
+    row_keys = [(w.row, tuple(w.param.shape), w.group["adjust_lr_fn"]) for w in work]
     distinct = {k: step_scalar_row(k[0], k[1], adjust_lr_fn=k[2]) for k in dict.fromkeys(row_keys)}
     scalar_rows = np.array([distinct[k] for k in row_keys], np.float32).reshape(len(work), 4)
     staged = torch.empty(len(words) + scalar_rows.size // 2, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -570,7 +702,6 @@ def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
 
 def checked_entries(opt, saved_state: dict, saved_params: list, our_params: list) -> dict:
     fmt = opt.state_format
-    expected = _TORCH_DTYPES[fmt.state_dtype]
     loaded = {}
     for saved_id, p in zip(saved_params, our_params):
         entry = saved_state.get(saved_id)
@@ -578,13 +709,18 @@ def checked_entries(opt, saved_state: dict, saved_params: list, our_params: list
             continue
         where = f"load_state_dict: state of saved parameter {saved_id!r} (for {_persistence.name_of(opt, p)})"
         tensor = entry.get(fmt.state_key)
-        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.uint16:
+        if isinstance(tensor, torch.Tensor) and not _dtensor.is_dtensor(tensor) and tensor.dtype == torch.uint16:
             tensor = tensor.view(torch.int16)
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != expected or tuple(tensor.shape) != tuple(p.shape):
+        if isinstance(tensor, torch.Tensor) and _dtensor.is_dtensor(tensor) != _dtensor.is_dtensor(p):
+            raise ValueError(f"{where}: {fmt.state_key!r} is {_dtensor.describe(tensor)} but the parameter is "
+                             f"{_dtensor.describe(p)}: a sharded state loads into the sharded model through "
+                             "torch.distributed.checkpoint (set_optimizer_state_dict), which also reshards it")
+        dtype, shape = momentum_layout(p, fmt)
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
             got = tensor if not isinstance(tensor, torch.Tensor) else f"{tensor.dtype} {tuple(tensor.shape)}"
-            raise ValueError(f"{where}: {fmt.state_key!r} must be a {expected} tensor of shape {tuple(p.shape)} "
+            raise ValueError(f"{where}: {fmt.state_key!r} must be a {dtype} tensor of shape {shape} "
                              f"({fmt.identity}), got {got}; load a state saved by PackedMuon over these parameters")
-        if fmt.mode == "fp32" and not bool(torch.isfinite(tensor).all()):
+        if fmt.mode == "fp32" and nonfinite_count(tensor):  # a DTensor's count is over every rank: all refuse
             raise ValueError(f"{where}: the momentum holds NaN or Inf; this state cannot continue a run")
         low = _checks.checked_loaded_low_half(entry.get(LOW_HALF_KEY), p, where)
         loaded[p] = (tensor, low)
@@ -603,9 +739,9 @@ def restore_loaded(opt, loaded: dict) -> None:
     for p, (tensor, low) in loaded.items():
         state = opt.state[p]
         state.pop("step", None)
-        state[key] = tensor.to(p.device, copy=True).contiguous()
+        state[key] = _persistence._on_param_device(tensor, p)
         if low is not None:
-            state[LOW_HALF_KEY] = low.to(p.device, copy=True).contiguous()
+            state[LOW_HALF_KEY] = _persistence._on_param_device(low, p)
 
 
 __all__ = ["PackedMuon", "newton_schulz", "newton_schulz_batched"]
