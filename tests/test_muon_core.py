@@ -11,6 +11,7 @@ import pytest
 from packed_adamw.core import authority as A
 from packed_adamw.core.codecs import split_master
 from packed_adamw.core.muon import (
+    ADJUST_LR_FNS,
     RULE,
     Hyperparams,
     StateFormat,
@@ -148,6 +149,17 @@ def test_ns_settings_are_checked_and_defaults_are_torchs():
         validate_ns((1.0, 2.0, 3.0), 100, None)
     with pytest.raises(ValueError, match="Adjust learning rate function 'rms' is not supported"):
         validate_ns((1.0, 2.0, 3.0), 5, "rms")
+
+
+def test_adjusted_lr_of_zero_size_matrices_and_unknown_functions():
+    # a zero-size matrix is skipped by the step; its rate must not divide by zero
+    for shape in ((5, 0), (0, 5), (0, 0)):
+        for fn in ADJUST_LR_FNS:
+            assert adjusted_lr(0.02, shape, fn) == 0.02
+    assert adjusted_lr(0.02, (8, 2), None) == 0.02 * 2.0
+    assert adjusted_lr(0.02, (8, 2), "match_rms_adamw") == 0.02 * 0.2 * 8 ** 0.5
+    with pytest.raises(ValueError, match="Adjust learning rate function 'rms' is not supported"):
+        adjusted_lr(0.02, (0, 5), "rms")
 
 
 # ---- the fused multiply-add and lerp ----

@@ -38,13 +38,17 @@ def adjusted_lr(lr: float, shape, adjust_lr_fn: str | None = None) -> float:
     learning-rate adjustment"): None or "original" scales by sqrt(max(1, rows / cols)),
     "match_rms_adamw" by 0.2 * sqrt(max(rows, cols))."""
     rows, cols = (operator.index(n) for n in tuple(shape)[:2])
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        ratio = math.sqrt(max(1.0, rows / cols))
-    elif adjust_lr_fn == "match_rms_adamw":
-        ratio = 0.2 * math.sqrt(max(rows, cols))
-    else:
+    if adjust_lr_fn not in (None, *ADJUST_LR_FNS):
         raise ValueError(f"Adjust learning rate function {adjust_lr_fn!r} is not supported; "
                          f"choose one of {ADJUST_LR_FNS}")
+    if rows == 0 or cols == 0:
+        # A zero-size matrix has no element to update (the frontends skip it, as
+        # torch.optim.Muon does for (0, n)); its rate is only ever recorded.
+        return float(lr)
+    if adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:  # None or "original"
+        ratio = math.sqrt(max(1.0, rows / cols))
     return float(lr) * ratio
 
 
