@@ -16,7 +16,6 @@ import torch
 
 from . import _dtensor, _launch
 from ._state import LOW_HALF_KEY
-from .functional import cpu_step_, row_scalars, scalar_table
 
 FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
 _data_ptr = torch.Tensor.data_ptr
@@ -27,20 +26,23 @@ class StepPlan:
     whenever any of it changes."""
 
     def __init__(self, opt, params: list, kernel_params: list, states: list[dict], stored: list, moments: list,
-                 group_of: list[int], device: int, counters=None, *, kinds=None, lows=None, stored_lows=None):
-        """`params` as the optimizer holds them; `kernel_params` and `moments` the tensors the
-        kernel updates (a DTensor's local shard, the uint32 view of sharded words); `stored`
-        the state tensors as the state dicts hold them; `counters` the format counts the
-        steps of this plan accumulate into (with `track_format`). `kinds`: each tensor's
-        `_launch.LaunchKind` (all FP32 when left out); `lows` the int16 low halves the kernel
-        updates for bf16 parameters (None for FP32 ones), `stored_lows` as the state dicts hold
-        them."""
+                 group_of: list[int], device: int, counters=None, *, rule: _launch.RuleLaunch, kinds=None, lows=None,
+                 stored_lows=None):
+        """`rule`: what the launches need of the optimizer's rule (`_launch.RuleLaunch`, e.g.
+        `functional.ADAMW_LAUNCH`); the plan itself knows none. `params` as the optimizer holds
+        them; `kernel_params` and `moments` the tensors the kernel updates (a DTensor's local
+        shard, the uint32 view of sharded words); `stored` the state tensors as the state dicts
+        hold them; `counters` the format counts the steps of this plan accumulate into (with
+        `track_format`). `kinds`: each tensor's `_launch.LaunchKind` (all FP32 when left out);
+        `lows` the int16 low halves the kernel updates for bf16 parameters (None for FP32 ones),
+        `stored_lows` as the state dicts hold them."""
         everything = [p for group in opt.param_groups for p in group["params"]]
         with_grad = set(map(id, params))
         n = len(params)
         # track_format may be switched between steps (it picks the launch); a plan made
         # without counters holds only while it stays off. `run` counts the steps it counted.
         self.options = (opt.state_format, opt.multi_tensor, opt.check_nonfinite)
+        self.rule = rule
         self.counters, self.tracked_steps = counters, 0
         self.state, self.state_ids = opt.state, tuple(map(id, opt.state.values()))
         self.param_ids = tuple(map(id, everything))
@@ -76,7 +78,8 @@ class StepPlan:
             self.static_pointers, self.grad_slots = _launch.fixed_addresses(
                 self.group_layout, self.param_pointers, *map(_launch.addresses_of, (moments, self.lows)))
             self.aligned = not (self.static_pointers & 15).any()
-            self.staging = _launch.StagingRing(self.n_pointers, max(n, len(opt.param_groups)), self.torch_device)
+            self.staging = _launch.StagingRing(self.n_pointers, max(n, len(opt.param_groups)), rule.scalar_row,
+                                               self.torch_device)
 
     def addresses(self, grad_pointers: list[int]) -> np.ndarray:
         """The step's table addresses, given the gradients' (a new array)."""
@@ -154,18 +157,20 @@ class StepPlan:
         # then names the parameter.
         try:
             if self.cuda_tables and counts.count(counts[0]) == len(counts):  # one row per group
+                row_scalars = self.rule.row_scalars
                 scalars = np.asarray([row_scalars(counts[0], row) for row in group_rows], dtype=np.float32)
                 rows = self.group_of
             else:
-                scalars, rows = scalar_table(counts, [group_rows[i] for i in self.group_of])
+                scalars, rows = _launch.scalar_table(counts, [group_rows[i] for i in self.group_of],
+                                                     self.rule.row_scalars)
             layout = self.layout(rows) if self.cuda_tables else None
         except (TypeError, ValueError):
             return None
         if self.device < 0:
-            rejected = cpu_step_(self.kernel_params, grads, self.moments, scalars, rows, fmt, self.counters,
+            rejected = self.rule.cpu_step(self.kernel_params, grads, self.moments, scalars, rows, fmt, self.counters,
                                  track_format, self.lows)
         elif not multi_tensor:
-            rejected = _launch.cuda_step_(self.kernel_params, grads, self.moments, scalars, rows, fmt, False,
+            rejected = _launch.cuda_step_(self.rule, self.kernel_params, grads, self.moments, scalars, rows, fmt, False,
                                           count_nonfinite, self.counters, track_format, self.lows)
         else:  # CUDA: only the gradients' addresses and the scalars are new
             staging = self.staging
@@ -173,8 +178,8 @@ class StepPlan:
             pointers[:] = self.static_pointers
             pointers[self.grad_slots] = grad_pointers
             aligned = self.aligned and not (pointers[self.grad_slots] & 15).any()
-            rejected = _launch.launch_step(staging.send(), self.kernel_params, grads, self.moments, layout, fmt,
-                                           count_nonfinite, aligned, self.relaunch, self.counters, track_format,
+            rejected = _launch.launch_step(self.rule, staging.send(), self.kernel_params, grads, self.moments, layout,
+                                           fmt, count_nonfinite, aligned, self.relaunch, self.counters, track_format,
                                            lows=self.lows)
             staging.launched()
         for state, count in zip(self.states, counts):
@@ -187,7 +192,8 @@ class StepPlan:
 class CapturableStepPlan(StepPlan):
     """The plan of `PackedAdamW(capturable=True)` on CUDA: the step count of every tensor
     (`state["step"]`, an int32 tensor) and each group's learning rate (a tensor) stay on the
-    device, and the step scalars are derived there by core's `capturable_step_scalars_kernel`
+    device, and the step scalars are derived there by the rule's capturable scalar kernel
+    (AdamW's: core's `capturable_step_scalars_kernel`)
     (which also reads and checks each group's lr tensor and advances the counts), from the
     same recipe as the host's. A step then makes no host synchronisation and no host-to-device
     copy of a changing value, so `torch.cuda.graph` can capture it and replays follow the lr
@@ -199,7 +205,7 @@ class CapturableStepPlan(StepPlan):
 
     def __init__(self, opt, params, kernel_params, states, stored, moments, group_of, device, counters=None, **kinds):
         super().__init__(opt, params, kernel_params, states, stored, moments, group_of, device, counters, **kinds)
-        from packed_adamw.core.adamw import hyperparams as H
+        rule = self.rule.rule
 
         self.on_device_counts = True
         n, torch_device = len(params), self.torch_device
@@ -212,8 +218,9 @@ class CapturableStepPlan(StepPlan):
         self.tables = self.layout(tuple(range(n)))  # one scalar row per tensor
         self.group_index = torch.as_tensor(self.group_of, dtype=torch.int64).to(torch_device)
         self.b1_sign = torch.ones(n, dtype=torch.float32, device=torch_device)
-        self.hparams = torch.zeros((len(opt.param_groups), H.HPARAM_ROW), dtype=torch.float32, device=torch_device)
-        self.scalars = torch.empty((n, H.SCALAR_ROW), dtype=torch.float32, device=torch_device)
+        self.hparams = torch.zeros((len(opt.param_groups), rule.hyperparam_row), dtype=torch.float32,
+                                   device=torch_device)
+        self.scalars = torch.empty((n, rule.scalar_row), dtype=torch.float32, device=torch_device)
         # Each group's lr is read on the device through its address: the lr tensor itself when
         # it is a float32 on the device, else that group's element of `lr_staging`, which the
         # step fills from it. `lr_tensors` keeps alive the tensors whose addresses are uploaded.
@@ -249,10 +256,12 @@ class CapturableStepPlan(StepPlan):
         del counts
         fmt = self.options[0]  # capturable optimizers never count formats (PackedAdamW.track_format)
         from packed_adamw.core import launch
-        from packed_adamw.core.adamw.kernel import capturable_step_scalars_kernel
 
-        # b1, b2, eps, weight decay (validated floats) and maximize: constants of a capture
-        constants = tuple(row[1:6] for row in group_rows)
+        rule = self.rule
+        width = rule.rule.hyperparam_row  # a torch row: the hyperparameter row (lr first), then maximize
+        # Every hyperparameter but lr (validated floats; AdamW's b1, b2, eps, weight decay) and
+        # maximize: constants of a capture
+        constants = tuple(row[1:width + 1] for row in group_rows)
         capturing = torch.cuda.is_current_stream_capturing()
         with _launch.on_device(self.torch_device):
             if constants != self.constants:
@@ -260,8 +269,8 @@ class CapturableStepPlan(StepPlan):
                     raise RuntimeError("PackedAdamW(capturable=True): betas, eps, weight_decay or maximize changed "
                                        "since the last eager step; take one eager step before capturing")
                 for g, row in enumerate(constants):
-                    self.hparams[g, 1:] = torch.tensor(row[:4], dtype=torch.float32)
-                signs = [-1.0 if constants[g][4] else 1.0 for g in self.group_of]
+                    self.hparams[g, 1:] = torch.tensor(row[:width - 1], dtype=torch.float32)
+                signs = [-1.0 if constants[g][width - 1] else 1.0 for g in self.group_of]
                 self.b1_sign.copy_(torch.tensor(signs, dtype=torch.float32))
                 self.constants = constants
             if capturing and any(isinstance(group["lr"], torch.Tensor) and group["lr"].device != self.torch_device
@@ -286,7 +295,7 @@ class CapturableStepPlan(StepPlan):
                 if not self._direct_lr(lr):
                     self.lr_staging[g].copy_(lr.reshape(()))
             n = len(self.counts)
-            capturable_step_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
+            rule.kernel(rule.capturable_scalars_kernel)[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
                 self.lr_addresses, self.hparams, self.group_index, self.b1_sign, self.counts, n, self.scalars,
                 BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
             scalars = self.scalars
@@ -316,6 +325,6 @@ class CapturableStepPlan(StepPlan):
                     self.uploaded = addresses
                 table = self.table
             aligned = not any(a & 15 for a in addresses)
-            _launch.launch_step(table, self.kernel_params, grads, self.moments, self.tables, fmt, False, aligned,
+            _launch.launch_step(rule, table, self.kernel_params, grads, self.moments, self.tables, fmt, False, aligned,
                                 self.relaunch, self.counters, False, scalars=scalars, lows=self.lows)
         return [0] * n
