@@ -71,7 +71,12 @@ class RuleLaunch:
 
     def kernel(self, name: str):
         """The Triton kernel called `name` in the rule's kernel module."""
-        return getattr(importlib.import_module(self.kernel_module), name)
+        return _kernel(self.kernel_module, name)
+
+
+@functools.cache
+def _kernel(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
 
 
 # The launch kinds are core's (core/launch.py): FP32; split masters with FP32 or bf16 gradients.
@@ -342,7 +347,7 @@ def _launch_segment(rule: RuleLaunch, table, segment: Segment, scalars, counters
     args = (pointers, tables.block_tensor, tables.block_index, tables.numels, tables.rows_device, scalars,
             tables.block_index if rows is None else rows, len(segment.indices))  # block_index: unused without counts
     kind = segment.kind
-    key = (rule, kind, aligned, count_nonfinite, track_format)
+    key = (kind, aligned, count_nonfinite, track_format)  # `relaunch` is one plan's, of one rule
     fast = relaunch.get(key) if relaunch is not None else None
     if fast is not None:
         fast(grid, args)

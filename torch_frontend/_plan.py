@@ -8,17 +8,41 @@ checks that the plan still holds, then runs it and returns the rejected counts, 
 None, having changed nothing, when the full step must run. So every step reaches the launches
 (or the numpy step) through `run`. The checks the kernel's raw addresses need are still made
 every step.
+
+Those checks are a step's host cost (docs/MULTI_TENSOR.md, "The host side"), so they are
+written as passes of C-level `map`s over the plan's tensors, each compared at once with what
+the plan was made for, rather than as a Python loop per tensor: the gradients' dtypes, shapes,
+contiguity, devices and addresses, the parameters' addresses, dtypes and contiguity,
+the state entries and step counts by identity. Nothing is skipped on the strength of an
+earlier step (a tensor's `.data` can be swapped, or its metadata changed in place, between
+any two steps), so every refusal of a full step fires whenever its condition appears.
 """
 from __future__ import annotations
+
+import operator
+from itertools import repeat
 
 import numpy as np
 import torch
 
 from . import _dtensor, _launch
-from ._state import LOW_HALF_KEY
+from ._state import LOW_HALF_KEY, STEP_KEY
 
 FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
 _data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+_get_device = torch.Tensor.get_device
+_grad_of = operator.attrgetter("grad")
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
+_step_of = operator.itemgetter(STEP_KEY)
+_is = operator.is_
+
+
+def _same_objects(now, then) -> bool:
+    """Whether two sequences hold the same objects, in order (identity: `==` would compare
+    tensors element by element)."""
+    return len(now) == len(then) and all(map(_is, now, then))
 
 
 class StepPlan:
@@ -44,15 +68,14 @@ class StepPlan:
         self.options = (opt.state_format, opt.multi_tensor, opt.check_nonfinite)
         self.rule = rule
         self.counters, self.tracked_steps = counters, 0
-        self.state, self.state_ids = opt.state, tuple(map(id, opt.state.values()))
-        self.param_ids = tuple(map(id, everything))
-        self.group_sizes = tuple(len(group["params"]) for group in opt.param_groups)
+        self.state, self.state_dicts = opt.state, list(opt.state.values())
+        self.param_lists = [list(group["params"]) for group in opt.param_groups]
         self.params_without_grad = [p for p in everything if id(p) not in with_grad]
         self.params, self.kernel_params, self.states, self.moments = params, kernel_params, states, moments
         self.kinds = tuple(kinds) if kinds is not None else (_launch.FP32_KIND,) * n
         self.lows = list(lows) if lows is not None else [None] * n
         self.any_split = any(kind.split for kind in self.kinds)
-        self.stored_low_ids = [None if lo is None else id(lo) for lo in (stored_lows or [None] * n)]
+        self.stored_lows = list(stored_lows) if stored_lows is not None else [None] * n
         # What the raw addresses rely on, per tensor: the dtypes stay those the launches were made for.
         self.param_dtypes = [BFLOAT16 if kind.split else FLOAT32 for kind in self.kinds]
         self.grad_dtypes = [BFLOAT16 if kind.grad_bf16 else FLOAT32 for kind in self.kinds]
@@ -61,14 +84,16 @@ class StepPlan:
         self.layouts = [(p.device_mesh, tuple(p.placements)) if sharded else None
                         for p, sharded in zip(params, self.sharded)]
         self.any_sharded = any(self.sharded)
-        self.stored_ids = list(map(id, stored))
+        self.stored = list(stored)
         self.shapes = [p.shape for p in kernel_params]
         self.param_pointers = list(map(_data_ptr, kernel_params))
+        self.devices = [device] * n
         self.numels = tuple(p.numel() for p in kernel_params)
         self.group_of = tuple(group_of)
         self.device, self.torch_device = device, kernel_params[0].device
-        self.state_key = opt.state_format.state_key
+        self.state_entry_of = operator.itemgetter(opt.state_format.state_key)
         self.on_device_counts = False
+        self.last_count = None  # the step count `run` wrote into every state, one int object
         self.cuda_tables = device >= 0 and opt.multi_tensor
         if self.cuda_tables:
             self.relaunch = {}  # _launch.launch_step keeps each launch kind's compiled kernel here
@@ -93,38 +118,63 @@ class StepPlan:
             return self.group_layout
         return _launch.step_layout(self.kinds, self.numels, rows, self.torch_device)
 
-    def _gradients(self, opt) -> tuple[list, list[int], list[int]] | None:
-        """(gradients, their addresses, the new step counts) if the plan still holds."""
-        groups = opt.param_groups
-        if (opt.state is not self.state or tuple(map(id, self.state.values())) != self.state_ids
+    def _gradients(self, opt) -> tuple[list, list[int], int | list[int] | None] | None:
+        """(gradients, their addresses, the new step count: one for all, or each tensor's) if
+        the plan still holds."""
+        state = opt.state
+        if (state is not self.state or not _same_objects(state.values(), self.state_dicts)
                 or (opt.state_format, opt.multi_tensor, opt.check_nonfinite) != self.options
                 or (opt.track_format and self.counters is None)):
             return None
-        if (tuple(map(id, [p for group in groups for p in group["params"]])) != self.param_ids
-                or tuple(len(group["params"]) for group in groups) != self.group_sizes):
+        groups = opt.param_groups
+        if len(groups) != len(self.param_lists) or not all(
+                _same_objects(group["params"], params) for group, params in zip(groups, self.param_lists)):
             return None
         if any(p.grad is not None for p in self.params_without_grad):
             return None
+        states = self.states
         try:
-            stored = [state[self.state_key] for state in self.states]
-            counts = None if self.on_device_counts else [state["step"] + 1 for state in self.states]
+            if not _same_objects(list(map(self.state_entry_of, states)), self.stored):
+                return None
+            if self.any_split and not _same_objects(list(map(dict.get, states, repeat(LOW_HALF_KEY))),
+                                                    self.stored_lows):
+                return None
+            counts = None if self.on_device_counts else self._counts()
         except (KeyError, TypeError):
             return None
-        if list(map(id, stored)) != self.stored_ids:
-            return None
-        if self.any_split:
-            try:
-                if [None if i is None else id(state[LOW_HALF_KEY])
-                        for state, i in zip(self.states, self.stored_low_ids)] != self.stored_low_ids:
-                    return None
-            except KeyError:
+        if self.any_sharded:
+            return self._sharded_gradients(counts)
+        params = self.params
+        grads = list(map(_grad_of, params))
+        try:  # the cheapest checks first; a missing gradient fails (None has no dtype), a sparse one raises
+            if (list(map(_dtype_of, grads)) != self.grad_dtypes or list(map(_shape_of, grads)) != self.shapes
+                    or not all(map(_is_contiguous, grads)) or list(map(_get_device, grads)) != self.devices
+                    or list(map(_data_ptr, params)) != self.param_pointers
+                    or list(map(_dtype_of, params)) != self.param_dtypes or not all(map(_is_contiguous, params))):
                 return None
+            return grads, list(map(_data_ptr, grads)), counts
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return None
+
+    def _counts(self) -> int | list[int]:
+        """This step's count: one for every tensor while each state still holds the count the
+        last step wrote (the same int object: a count set by hand, even an equal one, is
+        checked afresh), else each tensor's (raises TypeError for a count that is no number)."""
+        steps = list(map(_step_of, self.states))
+        last = self.last_count
+        if last is not None and all(map(_is, steps, repeat(last))):
+            return last + 1
+        return [step + 1 for step in steps]
+
+    def _sharded_gradients(self, counts) -> tuple[list, list[int], int | list[int] | None] | None:
+        """`_gradients`' per-tensor checks where some parameters are DTensors: each sharded
+        gradient must stay laid out like its parameter; the kernel reads local shards."""
         device, grads, grad_pointers = self.device, [], []
         param_dtypes, grad_dtypes = self.param_dtypes, self.grad_dtypes
         try:  # one pass, the cheapest checks first; a sparse gradient fails or raises
             for i, (p, shape, address) in enumerate(zip(self.params, self.shapes, self.param_pointers)):
                 g = p.grad
-                if self.any_sharded and self.sharded[i]:
+                if self.sharded[i]:
                     if not _dtensor.is_dtensor(g) or (g.device_mesh, tuple(g.placements)) != self.layouts[i]:
                         return None
                     g, p = g.to_local(), p.to_local()
@@ -146,21 +196,25 @@ class StepPlan:
             return None
         return self.run(opt, *found, group_rows)
 
-    def run(self, opt, grads: list, grad_pointers: list[int], counts: list[int] | None,
+    def run(self, opt, grads: list, grad_pointers: list[int], counts: int | list[int] | None,
             group_rows: list[tuple[float, ...]]) -> list[int] | None:
         """The step over the plan's tensors with these (checked) gradients, their addresses
-        and the new step counts; None, having changed nothing, if the step scalars cannot be
-        derived."""
+        and the new step counts (one for all tensors, or a list); None, having changed nothing,
+        if the step scalars cannot be derived."""
         fmt, multi_tensor, count_nonfinite = self.options
         track_format = opt.track_format
         # Scalars first: a bad step count raises here, before anything changes; the full step
         # then names the parameter.
+        if type(counts) is list and counts.count(counts[0]) == len(counts) and type(counts[0]) is int:
+            counts = counts[0]  # one count: written as one object (`_counts`)
         try:
-            if self.cuda_tables and counts.count(counts[0]) == len(counts):  # one row per group
+            if type(counts) is int:  # one row per group
                 row_scalars = self.rule.row_scalars
-                scalars = np.asarray([row_scalars(counts[0], row) for row in group_rows], dtype=np.float32)
+                scalars = np.asarray([row_scalars(counts, row) for row in group_rows], dtype=np.float32)
                 rows = self.group_of
             else:
+                if type(counts) is int:
+                    counts = [counts] * len(self.states)
                 scalars, rows = _launch.scalar_table(counts, [group_rows[i] for i in self.group_of],
                                                      self.rule.row_scalars)
             layout = self.layout(rows) if self.cuda_tables else None
@@ -176,14 +230,21 @@ class StepPlan:
             staging = self.staging
             pointers = staging.stage(scalars)
             pointers[:] = self.static_pointers
-            pointers[self.grad_slots] = grad_pointers
-            aligned = self.aligned and not (pointers[self.grad_slots] & 15).any()
+            grad_addresses = np.array(grad_pointers, dtype=np.int64)
+            pointers[self.grad_slots] = grad_addresses
+            aligned = self.aligned and not (grad_addresses & 15).any()
             rejected = _launch.launch_step(self.rule, staging.send(), self.kernel_params, grads, self.moments, layout,
                                            fmt, count_nonfinite, aligned, self.relaunch, self.counters, track_format,
                                            lows=self.lows)
             staging.launched()
-        for state, count in zip(self.states, counts):
-            state["step"] = count
+        if type(counts) is int:
+            for state in self.states:
+                state[STEP_KEY] = counts
+            self.last_count = counts
+        else:
+            for state, count in zip(self.states, counts):
+                state[STEP_KEY] = count
+            self.last_count = None
         if track_format:
             self.tracked_steps += 1
         return rejected
@@ -214,7 +275,7 @@ class CapturableStepPlan(StepPlan):
                                    for state in states])
         for i, state in enumerate(states):
             state["step"] = self.counts[i]
-        self.step_ids = [id(state["step"]) for state in states]
+        self.step_tensors = [state[STEP_KEY] for state in states]
         self.tables = self.layout(tuple(range(n)))  # one scalar row per tensor
         self.group_index = torch.as_tensor(self.group_of, dtype=torch.int64).to(torch_device)
         self.b1_sign = torch.ones(n, dtype=torch.float32, device=torch_device)
@@ -245,7 +306,7 @@ class CapturableStepPlan(StepPlan):
 
     def step(self, opt, group_rows) -> list[int] | None:
         found = self._gradients(opt)
-        if found is None or list(map(id, (state["step"] for state in self.states))) != self.step_ids:
+        if found is None or not _same_objects(list(map(_step_of, self.states)), self.step_tensors):
             return None
         if len(opt.param_groups) != len(self.hparams):
             return None  # groups were added: a new plan
