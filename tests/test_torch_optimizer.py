@@ -572,6 +572,12 @@ def plan_events(opt, params, extra):
     step(16)
     del opt.state[params[0]]
     step(17)
+    opt.state[extra[0]]["step"] = 40  # one count set by hand: the tensors' counts differ
+    step(18)
+    for p in params + extra:  # equal counts again, each set by hand (not the object a step wrote)
+        opt.state[p]["step"] = 60
+    step(19)
+    step(20)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -655,6 +661,53 @@ def test_full_and_planned_steps_reach_the_update_through_one_route(monkeypatch):
         opt.step()
     H.assert_same_snapshot(H.snapshot(opt, params), before, "after a failed full step")
     assert all(opt.state[p]["step"] == 1 for p in params)
+
+
+# A gradient kept from step to step (clip_grad_norm_ scales it in place; zero_grad(set_to_none=False)
+# keeps it), then changed in place: the same object, so a plan must not trust what it saw before.
+IN_PLACE_GRAD_CHANGES = {
+    "transposed": (lambda g: g.t_(), ValueError, ["not contiguous"]),
+    "reshaped": (lambda g: g.unsqueeze_(0), ValueError, ["gradient shape (1, 4, 4)", "(4, 4)"]),
+    "float64 data": (lambda g: setattr(g, "data", torch.zeros(4, 4, dtype=torch.float64, device=g.device)),
+                     TypeError, ["gradient dtype torch.float64"]),
+    "storage swapped": (lambda g: g.set_(torch.zeros(4, 4, device=g.device).t()), ValueError, ["not contiguous"]),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("change", sorted(IN_PLACE_GRAD_CHANGES))
+def test_a_kept_gradient_changed_in_place_after_planned_steps_is_refused_and_changes_nothing(change, device):
+    alter, error, fragments = IN_PLACE_GRAD_CHANGES[change]
+    p = torch.nn.Parameter(torch.zeros(4, 4, device=device))
+    named = [("head.bias", torch.nn.Parameter(torch.zeros(3, device=device))), ("encoder.weight", p)]
+    opt = PackedAdamW(named)
+    set_grads([q for _, q in named], 1)
+    for _ in range(3):  # the same gradient objects, scaled in place between steps
+        for _, q in named:
+            q.grad.mul_(0.5)
+        opt.step()
+    assert opt._plan is not None
+    before = H.snapshot(opt, [q for _, q in named])
+    alter(p.grad)
+    with pytest.raises(error) as info:
+        opt.step()
+    message = str(info.value)
+    for fragment in ["'encoder.weight'", *fragments]:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    H.assert_same_snapshot(H.snapshot(opt, [q for _, q in named]), before, "after a refused step")
+
+
+def test_a_parameter_made_float64_in_place_after_stepping_is_refused():
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = PackedAdamW(_named(p))
+    for _ in range(2):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    p.data = p.data.double()  # the same object, another dtype (its version does not move)
+    p.grad = torch.ones(4, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match="'encoder.weight' is now torch.float64"):
+        opt.step()
 
 
 def test_a_parameter_made_non_contiguous_in_place_after_stepping_is_refused():

@@ -576,8 +576,9 @@ def test_interpreted_launch_layer_equals_the_cpu_step(mode, sorted_kinds, monkey
     single-tensor kernels (launch.SOLO_ELEMENTS lowered), counter rows as views or gathered and
     added back, several scalar rows; equal to the numpy step, bit for bit, counts included."""
     from packed_adamw.core import launch
-    from packed_adamw.core.adamw.hyperparams import SCALAR_ROW_INT64_WORDS
     from packed_adamw.torch import _launch, functional
+
+    rule = functional.ADAMW_LAUNCH
 
     monkeypatch.setattr(launch, "SOLO_ELEMENTS", 1500)
     monkeypatch.setattr(_launch, "on_device", lambda device: contextlib.nullcontext())
@@ -599,11 +600,11 @@ def test_interpreted_launch_layer_equals_the_cpu_step(mode, sorted_kinds, monkey
             layout = _launch.step_layout(kinds, tuple(p.numel() for p in params), rows, torch.device("cpu"))
             assert [s.span is None for s in layout] == ([False] * 3 if sorted_kinds else [True] * 3)
             n_pointers = _launch.layout_pointers(layout)
-            table = torch.zeros(n_pointers + SCALAR_ROW_INT64_WORDS * len(scalars), dtype=torch.int64)
+            table = torch.zeros(n_pointers + rule.scalar_row_int64_words * len(scalars), dtype=torch.int64)
             table.numpy()[n_pointers:].view(np.float32)[:] = scalars.reshape(-1)
             _launch.fill_addresses(table.numpy()[:n_pointers], layout,
                                    *map(_launch.addresses_of, (params, grads, states, lows)))
-            rejected = _launch.launch_step(table, params, grads, states, layout, fmt, True, aligned=False,
+            rejected = _launch.launch_step(rule, table, params, grads, states, layout, fmt, True, aligned=False,
                                            counters=counters, track_format=track, lows=lows)
         else:
             rejected = functional.cpu_step_(params, grads, states, scalars, rows, fmt, counters, track, lows)

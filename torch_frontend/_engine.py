@@ -101,8 +101,9 @@ def full_step(opt, group_rows: list, live: dict | None = None) -> tuple[StepPlan
         plan_type = CapturableStepPlan if opt.capturable else StepPlan
         plan = plan_type(opt, checked.params, checked.kernel_params, states, stored,
                          [_dtensor.kernel_state(s) for s in stored], checked.group_of, checked.device, counters,
-                         kinds=checked.kinds, lows=[None if lo is None else _dtensor.kernel_low_half(lo)
-                                                    for lo in stored_lows], stored_lows=stored_lows)
+                         rule=opt.rule_launch, kinds=checked.kinds,
+                         lows=[None if lo is None else _dtensor.kernel_low_half(lo) for lo in stored_lows],
+                         stored_lows=stored_lows)
         rejected = plan.run(opt, checked.grads, [g.data_ptr() for g in checked.grads], checked.counts, group_rows)
         if rejected is None:
             raise RuntimeError("PackedAdamW: a step plan could not run right after it was made; please report this")

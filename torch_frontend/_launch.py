@@ -1,10 +1,14 @@
 """CUDA launches of the core kernels from torch: staging, launch tables, the launches.
 
 Private to the torch frontend: `functional.adamw_step_` and `_plan.StepPlan` call these.
+Nothing here names a rule: each call takes a `RuleLaunch`, what the launches need of one
+(its Triton entry points, the width of its step-scalar row, its host scalar derivation and
+numpy step); AdamW's is `functional.ADAMW_LAUNCH`.
+
 A step's device table is one int64 buffer (`stage_step` / `StagingRing`): the buffer
 addresses of each launch kind's tensors (`step_layout`; an FP32-only step has one kind:
 every parameter, then every gradient, then every state buffer), then the float32
-step-scalar rows (hyperparams.SCALAR_FIELDS), so one host-to-device copy carries a whole step.
+step-scalar rows (the rule's `scalar_fields`), so one host-to-device copy carries a whole step.
 
 Launch kinds (docs/MULTI_TENSOR.md, "bf16 weights with split masters"): FP32 parameters; bf16
 parameters with split masters and FP32 gradients; the same with bf16 gradients. Each kind is
@@ -14,17 +18,65 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import re
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from packed_adamw.core import StateFormat, launch
-from packed_adamw.core.adamw.hyperparams import SCALAR_ROW, SCALAR_ROW_INT64_WORDS
+from packed_adamw.core import launch
+from packed_adamw.core.rule import Rule, StateLayout
 
 from ._state import NONFINITE_COLUMN, new_counters
+
+
+@dataclass(frozen=True)
+class RuleLaunch:
+    """What the torch launches and step plans need of a rule, besides its declaration (`rule`)
+    and its state format's constexprs (`kernel_constexprs`). Its kernels are named, not held,
+    so that importing the frontend does not load Triton; they follow AdamW's signatures
+    (core/adamw/kernel.py): the multi-tensor kernel reads a pointer table laid out by
+    `step_layout`, the single-tensor kernels (FP32 weights; bf16 weights with split masters)
+    take (weight[, low half], grad, state, scalar row, counter row, n, outputs...), and the
+    capturable scalar kernel derives the scalar rows on the device from each group's lr
+    address, the groups' hyperparameter rows, a per-row sign for maximize and the counts.
+    A torch hyperparameter row is the rule's `hyperparam_fields` (lr first) then maximize."""
+
+    rule: Rule
+    kernel_module: str  # imported on the first CUDA launch
+    multi_tensor_kernel: str
+    single_tensor_kernel: str
+    split_kernel: str
+    capturable_scalars_kernel: str
+    row_scalars: Callable  # (step count, torch hyperparameter row) -> the step-scalar row, on the host
+    cpu_step: Callable  # the numpy step over lists of tensors (functional.cpu_step_'s arguments)
+
+    def __post_init__(self):
+        if self.rule.scalar_row % 2:
+            raise ValueError(f"rule {self.rule.name}: the torch launcher stages step-scalar rows of float32 pairs "
+                             f"in int64 words; pad its scalar_fields to an even count ({self.rule.scalar_row} now)")
+
+    @property
+    def scalar_row(self) -> int:
+        return self.rule.scalar_row
+
+    @property
+    def scalar_row_int64_words(self) -> int:
+        """int64 words of the staged table one step-scalar row takes."""
+        return self.rule.scalar_row // 2
+
+    def kernel(self, name: str):
+        """The Triton kernel called `name` in the rule's kernel module."""
+        return _kernel(self.kernel_module, name)
+
+
+@functools.cache
+def _kernel(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
 
 
 # The launch kinds are core's (core/launch.py): FP32; split masters with FP32 or bf16 gradients.
@@ -35,13 +87,32 @@ def launch_kind(param: torch.Tensor, grad: torch.Tensor) -> LaunchKind:
     return LaunchKind(param.dtype is torch.bfloat16, grad.dtype is torch.bfloat16)
 
 
+def scalar_table(counts, hparams, row_scalars: Callable) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The step scalars, derived on the host by the rule's `row_scalars` (FORMAT.md, "Step
+    scalars"): [rows, scalar row] float32, one row per distinct (count, hyperparameters), and
+    each tensor's row. Tensors of one group share a row object, so each distinct pair is
+    derived once."""
+    unique, index, keys = [], [], {}
+    previous = None
+    for count, row in zip(counts, hparams):
+        key = (count, row if type(row) is tuple else tuple(row))
+        if key != previous:
+            previous = key
+            slot = keys.get(key)
+            if slot is None:
+                slot = keys[key] = len(unique)
+                unique.append(row_scalars(count, key[1]))
+        index.append(slot)
+    return np.asarray(unique, dtype=np.float32), tuple(index)
+
+
 def stage_step(n_pointers: int, scalars: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
     """Pinned int64 host buffer holding `n_pointers` addresses (for the caller to fill) and
-    then the [rows, SCALAR_ROW] float32 step scalars.
+    then the [rows, scalar row] float32 step scalars (an even row width: `RuleLaunch`).
 
     Pinned memory from torch's host allocator is not handed out again before the copy that
     reads it has finished, so the host never waits for the GPU."""
-    staged = torch.empty(n_pointers + SCALAR_ROW_INT64_WORDS * len(scalars), dtype=torch.int64, pin_memory=True)
+    staged = torch.empty(n_pointers + scalars.size // 2, dtype=torch.int64, pin_memory=True)
     host = staged.numpy()
     host[n_pointers:].view(np.float32)[:] = scalars.reshape(-1)
     return staged, host[:n_pointers]
@@ -50,14 +121,15 @@ def stage_step(n_pointers: int, scalars: np.ndarray) -> tuple[torch.Tensor, np.n
 class StagingRing:
     """`stage_step`'s buffer for a caller that steps the same tensors again and again (a step
     plan): pinned host buffers and device buffers for `n_pointers` addresses and up to
-    `max_rows` scalar rows, reused in turn, so a step allocates nothing. A slot is refilled
-    only after the launch that read it has finished (an event per slot), whatever stream that
-    launch ran on."""
+    `max_rows` scalar rows of `scalar_row` float32 values (even), reused in turn, so a step
+    allocates nothing. A slot is refilled only after the launch that read it has finished (an
+    event per slot), whatever stream that launch ran on."""
 
     DEPTH = 4
 
-    def __init__(self, n_pointers: int, max_rows: int, device: torch.device):
-        words = n_pointers + SCALAR_ROW_INT64_WORDS * max_rows
+    def __init__(self, n_pointers: int, max_rows: int, scalar_row: int, device: torch.device):
+        self.scalar_row_words = scalar_row // 2
+        words = n_pointers + self.scalar_row_words * max_rows
         self.n_pointers = n_pointers
         self.host = [torch.empty(words, dtype=torch.int64, pin_memory=True) for _ in range(self.DEPTH)]
         self.host_arrays = [h.numpy() for h in self.host]
@@ -74,7 +146,7 @@ class StagingRing:
         if self.used[self.slot]:
             self.events[self.slot].synchronize()  # DEPTH steps back: normally long finished
         host = self.host_arrays[self.slot]
-        self.n_words = self.n_pointers + SCALAR_ROW_INT64_WORDS * len(scalars)
+        self.n_words = self.n_pointers + self.scalar_row_words * len(scalars)
         host[self.n_pointers:self.n_words].view(np.float32)[:] = scalars.reshape(-1)
         return host[:self.n_pointers]
 
@@ -198,10 +270,10 @@ def _rejected(counters, count_nonfinite: bool, n: int) -> list[int]:
     return counters[:, NONFINITE_COLUMN].tolist() if count_nonfinite else [0] * n
 
 
-def cuda_step_(params, grads, states, scalars: np.ndarray, rows: tuple[int, ...], fmt: StateFormat,
-               multi_tensor: bool, count_nonfinite: bool, counters=None, track_format: bool = False,
+def cuda_step_(rule: RuleLaunch, params, grads, states, scalars: np.ndarray, rows: tuple[int, ...],
+               fmt: StateLayout, multi_tensor: bool, count_nonfinite: bool, counters=None, track_format: bool = False,
                lows=None) -> list[int]:
-    """One step on CUDA from scratch (no plan): stage, then one multi-tensor launch per launch
+    """One step of `rule` on CUDA from scratch (no plan): stage, then one multi-tensor launch per launch
     kind (plus solo launches), or one launch per tensor. `scalars` holds the distinct
     step-scalar rows and `rows[i]` tensor i's. `counters` ([n, launch.COUNTER_ROW] int64 on
     the device): the kernels add their counts there. `lows[i]`: tensor i's int16 low half when
@@ -214,22 +286,22 @@ def cuda_step_(params, grads, states, scalars: np.ndarray, rows: tuple[int, ...]
         layout = step_layout(kinds, tuple(p.numel() for p in params), rows, device)
         staged, pointers = stage_step(layout_pointers(layout), scalars)
         fill_addresses(pointers, layout, *map(addresses_of, (params, grads, states, lows)))
-        return launch_step(staged.to(device, non_blocking=True), params, grads, states, layout, fmt,
+        return launch_step(rule, staged.to(device, non_blocking=True), params, grads, states, layout, fmt,
                            count_nonfinite, aligned=not (pointers & 15).any(), counters=counters,
                            track_format=track_format, lows=lows)
     staged, _ = stage_step(0, scalars)
     with on_device(device):
-        scalars_dev = staged.to(device, non_blocking=True).view(torch.float32).view(-1, SCALAR_ROW)
+        scalars_dev = staged.to(device, non_blocking=True).view(torch.float32).view(-1, rule.scalar_row)
         counters = _counters(n, device, count_nonfinite, track_format, counters)
         for i, (p, g, s, lo) in enumerate(zip(params, grads, states, lows)):
-            _launch_one(p, g, s, lo, scalars_dev[rows[i]], counters, i, fmt, count_nonfinite, track_format)
+            _launch_one(rule, p, g, s, lo, scalars_dev[rows[i]], counters, i, fmt, count_nonfinite, track_format)
     return _rejected(counters, count_nonfinite, n)
 
 
-def launch_step(table: torch.Tensor, params, grads, states, layout: tuple[Segment, ...], fmt: StateFormat,
-                count_nonfinite: bool, aligned: bool, relaunch: dict | None = None, counters=None,
+def launch_step(rule: RuleLaunch, table: torch.Tensor, params, grads, states, layout: tuple[Segment, ...],
+                fmt: StateLayout, count_nonfinite: bool, aligned: bool, relaunch: dict | None = None, counters=None,
                 track_format: bool = False, scalars: torch.Tensor | None = None, lows=None) -> list[int]:
-    """The CUDA step over a device table laid out as `layout` says (`aligned`: every address
+    """The CUDA step of `rule` over a device table laid out as `layout` says (`aligned`: every address
     on 16 bytes), each segment's scalar rows assigned by its tables. Tensors of at least
     `launch.SOLO_ELEMENTS` elements get a launch of their own, which skips the table lookups;
     all others of one launch kind share one launch of the multi-tensor kernel
@@ -246,20 +318,20 @@ def launch_step(table: torch.Tensor, params, grads, states, layout: tuple[Segmen
             scalars = table[layout_pointers(layout):].view(torch.float32)
         counters = _counters(n, device, count_nonfinite, track_format, counters)
         for segment in layout:
-            _launch_segment(table, segment, scalars, counters, fmt, count_nonfinite, aligned, relaunch, track_format)
-        rows = scalars.view(-1, SCALAR_ROW)
+            _launch_segment(rule, table, segment, scalars, counters, fmt, count_nonfinite, aligned, relaunch,
+                            track_format)
+        rows = scalars.view(-1, rule.scalar_row)
         for segment in layout:
             for t in segment.tables.solo:
                 i = segment.indices[t]
-                _launch_one(params[i], grads[i], states[i], lows[i], rows[segment.tables.rows[t]], counters, i, fmt,
-                            count_nonfinite, track_format)
+                _launch_one(rule, params[i], grads[i], states[i], lows[i], rows[segment.tables.rows[t]], counters, i,
+                            fmt, count_nonfinite, track_format)
     return _rejected(counters, count_nonfinite, n)
 
 
-def _launch_segment(table, segment: Segment, scalars, counters, fmt: StateFormat, count_nonfinite: bool,
-                    aligned: bool, relaunch: dict | None, track_format: bool) -> None:
-    """One multi-tensor launch over a segment's shared (not solo) tensors."""
-    from packed_adamw.core.adamw.kernel import adamw_multi_tensor_kernel
+def _launch_segment(rule: RuleLaunch, table, segment: Segment, scalars, counters, fmt: StateLayout,
+                    count_nonfinite: bool, aligned: bool, relaunch: dict | None, track_format: bool) -> None:
+    """One multi-tensor launch of the rule's kernel over a segment's shared (not solo) tensors."""
 
     tables = segment.tables
     if not tables.block_tensor.numel():  # none when every tensor is empty or solo
@@ -275,17 +347,18 @@ def _launch_segment(table, segment: Segment, scalars, counters, fmt: StateFormat
     args = (pointers, tables.block_tensor, tables.block_index, tables.numels, tables.rows_device, scalars,
             tables.block_index if rows is None else rows, len(segment.indices))  # block_index: unused without counts
     kind = segment.kind
-    key = (kind, aligned, count_nonfinite, track_format)
+    key = (kind, aligned, count_nonfinite, track_format)  # `relaunch` is one plan's, of one rule
     fast = relaunch.get(key) if relaunch is not None else None
     if fast is not None:
         fast(grid, args)
     else:
         constants = {**_constants(fmt, None, count_nonfinite, launch.MULTI_TENSOR_BLOCK, track_format, kind.split),
                      "ALIGNED": aligned, "GRAD_BF16": kind.grad_bf16}
-        compiled = adamw_multi_tensor_kernel[grid](
+        multi_tensor_kernel = rule.kernel(rule.multi_tensor_kernel)
+        compiled = multi_tensor_kernel[grid](
             *args, num_warps=launch.MULTI_TENSOR_NUM_WARPS, **constants, **launch.COMPILE_OPTIONS)
         if relaunch is not None:
-            fast = _Relaunch.of(adamw_multi_tensor_kernel, compiled, len(args), constants)
+            fast = _Relaunch.of(multi_tensor_kernel, compiled, len(args), constants)
             if fast is not None:
                 relaunch[key] = fast
     if rows is not None and segment.span is None:
@@ -353,12 +426,10 @@ def triton_release(version: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def _launch_one(p, g, s, lo, scalars, counters, i: int, fmt: StateFormat, count_nonfinite: bool,
+def _launch_one(rule: RuleLaunch, p, g, s, lo, scalars, counters, i: int, fmt: StateLayout, count_nonfinite: bool,
                 track_format: bool) -> None:
-    """The single-tensor kernel on tensor i of a step, in place; `scalars` is its row; `lo`
-    the int16 low half of a bf16 weight (the split kernel), or None."""
-    from packed_adamw.core.adamw.kernel import adamw_kernel, adamw_split_kernel
-
+    """The rule's single-tensor kernel on tensor i of a step, in place; `scalars` is its row;
+    `lo` the int16 low half of a bf16 weight (the split kernel), or None."""
     n = p.numel()
     if n == 0:
         return
@@ -367,11 +438,11 @@ def _launch_one(p, g, s, lo, scalars, counters, i: int, fmt: StateFormat, count_
     constants = _single_tensor_constants(fmt, count_nonfinite, launch.GPU_BLOCK, track_format, lo is not None)
     grid, warps = launch.single_tensor_grid(n, constants), launch.single_tensor_warps(constants)
     if lo is None:
-        adamw_kernel[grid](p, g, words, scalars, counter_row, n, p, words,
-                           num_warps=warps, **constants, **launch.COMPILE_OPTIONS)
+        rule.kernel(rule.single_tensor_kernel)[grid](p, g, words, scalars, counter_row, n, p, words,
+                                                     num_warps=warps, **constants, **launch.COMPILE_OPTIONS)
     else:
-        adamw_split_kernel[grid](p, lo, g, words, scalars, counter_row, n, p, lo, words,
-                                 num_warps=warps, **constants, **launch.COMPILE_OPTIONS)
+        rule.kernel(rule.split_kernel)[grid](p, lo, g, words, scalars, counter_row, n, p, lo, words,
+                                             num_warps=warps, **constants, **launch.COMPILE_OPTIONS)
 
 
 def on_device(device: torch.device):
@@ -380,14 +451,14 @@ def on_device(device: torch.device):
 
 
 @functools.lru_cache(maxsize=64)
-def _constants(fmt: StateFormat, write_update, count_nonfinite: bool, block: int, track_format: bool = False,
+def _constants(fmt: StateLayout, write_update, count_nonfinite: bool, block: int, track_format: bool = False,
                split: bool = False) -> dict:
     return launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=count_nonfinite, block=block,
                                    track_format=track_format, split=split)
 
 
 @functools.lru_cache(maxsize=64)
-def _single_tensor_constants(fmt: StateFormat, count_nonfinite: bool, block: int, track_format: bool,
+def _single_tensor_constants(fmt: StateLayout, count_nonfinite: bool, block: int, track_format: bool,
                              split: bool) -> dict:
     return launch.single_tensor_constants(fmt, write_update=False, count_nonfinite=count_nonfinite, block=block,
                                           track_format=track_format, split=split)

@@ -8,18 +8,41 @@ checks that the plan still holds, then runs it and returns the rejected counts, 
 None, having changed nothing, when the full step must run. So every step reaches the launches
 (or the numpy step) through `run`. The checks the kernel's raw addresses need are still made
 every step.
+
+Those checks are a step's host cost (docs/MULTI_TENSOR.md, "The host side"), so they are
+written as passes of C-level `map`s over the plan's tensors, each compared at once with what
+the plan was made for, rather than as a Python loop per tensor: the gradients' dtypes, shapes,
+contiguity, devices and addresses, the parameters' addresses, dtypes and contiguity,
+the state entries and step counts by identity. Nothing is skipped on the strength of an
+earlier step (a tensor's `.data` can be swapped, or its metadata changed in place, between
+any two steps), so every refusal of a full step fires whenever its condition appears.
 """
 from __future__ import annotations
+
+import operator
+from itertools import repeat
 
 import numpy as np
 import torch
 
 from . import _dtensor, _launch
-from ._state import LOW_HALF_KEY
-from .functional import cpu_step_, row_scalars, scalar_table
+from ._state import LOW_HALF_KEY, STEP_KEY
 
 FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
 _data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+_get_device = torch.Tensor.get_device
+_grad_of = operator.attrgetter("grad")
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
+_step_of = operator.itemgetter(STEP_KEY)
+_is = operator.is_
+
+
+def _same_objects(now, then) -> bool:
+    """Whether two sequences hold the same objects, in order (identity: `==` would compare
+    tensors element by element)."""
+    return len(now) == len(then) and all(map(_is, now, then))
 
 
 class StepPlan:
@@ -27,30 +50,32 @@ class StepPlan:
     whenever any of it changes."""
 
     def __init__(self, opt, params: list, kernel_params: list, states: list[dict], stored: list, moments: list,
-                 group_of: list[int], device: int, counters=None, *, kinds=None, lows=None, stored_lows=None):
-        """`params` as the optimizer holds them; `kernel_params` and `moments` the tensors the
-        kernel updates (a DTensor's local shard, the uint32 view of sharded words); `stored`
-        the state tensors as the state dicts hold them; `counters` the format counts the
-        steps of this plan accumulate into (with `track_format`). `kinds`: each tensor's
-        `_launch.LaunchKind` (all FP32 when left out); `lows` the int16 low halves the kernel
-        updates for bf16 parameters (None for FP32 ones), `stored_lows` as the state dicts hold
-        them."""
+                 group_of: list[int], device: int, counters=None, *, rule: _launch.RuleLaunch, kinds=None, lows=None,
+                 stored_lows=None):
+        """`rule`: what the launches need of the optimizer's rule (`_launch.RuleLaunch`, e.g.
+        `functional.ADAMW_LAUNCH`); the plan itself knows none. `params` as the optimizer holds
+        them; `kernel_params` and `moments` the tensors the kernel updates (a DTensor's local
+        shard, the uint32 view of sharded words); `stored` the state tensors as the state dicts
+        hold them; `counters` the format counts the steps of this plan accumulate into (with
+        `track_format`). `kinds`: each tensor's `_launch.LaunchKind` (all FP32 when left out);
+        `lows` the int16 low halves the kernel updates for bf16 parameters (None for FP32 ones),
+        `stored_lows` as the state dicts hold them."""
         everything = [p for group in opt.param_groups for p in group["params"]]
         with_grad = set(map(id, params))
         n = len(params)
         # track_format may be switched between steps (it picks the launch); a plan made
         # without counters holds only while it stays off. `run` counts the steps it counted.
         self.options = (opt.state_format, opt.multi_tensor, opt.check_nonfinite)
+        self.rule = rule
         self.counters, self.tracked_steps = counters, 0
-        self.state, self.state_ids = opt.state, tuple(map(id, opt.state.values()))
-        self.param_ids = tuple(map(id, everything))
-        self.group_sizes = tuple(len(group["params"]) for group in opt.param_groups)
+        self.state, self.state_dicts = opt.state, list(opt.state.values())
+        self.param_lists = [list(group["params"]) for group in opt.param_groups]
         self.params_without_grad = [p for p in everything if id(p) not in with_grad]
         self.params, self.kernel_params, self.states, self.moments = params, kernel_params, states, moments
         self.kinds = tuple(kinds) if kinds is not None else (_launch.FP32_KIND,) * n
         self.lows = list(lows) if lows is not None else [None] * n
         self.any_split = any(kind.split for kind in self.kinds)
-        self.stored_low_ids = [None if lo is None else id(lo) for lo in (stored_lows or [None] * n)]
+        self.stored_lows = list(stored_lows) if stored_lows is not None else [None] * n
         # What the raw addresses rely on, per tensor: the dtypes stay those the launches were made for.
         self.param_dtypes = [BFLOAT16 if kind.split else FLOAT32 for kind in self.kinds]
         self.grad_dtypes = [BFLOAT16 if kind.grad_bf16 else FLOAT32 for kind in self.kinds]
@@ -59,14 +84,16 @@ class StepPlan:
         self.layouts = [(p.device_mesh, tuple(p.placements)) if sharded else None
                         for p, sharded in zip(params, self.sharded)]
         self.any_sharded = any(self.sharded)
-        self.stored_ids = list(map(id, stored))
+        self.stored = list(stored)
         self.shapes = [p.shape for p in kernel_params]
         self.param_pointers = list(map(_data_ptr, kernel_params))
+        self.devices = [device] * n
         self.numels = tuple(p.numel() for p in kernel_params)
         self.group_of = tuple(group_of)
         self.device, self.torch_device = device, kernel_params[0].device
-        self.state_key = opt.state_format.state_key
+        self.state_entry_of = operator.itemgetter(opt.state_format.state_key)
         self.on_device_counts = False
+        self.last_count = None  # the step count `run` wrote into every state, one int object
         self.cuda_tables = device >= 0 and opt.multi_tensor
         if self.cuda_tables:
             self.relaunch = {}  # _launch.launch_step keeps each launch kind's compiled kernel here
@@ -76,7 +103,8 @@ class StepPlan:
             self.static_pointers, self.grad_slots = _launch.fixed_addresses(
                 self.group_layout, self.param_pointers, *map(_launch.addresses_of, (moments, self.lows)))
             self.aligned = not (self.static_pointers & 15).any()
-            self.staging = _launch.StagingRing(self.n_pointers, max(n, len(opt.param_groups)), self.torch_device)
+            self.staging = _launch.StagingRing(self.n_pointers, max(n, len(opt.param_groups)), rule.scalar_row,
+                                               self.torch_device)
 
     def addresses(self, grad_pointers: list[int]) -> np.ndarray:
         """The step's table addresses, given the gradients' (a new array)."""
@@ -90,38 +118,63 @@ class StepPlan:
             return self.group_layout
         return _launch.step_layout(self.kinds, self.numels, rows, self.torch_device)
 
-    def _gradients(self, opt) -> tuple[list, list[int], list[int]] | None:
-        """(gradients, their addresses, the new step counts) if the plan still holds."""
-        groups = opt.param_groups
-        if (opt.state is not self.state or tuple(map(id, self.state.values())) != self.state_ids
+    def _gradients(self, opt) -> tuple[list, list[int], int | list[int] | None] | None:
+        """(gradients, their addresses, the new step count: one for all, or each tensor's) if
+        the plan still holds."""
+        state = opt.state
+        if (state is not self.state or not _same_objects(state.values(), self.state_dicts)
                 or (opt.state_format, opt.multi_tensor, opt.check_nonfinite) != self.options
                 or (opt.track_format and self.counters is None)):
             return None
-        if (tuple(map(id, [p for group in groups for p in group["params"]])) != self.param_ids
-                or tuple(len(group["params"]) for group in groups) != self.group_sizes):
+        groups = opt.param_groups
+        if len(groups) != len(self.param_lists) or not all(
+                _same_objects(group["params"], params) for group, params in zip(groups, self.param_lists)):
             return None
         if any(p.grad is not None for p in self.params_without_grad):
             return None
+        states = self.states
         try:
-            stored = [state[self.state_key] for state in self.states]
-            counts = None if self.on_device_counts else [state["step"] + 1 for state in self.states]
+            if not _same_objects(list(map(self.state_entry_of, states)), self.stored):
+                return None
+            if self.any_split and not _same_objects(list(map(dict.get, states, repeat(LOW_HALF_KEY))),
+                                                    self.stored_lows):
+                return None
+            counts = None if self.on_device_counts else self._counts()
         except (KeyError, TypeError):
             return None
-        if list(map(id, stored)) != self.stored_ids:
-            return None
-        if self.any_split:
-            try:
-                if [None if i is None else id(state[LOW_HALF_KEY])
-                        for state, i in zip(self.states, self.stored_low_ids)] != self.stored_low_ids:
-                    return None
-            except KeyError:
+        if self.any_sharded:
+            return self._sharded_gradients(counts)
+        params = self.params
+        grads = list(map(_grad_of, params))
+        try:  # the cheapest checks first; a missing gradient fails (None has no dtype), a sparse one raises
+            if (list(map(_dtype_of, grads)) != self.grad_dtypes or list(map(_shape_of, grads)) != self.shapes
+                    or not all(map(_is_contiguous, grads)) or list(map(_get_device, grads)) != self.devices
+                    or list(map(_data_ptr, params)) != self.param_pointers
+                    or list(map(_dtype_of, params)) != self.param_dtypes or not all(map(_is_contiguous, params))):
                 return None
+            return grads, list(map(_data_ptr, grads)), counts
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return None
+
+    def _counts(self) -> int | list[int]:
+        """This step's count: one for every tensor while each state still holds the count the
+        last step wrote (the same int object: a count set by hand, even an equal one, is
+        checked afresh), else each tensor's (raises TypeError for a count that is no number)."""
+        steps = list(map(_step_of, self.states))
+        last = self.last_count
+        if last is not None and all(map(_is, steps, repeat(last))):
+            return last + 1
+        return [step + 1 for step in steps]
+
+    def _sharded_gradients(self, counts) -> tuple[list, list[int], int | list[int] | None] | None:
+        """`_gradients`' per-tensor checks where some parameters are DTensors: each sharded
+        gradient must stay laid out like its parameter; the kernel reads local shards."""
         device, grads, grad_pointers = self.device, [], []
         param_dtypes, grad_dtypes = self.param_dtypes, self.grad_dtypes
         try:  # one pass, the cheapest checks first; a sparse gradient fails or raises
             for i, (p, shape, address) in enumerate(zip(self.params, self.shapes, self.param_pointers)):
                 g = p.grad
-                if self.any_sharded and self.sharded[i]:
+                if self.sharded[i]:
                     if not _dtensor.is_dtensor(g) or (g.device_mesh, tuple(g.placements)) != self.layouts[i]:
                         return None
                     g, p = g.to_local(), p.to_local()
@@ -143,42 +196,55 @@ class StepPlan:
             return None
         return self.run(opt, *found, group_rows)
 
-    def run(self, opt, grads: list, grad_pointers: list[int], counts: list[int] | None,
+    def run(self, opt, grads: list, grad_pointers: list[int], counts: int | list[int] | None,
             group_rows: list[tuple[float, ...]]) -> list[int] | None:
         """The step over the plan's tensors with these (checked) gradients, their addresses
-        and the new step counts; None, having changed nothing, if the step scalars cannot be
-        derived."""
+        and the new step counts (one for all tensors, or a list); None, having changed nothing,
+        if the step scalars cannot be derived."""
         fmt, multi_tensor, count_nonfinite = self.options
         track_format = opt.track_format
         # Scalars first: a bad step count raises here, before anything changes; the full step
         # then names the parameter.
+        if type(counts) is list and counts.count(counts[0]) == len(counts) and type(counts[0]) is int:
+            counts = counts[0]  # one count: written as one object (`_counts`)
         try:
-            if self.cuda_tables and counts.count(counts[0]) == len(counts):  # one row per group
-                scalars = np.asarray([row_scalars(counts[0], row) for row in group_rows], dtype=np.float32)
+            if type(counts) is int:  # one row per group
+                row_scalars = self.rule.row_scalars
+                scalars = np.asarray([row_scalars(counts, row) for row in group_rows], dtype=np.float32)
                 rows = self.group_of
             else:
-                scalars, rows = scalar_table(counts, [group_rows[i] for i in self.group_of])
+                if type(counts) is int:
+                    counts = [counts] * len(self.states)
+                scalars, rows = _launch.scalar_table(counts, [group_rows[i] for i in self.group_of],
+                                                     self.rule.row_scalars)
             layout = self.layout(rows) if self.cuda_tables else None
         except (TypeError, ValueError):
             return None
         if self.device < 0:
-            rejected = cpu_step_(self.kernel_params, grads, self.moments, scalars, rows, fmt, self.counters,
+            rejected = self.rule.cpu_step(self.kernel_params, grads, self.moments, scalars, rows, fmt, self.counters,
                                  track_format, self.lows)
         elif not multi_tensor:
-            rejected = _launch.cuda_step_(self.kernel_params, grads, self.moments, scalars, rows, fmt, False,
+            rejected = _launch.cuda_step_(self.rule, self.kernel_params, grads, self.moments, scalars, rows, fmt, False,
                                           count_nonfinite, self.counters, track_format, self.lows)
         else:  # CUDA: only the gradients' addresses and the scalars are new
             staging = self.staging
             pointers = staging.stage(scalars)
             pointers[:] = self.static_pointers
-            pointers[self.grad_slots] = grad_pointers
-            aligned = self.aligned and not (pointers[self.grad_slots] & 15).any()
-            rejected = _launch.launch_step(staging.send(), self.kernel_params, grads, self.moments, layout, fmt,
-                                           count_nonfinite, aligned, self.relaunch, self.counters, track_format,
+            grad_addresses = np.array(grad_pointers, dtype=np.int64)
+            pointers[self.grad_slots] = grad_addresses
+            aligned = self.aligned and not (grad_addresses & 15).any()
+            rejected = _launch.launch_step(self.rule, staging.send(), self.kernel_params, grads, self.moments, layout,
+                                           fmt, count_nonfinite, aligned, self.relaunch, self.counters, track_format,
                                            lows=self.lows)
             staging.launched()
-        for state, count in zip(self.states, counts):
-            state["step"] = count
+        if type(counts) is int:
+            for state in self.states:
+                state[STEP_KEY] = counts
+            self.last_count = counts
+        else:
+            for state, count in zip(self.states, counts):
+                state[STEP_KEY] = count
+            self.last_count = None
         if track_format:
             self.tracked_steps += 1
         return rejected
@@ -187,7 +253,8 @@ class StepPlan:
 class CapturableStepPlan(StepPlan):
     """The plan of `PackedAdamW(capturable=True)` on CUDA: the step count of every tensor
     (`state["step"]`, an int32 tensor) and each group's learning rate (a tensor) stay on the
-    device, and the step scalars are derived there by core's `capturable_step_scalars_kernel`
+    device, and the step scalars are derived there by the rule's capturable scalar kernel
+    (AdamW's: core's `capturable_step_scalars_kernel`)
     (which also reads and checks each group's lr tensor and advances the counts), from the
     same recipe as the host's. A step then makes no host synchronisation and no host-to-device
     copy of a changing value, so `torch.cuda.graph` can capture it and replays follow the lr
@@ -199,7 +266,7 @@ class CapturableStepPlan(StepPlan):
 
     def __init__(self, opt, params, kernel_params, states, stored, moments, group_of, device, counters=None, **kinds):
         super().__init__(opt, params, kernel_params, states, stored, moments, group_of, device, counters, **kinds)
-        from packed_adamw.core.adamw import hyperparams as H
+        rule = self.rule.rule
 
         self.on_device_counts = True
         n, torch_device = len(params), self.torch_device
@@ -208,12 +275,13 @@ class CapturableStepPlan(StepPlan):
                                    for state in states])
         for i, state in enumerate(states):
             state["step"] = self.counts[i]
-        self.step_ids = [id(state["step"]) for state in states]
+        self.step_tensors = [state[STEP_KEY] for state in states]
         self.tables = self.layout(tuple(range(n)))  # one scalar row per tensor
         self.group_index = torch.as_tensor(self.group_of, dtype=torch.int64).to(torch_device)
         self.b1_sign = torch.ones(n, dtype=torch.float32, device=torch_device)
-        self.hparams = torch.zeros((len(opt.param_groups), H.HPARAM_ROW), dtype=torch.float32, device=torch_device)
-        self.scalars = torch.empty((n, H.SCALAR_ROW), dtype=torch.float32, device=torch_device)
+        self.hparams = torch.zeros((len(opt.param_groups), rule.hyperparam_row), dtype=torch.float32,
+                                   device=torch_device)
+        self.scalars = torch.empty((n, rule.scalar_row), dtype=torch.float32, device=torch_device)
         # Each group's lr is read on the device through its address: the lr tensor itself when
         # it is a float32 on the device, else that group's element of `lr_staging`, which the
         # step fills from it. `lr_tensors` keeps alive the tensors whose addresses are uploaded.
@@ -238,7 +306,7 @@ class CapturableStepPlan(StepPlan):
 
     def step(self, opt, group_rows) -> list[int] | None:
         found = self._gradients(opt)
-        if found is None or list(map(id, (state["step"] for state in self.states))) != self.step_ids:
+        if found is None or not _same_objects(list(map(_step_of, self.states)), self.step_tensors):
             return None
         if len(opt.param_groups) != len(self.hparams):
             return None  # groups were added: a new plan
@@ -249,10 +317,12 @@ class CapturableStepPlan(StepPlan):
         del counts
         fmt = self.options[0]  # capturable optimizers never count formats (PackedAdamW.track_format)
         from packed_adamw.core import launch
-        from packed_adamw.core.adamw.kernel import capturable_step_scalars_kernel
 
-        # b1, b2, eps, weight decay (validated floats) and maximize: constants of a capture
-        constants = tuple(row[1:6] for row in group_rows)
+        rule = self.rule
+        width = rule.rule.hyperparam_row  # a torch row: the hyperparameter row (lr first), then maximize
+        # Every hyperparameter but lr (validated floats; AdamW's b1, b2, eps, weight decay) and
+        # maximize: constants of a capture
+        constants = tuple(row[1:width + 1] for row in group_rows)
         capturing = torch.cuda.is_current_stream_capturing()
         with _launch.on_device(self.torch_device):
             if constants != self.constants:
@@ -260,8 +330,8 @@ class CapturableStepPlan(StepPlan):
                     raise RuntimeError("PackedAdamW(capturable=True): betas, eps, weight_decay or maximize changed "
                                        "since the last eager step; take one eager step before capturing")
                 for g, row in enumerate(constants):
-                    self.hparams[g, 1:] = torch.tensor(row[:4], dtype=torch.float32)
-                signs = [-1.0 if constants[g][4] else 1.0 for g in self.group_of]
+                    self.hparams[g, 1:] = torch.tensor(row[:width - 1], dtype=torch.float32)
+                signs = [-1.0 if constants[g][width - 1] else 1.0 for g in self.group_of]
                 self.b1_sign.copy_(torch.tensor(signs, dtype=torch.float32))
                 self.constants = constants
             if capturing and any(isinstance(group["lr"], torch.Tensor) and group["lr"].device != self.torch_device
@@ -286,7 +356,7 @@ class CapturableStepPlan(StepPlan):
                 if not self._direct_lr(lr):
                     self.lr_staging[g].copy_(lr.reshape(()))
             n = len(self.counts)
-            capturable_step_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
+            rule.kernel(rule.capturable_scalars_kernel)[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
                 self.lr_addresses, self.hparams, self.group_index, self.b1_sign, self.counts, n, self.scalars,
                 BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
             scalars = self.scalars
@@ -316,6 +386,6 @@ class CapturableStepPlan(StepPlan):
                     self.uploaded = addresses
                 table = self.table
             aligned = not any(a & 15 for a in addresses)
-            _launch.launch_step(table, self.kernel_params, grads, self.moments, self.tables, fmt, False, aligned,
+            _launch.launch_step(rule, table, self.kernel_params, grads, self.moments, self.tables, fmt, False, aligned,
                                 self.relaunch, self.counters, False, scalars=scalars, lows=self.lows)
         return [0] * n

@@ -15,7 +15,7 @@ import torch
 
 from packed_adamw.core import StateFormat, codecs as formats
 from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
-from packed_adamw.core.adamw.rule import FORMAT_COUNTS
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS, RULE
 
 from . import _launch
 from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, flat_moments, format_count_slots, new_low_half, new_state, \
@@ -99,8 +99,8 @@ def adamw_step_(
         _check_inputs(params, grads, states, counts, hparams, fmt, lows)
     scalars, rows = scalar_table(counts, hparams)  # raises on a step count out of range, before any change
     if params[0].device.type == "cuda":
-        return _launch.cuda_step_(params, grads, states, scalars, rows, fmt, multi_tensor, count_nonfinite,
-                                  counters, track_format, lows)
+        return _launch.cuda_step_(ADAMW_LAUNCH, params, grads, states, scalars, rows, fmt, multi_tensor,
+                                  count_nonfinite, counters, track_format, lows)
     return cpu_step_(params, grads, states, scalars, rows, fmt, counters, track_format, lows)
 
 
@@ -123,27 +123,28 @@ def cpu_step_(params, grads, states, scalars, rows, fmt: StateFormat, counters=N
 
 
 def scalar_table(counts, hparams) -> tuple[np.ndarray, tuple[int, ...]]:
-    """The step scalars, derived on the host (FORMAT.md, "Step scalars"): [rows, SCALAR_ROW]
-    float32, one row per distinct (count, hyperparameters), and each tensor's row. Tensors of
-    one group share a row object, so each distinct pair is derived once."""
-    unique, index, keys = [], [], {}
-    previous = None
-    for count, row in zip(counts, hparams):
-        key = (count, row if type(row) is tuple else tuple(row))
-        if key != previous:
-            previous = key
-            slot = keys.get(key)
-            if slot is None:
-                slot = keys[key] = len(unique)
-                unique.append(row_scalars(count, key[1]))
-        index.append(slot)
-    return np.asarray(unique, dtype=np.float32), tuple(index)
+    """AdamW's step scalars on the host (`_launch.scalar_table` with `row_scalars`): [rows,
+    SCALAR_ROW] float32, one row per distinct (count, hyperparameters), and each tensor's row."""
+    return _launch.scalar_table(counts, hparams, row_scalars)
 
 
 def row_scalars(count: int, row: tuple) -> tuple:
     """`step_scalar_row` for a torch hyperparameter row: (lr, b1, b2, eps, weight_decay) and
     optionally `maximize` as a sixth entry."""
     return step_scalar_row(count, row[:5], maximize=len(row) > 5 and bool(row[5]))
+
+
+# What the torch launches and step plans need of AdamW's rule (`_launch.RuleLaunch`).
+ADAMW_LAUNCH = _launch.RuleLaunch(
+    rule=RULE,
+    kernel_module="packed_adamw.core.adamw.kernel",
+    multi_tensor_kernel="adamw_multi_tensor_kernel",
+    single_tensor_kernel="adamw_kernel",
+    split_kernel="adamw_split_kernel",
+    capturable_scalars_kernel="capturable_step_scalars_kernel",
+    row_scalars=row_scalars,
+    cpu_step=cpu_step_,
+)
 
 
 # ---- split masters outside the step (core/codecs.py's codecs, on host copies) ----

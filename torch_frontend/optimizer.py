@@ -17,6 +17,7 @@ from packed_adamw.core.portable import PortableState
 from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 from . import _checks, _compiled, _engine, _persistence
+from .functional import ADAMW_LAUNCH
 from ._checks import MAX_STEP, STEP_LIMIT  # noqa: F401  (public names of this module)
 from ._engine import SATURATION_WARNING, NonFiniteGradientError  # noqa: F401
 from ._persistence import GROUP_FORMAT_KEY, STATE_DICT_KEY, STATE_DICT_VERSION  # noqa: F401
@@ -53,6 +54,8 @@ class PackedAdamW(Optimizer):
     (on CUDA this costs a reduction and a wait for the GPU each step). To skip whole steps
     instead, use `torch.amp.GradScaler` or `clip_grad_norm_(..., error_if_nonfinite=True)`.
     """
+
+    rule_launch = ADAMW_LAUNCH  # what the shared step machinery (_engine, _plan, _launch) launches
 
     def __init__(
         self,

@@ -19,8 +19,6 @@ HPARAM_ROW = len(HPARAM_FIELDS)
 SCALAR_FIELDS = ("b1", "one_minus_b1", "b2", "one_minus_b2", "step_size", "inv_sqrt_bias_correction2", "eps", "lr_wd")
 SCALAR_ROW = len(SCALAR_FIELDS)
 SCALAR_INDEX = {name: i for i, name in enumerate(SCALAR_FIELDS)}
-# The torch launcher stages scalar rows inside an int64 table beside the buffer addresses.
-SCALAR_ROW_INT64_WORDS = SCALAR_ROW * 4 // 8
 # The valid values of each field, as float32 numbers: the one table the host check below is
 # written from (a device-side check can be written from it too: `Bound.holds` takes arrays).
 # eps keeps the update finite; each beta must leave 1 - beta > 0.
