@@ -3,7 +3,10 @@
 The per-element body (`_adamw_block_step`, the whole step contract: FORMAT.md, "The step")
 and the entry points: one tensor (`adamw_kernel`, `adamw_split_kernel`), many tensors in one
 launch (`adamw_multi_tensor_kernel`), and the step scalars (`step_scalars_kernel`,
-`capturable_step_scalars_kernel`). The codecs, masked loads and stores, the pointer table and
+`capturable_step_scalars_kernel`); for a launcher that passes every buffer as an argument
+and returns its outputs (jax-triton, `FUNCTIONAL_KERNELS`), the single-tensor kernels with
+their counter row as an output too (`adamw_counting_kernel`, `adamw_split_counting_kernel`)
+and up to 16 leaves in one launch (`adamw_leaf_group_kernel`). The codecs, masked loads and stores, the pointer table and
 the counter rows are core/kernel.py's; the launch rules are in its docstring.
 
 The update kernels read their step scalars (hyperparams.SCALAR_FIELDS) as float32 rows in
