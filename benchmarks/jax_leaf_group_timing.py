@@ -4,7 +4,8 @@
     python benchmarks/jax_leaf_group_timing.py --dtype bfloat16 --track-format --out /tmp/bf16.md
 
 Uses only the public API (`packed_adamw`, `packed_adamw_fused_step`), so the same file times
-any tree: run it from one checkout, then from another, on the same machine, and compare.
+any tree: run it with one checkout installed, then another, on the same machine, and compare
+(the table's first line names the tree whose package was imported).
 Leaves below launch.SOLO_ELEMENTS share leaf-group launches (up to 16 leaves each); GPT-2's
 embedding launches alone. Rows, each for GPT-2 small's and the reference GPT's leaf list:
 
@@ -95,10 +96,13 @@ def main(argv=None):
     if jax.default_backend() != "gpu":
         raise SystemExit(f"jax_leaf_group_timing.py times CUDA launches; JAX's backend here is "
                          f"{jax.default_backend()!r}: run it on a GPU host with a CUDA jaxlib and jax-triton")
+    import packed_adamw.jax
     from packed_adamw.core import launch
 
-    lines = [f"JAX leaf-group timing on {jax.devices()[0].device_kind}, jax {jax.__version__}: dtype {args.dtype}, "
-             f"mode {args.mode}, track_format={args.track_format}; median of {REPEATS} rounds", "",
+    # Which tree was timed: the package imported, not the folder this script sits in.
+    tree = Path(packed_adamw.jax.__file__).resolve().parents[1]
+    lines = [f"JAX leaf-group timing of {tree} on {jax.devices()[0].device_kind}, jax {jax.__version__}: "
+             f"dtype {args.dtype}, mode {args.mode}, track_format={args.track_format}; median of {REPEATS} rounds", "",
              "| leaf list | leaves (grouped / alone) | step | first call (s) | ms per step |", "|---|---|---|---|---|"]
     for list_name, shapes in leaf_lists().items():
         sizes = [math.prod(s) for s in shapes]
