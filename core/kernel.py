@@ -3,8 +3,9 @@
 The 16-bit minifloat codec given a format's constexpr fields (`decode`, `encode_magnitude`,
 `finish_code`), the split-master codec (`join_master`, `split_master`), loads and stores
 that are masked only where a block crosses the tensor's end, the multi-tensor pointer table
-(`table_address`), float32 powers by square-and-multiply, and the per-tensor counter rows
-(`lane_bit`, `add_counts`; layout: launch.py). A rule's kernels (core/adamw/kernel.py) import
+(`table_address`), a leaf-group kernel's slot selection (`leaf_slot`), float32 powers by
+square-and-multiply, and the per-tensor counter rows (`lane_bit`, `add_counts`; layout:
+launch.py). A rule's kernels (core/adamw/kernel.py) import
 them; Triton inlines them, so the compiled code is what it would be written in place.
 
 Launch rules (the launchers in `launch.py` follow them): compile with
@@ -12,6 +13,8 @@ Launch rules (the launchers in `launch.py` follow them): compile with
 square root is the correctly rounded `div_rn` / `sqrt_rn`. Then the compiled kernel, its
 interpreted run on CPU, the numpy path and the scalar authority agree bit for bit.
 """
+from typing import Any, NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -191,3 +194,43 @@ def table_address(table_ptr, index, ALIGNED: tl.constexpr):
     if ALIGNED:  # every buffer starts on 16 bytes: lets the loads and stores be 16 bytes wide
         address = tl.multiple_of(address, 16)
     return address
+
+
+LEAF_GROUP_SLOTS = tl.constexpr(launch.LEAF_GROUP_SLOTS)  # `leaf_slot`'s slots
+
+
+@triton.jit
+def leaf_slot(leaf, slot_0, slot_1, slot_2, slot_3, slot_4, slot_5, slot_6, slot_7, slot_8, slot_9, slot_10, slot_11,
+              slot_12, slot_13, slot_14, slot_15):
+    """The address in slot `leaf` of LEAF_GROUP_SLOTS buffer arguments, as an int64. `leaf`
+    is the program's, the same on every lane: each selection is one scalar instruction."""
+    address = slot_0.to(tl.int64)
+    address = tl.where(leaf == 1, slot_1.to(tl.int64), address)
+    address = tl.where(leaf == 2, slot_2.to(tl.int64), address)
+    address = tl.where(leaf == 3, slot_3.to(tl.int64), address)
+    address = tl.where(leaf == 4, slot_4.to(tl.int64), address)
+    address = tl.where(leaf == 5, slot_5.to(tl.int64), address)
+    address = tl.where(leaf == 6, slot_6.to(tl.int64), address)
+    address = tl.where(leaf == 7, slot_7.to(tl.int64), address)
+    address = tl.where(leaf == 8, slot_8.to(tl.int64), address)
+    address = tl.where(leaf == 9, slot_9.to(tl.int64), address)
+    address = tl.where(leaf == 10, slot_10.to(tl.int64), address)
+    address = tl.where(leaf == 11, slot_11.to(tl.int64), address)
+    address = tl.where(leaf == 12, slot_12.to(tl.int64), address)
+    address = tl.where(leaf == 13, slot_13.to(tl.int64), address)
+    address = tl.where(leaf == 14, slot_14.to(tl.int64), address)
+    address = tl.where(leaf == 15, slot_15.to(tl.int64), address)
+    return address
+
+
+class FunctionalKernels(NamedTuple):
+    """A rule's entry points for a launcher that returns its outputs instead of writing its
+    inputs (jax-triton: every output an argument after the inputs, aliased ones too), as the
+    JAX frontend launches them. core/adamw/kernel.py's `FUNCTIONAL_KERNELS` is AdamW's."""
+
+    tensor: Any  # one FP32 tensor (`adamw_kernel`'s arguments)
+    tensor_counting: Any  # the same with the counter row as its last output
+    split_tensor: Any  # one bf16 tensor with a split master (`adamw_split_kernel`'s arguments)
+    split_tensor_counting: Any  # the same with the counter row as its last output
+    leaf_group: Any  # up to LEAF_GROUP_SLOTS tensors of one launch kind (`adamw_leaf_group_kernel`'s)
+    step_scalars: Any  # [rows, hyperparameters] and [rows] counts -> [rows, step scalars]

@@ -26,6 +26,12 @@ MULTI_TENSOR_NUM_WARPS = 2
 # its table lookups cost about 8% on a 268M-element tensor (docs/results/BENCHMARKS.md), while the GPU
 # time of one such tensor (over 80 us on an H200) hides the extra launch's host cost.
 SOLO_ELEMENTS = 1 << 24
+# A leaf-group kernel's slots (core/kernel.py's `leaf_slot`): jax-triton passes buffers only as
+# separate kernel arguments, never as a table of addresses (docs/MULTI_TENSOR.md), so a kernel
+# over several leaves has one argument per leaf and buffer, this many of each. A launch of fewer
+# leaves fills the rest with placeholders that no program reads, so one compiled kernel serves
+# every group size; larger groups are split.
+LEAF_GROUP_SLOTS = 16
 # Interpreted (CPU tests): per-program overhead dominates, so one program takes a lot.
 INTERPRETER_BLOCK = 1 << 15  # below the format counts' 16-bit fields (kernel.py)
 # step_scalars_kernel: rows (tensors or leaves) per program.

@@ -15,9 +15,13 @@ The primitive sees the shapes of the arrays it is given: under `shard_map` or a
 `custom_partitioning` partition (`_sharding.py`) those are one device's shards, so every
 leaf-group table and callback works on the local shards.
 
+The primitive knows no rule: `StepConfig.fmt` is the rule's state format (its layout, and its
+`rule` declaring the scalar row and the format counts) and `StepConfig.steps` its numpy step and
+Triton entry points (`RuleSteps`; AdamW's is `_rules.ADAMW`).
+
 With `StepConfig.track_format` the primitive has one more output, the step's format counts
 (docs/FORMAT.md, "Format counts") of each leaf's elements on this device: uint32
-[n_leaves, len(FORMAT_COUNTS)]. Without it the primitive, its outputs and its launches
+[n_leaves, len(fmt.rule.count_names)]. Without it the primitive, its outputs and its launches
 are what they are without counting.
 
 Leaves listed in `StepConfig.split` are bf16 live weights of FP32 masters (docs/FORMAT.md,
@@ -38,7 +42,7 @@ import ctypes.util
 import dataclasses
 import functools
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +50,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from packed_adamw.core import StateFormat
-from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
-from packed_adamw.core.adamw.rule import FORMAT_COUNTS
+from packed_adamw.core.rule import StateLayout
 
 # A step's counts of one leaf on one device travel as uint32, so a counted leaf (or its shard
 # on a device) must have fewer elements than this.
@@ -56,10 +58,26 @@ COUNTABLE_ELEMENTS = 1 << 32
 
 
 @dataclasses.dataclass(frozen=True)
+class RuleSteps:
+    """A rule's elementwise step as the primitive runs it, the same bits on every platform: its
+    numpy step on CPU, its Triton entry points on CUDA. Its state format (`StepConfig.fmt`)
+    gives the rest."""
+
+    # numpy, in place: (p, g, state, scalar row, *, fmt, update_out, format_counts_out)
+    apply_step: Callable
+    # numpy, in place: (bf16 weight's bits, low half, g, state, scalar row, *, fmt, format_counts_out)
+    apply_split_step: Callable
+    step_scalar_row: Callable  # (count, hyperparameter row) -> the row of step scalars
+    # () -> the rule's core.kernel.FunctionalKernels, called only when compiling for CUDA (it imports Triton)
+    kernels: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class StepConfig:
     """What the step's compiled code depends on besides array shapes (hashable)."""
 
-    fmt: StateFormat
+    fmt: StateLayout  # the rule's state format
+    steps: RuleSteps
     write_update: bool
     multi_tensor: bool
     decay: tuple[bool, ...]  # per leaf: weight decay (row 0 of hparams) or not (row 1)
@@ -81,8 +99,8 @@ class StepConfig:
 
 
 def counts_shape(config: StepConfig) -> tuple[int, int]:
-    """The shape of one step's format counts: a row of FORMAT_COUNTS per leaf."""
-    return (config.n_leaves, len(FORMAT_COUNTS))
+    """The shape of one step's format counts: a row of the rule's count names per leaf."""
+    return (config.n_leaves, len(config.fmt.rule.count_names))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "grads", "states", "lows", "hparams",
@@ -269,7 +287,7 @@ def _subnormals_kept():
 def _host_step(*flat, config: StepConfig):
     """Every leaf of one device in one callback: a callback costs far more than the numpy step
     of a small leaf, so leaves do not get one each."""
-    fmt, ops = config.fmt, StepOperands.of(flat, config)
+    fmt, steps, ops = config.fmt, config.steps, StepOperands.of(flat, config)
     params, grads, states, lows, hparams, count = ops.params, ops.grads, ops.states, ops.lows, ops.hparams, ops.count
     hparams = np.asarray(hparams, np.float32)
     count = int(np.asarray(count).reshape(-1)[0])
@@ -280,19 +298,19 @@ def _host_step(*flat, config: StepConfig):
             shape, state_shape = np.shape(p), np.shape(s)
             try:  # callback inputs are read-only: the step works on copies
                 s = np.array(s).reshape(fmt.flat_state_shape(-1))
-                scalars = step_scalar_row(count, hparams[0 if decays else 1])
+                scalars = steps.step_scalar_row(count, hparams[0 if decays else 1])
                 leaf_counts = None if counts is None else counts[i]
                 if lo is None:
                     p = np.array(p, dtype=np.float32).reshape(-1)
                     update = np.empty_like(p) if config.write_update else None
-                    apply_step(p, np.asarray(g, np.float32).reshape(-1), s, scalars, fmt=fmt, update_out=update,
-                               format_counts_out=leaf_counts)
+                    steps.apply_step(p, np.asarray(g, np.float32).reshape(-1), s, scalars, fmt=fmt, update_out=update,
+                                     format_counts_out=leaf_counts)
                     out = update if config.write_update else p
                 else:  # a split master: the new bf16 weight and low half, in place on the copies
                     p, lo = np.array(p).view(np.uint16).reshape(-1), np.array(lo).reshape(-1)
                     g = np.asarray(g)
                     g = (g.view(np.uint16) if g.dtype == jnp.bfloat16 else g.astype(np.float32)).reshape(-1)
-                    apply_split_step(p, lo, g, s, scalars, fmt=fmt, format_counts_out=leaf_counts)
+                    steps.apply_split_step(p, lo, g, s, scalars, fmt=fmt, format_counts_out=leaf_counts)
                     out = p.view(jnp.bfloat16)
                     new_lows[i] = lo.reshape(shape)
             except Exception as e:  # surfaces as JaxRuntimeError; make its last line say what failed
@@ -324,8 +342,8 @@ def _cuda_step(*args, config: StepConfig):
     check_countable(ops.params, config)
     outs, new_states, counts, *new_lows = _triton_launch.step(
         ops.params, ops.grads, ops.states, list(config.decay), ops.hparams, ops.count, fmt=config.fmt,
-        write_update=config.write_update, multi_tensor=config.multi_tensor, alias_grads=config.alias_grads,
-        track_format=config.track_format, lows=ops.lows if config.split else None)
+        kernels=config.steps.kernels(), write_update=config.write_update, multi_tensor=config.multi_tensor,
+        alias_grads=config.alias_grads, track_format=config.track_format, lows=ops.lows if config.split else None)
     new_lows = new_lows[0] if config.split else [None] * config.n_leaves
     return StepResults(list(outs), list(new_states), list(new_lows), counts).flat(config)
 

@@ -32,6 +32,7 @@ from packed_adamw.core.portable import PortableState
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
 from ._sharding import sharded_step, state_spec
+from ._rules import ADAMW
 from ._step import StepConfig, StepOperands
 
 # optax.adamw's default; torch.optim.AdamW (and PackedAdamW) use 1e-2.
@@ -447,7 +448,7 @@ class _Stepper:
                              f"{_refusal_reason(np.asarray(rows)[0], int(state.count))}")
         count = jnp.where(valid, _increment(state.count), state.count)
         step_count = jnp.where(valid, count, 1)  # a refused step's rows are NaN: any count in range will do
-        config = StepConfig(fmt=self.fmt, write_update=write_update, multi_tensor=self.multi_tensor,
+        config = StepConfig(fmt=self.fmt, steps=ADAMW, write_update=write_update, multi_tensor=self.multi_tensor,
                             decay=tuple(bool(d) for d in decay), paths=paths,
                             alias_grads=write_update and self.reuse_grad_buffer, track_format=counting,
                             split=tuple(i for i, lo in enumerate(lows) if lo is not None))

@@ -186,10 +186,22 @@ class InterpretedJaxTriton:
     input's buffer and any other output uninitialised (garbage, not zeros), and every constexpr
     passed by name, those with defaults too, as that version requires. Runs eagerly, in
     the Triton interpreter, on torch copies of the arrays (float32, uint32, int16 and bf16).
-    `launches` records (kernel, metaparameters) per call."""
+    `launches` records (kernel, metaparameters) per call, `signatures` the dtypes of its array
+    arguments and outputs and its warps."""
 
     def __init__(self):
         self.launches = []
+        self.signatures = []
+
+    def clear(self) -> None:
+        self.launches.clear()
+        self.signatures.clear()
+
+    def variant(self, index: int) -> tuple:
+        """What jax-triton compiles launch `index` for (its cache key, but for the compute
+        capability): the kernel, the constexprs and the argument dtypes."""
+        kernel, metaparams = self.launches[index]
+        return kernel, tuple(sorted(metaparams.items())), self.signatures[index]
 
     @property
     def kernels(self) -> list:
@@ -225,9 +237,12 @@ class InterpretedJaxTriton:
                     if "constexpr" in str(p.annotation) and name not in metaparams]
         assert not left_out, f"{fn.__name__} launched without its constexpr {', '.join(left_out)}"
         self.launches.append((kernel, metaparams))
+        shapes = list(out_shape) if isinstance(out_shape, (tuple, list)) else [out_shape]
+        arg_types = tuple(type(a).__name__ if isinstance(a, (bool, int, float)) else str(np.asarray(a).dtype)
+                          for a in args)
+        self.signatures.append((arg_types, tuple(str(np.dtype(s.dtype)) for s in shapes), num_warps))
         arrays = [self._tensor(np.asarray(a)) for a in args if not isinstance(a, (bool, int, float))]
         aliases = dict(input_output_aliases or {})
-        shapes = list(out_shape) if isinstance(out_shape, (tuple, list)) else [out_shape]
         outs = []
         for k, shape in enumerate(shapes):
             source = [i for i, o in aliases.items() if o == k]

@@ -227,13 +227,14 @@ def test_the_custom_partitioning_step_gives_the_bits_of_the_plain_step(mode):
     or more GPUs; tests/test_jax_sharding.py checks it on CPU devices with a stand-in body.)"""
     from packed_adamw.core import StateFormat
     from packed_adamw.jax._sharding import partitioned_step
+    from packed_adamw.jax._rules import ADAMW
     from packed_adamw.jax._step import StepConfig, StepOperands, local_step
 
     params0, grads = problem(seed=30)
     keys = sorted(SHAPES)
     fmt = StateFormat(mode)
-    config = StepConfig(fmt=fmt, write_update=True, multi_tensor=True, decay=tuple(k != "odd1" for k in keys),
-                        paths=tuple(keys), alias_grads=True)
+    config = StepConfig(fmt=fmt, steps=ADAMW, write_update=True, multi_tensor=True,
+                        decay=tuple(k != "odd1" for k in keys), paths=tuple(keys), alias_grads=True)
     p = [jnp.asarray(params0[k]) for k in keys]
     g = [jnp.asarray(grads[0][k]) for k in keys]
     s = [jnp.zeros(fmt.state_shape(SHAPES[k]), fmt.state_dtype) for k in keys]

@@ -407,6 +407,7 @@ def test_refusals_name_what_to_do():
 @pytest.mark.parametrize("multi_tensor", [True, False], ids=["leaf_groups", "per_leaf"])
 @pytest.mark.parametrize("write_update", [True, False], ids=["transform", "fused"])
 def test_the_cuda_launches_count_as_the_numpy_step_in_the_interpreter(mode, multi_tensor, write_update, monkeypatch):
+    from packed_adamw.core.adamw.kernel import FUNCTIONAL_KERNELS as KERNELS
     from packed_adamw.jax import _leaf_group, _triton_launch
 
     fmt = StateFormat(mode)
@@ -423,12 +424,13 @@ def test_the_cuda_launches_count_as_the_numpy_step_in_the_interpreter(mode, mult
     monkeypatch.setattr(_triton_launch, "_jax_triton", lambda: stand_in)
     outs, new_states, counts = _triton_launch.step(
         [jnp.asarray(p) for p in params], [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words], decay,
-        jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt, write_update=write_update,
-        multi_tensor=multi_tensor, alias_grads=write_update, track_format=True)
-    counting = {_triton_launch.adamw_counting_kernel, *(_leaf_group.leaf_group_kernel(n, counting=True)
-                                                          for n in (2, _leaf_group.LEAVES_PER_LAUNCH))}
-    launched = [k for k in stand_in.kernels if k in counting]
+        jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt, kernels=KERNELS,
+        write_update=write_update, multi_tensor=multi_tensor, alias_grads=write_update, track_format=True)
+    counting = {KERNELS.tensor_counting, KERNELS.leaf_group}
+    launched = [k for k, m in stand_in.launches if k in counting and m["TRACK_FORMAT"]]
     assert len(launched) == (2 if multi_tensor else len(sizes) - 1), stand_in.kernels
+    if multi_tensor:  # groups of 16 and 2 leaves: one compiled kernel (same constants, same argument dtypes)
+        assert len({stand_in.variant(i) for i, k in enumerate(stand_in.kernels) if k is KERNELS.leaf_group}) == 1
     assert counts.shape == (len(sizes), 6) and counts.dtype == jnp.uint32
     for i, n in enumerate(sizes):
         p, s = params[i].copy(), words[i].copy()
@@ -441,22 +443,13 @@ def test_the_cuda_launches_count_as_the_numpy_step_in_the_interpreter(mode, mult
         assert np.asarray(counts[i]).tolist() == expected.tolist(), i
     assert np.asarray(counts[0]).min() > 0, counts[0]
     # Off: no counts, and only the kernels without a counters output.
-    stand_in.launches.clear()
+    stand_in.clear()
     *_, none = _triton_launch.step(
         [jnp.asarray(p) for p in params], [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words], decay,
-        jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt, write_update=write_update,
-        multi_tensor=multi_tensor, track_format=False)
-    assert none is None and not any(k in counting for k in stand_in.kernels)
-
-
-def test_generated_counting_kernel_returns_its_counters_last():
-    from packed_adamw.jax import _leaf_group as LG
-
-    three = LG._generated_source(3, counting=True)
-    assert "def leaf_group_counting_kernel_3(" in three
-    assert "out_0, new_state_0, out_1, new_state_1, out_2, new_state_2, new_counters,\n" in three
-    assert "scalars_ptr, new_counters, leaf, 3," in three and "counters_ptr, leaf" not in three
-    assert LG._generated_source(3) == LG._generated_source(3, counting=False)  # off: the kernel as before
+        jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt, kernels=KERNELS,
+        write_update=write_update, multi_tensor=multi_tensor, track_format=False)
+    assert none is None and KERNELS.tensor_counting not in stand_in.kernels
+    assert not any(m.get("TRACK_FORMAT") for _, m in stand_in.launches)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,6 +619,7 @@ def _cases():
     @case("custom_partitioning_sums_the_counts_of_the_shards")
     def _():
         from packed_adamw.jax._sharding import partitioned_step
+        from packed_adamw.jax._rules import ADAMW
         from packed_adamw.jax._step import StepConfig, StepOperands
 
         def body(*args, config):  # stand-in: each shard "counts" its elements, i + 1 per element
@@ -635,7 +629,7 @@ def _cases():
             return [p + 0 for p in ps] + [s + 0 for s in ss] + [counts]
 
         fmt = StateFormat("packed")
-        config = StepConfig(fmt=fmt, write_update=True, multi_tensor=True, decay=(True,) * len(shapes),
+        config = StepConfig(fmt=fmt, steps=ADAMW, write_update=True, multi_tensor=True, decay=(True,) * len(shapes),
                             paths=tuple(shapes), track_format=True)
         p = [jax.device_put(params0[k], NamedSharding(auto, specs[k])) for k in shapes]
         s = [jax.device_put(np.zeros(shapes[k], np.uint32), NamedSharding(auto, specs[k])) for k in shapes]
@@ -742,12 +736,13 @@ def test_cuda_custom_partitioning_counts_equal_the_plain_step():
     if reason is not None:
         pytest.skip(reason)
     from packed_adamw.jax._sharding import partitioned_step
+    from packed_adamw.jax._rules import ADAMW
     from packed_adamw.jax._step import StepConfig, StepOperands, local_step
 
     fmt = StateFormat("packed")
     params, grads, words = random_start("packed", seed=31)
-    config = StepConfig(fmt=fmt, write_update=True, multi_tensor=True, decay=(True,) * len(KEYS), paths=KEYS,
-                        alias_grads=True, track_format=True)
+    config = StepConfig(fmt=fmt, steps=ADAMW, write_update=True, multi_tensor=True, decay=(True,) * len(KEYS),
+                        paths=KEYS, alias_grads=True, track_format=True)
     p = [jnp.asarray(params[k]) for k in KEYS]
     g = [jnp.asarray(grads[k]) for k in KEYS]
     s = [jnp.asarray(words[k]) for k in KEYS]

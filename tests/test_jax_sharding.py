@@ -242,6 +242,7 @@ def _cases():
         # The GPU path for Auto axes, with a stand-in body (a host callback cannot run inside a
         # partition): each device must see only its shards, and nothing is gathered.
         from packed_adamw.jax._sharding import partitioned_step
+        from packed_adamw.jax._rules import ADAMW
         from packed_adamw.jax._step import StepConfig, StepOperands
 
         seen = []
@@ -254,7 +255,7 @@ def _cases():
 
         for mode in ("packed", "fp32"):
             fmt = StateFormat(mode)
-            config = StepConfig(fmt=fmt, write_update=True, multi_tensor=True, decay=(True,) * len(shapes),
+            config = StepConfig(fmt=fmt, steps=ADAMW, write_update=True, multi_tensor=True, decay=(True,) * len(shapes),
                                 paths=tuple(shapes))
             p = [jax.device_put(params0[k], NamedSharding(auto, specs[k])) for k in shapes]
             g = [jax.device_put(grads0[0][k], NamedSharding(auto, specs[k])) for k in shapes]

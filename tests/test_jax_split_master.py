@@ -678,7 +678,8 @@ def test_the_cuda_launches_of_mixed_kinds_equal_the_numpy_step_in_the_interprete
     """FP32 leaves, split leaves with float32 and with bf16 gradients, an empty split leaf:
     one launch per kind (or per leaf), each leaf's bits those of the numpy step, the counts
     too where the mode has codes."""
-    from packed_adamw.jax import _leaf_group, _triton_launch
+    from packed_adamw.core.adamw.kernel import FUNCTIONAL_KERNELS as KERNELS
+    from packed_adamw.jax import _triton_launch
 
     fmt = StateFormat(mode)
     track = mode != "fp32"
@@ -702,13 +703,10 @@ def test_the_cuda_launches_of_mixed_kinds_equal_the_numpy_step_in_the_interprete
     monkeypatch.setattr(_triton_launch, "_jax_triton", lambda: stand_in)
     outs, new_states, counts, new_lows = _triton_launch.step(
         params, [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words], decay,
-        jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt, write_update=write_update,
-        multi_tensor=multi_tensor, alias_grads=write_update, track_format=track, lows=lows)
-    from packed_adamw.core.adamw.kernel import step_scalars_kernel
-
-    updates = [k for k in stand_in.kernels if k is not step_scalars_kernel]
-    split_kernels = {_leaf_group.leaf_group_kernel(n, counting=track, split=True) for n in range(1, 4)}
-    split_groups = [m.get("GRAD_BF16") for k, m in stand_in.launches if k in split_kernels]
+        jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt, kernels=KERNELS,
+        write_update=write_update, multi_tensor=multi_tensor, alias_grads=write_update, track_format=track, lows=lows)
+    updates = [k for k in stand_in.kernels if k is not KERNELS.step_scalars]
+    split_groups = [m["GRAD_BF16"] for k, m in stand_in.launches if k is KERNELS.leaf_group and m["SPLIT"]]
     if multi_tensor:
         assert sorted(split_groups) == [False, True], stand_in.kernels  # one launch per split kind
     assert len(updates) == (3 if multi_tensor else len(leaves) - 1), stand_in.kernels
@@ -735,20 +733,7 @@ def test_the_cuda_launches_of_mixed_kinds_equal_the_numpy_step_in_the_interprete
     # without low halves the step returns what it did before: (outs, states, counts)
     assert len(_triton_launch.step([params[1]], [jnp.asarray(grads[1])], [jnp.asarray(words[1])], [True],
                                    jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt,
-                                   write_update=write_update, multi_tensor=multi_tensor)) == 3
-
-
-def test_the_generated_split_kernel_follows_its_model():
-    from packed_adamw.jax import _leaf_group as LG
-
-    import inspect
-
-    assert LG._generated_source(2, split=True) == inspect.getsource(LG.split_leaf_group_kernel_2)
-    three = LG._generated_source(3, counting=True, split=True)
-    assert "def split_leaf_group_counting_kernel_3(" in three
-    assert "weight_2, lo_2, grad_2, state_2,\n" in three
-    assert "new_weight_2, new_lo_2, new_state_2, new_counters,\n" in three
-    assert three.count("tl.where(leaf == 2, ") == 7 and "scalars_ptr, new_counters, leaf, 3," in three
+                                   kernels=KERNELS, write_update=write_update, multi_tensor=multi_tensor)) == 3
 
 
 # ------------------------------------------------------------- 8 CPU devices (a child) ----
@@ -903,6 +888,7 @@ def _cases():
     @case("custom_partitioning_places_the_low_halves_like_the_params")
     def _():
         from packed_adamw.jax._sharding import partitioned_step
+        from packed_adamw.jax._rules import ADAMW
         from packed_adamw.jax._step import StepConfig, StepOperands
 
         def body(*args, config):  # stand-in for the step: passes its operands through
@@ -911,7 +897,7 @@ def _cases():
 
         keys = sorted(shapes)
         fmt = StateFormat("packed")
-        config = StepConfig(fmt=fmt, write_update=False, multi_tensor=True, decay=(True,) * len(keys),
+        config = StepConfig(fmt=fmt, steps=ADAMW, write_update=False, multi_tensor=True, decay=(True,) * len(keys),
                             paths=tuple(keys), split=tuple(i for i, k in enumerate(keys) if k in split))
         p = [jax.device_put(template[k], NamedSharding(auto, specs[k])) for k in keys]
         s = [jax.device_put(np.zeros(shapes[k], np.uint32), NamedSharding(auto, specs[k])) for k in keys]

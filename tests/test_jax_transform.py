@@ -792,12 +792,14 @@ def test_a_negative_step_count_is_refused_eagerly_and_refuses_the_step_under_jit
 
 
 def test_an_error_inside_the_cpu_callback_names_the_leaf_on_its_last_line(monkeypatch):
-    from packed_adamw.jax import _step
+    import dataclasses
+
+    from packed_adamw.jax import transform
 
     def broken(*args, **kwargs):
         raise ArithmeticError("the numpy step broke")
 
-    monkeypatch.setattr(_step, "apply_step", broken)
+    monkeypatch.setattr(transform, "ADAMW", dataclasses.replace(transform.ADAMW, apply_step=broken))
     params = to_jax(problem(seed=6, steps=1)[0])
     tx = packed_adamw(LR, weight_decay=WD)
     with pytest.raises(Exception) as info:

@@ -108,27 +108,31 @@ def test_leaf_groups_cover_every_nonempty_leaf_once_in_size_order():
     assert [sizes[i] for i in grouped] == sorted(sizes[i] for i in grouped)
 
 
-def test_leaf_group_kernel_refuses_too_many_leaves():
-    from packed_adamw.jax._leaf_group import LEAVES_PER_LAUNCH, leaf_group_kernel
+def test_leaf_group_launches_refuse_more_leaves_than_slots():
+    from packed_adamw.jax._leaf_group import LEAVES_PER_LAUNCH, fill_slots, leaf_group_table
 
     with pytest.raises(ValueError, match="n_leaves"):
-        leaf_group_kernel(LEAVES_PER_LAUNCH + 1)
+        leaf_group_table([1] * (LEAVES_PER_LAUNCH + 1), [0] * (LEAVES_PER_LAUNCH + 1))
+    with pytest.raises(ValueError, match="n_leaves"):
+        fill_slots([], (None,))
 
 
-def test_generated_leaf_group_source_follows_the_hand_written_model():
-    """The generated text for n leaves is the two-leaf model with n leaves' buffers and
-    selections; for two leaves it is the model itself."""
+def test_leaf_group_kernel_has_a_slot_of_each_buffer_per_leaf_in_the_launchers_order():
+    """The kernel's arguments are what the JAX launcher (`_leaf_group`'s indices) passes."""
     import inspect
 
+    from packed_adamw.core.adamw.kernel import FUNCTIONAL_KERNELS
     from packed_adamw.jax import _leaf_group as LG
 
-    model = inspect.getsource(LG.leaf_group_kernel_2)
-    assert LG._generated_source(2) == model
-    three = LG._generated_source(3)
-    assert "def leaf_group_kernel_3(\n    param_0, grad_0, state_0, param_1, grad_1, state_1, param_2, grad_2, state_2," in three
-    assert "out_0, new_state_0, out_1, new_state_1, out_2, new_state_2," in three
-    assert three.count("tl.where(leaf == 2, ") == 5 and "leaf, 3," in three
-    assert "leaf == 1" not in LG._generated_source(1) and "leaf, 1," in LG._generated_source(1)
+    params = inspect.signature(FUNCTIONAL_KERNELS.leaf_group.fn).parameters.values()
+    buffers = [p.name for p in params if "constexpr" not in str(p.annotation)]
+    slots = range(launch.LEAF_GROUP_SLOTS)
+    assert buffers == [*(f"{b}_{i}" for i in slots for b in LG.SLOT_INPUTS), "leaf_table_ptr", "scalars_ptr",
+                       "counters_ptr", *(f"{b}_{i}" for i in slots for b in LG.SLOT_OUTPUTS), "new_counters_ptr"]
+    n_inputs = buffers.index("counters_ptr") + 1
+    assert buffers[LG.COUNTERS_INPUT] == "counters_ptr" and buffers[n_inputs + LG.COUNTERS_OUTPUT] == "new_counters_ptr"
+    assert buffers[LG.input_index(3, "grad")] == "grad_3"
+    assert buffers[n_inputs + LG.output_index(3, "new_lo")] == "new_lo_3"
 
 
 @pytest.mark.parametrize("write_update", [False, True], ids=["in_place", "update"])
@@ -137,7 +141,8 @@ def test_generated_leaf_group_source_follows_the_hand_written_model():
 def test_interpreted_leaf_group_kernel_equals_numpy_per_leaf(mode, write_update, n_leaves, device):
     """The jax-triton launch over separate leaves, called here with torch tensors in the same
     argument order: in place (the fused step) and writing updates (the transform)."""
-    from packed_adamw.jax._leaf_group import leaf_group_kernel, leaf_group_table
+    from packed_adamw.core.adamw.kernel import FUNCTIONAL_KERNELS
+    from packed_adamw.jax._leaf_group import fill_slots, leaf_group_table
 
     fmt = StateFormat(mode)
     rng = np.random.default_rng(13)
@@ -158,11 +163,16 @@ def test_interpreted_leaf_group_kernel_equals_numpy_per_leaf(mode, write_update,
     new_states = [torch.empty_like(s) for s in ts] if write_update else ts
     nonfinite = H.new_counters(len(sizes), device)
     table = torch.from_numpy(leaf_group_table(sizes, rows)).to(device)
-    leaf_group_kernel(len(sizes))[(launch.grid(max(sizes), block)[0], len(sizes))](
-        *[t for leaf in zip(tp, tg, ts) for t in leaf], table, scalars, nonfinite,
-        *[t for leaf in zip(outs, new_states) for t in leaf],
-        **launch.kernel_constants(fmt, write_update=write_update, count_nonfinite=True, block=block),
-        **H._compile_options(),
+    no_lo = torch.zeros(1, dtype=torch.int16, device=device)  # FP32 leaves: the low halves' slots unused
+    placeholder = lambda t: torch.zeros(1, dtype=t.dtype, device=device)  # noqa: E731
+    FUNCTIONAL_KERNELS.leaf_group[(launch.grid(max(sizes), block)[0], len(sizes))](
+        *fill_slots(list(zip(tp, [no_lo] * len(sizes), tg, ts)), (placeholder(tp[0]), no_lo, placeholder(tg[0]),
+                                                                  placeholder(ts[0]))),
+        table, scalars, nonfinite,
+        *fill_slots(list(zip(outs, [no_lo] * len(sizes), new_states)), (placeholder(tp[0]), no_lo, placeholder(ts[0]))),
+        nonfinite,  # the counter rows as the kernel adds to them (jax-triton's output, aliased to the input)
+        **launch.kernel_constants(fmt, write_update=None, count_nonfinite=True, block=block),
+        WRITE_UPDATE=write_update, GRAD_BF16=False, **H._compile_options(),
     )
     for i, (out_exp, s_exp, rejected) in enumerate(expected):
         H.assert_same_bits(outs[i].cpu().numpy(), out_exp, f"{'updates' if write_update else 'params'} of leaf {i}")

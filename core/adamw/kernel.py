@@ -3,7 +3,10 @@
 The per-element body (`_adamw_block_step`, the whole step contract: FORMAT.md, "The step")
 and the entry points: one tensor (`adamw_kernel`, `adamw_split_kernel`), many tensors in one
 launch (`adamw_multi_tensor_kernel`), and the step scalars (`step_scalars_kernel`,
-`capturable_step_scalars_kernel`). The codecs, masked loads and stores, the pointer table and
+`capturable_step_scalars_kernel`); for a launcher that passes every buffer as an argument
+and returns its outputs (jax-triton, `FUNCTIONAL_KERNELS`), the single-tensor kernels with
+their counter row as an output too (`adamw_counting_kernel`, `adamw_split_counting_kernel`)
+and up to 16 leaves in one launch (`adamw_leaf_group_kernel`). The codecs, masked loads and stores, the pointer table and
 the counter rows are core/kernel.py's; the launch rules are in its docstring.
 
 The update kernels read their step scalars (hyperparams.SCALAR_FIELDS) as float32 rows in
@@ -25,7 +28,9 @@ from ..kernel import (
     FLOAT32_MAGNITUDE_MASK,
     FLOAT32_MAX,
     FLOAT32_SIGN_BIT,
+    FunctionalKernels,
     LANE_FIELD_LIMIT,
+    LEAF_GROUP_SLOTS,
     SPLIT_LO_SIGN,
     SPLIT_MAGNITUDE_MASK,
     SPLIT_MASTER_MAX,
@@ -37,6 +42,7 @@ from ..kernel import (
     float32_power,
     join_master,
     lane_bit,
+    leaf_slot,
     masked_load,
     masked_store,
     split_master,
@@ -485,3 +491,194 @@ def adamw_multi_tensor_kernel(
             M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         )
     add_counts(counters_ptr + t * COUNTER_ROW, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
+
+
+@triton.jit
+def _leaf_group_program(
+    param, grad, state, lo, out, new_state, new_lo, leaf_table_ptr, scalars_ptr, counters_ptr, leaf,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr, GRAD_BF16: tl.constexpr,
+    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (i, leaf) of `adamw_leaf_group_kernel`: block i of that leaf, whose buffer
+    addresses arrive as int64 (`leaf_slot`). SPLIT: the leaf is a bf16 weight with its int16
+    low half `lo` (new ones to `out`, `new_lo`); otherwise `lo` and `new_lo` are unused.
+    GRAD_BF16: the gradient is bf16."""
+    n_elements = tl.load(leaf_table_ptr + leaf)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if start < n_elements:  # a leaf smaller than the group's largest has idle programs
+        scalars_ptr += tl.load(leaf_table_ptr + LEAF_GROUP_SLOTS + leaf) * SCALAR_ROW
+        offsets = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        # jax-triton declares every buffer 16-byte aligned; the selection hides it from the compiler.
+        if SPLIT:
+            param_ptr = tl.multiple_of(param, 16).to(tl.pointer_type(tl.uint16))
+            out_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.uint16))
+            lo_ptr = tl.multiple_of(lo, 16).to(tl.pointer_type(tl.int16))
+            new_lo_ptr = tl.multiple_of(new_lo, 16).to(tl.pointer_type(tl.int16))
+        else:
+            param_ptr = tl.multiple_of(param, 16).to(tl.pointer_type(tl.float32))
+            out_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
+            lo_ptr = param_ptr
+            new_lo_ptr = out_ptr
+        if GRAD_BF16:
+            grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.bfloat16))
+        else:
+            grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.float32))
+        if MODE == FP32_MODE:
+            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.float32))
+            new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.float32))
+        else:
+            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.uint32))
+            new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.uint32))
+        if start + BLOCK <= n_elements:
+            rejected, format_lanes = adamw_block(
+                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
+                offsets, n_elements, False, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
+                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+            )
+        else:  # the leaf's last, partial block
+            rejected, format_lanes = adamw_block(
+                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
+                offsets, n_elements, True, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
+                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
+            )
+        add_counts(counters_ptr + leaf * COUNTER_ROW, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
+
+
+@triton.jit
+def adamw_leaf_group_kernel(
+    param_0, lo_0, grad_0, state_0,
+    param_1, lo_1, grad_1, state_1,
+    param_2, lo_2, grad_2, state_2,
+    param_3, lo_3, grad_3, state_3,
+    param_4, lo_4, grad_4, state_4,
+    param_5, lo_5, grad_5, state_5,
+    param_6, lo_6, grad_6, state_6,
+    param_7, lo_7, grad_7, state_7,
+    param_8, lo_8, grad_8, state_8,
+    param_9, lo_9, grad_9, state_9,
+    param_10, lo_10, grad_10, state_10,
+    param_11, lo_11, grad_11, state_11,
+    param_12, lo_12, grad_12, state_12,
+    param_13, lo_13, grad_13, state_13,
+    param_14, lo_14, grad_14, state_14,
+    param_15, lo_15, grad_15, state_15,
+    leaf_table_ptr, scalars_ptr, counters_ptr,
+    out_0, new_lo_0, new_state_0,
+    out_1, new_lo_1, new_state_1,
+    out_2, new_lo_2, new_state_2,
+    out_3, new_lo_3, new_state_3,
+    out_4, new_lo_4, new_state_4,
+    out_5, new_lo_5, new_state_5,
+    out_6, new_lo_6, new_state_6,
+    out_7, new_lo_7, new_state_7,
+    out_8, new_lo_8, new_state_8,
+    out_9, new_lo_9, new_state_9,
+    out_10, new_lo_10, new_state_10,
+    out_11, new_lo_11, new_state_11,
+    out_12, new_lo_12, new_state_12,
+    out_13, new_lo_13, new_state_13,
+    out_14, new_lo_14, new_state_14,
+    out_15, new_lo_15, new_state_15,
+    new_counters_ptr,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr, GRAD_BF16: tl.constexpr,
+    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Up to LEAF_GROUP_SLOTS separate leaves in one launch, for launchers that pass every
+    buffer as an argument and the outputs after the inputs (jax-triton): leaf t's buffers are
+    slot t of each kind, on a grid (blocks of the largest leaf, leaves). Program (i, t) updates
+    block i of leaf t with scalar row `leaf_table[LEAF_GROUP_SLOTS + t]` of `scalars`;
+    `leaf_table[t]` is leaf t's size. Slots past the launch's leaves hold placeholders that no
+    program reads.
+
+    Per leaf: FP32 parameters as `adamw_kernel` takes them (`lo`, `new_lo` unused), WRITE_UPDATE
+    choosing the update or the new parameter for `out`; with SPLIT, bf16 weights with split
+    masters as `adamw_split_kernel` takes them (WRITE_UPDATE off: `out` is the new weight) and
+    GRAD_BF16 for bf16 gradients. The counts go to the counter rows at `new_counters_ptr`
+    (leaf t's at row t); `counters_ptr` is the same buffer as an input, so that a launcher that
+    returns its outputs can alias the zeroed rows it passes in to the rows it gets back."""
+    leaf = tl.program_id(1)
+    param = leaf_slot(
+        leaf, param_0, param_1, param_2, param_3, param_4, param_5, param_6, param_7,
+        param_8, param_9, param_10, param_11, param_12, param_13, param_14, param_15,
+    )
+    lo = leaf_slot(
+        leaf, lo_0, lo_1, lo_2, lo_3, lo_4, lo_5, lo_6, lo_7,
+        lo_8, lo_9, lo_10, lo_11, lo_12, lo_13, lo_14, lo_15,
+    )
+    grad = leaf_slot(
+        leaf, grad_0, grad_1, grad_2, grad_3, grad_4, grad_5, grad_6, grad_7,
+        grad_8, grad_9, grad_10, grad_11, grad_12, grad_13, grad_14, grad_15,
+    )
+    state = leaf_slot(
+        leaf, state_0, state_1, state_2, state_3, state_4, state_5, state_6, state_7,
+        state_8, state_9, state_10, state_11, state_12, state_13, state_14, state_15,
+    )
+    out = leaf_slot(
+        leaf, out_0, out_1, out_2, out_3, out_4, out_5, out_6, out_7,
+        out_8, out_9, out_10, out_11, out_12, out_13, out_14, out_15,
+    )
+    new_lo = leaf_slot(
+        leaf, new_lo_0, new_lo_1, new_lo_2, new_lo_3, new_lo_4, new_lo_5, new_lo_6, new_lo_7,
+        new_lo_8, new_lo_9, new_lo_10, new_lo_11, new_lo_12, new_lo_13, new_lo_14, new_lo_15,
+    )
+    new_state = leaf_slot(
+        leaf, new_state_0, new_state_1, new_state_2, new_state_3, new_state_4, new_state_5, new_state_6, new_state_7,
+        new_state_8, new_state_9, new_state_10, new_state_11, new_state_12, new_state_13, new_state_14, new_state_15,
+    )
+    _leaf_group_program(
+        param, grad, state, lo, out, new_state, new_lo, leaf_table_ptr, scalars_ptr, new_counters_ptr, leaf,
+        MODE, WRITE_UPDATE, SPLIT, GRAD_BF16, COUNT_NONFINITE, TRACK_FORMAT,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK,
+    )
+
+
+@triton.jit
+def adamw_counting_kernel(
+    param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements,
+    out_ptr, new_state_ptr, new_counters_ptr,
+    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1, LAYOUT: tl.constexpr = 0,
+):
+    """`adamw_kernel` with its counter row as an output as well: a launcher that passes every
+    output, aliased ones too, after the inputs (jax-triton) needs this last argument to return
+    the counts. `counters_ptr` and `new_counters_ptr` name one buffer (aliased); the counts are
+    added through the output's."""
+    adamw_programs(
+        param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, new_counters_ptr, n_elements,
+        out_ptr, new_state_ptr, out_ptr, MODE, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, LAYOUT,
+    )
+
+
+@triton.jit
+def adamw_split_counting_kernel(
+    weight_ptr, lo_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements,
+    new_weight_ptr, new_lo_ptr, new_state_ptr, new_counters_ptr,
+    MODE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
+    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1, LAYOUT: tl.constexpr = 0,
+):
+    """`adamw_split_kernel` with its counter row as an output as well (as `adamw_counting_kernel`
+    for `adamw_kernel`)."""
+    adamw_programs(
+        weight_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, new_counters_ptr, n_elements,
+        new_weight_ptr, new_state_ptr, new_lo_ptr, MODE, False, True, COUNT_NONFINITE, TRACK_FORMAT,
+        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK, BLOCKS_PER_PROGRAM, LAYOUT,
+    )
+
+
+# AdamW's entry points as the JAX frontend launches them (its `_triton_launch` takes these).
+FUNCTIONAL_KERNELS = FunctionalKernels(
+    tensor=adamw_kernel, tensor_counting=adamw_counting_kernel, split_tensor=adamw_split_kernel,
+    split_tensor_counting=adamw_split_counting_kernel, leaf_group=adamw_leaf_group_kernel,
+    step_scalars=step_scalars_kernel,
+)

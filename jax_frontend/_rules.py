@@ -1,0 +1,17 @@
+"""The rules the JAX step primitive (`_step.py`) runs, as `RuleSteps`: AdamW's. The primitive,
+its launches and its sharding take a rule's `RuleSteps` and state format and name no rule."""
+from __future__ import annotations
+
+from packed_adamw.core.adamw import numpy_step
+
+from ._step import RuleSteps
+
+
+def _adamw_kernels():
+    from packed_adamw.core.adamw.kernel import FUNCTIONAL_KERNELS  # imports Triton: only when compiling for CUDA
+
+    return FUNCTIONAL_KERNELS
+
+
+ADAMW = RuleSteps(apply_step=numpy_step.apply_step, apply_split_step=numpy_step.apply_split_step,
+                  step_scalar_row=numpy_step.step_scalar_row, kernels=_adamw_kernels)
