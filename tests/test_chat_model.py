@@ -130,6 +130,9 @@ def test_under_autocast_attention_runs_in_the_autocast_dtype(monkeypatch):
     expected = packed_causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_seqlens, 2)
     assert seen == [torch.bfloat16, torch.bfloat16]  # the kernel choice saw the autocast dtype
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    # a device without autocast (meta: shapes only, as memory estimates run the model) is not asked
+    meta = torch.empty(2, ROW_LENGTH, 3, 8, device="meta")
+    assert packed_causal_attention(meta, meta, meta, cu_seqlens.to("meta"), 2).shape == meta.shape
 
 
 def test_the_mask_is_block_diagonal_causal_and_windowed():
