@@ -320,7 +320,8 @@ def main(argv=None) -> int:
     except ImportError:
         triton_version = "absent"
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else platform.processor() or "cpu"),
             "python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
             "command": "python " + " ".join(["benchmarks/d12_stack.py", *(sys.argv[1:] if argv is None else argv)]),
             "preset": args.preset, "parameters": next(iter(results.values()))["parameters"],
