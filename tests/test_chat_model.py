@@ -114,6 +114,27 @@ def test_varlen_keywords_follow_this_torchs_signature(monkeypatch):
     assert attention._varlen_window_options(511) is None  # the masked SDPA path runs it
 
 
+def test_under_autocast_attention_runs_in_the_autocast_dtype(monkeypatch):
+    """An FP32 model under autocast reaches attention with float32 q and k (its rotary tables):
+    they are cast to the autocast dtype before the kernel is chosen, as autocast casts SDPA's
+    inputs, so that on CUDA the varlen kernel (bf16/fp16 only) runs; the result is the bf16
+    call's, bit for bit."""
+    from packed_adamw.torch.gpt import attention
+    seen = []
+    monkeypatch.setattr(attention, "uses_varlen", lambda q, window: seen.append(q.dtype) or False)
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, ROW_LENGTH, 3, 8) for _ in range(3))
+    cu_seqlens = cu_seqlens_of(DOCUMENTS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = packed_causal_attention(q, k, v, cu_seqlens, 2)
+    expected = packed_causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_seqlens, 2)
+    assert seen == [torch.bfloat16, torch.bfloat16]  # the kernel choice saw the autocast dtype
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    # a device without autocast (meta: shapes only, as memory estimates run the model) is not asked
+    meta = torch.empty(2, ROW_LENGTH, 3, 8, device="meta")
+    assert packed_causal_attention(meta, meta, meta, cu_seqlens.to("meta"), 2).shape == meta.shape
+
+
 def test_the_mask_is_block_diagonal_causal_and_windowed():
     mask = attention_mask(cu_seqlens_of(DOCUMENTS), 2, ROW_LENGTH, 2, torch.device("cpu"))[0, 0]
     assert mask[4, 2] and mask[4, 4] and not mask[4, 1] and not mask[4, 5]  # 2 back, itself, not beyond, not ahead

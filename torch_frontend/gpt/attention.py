@@ -110,6 +110,14 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          "unlimited")
     if window is not None and window >= T - 1:
         window = None  # the window reaches every earlier token of the row: plain causal
+    device_type = q.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        # Autocast casts SDPA's inputs to its dtype but does not know varlen_attn, and an FP32
+        # model's rotary tables make q and k float32: cast here, so that a model of FP32
+        # parameters under autocast runs the same attention (kernel and dtype) as a bf16 model.
+        # (Devices without autocast, e.g. meta, would raise on the query.)
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     if uses_varlen(q, window):
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)

@@ -1,0 +1,68 @@
+"""benchmarks/d12_stack.py: a tiny run of the packed and reference stacks writes both rows, with
+the bytes each stack's tensors must take; on CUDA also its peak memory (marked cuda)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from script_helpers import BENCHMARKS, import_script
+
+TINY = ["--preset", "d4", "--vocab", "256", "--context", "64", "--d-model", "64", "--n-layers", "2",
+        "--batch", "1", "--warmup", "1", "--steps", "2", "--lr-warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return import_script(BENCHMARKS / "d12_stack.py", "d12_stack_under_test")
+
+
+def run(bench, tmp_path, device, stacks):
+    out, raw = tmp_path / "d12.md", tmp_path / "d12.json"
+    assert bench.main(TINY + ["--device", device, "--stacks", *stacks, "--out", str(out), "--json", str(raw)]) == 0
+    return out.read_text(), json.loads(raw.read_text())
+
+
+def check_rows(table: str, measured: dict, stacks) -> None:
+    for name in stacks:
+        assert sum(line.startswith(f"| {name} |") for line in table.splitlines()) == 1, table
+    packed, reference = measured["stacks"]["packed"], measured["stacks"]["reference"]
+    n = packed["parameters"]
+    assert reference["parameters"] == n
+    # bf16 live weights and gradients against FP32 ones, measured from the tensors
+    assert (packed["parameter_bytes"], packed["gradient_bytes"]) == (2 * n, 2 * n)
+    assert (reference["parameter_bytes"], reference["gradient_bytes"]) == (4 * n, 4 * n)
+    # the packed state (2-byte momentum, 4-byte AdamW moments, 2-byte low halves) is the smaller
+    assert packed["training_state_bytes"] < reference["training_state_bytes"]
+    assert measured["comparison"]["packed"]["smaller_state"]
+    for r in (packed, reference):
+        assert all(torch.isfinite(torch.tensor(r["losses"]))) and len(r["losses"]) == 3
+        assert r["tokens_per_s"] > 0 and r["optimizer_ms_median"] > 0
+
+
+def test_a_tiny_cpu_run_writes_both_stacks(bench, tmp_path):
+    table, measured = run(bench, tmp_path, "cpu", ["packed", "reference"])
+    check_rows(table, measured, ["packed", "reference"])
+    # the same FP32 initialisation and batches: the first losses differ only by bf16 rounding
+    first = [measured["stacks"][name]["first_loss"] for name in ("packed", "reference")]
+    assert abs(first[0] - first[1]) < 0.05, first
+    assert "peak_memory_bytes" not in measured["stacks"]["packed"]  # measured on CUDA only
+
+
+def test_bad_arguments_are_refused(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--steps", "0"])
+    assert "--steps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="do not make a model"):
+        bench.main(["--preset", "d4", "--device", "cpu", "--d-model", "63"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_tiny_cuda_run_measures_peak_memory_of_every_stack(bench, tmp_path):
+    stacks = list(bench.STACKS)
+    table, measured = run(bench, tmp_path, "cuda", stacks)
+    check_rows(table, measured, stacks)
+    for r in measured["stacks"].values():
+        assert r["peak_memory_bytes"] >= r["training_state_bytes"]
