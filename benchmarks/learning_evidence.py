@@ -65,7 +65,6 @@ import importlib.util
 import json
 import math
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -477,14 +476,16 @@ def row_line(row: str, runs: dict, baseline: dict, label: str) -> str:
     bpbs = [run["summary"]["val_bpb"] for run in runs.values()]
     mean, sd = mean_sd(bpbs)
     common = sorted(set(runs) & set(baseline))
+    base_bpbs = [run["summary"]["val_bpb"] for run in baseline.values()]
+    base_spread = f"{max(base_bpbs) - min(base_bpbs):.4f}" if len(base_bpbs) > 1 else "-"
     if row in BASELINES.values() or not common:
-        paired = "baseline" if row in BASELINES.values() else "-"
+        paired, within = ("baseline", "-") if row in BASELINES.values() else ("-", "-")
     else:
         differences = [runs[s]["summary"]["val_bpb"] - baseline[s]["summary"]["val_bpb"] for s in common]
         d_mean, d_sd = mean_sd(differences)
         paired = f"{d_mean:+.4f} (sd {fmt(d_sd)}, seeds {','.join(map(str, common))})"
-    base_bpbs = [run["summary"]["val_bpb"] for run in baseline.values()]
-    base_spread = f"{max(base_bpbs) - min(base_bpbs):.4f}" if len(base_bpbs) > 1 else "-"
+        # the issue's target: the row's mean inside the range the baseline's seeds span
+        within = ("yes" if min(base_bpbs) <= mean <= max(base_bpbs) else "no") if len(base_bpbs) > 1 else "-"
 
     def per_param(key):
         values = [run["summary"][key] / run["summary"]["parameters"] for run in runs.values()
@@ -499,7 +500,7 @@ def row_line(row: str, runs: dict, baseline: dict, label: str) -> str:
     peak = [run["summary"]["peak_memory_bytes"] for run in runs.values() if run["summary"].get("peak_memory_bytes")]
     spikes = sum(run["summary"].get("loss_event_count") or 0 for run in runs.values())
     return (f"| {label} | {len(runs)} | {mean:.4f} | {fmt(sd)} | {min(bpbs):.4f}-{max(bpbs):.4f} | {paired} | "
-            f"{base_spread} | {fmt(per_param('optimizer_state_bytes'), 2)} | "
+            f"{base_spread} | {within} | {fmt(per_param('optimizer_state_bytes'), 2)} | "
             f"{fmt(statistics.fmean(peak) / 2**30 if peak else None, 2)} | "
             f"{fmt(statistics.median(step_ms) if step_ms else None, 1)} | "
             f"{fmt(statistics.median(opt_ms) if opt_ms else None, 2)} | {'/'.join(map(str, sharing))} | {spikes} |")
@@ -551,7 +552,8 @@ def write_page(args, record: dict, skipped: dict, left: list[str], tapes: dict |
              "validation tape (the same tokens for every run) at every evaluation.",
              "- Columns: final val bpb, mean over the seeds, its standard deviation and range; paired difference: "
              "the mean over seeds of (row - its group's baseline) for the same seed, with that difference's sd "
-             "across seeds beside it; baseline range: the baseline's max - min over seeds (its seed noise); "
+             "across seeds beside it; baseline range: the baseline's max - min over seeds (its seed noise); within: "
+             "whether the row's mean lies inside the baseline's range (the issue's target for the packed rows); "
              "optimizer state: bytes of optimizer.state per parameter (with bf16 weights, the masters' low halves "
              "included); peak memory: torch.cuda.max_memory_allocated of the run's process; step and optimizer ms: "
              "medians from step 6 on, of runs that shared the GPU with the number of runs in 'at once' (so they "
@@ -570,8 +572,9 @@ def write_page(args, record: dict, skipped: dict, left: list[str], tapes: dict |
             baseline = seeds_of(record, args, model, baseline_row)
             lines += [f"### {group} rows", "",
                       "| row | seeds | final val bpb | sd | range | paired difference vs baseline | baseline range "
-                      "| optimizer state B/param | peak memory GiB | step ms | optimizer ms | at once | spikes |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "| within baseline range | optimizer state B/param | peak memory GiB | step ms | optimizer ms "
+                      "| at once | spikes |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for row in (r for r in ROWS if ROWS[r][1] == group and (r in args.rows or seeds_of(record, args, model, r))):
                 label = ROWS[row][0]
                 if row == SUGGESTED and (biases := suggested_biases(args, record, model)):
@@ -582,7 +585,7 @@ def write_page(args, record: dict, skipped: dict, left: list[str], tapes: dict |
                 else:
                     why = skipped.get(row) or ("the suggestion is the default 15/15: the packed row"
                                                if same_as_packed(args, record, model, row) else "not run yet")
-                    lines.append(f"| {label} | 0 | {why} |" + " |" * 10)
+                    lines.append(f"| {label} | 0 | {why} |" + " |" * 11)
             if baseline:
                 lines += ["", f"- Baseline's mean val bpb still falling at the last evaluation: "
                               f"{still_falling(baseline)}"]
@@ -631,7 +634,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.jobs < 1 or args.evals < 1 or args.eval_batches < 0:
         parser.error("--jobs and --evals must be at least 1, --eval-batches at least 0")
-    args.invocation = "python benchmarks/learning_evidence.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    # How it ran, not where its outputs went (on the GPU machine, a directory of that machine)
+    given = [item for item in flag_items(sys.argv[1:] if argv is None else argv)
+             if item.split()[0] not in ("--out-dir", "--record")]
+    args.invocation = " ".join(["python benchmarks/learning_evidence.py", *given])
     return args
 
 
