@@ -24,9 +24,10 @@ Length. With the defaults, a reference run is 600 steps of 32 x 256 tokens (4.9 
 gpt2-small run 400 steps of 8 x 1,024 (3.3 M): 19 % and 13 % of the 25.4 M-token training tape,
 read once, so no run sees a token twice (the peers table's runs, 6 passes over 1.37 M tokens,
 memorised their tape). The whole matrix (2 models x 10 rows x 3 seeds = 60 runs, plus 2 probes)
-reads 246 M training tokens; on the H200, 8 runs at once, that is meant to take about 10 minutes
-(the peers table measured 225 k tokens/s for the reference model alone and 171 k for gpt2-small,
-and 8 reference runs at once at 1.36x the time of one). Those are early-training runs, far short
+reads 246 M training tokens (and about a fifth of that again in evaluations); on the H200, 8 runs
+at once, that is estimated (not yet measured) at about 10 minutes: the peers table measured
+225 k tokens/s for the reference model alone and 171 k for gpt2-small (12,095-entry vocabulary),
+and 8 reference runs at once at 1.36x the time of one. Those are early-training runs, far short
 of a compute-optimal budget (about 20 tokens per parameter): they show whether a row trains like
 its baseline over the first few million tokens, not where it ends.
 
@@ -49,12 +50,14 @@ machine, and the next ones (carry `.whl`) install the wheels and run:
         && cat large-corpus-tapes.tar.xz.part-* | xz -d | tar -xf - -C ../data/large-corpus
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
         .whl/*.whl && export PYTHONPATH=/tmp/site && python3 -m pip install -q -e . --no-deps \\
-        --no-build-isolation && PYTHONUNBUFFERED=1 python3 benchmarks/learning_evidence.py --jobs 8 \\
-        --time-budget 540 --out-dir $OUT
+        --no-build-isolation && cp docs/results/learning_evidence.json $OUT/ 2>/dev/null; \\
+        PYTHONUNBUFFERED=1 timeout 580 python3 benchmarks/learning_evidence.py --jobs 8 --time-budget 500 \\
+        --record $OUT/learning_evidence.json --out-dir $OUT
 
-then copy $OUT's LEARNING_EVIDENCE.md, learning_evidence.json and learning_evidence.png into
-docs/results (the next call reads the record from docs/results only if it is there: pass
-`--record` to point elsewhere). A row whose package is missing is shown as not installed.
+(the record of the runs made so far travels in docs/results and is continued in $OUT), then copy
+$OUT's LEARNING_EVIDENCE.md, learning_evidence.json and learning_evidence.png into docs/results.
+A row whose package is missing is shown as not installed. On an H100 (78 GiB) 8 gpt2-small runs
+at once may not fit: pass fewer --jobs.
 """
 from __future__ import annotations
 
@@ -63,7 +66,6 @@ import datetime
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import signal
 import statistics

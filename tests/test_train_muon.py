@@ -31,9 +31,7 @@ def run(*args) -> None:
     assert main(list(map(str, args))) == 0
 
 
-@pytest.mark.parametrize("kind", [["packed-muon"], ["packed-muon", "--param-dtype", "bf16", "--muon-mode", "bf16"],
-                                  ["muon"]], ids=["packed", "bf16-weights-bf16-momentum", "torch-muon"])
-def test_stop_and_resume_equals_the_uninterrupted_run_bitwise(tmp_path, data_dir, kind):
+def stop_and_resume_equals_the_uninterrupted_run(tmp_path, data_dir, kind):
     common = [*MICRO, "--data", data_dir, "--max-steps", 6, "--optimizer", *kind]
     run(*common, "--out", tmp_path / "whole")
     run(*common, "--out", tmp_path / "split", "--stop-at-step", 3)
@@ -43,6 +41,21 @@ def test_stop_and_resume_equals_the_uninterrupted_run_bitwise(tmp_path, data_dir
     _, metadata = read_checkpoint(tmp_path / "whole" / "checkpoint.safetensors")
     assert metadata["config"]["muon_lr"] == 0.02 and metadata["config"]["muon_momentum"] == 0.95
     assert {g["kind"] for g in metadata["optimizer"]["param_groups"]} == {"muon", "adamw"}
+
+
+@pytest.mark.parametrize("kind", [["packed-muon"], ["packed-muon", "--param-dtype", "bf16", "--muon-mode", "bf16"],
+                                  ["muon"]], ids=["packed", "bf16-weights-bf16-momentum", "torch-muon"])
+def test_stop_and_resume_equals_the_uninterrupted_run_bitwise(tmp_path, data_dir, kind):
+    stop_and_resume_equals_the_uninterrupted_run(tmp_path, data_dir, kind)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", [["packed-muon"], ["muon"]], ids=["packed", "torch-muon-fused-adamw"])
+def test_stop_and_resume_on_cuda_under_autocast_is_bitwise(tmp_path, data_dir, kind):
+    """The evidence's FP32-weight rows: PackedMuon's CUDA kernels, torch's fused AdamW (its step
+    count a CUDA tensor in the checkpoint), bf16 autocast."""
+    stop_and_resume_equals_the_uninterrupted_run(tmp_path, data_dir, [*kind, "--device", "cuda", "--autocast", "bf16"])
 
 
 def test_a_resume_with_other_muon_settings_is_refused(tmp_path, data_dir, capsys):
