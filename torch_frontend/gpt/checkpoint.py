@@ -246,7 +246,9 @@ def load_training_state(path, *, model, optimizer, tape, config: dict, rank: int
     for key in ("class", "format_identity", "scalar_state"):
         optimizer_state.pop(key)
     for group in optimizer_state["param_groups"]:
-        group["betas"] = tuple(group["betas"])  # JSON made the tuple a list
+        for key in ("betas", "ns_coefficients"):  # JSON made the tuples lists (Muon's groups have no betas)
+            if key in group:
+                group[key] = tuple(group[key])
     optimizer_state["state"] = {int(index): dict(entry) for index, entry in metadata["optimizer"]["scalar_state"].items()}
     for key, t in tensors.items():
         if key.startswith("optimizer/state/"):

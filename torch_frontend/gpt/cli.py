@@ -138,6 +138,11 @@ def grad_clip_value(text: str) -> float | None:
 FLAG_HELP = {
     "optimizer": f"one of {', '.join(OPTIMIZERS)} (the peers are imported when chosen); ",
     "autocast": "bf16: forward and loss under torch.autocast(bfloat16) with FP32 parameters; ",
+    "mode": "PackedAdamW's moment format (with --optimizer packed-muon: its AdamW part's); ",
+    "muon_lr": "--optimizer muon / packed-muon: Muon's peak learning rate for the block matrices (the schedule "
+               "scales it as it scales --lr, which the AdamW part keeps); ",
+    "muon_momentum": "--optimizer muon / packed-muon: Muon's momentum; ",
+    "muon_mode": "--optimizer packed-muon: the Muon momentum's format (packed: 2-byte E5M10 codes, bf16, fp32); ",
     "checkpoints": "write checkpoints (default); --no-checkpoints writes none, for optimizers whose state they "
                    "cannot hold (torchao's): the run cannot resume",
 }

@@ -31,7 +31,7 @@ class TrainConfig:
     # -- what the run computes: recorded in the checkpoint and required equal on resume --
     config: str = "tiny"  # model preset (families.MODEL_PRESETS)
     optimizer: str = "packed-adamw"  # or "torch-adamw", the torch.optim.AdamW baseline
-    mode: str = "packed"  # PackedAdamW mode: packed | fp16 | fp32
+    mode: str = "packed"  # PackedAdamW mode: packed | fp16 | fp32 (with packed-muon: its AdamW part's)
     param_dtype: str = "fp32"  # or "bf16": bf16 live weights (with packed-adamw: split FP32 masters)
     autocast: str = "none"  # or "bf16": forward and loss under bf16 autocast, FP32 parameters
     m_bias: int = 15
@@ -47,6 +47,12 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float | None = 1.0  # global-norm clipping; None (`--grad-clip none`): no clipping
     seed: int = 0
+    # Muon + AdamW (--optimizer muon or packed-muon): Muon's peak learning rate for the block
+    # matrices (the schedule scales it as it scales --lr, which the AdamW part keeps), its
+    # momentum, and packed-muon's momentum format (packed | bf16 | fp32)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_mode: str = "packed"
     parallel: str = "none"  # under torchrun: "ddp" or "fsdp" (FSDP2); batch_size is then per rank
     # -- how the run is carried out: free to change between sessions --
     data: str = "runs/data/shakespeare"
@@ -72,15 +78,23 @@ class TrainConfig:
     progress: bool = True
     deterministic: bool = True  # CUDA: deterministic kernels, without which resume is not bit-exact
 
-    def trajectory(self) -> dict:
-        """The settings that decide the bits of the result, with the model preset spelled out."""
+    def trajectory(self, vocab_size: int | None = None) -> dict:
+        """The settings that decide the bits of the result, with the model spelled out: the
+        preset's configuration with the vocabulary of the run's tapes (`vocab_size`; None: the
+        preset's own), so a resume whose tapes have another vocabulary is refused."""
+        from .optimizers import optimizer_kind  # here, not above: optimizers.py imports this module
+
         fields = ("optimizer", "mode", "param_dtype", "m_bias", "rms_bias", "batch_size", "max_steps", "lr",
                   "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed", "parallel")
         # Recorded only when on, so checkpoints made before --autocast existed stay resumable.
         autocast = {"autocast": self.autocast} if self.autocast != "none" else {}
+        # Settings only some kinds read (Muon's) are recorded for those alone: the checkpoints of
+        # the other kinds stay resumable.
+        own = {name: getattr(self, name) for name in optimizer_kind(self.optimizer).own_settings}
         # The number of ranks decides which windows each rank reads and the global batch.
-        return {"model": dataclasses.asdict(preset_config(self.config)),
-                **{name: getattr(self, name) for name in fields}, **autocast, "world_size": launched_world_size()}
+        return {"model": dataclasses.asdict(model_config(self.config, vocab_size)),
+                **{name: getattr(self, name) for name in fields}, **autocast, **own,
+                "world_size": launched_world_size()}
 
     @property
     def out_dir(self) -> Path:
@@ -98,6 +112,20 @@ class TrainConfig:
     @property
     def checkpoint_name(self) -> str:
         return SHARDED_CHECKPOINT_NAME if self.parallel == "fsdp" else CHECKPOINT_NAME
+
+
+def model_config(preset: str, vocab_size: int | None = None):
+    """The preset's model configuration with the vocabulary of the run's tapes: the presets are
+    shapes, and the tapes' header says how many tokens the embedding needs (12,095 for the
+    default tokenizer, 32,768 for the large corpus's). None, or the preset's own size, gives
+    the preset unchanged."""
+    base = preset_config(preset)
+    if vocab_size is None or vocab_size == getattr(base, "vocab_size", None):
+        return base
+    if not (dataclasses.is_dataclass(base) and "vocab_size" in {f.name for f in dataclasses.fields(base)}):
+        raise ConfigError(f"--config {preset}: its model configuration has no vocab_size to set to the tapes' "
+                          f"{vocab_size}; train it on tapes of its own vocabulary")
+    return dataclasses.replace(base, vocab_size=vocab_size)
 
 
 DEMO = dict(config="tiny", build_data=True, out="runs/demo", resume="auto")

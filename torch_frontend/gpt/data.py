@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from packed_adamw.tokenizer import tokenizer_sha256
+from packed_adamw.tokenizer import RETRAIN_HINTS, tokenizer_artifact, tokenizer_sha256
 from packed_adamw.tokenizer.corpus import default_corpus_documents
-from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, build_split
+from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, build_split, read_header
 
 from .config import TrainConfig
 from .distributed import Ranks
@@ -18,7 +18,12 @@ def open_tapes(config: TrainConfig, ranks: Ranks | None = None) -> tuple[TapeRea
     """The training and validation tapes of --data, built from the embedded corpus when neither
     exists and --build-data is given. One tape without the other is refused, with or without
     --build-data: the two must be split from one corpus, so the missing one cannot be built
-    alone, and building both would replace the user's file."""
+    alone, and building both would replace the user's file.
+
+    The tapes may be of either committed tokenizer (12,095 entries, the default; 32,768, the
+    large corpus's, docs/CORPUS.md): the training tape's header says which, the validation
+    tape must have the same, and both must have been built with that tokenizer's file. The
+    model takes its vocabulary from them (`TapeReader.header.vocab_size`)."""
     data = Path(config.data)
     train_path, val_path = data / "train.tape", data / "val.tape"
     main_rank = ranks is None or ranks.main
@@ -41,8 +46,14 @@ def open_tapes(config: TrainConfig, ranks: Ranks | None = None) -> tuple[TapeRea
             build_split(default_corpus_documents(), data)
     if ranks is not None:
         ranks.barrier()
-    sha = tokenizer_sha256()
-    return TapeReader(train_path, tokenizer_sha256=sha), TapeReader(val_path, tokenizer_sha256=sha)
+    vocab_size = read_header(train_path)[0].vocab_size
+    if vocab_size not in RETRAIN_HINTS:
+        raise TapeError(f"{train_path} was built with a {vocab_size}-token vocabulary; the trainer reads tapes of "
+                        f"the committed tokenizers ({', '.join(f'{v:,}' for v in sorted(RETRAIN_HINTS))} entries): "
+                        f"rebuild it with {build_command} --vocab-size N")
+    sha = tokenizer_sha256(tokenizer_artifact(vocab_size))
+    return (TapeReader(train_path, tokenizer_sha256=sha, vocab_size=vocab_size),
+            TapeReader(val_path, tokenizer_sha256=sha, vocab_size=vocab_size))
 
 
 class TapeShard:

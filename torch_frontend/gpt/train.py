@@ -47,10 +47,10 @@ from .checkpoint import (
     load_run_state, save_run_state,
 )
 from .cli import check_config, moment_stats_biases
-from .config import AUTOCAST, PARAM_DTYPES, ConfigError, TrainConfig
+from .config import AUTOCAST, PARAM_DTYPES, ConfigError, TrainConfig, model_config
 from .data import TapeShard, open_tapes
 from .distributed import Ranks, ddp_rebuild_buckets, full, launched_rank, resolve_device, start_ranks, wrap_model
-from .families import family_of, new_model
+from .families import family_of
 from .optimizers import optimizer_kind, set_learning_rate
 from .telemetry import (
     FormatCounts, LossWatch, RunLog, StepTimes, is_log_step, keep_records_up_to, moment_stats, plot_format_log,
@@ -72,8 +72,10 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def build_model(config: TrainConfig, device: torch.device) -> tuple[torch.nn.Module, dict[str, torch.Tensor] | None]:
-    """The --config model initialised from `config.seed`, its parameters in `config.param_dtype`.
+def build_model(config: TrainConfig, device: torch.device,
+                vocab_size: int | None = None) -> tuple[torch.nn.Module, dict[str, torch.Tensor] | None]:
+    """The --config model initialised from `config.seed`, its parameters in `config.param_dtype`,
+    its vocabulary `vocab_size` (the tapes'; None: the preset's).
 
     The initialisation is always drawn in FP32 (the same values for every run of a seed). With
     `--param-dtype bf16` each parameter then becomes its FP32 value rounded to the nearest bf16
@@ -82,7 +84,7 @@ def build_model(config: TrainConfig, device: torch.device) -> tuple[torch.nn.Mod
     for an FP32 run) for PackedAdamW to take as its masters (`OptimizerKind.start_masters`).
     """
     torch.manual_seed(config.seed)
-    model = new_model(config.config).to(device)
+    model = family_of(config.config).build(model_config(config.config, vocab_size)).to(device)
     if config.param_dtype == "fp32":
         return model, None
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -249,11 +251,12 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
         torch.cuda.reset_peak_memory_stats(device)  # the summary's peak_memory_bytes covers this session
 
     kind, family = optimizer_kind(config.optimizer), family_of(config.config)
-    core, initial = build_model(config, device)  # the same weights on every rank
+    vocab_size = train_tape.header.vocab_size  # the model's embedding follows the tapes' tokenizer
+    core, initial = build_model(config, device, vocab_size)  # the same weights on every rank
     # DDP wraps the model; fully_shard turns its parameters into DTensors in place (model is core)
     model = wrap_model(core, ranks, device)
     optimizer = kind.build(core, config)
-    trajectory = config.trajectory()
+    trajectory = config.trajectory(vocab_size)
     context = core.config.context
     if ranks.distributed:
         train_tape = TapeShard(train_tape, ranks.rank, ranks.world_size, config.batch_size, context)
