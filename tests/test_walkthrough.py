@@ -1,0 +1,145 @@
+"""The walkthrough (gpt/walkthrough.py): on a tiny chat model trained two steps with bf16 weights
+and PackedMuonAdamW, every stage of the last layer's forward, the hand backward and one Muon
+step agrees with the model, autograd and the optimizer; a corrupted momentum word is reported."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from packed_adamw.core.muon import E5M10
+from packed_adamw.torch.combined import PackedMuonAdamW
+from packed_adamw.torch.gpt import walkthrough
+from packed_adamw.torch.gpt.chat_model import PRESETS, ChatGPT
+from packed_adamw.torch.gpt.packed_data import PackedBatch, cu_seqlens_of
+from packed_adamw.torch.gpt.schedules import ScheduleConfig, apply_schedule, build_schedule
+from packed_adamw.torch.gpt.training_state import save_state, state_file_name
+
+# d4's layout, narrow: 4 layers of 64 channels, 4 heads of 16; a 61-token vocabulary.
+MODEL = {"preset": "d4", "vocab_size": 61, "d_model": 64, "n_heads": 4}
+BOS, ROWS, CONTEXT = 0, 2, 24
+
+
+class FixedBatches:
+    """A loader over prepared packed batches (save_state reads peek() and state_dict())."""
+
+    def __init__(self, batches):
+        self.batches, self.cursor = batches, 0
+
+    def peek(self) -> PackedBatch:
+        return PackedBatch(*(t.clone() for t in self.batches[self.cursor]))
+
+    def next_batch(self) -> PackedBatch:
+        batch = self.peek()
+        self.cursor += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor}
+
+
+def packed_batch(generator) -> PackedBatch:
+    rows = torch.randint(1, MODEL["vocab_size"], (ROWS, CONTEXT + 1), generator=generator)
+    rows[:, 0] = BOS
+    rows[0, 9] = rows[0, 17] = rows[1, 12] = BOS  # documents of 9, 8, 7 and 12, 12 tokens
+    inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    targets[1, 5] = -1  # an ignored target
+    return PackedBatch(inputs, targets, cu_seqlens_of(inputs, BOS))
+
+
+def train_and_save(directory, device: str = "cpu", steps: int = 2, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    config = dataclasses.replace(PRESETS[MODEL["preset"]], **{k: v for k, v in MODEL.items() if k != "preset"})
+    model = ChatGPT(config).to(device)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    optimizer = PackedMuonAdamW(model.muon_adamw_groups(weight_decay=0.2))
+    generator = torch.Generator().manual_seed(1)
+    loader = FixedBatches([packed_batch(generator) for _ in range(steps + 1)])
+    schedule = build_schedule(ScheduleConfig(num_steps=10, warmup_steps=2, momentum_warmup_steps=4,
+                                             weight_decay=0.2))
+    for t in range(steps):
+        batch = loader.next_batch()
+        apply_schedule(optimizer, schedule, t)
+        _, loss = model(batch.inputs.to(device), batch.targets.to(device), cu_seqlens=batch.cu_seqlens.to(device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return save_state(directory / state_file_name(steps), model=model, optimizer=optimizer, loader=loader,
+                      schedule=schedule, config={"model": MODEL, "param_dtype": "bf16"}, step=steps, t_step=steps)
+
+
+@pytest.fixture(scope="module")
+def state_path(tmp_path_factory):
+    return train_and_save(tmp_path_factory.mktemp("walkthrough"))
+
+
+def run(path, *args) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = walkthrough.main([str(path), *args])
+    return code, out.getvalue()
+
+
+def test_walkthrough_agrees_with_model_autograd_and_optimizer(state_path):
+    code, text = run(state_path)
+    assert code == 0, text
+    assert "0 failed" in text
+    for stage in ("block output", "the model's logits", "core's E5M10 encoder", "the optimizer's newton_schulz",
+                  "autograd in float64", "the model's autograd in torch.bfloat16"):
+        assert stage in text, stage
+    # The Muon stages are all bitwise: no tolerance line after "3. one Muon step".
+    muon_part = text.split("3. one Muon step")[1]
+    assert "relative error" not in muon_part and muon_part.count("bit for bit") >= 12
+    code, text = run(state_path, "--matrix", "attn.q", "--rows", "1")
+    assert code == 0 and "Muon step on blocks.3.attn.q.weight" in text and "the first 1 of the saved 2" in text, text
+
+
+def test_corrupted_momentum_word_is_reported(state_path, monkeypatch):
+    """The optimizer's copy of the momentum gets one word flipped after the load: the walkthrough,
+    which decodes the file's words, must disagree with the loaded state and the optimizer's step."""
+    restore = walkthrough.restore
+
+    def corrupted(*args, **kwargs):
+        restored = restore(*args, **kwargs)
+        p = restored.model.blocks[-1].mlp.fc.weight
+        restored.optimizer.state[p]["momentum_code"].view(-1)[5] ^= 0x0400  # one exponent bit of one word
+        return restored
+
+    monkeypatch.setattr(walkthrough, "restore", corrupted)
+    code, text = run(state_path)
+    assert code == 1
+    assert "MISMATCH loaded momentum: not bit for bit equal to the file's (1 of" in text
+    assert "MISMATCH new momentum" in text and "FAILED" in text
+
+
+def test_bit_level_codecs_match_the_contract():
+    """The walkthrough's E5M10 decode/encode and split masters against core's, on every code and
+    on values around every binade edge, zeros, subnormals and saturation."""
+    codes = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    decoded = walkthrough.decode_e5m10(codes, 31)
+    assert np.array_equal(decoded.numpy().view(np.uint32), E5M10.decode_table.view(np.uint32))
+    rng = np.random.default_rng(0)
+    values = np.concatenate([E5M10.decode_table, rng.standard_normal(20000).astype(np.float32)
+                             * np.float32(2.0) ** rng.integers(-45, 3, 20000).astype(np.float32),
+                             np.float32([0.0, -0.0, 3.0, -1e30, 2.0 ** -41, 1.5 * 2.0 ** -41, 2.0 ** -30])])
+    values = np.concatenate([values, np.nextafter(values, np.float32(np.inf)), np.nextafter(values, np.float32(0))])
+    ours = walkthrough.encode_e5m10(torch.from_numpy(values), 31).numpy().view(np.uint16)
+    assert np.array_equal(ours, E5M10.encode_unchecked(values).astype(np.uint16))
+    masters = torch.from_numpy(values)
+    w, lo = walkthrough.split_master(masters)
+    assert torch.equal(walkthrough.join_master(w, lo).view(torch.int32), masters.view(torch.int32))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_walkthrough_on_cuda(tmp_path):
+    """The Triton momentum and weight kernels and varlen_attn (bf16 on CUDA) against the spelled-out
+    stages on the same device."""
+    path = train_and_save(tmp_path, device="cuda")
+    code, text = run(path, "--device", "cuda")
+    assert code == 0, text

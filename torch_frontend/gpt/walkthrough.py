@@ -1,0 +1,941 @@
+"""A walkthrough of one training step of a chat-family model, from a saved training state.
+
+    python -m packed_adamw.torch.gpt.walkthrough STATE_FILE [--device cpu|cuda] [--matrix NAME]
+
+It reloads `STATE_FILE` (a state_stepNNNNNN.safetensors, training_state.py), takes the saved
+next batch, and spells out with plain tensor operations (no call into the model's modules):
+
+1. the last layer's forward: from the stream entering it (the model's own, hooked) through
+   the residual scalars, the norm, q/k/v, QK-norm, rotary positions, attention over the packed
+   documents, the output projection, the MLP (ReLU^2), then the final norm, head, soft cap and
+   loss;
+2. its backward by hand (the chain rule in plain operations, in float64) down to the gradients
+   of that layer's matrices;
+3. one Muon step on one matrix (default: the last block's MLP up-projection): the E5M10
+   momentum decoded bit by bit, the momentum update and Nesterov (the contract's fused lerp),
+   Newton-Schulz, the learning-rate adjustment, weight decay, the update of the FP32 master
+   (joined from w and the mantissa), the new momentum encoded and the new master split.
+
+Every stage is printed (shape, dtype, a few values, norm) and checked against what the model,
+autograd and the optimizer compute (the optimizer steps a copy rebuilt from the file):
+
+- bit for bit where the operations are the same on the same device: every forward stage
+  against the model's hooked tensors, every Muon stage against the contract's numpy phases
+  (core/muon) and the optimizer's step;
+- within a stated tolerance where they cannot be: the explicit formulas beside the torch
+  operations the model calls (rms_norm, softmax attention, cross-entropy: other reduction
+  orders), and the hand backward against autograd (other summation orders; against the
+  model's own low-precision backward, its roundings).
+
+Exits 1 if any check fails. docs/D12.md, "Walkthrough", says what it prints.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from packed_adamw.core.codecs import SPLIT_MASTER_MAX, read_master
+from packed_adamw.core.muon import StateFormat as MuonFormat
+from packed_adamw.core.muon import step_scalar_row
+from packed_adamw.core.muon.numpy_step import bf16_bits, decode_momentum, lerp32
+
+from .._persistence import GROUP_FORMAT_KEY
+from ..combined import PackedMuonAdamW
+from ..muon import newton_schulz
+from .attention import _varlen_window_options, attention_mask, uses_varlen, varlen_attn
+from .chat_model import PRESETS, QK_GAIN, SMEAR_CHANNELS, VALUE_GATE_CHANNELS, ChatConfig, ChatGPT
+from .packed_data import PackedBatch
+from .schedules import BASE_LR_KEY, ScheduleTables, apply_schedule
+from .training_state import LOW_HALF_KEY, TrainingStateError, _optimizer_state_dict, read_state
+
+FLOAT64 = torch.float64
+# The hand backward (float64) against autograd of the same model in float64: only the order of
+# the sums in the matrix products and reductions differs, ~1e-15 relative per operation.
+FLOAT64_TOLERANCE = 1e-9
+# The hand backward (float64) against the model's own autograd in its dtype: the model's
+# backward rounds every intermediate to that dtype (bf16: 8 significant bits), through ~20
+# operations and the reductions of the weight gradients. Relative Frobenius norm of the
+# difference; measured on the tests' tiny model over five seeds: bf16 0.0075 to 0.024, float32 ~1.3e-6.
+MODEL_DTYPE_TOLERANCE = {torch.bfloat16: 0.08, torch.float16: 0.02, torch.float32: 1e-4, torch.float64: 1e-9}
+
+
+def explicit_tolerance(dtype: torch.dtype) -> float:
+    """An explicit formula against the torch operation the model calls (rms_norm, attention,
+    cross-entropy), relative Frobenius: the same mathematics with sums in another order (fused
+    or blockwise kernels; errors of a few ulps times the depth of the sums, which torch keeps
+    logarithmic), and in bf16/fp16 the kernel's own intermediate roundings."""
+    return (16 if dtype in (torch.bfloat16, torch.float16) else 256) * torch.finfo(dtype).eps
+
+
+# ---- the run's configuration ------------------------------------------------------------------
+def model_config_of(run_config: dict) -> ChatConfig:
+    """The ChatConfig of the run that wrote a state, from the state's "config" (the trainer's).
+
+    The convention (the one place to adapt when the trainer records it otherwise):
+    `run_config["model"]` is a chat preset name ("d12"), or a dict: {"preset": name, **field
+    overrides}, or every ChatConfig field (as `TrainConfig.trajectory()` records a model)."""
+    model = run_config.get("model") if isinstance(run_config, dict) else None
+    if isinstance(model, str):
+        model = {"preset": model}
+    if not isinstance(model, dict):
+        raise TrainingStateError(f"the state's config has no 'model' entry naming a chat preset (got {model!r}); "
+                                 f"the walkthrough rebuilds the model from it: one of {sorted(PRESETS)}, or a dict "
+                                 "{'preset': name, **overrides}")
+    fields = dict(model)
+    preset = fields.pop("preset", None)
+    if preset is not None and preset not in PRESETS:
+        raise TrainingStateError(f"the state's config names model preset {preset!r}, not a chat preset; the "
+                                 f"walkthrough knows the chat family: {sorted(PRESETS)}")
+    known = {f.name for f in dataclasses.fields(ChatConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TrainingStateError(f"the state's model config has fields {unknown} that ChatConfig lacks; is it a "
+                                 "chat-family run?")
+    return dataclasses.replace(PRESETS[preset], **fields) if preset else ChatConfig(**fields)
+
+
+def gradient_clip_of(run_config: dict) -> float | None:
+    """The global gradient-norm clip the trainer applies before its step (None: none)."""
+    clip = run_config.get("grad_clip") if isinstance(run_config, dict) else None
+    return float(clip) if clip else None
+
+
+# ---- reporting --------------------------------------------------------------------------------
+class Report:
+    """Prints the stages and collects the checks' results."""
+
+    def __init__(self, out=None, quiet: bool = False):
+        self.out, self.quiet = out or sys.stdout, quiet
+        self.bitwise_passed = self.tolerance_passed = 0
+        self.failures: list[str] = []
+
+    def say(self, text: str = "") -> None:
+        if not self.quiet:
+            print(text, file=self.out)
+
+    def show(self, name: str, t: torch.Tensor) -> None:
+        values = t.detach().reshape(-1)[:4].double().tolist()
+        norm = f"  norm {t.detach().double().norm().item():.6g}" if t.is_floating_point() else ""
+        shown = ", ".join(f"{v:.6g}" for v in values)
+        self.say(f"    {name:<30} {str(tuple(t.shape)):<15} {str(t.dtype).replace('torch.', ''):<8} "
+                 f"[{shown}{', ...' if t.numel() > 4 else ''}]{norm}")
+
+    def bitwise(self, stage: str, ours: torch.Tensor, theirs: torch.Tensor, against: str) -> bool:
+        ours, theirs = torch.as_tensor(ours), torch.as_tensor(theirs)
+        same = (ours.dtype == theirs.dtype and ours.shape == theirs.shape
+                and torch.equal(_bits(ours), _bits(theirs.to(ours.device))))
+        if same:
+            self.bitwise_passed += 1
+            self.say(f"      = {against}, bit for bit ({stage})")
+            return True
+        detail = (f"{ours.dtype} {tuple(ours.shape)} vs {theirs.dtype} {tuple(theirs.shape)}"
+                  if ours.dtype != theirs.dtype or ours.shape != theirs.shape else
+                  f"{int((_bits(ours) != _bits(theirs.to(ours.device))).sum())} of {ours.numel()} elements differ")
+        return self._fail(f"{stage}: not bit for bit equal to {against} ({detail})")
+
+    def within(self, stage: str, ours: torch.Tensor, theirs: torch.Tensor, tolerance: float, against: str,
+               why: str, scale: float | None = None) -> bool:
+        """Relative Frobenius distance |ours - theirs| / |theirs| <= tolerance (`scale` instead of
+        |theirs| where that is the natural size of the errors, e.g. the sum of |terms| of a sum)."""
+        a, b = ours.detach().double(), theirs.detach().double().to(ours.device)
+        scale = b.norm().item() if scale is None else scale
+        error = (a - b).norm().item() / scale if scale else (a - b).norm().item()
+        exact = torch.equal(_bits(ours), _bits(theirs.to(ours.device).to(ours.dtype))) if ours.shape == theirs.shape \
+            else False
+        if error <= tolerance:
+            self.tolerance_passed += 1
+            self.say(f"      ~ {against}: relative error {error:.3g} <= {tolerance:g}"
+                     f"{' (bit for bit here)' if exact else ''} ({why})")
+            return True
+        return self._fail(f"{stage}: relative error {error:.3g} against {against} exceeds {tolerance:g} ({why})")
+
+    def _fail(self, message: str) -> bool:
+        self.failures.append(message)
+        print(f"      MISMATCH {message}", file=self.out)
+        return False
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bit patterns (so -0.0 != +0.0 and NaNs compare by payload)."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bool or not (t.is_floating_point() or t.is_complex()):
+        return t
+    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+# ---- restoring a state ------------------------------------------------------------------------
+@dataclasses.dataclass
+class Restored:
+    config: ChatConfig
+    run_config: dict
+    model: ChatGPT
+    optimizer: PackedMuonAdamW
+    tensors: dict  # the state file's tensors, on the CPU, as saved
+    metadata: dict
+    batch: PackedBatch  # on the device
+    schedule: ScheduleTables
+    t_step: int
+
+
+def first_rows(batch: PackedBatch, rows: int | None) -> PackedBatch:
+    """The batch's first `rows` rows (whole documents: every row starts one); None: all."""
+    B, T = batch.inputs.shape
+    if rows is None or rows == B:
+        return batch
+    if not 1 <= rows <= B:
+        raise TrainingStateError(f"--rows {rows}: the saved batch has {B} rows; pass 1 to {B}")
+    cu = batch.cu_seqlens
+    return PackedBatch(batch.inputs[:rows], batch.targets[:rows], cu[cu <= rows * T].contiguous())
+
+
+def restore(path, device: str = "cpu", rows: int | None = None) -> Restored:
+    """The model (each parameter's saved dtype and bits) and a PackedMuonAdamW over it with the
+    saved groups and state, from a state file; nothing of the trainer is needed. `rows`: keep
+    the saved batch's first rows only."""
+    tensors, metadata = read_state(path)
+    run_config = metadata["config"]
+    config = model_config_of(run_config)
+    device = torch.device(device)
+    with torch.device(device):
+        model = ChatGPT(config)
+    missing = []
+    for name, p in model.named_parameters():
+        saved = tensors.get(f"params/{name}/w")
+        if saved is None or saved.shape != p.shape:
+            missing.append(f"{name} {tuple(p.shape)}: " + ("not in the state" if saved is None else
+                                                            f"saved {tuple(saved.shape)}"))
+            continue
+        p.data = saved.to(device, copy=True)  # the saved dtype too (bf16 weights stay bf16)
+    if missing:
+        raise TrainingStateError(f"{path} does not hold the model its config names ({config}):\n  " +
+                                 "\n  ".join(missing))
+    saved_optimizer = metadata["optimizer"]
+    if saved_optimizer["class"] != PackedMuonAdamW.__name__:
+        raise TrainingStateError(f"{path} was written with a {saved_optimizer['class']}; the walkthrough steps "
+                                 "Muon: pass a state of a run with PackedMuonAdamW")
+    named = dict(model.named_parameters())
+    groups = []
+    for group in saved_optimizer["param_groups"]:
+        options = {k: (tuple(v) if isinstance(v, list) else v) for k, v in group.items()
+                   if k not in ("params", "param_names", GROUP_FORMAT_KEY)}
+        groups.append({"params": [named[n] for n in group["param_names"]], "param_names": group["param_names"],
+                       **options})
+    formats = saved_optimizer["formats"]
+    muon, adamw = formats.get("muon", {}), formats.get("adamw", {})
+    optimizer = PackedMuonAdamW(groups, **{k: v for k, v in muon.items() if k in ("mode", "mu_bias")},
+                                **({"adamw_mode": adamw["mode"], "m_bias": adamw["m_bias"],
+                                    "rms_bias": adamw["rms_bias"]} if adamw else {}))
+    optimizer.load_state_dict(_optimizer_state_dict(tensors, saved_optimizer))
+    batch = first_rows(PackedBatch(*(tensors[f"batch/{key}"] for key in PackedBatch._fields)), rows)
+    batch = PackedBatch(*(t.to(device) for t in batch))
+    schedule = ScheduleTables.from_tensors(metadata["schedule"], tensors)
+    return Restored(config, run_config, model, optimizer, tensors, metadata, batch, schedule, int(metadata["t_step"]))
+
+
+# ---- 1. the last layer's forward --------------------------------------------------------------
+class Hooks:
+    """The tensors the model computes around its last layer, captured by module hooks."""
+
+    def __init__(self, model: ChatGPT):
+        self.seen, self.handles = {}, []
+        n = model.config.n_layers
+        last = model.blocks[-1]
+
+        def keep(name, value):
+            self.seen[name] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+        def output_of(name):
+            return lambda module, args, out: keep(name, out)
+
+        def input_of(name):
+            return lambda module, args: keep(name, args[0])
+
+        if n > 1:
+            self.handles.append(model.blocks[-2].register_forward_hook(output_of("stream before the last layer")))
+        self.handles.append(model.blocks[n // 2].register_forward_hook(output_of("backout stream")))
+
+        def block_inputs(module, args):
+            for key, value in zip(("block input", "value embedding", "cos", "sin"), args):
+                keep(key, value)
+
+        self.handles.append(last.register_forward_pre_hook(block_inputs))
+        self.handles.append(last.register_forward_hook(output_of("block output")))
+        for name, module in (("q", last.attn.q), ("k", last.attn.k), ("v", last.attn.v),
+                             ("value gate logits", last.attn.ve_gate), ("attention output", last.attn.proj),
+                             ("mlp fc", last.mlp.fc), ("mlp proj", last.mlp.proj), ("head", model.lm_head)):
+            if module is not None:
+                self.handles.append(module.register_forward_hook(output_of(name)))
+        self.handles.append(last.attn.proj.register_forward_pre_hook(input_of("attention (heads joined)")))
+        self.handles.append(last.mlp.proj.register_forward_pre_hook(input_of("relu^2")))
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def run_model(model: ChatGPT, batch: PackedBatch) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The model's forward on the batch with hooks: (captured tensors, logits, loss)."""
+    hooks = Hooks(model)
+    try:
+        logits, loss = model(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
+    finally:
+        hooks.remove()
+    return hooks.seen, logits, loss
+
+
+def opmath(dtype: torch.dtype) -> torch.dtype:
+    """The dtype torch computes a reduced-precision tensor's reductions in."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def rms_norm(x: torch.Tensor, report: Report, stage: str) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps), spelled out (in the op-math dtype, eps of that dtype, one rounding
+    at the end, as torch's CPU kernel computes it) and checked against torch's F.rms_norm, the op
+    the model calls, whose result is returned (a fused kernel may sum the squares in another order)."""
+    wide = x.to(opmath(x.dtype))
+    explicit = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + torch.finfo(wide.dtype).eps)).to(x.dtype)
+    library = F.rms_norm(x, (x.size(-1),))
+    if torch.equal(_bits(explicit), _bits(library)):
+        report.bitwise(f"{stage} (explicit rms_norm)", explicit, library, "x rsqrt(mean(x^2) + eps) == F.rms_norm")
+    else:
+        report.within(f"{stage} (explicit rms_norm)", explicit, library, explicit_tolerance(x.dtype),
+                      "torch's rms_norm", "its kernel sums the squares in another order")
+    return library
+
+
+def block_diagonal_mask(cu_seqlens: torch.Tensor, batch: int, seq_len: int, window: int | None,
+                        device) -> torch.Tensor:
+    """(batch, 1, T, T), True where query t may see key s: s <= t, the same document, and (with
+    a window) t - s <= window."""
+    token = torch.arange(batch * seq_len, device=device)
+    document = (token[:, None] >= cu_seqlens.to(device).long()[None, 1:]).sum(-1).view(batch, seq_len)
+    t = torch.arange(seq_len, device=device)
+    allowed = t[None, :] <= t[:, None]
+    if window is not None:
+        allowed = allowed & (t[:, None] - t[None, :] <= window)
+    return (allowed & (document[:, :, None] == document[:, None, :]))[:, None]
+
+
+def attention(q, k, v, cu_seqlens, window, report: Report) -> torch.Tensor:
+    """Causal attention within the packed documents: the kernel the model uses (varlen_attn on
+    CUDA in bf16/fp16, else scaled_dot_product_attention with the block-diagonal mask), and
+    beside it the explicit softmax((q k^T) / sqrt(D) + mask) v, checked within tolerance."""
+    B, T, H, D = q.shape
+    window = None if window is not None and window >= T - 1 else window  # as attention.py: plain causal
+    mask = block_diagonal_mask(cu_seqlens, B, T, window, q.device)
+    report.show("block-diagonal causal mask", mask)
+    report.bitwise("attention mask", mask, attention_mask(cu_seqlens, B, T, window, q.device),
+                   "attention.py's attention_mask")
+    if uses_varlen(q, window):
+        out = varlen_attn(q.reshape(B * T, H, D), k.reshape(B * T, H, D), v.reshape(B * T, H, D), cu_seqlens,
+                          cu_seqlens, T, T, **_varlen_window_options(window)).view(B, T, H, D)
+    else:
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
+    wide, explicit = opmath(q.dtype), torch.empty_like(out)
+    for b in range(B):  # a row at a time: the T x T scores of one row's heads
+        qb, kb, vb = (t[b].transpose(0, 1).to(wide) for t in (q, k, v))  # (H, T, D)
+        scores = (qb @ kb.transpose(-1, -2)) / math.sqrt(D)
+        probabilities = torch.softmax(scores.masked_fill(~mask[b], float("-inf")), dim=-1)
+        explicit[b] = (probabilities @ vb).transpose(0, 1).to(q.dtype)
+    report.within("attention (explicit softmax)", explicit, out, explicit_tolerance(q.dtype),
+                  "the attention kernel", "it sums the softmax blockwise (online), and in bf16 rounds the "
+                  "probabilities before P @ V")
+    return out
+
+
+def rotate(x, cos, sin):
+    half = x.size(-1) // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+@torch.no_grad()
+def spelled_forward(model: ChatGPT, batch: PackedBatch, seen: dict, logits: torch.Tensor, loss: torch.Tensor,
+                    report: Report) -> dict:
+    """The last layer and the head in plain operations on the model's weights, each stage
+    checked bit for bit against the model's (`seen`, `logits`, `loss`); returns the activations
+    the backward needs."""
+    config, (B, T) = model.config, batch.inputs.shape
+    H, D, L = config.n_heads, config.head_dim, config.n_layers - 1
+    block, idx, cu = model.blocks[L], batch.inputs, batch.cu_seqlens
+    # The parameters themselves, not detached copies: torch's matmul folds a 3-D input into one
+    # GEMM or not depending on whether the weight requires grad, so a detached weight can take
+    # another path, with other bits (seen on the CPU for the smear gate's strided input).
+    W = dict(model.named_parameters())
+    prefix = f"blocks.{L}."
+    a = {}
+
+    report.say(f"  embedding and smear (x0, which every layer mixes in; the stream itself is the model's)")
+    x = rms_norm(W["tok_emb.weight"][idx], report, "x0")
+    token = torch.arange(B * T, device=idx.device)
+    start = cu.long()[(token[:, None] >= cu.long()[None, 1:]).sum(-1)]
+    position = (token - start).view(B, T)
+    gate = W["smear_lambda"] * torch.sigmoid(x[:, 1:, :SMEAR_CHANNELS] @ W["smear_gate.weight"].T)
+    previous = x[:, :-1].masked_fill((position[:, 1:] == 0).unsqueeze(-1), 0.0)
+    a["x0"] = x0 = torch.cat([x[:, :1], x[:, 1:] + gate * previous], dim=1)
+    report.show("x0", x0)
+
+    report.say(f"  layer {L} (the last) of {config.n_layers}")
+    a["x_prev"] = x_prev = seen["stream before the last layer"] if L > 0 else x0
+    report.show("stream entering (hooked)", x_prev)
+    x_in = W["resid_lambdas"][L] * x_prev + W["x0_lambdas"][L] * x0
+    report.say(f"    residual scalars: x = {W['resid_lambdas'][L].item():.6g} * x + "
+               f"{W['x0_lambdas'][L].item():.6g} * x0")
+    report.show("block input", x_in)
+    report.bitwise("block input", x_in, seen["block input"], "the model's (hooked)")
+    a["x_in"] = x_in
+
+    cos = model.rope_cos[position].to(x_in.dtype).unsqueeze(-2)
+    sin = model.rope_sin[position].to(x_in.dtype).unsqueeze(-2)
+    report.show("rotary cos (by document)", cos)
+    report.bitwise("rotary cos", cos, seen["cos"], "the model's")
+    report.bitwise("rotary sin", sin, seen["sin"], "the model's")
+    a["cos"], a["sin"] = cos, sin
+
+    a["x_n"] = x_n = rms_norm(x_in, report, "attention norm")
+    report.show("rms_norm(x)", x_n)
+    for name in ("q", "k", "v"):
+        a[f"{name}_lin"] = out = x_n @ W[f"{prefix}attn.{name}.weight"].T
+        report.show(f"{name} = x W{name}^T", out)
+        report.bitwise(name, out, seen[name], f"the model's attn.{name}")
+    q, k, v = (a[f"{name}_lin"].view(B, T, H, D) for name in ("q", "k", "v"))
+    if block.attn.ve_gate is not None:
+        a["ve"] = ve = W[f"value_embeds.{L}.weight"][idx]
+        report.bitwise("value embedding", ve, seen["value embedding"], "the model's")
+        a["gate_logits"] = gate_logits = x_n[..., :VALUE_GATE_CHANNELS] @ W[f"{prefix}attn.ve_gate.weight"].T
+        report.bitwise("value gate logits", gate_logits, seen["value gate logits"], "the model's attn.ve_gate")
+        gate = 3 * torch.sigmoid(gate_logits)
+        report.show("value gate 3 sigmoid(.)", gate)
+        v = v + gate.unsqueeze(-1) * ve.view(B, T, H, D)
+    a["v"] = v
+    a["q_rot"], a["k_rot"] = q_rot, k_rot = rotate(q, cos, sin), rotate(k, cos, sin)
+    q = rms_norm(q_rot, report, "QK-norm (q)") * QK_GAIN
+    k = rms_norm(k_rot, report, "QK-norm (k)") * QK_GAIN
+    a["q"], a["k"] = q, k
+    report.show(f"q: RoPE, rms_norm, * {QK_GAIN}", q)
+    report.show(f"k: RoPE, rms_norm, * {QK_GAIN}", k)
+    y = attention(q, k, v, cu, config.layer_windows()[L], report)
+    a["y"] = y = y.reshape(B, T, -1)
+    report.show("attention (heads joined)", y)
+    report.bitwise("attention", y, seen["attention (heads joined)"], "the model's")
+    attn_out = y @ W[f"{prefix}attn.proj.weight"].T
+    report.show("output projection", attn_out)
+    report.bitwise("output projection", attn_out, seen["attention output"], "the model's attn.proj")
+    a["x1"] = x1 = x_in + attn_out
+    report.show("x + attention", x1)
+
+    a["u"] = u = rms_norm(x1, report, "MLP norm")
+    a["fc"] = fc = u @ W[f"{prefix}mlp.fc.weight"].T
+    report.show("MLP up: u Wfc^T", fc)
+    report.bitwise("MLP up", fc, seen["mlp fc"], "the model's mlp.fc")
+    a["relu2"] = relu2 = F.relu(fc).square()
+    report.show("relu(.)^2", relu2)
+    report.bitwise("relu^2", relu2, seen["relu^2"], "the model's")
+    mlp_out = relu2 @ W[f"{prefix}mlp.proj.weight"].T
+    report.show("MLP down", mlp_out)
+    report.bitwise("MLP down", mlp_out, seen["mlp proj"], "the model's mlp.proj")
+    a["x_out"] = x_out = x1 + mlp_out
+    report.show("block output", x_out)
+    report.bitwise("block output", x_out, seen["block output"], "the model's")
+
+    report.say("  head")
+    a["backout_is_last"] = L == config.n_layers // 2
+    x_backout = x_out if a["backout_is_last"] else seen["backout stream"]
+    a["z"] = z = x_out - W["backout_lambda"] * x_backout
+    report.say(f"    backout: x - {W['backout_lambda'].item():.6g} * (stream after layer {config.n_layers // 2})")
+    a["h"] = h = rms_norm(z, report, "final norm")
+    report.show("final rms_norm", h)
+    raw = h @ W["lm_head.weight"].T
+    report.show("head h Wh^T", raw)
+    report.bitwise("head", raw, seen["head"], "the model's lm_head")
+    a["raw_logits"] = raw = raw.to(torch.promote_types(raw.dtype, torch.float32))
+    cap = config.logit_softcap
+    capped = cap * torch.tanh(raw / cap)
+    report.show(f"logits {cap:g} tanh(./{cap:g})", capped)
+    report.bitwise("logits", capped, logits, "the model's logits")
+    a["logits"] = capped
+    flat, targets = capped.flatten(0, 1), batch.targets.flatten()
+    ours = F.cross_entropy(flat, targets, ignore_index=-1)
+    valid = targets != -1
+    explicit = (torch.logsumexp(flat[valid], -1) - flat[valid].gather(1, targets[valid, None])[:, 0]).mean()
+    report.say(f"    loss = mean(logsumexp(logits) - logits[target]) = {ours.item():.8g} nats over "
+               f"{int(valid.sum())} tokens")
+    report.within("loss (explicit)", explicit, ours, explicit_tolerance(ours.dtype), "F.cross_entropy",
+                  "another summation order")
+    report.bitwise("loss", ours, loss.detach(), "the model's loss")
+    return a
+
+
+# ---- 2. the backward, by hand -----------------------------------------------------------------
+def rms_norm_backward(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """y = x r with r = (mean(x^2) + eps)^-1/2: dx = r (dy - y mean(dy y))."""
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + torch.finfo(x.dtype).eps)
+    y = x * r
+    return r * (dy - y * (dy * y).mean(-1, keepdim=True))
+
+
+def rotate_backward(dy, cos, sin):
+    half = dy.size(-1) // 2
+    d1, d2 = dy[..., :half], dy[..., half:]
+    return torch.cat([d1 * cos + d2 * sin, -d1 * sin + d2 * cos], dim=-1)
+
+
+def attention_backward(q, k, v, dy, mask):
+    """Of y = softmax(q k^T / sqrt(D) masked) v, per row of the batch (bounds the T x T memory):
+    dV = P^T dY, dP = dY V^T, dS = P (dP - rowsum(dP P)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D)."""
+    D = q.size(-1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for b in range(q.size(0)):
+        qb, kb, vb, dyb = (t[b].transpose(0, 1) for t in (q, k, v, dy))  # (H, T, D)
+        p = torch.softmax(((qb @ kb.transpose(-1, -2)) / math.sqrt(D)).masked_fill(~mask[b], float("-inf")), -1)
+        dp = dyb @ vb.transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        dq[b] = ((ds @ kb) / math.sqrt(D)).transpose(0, 1)
+        dk[b] = ((ds.transpose(-1, -2) @ qb) / math.sqrt(D)).transpose(0, 1)
+        dv[b] = (p.transpose(-1, -2) @ dyb).transpose(0, 1)
+    return dq, dk, dv
+
+
+def hand_backward(model: ChatGPT, batch: PackedBatch, a: dict) -> dict:
+    """The chain rule from the mean cross-entropy down to the last layer's matrices, on the
+    float64 activations `a` of `spelled_forward`. Returns {parameter name: gradient}."""
+    config, (B, T) = model.config, batch.inputs.shape
+    H, D, L = config.n_heads, config.head_dim, config.n_layers - 1
+    W = {name: p.detach() for name, p in model.named_parameters()}
+    prefix, grads = f"blocks.{L}.", {}
+    flat2 = lambda t: t.reshape(B * T, -1)  # noqa: E731
+
+    # loss = mean over valid tokens of logsumexp(c) - c[target], c = cap tanh(raw / cap)
+    targets = batch.targets.flatten()
+    valid = (targets != -1).to(a["logits"].dtype)
+    d_capped = torch.softmax(a["logits"].flatten(0, 1), -1)
+    d_capped[torch.arange(B * T, device=targets.device), targets.clamp(min=0)] -= 1
+    d_capped = d_capped * valid[:, None] / valid.sum()
+    d_raw = d_capped * (1 - torch.tanh(a["raw_logits"].flatten(0, 1) / config.logit_softcap).square())
+    grads["lm_head.weight"] = d_raw.T @ flat2(a["h"])
+    dz = rms_norm_backward(a["z"], (d_raw @ W["lm_head.weight"]).view(B, T, -1))
+    dx_out = dz * (1 - W["backout_lambda"]) if a["backout_is_last"] else dz
+
+    # MLP: x_out = x1 + relu(u Wfc^T)^2 Wp^T, u = rms_norm(x1)
+    grads[prefix + "mlp.proj.weight"] = flat2(dx_out).T @ flat2(a["relu2"])
+    d_fc = (dx_out @ W[prefix + "mlp.proj.weight"]) * 2 * F.relu(a["fc"])
+    grads[prefix + "mlp.fc.weight"] = flat2(d_fc).T @ flat2(a["u"])
+    dx1 = dx_out + rms_norm_backward(a["x1"], d_fc @ W[prefix + "mlp.fc.weight"])
+
+    # attention: x1 = x_in + y Wproj^T
+    grads[prefix + "attn.proj.weight"] = flat2(dx1).T @ flat2(a["y"])
+    dy = (dx1 @ W[prefix + "attn.proj.weight"]).view(B, T, H, D)
+    window = config.layer_windows()[L]
+    window = None if window is not None and window >= T - 1 else window
+    mask = block_diagonal_mask(batch.cu_seqlens, B, T, window, dy.device)
+    dq, dk, dv = attention_backward(a["q"], a["k"], a["v"], dy, mask)
+    dq_lin = rotate_backward(rms_norm_backward(a["q_rot"], QK_GAIN * dq), a["cos"], a["sin"]).reshape(B, T, -1)
+    dk_lin = rotate_backward(rms_norm_backward(a["k_rot"], QK_GAIN * dk), a["cos"], a["sin"]).reshape(B, T, -1)
+    dv_lin = dv.reshape(B, T, -1)
+    dx_n = sum(d @ W[f"{prefix}attn.{name}.weight"] for name, d in (("q", dq_lin), ("k", dk_lin), ("v", dv_lin)))
+    for name, d in (("q", dq_lin), ("k", dk_lin), ("v", dv_lin)):
+        grads[f"{prefix}attn.{name}.weight"] = flat2(d).T @ flat2(a["x_n"])
+    if "ve" in a:  # v += 3 sigmoid(x_n[:12] Wg^T) * ve
+        sig = torch.sigmoid(a["gate_logits"])
+        d_logits = (dv * a["ve"].view(B, T, H, D)).sum(-1) * 3 * sig * (1 - sig)
+        grads[prefix + "attn.ve_gate.weight"] = flat2(d_logits).T @ flat2(a["x_n"][..., :VALUE_GATE_CHANNELS])
+        dx_n = torch.cat([dx_n[..., :VALUE_GATE_CHANNELS] + d_logits @ W[prefix + "attn.ve_gate.weight"],
+                          dx_n[..., VALUE_GATE_CHANNELS:]], dim=-1)
+    grads["the last block's input"] = dx_in = dx1 + rms_norm_backward(a["x_in"], dx_n)
+    # the residual scalars: x_in = resid_lambda x_prev + x0_lambda x0. Their gradients are sums
+    # over every element of the stream, so an error's natural size is the sum of |terms|.
+    for scalar, factor in ((f"resid_lambdas[{L}]", a["x_prev"]), (f"x0_lambdas[{L}]", a["x0"])):
+        grads[scalar] = (dx_in * factor).sum()
+        grads[scalar + " |terms|"] = (dx_in * factor).abs().sum()
+    return grads
+
+
+def float64_copy(model: ChatGPT, L: int) -> tuple[ChatGPT, dict]:
+    """The model with its weights in float64 (exact copies of the saved values); only the last
+    layer's parameters and the head take gradients, and the last block's input enters as a leaf
+    (same values), so autograd records only that part and gives the gradient of that input too.
+    Returns (model, {"leaf": the input leaf once the forward has run})."""
+    copied = copy.deepcopy(model)
+    for name, p in copied.named_parameters():
+        p.data = p.data.to(FLOAT64)
+        p.requires_grad_(name.startswith((f"blocks.{L}.", "lm_head.")))
+        p.grad = None
+    entry = {}
+
+    def as_leaf(module, args):
+        entry["leaf"] = args[0].detach().requires_grad_()
+        return (entry["leaf"], *args[1:])
+
+    copied.blocks[L].register_forward_pre_hook(as_leaf)
+    return copied, entry
+
+
+def autograd_gradient(model: ChatGPT, name: str) -> torch.Tensor:
+    if name.endswith("]"):  # resid_lambdas[L]: one element of a vector
+        vector, index = name[:-1].split("[")
+        return dict(model.named_parameters())[vector].grad[int(index)]
+    return dict(model.named_parameters())[name].grad
+
+
+# ---- 3. one Muon step -------------------------------------------------------------------------
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c rounded once to float32 (MUON.md's fused multiply-add), in plain operations:
+    the product of two float32 numbers is exact in float64; TwoSum recovers the float64 sum's
+    rounding error; the sum is rounded to odd (an inexact sum with an even last bit moves one
+    float64 ulp toward the exact sum), then to float32: a correct single rounding (53 >= 24 + 2)."""
+    a, b, c = a.double(), b.double(), c.double()
+    product = a * b
+    total = product + c
+    c_part = total - product
+    error = (product - (total - c_part)) + (c - c_part)
+    bits = total.view(torch.int64)
+    nudge = torch.isfinite(total) & (error != 0) & ((bits & 1) == 0)
+    away = (error > 0) == (total > 0)  # int64 steps move the magnitude: +1 away from zero
+    bits = torch.where(nudge, bits + torch.where(away, 1, -1), bits)
+    return bits.view(torch.float64).float()
+
+
+def lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """MUON.md's lerp: fma(w, end - start, start) if |w| < 0.5, else fma(w - 1, end - start, end)."""
+    difference = end - start
+    if abs(weight.item()) < 0.5:
+        return fma32(weight, difference, start)
+    return fma32(weight - 1, difference, end)
+
+
+def _uint(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A 16- or 32-bit tensor's bit patterns as non-negative int64."""
+    return t.contiguous().view({16: torch.int16, 32: torch.int32}[width]).to(torch.int64) & ((1 << width) - 1)
+
+
+def _signed(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Non-negative int64 bit patterns -> the int16/int32 tensor holding them."""
+    dtype = {16: torch.int16, 32: torch.int32}[width]
+    return torch.where(values >= 1 << (width - 1), values - (1 << width), values).to(dtype)
+
+
+def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """2^e as float32, built from its bits (e in [-126, 127])."""
+    return _signed((exponent + 127) << 23, 32).view(torch.float32)
+
+
+def decode_e5m10(codes: torch.Tensor, bias: int) -> torch.Tensor:
+    """E5M10 codes -> float32 (MUON.md): sign, 5 exponent bits e, 10 fraction bits f;
+    e = 0: f * 2^(1 - bias - 10); else (1024 + f) * 2^(e - bias - 10). Exact products."""
+    c = _uint(codes, 16)
+    sign, e, f = c >> 15, (c >> 10) & 31, c & 1023
+    significand = torch.where(e == 0, f, f + 1024).float()
+    magnitude = significand * power_of_two(torch.where(e == 0, 1, e) - bias - 10)
+    return torch.where(sign == 1, -magnitude, magnitude)
+
+
+def encode_e5m10(values: torch.Tensor, bias: int) -> torch.Tensor:
+    """float32 -> E5M10 codes (int16 tensor of the uint16 bits): round to nearest, ties to even;
+    saturate at the largest code; zero (either sign) and what rounds to zero is code 0."""
+    bits = _uint(values, 32)
+    sign, magnitude = bits >> 31, bits & 0x7FFFFFFF
+    # Normal codes: move float32's exponent to the code's bias, then round away 13 fraction bits
+    # (a carry into the exponent is the right next code).
+    rebiased = magnitude - ((127 - bias) << 23)
+    normal = (rebiased + 0xFFF + ((rebiased >> 13) & 1)) >> 13
+    # Subnormal codes: multiples of 2^(1 - bias - 10); the scaling by a power of two is exact and
+    # torch.round rounds half to even (1024 there is the smallest normal code, as it should be).
+    subnormal = torch.round(values.abs() * power_of_two(torch.tensor(bias + 9))).to(torch.int64)
+    code = torch.where(values.abs() < power_of_two(torch.tensor(1 - bias)), subnormal, normal).clamp(max=0x7FFF)
+    return _signed(torch.where(code == 0, 0, code | (sign << 15)), 16)
+
+
+def join_master(w: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """FORMAT.md's split masters: magnitude = ((w & 0x7FFF) << 16) + int16(lo) mod 2^31, with w's
+    sign; a zero weight beside a negative low half reads as that zero (the stale-write rule)."""
+    w_bits, low = _uint(w, 16), lo.contiguous().view(torch.int16).to(torch.int64)
+    magnitude = (((w_bits & 0x7FFF) << 16) + low) & 0x7FFFFFFF
+    master = _signed(((w_bits >> 15) << 31) | magnitude, 32).view(torch.float32)
+    stale = ((w_bits & 0x7FFF) == 0) & (low < 0)
+    return torch.where(stale, _signed(w_bits << 16, 32).view(torch.float32), master)
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 weight, int16 low half): rounded = magnitude + 0x8000 mod 2^31; w = sign | rounded >> 16;
+    lo = (rounded & 0xFFFF) ^ 0x8000 (the weight is the master rounded to nearest bf16)."""
+    bits = _uint(master, 32)
+    rounded = ((bits & 0x7FFFFFFF) + 0x8000) & 0x7FFFFFFF
+    w = _signed(((bits >> 31) << 15) | (rounded >> 16), 16).view(torch.bfloat16)
+    return w, _signed((rounded & 0xFFFF) ^ 0x8000, 16)
+
+
+def group_of(optimizer, p) -> dict:
+    return next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+
+
+def resolve_matrix(restored: Restored, name: str | None) -> str:
+    """A Muon matrix's parameter name: a full name, or a part of the last block's ("mlp.fc",
+    "attn.q", "q"); default the last block's MLP up-projection."""
+    L = restored.config.n_layers - 1
+    muon = [n for g in restored.optimizer.param_groups if g["kind"] == "muon" for n in g["param_names"]]
+    if name is None:
+        return f"blocks.{L}.mlp.fc.weight"
+    candidates = [name] if name in muon else [n for n in muon if n.startswith(f"blocks.{L}.") and
+                                                 (n.endswith(f".{name}.weight") or n.endswith(f".{name}"))]
+    if len(candidates) != 1:
+        raise SystemExit(f"--matrix {name!r} names {'no' if not candidates else 'more than one'} Muon matrix "
+                         f"{candidates if candidates else ''}; give one of {muon}")
+    return candidates[0]
+
+
+def muon_step(restored: Restored, name: str, report: Report) -> None:
+    """One Muon step of matrix `name` spelled out, each stage checked bit for bit against the
+    contract's numpy phases (core/muon) and the optimizer's own step (taken here, on the copy
+    rebuilt from the file, after the model's backward on the batch)."""
+    optimizer, tensors = restored.optimizer, restored.tensors
+    p = dict(restored.model.named_parameters())[name]
+    fmt: MuonFormat = optimizer.rules["muon"].state_format
+    key = fmt.state_key
+    rows, cols = p.shape
+    device = p.device
+
+    report.say(f"  the schedule: row t_step={restored.t_step} of the saved tables")
+    saved_group = next(g for g in restored.metadata["optimizer"]["param_groups"] if name in g["param_names"])
+    try:
+        table = restored.schedule.row(restored.t_step)
+    except IndexError as error:
+        raise TrainingStateError(f"the state's next step has no schedule row: {error}") from None
+    base_lr = saved_group.get(BASE_LR_KEY, saved_group["lr"])
+    lr = base_lr * table["lr_multiplier"]
+    momentum, weight_decay = table["muon_momentum"], table["muon_weight_decay"]
+    apply_schedule(optimizer, restored.schedule, restored.t_step)  # what the trainer does before its step
+    group = group_of(optimizer, p)
+    report.say(f"    lr = {base_lr!r} * {table['lr_multiplier']!r} = {lr!r}; momentum {momentum!r}; "
+               f"weight decay {weight_decay!r}")
+    for field, ours in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+        if group[field] != ours:
+            report._fail(f"schedule: {field} {ours!r} but apply_schedule gave the group {group[field]!r}")
+    nesterov, maximize = bool(group["nesterov"]), bool(group.get("maximize", False))
+    ratio = (0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr_fn"] == "match_rms_adamw"
+             else math.sqrt(max(1.0, rows / cols)))
+    scalars = {  # each in binary64 from the values as given, rounded once to float32 (MUON.md)
+        "one_minus_momentum": 1.0 - momentum,
+        "momentum": momentum,
+        "decay": 1.0 - lr * weight_decay,
+        "neg_adjusted_lr": -(lr * ratio),
+    }
+    scalars = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in scalars.items()}
+    report.say(f"    lr adjustment ({group['adjust_lr_fn'] or 'original'}): {rows}x{cols} -> ratio {ratio:.6g}; "
+               + ", ".join(f"{k} = {v.item():.9g}" for k, v in scalars.items()))
+    contract_row = step_scalar_row((lr, momentum, weight_decay, group["eps"]), p.shape,
+                                   adjust_lr_fn=group["adjust_lr_fn"])
+    report.bitwise("step scalars", torch.stack(list(scalars.values())).cpu(),
+                   torch.from_numpy(np.array(contract_row, np.float32)), "core's step_scalar_row")
+
+    report.say("  the saved state of the matrix")
+    entry = optimizer.state.get(p, {})
+    stepped = bool(restored.tensors.get(f"params/{name}/opt/{key}") is not None)
+    saved_code = tensors[f"params/{name}/opt/{key}"] if stepped else torch.zeros(
+        p.shape, dtype=torch.int16 if key != "momentum_buffer" else torch.float32)
+    saved_w = tensors[f"params/{name}/w"]
+    split = saved_w.dtype == torch.bfloat16
+    saved_lo = tensors[f"params/{name}/mantissa"].view(torch.int16) if split else None
+    report.show(f"momentum ({fmt.identity})", saved_code)
+    if entry:
+        report.bitwise("loaded momentum", entry[key].cpu(), saved_code, "the file's")
+        if split:
+            report.bitwise("loaded mantissa", entry[LOW_HALF_KEY].cpu(), saved_lo, "the file's")
+    report.bitwise("loaded weight", p.detach().cpu(), saved_w, "the file's")
+    code, w_old = saved_code.to(device), saved_w.to(device)
+
+    report.say("  the gradient (the model's backward on the saved batch; the optimizer reads p.grad)")
+    grad = p.grad.detach().clone()
+    report.show("gradient", grad)
+    g = grad.float()  # a bf16 gradient is upcast exactly
+    if maximize:
+        g = -g
+
+    report.say("  momentum phase")
+    if fmt.mode == "packed":
+        m = decode_e5m10(code, fmt.mu_bias)
+        how = f"E5M10 bias {fmt.mu_bias}: sign | 5 exponent | 10 fraction bits"
+    elif fmt.mode == "bf16":
+        m = _signed(_uint(code, 16) << 16, 32).view(torch.float32)
+        how = "bf16 bits << 16"
+    else:
+        m = code
+        how = "float32 as stored"
+    report.show(f"decoded momentum ({how})", m)
+    contract_state = saved_code.numpy().view(np.uint16) if fmt.mode != "fp32" else saved_code.numpy()
+    report.bitwise("decoded momentum", m.cpu(), torch.from_numpy(decode_momentum(contract_state, fmt)),
+                   "core's decode_momentum")
+    m_next = lerp(m, g, scalars["one_minus_momentum"])
+    report.show("m' = lerp(m, g, 1 - momentum)", m_next)
+    report.bitwise("momentum update", m_next.cpu(),
+                   torch.from_numpy(lerp32(m.cpu().numpy(), g.cpu().numpy(), np.float32(contract_row[0]))),
+                   "core's lerp32")
+    x = lerp(g, m_next, scalars["momentum"]) if nesterov else m_next
+    report.show("Nesterov: lerp(g, m', momentum)" if nesterov else "no Nesterov: m'", x)
+    X = x.bfloat16()
+    report.show("Newton-Schulz input (bf16)", X)
+    report.bitwise("Newton-Schulz input", X.cpu().view(torch.int16),
+                   torch.from_numpy(bf16_bits(x.cpu().numpy()).view(np.int16)), "core's bf16_bits")
+    finite = bool(torch.isfinite(g).all() and torch.isfinite(m_next).all() and torch.isfinite(X).all())
+    if fmt.mode == "packed":
+        code_next = encode_e5m10(m_next, fmt.mu_bias)
+        report.bitwise("encoded momentum", code_next.cpu(),
+                       torch.from_numpy(fmt.code.encode_unchecked(m_next.cpu().numpy()).astype(np.uint16)
+                                        .view(np.int16)), "core's E5M10 encoder")
+    elif fmt.mode == "bf16":
+        code_next = m_next.bfloat16().view(torch.int16)
+        finite = finite and bool(torch.isfinite(m_next.bfloat16()).all())
+    else:
+        code_next = m_next
+    report.show("new momentum code", code_next)
+
+    report.say("  Newton-Schulz (quintic, wide orientation, bf16 as torch.optim.Muon)")
+    a, b, c = (float(v) for v in group["ns_coefficients"])
+    Y = X.T if rows > cols else X
+    Y = Y / Y.norm().clamp(min=group["eps"])
+    report.show("Y / max(|Y|_F, eps)", Y)
+    for _ in range(int(group["ns_steps"])):
+        A = Y @ Y.T
+        Bm = torch.addmm(A, A, A, beta=b, alpha=c)  # b A + c A A, rounded once to bf16
+        Y = torch.addmm(Y, Bm, Y, beta=a)  # a Y + B Y
+    O = Y.T if rows > cols else Y
+    report.say(f"    {int(group['ns_steps'])} steps of Y <- {a} Y + ({b} A + {c} A A) Y, A = Y Y^T")
+    report.show("O", O)
+    report.bitwise("Newton-Schulz output", O.contiguous(), newton_schulz(X, (a, b, c), int(group["ns_steps"]),
+                                                                         float(group["eps"])).contiguous(),
+                   "the optimizer's newton_schulz")
+
+    report.say("  weight phase")
+    if split:
+        master = join_master(w_old, saved_lo.to(device))
+        report.show("master = join(w, mantissa)", master)
+        report.bitwise("master", master.cpu(), torch.from_numpy(read_master(
+            saved_w.view(torch.int16).numpy(), saved_lo.numpy()).reshape(p.shape)), "core's read_master")
+    else:
+        master = w_old
+    decayed = master * scalars["decay"]
+    report.show("p * (1 - lr wd)", decayed)
+    updated = fma32(scalars["neg_adjusted_lr"], O.float(), decayed)
+    report.show("p' = fma(-adjusted lr, O, .)", updated)
+    accepted = torch.isfinite(updated) & ((updated.abs() <= SPLIT_MASTER_MAX) if split else True)
+    new_master = torch.where(accepted, updated, master) if finite else master
+    if split:
+        w_new, lo_new = split_master(new_master)
+        report.show("new w (bf16)", w_new)
+        report.show("new mantissa (int16)", lo_new)
+    if not finite:
+        report.say("    the matrix is refused (a non-finite gradient, momentum or Newton-Schulz input): nothing "
+                   "changes")
+        code_next = code
+
+    report.say("  the optimizer's step on the copy")
+    optimizer.step()
+    state = optimizer.state[p]
+    report.bitwise("new momentum", state[key], code_next, "the optimizer's")
+    order = [id(q) for g_ in optimizer.param_groups for q in g_["params"]]
+    report.bitwise("new master", optimizer.master_weights()[order.index(id(p))], new_master, "the optimizer's")
+    if split:
+        report.bitwise("new weight", p.detach(), w_new, "the optimizer's")
+        report.bitwise("new mantissa", state[LOW_HALF_KEY], lo_new, "the optimizer's")
+    else:
+        report.bitwise("new weight", p.detach(), new_master, "the optimizer's")
+
+
+# ---- the whole walkthrough --------------------------------------------------------------------
+def walkthrough(state_path, device: str = "cpu", matrix: str | None = None, rows: int | None = None,
+                out=None) -> Report:
+    report = Report(out)
+    restored = restore(state_path, device, rows)
+    model, batch, config = restored.model, restored.batch, restored.config
+    L = config.n_layers - 1
+    dtype = model.tok_emb.weight.dtype
+    B, T = batch.inputs.shape
+    report.say(f"state {state_path}: step {restored.metadata['step']}, t_step {restored.t_step}; model {config}")
+    saved_rows = restored.tensors["batch/inputs"].size(0)
+    report.say(f"batch: {B} rows x {T} tokens{f' (the first {B} of the saved {saved_rows})' if B < saved_rows else ''}"
+               f", {batch.cu_seqlens.numel() - 1} documents; weights {dtype}; device {device}")
+
+    report.say(f"\n1. forward of the last layer ({dtype}; every stage against the model's, bit for bit)")
+    seen, logits, loss = run_model(model, batch)
+    spelled_forward(model, batch, seen, logits, loss, report)
+    loss.backward()  # the model's gradients, as the trainer's backward gives them
+    clip = gradient_clip_of(restored.run_config)
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        report.say(f"  the run clips gradients at global norm {clip}: norm {norm.item():.6g}")
+
+    report.say("\n2. backward by hand (float64, on a float64 copy of the same weights)")
+    model64, block_input = float64_copy(model, L)
+    quiet = Report(out, quiet=True)
+    seen64, logits64, loss64 = run_model(model64, batch)
+    a64 = spelled_forward(model64, batch, seen64, logits64, loss64, quiet)
+    report.failures += quiet.failures
+    report.bitwise_passed += quiet.bitwise_passed
+    report.tolerance_passed += quiet.tolerance_passed
+    report.say(f"  the same forward in float64: {quiet.bitwise_passed} stages bit for bit against the float64 "
+               f"model, loss {loss64.item():.10g} (the model's {loss.item():.10g})")
+    loss64.backward()
+    grads = hand_backward(model64, batch, a64)
+    tolerance, rounding = MODEL_DTYPE_TOLERANCE[dtype], f"its backward rounds every intermediate to {dtype}"
+    for name, grad in grads.items():
+        if name.endswith("|terms|"):
+            continue
+        report.show(f"dL/d {name}", grad)
+        if name == "the last block's input":
+            report.within(f"gradient of {name}", grad, block_input["leaf"].grad, FLOAT64_TOLERANCE,
+                          "autograd in float64", "other summation orders")
+        elif "[" in name:  # a residual scalar: the model's own gradient (the float64 copy records no layer before)
+            report.within(f"gradient of {name} ({dtype})", grad, autograd_gradient(model, name), tolerance,
+                          f"the model's autograd in {dtype}, relative to the sum of |terms|", rounding,
+                          scale=grads[name + " |terms|"].item())
+        else:
+            report.within(f"gradient of {name}", grad, autograd_gradient(model64, name), FLOAT64_TOLERANCE,
+                          "autograd in float64", "other summation orders")
+            report.within(f"gradient of {name} ({dtype})", grad, autograd_gradient(model, name), tolerance,
+                          f"the model's autograd in {dtype}", rounding)
+    del model64, a64
+
+    name = resolve_matrix(restored, matrix)
+    report.say(f"\n3. one Muon step on {name} {tuple(dict(model.named_parameters())[name].shape)} "
+               "(bit for bit against the contract and the optimizer)")
+    muon_step(restored, name, report)
+
+    total = report.bitwise_passed + report.tolerance_passed + len(report.failures)
+    report.say(f"\n{total} checks: {report.bitwise_passed} bit for bit, {report.tolerance_passed} within their "
+               f"stated tolerance, {len(report.failures)} failed")
+    for failure in report.failures:
+        print(f"  FAILED {failure}", file=report.out)
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m packed_adamw.torch.gpt.walkthrough", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("state", help="a state_stepNNNNNN.safetensors written by training_state.save_state")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--matrix", default=None, help="the Muon matrix to step: a parameter name, or a part of "
+                        "the last block's (mlp.fc, mlp.proj, attn.q, attn.k, attn.v, attn.proj, ve_gate); "
+                        "default the last block's MLP up-projection")
+    parser.add_argument("--rows", type=int, default=None, help="use the saved batch's first ROWS rows only (default "
+                        "all): the float64 copy holds its logits and the layer's activations, so a d12 batch of "
+                        "32 x 2048 wants a few rows")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here; use --device cpu")
+    try:
+        report = walkthrough(args.state, args.device, args.matrix, args.rows)
+    except TrainingStateError as error:
+        print(f"walkthrough: {error}", file=sys.stderr)
+        return 2
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
