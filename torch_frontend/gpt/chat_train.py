@@ -33,7 +33,8 @@ counts). RUN_DIR/summary.json ends the run (throughput, peak memory, optimizer s
 The state: every --save-every steps and at the end, RUN_DIR/state_stepNNNNNN.safetensors
 (training_state.py: weights, low halves, optimizer state, step and t_step, RNG, the next
 unconsumed batch, the run's config, the schedule tables and the code's identity). `--resume
-FILE` continues from one bit for bit: the continuation equals the uninterrupted run; a state
+FILE` continues from one bit for bit (on CUDA with --deterministic): the continuation equals
+the uninterrupted run; a state
 of another configuration or other code is refused, saying what differs. `--stop-at STEP`
 ends a run early (with its state) without changing its schedule, so it can be resumed.
 The reference optimizer writes no states (training_state.py stores the packed optimizers).
@@ -112,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
     p.add_argument("--parallel", choices=PARALLEL, default="none", help="ddp under torchrun")
+    p.add_argument("--deterministic", action="store_true",
+                   help="CUDA: deterministic kernels (embedding backward, cuBLAS), for bit-exact resume on a GPU")
     # nanochat's base_train settings (muon_adamw_groups; the weight decay is used as given, unscaled)
     p.add_argument("--matrix-lr", type=float, default=0.02)
     p.add_argument("--embedding-lr", type=float, default=0.3)
@@ -308,7 +311,7 @@ def kind_learning_rates(optimizer) -> dict[str, float]:
 
 # ---- the run ---------------------------------------------------------------------------------------
 def train(args: argparse.Namespace) -> dict:
-    device = resolve_device(args.device, deterministic=False, parallel=args.parallel)
+    device = resolve_device(args.device, deterministic=args.deterministic, parallel=args.parallel)
     ranks = start_ranks(args.parallel, device)
     try:
         return _train(args, device, ranks)
