@@ -23,6 +23,7 @@ no autocast; logits are soft-capped and the loss computed in float32 at least.
 Presets (vocabulary 32,768, nanochat's; depth x 64 wide as nanochat sizes them):
 
     name  d_model  layers  heads x dim  context  parameters
+    chat-tiny  64       2      1 x 64       128    6,389,802   (CPU tests of chat_train)
     d4        256       4      4 x 64       512   36,700,290
     d6        384       6      6 x 64       512   73,531,646
     d12       768      12     6 x 128      2048  286,261,730   (nanochat's d12)
@@ -91,6 +92,7 @@ class ChatConfig:
 
 
 PRESETS = {
+    "chat-tiny": ChatConfig(d_model=64, n_layers=2, n_heads=1, context=128),
     "d4": ChatConfig(d_model=256, n_layers=4, n_heads=4, context=512),
     "d6": ChatConfig(d_model=384, n_layers=6, n_heads=6, context=512),
     "d12": ChatConfig(d_model=768, n_layers=12, n_heads=6, context=2048),

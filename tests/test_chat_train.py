@@ -1,0 +1,189 @@
+"""The chat family's training script (torch_frontend/gpt/chat_train.py) on the CPU: a run and its
+files, bit-exact resume, refusals, the reference optimizer, and DDP on 2 gloo ranks against one
+process with the same global batch. The model is the chat-tiny preset on tapes of a 320-entry
+tokenizer trained for the test (tokenizer/train_tokenizer.py), so a step takes a fraction of a
+second."""
+import json
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from packed_adamw.tokenizer.tape import build_split
+from packed_adamw.tokenizer.train_tokenizer import train_tokenizer
+from packed_adamw.torch.gpt.chat_train import main
+
+from gpt_helpers import WORDS
+from torchrun_helpers import torchrun
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """train.tape and val.tape of short documents (3 to 60 words) and the tokenizer they use."""
+    rng = random.Random(0)
+    documents = [(f"d{i}", " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60)))) for i in range(200)]
+    directory = tmp_path_factory.mktemp("chat_data")
+    train_tokenizer(documents, vocab_size=VOCAB).save(str(directory / "tokenizer.json"))
+    build_split(documents, directory, val_fraction=0.1, tokenizer=directory / "tokenizer.json", vocab_size=VOCAB)
+    return directory
+
+
+def arguments(data, out, *extra, steps=4, batch=2):
+    return ["--preset", "chat-tiny", "--data", str(data), "--vocab-size", str(VOCAB), "--steps", str(steps),
+            "--batch", str(batch), "--context", "64", "--warmup-steps", "2", "--out", str(out), *map(str, extra)]
+
+
+def read(path):
+    with safe_open(path, framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def assert_same_bits(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(bits(a[key]), bits(b[key])), key
+
+
+def log(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def trajectory(records) -> list[tuple]:
+    """The log without its timings."""
+    return [tuple((k, v) for k, v in r.items() if k not in ("step_ms", "tokens_per_s")) for r in records]
+
+
+@pytest.fixture(scope="module")
+def straight(data, tmp_path_factory):
+    """4 steps in one session, bf16 weights, evaluating every 2 steps."""
+    out = tmp_path_factory.mktemp("straight")
+    assert main(arguments(data, out, "--eval-every", 2, "--eval-batches", 1)) == 0
+    return out
+
+
+def test_run_writes_log_schedule_summary_and_state(straight):
+    records = log(straight)
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_bpb" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["step"] for r in evals] == [2, 4]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert 0 < evals[-1]["val_bpb"] < evals[0]["val_bpb"]
+    schedule, _ = read(straight / "schedule.safetensors")
+    assert [r["lr_multiplier"] for r in steps] == schedule["lr_multiplier"].tolist()
+    tensors, metadata = read(straight / "state_step000004.safetensors")
+    assert json.loads(metadata["step"]) == json.loads(metadata["t_step"]) == 4
+    assert tensors["params/lm_head.weight/w"].dtype == torch.bfloat16
+    assert tensors["params/lm_head.weight/mantissa"].dtype == torch.uint16
+    assert tensors["batch/inputs"].shape == (2, 64) and tensors["batch/cu_seqlens"].dtype == torch.int32
+    config = json.loads(metadata["config"])
+    assert config["preset"] == "chat-tiny" and config["model"]["vocab_size"] == VOCAB
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["step"] == 4 and summary["weight_bytes_per_parameter"] == 2.0
+
+
+def test_resume_is_bit_exact(data, straight, tmp_path):
+    """Stop after step 2 (the schedule still 4 steps long), resume from its state: the step-4
+    state equals the uninterrupted run's bit for bit (weights, low halves, moments, RNG, next
+    batch, tables, metadata), and so does the log."""
+    assert main(arguments(data, tmp_path, "--eval-every", 2, "--eval-batches", 1, "--stop-at", 2)) == 0
+    assert not (tmp_path / "state_step000004.safetensors").exists()
+    assert main(arguments(data, tmp_path, "--eval-every", 2, "--eval-batches", 1,
+                          "--resume", tmp_path / "state_step000002.safetensors")) == 0
+    resumed, resumed_metadata = read(tmp_path / "state_step000004.safetensors")
+    uninterrupted, metadata = read(straight / "state_step000004.safetensors")
+    assert_same_bits(resumed, uninterrupted)
+    assert resumed_metadata == metadata
+    assert trajectory(log(tmp_path)) == trajectory(log(straight))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_resume_is_bit_exact_on_cuda(data, tmp_path):
+    """The same on the GPU: varlen attention on bf16 weights, the Triton optimizer kernels, the
+    CUDA generator; deterministic kernels (an embedding's backward otherwise adds with atomics)."""
+    cuda = ("--device", "cuda", "--deterministic")
+    assert main(arguments(data, tmp_path / "straight", *cuda)) == 0
+    assert main(arguments(data, tmp_path / "stopped", *cuda, "--stop-at", 2)) == 0
+    assert main(arguments(data, tmp_path / "stopped", *cuda,
+                          "--resume", tmp_path / "stopped" / "state_step000002.safetensors")) == 0
+    resumed, _ = read(tmp_path / "stopped" / "state_step000004.safetensors")
+    assert_same_bits(resumed, read(tmp_path / "straight" / "state_step000004.safetensors")[0])
+    assert "rng/cuda/0" in resumed
+
+
+def test_refusals(data, straight, tmp_path, capsys):
+    state = straight / "state_step000004.safetensors"
+    assert main(arguments(data, tmp_path, "--matrix-lr", 0.03, "--resume", state)) == 2
+    assert "another configuration" in capsys.readouterr().err
+    assert main(arguments(data, tmp_path, "--param-dtype", "fp32", "--resume", state)) == 2
+    assert "param_dtype" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: no such preset
+        main(["--preset", "d5", *arguments(data, tmp_path)[2:]])
+    preset_vocabulary = arguments(data, tmp_path)
+    del preset_vocabulary[4:6]  # --vocab-size: the preset's 32,768 entries are not the tapes'
+    assert main(preset_vocabulary) == 2
+    assert f"--vocab-size {VOCAB}" in capsys.readouterr().err
+    assert main(arguments(data, tmp_path, "--optimizer", "reference", "--save-every", 1)) == 2
+    assert "no training states" in capsys.readouterr().err
+    assert main(arguments(data, tmp_path, "--parallel", "fsdp")) == 2
+    assert "FSDP2 is not wired" in capsys.readouterr().err
+
+
+def test_reference_optimizer_holds_more_state(data, straight, tmp_path):
+    """torch.optim.Muon + AdamW over FP32 weights: the run trains and holds more bytes of
+    optimizer state per parameter than the packed stack."""
+    assert main(arguments(data, tmp_path, "--optimizer", "reference")) == 0
+    steps = [r for r in log(tmp_path) if "loss" in r]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    reference = json.loads((tmp_path / "summary.json").read_text())
+    packed = json.loads((straight / "summary.json").read_text())
+    assert reference["weight_bytes_per_parameter"] == 4.0
+    assert packed["optimizer_state_bytes_per_parameter"] < reference["optimizer_state_bytes_per_parameter"]
+    assert not list(tmp_path.glob("state_step*"))
+
+
+# Scalars whose gradient is exactly zero at nanochat's initialisation (the projections start at
+# zero, so each block passes x through and the final RMS norm cancels every scale): the computed
+# gradient is rounding noise, and AdamW (eps 1e-10) turns noise into a step of about +-lr. Any
+# other order of summation, such as DDP's average of two ranks' means, moves them differently.
+SCALE_INVARIANT_AT_INIT = ("resid_lambdas", "x0_lambdas", "backout_lambda", "smear_lambda")
+
+
+def test_ddp_two_ranks_match_one_process(data, tmp_path):
+    """2 gloo ranks x 2 rows against 1 process x 4 rows, FP32 weights. The ranks read the one
+    process's rows (rank 0 the first two) and the step's loss agrees to float32 rounding (DDP
+    averages two means, one process takes one mean of all). After one step every parameter
+    equals the one process's within 1e-6 absolute (most bit for bit), except the scalars
+    above. Then a DDP resume from step 1 gives the DDP step-2 state bit for bit."""
+    common = ("--param-dtype", "fp32", "--save-every", 1)
+    ddp_out, single_out, resumed_out = tmp_path / "ddp", tmp_path / "single", tmp_path / "resumed"
+    # One launch for both DDP sessions (each starts and ends its process group): the run, then
+    # its resume from step 1.
+    sessions = tmp_path / "ddp_sessions.py"
+    sessions.write_text("import json, sys\nfrom packed_adamw.torch.gpt.chat_train import main\n"
+                        "for argv in json.loads(sys.argv[1]):\n    assert main(argv) == 0, argv\n")
+    ddp_args = arguments(data, ddp_out, *common, "--parallel", "ddp", steps=2)
+    resume_args = arguments(data, resumed_out, *common, "--parallel", "ddp", "--resume",
+                            ddp_out / "state_step000001.safetensors", steps=2)
+    torchrun(2, sessions, json.dumps([ddp_args, resume_args]), timeout_s=180)
+    assert main(arguments(data, single_out, *common, steps=2, batch=4)) == 0
+
+    ddp, ddp_metadata = read(ddp_out / "state_step000001.safetensors")
+    single, single_metadata = read(single_out / "state_step000001.safetensors")
+    assert torch.equal(ddp["batch/inputs"], single["batch/inputs"][:2])  # rank 0's rows of the next step
+    ddp_cursor, single_cursor = json.loads(ddp_metadata["loader"]), json.loads(single_metadata["loader"])
+    assert ddp_cursor["cursor"] == single_cursor["cursor"]
+    for key, value in ddp.items():
+        if key.endswith("/w") and not any(name in key for name in SCALE_INVARIANT_AT_INIT):
+            assert (value - single[key]).abs().max() <= 1e-6, key
+    ddp_loss, single_loss = (next(r["loss"] for r in log(out) if r["step"] == 1) for out in (ddp_out, single_out))
+    assert abs(ddp_loss - single_loss) <= 1e-6 * single_loss
+    assert_same_bits(read(resumed_out / "state_step000002.safetensors")[0],
+                     read(ddp_out / "state_step000002.safetensors")[0])

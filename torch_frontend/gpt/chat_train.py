@@ -1,0 +1,466 @@
+"""Train the chat family (chat_model.py: the nanochat-style d12 and its small presets) on packed
+documents, with Muon + AdamW on per-step schedule tables and the entire training state in each
+checkpoint.
+
+    python -m packed_adamw.torch.gpt.chat_train --preset d4 --data runs/data/small --vocab-size 12095 \\
+        --steps 200 --batch 8 --context 256 --out runs/d4 --save-every 50 --device cpu
+    python -m packed_adamw.torch.gpt.chat_train --preset d12 --data runs/data/large --steps 1680 \\
+        --batch 32 --out runs/d12 --save-every 250 --device cuda            # bf16 weights, FP32 masters
+    python -m packed_adamw.torch.gpt.chat_train ... --resume runs/d12/state_step000250.safetensors
+    python -m packed_adamw.torch.gpt.chat_train ... --optimizer reference   # torch Muon + AdamW, FP32
+    torchrun --nproc_per_node=2 -m packed_adamw.torch.gpt.chat_train --parallel ddp ...
+
+--data holds train.tape and val.tape (docs/TAPE.md); the model's vocabulary (the preset's
+32,768, or --vocab-size) must be the tapes' vocab_size. A step reads one packed batch
+(packed_data.py: rows of whole documents, each starting with BOS, and their cu_seqlens) of
+--batch rows of --context tokens per rank.
+
+The run, in order: the model is built from --seed; the optimizer over muon_adamw_groups
+(`--optimizer packed`: PackedMuonAdamW, Muon's momentum in --muon-mode, packed AdamW; with
+--param-dtype bf16, the default, the live weights are bf16 and every parameter has an exact
+FP32 master, its low half kept by the optimizer. `--optimizer reference`: torch.optim.Muon and
+torch.optim.AdamW, fused on CUDA, over FP32 weights: the baseline the packed stack is measured
+against); the schedule tables for every step (schedules.py), written to RUN_DIR/schedule.
+safetensors and into every state. Step t: apply row t of the tables, forward with the batch's
+cu_seqlens, backward, step, zero the gradients. FP32 weights run the forward under bf16
+autocast on CUDA (on the CPU in FP32); bf16 weights run in bf16.
+
+RUN_DIR/log.jsonl gets one JSON line per logged step (loss averaged over the ranks, the
+schedule row, each kind's lr, tokens/s) and per evaluation (val loss in nats per token and
+bits per byte over --eval-batches packed batches of val.tape; bytes from the tape's token byte
+counts). RUN_DIR/summary.json ends the run (throughput, peak memory, optimizer state bytes).
+
+The state: every --save-every steps and at the end, RUN_DIR/state_stepNNNNNN.safetensors
+(training_state.py: weights, low halves, optimizer state, step and t_step, RNG, the next
+unconsumed batch, the run's config, the schedule tables and the code's identity). `--resume
+FILE` continues from one bit for bit (on CUDA with --deterministic): the continuation equals
+the uninterrupted run; a state
+of another configuration or other code is refused, saying what differs. `--stop-at STEP`
+ends a run early (with its state) without changing its schedule, so it can be resumed.
+The reference optimizer writes no states (training_state.py stores the packed optimizers).
+
+DDP (`--parallel ddp` under torchrun): rank r of W takes the r-th --batch rows of the W x
+--batch rows a single process would read at that step (packed_data.py), so a step sees the
+tokens of a single process with W times the batch, and the gradients are averaged. Rank 0
+alone writes the log and the states. A state holds rank 0's view: its RNG states and its next
+batch (the loader's cursor is every rank's). On resume every rank restores the weights,
+optimizer state and cursor from the one file, and takes rank 0's RNG state: the model has no
+dropout and no rank draws random numbers after the seeded initialisation, so the ranks' states
+are equal anyway. FSDP2 is not wired here yet (docs/D12.md).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, read_header
+from packed_adamw.torch.combined import PackedMuonAdamW
+
+from .chat_model import PRESETS, ChatGPT
+from .checkpoint import CheckpointError
+from .distributed import (
+    Ranks, ddp_rebuild_buckets, launched_rank, launched_world_size, resolve_device, start_ranks, under_torchrun,
+    wrap_model,
+)
+from .optimizers import optimizer_state_bytes
+from .packed_data import PackedBatch, PackedDocumentLoader
+from .schedules import ScheduleConfig, apply_schedule, build_schedule
+from .telemetry import keep_records_up_to
+from .training_state import TrainingStateError, load_state, save_state, state_file_name
+
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MUON_MODES = ("packed", "bf16", "fp32")
+OPTIMIZERS = ("packed", "reference")
+PARALLEL = ("none", "ddp", "fsdp")
+
+
+class ChatTrainError(ValueError):
+    """A run that cannot start as asked (the message says which option to change)."""
+
+
+# ---- the command line --------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m packed_adamw.torch.gpt.chat_train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model (chat_model.PRESETS)")
+    p.add_argument("--data", required=True, type=Path, help="a directory holding train.tape and val.tape")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the model's vocabulary instead of the preset's (it must equal the tapes' vocab_size)")
+    p.add_argument("--steps", required=True, type=int, help="steps of the run (the schedule's length)")
+    p.add_argument("--batch", required=True, type=int, help="rows per step and rank")
+    p.add_argument("--context", type=int, default=None, help="tokens per row (default: the preset's context)")
+    p.add_argument("--out", required=True, type=Path, help="the run directory (log, summary, states)")
+    p.add_argument("--save-every", type=int, default=0, help="write a state every K steps (0: only at the end)")
+    p.add_argument("--resume", type=Path, default=None, help="a state_stepNNNNNN.safetensors to continue from")
+    p.add_argument("--stop-at", type=int, default=0, help="end after this step (0: after --steps), state written")
+    p.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default=None,
+                   help="live weights (default: bf16 for --optimizer packed, fp32 for reference)")
+    p.add_argument("--muon-mode", choices=MUON_MODES, default="packed", help="PackedMuon's momentum storage")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="packed")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps and at the end (0: never)")
+    p.add_argument("--eval-batches", type=int, default=8, help="packed batches of val.tape per evaluation")
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
+    p.add_argument("--parallel", choices=PARALLEL, default="none", help="ddp under torchrun")
+    p.add_argument("--deterministic", action="store_true",
+                   help="CUDA: deterministic kernels (embedding backward, cuBLAS), for bit-exact resume on a GPU")
+    # nanochat's base_train settings (muon_adamw_groups; the weight decay is used as given, unscaled)
+    p.add_argument("--matrix-lr", type=float, default=0.02)
+    p.add_argument("--embedding-lr", type=float, default=0.3)
+    p.add_argument("--unembedding-lr", type=float, default=0.008)
+    p.add_argument("--scalar-lr", type=float, default=0.5)
+    p.add_argument("--weight-decay", type=float, default=0.28, help="Muon's weight decay before its schedule")
+    p.add_argument("--warmup-steps", type=int, default=40)
+    p.add_argument("--warmdown-ratio", type=float, default=0.65)
+    p.add_argument("--momentum-warmup-steps", type=int, default=400)
+    args = p.parse_args(argv)
+    if args.param_dtype is None:
+        args.param_dtype = "bf16" if args.optimizer == "packed" else "fp32"
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "batch"):
+        if getattr(args, name) < 1:
+            raise ChatTrainError(f"--{name} {getattr(args, name)}: give a positive number")
+    for name in ("save_every", "stop_at", "eval_every", "eval_batches"):
+        if getattr(args, name) < 0:
+            raise ChatTrainError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 0 or a positive number")
+    if args.log_every < 1:
+        raise ChatTrainError(f"--log-every {args.log_every}: give a positive number")
+    preset = PRESETS[args.preset]
+    context = args.context if args.context is not None else preset.context
+    if not 1 <= context <= preset.context:
+        raise ChatTrainError(f"--context {context}: the {args.preset} model takes 1 to {preset.context} tokens")
+    if args.optimizer == "reference":
+        if args.param_dtype != "fp32":
+            raise ChatTrainError("--optimizer reference runs FP32 weights (torch's Muon and AdamW keep no masters): "
+                                 "leave out --param-dtype or pass --param-dtype fp32")
+        if args.save_every or args.resume or args.stop_at:
+            raise ChatTrainError("--optimizer reference writes and reads no training states (training_state.py "
+                                 "stores the packed optimizers): leave out --save-every, --resume and --stop-at")
+    if args.parallel == "fsdp":
+        raise ChatTrainError("--parallel fsdp: FSDP2 is not wired into chat_train yet (docs/D12.md); use "
+                             "--parallel ddp, or the learned-position trainer (gpt.train) for FSDP2")
+    if args.parallel == "none" and launched_world_size() > 1:
+        raise ChatTrainError("started by torchrun with several processes: pass --parallel ddp")
+    if args.parallel == "ddp" and not under_torchrun():
+        raise ChatTrainError("--parallel ddp: start with torchrun --nproc_per_node=N -m "
+                             "packed_adamw.torch.gpt.chat_train --parallel ddp ...")
+    if args.parallel == "ddp" and args.device not in ("cpu", "cuda"):
+        raise ChatTrainError(f"--device {args.device}: under torchrun pass cpu or cuda (each rank takes "
+                             "cuda:LOCAL_RANK)")
+
+
+# ---- the pieces of a run -------------------------------------------------------------------------
+def open_tape(path: Path, vocab_size: int) -> TapeReader:
+    """A tape whose vocabulary is the model's (read from its header before it is opened)."""
+    if not path.is_file():
+        raise ChatTrainError(f"{path} is missing: --data must hold train.tape and val.tape (build them with "
+                             "`python -m packed_adamw.tokenizer.tape build --out DIR ...`)")
+    header, _ = read_header(path)
+    if header.vocab_size != vocab_size:
+        raise ChatTrainError(f"{path} has a {header.vocab_size}-token vocabulary, the model {vocab_size}: pass "
+                             f"--vocab-size {header.vocab_size}, or tapes built with a {vocab_size}-token tokenizer")
+    return TapeReader(path, vocab_size=header.vocab_size)
+
+
+def run_config(args: argparse.Namespace, model_config, schedule: ScheduleConfig, train_tape: TapeReader,
+               world_size: int) -> dict:
+    """Everything that decides the run's trajectory: saved in every state and compared on resume.
+    (Not in it: where the run writes, how often it logs, evaluates or saves, when it stops, the
+    device.)"""
+    return {
+        "trainer": "chat_train/1", "preset": args.preset, "model": dataclasses.asdict(model_config),
+        "batch_per_rank": args.batch, "context": args.context, "world_size": world_size,
+        "param_dtype": args.param_dtype, "muon_mode": args.muon_mode, "optimizer": args.optimizer,
+        "seed": args.seed, "schedule": schedule.to_dict(),
+        "lr": {"matrix": args.matrix_lr, "embedding": args.embedding_lr, "unembedding": args.unembedding_lr,
+               "scalar": args.scalar_lr},
+        "train_tape_header_sha256": train_tape.header.header_sha256,
+    }
+
+
+def build_model(model_config, param_dtype: str, seed: int, device: torch.device):
+    """The seeded model, and its FP32 initial values by name when the weights are bf16 (the
+    optimizer's masters start there exactly; the weights are their bf16 split)."""
+    torch.manual_seed(seed)
+    model = ChatGPT(model_config).to(device)
+    if param_dtype == "fp32":
+        return model, None
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():  # parameters only: the rotary tables stay FP32 buffers
+            p.data = p.data.to(PARAM_DTYPES[param_dtype])
+    return model, initial
+
+
+class ReferenceMuonAdamW:
+    """The baseline: torch.optim.Muon over the Muon groups and torch.optim.AdamW (fused on CUDA)
+    over the rest, stepped together. `param_groups` lists both optimizers' groups (the same
+    dicts), so apply_schedule sets them as it sets PackedMuonAdamW's."""
+
+    def __init__(self, groups: list[dict], fused: bool):
+        def torch_group(g):  # torch's optimizers take param_names; `kind` stays for apply_schedule
+            return {k: v for k, v in g.items()}
+        self.muon = torch.optim.Muon([torch_group(g) for g in groups if g["kind"] == "muon"])
+        self.adamw = torch.optim.AdamW([torch_group(g) for g in groups if g["kind"] == "adamw"], fused=fused)
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+        self.state = _CombinedState(self.muon.state, self.adamw.state)
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+
+class _CombinedState(dict):
+    """Both optimizers' per-parameter state, for optimizer_state_bytes (which reads `.state`)."""
+
+    def __init__(self, *states):
+        super().__init__()
+        self._states = states
+
+    def values(self):
+        return [v for s in self._states for v in s.values()]
+
+
+def build_optimizer(model: ChatGPT, args: argparse.Namespace, device: torch.device):
+    groups = model.muon_adamw_groups(matrix_lr=args.matrix_lr, embedding_lr=args.embedding_lr,
+                                     unembedding_lr=args.unembedding_lr, scalar_lr=args.scalar_lr,
+                                     weight_decay=args.weight_decay)
+    if args.optimizer == "reference":
+        return ReferenceMuonAdamW(groups, fused=device.type == "cuda")
+    return PackedMuonAdamW(groups, mode=args.muon_mode)
+
+
+def start_masters(optimizer: PackedMuonAdamW, model: ChatGPT, initial: dict[str, torch.Tensor] | None) -> None:
+    """A fresh bf16 run: every parameter's FP32 master is its exact initial value."""
+    if initial is None:
+        return
+    names = {id(p): name for name, p in model.named_parameters()}
+    for rule in optimizer.rules.values():
+        rule.load_master_weights([initial[names[id(p)]] for g in rule.param_groups for p in g["params"]])
+
+
+def forward_context(param_dtype: str, device: torch.device):
+    """bf16 autocast for FP32 weights on CUDA; bf16 weights (and the CPU) run as they are."""
+    if param_dtype == "fp32" and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def to_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
+    return PackedBatch(*(t.to(device, non_blocking=True) for t in batch))
+
+
+@torch.no_grad()
+def evaluate(model: ChatGPT, val_tape: TapeReader, batch: int, context: int, batches: int, param_dtype: str,
+             device: torch.device) -> dict:
+    """Val loss (nats per target token) and bits per byte over the first `batches` packed batches
+    of val.tape: summed token losses / (ln 2 * the UTF-8 bytes of the target tokens), the bpb of
+    train.validation_bpb, here on packed documents (no token attends across a document, as in
+    training). Bytes: the tape's token byte counts (special tokens count 0)."""
+    loader = PackedDocumentLoader(val_tape, batch, context)
+    nats, tokens, byte_count = 0.0, 0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(batches):
+            try:
+                packed = loader.next_batch()
+            except TapeExhausted:
+                break
+            on_device = to_device(packed, device)
+            with forward_context(param_dtype, device):
+                _, loss = model(on_device.inputs, on_device.targets, reduction="sum", cu_seqlens=on_device.cu_seqlens)
+            nats += loss.item()
+            tokens += packed.targets.numel()
+            byte_count += int(val_tape.token_byte_counts[packed.targets.numpy()].sum())
+    finally:
+        model.train(was_training)
+    if tokens == 0:
+        raise ChatTrainError(f"{val_tape.path} holds no packed batch of {batch} x {context} tokens: pass a smaller "
+                             "--batch or --context, or build a larger val.tape")
+    return {"val_loss": nats / tokens, "val_bpb": nats / (math.log(2) * byte_count) if byte_count else None,
+            "val_tokens": tokens}
+
+
+def kind_learning_rates(optimizer) -> dict[str, float]:
+    """Each group kind's lr this step (the first group of each kind; the others scale alike)."""
+    rates = {}
+    for g in optimizer.param_groups:
+        rates.setdefault(g["kind"], g["lr"])
+    return rates
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+def train(args: argparse.Namespace) -> dict:
+    device = resolve_device(args.device, deterministic=args.deterministic, parallel=args.parallel)
+    ranks = start_ranks(args.parallel, device)
+    try:
+        return _train(args, device, ranks)
+    finally:
+        ranks.close()
+
+
+def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict:
+    say = print if ranks.main else (lambda *a, **k: None)
+    out: Path = args.out
+    log_path = out / "log.jsonl"
+    if ranks.main:
+        out.mkdir(parents=True, exist_ok=True)
+    preset = PRESETS[args.preset]
+    model_config = dataclasses.replace(preset, vocab_size=args.vocab_size or preset.vocab_size)
+    args.context = args.context or model_config.context
+    train_tape = open_tape(args.data / "train.tape", model_config.vocab_size)
+    val_tape = open_tape(args.data / "val.tape", model_config.vocab_size)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    # The model (the same seeded weights on every rank), its wrapper, the optimizer, the tables.
+    core, initial = build_model(model_config, args.param_dtype, args.seed, device)
+    model = wrap_model(core, ranks, device)
+    optimizer = build_optimizer(core, args, device)
+    schedule = build_schedule(ScheduleConfig(
+        num_steps=args.steps, warmup_steps=args.warmup_steps, warmdown_ratio=args.warmdown_ratio,
+        momentum_warmup_steps=args.momentum_warmup_steps, weight_decay=args.weight_decay))
+    loader = PackedDocumentLoader(train_tape, args.batch, args.context, ranks.rank, ranks.world_size)
+    config = run_config(args, model_config, schedule.config, train_tape, ranks.world_size)
+
+    step = 0
+    if args.resume is None:
+        if args.optimizer == "packed":
+            start_masters(optimizer, core, initial)
+        if ranks.main:
+            save_file(schedule.to_tensors(prefix=""), str(out / "schedule.safetensors"),
+                      metadata={"schedule": json.dumps(schedule.config.to_dict())})
+    else:
+        # The file holds rank 0's next batch: every rank loads through a rank-0 view of its tape
+        # (load_state checks the saved batch against it), then takes the cursor, which every
+        # rank shares.
+        view = loader if ranks.rank == 0 else PackedDocumentLoader(train_tape, args.batch, args.context, 0,
+                                                                   ranks.world_size)
+        loaded = load_state(args.resume, model=core, optimizer=optimizer, loader=view, config=config,
+                            schedule=schedule)
+        if view is not loader:
+            loader.load_state_dict(view.state_dict())
+        step = loaded.step
+        if loaded.t_step != step:
+            raise TrainingStateError(f"{args.resume}: t_step {loaded.t_step} differs from step {step}; "
+                                     "chat_train runs one schedule row per step")
+        say(f"resumed from {args.resume} at step {step}")
+    if ranks.main:
+        keep_records_up_to(log_path, step)  # lines after the resume point came from a session that died
+    if ranks.parallel == "ddp":
+        ddp_rebuild_buckets(model, args.batch, args.context, device)  # every session reduces in the same buckets
+
+    def save() -> None:
+        if args.optimizer == "packed" and ranks.main:
+            try:
+                path = save_state(out / state_file_name(step), model=core, optimizer=optimizer, loader=loader,
+                                  schedule=schedule, config=config, step=step, t_step=step)
+                say(f"wrote {path}")
+            except TapeExhausted:
+                # a state holds the next batch; at the end of the tape there is none
+                say(f"no state at step {step}: {args.data / 'train.tape'} has no next batch for it to hold")
+        ranks.barrier()
+
+    def log(record: dict) -> None:
+        if ranks.main:
+            with log_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    last = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    tokens_per_step = ranks.world_size * args.batch * args.context
+    say(f"{args.preset}: {core.num_parameters():,} parameters, {args.param_dtype} weights, optimizer "
+        f"{args.optimizer}{' (Muon ' + args.muon_mode + ')' if args.optimizer == 'packed' else ''}, "
+        f"{tokens_per_step:,} tokens a step, steps {step} to {last} of {args.steps}"
+        + (f", ddp on {ranks.world_size} ranks" if ranks.distributed else ""))
+    step_seconds, losses, eval_record = [], [], None
+    model.train()
+    while step < last:
+        started = time.perf_counter()
+        batch = to_device(loader.next_batch(), device)
+        row = apply_schedule(optimizer, schedule, step)  # t_step: this run's step
+        with forward_context(args.param_dtype, device):
+            _, loss = model(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if step % args.log_every == 0 or step == last:
+            mean_loss = loss.detach().float()
+            if ranks.distributed:
+                torch.distributed.all_reduce(mean_loss)
+                mean_loss /= ranks.world_size
+            mean_loss = mean_loss.item()  # waits for the step
+            seconds = time.perf_counter() - started
+            step_seconds.append(seconds)
+            losses.append(mean_loss)
+            log({"step": step, "loss": mean_loss, **row, "lr": kind_learning_rates(optimizer),
+                 "tokens": step * tokens_per_step, "step_ms": 1e3 * seconds, "tokens_per_s": tokens_per_step / seconds})
+            if not math.isfinite(mean_loss):
+                raise FloatingPointError(f"loss {mean_loss} at step {step}: the run diverged")
+        if args.eval_every and (step % args.eval_every == 0 or step == last):
+            if ranks.main:
+                eval_record = {"step": step, **evaluate(core, val_tape, args.batch, args.context, args.eval_batches,
+                                                        args.param_dtype, device)}
+                log(eval_record)
+                say(f"step {step}: val loss {eval_record['val_loss']:.4f}, bpb {eval_record['val_bpb']}")
+            ranks.barrier()
+        if (args.save_every and step % args.save_every == 0) or step == last:
+            save()
+
+    # The summary: the first logged steps (compilation, allocator warm-up) are left out of the rate.
+    steady = step_seconds[2:] or step_seconds
+    parameters = core.num_parameters()
+    state_bytes = optimizer_state_bytes(optimizer)
+    summary = {
+        "step": step, "steps": args.steps, "preset": args.preset, "parameters": parameters,
+        "param_dtype": args.param_dtype, "optimizer": args.optimizer, "muon_mode": args.muon_mode,
+        "world_size": ranks.world_size, "device": str(device), "tokens_per_step": tokens_per_step,
+        "final_loss": losses[-1] if losses else None,
+        "median_step_ms": 1e3 * statistics.median(steady) if steady else None,
+        "tokens_per_s": tokens_per_step / statistics.median(steady) if steady else None,
+        "optimizer_state_bytes": state_bytes, "optimizer_state_bytes_per_parameter": state_bytes / parameters,
+        "weight_bytes_per_parameter": sum(p.numel() * p.element_size() for p in core.parameters()) / parameters,
+        **({"val_loss": eval_record["val_loss"], "val_bpb": eval_record["val_bpb"]} if eval_record else {}),
+    }
+    if device.type == "cuda":
+        summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        summary["peak_memory_bytes_per_parameter"] = summary["peak_memory_bytes"] / parameters
+    if ranks.main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        summary = train(args)
+    except (ChatTrainError, CheckpointError, TapeError, TapeExhausted) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if launched_rank() == 0:
+        print(json.dumps({k: summary[k] for k in ("step", "final_loss", "tokens_per_s", "val_bpb") if k in summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
