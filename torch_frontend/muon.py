@@ -63,7 +63,7 @@ def newton_schulz(x: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS, steps: 
 
 
 def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS,
-                          eps: float = 1e-7) -> list[torch.Tensor]:
+                          eps: float = 1e-7, *, ns_impl: str = "cublas") -> list[torch.Tensor]:
     """`newton_schulz` of several bf16 matrices that share one wide orientation (m, n), m <= n
     (a tall one enters transposed): stacked into one [B, m, n] tensor, each matrix divided by its
     own Frobenius norm, the iterations as batched GEMMs. Fifteen GEMM launches for the whole
@@ -73,7 +73,8 @@ def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int =
     Each matrix's arithmetic is the per-matrix one, but a batched GEMM may sum or round in
     another order than the solo one: on the CPU rare elements differ from `newton_schulz`'s; on
     CUDA tests/test_torch_muon.py compares them (MUON.md, "Batched Newton-Schulz"). A matrix's
-    result does not depend on its batch-mates."""
+    result does not depend on its batch-mates. `ns_impl="triton"` runs the stack through
+    `newton_schulz_triton_stacked` (whose bits are the per-matrix `newton_schulz_triton`'s)."""
     tall = [i for i, x in enumerate(xs) if x.size(0) > x.size(1)]
     wide = [i for i, x in enumerate(xs) if x.size(0) <= x.size(1)]
     m, n = sorted(xs[0].shape)
@@ -82,7 +83,7 @@ def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int =
         y[:len(tall)] = torch.stack([xs[i].bfloat16() for i in tall]).transpose(1, 2)
     if wide:
         torch.stack([xs[i].bfloat16() for i in wide], out=y[len(tall):])
-    y = newton_schulz_stacked(y, coefficients, steps, eps)
+    y = _stacked_ns(ns_impl)(y, coefficients, steps, eps)
     results = [None] * len(xs)
     for i, result in zip(tall, y[:len(tall)].transpose(1, 2).contiguous()):
         results[i] = result
@@ -103,6 +104,48 @@ def newton_schulz_stacked(y: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS,
         polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         y = torch.baddbmm(y, polynomial, y, beta=a)
     return y.contiguous()
+
+
+NS_IMPLS = ("cublas", "triton")
+_NS_SCALARS: dict = {}  # (coefficients, eps, device) -> the kernels' float32 row on the device
+
+
+def newton_schulz_triton_stacked(y: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS,
+                                 steps: int = DEFAULT_NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
+    """`newton_schulz_stacked`'s contract through core/muon/ns_kernel.py's Triton kernels (the
+    ones JAX launches too: the same bits): `y` a [B, m, n] bf16 tensor, m <= n, on CUDA (or on
+    the CPU under Triton's interpreter). Returns a new [B, m, n] bf16 tensor. A matrix's result
+    does not depend on its batch-mates."""
+    from packed_adamw.core.muon import ns_kernel
+
+    batch, k, n = y.shape
+    key = (tuple(float(v) for v in coefficients), float(eps), y.device)
+    if key not in _NS_SCALARS:
+        if len(_NS_SCALARS) > 64:
+            _NS_SCALARS.clear()
+        _NS_SCALARS[key] = torch.from_numpy(ns_kernel.ns_scalars(coefficients, eps)).to(y.device)
+    buffers = {"x": y.to(BFLOAT16).contiguous(), "scalars": _NS_SCALARS[key]}
+    for name, (shape, dtype) in ns_kernel.buffer_shapes(batch, k, n).items():
+        buffers[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=y.device)
+    for kernel, grid, names, constants, options in ns_kernel.launch_plan(batch, k, n, int(steps),
+                                                                         interpreting=launch.interpreting()):
+        kernel[grid](*(buffers[name] for name in names), **constants, **options, **launch.COMPILE_OPTIONS)
+    return buffers[ns_kernel.result_buffer(int(steps))]
+
+
+def newton_schulz_triton(x: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS,
+                         eps: float = 1e-7) -> torch.Tensor:
+    """`newton_schulz`'s contract for one matrix through the Triton kernels (a batch of one:
+    the bits it gets in any batch). Returns the bf16 result in `x`'s orientation (a transposed
+    view for a tall matrix)."""
+    y = x.bfloat16()
+    tall = y.size(0) > y.size(1)
+    result = newton_schulz_triton_stacked((y.T if tall else y).contiguous()[None], coefficients, steps, eps)[0]
+    return result.T if tall else result
+
+
+def _stacked_ns(ns_impl: str):
+    return newton_schulz_triton_stacked if ns_impl == "triton" else newton_schulz_stacked
 
 
 def ns_batch_key(shape, group: dict) -> tuple:
