@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from conftest import interpreting
+from muon_helpers import PhasesReference, gradient
+from packed_adamw.core import launch
 from packed_adamw.core.muon import bf16_bits, bf16_values, newton_schulz_reference, ns_kernel
 from packed_adamw.core.muon.ns_reference import newton_schulz_triton_reference
+from packed_adamw.torch import PackedMuon
+from packed_adamw.torch import muon as torch_muon
 from packed_adamw.torch.muon import newton_schulz, newton_schulz_triton, newton_schulz_triton_stacked
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="mirrors Triton's CPU interpreter (tl.dot as np.matmul)")
@@ -92,3 +96,41 @@ def test_scalars_are_rounded_once_to_float32():
     assert row.dtype == np.float32
     assert list(row) == [np.float32(v) for v in (*COEFFICIENTS, EPS)]
     assert bf16_bits(row[3:]).tolist() == bf16_bits(np.float32([1e-7])).tolist()
+
+
+# ---- PackedMuon(ns_impl="triton") -------------------------------------------------------------
+STEP_SHAPES = [(8, 4), (4, 8), (4, 8), (6, 6)]  # a tall matrix batched with its transpose's shape
+
+
+@pytest.mark.parametrize("batch_ns, kernels", [(False, False), (True, True)])
+def test_packed_muon_triton_equals_the_phases_around_the_triton_newton_schulz(batch_ns, kernels, monkeypatch):
+    """With ns_impl="triton" the step (numpy phases, or the CUDA step's kernels in the
+    interpreter; per matrix or batched) is core's phases around `newton_schulz_triton` per
+    matrix: batching does not change a matrix's bits."""
+    rng = np.random.default_rng(5)
+    p0 = [gradient(rng, s, -4, 0) for s in STEP_SHAPES]
+    params = [torch.nn.Parameter(p.clone()) for p in p0]
+    opt = PackedMuon(params, lr=0.03, ns_steps=2, ns_impl="triton", batch_ns=batch_ns)  # 2: the interpreter is slow
+    monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: kernels)
+    reference = PhasesReference(params, STEP_SHAPES, lr=0.03)
+    one_by_one = lambda xs, batch, steps: {i: newton_schulz_triton(x, COEFFICIENTS, steps, EPS)  # noqa: E731
+                                           for i, x in xs.items()}
+    for _ in range(2):
+        grads = [gradient(rng, s) for s in STEP_SHAPES]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        reference.step(grads, [([i], 2) for i in range(len(STEP_SHAPES))], one_by_one)
+        reference.assert_equals(params, opt)
+
+
+def test_ns_impl_is_checked(monkeypatch):
+    p = torch.nn.Parameter(torch.ones(4, 8))
+    with pytest.raises(ValueError, match="ns_impl='fast'.*'cublas'.*'triton'"):
+        PackedMuon([p], ns_impl="fast")
+    opt = PackedMuon([p], ns_impl="triton")
+    assert opt.__getstate__()["ns_impl"] == "triton"
+    p.grad = torch.ones(4, 8)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="ns_impl='triton'.*CUDA.*ns_impl='cublas'"):
+        opt.step()

@@ -219,6 +219,11 @@ class PackedMuon(Optimizer):
     own: on the CPU they differ from the per-matrix ones in rare elements, on CUDA it is not
     known yet (MUON.md, "Batched Newton-Schulz"). The default, False, is torch.optim.Muon's
     per-matrix way and bits.
+
+    `ns_impl`: "cublas" (default) runs Newton-Schulz with torch's matmuls (cuBLAS on CUDA, as
+    torch.optim.Muon); "triton" with core/muon's Triton kernels, the ones `packed_muon` launches
+    on a JAX GPU backend: the same bits as JAX, with or without `batch_ns` (a matrix's result
+    does not depend on its batch). "triton" needs CUDA (or Triton's CPU interpreter).
     """
 
     rule_name = "muon"
@@ -241,6 +246,7 @@ class PackedMuon(Optimizer):
         check_nonfinite: bool = False,
         capturable: bool = False,
         batch_ns: bool = False,
+        ns_impl: str = "cublas",
     ):
         if capturable:
             raise ValueError("PackedMuon(capturable=True): capturable steps (CUDA graphs) are not offered for Muon "
@@ -251,6 +257,10 @@ class PackedMuon(Optimizer):
         if not isinstance(batch_ns, bool):
             raise TypeError(f"PackedMuon(batch_ns={batch_ns!r}): batch_ns must be True or False")
         self.batch_ns = batch_ns
+        if ns_impl not in NS_IMPLS:
+            raise ValueError(f"PackedMuon(ns_impl={ns_impl!r}): pass 'cublas' (torch's matmuls, torch.optim.Muon's "
+                             "bits) or 'triton' (core/muon's Triton kernels, JAX's bits on the GPU)")
+        self.ns_impl = ns_impl
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, maximize=maximize)
@@ -259,7 +269,8 @@ class PackedMuon(Optimizer):
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "state_format": self.state_format, "check_nonfinite": self.check_nonfinite,
-                "capturable": False, "batch_ns": getattr(self, "batch_ns", False)}
+                "capturable": False, "batch_ns": getattr(self, "batch_ns", False),
+                "ns_impl": _ns_impl(self)}
 
     def add_param_group(self, param_group: dict) -> None:
         with warnings.catch_warnings():  # a repeated parameter is refused below instead
@@ -506,13 +517,23 @@ def _batches_ns(opt) -> bool:
     return getattr(opt, "batch_ns", False)  # optimizers pickled before batch_ns existed have none
 
 
+def _ns_impl(opt) -> str:
+    return getattr(opt, "ns_impl", "cublas")  # optimizers pickled before ns_impl existed have none
+
+
 def _ns(opt, xs: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
     """Newton-Schulz of one batch with its group's settings. With `batch_ns` a lone matrix runs
     the batched function too: its bits do not depend on whether it has batch-mates."""
     settings = (tuple(group["ns_coefficients"]), int(group["ns_steps"]), float(group["eps"]))
+    impl = _ns_impl(opt)
+    if impl == "triton" and xs and xs[0].device.type != "cuda" and not launch.interpreting():
+        raise ValueError(f"{type(opt).__name__}(ns_impl='triton'): the Triton Newton-Schulz runs on CUDA devices "
+                         f"(or under TRITON_INTERPRET=1), and these matrices are on {xs[0].device}; use "
+                         "ns_impl='cublas' (torch's matmuls) there")
     if not _batches_ns(opt):
-        return [newton_schulz(x, *settings) for x in xs]
-    return newton_schulz_batched(xs, *settings)
+        one = newton_schulz_triton if impl == "triton" else newton_schulz
+        return [one(x, *settings) for x in xs]
+    return newton_schulz_batched(xs, *settings, ns_impl=impl)
 
 
 def _numpy16(t: torch.Tensor) -> np.ndarray:
@@ -716,8 +737,8 @@ def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
                 MAXIMIZE=maximize, GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
         # output is not used, and a batch's matrices do not mix.
-        ortho = newton_schulz_stacked(x.view(BFLOAT16), tuple(group["ns_coefficients"]), int(group["ns_steps"]),
-                                      float(group["eps"])).view(torch.int16)
+        ortho = _stacked_ns(_ns_impl(opt))(x.view(BFLOAT16), tuple(group["ns_coefficients"]),
+                                           int(group["ns_steps"]), float(group["eps"])).view(torch.int16)
         for split, (offset, count) in weight_launches.items():
             muon_weight_table_kernel[(blocks, count)](
                 table[offset:], scratch, ortho, scalars, counters, rows, cols, MODE=mode["MODE"], SPLIT=split,
@@ -787,4 +808,4 @@ def restore_loaded(opt, loaded: dict) -> None:
             state[LOW_HALF_KEY] = _persistence._on_param_device(low, p)
 
 
-__all__ = ["PackedMuon", "newton_schulz", "newton_schulz_batched"]
+__all__ = ["PackedMuon", "newton_schulz", "newton_schulz_batched", "newton_schulz_triton", "newton_schulz_triton_stacked"]
