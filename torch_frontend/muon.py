@@ -533,7 +533,9 @@ def _ns(opt, xs: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
     if not _batches_ns(opt):
         one = newton_schulz_triton if impl == "triton" else newton_schulz
         return [one(x, *settings) for x in xs]
-    return newton_schulz_batched(xs, *settings, ns_impl=impl)
+    if impl == "triton":
+        return newton_schulz_batched(xs, *settings, ns_impl=impl)
+    return newton_schulz_batched(xs, *settings)
 
 
 def _numpy16(t: torch.Tensor) -> np.ndarray:
