@@ -5,8 +5,9 @@ the momentum phase is core/muon's numpy phase through `jax.pure_callback`, Newto
 in jax.numpy with bf16 operands (`newton_schulz`), the weight phase is core/muon's numpy phase
 again. Every other leaf takes `packed_adamw`, reused unchanged behind `optax.masked`.
 
-Only the CPU path exists: on a GPU backend the transform refuses with NotImplementedError
-(issue 37's CUDA slice, through jax-triton, is to come).
+On a GPU backend the phases are core/muon's Triton kernels through jax-triton and Newton-Schulz
+is core/muon/ns_kernel.py's (the kernels torch launches with `ns_impl="triton"`: the same bits);
+see `_gpu_phases` and _muon_triton.py.
 
 Layout: a JAX kernel is [in, out] (optax's reduction axis, then output axis). Muon's contract
 is written in torch's [out, in] layout, so each matrix is read as its transpose there: the
@@ -334,20 +335,26 @@ def _warn_refused(valid, row, count) -> None:
                   stacklevel=2)
 
 
-def _refuse_accelerators(tree) -> None:
-    """This slice steps Muon on the CPU only; a GPU would run the callbacks on the host and the
-    Newton-Schulz phase with other bits than the kernels to come, so it is refused."""
+def _step_platform(tree) -> str:
+    """"cpu" (the numpy phases through callbacks, Newton-Schulz in jax.numpy) or "gpu" (the
+    Triton kernels through jax-triton): the default backend's, which every concrete leaf must
+    share. A mix (a GPU host placing the step's arrays on its CPU, or the other way round) and
+    other accelerators are refused."""
     platforms = {jax.default_backend()}
     for leaf in jax.tree_util.tree_leaves(tree):
         if not isinstance(leaf, jax.core.Tracer) and isinstance(leaf, jax.Array):
             platforms |= {d.platform for d in leaf.devices()}
-    others = sorted(platforms - {"cpu"})
-    if others:
-        raise NotImplementedError(
-            f"packed_muon runs on the CPU only for now (the numpy phases through jax.pure_callback, Newton-Schulz in "
-            f"jax.numpy); found platform {others[0]!r}. The CUDA path (Triton kernels through jax-triton) is "
-            f"{ISSUE}'s next slice; until then run the Muon step on the CPU (jax.config.update('jax_platforms', "
-            "'cpu')) or use packed_adamw.torch.PackedMuonAdamW on the GPU")
+    if platforms in ({"cpu"}, {"gpu"}):
+        return platforms.pop()
+    raise NotImplementedError(
+        f"packed_muon steps on the CPU (numpy phases, jax.numpy Newton-Schulz) or on CUDA GPUs (Triton kernels "
+        f"through jax-triton), with every array on the default backend's devices; found platforms "
+        f"{sorted(platforms)} (default backend {jax.default_backend()!r}). Put the parameters, gradients and state "
+        f"on the default backend's devices ({ISSUE}), or use packed_adamw.torch.PackedMuonAdamW")
+
+
+def _refuse_accelerators(tree) -> None:
+    _step_platform(tree)
 
 
 def packed_muon(
@@ -396,8 +403,9 @@ def packed_muon(
     contract's p' wherever that difference is exact, and elsewhere (0.2% to 2% of elements
     in our measurements, more where steps are large beside the weights) no float32 u can, and
     the weight lands within an ulp of u from p' (MUON.md, "JAX / optax").
-    `packed_muon_fused_step` writes p' itself. CPU only: on a GPU backend the transform raises
-    NotImplementedError (issue 37's CUDA slice is to come).
+    `packed_muon_fused_step` writes p' itself. On a GPU backend (CUDA, with jax-triton) the step
+    runs core/muon's Triton kernels, Newton-Schulz included: the bits of torch's
+    `PackedMuon(ns_impl="triton")` on the same inputs.
     """
     init_fn, run = _muon(**locals())
 
@@ -511,20 +519,14 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
                               tuple(paths[i] for i in muon))
         g_mats = [views[i].to_matrices(grads[i]) for i in muon]
         s_mats = [views[i].to_matrices(momenta[i]) for i in muon]
-        out_types = ([_like(s) for s in s_mats] + [jax.ShapeDtypeStruct(s.shape, jnp.uint16) for s in s_mats]
-                     + [jax.ShapeDtypeStruct(s.shape[:1], jnp.bool_) for s in s_mats])
-        results = jax.pure_callback(functools.partial(_host_momentum, config=config), out_types, valid, row,
-                                    *g_mats, *s_mats, vmap_method="sequential")
-        n = len(muon)
-        new_states, inputs, accepted = results[:n], results[n:2 * n], results[2 * n:]
-        ns_eps = eps if _python_number(eps) is not None else row[3]
-        orthos = [_orthogonalize(jax.lax.bitcast_convert_type(x, BF16), coefficients, steps, ns_eps) for x in inputs]
         p_mats = [views[i].to_matrices(p_leaves[i]) for i in muon]
         lo_mats = [views[i].to_matrices(lows[i]) for i in muon if split[i]]
-        weight_types = [_like(p) for p in p_mats] + [_like(lo) for lo in lo_mats]
-        stepped = jax.pure_callback(functools.partial(_host_weight, config=config), weight_types, row, *p_mats,
-                                    *lo_mats, *orthos, *accepted, vmap_method="sequential")
-        new_params, new_lows = stepped[:n], iter(stepped[n:])
+        if _step_platform((updates, params)) == "gpu":
+            new_params, new_lows, new_states = _gpu_phases(config, [views[i] for i in muon], g_mats, s_mats, p_mats,
+                                                           lo_mats, row, valid, coefficients, steps)
+        else:
+            new_params, new_lows, new_states = _cpu_phases(config, g_mats, s_mats, p_mats, lo_mats, row, valid,
+                                                           coefficients, steps, eps)
 
         out = list(treedef.flatten_up_to(_applied(adamw_updates, params, write_update)))
         new_momenta = list(treedef.flatten_up_to(state.momentum))
@@ -546,6 +548,65 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         return treedef.unflatten(out), new_state
 
     return init_fn, run
+
+
+def _cpu_phases(config: _PhaseConfig, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients, steps, eps):
+    """The CPU step of the Muon leaves' matrices: core/muon's numpy phases through two
+    callbacks around `newton_schulz`. Returns (new params, iterator of the split leaves' new
+    low halves, new states), per Muon leaf as [batch, rows, cols]."""
+    out_types = ([_like(s) for s in s_mats] + [jax.ShapeDtypeStruct(s.shape, jnp.uint16) for s in s_mats]
+                 + [jax.ShapeDtypeStruct(s.shape[:1], jnp.bool_) for s in s_mats])
+    results = jax.pure_callback(functools.partial(_host_momentum, config=config), out_types, valid, row,
+                                *g_mats, *s_mats, vmap_method="sequential")
+    n = len(g_mats)
+    new_states, inputs, accepted = results[:n], results[n:2 * n], results[2 * n:]
+    ns_eps = eps if _python_number(eps) is not None else row[3]
+    orthos = [_orthogonalize(jax.lax.bitcast_convert_type(x, BF16), coefficients, steps, ns_eps) for x in inputs]
+    weight_types = [_like(p) for p in p_mats] + [_like(lo) for lo in lo_mats]
+    stepped = jax.pure_callback(functools.partial(_host_weight, config=config), weight_types, row, *p_mats,
+                                *lo_mats, *orthos, *accepted, vmap_method="sequential")
+    return stepped[:n], iter(stepped[n:]), new_states
+
+
+def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients, steps):
+    """`_cpu_phases` on a GPU: core/muon's Triton kernels through jax-triton (_muon_triton.py),
+    Newton-Schulz once per shape group with the kernels torch's `ns_impl="triton"` launches.
+    A matrix is refused (weights and momentum kept) when the row is invalid or the momentum
+    kernel counts a refusing element in it."""
+    from packed_adamw.core.muon import ns_kernel
+
+    from . import _muon_triton
+
+    eps = config.static_row[3]
+    if eps is not None:
+        ns_scalars = jnp.asarray(ns_kernel.ns_scalars(coefficients, eps))
+    else:  # the graph's float32 eps, as the CPU path's Newton-Schulz takes it
+        ns_scalars = jnp.concatenate([jnp.asarray(ns_kernel.ns_scalars(coefficients, 1.0)[:3]), row[3:4]])
+    refused_if_invalid = jnp.where(valid, 0, 1).astype(jnp.int32)
+    lows = iter(lo_mats)
+    lo_of = [next(lows) if is_split else None for is_split in config.split]
+    new_params, new_lows, new_states = list(p_mats), list(lo_of), list(s_mats)
+    groups: dict[tuple, list[int]] = {}
+    for j, view in enumerate(views):
+        if g_mats[j].size:  # a zero-size matrix has nothing to step
+            groups.setdefault(_muon_triton.wide_shape(view)[:2], []).append(j)
+    for (k, n_cols), members in groups.items():
+        scalars = {j: _muon_triton.leaf_scalars(row, config.static_row, config.shapes[j], config.adjust_lr_fn)
+                   for j in members}
+        x = jnp.zeros((sum(g_mats[j].shape[0] for j in members), k, n_cols), jnp.int16)
+        slots, scratches, refused, slot = {}, {}, {}, 0
+        for j in members:
+            slots[j], batch = slot, g_mats[j].shape[0]
+            slot += batch
+            scratches[j], x, refused[j] = _muon_triton.momentum_step(
+                g_mats[j], s_mats[j], scalars[j], x, jnp.broadcast_to(refused_if_invalid, (batch,)), slots[j],
+                views[j], fmt=config.fmt, nesterov=config.nesterov)
+        ortho = _muon_triton.newton_schulz(x, ns_scalars, steps)
+        for j in members:
+            new_params[j], new_lows[j], new_states[j] = _muon_triton.weight_step(
+                p_mats[j], lo_of[j], s_mats[j], scratches[j], scalars[j], refused[j], ortho, slots[j], views[j],
+                fmt=config.fmt)
+    return new_params, iter([lo for lo, is_split in zip(new_lows, config.split) if is_split]), new_states
 
 
 def _check_param_dtypes(params, views) -> list[bool]:

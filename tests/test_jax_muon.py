@@ -326,8 +326,8 @@ def test_misuse_is_refused_with_a_message(monkeypatch):
         packed_muon(LR, muon_weight_dimension_numbers={**{k: None for k in params},
                                                        "bias": MuonDimensionNumbers()}).init(params)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    with pytest.raises(NotImplementedError, match="CPU only.*issue 37"):
-        tx.update(grads, state, params)
+    with pytest.raises(NotImplementedError, match="default backend's devices.*issue 37"):
+        tx.update(grads, state, params)  # a GPU backend with the arrays on the CPU
 
 
 def test_injected_hyperparameters_step_as_the_same_float32_numbers():
@@ -360,3 +360,63 @@ def test_a_tree_without_matrices_is_packed_adamws_and_counts_its_steps():
     updates, state = jax.jit(tx.update)(grads, state, params)
     alone_updates, _ = alone.update(grads, alone_state, params)
     assert np.array_equal(bits(updates["bias"]), bits(alone_updates["bias"])) and int(state.count) == 1
+
+
+# ---- CUDA: the same bits as torch's PackedMuon(ns_impl="triton") ---------------------------------
+# JAX [in, out] leaves: torch-tall, torch-wide of the same Newton-Schulz shape (one batch), a
+# square one, one over several tiles of every product, and a bf16 leaf (a split master).
+CUDA_LEAVES = {"tall": (64, 192), "wide": (192, 64), "square": (128, 128), "odd": (300, 130), "half": (96, 40)}
+
+
+def _cuda_reason():
+    from jax_helpers import jax_cuda_unavailable
+
+    return jax_cuda_unavailable()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
+@pytest.mark.parametrize("batch_ns", [False, True])
+@pytest.mark.parametrize("schedule", [False, True])
+def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, schedule):
+    reason = _cuda_reason()
+    if reason is not None:
+        pytest.skip(f"needs CUDA for torch and JAX plus jax_triton: {reason}")
+    from packed_adamw.torch import PackedMuon
+
+    rng = np.random.default_rng(37)
+    steps = 3
+    table = np.float32([0.02, 0.015, 0.01, 0.005])
+    p0 = {k: (rng.standard_normal(s) * 0.2).astype(F32) for k, s in CUDA_LEAVES.items()}
+    grads = [{k: gradient(rng, s) for k, s in CUDA_LEAVES.items()} for _ in range(steps)]
+    bf16_leaf = lambda k: k == "half"  # noqa: E731
+
+    params = {k: jnp.asarray(v, jnp.bfloat16 if bf16_leaf(k) else jnp.float32) for k, v in p0.items()}
+    lr = (lambda count: jnp.asarray(table)[count]) if schedule else LR
+    step = jax.jit(packed_muon_fused_step(lr, beta=BETA, eps=EPS, weight_decay=WD, mode=mode))
+    state = packed_muon(lr, beta=BETA, eps=EPS, weight_decay=WD, mode=mode).init(params)
+    for g in grads:
+        params, state = step(params, {k: jnp.asarray(v) for k, v in g.items()}, state)
+    assert all(leaf.devices().pop().platform == "gpu" for leaf in jax.tree_util.tree_leaves(params))
+
+    torch_params = {k: torch.nn.Parameter(torch.from_numpy(v.T.copy()).to("cuda", torch.bfloat16 if bf16_leaf(k)
+                                                                           else torch.float32))
+                    for k, v in p0.items()}
+    opt = PackedMuon(list(torch_params.values()), lr=LR, momentum=BETA, eps=EPS, weight_decay=WD, mode=mode,
+                     ns_impl="triton", batch_ns=batch_ns)
+    for n, g in enumerate(grads):
+        if schedule:
+            opt.param_groups[0]["lr"] = float(table[n])  # the float32 value the JAX schedule gives
+        for k, p in torch_params.items():
+            p.grad = torch.from_numpy(g[k].T.copy()).cuda()
+        opt.step()
+    key = "momentum_buffer" if mode == "fp32" else "momentum_code"
+    for k, p in torch_params.items():
+        theirs = p.detach().cpu()
+        theirs = theirs.view(torch.int16).numpy().view(np.uint16) if bf16_leaf(k) else theirs.numpy().view(np.uint32)
+        np.testing.assert_array_equal(bits(params[k]).T, theirs, err_msg=f"weights of {k}")
+        momentum = opt.state[p][key].cpu().numpy()
+        np.testing.assert_array_equal(bits(state.momentum[k]).T, momentum.view(np.uint32 if mode == "fp32"
+                                                                             else np.uint16), err_msg=k)
+        if bf16_leaf(k):
+            np.testing.assert_array_equal(np.asarray(state.low_halves[k]).T, opt.state[p]["lo"].cpu().numpy())

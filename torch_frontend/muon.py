@@ -63,7 +63,7 @@ def newton_schulz(x: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS, steps: 
 
 
 def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS,
-                          eps: float = 1e-7) -> list[torch.Tensor]:
+                          eps: float = 1e-7, *, ns_impl: str = "cublas") -> list[torch.Tensor]:
     """`newton_schulz` of several bf16 matrices that share one wide orientation (m, n), m <= n
     (a tall one enters transposed): stacked into one [B, m, n] tensor, each matrix divided by its
     own Frobenius norm, the iterations as batched GEMMs. Fifteen GEMM launches for the whole
@@ -73,7 +73,8 @@ def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int =
     Each matrix's arithmetic is the per-matrix one, but a batched GEMM may sum or round in
     another order than the solo one: on the CPU rare elements differ from `newton_schulz`'s; on
     CUDA tests/test_torch_muon.py compares them (MUON.md, "Batched Newton-Schulz"). A matrix's
-    result does not depend on its batch-mates."""
+    result does not depend on its batch-mates. `ns_impl="triton"` runs the stack through
+    `newton_schulz_triton_stacked` (whose bits are the per-matrix `newton_schulz_triton`'s)."""
     tall = [i for i, x in enumerate(xs) if x.size(0) > x.size(1)]
     wide = [i for i, x in enumerate(xs) if x.size(0) <= x.size(1)]
     m, n = sorted(xs[0].shape)
@@ -82,7 +83,7 @@ def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int =
         y[:len(tall)] = torch.stack([xs[i].bfloat16() for i in tall]).transpose(1, 2)
     if wide:
         torch.stack([xs[i].bfloat16() for i in wide], out=y[len(tall):])
-    y = newton_schulz_stacked(y, coefficients, steps, eps)
+    y = _stacked_ns(ns_impl)(y, coefficients, steps, eps)
     results = [None] * len(xs)
     for i, result in zip(tall, y[:len(tall)].transpose(1, 2).contiguous()):
         results[i] = result
@@ -103,6 +104,48 @@ def newton_schulz_stacked(y: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS,
         polynomial = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         y = torch.baddbmm(y, polynomial, y, beta=a)
     return y.contiguous()
+
+
+NS_IMPLS = ("cublas", "triton")
+_NS_SCALARS: dict = {}  # (coefficients, eps, device) -> the kernels' float32 row on the device
+
+
+def newton_schulz_triton_stacked(y: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS,
+                                 steps: int = DEFAULT_NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
+    """`newton_schulz_stacked`'s contract through core/muon/ns_kernel.py's Triton kernels (the
+    ones JAX launches too: the same bits): `y` a [B, m, n] bf16 tensor, m <= n, on CUDA (or on
+    the CPU under Triton's interpreter). Returns a new [B, m, n] bf16 tensor. A matrix's result
+    does not depend on its batch-mates."""
+    from packed_adamw.core.muon import ns_kernel
+
+    batch, k, n = y.shape
+    key = (tuple(float(v) for v in coefficients), float(eps), y.device)
+    if key not in _NS_SCALARS:
+        if len(_NS_SCALARS) > 64:
+            _NS_SCALARS.clear()
+        _NS_SCALARS[key] = torch.from_numpy(ns_kernel.ns_scalars(coefficients, eps)).to(y.device)
+    buffers = {"x": y.to(BFLOAT16).contiguous(), "scalars": _NS_SCALARS[key]}
+    for name, (shape, dtype) in ns_kernel.buffer_shapes(batch, k, n).items():
+        buffers[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=y.device)
+    for kernel, grid, names, constants, options in ns_kernel.launch_plan(batch, k, n, int(steps),
+                                                                         interpreting=launch.interpreting()):
+        kernel[grid](*(buffers[name] for name in names), **constants, **options, **launch.COMPILE_OPTIONS)
+    return buffers[ns_kernel.result_buffer(int(steps))]
+
+
+def newton_schulz_triton(x: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS,
+                         eps: float = 1e-7) -> torch.Tensor:
+    """`newton_schulz`'s contract for one matrix through the Triton kernels (a batch of one:
+    the bits it gets in any batch). Returns the bf16 result in `x`'s orientation (a transposed
+    view for a tall matrix)."""
+    y = x.bfloat16()
+    tall = y.size(0) > y.size(1)
+    result = newton_schulz_triton_stacked((y.T if tall else y).contiguous()[None], coefficients, steps, eps)[0]
+    return result.T if tall else result
+
+
+def _stacked_ns(ns_impl: str):
+    return newton_schulz_triton_stacked if ns_impl == "triton" else newton_schulz_stacked
 
 
 def ns_batch_key(shape, group: dict) -> tuple:
@@ -176,6 +219,11 @@ class PackedMuon(Optimizer):
     own: on the CPU they differ from the per-matrix ones in rare elements, on CUDA it is not
     known yet (MUON.md, "Batched Newton-Schulz"). The default, False, is torch.optim.Muon's
     per-matrix way and bits.
+
+    `ns_impl`: "cublas" (default) runs Newton-Schulz with torch's matmuls (cuBLAS on CUDA, as
+    torch.optim.Muon); "triton" with core/muon's Triton kernels, the ones `packed_muon` launches
+    on a JAX GPU backend: the same bits as JAX, with or without `batch_ns` (a matrix's result
+    does not depend on its batch). "triton" needs CUDA (or Triton's CPU interpreter).
     """
 
     rule_name = "muon"
@@ -198,6 +246,7 @@ class PackedMuon(Optimizer):
         check_nonfinite: bool = False,
         capturable: bool = False,
         batch_ns: bool = False,
+        ns_impl: str = "cublas",
     ):
         if capturable:
             raise ValueError("PackedMuon(capturable=True): capturable steps (CUDA graphs) are not offered for Muon "
@@ -208,6 +257,10 @@ class PackedMuon(Optimizer):
         if not isinstance(batch_ns, bool):
             raise TypeError(f"PackedMuon(batch_ns={batch_ns!r}): batch_ns must be True or False")
         self.batch_ns = batch_ns
+        if ns_impl not in NS_IMPLS:
+            raise ValueError(f"PackedMuon(ns_impl={ns_impl!r}): pass 'cublas' (torch's matmuls, torch.optim.Muon's "
+                             "bits) or 'triton' (core/muon's Triton kernels, JAX's bits on the GPU)")
+        self.ns_impl = ns_impl
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, maximize=maximize)
@@ -216,7 +269,8 @@ class PackedMuon(Optimizer):
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "state_format": self.state_format, "check_nonfinite": self.check_nonfinite,
-                "capturable": False, "batch_ns": getattr(self, "batch_ns", False)}
+                "capturable": False, "batch_ns": getattr(self, "batch_ns", False),
+                "ns_impl": _ns_impl(self)}
 
     def add_param_group(self, param_group: dict) -> None:
         with warnings.catch_warnings():  # a repeated parameter is refused below instead
@@ -463,12 +517,24 @@ def _batches_ns(opt) -> bool:
     return getattr(opt, "batch_ns", False)  # optimizers pickled before batch_ns existed have none
 
 
+def _ns_impl(opt) -> str:
+    return getattr(opt, "ns_impl", "cublas")  # optimizers pickled before ns_impl existed have none
+
+
 def _ns(opt, xs: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
     """Newton-Schulz of one batch with its group's settings. With `batch_ns` a lone matrix runs
     the batched function too: its bits do not depend on whether it has batch-mates."""
     settings = (tuple(group["ns_coefficients"]), int(group["ns_steps"]), float(group["eps"]))
+    impl = _ns_impl(opt)
+    if impl == "triton" and xs and xs[0].device.type != "cuda" and not launch.interpreting():
+        raise ValueError(f"{type(opt).__name__}(ns_impl='triton'): the Triton Newton-Schulz runs on CUDA devices "
+                         f"(or under TRITON_INTERPRET=1), and these matrices are on {xs[0].device}; use "
+                         "ns_impl='cublas' (torch's matmuls) there")
     if not _batches_ns(opt):
-        return [newton_schulz(x, *settings) for x in xs]
+        one = newton_schulz_triton if impl == "triton" else newton_schulz
+        return [one(x, *settings) for x in xs]
+    if impl == "triton":
+        return newton_schulz_batched(xs, *settings, ns_impl=impl)
     return newton_schulz_batched(xs, *settings)
 
 
@@ -673,8 +739,8 @@ def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
                 MAXIMIZE=maximize, GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
         # output is not used, and a batch's matrices do not mix.
-        ortho = newton_schulz_stacked(x.view(BFLOAT16), tuple(group["ns_coefficients"]), int(group["ns_steps"]),
-                                      float(group["eps"])).view(torch.int16)
+        ortho = _stacked_ns(_ns_impl(opt))(x.view(BFLOAT16), tuple(group["ns_coefficients"]),
+                                           int(group["ns_steps"]), float(group["eps"])).view(torch.int16)
         for split, (offset, count) in weight_launches.items():
             muon_weight_table_kernel[(blocks, count)](
                 table[offset:], scratch, ortho, scalars, counters, rows, cols, MODE=mode["MODE"], SPLIT=split,
@@ -744,4 +810,4 @@ def restore_loaded(opt, loaded: dict) -> None:
             state[LOW_HALF_KEY] = _persistence._on_param_device(low, p)
 
 
-__all__ = ["PackedMuon", "newton_schulz", "newton_schulz_batched"]
+__all__ = ["PackedMuon", "newton_schulz", "newton_schulz_batched", "newton_schulz_triton", "newton_schulz_triton_stacked"]
