@@ -23,6 +23,7 @@ from packed_adamw.core.muon import (  # noqa: E402
 )
 from packed_adamw.jax import RefusedStepWarning, packed_adamw  # noqa: E402
 from packed_adamw.jax.muon import newton_schulz, packed_muon, packed_muon_fused_step  # noqa: E402
+from packed_adamw.jax import muon as jax_muon  # noqa: E402
 
 F32 = np.float32
 LR, BETA, WD, EPS = 0.02, 0.95, 0.1, 1e-7
@@ -328,6 +329,10 @@ def test_misuse_is_refused_with_a_message(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(NotImplementedError, match="default backend's devices.*issue 37"):
         tx.update(grads, state, params)  # a GPU backend with the arrays on the CPU
+    with pytest.raises(NotImplementedError, match="has not yet run on a GPU.*UNVERIFIED_GPU_PATH_ALLOWED"):
+        jax_muon._step_platform(())  # a GPU backend (traced arrays carry no devices): not yet verified there
+    monkeypatch.setattr(jax_muon, "UNVERIFIED_GPU_PATH_ALLOWED", True)
+    assert jax_muon._step_platform(()) == "gpu"
 
 
 def test_injected_hyperparameters_step_as_the_same_float32_numbers():
@@ -378,10 +383,11 @@ def _cuda_reason():
 @pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
 @pytest.mark.parametrize("batch_ns", [False, True])
 @pytest.mark.parametrize("schedule", [False, True])
-def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, schedule):
+def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, schedule, monkeypatch):
     reason = _cuda_reason()
     if reason is not None:
         pytest.skip(f"needs CUDA for torch and JAX plus jax_triton: {reason}")
+    monkeypatch.setattr(jax_muon, "UNVERIFIED_GPU_PATH_ALLOWED", True)  # this test is what verifies it
     from packed_adamw.torch import PackedMuon
 
     rng = np.random.default_rng(37)
