@@ -235,9 +235,13 @@ def _moments_spec(leaf, fmt: StateFormat) -> jax.ShapeDtypeStruct:
 def _zero_moments(leaf, fmt: StateFormat):
     """Zero state for one leaf, placed as the leaf is (as optax's own zeros_like states are):
     a concrete sharded leaf, a `ShapeDtypeStruct` with a sharding, or a traced leaf with
-    sharding in types give state words with that sharding."""
+    sharding in types give state words with that sharding: the state entry's leading axes
+    (fp32 mode's [2, *shape]) are stacked outside the leaf's, so they stay unsharded, as
+    `StateEntry.sharding` declares."""
     zeros = jnp.zeros_like(leaf, dtype=jnp.dtype(fmt.state_dtype))
-    return jnp.stack([zeros, zeros]) if fmt.mode == "fp32" else zeros
+    for size in reversed(fmt.state_entry.leading):
+        zeros = jnp.stack([zeros] * size)
+    return zeros
 
 
 def _check_state(moments, params, fmt: StateFormat) -> None:
