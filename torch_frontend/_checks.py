@@ -12,7 +12,7 @@ import torch
 from packed_adamw.core import StateFormat, codecs as formats
 
 from . import _dtensor
-from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, has_format_counts, state_dtype
+from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, STEP_KEY, has_format_counts, state_dtype
 from .functional import nonfinite_count, outside_split_domain
 
 FLOAT32, BFLOAT16, STRIDED = torch.float32, torch.bfloat16, torch.strided
@@ -44,7 +44,7 @@ def check_live_state(p, pl, state: dict, fmt: StateFormat, name: str) -> int:
     """The state a step is about to use must be what the kernel's raw addresses expect;
     returns its step count."""
     stored = state.get(fmt.state_key)
-    count = state.get("step")
+    count = state.get(STEP_KEY)
     if stored is None or not isinstance(stored, torch.Tensor):
         raise ValueError(f"{name}: its optimizer state has no {fmt.state_key!r} tensor (got {state!r}); "
                          "load a state saved by PackedAdamW with the same mode, or start fresh")
