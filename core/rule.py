@@ -10,12 +10,12 @@ rule writes itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from .codecs import LOW_HALF_DTYPE, LOW_HALF_KEY
+from .codecs import FLOAT32_MAX, LOW_HALF_DTYPE, LOW_HALF_KEY
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,25 @@ class Bound:
 
 
 @dataclass(frozen=True)
+class StateCode:
+    """One 16-bit code a rule's state keeps per element, as format-health reports name it. The
+    state format's `formats` gives its codec, in the rule's `codes` order."""
+
+    suffix: str  # its format counts end in "_<suffix>" (saturated_m)
+    holds: str  # what its values are, plural, for messages ("first moments")
+    bias_option: str  # the state format's field, and the optimizers' option, that sets its exponent bias
+
+
+# The format events counted per code (FORMAT.md, "Format counts"): each event for every code.
+FORMAT_EVENTS = ("saturated", "flushed", "subnormal")
+
+
+def format_count_names(codes: tuple[StateCode, ...]) -> tuple[str, ...]:
+    """Count names of `codes` in counter-row order: each event, for each code in turn."""
+    return tuple(f"{event}_{code.suffix}" for event in FORMAT_EVENTS for code in codes)
+
+
+@dataclass(frozen=True)
 class Rule:
     """A rule's declaration. Its state entries depend on the state format it runs in, so the
     format (e.g. core/adamw's StateFormat) gives them; the rest is fixed."""
@@ -85,10 +104,34 @@ class Rule:
     finite_products: tuple[tuple[str, str], ...] = ()  # pairs whose float32 product must stay finite
     count_names: tuple[str, ...] = ()  # format counts, in counter-row order (launch.py)
     matrix_phase: bool = False  # a phase over whole matrices (Muon's Newton-Schulz) precedes the elementwise one
+    codes: tuple[StateCode, ...] = ()  # the 16-bit codes its state keeps per element, as `count_names` names them
+    # The hyperparameters as an optimizer's parameter group holds them (torch.optim's keys; the
+    # learning rate first), the order `group_row` and `validate` take their values in:
+    group_keys: tuple[str, ...] = ()
+    group_row: Callable | None = None  # (values in group_keys order) -> the hyperparameter row, as floats
+    validate: Callable | None = None  # (values in group_keys order) -> None, or ValueError/TypeError saying what to do
 
     def __post_init__(self):
         if set(self.bounds) != set(self.hyperparam_fields):
             raise ValueError(f"rule {self.name}: bounds must cover exactly {self.hyperparam_fields}")
+        if self.codes and format_count_names(self.codes) != tuple(self.count_names):
+            raise ValueError(f"rule {self.name}: count_names must be {format_count_names(self.codes)}, "
+                             "each format event for each of its codes")
+
+    def rows_valid(self, rows):
+        """Whether each hyperparameter row (the last axis: `hyperparam_fields`) holds valid
+        values: every field within its `Bound` and every `finite_products` pair's product a
+        finite number, in the rows' own arithmetic (float32 for float32 arrays). Takes numpy
+        or jax.numpy arrays: a frontend's in-graph check is this one, not a copy of it."""
+        column = {name: rows[..., i] for i, name in enumerate(self.hyperparam_fields)}
+        valid = None
+        for name in self.hyperparam_fields:
+            holds = self.bounds[name].holds(column[name])
+            valid = holds if valid is None else valid & holds
+        for a, b in self.finite_products:
+            product = column[a] * column[b]
+            valid = valid & (product >= -FLOAT32_MAX) & (product <= FLOAT32_MAX)
+        return valid
 
     @property
     def hyperparam_row(self) -> int:

@@ -20,8 +20,8 @@ when the step is traced:
   mesh axis manual: the step is bound as it is. A mesh of one device takes the paths above
   (one shard per leaf), so a single GPU runs the sharded code too.
 
-A fp32-mode state is [2, *shape]: its sharding is the parameter's with an unsharded leading
-dimension. A bf16 leaf's low half (docs/FORMAT.md, "Split masters") has the parameter's shape
+A state leaf shards as its state entry declares (`StateEntry.sharding`): a fp32-mode state is
+[2, *shape], the parameter's sharding with an unsharded leading dimension. A bf16 leaf's low half (docs/FORMAT.md, "Split masters") has the parameter's shape
 and sharding.
 
 With `track_format` each device counts its own shards; the per-leaf counts are then summed
@@ -48,8 +48,9 @@ def _spec_tuple(spec, ndim: int) -> tuple:
 
 
 def state_spec(param_spec: tuple, fmt) -> tuple:
-    """The state's spec for a parameter's spec (fp32 mode: an unsharded leading dimension)."""
-    return (None, *param_spec) if fmt.mode == "fp32" else tuple(param_spec)
+    """The state's spec for a parameter's spec, as the state entry declares it
+    (`StateEntry.sharding`: fp32 mode's leading dimension unsharded)."""
+    return fmt.state_entry.sharding(tuple(param_spec))
 
 
 class _Placement:
@@ -202,15 +203,16 @@ def _factor_rule(ranks: tuple[int, ...], config: StepConfig) -> tuple[str, tuple
     """The Shardy sharding rule: leaf i's parameter, gradient, state and low half (a split
     leaf's) and their outputs share the factors of the parameter's dimensions; a fp32 state's
     leading dimension, the hyperparameter rows and the format counts stay replicated."""
-    fp32 = config.fmt.mode == "fp32"
+    leading = len(config.fmt.state_entry.leading)  # the state's axes before the parameter's (fp32 mode: 1)
     dims = [[f"l{i}d{k}" for k in range(r)] for i, r in enumerate(ranks)]
-    lead = [f"l{i}m" for i in range(len(ranks))]
+    lead = [[f"l{i}m{k}" for k in range(leading)] for i in range(len(ranks))]
     param = [" ".join(d) for d in dims]
-    state = [" ".join(([lead[i]] if fp32 else []) + d) for i, d in enumerate(dims)]
+    state = [" ".join(lead[i] + d) for i, d in enumerate(dims)]
     operands = StepOperands(param, param, state, param, "hr hc", "").flat(config)
     results = StepResults(param, state, param, "cl cc").flat(config)
     # Listed in order of first appearance, as Shardy wants them.
-    replicated = (tuple(lead) if fp32 else ()) + ("hr", "hc") + (("cl", "cc") if config.track_format else ())
+    replicated = (tuple(f for factors in lead for f in factors) + ("hr", "hc")
+                  + (("cl", "cc") if config.track_format else ()))
     return ", ".join(operands) + " -> " + ", ".join(results), replicated
 
 

@@ -23,7 +23,6 @@ import numpy as np
 import optax
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
-from packed_adamw.core.codecs import FLOAT32_MAX, FLOAT32_TINY
 from packed_adamw.core.adamw.hyperparams import validate_hyperparams
 from packed_adamw.core.codecs import SPLIT_MASTER_MAX
 from packed_adamw.core.adamw.rule import FORMAT_COUNTS
@@ -236,9 +235,13 @@ def _moments_spec(leaf, fmt: StateFormat) -> jax.ShapeDtypeStruct:
 def _zero_moments(leaf, fmt: StateFormat):
     """Zero state for one leaf, placed as the leaf is (as optax's own zeros_like states are):
     a concrete sharded leaf, a `ShapeDtypeStruct` with a sharding, or a traced leaf with
-    sharding in types give state words with that sharding."""
+    sharding in types give state words with that sharding: the state entry's leading axes
+    (fp32 mode's [2, *shape]) are stacked outside the leaf's, so they stay unsharded, as
+    `StateEntry.sharding` declares."""
     zeros = jnp.zeros_like(leaf, dtype=jnp.dtype(fmt.state_dtype))
-    return jnp.stack([zeros, zeros]) if fmt.mode == "fp32" else zeros
+    for size in reversed(fmt.state_entry.leading):
+        zeros = jnp.stack([zeros] * size)
+    return zeros
 
 
 def _check_state(moments, params, fmt: StateFormat) -> None:
@@ -274,17 +277,14 @@ def _decay_flags(mask, params):
     return jax.tree_util.tree_map(broadcast, flags, params)
 
 
-def _refuse_invalid(hparams, count):
-    """(rows, valid): rows [lr, b1, b2, eps, weight_decay] checked in the graph by the rules
-    of `validate_hyperparams`, for values known only there (schedules, injected arrays), and
-    the count before the step (>= 0). If anything is invalid every row becomes NaN, so every
-    element of every leaf is rejected and keeps its value and state, on CPU and GPU alike; the
-    caller then leaves the count as it was."""
-    lr, b1, b2, eps, wd = (hparams[:, i] for i in range(hparams.shape[1]))
-    rows_valid = ((lr >= 0) & (lr <= FLOAT32_MAX) & (b1 >= 0) & (b1 < 1) & (b2 >= 0) & (b2 < 1)
-                  & (eps >= FLOAT32_TINY) & (eps <= FLOAT32_MAX) & (wd >= 0) & (wd <= FLOAT32_MAX)
-                  & (lr * wd <= FLOAT32_MAX))
-    valid = jnp.all(rows_valid) & (count >= 0)
+def _refuse_invalid(rule, hparams, count):
+    """(rows, valid): the hyperparameter rows (`rule.hyperparam_fields`: lr, b1, b2, eps,
+    weight_decay) checked in the graph by `rule.rows_valid`, from the same bounds the host's
+    `validate_hyperparams` is written from, for values known only there (schedules, injected
+    arrays), and the count before the step (>= 0). If anything is invalid every row becomes
+    NaN, so every element of every leaf is rejected and keeps its value and state, on CPU and
+    GPU alike; the caller then leaves the count as it was."""
+    valid = jnp.all(rule.rows_valid(hparams)) & (count >= 0)
     return jnp.where(valid, hparams, jnp.nan), valid
 
 
@@ -434,7 +434,7 @@ class _Stepper:
         moments, decay = treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay)
         # One hyperparameter row with weight decay, one without (masked leaves).
         rows = jnp.asarray([[lr, self.b1, self.b2, self.eps, wd] for wd in (self.weight_decay, 0.0)], jnp.float32)
-        hparams, valid = _refuse_invalid(rows, state.count)
+        hparams, valid = _refuse_invalid(self.fmt.rule, rows, state.count)
         try:  # known outside jit (a schedule's value, say): say so instead of refusing silently
             refused = not bool(valid)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):

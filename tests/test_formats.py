@@ -332,7 +332,18 @@ def test_adamw_declares_its_rows_and_counts():
     assert RULE.hyperparam_fields == hyperparams.HPARAM_FIELDS and RULE.hyperparam_row == hyperparams.HPARAM_ROW
     assert RULE.scalar_fields == hyperparams.SCALAR_FIELDS and RULE.scalar_index == hyperparams.SCALAR_INDEX
     assert RULE.count_names == FORMAT_COUNTS and len(FORMAT_COUNTS) <= launch.MAX_FORMAT_COUNTS
+    assert FORMAT_COUNTS == ("saturated_m", "saturated_rms", "flushed_m", "flushed_rms", "subnormal_m", "subnormal_rms")
     assert not RULE.matrix_phase
+    # A parameter group (torch.optim.AdamW's keys) maps to the hyperparameter row.
+    assert RULE.group_keys == ("lr", "betas", "eps", "weight_decay")
+    assert RULE.group_row(1e-3, (0.9, 0.999), 1e-8, 0.1) == (1e-3, 0.9, 0.999, 1e-8, 0.1)
+    # lr * weight_decay must be a finite float32 number: the host and the rows agree.
+    for lr, wd, finite in ((1e19, 1e19, True), (1e20, 1e20, False)):
+        with np.errstate(over="ignore"):  # the float32 product overflows to Inf: refused
+            assert RULE.rows_valid(np.array([[lr, 0.9, 0.999, 1e-8, wd]], np.float32)).tolist() == [finite]
+        if not finite:
+            with pytest.raises(ValueError, match="overflows float32"):
+                hyperparams.validate_hyperparams(lr, (0.9, 0.999), 1e-8, wd)
 
 
 _EDGES = [0.0, -0.0, -1e-30, 1e-30, float(np.nextafter(F32(1), F32(0))), 1.0, 1 - 1e-9, 2.0,
@@ -341,6 +352,7 @@ _EDGES = [0.0, -0.0, -1e-30, 1e-30, float(np.nextafter(F32(1), F32(0))), 1.0, 1 
 
 @pytest.mark.parametrize("field", ["lr", "b1", "b2", "eps", "weight_decay"])
 def test_validation_refuses_exactly_what_the_bounds_table_refuses(field):
+    from packed_adamw.core.adamw import RULE
     from packed_adamw.core.adamw.hyperparams import HPARAM_BOUNDS, validate_hyperparams
 
     for value in _EDGES:
@@ -351,6 +363,9 @@ def test_validation_refuses_exactly_what_the_bounds_table_refuses(field):
             valid = bool(HPARAM_BOUNDS[field].holds(float(F32(value))))
         args = (row["lr"], (row["b1"], row["b2"]), row["eps"], row["weight_decay"])
         with np.errstate(over="ignore"):
+            # The in-graph check (JAX) is the rule's rows_valid over float32 rows: same verdict.
+            float32_row = np.array([[row[name] for name in RULE.hyperparam_fields]], np.float32)
+            assert RULE.rows_valid(float32_row).tolist() == [valid], (field, value)
             if valid:
                 validate_hyperparams(*args)
             else:

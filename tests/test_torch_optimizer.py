@@ -1070,18 +1070,16 @@ def test_an_empty_parameter_steps_beside_the_others():
 
 def test_hyperparameters_are_validated_when_they_change_not_per_tensor_per_step(monkeypatch):
     """One validation per distinct hyperparameter row, however many tensors and steps."""
-    import packed_adamw.core.adamw.hyperparams as hyperparams
     import packed_adamw.torch._checks as checks_module
 
     calls = []
-    real = hyperparams.validate_hyperparams
+    real = checks_module.validate_rule_hyperparams  # every torch validation of a rule's hyperparameters
 
     def counting(*args, **kwargs):
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checks_module, "validate_hyperparams", counting)
-    monkeypatch.setattr(hyperparams, "validate_hyperparams", counting)
+    monkeypatch.setattr(checks_module, "validate_rule_hyperparams", counting)
     params = make_params(seed=3, shapes=((50,), (7, 3), (4,), ()))
     opt = PackedAdamW(params, lr=1e-3, weight_decay=0.1)
     after_init = len(calls)

@@ -9,10 +9,10 @@ import numbers
 import numpy as np
 import torch
 
-from packed_adamw.core import StateFormat, codecs as formats, validate_hyperparams
+from packed_adamw.core import StateFormat, codecs as formats
 
 from . import _dtensor
-from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, has_format_counts, state_dtype
+from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, STEP_KEY, has_format_counts, state_dtype
 from .functional import nonfinite_count, outside_split_domain
 
 FLOAT32, BFLOAT16, STRIDED = torch.float32, torch.bfloat16, torch.strided
@@ -44,7 +44,7 @@ def check_live_state(p, pl, state: dict, fmt: StateFormat, name: str) -> int:
     """The state a step is about to use must be what the kernel's raw addresses expect;
     returns its step count."""
     stored = state.get(fmt.state_key)
-    count = state.get("step")
+    count = state.get(STEP_KEY)
     if stored is None or not isinstance(stored, torch.Tensor):
         raise ValueError(f"{name}: its optimizer state has no {fmt.state_key!r} tensor (got {state!r}); "
                          "load a state saved by PackedAdamW with the same mode, or start fresh")
@@ -211,11 +211,13 @@ def plain(value, name: str):
     return value
 
 
-def plain_betas(betas):
-    try:
-        return tuple(plain(b, f"beta at index {i}") for i, b in enumerate(betas))
-    except TypeError:
-        return betas  # not a pair: validate_hyperparams says so
+def plain_group_value(value, key: str):
+    """A parameter group's hyperparameter as the rule's validation takes it: a one-element
+    tensor as a float, a tuple or list (betas) with its one-element tensors as floats; any
+    other value as it is (the validation says what is wrong with it)."""
+    if isinstance(value, (tuple, list)):
+        return tuple(plain(v, f"{key}[{i}]") for i, v in enumerate(value))
+    return plain(value, key)
 
 
 def check_maximize(value, where: str) -> None:
@@ -223,10 +225,20 @@ def check_maximize(value, where: str) -> None:
         raise TypeError(f"{where}={value!r}: maximize must be True or False")
 
 
-def validate_group_hyperparams(group: dict, index: int, check_lr: bool = True) -> None:
+def validate_rule_hyperparams(values, rule, *, check_lr: bool = True) -> None:
+    """The rule's own validation (`Rule.validate`, written from its bounds) of the values of
+    its `group_keys` in `values` (a parameter group, or the constructor's defaults). Without
+    `check_lr` the learning rate (the first key) is left out: a capturable one is checked on
+    the device."""
+    plain_values = [plain_group_value(values[key], key) for key in rule.group_keys]
+    if not check_lr:
+        plain_values[0] = 0.0
+    rule.validate(*plain_values)
+
+
+def validate_group_hyperparams(group: dict, index: int, rule, check_lr: bool = True) -> None:
     try:
-        validate_hyperparams(plain(group["lr"], "lr") if check_lr else 0.0, plain_betas(group["betas"]),
-                             plain(group["eps"], "eps"), plain(group["weight_decay"], "weight_decay"))
+        validate_rule_hyperparams(group, rule, check_lr=check_lr)
         check_maximize(group.get("maximize", False), "maximize")
     except (ValueError, TypeError) as e:
         raise type(e)(f"param_groups[{index}]: {e}") from None
@@ -247,8 +259,8 @@ def check_listed_once(group: dict, index: int) -> None:
             )
 
 
-def validate_group(group: dict, index: int) -> None:
-    validate_group_hyperparams(group, index)
+def validate_group(group: dict, index: int, rule) -> None:
+    validate_group_hyperparams(group, index, rule)
     for param_index, p in enumerate(group["params"]):
         name = param_name(group, index, param_index)
         local = _dtensor.local(p)
@@ -320,11 +332,10 @@ def check_capturable(capturable, lr, *, check_nonfinite: bool, multi_tensor: boo
         )
 
 
-def check_hyperparams(lr, betas, eps, weight_decay, maximize, *, check_lr: bool) -> None:
+def check_hyperparams(defaults: dict, rule, *, check_lr: bool) -> None:
     """The constructor's defaults (a capturable lr is checked on the device, at each step)."""
-    check_maximize(maximize, "maximize")
-    validate_hyperparams(plain(lr, "lr") if check_lr else 0.0, plain_betas(betas), plain(eps, "eps"),
-                         plain(weight_decay, "weight_decay"))
+    check_maximize(defaults.get("maximize", False), "maximize")
+    validate_rule_hyperparams(defaults, rule, check_lr=check_lr)
 
 
 def check_track_format(value, fmt: StateFormat, capturable: bool) -> None:

@@ -10,7 +10,8 @@ loads and reshards it:
   uint32 (an all-gather over gloo, as in `full_tensor()`, fails with "Invalid scalar type"),
   while int32 travels everywhere. The kernel reads the local shard as a uint32 view, so the
   bits are the words' bits either way;
-- fp32 moments are [2, *shape] float32; a parameter sharded on dim d has them sharded on d+1;
+- fp32 moments are [2, *shape] float32; a parameter sharded on dim d has them sharded on d+1
+  (the state entry's declared sharding, `StateEntry.sharded_axis`);
 - a bf16 parameter's low half (FORMAT.md, "Split masters"; int16 in a plain state) is stored as
   an **int8** DTensor of shape [*shape, 2] holding the low halves' bytes: the collectives carry
   no int16 either, while a trailing pair dimension keeps every placement of the parameter's
@@ -58,28 +59,38 @@ def state_dtype_for(param: torch.Tensor, fmt: StateFormat) -> torch.dtype:
 
 
 def wrap_state(param: torch.Tensor, local_state: torch.Tensor, fmt: StateFormat, name: str) -> torch.Tensor:
-    """The stored state for `param` from its local state (uint32 words or float32 [2, *local]):
-    the local tensor itself for a plain parameter, a DTensor like the parameter's otherwise."""
+    """The stored state for `param` from its local state (the state entry's local shard:
+    uint32 words, or fp32 mode's float32 [2, *local]): the local tensor itself for a plain
+    parameter, otherwise a DTensor sharded as the entry declares (`StateEntry.sharding`: the
+    parameter's placements, moved past the entry's leading axes)."""
     if not is_dtensor(param):
         return local_state
-    shape = fmt.state_shape(param.shape)
+    entry = fmt.state_entry
+    shape = entry.shape(param.shape)
     if state_dtype(fmt) is torch.uint32:
-        return DTensor.from_local(local_state.view(SHARDED_WORDS_DTYPE), param.device_mesh, param.placements,
-                                  run_check=False, shape=shape, stride=param.stride())
+        local_state = local_state.view(SHARDED_WORDS_DTYPE)
+    if not entry.leading:  # the parameter's shape: it follows any placement the parameter has
+        return DTensor.from_local(local_state, param.device_mesh, param.placements, run_check=False, shape=shape,
+                                  stride=param.stride())
     placements = []
     for placement in param.placements:
         if type(placement) is Shard:
-            placements.append(Shard(placement.dim + 1))
+            placements.append(Shard(entry.sharded_axis(placement.dim)))
         elif isinstance(placement, Replicate):
             placements.append(placement)
         else:
+            leading = ", ".join(map(str, entry.leading))
             raise NotImplementedError(
-                f"{name} is a DTensor with placement {placement}: fp32 mode keeps its moments as one [2, *shape] "
-                "tensor and can follow Shard and Replicate placements only; use mode='packed' or 'fp16', whose "
-                "words follow any placement"
+                f"{name} is a DTensor with placement {placement}: mode={fmt.mode!r} keeps its state "
+                f"({entry.key!r}) as one [{leading}, *shape] tensor and can follow Shard and Replicate placements "
+                "only; use mode='packed', whose state has the parameter's shape and follows any placement"
             )
-    stride = (param.numel(), *param.stride())
-    return DTensor.from_local(local_state, param.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+    leading_strides, inner = [], param.numel()  # the leading axes are outermost, laid out contiguously
+    for size in reversed(entry.leading):
+        leading_strides.insert(0, inner)
+        inner *= size
+    return DTensor.from_local(local_state, param.device_mesh, placements, run_check=False, shape=shape,
+                              stride=(*leading_strides, *param.stride()))
 
 
 def kernel_low_half(low_half: torch.Tensor) -> torch.Tensor:

@@ -179,24 +179,28 @@ def _insert_states(opt, checked: _Checked, stored: list, stored_lows: list) -> t
 
 
 def checked_row(opt, group: dict, index: int) -> tuple:
-    """The group's (lr, b1, b2, eps, weight_decay, maximize) as floats and a bool. Validity
-    depends on the values alone, so rows already seen valid are not checked again (a
-    scheduler changes lr)."""
-    if opt.capturable and not (isinstance(group.get("lr"), torch.Tensor) and group["lr"].numel() == 1):
-        raise ValueError(f"param_groups[{index}]['lr'] is {group.get('lr')!r}: capturable=True needs a one-element "
-                         "tensor lr on the parameters' device; change it in place (lr.fill_(x)), as LR "
-                         "schedulers do")
+    """The group's torch hyperparameter row (`RuleLaunch`): the rule's `group_row` of its
+    `group_keys` (for AdamW lr, b1, b2, eps, weight_decay as floats), then maximize. Validity
+    depends on the values alone, so rows already seen valid are not checked again (a scheduler
+    changes lr)."""
+    rule = opt.rule_launch.rule
+    lr_key = rule.group_keys[0]  # the learning rate: first, as LR schedulers and capturable steps set it
+    if opt.capturable and not (isinstance(group.get(lr_key), torch.Tensor) and group[lr_key].numel() == 1):
+        raise ValueError(f"param_groups[{index}][{lr_key!r}] is {group.get(lr_key)!r}: capturable=True needs a "
+                         f"one-element tensor {lr_key} on the parameters' device; change it in place "
+                         "(lr.fill_(x)), as LR schedulers do")
     try:
-        lr, (b1, b2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        values = [group[key] for key in rule.group_keys]
         maximize = group.get("maximize", False)
-        # capturable: the lr stays on the device and is checked there (CapturableStepPlan)
-        row = ("on the device" if opt.capturable else float(lr), float(b1), float(b2), float(eps),
-               float(weight_decay), maximize)
+        if opt.capturable:
+            values[0] = 0.0  # the lr stays on the device and is checked there (CapturableStepPlan)
+        row = rule.group_row(*values)
+        row = ("on the device" if opt.capturable else row[0], *row[1:], maximize)
     except (TypeError, ValueError, RuntimeError):
         row = None  # let the validation say what is wrong
     valid = opt.__dict__.setdefault("_valid_rows", {})
     if row is None or row not in valid:
-        _checks.validate_group_hyperparams(group, index, check_lr=not opt.capturable)
+        _checks.validate_group_hyperparams(group, index, rule, check_lr=not opt.capturable)
         if len(valid) > 64:
             valid.clear()
         valid[row] = True
@@ -266,22 +270,24 @@ def format_stats(opt, count_names: tuple[str, ...]) -> dict:
             counts = entry[1].cpu().tolist()
             stats[key] = {"elements": entry[2], **dict(zip(count_names, counts))}
             if id(p) not in warned and entry[2]:
-                _warn_saturation(opt.state_format, _checks.param_name(group, gi, pi), stats[key], warned, id(p))
+                _warn_saturation(opt, _checks.param_name(group, gi, pi), stats[key], warned, id(p))
     totals.clear()
     return stats
 
 
-def _warn_saturation(fmt, name: str, entry: dict, warned: set, key: int) -> None:
+def _warn_saturation(opt, name: str, entry: dict, warned: set, key: int) -> None:
+    """Warns when more than SATURATION_WARNING of a parameter's element-steps saturated one of
+    the rule's codes (`Rule.codes`, their codecs the state format's `formats`)."""
+    fmt = opt.state_format
     if not has_format_counts(fmt):
         return
     problems = []
-    for moment, what, bias_name, bias, codec in (("m", "first moments", "m_bias", fmt.m_bias, fmt.formats[0]),
-                                                  ("rms", "RMS values", "rms_bias", fmt.rms_bias, fmt.formats[1])):
-        share = entry[f"saturated_{moment}"] / entry["elements"]
+    for code, codec in zip(fmt.rule.codes, fmt.formats):
+        share = entry[f"saturated_{code.suffix}"] / entry["elements"]
         if share > SATURATION_WARNING:
-            hint = (f"lower {bias_name} (now {bias}; each step down doubles the largest value)"
-                    if fmt.mode == "packed" else "use mode='packed' with a lower bias")
-            problems.append(f"{share:.2%} of its {what} saturated at {codec.max_value:g}: {hint}")
+            hint = (f"lower {code.bias_option} (now {getattr(fmt, code.bias_option)}; each step down doubles the "
+                    "largest value)" if fmt.mode == "packed" else "use mode='packed' with a lower bias")
+            problems.append(f"{share:.2%} of its {code.holds} saturated at {codec.max_value:g}: {hint}")
     if problems:
         warned.add(key)
-        warnings.warn(f"PackedAdamW: {name}: " + "; ".join(problems), RuntimeWarning, stacklevel=4)
+        warnings.warn(f"{type(opt).__name__}: {name}: " + "; ".join(problems), RuntimeWarning, stacklevel=4)

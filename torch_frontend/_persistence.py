@@ -2,8 +2,10 @@
 `PackedMuon` and `PackedMuonAdamW` reuse the identity (`with_identity`, `saved_identity`) and,
 for AdamW groups, the load checks and restoration.
 
-Written against a parameter's state entries (`_state.py`: the moments under
-`fmt.state_key`, a bf16 parameter's low half, the step count): the state_dict's format
+Written against a parameter's state entries as the rule's state format declares them
+(`fmt.state_entry`: its key, dtype and shape; for AdamW the uint32 words or fp32 mode's
+moments), a bf16 parameter's low half (`LOW_HALF_KEY`) and the step count (`STEP_KEY`), as
+`_state.py` lays them out in torch; none is named here. Covered: the state_dict's format
 identity and its checks on load, pickling of uint32 words, `PortableState` export and import
 (to and from JAX), and `master_weights` / `load_master_weights`. Everything a load reads is
 checked before anything changes.
@@ -137,7 +139,7 @@ def export_state(opt) -> PortableState:
                 "Save a sharded state with torch.distributed.checkpoint (docs/DISTRIBUTED.md)"
             )
         state = opt.state.get(p) or {}
-        counts.append(int(state["step"]) if state else 0)
+        counts.append(int(state[STEP_KEY]) if state else 0)
         tensor = state[opt.state_format.state_key] if state else new_state(p, opt.state_format)
         moments.append(_to_numpy(tensor))
         if p.dtype is BFLOAT16:
@@ -172,7 +174,7 @@ def import_state(opt, portable: PortableState) -> None:
         tensor = torch.from_numpy(array.view(np.int32)).view(torch.uint32) if array.dtype == np.uint32 \
             else torch.from_numpy(array)
         check_loaded_values(tensor, opt.state_format, f"import_state: tensor {i} ({name})")
-        new[p] = {"step": count, opt.state_format.state_key: tensor.to(p.device)}
+        new[p] = {STEP_KEY: count, opt.state_format.state_key: tensor.to(p.device)}
         if low is not None:
             new[p][LOW_HALF_KEY] = torch.from_numpy(np.array(low, order="C", copy=True)).to(p.device)
     drop_plan(opt, keep_counts=False)
@@ -217,7 +219,7 @@ def load_master_weights(opt, masters) -> None:
             continue
         state = opt.state[p]
         if not state:  # never stepped: a fresh state (step 0) that keeps the low half
-            state["step"] = 0
+            state[STEP_KEY] = 0
             state[opt.state_format.state_key] = _dtensor.wrap_state(p, new_state(_dtensor.local(p), opt.state_format),
                                                          opt.state_format, name_of(opt, p))
             state[LOW_HALF_KEY] = _dtensor.wrap_low_half(p, new_low_half(_dtensor.local(p)))

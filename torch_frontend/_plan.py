@@ -271,10 +271,10 @@ class CapturableStepPlan(StepPlan):
         self.on_device_counts = True
         n, torch_device = len(params), self.torch_device
         # One device vector of counts; each state's "step" is a view of its element.
-        self.counts = torch.stack([torch.as_tensor(state["step"], dtype=torch.int32).to(torch_device).reshape(())
+        self.counts = torch.stack([torch.as_tensor(state[STEP_KEY], dtype=torch.int32).to(torch_device).reshape(())
                                    for state in states])
         for i, state in enumerate(states):
-            state["step"] = self.counts[i]
+            state[STEP_KEY] = self.counts[i]
         self.step_tensors = [state[STEP_KEY] for state in states]
         self.tables = self.layout(tuple(range(n)))  # one scalar row per tensor
         self.group_index = torch.as_tensor(self.group_of, dtype=torch.int64).to(torch_device)

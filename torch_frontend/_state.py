@@ -2,16 +2,16 @@
 layout (`StateFormat`, docs/FORMAT.md) into torch dtypes and shapes, and reads the counter rows
 the kernels and the numpy step add to (core/launch.py's layout).
 
-A parameter's state entries: the moments (`fmt.state_key`: uint32 words, or float32 [2, *shape]
-in fp32 mode), for a bf16 parameter its low half (`LOW_HALF_KEY`, int16, the parameter's shape),
-and its step count ("step").
+A parameter's state entries: the rule's state entry (`fmt.state_entry`, core/rule.py: its key,
+dtype and shape; AdamW's uint32 words, or float32 [2, *shape] moments in fp32 mode), for a bf16
+parameter its low half (`LOW_HALF_KEY`, int16, the parameter's shape), and its step count
+(`STEP_KEY`, torch.optim's "step").
 """
 from __future__ import annotations
 
 import torch
 
 from packed_adamw.core import StateFormat, codecs as formats, launch
-from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 # core's numpy dtype names as torch dtypes: the only such map in the torch frontend.
 TORCH_DTYPES = {"float32": torch.float32, "uint32": torch.uint32, "int16": torch.int16}
@@ -51,8 +51,8 @@ def flat_moments(state: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     return state.detach().reshape(fmt.flat_state_shape(-1))
 
 
-# ---- counter rows (core/launch.py: column 0 the non-finite count, then each format count of
-# FORMAT_COUNTS in FORMAT_SLOTS slots) ----
+# ---- counter rows (core/launch.py: column 0 the non-finite count, then each of the rule's
+# format counts, `count_names` order, in FORMAT_SLOTS slots; MAX_FORMAT_COUNTS counts a row) ----
 NONFINITE_COLUMN = 0
 
 
@@ -62,10 +62,12 @@ def new_counters(n: int, device) -> torch.Tensor:
 
 
 def format_count_slots(counters: torch.Tensor) -> torch.Tensor:
-    """[n, len(FORMAT_COUNTS), FORMAT_SLOTS] view of counter rows' format counts."""
-    return counters[:, NONFINITE_COLUMN + 1:].view(len(counters), len(FORMAT_COUNTS), launch.FORMAT_SLOTS)
+    """[n, MAX_FORMAT_COUNTS, FORMAT_SLOTS] view of counter rows' format counts (a rule's
+    `count_names` first, in order)."""
+    return counters[:, NONFINITE_COLUMN + 1:].view(len(counters), launch.MAX_FORMAT_COUNTS, launch.FORMAT_SLOTS)
 
 
 def format_counts(counters: torch.Tensor) -> torch.Tensor:
-    """[n, len(FORMAT_COUNTS)] format counts of counter rows, their slots summed (a new tensor)."""
+    """[n, MAX_FORMAT_COUNTS] format counts of counter rows (a rule's `count_names` first),
+    their slots summed (a new tensor)."""
     return launch.sum_counter_slots(counters)

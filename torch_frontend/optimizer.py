@@ -85,7 +85,8 @@ class PackedAdamW(Optimizer):
         self.check_nonfinite = check_nonfinite
         self.capturable = capturable
         self.track_format = track_format  # checked against the mode and capturable (the property)
-        _checks.check_hyperparams(lr, betas, eps, weight_decay, maximize, check_lr=not capturable)
+        _checks.check_hyperparams(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
+                                  self.rule_launch.rule, check_lr=not capturable)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self._compile_token = _compiled.register(self)  # names this optimizer to its compiled steps
@@ -132,7 +133,7 @@ class PackedAdamW(Optimizer):
         try:  # a refused group must not stay behind
             index = len(self.param_groups) - 1
             _checks.check_listed_once(self.param_groups[index], index)
-            _checks.validate_group(self.param_groups[index], index)
+            _checks.validate_group(self.param_groups[index], index, self.rule_launch.rule)
             _checks.check_one_device([p for g in self.param_groups for p in g["params"]], f"param_groups[{index}]")
         except Exception:
             self.param_groups.pop()

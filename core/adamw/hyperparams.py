@@ -31,6 +31,16 @@ HPARAM_BOUNDS = {
 }
 # The step derives lr * weight_decay: it must be a finite float32 number too.
 FINITE_PRODUCTS = (("lr", "weight_decay"),)
+# The hyperparameters as a parameter group holds them (torch.optim.AdamW's keys: "betas" is
+# the pair (b1, b2)), in the order `group_row` and `validate_hyperparams` take them.
+GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def group_row(lr, betas, eps, weight_decay) -> tuple[float, ...]:
+    """The hyperparameter row (HPARAM_FIELDS order) of a group's values, as Python floats.
+    Raises TypeError or ValueError where a value is not a number or betas not a pair."""
+    b1, b2 = betas
+    return float(lr), float(b1), float(b2), float(eps), float(weight_decay)
 
 
 @dataclass(frozen=True)
