@@ -370,3 +370,47 @@ def test_gpu_contraction():
           "differ from the contract")
     got, fused, unfused = contraction_probe(GPU, barriers=True)
     np.testing.assert_array_equal(bits(got), bits(np.full_like(got, unfused)))
+
+
+# ---------------------------------------------------------------------------------------------
+# In the transform: what `impl="xla"` would give, against the shipped step (numpy callback here)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_transform_with_xla_step_matches_shipped_step(mode, monkeypatch):
+    """The optax transform and the fused step with `sharded_step` replaced by `xla_step` (the
+    stand-in for an impl="xla" option), against the shipped path, over three jitted steps of a
+    tree with float32 and bf16 leaves and a weight-decay mask. Inputs keep clear of subnormals,
+    where the CPU's FTZ/DAZ would rightly make them differ."""
+    import optax
+
+    from packed_adamw.jax import packed_adamw, packed_adamw_fused_step
+    from packed_adamw.jax import transform
+
+    rng = np.random.default_rng(5)
+    params = {"a": wide(rng, 64 * 33, -4, 1).reshape(64, 33), "b": jnp.asarray(wide(rng, 17, -4, 1), jnp.bfloat16),
+              "c": wide(rng, 5, -4, 1)}
+    grads = [jax.tree_util.tree_map(lambda p: jnp.asarray(wide(rng, p.size, -8, 2).reshape(p.shape), p.dtype), params)
+             for _ in range(3)]
+    mask = {"a": True, "b": True, "c": False}
+    tx = packed_adamw(3e-3, weight_decay=0.1, mask=mask, mode=mode)
+    fused = packed_adamw_fused_step(3e-3, weight_decay=0.1, mask=mask, mode=mode)
+
+    def run(step_fn):
+        outs = []
+        with monkeypatch.context() as patch:
+            if step_fn is not None:
+                patch.setattr(transform, "sharded_step", step_fn)
+            transform_step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), u, s))(
+                *tx.update(g, s, p)))
+            fused_step = jax.jit(fused)
+            p, s, fp, fs = params, tx.init(params), params, tx.init(params)
+            for g in grads:
+                p, u, s = transform_step(p, s, g)
+                fp, fs = fused_step(fp, g, fs)
+                outs.append(jax.tree_util.tree_map(np.asarray, (p, u, s, fp, fs)))
+        return outs
+
+    shipped, xla = run(None), run(_xla_step.xla_step)
+    for step, (want, got) in enumerate(zip(shipped, xla)):
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree_util.tree_leaves(want)):
+            np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"step {step + 1}, {jax.tree_util.keystr(path)}")
