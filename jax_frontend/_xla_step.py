@@ -7,33 +7,39 @@ surrounds it (`optax.apply_updates`, the gradient's producer) and is partitioned
 elementwise computation; the primitive's Triton kernel and numpy callback can do neither.
 
 It follows docs/FORMAT.md ("The step", "Split masters") operation for operation, in the order
-of `core/adamw/numpy_step.update_chunk`, each float32 operation rounded on its own. Two things
-stand between XLA and those bits, and both are measured by tests/test_jax_xla_step.py:
+of `core/adamw/numpy_step.update_chunk`, each float32 operation rounded on its own. What stands
+between XLA and those bits (measured on CPU, jax 0.10.2; tests/test_jax_xla_step.py checks each):
 
-- **FMA contraction.** XLA's CPU backend contracts `a * b + c` into one fused multiply-add
-  (measured: jax 0.10.2, `jit(lambda a, b, c: a * b + c)` on (1 + 2**-12)**2 - (1 + 2**-11)
-  gives 2**-24, the fused result, where numpy gives 0). Every product that feeds a sum therefore
-  goes through `_rounded`: its bits are OR'ed with a zero that XLA cannot see is zero (a value
-  behind `lax.optimization_barrier`), so the compiler must produce the rounded product before
-  the sum. Constant folding, the algebraic simplifier and LLVM all keep it (the test checks the
-  bits on inputs where fused and unfused results differ). Whether the GPU backend contracts
-  too is what `contraction_barriers=False` and the `cuda` tests measure.
+- **FMA contraction.** XLA's CPU backend contracts `a * b + c` into one fused multiply-add:
+  `jit(lambda a, b, c: a * b + c)` on a = b = 1 + 2**-12, c = -(1 + 2**-11) gives 2**-24, the
+  fused result, where numpy gives 0; the optimized HLO keeps multiply and add apart, LLVM fuses
+  them (vfmadd in the object code). Every product that feeds a sum therefore goes through
+  `_rounded`: its bits are OR'ed with a zero XLA cannot know is zero, the count's sign bit
+  (`contraction_guard`), so the rounded product must exist before the sum. A constant zero does
+  not do: XLA folds it even behind `lax.optimization_barrier`. Whether the GPU backend
+  contracts is what `contraction_barriers=False` and the `cuda` tests measure.
+- **Algebraic rewrites.** XLA's simplifier turns `1 / sqrt(x)` into `rsqrt(x)` (other bits at
+  count 7) and `(x + 2**23) - 2**23` into `x`: the step scalars hide the square root behind the
+  same guard, and `encode` reads the rounded integer from the sum's bits.
 - **Subnormals on CPU.** XLA's CPU runtime runs compiled code with FTZ and DAZ set (as it does
   its callbacks: `_step._subnormals_kept`), so a float32 operation with a subnormal input or
-  result gives 0 where numpy gives the subnormal. No flag turns it off. The step's own
-  encodings avoid float subnormals (`decode` builds normal codes with integer operations and
-  subnormal codes from a normal intermediate; `encode` never needs one), but its arithmetic on
-  subnormal parameters, gradients and products cannot: on CPU this step has the bits of the
-  numpy step run under FTZ/DAZ, which differ from the contract only where a subnormal arises.
-  The numpy callback (`_step.py`) therefore stays the CPU step. XLA's GPU backend keeps
-  float32 subnormals unless `--xla_gpu_ftz` is set (its default is off); the `cuda` tests
-  compare against the contract itself.
+  result gives 0 where numpy gives the subnormal; no flag turns it off. `decode` and `encode`
+  never need a float subnormal (normal codes are built with integer operations, subnormal codes
+  from a normal intermediate), but the arithmetic on subnormal parameters, gradients and
+  products cannot avoid them: on CPU this step has the bits of the numpy step run under
+  FTZ/DAZ, which differ from the contract only where a subnormal arises. The numpy callback
+  (`_step.py`) therefore stays the CPU step. XLA's GPU backend is expected to keep float32
+  subnormals (`--xla_gpu_ftz` defaults to off); the `cuda` tests check it and compare with the
+  contract itself.
+
+On CPU XLA splits the step into several loop fusions with float32 temporaries between them
+(12 bytes per parameter in benchmarks/jax_xla_step.py); whether the GPU backend's multi-output
+fusion makes it one kernel is what that benchmark's temporaries column shows.
 
 Format counts (`track_format`) are not implemented here; the config is refused.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -122,8 +128,9 @@ def encode(values, fmt: MiniFloat):
     # by adding 2**23 (ties to even). The sum lies in [2**23, 2**24], where a float32's bits are
     # 2**23's plus that integer: read it with an integer subtraction. Not numpy's
     # `(x + 2**23) - 2**23`: XLA's algebraic simplifier (every backend) folds that back to x
-    # (measured: the optimized HLO is a copy, and the codes came out truncated). The product is exact (a power of two; a magnitude it would make
-    # subnormal gives code 0 flushed or not), so a contracted multiply-add rounds as the sum does.
+    # (measured: the optimized HLO is a copy, and the codes came out truncated). The product is
+    # exact (a power of two; a magnitude it would make subnormal gives code 0 flushed or not),
+    # so a contracted multiply-add rounds as the sum does.
     scaled = jnp.minimum(magnitude * np.float32(np.ldexp(1.0, fmt.fraction_bits - 1 + fmt.bias)), _MAGIC)
     subnormal = lax.bitcast_convert_type(scaled + _MAGIC, jnp.int32) - lax.bitcast_convert_type(_MAGIC, jnp.int32)
     unsaturated = jnp.where(magnitude >= np.float32(fmt.min_normal), normal, subnormal)

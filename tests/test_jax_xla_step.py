@@ -236,8 +236,8 @@ def test_decode_every_code_and_encode(fmt):
 def test_step_scalars():
     rng = np.random.default_rng(2)
     rows = np.array([case[0] for case in HPARAM_CASES[:2]]
-                    + [[10.0 ** rng.uniform(-6, 0), rng.uniform(0, 1), rng.uniform(0.5, 1), 10.0 ** rng.uniform(-12, -4),
-                        rng.uniform(0, 0.1)] for _ in range(6)], F32)
+                    + [[10.0 ** rng.uniform(-6, 0), rng.uniform(0, 1), rng.uniform(0.5, 1),
+                        10.0 ** rng.uniform(-12, -4), rng.uniform(0, 0.1)] for _ in range(6)], F32)
     derive = jax.jit(lambda rows, count: _xla_step.step_scalars(rows, count, _xla_step.contraction_guard(count)))
     for count in [*range(1, 40), 1000, 12345, 2**20 + 7, 2**31 - 1, *rng.integers(1, 2**31 - 1, 8)]:
         got = np.asarray(derive(rows, np.int32(count)))
