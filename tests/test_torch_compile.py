@@ -502,6 +502,30 @@ def test_cuda_compiled_opt_step_equals_the_cpu_step(mode, dtype):
     assert_same_state(list(cpu.parameters()), host, list(gpu.parameters()), dev, "CUDA compiled vs CPU")
 
 
+@pytest.mark.parametrize("mode", ["packed", "fp32"])
+@pytest.mark.parametrize("batch_ns", [False, True], ids=["per_matrix", "batch_ns"])
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_compiled_packed_muon_adamw_step_equals_its_eager_cuda_step(mode, batch_ns):
+    """Inductor on the GPU against eager CUDA steps (Newton-Schulz runs on the GPU in both, in
+    the op), bf16 and FP32 parameters, the lrs changing, no recompile, one graph."""
+    a, b = mixed_model().cuda(), mixed_model().cuda()
+    eager, compiled = (PackedMuonAdamW(muon_param_groups(m, exclude=("head",), muon=dict(lr=0.02)), mode=mode,
+                                       batch_ns=batch_ns) for m in (a, b))
+    counter = Counting("inductor")
+    with no_recompiles():
+        step = torch.compile(compiled.step, fullgraph=True, backend=counter)
+        for value, grads in zip(LRS, gradients(list(a.parameters()), len(LRS))):
+            set_lr(eager, value)
+            set_lr(compiled, value)
+            feed(a.parameters(), grads)
+            feed(b.parameters(), grads)
+            eager.step()
+            step()
+    assert counter.one_graph_calling_the_step_op()
+    assert_same_state(list(a.parameters()), eager, list(b.parameters()), compiled, "CUDA compiled Muon")
+
+
 def _cuda_lr(capturable: bool):
     return torch.tensor(1e-2, device="cuda") if capturable else 1e-2
 
