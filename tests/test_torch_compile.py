@@ -410,21 +410,22 @@ def combined(model, mode):
 
 @pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
 def test_compiled_packed_muon_adamw_step_gives_the_eager_bits_and_resumes(mode):
-    """fullgraph=True over both rules; the float lrs change every step and nothing recompiles;
-    the state_dict of a compiled run resumes in a new optimizer, compiled at once."""
+    """fullgraph=True over both rules; a scheduler changes both groups' float lrs every step and
+    nothing recompiles; the state_dict of a compiled run resumes in a new optimizer, compiled at once."""
     a, b = mixed_model(), mixed_model()
     eager, compiled = combined(a, mode), combined(b, mode)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (eager, compiled)]
     counter = Counting("aot_eager")
     with no_recompiles():
         step = torch.compile(compiled.step, fullgraph=True, backend=counter)
-        for i, grads in enumerate(gradients(list(a.parameters()), 3)):
-            for opt in (eager, compiled):
-                for group in opt.param_groups:
-                    group["lr"] = LRS[i] * (3.0 if group["kind"] == "muon" else 1.0)
+        for grads in gradients(list(a.parameters()), 3):
             feed(a.parameters(), grads)
             feed(b.parameters(), grads)
             eager.step()
             step()
+            for scheduler in schedulers:
+                scheduler.step()
+    assert compiled.param_groups[0]["lr"] == 0.02 / 4
     assert counter.one_graph_calling_the_step_op()
     assert_same_state(list(a.parameters()), eager, list(b.parameters()), compiled, f"compiled {mode} steps")
     resumed = combined(b, mode)
