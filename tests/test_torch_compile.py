@@ -475,6 +475,11 @@ def test_muon_check_nonfinite_breaks_the_graph_and_still_raises():
     with pytest.raises(NonFiniteGradientError, match="up.weight.*refused whole"):
         torch.compile(opt.step, backend="aot_eager")()
     assert opt.state[model.down.weight] and opt.state[model.head.weight]["step"] == 1
+    opt.check_nonfinite = False
+    opt.rules["adamw"].check_nonfinite = True  # a rule's switch, set since, counts too
+    torch._dynamo.reset()  # dynamo would reuse the plain compile's cached frame (graph breaks and all)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="check_nonfinite"):
+        torch.compile(opt.step, fullgraph=True, backend="aot_eager")()
 
 
 # ------------------------------------------------------------------------ CUDA ----

@@ -3,17 +3,20 @@
 PackedMuon and PackedMuonAdamW (docs/MUON.md, "Compiled steps").
 
 Traced code (dynamo) only collects the parameters that have gradients and calls
-`torch.ops.packed_adamw.step_` with them, their gradients, their positions in `param_groups`
-and the optimizer's token. The op declares that it mutates the parameters and has a fake
+`torch.ops.packed_adamw.step_` with them, their gradients, their positions in `param_groups` and
+the optimizer's token. The op declares that it mutates the parameters and has a fake
 implementation that does nothing, so the step is one node of the graph (`fullgraph=True` holds,
 on CPU as on CUDA). At run time its real implementation runs the eager step of the optimizer the
 token names (its `_update(live)`): hyperparameter checks, state creation, the step plan (or the
-capturable plan), the launches or the numpy step; for Muon also Newton-Schulz, whose bits
-Inductor would change if it compiled it (it fuses the bf16 roundings away). The optimizer state (words or momentum codes, low
-halves, step counts) is never a graph input or output: the compiled graph neither reads nor writes it, only
-the op does, so the state, its step counts (ints, or device tensors with `capturable=True`) and
-`state_dict()` are the eager step's. Nothing the traced code reads changes between steps, so a
-changing learning rate (a float or a tensor) recompiles nothing.
+capturable plan), the launches or the numpy step; for Muon also Newton-Schulz, which stays out
+of the graph because Inductor would change its bits (docs/MUON.md, "Compiled steps"). The
+optimizer state (words or momentum codes, low halves, step counts) is never a graph input or
+output: the compiled graph neither reads nor writes it, only the op does, so the state, its step
+counts (ints, or device tensors with `capturable=True`) and `state_dict()` are the eager step's.
+Nothing the traced code reads changes between steps, so a changing learning rate (a float or a
+tensor) recompiles nothing. An optimizer takes part by having `_update(live=None)` (its eager
+step; `live` as `run` says), `_note_param_lists()`, `check_nonfinite`, `capturable`, and
+`_compile_token = register(self)`.
 
 Steps dynamo cannot trace run eagerly between graphs (a graph break whose reason names why,
 which `fullgraph=True` refuses with): `check_nonfinite=True`, DTensor parameters, and a

@@ -69,7 +69,7 @@ class PackedMuonAdamW(Optimizer):
                  check_nonfinite: bool = False, multi_tensor: bool = True, capturable: bool = False,
                  batch_ns: bool = False, ns_impl: str = "cublas"):
         _muon.check_options(type(self).__name__, capturable, batch_ns, ns_impl)
-        self.check_nonfinite = check_nonfinite  # read by the compiled step (_compiled.traced_step)
+        self._check_nonfinite = check_nonfinite
         self.capturable = False
         self._rule_options = {
             "muon": dict(defaults=dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -121,17 +121,32 @@ class PackedMuonAdamW(Optimizer):
         self._param_lists = [group["params"] for group in self.param_groups]
 
     @property
+    def check_nonfinite(self) -> bool:
+        """Whether a step may raise NonFiniteGradientError: set here (for both rules) or on a rule
+        since. The compiled step reads it, to take such a step between graphs."""
+        rules = self.__dict__.get("_rules", {}).values()
+        return self.__dict__.get("_check_nonfinite", False) or any(rule.check_nonfinite for rule in rules)
+
+    @check_nonfinite.setter
+    def check_nonfinite(self, value: bool) -> None:
+        self._check_nonfinite = value
+        for settings in self._rule_options.values():
+            settings["options"]["check_nonfinite"] = value
+        for rule in self._rules.values():
+            rule.check_nonfinite = value
+
+    @property
     def rules(self) -> dict[str, Optimizer]:
         """The rule optimizers (kind -> PackedMuon / PackedAdamW) that step the groups."""
         return dict(self._rules)
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_rule_options": self._rule_options, "_rules": self._rules,
-                "check_nonfinite": self.check_nonfinite, "capturable": False}
+                "_check_nonfinite": self.__dict__.get("_check_nonfinite", False), "capturable": False}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("check_nonfinite", False)  # pickled before the attribute existed
+        self.__dict__.setdefault("_check_nonfinite", False)  # pickled before the attribute existed
         self.__dict__.setdefault("capturable", False)
         self._note_param_lists()
         if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer
