@@ -443,8 +443,9 @@ def test_inductor_steps_packed_muon_in_place_with_a_tensor_lr_and_batched_newton
     in place recompiles nothing; batch_ns's batches form inside the op as in the eager step."""
     def matrices():
         gen = torch.Generator().manual_seed(4)
-        return [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype)) for shape, dtype in
-                (((6, 10), torch.bfloat16), ((10, 6), torch.float32), ((6, 10), torch.float32), ((7, 7), torch.float32))]
+        shapes = (((6, 10), torch.bfloat16), ((10, 6), torch.float32), ((6, 10), torch.float32),
+                  ((7, 7), torch.float32))
+        return [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype)) for shape, dtype in shapes]
 
     a, b = matrices(), matrices()
     eager, compiled = (PackedMuon(ps, lr=torch.tensor(0.02), batch_ns=True) for ps in (a, b))
