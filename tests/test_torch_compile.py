@@ -1,4 +1,5 @@
-"""`PackedAdamW` under torch.compile (docs/MULTI_TENSOR.md, "Compiled steps").
+"""`PackedAdamW`, `PackedMuon` and `PackedMuonAdamW` under torch.compile (docs/MULTI_TENSOR.md,
+"Compiled steps"; docs/MUON.md, "Compiled steps").
 
 The step is one custom op (`packed_adamw::step_`), so `torch.compile(opt.step)` and a compiled
 training step (forward, backward, step) hold with `fullgraph=True`, on CPU (the numpy step) as on
@@ -8,6 +9,11 @@ the quick "aot_eager" backend (which hands the op copies of the parameters: the 
 one uses Inductor (which updates the parameters in place: the plan path). The CUDA-marked tests
 compile for the GPU, including `mode="reduce-overhead"` (the step runs between the captured
 partitions) and a CUDA-graph capture of a compiled training step.
+
+The Muon optimizers take the same op (torch_frontend/_compiled.py), Newton-Schulz inside it:
+Inductor compiling it would fuse away its bf16 roundings. Their tests are few and tiny (the
+compile dominates): every momentum mode, bf16 parameters with masters beside FP32 ones, float and
+tensor learning rates changed between steps without a recompile, both backends, a resumed state.
 
 Compiled forward and backward passes may round differently from eager ones, so the eager
 optimizers are fed the gradients the compiled runs produced. Bits are compared as integers.
@@ -22,7 +28,8 @@ import pytest
 import torch
 
 import torch_helpers as H
-from packed_adamw.torch import NonFiniteGradientError, PackedAdamW
+from muon_helpers import TinyModel
+from packed_adamw.torch import NonFiniteGradientError, PackedAdamW, PackedMuon, PackedMuonAdamW, muon_param_groups
 from packed_adamw.torch.gpt.model import GPT, GPTConfig
 
 MODES = H.MODES
@@ -369,6 +376,113 @@ def test_a_copied_optimizer_is_stepped_by_its_own_compiled_step():
     assert twin.state[twin_params[0]]["step"] == 2 and opt.state[m[0].weight]["step"] == 1
 
 
+# ------------------------------------------------------------------------ Muon ----
+
+class Counting:
+    """A backend (one of dynamo's, by name) that keeps the graphs dynamo hands it: one graph
+    holding the step's op is a step traced whole."""
+
+    def __init__(self, backend: str):
+        self.backend, self.graphs = torch._dynamo.lookup_backend(backend), []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return self.backend(gm, example_inputs)
+
+    def one_graph_calling_the_step_op(self) -> bool:
+        return len(self.graphs) == 1 and any("packed_adamw.step_" in str(node.target)
+                                             for node in self.graphs[0].graph.nodes)
+
+
+def mixed_model(seed=0):
+    """TinyModel with bf16 parameters (split masters) beside FP32 ones in both rules."""
+    torch.manual_seed(seed)
+    model = TinyModel()
+    model.up.to(torch.bfloat16)
+    model.norm.to(torch.bfloat16)
+    return model
+
+
+def combined(model, mode):
+    groups = muon_param_groups(model, exclude=("head",), muon=dict(lr=0.02), adamw=dict(lr=3e-3))
+    return PackedMuonAdamW(groups, mode=mode, momentum=0.9, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
+def test_compiled_packed_muon_adamw_step_gives_the_eager_bits_and_resumes(mode):
+    """fullgraph=True over both rules; a scheduler changes both groups' float lrs every step and
+    nothing recompiles; the state_dict of a compiled run resumes in a new optimizer, compiled at once."""
+    a, b = mixed_model(), mixed_model()
+    eager, compiled = combined(a, mode), combined(b, mode)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (eager, compiled)]
+    counter = Counting("aot_eager")
+    with no_recompiles():
+        step = torch.compile(compiled.step, fullgraph=True, backend=counter)
+        for grads in gradients(list(a.parameters()), 3):
+            feed(a.parameters(), grads)
+            feed(b.parameters(), grads)
+            eager.step()
+            step()
+            for scheduler in schedulers:
+                scheduler.step()
+    assert compiled.param_groups[0]["lr"] == 0.02 / 4
+    assert counter.one_graph_calling_the_step_op()
+    assert_same_state(list(a.parameters()), eager, list(b.parameters()), compiled, f"compiled {mode} steps")
+    resumed = combined(b, mode)
+    resumed.load_state_dict(compiled.state_dict())
+    step = torch.compile(resumed.step, fullgraph=True, backend="aot_eager")
+    feed(a.parameters(), gradients(list(a.parameters()), 1, seed=9)[0])
+    feed(b.parameters(), gradients(list(b.parameters()), 1, seed=9)[0])
+    eager.step()
+    step()
+    assert_same_state(list(a.parameters()), eager, list(b.parameters()), resumed, f"resumed {mode} steps")
+
+
+def test_inductor_steps_packed_muon_in_place_with_a_tensor_lr_and_batched_newton_schulz():
+    """Inductor hands the op the parameters themselves (aot_eager, copies); a tensor lr changed
+    in place recompiles nothing; batch_ns's batches form inside the op as in the eager step."""
+    def matrices():
+        gen = torch.Generator().manual_seed(4)
+        shapes = (((6, 10), torch.bfloat16), ((10, 6), torch.float32), ((6, 10), torch.float32),
+                  ((7, 7), torch.float32))
+        return [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype)) for shape, dtype in shapes]
+
+    a, b = matrices(), matrices()
+    eager, compiled = (PackedMuon(ps, lr=torch.tensor(0.02), batch_ns=True) for ps in (a, b))
+    counter = Counting("inductor")
+    with no_recompiles():
+        step = torch.compile(compiled.step, fullgraph=True, backend=counter)
+        for i, grads in enumerate(gradients(a, 3)):
+            for opt in (eager, compiled):
+                opt.param_groups[0]["lr"].fill_(LRS[i])
+            feed(a, grads)
+            feed(b, grads)
+            addresses = [p.data_ptr() for p in b]
+            eager.step()
+            step()
+            assert [p.data_ptr() for p in b] == addresses
+    assert counter.one_graph_calling_the_step_op()
+    assert_same_state(a, eager, b, compiled, "inductor PackedMuon steps")
+
+
+def test_muon_check_nonfinite_breaks_the_graph_and_still_raises():
+    model = TinyModel()
+    opt = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)), check_nonfinite=True)
+    feed(model.parameters(), gradients(list(model.parameters()), 1)[0])
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="check_nonfinite"):
+        torch.compile(opt.step, fullgraph=True, backend="aot_eager")()
+    assert not opt.state, "a refused compile stepped"
+    model.up.weight.grad[0, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match="up.weight.*refused whole"):
+        torch.compile(opt.step, backend="aot_eager")()
+    assert opt.state[model.down.weight] and opt.state[model.head.weight]["step"] == 1
+    opt.check_nonfinite = False
+    opt.rules["adamw"].check_nonfinite = True  # a rule's switch, set since, counts too
+    torch._dynamo.reset()  # dynamo would reuse the plain compile's cached frame (graph breaks and all)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="check_nonfinite"):
+        torch.compile(opt.step, fullgraph=True, backend="aot_eager")()
+
+
 # ------------------------------------------------------------------------ CUDA ----
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -393,6 +507,30 @@ def test_cuda_compiled_opt_step_equals_the_cpu_step(mode, dtype):
             host.step()
             step()
     assert_same_state(list(cpu.parameters()), host, list(gpu.parameters()), dev, "CUDA compiled vs CPU")
+
+
+@pytest.mark.parametrize("mode", ["packed", "fp32"])
+@pytest.mark.parametrize("batch_ns", [False, True], ids=["per_matrix", "batch_ns"])
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_compiled_packed_muon_adamw_step_equals_its_eager_cuda_step(mode, batch_ns):
+    """Inductor on the GPU against eager CUDA steps (Newton-Schulz runs on the GPU in both, in
+    the op), bf16 and FP32 parameters, the lrs changing, no recompile, one graph."""
+    a, b = mixed_model().cuda(), mixed_model().cuda()
+    eager, compiled = (PackedMuonAdamW(muon_param_groups(m, exclude=("head",), muon=dict(lr=0.02)), mode=mode,
+                                       batch_ns=batch_ns) for m in (a, b))
+    counter = Counting("inductor")
+    with no_recompiles():
+        step = torch.compile(compiled.step, fullgraph=True, backend=counter)
+        for value, grads in zip(LRS, gradients(list(a.parameters()), len(LRS))):
+            set_lr(eager, value)
+            set_lr(compiled, value)
+            feed(a.parameters(), grads)
+            feed(b.parameters(), grads)
+            eager.step()
+            step()
+    assert counter.one_graph_calling_the_step_op()
+    assert_same_state(list(a.parameters()), eager, list(b.parameters()), compiled, "CUDA compiled Muon")
 
 
 def _cuda_lr(capturable: bool):

@@ -809,3 +809,28 @@ def test_a_group_changed_to_bad_values_is_refused_at_the_next_step():
             opt.step()
         opt.param_groups[0][key] = good
     assert torch.equal(p.detach(), after_one)
+
+
+# ---- PackedMuonAdamW's Newton-Schulz options ----------------------------------------------------
+def test_combined_takes_batch_ns_and_ns_impl_checks_them_and_keeps_them_in_copies(monkeypatch):
+    model = TinyModel()
+    opt = PackedMuonAdamW(muon_param_groups(model, exclude=("head",), muon=MUON_OPTIONS, adamw=ADAMW_OPTIONS),
+                          batch_ns=True, ns_impl="triton")
+    assert (opt.rules["muon"].batch_ns, opt.rules["muon"].ns_impl) == (True, "triton")
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert (copied.rules["muon"].batch_ns, copied.rules["muon"].ns_impl) == (True, "triton")
+    adamw_only = [{"params": [model.norm.weight], "kind": "adamw"}]  # checked before any Muon group exists
+    with pytest.raises(TypeError, match=r"PackedMuonAdamW\(batch_ns=1\).*True or False"):
+        PackedMuonAdamW(adamw_only, batch_ns=1)
+    with pytest.raises(ValueError, match=r"PackedMuonAdamW\(ns_impl='fast'\).*'cublas'.*'triton'"):
+        PackedMuonAdamW(adamw_only, ns_impl="fast")
+    with pytest.raises(ValueError, match=r"PackedMuonAdamW\(capturable=True\)"):
+        PackedMuonAdamW(adamw_only, capturable=True)
+    # batch_ns reaches the step: up (9x6) and down (6x9) orthogonalise as one batch
+    batches = []
+    monkeypatch.setattr(torch_muon, "newton_schulz_batched",
+                        lambda xs, *args, **kwargs: batches.append(len(xs)) or [x.bfloat16() for x in xs])
+    batched = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)), batch_ns=True)
+    set_gradients(np.random.default_rng(18), model)
+    batched.step()
+    assert batches == [2]

@@ -1,17 +1,22 @@
-"""`PackedAdamW.step()` under torch.compile: one opaque custom op per step (docs/MULTI_TENSOR.md,
-"Compiled steps").
+"""A packed optimizer's `step()` under torch.compile: one opaque custom op per step
+(docs/MULTI_TENSOR.md, "Compiled steps"). Every rule takes this one path: PackedAdamW,
+PackedMuon and PackedMuonAdamW (docs/MUON.md, "Compiled steps").
 
 Traced code (dynamo) only collects the parameters that have gradients and calls
-`torch.ops.packed_adamw.step_` with them, their gradients, their positions in `param_groups`
-and the optimizer's token. The op declares that it mutates the parameters and has a fake
+`torch.ops.packed_adamw.step_` with them, their gradients, their positions in `param_groups` and
+the optimizer's token. The op declares that it mutates the parameters and has a fake
 implementation that does nothing, so the step is one node of the graph (`fullgraph=True` holds,
-on CPU as on CUDA). At run time its real implementation runs the eager step machinery of the
-optimizer the token names: hyperparameter checks, state creation, the step plan (or the
-capturable plan), the launches or the numpy step. The optimizer state (words, low halves, step
-counts) is never a graph input or output: the compiled graph neither reads nor writes it, only
-the op does, so the state, its step counts (ints, or device tensors with `capturable=True`) and
-`state_dict()` are the eager step's. Nothing the traced code reads changes between steps, so a
-changing learning rate (a float or a tensor) recompiles nothing.
+on CPU as on CUDA). At run time its real implementation runs the eager step of the optimizer the
+token names (its `_update(live)`): hyperparameter checks, state creation, the step plan (or the
+capturable plan), the launches or the numpy step; for Muon also Newton-Schulz, which stays out
+of the graph because Inductor would change its bits (docs/MUON.md, "Compiled steps"). The
+optimizer state (words or momentum codes, low halves, step counts) is never a graph input or
+output: the compiled graph neither reads nor writes it, only the op does, so the state, its step
+counts (ints, or device tensors with `capturable=True`) and `state_dict()` are the eager step's.
+Nothing the traced code reads changes between steps, so a changing learning rate (a float or a
+tensor) recompiles nothing. An optimizer takes part by having `_update(live=None)` (its eager
+step; `live` as `run` says), `_note_param_lists()`, `check_nonfinite`, `capturable`, and
+`_compile_token = register(self)`.
 
 Steps dynamo cannot trace run eagerly between graphs (a graph break whose reason names why,
 which `fullgraph=True` refuses with): `check_nonfinite=True`, DTensor parameters, and a
@@ -50,12 +55,12 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 @torch.library.custom_op("packed_adamw::step_", mutates_args=("params",), tags=_TAGS)
 def step_(params: list[torch.Tensor], grads: list[torch.Tensor], positions: list[int], optimizer: int) -> None:
-    """One PackedAdamW step of the optimizer registered as `optimizer`: `params[i]` (the
+    """One step of the packed optimizer registered as `optimizer`: `params[i]` (the
     parameter at flat position `positions[i]` of its `param_groups`, or the compiled program's
     copy of it) steps with gradient `grads[i]`."""
     opt = _OPTIMIZERS.get(optimizer)
     if opt is None:
-        raise RuntimeError("packed_adamw::step_: the PackedAdamW this compiled step was traced for no longer exists; "
+        raise RuntimeError("packed_adamw::step_: the optimizer this compiled step was traced for no longer exists; "
                            "compile the step again for the new optimizer")
     run(opt, params, grads, positions)
 
@@ -70,16 +75,17 @@ def run(opt, params: list, grads: list, positions: list[int]) -> None:
     `positions[i]` of `param_groups` or the compiled program's copy of it, `grads[i]` its
     gradient (which the program assigns to `.grad` only when its graph ends). Runs the eager
     step, so bits, state and plans are the eager step's."""
+    name = type(opt).__name__
     lists = opt.__dict__.get("_param_lists", [])
     if len(lists) != len(opt.param_groups) or any(a is not g["params"] for a, g in zip(lists, opt.param_groups)):
         opt._note_param_lists()  # the next call traces the new lists (or finds them unchanged)
-        raise RuntimeError("PackedAdamW: a param_groups[i]['params'] list was replaced after this step was "
+        raise RuntimeError(f"{name}: a param_groups[i]['params'] list was replaced after this step was "
                            "compiled, so the step was not taken: call the compiled step again (it retraces), "
                            "and add parameters through add_param_group")
     everything = [p for group in opt.param_groups for p in group["params"]]
     if len(params) != len(positions) or len(grads) != len(positions) or \
             any(not 0 <= i < len(everything) for i in positions):
-        raise RuntimeError("PackedAdamW: a compiled step does not fit this optimizer's param_groups; "
+        raise RuntimeError(f"{name}: a compiled step does not fit this optimizer's param_groups; "
                            "compile the step again after changing the parameter groups")
     live = None
     for i, tensor, grad in zip(positions, params, grads):
@@ -91,7 +97,7 @@ def run(opt, params: list, grads: list, positions: list[int]) -> None:
             live[id(p)] = tensor
     if live is not None and opt.capturable:
         raise RuntimeError(
-            "PackedAdamW(capturable=True) under torch.compile: the compiled program passed copies of the "
+            f"{name}(capturable=True) under torch.compile: the compiled program passed copies of the "
             "parameters instead of updating them in place (the 'aot_eager' backend does so), and a "
             "capturable plan steps the parameters' own memory: use the 'inductor' backend (the default), "
             "or capturable=False")
@@ -110,7 +116,7 @@ def _same_memory(a, b) -> bool:
 
 
 def traced_step(opt) -> None:
-    """The body of `PackedAdamW.step()` while dynamo traces it: no attribute writes on the
+    """The body of a packed optimizer's `step()` while dynamo traces it: no attribute writes on the
     optimizer, no reads of tensor data, no hyperparameters read (the op reads them when it
     runs, so changing them recompiles nothing)."""
     if opt.check_nonfinite:
@@ -175,15 +181,32 @@ def _eager_step(reason: str):
 
 
 _eager_step_nonfinite = _eager_step(
-    "PackedAdamW(check_nonfinite=True) raises after a step, which a compiled graph cannot do: the step runs "
+    "check_nonfinite=True raises after a step, which a compiled graph cannot do: the step runs "
     "eagerly between graphs (a graph break). Use check_nonfinite=False to compile it with fullgraph=True")
 _eager_step_grad_dtype = _eager_step(
-    "PackedAdamW: a parameter's gradient has another dtype (a bfloat16 parameter's float32 gradient), which dynamo "
+    "A parameter's gradient has another dtype (a bfloat16 parameter's float32 gradient), which dynamo "
     "cannot trace: the step runs eagerly between graphs (a graph break), where a dtype that does not fit is refused "
     "naming the parameter. For fullgraph=True, give bf16 parameters bf16 gradients")
 _eager_step_grad_shape = _eager_step(
-    "PackedAdamW: a parameter's gradient has another shape (changed through .data?), which dynamo cannot trace: the "
+    "A parameter's gradient has another shape (changed through .data?), which dynamo cannot trace: the "
     "step runs eagerly between graphs (a graph break), where it is refused naming the parameter. Give every "
     "gradient its parameter's shape")
 _eager_step_dtensor = _eager_step(
-    "PackedAdamW steps DTensor (FSDP2) parameters eagerly, between compiled graphs (a graph break)")
+    "DTensor (FSDP2) parameters step eagerly, between compiled graphs (a graph break)")
+
+
+def optimizer_step(opt, closure):
+    """`step(closure)` of a packed optimizer that runs its eager step through `opt._update()`
+    (PackedMuon, PackedMuonAdamW; PackedAdamW.step is the same): the closure re-evaluated with
+    gradients on, then, under torch.compile, `traced_step` (the custom op), else the note LR
+    schedulers read (see PackedAdamW.step) and the eager step. Returns the closure's loss."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    if torch.compiler.is_compiling():
+        traced_step(opt)
+    else:
+        opt._opt_called = True
+        opt._update()
+    return loss

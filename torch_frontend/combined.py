@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from packed_adamw.core.adamw.state_format import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS
 from packed_adamw.core.muon import DEFAULT_MU_BIAS
 
-from . import _engine, _persistence
+from . import _compiled, _engine, _persistence
 from ._engine import NonFiniteGradientError
 from . import muon as _muon
 from .muon import PackedMuon
@@ -50,13 +50,15 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), muon: dict | None =
 class PackedMuonAdamW(Optimizer):
     """One optimizer over Muon groups and AdamW groups (`kind` in every group; see
     `muon_param_groups`). Muon's options (`lr`, `weight_decay`, `momentum`, `nesterov`,
-    `ns_coefficients`, `eps`, `ns_steps`, `adjust_lr_fn`, `mode`, `mu_bias`) default to
-    PackedMuon's, AdamW's (`adamw_lr`, `adamw_betas`, `adamw_eps`, `adamw_weight_decay`,
+    `ns_coefficients`, `eps`, `ns_steps`, `adjust_lr_fn`, `mode`, `mu_bias`, `batch_ns`, `ns_impl`)
+    default to PackedMuon's, AdamW's (`adamw_lr`, `adamw_betas`, `adamw_eps`, `adamw_weight_decay`,
     `adamw_mode`, `m_bias`, `rms_bias`) to PackedAdamW's; a group's own entries win. The step,
     state_dict and load_state_dict are both rules', each rule's state with its format identity
     (every saved group records its rule's); a load checks both before anything changes.
     DTensor (FSDP2) parameters step as each rule steps them, and the state_dict shards with them
-    (torch.distributed.checkpoint). Not offered: capturable steps and torch.compile."""
+    (torch.distributed.checkpoint). Under `torch.compile` the step is one custom op, as
+    PackedAdamW's and PackedMuon's are (`fullgraph=True` holds; the eager step's bits). Not
+    offered: capturable steps (CUDA graphs)."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=_muon.DEFAULT_NS_COEFFICIENTS, eps: float = 1e-7,
@@ -64,15 +66,17 @@ class PackedMuonAdamW(Optimizer):
                  mu_bias: int = DEFAULT_MU_BIAS, adamw_lr: float = 1e-3, adamw_betas=(0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float = 1e-2, adamw_mode: str = "packed",
                  m_bias: int = DEFAULT_M_BIAS, rms_bias: int = DEFAULT_RMS_BIAS, maximize: bool = False,
-                 check_nonfinite: bool = False, multi_tensor: bool = True, capturable: bool = False):
-        if capturable:
-            raise ValueError("PackedMuonAdamW(capturable=True): Muon's steps are not capturable (CUDA graphs) yet; "
-                             "step it eagerly")
+                 check_nonfinite: bool = False, multi_tensor: bool = True, capturable: bool = False,
+                 batch_ns: bool = False, ns_impl: str = "cublas"):
+        _muon.check_options(type(self).__name__, capturable, batch_ns, ns_impl)
+        self._check_nonfinite = check_nonfinite
+        self.capturable = False
         self._rule_options = {
             "muon": dict(defaults=dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                                        adjust_lr_fn=adjust_lr_fn, maximize=maximize),
-                         options=dict(mode=mode, mu_bias=mu_bias, check_nonfinite=check_nonfinite)),
+                         options=dict(mode=mode, mu_bias=mu_bias, check_nonfinite=check_nonfinite,
+                                      batch_ns=batch_ns, ns_impl=ns_impl)),
             "adamw": dict(defaults=dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                                         weight_decay=adamw_weight_decay, maximize=maximize),
                           options=dict(mode=adamw_mode, m_bias=m_bias, rms_bias=rms_bias,
@@ -80,6 +84,7 @@ class PackedMuonAdamW(Optimizer):
         }
         self._rules: dict[str, Optimizer] = {}
         super().__init__(params, {})
+        self._compile_token = _compiled.register(self)  # names this optimizer to its compiled steps
 
     # ---- groups: each one belongs to its rule's optimizer, which validates it --------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -109,6 +114,26 @@ class PackedMuonAdamW(Optimizer):
         else:
             rule.add_param_group(group)
         self.param_groups.append(rule.param_groups[-1])  # the same dict: schedulers reach the rule
+        self._note_param_lists()
+
+    def _note_param_lists(self) -> None:
+        """The groups' parameter lists, which compiled steps iterate (see PackedAdamW's)."""
+        self._param_lists = [group["params"] for group in self.param_groups]
+
+    @property
+    def check_nonfinite(self) -> bool:
+        """Whether a step may raise NonFiniteGradientError: set here (for both rules) or on a rule
+        since. The compiled step reads it, to take such a step between graphs."""
+        rules = self.__dict__.get("_rules", {}).values()
+        return self.__dict__.get("_check_nonfinite", False) or any(rule.check_nonfinite for rule in rules)
+
+    @check_nonfinite.setter
+    def check_nonfinite(self, value: bool) -> None:
+        self._check_nonfinite = value
+        for settings in self._rule_options.values():
+            settings["options"]["check_nonfinite"] = value
+        for rule in self._rules.values():
+            rule.check_nonfinite = value
 
     @property
     def rules(self) -> dict[str, Optimizer]:
@@ -116,22 +141,32 @@ class PackedMuonAdamW(Optimizer):
         return dict(self._rules)
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_rule_options": self._rule_options, "_rules": self._rules}
+        return {**super().__getstate__(), "_rule_options": self._rule_options, "_rules": self._rules,
+                "_check_nonfinite": self.__dict__.get("_check_nonfinite", False), "capturable": False}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_check_nonfinite", False)  # pickled before the attribute existed
+        self.__dict__.setdefault("capturable", False)
+        self._note_param_lists()
+        if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer
+            self._compile_token = _compiled.register(self)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        return _muon.eager_step(self, closure)
+        return _compiled.optimizer_step(self, closure)
 
-    step._wrapped_by_lr_sched = True
+    step._wrapped_by_lr_sched = True  # see PackedAdamW.step
 
-    def _update(self) -> None:
+    @torch.compiler.disable  # compiled code reaches the eager step through the custom op (_compiled.py)
+    def _update(self, live: dict | None = None) -> None:
         """Both rules' steps; a rule that raises NonFiniteGradientError has stepped, and the
-        other steps too before the error names what either refused."""
+        other steps too before the error names what either refused. `live`: see `_compiled.run`."""
         errors = []
         for rule in self._rules.values():
             try:
-                rule._update()
+                rule._update(live)
             except NonFiniteGradientError as e:  # raised after its rule stepped: the other rule steps too
                 errors.append(str(e))
         if errors:
@@ -182,12 +217,13 @@ class PackedMuonAdamW(Optimizer):
 
     def _bind_rules(self) -> None:
         """torch's loader makes new group dicts and a new state: the rules take them."""
+        self._note_param_lists()
         for kind, rule in self._rules.items():
             rule.param_groups = [g for g in self.param_groups if g["kind"] == kind]
             rule.state = self.state
             rule.__dict__.pop("_valid_rows", None)
+            rule._note_param_lists()
             if isinstance(rule, PackedAdamW):
-                rule._note_param_lists()
                 _engine.drop_plan(rule, keep_counts=False)
 
     def master_weights(self) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ from packed_adamw.core.muon import (
     weight_phase_split,
 )
 
-from . import _checks, _dtensor, _persistence
+from . import _checks, _compiled, _dtensor, _persistence
 from ._engine import NonFiniteGradientError
 from ._state import LOW_HALF_KEY, new_low_half
 from .functional import nonfinite_count, split_master_
@@ -211,7 +211,10 @@ class PackedMuon(Optimizer):
     `NonFiniteGradientError` naming it. DTensor parameters (FSDP2's `fully_shard`) step shard
     by shard with Newton-Schulz on the gathered whole matrix, with the single process's bits,
     and keep DTensor state that torch.distributed.checkpoint saves and reshards (MUON.md,
-    "FSDP2"). Not offered here: torch.compile and capturable steps (CUDA graphs); they are refused.
+    "FSDP2"). Under `torch.compile` (`fullgraph=True` holds) the step is the custom op PackedAdamW's
+    compiled step is (`packed_adamw::step_`, torch_frontend/_compiled.py), with the eager step's
+    bits and state (MUON.md, "Compiled steps"). Not offered: capturable steps (CUDA graphs); they
+    are refused.
 
     `batch_ns=True` runs Newton-Schulz once per batch of matrices that share a shape (up to
     transposition) and settings, as batched GEMMs, and on CUDA each elementwise phase as one
@@ -248,29 +251,33 @@ class PackedMuon(Optimizer):
         batch_ns: bool = False,
         ns_impl: str = "cublas",
     ):
-        if capturable:
-            raise ValueError("PackedMuon(capturable=True): capturable steps (CUDA graphs) are not offered for Muon "
-                             "yet; its Newton-Schulz phase is launched from the host. Step it eagerly")
+        check_options(type(self).__name__, capturable, batch_ns, ns_impl)
         self.state_format = StateFormat(mode, mu_bias)
         self.check_nonfinite = check_nonfinite
         self.capturable = False
-        if not isinstance(batch_ns, bool):
-            raise TypeError(f"PackedMuon(batch_ns={batch_ns!r}): batch_ns must be True or False")
         self.batch_ns = batch_ns
-        if ns_impl not in NS_IMPLS:
-            raise ValueError(f"PackedMuon(ns_impl={ns_impl!r}): pass 'cublas' (torch's matmuls, torch.optim.Muon's "
-                             "bits) or 'triton' (core/muon's Triton kernels, JAX's bits on the GPU)")
         self.ns_impl = ns_impl
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, maximize=maximize)
         validate_group(defaults, "defaults")
         super().__init__(params, defaults)
+        self._compile_token = _compiled.register(self)  # names this optimizer to its compiled steps
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "state_format": self.state_format, "check_nonfinite": self.check_nonfinite,
                 "capturable": False, "batch_ns": getattr(self, "batch_ns", False),
                 "ns_impl": _ns_impl(self)}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)  # torch's load_state_dict passes new groups: the compiled step's lists follow
+        self._note_param_lists()
+        if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer
+            self._compile_token = _compiled.register(self)
+
+    def _note_param_lists(self) -> None:
+        """The groups' parameter lists, which compiled steps iterate (see PackedAdamW's)."""
+        self._param_lists = [group["params"] for group in self.param_groups]
 
     def add_param_group(self, param_group: dict) -> None:
         with warnings.catch_warnings():  # a repeated parameter is refused below instead
@@ -288,15 +295,17 @@ class PackedMuon(Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        self._note_param_lists()
 
     @torch.no_grad()
     def step(self, closure=None):
-        return eager_step(self, closure)
+        return _compiled.optimizer_step(self, closure)
 
-    step._wrapped_by_lr_sched = True
+    step._wrapped_by_lr_sched = True  # see PackedAdamW.step
 
-    def _update(self) -> None:
-        step(self)
+    @torch.compiler.disable  # compiled code reaches the eager step through the custom op (_compiled.py)
+    def _update(self, live: dict | None = None) -> None:
+        step(self, live)
 
     def state_dict(self) -> dict:
         return _persistence.with_identity(super().state_dict(), self.state_format.identity)
@@ -331,23 +340,20 @@ class PackedMuon(Optimizer):
             split_master_(master, local_param, local_entry(state[LOW_HALF_KEY]))
 
 
-def eager_step(opt: Optimizer, closure):
-    """`step(closure)` of an optimizer whose step runs only eagerly (PackedMuon, PackedMuonAdamW):
-    the closure re-evaluated with gradients on, a refusal under torch.compile, the note LR
-    schedulers read (see PackedAdamW.step), then `opt._update()`. Returns the closure's loss."""
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    if torch.compiler.is_compiling():
-        raise RuntimeError(f"{type(opt).__name__}.step() under torch.compile is not offered yet: call it outside "
-                           "the compiled region (torch.compiler.disable), as an eager step")
-    opt._opt_called = True
-    opt._update()
-    return loss
-
-
 # ---- checks ------------------------------------------------------------------------------
+def check_options(owner: str, capturable, batch_ns, ns_impl) -> None:
+    """The constructor options of Muon's step (PackedMuon's, PackedMuonAdamW's)."""
+    if capturable:
+        raise ValueError(f"{owner}(capturable=True): capturable steps (CUDA graphs) are not offered for Muon "
+                         "yet; its Newton-Schulz phase is launched from the host. Step it eagerly, or under "
+                         "torch.compile")
+    if not isinstance(batch_ns, bool):
+        raise TypeError(f"{owner}(batch_ns={batch_ns!r}): batch_ns must be True or False")
+    if ns_impl not in NS_IMPLS:
+        raise ValueError(f"{owner}(ns_impl={ns_impl!r}): pass 'cublas' (torch's matmuls, torch.optim.Muon's "
+                         "bits) or 'triton' (core/muon's Triton kernels, JAX's bits on the GPU)")
+
+
 def validate_group(group: dict, where: str) -> None:
     """A group's hyperparameters and static settings; the error names the group."""
     try:
@@ -431,9 +437,11 @@ class Matrix(NamedTuple):
         return _dtensor.is_dtensor(self.param)
 
 
-def step(opt) -> None:
+def step(opt, live: dict | None = None) -> None:
     """One step of every matrix with a gradient. Everything is checked, and the first step's
-    state entries made, before any matrix steps."""
+    state entries made, before any matrix steps. `live` (id(param) -> tensor): parameters whose
+    values a compiled program holds in a copy of its own (it writes them back when its graph
+    ends): those copies step instead (`_compiled.run`)."""
     if _checks.capturing():
         raise RuntimeError("PackedMuon.step() was called while a CUDA graph captures; Muon's step is not "
                            "capturable: step it outside the capture")
@@ -460,7 +468,8 @@ def step(opt) -> None:
             # empty state is made, as torch.optim.Muon makes its empty buffer.
             continue
         low = local_entry(state[LOW_HALF_KEY]) if p.dtype is BFLOAT16 else None
-        work.append(Matrix(p, g, group, row, name, _dtensor.local(p), local_entry(state[fmt.state_key]), low))
+        weights = _dtensor.local(p) if live is None else live.get(id(p), _dtensor.local(p))
+        work.append(Matrix(p, g, group, row, name, weights, local_entry(state[fmt.state_key]), low))
     if work and _runs_kernels(opt, work[0].weights.device):
         refused, rejected = _cuda_step(opt, work)
     else:
