@@ -135,8 +135,8 @@ def build_stack(name: str, config, device: torch.device, seed: int):
         return model, [muon, adamw], lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     initial = {id(p): p.detach().clone() for p in model.parameters()}  # the FP32 initialisation
     model.to(torch.bfloat16)  # the same Parameter objects, now bf16
-    optimizer = PackedMuonAdamW(model.muon_adamw_groups(), mode="packed", adamw_mode="packed")
-    optimizer.rules["muon"].batch_ns = name == "packed"
+    optimizer = PackedMuonAdamW(model.muon_adamw_groups(), mode="packed", adamw_mode="packed",
+                                batch_ns=name == "packed")
     for rule in optimizer.rules.values():  # exact masters: bf16 weight + low half = the FP32 initialisation
         rule.load_master_weights([initial[id(p)] for g in rule.param_groups for p in g["params"]])
     del initial

@@ -37,9 +37,7 @@ def make_model(seed: int = 0, dtype=torch.float32) -> torch.nn.Sequential:
 
 
 def make_optimizer(model, mode: str, batch_ns: bool) -> PackedMuonAdamW:
-    opt = PackedMuonAdamW(muon_param_groups(model), mode=mode, **OPTIONS)
-    opt.rules["muon"].batch_ns = batch_ns
-    return opt
+    return PackedMuonAdamW(muon_param_groups(model), mode=mode, batch_ns=batch_ns, **OPTIONS)
 
 
 def batch(step: int) -> torch.Tensor:
