@@ -25,7 +25,6 @@ from safetensors.numpy import load_file, save_file
 from .atomic_file import atomic_path
 from .adamw.state_format import StateFormat
 from .codecs import LOW_HALF_DTYPE
-from .muon.state_format import StateFormat as MuonStateFormat
 
 
 MIXED = "mixed"  # `format` of a state whose tensors have several formats (`formats` lists them)
@@ -121,6 +120,10 @@ class PortableState:
         """After `check_tensors`: every Muon tensor's count is None or a whole number >= 0, and
         its momentum holds no NaN or Inf (fp32 values, bf16 codes; the packed code has none), as
         no step ever stores one (docs/MUON.md)."""
+        # Here, not at the top: core/muon's package loads its Triton kernels, and a portable
+        # state must stay readable without them (tools/format_health.py).
+        from .muon.state_format import StateFormat as MuonStateFormat
+
         for i, (fmt, name) in enumerate(zip(fmts, names)):
             if not isinstance(fmt, MuonStateFormat):
                 continue
