@@ -537,23 +537,25 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         s_mats = [views[i].to_matrices(momenta[i]) for i in muon]
         p_mats = [views[i].to_matrices(p_leaves[i]) for i in muon]
         lo_mats = [views[i].to_matrices(lows[i]) for i in muon if split[i]]
+        placed = lambda x, j: x  # noqa: E731 (the GPU path's leaves are not sharded: see MUON.md)
         if _step_platform((updates, params)) == "gpu":
             new_params, new_lows, new_states = _gpu_phases(config, [views[i] for i in muon], g_mats, s_mats, p_mats,
                                                            lo_mats, row, valid, coefficients, steps)
         else:
-            new_params, new_lows, new_states = _cpu_phases(config, g_mats, s_mats, p_mats, lo_mats, row, valid,
-                                                           coefficients, steps, eps)
+            new_params, new_lows, new_states, placed = _cpu_phases_placed(
+                [p_leaves[i] for i in muon], config, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients,
+                steps, eps)
 
         out = list(treedef.flatten_up_to(_applied(adamw_updates, params, write_update)))
         new_momenta = list(treedef.flatten_up_to(state.momentum))
         low_list = None if state.low_halves is None else list(treedef.flatten_up_to(state.low_halves))
-        for i, p_new, s_new in zip(muon, new_params, new_states):
+        for j, (i, p_new, s_new) in enumerate(zip(muon, new_params, new_states)):
             view, p = views[i], p_leaves[i]
-            p_new, new_momenta[i] = view.from_matrices(p_new), view.from_matrices(s_new)
+            p_new, new_momenta[i] = placed(view.from_matrices(p_new), j), placed(view.from_matrices(s_new), j)
             if not split[i]:
                 out[i] = p_new if not write_update else _float32_update(p, p_new)
                 continue
-            lo_new = view.from_matrices(next(new_lows))
+            lo_new = placed(view.from_matrices(next(new_lows)), j)
             if not write_update:
                 out[i], low_list[i] = p_new, lo_new
             else:
@@ -582,6 +584,42 @@ def _cpu_phases(config: _PhaseConfig, g_mats, s_mats, p_mats, lo_mats, row, vali
     stepped = jax.pure_callback(functools.partial(_host_weight, config=config), weight_types, row, *p_mats,
                                 *lo_mats, *orthos, *accepted, vmap_method="sequential")
     return stepped[:n], iter(stepped[n:]), new_states
+
+
+def _cpu_phases_placed(muon_params, config: _PhaseConfig, g_mats, s_mats, p_mats, lo_mats, row, valid,
+                       coefficients, steps, eps):
+    """`_cpu_phases`, and `placed(x, j)` which lays out a result of Muon leaf j as its
+    parameter. Leaves sharded over a mesh (docs/MUON.md, "Sharded leaves"): Newton-Schulz needs
+    whole matrices and a matrix is refused whole, so the Muon matrices are gathered (resharded
+    to replicated: XLA's all-gathers), every device runs the phases on the whole matrices
+    inside a `shard_map` (a host callback runs per device there, on that device's copy), and
+    the results are resharded to the parameters' specs (each device keeps its part). The bits
+    are the unsharded step's: the same operations on the same whole matrices."""
+    from . import _sharding
+
+    where = _sharding.placement(muon_params)
+    if where is None:
+        return (*_cpu_phases(config, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients, steps, eps),
+                lambda x, j: x)
+    mesh = where.mesh
+    n, k = len(g_mats), len(lo_mats)
+    whole = [_sharding._reshard_to(x, mesh, (None,) * x.ndim)
+             for x in (*g_mats, *s_mats, *p_mats, *lo_mats, row, valid)]
+
+    def per_device(*flat):
+        g, st, p, lo = flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:3 * n + k]
+        new_params, new_lows, new_states = _cpu_phases(config, list(g), list(st), list(p), list(lo), flat[-2],
+                                                       flat[-1], coefficients, steps, eps)
+        return (*new_params, *new_lows, *new_states)
+
+    replicated = jax.sharding.PartitionSpec()
+    results = jax.shard_map(per_device, mesh=mesh, axis_names=where.axis_names, check_vma=False,
+                            in_specs=(replicated,) * len(whole), out_specs=(replicated,) * (2 * n + k))(*whole)
+
+    def placed(x, j):
+        return _sharding._reshard_to(x, mesh, where.specs[j])
+
+    return list(results[:n]), iter(results[n:n + k]), list(results[n + k:]), placed
 
 
 def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients, steps):
