@@ -537,23 +537,25 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         s_mats = [views[i].to_matrices(momenta[i]) for i in muon]
         p_mats = [views[i].to_matrices(p_leaves[i]) for i in muon]
         lo_mats = [views[i].to_matrices(lows[i]) for i in muon if split[i]]
+        placed = lambda x, j: x  # noqa: E731 (the GPU path's leaves are not sharded: see MUON.md)
         if _step_platform((updates, params)) == "gpu":
             new_params, new_lows, new_states = _gpu_phases(config, [views[i] for i in muon], g_mats, s_mats, p_mats,
                                                            lo_mats, row, valid, coefficients, steps)
         else:
-            new_params, new_lows, new_states = _cpu_phases(config, g_mats, s_mats, p_mats, lo_mats, row, valid,
-                                                           coefficients, steps, eps)
+            new_params, new_lows, new_states, placed = _cpu_phases_placed(
+                [p_leaves[i] for i in muon], config, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients,
+                steps, eps)
 
         out = list(treedef.flatten_up_to(_applied(adamw_updates, params, write_update)))
         new_momenta = list(treedef.flatten_up_to(state.momentum))
         low_list = None if state.low_halves is None else list(treedef.flatten_up_to(state.low_halves))
-        for i, p_new, s_new in zip(muon, new_params, new_states):
+        for j, (i, p_new, s_new) in enumerate(zip(muon, new_params, new_states)):
             view, p = views[i], p_leaves[i]
-            p_new, new_momenta[i] = view.from_matrices(p_new), view.from_matrices(s_new)
+            p_new, new_momenta[i] = placed(view.from_matrices(p_new), j), placed(view.from_matrices(s_new), j)
             if not split[i]:
                 out[i] = p_new if not write_update else _float32_update(p, p_new)
                 continue
-            lo_new = view.from_matrices(next(new_lows))
+            lo_new = placed(view.from_matrices(next(new_lows)), j)
             if not write_update:
                 out[i], low_list[i] = p_new, lo_new
             else:
@@ -582,6 +584,42 @@ def _cpu_phases(config: _PhaseConfig, g_mats, s_mats, p_mats, lo_mats, row, vali
     stepped = jax.pure_callback(functools.partial(_host_weight, config=config), weight_types, row, *p_mats,
                                 *lo_mats, *orthos, *accepted, vmap_method="sequential")
     return stepped[:n], iter(stepped[n:]), new_states
+
+
+def _cpu_phases_placed(muon_params, config: _PhaseConfig, g_mats, s_mats, p_mats, lo_mats, row, valid,
+                       coefficients, steps, eps):
+    """`_cpu_phases`, and `placed(x, j)` which lays out a result of Muon leaf j as its
+    parameter. Leaves sharded over a mesh (docs/MUON.md, "Sharded leaves"): Newton-Schulz needs
+    whole matrices and a matrix is refused whole, so the Muon matrices are gathered (resharded
+    to replicated: XLA's all-gathers), every device runs the phases on the whole matrices
+    inside a `shard_map` (a host callback runs per device there, on that device's copy), and
+    the results are resharded to the parameters' specs (each device keeps its part). The bits
+    are the unsharded step's: the same operations on the same whole matrices."""
+    from . import _sharding
+
+    where = _sharding.placement(muon_params)
+    if where is None:
+        return (*_cpu_phases(config, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients, steps, eps),
+                lambda x, j: x)
+    mesh = where.mesh
+    n, k = len(g_mats), len(lo_mats)
+    whole = [_sharding._reshard_to(x, mesh, (None,) * x.ndim)
+             for x in (*g_mats, *s_mats, *p_mats, *lo_mats, row, valid)]
+
+    def per_device(*flat):
+        g, st, p, lo = flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:3 * n + k]
+        new_params, new_lows, new_states = _cpu_phases(config, list(g), list(st), list(p), list(lo), flat[-2],
+                                                       flat[-1], coefficients, steps, eps)
+        return (*new_params, *new_lows, *new_states)
+
+    replicated = jax.sharding.PartitionSpec()
+    results = jax.shard_map(per_device, mesh=mesh, axis_names=where.axis_names, check_vma=False,
+                            in_specs=(replicated,) * len(whole), out_specs=(replicated,) * (2 * n + k))(*whole)
+
+    def placed(x, j):
+        return _sharding._reshard_to(x, mesh, where.specs[j])
+
+    return list(results[:n]), iter(results[n:n + k]), list(results[n + k:]), placed
 
 
 def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients, steps):
@@ -688,5 +726,148 @@ def _checked_lows(low_halves, treedef, params, split, paths) -> list:
     return [lo if s else None for lo, s in zip(entries, split)]
 
 
-__all__ = ["DEFAULT_EPS", "DEFAULT_WEIGHT_DECAY", "MatrixView", "PackedMuonState", "leaf_views", "newton_schulz",
+# ---------------------------------------------------------------------------------------------
+# PortableState: moving a state between torch and JAX
+# ---------------------------------------------------------------------------------------------
+def _portable_layout(params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers):
+    """What both directions read: leaves, treedef, paths, views, each leaf's format and
+    whether it is a bfloat16 leaf."""
+    from .transform import state_format
+
+    fmt, adam_fmt = StateFormat(mode, mu_bias), state_format(adam_mode)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [leaf for _, leaf in flat]
+    paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
+    views = leaf_views(muon_weight_dimension_numbers, params)
+    _check_param_dtypes(params, views)
+    split = [jnp.result_type(p) == BF16 for p in leaves]
+    return fmt, adam_fmt, leaves, treedef, paths, views, split
+
+
+def _torch_layout(x, view: MatrixView, ndim: int) -> np.ndarray:
+    """A Muon leaf's entry (momentum or low half) in torch's layout: the transpose of each
+    [in, out] matrix, [batch, out, in], or [out, in] for a 2-D leaf (torch's parameter)."""
+    matrices = np.asarray(view.to_matrices(x)).transpose(0, 2, 1)
+    return np.ascontiguousarray(matrices[0] if ndim == 2 else matrices)
+
+
+def _torch_shape(view: MatrixView, ndim: int) -> tuple[int, ...]:
+    return view.torch_shape if ndim == 2 else (view.batch, *view.torch_shape)
+
+
+def _leaf_layout(array: np.ndarray, view: MatrixView, ndim: int) -> np.ndarray:
+    """`_torch_layout` undone: the leaf's own layout."""
+    matrices = (array[None] if ndim == 2 else array).transpose(0, 2, 1)
+    return np.asarray(view.from_matrices(jnp.asarray(matrices)))
+
+
+def export_muon_state(state: PackedMuonState, params, *, mode: str = "packed", mu_bias: int = DEFAULT_MU_BIAS,
+                      adam_mode: Any = "packed", muon_weight_dimension_numbers: Any = None):
+    """`packed_muon`'s state as a `PortableState` in leaf order, for torch's
+    `PackedMuonAdamW.import_state` (or `PackedMuon`'s, when every leaf is Muon's).
+
+    `mode`, `mu_bias`, `adam_mode` and `muon_weight_dimension_numbers` must be the
+    transform's (the state does not record them); `params` the parameters it steps. A Muon
+    leaf's momentum (and a bfloat16 leaf's low half) is written in torch's layout: each
+    [in, out] matrix transposed (MUON.md, "The layout"), with the count `state.count`; an
+    AdamW leaf's tensor is `export_state`'s, with the AdamW half's count."""
+    from packed_adamw.core.portable import PortableState
+
+    from .transform import export_state as export_adamw_state
+
+    fmt, adam_fmt, leaves, treedef, paths, views, split = _portable_layout(
+        params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers)
+    if not isinstance(state, PackedMuonState):
+        raise TypeError(f"export_muon_state: the state is a {type(state).__name__}; pass packed_muon's state")
+    momenta = _checked_momenta(state.momentum, treedef, leaves, views, paths, fmt)
+    lows = _checked_lows(state.low_halves, treedef, leaves, [s and v is not None for s, v in zip(split, views)],
+                         paths)
+    adamw = export_adamw_state(state.adamw.inner_state, adam_fmt)
+    adamw_lows = iter(adamw.low_halves or [None] * len(adamw.moments))
+    adamw_tensors = iter(zip(adamw.counts, adamw.moments))
+    identities, counts, moments, low_list = [], [], [], []
+    for leaf, view, momentum, low in zip(leaves, views, momenta, lows):
+        if view is None:
+            count, words = next(adamw_tensors)
+            identities.append(adam_fmt.identity)
+            counts.append(count)
+            moments.append(words)
+            low_list.append(next(adamw_lows))
+            continue
+        ndim = len(jnp.shape(leaf))
+        identities.append(fmt.identity)
+        counts.append(int(state.count))
+        moments.append(_torch_layout(momentum, view, ndim))
+        low_list.append(None if low is None else _torch_layout(low, view, ndim))
+    return PortableState.of(identities, counts, moments, low_list)
+
+
+def _common_count(counts, what: str) -> int | None:
+    known = sorted({c for c in counts if c is not None})
+    if len(known) > 1:
+        raise ValueError(f"import_muon_state: the {what} tensors have different step counts {known}; the JAX state has "
+                         "one count per rule, so export from an optimizer whose parameters all stepped together")
+    return known[0] if known else None
+
+
+def import_muon_state(portable, params, *, mode: str = "packed", mu_bias: int = DEFAULT_MU_BIAS,
+                      adam_mode: Any = "packed", muon_weight_dimension_numbers: Any = None,
+                      count: int | None = None) -> PackedMuonState:
+    """A `PackedMuonState` for `params` from an exported torch (or JAX) state, placed (and
+    sharded) as the parameters are. The transform's `mode`, `mu_bias`, `adam_mode` and
+    `muon_weight_dimension_numbers` say each leaf's rule and format; every tensor is checked
+    (format, shape in torch's layout for a Muon leaf, low half, values) naming its leaf.
+
+    `count` (the steps taken, which a schedule reads): the Muon tensors' count when they have
+    one (a JAX export), else the AdamW tensors' (torch steps both rules together), else this
+    argument; a given `count` must agree with the state's."""
+    from packed_adamw.core.portable import PortableState
+
+    from .transform import _placed_like, import_state as import_adamw_state
+
+    fmt, adam_fmt, leaves, treedef, paths, views, split = _portable_layout(
+        params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers)
+    fmts = [adam_fmt if v is None else fmt for v in views]
+    shapes = [tuple(jnp.shape(p)) if v is None else _torch_shape(v, len(jnp.shape(p))) for p, v in zip(leaves, views)]
+    portable.check_tensors(fmts, shapes, split, paths)
+    portable.check_muon_values(fmts, paths)
+    muon_count = _common_count([c for c, v in zip(portable.counts, views) if v is not None], "Muon")
+    adamw_count = _common_count([c for c, v in zip(portable.counts, views) if v is None], "AdamW")
+    known = muon_count if muon_count is not None else adamw_count
+    if count is not None and known is not None and count != known:
+        raise ValueError(f"import_muon_state: count={count} but the state's tensors took {known} steps; leave count "
+                         "out, or pass the state's")
+    known = known if known is not None else count
+    if known is None:
+        if any(v is not None for v in views):
+            raise ValueError("import_muon_state: the state has no step count (torch's Muon keeps none, and there are "
+                             "no AdamW tensors): pass count=, the steps taken (a learning-rate schedule reads it)")
+        known = 0
+    lows = portable.low_halves or [None] * len(leaves)
+    momentum, low_halves, adamw = [], [], {"counts": [], "moments": [], "lows": []}
+    for leaf, view, c, m, lo in zip(leaves, views, portable.counts, portable.moments, lows):
+        if view is None:
+            momentum.append(optax.MaskedNode())
+            low_halves.append(optax.MaskedNode())
+            adamw["counts"].append(c)
+            adamw["moments"].append(m)
+            adamw["lows"].append(lo)
+            continue
+        ndim = len(jnp.shape(leaf))
+        momentum.append(_placed_like(_leaf_layout(m, view, ndim), leaf, None))
+        low_halves.append(optax.MaskedNode() if lo is None else _placed_like(_leaf_layout(lo, view, ndim), leaf, None))
+    masked = treedef.unflatten([leaf if v is None else optax.MaskedNode() for leaf, v in zip(leaves, views)])
+    has_low = any(lo is not None for lo in adamw["lows"])
+    inner = import_adamw_state(PortableState(adam_fmt.identity, adamw["counts"], adamw["moments"],
+                                             adamw["lows"] if has_low else None), masked, adam_fmt)
+    if not adamw["counts"]:  # no AdamW leaf: its count kept in step with Muon's, as the transform keeps it
+        inner = inner._replace(count=jnp.asarray(known, jnp.int32))
+    muon_split = any(s and v is not None for s, v in zip(split, views))
+    return PackedMuonState(jnp.asarray(known, jnp.int32), treedef.unflatten(momentum),
+                           treedef.unflatten(low_halves) if muon_split else None,
+                           optax.MaskedState(inner_state=inner))
+
+
+__all__ = ["DEFAULT_EPS", "DEFAULT_WEIGHT_DECAY", "MatrixView", "PackedMuonState", "export_muon_state",
+           "import_muon_state", "leaf_views", "newton_schulz",
            "packed_muon", "packed_muon_fused_step"]

@@ -294,6 +294,44 @@ def _cases():
             updates, _ = jax.jit(tx.update)(put(grads0[0], auto), imported, params)  # and steps from there
             assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(params)
 
+    @case("packed_muon_sharded_bits_equal_unsharded")
+    def _():
+        # Muon leaves sharded on either dimension (one bfloat16, with its low half) and an AdamW
+        # leaf: the whole matrices are gathered for the phases, the results resharded.
+        from packed_adamw.jax.muon import packed_muon
+
+        m_shapes = {"w": (16, 24), "v": (24, 8), "s": (8, 8), "b": (8,)}
+        m_specs = {"w": P("x", None), "v": P(None, "x"), "s": P("x", None), "b": P("x")}
+        m_params = {k: (rng.standard_normal(v) * 0.2).astype(np.float32) for k, v in m_shapes.items()}
+        m_grads = [{k: (rng.standard_normal(v) * 0.01).astype(np.float32) for k, v in m_shapes.items()}
+                   for _ in range(2)]
+        as_leaf = lambda k, x: jnp.asarray(x).astype(jnp.bfloat16 if k == "s" else jnp.float32)  # noqa: E731
+
+        def run(mode, mesh, jit):
+            tx = packed_muon(0.02, mode=mode)
+            place = (lambda t: {k: as_leaf(k, v) for k, v in t.items()}) if mesh is None else \
+                (lambda t: {k: jax.device_put(as_leaf(k, v), NamedSharding(mesh, m_specs[k])) for k, v in t.items()})
+            params = place(m_params)
+            state = tx.init(params)
+            step = jax.jit(train_step(tx)) if jit else train_step(tx)
+            for g in m_grads:
+                params, state = step(params, state, place(g))
+            return params, state
+
+        for mode in ("packed", "fp32"):
+            want_p, want_s = run(mode, None, False)
+            for mesh, jit in ((explicit, True), (explicit, False), (auto, True), (auto, False)):
+                with jax.set_mesh(mesh):
+                    got_p, got_s = run(mode, mesh, jit)
+                where = f"{mode} {mesh.axis_types} jit={jit}"
+                assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes() and a.dtype == b.dtype for a, b in
+                           zip(jax.tree_util.tree_leaves((got_p, got_s)), jax.tree_util.tree_leaves((want_p, want_s)))), where
+                assert len(jax.tree_util.tree_leaves(got_s)) == len(jax.tree_util.tree_leaves(want_s)), where
+                for k in ("w", "v", "s"):  # the weights keep their layout
+                    assert normalized(got_p[k].sharding.spec, 2) == normalized(m_specs[k], 2), (where, k)
+                    if mesh is explicit or not jit:  # the state too, where the layout is decided by the step
+                        assert normalized(got_s.momentum[k].sharding.spec, 2) == normalized(m_specs[k], 2), (where, k)
+
     return results
 
 
@@ -344,6 +382,10 @@ def test_custom_partitioning_steps_each_shard_on_its_device(child_results):
 
 def test_import_state_places_the_state_like_the_params(child_results):
     _check(child_results, "import_state_places_the_state_like_the_params")
+
+
+def test_packed_muon_sharded_bits_equal_unsharded(child_results):
+    _check(child_results, "packed_muon_sharded_bits_equal_unsharded")
 
 
 if __name__ == "__main__" and "--cases" in sys.argv:

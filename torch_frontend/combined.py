@@ -233,3 +233,19 @@ class PackedMuonAdamW(Optimizer):
             params = [p for g in rule.param_groups for p in g["params"]]
             by_param.update(zip(map(id, params), rule.master_weights()))
         return [by_param[id(p)] for g in self.param_groups for p in g["params"]]
+
+    def export_state(self) -> "PortableState":
+        """Both rules' states in parameter order as one `PortableState` (format "mixed", each
+        tensor's identity in `formats`): Muon's momenta (count None), AdamW's words and counts,
+        bf16 parameters' low halves. For `packed_adamw.jax.muon.import_muon_state`."""
+        from . import _muon_portable
+
+        return _muon_portable.export_state(self)
+
+    def import_state(self, portable) -> None:
+        """Replace both rules' states with an exported one (from JAX's packed_muon or torch);
+        every tensor's format, shape, low half and values are checked, naming the parameter,
+        before anything changes."""
+        from . import _muon_portable
+
+        _muon_portable.import_state(self, portable)

@@ -339,6 +339,21 @@ class PackedMuon(Optimizer):
                 state[LOW_HALF_KEY] = new_split_low_half(p)
             split_master_(master, local_param, local_entry(state[LOW_HALF_KEY]))
 
+    def export_state(self) -> "PortableState":
+        """The momenta (and bf16 parameters' low halves) in parameter order as a
+        `PortableState`, for `packed_adamw.jax.muon.import_muon_state` (MUON.md, "Moving a
+        state between torch and JAX"). Counts are None: torch's Muon keeps none."""
+        from . import _muon_portable
+
+        return _muon_portable.export_state(self)
+
+    def import_state(self, portable) -> None:
+        """Replace the state with an exported one (from JAX or torch); format, shapes, low
+        halves and values are checked, naming the parameter, before anything changes."""
+        from . import _muon_portable
+
+        _muon_portable.import_state(self, portable)
+
 
 # ---- checks ------------------------------------------------------------------------------
 def check_options(owner: str, capturable, batch_ns, ns_impl) -> None:

@@ -1,0 +1,246 @@
+"""PortableState for Muon (docs/MUON.md, "Moving a state between torch and JAX"): torch's
+PackedMuonAdamW -> JAX's packed_muon -> torch, with Muon's momenta transposed between the
+layouts, and the refusals.
+
+What can be exact is asserted exact: the exported and imported tensors, the momenta after
+continued steps (the momentum phase reads only gradients), the AdamW leaves (torch CPU == JAX
+CPU, as for PackedAdamW). The Muon weights after a continued step go through two Newton-Schulz
+implementations (torch's and XLA's, which MUON.md promises only within a tolerance on the CPU):
+they are compared within tests/test_jax_muon.py's NS_TOLERANCE per step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import torch  # noqa: E402
+from optax.contrib import MuonDimensionNumbers  # noqa: E402
+
+from packed_adamw.core.codecs import join_master  # noqa: E402
+from packed_adamw.core.portable import MIXED, PortableState  # noqa: E402
+from packed_adamw.jax import import_state as import_adamw_state  # noqa: E402
+from packed_adamw.jax.muon import (  # noqa: E402
+    export_muon_state,
+    import_muon_state,
+    packed_muon,
+    packed_muon_fused_step,
+)
+from packed_adamw.torch import PackedMuon, PackedMuonAdamW  # noqa: E402
+
+F32, BF16 = torch.float32, torch.bfloat16
+# name, torch shape ([out, in] for a matrix), dtype, rule: in torch's parameter order, which is
+# the JAX list's leaf order. The square bf16 matrix catches a missing transposition that the
+# shapes would not.
+PARAMS = [("wide", (6, 14), F32, "muon"), ("tall", (14, 5), F32, "muon"), ("square", (8, 8), BF16, "muon"),
+          ("embed", (11, 6), F32, "adamw"), ("gain", (6,), BF16, "adamw"), ("bias", (5,), F32, "adamw")]
+MUON = [i for i, (_, _, _, rule) in enumerate(PARAMS) if rule == "muon"]
+DIMS = [MuonDimensionNumbers() if rule == "muon" else None for _, _, _, rule in PARAMS]
+LR, WD, BETA, ADAM_LR, ADAM_WD = 0.02, 0.1, 0.95, 1e-3, 0.01
+NS_TOLERANCE = 2.0 ** -6  # tests/test_jax_muon.py: twice the measured Newton-Schulz gap, per step
+
+
+def torch_optimizer(params, mode="packed", adamw_mode="packed"):
+    groups = [{"params": [params[i] for i in range(len(PARAMS)) if PARAMS[i][3] == kind], "kind": kind,
+               "param_names": [PARAMS[i][0] for i in range(len(PARAMS)) if PARAMS[i][3] == kind]}
+              for kind in ("muon", "adamw")]
+    return PackedMuonAdamW(groups, lr=LR, weight_decay=WD, momentum=BETA, mode=mode, adamw_lr=ADAM_LR,
+                           adamw_weight_decay=ADAM_WD, adamw_mode=adamw_mode)
+
+
+def jax_args(mode):
+    return dict(mode=mode, adam_mode="packed", muon_weight_dimension_numbers=DIMS)
+
+
+def jax_step(mode):
+    return jax.jit(packed_muon_fused_step(LR, beta=BETA, weight_decay=WD, adam_learning_rate=ADAM_LR,
+                                          adam_weight_decay=ADAM_WD, **jax_args(mode)))
+
+
+def problem(seed, steps):
+    rng = np.random.default_rng(seed)
+    weights = [(rng.standard_normal(shape) * 0.2).astype(np.float32) for _, shape, _, _ in PARAMS]
+    grads = [[(rng.standard_normal(shape) * 2.0 ** rng.integers(-10, -2, shape)).astype(np.float32)
+              for _, shape, _, _ in PARAMS] for _ in range(steps)]
+    return weights, grads
+
+
+def torch_params(weights):
+    return [torch.nn.Parameter(torch.from_numpy(w.copy()).to(dtype)) for w, (_, _, dtype, _) in zip(weights, PARAMS)]
+
+
+def torch_step(opt, params, grads):
+    for p, g in zip(params, grads):
+        p.grad = torch.from_numpy(g.copy()).to(p.dtype)
+    opt.step()
+
+
+def jax_layout(x, i):
+    """A torch-layout array as JAX's leaf i: a Muon matrix transposed ([in, out])."""
+    return x.T if i in MUON else x
+
+
+def jax_grads(grads):
+    """torch's gradients as JAX's: a bf16 parameter's in bf16, as torch_step gives it."""
+    return [jnp.asarray(jax_layout(g, i)).astype(jnp.bfloat16 if dtype is BF16 else jnp.float32)
+            for i, (g, (_, _, dtype, _)) in enumerate(zip(grads, PARAMS))]
+
+
+def jax_params_from(params):
+    """JAX leaves holding torch's weights (bf16 bits kept)."""
+    out = []
+    for i, p in enumerate(params):
+        w = p.detach()
+        w = w.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if w.dtype is BF16 else w.numpy()
+        out.append(jnp.asarray(jax_layout(w, i).copy()))
+    return out
+
+
+def torch_params_from(params):
+    out = []
+    for i, (leaf, (_, _, dtype, _)) in enumerate(zip(params, PARAMS)):
+        w = np.ascontiguousarray(jax_layout(np.asarray(leaf), i))
+        tensor = torch.from_numpy(w.view(np.int16).copy()).view(BF16) if dtype is BF16 else torch.from_numpy(w.copy())
+        out.append(torch.nn.Parameter(tensor))
+    return out
+
+
+def bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.uint32) if x.dtype.itemsize == 4 else x.view(np.uint16)
+
+
+def assert_same_tensors(a: PortableState, b: PortableState, what: str) -> None:
+    assert a.tensor_formats() == b.tensor_formats(), what
+    for i, (x, y) in enumerate(zip(a.moments, b.moments)):
+        assert x.dtype == y.dtype and np.array_equal(bits(x), bits(y)), f"{what}: tensor {i} ({PARAMS[i][0]})"
+    lows_a, lows_b = a.low_halves or [None] * len(PARAMS), b.low_halves or [None] * len(PARAMS)
+    for i, (x, y) in enumerate(zip(lows_a, lows_b)):
+        assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), f"{what}: low half {i}"
+
+
+@pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
+def test_a_state_moves_torch_to_jax_and_back(mode, tmp_path):
+    """torch steps 3, exports (through a file); JAX imports it and steps 2 beside torch; JAX
+    exports, a new torch optimizer imports it, and both step once more."""
+    weights, grads = problem(seed=37, steps=6)
+    params = torch_params(weights)
+    opt = torch_optimizer(params, mode)
+    for g in grads[:3]:
+        torch_step(opt, params, g)
+    exported = opt.export_state()
+    assert exported.format == MIXED and [exported.counts[i] for i in MUON] == [None] * len(MUON)
+    exported.save(tmp_path / "torch.safetensors")
+    portable = PortableState.load(tmp_path / "torch.safetensors")
+    assert_same_tensors(portable, exported, "saved and loaded")
+
+    jparams = jax_params_from(params)
+    state = import_muon_state(portable, jparams, **jax_args(mode))
+    assert int(state.count) == 3 and int(state.adamw.inner_state.count) == 3
+    # The imported state is laid out as init() lays it out, and exports back to the same tensors.
+    fresh = packed_muon(LR, **jax_args(mode)).init(jparams)
+    assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(fresh)
+    assert jax.tree_util.tree_map(jax.typeof, state) == jax.tree_util.tree_map(jax.typeof, fresh)
+    assert_same_tensors(export_muon_state(state, jparams, **jax_args(mode)), portable, "JAX import then export")
+    square = MUON[-1]  # the momentum of a matrix is its transpose in JAX
+    assert np.array_equal(bits(state.momentum[square]), bits(portable.moments[square].T))
+
+    step = jax_step(mode)
+    for n, g in enumerate(grads[3:5], start=1):
+        torch_step(opt, params, g)
+        jparams, state = step(jparams, jax_grads(g), state)
+        ours = export_muon_state(state, jparams, **jax_args(mode))
+        theirs = opt.export_state()
+        for i, (_, shape, dtype, rule) in enumerate(PARAMS):
+            jw = np.asarray(jparams[i])
+            tw = params[i].detach()
+            if rule == "adamw":  # exact: AdamW's step is the same bits in torch and JAX on the CPU
+                assert np.array_equal(bits(jw), bits(tw.view(torch.int16).numpy() if dtype is BF16 else tw.numpy()))
+                assert np.array_equal(bits(ours.moments[i]), bits(theirs.moments[i])), (n, PARAMS[i][0])
+                assert ours.counts[i] == theirs.counts[i] == 3 + n
+                continue
+            # Muon: the momentum exactly, the weights (masters) within the Newton-Schulz tolerance
+            assert np.array_equal(bits(ours.moments[i]), bits(theirs.moments[i])), (n, PARAMS[i][0])
+            if dtype is BF16:
+                jm = join_master(jw.view(np.uint16), ours.low_halves[i].T)
+                tm = join_master(tw.view(torch.int16).numpy(), theirs.low_halves[i])
+            else:
+                jm, tm = jw, tw.numpy()
+            adjusted = LR * max(1.0, shape[0] / shape[1]) ** 0.5
+            gap = np.abs(jm.T - tm).max()
+            assert gap <= n * adjusted * NS_TOLERANCE * 1.01, (n, PARAMS[i][0], gap)
+
+    # JAX -> torch: the imported state exports to JAX's tensors, and steps on from them.
+    (tmp_path / "jax.safetensors").unlink(missing_ok=True)
+    export_muon_state(state, jparams, **jax_args(mode)).save(tmp_path / "jax.safetensors")
+    from_jax = PortableState.load(tmp_path / "jax.safetensors")
+    assert [from_jax.counts[i] for i in MUON] == [5] * len(MUON)
+    back = torch_params_from(jparams)
+    opt2 = torch_optimizer(back, mode)
+    opt2.import_state(from_jax)
+    assert_same_tensors(opt2.export_state(), from_jax, "torch import of JAX's export")
+    torch_step(opt2, back, grads[5])
+    jparams, state = step(jparams, jax_grads(grads[5]), state)
+    ours, theirs = export_muon_state(state, jparams, **jax_args(mode)), opt2.export_state()
+    for i, (_, _, dtype, rule) in enumerate(PARAMS):
+        assert np.array_equal(bits(ours.moments[i]), bits(theirs.moments[i])), PARAMS[i][0]
+        if rule == "adamw":
+            tw = back[i].detach()
+            assert np.array_equal(bits(np.asarray(jparams[i])),
+                                  bits(tw.view(torch.int16).numpy() if dtype is BF16 else tw.numpy())), PARAMS[i][0]
+
+
+@pytest.fixture(scope="module")
+def exported_once():
+    weights, grads = problem(seed=3, steps=1)
+    params = torch_params(weights)
+    opt = torch_optimizer(params)
+    torch_step(opt, params, grads[0])
+    return weights, params, opt.export_state()
+
+
+def test_mismatched_formats_layouts_and_rules_are_refused_naming_the_parameter(exported_once):
+    weights, params, portable = exported_once
+    jparams = jax_params_from(params)
+    with pytest.raises(ValueError, match=r"tensor 0 \(\[0\]\) has format 'muon-packed.*', the optimizer's "
+                                         r"'muon-fp32:mu=f32'"):
+        import_muon_state(portable, jparams, **jax_args("fp32"))
+    untransposed = [jnp.asarray(w) if i in MUON else leaf for i, (w, leaf) in enumerate(zip(weights, jparams))]
+    untransposed[MUON[-1]] = untransposed[MUON[-1]].astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"tensor 0 \(\[0\]\) is uint16 \(6, 14\), expected uint16 \(14, 6\)"):
+        import_muon_state(portable, untransposed, **jax_args("packed"))
+    with pytest.raises(ValueError, match=r"tensor 3 \(\[3\]\) has format 'packed:.*', the optimizer's 'muon-packed"):
+        import_muon_state(portable, jparams, mode="packed")  # every 2-D leaf Muon's: the embedding too
+    with pytest.raises(ValueError, match="portable state mixes formats"):
+        import_adamw_state(portable, jparams)
+    other = torch_optimizer(torch_params(weights), adamw_mode="fp32")
+    with pytest.raises(ValueError, match=r"tensor 3 \('embed'\) has format 'packed:"):
+        other.import_state(portable)
+    assert not other.state  # nothing changed
+    with pytest.raises(ValueError, match="holds 6 tensors and 6 counts, the parameters are 3"):
+        PackedMuon([p for p, (_, _, _, rule) in zip(torch_params(weights), PARAMS) if rule == "muon"]).import_state(
+            portable)
+
+
+def test_a_torch_muon_state_without_counts_needs_one_and_bad_values_are_refused(exported_once):
+    weights, params, _ = exported_once
+    matrices = [params[i] for i in MUON]
+    opt = PackedMuon(matrices, lr=LR, mode="fp32")
+    for p in matrices:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    portable = opt.export_state()
+    assert portable.format == "muon-fp32:mu=f32" and portable.counts == [None] * len(MUON)
+    leaves = [jax_params_from(params)[i] for i in MUON]
+    with pytest.raises(ValueError, match="has no step count .* pass count="):
+        import_muon_state(portable, leaves, mode="fp32")
+    state = import_muon_state(portable, leaves, mode="fp32", count=1)
+    assert int(state.count) == 1 and int(state.adamw.inner_state.count) == 1
+    portable.moments[1][2, 3] = np.nan
+    with pytest.raises(ValueError, match=r"tensor 1 \(\[1\]\): the momentum holds NaN or Inf"):
+        import_muon_state(portable, leaves, mode="fp32", count=1)
+    with pytest.raises(ValueError, match=r"tensor 1 \(param_groups\[0\]\['params'\]\[1\]\): the momentum holds NaN or Inf"):
+        PackedMuon(matrices, mode="fp32").import_state(portable)

@@ -1,0 +1,106 @@
+"""`export_state` / `import_state` of `PackedMuon` and `PackedMuonAdamW`: a `PortableState`
+(core/portable.py) in parameter order (param_groups flattened), for
+`packed_adamw.jax.muon.import_muon_state` or another torch optimizer.
+
+A Muon parameter's tensor is its momentum entry (uint16 codes, or float32 in fp32 mode) in
+torch's [out, in] layout, with count None (torch's Muon keeps no step count), and a bf16
+parameter's low half. An AdamW parameter's tensor is `_persistence.export_state`'s. Imports
+check every tensor (format, shape, dtype, low half, values) before anything changes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from packed_adamw.core import codecs
+from packed_adamw.core.portable import PortableState
+
+from . import _dtensor, _persistence
+from ._checks import BFLOAT16
+from ._state import LOW_HALF_KEY
+
+
+def _rules_of(opt) -> list:
+    """Per parameter (param_groups flattened): the optimizer whose state format it has (the
+    rule of a PackedMuonAdamW group, or `opt` itself)."""
+    rules = getattr(opt, "_rules", None)
+    return [rules[g["kind"]] if rules is not None else opt for g in opt.param_groups for _ in g["params"]]
+
+
+def _params(opt) -> list[torch.Tensor]:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if any(_dtensor.is_dtensor(p) for p in params):
+        raise ValueError(f"{type(opt).__name__}: the parameters are DTensors (sharded); a PortableState holds whole "
+                         "tensors. Save a sharded state with torch.distributed.checkpoint (docs/DISTRIBUTED.md)")
+    return params
+
+
+def _is_muon(rule) -> bool:
+    return getattr(rule, "rule_name", None) == "muon"
+
+
+def _muon_tensor(rule, p) -> tuple[np.ndarray, np.ndarray | None]:
+    """(momentum, low half or None) of one Muon parameter as numpy arrays; zeros if never stepped."""
+    from .muon import new_momentum
+
+    fmt = rule.state_format
+    state = rule.state.get(p) or {}
+    momentum = state.get(fmt.state_key)
+    momentum = (momentum if momentum is not None else new_momentum(p, fmt)).detach().cpu()
+    array = momentum.numpy().view(np.uint16) if momentum.dtype is torch.int16 else momentum.numpy()
+    low = None
+    if p.dtype is BFLOAT16:
+        stored = state.get(LOW_HALF_KEY)
+        low = stored.detach().cpu().numpy().copy() if stored is not None else np.zeros(p.shape, codecs.LOW_HALF_DTYPE)
+    return array.copy(), low
+
+
+def export_state(opt) -> PortableState:
+    params, rules = _params(opt), _rules_of(opt)
+    adamw = [r for r in dict.fromkeys(rules) if not _is_muon(r)]
+    adamw_part = _persistence.export_state(adamw[0]) if adamw else None  # in the AdamW groups' order
+    adamw_index = 0
+    identities, counts, moments, lows = [], [], [], []
+    for p, rule in zip(params, rules):
+        identities.append(rule.state_format.identity)
+        if _is_muon(rule):
+            momentum, low = _muon_tensor(rule, p)
+            counts.append(None)
+        else:
+            momentum, count = adamw_part.moments[adamw_index], adamw_part.counts[adamw_index]
+            low = adamw_part.low_halves[adamw_index] if adamw_part.low_halves is not None else None
+            counts.append(count)
+            adamw_index += 1
+        moments.append(momentum)
+        lows.append(low)
+    return PortableState.of(identities, counts, moments, lows)
+
+
+def import_state(opt, portable: PortableState) -> None:
+    params, rules = _params(opt), _rules_of(opt)
+    names = [_persistence.name_of(opt, p) for p in params]
+    fmts = [rule.state_format for rule in rules]
+    split = [p.dtype is BFLOAT16 for p in params]
+    portable.check_tensors(fmts, [tuple(p.shape) for p in params], split, names)
+    portable.check_muon_values(fmts, names)
+    lows = portable.low_halves or [None] * len(params)
+    muon_entries, adamw = {}, {"counts": [], "moments": [], "lows": [], "rule": None}
+    for p, rule, count, momentum, low in zip(params, rules, portable.counts, portable.moments, lows):
+        if _is_muon(rule):
+            array = np.array(momentum, order="C", copy=True)
+            tensor = torch.from_numpy(array.view(np.int16) if array.dtype == np.uint16 else array)
+            entry = {rule.state_format.state_key: tensor.to(p.device)}
+            if low is not None:
+                entry[LOW_HALF_KEY] = torch.from_numpy(np.array(low, order="C", copy=True)).to(p.device)
+            muon_entries[p] = (rule, entry)
+        else:
+            adamw["rule"] = rule
+            adamw["counts"].append(count)
+            adamw["moments"].append(momentum)
+            adamw["lows"].append(low)
+    if adamw["rule"] is not None:  # checks its counts and values, then commits: Muon's entries are already checked
+        rule = adamw["rule"]
+        _persistence.import_state(rule, PortableState.of([rule.state_format.identity] * len(adamw["counts"]),
+                                                         adamw["counts"], adamw["moments"], adamw["lows"]))
+    for p, (rule, entry) in muon_entries.items():
+        rule.state[p] = entry
