@@ -124,6 +124,8 @@ def test_refusals(data, straight, tmp_path, capsys):
     assert "another configuration" in capsys.readouterr().err
     assert main(arguments(data, tmp_path, "--param-dtype", "fp32", "--resume", state)) == 2
     assert "param_dtype" in capsys.readouterr().err
+    assert main(arguments(data, tmp_path, "--packing", "bos-greedy-crop/1", "--resume", state)) == 2
+    assert "written under packing 'bos-greedy-split/1'" in capsys.readouterr().err  # the default rule's state
     with pytest.raises(SystemExit):  # argparse: no such preset
         main(["--preset", "d5", *arguments(data, tmp_path)[2:]])
     preset_vocabulary = arguments(data, tmp_path)

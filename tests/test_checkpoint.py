@@ -112,6 +112,19 @@ def test_resume_from_a_saved_optimizer_state_dict_says_what_the_file_is(run, tmp
         read_checkpoint(tmp_path / "legacy.pt")
 
 
+def test_a_safetensors_header_length_ending_in_0x80_is_not_a_pickle(tmp_path):
+    """A safetensors file starts with its header's length: for 1 in 256 lengths the first byte is
+    0x80, a pickle's PROTO opcode (a training state once failed to load so)."""
+    from safetensors.torch import save_file
+    path = tmp_path / "a.safetensors"
+    for padding in range(256):
+        save_file({"x": torch.zeros(1)}, str(path), metadata={"pad": "x" * padding})
+        if path.read_bytes()[0] == 0x80:
+            break
+    assert path.read_bytes()[0] == 0x80
+    assert checkpoint._torch_save_contents(path) is None
+
+
 @pytest.mark.parametrize("metadata", [{"format": "pt"}, {"format": "pt", "note": "not json"}, {"format": "5"}])
 def test_foreign_safetensors_is_named_foreign_not_corrupted(tmp_path, metadata):
     """A valid safetensors file of another program (a Hugging Face model file has {"format": "pt"})."""

@@ -12,7 +12,7 @@ checkpoint.
 
 --data holds train.tape and val.tape (docs/TAPE.md); the model's vocabulary (the preset's
 32,768, or --vocab-size) must be the tapes' vocab_size. A step reads one packed batch
-(packed_data.py: rows of whole documents, each starting with BOS, and their cu_seqlens) of
+(packed_data.py: rows of documents, each starting with BOS, under --packing, and their cu_seqlens) of
 --batch rows of --context tokens per rank.
 
 The run, in order: the model is built from --seed; the optimizer over muon_adamw_groups
@@ -73,7 +73,7 @@ from .distributed import (
     wrap_model,
 )
 from .optimizers import optimizer_state_bytes
-from .packed_data import PackedBatch, PackedDocumentLoader
+from .packed_data import DEFAULT_PACKING, PACKING_RULES, PackedBatch, PackedDocumentLoader
 from .schedules import ScheduleConfig, apply_schedule, build_schedule
 from .telemetry import keep_records_up_to
 from .training_state import TrainingStateError, load_state, save_state, state_file_name
@@ -99,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", required=True, type=int, help="steps of the run (the schedule's length)")
     p.add_argument("--batch", required=True, type=int, help="rows per step and rank")
     p.add_argument("--context", type=int, default=None, help="tokens per row (default: the preset's context)")
+    p.add_argument("--packing", choices=PACKING_RULES, default=DEFAULT_PACKING,
+                   help="how documents fill the rows (packed_data.py); val.tape is always packed by the default")
     p.add_argument("--out", required=True, type=Path, help="the run directory (log, summary, states)")
     p.add_argument("--save-every", type=int, default=0, help="write a state every K steps (0: only at the end)")
     p.add_argument("--resume", type=Path, default=None, help="a state_stepNNNNNN.safetensors to continue from")
@@ -340,7 +342,8 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
     schedule = build_schedule(ScheduleConfig(
         num_steps=args.steps, warmup_steps=args.warmup_steps, warmdown_ratio=args.warmdown_ratio,
         momentum_warmup_steps=args.momentum_warmup_steps, weight_decay=args.weight_decay))
-    loader = PackedDocumentLoader(train_tape, args.batch, args.context, ranks.rank, ranks.world_size)
+    loader = PackedDocumentLoader(train_tape, args.batch, args.context, ranks.rank, ranks.world_size,
+                                  packing=args.packing)
     config = run_config(args, model_config, schedule.config, train_tape, ranks.world_size)
 
     step = 0
@@ -355,7 +358,7 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
         # (load_state checks the saved batch against it), then takes the cursor, which every
         # rank shares.
         view = loader if ranks.rank == 0 else PackedDocumentLoader(train_tape, args.batch, args.context, 0,
-                                                                   ranks.world_size)
+                                                                   ranks.world_size, packing=args.packing)
         loaded = load_state(args.resume, model=core, optimizer=optimizer, loader=view, config=config,
                             schedule=schedule)
         if view is not loader:

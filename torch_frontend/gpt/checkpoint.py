@@ -164,10 +164,14 @@ def _torch_save_contents(path: Path) -> str | None:
     import zipfile
 
     with path.open("rb") as f:
-        head = f.read(4)
+        head = f.read(9)
+    # A safetensors file: an 8-byte little-endian header length, then the JSON header. Its first
+    # byte is 0x80 for 1 in 256 header lengths, so a pickle's PROTO opcode alone does not tell.
+    if head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= path.stat().st_size - 8:
+        return None
     if head.startswith(b"\x80"):  # a pickle's PROTO opcode
         return "a pickle file (torch.save's legacy format, or another program's)"
-    if head != b"PK\x03\x04" or not zipfile.is_zipfile(path):
+    if head[:4] != b"PK\x03\x04" or not zipfile.is_zipfile(path):
         return None
     with zipfile.ZipFile(path) as archive:
         pickles = [name for name in archive.namelist() if name.rsplit("/", 1)[-1] == "data.pkl"]
