@@ -93,6 +93,20 @@ def format_count_names(codes: tuple[StateCode, ...]) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class RowVariant:
+    """One hyperparameter row a step carries: the group's row with the fields in `zeroed` set
+    to 0. Every leaf of a step takes one of its rule's variants (AdamW: the row with weight
+    decay, and the row without it for the leaves its mask leaves out, as optax.adamw's mask)."""
+
+    name: str
+    zeroed: tuple[str, ...] = ()
+
+
+# A rule with no variants: every leaf takes its group's row as it is.
+GROUP_ROW = RowVariant("group")
+
+
+@dataclass(frozen=True)
 class Rule:
     """A rule's declaration. Its state entries depend on the state format it runs in, so the
     format (e.g. core/adamw's StateFormat) gives them; the rest is fixed."""
@@ -108,8 +122,21 @@ class Rule:
     # The hyperparameters as an optimizer's parameter group holds them (torch.optim's keys; the
     # learning rate first), the order `group_row` and `validate` take their values in:
     group_keys: tuple[str, ...] = ()
-    group_row: Callable | None = None  # (values in group_keys order) -> the hyperparameter row, as floats
-    validate: Callable | None = None  # (values in group_keys order) -> None, or ValueError/TypeError saying what to do
+    # (values in group_keys order, *, number=float) -> the hyperparameter row, each value passed
+    # through `number` (floats for torch's rows; JAX keeps traced values as they are):
+    group_row: Callable | None = None
+    row_group: Callable | None = None  # (a hyperparameter row) -> its values in group_keys order: group_row's inverse
+    # (values in group_keys order, *, allow_arrays=False) -> None, or ValueError/TypeError saying what to do;
+    # with allow_arrays, values that are not plain numbers (schedules, traced arrays) are left to rows_valid:
+    validate: Callable | None = None
+    # The rows a step carries, each leaf taking one (RowVariant); the first is the group's row as it is.
+    row_variants: tuple[RowVariant, ...] = (GROUP_ROW,)
+    masked_variant: str | None = None  # the variant of the leaves a frontend's mask leaves out (None: no mask)
+    # The hyperparameter fields through which the elementwise update reads the parameter's value
+    # (AdamW: weight_decay, its decay lr * wd * p): where each is 0 in a leaf's row, the update
+    # is the same for every finite parameter, so it can be computed without the parameters.
+    # None: the update always reads them.
+    param_read_through: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if set(self.bounds) != set(self.hyperparam_fields):
@@ -117,6 +144,17 @@ class Rule:
         if self.codes and format_count_names(self.codes) != tuple(self.count_names):
             raise ValueError(f"rule {self.name}: count_names must be {format_count_names(self.codes)}, "
                              "each format event for each of its codes")
+        if not self.row_variants or self.row_variants[0].zeroed:
+            raise ValueError(f"rule {self.name}: the first row variant must be the group's row as it is "
+                             "(nothing zeroed)")
+        names = [variant.name for variant in self.row_variants]
+        zeroed = {field for variant in self.row_variants for field in variant.zeroed}
+        read_through = set(self.param_read_through or ())
+        if len(set(names)) != len(names) or not zeroed | read_through <= set(self.hyperparam_fields):
+            raise ValueError(f"rule {self.name}: row variants need distinct names, and their zeroed fields and "
+                             f"param_read_through must be among {self.hyperparam_fields}")
+        if self.masked_variant is not None and self.masked_variant not in names[1:]:
+            raise ValueError(f"rule {self.name}: masked_variant must name one of the row variants after the first")
 
     def rows_valid(self, rows):
         """Whether each hyperparameter row (the last axis: `hyperparam_fields`) holds valid
@@ -132,6 +170,41 @@ class Rule:
             product = column[a] * column[b]
             valid = valid & (product >= -FLOAT32_MAX) & (product <= FLOAT32_MAX)
         return valid
+
+    def variant_rows(self, row) -> list[tuple]:
+        """The rows a step carries (`row_variants` order) from the group's hyperparameter row
+        (`hyperparam_fields` order; numbers or arrays, kept as they are): each the row with its
+        variant's `zeroed` fields 0.0."""
+        return [tuple(0.0 if name in variant.zeroed else value for name, value in zip(self.hyperparam_fields, row))
+                for variant in self.row_variants]
+
+    def leaf_variant(self, masked_in: bool) -> int:
+        """The row variant (an index into `variant_rows`) of a leaf a frontend's mask selects
+        (`masked_in`) or leaves out (`masked_variant`; a rule without one takes no mask)."""
+        if masked_in:
+            return 0
+        if self.masked_variant is None:
+            raise ValueError(f"rule {self.name}: it has no masked row variant, so its leaves cannot be masked out")
+        return [variant.name for variant in self.row_variants].index(self.masked_variant)
+
+    def param_reading_fields(self, variant: int) -> tuple[str, ...] | None:
+        """The fields of a leaf's row (of `variant`) through which its update reads the
+        parameter: `param_read_through` less those the variant zeroes (None: it always reads it)."""
+        if self.param_read_through is None:
+            return None
+        zeroed = self.row_variants[variant].zeroed
+        return tuple(name for name in self.param_read_through if name not in zeroed)
+
+    def refusal_reason(self, row) -> str:
+        """What makes a hyperparameter row invalid (a row `rows_valid` refused in a graph), in
+        the words of the rule's host validation (`validate`)."""
+        values = [float(x) for x in row]
+        try:
+            self.validate(*self.row_group(*values))
+        except ValueError as e:
+            return str(e)
+        # not reached when rows_valid refused the row: both are written from the same bounds
+        return f"[{', '.join(self.hyperparam_fields)}] = {values}"
 
     @property
     def hyperparam_row(self) -> int:

@@ -16,8 +16,10 @@ The primitive sees the shapes of the arrays it is given: under `shard_map` or a
 leaf-group table and callback works on the local shards.
 
 The primitive knows no rule: `StepConfig.fmt` is the rule's state format (its layout, and its
-`rule` declaring the scalar row and the format counts) and `StepConfig.steps` its numpy step and
-Triton entry points (`RuleSteps`; AdamW's is `_rules.ADAMW`).
+`rule` declaring the hyperparameter and scalar rows and the format counts) and `StepConfig.steps`
+its numpy step and Triton entry points (`RuleSteps`; AdamW's is `_rules.ADAMW`). It takes one
+hyperparameter row per row variant of the rule (`Rule.variant_rows`) and steps each leaf with
+the row `StepConfig.leaf_rows` gives it.
 
 With `StepConfig.track_format` the primitive has one more output, the step's format counts
 (docs/FORMAT.md, "Format counts") of each leaf's elements on this device: uint32
@@ -80,7 +82,7 @@ class StepConfig:
     steps: RuleSteps
     write_update: bool
     multi_tensor: bool
-    decay: tuple[bool, ...]  # per leaf: weight decay (row 0 of hparams) or not (row 1)
+    leaf_rows: tuple[int, ...]  # per leaf: its row of hparams (its rule's row variant, `Rule.leaf_variant`)
     paths: tuple[str, ...]  # per leaf, for messages
     alias_grads: bool = False  # CUDA transform: write u into the gradient's buffer
     track_format: bool = False  # one more output: the step's format counts per leaf
@@ -88,7 +90,7 @@ class StepConfig:
 
     @property
     def n_leaves(self) -> int:
-        return len(self.decay)
+        return len(self.leaf_rows)
 
     def per_leaf(self, compact) -> list:
         """The split leaves' arrays (in `split` order) -> one entry per leaf, None where FP32."""
@@ -109,8 +111,9 @@ def counts_shape(config: StepConfig) -> tuple[int, int]:
 class StepOperands:
     """The step primitive's operands, by name. `lows` has one entry per leaf: the low half of a
     leaf in `config.split`, None for a FP32 leaf. Also used for what follows the operands
-    (their shardings, specs, sharding-rule factors). `hparams` is [2, 5] float32 (the row with
-    weight decay, then without), `count` the int32 count after this step (>= 1)."""
+    (their shardings, specs, sharding-rule factors). `hparams` is float32 [rows,
+    rule.hyperparam_row], the rule's `variant_rows` (`config.leaf_rows` picks each leaf's),
+    `count` the int32 count after this step (>= 1)."""
 
     params: list
     grads: list
@@ -294,11 +297,12 @@ def _host_step(*flat, config: StepConfig):
     outs, new_states, new_lows = [], [], [None] * config.n_leaves
     counts = np.zeros(counts_shape(config), np.int64) if config.track_format else None
     with _subnormals_kept():
-        for i, (p, g, s, lo, decays, path) in enumerate(zip(params, grads, states, lows, config.decay, config.paths)):
+        for i, (p, g, s, lo, row, path) in enumerate(zip(params, grads, states, lows, config.leaf_rows,
+                                                         config.paths)):
             shape, state_shape = np.shape(p), np.shape(s)
             try:  # callback inputs are read-only: the step works on copies
                 s = np.array(s).reshape(fmt.flat_state_shape(-1))
-                scalars = steps.step_scalar_row(count, hparams[0 if decays else 1])
+                scalars = steps.step_scalar_row(count, hparams[row])
                 leaf_counts = None if counts is None else counts[i]
                 if lo is None:
                     p = np.array(p, dtype=np.float32).reshape(-1)
@@ -341,7 +345,7 @@ def _cuda_step(*args, config: StepConfig):
     ops = StepOperands.of(args, config)
     check_countable(ops.params, config)
     outs, new_states, counts, *new_lows = _triton_launch.step(
-        ops.params, ops.grads, ops.states, list(config.decay), ops.hparams, ops.count, fmt=config.fmt,
+        ops.params, ops.grads, ops.states, list(config.leaf_rows), ops.hparams, ops.count, fmt=config.fmt,
         kernels=config.steps.kernels(), write_update=config.write_update, multi_tensor=config.multi_tensor,
         alias_grads=config.alias_grads, track_format=config.track_format, lows=ops.lows if config.split else None)
     new_lows = new_lows[0] if config.split else [None] * config.n_leaves

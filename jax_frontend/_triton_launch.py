@@ -230,18 +230,18 @@ def group_step(params, lows, grads, states, rows, scalars, *, fmt: StateLayout, 
     return outs, new_lows, new_states
 
 
-def step(params, grads, states, decay, hparams, count, *, fmt: StateLayout, kernels: FunctionalKernels,
+def step(params, grads, states, leaf_rows, hparams, count, *, fmt: StateLayout, kernels: FunctionalKernels,
          write_update: bool, multi_tensor: bool, alias_grads: bool = False, track_format: bool = False, lows=None):
     """Every leaf's (out, new state), and the step's format counts ([n_leaves,
-    len(count_names)] uint32 with `track_format`, else None): `hparams` holds the row with
-    weight decay, then the row without; `decay[i]` picks leaf i's. Large leaves launch alone,
+    len(count_names)] uint32 with `track_format`, else None): `hparams` holds the rule's row
+    variants; `leaf_rows[i]` picks leaf i's. Large leaves launch alone,
     the others in groups of one kind. `lows`: per leaf, the low half of a bf16 leaf with a
     split master (None for a FP32 leaf); with it a fourth result follows, the new low halves
     per leaf, and a split leaf's out is its new weight."""
     given_lows = lows is not None
     lows = list(lows) if given_lows else [None] * len(params)
-    scalars = step_scalars(hparams, jnp.stack([count, count]), fmt=fmt, kernels=kernels)
-    rows = [0 if d else 1 for d in decay]
+    scalars = step_scalars(hparams, jnp.broadcast_to(count, hparams.shape[:1]), fmt=fmt, kernels=kernels)
+    rows = list(leaf_rows)
     numels = [int(p.size) for p in params]
     # The launch kinds: FP32 leaves; split leaves with float32 gradients; with bf16 gradients.
     kinds = [(lo is not None, lo is not None and g.dtype == jnp.bfloat16) for lo, g in zip(lows, grads)]

@@ -13,6 +13,7 @@ step's new weight (`_masters.transform_update`).
 """
 from __future__ import annotations
 
+import functools
 import numbers
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -23,7 +24,6 @@ import numpy as np
 import optax
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
-from packed_adamw.core.adamw.hyperparams import validate_hyperparams
 from packed_adamw.core.codecs import SPLIT_MASTER_MAX
 from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 from packed_adamw.core.portable import PortableState
@@ -255,9 +255,10 @@ def _check_state(moments, params, fmt: StateFormat) -> None:
         )
 
 
-def _decay_flags(mask, params):
-    """Per-leaf weight-decay switch from an optax-style mask: a pytree of bools matching
-    params or a prefix of them, or a callable returning one."""
+def _mask_flags(mask, params):
+    """Per-leaf switch from an optax-style mask (AdamW's weight-decay mask): a pytree of bools
+    matching params or a prefix of them, or a callable returning one. True where a leaf is
+    selected (all leaves without a mask)."""
     if mask is None:
         return jax.tree_util.tree_map(lambda _: True, params)
     flags = mask(params) if callable(mask) else mask
@@ -278,12 +279,12 @@ def _decay_flags(mask, params):
 
 
 def _refuse_invalid(rule, hparams, count):
-    """(rows, valid): the hyperparameter rows (`rule.hyperparam_fields`: lr, b1, b2, eps,
-    weight_decay) checked in the graph by `rule.rows_valid`, from the same bounds the host's
-    `validate_hyperparams` is written from, for values known only there (schedules, injected
-    arrays), and the count before the step (>= 0). If anything is invalid every row becomes
-    NaN, so every element of every leaf is rejected and keeps its value and state, on CPU and
-    GPU alike; the caller then leaves the count as it was."""
+    """(rows, valid): the hyperparameter rows (`rule.hyperparam_fields`) checked in the graph by
+    `rule.rows_valid`, from the same bounds the host's `rule.validate` is written from, for
+    values known only there (schedules, injected arrays), and the count before the step (>= 0).
+    If anything is invalid every row becomes NaN, so every element of every leaf is rejected
+    and keeps its value and state, on CPU and GPU alike; the caller then leaves the count as
+    it was."""
     valid = jnp.all(rule.rows_valid(hparams)) & (count >= 0)
     return jnp.where(valid, hparams, jnp.nan), valid
 
@@ -293,39 +294,34 @@ class RefusedStepWarning(RuntimeWarning):
     count): nothing changed, and the count did not move."""
 
 
-def _refusal_reason(row, count: int) -> str:
-    """What made a step invalid, in the words of the constructor's validation."""
+def _refusal_reason(rule, row, count: int) -> str:
+    """What made a step invalid, in the words of the constructor's validation (the rule's)."""
     if count < 0:
         return f"the state's step count is {count} (a count is >= 0: the state is damaged or not a packed_adamw state)"
-    lr, b1, b2, eps, wd = (float(x) for x in row)
-    try:
-        validate_hyperparams(lr, (b1, b2), eps, wd)
-    except ValueError as e:
-        return str(e)
-    return f"[lr, b1, b2, eps, weight_decay] = {[lr, b1, b2, eps, wd]}"  # not reached: the graph found one
+    return rule.refusal_reason(row)
 
 
-def _warn_refused(valid, row, count) -> None:
+def _warn_refused(rule, valid, row, count) -> None:
     """Host side of `_report_refusal`: warns for a refused step (under `vmap` it runs for every
     batch element, refused or not)."""
     if bool(np.asarray(valid)):
         return
     count = int(np.asarray(count))
     warnings.warn(
-        f"packed_adamw: step refused at count {count}: {_refusal_reason(np.asarray(row), count)}. No parameter, "
+        f"packed_adamw: step refused at count {count}: {_refusal_reason(rule, np.asarray(row), count)}. No parameter, "
         "state word or count changed, and since the count did not move a schedule is evaluated at the same count "
         "next step: fix the schedule or the injected value (the eager update raises on it)", RefusedStepWarning,
         stacklevel=2)
 
 
-def _report_refusal(valid, row, count) -> None:
-    """Under jit an invalid step cannot raise: a `jax.debug.callback` warns instead
-    (`RefusedStepWarning`, naming the value) where a hyperparameter is known only in the
-    graph; a negative (damaged) count with plain-number hyperparameters is refused without it
-    (docs/JAX.md, "Known gaps"). The callback is
-    taken only on the refusing branch of a `lax.cond`; under `vmap` the cond becomes a select,
-    so the host side checks `valid` again."""
-    jax.lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(_warn_refused, *args), valid, row, count)
+def _report_refusal(warn, valid, row, count) -> None:
+    """Under jit an invalid step cannot raise: a `jax.debug.callback` of `warn` (`_warn_refused`
+    for the stepper's rule) warns instead (`RefusedStepWarning`, naming the value) where a
+    hyperparameter is known only in the graph; a negative (damaged) count with plain-number
+    hyperparameters is refused without it (docs/JAX.md, "Known gaps"). The callback is taken
+    only on the refusing branch of a `lax.cond`; under `vmap` the cond becomes a select, so the
+    host side checks `valid` again."""
+    jax.lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(warn, *args), valid, row, count)
 
 
 def _concrete_float(x) -> float | None:
@@ -351,12 +347,32 @@ def _check_count(count) -> None:
                          "The state is damaged or not a packed_adamw state")
 
 
-class _Stepper:
-    """What the transform and the fused step share: hyperparameters, format, the step over leaves."""
+def _map_group(f, values) -> tuple:
+    """f applied to each of a group's values (`Rule.group_keys` order), and to each element of
+    those that are tuples (AdamW's betas)."""
+    return tuple(tuple(map(f, v)) if isinstance(v, tuple) else f(v) for v in values)
 
-    def __init__(self, learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
-                 reuse_grad_buffer=False, track_format=False):
+
+def _as_given(x):
+    return x
+
+
+def _adamw_group(learning_rate, b1, b2, eps, weight_decay) -> tuple:
+    """The transform's arguments as AdamW's rule takes a group's values (`RULE.group_keys`:
+    lr, betas, eps, weight_decay); the learning rate may be a schedule of the count."""
+    return learning_rate, (b1, b2), eps, weight_decay
+
+
+class _Stepper:
+    """What the transform and the fused step share: hyperparameters, format, the step over
+    leaves. `group`: the hyperparameters in the rule's `group_keys` order (the learning rate
+    first, a number, an array or a schedule of the count)."""
+
+    def __init__(self, group, mask, mode, m_bias, rms_bias, multi_tensor, reuse_grad_buffer=False,
+                 track_format=False):
         self.fmt = state_format(mode, m_bias, rms_bias)
+        self.rule = self.fmt.rule
+        self.warn_refused = functools.partial(_warn_refused, self.rule)  # the host side of `_report_refusal`
         if track_format not in (True, False):
             raise TypeError(f"packed_adamw: track_format={track_format!r}: pass True or False")
         if track_format and self.fmt.mode == "fp32":
@@ -367,11 +383,33 @@ class _Stepper:
         # Numbers and concrete arrays (optax.inject_hyperparams outside jit) are checked now;
         # traced ones and schedules are checked in the graph.
         known = lambda x: x if callable(x) or _concrete_float(x) is None else _concrete_float(x)  # noqa: E731
-        validate_hyperparams(known(learning_rate), (known(b1), known(b2)), known(eps), known(weight_decay),
-                             allow_arrays=True)
-        self.learning_rate, self.b1, self.b2, self.eps, self.weight_decay = learning_rate, b1, b2, eps, weight_decay
+        self.rule.validate(*_map_group(known, group), allow_arrays=True)
+        self.group = tuple(group)
         self.mask = mask
         self.multi_tensor = bool(multi_tensor)
+
+    def _check_params_unread(self, given, leaf_rows) -> None:
+        """An update without params: refused unless every leaf's update is the same for any
+        finite parameter (its row holds 0 in each field the update reads the parameter through,
+        `Rule.param_read_through`: AdamW's weight_decay, unless the mask leaves it out)."""
+        value = dict(zip(self.rule.hyperparam_fields, given))
+        for variant in sorted(set(leaf_rows)):
+            fields = self.rule.param_reading_fields(variant)
+            if fields is None:
+                raise ValueError("packed_adamw: the update reads the parameters, so update() needs params: call "
+                                 "tx.update(grads, state, params)")
+            for field in fields:
+                if _concrete_float(value[field]) is None:
+                    raise ValueError(
+                        f"packed_adamw: {field} is not known to be zero (it is traced, e.g. injected by "
+                        "optax.inject_hyperparams under jit), so update() needs params: call "
+                        "tx.update(grads, state, params)"
+                    )
+                if _concrete_float(value[field]) != 0.0:
+                    raise ValueError(
+                        f"packed_adamw: {field} is nonzero, so update() needs params; call "
+                        f"tx.update(grads, state, params), or set {field}=0"
+                    )
 
     def init(self, params):
         count = jnp.zeros([], jnp.int32)
@@ -414,42 +452,35 @@ class _Stepper:
         lows = _check_low_halves(state, treedef, grads if params is None else params, split)
         _check_format_counts(state, self.track_format, treedef.num_leaves)
         _check_count(state.count)
-        decay = _decay_flags(self.mask, grads if params is None else params)
+        rule = self.rule
+        selected = treedef.flatten_up_to(_mask_flags(self.mask, grads if params is None else params))
+        leaf_rows = tuple(rule.leaf_variant(masked_in) for masked_in in selected)
+        lr, *rest = self.group
+        lr = lr(state.count) if callable(lr) else lr  # a schedule of the count
+        given = rule.group_row(lr, *rest, number=_as_given)  # hyperparam_fields order, as given
         if params is None:
-            if any(jax.tree_util.tree_leaves(decay)) and _concrete_float(self.weight_decay) != 0.0:
-                if _concrete_float(self.weight_decay) is None:
-                    raise ValueError(
-                        "packed_adamw: weight_decay is not known to be zero (it is traced, e.g. injected by "
-                        "optax.inject_hyperparams under jit), so update() needs params: call "
-                        "tx.update(grads, state, params)"
-                    )
-                raise ValueError(
-                    "packed_adamw: weight_decay is nonzero, so update() needs params; call "
-                    "tx.update(grads, state, params), or set weight_decay=0"
-                )
-            params = grads  # never read for decay: lr * 0 * p = 0 for finite p
-        lr = self.learning_rate(state.count) if callable(self.learning_rate) else self.learning_rate
+            self._check_params_unread(given, leaf_rows)
+            params = grads  # never read: the fields the update reads it through are 0
         paths = tuple(jax.tree_util.keystr(path) for path, _ in flat_grads)
         params, grads = treedef.flatten_up_to(params), [g for _, g in flat_grads]
-        moments, decay = treedef.flatten_up_to(state.moments), treedef.flatten_up_to(decay)
-        # One hyperparameter row with weight decay, one without (masked leaves).
-        rows = jnp.asarray([[lr, self.b1, self.b2, self.eps, wd] for wd in (self.weight_decay, 0.0)], jnp.float32)
-        hparams, valid = _refuse_invalid(self.fmt.rule, rows, state.count)
+        moments = treedef.flatten_up_to(state.moments)
+        rows = jnp.asarray(rule.variant_rows(given), jnp.float32)  # the leaves' rows: AdamW's mask
+        hparams, valid = _refuse_invalid(rule, rows, state.count)
         try:  # known outside jit (a schedule's value, say): say so instead of refusing silently
             refused = not bool(valid)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
             refused = False  # under jit the step is refused in the graph (docs/JAX.md)
-            if any(_concrete_float(x) is None for x in (lr, self.b1, self.b2, self.eps, self.weight_decay)):
+            if any(_concrete_float(x) is None for x in given):
                 # A value known only in the graph (a schedule, an injected array) may turn invalid
                 # mid-run; plain numbers were validated when the transform was built.
-                _report_refusal(valid, rows[0], state.count)
+                _report_refusal(self.warn_refused, valid, rows[0], state.count)
         if refused:
             raise ValueError(f"packed_adamw: invalid hyperparameters at count {int(state.count)}: "
-                             f"{_refusal_reason(np.asarray(rows)[0], int(state.count))}")
+                             f"{_refusal_reason(rule, np.asarray(rows)[0], int(state.count))}")
         count = jnp.where(valid, _increment(state.count), state.count)
         step_count = jnp.where(valid, count, 1)  # a refused step's rows are NaN: any count in range will do
         config = StepConfig(fmt=self.fmt, steps=ADAMW, write_update=write_update, multi_tensor=self.multi_tensor,
-                            decay=tuple(bool(d) for d in decay), paths=paths,
+                            leaf_rows=leaf_rows, paths=paths,
                             alias_grads=write_update and self.reuse_grad_buffer, track_format=counting,
                             split=tuple(i for i, lo in enumerate(lows) if lo is not None))
         results = sharded_step(StepOperands(params, grads, moments, lows, hparams, step_count), config=config)
@@ -525,8 +556,8 @@ def packed_adamw(
     where no float32 u can, and what the state does there. `master_weights(params, state)`
     returns the masters; `load_master_weights` sets them.
     """
-    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
-                       reuse_grad_buffer, track_format)
+    stepper = _Stepper(_adamw_group(learning_rate, b1, b2, eps, weight_decay), mask, mode, m_bias, rms_bias,
+                       multi_tensor, reuse_grad_buffer, track_format)
 
     def update_fn(updates, state, params=None, *, track_format: bool | None = None, **extra_args):
         del extra_args  # accepted, as every optax alias does, and unused
@@ -556,8 +587,8 @@ def packed_adamw_fused_step(
     `update`, `step(..., track_format=False)` leaves a step uncounted). A
     bfloat16 leaf gets its new weight and the state its new low half, in place likewise.
     """
-    stepper = _Stepper(learning_rate, b1, b2, eps, weight_decay, mask, mode, m_bias, rms_bias, multi_tensor,
-                       track_format=track_format)
+    stepper = _Stepper(_adamw_group(learning_rate, b1, b2, eps, weight_decay), mask, mode, m_bias, rms_bias,
+                       multi_tensor, track_format=track_format)
 
     def step(params, grads, state, *, track_format: bool | None = None):
         return stepper.run(grads, state, params, write_update=False, track_format=track_format)

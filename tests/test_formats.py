@@ -346,6 +346,41 @@ def test_adamw_declares_its_rows_and_counts():
                 hyperparams.validate_hyperparams(lr, (0.9, 0.999), 1e-8, wd)
 
 
+def test_adamw_declares_its_row_variants_and_refusal_words():
+    """The JAX step's rows come from the rule: the group's row, and the row without weight decay
+    for the leaves a mask leaves out; a refused row is explained in the host validation's words."""
+    from packed_adamw.core.adamw import RULE, hyperparams
+    from packed_adamw.core.rule import RowVariant, Rule
+
+    row = RULE.group_row(1e-3, (0.9, 0.999), 1e-8, 0.1)
+    assert RULE.row_group(*row) == (1e-3, (0.9, 0.999), 1e-8, 0.1)  # group_row's inverse
+    assert RULE.variant_rows(row) == [row, (1e-3, 0.9, 0.999, 1e-8, 0.0)]
+    assert (RULE.leaf_variant(True), RULE.leaf_variant(False)) == (0, 1)
+    # The update reads the parameter through weight decay only, which the masked row zeroes.
+    assert RULE.param_reading_fields(0) == ("weight_decay",) and RULE.param_reading_fields(1) == ()
+    # Values stay as given (JAX passes traced ones): `number` converts, or not.
+    marker = object()
+    assert RULE.group_row(marker, (0.9, 0.999), 1e-8, 0.1, number=lambda x: x)[0] is marker
+    for bad, message in (((1e-3, 1.0, 0.999, 1e-8, 0.1), "Invalid beta parameter at index 0"),
+                         ((-1.0, 0.9, 0.999, 1e-8, 0.1), "Invalid learning rate: lr=-1.0"),
+                         ((1e20, 0.9, 0.999, 1e-8, 1e20), "overflows float32")):
+        with pytest.raises(ValueError, match=message) as raised:
+            hyperparams.validate_hyperparams(*RULE.row_group(*bad))
+        assert RULE.refusal_reason(bad) == str(raised.value)
+    assert RULE.refusal_reason(row) == "[lr, b1, b2, eps, weight_decay] = [0.001, 0.9, 0.999, 1e-08, 0.1]"
+    # A declaration that cannot serve a step is refused when it is made.
+    fields = dict(name="r", hyperparam_fields=("lr",), scalar_fields=(), bounds={"lr": hyperparams.HPARAM_BOUNDS["lr"]})
+    with pytest.raises(ValueError, match="first row variant"):
+        Rule(**fields, row_variants=(RowVariant("off", zeroed=("lr",)),))
+    with pytest.raises(ValueError, match="among"):
+        Rule(**fields, row_variants=(RowVariant("on"), RowVariant("off", zeroed=("wd",))))
+    with pytest.raises(ValueError, match="masked_variant"):
+        Rule(**fields, masked_variant="group")
+    with pytest.raises(ValueError, match="no masked row variant"):
+        Rule(**fields).leaf_variant(False)
+    assert Rule(**fields).param_reading_fields(0) is None  # undeclared: the update reads the parameter
+
+
 _EDGES = [0.0, -0.0, -1e-30, 1e-30, float(np.nextafter(F32(1), F32(0))), 1.0, 1 - 1e-9, 2.0,
           1.1754943508222875e-38, 1e-39, 3.4028234663852886e38, 3.5e38, float("inf"), float("nan")]
 

@@ -234,7 +234,7 @@ def test_the_custom_partitioning_step_gives_the_bits_of_the_plain_step(mode):
     keys = sorted(SHAPES)
     fmt = StateFormat(mode)
     config = StepConfig(fmt=fmt, steps=ADAMW, write_update=True, multi_tensor=True,
-                        decay=tuple(k != "odd1" for k in keys), paths=tuple(keys), alias_grads=True)
+                        leaf_rows=tuple(0 if k != "odd1" else 1 for k in keys), paths=tuple(keys), alias_grads=True)
     p = [jnp.asarray(params0[k]) for k in keys]
     g = [jnp.asarray(grads[0][k]) for k in keys]
     s = [jnp.zeros(fmt.state_shape(SHAPES[k]), fmt.state_dtype) for k in keys]

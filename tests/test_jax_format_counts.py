@@ -27,6 +27,7 @@ import kernel_harness as H
 from jax_helpers import (F32, InterpretedJaxTriton, assert_bits_equal, jax_cuda_unavailable, run_cases_child,
                          spanning_values)
 from packed_adamw.core import StateFormat, launch
+from packed_adamw.core.adamw import RULE as ADAMW_RULE
 from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
 from packed_adamw.core.adamw.hyperparams import SCALAR_FIELDS
 from packed_adamw.core.adamw.numpy_step import update_chunk as _update_chunk, apply_step, step_scalar_row
@@ -417,13 +418,15 @@ def test_the_cuda_launches_count_as_the_numpy_step_in_the_interpreter(mode, mult
     grads = [H.random_grads(rng, n, fmt) for n in sizes]
     H.inject_nonfinite(rng, grads[0])
     words = [H.random_state(rng, n, fmt) for n in sizes]
-    decay = [i % 3 != 1 for i in range(len(sizes))]
+    # The rule's row variants: the row with weight decay, then without (a mask leaves these out).
+    leaf_rows = [ADAMW_RULE.leaf_variant(i % 3 != 1) for i in range(len(sizes))]
     rows = [ROW, ROW[:4] + [0.0]]
     count = 4
     stand_in = InterpretedJaxTriton()
     monkeypatch.setattr(_triton_launch, "_jax_triton", lambda: stand_in)
     outs, new_states, counts = _triton_launch.step(
-        [jnp.asarray(p) for p in params], [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words], decay,
+        [jnp.asarray(p) for p in params], [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words],
+        leaf_rows,
         jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt, kernels=KERNELS,
         write_update=write_update, multi_tensor=multi_tensor, alias_grads=write_update, track_format=True)
     counting = {KERNELS.tensor_counting, KERNELS.leaf_group}
@@ -436,7 +439,7 @@ def test_the_cuda_launches_count_as_the_numpy_step_in_the_interpreter(mode, mult
         p, s = params[i].copy(), words[i].copy()
         update = np.empty_like(p) if write_update else None
         expected = np.zeros(6, np.int64)
-        apply_step(p, grads[i], s, step_scalar_row(count, rows[0 if decay[i] else 1]), fmt=fmt, update_out=update,
+        apply_step(p, grads[i], s, step_scalar_row(count, rows[leaf_rows[i]]), fmt=fmt, update_out=update,
                    format_counts_out=expected)
         assert_bits_equal(outs[i], update if write_update else p, f"{'updates' if write_update else 'params'} {i}")
         assert_bits_equal(new_states[i], s, f"words {i}")
@@ -445,7 +448,8 @@ def test_the_cuda_launches_count_as_the_numpy_step_in_the_interpreter(mode, mult
     # Off: no counts, and only the kernels without a counters output.
     stand_in.clear()
     *_, none = _triton_launch.step(
-        [jnp.asarray(p) for p in params], [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words], decay,
+        [jnp.asarray(p) for p in params], [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words],
+        leaf_rows,
         jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt, kernels=KERNELS,
         write_update=write_update, multi_tensor=multi_tensor, track_format=False)
     assert none is None and KERNELS.tensor_counting not in stand_in.kernels
@@ -629,8 +633,8 @@ def _cases():
             return [p + 0 for p in ps] + [s + 0 for s in ss] + [counts]
 
         fmt = StateFormat("packed")
-        config = StepConfig(fmt=fmt, steps=ADAMW, write_update=True, multi_tensor=True, decay=(True,) * len(shapes),
-                            paths=tuple(shapes), track_format=True)
+        config = StepConfig(fmt=fmt, steps=ADAMW, write_update=True, multi_tensor=True,
+                            leaf_rows=(0,) * len(shapes), paths=tuple(shapes), track_format=True)
         p = [jax.device_put(params0[k], NamedSharding(auto, specs[k])) for k in shapes]
         s = [jax.device_put(np.zeros(shapes[k], np.uint32), NamedSharding(auto, specs[k])) for k in shapes]
         h, c = jnp.full((2, 5), 0.5, jnp.float32), jnp.asarray(3, jnp.int32)
@@ -741,7 +745,7 @@ def test_cuda_custom_partitioning_counts_equal_the_plain_step():
 
     fmt = StateFormat("packed")
     params, grads, words = random_start("packed", seed=31)
-    config = StepConfig(fmt=fmt, steps=ADAMW, write_update=True, multi_tensor=True, decay=(True,) * len(KEYS),
+    config = StepConfig(fmt=fmt, steps=ADAMW, write_update=True, multi_tensor=True, leaf_rows=(0,) * len(KEYS),
                         paths=KEYS, alias_grads=True, track_format=True)
     p = [jnp.asarray(params[k]) for k in KEYS]
     g = [jnp.asarray(grads[k]) for k in KEYS]

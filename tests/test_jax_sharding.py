@@ -255,8 +255,8 @@ def _cases():
 
         for mode in ("packed", "fp32"):
             fmt = StateFormat(mode)
-            config = StepConfig(fmt=fmt, steps=ADAMW, write_update=True, multi_tensor=True, decay=(True,) * len(shapes),
-                                paths=tuple(shapes))
+            config = StepConfig(fmt=fmt, steps=ADAMW, write_update=True, multi_tensor=True,
+                                leaf_rows=(0,) * len(shapes), paths=tuple(shapes))
             p = [jax.device_put(params0[k], NamedSharding(auto, specs[k])) for k in shapes]
             g = [jax.device_put(grads0[0][k], NamedSharding(auto, specs[k])) for k in shapes]
             s = [jax.device_put(np.zeros(fmt.state_shape(shapes[k]), fmt.state_dtype),

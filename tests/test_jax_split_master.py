@@ -34,6 +34,7 @@ import torch
 
 from jax_helpers import InterpretedJaxTriton, jax_cuda_unavailable, run_cases_child
 from packed_adamw.core import StateFormat, codecs as formats, launch
+from packed_adamw.core.adamw import RULE as ADAMW_RULE
 from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
 from packed_adamw.core.portable import PortableState
 from packed_adamw.jax import (
@@ -696,13 +697,14 @@ def test_the_cuda_launches_of_mixed_kinds_equal_the_numpy_step_in_the_interprete
     params = [jnp.asarray(w.view(ml_dtypes.bfloat16)) if kind else jnp.asarray(m)
               for m, (w, _), (_, kind) in zip(masters, splits, leaves)]
     lows = [jnp.asarray(lo) if kind else None for (_, lo), (_, kind) in zip(splits, leaves)]
-    decay = [i % 3 != 1 for i in range(len(leaves))]
+    # The rule's row variants: the row with weight decay, then without (a mask leaves these out).
+    leaf_rows = [ADAMW_RULE.leaf_variant(i % 3 != 1) for i in range(len(leaves))]
     rows = [[1e-2, 0.9, 0.95, 1e-8, 0.1], [1e-2, 0.9, 0.95, 1e-8, 0.0]]
     count = 3
     stand_in = InterpretedJaxTriton()
     monkeypatch.setattr(_triton_launch, "_jax_triton", lambda: stand_in)
     outs, new_states, counts, new_lows = _triton_launch.step(
-        params, [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words], decay,
+        params, [jnp.asarray(g) for g in grads], [jnp.asarray(s) for s in words], leaf_rows,
         jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt, kernels=KERNELS,
         write_update=write_update, multi_tensor=multi_tensor, alias_grads=write_update, track_format=track, lows=lows)
     updates = [k for k in stand_in.kernels if k is not KERNELS.step_scalars]
@@ -712,7 +714,7 @@ def test_the_cuda_launches_of_mixed_kinds_equal_the_numpy_step_in_the_interprete
     assert len(updates) == (3 if multi_tensor else len(leaves) - 1), stand_in.kernels
     for i, (n, kind) in enumerate(leaves):
         s = words[i].copy()
-        scalars = step_scalar_row(count, rows[0 if decay[i] else 1])
+        scalars = step_scalar_row(count, rows[leaf_rows[i]])
         expected = np.zeros(6, np.int64)
         if kind:
             w, lo = splits[i][0].copy(), splits[i][1].copy()
@@ -731,7 +733,7 @@ def test_the_cuda_launches_of_mixed_kinds_equal_the_numpy_step_in_the_interprete
         if track:
             assert np.asarray(counts[i]).tolist() == expected.tolist(), i
     # without low halves the step returns what it did before: (outs, states, counts)
-    assert len(_triton_launch.step([params[1]], [jnp.asarray(grads[1])], [jnp.asarray(words[1])], [True],
+    assert len(_triton_launch.step([params[1]], [jnp.asarray(grads[1])], [jnp.asarray(words[1])], [0],
                                    jnp.asarray(rows, jnp.float32), jnp.asarray(count, jnp.int32), fmt=fmt,
                                    kernels=KERNELS, write_update=write_update, multi_tensor=multi_tensor)) == 3
 
@@ -897,7 +899,7 @@ def _cases():
 
         keys = sorted(shapes)
         fmt = StateFormat("packed")
-        config = StepConfig(fmt=fmt, steps=ADAMW, write_update=False, multi_tensor=True, decay=(True,) * len(keys),
+        config = StepConfig(fmt=fmt, steps=ADAMW, write_update=False, multi_tensor=True, leaf_rows=(0,) * len(keys),
                             paths=tuple(keys), split=tuple(i for i, k in enumerate(keys) if k in split))
         p = [jax.device_put(template[k], NamedSharding(auto, specs[k])) for k in keys]
         s = [jax.device_put(np.zeros(shapes[k], np.uint32), NamedSharding(auto, specs[k])) for k in keys]

@@ -654,6 +654,18 @@ def test_weight_decay_without_params_raises_and_zero_decay_works_without_params(
     updates, _ = tx0.update(params, tx0.init(params))
     with_params, _ = tx0.update(params, tx0.init(params), params)
     assert_trees_bits_equal(updates, with_params, "updates with and without params at weight_decay=0")
+    # The leaves a mask leaves out take the row without weight decay: only the others need params.
+    off = jax.tree_util.tree_map(lambda _: False, params)
+    tx_off = packed_adamw(LR, weight_decay=WD, mask=off)
+    updates, _ = tx_off.update(params, tx_off.init(params))
+    assert_trees_bits_equal(updates, with_params, "updates of leaves all masked out, without params")
+    one_on = {**off, "w": True}
+    with pytest.raises(ValueError, match="weight_decay is nonzero.*params"):
+        packed_adamw(LR, weight_decay=WD, mask=one_on).update(params, tx_off.init(params))
+    # A weight decay known only in the graph (injected, under jit) may be nonzero.
+    injected = optax.inject_hyperparams(packed_adamw)(learning_rate=LR, weight_decay=0.0)
+    with pytest.raises(ValueError, match="weight_decay is not known to be zero.*needs params"):
+        jax.jit(injected.update)(params, injected.init(params))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.int32])  # bfloat16: tests/test_jax_split_master.py

@@ -429,3 +429,75 @@ def test_numpy_newton_schulz_reference_is_close_to_torchs():
     assert np.abs(ours - theirs).max() < 0.05  # bf16 against float32: no bits are promised
     singular = np.linalg.svd(ours, compute_uv=False)
     assert (singular > 0.5).all() and (singular < 1.5).all()
+
+
+# ---- the rule's declarations (core/rule.py), against the host validation above ----
+_ROW_EDGES = [0.0, -0.0, -1e-30, 1e-30, float(np.nextafter(F32(1), F32(0))), 1.0, 1 - 1e-9, 2.0,
+              1.1754943508222875e-38, 1e-39, 3.4028234663852886e38, 3.5e38, float("inf"), float("nan")]
+
+
+def test_muon_declares_its_code_group_keys_and_row():
+    """Muon's Rule names its one 16-bit code (the packed momentum, biased by mu_bias), its
+    group keys (torch.optim.Muon's) and the row they give, as AdamW's does."""
+    from packed_adamw.core import launch
+    from packed_adamw.core.muon import FORMAT_COUNTS
+    from packed_adamw.core.muon import hyperparams as H
+
+    (code,) = RULE.codes
+    assert RULE.count_names == FORMAT_COUNTS == ("saturated_mu", "flushed_mu", "subnormal_mu")
+    assert len(FORMAT_COUNTS) <= launch.MAX_FORMAT_COUNTS
+    fmt = StateFormat("packed", 20)  # the option the code's bias comes from, and its codec
+    assert getattr(fmt, code.bias_option) == 20 and fmt.code == momentum_format(20) and fmt.code.bias == 20
+    assert RULE.group_keys == ("lr", "momentum", "weight_decay", "eps") == RULE.hyperparam_fields
+    assert RULE.group_row(1e-3, 0.95, 0.1, 1e-7) == (1e-3, 0.95, 0.1, 1e-7) == tuple(Hyperparams(1e-3).as_row())
+    assert RULE.row_group(*RULE.group_row(0.02, 0.9, 0.0, 1e-7)) == (0.02, 0.9, 0.0, 1e-7)
+    assert RULE.group_row("0.5", 0.9, 0, 1, number=lambda x: x) == ("0.5", 0.9, 0, 1)  # values as given
+    with pytest.raises(ValueError):
+        RULE.group_row("lr", 0.9, 0.0, 1e-7)  # not a number: float() says so
+    assert RULE.validate is H.validate_hyperparams
+    # One row for every matrix, no mask; the weight phase always reads the weights.
+    assert RULE.variant_rows((1e-3, 0.95, 0.1, 1e-7)) == [(1e-3, 0.95, 0.1, 1e-7)]
+    assert RULE.param_reading_fields(0) is None
+    with pytest.raises(ValueError, match="no masked row variant"):
+        RULE.leaf_variant(False)
+    # A value known only in a graph is left to rows_valid.
+    validate_hyperparams(object(), 0.95, 0.1, 1e-7, allow_arrays=True)
+
+
+@pytest.mark.parametrize("field", ["lr", "momentum", "weight_decay", "eps"])
+def test_muon_rows_valid_refuses_exactly_what_the_host_validation_refuses(field):
+    """Rule.rows_valid (the in-graph check, over float32 rows) and validate_hyperparams agree
+    at every edge of each field's bounds, and a refused row is explained in the validation's
+    words (Rule.refusal_reason)."""
+    from packed_adamw.core.muon import HPARAM_BOUNDS
+
+    for value in _ROW_EDGES:
+        group = {"lr": 1e-3, "momentum": 0.95, "weight_decay": 0.0, "eps": 1e-7, field: value}
+        if field == "weight_decay":
+            group["lr"] = 0.0  # lr * weight_decay stays finite: the bound alone decides
+        values = [group[key] for key in RULE.group_keys]
+        # 3.5e38 is Inf in float32, as the step sees it; Inf * 0 (lr * weight_decay) is NaN: refused
+        with np.errstate(over="ignore", invalid="ignore"):
+            row = np.array([RULE.group_row(*values)], np.float32)
+            valid = bool(HPARAM_BOUNDS[field].holds(float(F32(value))))
+            assert RULE.rows_valid(row).tolist() == [valid], (field, value)
+            if valid:
+                validate_hyperparams(*values)
+                continue
+            with pytest.raises(ValueError) as raised:
+                validate_hyperparams(*values)
+            assert RULE.refusal_reason(values) == str(raised.value)
+
+
+def test_muon_rows_valid_refuses_an_overflowing_decay_product_as_the_host_does():
+    from packed_adamw.core.codecs import FLOAT32_MAX
+
+    cases = ((1e19, 1e19, True), (1e20, 1e20, False), (FLOAT32_MAX, 1.0, True), (FLOAT32_MAX, 1.5, False))
+    for lr, wd, finite in cases:
+        with np.errstate(over="ignore"):  # the float32 product overflows to Inf: refused
+            assert RULE.rows_valid(np.array([[lr, 0.95, wd, 1e-7]], np.float32)).tolist() == [finite], (lr, wd)
+        if finite:
+            validate_hyperparams(lr, 0.95, wd, 1e-7)
+        else:
+            with pytest.raises(ValueError, match="lr \\* weight_decay finite"):
+                validate_hyperparams(lr, 0.95, wd, 1e-7)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codecs import FLOAT32_MAX, FLOAT32_TINY
-from ..rule import Bound
+from ..rule import Bound, RowVariant
 
 # The hyperparameter row: float32 values in this order, one row per parameter group (torch) or
-# per weight-decay choice (JAX). Step scalars are derived from it and the step count.
+# per row variant (JAX, below). Step scalars are derived from it and the step count.
 HPARAM_FIELDS = ("lr", "b1", "b2", "eps", "weight_decay")
 HPARAM_ROW = len(HPARAM_FIELDS)
 # The step-scalar row the update kernels and the numpy step read, in this order (FORMAT.md,
@@ -36,11 +36,25 @@ FINITE_PRODUCTS = (("lr", "weight_decay"),)
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
-def group_row(lr, betas, eps, weight_decay) -> tuple[float, ...]:
-    """The hyperparameter row (HPARAM_FIELDS order) of a group's values, as Python floats.
-    Raises TypeError or ValueError where a value is not a number or betas not a pair."""
+# The rows a step carries: the group's, and for the leaves a mask leaves out (optax.adamw's
+# `mask`) the same row without weight decay.
+ROW_VARIANTS = (RowVariant("decayed"), RowVariant("undecayed", zeroed=("weight_decay",)))
+MASKED_VARIANT = "undecayed"
+# The update reads the parameter only through its decay, lr * weight_decay * p.
+PARAM_READ_THROUGH = ("weight_decay",)
+
+
+def group_row(lr, betas, eps, weight_decay, *, number=float) -> tuple:
+    """The hyperparameter row (HPARAM_FIELDS order) of a group's values, each passed through
+    `number` (Python floats by default). Raises TypeError or ValueError where a value is not a
+    number or betas not a pair."""
     b1, b2 = betas
-    return float(lr), float(b1), float(b2), float(eps), float(weight_decay)
+    return number(lr), number(b1), number(b2), number(eps), number(weight_decay)
+
+
+def row_group(lr, b1, b2, eps, weight_decay) -> tuple:
+    """The group's values (GROUP_KEYS order) of a hyperparameter row: `group_row`'s inverse."""
+    return lr, (b1, b2), eps, weight_decay
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from ..rule import Rule, StateCode, StateEntry, format_count_names
-from .hyperparams import FINITE_PRODUCTS, GROUP_KEYS, HPARAM_BOUNDS, HPARAM_FIELDS, SCALAR_FIELDS, group_row, \
-    validate_hyperparams
+from .hyperparams import FINITE_PRODUCTS, GROUP_KEYS, HPARAM_BOUNDS, HPARAM_FIELDS, MASKED_VARIANT, \
+    PARAM_READ_THROUGH, ROW_VARIANTS, SCALAR_FIELDS, group_row, row_group, validate_hyperparams
 
 # The state of one parameter: a uint32 word of two 16-bit codes (packed and fp16 modes), or
 # the two float32 moments stacked before the parameter's axes (fp32 mode).
@@ -25,5 +25,9 @@ RULE = Rule(
     codes=CODES,
     group_keys=GROUP_KEYS,
     group_row=group_row,
+    row_group=row_group,
     validate=validate_hyperparams,
+    row_variants=ROW_VARIANTS,
+    masked_variant=MASKED_VARIANT,
+    param_read_through=PARAM_READ_THROUGH,
 )

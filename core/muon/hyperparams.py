@@ -25,6 +25,23 @@ HPARAM_BOUNDS = {
     "eps": Bound(FLOAT32_TINY, FLOAT32_MAX),
 }
 FINITE_PRODUCTS = (("lr", "weight_decay"),)
+# The hyperparameters as a parameter group holds them (torch.optim.Muon's keys), in the order
+# `group_row` and `validate_hyperparams` take them: the row's own order. The group's other keys
+# (nesterov, ns_coefficients, ns_steps, adjust_lr_fn) fix the compiled step, not the row:
+# `validate_ns` checks them.
+GROUP_KEYS = HPARAM_FIELDS
+
+
+def group_row(lr, momentum, weight_decay, eps, *, number=float) -> tuple:
+    """The hyperparameter row (HPARAM_FIELDS order) of a group's values, each passed through
+    `number` (Python floats by default). Raises TypeError or ValueError where a value is not a
+    number."""
+    return number(lr), number(momentum), number(weight_decay), number(eps)
+
+
+def row_group(lr, momentum, weight_decay, eps) -> tuple:
+    """The group's values (GROUP_KEYS order) of a hyperparameter row: `group_row`'s inverse."""
+    return lr, momentum, weight_decay, eps
 
 # Newton-Schulz's quintic (MUON.md, "The Newton-Schulz phase"): X <- a X + (b A + c A A) X, A = X X^T.
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
