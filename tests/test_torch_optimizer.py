@@ -1091,3 +1091,18 @@ def test_hyperparameters_are_validated_when_they_change_not_per_tensor_per_step(
     set_grads(params, seed=9)
     opt.step()
     assert len(calls) - after_init == 2
+
+
+def test_a_remembered_verdict_does_not_pass_an_equal_value_of_a_refused_type():
+    """5 == 5.0 == True and a tensor lr equals a float: the cached verdict must not let through
+    what a fresh check refuses (maximize=1 after maximize=False stepped)."""
+    params = make_params(seed=4, shapes=((6,),))
+    opt = PackedAdamW(params, lr=1e-3)
+    set_grads(params, seed=1)
+    opt.step()
+    opt.param_groups[0]["maximize"] = 0  # equals False, as the remembered row has it
+    set_grads(params, seed=2)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(TypeError, match="maximize must be True or False"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params))

@@ -389,3 +389,13 @@ def checked_masters(params: list, masters: list, names: list[str], states) -> li
                 check_live_low_half(p, _dtensor.local(p), state, name)
         locals_.append(_dtensor.local(m))
     return locals_
+
+
+def type_signature(value):
+    """What a cached validity verdict must also match besides equal values: each value's type
+    (and a tensor's dtype and device), element by element in tuples and lists (betas)."""
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(type_signature(v) for v in value))
+    if isinstance(value, torch.Tensor):
+        return (torch.Tensor, value.dtype, value.device.type, value.dim())
+    return type(value)

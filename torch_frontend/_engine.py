@@ -198,12 +198,16 @@ def checked_row(opt, group: dict, index: int) -> tuple:
         row = ("on the device" if opt.capturable else row[0], *row[1:], maximize)
     except (TypeError, ValueError, RuntimeError):
         row = None  # let the validation say what is wrong
+    # The verdict depends on the values' types too (5 == 5.0 == True, a tensor lr == a float),
+    # so a value whose type a fresh check would refuse is never let through by an equal one.
+    key = None if row is None else (row, _checks.type_signature([group.get(k) for k in rule.group_keys]),
+                                    type(group.get("maximize", False)))
     valid = opt.__dict__.setdefault("_valid_rows", {})
-    if row is None or row not in valid:
+    if key is None or key not in valid:
         _checks.validate_group_hyperparams(group, index, rule, check_lr=not opt.capturable)
         if len(valid) > 64:
             valid.clear()
-        valid[row] = True
+        valid[key] = True
     return row
 
 
