@@ -30,15 +30,15 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from packed_adamw.core.codecs import FLOAT32_MAX, FLOAT32_TINY
+from packed_adamw.core.codecs import FLOAT32_MAX
 from packed_adamw.core.muon import (
     DEFAULT_MU_BIAS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
+    RULE,
     StateFormat,
     momentum_phase,
     step_scalar_row,
-    validate_hyperparams,
     validate_ns,
     weight_phase,
     weight_phase_split,
@@ -313,27 +313,12 @@ def _concrete(x) -> float | None:
         return None
 
 
-def _valid_in_graph(row):
-    """MUON.md's hyperparameter bounds on the float32 row (lr, momentum, weight_decay, eps)."""
-    lr, momentum, wd, eps = (row[k] for k in range(4))
-    return ((lr >= 0) & (lr <= FLOAT32_MAX) & (momentum >= 0) & (momentum < 1) & (wd >= 0) & (wd <= FLOAT32_MAX)
-            & (lr * wd <= FLOAT32_MAX) & (eps >= FLOAT32_TINY) & (eps <= FLOAT32_MAX))
-
-
-def _refusal_reason(row) -> str:
-    try:
-        validate_hyperparams(*(float(x) for x in np.asarray(row)))
-    except ValueError as e:
-        return str(e)
-    return f"[lr, momentum, weight_decay, eps] = {[float(x) for x in np.asarray(row)]}"
-
-
 def _warn_refused(valid, row, count) -> None:
     if bool(np.asarray(valid)):
         return
-    warnings.warn(f"packed_muon: step refused at count {int(np.asarray(count))}: {_refusal_reason(row)}. No "
-                  "weight, momentum or count changed; fix the schedule or the injected value", RefusedStepWarning,
-                  stacklevel=2)
+    warnings.warn(f"packed_muon: step refused at count {int(np.asarray(count))}: "
+                  f"{RULE.refusal_reason(np.asarray(row))}. No weight, momentum or count changed; fix the schedule or "
+                  "the injected value", RefusedStepWarning, stacklevel=2)
 
 
 # The GPU path has run only in Triton's CPU interpreter (no GPU was lent when it was written):
@@ -469,7 +454,7 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
     if not isinstance(nesterov, (bool, np.bool_)):
         raise TypeError(f"packed_muon: nesterov={nesterov!r}: pass True or False")
     known = lambda x: x if callable(x) or _concrete(x) is None else _concrete(x)  # noqa: E731
-    validate_hyperparams(known(learning_rate), known(beta), known(weight_decay), known(eps), allow_arrays=True)
+    RULE.validate(*(known(x) for x in (learning_rate, beta, weight_decay, eps)), allow_arrays=True)
     adamw = optax.masked(
         packed_adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, adam_b1, adam_b2, adam_eps,
                      adam_weight_decay, mask=adam_mask, mode=adam_mode),
@@ -514,9 +499,9 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         lows = _checked_lows(state.low_halves, treedef, p_leaves, split, paths)
 
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-        given = (lr, beta, weight_decay, eps)
+        given = RULE.group_row(lr, beta, weight_decay, eps, number=lambda x: x)  # hyperparam_fields order, as given
         row = jnp.asarray([jnp.asarray(x, jnp.float32) for x in given])
-        valid = _valid_in_graph(row) & (state.count >= 0)
+        valid = RULE.rows_valid(row) & (state.count >= 0)
         try:
             refused = not bool(valid)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
@@ -525,8 +510,8 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
                 jax.lax.cond(valid, lambda *_: None, lambda *a: jax.debug.callback(_warn_refused, *a), valid, row,
                              state.count)
         if refused:
-            raise ValueError(f"packed_muon: invalid hyperparameters at count {int(state.count)}: "
-                             f"{_refusal_reason(row) if bool(state.count >= 0) else 'the count is negative'}")
+            reason = RULE.refusal_reason(np.asarray(row)) if bool(state.count >= 0) else "the count is negative"
+            raise ValueError(f"packed_muon: invalid hyperparameters at count {int(state.count)}: {reason}")
 
         # After Muon's checks, so that a bad shared learning rate is reported by Muon's words first.
         adamw_updates, adamw_state = adamw.update(updates, state.adamw, params, **extra_args)

@@ -118,6 +118,9 @@ def test_state_entries_and_declaration():
                       "fp32": ("momentum_buffer", "float32", 4, 6)}
     assert StateFormat().state_shape((3, 5)) == (3, 5) and StateFormat().low_half_key == "lo"
     assert RULE.matrix_phase and RULE.hyperparam_fields == ("lr", "momentum", "weight_decay", "eps")
+    # The codecs of the rule's codes, in their order, as format counts and their warnings read them:
+    assert StateFormat(mu_bias=20).formats == (momentum_format(20),) and len(RULE.codes) == 1
+    assert formats["bf16"].formats is None and formats["fp32"].formats is None
 
 
 # ---- hyperparameters ----

@@ -367,6 +367,21 @@ def test_refusals_name_the_combined_optimizer_and_what_is_not_offered():
         PackedMuon([{"params": [torch.nn.Parameter(torch.ones(2, 2))], "ns_steps": 0}])
 
 
+def test_a_one_element_tensor_hyperparameter_of_any_shape_steps_as_its_number():
+    # torch.optim.Muon takes one; the rule's validation must see the number, not a 1-tuple.
+    rng = np.random.default_rng(5)
+    w0, g = gradient(rng, (6, 4)), gradient(rng, (6, 4))
+    params = [torch.nn.Parameter(w0.clone()) for _ in range(2)]
+    opts = [PackedMuon([params[0]], lr=0.02, momentum=0.9),
+            PackedMuon([params[1]], lr=torch.tensor([0.02]), momentum=torch.tensor([[0.9]]))]
+    for p, opt in zip(params, opts):
+        p.grad = g.clone()
+        opt.step()
+    assert torch.equal(bits(params[0]), bits(params[1]))
+    with pytest.raises(ValueError, match="defaults: Invalid lr: a tensor lr must have one element, got shape \\(2,\\)"):
+        PackedMuon([torch.nn.Parameter(w0.clone())], lr=torch.tensor([0.02, 0.01]))
+
+
 def test_step_takes_a_closure():
     p = torch.nn.Parameter(torch.ones(3, 4))
     opt = PackedMuon([p], lr=0.1)

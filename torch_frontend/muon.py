@@ -22,10 +22,10 @@ from packed_adamw.core.muon import (
     DEFAULT_MU_BIAS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
+    RULE,
     StateFormat,
     momentum_phase,
     step_scalar_row,
-    validate_hyperparams,
     validate_ns,
     weight_phase,
     weight_phase_split,
@@ -372,8 +372,10 @@ def check_options(owner: str, capturable, batch_ns, ns_impl) -> None:
 def validate_group(group: dict, where: str) -> None:
     """A group's hyperparameters and static settings; the error names the group."""
     try:
-        validate_hyperparams(_checks.plain(group["lr"], "lr"), _checks.plain(group["momentum"], "momentum"),
-                             _checks.plain(group["weight_decay"], "weight_decay"), _checks.plain(group["eps"], "eps"))
+        # torch.optim.Muon takes a one-element tensor of any shape as a number: each is made a
+        # float first, as the step's row reads it (the shared reading takes a 1-D tensor for a
+        # tuple, as AdamW's betas may be one).
+        _checks.validate_rule_hyperparams({key: _checks.plain(group[key], key) for key in RULE.group_keys}, RULE)
         validate_ns(group["ns_coefficients"], group["ns_steps"], group["adjust_lr_fn"])
         _checks.check_maximize(group.get("maximize", False), "maximize")
         if not isinstance(group.get("nesterov"), bool):
@@ -506,9 +508,14 @@ def _runs_kernels(opt, device: torch.device) -> bool:
 
 
 def _checked_row(opt, group: dict, index: int) -> tuple:
-    """(lr, momentum, weight_decay, eps) as floats, validated once per distinct row and settings."""
+    """The group's hyperparameter row (`RULE.group_row` of its `group_keys`: lr, momentum,
+    weight_decay, eps as floats), validated once per distinct row and static settings (the
+    Newton-Schulz ones, maximize, nesterov), which `validate_group` checks with it.
+
+    Not `_engine.checked_row`: its cache key holds the row and maximize only, and its
+    validation (the rule's and maximize) knows neither `validate_ns` nor nesterov."""
     try:
-        row = tuple(float(group[k]) for k in ("lr", "momentum", "weight_decay", "eps"))
+        row = RULE.group_row(*(group[key] for key in RULE.group_keys))
         key = (row, tuple(group["ns_coefficients"]), group["ns_steps"], group["adjust_lr_fn"],
                group.get("maximize", False), group.get("nesterov"))
         hash(key)

@@ -52,6 +52,13 @@ class StateFormat(StateLayout):
         return momentum_format(self.mu_bias) if self.mode == "packed" else None
 
     @property
+    def formats(self) -> tuple[MiniFloat] | None:
+        """The codecs of the rule's `codes`, in their order (core/rule.py's StateCode), as
+        AdamW's state format gives its two: (the momentum code,) in packed mode; None in bf16 and
+        fp32 modes, whose momenta are not counted (MUON.md, "Format counts")."""
+        return (self.code,) if self.mode == "packed" else None
+
+    @property
     def identity(self) -> str:
         """Recorded in every saved state and compared on load."""
         if self.mode == "packed":
