@@ -149,6 +149,7 @@ def test_error_messages_begin_as_torch_adamw_s_and_say_which_rule_the_value_brok
 def test_a_valid_beta_tensor_is_not_called_out_of_range():
     PackedAdamW(make_params(), betas=(torch.tensor(0.9), torch.tensor(0.95)))
     PackedAdamW(make_params(), betas=torch.tensor([0.9, 0.95]))  # one 1-D tensor, as torch.optim.AdamW takes
+    PackedAdamW(make_params(), lr=torch.tensor([1e-3]))  # a one-element 1-D tensor is a number
     with pytest.raises(ValueError, match="b1 \\(betas\\[0\\]\\)=1.5 is not below 1"):
         PackedAdamW(make_params(), betas=torch.tensor([1.5, 0.95]))
 

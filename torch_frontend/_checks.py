@@ -215,8 +215,10 @@ def plain_group_value(value, key: str):
     """A parameter group's hyperparameter as the rule's validation takes it: a one-element
     tensor as a float, a tuple or list (betas) with its one-element tensors as floats; any
     other value as it is (the validation says what is wrong with it)."""
-    if isinstance(value, (tuple, list)) or (isinstance(value, torch.Tensor) and value.dim() == 1):
-        # betas as a 1-D tensor iterates into its elements, as torch.optim reads it
+    if isinstance(value, (tuple, list)) or (isinstance(value, torch.Tensor) and value.dim() == 1
+                                              and value.numel() > 1):
+        # betas as a 1-D tensor iterates into its elements, as torch.optim reads it (a one-element
+        # tensor, lr=torch.tensor([1e-3]), is a number)
         return tuple(plain(v, f"{key}[{i}]") for i, v in enumerate(value))
     return plain(value, key)
 
