@@ -849,3 +849,125 @@ def test_combined_takes_batch_ns_and_ns_impl_checks_them_and_keeps_them_in_copie
     set_gradients(np.random.default_rng(18), model)
     batched.step()
     assert batches == [2]
+
+
+# ---- a combined step that raises changes nothing -------------------------------------------------
+def three_groups(seed):
+    """AdamW, Muon, AdamW groups (no param_names: messages name positions), so that each rule's
+    own group indices differ from the combined optimizer's: Muon's group 0 is the combined 1,
+    AdamW's group 1 the combined 2."""
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s)) for s in ((5,), (6, 4), (3,))]
+
+
+def combined_over(params):
+    return PackedMuonAdamW([{"params": [params[0]], "kind": "adamw"}, {"params": [params[1]], "kind": "muon"},
+                            {"params": [params[2]], "kind": "adamw"}], lr=0.02, adamw_lr=3e-3)
+
+
+def snapshot(opt, params) -> list[torch.Tensor]:
+    """Every parameter's and state entry's bits (step counts as tensors), in a fixed order."""
+    out = [bits(p).clone() for p in params]
+    for p in params:
+        for key, value in sorted(opt.state[p].items()):
+            value = torch.as_tensor(value)
+            out.append(value.view(torch.int32).clone() if value.dtype is torch.float32 else value.clone())
+    return out
+
+
+def wrong_dtype_gradient(params, i):
+    if hasattr(params[i], "grad_dtype"):
+        params[i].grad_dtype = None  # let torch assign a float64 gradient
+    params[i].grad = params[i].grad.double()
+
+
+@pytest.mark.parametrize("break_step, error, message", [
+    (lambda opt, params: opt.param_groups[2].__setitem__("lr", -1.0), ValueError,
+     r"^param_groups\[2\]: Invalid learning rate"),
+    (lambda opt, params: opt.param_groups[1].__setitem__("lr", -1.0), ValueError,
+     r"^param_groups\[1\]: Learning rate should be >= 0"),
+    (lambda opt, params: wrong_dtype_gradient(params, 2), TypeError,
+     r"^param_groups\[2\]\['params'\]\[0\]: gradient dtype torch.float64"),
+    (lambda opt, params: wrong_dtype_gradient(params, 1), TypeError,
+     r"^param_groups\[1\]\['params'\]\[0\]: gradient dtype torch.float64"),
+], ids=["adamw-lr", "muon-lr", "adamw-grad-dtype", "muon-grad-dtype"])
+def test_a_combined_step_that_raises_changes_neither_rule_and_names_the_combined_group(break_step, error, message):
+    """Whichever rule refuses (a bad lr a scheduler set, a gradient of a wrong dtype), neither
+    rule's parameters or state change, and the message names the group as the user numbers it.
+    Repaired, the optimizer steps as a twin that never failed."""
+    rng = np.random.default_rng(40)
+    params, twin_params = three_groups(1), three_groups(1)
+    opt, twin = combined_over(params), combined_over(twin_params)
+    for _ in range(2):  # the second step runs AdamW's plan
+        for p, q in zip(params, twin_params):
+            p.grad = gradient(rng, tuple(p.shape))
+            q.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+    before = snapshot(opt, params)
+    groups_before = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    break_step(opt, params)
+    with pytest.raises(error) as raised:
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(opt, params)))
+    raised.match(message)
+    for group, saved in zip(opt.param_groups, groups_before):  # repair it
+        group.update(saved)
+    for p, q in zip(params, twin_params):
+        p.grad = q.grad.clone()
+    opt.step()
+    twin.step()
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(opt, params), snapshot(twin, twin_params)))
+
+
+def test_rule_messages_name_the_combined_group_when_groups_are_added_and_loaded():
+    params = three_groups(2)
+    with pytest.raises(ValueError, match=r"^param_groups\[1\]: Learning rate should be >= 0"):
+        PackedMuonAdamW([{"params": [params[0]], "kind": "adamw"}, {"params": [params[1]], "kind": "muon", "lr": -1}])
+    opt = combined_over(params)
+    with pytest.raises(ValueError, match=r"^param_groups\[3\]: Invalid learning rate"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "kind": "adamw", "lr": -1.0})
+    with pytest.raises(ValueError, match=r"^param_groups\[3\]\['params'\]\[0\] has shape \(2,\)"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "kind": "muon"})
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, 2))], "kind": "muon"})
+    assert opt.rules["muon"]._shown_group_indices == [1, 3]
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        copied.param_groups[2]["lr"] = -1.0
+        for p in copied.param_groups[2]["params"]:
+            p.grad = torch.ones(p.shape)
+        with pytest.raises(ValueError, match=r"^param_groups\[2\]: Invalid learning rate"):
+            copied.step()
+
+
+# ---- the remembered verdict on a group's values ----------------------------------------------
+@pytest.mark.parametrize("key, value, error, message", [
+    ("ns_steps", 5.0, ValueError, "ns_steps=5.0"), ("nesterov", 1, TypeError, "nesterov must be a bool")])
+def test_a_remembered_muon_verdict_does_not_pass_an_equal_value_of_a_refused_type(key, value, error, message):
+    """5.0 == 5 and 1 == True: after a valid step, what a fresh optimizer refuses is still refused."""
+    with pytest.raises(error, match=message):
+        PackedMuon([torch.nn.Parameter(torch.ones(3, 4))], **{key: value})
+    p = torch.nn.Parameter(torch.ones(3, 4))
+    opt = PackedMuon([p], lr=0.1)
+    p.grad = torch.ones(3, 4)
+    opt.step()
+    after_one = bits(p).clone()
+    opt.param_groups[0][key] = value
+    with pytest.raises(error, match=rf"param_groups\[0\]: .*{message}"):
+        opt.step()
+    assert torch.equal(bits(p), after_one)
+
+
+def test_a_tensor_lr_equal_to_a_checked_float_is_checked_again(monkeypatch):
+    calls = []
+    real = torch_muon.validate_group
+    monkeypatch.setattr(torch_muon, "validate_group", lambda *args: calls.append(args) or real(*args))
+    p = torch.nn.Parameter(torch.ones(3, 4))
+    opt = PackedMuon([p], lr=0.25)
+    after_init = len(calls)
+    p.grad = torch.ones(3, 4)
+    for _ in range(2):
+        opt.step()
+    assert len(calls) - after_init == 1  # the first step's row; the second reuses its verdict
+    opt.param_groups[0]["lr"] = torch.tensor(0.25, dtype=torch.float64)  # == 0.25, a tensor: checked afresh
+    opt.step()
+    assert len(calls) - after_init == 2

@@ -195,6 +195,14 @@ def check_one_device(params: list, where: str, optimizer: str = "PackedAdamW") -
         )
 
 
+def shown_group_index(opt, index: int) -> int:
+    """The index a message gives `opt`'s param group `index`: where the user holds it. A rule
+    optimizer inside PackedMuonAdamW numbers its groups among the combined optimizer's
+    (`_shown_group_indices`, which the combined one keeps)."""
+    shown = opt.__dict__.get("_shown_group_indices")
+    return shown[index] if shown is not None and index < len(shown) else index
+
+
 def param_name(group: dict, group_index: int, param_index: int) -> str:
     names = group.get("param_names")
     if names:

@@ -119,10 +119,11 @@ def _check_step(opt, live: dict | None) -> _Checked:
     params, kernel_params, grads, states, names, counts, group_of = [], [], [], [], [], [], []
     device = None
     for group_index, group in enumerate(opt.param_groups):
+        shown_index = _checks.shown_group_index(opt, group_index)
         for param_index, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            name = _checks.param_name(group, group_index, param_index)
+            name = _checks.param_name(group, shown_index, param_index)
             pl, g = _checks.kernel_tensors(p, name)
             if live is not None:
                 pl = live.get(id(p), pl)
@@ -184,6 +185,7 @@ def checked_row(opt, group: dict, index: int) -> tuple:
     depends on the values alone, so rows already seen valid are not checked again (a scheduler
     changes lr)."""
     rule = opt.rule_launch.rule
+    index = _checks.shown_group_index(opt, index)  # for messages
     lr_key = rule.group_keys[0]  # the learning rate: first, as LR schedulers and capturable steps set it
     if opt.capturable and not (isinstance(group.get(lr_key), torch.Tensor) and group[lr_key].numel() == 1):
         raise ValueError(f"param_groups[{index}][{lr_key!r}] is {group.get(lr_key)!r}: capturable=True needs a "
@@ -215,7 +217,8 @@ def raise_if_rejected(opt, params: list, rejected: list[int]) -> None:
     if not (opt.check_nonfinite and any(rejected)):
         return
     counts_by_param = dict(zip(map(id, params), rejected))
-    bad = [f"{_checks.param_name(group, gi, pi)} ({counts_by_param[id(p)]} of {p.numel()} elements)"
+    bad = [f"{_checks.param_name(group, _checks.shown_group_index(opt, gi), pi)} ({counts_by_param[id(p)]} of "
+           f"{p.numel()} elements)"
            for gi, group in enumerate(opt.param_groups) for pi, p in enumerate(group["params"])
            if counts_by_param.get(id(p))]
     raise NonFiniteGradientError(
@@ -274,7 +277,8 @@ def format_stats(opt, count_names: tuple[str, ...]) -> dict:
             counts = entry[1].cpu().tolist()
             stats[key] = {"elements": entry[2], **dict(zip(count_names, counts))}
             if id(p) not in warned and entry[2]:
-                _warn_saturation(opt, _checks.param_name(group, gi, pi), stats[key], warned, id(p))
+                _warn_saturation(opt, _checks.param_name(group, _checks.shown_group_index(opt, gi), pi), stats[key],
+                                 warned, id(p))
     totals.clear()
     return stats
 

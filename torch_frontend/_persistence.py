@@ -22,7 +22,7 @@ from packed_adamw.core.portable import PortableState
 
 from . import _dtensor
 from ._checks import BFLOAT16, check_loaded_layout, check_loaded_values, checked_loaded_low_half, \
-    checked_masters, checked_step_count, param_name
+    checked_masters, checked_step_count, param_name, shown_group_index
 from ._engine import drop_plan
 from ._state import LOW_HALF_KEY, STEP_KEY, new_low_half, new_state, state_dtype
 from .functional import join_master, split_master_
@@ -36,7 +36,7 @@ def name_of(opt, p) -> str:
     for gi, group in enumerate(opt.param_groups):
         for pi, q in enumerate(group["params"]):
             if q is p:
-                return param_name(group, gi, pi)
+                return param_name(group, shown_group_index(opt, gi), pi)
     return "a parameter"
 
 

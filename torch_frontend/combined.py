@@ -104,21 +104,32 @@ class PackedMuonAdamW(Optimizer):
             raise ValueError(f"param_groups[{len(self.param_groups)}] lists a parameter another group has: a "
                              "parameter belongs to one rule; list each parameter once")
         rule = self._rules.get(kind)
-        if rule is None:
-            settings = self._rule_options[kind]
-            group = {**settings["defaults"], **group}
-            cls = PackedMuon if kind == "muon" else PackedAdamW
-            rule = cls([group], **settings["defaults"], **settings["options"])
-            rule.state = self.state  # one state: torch's state_dict packs every parameter's
-            self._rules[kind] = rule
-        else:
-            rule.add_param_group(group)
-        self.param_groups.append(rule.param_groups[-1])  # the same dict: schedulers reach the rule
-        self._note_param_lists()
+        # The rule's messages name the group by the index it is getting here.
+        shown = [i for i, g in enumerate(self.param_groups) if g["kind"] == kind] + [len(self.param_groups)]
+        try:
+            if rule is None:
+                settings = self._rule_options[kind]
+                group = {**settings["defaults"], **group}
+                cls = PackedMuon if kind == "muon" else PackedAdamW
+                rule = cls.__new__(cls)
+                rule._shown_group_indices = shown  # before __init__, which checks the group
+                rule.__init__([group], **settings["defaults"], **settings["options"])
+                rule.state = self.state  # one state: torch's state_dict packs every parameter's
+                self._rules[kind] = rule
+            else:
+                rule._shown_group_indices = shown
+                rule.add_param_group(group)
+            self.param_groups.append(rule.param_groups[-1])  # the same dict: schedulers reach the rule
+        finally:
+            self._note_param_lists()
 
     def _note_param_lists(self) -> None:
-        """The groups' parameter lists, which compiled steps iterate (see PackedAdamW's)."""
+        """The groups' parameter lists, which compiled steps iterate (see PackedAdamW's), and
+        each rule's group indices in this optimizer, which its messages name
+        (`_checks.shown_group_index`): a rule's groups are this optimizer's of its kind, in order."""
         self._param_lists = [group["params"] for group in self.param_groups]
+        for kind, rule in self.__dict__.get("_rules", {}).items():
+            rule._shown_group_indices = [i for i, g in enumerate(self.param_groups) if g["kind"] == kind]
 
     @property
     def check_nonfinite(self) -> bool:
@@ -161,16 +172,26 @@ class PackedMuonAdamW(Optimizer):
 
     @torch.compiler.disable  # compiled code reaches the eager step through the custom op (_compiled.py)
     def _update(self, live: dict | None = None) -> None:
-        """Both rules' steps; a rule that raises NonFiniteGradientError has stepped, and the
-        other steps too before the error names what either refused. `live`: see `_compiled.run`."""
-        errors = []
-        for rule in self._rules.values():
+        """Both rules' steps as one: Muon's checks (`muon.check_step`, which change nothing),
+        then AdamW's whole step (which raises before changing anything), then Muon's phases on
+        what was checked. So a step that raises anything but NonFiniteGradientError leaves both
+        rules as they were. A rule that raises NonFiniteGradientError has stepped, and the other
+        steps too before the error names what either refused. `live`: see `_compiled.run`."""
+        muon, adamw = self._rules.get("muon"), self._rules.get("adamw")
+        checked_muon = _muon.check_step(muon, live) if muon is not None else None
+        errors = {}
+        if adamw is not None:
             try:
-                rule._update(live)
-            except NonFiniteGradientError as e:  # raised after its rule stepped: the other rule steps too
-                errors.append(str(e))
+                adamw._update(live)
+            except NonFiniteGradientError as e:  # raised after AdamW stepped: Muon steps too
+                errors["adamw"] = str(e)
+        if muon is not None:
+            try:
+                _muon.run_step(muon, checked_muon, live)
+            except NonFiniteGradientError as e:
+                errors["muon"] = str(e)
         if errors:
-            raise NonFiniteGradientError("; ".join(errors))
+            raise NonFiniteGradientError("; ".join(errors[kind] for kind in self._rules if kind in errors))
 
     # ---- saving and loading -------------------------------------------------------------------
     def identities(self) -> dict[str, str]:

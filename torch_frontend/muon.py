@@ -284,8 +284,8 @@ class PackedMuon(Optimizer):
             warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
             super().add_param_group(param_group)
         try:
-            index = len(self.param_groups) - 1
-            group = self.param_groups[index]
+            index = _checks.shown_group_index(self, len(self.param_groups) - 1)
+            group = self.param_groups[-1]
             _checks.check_listed_once(group, index)
             validate_group(group, f"param_groups[{index}]")
             for param_index, p in enumerate(group["params"]):
@@ -454,25 +454,53 @@ class Matrix(NamedTuple):
         return _dtensor.is_dtensor(self.param)
 
 
+class Checked(NamedTuple):
+    """A matrix `check_step` found ready to step: what `run_step` needs, nothing made yet."""
+    param: torch.Tensor
+    grad: torch.Tensor
+    state: dict  # empty before its first step: `run_step` makes the entries
+    group: dict
+    row: tuple
+    name: str
+
+
 def step(opt, live: dict | None = None) -> None:
-    """One step of every matrix with a gradient. Everything is checked, and the first step's
-    state entries made, before any matrix steps. `live` (id(param) -> tensor): parameters whose
-    values a compiled program holds in a copy of its own (it writes them back when its graph
-    ends): those copies step instead (`_compiled.run`)."""
+    """One step of every matrix with a gradient: `check_step`, then `run_step`. `live`
+    (id(param) -> tensor): parameters whose values a compiled program holds in a copy of its
+    own (it writes them back when its graph ends): those copies step instead (`_compiled.run`)."""
+    run_step(opt, check_step(opt, live), live)
+
+
+def check_step(opt, live: dict | None = None) -> list[Checked]:
+    """Every check of a step (groups' rows, matrices, gradients, states, one device, the
+    Newton-Schulz implementation's device), changing nothing: what raises here leaves the
+    optimizer as it was. PackedMuonAdamW checks Muon's step this way before AdamW steps."""
     if _checks.capturing():
         raise RuntimeError("PackedMuon.step() was called while a CUDA graph captures; Muon's step is not "
                            "capturable: step it outside the capture")
-    fmt = opt.state_format
     checked = []
     for gi, group in enumerate(opt.param_groups):
         row = _checked_row(opt, group, gi)
+        shown = _checks.shown_group_index(opt, gi)
         for pi, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
-            name = _checks.param_name(group, gi, pi)
+            name = _checks.param_name(group, shown, pi)
             check_matrix(p, name)
-            checked.append((p, _checked_grad(p, name), _checked_state(opt, p, name), group, row, name))
-    _checks.check_one_device([c[0] for c in checked], "PackedMuon.step", "PackedMuon")
+            checked.append(Checked(p, _checked_grad(p, name), _checked_state(opt, p, name), group, row, name))
+    _checks.check_one_device([c.param for c in checked], "PackedMuon.step", "PackedMuon")
+    if checked:
+        weights = _dtensor.local(checked[0].param) if live is None else \
+            live.get(id(checked[0].param), _dtensor.local(checked[0].param))
+        _check_ns_device(opt, weights.device)
+    return checked
+
+
+def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
+    """The step of matrices `check_step` checked (nothing else may have changed them since):
+    the first step's state entries, then the phases. Raises only NonFiniteGradientError (with
+    `check_nonfinite`), after every other matrix stepped."""
+    fmt = opt.state_format
     work = []
     for p, g, state, group, row, name in checked:
         if not state:
@@ -515,17 +543,22 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
     Not `_engine.checked_row`: its cache key holds the row and maximize only, and its
     validation (the rule's and maximize) knows neither `validate_ns` nor nesterov."""
     try:
-        row = RULE.group_row(*(group[key] for key in RULE.group_keys))
-        key = (row, tuple(group["ns_coefficients"]), group["ns_steps"], group["adjust_lr_fn"],
-               group.get("maximize", False), group.get("nesterov"))
+        values = [group[key] for key in RULE.group_keys]
+        row = RULE.group_row(*values)
+        settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["adjust_lr_fn"],
+                    group.get("maximize", False), group.get("nesterov"))
+        # The verdict depends on the values' types too (5 == 5.0, 1 == True, a tensor lr == a
+        # float): a value whose type a fresh check refuses is never let through by an equal one.
+        key = (row, settings, _checks.type_signature([*values, *settings]))
         hash(key)
     except (TypeError, ValueError, KeyError, RuntimeError):
         key = None
     valid = opt.__dict__.setdefault("_valid_rows", {})
     if key is None or key not in valid:
-        validate_group(group, f"param_groups[{index}]")
+        where = f"param_groups[{_checks.shown_group_index(opt, index)}]"
+        validate_group(group, where)
         if key is None:  # validation said nothing, yet the row is not plain numbers: say so
-            raise TypeError(f"param_groups[{index}]: lr, momentum, weight_decay and eps must be numbers, "
+            raise TypeError(f"{where}: lr, momentum, weight_decay and eps must be numbers, "
                             "ns_coefficients three numbers")
         if len(valid) > 64:
             valid.clear()
@@ -552,15 +585,18 @@ def _ns_impl(opt) -> str:
     return getattr(opt, "ns_impl", "cublas")  # optimizers pickled before ns_impl existed have none
 
 
+def _check_ns_device(opt, device: torch.device) -> None:
+    if _ns_impl(opt) == "triton" and device.type != "cuda" and not launch.interpreting():
+        raise ValueError(f"{type(opt).__name__}(ns_impl='triton'): the Triton Newton-Schulz runs on CUDA devices "
+                         f"(or under TRITON_INTERPRET=1), and these matrices are on {device}; use "
+                         "ns_impl='cublas' (torch's matmuls) there")
+
+
 def _ns(opt, xs: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
     """Newton-Schulz of one batch with its group's settings. With `batch_ns` a lone matrix runs
     the batched function too: its bits do not depend on whether it has batch-mates."""
     settings = (tuple(group["ns_coefficients"]), int(group["ns_steps"]), float(group["eps"]))
-    impl = _ns_impl(opt)
-    if impl == "triton" and xs and xs[0].device.type != "cuda" and not launch.interpreting():
-        raise ValueError(f"{type(opt).__name__}(ns_impl='triton'): the Triton Newton-Schulz runs on CUDA devices "
-                         f"(or under TRITON_INTERPRET=1), and these matrices are on {xs[0].device}; use "
-                         "ns_impl='cublas' (torch's matmuls) there")
+    impl = _ns_impl(opt)  # its device was checked with the step's (`_check_ns_device`)
     if not _batches_ns(opt):
         one = newton_schulz_triton if impl == "triton" else newton_schulz
         return [one(x, *settings) for x in xs]

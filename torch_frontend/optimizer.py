@@ -131,9 +131,9 @@ class PackedAdamW(Optimizer):
             warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
             super().add_param_group(param_group)
         try:  # a refused group must not stay behind
-            index = len(self.param_groups) - 1
-            _checks.check_listed_once(self.param_groups[index], index)
-            _checks.validate_group(self.param_groups[index], index, self.rule_launch.rule)
+            index = _checks.shown_group_index(self, len(self.param_groups) - 1)  # as messages name it
+            _checks.check_listed_once(self.param_groups[-1], index)
+            _checks.validate_group(self.param_groups[-1], index, self.rule_launch.rule)
             _checks.check_one_device([p for g in self.param_groups for p in g["params"]], f"param_groups[{index}]")
         except Exception:
             self.param_groups.pop()
