@@ -181,15 +181,16 @@ def test_split_position_must_be_inside_its_document(reader):
     assert (fresh.cursor, fresh.offset) == (0, 0)  # a refused state leaves the loader as it was
 
 
-def test_crop_state_without_offset_loads(reader):
-    """States written before the split rule existed hold the crop rule and no offset."""
-    loader = PackedDocumentLoader(reader, B, T, packing=PACKING_CROP)
-    loader.next_batch()
-    state = loader.state_dict()
-    del state["offset"]
-    resumed = PackedDocumentLoader(reader, B, T, packing=PACKING_CROP)
-    resumed.load_state_dict(state)
-    assert torch.equal(resumed.next_batch().inputs, loader.next_batch().inputs)
+def test_state_without_offset_is_refused(reader):
+    """Every state names its rule and holds cursor and offset; one without an offset (the
+    loader's first format, before the split rule) is refused, not read as offset 0."""
+    for packing in PACKING_RULES:
+        loader = PackedDocumentLoader(reader, B, T, packing=packing)
+        loader.next_batch()
+        state = loader.state_dict()
+        del state["offset"]
+        with pytest.raises(TapeError, match="holds no offset"):
+            PackedDocumentLoader(reader, B, T, packing=packing).load_state_dict(state)
 
 
 def test_another_rule_is_refused(reader):

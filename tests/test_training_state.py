@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from packed_adamw.core.codecs import join_master
 from packed_adamw.tokenizer.tape import TapeReader, build_tape
 from packed_adamw.torch.combined import PackedMuonAdamW, muon_param_groups
+from packed_adamw.torch.muon import PackedMuon
 from packed_adamw.torch.gpt.packed_data import PackedDocumentLoader
 from packed_adamw.torch.gpt.schedules import ScheduleConfig, apply_schedule, build_schedule
 from packed_adamw.torch.gpt.training_state import (
-    SIGN_CONVENTION, TrainingStateError, code_identity, export_reference_layout, load_state, read_state,
-    save_state, state_file_name,
+    NOT_TRAJECTORY_CODE, SIGN_CONVENTION, TrainingStateError, code_identity, export_reference_layout, load_state,
+    param_group_from_json, read_state, save_state, state_file_name,
 )
 
 WORDS = "the king and queen of a far country went over hills to see what lay beyond".split()
@@ -229,7 +230,7 @@ def test_refuses_other_config_code_or_damage(tape, tmp_path):
         other.load(path, config={**run.config, "lr": 0.03})
     code = code_identity()
     changed = {**code, "sha256": "0" * 64, "files": {**code["files"], "packed_adamw.torch/combined.py": "x"}}
-    with pytest.raises(TrainingStateError, match="combined.py: changed"):
+    with pytest.raises(TrainingStateError, match="(?s)combined.py: changed.*pass --allow-code-change"):
         other.load(path, code=changed)
     assert all(torch.equal(a, p) for a, p in zip(before, other.model.parameters()))  # nothing changed
     with pytest.warns(UserWarning, match="combined.py: changed"):
@@ -278,3 +279,103 @@ def test_export_has_reference_signs(tape, tmp_path):
     assert "params/up.weight/scnd_mntm" not in tensors  # Muon keeps one moment
     assert not torch.signbit(tensors["params/gate/first_mntm"][tensors["params/gate/first_mntm"] == 0]).any()
     assert json.loads(json.dumps(metadata["config"])) == run.config
+
+
+def optimizer_snapshot(optimizer) -> list:
+    """Every tensor of the optimizer's state (bits) and every group entry, for 'nothing changed'."""
+    sd = optimizer.state_dict()
+    tensors = [(i, k, bits(v).clone()) for i, e in sd["state"].items() for k, v in e.items()
+               if isinstance(v, torch.Tensor)]
+    return [tensors, json.dumps(sd["param_groups"], sort_keys=True)]
+
+
+def assert_snapshot(run, snapshot):
+    params, optimizer = snapshot
+    assert all(torch.equal(bits(a), bits(p)) for a, p in zip(params, run.model.parameters()))
+    now = optimizer_snapshot(run.optimizer)
+    assert now[1] == optimizer[1] and len(now[0]) == len(optimizer[0])
+    assert all(a[:2] == b[:2] and torch.equal(a[2], b[2]) for a, b in zip(now[0], optimizer[0]))
+
+
+def test_model_and_generator_misfits_are_refused_before_anything_loads(tape, tmp_path, monkeypatch):
+    """A buffer of another shape, and more saved CUDA generator states than visible devices, are
+    refused before the optimizer, the model or the loader change (not by a raw error midway)."""
+    run = Run(tape, torch.bfloat16)
+    run.train(1)
+    with monkeypatch.context() as m:  # a state written where two CUDA devices had generators
+        m.setattr(torch.cuda, "is_initialized", lambda: True)
+        m.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.zeros(16, dtype=torch.uint8) for _ in range(2)])
+        two_devices = run.save(tmp_path)
+    other = Run(tape, torch.bfloat16, seed=1)
+    other.train(1)  # optimizer state of its own, which a half-load would overwrite
+    snapshot = ([p.detach().clone() for p in other.model.parameters()], optimizer_snapshot(other.optimizer))
+    cursor = other.loader.state_dict()
+
+    other.model.register_buffer("scale", torch.ones(3, dtype=torch.bfloat16))
+    with pytest.raises(TrainingStateError, match=r"buffer scale: saved torch.bfloat16 \(\), the model has "
+                                                 r"torch.bfloat16 \(3,\)"):
+        other.load(two_devices)
+    assert_snapshot(other, snapshot)
+    other.model.register_buffer("scale", torch.tensor(1.25, dtype=torch.bfloat16))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(TrainingStateError, match=f"{two_devices}.*2 devices, this process sees 1.*"
+                                                 "CUDA_VISIBLE_DEVICES"):
+        other.load(two_devices)
+    assert_snapshot(other, snapshot)
+    assert other.loader.state_dict() == cursor
+
+
+def test_config_with_tuples_matches_its_json_form(tape, tmp_path):
+    """The saved config went through JSON (tuples became lists); the live one compares as JSON
+    gives it back."""
+    run = Run(tape, torch.float32)
+    run.config = {**run.config, "betas": (0.9, 0.95), "model": {"windows": ((128, 1), (256, 2))}}
+    run.train(1)
+    path = run.save(tmp_path)
+    other = Run(tape, torch.float32, seed=1)
+    other.load(path, config=run.config)
+    assert_same_run(run, other)
+    with pytest.raises(TrainingStateError, match=r"model.windows=\[\[128, 1\], \[256, 2\]\], this run has "
+                                                 r"model.windows=\[\[128, 1\], \[256, 3\]\]"):
+        other.load(path, config={**run.config, "model": {"windows": ((128, 1), (256, 3))}})
+
+
+def test_code_identity_covers_what_decides_the_trajectory(tape, tmp_path):
+    files = code_identity()["files"]
+    for kept in ("packed_adamw.core/codecs.py", "packed_adamw.torch/muon.py", "packed_adamw.torch/optimizer.py",
+                 "packed_adamw.torch/gpt/chat_model.py", "packed_adamw.torch/gpt/packed_data.py",
+                 "packed_adamw.torch/gpt/schedules.py", "packed_adamw.torch/gpt/training_state.py",
+                 "packed_adamw.torch/gpt/chat_train.py", "packed_adamw.tokenizer/tape.py"):
+        assert kept in files, kept
+    for name in NOT_TRAJECTORY_CODE:
+        assert name not in files, name
+    assert "packed_adamw.torch/gpt/walkthrough.py" in NOT_TRAJECTORY_CODE
+    # A state recording another walkthrough (as states did before the narrowing) still loads.
+    run = Run(tape, torch.float32)
+    run.train(1)
+    saved_code = code_identity()
+    saved_code["files"]["packed_adamw.torch/gpt/walkthrough.py"] = "0" * 64
+    path = save_state(tmp_path / "s.safetensors", model=run.model, optimizer=run.optimizer, loader=run.loader,
+                      schedule=run.schedule, config=run.config, step=1, t_step=1, code=saved_code)
+    other = Run(tape, torch.float32, seed=1)
+    other.load(path)
+    assert_same_run(run, other)
+
+
+def test_single_rule_optimizers_are_named_by_their_rule(tape, tmp_path):
+    """PackedMuon's `rule_name` names the rule (a subclass too); groups come back with tuples."""
+    class ScaledMuon(PackedMuon):
+        pass
+
+    run = Run(tape, torch.float32)
+    matrices = [run.model.up.weight, run.model.down.weight]
+    run.optimizer = ScaledMuon(matrices, lr=0.02, ns_coefficients=(3.0, -4.0, 2.0))
+    tensors, metadata = read_state(run.save(tmp_path))
+    assert {e["kind"] for e in metadata["optimizer"]["entries"].values()} == {"muon"}
+    assert set(metadata["optimizer"]["formats"]) == {"muon"}
+    group = param_group_from_json(metadata["optimizer"]["param_groups"][0])
+    assert group["ns_coefficients"] == (3.0, -4.0, 2.0) and isinstance(group["params"], list)
+    assert param_group_from_json({"params": [0], "param_names": ["a"], "x": [[1, 2], [3]]}) == {
+        "params": [0], "param_names": ["a"], "x": ((1, 2), (3,))}

@@ -51,7 +51,7 @@ def packed_batch(generator) -> PackedBatch:
     return PackedBatch(inputs, targets, cu_seqlens_of(inputs, BOS))
 
 
-def train_and_save(directory, device: str = "cpu", steps: int = 2, dtype=torch.bfloat16):
+def train_and_save(directory, device: str = "cpu", steps: int = 2, dtype=torch.bfloat16, run_config=None):
     torch.manual_seed(0)
     config = dataclasses.replace(PRESETS[MODEL["preset"]], **{k: v for k, v in MODEL.items() if k != "preset"})
     model = ChatGPT(config).to(device)
@@ -70,7 +70,8 @@ def train_and_save(directory, device: str = "cpu", steps: int = 2, dtype=torch.b
         optimizer.step()
         optimizer.zero_grad()
     return save_state(directory / state_file_name(steps), model=model, optimizer=optimizer, loader=loader,
-                      schedule=schedule, config={"model": MODEL, "param_dtype": "bf16"}, step=steps, t_step=steps)
+                      schedule=schedule, config=run_config or {"model": MODEL, "param_dtype": "bf16"}, step=steps,
+                      t_step=steps)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +134,51 @@ def test_bit_level_codecs_match_the_contract():
     masters = torch.from_numpy(values)
     w, lo = walkthrough.split_master(masters)
     assert torch.equal(walkthrough.join_master(w, lo).view(torch.int32), masters.view(torch.int32))
+
+
+def test_wrong_rotation_and_edited_schedule_are_reported(state_path, monkeypatch):
+    """The spelled-out rotation is checked against the model's own, stage by stage; the saved
+    schedule row against the row the saved ScheduleConfig gives."""
+    def swapped(x, cos, sin):  # the pairs turned the other way
+        return walkthrough.chat_model.rotate(x, cos, -sin)
+
+    restore = walkthrough.restore
+
+    def edited(*args, **kwargs):
+        restored = restore(*args, **kwargs)
+        restored.schedule.tables["lr_multiplier"][restored.t_step] *= 0.5
+        return restored
+
+    monkeypatch.setattr(walkthrough, "rotate", swapped)
+    monkeypatch.setattr(walkthrough, "restore", edited)
+    code, text = run(state_path, "--rows", "1")
+    assert code == 1
+    assert "MISMATCH rotated q: not bit for bit equal to the model's chat_model.rotate" in text
+    assert "MISMATCH rotated k" in text
+    assert "MISMATCH schedule row: not bit for bit equal to the row schedules.build_schedule computes" in text
+    assert walkthrough.chat_model.rotate.__name__ == "rotate"  # the model's own again
+
+
+def test_explicit_rms_norm_is_a_tolerance_check_where_bits_agree():
+    """Equal bits here do not make the formula bitwise: another kernel may sum in another order."""
+    report = walkthrough.Report(io.StringIO())
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    walkthrough.rms_norm(x, report, "x")
+    assert (report.bitwise_passed, report.tolerance_passed, report.failures) == (0, 1, [])
+    assert "(bit for bit here)" in report.out.getvalue()
+
+
+def test_fp32_states(tmp_path):
+    """FP32 weights: walked through on the CPU, where chat_train runs them in FP32; refused for
+    CUDA, where chat_train runs them under bf16 autocast. A grad_clip in a config (chat_train
+    writes none, and clips nothing) changes nothing."""
+    path = train_and_save(tmp_path, dtype=torch.float32,
+                          run_config={"model": MODEL, "param_dtype": "fp32", "grad_clip": 1e-6})
+    code, text = run(path, "--rows", "1")
+    assert code == 0 and "0 failed" in text and "weights torch.float32" in text, text
+    assert "clip" not in text
+    with pytest.raises(walkthrough.TrainingStateError, match="fp32 weights.*bf16 autocast on cuda.*--device cpu"):
+        walkthrough.restore(path, "cuda")
 
 
 @pytest.mark.cuda

@@ -218,8 +218,13 @@ class PackedDocumentLoader:
                 raise TapeError(f"packed loader state of {self.path} has {key}={state.get(key)!r}, this loader has "
                                 f"{ours!r}; resume with the batch size, context and number of processes the run "
                                 "started with")
-        cursor = state["cursor"]
-        offset = state.get("offset", 0)  # states written before the split rule hold no offset (crop: 0)
+        missing = [key for key in ("cursor", "offset") if key not in state]
+        if missing:
+            # The loader's first format (a366ee4, on main for half an hour before the split rule)
+            # held no offset; its states also carry that code's identity, which load_state refuses.
+            raise TapeError(f"packed loader state of {self.path} holds no {' and no '.join(missing)}: it is of the "
+                            "loader's first format (before the split rule) or damaged; start the run anew")
+        cursor, offset = state["cursor"], state["offset"]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (cursor, offset)):
             raise TapeError(f"packed loader state of {self.path}: cursor {cursor!r} and offset {offset!r} must be "
                             "integers >= 0; the state is damaged")

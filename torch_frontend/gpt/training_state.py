@@ -25,13 +25,15 @@ the next step reads), `config` (the full run configuration, compared on load), `
 state format, param_groups, per-parameter names, kinds, state keys and non-tensor state such
 as AdamW's step counts), and `sha256` over every tensor and every other metadata entry.
 
-The code: `code_identity()` records the SHA-256 of every Python source file of the packages
-that train (packed_adamw.core, .torch, .tokenizer), one hash over them all, and the git commit
-(and whether the work tree had changes) when git can tell. The sources themselves are not
-stored: the per-file hashes say which files differ on load, the commit says where to find
-them, and the state stays the size of the run's tensors. Load refuses a state written by
-other code (listing the files that differ) unless `allow_code_change=True`; it always refuses
-another configuration, listing the fields that differ.
+The code: `code_identity()` records the SHA-256 of each Python source file that decides a
+run's trajectory (the packages that train, packed_adamw.core, .torch, .tokenizer, less the files
+named in NOT_TRAJECTORY_CODE: the walkthrough, the learned-position trainer, logging and tape
+building), one hash over them all, and the git commit (and whether the work tree had changes)
+when git can tell. Benchmarks and tools/ lie outside these packages. The sources themselves are
+not stored: the per-file hashes say which files differ on load, the commit says where to find
+them, and the state stays the size of the run's tensors. Load refuses a state written by other
+code (listing the files that differ) unless `allow_code_change=True` (chat_train's
+`--allow-code-change`); it always refuses another configuration, listing the fields that differ.
 
 Writes are atomic (core/atomic_file.py, through checkpoint.py's helpers): a crash leaves the
 previous file as it was.
@@ -64,6 +66,22 @@ STATE_FORMAT = "packed-adamw-training-state/1"
 EXPORT_FORMAT = "packed-adamw-reference-export/1"
 LOW_HALF_KEY = codecs.LOW_HALF_KEY  # the optimizer's state entry stored as `mantissa`
 CODE_PACKAGES = ("packed_adamw.core", "packed_adamw.torch", "packed_adamw.tokenizer")
+# Files of CODE_PACKAGES that do not decide a training trajectory, so that editing them does not
+# refuse every saved state. Everything else counts, new files included (core, the optimizers, the
+# model, attention, packed data, schedules, the distributed set-up, this file, chat_train, tape.py).
+NOT_TRAJECTORY_CODE = {
+    "packed_adamw.torch/gpt/walkthrough.py": "explains a saved step; no trainer runs it",
+    "packed_adamw.torch/gpt/telemetry.py": "writes and trims log records",
+    "packed_adamw.torch/gpt/checkpoint.py": "the learned-position trainer's checkpoints; the file helpers "
+                                            "this module borrows read back checked",
+    "packed_adamw.torch/gpt/optimizers.py": "the learned-position trainer's optimizers; chat_train reads "
+                                            "only its state-size count",
+    **{f"packed_adamw.torch/gpt/{name}.py": "the learned-position trainer"
+       for name in ("train", "cli", "config", "data", "model", "families")},
+    **{f"packed_adamw.tokenizer/{name}.py": "builds corpora, tokenizers and tapes; a run reads a finished tape, "
+                                            "named in its config by the header's hash"
+       for name in ("corpus", "large_corpus", "train_tokenizer")},
+}
 BATCH_KEYS = PackedBatch._fields
 
 
@@ -76,9 +94,9 @@ def state_file_name(step: int) -> str:
 
 
 # ---- the code ----------------------------------------------------------------------------------
-def code_identity(packages=CODE_PACKAGES) -> dict:
+def code_identity(packages=CODE_PACKAGES, excluded=NOT_TRAJECTORY_CODE) -> dict:
     """{"sha256", "files": {name: sha256}, "git_commit", "git_dirty", "version"} of the packages'
-    Python sources (module docstring)."""
+    Python sources that decide a trajectory (all but `excluded`; module docstring)."""
     import importlib
 
     files, roots = {}, []
@@ -86,7 +104,9 @@ def code_identity(packages=CODE_PACKAGES) -> dict:
         root = Path(importlib.import_module(package).__file__).parent
         roots.append(root)
         for path in sorted(root.rglob("*.py")):
-            files[f"{package}/{path.relative_to(root).as_posix()}"] = hashlib.sha256(path.read_bytes()).hexdigest()
+            name = f"{package}/{path.relative_to(root).as_posix()}"
+            if name not in excluded:
+                files[name] = hashlib.sha256(path.read_bytes()).hexdigest()
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
     commit, dirty = _git_state(roots)
     return {"sha256": digest, "files": files, "git_commit": commit, "git_dirty": dirty, "version": CODE_VERSION}
@@ -104,12 +124,14 @@ def _git_state(roots: list[Path]) -> tuple[str | None, bool | None]:
         return None, None
 
 
-def code_differences(saved: dict, current: dict) -> list[str]:
-    """One line per source file added, removed or changed between the saved code and this."""
-    a, b = saved.get("files", {}), current.get("files", {})
+def code_differences(saved: dict, current: dict, excluded=NOT_TRAJECTORY_CODE) -> list[str]:
+    """One line per trajectory source file added, removed or changed between the saved code and
+    this (files in `excluded` are passed over on both sides, so a state that recorded them, or
+    code that records them, compares by the rest)."""
+    a, b = ({k: v for k, v in side.get("files", {}).items() if k not in excluded} for side in (saved, current))
     lines = [f"{name}: {'only in the state' if name not in b else 'only in this code' if name not in a else 'changed'}"
              for name in sorted(a.keys() | b.keys()) if a.get(name) != b.get(name)]
-    if not lines and saved.get("sha256") != current.get("sha256"):
+    if not a and not b and saved.get("sha256") != current.get("sha256"):  # no per-file hashes to compare
         lines.append(f"code hash {saved.get('sha256')} vs {current.get('sha256')}")
     return lines
 
@@ -123,17 +145,28 @@ def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
     return names
 
 
+def optimizer_rules(optimizer) -> dict:
+    """{kind: rule optimizer}: a PackedMuonAdamW's `rules`, or a PackedMuon / PackedAdamW as its
+    one rule. PackedMuon declares `rule_name = "muon"` (the attribute _muon_portable reads); the
+    other packed rule, PackedAdamW, declares none."""
+    if hasattr(optimizer, "rules"):
+        return optimizer.rules
+    if not hasattr(optimizer, "state_format"):
+        raise TypeError(f"training_state stores the packed optimizers (PackedMuonAdamW, PackedMuon, PackedAdamW), "
+                        f"not a {type(optimizer).__name__}")
+    return {getattr(optimizer, "rule_name", "adamw"): optimizer}
+
+
 def _optimizer_params(optimizer) -> list[tuple[torch.nn.Parameter, str]]:
     """(parameter, kind) in state_dict index order."""
-    default_kind = {"PackedAdamW": "adamw", "PackedMuon": "muon"}.get(type(optimizer).__name__)
-    return [(p, group.get("kind", default_kind)) for group in optimizer.param_groups for p in group["params"]]
+    rules = optimizer_rules(optimizer)
+    only_kind = next(iter(rules)) if len(rules) == 1 else None  # a single rule's groups carry no kind
+    return [(p, group.get("kind", only_kind)) for group in optimizer.param_groups for p in group["params"]]
 
 
 def _formats(optimizer) -> dict:
     """{kind: the rule's state format fields}, for decoding the saved moments."""
-    rules = optimizer.rules if hasattr(optimizer, "rules") else {
-        {"PackedAdamW": "adamw", "PackedMuon": "muon"}[type(optimizer).__name__]: optimizer}
-    return {kind: dataclasses.asdict(rule.state_format) for kind, rule in rules.items()}
+    return {kind: dataclasses.asdict(rule.state_format) for kind, rule in optimizer_rules(optimizer).items()}
 
 
 def _jsonable(value):
@@ -255,12 +288,18 @@ class LoadedState:
     metadata: dict
 
 
+def param_group_from_json(group: dict) -> dict:
+    """A saved param group as the optimizer's state_dict gave it: JSON made its tuples (betas,
+    ns_coefficients) lists; they become tuples again, nested ones too. "params" and
+    "param_names" are lists in a state_dict and stay lists."""
+    def tuples(value):
+        return tuple(tuples(v) for v in value) if isinstance(value, list) else value
+
+    return {k: (v if k in ("params", "param_names") else tuples(v)) for k, v in group.items()}
+
+
 def _optimizer_state_dict(tensors: dict, meta: dict) -> dict:
-    groups = []
-    for group in meta["param_groups"]:
-        # JSON made tuples lists (betas, ns_coefficients); the lists of params and names stay lists.
-        groups.append({k: (tuple(v) if isinstance(v, list) and k not in ("params", "param_names") else v)
-                       for k, v in group.items()})
+    groups = [param_group_from_json(group) for group in meta["param_groups"]]
     state = {}
     for index, entry in meta["entries"].items():
         if not entry["tensors"] and not entry["scalars"]:
@@ -279,13 +318,16 @@ def load_state(path, *, model: torch.nn.Module, optimizer, loader, config: dict,
     """Restore model, optimizer, loader cursor and RNG from a state file; returns the step
     counters, the saved next batch and the run's schedule tables (as saved).
 
-    Refused, before anything changes, with the differences listed: another `config`; other code
-    (`code`, default `code_identity()`) unless `allow_code_change` (then a warning); other
-    schedule tables than `schedule` (when given); a loader whose restored cursor would not give
-    the saved next batch bit for bit (another tape or packing)."""
+    Refused, before anything changes, with the differences listed: another `config` (compared
+    as JSON gives it back: a tuple equals its list); other trajectory code (`code`, default
+    `code_identity()`) unless `allow_code_change` (then a warning); other schedule tables than
+    `schedule` (when given); a loader whose restored cursor would not give the saved next batch
+    bit for bit (another tape or packing); a model whose parameters or persistent buffers are
+    not the saved ones' names, dtypes and shapes; more saved CUDA generator states than visible
+    devices (when CUDA is available)."""
     path = Path(path)
     tensors, metadata = read_state(path)
-    differences = config_differences(metadata["config"], config)
+    differences = config_differences(*(_as_json(c, path) for c in (metadata["config"], config)))
     if differences:
         raise TrainingStateError(f"training state {path} belongs to another configuration:\n  "
                                  + "\n  ".join(differences) + "\nrun with the state's configuration, or start anew")
@@ -295,9 +337,10 @@ def load_state(path, *, model: torch.nn.Module, optimizer, loader, config: dict,
         message = (f"training state {path} was written by other code (commit {metadata['code'].get('git_commit')}, "
                    f"this is {current_code.get('git_commit')}):\n  " + "\n  ".join(code_changes))
         if not allow_code_change:
-            raise TrainingStateError(message + "\nrun the code that wrote it, or pass allow_code_change=True to "
-                                     "continue with this code (the continuation may differ)")
-        warnings.warn(message + "\ncontinuing with this code (allow_code_change=True)", stacklevel=2)
+            raise TrainingStateError(message + "\nrun the code that wrote it, or pass --allow-code-change to continue "
+                                     "with this code (the continuation may differ; from Python: "
+                                     "allow_code_change=True)")
+        warnings.warn(message + "\ncontinuing with this code (allow_code_change)", stacklevel=2)
     saved_schedule = ScheduleTables.from_tensors(metadata["schedule"], tensors)
     if schedule is not None:
         changed = saved_schedule.differences(schedule)
@@ -307,21 +350,47 @@ def load_state(path, *, model: torch.nn.Module, optimizer, loader, config: dict,
     batch = PackedBatch(*(tensors[f"batch/{key}"] for key in BATCH_KEYS))
     _check_loader(path, loader, metadata["loader"], batch)
     _check_model(path, model, tensors)
+    cuda_states = _cuda_rng_states(path, tensors)
 
     model_state = {}
     names = {id(p): name for name, p in model.named_parameters()}  # first names, as saved
     for key, value in model.state_dict(keep_vars=True).items():
         model_state[key] = tensors[f"params/{names[id(value)]}/w"] if id(value) in names else tensors[f"buffers/{key}"]
     optimizer_state = _optimizer_state_dict(tensors, metadata["optimizer"])
-    optimizer.load_state_dict(optimizer_state)  # checks formats and layouts before it changes anything
+    # The optimizer checks formats and layouts before it changes anything; the model's tensors
+    # and the generator states were checked above, so nothing after this load can refuse.
+    optimizer.load_state_dict(optimizer_state)
     model.load_state_dict(model_state)
     loader.load_state_dict(metadata["loader"])
     torch.set_rng_state(tensors["rng/torch_cpu"])
-    cuda_states = [tensors[f"rng/cuda/{d}"] for d in range(sum(k.startswith("rng/cuda/") for k in tensors))]
-    if cuda_states and torch.cuda.is_available():
+    if cuda_states:
         torch.cuda.set_rng_state_all(cuda_states)
     return LoadedState(metadata["step"], metadata["t_step"], batch, saved_schedule, metadata["config"],
                        metadata["code"], metadata)
+
+
+def _as_json(config: dict, path: Path):
+    """The config as JSON gives it back (tuples become lists), so that the saved config, which
+    went through JSON, and the live one compare by value."""
+    try:
+        return json.loads(json.dumps(config))
+    except (TypeError, ValueError) as error:
+        raise TrainingStateError(f"training state {path}: the run's config is not JSON ({error}); pass a config of "
+                                 "dicts, lists, strings, numbers and None, as save_state wrote") from None
+
+
+def _cuda_rng_states(path: Path, tensors: dict) -> list[torch.Tensor]:
+    """The saved CUDA generator states to restore: none without CUDA here (a CPU continuation of a
+    GPU run); refused when this machine has fewer devices than the state holds states."""
+    states = [tensors[f"rng/cuda/{d}"] for d in range(sum(key.startswith("rng/cuda/") for key in tensors))]
+    if not states or not torch.cuda.is_available():
+        return []
+    visible = torch.cuda.device_count()
+    if len(states) > visible:
+        raise TrainingStateError(f"training state {path} holds the CUDA generator states of {len(states)} devices, "
+                                 f"this process sees {visible}; resume where at least {len(states)} devices are "
+                                 "visible (CUDA_VISIBLE_DEVICES), or on the CPU")
+    return states
 
 
 def _check_loader(path: Path, loader, state: dict, batch: PackedBatch) -> None:
@@ -339,16 +408,28 @@ def _check_loader(path: Path, loader, state: dict, batch: PackedBatch) -> None:
 
 
 def _check_model(path: Path, model: torch.nn.Module, tensors: dict) -> None:
+    """Every parameter and persistent buffer of the model is in the state with its dtype and
+    shape, and the state holds no other (so model.load_state_dict cannot refuse after the
+    optimizer's state is loaded)."""
     problems = []
-    for name, p in model.named_parameters():
-        saved = tensors.get(f"params/{name}/w")
-        if saved is None:
-            problems.append(f"{name}: not in the state")
-        elif saved.dtype != p.dtype or saved.shape != p.shape:
-            problems.append(f"{name}: saved {saved.dtype} {tuple(saved.shape)}, the model has {p.dtype} "
-                            f"{tuple(p.shape)}")
+    parameters = dict(model.named_parameters())  # first names of tied parameters, as saved
+    ids = {id(p) for p in parameters.values()}
+    buffers = {name: t for name, t in model.state_dict(keep_vars=True).items() if id(t) not in ids}
+    for prefix, suffix, ours in (("params/", "/w", parameters), ("buffers/", "", buffers)):
+        kind = "parameter" if prefix == "params/" else "buffer"
+        for name, t in ours.items():
+            saved = tensors.get(f"{prefix}{name}{suffix}")
+            if saved is None:
+                problems.append(f"{kind} {name}: not in the state")
+            elif saved.dtype != t.dtype or saved.shape != t.shape:
+                problems.append(f"{kind} {name}: saved {saved.dtype} {tuple(saved.shape)}, the model has {t.dtype} "
+                                f"{tuple(t.shape)}")
+        saved_names = {key[len(prefix):len(key) - len(suffix)] for key in tensors
+                       if key.startswith(prefix) and key.endswith(suffix)}
+        problems += [f"{kind} {name}: in the state, not in the model" for name in sorted(saved_names - ours.keys())]
     if problems:
-        raise TrainingStateError(f"training state {path} does not fit this model:\n  " + "\n  ".join(problems))
+        raise TrainingStateError(f"training state {path} does not fit this model:\n  " + "\n  ".join(problems)
+                                 + "\nbuild the model the run that wrote it trained")
 
 
 # ---- the reference layout ----------------------------------------------------------------------

@@ -20,14 +20,17 @@ Every stage is printed (shape, dtype, a few values, norm) and checked against wh
 autograd and the optimizer compute (the optimizer steps a copy rebuilt from the file):
 
 - bit for bit where the operations are the same on the same device: every forward stage
-  against the model's hooked tensors, every Muon stage against the contract's numpy phases
-  (core/muon) and the optimizer's step;
+  against the model's hooked tensors (the rotation against what the model's chat_model.rotate
+  returned), the schedule row against the one the saved ScheduleConfig gives, every Muon stage
+  against the contract's numpy phases (core/muon) and the optimizer's step;
 - within a stated tolerance where they cannot be: the explicit formulas beside the torch
   operations the model calls (rms_norm, softmax attention, cross-entropy: other reduction
   orders), and the hand backward against autograd (other summation orders; against the
   model's own low-precision backward, its roundings).
 
-Exits 1 if any check fails. docs/D12.md, "Walkthrough", says what it prints.
+The forward runs in the weights' dtype, as chat_train runs it on the CPU and for bf16 weights;
+FP32 weights on CUDA, which chat_train runs under bf16 autocast, are refused. Exits 1 if any
+check fails, 2 if the state cannot be used. docs/D12.md, "Walkthrough", says what it prints.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import copy
 import dataclasses
 import math
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -49,11 +53,13 @@ from packed_adamw.core.muon.numpy_step import bf16_bits, decode_momentum, lerp32
 from .._persistence import GROUP_FORMAT_KEY
 from ..combined import PackedMuonAdamW
 from ..muon import newton_schulz
+from . import chat_model
 from .attention import _varlen_window_options, attention_mask, uses_varlen, varlen_attn
 from .chat_model import PRESETS, QK_GAIN, SMEAR_CHANNELS, VALUE_GATE_CHANNELS, ChatConfig, ChatGPT
+from .chat_train import PARAM_DTYPES, forward_context
 from .packed_data import PackedBatch
-from .schedules import BASE_LR_KEY, ScheduleTables, apply_schedule
-from .training_state import LOW_HALF_KEY, TrainingStateError, _optimizer_state_dict, read_state
+from .schedules import BASE_LR_KEY, TABLE_NAMES, ScheduleTables, apply_schedule, build_schedule
+from .training_state import LOW_HALF_KEY, TrainingStateError, _optimizer_state_dict, param_group_from_json, read_state
 
 FLOAT64 = torch.float64
 # The hand backward (float64) against autograd of the same model in float64: only the order of
@@ -99,12 +105,6 @@ def model_config_of(run_config: dict) -> ChatConfig:
         raise TrainingStateError(f"the state's model config has fields {unknown} that ChatConfig lacks; is it a "
                                  "chat-family run?")
     return dataclasses.replace(PRESETS[preset], **fields) if preset else ChatConfig(**fields)
-
-
-def gradient_clip_of(run_config: dict) -> float | None:
-    """The global gradient-norm clip the trainer applies before its step (None: none)."""
-    clip = run_config.get("grad_clip") if isinstance(run_config, dict) else None
-    return float(clip) if clip else None
 
 
 # ---- reporting --------------------------------------------------------------------------------
@@ -184,6 +184,24 @@ class Restored:
     t_step: int
 
 
+def check_forward_precision(path, run_config: dict, tensors: dict, device: torch.device) -> None:
+    """The walkthrough spells out the forward in the weights' dtype, as chat_train runs it on the
+    CPU and for bf16 weights; chat_train runs FP32 weights under bf16 autocast on CUDA
+    (chat_train.forward_context), which it does not spell out: refused. (The run's config does
+    not record the device it trained on: the walkthrough shows the step chat_train takes on the
+    walkthrough's device.)"""
+    names = {dtype: name for name, dtype in PARAM_DTYPES.items()}
+    embedding = tensors.get("params/tok_emb.weight/w")
+    param_dtype = run_config.get("param_dtype") or (names.get(embedding.dtype) if embedding is not None else None)
+    with warnings.catch_warnings():  # asked only which context; without CUDA, torch warns it would disable it
+        warnings.simplefilter("ignore")
+        autocast = isinstance(forward_context(param_dtype, device), torch.autocast)
+    if autocast:
+        raise TrainingStateError(f"{path} holds {param_dtype} weights, which chat_train runs under bf16 autocast on "
+                                 f"{device.type}; the walkthrough spells out the forward without autocast: pass "
+                                 "--device cpu (where chat_train runs FP32 weights in FP32)")
+
+
 def first_rows(batch: PackedBatch, rows: int | None) -> PackedBatch:
     """The batch's first `rows` rows (whole documents: every row starts one); None: all."""
     B, T = batch.inputs.shape
@@ -203,6 +221,7 @@ def restore(path, device: str = "cpu", rows: int | None = None) -> Restored:
     run_config = metadata["config"]
     config = model_config_of(run_config)
     device = torch.device(device)
+    check_forward_precision(path, run_config, tensors, device)
     with torch.device(device):
         model = ChatGPT(config)
     missing = []
@@ -222,9 +241,8 @@ def restore(path, device: str = "cpu", rows: int | None = None) -> Restored:
                                  "Muon: pass a state of a run with PackedMuonAdamW")
     named = dict(model.named_parameters())
     groups = []
-    for group in saved_optimizer["param_groups"]:
-        options = {k: (tuple(v) if isinstance(v, list) else v) for k, v in group.items()
-                   if k not in ("params", "param_names", GROUP_FORMAT_KEY)}
+    for group in map(param_group_from_json, saved_optimizer["param_groups"]):
+        options = {k: v for k, v in group.items() if k not in ("params", "param_names", GROUP_FORMAT_KEY)}
         groups.append({"params": [named[n] for n in group["param_names"]], "param_names": group["param_names"],
                        **options})
     formats = saved_optimizer["formats"]
@@ -261,12 +279,30 @@ class Hooks:
             self.handles.append(model.blocks[-2].register_forward_hook(output_of("stream before the last layer")))
         self.handles.append(model.blocks[n // 2].register_forward_hook(output_of("backout stream")))
 
+        # The rotation is a function (chat_model.rotate), which has no hooks: while the last block
+        # runs, a stand-in records what the model's own rotate returns (q's, then k's).
+        rotations, model_rotate = [], chat_model.rotate
+
+        def recording_rotate(x, cos, sin):
+            out = model_rotate(x, cos, sin)
+            rotations.append(out.detach().clone())
+            return out
+
         def block_inputs(module, args):
             for key, value in zip(("block input", "value embedding", "cos", "sin"), args):
                 keep(key, value)
+            chat_model.rotate = recording_rotate
 
+        def block_output(module, args, out):
+            chat_model.rotate = model_rotate
+            keep("block output", out)
+            if len(rotations) == 2:  # not two: the model rotates otherwise, and the checks say so
+                keep("rotated q", rotations[0])
+                keep("rotated k", rotations[1])
+
+        self.restore_rotate = lambda: setattr(chat_model, "rotate", model_rotate)
         self.handles.append(last.register_forward_pre_hook(block_inputs))
-        self.handles.append(last.register_forward_hook(output_of("block output")))
+        self.handles.append(last.register_forward_hook(block_output))
         for name, module in (("q", last.attn.q), ("k", last.attn.k), ("v", last.attn.v),
                              ("value gate logits", last.attn.ve_gate), ("attention output", last.attn.proj),
                              ("mlp fc", last.mlp.fc), ("mlp proj", last.mlp.proj), ("head", model.lm_head)):
@@ -276,6 +312,7 @@ class Hooks:
         self.handles.append(last.mlp.proj.register_forward_pre_hook(input_of("relu^2")))
 
     def remove(self):
+        self.restore_rotate()  # also when the forward raised inside the last block
         for handle in self.handles:
             handle.remove()
 
@@ -302,11 +339,10 @@ def rms_norm(x: torch.Tensor, report: Report, stage: str) -> torch.Tensor:
     wide = x.to(opmath(x.dtype))
     explicit = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + torch.finfo(wide.dtype).eps)).to(x.dtype)
     library = F.rms_norm(x, (x.size(-1),))
-    if torch.equal(_bits(explicit), _bits(library)):
-        report.bitwise(f"{stage} (explicit rms_norm)", explicit, library, "x rsqrt(mean(x^2) + eps) == F.rms_norm")
-    else:
-        report.within(f"{stage} (explicit rms_norm)", explicit, library, explicit_tolerance(x.dtype),
-                      "torch's rms_norm", "its kernel sums the squares in another order")
+    # A tolerance check even where the bits agree here (it says so): another kernel may sum the
+    # squares in another order, so equal bits are not what the formula promises.
+    report.within(f"{stage} (explicit rms_norm)", explicit, library, explicit_tolerance(x.dtype),
+                  "torch's rms_norm", "its kernel may sum the squares in another order")
     return library
 
 
@@ -352,6 +388,8 @@ def attention(q, k, v, cu_seqlens, window, report: Report) -> torch.Tensor:
 
 
 def rotate(x, cos, sin):
+    """Rotary positions, spelled out: channel i pairs with i + D/2 and turns by its angle
+    (checked bit for bit against the model's chat_model.rotate, recorded by Hooks)."""
     half = x.size(-1) // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -417,6 +455,9 @@ def spelled_forward(model: ChatGPT, batch: PackedBatch, seen: dict, logits: torc
         v = v + gate.unsqueeze(-1) * ve.view(B, T, H, D)
     a["v"] = v
     a["q_rot"], a["k_rot"] = q_rot, k_rot = rotate(q, cos, sin), rotate(k, cos, sin)
+    report.show("q rotated: (q1 cos - q2 sin, q1 sin + q2 cos)", q_rot)
+    report.bitwise("rotated q", q_rot, seen.get("rotated q", torch.empty(0)), "the model's chat_model.rotate")
+    report.bitwise("rotated k", k_rot, seen.get("rotated k", torch.empty(0)), "the model's chat_model.rotate")
     q = rms_norm(q_rot, report, "QK-norm (q)") * QK_GAIN
     k = rms_norm(k_rot, report, "QK-norm (k)") * QK_GAIN
     a["q"], a["k"] = q, k
@@ -703,21 +744,23 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
     device = p.device
 
     report.say(f"  the schedule: row t_step={restored.t_step} of the saved tables")
-    saved_group = next(g for g in restored.metadata["optimizer"]["param_groups"] if name in g["param_names"])
     try:
         table = restored.schedule.row(restored.t_step)
     except IndexError as error:
         raise TrainingStateError(f"the state's next step has no schedule row: {error}") from None
-    base_lr = saved_group.get(BASE_LR_KEY, saved_group["lr"])
-    lr = base_lr * table["lr_multiplier"]
-    momentum, weight_decay = table["muon_momentum"], table["muon_weight_decay"]
+    # The saved row against the row this code computes from the saved ScheduleConfig: the
+    # tables are what their config says (a run continues on its saved tables, so a difference
+    # means edited tables or changed schedule code).
+    recomputed = build_schedule(restored.schedule.config).row(restored.t_step)
+    report.bitwise("schedule row", torch.tensor([table[k] for k in TABLE_NAMES], dtype=FLOAT64),
+                   torch.tensor([recomputed[k] for k in TABLE_NAMES], dtype=FLOAT64),
+                   "the row schedules.build_schedule computes from the saved ScheduleConfig")
     apply_schedule(optimizer, restored.schedule, restored.t_step)  # what the trainer does before its step
     group = group_of(optimizer, p)
-    report.say(f"    lr = {base_lr!r} * {table['lr_multiplier']!r} = {lr!r}; momentum {momentum!r}; "
-               f"weight decay {weight_decay!r}")
-    for field, ours in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-        if group[field] != ours:
-            report._fail(f"schedule: {field} {ours!r} but apply_schedule gave the group {group[field]!r}")
+    lr, momentum, weight_decay = group["lr"], group["momentum"], group["weight_decay"]
+    # Shown, not checked: apply_schedule's product of the group's base lr and the row.
+    report.say(f"    apply_schedule: lr = {BASE_LR_KEY} {group[BASE_LR_KEY]!r} * lr_multiplier "
+               f"{table['lr_multiplier']!r} = {lr!r}; momentum {momentum!r}; weight decay {weight_decay!r}")
     nesterov, maximize = bool(group["nesterov"]), bool(group.get("maximize", False))
     ratio = (0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr_fn"] == "match_rms_adamw"
              else math.sqrt(max(1.0, rows / cols)))
@@ -865,11 +908,7 @@ def walkthrough(state_path, device: str = "cpu", matrix: str | None = None, rows
     report.say(f"\n1. forward of the last layer ({dtype}; every stage against the model's, bit for bit)")
     seen, logits, loss = run_model(model, batch)
     spelled_forward(model, batch, seen, logits, loss, report)
-    loss.backward()  # the model's gradients, as the trainer's backward gives them
-    clip = gradient_clip_of(restored.run_config)
-    if clip:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        report.say(f"  the run clips gradients at global norm {clip}: norm {norm.item():.6g}")
+    loss.backward()  # the model's gradients, as the trainer's backward gives them (chat_train clips none)
 
     report.say("\n2. backward by hand (float64, on a float64 copy of the same weights)")
     model64, block_input = float64_copy(model, L)
