@@ -1,8 +1,9 @@
 """The chat family's training script (torch_frontend/gpt/chat_train.py) on the CPU: a run and its
-files, bit-exact resume, refusals, the reference optimizer, and DDP on 2 gloo ranks against one
-process with the same global batch. The model is the chat-tiny preset on tapes of a 320-entry
-tokenizer trained for the test (tokenizer/train_tokenizer.py), so a step takes a fraction of a
-second."""
+files, bit-exact resume, refusals, the reference optimizer, gradient accumulation against one
+step of all the rows, and DDP and FSDP2 on 2 gloo ranks against one process with the same
+global batch, FSDP2 resumed resharded 1 -> 2 -> 1 ranks. The model is the chat-tiny preset on
+tapes of a 320-entry tokenizer trained for the test (tokenizer/train_tokenizer.py), so a step
+takes a fraction of a second."""
 import json
 import random
 
@@ -15,7 +16,7 @@ from packed_adamw.tokenizer.train_tokenizer import train_tokenizer
 from packed_adamw.torch.gpt.chat_train import main
 
 from gpt_helpers import WORDS
-from torchrun_helpers import torchrun
+from torchrun_helpers import free_port, torchrun
 
 VOCAB = 320
 
@@ -135,7 +136,34 @@ def test_refusals(data, straight, tmp_path, capsys):
     assert main(arguments(data, tmp_path, "--optimizer", "reference", "--save-every", 1)) == 2
     assert "no training states" in capsys.readouterr().err
     assert main(arguments(data, tmp_path, "--parallel", "fsdp")) == 2
-    assert "FSDP2 is not wired" in capsys.readouterr().err
+    assert "start with torchrun --nproc_per_node=N" in capsys.readouterr().err
+    assert main(arguments(data, tmp_path, "--grad-accum", 0)) == 2
+    assert "--grad-accum 0" in capsys.readouterr().err
+    assert main(arguments(data, tmp_path, "--optimizer", "reference", "--parallel", "fsdp")) == 2
+    assert "cannot step FSDP2's shards" in capsys.readouterr().err
+    # 2 micro-batches of 2 rows: a step of 4 rows, not the state's 2
+    assert main(arguments(data, tmp_path, "--grad-accum", 2, "--resume", state)) == 2
+    assert "rows_per_step" in capsys.readouterr().err
+
+
+def test_resume_under_changed_code_needs_allow_code_change(data, straight, tmp_path, capsys, monkeypatch):
+    """A state written by other trajectory code is refused, naming the file that differs and the
+    flag; --allow-code-change continues, with a warning."""
+    from packed_adamw.torch.gpt import training_state
+
+    identity = training_state.code_identity
+
+    def edited(*args, **kwargs):
+        code = identity(*args, **kwargs)
+        return {**code, "files": {**code["files"], "packed_adamw.torch/combined.py": "0" * 64}}
+
+    monkeypatch.setattr(training_state, "code_identity", edited)
+    state = straight / "state_step000004.safetensors"
+    assert main(arguments(data, tmp_path / "refused", "--resume", state)) == 2
+    err = capsys.readouterr().err
+    assert "combined.py" in err and "--allow-code-change" in err
+    with pytest.warns(UserWarning, match="continuing with this code"):
+        assert main(arguments(data, tmp_path / "allowed", "--resume", state, "--allow-code-change")) == 0
 
 
 def test_reference_optimizer_holds_more_state(data, straight, tmp_path):
@@ -156,36 +184,118 @@ def test_reference_optimizer_holds_more_state(data, straight, tmp_path):
 # gradient is rounding noise, and AdamW (eps 1e-10) turns noise into a step of about +-lr. Any
 # other order of summation, such as DDP's average of two ranks' means, moves them differently.
 SCALE_INVARIANT_AT_INIT = ("resid_lambdas", "x0_lambdas", "backout_lambda", "smear_lambda")
+FP32 = ("--param-dtype", "fp32", "--save-every", 1)
 
 
-def test_ddp_two_ranks_match_one_process(data, tmp_path):
-    """2 gloo ranks x 2 rows against 1 process x 4 rows, FP32 weights. The ranks read the one
-    process's rows (rank 0 the first two) and the step's loss agrees to float32 rounding (DDP
-    averages two means, one process takes one mean of all). After one step every parameter
-    equals the one process's within 1e-6 absolute (most bit for bit), except the scalars
-    above. Then a DDP resume from step 1 gives the DDP step-2 state bit for bit."""
-    common = ("--param-dtype", "fp32", "--save-every", 1)
-    ddp_out, single_out, resumed_out = tmp_path / "ddp", tmp_path / "single", tmp_path / "resumed"
-    # One launch for both DDP sessions (each starts and ends its process group): the run, then
-    # its resume from step 1.
-    sessions = tmp_path / "ddp_sessions.py"
-    sessions.write_text("import json, sys\nfrom packed_adamw.torch.gpt.chat_train import main\n"
-                        "for argv in json.loads(sys.argv[1]):\n    assert main(argv) == 0, argv\n")
-    ddp_args = arguments(data, ddp_out, *common, "--parallel", "ddp", steps=2)
-    resume_args = arguments(data, resumed_out, *common, "--parallel", "ddp", "--resume",
-                            ddp_out / "state_step000001.safetensors", steps=2)
-    torchrun(2, sessions, json.dumps([ddp_args, resume_args]), timeout_s=180)
-    assert main(arguments(data, single_out, *common, steps=2, batch=4)) == 0
+@pytest.fixture(scope="module")
+def four_rows(data, tmp_path_factory):
+    """One process, 4 rows a step in one batch, FP32 weights, 2 steps, a state after each."""
+    out = tmp_path_factory.mktemp("four_rows")
+    assert main(arguments(data, out, *FP32, steps=2, batch=4)) == 0
+    return out
 
-    ddp, ddp_metadata = read(ddp_out / "state_step000001.safetensors")
-    single, single_metadata = read(single_out / "state_step000001.safetensors")
-    assert torch.equal(ddp["batch/inputs"], single["batch/inputs"][:2])  # rank 0's rows of the next step
-    ddp_cursor, single_cursor = json.loads(ddp_metadata["loader"]), json.loads(single_metadata["loader"])
-    assert ddp_cursor["cursor"] == single_cursor["cursor"]
-    for key, value in ddp.items():
+
+@pytest.fixture(scope="module")
+def accumulated(data, tmp_path_factory):
+    """One process, the same 4 rows a step as 2 micro-batches of 2 rows (--grad-accum 2)."""
+    out = tmp_path_factory.mktemp("accumulated")
+    assert main(arguments(data, out, *FP32, "--grad-accum", 2, steps=2)) == 0
+    return out
+
+
+def assert_first_step_close(out, four_rows_out) -> None:
+    """A first step over the 4 rows of `four_rows` summed in another order (two 2-row means
+    averaged, against one mean): the next batch is four_rows' first 2 rows at the same cursor;
+    the loss agrees to float32 rounding (1e-6 relative) and every weight within 1e-6 absolute
+    (most bit for bit), except the scalars above."""
+    ours, our_metadata = read(out / "state_step000001.safetensors")
+    single, single_metadata = read(four_rows_out / "state_step000001.safetensors")
+    assert torch.equal(ours["batch/inputs"], single["batch/inputs"][:2])
+    assert json.loads(our_metadata["loader"])["cursor"] == json.loads(single_metadata["loader"])["cursor"]
+    for key, value in ours.items():
         if key.endswith("/w") and not any(name in key for name in SCALE_INVARIANT_AT_INIT):
-            assert (value - single[key]).abs().max() <= 1e-6, key
-    ddp_loss, single_loss = (next(r["loss"] for r in log(out) if r["step"] == 1) for out in (ddp_out, single_out))
-    assert abs(ddp_loss - single_loss) <= 1e-6 * single_loss
-    assert_same_bits(read(resumed_out / "state_step000002.safetensors")[0],
-                     read(ddp_out / "state_step000002.safetensors")[0])
+            assert value.shape == single[key].shape and (value - single[key]).abs().max() <= 1e-6, key
+    our_loss, single_loss = (next(r["loss"] for r in log(o) if r["step"] == 1) for o in (out, four_rows_out))
+    assert abs(our_loss - single_loss) <= 1e-6 * single_loss
+
+
+def test_grad_accum_matches_one_step_of_all_rows_and_resumes_exactly(data, four_rows, accumulated, tmp_path):
+    """2 micro-batches of 2 rows against one batch of 4 rows: the same rows, close as
+    assert_first_step_close says (not bitwise: the order of the sums differs). The state's next
+    batch is the next step's first micro-batch, and a resume from step 1 gives the step-2 state
+    and log record bit for bit."""
+    assert_first_step_close(accumulated, four_rows)
+    assert main(arguments(data, tmp_path, *FP32, "--grad-accum", 2, "--resume",
+                          accumulated / "state_step000001.safetensors", steps=2)) == 0
+    assert_same_bits(read(tmp_path / "state_step000002.safetensors")[0],
+                     read(accumulated / "state_step000002.safetensors")[0])
+    assert trajectory(log(tmp_path)) == trajectory([r for r in log(accumulated) if r["step"] == 2])
+
+
+def sessions_script(tmp_path, timeout_s: int):
+    """A script running chat_train's main on every argv of its JSON argument, in turn (each
+    session starts and ends its process group): several sessions in one torchrun launch. A
+    worker still running after `timeout_s` prints every thread's stack and exits (torchrun's
+    workers run in sessions of their own, which the launcher's time limit may not reach)."""
+    script = tmp_path / "sessions.py"
+    script.write_text(f"import faulthandler, json, sys\nfaulthandler.dump_traceback_later({timeout_s}, exit=True)\n"
+                      "from packed_adamw.torch.gpt.chat_train import main\n"
+                      "for argv in json.loads(sys.argv[1]):\n    assert main(argv) == 0, argv\n")
+    return script
+
+
+def test_ddp_two_ranks_match_one_process(data, four_rows, accumulated, tmp_path):
+    """2 gloo ranks x 2 rows, FP32 weights: the ranks read the one process's rows (rank 0 the
+    first two). Against one process with 4-row batches: close (assert_first_step_close).
+    Against one process accumulating the same two 2-row micro-batches: bit for bit after both
+    steps (the same two means, halved and added: with two terms the order cannot matter, and
+    halving is exact). Then a DDP resume from step 1 gives the DDP step-2 state bit for bit."""
+    ddp_out, resumed_out = tmp_path / "ddp", tmp_path / "resumed"
+    ddp_args = arguments(data, ddp_out, *FP32, "--parallel", "ddp", steps=2)
+    resume_args = arguments(data, resumed_out, *FP32, "--parallel", "ddp", "--resume",
+                            ddp_out / "state_step000001.safetensors", steps=2)
+    torchrun(2, sessions_script(tmp_path, 150), json.dumps([ddp_args, resume_args]), timeout_s=180)
+
+    assert_first_step_close(ddp_out, four_rows)
+    ddp = read(ddp_out / "state_step000002.safetensors")[0]
+    assert_same_bits(ddp, read(accumulated / "state_step000002.safetensors")[0])
+    assert_same_bits(read(resumed_out / "state_step000002.safetensors")[0], ddp)
+
+
+def test_fsdp2_matches_one_process_and_resumes_resharded(data, straight, four_rows, tmp_path, monkeypatch):
+    """FSDP2 (bf16 weights, packed Muon and AdamW state as DTensor shards), 4 steps evaluated
+    every 2, on 1 rank with 2 micro-batches of 2 rows a step ("one") and on 2 gloo ranks x 2 rows
+    ("two"): the same rows a step, and the states (whole tensors, of the single process's
+    layout), logs and val losses are equal bit for bit. A 2-rank resume from step 2 equals
+    "two" bit for bit, metadata included. Resharding: "one"'s step-1 state resumed on 2 ranks
+    to step 3, that state resumed on 1 rank to step 4: "one"'s step-4 state bit for bit. FP32
+    weights on 2 ranks against one process with 4-row batches: close (assert_first_step_close)."""
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("GLOO_SOCKET_IFNAME", "lo")):
+        monkeypatch.setenv(name, value)
+
+    def one_rank(*argv):  # rank 0 of 1 in this process, as torchrun would start it
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        assert main(arguments(data, *argv)) == 0
+
+    fsdp = ("--parallel", "fsdp", "--save-every", 1, "--eval-every", 2, "--eval-batches", 1)
+    one, two, resumed, there, back = (tmp_path / n for n in ("one", "two", "resumed", "there", "back"))
+    one_rank(one, *fsdp, "--grad-accum", 2)
+    torchrun(2, sessions_script(tmp_path, 200), json.dumps([
+        arguments(data, two, *fsdp),
+        arguments(data, resumed, *fsdp, "--resume", two / "state_step000002.safetensors"),
+        arguments(data, there, *fsdp, "--resume", one / "state_step000001.safetensors", "--stop-at", 3),
+        arguments(data, tmp_path / "fp32", *FP32, "--parallel", "fsdp", "--stop-at", 1, steps=2),
+    ]), timeout_s=240)
+    one_rank(back, *fsdp, "--grad-accum", 2, "--resume", there / "state_step000003.safetensors")
+
+    final = read(two / "state_step000004.safetensors")
+    layout = read(straight / "state_step000004.safetensors")[0]  # one process, no FSDP2
+    assert {k: (t.dtype, t.shape) for k, t in final[0].items()} == {k: (t.dtype, t.shape) for k, t in layout.items()}
+    assert_same_bits(final[0], read(one / "state_step000004.safetensors")[0])
+    assert trajectory(log(two)) == trajectory(log(one)) and any("val_bpb" in r for r in log(two))
+    resumed_tensors, resumed_metadata = read(resumed / "state_step000004.safetensors")
+    assert_same_bits(resumed_tensors, final[0])
+    assert resumed_metadata == final[1]
+    assert_same_bits(read(back / "state_step000004.safetensors")[0], final[0])
+    assert_first_step_close(tmp_path / "fp32", four_rows)

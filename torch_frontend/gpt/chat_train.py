@@ -8,12 +8,13 @@ checkpoint.
         --batch 32 --out runs/d12 --save-every 250 --device cuda            # bf16 weights, FP32 masters
     python -m packed_adamw.torch.gpt.chat_train ... --resume runs/d12/state_step000250.safetensors
     python -m packed_adamw.torch.gpt.chat_train ... --optimizer reference   # torch Muon + AdamW, FP32
-    torchrun --nproc_per_node=2 -m packed_adamw.torch.gpt.chat_train --parallel ddp ...
+    torchrun --nproc_per_node=2 -m packed_adamw.torch.gpt.chat_train --parallel ddp ...   # or fsdp
+    python -m packed_adamw.torch.gpt.chat_train ... --batch 8 --grad-accum 4   # 32 rows a step, 8 at a time
 
 --data holds train.tape and val.tape (docs/TAPE.md); the model's vocabulary (the preset's
-32,768, or --vocab-size) must be the tapes' vocab_size. A step reads one packed batch
-(packed_data.py: rows of documents, each starting with BOS, under --packing, and their cu_seqlens) of
---batch rows of --context tokens per rank.
+32,768, or --vocab-size) must be the tapes' vocab_size. A micro-batch is one packed batch
+(packed_data.py: rows of documents, each starting with BOS, under --packing, and their cu_seqlens)
+of --batch rows of --context tokens per rank; a step is --grad-accum micro-batches.
 
 The run, in order: the model is built from --seed; the optimizer over muon_adamw_groups
 (`--optimizer packed`: PackedMuonAdamW, Muon's momentum in --muon-mode, packed AdamW; with
@@ -22,7 +23,7 @@ FP32 master, its low half kept by the optimizer. `--optimizer reference`: torch.
 torch.optim.AdamW, fused on CUDA, over FP32 weights: the baseline the packed stack is measured
 against); the schedule tables for every step (schedules.py), written to RUN_DIR/schedule.
 safetensors and into every state. Step t: apply row t of the tables, forward with the batch's
-cu_seqlens, backward, step, zero the gradients. FP32 weights run the forward under bf16
+cu_seqlens, backward (for each micro-batch), step, zero the gradients. FP32 weights run the forward under bf16
 autocast on CUDA (on the CPU in FP32); bf16 weights run in bf16.
 
 RUN_DIR/log.jsonl gets one JSON line per logged step (loss averaged over the ranks, the
@@ -39,14 +40,37 @@ of another configuration or other code is refused, saying what differs. `--stop-
 ends a run early (with its state) without changing its schedule, so it can be resumed.
 The reference optimizer writes no states (training_state.py stores the packed optimizers).
 
-DDP (`--parallel ddp` under torchrun): rank r of W takes the r-th --batch rows of the W x
---batch rows a single process would read at that step (packed_data.py), so a step sees the
-tokens of a single process with W times the batch, and the gradients are averaged. Rank 0
-alone writes the log and the states. A state holds rank 0's view: its RNG states and its next
-batch (the loader's cursor is every rank's). On resume every rank restores the weights,
-optimizer state and cursor from the one file, and takes rank 0's RNG state: the model has no
-dropout and no rank draws random numbers after the seeded initialisation, so the ranks' states
-are equal anyway. FSDP2 is not wired here yet (docs/D12.md).
+Gradient accumulation (`--grad-accum N`): a step runs N micro-batches of --batch rows per rank
+(each read as the loader's next batch, so a step's micro-batches are consecutive), each loss
+scaled by 1/N before its backward, and one optimizer step; under DDP and FSDP2 the ranks
+reduce the gradients only in the last micro-batch's backward (DDP's no_sync, FSDP2's
+set_requires_gradient_sync). A state is written between steps, so its next unconsumed batch
+is the next step's first micro-batch.
+
+DDP (`--parallel ddp` under torchrun): rank r of W takes the r-th --batch rows of each
+micro-batch's W x --batch rows (packed_data.py), so a step sees the tokens of a single process
+with W times the batch, and the gradients are averaged. Rank 0 alone writes the log and the
+states. A state holds rank 0's view: its RNG states and its next batch (the loader's cursor is
+every rank's). On resume every rank restores the weights, optimizer state and cursor from the
+one file, and takes rank 0's RNG state: the model has no dropout and no rank draws random
+numbers after the seeded initialisation, so the ranks' states are equal anyway.
+
+FSDP2 (`--parallel fsdp` under torchrun; distributed.wrap_model shards each block, then the
+root): the parameters and the optimizer state are DTensor shards, and the state file still
+holds the whole of them: every rank gathers each tensor (DTensor.full_tensor) and rank 0 loads
+them into an unsharded twin of the model and optimizer on the CPU (`UnshardedTwin`), which
+training_state.py saves as it saves a single process's. A resume loads the file into a twin on
+every rank and hands each rank its shards. Evaluation runs on every rank (FSDP2's forward
+gathers the shards), rank 0 logs it.
+
+What a state ties a resume to (`run_config`): the rows of a micro-batch on each rank and the
+rows of a step (ranks x micro-batches x --batch), not how the step's rows are split between
+ranks and micro-batches: the cursor a state holds is a document start between steps, the same
+for any split. A state of W ranks resumes on W' ranks with W x N = W' x N' (--grad-accum N'),
+under DDP, FSDP2 or one process, reading the same rows at every step. The gradient is then the
+same mean of the same micro-batches' means, summed in another order; with two micro-batches
+in all (2 ranks x 1, 1 rank x 2) the order cannot change the bits (a + b = b + a, and halving
+is exact), and the continuation equals the uninterrupted run bit for bit (tested).
 """
 from __future__ import annotations
 
@@ -61,9 +85,11 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, read_header
+from packed_adamw.torch import _dtensor
 from packed_adamw.torch.combined import PackedMuonAdamW
 
 from .chat_model import PRESETS, ChatGPT
@@ -97,13 +123,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="the model's vocabulary instead of the preset's (it must equal the tapes' vocab_size)")
     p.add_argument("--steps", required=True, type=int, help="steps of the run (the schedule's length)")
-    p.add_argument("--batch", required=True, type=int, help="rows per step and rank")
+    p.add_argument("--batch", required=True, type=int, help="rows per micro-batch and rank")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per step (gradients accumulated; the ranks reduce in the last one's backward)")
     p.add_argument("--context", type=int, default=None, help="tokens per row (default: the preset's context)")
     p.add_argument("--packing", choices=PACKING_RULES, default=DEFAULT_PACKING,
                    help="how documents fill the rows (packed_data.py); val.tape is always packed by the default")
     p.add_argument("--out", required=True, type=Path, help="the run directory (log, summary, states)")
     p.add_argument("--save-every", type=int, default=0, help="write a state every K steps (0: only at the end)")
     p.add_argument("--resume", type=Path, default=None, help="a state_stepNNNNNN.safetensors to continue from")
+    p.add_argument("--allow-code-change", action="store_true",
+                   help="resume a state written by other trajectory code (warns, listing the files that differ)")
     p.add_argument("--stop-at", type=int, default=0, help="end after this step (0: after --steps), state written")
     p.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default=None,
                    help="live weights (default: bf16 for --optimizer packed, fp32 for reference)")
@@ -114,7 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
-    p.add_argument("--parallel", choices=PARALLEL, default="none", help="ddp under torchrun")
+    p.add_argument("--parallel", choices=PARALLEL, default="none", help="ddp or fsdp (FSDP2) under torchrun")
     p.add_argument("--deterministic", action="store_true",
                    help="CUDA: deterministic kernels (embedding backward, cuBLAS), for bit-exact resume on a GPU")
     # nanochat's base_train settings (muon_adamw_groups; the weight decay is used as given, unscaled)
@@ -134,9 +164,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name in ("steps", "batch"):
+    for name in ("steps", "batch", "grad_accum"):
         if getattr(args, name) < 1:
-            raise ChatTrainError(f"--{name} {getattr(args, name)}: give a positive number")
+            raise ChatTrainError(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive number")
     for name in ("save_every", "stop_at", "eval_every", "eval_batches"):
         if getattr(args, name) < 0:
             raise ChatTrainError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 0 or a positive number")
@@ -153,15 +183,15 @@ def check_args(args: argparse.Namespace) -> None:
         if args.save_every or args.resume or args.stop_at:
             raise ChatTrainError("--optimizer reference writes and reads no training states (training_state.py "
                                  "stores the packed optimizers): leave out --save-every, --resume and --stop-at")
-    if args.parallel == "fsdp":
-        raise ChatTrainError("--parallel fsdp: FSDP2 is not wired into chat_train yet (docs/D12.md); use "
-                             "--parallel ddp, or the learned-position trainer (gpt.train) for FSDP2")
+    if args.parallel == "fsdp" and args.optimizer == "reference":
+        raise ChatTrainError("--optimizer reference with --parallel fsdp: torch.optim.Muon orthogonalises whole "
+                             "matrices and cannot step FSDP2's shards; use --parallel ddp for the baseline")
     if args.parallel == "none" and launched_world_size() > 1:
-        raise ChatTrainError("started by torchrun with several processes: pass --parallel ddp")
-    if args.parallel == "ddp" and not under_torchrun():
-        raise ChatTrainError("--parallel ddp: start with torchrun --nproc_per_node=N -m "
-                             "packed_adamw.torch.gpt.chat_train --parallel ddp ...")
-    if args.parallel == "ddp" and args.device not in ("cpu", "cuda"):
+        raise ChatTrainError("started by torchrun with several processes: pass --parallel ddp or --parallel fsdp")
+    if args.parallel != "none" and not under_torchrun():
+        raise ChatTrainError(f"--parallel {args.parallel}: start with torchrun --nproc_per_node=N -m "
+                             f"packed_adamw.torch.gpt.chat_train --parallel {args.parallel} ...")
+    if args.parallel != "none" and args.device not in ("cpu", "cuda"):
         raise ChatTrainError(f"--device {args.device}: under torchrun pass cpu or cuda (each rank takes "
                              "cuda:LOCAL_RANK)")
 
@@ -183,10 +213,11 @@ def run_config(args: argparse.Namespace, model_config, schedule: ScheduleConfig,
                world_size: int) -> dict:
     """Everything that decides the run's trajectory: saved in every state and compared on resume.
     (Not in it: where the run writes, how often it logs, evaluates or saves, when it stops, the
-    device.)"""
+    device, and how a step's rows are split between ranks and micro-batches: module docstring.)"""
     return {
-        "trainer": "chat_train/1", "preset": args.preset, "model": dataclasses.asdict(model_config),
-        "batch_per_rank": args.batch, "context": args.context, "world_size": world_size,
+        "trainer": "chat_train/2", "preset": args.preset, "model": dataclasses.asdict(model_config),
+        "micro_batch_rows": args.batch, "rows_per_step": world_size * args.grad_accum * args.batch,
+        "context": args.context,
         "param_dtype": args.param_dtype, "muon_mode": args.muon_mode, "optimizer": args.optimizer,
         "seed": args.seed, "schedule": schedule.to_dict(),
         "lr": {"matrix": args.matrix_lr, "embedding": args.embedding_lr, "unembedding": args.unembedding_lr,
@@ -252,12 +283,128 @@ def build_optimizer(model: ChatGPT, args: argparse.Namespace, device: torch.devi
 
 
 def start_masters(optimizer: PackedMuonAdamW, model: ChatGPT, initial: dict[str, torch.Tensor] | None) -> None:
-    """A fresh bf16 run: every parameter's FP32 master is its exact initial value."""
+    """A fresh bf16 run: every parameter's FP32 master is its exact initial value (under FSDP2
+    laid out like its sharded parameter)."""
     if initial is None:
         return
     names = {id(p): name for name, p in model.named_parameters()}
     for rule in optimizer.rules.values():
-        rule.load_master_weights([initial[names[id(p)]] for g in rule.param_groups for p in g["params"]])
+        rule.load_master_weights([_like_param(initial[names[id(p)]], p) for g in rule.param_groups
+                                  for p in g["params"]])
+
+
+# ---- FSDP2: the whole state in one file ------------------------------------------------------------
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "placements")
+
+
+def _like_param(value: torch.Tensor, param: torch.Tensor, placements=None) -> torch.Tensor:
+    """A whole tensor laid out like `param`: its shard on this rank when `param` is a DTensor.
+    Every rank holds the same whole tensor (one seed, one file), so each cuts its own shard
+    (src_data_rank=None: no communication)."""
+    if not _is_dtensor(param):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+    local = param.to_local()
+    return distribute_tensor(value.to(local.device).contiguous(), param.device_mesh,
+                             placements if placements is not None else param.placements, src_data_rank=None)
+
+
+def _whole_state_entry(value):
+    """An optimizer state entry of a sharded parameter as a single process holds it, on the CPU
+    (collective: every rank gathers). Sharded entries keep their bits in types the collectives
+    carry (_dtensor.py, muon.py): int8 pairs [*shape, 2] for the int16 low halves and Muon codes,
+    int32 for the uint32 AdamW words; these are viewed back."""
+    if not _is_dtensor(value):
+        return value
+    whole = value.full_tensor().cpu()
+    if whole.dtype == _dtensor.SHARDED_LOW_HALF_DTYPE:
+        return whole.view(torch.int16).squeeze(-1)
+    if whole.dtype == _dtensor.SHARDED_WORDS_DTYPE:
+        return whole.view(torch.uint32)
+    return whole
+
+
+def _sharded_state_entry(value, param: torch.Tensor):
+    """The inverse of _whole_state_entry: a single process's state entry of `param`, as the
+    sharded optimizer stores it (this rank's shard)."""
+    from torch.distributed.tensor import Shard
+    if not isinstance(value, torch.Tensor) or not _is_dtensor(param) or value.dim() == 0:
+        return value
+    if value.dtype == torch.int16:
+        return _like_param(value.unsqueeze(-1).view(_dtensor.SHARDED_LOW_HALF_DTYPE), param)
+    if value.dtype == torch.uint32:
+        return _like_param(value.view(_dtensor.SHARDED_WORDS_DTYPE), param)
+    if value.dim() == param.dim() + 1:  # fp32 AdamW moments [2, *shape]: sharded one dimension further in
+        return _like_param(value, param, [Shard(pl.dim + 1) if type(pl) is Shard else pl for pl in param.placements])
+    return _like_param(value, param)
+
+
+class UnshardedTwin:
+    """Under FSDP2, a plain copy of the model and its optimizer on the CPU that holds the whole
+    training state, for training_state.py to save and load as a single process's.
+
+    Allocated on the meta device and materialised uninitialised, and under fork_rng: building
+    it draws no random numbers (a state records the generators)."""
+
+    def __init__(self, model_config, args: argparse.Namespace):
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = ChatGPT(model_config)
+            for p in model.parameters():
+                p.data = p.data.to(PARAM_DTYPES[args.param_dtype])
+        self.model = model.to_empty(device="cpu")
+        self.optimizer = build_optimizer(self.model, args, torch.device("cpu"))
+
+    @staticmethod
+    def gather(twin: "UnshardedTwin | None", model: ChatGPT, optimizer: PackedMuonAdamW) -> None:
+        """Collective: every rank gathers the sharded weights and optimizer state, tensor by
+        tensor in the same order, and rank 0 loads them into its `twin` (the other ranks pass
+        None and drop what they gathered)."""
+        weights = {name: _whole_state_entry(p.detach()) for name, p in model.named_parameters()}
+        saved = optimizer.state_dict()
+        state = {index: {key: _whole_state_entry(v) for key, v in entry.items()}
+                 for index, entry in saved["state"].items()}
+        if twin is not None:
+            twin.model.load_state_dict(weights)
+            twin.optimizer.load_state_dict({**saved, "state": state})
+
+    def scatter(self, model: ChatGPT, optimizer: PackedMuonAdamW) -> None:
+        """This rank's shards of the twin's weights and optimizer state into the sharded model and
+        optimizer (no communication: every rank's twin holds the same whole state)."""
+        twin_names = [name for name, _ in self.model.named_parameters()]
+        if twin_names != [name for name, _ in model.named_parameters()]:
+            raise AssertionError("the sharded model and its unsharded twin list other parameters")
+        with torch.no_grad():
+            for (_, p), (_, whole) in zip(model.named_parameters(), self.model.named_parameters()):
+                p.copy_(_like_param(whole, p))
+        saved = self.optimizer.state_dict()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {index: {key: _sharded_state_entry(v, params[index]) for key, v in entry.items()}
+                 for index, entry in saved["state"].items()}
+        optimizer.load_state_dict({**saved, "state": state})
+
+
+def saved_world_size(path: Path, default: int) -> int:
+    """The number of ranks whose loader cursor a state holds, or `default` when the file cannot
+    tell (load_state then says what is wrong with it)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return int(json.loads(f.metadata()["loader"])["world_size"])
+    except (OSError, SafetensorError, KeyError, TypeError, ValueError):
+        return default
+
+
+@contextlib.contextmanager
+def gradient_sync(model, parallel: str, sync: bool):
+    """The ranks reduce the gradients in this backward only when `sync` (the step's last
+    micro-batch); before that each rank accumulates its own."""
+    if parallel == "ddp" and not sync:
+        with model.no_sync():
+            yield
+        return
+    if parallel == "fsdp":
+        model.set_requires_gradient_sync(sync)
+    yield
 
 
 def forward_context(param_dtype: str, device: torch.device):
@@ -346,6 +493,9 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
                                   packing=args.packing)
     config = run_config(args, model_config, schedule.config, train_tape, ranks.world_size)
 
+    # Under FSDP2 the state files are read and written through an unsharded twin (rank 0 keeps
+    # one for the saves; a resume builds one on every rank and drops it on the others).
+    twin = None
     step = 0
     if args.resume is None:
         if args.optimizer == "packed":
@@ -354,15 +504,23 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
             save_file(schedule.to_tensors(prefix=""), str(out / "schedule.safetensors"),
                       metadata={"schedule": json.dumps(schedule.config.to_dict())})
     else:
-        # The file holds rank 0's next batch: every rank loads through a rank-0 view of its tape
-        # (load_state checks the saved batch against it), then takes the cursor, which every
-        # rank shares.
-        view = loader if ranks.rank == 0 else PackedDocumentLoader(train_tape, args.batch, args.context, 0,
-                                                                   ranks.world_size, packing=args.packing)
-        loaded = load_state(args.resume, model=core, optimizer=optimizer, loader=view, config=config,
-                            schedule=schedule)
-        if view is not loader:
-            loader.load_state_dict(view.state_dict())
+        # The file holds rank 0's next micro-batch and the cursor between steps, which every rank
+        # shares whatever the number of ranks (module docstring): every rank loads through a
+        # rank-0 view of its tape in the layout that wrote the state (load_state checks the saved
+        # batch against it), then takes the cursor into its own loader.
+        view = PackedDocumentLoader(train_tape, args.batch, args.context, 0,
+                                    saved_world_size(args.resume, ranks.world_size),
+                                    packing=args.packing)
+        if ranks.parallel == "fsdp":
+            twin = UnshardedTwin(model_config, args)
+        target = (twin.model, twin.optimizer) if twin is not None else (core, optimizer)
+        loaded = load_state(args.resume, model=target[0], optimizer=target[1], loader=view, config=config,
+                            schedule=schedule, allow_code_change=args.allow_code_change)
+        if twin is not None:
+            twin.scatter(core, optimizer)
+            if not ranks.main:
+                twin = None
+        loader.load_state_dict({**view.state_dict(), "world_size": ranks.world_size})
         step = loaded.step
         if loaded.t_step != step:
             raise TrainingStateError(f"{args.resume}: t_step {loaded.t_step} differs from step {step}; "
@@ -374,10 +532,18 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
         ddp_rebuild_buckets(model, args.batch, args.context, device)  # every session reduces in the same buckets
 
     def save() -> None:
+        nonlocal twin
+        saved_model, saved_optimizer = core, optimizer
+        if args.optimizer == "packed" and ranks.parallel == "fsdp":
+            if twin is None and ranks.main:
+                twin = UnshardedTwin(model_config, args)
+            UnshardedTwin.gather(twin, core, optimizer)
+            if ranks.main:
+                saved_model, saved_optimizer = twin.model, twin.optimizer
         if args.optimizer == "packed" and ranks.main:
             try:
-                path = save_state(out / state_file_name(step), model=core, optimizer=optimizer, loader=loader,
-                                  schedule=schedule, config=config, step=step, t_step=step)
+                path = save_state(out / state_file_name(step), model=saved_model, optimizer=saved_optimizer,
+                                  loader=loader, schedule=schedule, config=config, step=step, t_step=step)
                 say(f"wrote {path}")
             except TapeExhausted:
                 # a state holds the next batch; at the end of the tape there is none
@@ -390,25 +556,32 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
                 f.write(json.dumps(record) + "\n")
 
     last = min(args.steps, args.stop_at) if args.stop_at else args.steps
-    tokens_per_step = ranks.world_size * args.batch * args.context
+    tokens_per_step = config["rows_per_step"] * args.context
     say(f"{args.preset}: {core.num_parameters():,} parameters, {args.param_dtype} weights, optimizer "
         f"{args.optimizer}{' (Muon ' + args.muon_mode + ')' if args.optimizer == 'packed' else ''}, "
-        f"{tokens_per_step:,} tokens a step, steps {step} to {last} of {args.steps}"
-        + (f", ddp on {ranks.world_size} ranks" if ranks.distributed else ""))
+        f"{tokens_per_step:,} tokens a step"
+        + (f" in {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
+        + f", steps {step} to {last} of {args.steps}"
+        + (f", {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""))
     step_seconds, losses, eval_record = [], [], None
     model.train()
     while step < last:
         started = time.perf_counter()
-        batch = to_device(loader.next_batch(), device)
         row = apply_schedule(optimizer, schedule, step)  # t_step: this run's step
-        with forward_context(args.param_dtype, device):
-            _, loss = model(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
-        loss.backward()
+        step_loss = None  # the mean of the micro-batches' mean losses
+        for micro in range(args.grad_accum):
+            batch = to_device(loader.next_batch(), device)
+            with gradient_sync(model, ranks.parallel, sync=micro == args.grad_accum - 1):
+                with forward_context(args.param_dtype, device):
+                    _, loss = model(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
+                (loss / args.grad_accum).backward()
+            part = loss.detach().float() / args.grad_accum
+            step_loss = part if step_loss is None else step_loss + part
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         if step % args.log_every == 0 or step == last:
-            mean_loss = loss.detach().float()
+            mean_loss = step_loss
             if ranks.distributed:
                 torch.distributed.all_reduce(mean_loss)
                 mean_loss /= ranks.world_size
@@ -421,9 +594,13 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"loss {mean_loss} at step {step}: the run diverged")
         if args.eval_every and (step % args.eval_every == 0 or step == last):
-            if ranks.main:
+            if ranks.main or ranks.parallel == "fsdp":  # FSDP2's forward gathers the shards: every rank runs it
                 eval_record = {"step": step, **evaluate(core, val_tape, args.batch, args.context, args.eval_batches,
                                                         args.param_dtype, device)}
+                if ranks.parallel == "fsdp":
+                    # FSDP2's root keeps its parameters gathered after a forward without a backward:
+                    # put the shards back before the optimizer or a save reads the parameters.
+                    core.reshard()
                 log(eval_record)
                 say(f"step {step}: val loss {eval_record['val_loss']:.4f}, bpb {eval_record['val_bpb']}")
             ranks.barrier()
@@ -437,10 +614,12 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
     summary = {
         "step": step, "steps": args.steps, "preset": args.preset, "parameters": parameters,
         "param_dtype": args.param_dtype, "optimizer": args.optimizer, "muon_mode": args.muon_mode,
-        "world_size": ranks.world_size, "device": str(device), "tokens_per_step": tokens_per_step,
+        "parallel": ranks.parallel, "world_size": ranks.world_size, "grad_accum": args.grad_accum,
+        "device": str(device), "tokens_per_step": tokens_per_step,
         "final_loss": losses[-1] if losses else None,
         "median_step_ms": 1e3 * statistics.median(steady) if steady else None,
         "tokens_per_s": tokens_per_step / statistics.median(steady) if steady else None,
+        # under FSDP2: rank 0's shard of the state, per parameter of the whole model
         "optimizer_state_bytes": state_bytes, "optimizer_state_bytes_per_parameter": state_bytes / parameters,
         "weight_bytes_per_parameter": sum(p.numel() * p.element_size() for p in core.parameters()) / parameters,
         **({"val_loss": eval_record["val_loss"], "val_bpb": eval_record["val_bpb"]} if eval_record else {}),
