@@ -257,9 +257,9 @@ def xla_step(operands: StepOperands, *, config: StepConfig, contraction_barriers
     guard = contraction_guard(operands.count) if contraction_barriers else None
     rows = step_scalars(operands.hparams, operands.count, guard)
     outs, states, lows = [], [], []
-    for p, g, state, low_half, decays in zip(operands.params, operands.grads, operands.states, operands.lows,
-                                             config.decay):
-        out, new_state, new_low = leaf_step(p, g, state, rows[0 if decays else 1], config.fmt,
+    for p, g, state, low_half, leaf_row in zip(operands.params, operands.grads, operands.states, operands.lows,
+                                               config.leaf_rows):
+        out, new_state, new_low = leaf_step(p, g, state, rows[leaf_row], config.fmt,
                                             write_update=config.write_update, low_half=low_half, guard=guard)
         outs.append(out)
         states.append(new_state)

@@ -135,8 +135,10 @@ def problem(rng, mode: str, n: int = 4096):
 
 
 def config_for(mode, write_update, decay) -> StepConfig:
+    """Each leaf's row: AdamW's decayed variant (0) or the undecayed one (1)."""
     return StepConfig(fmt=StateFormat(mode), steps=ADAMW, write_update=write_update, multi_tensor=True,
-                      decay=decay, paths=tuple(f"[{i}]" for i in range(len(decay))), split=(2, 3))
+                      leaf_rows=tuple(0 if d else 1 for d in decay), paths=tuple(f"[{i}]" for i in range(len(decay))),
+                      split=(2, 3))
 
 
 def xla_results(device, config, params, grads, states, lows, hparams, count, barriers=True):
@@ -160,8 +162,8 @@ def _xla_run(config, barriers):
 def numpy_results(config, params, grads, states, lows, hparams, count):
     """The numpy step of every leaf: (outs, states, lows, applied), as `xla_results`."""
     fmt, outs, new_states, new_lows, applied = config.fmt, [], [], [], []
-    for p, g, s, lo, decays in zip(params, grads, states, lows, config.decay):
-        scalars = numpy_step.step_scalar_row(int(count), hparams[0 if decays else 1])
+    for p, g, s, lo, leaf_row in zip(params, grads, states, lows, config.leaf_rows):
+        scalars = numpy_step.step_scalar_row(int(count), hparams[leaf_row])
         s = s.copy()
         if lo is None:
             p = p.copy()
@@ -307,7 +309,7 @@ def test_contraction_on_cpu():
 
 
 def test_refuses_track_format():
-    config = StepConfig(fmt=StateFormat("packed"), steps=ADAMW, write_update=True, multi_tensor=True, decay=(True,),
+    config = StepConfig(fmt=StateFormat("packed"), steps=ADAMW, write_update=True, multi_tensor=True, leaf_rows=(0,),
                         paths=("x",), track_format=True)
     x = np.ones(4, F32)
     with pytest.raises(ValueError, match="does not count formats"):
