@@ -243,10 +243,15 @@ def test_muon_adamw_groups_are_nanochats_split_and_step_in_packed_muon_adamw():
     model(idx, idx)[1].backward()
     optimizer.step()
     changed = {n for (n, p), b in zip(model.named_parameters(), before) if not torch.equal(p, b)}
-    # Every group stepped (weight decay moves even rows and matrices whose gradient is zero),
-    # except the smear gate: its gradient is zero while the smear's lambda is (its init), and its
-    # group has no weight decay.
-    assert changed == {n for n, _ in model.named_parameters()} - {"smear_gate.weight"}
+    # Every parameter moved that must: a nonzero gradient, or weight decay in its group (it moves
+    # even rows and matrices whose gradient is zero). None other moved: the smear gate (its
+    # gradient is zero while the smear's lambda is, at its init), and the scale-invariant scalars
+    # whose gradient happens to be exactly zero (the final rms_norm cancels every scale at init:
+    # their gradient is rounding noise, zero or not depending on the draw), in groups without decay.
+    decayed = {n for g in groups if g["weight_decay"] for n in g["param_names"]}
+    must_move = {n for n, p in model.named_parameters() if n in decayed or bool(p.grad.ne(0).any())}
+    assert "smear_gate.weight" not in must_move and len(must_move) >= len(before) - 3
+    assert changed == must_move
 
 
 def test_every_parameter_has_a_telemetry_kind():
