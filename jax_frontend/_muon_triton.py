@@ -26,8 +26,8 @@ from ._triton_launch import _jax_triton
 
 @triton.jit
 def muon_momentum_leaf_kernel(
-    grad_ptr, state_ptr, scalars_ptr, x_in_ptr, refused_in_ptr, new_state_ptr, x_ptr, refused_ptr,
-    n_elements, slot0, rows, cols,
+    grad_ptr, state_ptr, scalars_ptr, x_in_ptr, refused_in_ptr, n_elements, slot0, rows, cols,
+    new_state_ptr, x_ptr, refused_ptr,
     TALL: tl.constexpr, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
     NESTEROV: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -47,8 +47,9 @@ def muon_momentum_leaf_kernel(
 @triton.jit
 def muon_weight_leaf_kernel(
     param_in_ptr, lo_in_ptr, ortho_ptr, new_state_ptr, state_in_ptr, scalars_ptr, refused_ptr, rejected_in_ptr,
+    n_elements, slot0, rows, cols,
     param_ptr, lo_ptr, state_ptr, rejected_ptr,
-    n_elements, slot0, rows, cols, TALL: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    TALL: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Grid (blocks per matrix, matrices of the leaf): phase 2 of matrix z unless `refused[z]`:
     commits the scratch momentum to `state`, steps the weights (SPLIT: int16 bf16 bits and low
@@ -175,7 +176,8 @@ def newton_schulz(x_bits, ns_scalars, steps: int):
     batch, k, n = x_bits.shape
     buffers = {"x": jax.lax.bitcast_convert_type(x_bits, jnp.bfloat16), "scalars": ns_scalars}
     shapes = ns_kernel.buffer_shapes(batch, k, n)
-    for kernel, grid, names, constants, options in ns_kernel.launch_plan(batch, k, n, steps, interpreting=False):
+    plan = ns_kernel.launch_plan(batch, k, n, steps, interpreting=launch.interpreting())  # as torch's launches
+    for kernel, grid, names, constants, options in plan:
         shape, dtype = shapes[names[-1]]
         buffers[names[-1]] = _jax_triton().triton_call(
             *(buffers[name] for name in names[:-1]), kernel=kernel,

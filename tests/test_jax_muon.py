@@ -426,3 +426,54 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
                                                                              else np.uint16), err_msg=k)
         if bf16_leaf(k):
             np.testing.assert_array_equal(np.asarray(state.low_halves[k]).T, opt.state[p]["lo"].cpu().numpy())
+
+
+INTERPRETED_LEAVES = {"tall": (4, 8), "wide": (8, 4), "half": (6, 6)}  # JAX's [in, out]; the interpreter is slow
+
+
+def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypatch):
+    """The GPU path's launches (_muon_triton.py) run in Triton's CPU interpreter through a
+    stand-in for jax-triton 0.3.1's triton_call (arrays and scalars in order, then the outputs),
+    against torch's PackedMuon(ns_impl="triton") with its kernels, also interpreted: the same
+    bits, a tall, a wide and a bf16 leaf (the cuda test's comparison, on tiny shapes)."""
+    from conftest import interpreting
+    from jax_helpers import InterpretedJaxTriton
+
+    if not interpreting():
+        pytest.skip("runs the kernels in Triton's CPU interpreter")
+    from packed_adamw.jax import _muon_triton
+    from packed_adamw.torch import PackedMuon
+    from packed_adamw.torch import muon as torch_muon
+
+    stand_in = InterpretedJaxTriton()
+    monkeypatch.setattr(_muon_triton, "_jax_triton", lambda: stand_in)
+    monkeypatch.setattr(jax_muon, "_step_platform", lambda tree: "gpu")
+    monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: True)
+    rng = np.random.default_rng(41)
+    p0 = {k: (rng.standard_normal(s) * 0.2).astype(F32) for k, s in INTERPRETED_LEAVES.items()}
+    grads = [{k: gradient(rng, s) for k, s in INTERPRETED_LEAVES.items()} for _ in range(2)]
+    bf16_leaf = lambda k: k == "half"  # noqa: E731
+
+    params = {k: jnp.asarray(v, jnp.bfloat16 if bf16_leaf(k) else jnp.float32) for k, v in p0.items()}
+    tx = packed_muon(LR, ns_steps=2, beta=BETA, eps=EPS, weight_decay=WD)
+    state = tx.init(params)
+    for g in grads:  # eagerly: the stand-in runs each launch as it comes
+        updates, state = tx.update({k: jnp.asarray(v, params[k].dtype) for k, v in g.items()}, state, params)
+        params = optax.apply_updates(params, updates)
+    assert _muon_triton.muon_momentum_leaf_kernel in stand_in.kernels
+
+    torch_params = {k: torch.nn.Parameter(torch.from_numpy(v.T.copy()).to(torch.bfloat16 if bf16_leaf(k)
+                                                                         else torch.float32))
+                    for k, v in p0.items()}
+    opt = PackedMuon(list(torch_params.values()), lr=LR, ns_steps=2, momentum=BETA, eps=EPS, weight_decay=WD,
+                     ns_impl="triton")
+    for g in grads:
+        for k, p in torch_params.items():
+            p.grad = torch.from_numpy(g[k].T.copy()).to(p.dtype)  # the bf16 leaf's gradient in bf16, as JAX's
+        opt.step()
+    for k, p in torch_params.items():
+        theirs = p.detach()
+        theirs = theirs.view(torch.int16).numpy().view(np.uint16) if bf16_leaf(k) else theirs.numpy().view(np.uint32)
+        np.testing.assert_array_equal(bits(state.momentum[k]).T, opt.state[p]["momentum_code"].numpy().view(np.uint16),
+                                      err_msg=k)
+        np.testing.assert_array_equal(bits(params[k]).T, theirs, err_msg=f"weights of {k}")
