@@ -82,10 +82,11 @@ STEPS = [
 
 @pytest.mark.parametrize("mode", MODES)
 def test_consecutive_steps_match_numpy_and_authority_everywhere(mode, device):
-    """100,003 elements (more than one interpreter block) spanning the whole format range,
-    five steps fed back, the authority on every element of every step."""
+    """40,009 elements (more than one interpreter block, launch.INTERPRETER_BLOCK = 32,768)
+    spanning the whole format range, five steps fed back, the authority on every element of
+    every step."""
     fmt = StateFormat(mode)
-    n = 100_003
+    n = 40_009
     rng, p, state = fresh_inputs(7, n, fmt)
     for step, (count, hp) in enumerate(STEPS):
         g = H.random_grads(rng, n, fmt)
