@@ -297,9 +297,9 @@ def assert_snapshot(run, snapshot):
     assert all(a[:2] == b[:2] and torch.equal(a[2], b[2]) for a, b in zip(now[0], optimizer[0]))
 
 
-def test_model_and_generator_misfits_are_refused_before_anything_loads(tape, tmp_path, monkeypatch):
-    """A buffer of another shape, and more saved CUDA generator states than visible devices, are
-    refused before the optimizer, the model or the loader change (not by a raw error midway)."""
+def test_a_model_misfit_is_refused_before_anything_loads_and_fewer_devices_are_not(tape, tmp_path, monkeypatch):
+    """A buffer of another shape is refused before the optimizer, the model or the loader change
+    (not by a raw error midway); more saved CUDA generator states than visible devices are not."""
     run = Run(tape, torch.bfloat16)
     run.train(1)
     with monkeypatch.context() as m:  # a state written where two CUDA devices had generators
@@ -318,13 +318,18 @@ def test_model_and_generator_misfits_are_refused_before_anything_loads(tape, tmp
     assert_snapshot(other, snapshot)
     other.model.register_buffer("scale", torch.tensor(1.25, dtype=torch.bfloat16))
 
+    assert other.loader.state_dict() == cursor
+
+    # Fewer visible devices than saved generator states (a GPU run resumed on fewer GPUs): the
+    # visible devices' states are restored, with a warning.
+    restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(TrainingStateError, match=f"{two_devices}.*2 devices, this process sees 1.*"
-                                                 "CUDA_VISIBLE_DEVICES"):
-        other.load(two_devices)
-    assert_snapshot(other, snapshot)
-    assert other.loader.state_dict() == cursor
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    with pytest.warns(UserWarning, match=f"{two_devices}.*2 devices, this process sees 1: restoring those of "
+                                         "devices 0 to 0 only"):
+        run.load(two_devices)
+    assert len(restored) == 1 and torch.equal(restored[0], torch.zeros(16, dtype=torch.uint8))
 
 
 def test_config_with_tuples_matches_its_json_form(tape, tmp_path):

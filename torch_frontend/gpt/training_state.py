@@ -323,8 +323,8 @@ def load_state(path, *, model: torch.nn.Module, optimizer, loader, config: dict,
     `code_identity()`) unless `allow_code_change` (then a warning); other schedule tables than
     `schedule` (when given); a loader whose restored cursor would not give the saved next batch
     bit for bit (another tape or packing); a model whose parameters or persistent buffers are
-    not the saved ones' names, dtypes and shapes; more saved CUDA generator states than visible
-    devices (when CUDA is available)."""
+    not the saved ones' names, dtypes and shapes. CUDA generator states are restored for the
+    devices visible here (a warning when the state holds more)."""
     path = Path(path)
     tensors, metadata = read_state(path)
     differences = config_differences(*(_as_json(c, path) for c in (metadata["config"], config)))
@@ -381,16 +381,17 @@ def _as_json(config: dict, path: Path):
 
 def _cuda_rng_states(path: Path, tensors: dict) -> list[torch.Tensor]:
     """The saved CUDA generator states to restore: none without CUDA here (a CPU continuation of a
-    GPU run); refused when this machine has fewer devices than the state holds states."""
+    GPU run). Where fewer devices are visible than the state holds states (a run of 8 GPUs resumed
+    on 2), those of the visible devices, with a warning: a state saves every visible device's
+    generator, and the trainers draw no CUDA random numbers after the seeded initialisation."""
     states = [tensors[f"rng/cuda/{d}"] for d in range(sum(key.startswith("rng/cuda/") for key in tensors))]
     if not states or not torch.cuda.is_available():
         return []
     visible = torch.cuda.device_count()
     if len(states) > visible:
-        raise TrainingStateError(f"training state {path} holds the CUDA generator states of {len(states)} devices, "
-                                 f"this process sees {visible}; resume where at least {len(states)} devices are "
-                                 "visible (CUDA_VISIBLE_DEVICES), or on the CPU")
-    return states
+        warnings.warn(f"training state {path} holds the CUDA generator states of {len(states)} devices, this "
+                      f"process sees {visible}: restoring those of devices 0 to {visible - 1} only", stacklevel=3)
+    return states[:visible]
 
 
 def _check_loader(path: Path, loader, state: dict, batch: PackedBatch) -> None:
