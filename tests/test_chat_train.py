@@ -104,6 +104,20 @@ def test_resume_is_bit_exact(data, straight, tmp_path):
     assert trajectory(log(tmp_path)) == trajectory(log(straight))
 
 
+def test_resume_under_the_crop_rule_with_accumulation_is_bit_exact(data, tmp_path):
+    """The same under --packing bos-greedy-crop/1 and --grad-accum 2: the resume reads its tape
+    through a loader of the state's packing rule (a loader of the default rule would not give the
+    saved next batch, and the resume would be refused)."""
+    crop = ("--packing", "bos-greedy-crop/1", "--grad-accum", 2, "--batch", 1)
+    assert main(arguments(data, tmp_path / "straight", *crop)) == 0
+    assert main(arguments(data, tmp_path / "resumed", *crop, "--stop-at", 2)) == 0
+    assert main(arguments(data, tmp_path / "resumed", *crop,
+                          "--resume", tmp_path / "resumed" / "state_step000002.safetensors")) == 0
+    assert_same_bits(read(tmp_path / "resumed" / "state_step000004.safetensors")[0],
+                     read(tmp_path / "straight" / "state_step000004.safetensors")[0])
+    assert trajectory(log(tmp_path / "resumed")) == trajectory(log(tmp_path / "straight"))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_resume_is_bit_exact_on_cuda(data, tmp_path):
