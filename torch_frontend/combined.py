@@ -57,8 +57,10 @@ class PackedMuonAdamW(Optimizer):
     (every saved group records its rule's); a load checks both before anything changes.
     DTensor (FSDP2) parameters step as each rule steps them, and the state_dict shards with them
     (torch.distributed.checkpoint). Under `torch.compile` the step is one custom op, as
-    PackedAdamW's and PackedMuon's are (`fullgraph=True` holds; the eager step's bits). Not
-    offered: capturable steps (CUDA graphs)."""
+    PackedAdamW's and PackedMuon's are (`fullgraph=True` holds; the eager step's bits).
+    `capturable=True` (CUDA; `lr` and `adamw_lr`, or every group's lr, one-element tensors on the
+    device) makes both rules' steps capturable by `torch.cuda.graph`, as PackedMuon's and
+    PackedAdamW's are."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=_muon.DEFAULT_NS_COEFFICIENTS, eps: float = 1e-7,
@@ -68,19 +70,25 @@ class PackedMuonAdamW(Optimizer):
                  m_bias: int = DEFAULT_M_BIAS, rms_bias: int = DEFAULT_RMS_BIAS, maximize: bool = False,
                  check_nonfinite: bool = False, multi_tensor: bool = True, capturable: bool = False,
                  batch_ns: bool = False, ns_impl: str = "cublas"):
-        _muon.check_options(type(self).__name__, capturable, batch_ns, ns_impl)
+        _muon.check_options(type(self).__name__, capturable, batch_ns, ns_impl, lr=lr,
+                            check_nonfinite=check_nonfinite)
+        if capturable and not (isinstance(adamw_lr, torch.Tensor) and adamw_lr.numel() == 1):
+            raise ValueError(f"PackedMuonAdamW(capturable=True) needs adamw_lr as a one-element tensor on the "
+                             f"parameters' device too, got adamw_lr={adamw_lr!r}; "
+                             "adamw_lr=torch.tensor(3e-4, device='cuda')")
         self._check_nonfinite = check_nonfinite
-        self.capturable = False
+        self.capturable = capturable
         self._rule_options = {
             "muon": dict(defaults=dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                                        adjust_lr_fn=adjust_lr_fn, maximize=maximize),
                          options=dict(mode=mode, mu_bias=mu_bias, check_nonfinite=check_nonfinite,
-                                      batch_ns=batch_ns, ns_impl=ns_impl)),
+                                      batch_ns=batch_ns, ns_impl=ns_impl, capturable=capturable)),
             "adamw": dict(defaults=dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                                         weight_decay=adamw_weight_decay, maximize=maximize),
                           options=dict(mode=adamw_mode, m_bias=m_bias, rms_bias=rms_bias,
-                                       check_nonfinite=check_nonfinite, multi_tensor=multi_tensor)),
+                                       check_nonfinite=check_nonfinite, multi_tensor=multi_tensor,
+                                       capturable=capturable)),
         }
         self._rules: dict[str, Optimizer] = {}
         super().__init__(params, {})
@@ -153,7 +161,8 @@ class PackedMuonAdamW(Optimizer):
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_rule_options": self._rule_options, "_rules": self._rules,
-                "_check_nonfinite": self.__dict__.get("_check_nonfinite", False), "capturable": False}
+                "_check_nonfinite": self.__dict__.get("_check_nonfinite", False),
+                "capturable": self.__dict__.get("capturable", False)}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

@@ -31,7 +31,7 @@ from packed_adamw.core.muon import (
     weight_phase_split,
 )
 
-from . import _checks, _compiled, _dtensor, _persistence
+from . import _checks, _compiled, _dtensor, _muon_capturable, _persistence
 from ._engine import NonFiniteGradientError
 from ._state import LOW_HALF_KEY, new_low_half
 from .functional import nonfinite_count, split_master_
@@ -119,18 +119,28 @@ def newton_schulz_triton_stacked(y: torch.Tensor, coefficients=DEFAULT_NS_COEFFI
     from packed_adamw.core.muon import ns_kernel
 
     batch, k, n = y.shape
-    key = (tuple(float(v) for v in coefficients), float(eps), y.device)
-    if key not in _NS_SCALARS:
-        if len(_NS_SCALARS) > 64:
-            _NS_SCALARS.clear()
-        _NS_SCALARS[key] = torch.from_numpy(ns_kernel.ns_scalars(coefficients, eps)).to(y.device)
-    buffers = {"x": y.to(BFLOAT16).contiguous(), "scalars": _NS_SCALARS[key]}
+    buffers = {"x": y.to(BFLOAT16).contiguous(), "scalars": _ns_scalars(coefficients, eps, y.device)}
     for name, (shape, dtype) in ns_kernel.buffer_shapes(batch, k, n).items():
         buffers[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=y.device)
     for kernel, grid, names, constants, options in ns_kernel.launch_plan(batch, k, n, int(steps),
                                                                          interpreting=launch.interpreting()):
         kernel[grid](*(buffers[name] for name in names), **constants, **options, **launch.COMPILE_OPTIONS)
     return buffers[ns_kernel.result_buffer(int(steps))]
+
+
+def _ns_scalars(coefficients, eps, device: torch.device, capturing: bool = False) -> torch.Tensor:
+    """The Triton Newton-Schulz's float32 scalar row on `device`, made once per settings (a
+    capture cannot copy it from the host: a capturable step makes it first, outside one)."""
+    from packed_adamw.core.muon import ns_kernel
+
+    key = (tuple(float(v) for v in coefficients), float(eps), device)
+    if key not in _NS_SCALARS:
+        if capturing:
+            raise RuntimeError(_muon_capturable.capture_refusal("the Newton-Schulz settings changed"))
+        if len(_NS_SCALARS) > 64:
+            _NS_SCALARS.clear()  # a capture keeps the rows it read (_muon_capturable.keep_for_capture)
+        _NS_SCALARS[key] = torch.from_numpy(ns_kernel.ns_scalars(coefficients, eps)).to(device)
+    return _NS_SCALARS[key]
 
 
 def newton_schulz_triton(x: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS,
@@ -213,8 +223,9 @@ class PackedMuon(Optimizer):
     and keep DTensor state that torch.distributed.checkpoint saves and reshards (MUON.md,
     "FSDP2"). Under `torch.compile` (`fullgraph=True` holds) the step is the custom op PackedAdamW's
     compiled step is (`packed_adamw::step_`, torch_frontend/_compiled.py), with the eager step's
-    bits and state (MUON.md, "Compiled steps"). Not offered: capturable steps (CUDA graphs); they
-    are refused.
+    bits and state (MUON.md, "Compiled steps"). `capturable=True` (CUDA, each group's lr a
+    one-element tensor on the device) keeps the step on the GPU, so that `torch.cuda.graph` can
+    capture it; its bits are the eager step's (MUON.md, "Capturable steps (CUDA graphs)").
 
     `batch_ns=True` runs Newton-Schulz once per batch of matrices that share a shape (up to
     transposition) and settings, as batched GEMMs, and on CUDA each elementwise phase as one
@@ -251,10 +262,10 @@ class PackedMuon(Optimizer):
         batch_ns: bool = False,
         ns_impl: str = "cublas",
     ):
-        check_options(type(self).__name__, capturable, batch_ns, ns_impl)
+        check_options(type(self).__name__, capturable, batch_ns, ns_impl, lr=lr, check_nonfinite=check_nonfinite)
         self.state_format = StateFormat(mode, mu_bias)
         self.check_nonfinite = check_nonfinite
-        self.capturable = False
+        self.capturable = capturable
         self.batch_ns = batch_ns
         self.ns_impl = ns_impl
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -266,11 +277,12 @@ class PackedMuon(Optimizer):
 
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "state_format": self.state_format, "check_nonfinite": self.check_nonfinite,
-                "capturable": False, "batch_ns": getattr(self, "batch_ns", False),
+                "capturable": self.__dict__.get("capturable", False), "batch_ns": getattr(self, "batch_ns", False),
                 "ns_impl": _ns_impl(self)}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # torch's load_state_dict passes new groups: the compiled step's lists follow
+        self.__dict__.setdefault("capturable", False)
         self._note_param_lists()
         if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer
             self._compile_token = _compiled.register(self)
@@ -356,12 +368,18 @@ class PackedMuon(Optimizer):
 
 
 # ---- checks ------------------------------------------------------------------------------
-def check_options(owner: str, capturable, batch_ns, ns_impl) -> None:
+def check_options(owner: str, capturable, batch_ns, ns_impl, *, lr, check_nonfinite) -> None:
     """The constructor options of Muon's step (PackedMuon's, PackedMuonAdamW's)."""
-    if capturable:
-        raise ValueError(f"{owner}(capturable=True): capturable steps (CUDA graphs) are not offered for Muon "
-                         "yet; its Newton-Schulz phase is launched from the host. Step it eagerly, or under "
-                         "torch.compile")
+    if capturable not in (True, False):
+        raise ValueError(f"{owner}(capturable={capturable!r}): pass True or False")
+    if capturable and check_nonfinite:
+        raise ValueError(f"{owner}(capturable=True, check_nonfinite=True): counting non-finite elements waits for "
+                         "the GPU, which a captured step cannot; pass check_nonfinite=False")
+    if capturable and not (isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point()):
+        raise ValueError(f"{owner}(capturable=True) needs lr as a one-element floating tensor on the parameters' "
+                         f"device, got lr={lr!r}: a captured step reads it at every replay (LR schedulers update "
+                         "it in place), where a Python float would be frozen into the graph; "
+                         "lr=torch.tensor(0.02, device='cuda')")
     if not isinstance(batch_ns, bool):
         raise TypeError(f"{owner}(batch_ns={batch_ns!r}): batch_ns must be True or False")
     if ns_impl not in NS_IMPLS:
@@ -475,9 +493,12 @@ def check_step(opt, live: dict | None = None) -> list[Checked]:
     """Every check of a step (groups' rows, matrices, gradients, states, one device, the
     Newton-Schulz implementation's device), changing nothing: what raises here leaves the
     optimizer as it was. PackedMuonAdamW checks Muon's step this way before AdamW steps."""
-    if _checks.capturing():
-        raise RuntimeError("PackedMuon.step() was called while a CUDA graph captures; Muon's step is not "
-                           "capturable: step it outside the capture")
+    capturing = _checks.capturing()
+    if capturing and not opt.capturable:
+        raise RuntimeError("PackedMuon.step() was called while a CUDA graph captures, but this optimizer was built "
+                           "without capturable=True: its step computes the step scalars on the host, which a "
+                           "captured graph would freeze. Build it with capturable=True and lr tensors on the "
+                           "device to capture its step, or step it outside the capture")
     checked = []
     for gi, group in enumerate(opt.param_groups):
         row = _checked_row(opt, group, gi)
@@ -493,7 +514,28 @@ def check_step(opt, live: dict | None = None) -> list[Checked]:
         weights = _dtensor.local(checked[0].param) if live is None else \
             live.get(id(checked[0].param), _dtensor.local(checked[0].param))
         _check_ns_device(opt, weights.device)
+        if opt.capturable:
+            _check_capturable_step(opt, checked, weights.device, capturing)
     return checked
+
+
+def _check_capturable_step(opt, checked: list[Checked], device: torch.device, capturing: bool) -> None:
+    """What a capturable step needs beyond an eager one's checks: the kernels' device, plain
+    (not DTensor) matrices, lr tensors there, and under capture every matrix's state made."""
+    if not _runs_kernels(opt, device):
+        raise ValueError(f"{type(opt).__name__}(capturable=True) runs the step on a CUDA device; these matrices are "
+                         f"on {device}: use capturable=False there")
+    for c in checked:
+        if c.param.numel() and _dtensor.is_dtensor(c.param):
+            raise ValueError(f"{c.name} is {_dtensor.describe(c.param)}: capturable=True is not offered for "
+                             "DTensor (FSDP2) matrices, whose Newton-Schulz gathers them across ranks; "
+                             "use capturable=False")
+    for index in dict.fromkeys(id(c.group) for c in checked):
+        gi = next(i for i, g in enumerate(opt.param_groups) if id(g) == index)
+        _muon_capturable.check_lr(opt.param_groups[gi], f"param_groups[{_checks.shown_group_index(opt, gi)}]",
+                                  device)
+    if capturing and any(not c.state for c in checked):
+        raise RuntimeError(_muon_capturable.capture_refusal("a matrix has no state yet (its first step)"))
 
 
 def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
@@ -542,8 +584,11 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
 
     Not `_engine.checked_row`: its cache key holds the row and maximize only, and its
     validation (the rule's and maximize) knows neither `validate_ns` nor nesterov."""
+    capturable = opt.capturable
     try:
         values = [group[key] for key in RULE.group_keys]
+        if capturable:
+            values[0] = 0.0  # read on the device, each step (_muon_capturable); its type checked there
         row = RULE.group_row(*values)
         settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["adjust_lr_fn"],
                     group.get("maximize", False), group.get("nesterov"))
@@ -556,14 +601,14 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
     valid = opt.__dict__.setdefault("_valid_rows", {})
     if key is None or key not in valid:
         where = f"param_groups[{_checks.shown_group_index(opt, index)}]"
-        validate_group(group, where)
+        validate_group({**group, "lr": 0.0} if capturable else group, where)
         if key is None:  # validation said nothing, yet the row is not plain numbers: say so
             raise TypeError(f"{where}: lr, momentum, weight_decay and eps must be numbers, "
                             "ns_coefficients three numbers")
         if len(valid) > 64:
             valid.clear()
         valid[key] = True
-    return row
+    return (group["lr"], *row[1:]) if capturable else row
 
 
 def _ns_batches(opt, work) -> list[list[int]]:
@@ -694,10 +739,13 @@ def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     fmt = opt.state_format
     constants = fmt.kernel_constexprs(track_format=False)
     device = work[0].weights.device
-    counters = torch.zeros((len(work), 2), dtype=torch.int32, device=device)  # refused elements, rejected weights
     block = launch.block_size()
-    scalar_rows = torch.tensor(np.array([_scalar_row(w) for w in work], np.float32).reshape(len(work), 4),
-                               device=device)
+    if opt.capturable:
+        scalar_rows, counters, _ = _capturable_rows(opt, work)
+    else:
+        counters = torch.zeros((len(work), 2), dtype=torch.int32, device=device)  # refused elements, rejected weights
+        scalar_rows = torch.tensor(np.array([_scalar_row(w) for w in work], np.float32).reshape(len(work), 4),
+                                   device=device)
     # Each matrix's views made in two calls, not by indexing per launch (host time is the cost here).
     rows, counts = scalar_rows.unbind(0), counters.view(-1).split(1)  # counts: refused 2i, rejected 2i + 1
     for batch in _ns_batches(opt, work):
@@ -736,6 +784,22 @@ def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
             if w.sharded and opt.check_nonfinite:
                 counts[2 * i + 1].copy_(_summed_over_shards(w.param, counts[2 * i + 1]))
     return _counted(opt, counters)
+
+
+def _capturable_rows(opt, work: list[Matrix], words: list[int] | None = None):
+    """(scalar rows, counters) derived on the device, and with `words` the batched address
+    table too (`_muon_capturable`); under capture, what the graph reads is kept alive."""
+    capturing = _checks.capturing()
+    plan = _muon_capturable.device_plan(opt, work, capturing)
+    table, kept = (None, []) if words is None else plan.batch_table(words, capturing)
+    kept = list(kept)
+    if _ns_impl(opt) == "triton":  # the Triton Newton-Schulz's scalar rows, made outside any capture
+        for w in work:
+            kept.append(_ns_scalars(w.group["ns_coefficients"], w.group["eps"], w.weights.device, capturing))
+    scalars, counters = plan.scalars_and_counters(opt.param_groups)
+    if capturing:
+        _muon_capturable.keep_for_capture(opt, plan, kept)
+    return scalars, counters, table
 
 
 def _counted(opt, counters: torch.Tensor) -> tuple[list[bool], list[int]]:
@@ -782,17 +846,20 @@ def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
                 words.extend(word for member in members for word in member)
             launches.append(offsets)
         plans.append((batch, rows, cols, work[batch[0]].group, *launches))
-    # A model's matrices share a few (row, shape, adjustment)s: each scalar row is computed once.
-    row_keys = [(w.row, tuple(w.param.shape), w.group["adjust_lr_fn"]) for w in work]
-    distinct = {k: step_scalar_row(k[0], k[1], adjust_lr_fn=k[2]) for k in dict.fromkeys(row_keys)}
-    scalar_rows = np.array([distinct[k] for k in row_keys], np.float32).reshape(len(work), 4)
-    staged = torch.empty(len(words) + scalar_rows.size // 2, dtype=torch.int64, pin_memory=device.type == "cuda")
-    host = staged.numpy()
-    host[:len(words)] = words
-    host[len(words):].view(np.float32)[:] = scalar_rows.reshape(-1)
-    table = staged.to(device, non_blocking=True)
-    scalars = table[len(words):].view(torch.float32)
-    counters = torch.zeros((len(work), 2), dtype=torch.int32, device=device)  # refused elements, rejected weights
+    if opt.capturable:
+        scalars, counters, table = _capturable_rows(opt, work, words)
+    else:
+        # A model's matrices share a few (row, shape, adjustment)s: each scalar row is computed once.
+        row_keys = [(w.row, tuple(w.param.shape), w.group["adjust_lr_fn"]) for w in work]
+        distinct = {k: step_scalar_row(k[0], k[1], adjust_lr_fn=k[2]) for k in dict.fromkeys(row_keys)}
+        scalar_rows = np.array([distinct[k] for k in row_keys], np.float32).reshape(len(work), 4)
+        staged = torch.empty(len(words) + scalar_rows.size // 2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        host = staged.numpy()
+        host[:len(words)] = words
+        host[len(words):].view(np.float32)[:] = scalar_rows.reshape(-1)
+        table = staged.to(device, non_blocking=True)
+        scalars = table[len(words):].view(torch.float32)
+        counters = torch.zeros((len(work), 2), dtype=torch.int32, device=device)  # refused elements, rejected weights
     mode = fmt.kernel_constexprs(track_format=False)
     block = launch.block_size()
     for batch, rows, cols, group, momentum_launches, weight_launches in plans:

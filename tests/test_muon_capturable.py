@@ -1,0 +1,254 @@
+"""`capturable=True` for PackedMuon and PackedMuonAdamW (docs/MUON.md, "Capturable steps (CUDA
+graphs)"): the step scalars derived on the device from lr tensors, with the eager step's bits;
+on CUDA a captured training step replays with the bits of eager steps.
+
+On the CPU the kernel path runs in Triton's interpreter (the step's code, not a capture); the
+`cuda` tests capture."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from muon_helpers import bits, cuda_only, gradient, taking_fp32_gradients
+from packed_adamw.torch import PackedMuon, PackedMuonAdamW
+from packed_adamw.torch import muon as torch_muon
+
+SHAPES = [(6, 10), (10, 6), (6, 10), (7, 7), (12, 5)]
+LRS = [0.03, 0.011, 0.0, 0.07, 0.023]  # one per step; lr 0 too
+
+
+def matrices(rng, device, dtype=torch.float32):
+    p0 = [torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in SHAPES]
+    return [taking_fp32_gradients(torch.nn.Parameter(p.to(dtype).to(device).clone())) for p in p0]
+
+
+def groups(params, lr):
+    """Two groups: the second with its own lr (a float64 tensor when `lr` is a tensor), weight
+    decay, momentum and lr adjustment."""
+    second_lr = lr.double() * 0.5 if isinstance(lr, torch.Tensor) else lr * 0.5
+    return [{"params": params[:3], "lr": lr},
+            {"params": params[3:], "lr": second_lr, "weight_decay": 0.02, "momentum": 0.9,
+             "adjust_lr_fn": "match_rms_adamw", "nesterov": False}]
+
+
+def assert_same(params_a, opt_a, params_b, opt_b, what: str) -> None:
+    for i, (p, q) in enumerate(zip(params_a, params_b)):
+        assert torch.equal(bits(p), bits(q)), f"{what}: matrix {i}'s weights"
+        assert opt_a.state[p].keys() == opt_b.state[q].keys(), what
+        for key, value in opt_a.state[p].items():
+            assert torch.equal(bits(value), bits(opt_b.state[q][key])), f"{what}: matrix {i}'s {key!r}"
+
+
+@pytest.fixture
+def kernels_on_cpu(is_interpreting, monkeypatch):
+    if not is_interpreting:
+        pytest.skip("runs the CUDA step's code on CPU tensors: needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: True)
+
+
+@pytest.mark.parametrize("batch_ns, dtype", [(False, torch.float32), (True, torch.bfloat16)])
+def test_capturable_steps_equal_eager_steps_as_the_lr_changes(batch_ns, dtype, kernels_on_cpu):
+    """The device-derived scalar rows against the host's (float32 and float64 lr tensors, two
+    lr adjustments, lr 0), through the kernel path, per matrix and batched."""
+    rng = np.random.default_rng(5)
+    a, b = matrices(rng, "cpu", dtype), matrices(np.random.default_rng(5), "cpu", dtype)
+    eager = PackedMuon(groups(a, 0.03), lr=0.03, batch_ns=batch_ns)
+    lr = torch.tensor(0.03)
+    cap = PackedMuon(groups(b, lr), lr=lr, batch_ns=batch_ns, capturable=True)
+    for value in LRS:
+        # The eager run takes the tensors' values as floats: the host's rows of the same numbers.
+        for group, cap_group in zip(eager.param_groups, cap.param_groups):
+            cap_group["lr"].fill_(value if cap_group["lr"].dtype == torch.float32 else value * 0.5)
+            group["lr"] = float(cap_group["lr"])
+        grads = [gradient(rng, s, -10, -2) for s in SHAPES]
+        for p, q, g in zip(a, b, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        eager.step()
+        cap.step()
+    assert_same(a, eager, b, cap, "capturable vs eager")
+
+
+@pytest.mark.parametrize("bad, weight_decay", [(float("nan"), 0.02), (float("inf"), 0.02), (-1e-3, 0.02),
+                                               (1e38, 4.0)])
+def test_an_invalid_lr_refuses_its_groups_matrices_on_the_device(bad, weight_decay, kernels_on_cpu):
+    """An lr the host would refuse (NaN, Inf, negative, or lr * weight_decay past float32's
+    range) cannot raise on the device: its group's matrices keep weights and momentum, the
+    other group steps as an eager optimizer does."""
+    rng = np.random.default_rng(7)
+    a, b = matrices(rng, "cpu"), matrices(np.random.default_rng(7), "cpu")
+    lr = torch.tensor(0.03)
+    eager = PackedMuon(groups(a, float(lr)), lr=float(lr))
+    cap = PackedMuon(groups(b, lr), lr=lr, capturable=True)
+    for step in range(2):
+        grads = [gradient(rng, s, -10, -2) for s in SHAPES]
+        for p, q, g in zip(a, b, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        if step == 1:
+            cap.param_groups[1]["lr"].fill_(bad)
+            cap.param_groups[1]["weight_decay"] = weight_decay
+            before = [(q.detach().clone(), {k: v.clone() for k, v in cap.state[q].items()}) for q in b[3:]]
+            for p in a[3:]:
+                p.grad = None  # the eager twin steps the first group only
+        eager.step()
+        cap.step()
+    assert_same(a[:3], eager, b[:3], cap, "the group with a valid lr")
+    for q, (weights, state) in zip(b[3:], before):
+        assert torch.equal(bits(q), bits(weights)), f"lr={bad}: a refused matrix's weights changed"
+        for key, value in state.items():
+            assert torch.equal(bits(cap.state[q][key]), bits(value)), f"lr={bad}: a refused matrix's {key!r} changed"
+
+
+def test_capturable_refusals_name_what_to_do(kernels_on_cpu, monkeypatch):
+    rng = np.random.default_rng(9)
+    params = matrices(rng, "cpu")
+    with pytest.raises(ValueError, match=r"lr as a one-element floating tensor"):
+        PackedMuon(params, lr=0.02, capturable=True)
+    with pytest.raises(ValueError, match=r"check_nonfinite=False"):
+        PackedMuon(params, lr=torch.tensor(0.02), capturable=True, check_nonfinite=True)
+    with pytest.raises(ValueError, match=r"adamw_lr as a one-element tensor"):
+        PackedMuonAdamW([{"params": params, "kind": "muon"}], lr=torch.tensor(0.02), capturable=True)
+    opt = PackedMuon([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], lr=torch.tensor(0.02),
+                     capturable=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['lr'\] is 0.01: capturable=True needs"):
+        opt.step()
+    assert not opt.state  # refused before anything was made
+    opt.param_groups[1]["lr"] = torch.tensor(0.01, dtype=torch.float64)
+    opt.step()
+    assert len(opt.state) == len(params)
+    assert copy.deepcopy(opt).capturable
+    monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: False)  # the real CPU path
+    with pytest.raises(ValueError, match=r"runs the step on a CUDA device.*use capturable=False"):
+        opt.step()
+
+
+def test_combined_capturable_steps_equal_eager_steps(kernels_on_cpu):
+    """PackedMuonAdamW(capturable=True) on the CPU: Muon's kernel path (interpreted) with device
+    rows; AdamW's capturable plan needs CUDA, so its groups stay out of this test (the cuda test
+    below has both)."""
+    rng = np.random.default_rng(11)
+    a, b = matrices(rng, "cpu", torch.bfloat16), matrices(np.random.default_rng(11), "cpu", torch.bfloat16)
+    eager = PackedMuonAdamW([{"params": a, "kind": "muon"}], lr=0.02, batch_ns=True)
+    lr = torch.tensor(0.02)
+    cap = PackedMuonAdamW([{"params": b, "kind": "muon"}], lr=lr, adamw_lr=torch.tensor(1e-3), batch_ns=True,
+                          capturable=True)
+    for value in (0.02, 0.005):
+        lr.fill_(value)
+        eager.param_groups[0]["lr"] = float(lr)
+        grads = [gradient(rng, s, -10, -2) for s in SHAPES]
+        for p, q, g in zip(a, b, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        eager.step()
+        cap.step()
+    assert_same(a, eager, b, cap, "combined capturable vs eager")
+
+
+# ---- CUDA graphs ---------------------------------------------------------------------------------
+class Net(torch.nn.Module):
+    """Three block matrices (two of one shape, one tall) between an embedding and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 48)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(48, 48, bias=False) for _ in range(2)])
+        self.up = torch.nn.Linear(48, 96, bias=False)
+        self.down = torch.nn.Linear(96, 48, bias=False)
+        self.norm = torch.nn.LayerNorm(48)
+        self.head = torch.nn.Linear(48, 32, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        x = x + self.down(torch.relu(self.up(x)))
+        return self.head(self.norm(x)).float().logsumexp(-1).mean()
+
+
+def combined(net, capturable: bool, **options):
+    muon_params = [*net.blocks.parameters(), net.up.weight, net.down.weight]
+    others = [p for p in net.parameters() if all(p is not q for q in muon_params)]
+    lr = torch.tensor(0.02, device="cuda") if capturable else 0.02
+    adamw_lr = torch.tensor(3e-3, device="cuda") if capturable else 3e-3
+    return PackedMuonAdamW([{"params": muon_params, "kind": "muon"}, {"params": others, "kind": "adamw"}],
+                           lr=lr, adamw_lr=adamw_lr, capturable=capturable, **options)
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [dict(), dict(batch_ns=True), dict(batch_ns=True, ns_impl="triton"),
+                                     dict(mode="fp32")], ids=["per-matrix", "batch_ns", "triton", "fp32"])
+def test_cuda_captured_training_steps_replay_with_the_bits_of_eager_steps(dtype, options):
+    """A training step (forward, backward, PackedMuonAdamW's step) warmed up, captured, then
+    replayed on new tokens while a scheduler changes both rules' lr tensors; an eager
+    non-capturable optimizer given the same gradients and lrs ends with the same bits."""
+    torch.manual_seed(0)
+    net = Net().cuda().to(dtype)
+    start = copy.deepcopy(net)
+    opt = combined(net, True, **options)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    tokens = torch.randint(0, 32, (8, 16), device="cuda")
+
+    def train_step():
+        net(tokens).backward()
+        opt.step()
+
+    seen = []  # (gradients, each group's lr) of every step that ran
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            lrs = [float(g["lr"]) for g in opt.param_groups]
+            train_step()
+            seen.append(([p.grad.clone() for p in net.parameters()], lrs))
+    torch.cuda.current_stream().wait_stream(side)
+    # torch's recipe: the capture's backward allocates the gradients anew (another address than
+    # the warm-up's, which the batched step's table must follow).
+    opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train_step()
+    for _ in range(4):
+        tokens.copy_(torch.randint(0, 32, (8, 16), device="cuda"))
+        opt.zero_grad(set_to_none=False)  # outside the graph: the backward accumulates into .grad
+        lrs = [float(g["lr"]) for g in opt.param_groups]
+        graph.replay()
+        seen.append(([p.grad.clone() for p in net.parameters()], lrs))
+        schedule.step()
+    torch.cuda.synchronize()
+
+    eager = combined(start, False, **options)
+    for grads, lrs in seen:
+        for p, g in zip(start.parameters(), grads):
+            p.grad = g.clone()
+        for group, lr in zip(eager.param_groups, lrs):
+            group["lr"] = lr
+        eager.step()
+    torch.cuda.synchronize()
+    for (name, p), q in zip(net.named_parameters(), start.parameters()):
+        assert torch.equal(bits(p), bits(q)), f"{name}: replayed weights differ from eager ones"
+        for key, value in opt.state[p].items():
+            if key != "step":
+                assert torch.equal(bits(value), bits(eager.state[q][key])), f"{name}: {key!r} differs"
+    assert len(seen) == 6 and seen[-1][1][0] < seen[2][1][0]  # the scheduler reached the graph
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_cuda_capture_without_an_eager_step_or_after_a_change_is_refused():
+    torch.manual_seed(1)
+    net = Net().cuda()
+    opt = combined(net, True)
+    net(torch.randint(0, 32, (4, 8), device="cuda")).backward()
+    with pytest.raises(RuntimeError, match=r"take one eager step first|its first step|\(re\)build its plan"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            opt.step()
+    built = PackedMuon([net.up.weight], lr=0.02)
+    with pytest.raises(RuntimeError, match=r"built without capturable=True"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            built.step()

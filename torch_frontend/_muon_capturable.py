@@ -1,0 +1,132 @@
+"""Muon's capturable step (`capturable=True`, docs/MUON.md "Capturable steps (CUDA graphs)"):
+the step-scalar rows derived on the device from each group's lr tensor, and the device tensors
+a step reuses, so that a step makes no host synchronisation and copies no changing value from
+the host: `torch.cuda.graph` can capture it, and its replays follow the lr tensors.
+
+The host derives a row in binary64 and rounds each scalar once to float32
+(`core.muon.step_scalar_row`); the device does the same with torch's float64 operations, one
+operation per kernel (so nothing is contracted into a fused multiply-add), and the float64 to
+float32 copy rounds to nearest even as numpy does: the rows have the host's bits. What does not
+follow lr (1 - momentum, momentum, the weight decay, each shape's lr ratio, the matrices' groups)
+is a constant of the plan, made by an eager step and never written again: a capture reads those
+tensors at every replay, so a plan that no longer holds is replaced by a new one, never updated,
+and every capture keeps the tensors it read (`CapturedTensors`). A step under capture whose plan
+is missing or out of date is refused: an eager step makes it.
+
+An invalid lr (NaN, Inf or negative, or lr * weight_decay past float32's range: the host's
+checks) cannot raise on the device: each matrix of its group is refused whole for that step
+(weights and momentum kept), as a matrix with a non-finite gradient is.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from packed_adamw.core.codecs import FLOAT32_MAX
+from packed_adamw.core.muon import adjusted_lr
+
+FLOAT64 = torch.float64
+
+
+class DevicePlan:
+    """The tensors a capturable Muon step reuses for one list of matrices: each matrix's group
+    index, its float32 momentum scalars and its float64 weight decay and lr ratio; with
+    `batch_ns`, the batched kernels' address table. Immutable once made."""
+
+    def __init__(self, key: tuple, group_of: list[int], fixed_rows: list[tuple], device: torch.device):
+        self.key = key
+        self.group_index = torch.tensor(group_of, dtype=torch.int64).to(device)
+        momentum_scalars = np.array([(np.float32(1.0 - momentum), np.float32(momentum))
+                                     for momentum, _, _ in fixed_rows], np.float32).reshape(len(fixed_rows), 2)
+        self.momentum_scalars = torch.from_numpy(momentum_scalars).to(device)
+        self.weight_decay = torch.tensor([wd for _, wd, _ in fixed_rows], dtype=FLOAT64).to(device)
+        # The host's finite-product check reads weight decay as float32 (validate_hyperparams).
+        self.weight_decay32 = torch.tensor([float(np.float32(wd)) for _, wd, _ in fixed_rows], dtype=FLOAT64).to(device)
+        self.lr_ratio = torch.tensor([ratio for _, _, ratio in fixed_rows], dtype=FLOAT64).to(device)
+        self.table_words: tuple | None = None
+        self.table: torch.Tensor | None = None
+        # For captures of gradients elsewhere than the last eager step's (zero_grad(set_to_none=True)
+        # before the capture): a pinned host table and a device table each, made by an eager step
+        # (pinning memory under capture fails on some torch builds), taken by a capture for good.
+        self.spares: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def scalars_and_counters(self, groups: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's [n, 4] float32 scalar rows (SCALAR_FIELDS order) and [n, 2] int32 counters
+        (refused elements, rejected weights), a matrix whose group's lr is invalid counted refused."""
+        lrs = torch.stack([group["lr"].reshape(()).to(FLOAT64) for group in groups])
+        lr = lrs.index_select(0, self.group_index)
+        n = len(self.lr_ratio)
+        scalars = torch.empty((n, 4), dtype=torch.float32, device=lr.device)
+        scalars[:, :2] = self.momentum_scalars
+        scalars[:, 2] = 1.0 - lr * self.weight_decay  # float64 product, then float64 difference, then rounded
+        scalars[:, 3] = -(lr * self.lr_ratio)
+        lr32 = lr.float().double()  # the host validates lr as a float32 number
+        valid = (lr32 >= 0) & (lr32 <= FLOAT32_MAX) & (lr32 * self.weight_decay32 <= FLOAT32_MAX)
+        counters = torch.zeros((n, 2), dtype=torch.int32, device=lr.device)
+        counters[:, 0] = torch.logical_not(valid)
+        return scalars, counters
+
+    def batch_table(self, words: list[int], capturing: bool) -> tuple[torch.Tensor, tuple]:
+        """The batched step's address table on the device, and what a capture must keep: an
+        eager step uploads it when the addresses change (into a new tensor: a capture may read
+        the old one); a capture reads it in place, or, for addresses the eager steps did not
+        step, copies them from a pinned host table of its own at every replay."""
+        words = tuple(words)
+        if words == self.table_words:
+            return self.table, (self.table,)
+        if capturing:
+            if not self.spares or len(self.spares[-1][0]) != len(words):
+                raise RuntimeError(capture_refusal("the matrices' batches changed"))
+            host, table = self.spares.pop()
+            host.copy_(torch.tensor(words, dtype=torch.int64))
+            table.copy_(host, non_blocking=True)  # captured: each replay reads `host`, never written again
+            return table, (host, table)
+        device = self.group_index.device
+        self.table = torch.tensor(words, dtype=torch.int64).to(device)
+        self.table_words = words
+        if device.type == "cuda":
+            self.spares = [(torch.empty(len(words), dtype=torch.int64, pin_memory=True), torch.empty_like(self.table))
+                           for _ in range(2)]
+        return self.table, (self.table,)
+
+
+def capture_refusal(why: str) -> str:
+    return (f"PackedMuon(capturable=True) under a CUDA graph capture: {why} since the last eager step, and a "
+            "capture cannot build what the step reads on the device. Take one eager step first (torch.cuda.graph's "
+            "warm-up on a side stream does), and capture again after changing parameters, gradients, state or "
+            "momentum, weight_decay and the Newton-Schulz settings")
+
+
+def check_lr(group: dict, where: str, device: torch.device) -> None:
+    """A capturable group's lr: a one-element floating tensor on the parameters' device."""
+    lr = group.get("lr")
+    if not (isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point()):
+        raise ValueError(f"{where}['lr'] is {lr!r}: capturable=True needs each group's lr as a one-element "
+                         "floating tensor on the parameters' device, which a captured step reads at every replay "
+                         "(LR schedulers update it in place): lr=torch.tensor(0.02, device='cuda')")
+    if lr.device != device:
+        raise ValueError(f"{where}['lr'] is on {lr.device}, the matrices on {device}: capturable=True reads the lr "
+                         "on the parameters' device; move it there")
+
+
+def device_plan(opt, work: list, capturing: bool) -> DevicePlan:
+    """The optimizer's plan for these matrices (`work`: muon.Matrix), made anew when what it
+    holds changed; refused under capture then."""
+    index_of = {id(g): i for i, g in enumerate(opt.param_groups)}
+    group_of = [index_of[id(w.group)] for w in work]
+    fixed_rows = [(float(w.row[1]), float(w.row[2]), adjusted_lr(1.0, tuple(w.param.shape), w.group["adjust_lr_fn"]))
+                  for w in work]
+    device = work[0].weights.device
+    key = (tuple(id(w.param) for w in work), tuple(group_of), tuple(fixed_rows), device)
+    plan = opt.__dict__.get("_muon_device_plan")
+    if plan is None or plan.key != key:
+        if capturing:
+            raise RuntimeError(capture_refusal("the matrices, their groups or their momentum or weight decay "
+                                               "changed"))
+        plan = opt._muon_device_plan = DevicePlan(key, group_of, fixed_rows, device)
+    return plan
+
+
+def keep_for_capture(opt, plan: DevicePlan, tensors) -> None:
+    """What a capture read stays alive as long as the optimizer: the graph replays read it."""
+    opt.__dict__.setdefault("_muon_captured", []).append((plan, list(tensors)))
