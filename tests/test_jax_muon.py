@@ -401,8 +401,8 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
     lr = (lambda count: jnp.asarray(table)[count]) if schedule else LR
     step = jax.jit(packed_muon_fused_step(lr, beta=BETA, eps=EPS, weight_decay=WD, mode=mode))
     state = packed_muon(lr, beta=BETA, eps=EPS, weight_decay=WD, mode=mode).init(params)
-    for g in grads:
-        params, state = step(params, {k: jnp.asarray(v) for k, v in g.items()}, state)
+    for g in grads:  # a bf16 leaf's gradient in bf16 (torch >= 2.11 refuses a float32 one for a bf16 parameter)
+        params, state = step(params, {k: jnp.asarray(v, params[k].dtype) for k, v in g.items()}, state)
     assert all(leaf.devices().pop().platform == "gpu" for leaf in jax.tree_util.tree_leaves(params))
 
     torch_params = {k: torch.nn.Parameter(torch.from_numpy(v.T.copy()).to("cuda", torch.bfloat16 if bf16_leaf(k)
@@ -414,7 +414,7 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
         if schedule:
             opt.param_groups[0]["lr"] = float(table[n])  # the float32 value the JAX schedule gives
         for k, p in torch_params.items():
-            p.grad = torch.from_numpy(g[k].T.copy()).cuda()
+            p.grad = torch.from_numpy(g[k].T.copy()).to("cuda", p.dtype)
         opt.step()
     key = "momentum_buffer" if mode == "fp32" else "momentum_code"
     for k, p in torch_params.items():

@@ -1,0 +1,80 @@
+"""Which float32 operation of the XLA-native AdamW step (jax_frontend/_xla_step.py) rounds
+otherwise than IEEE on a GPU: each intermediate of `element_step`'s arithmetic, on 65,536 random
+elements at count 7, computed under `jax.jit` (with the step's contraction guards) and in numpy
+float32, mismatches counted; then division, square root and multiplication alone, their inputs
+from numpy, so that each operation's own rounding shows.
+
+    python benchmarks/investigations/xla_gpu_rounding.py      # on the GPU machine (jax with CUDA)
+
+Result (docs/JAX.md, "An XLA-native step"): on an H100 (jax 0.11.2, 2026-12-06) float32 division
+and square root are not correctly rounded (19,041 and 11,028 of 65,536 elements 1 ulp off), every
+multiplication and addition is.
+"""
+import numpy as np
+import jax
+import jax.numpy as jnp
+from packed_adamw.jax import _xla_step as X  # noqa
+from packed_adamw.core.adamw import numpy_step
+from packed_adamw.core.adamw.hyperparams import SCALAR_INDEX
+F32 = np.float32
+rng = np.random.default_rng(0)
+n = 1 << 16
+p = rng.standard_normal(n).astype(F32) * F32(0.02)
+g = rng.standard_normal(n).astype(F32) * F32(1e-3)
+m = rng.standard_normal(n).astype(F32) * F32(1e-4)
+v = np.abs(rng.standard_normal(n).astype(F32)) * F32(1e-6)
+row = numpy_step.step_scalar_row(7, (3e-4, 0.9, 0.95, 1e-8, 0.1))
+s = {k: F32(row[i]) for k, i in SCALAR_INDEX.items()}
+print("device", jax.devices()[0], "scalars", {k: float(x) for k, x in s.items()})
+def np_chain():
+    out = {}
+    out["b1m"] = s["b1"] * m; out["omb1g"] = s["one_minus_b1"] * g
+    out["m_next"] = out["b1m"] + out["omb1g"]
+    out["gg"] = g * g; out["b2v"] = s["b2"] * v; out["omb2gg"] = s["one_minus_b2"] * out["gg"]
+    out["v_next"] = out["b2v"] + out["omb2gg"]
+    out["rms_next"] = np.sqrt(out["v_next"])
+    out["rms_ibc"] = out["rms_next"] * s["inv_sqrt_bias_correction2"]
+    out["denom"] = out["rms_ibc"] + s["eps"]
+    out["ratio"] = out["m_next"] / out["denom"]
+    out["ss_ratio"] = s["step_size"] * out["ratio"]
+    out["lrwd_p"] = s["lr_wd"] * p
+    out["update"] = -(out["ss_ratio"] + out["lrwd_p"])
+    out["p_next"] = p + out["update"]
+    return out
+ref = np_chain()
+def jx_chain(p, g, m, v, sv, count):
+    guard = X.contraction_guard(count)
+    r = lambda x: X._rounded(x, guard)
+    S = {k: sv[i] for k, i in SCALAR_INDEX.items()}
+    out = {}
+    out["b1m"] = r(S["b1"] * m); out["omb1g"] = r(S["one_minus_b1"] * g)
+    out["m_next"] = out["b1m"] + out["omb1g"]
+    out["gg"] = g * g; out["b2v"] = r(S["b2"] * v); out["omb2gg"] = r(S["one_minus_b2"] * out["gg"])
+    out["v_next"] = out["b2v"] + out["omb2gg"]
+    out["rms_next"] = jnp.sqrt(out["v_next"])
+    out["rms_ibc"] = r(out["rms_next"] * S["inv_sqrt_bias_correction2"])
+    out["denom"] = out["rms_ibc"] + S["eps"]
+    out["ratio"] = out["m_next"] / out["denom"]
+    out["ss_ratio"] = r(S["step_size"] * out["ratio"])
+    out["lrwd_p"] = r(S["lr_wd"] * p)
+    out["update"] = X._negated(out["ss_ratio"] + out["lrwd_p"])
+    out["p_next"] = p + out["update"]
+    return out
+sv = np.array([row[i] for i in range(len(row))], F32)
+args = [jnp.asarray(a) for a in (p, g, m, v, sv)] + [jnp.int32(7)]
+got = jax.jit(jx_chain)(*args)
+for k in ref:
+    a, b = np.asarray(got[k]), ref[k]
+    d = a.view(np.uint32) != b.view(np.uint32)
+    first = np.flatnonzero(d)[:1]
+    extra = f" first at {first[0]}: jax {a[first[0]]!r} numpy {b[first[0]]!r}" if first.size else ""
+    print(f"{k:10s} differs in {int(d.sum()):6d} of {n}{extra}")
+# each op alone, its inputs from numpy (isolates the op's own rounding)
+single = {
+ "div": (lambda a, b: a / b, (ref["m_next"], ref["denom"]), ref["ratio"]),
+ "sqrt": (lambda a: jnp.sqrt(a), (ref["v_next"],), ref["rms_next"]),
+ "mul": (lambda a, b: a * b, (ref["rms_next"], np.full(n, s["inv_sqrt_bias_correction2"], F32)), ref["rms_ibc"]),
+}
+for name, (f, ins, want) in single.items():
+    out = np.asarray(jax.jit(f)(*[jnp.asarray(x) for x in ins]))
+    print(f"alone {name:5s} differs in {int((out.view(np.uint32) != want.view(np.uint32)).sum())} of {n}")
