@@ -42,6 +42,14 @@ def assert_same(params_a, opt_a, params_b, opt_b, what: str) -> None:
             assert torch.equal(bits(value), bits(opt_b.state[q][key])), f"{what}: matrix {i}'s {key!r}"
 
 
+def step_both(rng, a, opt_a, b, opt_b) -> None:
+    """One step of each optimizer, its matrices given the same random gradients."""
+    for p, q, g in zip(a, b, [gradient(rng, s, -10, -2) for s in SHAPES]):
+        p.grad, q.grad = g.clone(), g.clone()
+    opt_a.step()
+    opt_b.step()
+
+
 @pytest.fixture
 def kernels_on_cpu(is_interpreting, monkeypatch):
     if not is_interpreting:
@@ -63,11 +71,7 @@ def test_capturable_steps_equal_eager_steps_as_the_lr_changes(batch_ns, dtype, k
         for group, cap_group in zip(eager.param_groups, cap.param_groups):
             cap_group["lr"].fill_(value if cap_group["lr"].dtype == torch.float32 else value * 0.5)
             group["lr"] = float(cap_group["lr"])
-        grads = [gradient(rng, s, -10, -2) for s in SHAPES]
-        for p, q, g in zip(a, b, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        eager.step()
-        cap.step()
+        step_both(rng, a, eager, b, cap)
     assert_same(a, eager, b, cap, "capturable vs eager")
 
 
@@ -139,11 +143,7 @@ def test_combined_capturable_steps_equal_eager_steps(kernels_on_cpu):
     for value in (0.02, 0.005):
         lr.fill_(value)
         eager.param_groups[0]["lr"] = float(lr)
-        grads = [gradient(rng, s, -10, -2) for s in SHAPES]
-        for p, q, g in zip(a, b, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        eager.step()
-        cap.step()
+        step_both(rng, a, eager, b, cap)
     assert_same(a, eager, b, cap, "combined capturable vs eager")
 
 
