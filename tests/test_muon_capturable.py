@@ -114,14 +114,10 @@ def test_capturable_refusals_name_what_to_do(kernels_on_cpu, monkeypatch):
         PackedMuon(params, lr=torch.tensor(0.02), capturable=True, check_nonfinite=True)
     with pytest.raises(ValueError, match=r"adamw_lr as a one-element tensor"):
         PackedMuonAdamW([{"params": params, "kind": "muon"}], lr=torch.tensor(0.02), capturable=True)
-    opt = PackedMuon([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], lr=torch.tensor(0.02),
-                     capturable=True)
+    opt = PackedMuon([{"params": params[:2]}, {"params": params[2:], "lr": torch.tensor(0.01, dtype=torch.float64)}],
+                     lr=torch.tensor(0.02), capturable=True)
     for p in params:
         p.grad = torch.ones_like(p)
-    with pytest.raises(ValueError, match=r"param_groups\[1\]\['lr'\] is 0.01: capturable=True needs"):
-        opt.step()
-    assert not opt.state  # refused before anything was made
-    opt.param_groups[1]["lr"] = torch.tensor(0.01, dtype=torch.float64)
     opt.step()
     assert len(opt.state) == len(params)
     assert copy.deepcopy(opt).capturable
@@ -140,11 +136,73 @@ def test_combined_capturable_steps_equal_eager_steps(kernels_on_cpu):
     lr = torch.tensor(0.02)
     cap = PackedMuonAdamW([{"params": b, "kind": "muon"}], lr=lr, adamw_lr=torch.tensor(1e-3), batch_ns=True,
                           capturable=True)
+    assert cap.param_groups[0]["lr"] is not lr  # each group has its own lr tensor, a clone of the default
     for value in (0.02, 0.005):
-        lr.fill_(value)
-        eager.param_groups[0]["lr"] = float(lr)
+        cap.param_groups[0]["lr"].fill_(value)
+        eager.param_groups[0]["lr"] = float(cap.param_groups[0]["lr"])
         step_both(rng, a, eager, b, cap)
     assert_same(a, eager, b, cap, "combined capturable vs eager")
+
+
+def test_device_scalar_rows_are_the_hosts_bit_for_bit():
+    """The rows themselves (a one-ulp error in a scalar rarely changes a float32 weight, so the
+    step comparisons above would miss it): float32, float64, bf16 and fp16 lr tensors, values a
+    float32 cannot hold, both adjustments, tall and wide shapes, and the validity of each lr
+    as the host's validation judges it."""
+    from packed_adamw.core.muon import adjusted_lr, step_scalar_row, validate_hyperparams
+    from packed_adamw.torch import _muon_capturable
+
+    rng = np.random.default_rng(13)
+    shapes = [(6, 10), (10, 6), (768, 3072), (3072, 768), (1, 50257)]
+    lrs = [0.0, -0.0, 0.02, 1 / 3, 3e-4 * (1 + 2**-40), 1e-38, 3.4e38, 3.5e38, -1e-3, float("nan"), float("inf"),
+           *(10.0 ** rng.uniform(-8, 1, 40))]
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for momentum, weight_decay in ((0.95, 0.1), (0.85, 0.0), (1 / 3, 7.7), (0.0, 1e38)):
+            for fn in (None, "original", "match_rms_adamw"):
+                fixed = [(momentum, weight_decay, adjusted_lr(1.0, shape, fn)) for shape in shapes]
+                plan = _muon_capturable.DevicePlan(None, [0] * len(shapes), fixed, torch.device("cpu"))
+                for value in lrs:
+                    lr = torch.tensor(value, dtype=dtype)
+                    scalars, counters = plan.scalars_and_counters([{"lr": lr}])
+                    try:
+                        validate_hyperparams(float(lr), momentum, weight_decay, 1e-7)
+                        valid = True
+                    except ValueError:
+                        valid = False
+                    assert counters[:, 0].tolist() == [0 if valid else 1] * len(shapes), (value, dtype, weight_decay)
+                    if not valid:
+                        continue
+                    for shape, row in zip(shapes, scalars):
+                        want = np.array(step_scalar_row((float(lr), momentum, weight_decay, 1e-7), shape,
+                                                        adjust_lr_fn=fn), np.float32)
+                        assert np.array_equal(row.numpy().view(np.uint32), want.view(np.uint32)), (value, dtype, shape)
+
+
+def test_a_capturable_step_checks_every_groups_lr_and_takes_numbers_for_the_rest(kernels_on_cpu):
+    """A group without gradients still needs its lr tensor (the rows are derived for every
+    group); momentum, weight_decay and eps must be numbers; nothing changes before the refusal.
+    Groups that take the default lr get a clone each, so a scheduler sets them apart."""
+    rng = np.random.default_rng(17)
+    params = matrices(rng, "cpu")
+    opt = PackedMuon([{"params": params[:2]}, {"params": params[2:]}], lr=torch.tensor(0.02), capturable=True)
+    assert opt.param_groups[0]["lr"] is not opt.param_groups[1]["lr"]
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, [lambda step: 1.0, lambda step: 0.1])
+    schedule.step()
+    assert [float(g["lr"]) for g in opt.param_groups] == pytest.approx([0.02, 0.002])
+    opt.param_groups[1]["lr"] = 0.01
+    for p in params[:2]:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['lr'\] is 0.01: capturable=True needs"):
+        opt.step()
+    assert not opt.state
+    opt.param_groups[1]["lr"] = torch.tensor(0.01)
+    opt.param_groups[0]["momentum"] = torch.tensor(0.9)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['momentum'\] is a tensor: capturable=True reads only lr"):
+        opt.step()
+    assert not opt.state
+    opt.param_groups[0]["momentum"] = 0.9
+    opt.step()
+    assert len(opt.state) == 2
 
 
 # ---- CUDA graphs ---------------------------------------------------------------------------------
@@ -252,3 +310,50 @@ def test_cuda_capture_without_an_eager_step_or_after_a_change_is_refused():
     with pytest.raises(RuntimeError, match=r"built without capturable=True"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             built.step()
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("batch_ns", [False, True])
+def test_cuda_eager_steps_after_a_capture_leave_its_replays_on_the_captured_gradients(batch_ns):
+    """A capture of the gradients its warm-up stepped reads the eager address table in place;
+    eager steps afterwards on gradients elsewhere (new tables) and an lr changed in place must
+    leave the replays stepping the captured gradients at the current lr: bits against a plain
+    optimizer given the same sequence."""
+    rng = np.random.default_rng(19)
+    a, b = matrices(rng, "cuda"), matrices(np.random.default_rng(19), "cuda")
+    plain = PackedMuon(a, lr=0.02, batch_ns=batch_ns)
+    cap = PackedMuon(b, lr=torch.tensor(0.02, device="cuda"), batch_ns=batch_ns, capturable=True)
+    captured = [gradient(rng, s, -10, -2).cuda() for s in SHAPES]
+    for q, g in zip(b, captured):
+        q.grad = g
+
+    def plain_step(grads, lr):
+        plain.param_groups[0]["lr"] = lr
+        for p, g in zip(a, grads):
+            p.grad = g.clone()
+        plain.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            cap.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cap.step()
+    lr = cap.param_groups[0]["lr"]
+    for _ in range(2):
+        plain_step(captured, float(lr))
+    for value in (0.01, 0.005):
+        moved = [gradient(rng, s, -10, -2).cuda() for s in SHAPES]
+        for q, g in zip(b, moved):
+            q.grad = g
+        lr.fill_(value)
+        cap.step()
+        plain_step(moved, float(lr))
+        graph.replay()
+        plain_step(captured, float(lr))
+    torch.cuda.synchronize()
+    assert_same(a, plain, b, cap, "eager steps and replays after a capture")

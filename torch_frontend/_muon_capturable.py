@@ -75,8 +75,7 @@ class DevicePlan:
         if words == self.table_words:
             return self.table, (self.table,)
         if capturing:
-            if not self.spares or len(self.spares[-1][0]) != len(words):
-                raise RuntimeError(capture_refusal("the matrices' batches changed"))
+            self.check_table(words)
             host, table = self.spares.pop()
             host.copy_(torch.tensor(words, dtype=torch.int64))
             table.copy_(host, non_blocking=True)  # captured: each replay reads `host`, never written again
@@ -90,11 +89,29 @@ class DevicePlan:
         return self.table, (self.table,)
 
 
+    def check_table(self, words) -> None:
+        """Under capture: the table is the eager one, or a spare of its length is left."""
+        if tuple(words) != self.table_words and not (self.spares and len(self.spares[-1][0]) == len(words)):
+            raise RuntimeError(capture_refusal("the matrices' batches changed, or earlier captures took the "
+                                               "spare address tables"))
+
+
 def capture_refusal(why: str) -> str:
     return (f"PackedMuon(capturable=True) under a CUDA graph capture: {why} since the last eager step, and a "
             "capture cannot build what the step reads on the device. Take one eager step first (torch.cuda.graph's "
             "warm-up on a side stream does), and capture again after changing parameters, gradients, state or "
             "momentum, weight_decay and the Newton-Schulz settings")
+
+
+def check_host_values(group: dict, where: str) -> None:
+    """Only lr is read on the device: momentum, weight_decay and eps must be numbers, read on
+    the host once a plan is made (a tensor there would be read on the host at every step, a
+    synchronisation a capture cannot make)."""
+    for key in ("momentum", "weight_decay", "eps"):
+        if isinstance(group.get(key), torch.Tensor):
+            raise ValueError(f"{where}[{key!r}] is a tensor: capturable=True reads only lr on the device; pass "
+                             f"{key} as a Python number (a change takes effect at the next eager step, and a "
+                             "capture must follow one)")
 
 
 def check_lr(group: dict, where: str, device: torch.device) -> None:
@@ -117,12 +134,15 @@ def device_plan(opt, work: list, capturing: bool) -> DevicePlan:
     fixed_rows = [(float(w.row[1]), float(w.row[2]), adjusted_lr(1.0, tuple(w.param.shape), w.group["adjust_lr_fn"]))
                   for w in work]
     device = work[0].weights.device
-    key = (tuple(id(w.param) for w in work), tuple(group_of), tuple(fixed_rows), device)
+    # The lr tensors by identity and memory: a capture reads them where they were, so one
+    # replaced since the plan was made (load_state_dict copies the groups) needs a new plan.
+    lrs = tuple((id(g["lr"]), g["lr"].data_ptr()) for g in opt.param_groups)
+    key = (tuple(id(w.param) for w in work), tuple(group_of), tuple(fixed_rows), lrs, device)
     plan = opt.__dict__.get("_muon_device_plan")
     if plan is None or plan.key != key:
         if capturing:
-            raise RuntimeError(capture_refusal("the matrices, their groups or their momentum or weight decay "
-                                               "changed"))
+            raise RuntimeError(capture_refusal("the matrices, their groups, their momentum or weight decay, or an "
+                                               "lr tensor changed"))
         plan = opt._muon_device_plan = DevicePlan(key, group_of, fixed_rows, device)
     return plan
 

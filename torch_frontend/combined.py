@@ -72,7 +72,8 @@ class PackedMuonAdamW(Optimizer):
                  batch_ns: bool = False, ns_impl: str = "cublas"):
         _muon.check_options(type(self).__name__, capturable, batch_ns, ns_impl, lr=lr,
                             check_nonfinite=check_nonfinite)
-        if capturable and not (isinstance(adamw_lr, torch.Tensor) and adamw_lr.numel() == 1):
+        if capturable and not (isinstance(adamw_lr, torch.Tensor) and adamw_lr.numel() == 1
+                               and adamw_lr.is_floating_point()):
             raise ValueError(f"PackedMuonAdamW(capturable=True) needs adamw_lr as a one-element tensor on the "
                              f"parameters' device too, got adamw_lr={adamw_lr!r}; "
                              "adamw_lr=torch.tensor(3e-4, device='cuda')")
@@ -115,6 +116,10 @@ class PackedMuonAdamW(Optimizer):
         # The rule's messages name the group by the index it is getting here.
         shown = [i for i, g in enumerate(self.param_groups) if g["kind"] == kind] + [len(self.param_groups)]
         try:
+            default_lr = self._rule_options[kind]["defaults"]["lr"]
+            if self.capturable and "lr" not in group and isinstance(default_lr, torch.Tensor):
+                # A group of its own lr tensor, as PackedMuon gives one (schedulers fill each in place).
+                group["lr"] = default_lr.clone()
             if rule is None:
                 settings = self._rule_options[kind]
                 group = {**settings["defaults"], **group}

@@ -292,6 +292,12 @@ class PackedMuon(Optimizer):
         self._param_lists = [group["params"] for group in self.param_groups]
 
     def add_param_group(self, param_group: dict) -> None:
+        default_lr = self.defaults.get("lr")
+        if self.__dict__.get("capturable") and isinstance(param_group, dict) and "lr" not in param_group \
+                and isinstance(default_lr, torch.Tensor):
+            # A group of its own lr tensor: a scheduler fills each group's in place, and groups
+            # sharing the default's would all take the last value written.
+            param_group = {**param_group, "lr": default_lr.clone()}
         with warnings.catch_warnings():  # a repeated parameter is refused below instead
             warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
             super().add_param_group(param_group)
@@ -501,8 +507,10 @@ def check_step(opt, live: dict | None = None) -> list[Checked]:
                            "device to capture its step, or step it outside the capture")
     checked = []
     for gi, group in enumerate(opt.param_groups):
-        row = _checked_row(opt, group, gi)
         shown = _checks.shown_group_index(opt, gi)
+        if opt.capturable:
+            _muon_capturable.check_host_values(group, f"param_groups[{shown}]")
+        row = _checked_row(opt, group, gi)
         for pi, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -515,13 +523,15 @@ def check_step(opt, live: dict | None = None) -> list[Checked]:
             live.get(id(checked[0].param), _dtensor.local(checked[0].param))
         _check_ns_device(opt, weights.device)
         if opt.capturable:
-            _check_capturable_step(opt, checked, weights.device, capturing)
+            _check_capturable_step(opt, checked, weights.device, capturing, live)
     return checked
 
 
-def _check_capturable_step(opt, checked: list[Checked], device: torch.device, capturing: bool) -> None:
+def _check_capturable_step(opt, checked: list[Checked], device: torch.device, capturing: bool, live) -> None:
     """What a capturable step needs beyond an eager one's checks: the kernels' device, plain
-    (not DTensor) matrices, lr tensors there, and under capture every matrix's state made."""
+    (not DTensor) matrices, every group's lr tensor there, and under capture every matrix's
+    state and what the step reads on the device made by an eager step (so that a refusal comes
+    before PackedMuonAdamW's AdamW step is captured)."""
     if not _runs_kernels(opt, device):
         raise ValueError(f"{type(opt).__name__}(capturable=True) runs the step on a CUDA device; these matrices are "
                          f"on {device}: use capturable=False there")
@@ -530,12 +540,15 @@ def _check_capturable_step(opt, checked: list[Checked], device: torch.device, ca
             raise ValueError(f"{c.name} is {_dtensor.describe(c.param)}: capturable=True is not offered for "
                              "DTensor (FSDP2) matrices, whose Newton-Schulz gathers them across ranks; "
                              "use capturable=False")
-    for index in dict.fromkeys(id(c.group) for c in checked):
-        gi = next(i for i, g in enumerate(opt.param_groups) if id(g) == index)
-        _muon_capturable.check_lr(opt.param_groups[gi], f"param_groups[{_checks.shown_group_index(opt, gi)}]",
-                                  device)
-    if capturing and any(not c.state for c in checked):
-        raise RuntimeError(_muon_capturable.capture_refusal("a matrix has no state yet (its first step)"))
+    for gi, group in enumerate(opt.param_groups):
+        _muon_capturable.check_lr(group, f"param_groups[{_checks.shown_group_index(opt, gi)}]", device)
+    if capturing:
+        if any(not c.state for c in checked):
+            raise RuntimeError(_muon_capturable.capture_refusal("a matrix has no state yet (its first step)"))
+        work = _matrices(opt, checked, live)
+        if work:
+            words = _batch_tables(opt, work)[0] if _batches_ns(opt) else None
+            _capture_inputs(opt, work, words, capturing=True, dry_run=True)
 
 
 def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
@@ -543,20 +556,13 @@ def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
     the first step's state entries, then the phases. Raises only NonFiniteGradientError (with
     `check_nonfinite`), after every other matrix stepped."""
     fmt = opt.state_format
-    work = []
     for p, g, state, group, row, name in checked:
         if not state:
             state = opt.state[p]
             state[fmt.state_key] = new_momentum(p, fmt)
             if p.dtype is BFLOAT16:
                 state[LOW_HALF_KEY] = new_split_low_half(p)
-        if p.numel() == 0:
-            # Nothing to step (and no learning-rate ratio for a matrix without columns); the
-            # empty state is made, as torch.optim.Muon makes its empty buffer.
-            continue
-        low = local_entry(state[LOW_HALF_KEY]) if p.dtype is BFLOAT16 else None
-        weights = _dtensor.local(p) if live is None else live.get(id(p), _dtensor.local(p))
-        work.append(Matrix(p, g, group, row, name, weights, local_entry(state[fmt.state_key]), low))
+    work = _matrices(opt, checked, live)
     if work and _runs_kernels(opt, work[0].weights.device):
         refused, rejected = _cuda_step(opt, work)
     else:
@@ -569,6 +575,22 @@ def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
             "momentum or Newton-Schulz input) kept its weights and momentum; the others were updated. Find the "
             "source of the NaN/Inf, or skip such steps with torch.amp.GradScaler / "
             "clip_grad_norm_(error_if_nonfinite=True)")
+
+
+def _matrices(opt, checked: list[Checked], live) -> list[Matrix]:
+    """The checked matrices with their state made, as the phases read them. A zero-size one
+    has nothing to step (and no learning-rate ratio); its empty state is made, as
+    torch.optim.Muon makes its empty buffer."""
+    key = opt.state_format.state_key
+    work = []
+    for p, g, _, group, row, name in checked:
+        if p.numel() == 0:
+            continue
+        state = opt.state[p]
+        low = local_entry(state[LOW_HALF_KEY]) if p.dtype is BFLOAT16 else None
+        weights = _dtensor.local(p) if live is None else live.get(id(p), _dtensor.local(p))
+        work.append(Matrix(p, g, group, row, name, weights, local_entry(state[key]), low))
+    return work
 
 
 def _runs_kernels(opt, device: torch.device) -> bool:
@@ -786,19 +808,32 @@ def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     return _counted(opt, counters)
 
 
+def _capture_inputs(opt, work: list[Matrix], words: list[int] | None, *, capturing: bool, dry_run: bool = False):
+    """What a capturable step reads on the device besides its scalar rows: the plan, the
+    batched address table (with `words`), the Triton Newton-Schulz's scalar rows. Under capture
+    each must have been made by an eager step (refused otherwise); `dry_run` only checks."""
+    plan = _muon_capturable.device_plan(opt, work, capturing)
+    kept = []
+    if _ns_impl(opt) == "triton":  # the Triton Newton-Schulz's scalar rows, made outside any capture
+        for w in work:
+            kept.append(_ns_scalars(w.group["ns_coefficients"], w.group["eps"], w.weights.device, capturing))
+    if words is None:
+        return plan, None, kept
+    if dry_run:
+        plan.check_table(words)
+        return plan, None, kept
+    table, table_kept = plan.batch_table(words, capturing)
+    return plan, table, kept + list(table_kept)
+
+
 def _capturable_rows(opt, work: list[Matrix], words: list[int] | None = None):
     """(scalar rows, counters) derived on the device, and with `words` the batched address
     table too (`_muon_capturable`); under capture, what the graph reads is kept alive."""
     capturing = _checks.capturing()
-    plan = _muon_capturable.device_plan(opt, work, capturing)
-    table, kept = (None, []) if words is None else plan.batch_table(words, capturing)
-    kept = list(kept)
-    if _ns_impl(opt) == "triton":  # the Triton Newton-Schulz's scalar rows, made outside any capture
-        for w in work:
-            kept.append(_ns_scalars(w.group["ns_coefficients"], w.group["eps"], w.weights.device, capturing))
+    plan, table, kept = _capture_inputs(opt, work, words, capturing=capturing)
     scalars, counters = plan.scalars_and_counters(opt.param_groups)
     if capturing:
-        _muon_capturable.keep_for_capture(opt, plan, kept)
+        _muon_capturable.keep_for_capture(opt, plan, kept + [group["lr"] for group in opt.param_groups])
     return scalars, counters, table
 
 
@@ -810,19 +845,10 @@ def _counted(opt, counters: torch.Tensor) -> tuple[list[bool], list[int]]:
     return [r > 0 for r, _ in host], [n for _, n in host]
 
 
-def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
-    """The CUDA step with `batch_ns`: per Newton-Schulz batch one momentum launch, which writes
-    each matrix's X into its slot of one [B, m, n] buffer (a tall matrix transposed, as
-    `newton_schulz_batched` stacks it: the tall first), Newton-Schulz on that buffer, and one
-    weight launch reading each matrix's slot of the result (core/muon/kernel.py's table kernels;
-    a batch whose matrices differ in a kernel constant, such as bf16 and float32 gradients,
-    takes one launch per constant). Every matrix's addresses and the step's scalar rows reach
-    the GPU in one copy. A matrix's counters row refuses it alone, as per matrix."""
-    from packed_adamw.core.muon.kernel import muon_momentum_table_kernel, muon_weight_table_kernel
-
-    fmt = opt.state_format
-    state_dtype = _TORCH_DTYPES[fmt.state_dtype]
-    device = work[0].weights.device
+def _batch_tables(opt, work: list[Matrix]) -> tuple[list[int], list[tuple]]:
+    """The batched step's table words (every matrix's addresses, index, slot and orientation)
+    and, per Newton-Schulz batch, (matrix indices, rows, cols, group, momentum launches, weight
+    launches), each launch {kernel constants: (first table row's word, matrices)}."""
     words, plans = [], []
     for batch in _ns_batches(opt, work):
         batch = [i for i in batch if _tall(work[i].param)] + [i for i in batch if not _tall(work[i].param)]
@@ -846,6 +872,23 @@ def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
                 words.extend(word for member in members for word in member)
             launches.append(offsets)
         plans.append((batch, rows, cols, work[batch[0]].group, *launches))
+    return words, plans
+
+
+def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
+    """The CUDA step with `batch_ns`: per Newton-Schulz batch one momentum launch, which writes
+    each matrix's X into its slot of one [B, m, n] buffer (a tall matrix transposed, as
+    `newton_schulz_batched` stacks it: the tall first), Newton-Schulz on that buffer, and one
+    weight launch reading each matrix's slot of the result (core/muon/kernel.py's table kernels;
+    a batch whose matrices differ in a kernel constant, such as bf16 and float32 gradients,
+    takes one launch per constant). Every matrix's addresses and the step's scalar rows reach
+    the GPU in one copy. A matrix's counters row refuses it alone, as per matrix."""
+    from packed_adamw.core.muon.kernel import muon_momentum_table_kernel, muon_weight_table_kernel
+
+    fmt = opt.state_format
+    state_dtype = _TORCH_DTYPES[fmt.state_dtype]
+    device = work[0].weights.device
+    words, plans = _batch_tables(opt, work)
     if opt.capturable:
         scalars, counters, table = _capturable_rows(opt, work, words)
     else:
