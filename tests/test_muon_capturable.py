@@ -15,6 +15,7 @@ import torch
 from muon_helpers import bits, cuda_only, gradient, taking_fp32_gradients
 from packed_adamw.torch import PackedMuon, PackedMuonAdamW
 from packed_adamw.torch import muon as torch_muon
+from test_torch_cuda_graphs import warm_up_and_capture
 
 SHAPES = [(6, 10), (10, 6), (6, 10), (7, 7), (12, 5)]
 LRS = [0.03, 0.011, 0.0, 0.07, 0.023]  # one per step; lr 0 too
@@ -334,15 +335,7 @@ def test_cuda_eager_steps_after_a_capture_leave_its_replays_on_the_captured_grad
             p.grad = g.clone()
         plain.step()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            cap.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cap.step()
+    graph = warm_up_and_capture(cap.step, torch.cuda.CUDAGraph())
     lr = cap.param_groups[0]["lr"]
     for _ in range(2):
         plain_step(captured, float(lr))

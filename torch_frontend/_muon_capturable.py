@@ -83,7 +83,8 @@ class DevicePlan:
         device = self.group_index.device
         self.table = torch.tensor(words, dtype=torch.int64).to(device)
         self.table_words = words
-        if device.type == "cuda":
+        if device.type == "cuda" and not (self.spares and len(self.spares[-1][0]) == len(words)):
+            # Made once per table length, not at every address change (pinning is slow).
             self.spares = [(torch.empty(len(words), dtype=torch.int64, pin_memory=True), torch.empty_like(self.table))
                            for _ in range(2)]
         return self.table, (self.table,)
