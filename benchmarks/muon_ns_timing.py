@@ -73,11 +73,8 @@ def jax_rows(shapes, steps: int, repeats: int) -> dict[str, float]:
     import numpy as np
     import optax
 
-    from packed_adamw.jax import muon as jax_muon
     from packed_adamw.jax import packed_muon
 
-    # Timing only: tests/test_jax_muon.py's cuda-marked test is what checks this path's bits.
-    jax_muon.UNVERIFIED_GPU_PATH_ALLOWED = True
 
     rng = np.random.default_rng(0)
     params = {f"m{i}": jnp.asarray((rng.standard_normal((c, r)) * 0.02).astype(np.float32))

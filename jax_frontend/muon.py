@@ -7,8 +7,8 @@ again. Every other leaf takes `packed_adamw`, reused unchanged behind `optax.mas
 
 On a GPU backend the phases are core/muon's Triton kernels through jax-triton and Newton-Schulz
 is core/muon/ns_kernel.py's (the kernels torch launches with `ns_impl="triton"`: meant to give
-the same bits); see `_gpu_phases` and _muon_triton.py. That path has not yet run on a GPU, so
-it is refused unless `UNVERIFIED_GPU_PATH_ALLOWED` is set (its cuda-marked tests set it).
+the same bits, checked by tests/test_jax_muon.py's cuda-marked test on an H100); see
+`_gpu_phases` and _muon_triton.py.
 
 Layout: a JAX kernel is [in, out] (optax's reduction axis, then output axis). Muon's contract
 is written in torch's [out, in] layout, so each matrix is read as its transpose there: the
@@ -321,12 +321,6 @@ def _warn_refused(valid, row, count) -> None:
                   "the injected value", RefusedStepWarning, stacklevel=2)
 
 
-# The GPU path has run only in Triton's CPU interpreter (no GPU was lent when it was written):
-# it stays refused until the cuda-marked tests have checked it against torch on a GPU, which
-# set this to True for themselves.
-UNVERIFIED_GPU_PATH_ALLOWED = False
-
-
 def _step_platform(tree) -> str:
     """"cpu" (the numpy phases through callbacks, Newton-Schulz in jax.numpy) or "gpu" (the
     Triton kernels through jax-triton): the default backend's, which every concrete leaf must
@@ -339,13 +333,6 @@ def _step_platform(tree) -> str:
     if platforms == {"cpu"}:
         return "cpu"
     if platforms == {"gpu"}:
-        if not UNVERIFIED_GPU_PATH_ALLOWED:
-            raise NotImplementedError(
-                "packed_muon's GPU path (core/muon's Triton kernels through jax-triton, _muon_triton.py) is written "
-                "and tested in Triton's CPU interpreter but has not yet run on a GPU, so it is refused until its "
-                "bits are checked against torch's there (tests/test_jax_muon.py, the cuda-marked tests). Step on "
-                "the CPU (jax.default_device(jax.devices('cpu')[0])), use packed_adamw.torch.PackedMuonAdamW on "
-                "the GPU, or set packed_adamw.jax.muon.UNVERIFIED_GPU_PATH_ALLOWED = True to run it anyway")
         return "gpu"
     raise NotImplementedError(
         f"packed_muon steps on the CPU (numpy phases, jax.numpy Newton-Schulz) or on CUDA GPUs (Triton kernels "

@@ -329,10 +329,7 @@ def test_misuse_is_refused_with_a_message(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(NotImplementedError, match="default backend's devices.*issue 37"):
         tx.update(grads, state, params)  # a GPU backend with the arrays on the CPU
-    with pytest.raises(NotImplementedError, match="has not yet run on a GPU.*UNVERIFIED_GPU_PATH_ALLOWED"):
-        jax_muon._step_platform(())  # a GPU backend (traced arrays carry no devices): not yet verified there
-    monkeypatch.setattr(jax_muon, "UNVERIFIED_GPU_PATH_ALLOWED", True)
-    assert jax_muon._step_platform(()) == "gpu"
+    assert jax_muon._step_platform(()) == "gpu"  # a GPU backend (traced arrays carry no devices)
 
 
 def test_injected_hyperparameters_step_as_the_same_float32_numbers():
@@ -387,7 +384,6 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
     reason = _cuda_reason()
     if reason is not None:
         pytest.skip(f"needs CUDA for torch and JAX plus jax_triton: {reason}")
-    monkeypatch.setattr(jax_muon, "UNVERIFIED_GPU_PATH_ALLOWED", True)  # this test is what verifies it
     from packed_adamw.torch import PackedMuon
 
     rng = np.random.default_rng(37)

@@ -78,3 +78,47 @@ single = {
 for name, (f, ins, want) in single.items():
     out = np.asarray(jax.jit(f)(*[jnp.asarray(x) for x in ins]))
     print(f"alone {name:5s} differs in {int((out.view(np.uint32) != want.view(np.uint32)).sum())} of {n}")
+# the module's own float64 division and square root (`_divide`, `_sqrt`), alone and in `element_step`
+for name, f, ins, want in (("_divide", X._divide, (ref["m_next"], ref["denom"]), ref["ratio"]),
+                           ("_sqrt", X._sqrt, (ref["v_next"],), ref["rms_next"])):
+    compiled = jax.jit(f).lower(*[jnp.asarray(x) for x in ins]).compile()
+    out = np.asarray(compiled(*[jnp.asarray(x) for x in ins]))
+    print(f"alone {name:8s} differs in {int((out.view(np.uint32) != want.view(np.uint32)).sum())} of {n}; "
+          f"float64 in the compiled HLO: {'f64' in compiled.as_text()}")
+
+
+class _Fp32:
+    mode = "fp32"
+
+
+def module_step(p, g, m, v, sv, count):
+    S = {k: sv[i] for k, i in SCALAR_INDEX.items()}
+    return X.element_step(p, g, m, v, S, _Fp32, split=False, guard=X.contraction_guard(count))
+
+
+update, p_next, m_next, v_next, _ = jax.jit(module_step)(*args)
+for name, got_k, want in (("update", update, ref["update"]), ("p_next", p_next, ref["p_next"]),
+                          ("m_next", m_next, ref["m_next"]), ("v_next", v_next, ref["v_next"])):
+    a = np.asarray(got_k)
+    print(f"element_step {name:7s} differs in {int((a.view(np.uint32) != want.view(np.uint32)).sum())} of {n}")
+# the step scalars the XLA step derives in the graph (`step_scalars`: powers, division, square
+# root) against numpy's `step_scalar_row`, over counts and hyperparameter rows
+
+hp_rows = np.array([(3e-4, 0.9, 0.95, 1e-8, 0.1), (1e-3, 0.9, 0.999, 1e-8, 0.01), (6e-4, 0.8, 0.95, 1e-6, 0.0),
+                    (2e-2, 0.95, 0.98, 1e-10, 0.05)], F32)
+counts = list(range(1, 65)) + [100, 257, 1000, 4097, 100_000, 2**31 - 1]
+scalars_of = jax.jit(lambda h, c: X.step_scalars(h, c, X.contraction_guard(c)))
+bad = {}
+for c in counts:
+    got_rows = np.asarray(scalars_of(jnp.asarray(hp_rows), jnp.int32(c)))
+    for h, got_row in zip(hp_rows, got_rows):
+        want_row = np.array(numpy_step.step_scalar_row(c, tuple(h)), F32)
+        for name, i in SCALAR_INDEX.items():
+            if got_row[i].view(np.uint32) != want_row[i].view(np.uint32):
+                bad.setdefault(name, []).append((c, float(h[0]), float(h[1]), float(h[2]), float(got_row[i]), float(want_row[i])))
+print(f"step_scalars: {len(counts) * len(hp_rows)} rows; fields differing: "
+      + (", ".join(f"{k} in {len(v)} (first {v[0]})" for k, v in bad.items()) or "none"))
+import os  # noqa: E402
+if os.environ.get("HLO_OUT"):  # the optimized HLO of element_step, to read where it rounds
+    with open(os.environ["HLO_OUT"], "w") as f:
+        f.write(jax.jit(module_step).lower(*args).compile().as_text())
