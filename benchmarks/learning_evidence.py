@@ -542,7 +542,9 @@ def write_page(args, record: dict, skipped: dict, left: list[str], tapes: dict |
              + (f"from {dates[0]} to {dates[-1]}" if dates else "none yet"),
              "- GPU: " + ", ".join(sorted({s['gpu'] for s in sessions}) or [gpu_name()]) + "; " + ", ".join(
                  sorted({f"{k} {v}" for s in sessions for k, v in s["versions"].items() if v})),
-             f"- This call: `{args.invocation}`",
+             f"- This page's call: `{args.invocation}`. The record ({Path(args.record).name}) keeps the runs of "
+             "every call with the same trainer flags, so the tables can hold runs of earlier calls (other seeds or "
+             "rows); each run's GPU, versions and runs sharing the GPU are in its record entry",
              "- Tapes: " + (f"`{tapes['path']}`, {tapes['tokens']:,} training tokens, vocabulary "
                             f"{tapes['vocab_size']:,}, corpus SHA-256 `{tapes['corpus_sha256'][:16]}...`" if tapes
                             else "(report only)"),

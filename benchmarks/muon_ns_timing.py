@@ -67,39 +67,61 @@ def ns_batches(shapes):
     return [torch.randn((b, k, n), device="cuda").bfloat16() for (k, n), b in counts.items()]
 
 
-def jax_rows(shapes, steps: int, repeats: int) -> dict[str, float]:
-    import jax
+def jax_problem(shapes):
+    """The list's [in, out] float32 leaves (torch's shapes reversed) and random gradients."""
     import jax.numpy as jnp
     import numpy as np
+
+    rng = np.random.default_rng(0)
+    params = {f"m{i:03d}": jnp.asarray((rng.standard_normal((c, r)) * 0.02).astype(np.float32))
+              for i, (r, c) in enumerate(shapes)}
+    grads = {k: jnp.asarray((rng.standard_normal(v.shape) * 1e-3).astype(np.float32)) for k, v in params.items()}
+    return params, grads
+
+
+def jax_train_step(tx):
+    """`tx.update` + `optax.apply_updates`, jitted with the parameters and state donated."""
+    import jax
+    import optax
+
+    def step(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def jax_step_ms(tx, params, grads, steps: int, repeats: int) -> float:
+    """Median over `repeats` of the wall-clock mean of `steps` chained donated steps."""
+    import jax
+    import jax.numpy as jnp
+
+    step = jax_train_step(tx)
+    p, s = jax.tree.map(jnp.copy, params), tx.init(params)
+    p, s = step(p, s, grads)
+    jax.block_until_ready(p)
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        for _ in range(steps):
+            p, s = step(p, s, grads)
+        jax.block_until_ready(p)
+        times.append((time.perf_counter() - begin) * 1e3 / steps)
+    return statistics.median(times)
+
+
+def jax_optimizers():
     import optax
 
     from packed_adamw.jax import packed_muon
 
+    return {"optax.contrib.muon": optax.contrib.muon(0.02, beta=0.95),
+            "packed_muon (GPU, Triton NS)": packed_muon(0.02, beta=0.95)}
 
-    rng = np.random.default_rng(0)
-    params = {f"m{i}": jnp.asarray((rng.standard_normal((c, r)) * 0.02).astype(np.float32))
-              for i, (r, c) in enumerate(shapes)}
-    grads = {k: jnp.asarray((rng.standard_normal(v.shape) * 1e-3).astype(np.float32)) for k, v in params.items()}
-    results = {}
-    for name, tx in (("optax.contrib.muon", optax.contrib.muon(0.02, beta=0.95)),
-                     ("packed_muon (GPU, Triton NS)", packed_muon(0.02, beta=0.95))):
-        def step(p, s, g, tx=tx):
-            updates, s = tx.update(g, s, p)
-            return optax.apply_updates(p, updates), s
 
-        step = jax.jit(step, donate_argnums=(0, 1))
-        p, s = jax.tree.map(jnp.copy, params), tx.init(params)
-        p, s = step(p, s, grads)
-        jax.block_until_ready(p)
-        times = []
-        for _ in range(repeats):
-            begin = time.perf_counter()
-            for _ in range(steps):
-                p, s = step(p, s, grads)
-            jax.block_until_ready(p)
-            times.append((time.perf_counter() - begin) * 1e3 / steps)
-        results[name] = statistics.median(times)
-    return results
+def jax_rows(shapes, steps: int, repeats: int) -> dict[str, float]:
+    params, grads = jax_problem(shapes)
+    return {name: jax_step_ms(tx, params, grads, steps, repeats) for name, tx in jax_optimizers().items()}
 
 
 def main(argv=None) -> None:

@@ -22,18 +22,18 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_muon import LISTS, matrices  # noqa: E402
+from muon_ns_timing import jax_optimizers, jax_problem, jax_step_ms, jax_train_step  # noqa: E402
 
 from packed_adamw.core.muon import ns_kernel  # noqa: E402
 from packed_adamw.jax import muon as jax_muon  # noqa: E402
-from packed_adamw.jax import packed_muon  # noqa: E402
 from packed_adamw.jax import _muon_triton  # noqa: E402
 
 
 def timed(fn, *args, steps=10, repeats=3) -> float:
+    """A part's time (not donated): median over `repeats` of the mean of `steps` calls."""
     out = fn(*args)
     jax.block_until_ready(out)
     times = []
@@ -53,32 +53,24 @@ def main() -> None:
     parser.add_argument("--hlo-dir", help="also write each step's optimized HLO here")
     args = parser.parse_args()
     shapes = matrices(args.list)
-    rng = np.random.default_rng(0)
-    params = {f"m{i:03d}": jnp.asarray((rng.standard_normal((c, r)) * 0.02).astype(np.float32))
-              for i, (r, c) in enumerate(shapes)}
-    grads = {k: jnp.asarray((rng.standard_normal(v.shape) * 1e-3).astype(np.float32)) for k, v in params.items()}
+    params, grads = jax_problem(shapes)
+    rng = np.random.default_rng(1)
     print(f"{args.list}: {len(shapes)} matrices, {sum(r * c for r, c in shapes):,} elements; {jax.devices()[0]}")
 
     rows = {}
-    for name, tx in (("optax.contrib.muon", optax.contrib.muon(0.02, beta=0.95)),
-                     ("packed_muon", packed_muon(0.02, beta=0.95))):
-        def step(p, s, g, tx=tx):
-            updates, s = tx.update(g, s, p)
-            return optax.apply_updates(p, updates), s
-
+    for name, tx in jax_optimizers().items():
+        # the step as muon_ns_timing.py times it (donated), compiled here to read its HLO
         state = tx.init(params)
-        compiled = jax.jit(step).lower(params, state, grads).compile()
-        text = compiled.as_text()
+        text = jax_train_step(tx).lower(params, state, grads).compile().as_text()
         if args.hlo_dir:
-            Path(args.hlo_dir, name.replace(".", "_") + ".hlo.txt").write_text(text)
+            Path(args.hlo_dir, name.split(" ")[0].replace(".", "_") + ".hlo.txt").write_text(text)
         copies = collections.Counter(m.group(1) for m in re.finditer(r"= (\S+\[[^\]]*\])\S* copy\(", text))
         custom = len(re.findall(r"custom-call\(", text))
         fusions = len(re.findall(r"= \S+ fusion\(", text))
         print(f"{name}: optimized HLO has {sum(copies.values())} copies, {custom} custom calls, {fusions} fusions")
         for shape, count in copies.most_common(8):
             print(f"    copy {shape} x{count}")
-        stepper = jax.jit(step)
-        rows[name] = timed(stepper, params, state, grads)
+        rows[name] = jax_step_ms(tx, params, grads, steps=10, repeats=3)
 
     # The parts, each jitted alone on the shape groups the step forms.
     groups = collections.Counter(_muon_triton_wide(r, c) for r, c in shapes)
@@ -92,24 +84,20 @@ def main() -> None:
         print(f"Newton-Schulz alone, group {count} x [{k}, {n}]: {ms:.3f} ms")
         ns_ms += ms
     rows["Newton-Schulz alone (sum of groups)"] = ns_ms
-    base = rows["optax.contrib.muon"]
+    base = rows["optax.contrib.muon"]  # ratios as muon_ns_timing.py's JAX rows
     for name, ms in rows.items():
         print(f"{name:40s} {ms:8.3f} ms  {ms / base:.2f}x optax.contrib.muon")
 
     if args.trace:
-        tx = packed_muon(0.02, beta=0.95)
-        state = tx.init(params)
-
-        @jax.jit
-        def step(p, s, g):
-            updates, s = tx.update(g, s, p)
-            return optax.apply_updates(p, updates), s
-
-        jax.block_until_ready(step(params, state, grads))
+        tx = jax_optimizers()["packed_muon (GPU, Triton NS)"]
+        step = jax_train_step(tx)
+        p, state = jax.tree.map(jnp.copy, params), tx.init(params)
+        p, state = step(p, state, grads)
+        jax.block_until_ready(p)
         with jax.profiler.trace(args.trace):
             for _ in range(3):
-                out = step(params, state, grads)
-            jax.block_until_ready(out)
+                p, state = step(p, state, grads)
+            jax.block_until_ready(p)
         print(f"trace written to {args.trace}")
 
 
