@@ -37,8 +37,8 @@ between XLA and those bits (measured on CPU, jax 0.10.2; tests/test_jax_xla_step
   elements, `sqrt(x)` in 11,028), so both are computed in float64 and rounded once to float32
   (`_divide`, `_sqrt`): a float64 quotient or square root of float32 operands, rounded to
   float32, is the correctly rounded float32 result (53 >= 2 * 24 + 2 bits, so the double
-  rounding is innocuous). Whether the GPU's float64 operations are IEEE there is what the
-  `cuda` test measures (not yet run with this change).
+  rounding is innocuous). On an H100 (2026-12-06) the `cuda` test still fails with this change:
+  against the kernel step the states are equal, the new parameters are not (docs/JAX.md).
 
 On CPU XLA splits the step into several loop fusions with float32 temporaries between them
 (12 bytes per parameter in benchmarks/jax_xla_step.py); whether the GPU backend's multi-output

@@ -380,7 +380,7 @@ def _cuda_reason():
 @pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
 @pytest.mark.parametrize("batch_ns", [False, True])
 @pytest.mark.parametrize("schedule", [False, True])
-def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, schedule, monkeypatch):
+def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, schedule):
     reason = _cuda_reason()
     if reason is not None:
         pytest.skip(f"needs CUDA for torch and JAX plus jax_triton: {reason}")

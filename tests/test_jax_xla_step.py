@@ -340,11 +340,11 @@ def test_gpu_codes(fmt):
 @needs_gpu
 # Measured on an H100 (jax 0.11.2): the new weights differ from the contract in about a quarter of
 # the elements, in every mode (2026-12-05); XLA's float32 division and square root are not
-# correctly rounded there. With both in float64 the weights still differ, the states no longer
-# (2026-12-06; docs/JAX.md). Strict, and only for unequal bits (an error is a failure): a pass
+# correctly rounded there. With both in float64 this test still fails (2026-12-06), and against the
+# kernel step the new weights differ, the states no longer (docs/JAX.md). Strict, and only for unequal bits (an error is a failure): a pass
 # fails the run as XPASS(strict), the signal to drop this mark and let impl="xla" be offered.
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the XLA step's new weights differ from the contract on an H100 (docs/JAX.md)")
+                   reason="the XLA step differs from the contract on an H100 (docs/JAX.md)")
 @pytest.mark.parametrize("write_update", [True, False], ids=["transform", "fused"])
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_step_matches_numpy(mode, write_update):

@@ -1,13 +1,14 @@
 """Where packed_muon's GPU step spends its time (issue 37's JAX target: 0.3x optax.contrib.muon
 on the d12 list), on a GPU with jax-triton:
 
-    python benchmarks/investigations/jax_muon_gpu_profile.py [--list d12]
+    python benchmarks/investigations/jax_muon_gpu_profile.py [--list d12] [--hlo-dir DIR] [--trace DIR]
 
-Prints (1) the copies XLA's compiled step makes (a `copy` in the optimized HLO moves a whole
-buffer; an aliased custom call whose operand is still live gets one), (2) the step's time beside
-its parts timed alone in the same run: Newton-Schulz of each shape group's stacked buffer, the
-momentum launches and the weight launches, and (3) a jax.profiler trace's per-kernel GPU time
-when --trace DIR is given.
+Prints (1) the buffer copies, custom calls and fusions of the compiled step's entry computation
+(a `copy` there moves a whole buffer; an aliased custom call whose operand is still live gets
+one), for packed_muon and optax.contrib.muon, the step compiled and timed as
+benchmarks/muon_ns_timing.py does (donated); (2) the step times beside Newton-Schulz alone over
+the step's shape groups, in the same run; (3) with --trace, a jax.profiler trace of three steps
+(per-kernel GPU times, read with TensorBoard or Perfetto).
 """
 from __future__ import annotations
 
@@ -64,10 +65,13 @@ def main() -> None:
         text = jax_train_step(tx).lower(params, state, grads).compile().as_text()
         if args.hlo_dir:
             Path(args.hlo_dir, name.split(" ")[0].replace(".", "_") + ".hlo.txt").write_text(text)
-        copies = collections.Counter(m.group(1) for m in re.finditer(r"= (\S+\[[^\]]*\])\S* copy\(", text))
-        custom = len(re.findall(r"custom-call\(", text))
-        fusions = len(re.findall(r"= \S+ fusion\(", text))
-        print(f"{name}: optimized HLO has {sum(copies.values())} copies, {custom} custom calls, {fusions} fusions")
+        entry = text[text.index("\nENTRY "):]  # fused computations' bodies hold no buffers of their own
+        entry = entry[:entry.index("\n}")]
+        # a copy instruction, or a fusion wrapping one (XLA names both after the copy)
+        copies = collections.Counter(m.group(1) for m in re.finditer(r"%\S*copy\S* = (\S+\[[^\]]*\])", entry))
+        custom = len(re.findall(r" custom-call\(", entry))
+        fusions = len(re.findall(r" fusion\(", entry))
+        print(f"{name}: the entry computation has {sum(copies.values())} copies, {custom} custom calls, {fusions} fusions")
         for shape, count in copies.most_common(8):
             print(f"    copy {shape} x{count}")
         rows[name] = jax_step_ms(tx, params, grads, steps=10, repeats=3)
