@@ -10,6 +10,7 @@ rule writes itself.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -106,6 +107,21 @@ class RowVariant:
 GROUP_ROW = RowVariant("group")
 
 
+# The smallest magnitude that rounds to float32 infinity (ties to even: FLOAT32_MAX's significand is odd).
+FLOAT32_OVERFLOW = 2.0 ** 128 * (1 - 2.0 ** -25)
+
+
+_FLOAT32 = struct.Struct("f")
+
+
+def _as_float32(x) -> float:
+    """A Python number rounded to float32 (to nearest even, as numpy's float32 rounds it), as a
+    Python float: +-Inf past float32's range, NaN as NaN. `struct` rounds with the C cast, at
+    a third of numpy's host time, and refuses what overflows: that is checked first."""
+    x = float(x)
+    return math.copysign(math.inf, x) if abs(x) >= FLOAT32_OVERFLOW else _FLOAT32.unpack(_FLOAT32.pack(x))[0]
+
+
 @dataclass(frozen=True)
 class Rule:
     """A rule's declaration. Its state entries depend on the state format it runs in, so the
@@ -170,6 +186,24 @@ class Rule:
             product = column[a] * column[b]
             valid = valid & (product >= -FLOAT32_MAX) & (product <= FLOAT32_MAX)
         return valid
+
+    def field_holds(self, index: int, row) -> bool:
+        """Whether field `index` of a hyperparameter row of Python numbers (`hyperparam_fields`
+        order) passes every check of `validate` that reads it: its `Bound` as a float32 number,
+        and each `finite_products` pair it is in (the float32 values' product, in Python's
+        arithmetic, at most FLOAT32_MAX). A host that validated a row can take a new value of
+        this one field on this check alone (a scheduler's lr, every step)."""
+        name = self.hyperparam_fields[index]
+        value = _as_float32(row[index])
+        if not self.bounds[name].holds(value):
+            return False
+        for pair in self.finite_products:
+            if name in pair:
+                other = pair[1] if pair[0] == name else pair[0]
+                product = value * _as_float32(row[self.hyperparam_fields.index(other)])
+                if not abs(product) <= FLOAT32_MAX:  # NaN (0 * Inf) too
+                    return False
+        return True
 
     def variant_rows(self, row) -> list[tuple]:
         """The rows a step carries (`row_variants` order) from the group's hyperparameter row

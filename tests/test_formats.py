@@ -341,6 +341,7 @@ def test_adamw_declares_its_rows_and_counts():
     for lr, wd, finite in ((1e19, 1e19, True), (1e20, 1e20, False)):
         with np.errstate(over="ignore"):  # the float32 product overflows to Inf: refused
             assert RULE.rows_valid(np.array([[lr, 0.9, 0.999, 1e-8, wd]], np.float32)).tolist() == [finite]
+        assert RULE.field_holds(0, (lr, 0.9, 0.999, 1e-8, wd)) == finite  # the lr's own check reads the product
         if not finite:
             with pytest.raises(ValueError, match="overflows float32"):
                 hyperparams.validate_hyperparams(lr, (0.9, 0.999), 1e-8, wd)
@@ -401,6 +402,9 @@ def test_validation_refuses_exactly_what_the_bounds_table_refuses(field):
             # The in-graph check (JAX) is the rule's rows_valid over float32 rows: same verdict.
             float32_row = np.array([[row[name] for name in RULE.hyperparam_fields]], np.float32)
             assert RULE.rows_valid(float32_row).tolist() == [valid], (field, value)
+            # The host's check of one changed field (a scheduler's lr) gives the same verdict.
+            assert RULE.field_holds(RULE.hyperparam_fields.index(field),
+                                    [row[name] for name in RULE.hyperparam_fields]) == valid, (field, value)
             if valid:
                 validate_hyperparams(*args)
             else:

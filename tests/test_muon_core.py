@@ -484,6 +484,9 @@ def test_muon_rows_valid_refuses_exactly_what_the_host_validation_refuses(field)
             row = np.array([RULE.group_row(*values)], np.float32)
             valid = bool(HPARAM_BOUNDS[field].holds(float(F32(value))))
             assert RULE.rows_valid(row).tolist() == [valid], (field, value)
+            field_index = RULE.hyperparam_fields.index(field) if field in RULE.hyperparam_fields else None
+            if field_index is not None:  # the host's check of one changed field: the same verdict
+                assert RULE.field_holds(field_index, RULE.group_row(*values)) == valid, (field, value)
             if valid:
                 validate_hyperparams(*values)
                 continue
@@ -499,6 +502,7 @@ def test_muon_rows_valid_refuses_an_overflowing_decay_product_as_the_host_does()
     for lr, wd, finite in cases:
         with np.errstate(over="ignore"):  # the float32 product overflows to Inf: refused
             assert RULE.rows_valid(np.array([[lr, 0.95, wd, 1e-7]], np.float32)).tolist() == [finite], (lr, wd)
+        assert RULE.field_holds(0, (lr, 0.95, wd, 1e-7)) == finite, (lr, wd)
         if finite:
             validate_hyperparams(lr, 0.95, wd, 1e-7)
         else:

@@ -146,6 +146,35 @@ def test_error_messages_begin_as_torch_adamw_s_and_say_which_rule_the_value_brok
     assert str(info.value).startswith(start), str(info.value)
 
 
+@pytest.mark.parametrize("bad_lr,start", [(float("nan"), "Invalid learning rate: lr=nan"),
+                                          (-1e-3, "Invalid learning rate: lr=-0.001"),
+                                          (1e37, "Invalid weight_decay value: lr * weight_decay"),
+                                          (True, "Invalid learning rate: lr=True")])
+def test_a_scheduled_lr_that_turns_invalid_is_refused_after_valid_ones_and_nothing_changes(bad_lr, start):
+    """Rows that differ from a validated one in their lr alone take the lr's own checks
+    (Rule.field_holds), not the whole validation: a bad lr, or one of another type, is still
+    refused with the validation's words, before anything changes."""
+    params = make_params(0)
+    opt = PackedAdamW(params, lr=1e-3, weight_decay=1e2)
+    for step in range(3):
+        opt.param_groups[0]["lr"] = 1e-3 / (step + 1)  # new lrs of a validated row
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+    opt.param_groups[0]["lr"] = bad_lr
+    with pytest.raises(ValueError) as info:
+        opt.step()
+    assert str(info.value).startswith(f"param_groups[0]: {start}"), str(info.value)
+    assert all(torch.equal(p, q) for p, q in zip(params, before[0]))
+    assert opt.state_dict()["state"].keys() == before[1]["state"].keys()
+    for key, entry in opt.state_dict()["state"].items():
+        assert all(torch.equal(entry[k], v) if isinstance(v, torch.Tensor) else entry[k] == v
+                   for k, v in before[1]["state"][key].items())
+    opt.param_groups[0]["lr"] = 1e-4  # a valid lr again steps
+    opt.step()
+
+
 def test_a_valid_beta_tensor_is_not_called_out_of_range():
     PackedAdamW(make_params(), betas=(torch.tensor(0.9), torch.tensor(0.95)))
     PackedAdamW(make_params(), betas=torch.tensor([0.9, 0.95]))  # one 1-D tensor, as torch.optim.AdamW takes

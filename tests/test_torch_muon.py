@@ -971,3 +971,27 @@ def test_a_tensor_lr_equal_to_a_checked_float_is_checked_again(monkeypatch):
     opt.param_groups[0]["lr"] = torch.tensor(0.25, dtype=torch.float64)  # == 0.25, a tensor: checked afresh
     opt.step()
     assert len(calls) - after_init == 2
+
+
+def test_a_scheduled_lr_is_checked_by_its_own_bounds_and_an_invalid_one_still_refused(monkeypatch):
+    """Rows differing from a validated one in their lr alone take the lr's own checks
+    (Rule.field_holds), not the whole validation: a scheduler costs none a step, and a bad lr
+    (out of bounds, or lr * weight_decay past float32) is still refused in the validation's words."""
+    calls = []
+    real = torch_muon.validate_group
+    monkeypatch.setattr(torch_muon, "validate_group", lambda *args: calls.append(args) or real(*args))
+    p = torch.nn.Parameter(torch.ones(3, 4))
+    opt = PackedMuon([p], lr=0.25, weight_decay=1e2)
+    after_init = len(calls)
+    for step in range(4):
+        opt.param_groups[0]["lr"] = 0.25 / (step + 1)
+        p.grad = torch.ones(3, 4)
+        opt.step()
+    assert len(calls) - after_init == 1  # the first step's row only
+    after_steps = bits(p).clone()
+    for bad, message in ((float("nan"), "Learning rate should be >= 0 but is: nan"),
+                         (-0.5, "Learning rate should be >= 0 but is: -0.5"), (1e37, "lr \\* weight_decay")):
+        opt.param_groups[0]["lr"] = bad
+        with pytest.raises(ValueError, match=rf"^param_groups\[0\]: .*{message}"):
+            opt.step()
+        assert torch.equal(bits(p), after_steps)

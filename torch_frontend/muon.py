@@ -616,12 +616,16 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
                     group.get("maximize", False), group.get("nesterov"))
         # The verdict depends on the values' types too (5 == 5.0, 1 == True, a tensor lr == a
         # float): a value whose type a fresh check refuses is never let through by an equal one.
-        key = (row, settings, _checks.type_signature([*values, *settings]))
+        types = _checks.type_signature([*values, *settings])
+        key, lr_free_key = (row, settings, types), (row[1:], settings, types)
         hash(key)
     except (TypeError, ValueError, KeyError, RuntimeError):
-        key = None
+        key = lr_free_key = None
     valid = opt.__dict__.setdefault("_valid_rows", {})
-    if key is None or key not in valid:
+    # A row that differs from a validated one in its lr alone (a scheduler's) takes only the
+    # lr's own checks, as `_engine.checked_row` does.
+    if key is None or (key not in valid and (capturable or lr_free_key not in valid
+                                             or not RULE.field_holds(0, row))):
         where = f"param_groups[{_checks.shown_group_index(opt, index)}]"
         validate_group({**group, "lr": 0.0} if capturable else group, where)
         if key is None:  # validation said nothing, yet the row is not plain numbers: say so
@@ -629,7 +633,7 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
                             "ns_coefficients three numbers")
         if len(valid) > 64:
             valid.clear()
-        valid[key] = True
+        valid[key] = valid[lr_free_key] = True
     return (group["lr"], *row[1:]) if capturable else row
 
 
