@@ -205,7 +205,7 @@ def checked_row(opt, group: dict, index: int) -> tuple:
     # A row that differs from a validated one in its lr alone (a scheduler's, every step) needs
     # only the checks that read the lr (`Rule.field_holds`: a few float comparisons, where the
     # whole validation costs tens of microseconds a group): the second key leaves the lr's value
-    # out (its type stays in).
+    # out (its type stays in). A capturable lr is a tensor, so it never takes that path.
     if row is None:
         _checks.validate_group_hyperparams(group, index, rule, check_lr=not opt.capturable)
         return row  # not reached: a row that could not be made is refused above
@@ -214,7 +214,9 @@ def checked_row(opt, group: dict, index: int) -> tuple:
     valid = opt.__dict__.setdefault("_valid_rows", {})
     if key in valid:
         return row
-    if opt.capturable or lr_free_key not in valid or not rule.field_holds(0, row[:-1]):
+    # Only a Python float lr: the row holds float(lr), which for it (and not for, say, an np.int64
+    # or np.longdouble, which the validation rounds to float32 directly) rounds as the validation does.
+    if type(group[lr_key]) is not float or lr_free_key not in valid or not rule.field_holds(0, row[:-1]):
         _checks.validate_group_hyperparams(group, index, rule, check_lr=not opt.capturable)
     if len(valid) > 64:
         valid.clear()

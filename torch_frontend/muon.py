@@ -622,9 +622,9 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
     except (TypeError, ValueError, KeyError, RuntimeError):
         key = lr_free_key = None
     valid = opt.__dict__.setdefault("_valid_rows", {})
-    # A row that differs from a validated one in its lr alone (a scheduler's) takes only the
-    # lr's own checks, as `_engine.checked_row` does.
-    if key is None or (key not in valid and (capturable or lr_free_key not in valid
+    # A row that differs from a validated one in its lr alone (a scheduler's Python float) takes
+    # only the lr's own checks, as `_engine.checked_row` does (a capturable lr is a tensor).
+    if key is None or (key not in valid and (type(group["lr"]) is not float or lr_free_key not in valid
                                              or not RULE.field_holds(0, row))):
         where = f"param_groups[{_checks.shown_group_index(opt, index)}]"
         validate_group({**group, "lr": 0.0} if capturable else group, where)
