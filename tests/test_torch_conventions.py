@@ -175,6 +175,20 @@ def test_a_scheduled_lr_that_turns_invalid_is_refused_after_valid_ones_and_nothi
     opt.step()
 
 
+def test_a_numpy_integer_lr_is_validated_whole_where_float_would_round_it_otherwise():
+    """The lr-only checks read float(lr); an np.int64 rounds to float32 otherwise (directly),
+    so such an lr takes the whole validation: lr * weight_decay just past float32's range is
+    refused, as a fresh optimizer refuses it."""
+    p = torch.nn.Parameter(torch.ones(3))
+    weight_decay = float(np.float32((2 - 2 ** -23) * 2.0 ** 67))  # lr * wd = FLOAT32_MAX at lr = 2**60
+    opt = PackedAdamW([p], lr=np.int64(1), weight_decay=weight_decay)
+    p.grad = torch.ones(3)
+    opt.step()
+    opt.param_groups[0]["lr"] = np.int64(2 ** 60 + 2 ** 36 + 1)  # float() rounds it down, float32 up
+    with pytest.raises(ValueError, match="overflows float32"):
+        opt.step()
+
+
 def test_a_valid_beta_tensor_is_not_called_out_of_range():
     PackedAdamW(make_params(), betas=(torch.tensor(0.9), torch.tensor(0.95)))
     PackedAdamW(make_params(), betas=torch.tensor([0.9, 0.95]))  # one 1-D tensor, as torch.optim.AdamW takes
