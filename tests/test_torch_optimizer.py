@@ -1069,7 +1069,8 @@ def test_an_empty_parameter_steps_beside_the_others():
 
 
 def test_hyperparameters_are_validated_when_they_change_not_per_tensor_per_step(monkeypatch):
-    """One validation per distinct hyperparameter row, however many tensors and steps."""
+    """One validation per distinct hyperparameter row, however many tensors and steps; a row
+    differing from a validated one in its (float) lr alone takes the lr's own checks."""
     import packed_adamw.torch._checks as checks_module
 
     calls = []
@@ -1087,8 +1088,12 @@ def test_hyperparameters_are_validated_when_they_change_not_per_tensor_per_step(
         set_grads(params, seed=step)
         opt.step()
     assert len(calls) - after_init == 1  # the first step's row; later steps reuse the verdict
-    opt.param_groups[0]["lr"] = 2e-3
+    opt.param_groups[0]["lr"] = 2e-3  # a scheduler's change: Rule.field_holds, no full validation
     set_grads(params, seed=9)
+    opt.step()
+    assert len(calls) - after_init == 1
+    opt.param_groups[0]["weight_decay"] = 0.2  # another field: validated whole
+    set_grads(params, seed=10)
     opt.step()
     assert len(calls) - after_init == 2
 
