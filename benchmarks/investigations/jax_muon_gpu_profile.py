@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -26,25 +24,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_muon import LISTS, matrices  # noqa: E402
+from bench_step import jax_time_ms  # noqa: E402
 from muon_ns_timing import jax_optimizers, jax_problem, jax_step_ms, jax_train_step  # noqa: E402
 
 from packed_adamw.core.muon import ns_kernel  # noqa: E402
 from packed_adamw.jax import muon as jax_muon  # noqa: E402
 from packed_adamw.jax import _muon_triton  # noqa: E402
-
-
-def timed(fn, *args, steps=10, repeats=3) -> float:
-    """A part's time (not donated): median over `repeats` of the mean of `steps` calls."""
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        for _ in range(steps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - begin) * 1e3 / steps)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -84,7 +69,8 @@ def main() -> None:
     for (k, n), count in groups.items():
         x = jax.lax.bitcast_convert_type(
             jnp.asarray((rng.standard_normal((count, k, n)) * 1e-3).astype(np.float32)).astype(jnp.bfloat16), jnp.int16)
-        ms = timed(jax.jit(lambda x: _muon_triton.newton_schulz(x, ns_scalars, jax_muon.DEFAULT_NS_STEPS)), x)
+        ns = jax.jit(lambda x: (_muon_triton.newton_schulz(x, ns_scalars, jax_muon.DEFAULT_NS_STEPS),))
+        ms = jax_time_ms(ns, (x,), steps=10, repeats=3)  # each result the next input: same shape and dtype
         print(f"Newton-Schulz alone, group {count} x [{k}, {n}]: {ms:.3f} ms")
         ns_ms += ms
     rows["Newton-Schulz alone (sum of groups)"] = ns_ms
