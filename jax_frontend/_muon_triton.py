@@ -33,14 +33,15 @@ def muon_momentum_leaf_kernel(
 ):
     """Grid (blocks per matrix, matrices of the leaf): phase 1 of matrix z into the scratch
     `new_state` [z], X into slot slot0 + z of `x` ([*, rows, cols] int16 bf16 bits; TALL: the
-    matrix transposed), its refusing elements added to `refused[z]`. `x_in` and `refused_in`
-    are `x` and `refused` (aliased: jax-triton passes outputs after the inputs)."""
+    matrix transposed), its refusing elements added to `refused[slot0 + z]` (one counter a
+    slot of the shape group). `x_in` and `refused_in` are `x` and `refused` (aliased:
+    jax-triton passes outputs after the inputs)."""
     z = tl.program_id(1).to(tl.int64)
     base = z * n_elements
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x_offsets = _slot_offsets(offsets, TALL, rows, cols)
     _momentum_elements(grad_ptr + base, state_ptr + base, new_state_ptr + base, x_ptr + (slot0 + z) * n_elements,
-                       x_offsets, scalars_ptr, refused_ptr + z, offsets, offsets < n_elements, MODE, MU_FRAC,
+                       x_offsets, scalars_ptr, refused_ptr + slot0 + z, offsets, offsets < n_elements, MODE, MU_FRAC,
                        MU_BIAS, MU_MAX, NESTEROV, False, GRAD_BF16)
 
 
@@ -51,17 +52,18 @@ def muon_weight_leaf_kernel(
     param_ptr, lo_ptr, state_ptr, rejected_ptr,
     TALL: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Grid (blocks per matrix, matrices of the leaf): phase 2 of matrix z unless `refused[z]`:
-    commits the scratch momentum to `state`, steps the weights (SPLIT: int16 bf16 bits and low
-    halves) with O read from slot slot0 + z of `ortho`. The `*_in` inputs are aliased to the
-    outputs of the same name (a matrix that is not stepped keeps them)."""
+    """Grid (blocks per matrix, matrices of the leaf): phase 2 of matrix z unless
+    `refused[slot0 + z]`: commits the scratch momentum to `state`, steps the weights (SPLIT:
+    int16 bf16 bits and low halves) with O read from slot slot0 + z of `ortho`, its rejected
+    elements counted in `rejected[slot0 + z]`. The `*_in` inputs are aliased to the outputs of
+    the same name (a matrix that is not stepped keeps them)."""
     z = tl.program_id(1).to(tl.int64)
-    if tl.load(refused_ptr + z) == 0:
+    if tl.load(refused_ptr + slot0 + z) == 0:
         base = z * n_elements
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ortho_offsets = _slot_offsets(offsets, TALL, rows, cols)
         _weight_elements(param_ptr + base, lo_ptr + base, ortho_ptr + (slot0 + z) * n_elements, ortho_offsets,
-                         new_state_ptr + base, state_ptr + base, scalars_ptr, rejected_ptr + z, offsets,
+                         new_state_ptr + base, state_ptr + base, scalars_ptr, rejected_ptr + slot0 + z, offsets,
                          offsets < n_elements, SPLIT)
 
 
@@ -120,7 +122,8 @@ def _bits16(x):
 def momentum_step(grads, states, scalars, x, refused, slot0, view, *, fmt, nesterov):
     """One leaf's momentum launch. `grads`/`states` [batch, rows, cols] (float32 or bf16
     gradients; uint16 codes or float32 momenta); `x` its group's int16 [B, k, n] buffer and
-    `refused` the leaf's int32 [batch] counters (both updated). Returns (scratch, x, refused)."""
+    `refused` the group's int32 [B] counters (both updated, the leaf's slots from `slot0`).
+    Returns (scratch, x, refused)."""
     k, n, tall = wide_shape(view)
     batch, n_elements = grads.shape[0], view.rows * view.cols
     grad_bf16 = grads.dtype == jnp.bfloat16
@@ -141,17 +144,17 @@ def momentum_step(grads, states, scalars, x, refused, slot0, view, *, fmt, neste
     return scratch, x, refused
 
 
-def weight_step(params, lows, states, scratch, scalars, refused, ortho, slot0, view, *, fmt):
-    """One leaf's weight launch: returns (new params, new low halves or None, new states), each
-    matrix stepped unless refused."""
+def weight_step(params, lows, states, scratch, scalars, refused, rejected, ortho, slot0, view, *, fmt):
+    """One leaf's weight launch: returns (new params, new low halves or None, new states, the
+    group's `rejected` counters [B] updated), each matrix stepped unless its `refused` slot
+    (the group's [B] counters) is set."""
     k, n, tall = wide_shape(view)
     batch, n_elements = params.shape[0], view.rows * view.cols
     split = lows is not None
     weights = _bits16(params) if split else params
     low = lows if split else weights
     state_in = states if fmt.mode == "fp32" else _bits16(states)
-    rejected = jnp.zeros((batch,), jnp.int32)
-    new_weights, new_low, new_states, _ = _jax_triton().triton_call(
+    new_weights, new_low, new_states, rejected = _jax_triton().triton_call(
         weights, low, ortho, scratch, state_in, scalars, refused, rejected, n_elements, slot0, k, n,
         kernel=muon_weight_leaf_kernel,
         out_shape=(jax.ShapeDtypeStruct(weights.shape, weights.dtype), jax.ShapeDtypeStruct(low.shape, low.dtype),
@@ -166,8 +169,8 @@ def weight_step(params, lows, states, scratch, scalars, refused, ortho, slot0, v
     if fmt.mode != "fp32":
         new_states = jax.lax.bitcast_convert_type(new_states, jnp.uint16)
     if split:
-        return jax.lax.bitcast_convert_type(new_weights, jnp.bfloat16), new_low, new_states
-    return new_weights, None, new_states
+        return jax.lax.bitcast_convert_type(new_weights, jnp.bfloat16), new_low, new_states, rejected
+    return new_weights, None, new_states, rejected
 
 
 def newton_schulz(x_bits, ns_scalars, steps: int):

@@ -619,19 +619,24 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, ro
     for (k, n_cols), members in groups.items():
         scalars = {j: _muon_triton.leaf_scalars(row, config.static_row, config.shapes[j], config.adjust_lr_fn)
                    for j in members}
-        x = jnp.zeros((sum(g_mats[j].shape[0] for j in members), k, n_cols), jnp.int16)
-        slots, scratches, refused, slot = {}, {}, {}, 0
+        matrices = sum(g_mats[j].shape[0] for j in members)
+        x = jnp.zeros((matrices, k, n_cols), jnp.int16)
+        # One counter a matrix for the whole group, threaded through its leaves' launches (a
+        # buffer a leaf would be an XLA operation a leaf, each a launch of its own).
+        refused = jnp.broadcast_to(refused_if_invalid, (matrices,))
+        rejected = jnp.zeros((matrices,), jnp.int32)
+        slots, scratches, slot = {}, {}, 0
         for j in members:
-            slots[j], batch = slot, g_mats[j].shape[0]
-            slot += batch
-            scratches[j], x, refused[j] = _muon_triton.momentum_step(
-                g_mats[j], s_mats[j], scalars[j], x, jnp.broadcast_to(refused_if_invalid, (batch,)), slots[j],
-                views[j], fmt=config.fmt, nesterov=config.nesterov)
+            slots[j] = slot
+            slot += g_mats[j].shape[0]
+            scratches[j], x, refused = _muon_triton.momentum_step(
+                g_mats[j], s_mats[j], scalars[j], x, refused, slots[j], views[j], fmt=config.fmt,
+                nesterov=config.nesterov)
         ortho = _muon_triton.newton_schulz(x, ns_scalars, steps)
         for j in members:
-            new_params[j], new_lows[j], new_states[j] = _muon_triton.weight_step(
-                p_mats[j], lo_of[j], s_mats[j], scratches[j], scalars[j], refused[j], ortho, slots[j], views[j],
-                fmt=config.fmt)
+            new_params[j], new_lows[j], new_states[j], rejected = _muon_triton.weight_step(
+                p_mats[j], lo_of[j], s_mats[j], scratches[j], scalars[j], refused, rejected, ortho, slots[j],
+                views[j], fmt=config.fmt)
     return new_params, iter([lo for lo, is_split in zip(new_lows, config.split) if is_split]), new_states
 
 

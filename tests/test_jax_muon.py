@@ -447,16 +447,24 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypat
     monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: True)
     rng = np.random.default_rng(41)
     p0 = {k: (rng.standard_normal(s) * 0.2).astype(F32) for k, s in INTERPRETED_LEAVES.items()}
-    grads = [{k: gradient(rng, s) for k, s in INTERPRETED_LEAVES.items()} for _ in range(2)]
+    grads = [{k: gradient(rng, s) for k, s in INTERPRETED_LEAVES.items()} for _ in range(3)]
+    # The last step refuses the wide leaf's matrix, the second slot of the Newton-Schulz group it
+    # shares with the tall leaf: its counters are the group's, indexed by slot.
+    grads[2]["wide"][1, 2] = np.nan
     bf16_leaf = lambda k: k == "half"  # noqa: E731
 
     params = {k: jnp.asarray(v, jnp.bfloat16 if bf16_leaf(k) else jnp.float32) for k, v in p0.items()}
+    before_refusal = {}
     tx = packed_muon(LR, ns_steps=2, beta=BETA, eps=EPS, weight_decay=WD)
     state = tx.init(params)
-    for g in grads:  # eagerly: the stand-in runs each launch as it comes
+    for n, g in enumerate(grads):  # eagerly: the stand-in runs each launch as it comes
+        if n == 2:
+            before_refusal = {k: bits(params[k]) for k in ("wide", "tall")}
         updates, state = tx.update({k: jnp.asarray(v, params[k].dtype) for k, v in g.items()}, state, params)
         params = optax.apply_updates(params, updates)
     assert _muon_triton.muon_momentum_leaf_kernel in stand_in.kernels
+    assert np.array_equal(bits(params["wide"]), before_refusal["wide"])  # refused: kept
+    assert not np.array_equal(bits(params["tall"]), before_refusal["tall"])  # its group neighbour stepped
 
     torch_params = {k: torch.nn.Parameter(torch.from_numpy(v.T.copy()).to(torch.bfloat16 if bf16_leaf(k)
                                                                          else torch.float32))
