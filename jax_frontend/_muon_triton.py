@@ -152,7 +152,11 @@ def weight_step(params, lows, states, scratch, scalars, refused, rejected, ortho
     batch, n_elements = params.shape[0], view.rows * view.cols
     split = lows is not None
     weights = _bits16(params) if split else params
-    low = lows if split else weights
+    # Without a low half the kernel never touches `lo`: a one-element stand-in, not aliased.
+    # (Passing the weights again aliased one buffer to two outputs, and XLA copied the weights
+    # twice for every matrix.)
+    low = lows if split else jnp.zeros((1,), jnp.int16)
+    aliases = {0: 0, 1: 1, 4: 2, 7: 3} if split else {0: 0, 4: 2, 7: 3}
     state_in = states if fmt.mode == "fp32" else _bits16(states)
     new_weights, new_low, new_states, rejected = _jax_triton().triton_call(
         weights, low, ortho, scratch, state_in, scalars, refused, rejected, n_elements, slot0, k, n,
@@ -162,7 +166,7 @@ def weight_step(params, lows, states, scratch, scalars, refused, rejected, ortho
                    jax.ShapeDtypeStruct(rejected.shape, rejected.dtype)),
         grid=(launch.grid(n_elements, launch.GPU_BLOCK)[0], batch),
         num_warps=launch.GPU_NUM_WARPS,
-        input_output_aliases={0: 0, 1: 1, 4: 2, 7: 3},
+        input_output_aliases=aliases,
         TALL=tall, SPLIT=split, BLOCK=launch.GPU_BLOCK,
         **launch.COMPILE_OPTIONS,
     )

@@ -108,16 +108,33 @@ def _float64_scope():
     return enable(True)
 
 
-def _divide(a, b):
-    """float32 a / b, correctly rounded: in float64, then rounded once."""
-    with _float64_scope():
-        return (a.astype(jnp.float64) / b.astype(jnp.float64)).astype(F32)
+def _widened(x, guard):
+    """float32 `x` as float64, its bits OR'ed with the zero `guard` (None: plainly converted).
+
+    LLVM's instruction combiner narrows `fptrunc(fdiv(fpext a, fpext b))` to a float32 `fdiv a,
+    b`, a legal rewrite (the double rounding is innocuous), which XLA's GPU backend then lowers
+    to its float32 division, not correctly rounded. Measured on an H100 (jax 0.11.2,
+    2026-12-06): the float64 division of widened float32 operands differed from the correctly
+    rounded quotient in 19,041 of 65,536 elements, the count of the float32 division, though the
+    optimized HLO divides in float64. An operand that is not recognisably a widened float32
+    cannot be narrowed."""
+    wide = x.astype(jnp.float64)
+    if guard is None:
+        return wide
+    bits = lax.bitcast_convert_type(wide, jnp.uint64) | guard.astype(jnp.uint64)
+    return lax.bitcast_convert_type(bits, jnp.float64)
 
 
-def _sqrt(x):
-    """float32 sqrt(x), correctly rounded: in float64, then rounded once."""
+def _divide(a, b, guard):
+    """float32 a / b, correctly rounded: in float64 (`_widened` operands), then rounded once."""
     with _float64_scope():
-        return jnp.sqrt(x.astype(jnp.float64)).astype(F32)
+        return (_widened(a, guard) / _widened(b, guard)).astype(F32)
+
+
+def _sqrt(x, guard):
+    """float32 sqrt(x), correctly rounded: in float64 (a `_widened` operand), then rounded once."""
+    with _float64_scope():
+        return jnp.sqrt(_widened(x, guard)).astype(F32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,10 +213,11 @@ def step_scalars(hparams, count, guard):
     bias_correction2 = one - _float32_power(b2, count, guard)
     # XLA's algebraic simplifier rewrites 1 / sqrt(x) into rsqrt(x), one differently rounded
     # operation (measured on CPU: other bits at count 7); the guard keeps the two roundings.
-    sqrt_bias_correction2 = _opaque(_sqrt(bias_correction2), contraction_guard(count))
+    sqrt_bias_correction2 = _opaque(_sqrt(bias_correction2, guard), contraction_guard(count))
     fields = dict(b1=b1, one_minus_b1=one - b1, b2=b2, one_minus_b2=one - b2,
-                  step_size=_divide(lr, bias_correction1),
-                  inv_sqrt_bias_correction2=_divide(jnp.full_like(sqrt_bias_correction2, one), sqrt_bias_correction2),
+                  step_size=_divide(lr, bias_correction1, guard),
+                  inv_sqrt_bias_correction2=_divide(jnp.full_like(sqrt_bias_correction2, one), sqrt_bias_correction2,
+                                                    guard),
                   eps=eps, lr_wd=lr * wd)
     columns = [None] * len(SCALAR_INDEX)
     for name, index in SCALAR_INDEX.items():
@@ -222,9 +240,9 @@ def element_step(p, g, m, v_or_rms, s, fmt, *, split: bool, guard):
     r = lambda x: _rounded(x, guard)  # noqa: E731
     m_next = r(s["b1"] * m) + r(s["one_minus_b1"] * g)
     v_next = r(s["b2"] * v) + r(s["one_minus_b2"] * (g * g))
-    rms_next = _sqrt(v_next)
+    rms_next = _sqrt(v_next, guard)
     denom = r(rms_next * s["inv_sqrt_bias_correction2"]) + s["eps"]
-    update = _negated(r(s["step_size"] * _divide(m_next, denom)) + r(s["lr_wd"] * p))
+    update = _negated(r(s["step_size"] * _divide(m_next, denom, guard)) + r(s["lr_wd"] * p))
     p_next = p + update
     accepted = finite_grad & jnp.isfinite(p_next)
     if split:

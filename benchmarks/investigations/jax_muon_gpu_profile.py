@@ -8,7 +8,8 @@ Prints (1) the buffer copies, custom calls and fusions of the compiled step's en
 one), for packed_muon and optax.contrib.muon, the step compiled and timed as
 benchmarks/muon_ns_timing.py does (donated); (2) the step times beside Newton-Schulz alone over
 the step's shape groups, in the same run; (3) with --trace, a jax.profiler trace of three steps
-(per-kernel GPU times, read with TensorBoard or Perfetto).
+(per-kernel GPU times, read with TensorBoard or Perfetto). With --stacked, the matrices of
+one shape are one leaf [count, in, out] for both optimizers.
 """
 from __future__ import annotations
 
@@ -37,14 +38,20 @@ def main() -> None:
     parser.add_argument("--list", default="d12", choices=LISTS)
     parser.add_argument("--trace", help="also write a jax.profiler trace here")
     parser.add_argument("--hlo-dir", help="also write each step's optimized HLO here")
+    parser.add_argument("--stacked", action="store_true",
+                        help="the list's matrices of one shape stacked in one leaf [count, in, out] (batch axis 0), "
+                             "for both optimizers: what a leaf's own launches cost")
     args = parser.parse_args()
     shapes = matrices(args.list)
     params, grads = jax_problem(shapes)
+    optimizers = jax_optimizers()
+    if args.stacked:
+        params, grads, optimizers = stacked_problem(params, grads)
     rng = np.random.default_rng(1)
     print(f"{args.list}: {len(shapes)} matrices, {sum(r * c for r, c in shapes):,} elements; {jax.devices()[0]}")
 
     rows = {}
-    for name, tx in jax_optimizers().items():
+    for name, tx in optimizers.items():
         # the step as muon_ns_timing.py times it (donated), compiled here to read its HLO
         state = tx.init(params)
         text = jax_train_step(tx).lower(params, state, grads).compile().as_text()
@@ -79,7 +86,7 @@ def main() -> None:
         print(f"{name:40s} {ms:8.3f} ms  {ms / base:.2f}x optax.contrib.muon")
 
     if args.trace:
-        tx = jax_optimizers()["packed_muon (GPU, Triton NS)"]
+        tx = optimizers["packed_muon (GPU, Triton NS)"]
         step = jax_train_step(tx)
         p, state = jax.tree.map(jnp.copy, params), tx.init(params)
         p, state = step(p, state, grads)
@@ -89,6 +96,26 @@ def main() -> None:
                 p, state = step(p, state, grads)
             jax.block_until_ready(p)
         print(f"trace written to {args.trace}")
+
+
+def stacked_problem(params, grads):
+    """The leaves of one shape stacked into one [count, in, out] leaf, and the two optimizers
+    told so (`muon_weight_dimension_numbers`: axis 0 a batch of matrices)."""
+    import optax
+
+    by_shape = collections.defaultdict(list)
+    for key, leaf in params.items():
+        by_shape[leaf.shape].append(key)
+    stack = lambda tree: {f"s{i}": jnp.stack([tree[k] for k in keys])  # noqa: E731
+                          for i, keys in enumerate(by_shape.values())}
+    stacked_params, stacked_grads = stack(params), stack(grads)
+    spec = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+    dims = {k: spec for k in stacked_params}
+    optimizers = {"optax.contrib.muon": optax.contrib.muon(0.02, beta=0.95, muon_weight_dimension_numbers=dims),
+                  "packed_muon (GPU, Triton NS)": jax_muon.packed_muon(0.02, beta=0.95,
+                                                                       muon_weight_dimension_numbers=dims)}
+    print(f"stacked: {len(stacked_params)} leaves " + ", ".join(str(v.shape) for v in stacked_params.values()))
+    return stacked_params, stacked_grads, optimizers
 
 
 def _muon_triton_wide(rows: int, cols: int) -> tuple[int, int]:
