@@ -10,10 +10,11 @@ while compiling, and the process peak would be the compiler's, not the step's),
 on one float32 leaf of `--elements` parameters (default 2**27, 512 MiB), a matrix W:
 
 - `optax.adamw`: `tx.update` + `optax.apply_updates` under `jax.jit`;
-- `packed transform`: `packed_adamw`'s `tx.update` + `optax.apply_updates`, the same way, with
-  the update written into the gradient's buffer (`reuse_grad_buffer=True`, the default) and
-  without;
-- `packed fused step`: `packed_adamw_fused_step`.
+- `packed transform (kernel)`: `packed_adamw(impl="kernel")`'s `tx.update` +
+  `optax.apply_updates`, the same way, with the update written into the gradient's buffer
+  (`reuse_grad_buffer=True`, the default) and without;
+- `packed transform (xla)`: `impl="xla"`, the step as XLA operations (`impl="auto"`'s on a GPU);
+- `packed fused step (kernel)`, `packed fused step (xla)`: `packed_adamw_fused_step`.
 
 Two kinds of step, each `jax.jit(step, donate_argnums=(0, 1))` with the parameters and the
 state donated:
@@ -44,7 +45,8 @@ import sys
 import time
 from pathlib import Path
 
-CONFIGS = ["optax.adamw", "packed transform", "packed transform, reuse_grad_buffer=False", "packed fused step"]
+CONFIGS = ["optax.adamw", "packed transform (kernel)", "packed transform (kernel), reuse_grad_buffer=False",
+           "packed transform (xla)", "packed fused step (kernel)", "packed fused step (xla)"]
 SCENARIOS = {"train": "train step (gradient computed in the step)",
              "given": "gradients passed in (kept by the caller)"}
 BATCH = 64
@@ -72,13 +74,14 @@ def child(config: str, scenario: str, n: int) -> dict:
     params = {"w": jax.device_put((rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(0.05)), device)}
     x = jax.device_put(rng.standard_normal((BATCH, rows), dtype=np.float32), device)
     y = jax.device_put(rng.standard_normal((BATCH, cols), dtype=np.float32), device)
+    impl = "xla" if "(xla)" in config else "kernel"
     tx = optax.adamw(1e-3) if config == "optax.adamw" else packed_adamw(
-        1e-3, reuse_grad_buffer=not config.endswith("reuse_grad_buffer=False"))
+        1e-3, reuse_grad_buffer=not config.endswith("reuse_grad_buffer=False"), impl=impl)
     state = tx.init(params)
-    fused = packed_adamw_fused_step(1e-3)
+    fused = packed_adamw_fused_step(1e-3, impl=impl)
 
     def apply(params, state, grads):
-        if config == "packed fused step":
+        if config.startswith("packed fused step"):
             return fused(params, grads, state)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state

@@ -1,9 +1,9 @@
 """The AdamW step written in jax.numpy and lax bit operations: an XLA-native elementwise step.
 
 `xla_step` takes the step primitive's operands and config (`_step.StepOperands`,
-`_step.StepConfig`) and returns its results (`_step.StepResults`), so the transform can call it
-where it calls `_sharding.sharded_step`. Being ordinary XLA operations, it fuses with what
-surrounds it (`optax.apply_updates`, the gradient's producer) and is partitioned by XLA like any
+`_step.StepConfig`) and returns its results (`_step.StepResults`), so the transform calls it
+where it would call `_sharding.sharded_step` (`impl="xla"`, and `impl="auto"` on CUDA GPUs).
+Being ordinary XLA operations, it fuses with what surrounds it (`optax.apply_updates`, the gradient's producer) and is partitioned by XLA like any
 elementwise computation; the primitive's Triton kernel and numpy callback can do neither.
 
 It follows docs/FORMAT.md ("The step", "Split masters") operation for operation, in the order
@@ -37,12 +37,14 @@ between XLA and those bits (measured on CPU, jax 0.10.2; tests/test_jax_xla_step
   elements, `sqrt(x)` in 11,028), so both are computed in float64 and rounded once to float32
   (`_divide`, `_sqrt`): a float64 quotient or square root of float32 operands, rounded to
   float32, is the correctly rounded float32 result (53 >= 2 * 24 + 2 bits, so the double
-  rounding is innocuous). On an H100 (2026-12-06) the `cuda` test still fails with this change:
-  against the kernel step the states are equal, the new parameters are not (docs/JAX.md).
+  rounding is innocuous). Their float64 operands carry the guard too (`_widened`): LLVM
+  otherwise narrows the float64 division of widened float32 values back to a float32 one
+  (measured: the same 19,041 elements off, though the optimized HLO divides in float64). With
+  that the `cuda` tests pass: the step gives the contract's bits on an H100 (2026-12-06).
 
 On CPU XLA splits the step into several loop fusions with float32 temporaries between them
-(12 bytes per parameter in benchmarks/jax_xla_step.py); whether the GPU backend's multi-output
-fusion makes it one kernel is what that benchmark's temporaries column shows.
+(12 bytes per parameter in benchmarks/jax_xla_step.py). On an H100 its temporaries in a jitted
+train step were optax.adamw's (0.50 bytes per parameter; docs/results/JAX_XLA_STEP.md).
 
 Format counts (`track_format`) are not implemented here; the config is refused.
 """

@@ -1,10 +1,14 @@
 """optax frontend: `packed_adamw` as a GradientTransformation, and a fused in-place step.
 
-The step over the leaves is one primitive lowered per platform (`_step.py`): on CUDA the core
-Triton kernels launched through jax-triton, many leaves per launch (docs/MULTI_TENSOR.md); on
-every other platform the numpy step through `jax.pure_callback`. Sharded leaves are stepped
-shard by shard on their own devices (`_sharding.py`). Both paths follow docs/FORMAT.md, so
-they give the same bits as `packed_adamw.torch.PackedAdamW`. docs/JAX.md is the user's page.
+The step over the leaves is either one primitive lowered per platform (`_step.py`, `impl=
+"kernel"`): on CUDA the core Triton kernels launched through jax-triton, many leaves per launch
+(docs/MULTI_TENSOR.md); on every other platform the numpy step through `jax.pure_callback`,
+sharded leaves stepped shard by shard on their own devices (`_sharding.py`). Or, on CUDA GPUs,
+the same step written as XLA operations (`_xla_step.py`, `impl="xla"`), which XLA fuses with
+the gradient's producer and `optax.apply_updates` and partitions like any elementwise
+computation. `impl="auto"` (the default) takes the XLA step on GPUs unless format counts are on,
+the primitive elsewhere. Every path follows docs/FORMAT.md, so they give the same bits as
+`packed_adamw.torch.PackedAdamW`. docs/JAX.md is the user's page.
 
 A bfloat16 leaf is the live weight of an exact FP32 master (docs/FORMAT.md, "Split masters"):
 the state keeps its int16 low half (`PackedAdamWState.low_halves`), the step runs on the
@@ -20,6 +24,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import optax
 
@@ -32,10 +37,31 @@ from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
 from ._sharding import sharded_step, state_spec
 from ._rules import ADAMW
-from ._step import StepConfig, StepOperands
+from ._step import StepConfig, StepOperands, StepResults
+from ._xla_step import xla_step
 
 # optax.adamw's default; torch.optim.AdamW (and PackedAdamW) use 1e-2.
 DEFAULT_WEIGHT_DECAY = 1e-4
+IMPLS = ("auto", "kernel", "xla")
+
+
+def _on_cuda_xla_step(operands: StepOperands, *, config: StepConfig) -> StepResults:
+    """The XLA step where the step is lowered for CUDA, the primitive elsewhere (a GPU host's
+    CPU): both are traced, one is lowered."""
+    flat = lax.platform_dependent(
+        *operands.flat(config),
+        cuda=lambda *flat: xla_step(StepOperands.of(flat, config), config=config).flat(config),
+        default=lambda *flat: sharded_step(StepOperands.of(flat, config), config=config).flat(config))
+    return StepResults.of(flat, config)
+
+
+def _step_platforms(tree) -> set[str]:
+    """The platforms the step runs on: the default backend's, and every concrete leaf's."""
+    platforms = {jax.default_backend()}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if not isinstance(leaf, jax.core.Tracer) and isinstance(leaf, jax.Array):
+            platforms |= {d.platform for d in leaf.devices()}
+    return platforms
 
 
 class FormatCounts(NamedTuple):
@@ -369,9 +395,15 @@ class _Stepper:
     first, a number, an array or a schedule of the count)."""
 
     def __init__(self, group, mask, mode, m_bias, rms_bias, multi_tensor, reuse_grad_buffer=False,
-                 track_format=False):
+                 track_format=False, impl="auto"):
         self.fmt = state_format(mode, m_bias, rms_bias)
         self.rule = self.fmt.rule
+        if impl not in IMPLS:
+            raise ValueError(f"packed_adamw: impl={impl!r}: pass 'auto' (the default), 'kernel' or 'xla'")
+        if impl == "xla" and track_format:
+            raise ValueError("packed_adamw: impl='xla' does not count formats; with track_format=True use "
+                             "impl='kernel' (or 'auto', which picks it)")
+        self.impl = impl
         self.warn_refused = functools.partial(_warn_refused, self.rule)  # the host side of `_report_refusal`
         if track_format not in (True, False):
             raise TypeError(f"packed_adamw: track_format={track_format!r}: pass True or False")
@@ -387,6 +419,28 @@ class _Stepper:
         self.group = tuple(group)
         self.mask = mask
         self.multi_tensor = bool(multi_tensor)
+
+    def step_function(self, tree, counting: bool):
+        """The step over the leaves, `step(operands, config=config) -> StepResults`: the
+        primitive (`sharded_step`), or on CUDA GPUs the XLA step (`xla_step`).
+
+        The XLA step only on CUDA: there XLA keeps float32 subnormals and the step's bits are
+        the contract's (tests/test_jax_xla_step.py); XLA's CPU runtime flushes them, so on a CPU
+        the numpy step (the primitive's callback) stays. Under `jax.jit` the arrays are tracers
+        and the platform is known only when the step is lowered, so on a host with a GPU the
+        choice is staged out (`lax.platform_dependent`): arrays placed on such a host's CPU
+        still take the numpy step. A CPU-only host never stages the XLA step."""
+        if self.impl == "kernel" or (self.impl == "auto" and counting):
+            return sharded_step
+        platforms = _step_platforms(tree)
+        if "gpu" not in platforms:
+            if self.impl == "xla":
+                raise ValueError(
+                    f"packed_adamw: impl='xla' runs on CUDA GPUs only, and this step's arrays are on "
+                    f"{sorted(platforms)}: XLA's CPU runtime flushes float32 subnormals, which the contract keeps. "
+                    "Use impl='auto' (the default) or 'kernel'")
+            return sharded_step
+        return _on_cuda_xla_step
 
     def _check_params_unread(self, given, leaf_rows) -> None:
         """An update without params: refused unless every leaf's update is the same for any
@@ -483,7 +537,8 @@ class _Stepper:
                             leaf_rows=leaf_rows, paths=paths,
                             alias_grads=write_update and self.reuse_grad_buffer, track_format=counting,
                             split=tuple(i for i, lo in enumerate(lows) if lo is not None))
-        results = sharded_step(StepOperands(params, grads, moments, lows, hparams, step_count), config=config)
+        step = self.step_function((params, grads, moments), counting)
+        results = step(StepOperands(params, grads, moments, lows, hparams, step_count), config=config)
         outs, new_lows = results.outs, results.lows
         if write_update:  # a split leaf's out is its new weight: the update that gives it (_masters)
             for i in config.split:
@@ -513,6 +568,7 @@ def packed_adamw(
     multi_tensor: bool = True,
     reuse_grad_buffer: bool = True,
     track_format: bool = False,
+    impl: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """AdamW with one uint32 word of state per float32 parameter, as an optax transformation.
 
@@ -527,12 +583,18 @@ def packed_adamw(
     the same biases given separately. A format object stays static under
     `optax.inject_hyperparams` without `static_args`.
 
-    On CUDA, `multi_tensor=True` updates up to 16 leaves per kernel launch (leaves of 2**24
-    elements or more get their own); `False` launches once per leaf. Same bits either way.
+    `impl` picks how the step runs; every choice gives the same bits. "xla": as XLA
+    operations, which XLA fuses with the gradient's producer and `optax.apply_updates` (CUDA
+    GPUs only; on an H100 0.69x optax.adamw's optimizer time in a jitted train step, docs/JAX.md).
+    "kernel": the Triton kernel through jax-triton on CUDA, the numpy step on other platforms.
+    "auto" (the default): "xla" on CUDA GPUs unless `track_format` is on, else "kernel".
+    The kernel's options: on CUDA, `multi_tensor=True` updates up to 16 leaves per kernel
+    launch (leaves of 2**24 elements or more get their own); `False` launches once per leaf.
     With `reuse_grad_buffer=True` the CUDA kernel writes u into the gradient's buffer, so a
     jitted train step whose gradients are computed in the step needs no buffer for u (its
     peak is parameters + state + gradients); gradients passed into the jitted function and
     kept by the caller are then copied first, so for such a step pass False. Same bits.
+    The XLA step ignores both: XLA places its buffers.
     Sharded leaves are updated shard by shard on their own devices (docs/JAX.md).
     Gradient elements that are NaN or Inf get update -0.0 and keep their state; wrap the
     transform in `optax.apply_if_finite` to skip such steps whole.
@@ -557,7 +619,7 @@ def packed_adamw(
     returns the masters; `load_master_weights` sets them.
     """
     stepper = _Stepper(_adamw_group(learning_rate, b1, b2, eps, weight_decay), mask, mode, m_bias, rms_bias,
-                       multi_tensor, reuse_grad_buffer, track_format)
+                       multi_tensor, reuse_grad_buffer, track_format, impl)
 
     def update_fn(updates, state, params=None, *, track_format: bool | None = None, **extra_args):
         del extra_args  # accepted, as every optax alias does, and unused
@@ -579,6 +641,7 @@ def packed_adamw_fused_step(
     rms_bias: int | None = None,
     multi_tensor: bool = True,
     track_format: bool = False,
+    impl: str = "auto",
 ) -> Callable[[Any, Any, PackedAdamWState], tuple[Any, PackedAdamWState]]:
     """`step(params, grads, state) -> (params, state)`: the same step, writing parameters
     directly. Under `jax.jit(step, donate_argnums=(0, 2))` on CUDA it updates the donated
@@ -586,9 +649,10 @@ def packed_adamw_fused_step(
     `packed_adamw(...).init(params)` with the same arguments (`track_format` included; as in
     `update`, `step(..., track_format=False)` leaves a step uncounted). A
     bfloat16 leaf gets its new weight and the state its new low half, in place likewise.
+    `impl` as for `packed_adamw`.
     """
     stepper = _Stepper(_adamw_group(learning_rate, b1, b2, eps, weight_decay), mask, mode, m_bias, rms_bias,
-                       multi_tensor, track_format=track_format)
+                       multi_tensor, track_format=track_format, impl=impl)
 
     def step(params, grads, state, *, track_format: bool | None = None):
         return stepper.run(grads, state, params, write_update=False, track_format=track_format)

@@ -61,17 +61,18 @@ def problem(seed):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("lr_kind", ["const", "schedule"])
-def test_torch_cuda_jax_gpu_fused_and_numpy_give_the_same_bits(mode, lr_kind):
+@pytest.mark.parametrize("impl", ["kernel", "auto"])  # auto: the XLA step on a GPU
+def test_torch_cuda_jax_gpu_fused_and_numpy_give_the_same_bits(mode, lr_kind, impl):
     assert sum(int(np.prod(s)) for s in SHAPES.values()) >= 1_000_000
     params0, grads = problem(seed=21)
     jax_lr, host_lr = LR_KINDS[lr_kind]
 
     t_params, t_states, _, _ = run_torch(params0, grads, mode=mode, lr=host_lr, weight_decay=WD, device="cuda")
-    tx = packed_adamw(jax_lr, weight_decay=WD, mode=mode)
+    tx = packed_adamw(jax_lr, weight_decay=WD, mode=mode, impl=impl)
     j_params, j_state = run_jax(params0, grads, tx)
     assert all(leaf.devices().pop().platform == "gpu" for leaf in jax.tree_util.tree_leaves(j_params))
 
-    fused = jax.jit(packed_adamw_fused_step(jax_lr, weight_decay=WD, mode=mode), donate_argnums=(0, 2))
+    fused = jax.jit(packed_adamw_fused_step(jax_lr, weight_decay=WD, mode=mode, impl=impl), donate_argnums=(0, 2))
     f_params = {k: jnp.asarray(v) for k, v in params0.items()}
     f_state = tx.init(f_params)
     for g in grads:
@@ -112,7 +113,7 @@ def test_torch_triton_launch_still_works_after_the_jax_triton_path():
     params0, grads = problem(seed=23)
     small = {k: v for k, v in params0.items() if k != "big"}
     small_grads = [{k: g[k] for k in small} for g in grads[:3]]
-    run_jax(small, small_grads, packed_adamw(LR, weight_decay=WD))  # jax_triton imported and launched
+    run_jax(small, small_grads, packed_adamw(LR, weight_decay=WD, impl="kernel"))  # jax_triton imported and launched
     assert os.environ.get("TRITON_CACHE_DIR") == TRITON_CACHE_DIR_AT_START, "jax_triton import leaked into env"
     # New biases: new constexprs, so torch's Triton must compile (and cache) a fresh kernel now.
     keys = sorted(small)
@@ -149,8 +150,9 @@ def test_leaves_launched_in_groups_give_the_bits_of_a_launch_per_leaf(mode):
     mask = {k: i % 3 != 0 for i, k in enumerate(shapes)}
     results = {}
     for multi in (True, False):
-        tx = packed_adamw(table_schedule, weight_decay=WD, mode=mode, mask=mask, multi_tensor=multi)
-        fused = packed_adamw_fused_step(table_schedule, weight_decay=WD, mode=mode, mask=mask, multi_tensor=multi)
+        tx = packed_adamw(table_schedule, weight_decay=WD, mode=mode, mask=mask, multi_tensor=multi, impl="kernel")
+        fused = packed_adamw_fused_step(table_schedule, weight_decay=WD, mode=mode, mask=mask, multi_tensor=multi,
+                                        impl="kernel")
         jitted = jax.jit(fused, donate_argnums=(0, 2))
         params = {k: jnp.asarray(v) for k, v in params0.items()}
         state = tx.init(params)
@@ -189,27 +191,29 @@ def _train_step(tx):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
-def test_sharded_update_and_fused_step_on_a_one_device_mesh_give_the_unsharded_bits(mode, axis_type):
-    """Sharded arrays take the shard_map path (on a mesh of one device, Auto axes too: their
-    one shard is known); it launches the kernels on the shards and must give the bits of the
-    unsharded step."""
+@pytest.mark.parametrize("impl", ["kernel", "xla"])
+def test_sharded_update_and_fused_step_on_a_one_device_mesh_give_the_unsharded_bits(mode, axis_type, impl):
+    """Sharded arrays take the shard_map path with the kernel (on a mesh of one device, Auto
+    axes too: their one shard is known), which launches the kernels on the shards; the XLA step
+    is partitioned by XLA. Either must give the bits of the unsharded kernel step."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     params0, grads = problem(seed=26)
     mask = {k: k != "odd1" for k in SHAPES}
-    tx = packed_adamw(table_schedule, weight_decay=WD, mode=mode, mask=mask)
-    want_p, want_s = run_jax(params0, grads, tx)
+    want_p, want_s = run_jax(params0, grads, packed_adamw(table_schedule, weight_decay=WD, mode=mode, mask=mask,
+                                                          impl="kernel"))
+    tx = packed_adamw(table_schedule, weight_decay=WD, mode=mode, mask=mask, impl=impl)
     mesh = jax.make_mesh((1,), ("x",), axis_types=(getattr(AxisType, axis_type),))
     spec = {k: PartitionSpec("x") if len(s) else PartitionSpec() for k, s in SHAPES.items()}
     put = lambda tree: {k: jax.device_put(v, NamedSharding(mesh, spec[k])) for k, v in tree.items()}  # noqa: E731
     with jax.set_mesh(mesh):
         step = jax.jit(_train_step(tx), donate_argnums=(0, 1))
-        fused = jax.jit(packed_adamw_fused_step(table_schedule, weight_decay=WD, mode=mode, mask=mask),
+        fused = jax.jit(packed_adamw_fused_step(table_schedule, weight_decay=WD, mode=mode, mask=mask, impl=impl),
                         donate_argnums=(0, 2))
         params, state = put(params0), tx.init(put(params0))
         f_params, f_state = put(params0), tx.init(put(params0))
         text = step.lower(params, state, put(grads[0])).compile().as_text()
-        assert "triton" in text.lower() and "all-gather" not in text
+        assert ("triton" in text.lower()) == (impl == "kernel") and "all-gather" not in text
         for g in grads:
             params, state = step(params, state, put(g))
             f_params, f_state = fused(f_params, put(g), f_state)
@@ -293,7 +297,7 @@ def test_the_transform_writes_its_update_into_the_gradient_buffer(multi_tensor):
 
     results = {}
     for reuse in (True, False):
-        tx = packed_adamw(LR, weight_decay=WD, multi_tensor=multi_tensor, reuse_grad_buffer=reuse)
+        tx = packed_adamw(LR, weight_decay=WD, multi_tensor=multi_tensor, reuse_grad_buffer=reuse, impl="kernel")
 
         def train_step(params, state, x, y, tx=tx):
             updates, state = tx.update(jax.grad(loss)(params, x, y), state, params)
@@ -312,7 +316,7 @@ def test_the_transform_writes_its_update_into_the_gradient_buffer(multi_tensor):
         assert_bits_equal(results[True][1][key], results[False][1][key], f"params[{key!r}], reuse vs not")
         assert_bits_equal(results[True][2].moments[key], results[False][2].moments[key], f"state[{key!r}], reuse vs not")
     # Gradients the caller keeps are copied before the kernel writes into them.
-    tx = packed_adamw(LR, weight_decay=WD, multi_tensor=multi_tensor)
+    tx = packed_adamw(LR, weight_decay=WD, multi_tensor=multi_tensor, impl="kernel")
     kept = jax.grad(loss)({key: jnp.asarray(v) for key, v in params0.items()}, x, y)
     before = {key: bits(v).copy() for key, v in kept.items()}
     params = {key: jnp.asarray(v) for key, v in params0.items()}

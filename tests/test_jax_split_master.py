@@ -989,7 +989,7 @@ def test_cuda_fused_step_updates_donated_weights_low_halves_and_words_in_place(m
         pytest.skip(reason)
     masters, grads, _ = problem(seed=22, steps=2, shapes={"w": (1 << 20,)}, split_keys=("w",))
     tx = packed_adamw(LR, mode=mode)
-    fused = jax.jit(packed_adamw_fused_step(LR, mode=mode), donate_argnums=(0, 2))
+    fused = jax.jit(packed_adamw_fused_step(LR, mode=mode, impl="kernel"), donate_argnums=(0, 2))
     params, state = start_split(tx, masters, ("w",))
     pointers = (params["w"].unsafe_buffer_pointer(), state.low_halves["w"].unsafe_buffer_pointer(),
                 state.moments["w"].unsafe_buffer_pointer())
