@@ -16,40 +16,19 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from eager_host_time import LISTS, OPTIMIZERS, make_groups, set_lr  # noqa: E402
+from eager_host_time import LISTS, OPTIMIZERS, loop_ms, make_groups  # noqa: E402
 
-VARIANTS = {  # name -> (clip, lr change)
-    "step": (False, False),
-    "lr + step": (False, True),
-    "clip + step": (True, False),
-    "clip + lr + step (the loop)": (True, True),
-    "clip alone": (True, None),
+VARIANTS = {  # name -> which parts run: clip, lr change, step
+    "step": dict(clip=False, change_lr=False),
+    "lr + step": dict(clip=False),
+    "clip + step": dict(change_lr=False),
+    "clip + lr + step (the loop)": dict(),
+    "clip alone": dict(change_lr=False, step=False),
 }
-
-
-def per_iteration_ms(opt, params, steps: int, clip: bool, change_lr) -> float:
-    def iteration(i):
-        if clip:
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-        if change_lr is None:
-            return
-        if change_lr:
-            set_lr(opt, i)
-        opt.step()
-
-    for i in range(10):
-        iteration(i)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        iteration(i)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / steps
 
 
 def main(argv=None) -> int:
@@ -68,8 +47,8 @@ def main(argv=None) -> int:
         for opt_name, make_opt in OPTIMIZERS.items():
             params, groups = make_groups(shapes)
             opt = make_opt(groups)
-            for variant, (clip, change_lr) in VARIANTS.items():
-                times[opt_name, variant].append(per_iteration_ms(opt, params, args.steps, clip, change_lr))
+            for variant, parts in VARIANTS.items():
+                times[opt_name, variant].append(loop_ms(opt, params, args.steps, **parts))
             del opt, params, groups
     names = list(OPTIMIZERS)
     print(f"{args.list}: ms per iteration, median of {args.rounds} rounds of {args.steps}")
@@ -84,9 +63,9 @@ def main(argv=None) -> int:
             for opt_name, make_opt in OPTIMIZERS.items():
                 params, groups = make_groups(shapes)
                 opt = make_opt(groups)
-                per_iteration_ms(opt, params, 20, True, True)
+                loop_ms(opt, params, 20)
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    per_iteration_ms(opt, params, 100, True, True)
+                    loop_ms(opt, params, 100)
                 f.write(f"## {opt_name}: 110 loop iterations (10 warm-up)\n\n")
                 f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n\n")
                 del opt, params, groups
