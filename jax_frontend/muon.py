@@ -624,7 +624,7 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, ro
         # One counter a matrix for the whole group, threaded through its leaves' launches (a
         # buffer a leaf would be an XLA operation a leaf, each a launch of its own).
         refused = jnp.broadcast_to(refused_if_invalid, (matrices,))
-        rejected = jnp.zeros((matrices,), jnp.int32)
+        rejected = jnp.zeros((matrices,), jnp.int32)  # the weight kernel's count; not read here
         slots, scratches, slot = {}, {}, 0
         for j in members:
             slots[j] = slot

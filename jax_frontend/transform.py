@@ -48,11 +48,22 @@ IMPLS = ("auto", "kernel", "xla")
 def _on_cuda_xla_step(operands: StepOperands, *, config: StepConfig) -> StepResults:
     """The XLA step where the step is lowered for CUDA, the primitive elsewhere (a GPU host's
     CPU): both are traced, one is lowered."""
-    flat = lax.platform_dependent(
-        *operands.flat(config),
-        cuda=lambda *flat: xla_step(StepOperands.of(flat, config), config=config).flat(config),
-        default=lambda *flat: sharded_step(StepOperands.of(flat, config), config=config).flat(config))
-    return StepResults.of(flat, config)
+    return StepResults.of(_staged_step(config)(*operands.flat(config)), config)
+
+
+@functools.lru_cache(maxsize=128)
+def _staged_step(config: StepConfig):
+    """`_on_cuda_xla_step`'s choice for one config, jitted: an eager call then lowers it for
+    its arguments' devices and compiles once (called eagerly, `lax.platform_dependent` would
+    pick the default device's branch, and run the XLA step one operation at a time); under an
+    outer jit it is inlined."""
+    def staged(*flat):
+        return lax.platform_dependent(
+            *flat,
+            cuda=lambda *flat: xla_step(StepOperands.of(flat, config), config=config).flat(config),
+            default=lambda *flat: sharded_step(StepOperands.of(flat, config), config=config).flat(config))
+
+    return jax.jit(staged)
 
 
 def _step_platforms(tree) -> set[str]:
@@ -584,18 +595,22 @@ def packed_adamw(
     `optax.inject_hyperparams` without `static_args`.
 
     `impl` picks how the step runs; every choice gives the same bits. "xla": as XLA
-    operations, which XLA fuses with the gradient's producer and `optax.apply_updates` (CUDA
-    GPUs only; on an H100 0.69x optax.adamw's optimizer time in a jitted train step, docs/JAX.md).
-    "kernel": the Triton kernel through jax-triton on CUDA, the numpy step on other platforms.
-    "auto" (the default): "xla" on CUDA GPUs unless `track_format` is on, else "kernel".
+    operations, which XLA fuses with the gradient's producer and `optax.apply_updates`, where
+    the step is lowered for CUDA (refused on a host with no GPU: XLA's CPU runtime flushes
+    subnormals; arrays on a GPU host's CPU take the numpy step); on an H100 0.69x optax.adamw's
+    optimizer time in a jitted train step, peak 12 bytes/parameter (docs/JAX.md). "kernel": the
+    Triton kernel through jax-triton on CUDA, the numpy step on other platforms. "auto" (the
+    default): the XLA step where the step is lowered for CUDA, unless `track_format` is on; the
+    kernel path everywhere else.
     The kernel's options: on CUDA, `multi_tensor=True` updates up to 16 leaves per kernel
     launch (leaves of 2**24 elements or more get their own); `False` launches once per leaf.
     With `reuse_grad_buffer=True` the CUDA kernel writes u into the gradient's buffer, so a
     jitted train step whose gradients are computed in the step needs no buffer for u (its
     peak is parameters + state + gradients); gradients passed into the jitted function and
-    kept by the caller are then copied first, so for such a step pass False. Same bits.
-    The XLA step ignores both: XLA places its buffers.
-    Sharded leaves are updated shard by shard on their own devices (docs/JAX.md).
+    kept by the caller are then copied first, so for such a step with the kernel pass False.
+    Same bits. The XLA step ignores both: XLA places its buffers and partitions sharded leaves;
+    with the kernel, sharded leaves are updated shard by shard on their own devices
+    (docs/JAX.md).
     Gradient elements that are NaN or Inf get update -0.0 and keep their state; wrap the
     transform in `optax.apply_if_finite` to skip such steps whole.
 

@@ -237,6 +237,35 @@ def _cases():
                 params, state = step(params, state, put(g, auto))
                 assert same_bits(params, refs[mode][i][0]) and same_bits(state, refs[mode][i][1]), (mode, i)
 
+    @case("xla_step_is_partitioned_by_xla_with_the_unsharded_bits")
+    def _():
+        # The XLA step (impl="auto" on GPUs) on sharded leaves: no shard_map, XLA partitions it.
+        # Lowered here on the CPU (which the transform refuses for it, as XLA's CPU runtime
+        # flushes subnormals; these inputs make none), Explicit and Auto axes.
+        from packed_adamw.jax import _xla_step, transform
+
+        saved = transform._step_platforms, transform._on_cuda_xla_step
+        transform._step_platforms = lambda tree: {"gpu"}
+        transform._on_cuda_xla_step = _xla_step.xla_step
+        try:
+            for mode in MODES:
+                for mesh in (explicit, auto):
+                    with jax.set_mesh(mesh):
+                        tx = packed_adamw(1e-2, weight_decay=0.1, mask=mask, mode=mode, impl="xla")
+                        step = jax.jit(train_step(tx))
+                        params = put(params0, mesh)
+                        state = tx.init(params)
+                        text = step.lower(params, state, put(grads0[0], mesh)).compile().as_text()
+                        assert collectives(text) == [], (mode, mesh.axis_types, collectives(text))
+                        assert "f32[2,12]" in entry_shapes(text) and "f32[16,12]" not in entry_shapes(text)
+                        assert "xla_ffi_python_cpu_callback" not in text
+                        for i, g in enumerate(grads0):
+                            params, state = step(params, state, put(g, mesh))
+                            assert same_bits(params, refs[mode][i][0]) and same_bits(state, refs[mode][i][1]), \
+                                (mode, mesh.axis_types, i)
+        finally:
+            transform._step_platforms, transform._on_cuda_xla_step = saved
+
     @case("custom_partitioning_steps_each_shard_on_its_device")
     def _():
         # The GPU path for Auto axes, with a stand-in body (a host callback cannot run inside a
@@ -374,6 +403,10 @@ def test_two_dimensional_mesh_and_grads_laid_out_otherwise(child_results):
 
 def test_auto_axes_under_jit_on_cpu_give_the_same_bits(child_results):
     _check(child_results, "auto_axes_under_jit_on_cpu_give_the_same_bits")
+
+
+def test_xla_step_is_partitioned_by_xla_with_the_unsharded_bits(child_results):
+    _check(child_results, "xla_step_is_partitioned_by_xla_with_the_unsharded_bits")
 
 
 def test_custom_partitioning_steps_each_shard_on_its_device(child_results):

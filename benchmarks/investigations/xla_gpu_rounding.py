@@ -6,9 +6,11 @@ from numpy, so that each operation's own rounding shows.
 
     python benchmarks/investigations/xla_gpu_rounding.py      # on the GPU machine (jax with CUDA)
 
-Result (docs/JAX.md, "An XLA-native step"): on an H100 (jax 0.11.2, 2026-12-06) float32 division
-and square root are not correctly rounded (19,041 and 11,028 of 65,536 elements 1 ulp off), every
-multiplication and addition is.
+Result (docs/JAX.md, "The XLA step"): on an H100 (jax 0.11.2, 2026-12-06) float32 division and
+square root are not correctly rounded (19,041 and 11,028 of 65,536 elements 1 ulp off), every
+multiplication and addition is; the float64 division of widened float32 operands is narrowed back
+to the float32 one unless its operands are guarded (then 0 off), and with the guards
+`element_step` and the step scalars are exact.
 """
 import numpy as np
 import jax
