@@ -45,23 +45,24 @@ DEFAULT_WEIGHT_DECAY = 1e-4
 IMPLS = ("auto", "kernel", "xla")
 
 
-def _on_cuda_xla_step(operands: StepOperands, *, config: StepConfig) -> StepResults:
+def _on_cuda_xla_step(operands: StepOperands, *, config: StepConfig, xla_platform: str = "cuda") -> StepResults:
     """The XLA step where the step is lowered for CUDA, the primitive elsewhere (a GPU host's
-    CPU): both are traced, one is lowered."""
-    return StepResults.of(_staged_step(config)(*operands.flat(config)), config)
+    CPU): both are traced, one is lowered. (`xla_platform` lets the tests stage it for the CPU.)"""
+    return StepResults.of(_staged_step(config, xla_platform)(*operands.flat(config)), config)
 
 
 @functools.lru_cache(maxsize=128)
-def _staged_step(config: StepConfig):
+def _staged_step(config: StepConfig, xla_platform: str):
     """`_on_cuda_xla_step`'s choice for one config, jitted: an eager call then lowers it for
     its arguments' devices and compiles once (called eagerly, `lax.platform_dependent` would
     pick the default device's branch, and run the XLA step one operation at a time); under an
-    outer jit it is inlined."""
+    outer jit it is inlined. The cache keeps one jitted function per config for the process's
+    life, as `_sharding._mapped` does."""
     def staged(*flat):
         return lax.platform_dependent(
             *flat,
-            cuda=lambda *flat: xla_step(StepOperands.of(flat, config), config=config).flat(config),
-            default=lambda *flat: sharded_step(StepOperands.of(flat, config), config=config).flat(config))
+            default=lambda *flat: sharded_step(StepOperands.of(flat, config), config=config).flat(config),
+            **{xla_platform: lambda *flat: xla_step(StepOperands.of(flat, config), config=config).flat(config)})
 
     return jax.jit(staged)
 

@@ -240,13 +240,16 @@ def _cases():
     @case("xla_step_is_partitioned_by_xla_with_the_unsharded_bits")
     def _():
         # The XLA step (impl="auto" on GPUs) on sharded leaves: no shard_map, XLA partitions it.
-        # Lowered here on the CPU (which the transform refuses for it, as XLA's CPU runtime
-        # flushes subnormals; these inputs make none), Explicit and Auto axes.
-        from packed_adamw.jax import _xla_step, transform
+        # Staged here for the CPU (which the transform refuses for it, as XLA's CPU runtime
+        # flushes subnormals; these inputs make none), through the same jitted
+        # `lax.platform_dependent` as on a GPU, with Explicit and Auto axes.
+        import functools
+
+        from packed_adamw.jax import transform
 
         saved = transform._step_platforms, transform._on_cuda_xla_step
         transform._step_platforms = lambda tree: {"gpu"}
-        transform._on_cuda_xla_step = _xla_step.xla_step
+        transform._on_cuda_xla_step = functools.partial(saved[1], xla_platform="cpu")
         try:
             for mode in MODES:
                 for mesh in (explicit, auto):

@@ -426,24 +426,33 @@ def assert_same_runs(runs, impl, reference):
 def test_transform_impl_xla_matches_kernel(monkeypatch):
     """impl="xla" in the transform and the fused step gives impl="kernel"'s bits (the numpy
     callback here). XLA's CPU runtime flushes subnormals, so the transform refuses impl="xla"
-    on a CPU and stages it for CUDA only; this test lowers it on the CPU, on inputs where
-    flushing does not matter, and checks that the XLA step is what ran."""
+    on a CPU and stages it for CUDA only; this test stages it for the CPU (checking that the
+    compiled step holds no callback), on inputs where flushing does not matter."""
+    from packed_adamw.jax import packed_adamw
     from packed_adamw.jax import transform
 
     ran = []
     monkeypatch.setattr(transform, "_step_platforms", lambda tree: {"gpu"})
-    monkeypatch.setattr(transform, "_on_cuda_xla_step", lambda *a, **k: ran.append(1) or _xla_step.xla_step(*a, **k))
+    # the staged choice, with the XLA step staged for the CPU instead of CUDA
+    monkeypatch.setattr(transform, "_on_cuda_xla_step",
+                        functools.partial(transform._on_cuda_xla_step, xla_platform="cpu"))
+    monkeypatch.setattr(transform, "xla_step", lambda *a, **k: ran.append(1) or _xla_step.xla_step(*a, **k))
+    transform._staged_step.cache_clear()  # traced afresh, with the spy
+    tx = packed_adamw(1e-3, impl="xla")
+    params = {"w": jax.device_put(np.linspace(-1, 1, 64, dtype=F32), CPU)}
+    text = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
+    assert "xla_ffi_python_cpu_callback" not in text and ran, "impl='xla' did not compile the XLA step"
     runs = transform_runs(("kernel", "xla"), CPU)
-    assert ran, "impl='xla' did not run the XLA step"
     assert_same_runs(runs, "xla", "kernel")
 
 
 def test_a_gpu_hosts_staged_choice(monkeypatch):
     """On a host with a GPU, impl="auto" stages the choice (`lax.platform_dependent`): lowered
     for CUDA the step is the XLA step (no callback, no Triton call, the float64 division);
-    lowered for the CPU (arrays placed there) it is the numpy callback. An eager call is
-    jitted (`_staged_step`), so it too is lowered for its arrays' devices, with the kernel
-    path's bits there."""
+    lowered for the CPU (arrays placed there) it is the numpy callback. Eager calls go through
+    the same jitted choice (`_staged_step`, one for the config) with the kernel path's bits.
+    (Which device an eager call's choice follows differs only on a GPU host: the CUDA suite's
+    eager tests run it there.)"""
     import optax
 
     from packed_adamw.jax import packed_adamw, transform
@@ -467,7 +476,7 @@ def test_a_gpu_hosts_staged_choice(monkeypatch):
         for a, b in zip(jax.tree_util.tree_leaves((updates, state)), jax.tree_util.tree_leaves((kernel_updates,
                                                                                                  kernel_state))):
             np.testing.assert_array_equal(bits(a), bits(b))
-    assert transform._staged_step.cache_info().misses == 1  # one jitted choice, compiled once
+    assert transform._staged_step.cache_info().currsize == 1  # the eager calls went through the staged choice
 
 
 def test_transform_impl_choices_and_refusals():
