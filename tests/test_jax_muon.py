@@ -424,14 +424,16 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
             np.testing.assert_array_equal(np.asarray(state.low_halves[k]).T, opt.state[p]["lo"].cpu().numpy())
 
 
-INTERPRETED_LEAVES = {"tall": (4, 8), "wide": (8, 4), "half": (6, 6)}  # JAX's [in, out]; the interpreter is slow
+# JAX's [in, out]; "stack": two [4, 8] matrices in one leaf (batch axis 0). The interpreter is slow.
+INTERPRETED_LEAVES = {"tall": (4, 8), "wide": (8, 4), "half": (6, 6), "stack": (2, 4, 8)}
 
 
 def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypatch):
     """The GPU path's launches (_muon_triton.py) run in Triton's CPU interpreter through a
     stand-in for jax-triton 0.3.1's triton_call (arrays and scalars in order, then the outputs),
     against torch's PackedMuon(ns_impl="triton") with its kernels, also interpreted: the same
-    bits, a tall, a wide and a bf16 leaf (the cuda test's comparison, on tiny shapes)."""
+    bits, a tall, a wide, a bf16 and a batched leaf (the cuda test's comparison, on tiny
+    shapes; the batched leaf's matrices go to torch as two parameters)."""
     from conftest import interpreting
     from jax_helpers import InterpretedJaxTriton
 
@@ -449,23 +451,37 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypat
     p0 = {k: (rng.standard_normal(s) * 0.2).astype(F32) for k, s in INTERPRETED_LEAVES.items()}
     grads = [{k: gradient(rng, s) for k, s in INTERPRETED_LEAVES.items()} for _ in range(3)]
     # The last step refuses the wide leaf's matrix, the second slot of the Newton-Schulz group it
-    # shares with the tall leaf: its counters are the group's, indexed by slot.
+    # shares with the tall leaf, and the batched leaf's second matrix (slot 3 + 1): the counters
+    # are the group's, indexed by slot and matrix.
     grads[2]["wide"][1, 2] = np.nan
+    grads[2]["stack"][1, 0, 3] = np.nan
     bf16_leaf = lambda k: k == "half"  # noqa: E731
 
     params = {k: jnp.asarray(v, jnp.bfloat16 if bf16_leaf(k) else jnp.float32) for k, v in p0.items()}
     before_refusal = {}
-    tx = packed_muon(LR, ns_steps=2, beta=BETA, eps=EPS, weight_decay=WD)
+    dims = {k: MuonDimensionNumbers(reduction_axis=len(s) - 2, output_axis=len(s) - 1)
+            for k, s in INTERPRETED_LEAVES.items()}
+    tx = packed_muon(LR, ns_steps=2, beta=BETA, eps=EPS, weight_decay=WD, muon_weight_dimension_numbers=dims)
     state = tx.init(params)
     for n, g in enumerate(grads):  # eagerly: the stand-in runs each launch as it comes
         if n == 2:
-            before_refusal = {k: bits(params[k]) for k in ("wide", "tall")}
+            before_refusal = {k: bits(params[k]) for k in ("wide", "tall", "stack")}
         updates, state = tx.update({k: jnp.asarray(v, params[k].dtype) for k, v in g.items()}, state, params)
         params = optax.apply_updates(params, updates)
     assert _muon_triton.muon_momentum_leaf_kernel in stand_in.kernels
     assert np.array_equal(bits(params["wide"]), before_refusal["wide"])  # refused: kept
     assert not np.array_equal(bits(params["tall"]), before_refusal["tall"])  # its group neighbour stepped
+    assert np.array_equal(bits(params["stack"][1]), before_refusal["stack"][1])  # refused: kept
+    assert not np.array_equal(bits(params["stack"][0]), before_refusal["stack"][0])
 
+    def matrices(tree):  # torch's 2-D parameters: the batched leaf's matrices one by one
+        out = {k: v for k, v in tree.items() if k != "stack"}
+        out.update({f"stack{i}": tree["stack"][i] for i in range(INTERPRETED_LEAVES["stack"][0])})
+        return out
+
+    p0, grads = matrices(p0), [matrices(g) for g in grads]
+    params = matrices(params)
+    state_momentum = matrices(state.momentum)
     torch_params = {k: torch.nn.Parameter(torch.from_numpy(v.T.copy()).to(torch.bfloat16 if bf16_leaf(k)
                                                                          else torch.float32))
                     for k, v in p0.items()}
@@ -478,6 +494,6 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypat
     for k, p in torch_params.items():
         theirs = p.detach()
         theirs = theirs.view(torch.int16).numpy().view(np.uint16) if bf16_leaf(k) else theirs.numpy().view(np.uint32)
-        np.testing.assert_array_equal(bits(state.momentum[k]).T, opt.state[p]["momentum_code"].numpy().view(np.uint16),
+        np.testing.assert_array_equal(bits(state_momentum[k]).T, opt.state[p]["momentum_code"].numpy().view(np.uint16),
                                       err_msg=k)
         np.testing.assert_array_equal(bits(params[k]).T, theirs, err_msg=f"weights of {k}")
