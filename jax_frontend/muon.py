@@ -47,7 +47,7 @@ from packed_adamw.core.muon import (
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
 from ._step import CpuStepError, _subnormals_kept
-from .transform import RefusedStepWarning, packed_adamw
+from .transform import RefusedStepWarning, _step_platforms, packed_adamw
 
 # torch.optim.Muon's defaults (optax.contrib.muon's are eps=1e-8 and weight_decay=0).
 DEFAULT_EPS = 1e-7
@@ -326,10 +326,7 @@ def _step_platform(tree) -> str:
     Triton kernels through jax-triton): the default backend's, which every concrete leaf must
     share. A mix (a GPU host placing the step's arrays on its CPU, or the other way round) and
     other accelerators are refused."""
-    platforms = {jax.default_backend()}
-    for leaf in jax.tree_util.tree_leaves(tree):
-        if not isinstance(leaf, jax.core.Tracer) and isinstance(leaf, jax.Array):
-            platforms |= {d.platform for d in leaf.devices()}
+    platforms = _step_platforms(tree)
     if platforms == {"cpu"}:
         return "cpu"
     if platforms == {"gpu"}:
