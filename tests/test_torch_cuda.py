@@ -12,7 +12,7 @@ import torch
 
 import torch_helpers as H
 from packed_adamw.core import StateFormat
-from packed_adamw.torch import NonFiniteGradientError, PackedAdamW
+from packed_adamw.torch import NonFiniteGradientError, PackedAdamW, _launch
 
 pytestmark = [
     pytest.mark.cuda,
@@ -61,6 +61,9 @@ def test_cuda_equals_cpu_bit_for_bit_on_a_small_model(mode, multi_tensor):
             opt.param_groups[0]["lr"] = 1e-2 / (1 + step)
             opt.step()
     _assert_runs_equal(cpu_opt, cpu_params, cuda_opt, cuda_params, f"{mode} small model")
+    if multi_tensor and _launch._triton_version() in _launch._Relaunch.CHECKED_TRITON:
+        # The later steps went through the plan's kept launches (StepPlan.launches), not launch_step.
+        assert any(cuda_opt._plan.launches.values())
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -139,6 +139,7 @@ class StagingRing:
             self.events = [torch.cuda.Event() for _ in range(self.DEPTH)]
         self.used = [False] * self.DEPTH
         self.slot = 0
+        self.views = {}  # (slot, words) -> (device view, host view)
 
     def stage(self, scalars: np.ndarray) -> np.ndarray:
         """The next slot's host words, scalars written; returns the address part to fill."""
@@ -151,9 +152,14 @@ class StagingRing:
         return host[:self.n_pointers]
 
     def send(self) -> torch.Tensor:
-        """Copies the staged slot to the device (on the current stream) and returns it there."""
-        table = self.device[self.slot][:self.n_words]
-        table.copy_(self.host[self.slot][:self.n_words], non_blocking=True)
+        """Copies the staged slot to the device (on the current stream) and returns it there
+        (for a slot and length, the same tensor every time: views cost host time)."""
+        key = (self.slot, self.n_words)
+        views = self.views.get(key)
+        if views is None:
+            views = self.views[key] = (self.device[self.slot][:self.n_words], self.host[self.slot][:self.n_words])
+        table, host = views
+        table.copy_(host, non_blocking=True)
         return table
 
     def launched(self) -> None:
@@ -342,10 +348,8 @@ def _launch_segment(rule: RuleLaunch, table, segment: Segment, scalars, counters
             rows = counters[segment.span[0]:segment.span[1]]
         else:
             rows = new_counters(len(segment.indices), counters.device)
-    pointers = table if segment.offset == 0 else table[segment.offset:]
     grid = (tables.block_tensor.numel(),)
-    args = (pointers, tables.block_tensor, tables.block_index, tables.numels, tables.rows_device, scalars,
-            tables.block_index if rows is None else rows, len(segment.indices))  # block_index: unused without counts
+    args = _segment_args(table, segment, scalars, rows)
     kind = segment.kind
     key = (kind, aligned, count_nonfinite, track_format)  # `relaunch` is one plan's, of one rule
     fast = relaunch.get(key) if relaunch is not None else None
@@ -363,6 +367,35 @@ def _launch_segment(rule: RuleLaunch, table, segment: Segment, scalars, counters
                 relaunch[key] = fast
     if rows is not None and segment.span is None:
         counters.index_add_(0, segment.indices_device, rows)
+
+
+def _segment_args(table, segment: Segment, scalars, rows) -> tuple:
+    """The multi-tensor kernel's arguments for a segment (`rows`: its counter rows, or None)."""
+    tables = segment.tables
+    pointers = table if segment.offset == 0 else table[segment.offset:]
+    return (pointers, tables.block_tensor, tables.block_index, tables.numels, tables.rows_device, scalars,
+            tables.block_index if rows is None else rows, len(segment.indices))  # block_index: unused without counts
+
+
+def planned_launches(table: torch.Tensor, layout: tuple[Segment, ...], aligned: bool, relaunch: dict) -> tuple | None:
+    """What `launch_step` launches over `table` (its scalar rows at the table's tail) without
+    counters, non-finite counts or format counts, as ((relaunch, grid, args), ...) to call
+    again while the table's memory stays the same; None while some launch has no compiled
+    relaunch yet (`launch_step` makes it) or a tensor launches solo. A step plan keeps these
+    per staging slot, so a step spends no host time on views and argument tuples
+    (docs/MULTI_TENSOR.md, "The host side")."""
+    scalars = table[layout_pointers(layout):].view(torch.float32)
+    launches = []
+    for segment in layout:
+        if segment.tables.solo:
+            return None
+        if not segment.tables.block_tensor.numel():
+            continue
+        fast = relaunch.get((segment.kind, aligned, False, False))
+        if fast is None:
+            return None
+        launches.append((fast, (segment.tables.block_tensor.numel(),), _segment_args(table, segment, scalars, None)))
+    return tuple(launches)
 
 
 class UncheckedTritonWarning(UserWarning):

@@ -1,0 +1,93 @@
+"""The trainer's "optimizer step ms" taken apart: host time of `optimizer.step()` and the wait
+for its kernels after it, per optimizer, in one process (the same GPU, the same data).
+
+    python benchmarks/investigations/trainer_step_parts.py --optimizers torch-adamw-fused packed-adamw \
+        -- --config reference --data runs/data/shakespeare --batch-size 32 --max-steps 150 --autocast bf16
+
+The trainer times its optimizer phase from a `torch.cuda.synchronize()` after the backward
+pass to one after `optimizer.step()` (train.py). This runs the trainer (its arguments after
+`--`, plus `--optimizer`, `--out`, `--no-checkpoints --no-progress --eval-every 0`) with
+`torch.cuda.synchronize` wrapped to note when each call starts and returns. Of the step's two
+synchronisations, the time from the first's return to the second's start is the host time of
+the step (`format_counts.before_step` and `optimizer.step()`), and the second's own duration
+the wait for the kernels still queued. Medians from step 6 on, in ms, beside the trainer's own
+`median_optimizer_ms`. For PackedAdamW it also counts full steps (a step whose plan did not
+hold: every tensor checked again).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from packed_adamw.torch import _engine
+from packed_adamw.torch.gpt import train
+
+
+def run(optimizer: str, trainer_args: list[str]) -> dict:
+    calls: list[tuple[float, float]] = []
+    host, wait = [], []
+    real_sync, real_full, real_add = torch.cuda.synchronize, _engine.full_step, train.StepTimes.add
+    full_steps = [0]
+
+    def noted_sync(*args, **kwargs):
+        t0 = time.perf_counter()
+        real_sync(*args, **kwargs)
+        calls.append((t0, time.perf_counter()))
+
+    def counted_full_step(*args, **kwargs):
+        full_steps[0] += 1
+        return real_full(*args, **kwargs)
+
+    def noted_add(self, start, after_backward, end):  # once a step, after its two synchronisations
+        (_, first_returned), (second_started, second_returned) = calls[-2:]
+        host.append(second_started - first_returned)
+        wait.append(second_returned - second_started)
+        real_add(self, start, after_backward, end)
+
+    torch.cuda.synchronize, _engine.full_step, train.StepTimes.add = noted_sync, counted_full_step, noted_add
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            train.main([*trainer_args, "--optimizer", optimizer, "--out", out, "--no-checkpoints",
+                        "--no-progress", "--eval-every", "0"])
+            summary = json.loads((Path(out) / "summary.json").read_text())
+    finally:
+        torch.cuda.synchronize, _engine.full_step, train.StepTimes.add = real_sync, real_full, real_add
+    host, wait = host[5:], wait[5:]
+    return {"steps timed": len(host), "host ms": 1e3 * statistics.median(host),
+            "wait ms": 1e3 * statistics.median(wait), "host + wait ms": 1e3 * statistics.median(
+                [h + w for h, w in zip(host, wait)]),
+            "trainer median_optimizer_ms": summary["median_optimizer_ms"], "full steps": full_steps[0]}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--optimizers", nargs="+", default=["torch-adamw-fused", "packed-adamw"])
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each optimizer, alternating")
+    args = parser.parse_args(argv[:split])
+    trainer_args = argv[split + 1:]
+    if not torch.cuda.is_available():
+        print("trainer_step_parts.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    results = {}
+    for _ in range(args.rounds):
+        for name in args.optimizers:
+            results.setdefault(name, []).append(run(name, trainer_args))
+    print(f"trainer arguments: {' '.join(trainer_args)}")
+    for name, rounds in results.items():
+        for i, result in enumerate(rounds):
+            print(f"{name} (round {i + 1}): " + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
