@@ -82,18 +82,25 @@ def parts(shapes) -> dict:
         for fast, grid, args in planned[0]:
             fast(grid, args)
 
+    def record_function():
+        with torch.autograd.profiler.record_function("Optimizer.step#PackedAdamW.step"):
+            pass
+
     small = torch.empty(64, device="cuda")
     event = torch.cuda.Event()
     return {
         "fused AdamW: step()": fused.step,
         "PackedAdamW: step()": opt.step,
+        "PackedAdamW: opt._update() (step() less torch.optim's hook wrapper)": opt._update,
+        "PackedAdamW: _engine.step(opt) (less torch.compiler.disable)": lambda: _engine.step(opt),
+        "torch.optim's wrapper: record_function alone": record_function,
         "rows (checked_row per group)": lambda: [_engine.checked_row(opt, g, i)
                                                  for i, g in enumerate(opt.param_groups)],
         "plan._gradients": lambda: plan._gradients(opt),
         "plan.run": lambda: plan.run(opt, grads, grad_pointers, opt.state[opt._plan.params[0]]["step"] + 1, rows),
         "run: stage, fill, send, event": stage_and_send,
         "run: launch_step": launches,
-        "run: a plan's kept launches": planned_launches,
+        **({"run: a plan's kept launches": planned_launches} if planned else {}),
         "torch: a slice of a CUDA tensor": lambda: small[8:],
         "torch: Event.record": event.record,
         "torch: current_stream()": torch.cuda.current_stream,
@@ -105,6 +112,8 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--queue", type=int, default=_launch.StagingRing.DEPTH)
+    parser.add_argument("--profile", action="store_true",
+                        help="also print cProfile's top functions (internal time) over PackedAdamW's steps")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("eager_step_parts.py needs a CUDA GPU", file=sys.stderr)
@@ -119,6 +128,13 @@ def main(argv=None) -> int:
         print("| part | us |\n|---|---:|")
         for name, samples in times.items():
             print(f"| {name} | {statistics.median(samples):.1f} |")
+        if args.profile:
+            import cProfile
+            import pstats
+            step = parts(shapes)["PackedAdamW: step()"]
+            profiler = cProfile.Profile()
+            profiler.runcall(host_us, step, busy, args.calls, args.queue)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return 0
 
 
