@@ -1098,6 +1098,37 @@ def test_hyperparameters_are_validated_when_they_change_not_per_tensor_per_step(
     assert len(calls) - after_init == 2
 
 
+def test_a_kept_row_follows_values_changed_in_place():
+    """A group whose values are the same objects as last step reuses its row (`_engine.checked_row`),
+    but only while they cannot change in place: betas given as a list, or a tensor lr, changed
+    in place, are read and checked again (a bad beta refused, a new lr stepped with)."""
+    params = make_params(seed=5, shapes=((6,), (3, 2)))
+    opt = PackedAdamW(params, lr=1e-3)
+    opt.param_groups[0]["betas"] = [0.9, 0.999]  # a list, set after construction
+    for seed in range(2):
+        set_grads(params, seed=seed)
+        opt.step()
+    opt.param_groups[0]["betas"][0] = 1.5  # the same list object
+    set_grads(params, seed=3)
+    with pytest.raises(ValueError, match="beta"):
+        opt.step()
+
+    lr = torch.tensor(1e-3)
+    runs = []
+    for change_in_place in (True, False):
+        params = make_params(seed=6, shapes=((6,),))
+        opt = PackedAdamW(params, lr=lr.clone() if change_in_place else 1e-3)
+        for seed in range(3):
+            set_grads(params, seed=seed)
+            opt.step()
+            if change_in_place:
+                opt.param_groups[0]["lr"].fill_(2e-3)
+            else:
+                opt.param_groups[0]["lr"] = float(np.float32(2e-3))
+        runs.append(params[0].detach().clone())
+    H.assert_same_bits(runs[0], runs[1], "a tensor lr changed in place against a float lr set anew")
+
+
 def test_a_remembered_verdict_does_not_pass_an_equal_value_of_a_refused_type():
     """5 == 5.0 == True and a tensor lr equals a float: the cached verdict must not let through
     what a fresh check refuses (maximize=1 after maximize=False stepped)."""

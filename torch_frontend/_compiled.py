@@ -14,8 +14,10 @@ optimizer state (words or momentum codes, low halves, step counts) is never a gr
 output: the compiled graph neither reads nor writes it, only the op does, so the state, its step
 counts (ints, or device tensors with `capturable=True`) and `state_dict()` are the eager step's.
 Nothing the traced code reads changes between steps, so a changing learning rate (a float or a
-tensor) recompiles nothing. An optimizer takes part by having `_update(live=None)` (its eager
-step; `live` as `run` says), `_note_param_lists()`, `check_nonfinite`, `capturable`, and
+tensor) recompiles nothing. An optimizer takes part by having `_eager_update(live=None)` (its
+eager step; `live` as `run` says) and `_update`, the same wrapped in `torch.compiler.disable`
+(what compiled code and graph breaks call; the eager `step` calls `_eager_update`, sparing the
+wrapper's host time), `_note_param_lists()`, `check_nonfinite`, `capturable`, and
 `_compile_token = register(self)`.
 
 Steps dynamo cannot trace run eagerly between graphs (a graph break whose reason names why,
@@ -196,7 +198,7 @@ _eager_step_dtensor = _eager_step(
 
 
 def optimizer_step(opt, closure):
-    """`step(closure)` of a packed optimizer that runs its eager step through `opt._update()`
+    """`step(closure)` of a packed optimizer that runs its eager step through `opt._eager_update()`
     (PackedMuon, PackedMuonAdamW; PackedAdamW.step is the same): the closure re-evaluated with
     gradients on, then, under torch.compile, `traced_step` (the custom op), else the note LR
     schedulers read (see PackedAdamW.step) and the eager step. Returns the closure's loss."""
@@ -208,5 +210,5 @@ def optimizer_step(opt, closure):
         traced_step(opt)
     else:
         opt._opt_called = True
-        opt._update()
+        opt._eager_update()  # `_update` less its torch.compiler.disable wrapper (see PackedAdamW._update)
     return loss

@@ -12,6 +12,7 @@ elements of.
 """
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import NamedTuple
 
@@ -185,6 +186,16 @@ def checked_row(opt, group: dict, index: int) -> tuple:
     depends on the values alone, so rows already seen valid are not checked again (a scheduler
     changes lr)."""
     rule = opt.rule_launch.rule
+    # The row this group gave last, while it holds the very same value objects and they are
+    # immutable (numbers, bools, tuples of them): the same values, so the same verdict and row
+    # (a tensor or a list could have changed in place; those take the path below every step).
+    kept = opt.__dict__.setdefault("_kept_rows", {})
+    position = index
+    if position in kept:
+        held, objects, row = kept[position]
+        if held is group and all(map(operator.is_, map(group.get, rule.group_keys), objects)) \
+                and group.get("maximize", False) is objects[-1]:
+            return row
     index = _checks.shown_group_index(opt, index)  # for messages
     lr_key = rule.group_keys[0]  # the learning rate: first, as LR schedulers and capturable steps set it
     if opt.capturable and not (isinstance(group.get(lr_key), torch.Tensor) and group[lr_key].numel() == 1):
@@ -212,16 +223,28 @@ def checked_row(opt, group: dict, index: int) -> tuple:
     types = (_checks.type_signature([group.get(k) for k in rule.group_keys]), type(group.get("maximize", False)))
     key, lr_free_key = (row, *types), (row[1:], *types)
     valid = opt.__dict__.setdefault("_valid_rows", {})
-    if key in valid:
-        return row
-    # Only a Python float lr: the row holds float(lr), which for it (and not for, say, an np.int64
-    # or np.longdouble, which the validation rounds to float32 directly) rounds as the validation does.
-    if type(group[lr_key]) is not float or lr_free_key not in valid or not rule.field_holds(0, row[:-1]):
-        _checks.validate_group_hyperparams(group, index, rule, check_lr=not opt.capturable)
-    if len(valid) > 64:
-        valid.clear()
-    valid[key] = valid[lr_free_key] = True
+    if key not in valid:
+        # Only a Python float lr: the row holds float(lr), which for it (and not for, say, an np.int64
+        # or np.longdouble, which the validation rounds to float32 directly) rounds as the validation does.
+        if type(group[lr_key]) is not float or lr_free_key not in valid or not rule.field_holds(0, row[:-1]):
+            _checks.validate_group_hyperparams(group, index, rule, check_lr=not opt.capturable)
+        if len(valid) > 64:
+            valid.clear()
+        valid[key] = valid[lr_free_key] = True
+    objects = (*map(group.get, rule.group_keys), group.get("maximize", False))
+    if all(map(_immutable, objects)):
+        kept[position] = (group, objects, row)
+    else:
+        kept.pop(position, None)
     return row
+
+
+_IMMUTABLE = (float, int, bool, str, type(None))
+
+
+def _immutable(value) -> bool:
+    """Whether a hyperparameter value cannot change in place (a number, a tuple of numbers)."""
+    return type(value) in _IMMUTABLE or (type(value) is tuple and all(map(_immutable, value)))
 
 
 def raise_if_rejected(opt, params: list, rejected: list[int]) -> None:

@@ -184,8 +184,7 @@ class PackedMuonAdamW(Optimizer):
 
     step._wrapped_by_lr_sched = True  # see PackedAdamW.step
 
-    @torch.compiler.disable  # compiled code reaches the eager step through the custom op (_compiled.py)
-    def _update(self, live: dict | None = None) -> None:
+    def _eager_update(self, live: dict | None = None) -> None:
         """Both rules' steps as one: Muon's checks (`muon.check_step`, which change nothing),
         then AdamW's whole step (which raises before changing anything), then Muon's phases on
         what was checked. So a step that raises anything but NonFiniteGradientError leaves both
@@ -196,7 +195,7 @@ class PackedMuonAdamW(Optimizer):
         errors = {}
         if adamw is not None:
             try:
-                adamw._update(live)
+                adamw._eager_update(live)
             except NonFiniteGradientError as e:  # raised after AdamW stepped: Muon steps too
                 errors["adamw"] = str(e)
         if muon is not None:
@@ -206,6 +205,9 @@ class PackedMuonAdamW(Optimizer):
                 errors["muon"] = str(e)
         if errors:
             raise NonFiniteGradientError("; ".join(errors[kind] for kind in self._rules if kind in errors))
+
+    # compiled code reaches the eager step through the custom op (_compiled.py); see PackedAdamW._update
+    _update = torch.compiler.disable(_eager_update)
 
     # ---- saving and loading -------------------------------------------------------------------
     def identities(self) -> dict[str, str]:

@@ -321,9 +321,11 @@ class PackedMuon(Optimizer):
 
     step._wrapped_by_lr_sched = True  # see PackedAdamW.step
 
-    @torch.compiler.disable  # compiled code reaches the eager step through the custom op (_compiled.py)
-    def _update(self, live: dict | None = None) -> None:
+    def _eager_update(self, live: dict | None = None) -> None:
         step(self, live)
+
+    # compiled code reaches the eager step through the custom op (_compiled.py); see PackedAdamW._update
+    _update = torch.compiler.disable(_eager_update)
 
     def state_dict(self) -> dict:
         return _persistence.with_identity(super().state_dict(), self.state_format.identity)
