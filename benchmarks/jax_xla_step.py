@@ -56,12 +56,16 @@ def step_impl(name: str):
     """While tracing optimizer `name`: for the unguarded row, the transform's XLA step without
     its contraction guards (a measurement, never offered)."""
     saved = packed_transform.xla_step
+    # The staged step is a cached jit of whatever `xla_step` was when first traced: start each
+    # row afresh, or the unguarded row would reuse the guarded row's compiled step.
+    packed_transform._staged_step.cache_clear()
     if name == "packed_adamw (xla, unguarded)":
         packed_transform.xla_step = functools.partial(xla_step, contraction_barriers=False)
     try:
         yield
     finally:
         packed_transform.xla_step = saved
+        packed_transform._staged_step.cache_clear()
 
 
 def optimizer(name: str, mode: str, reuse_grad_buffer: bool):
