@@ -66,6 +66,31 @@ def test_cuda_equals_cpu_bit_for_bit_on_a_small_model(mode, multi_tensor):
         assert any(cuda_opt._plan.launches.values())
 
 
+def test_cuda_kept_launches_give_way_to_format_counts_and_unaligned_gradients_like_cpu():
+    """A plan keeps its launches per staging slot (`StepPlan.launches`); steps that must not take
+    them (format counts switched on, then off again; a gradient 4 bytes off the 16-byte
+    alignment the kept launches were compiled for) launch afresh, and later plain steps take
+    kept ones again: the CUDA run equals the CPU run throughout."""
+    cpu_params = list(H.small_mlp(width=40).parameters())
+    cuda_params = _pair(cpu_params)
+    cpu_opt, cuda_opt = PackedAdamW(cpu_params, lr=1e-2), PackedAdamW(cuda_params, lr=1e-2)
+    rng = np.random.default_rng(5)
+    for step in range(16):
+        grads = [torch.from_numpy(H.spanning_values(rng, p.numel(), -30, 4)).reshape(p.shape) for p in cpu_params]
+        _set_same_grads(cpu_params, cuda_params, grads)
+        if step == 10:  # the first gradient at an address 4 bytes past a 16-byte boundary
+            g = grads[0].cuda()
+            offset = torch.empty(g.numel() + 1, device="cuda")[1:]
+            cuda_params[0].grad = offset.view(g.shape).copy_(g)
+            assert cuda_params[0].grad.data_ptr() % 16
+        for opt in (cpu_opt, cuda_opt):
+            opt.track_format = step in (6, 7)
+            opt.step()
+    _assert_runs_equal(cpu_opt, cpu_params, cuda_opt, cuda_params, "kept launches and the steps beside them")
+    if _launch._triton_version() in _launch._Relaunch.CHECKED_TRITON:
+        assert any(cuda_opt._plan.launches.values())
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_tensors_launched_on_their_own_beside_the_shared_launch_equal_cpu(mode, monkeypatch):
     """Tensors of at least launch.SOLO_ELEMENTS get their own launch; lowered here so that a

@@ -794,11 +794,16 @@ def test_bad_hyperparameters_are_refused_at_construction(kwargs, fragment):
     ("lr", -1.0, "lr=-1.0"), ("lr", float("nan"), "lr=nan"), ("betas", (0.9, 1.5), "b2 (betas[1])=1.5"),
     ("eps", 0.0, "eps=0.0"), ("weight_decay", -1.0, "weight_decay=-1.0"),
 ])
-def test_bad_hyperparameter_set_later_through_param_groups_raises_at_step(field, value, fragment):
+@pytest.mark.parametrize("stepped_first", [False, True], ids=["first step", "after a step"])
+def test_bad_hyperparameter_set_later_through_param_groups_raises_at_step(field, value, fragment, stepped_first):
+    """After a step each group's row is kept (`_engine.checked_row`): a bad value set then, an
+    lr included (the kept row's lr-only path), is refused as on a first step."""
     opt = PackedAdamW([{"params": make_params(0)}, {"params": make_params(1)}])
-    opt.param_groups[1][field] = value
     for p in (p for g in opt.param_groups for p in g["params"]):
         p.grad = torch.ones_like(p)
+    if stepped_first:
+        opt.step()
+    opt.param_groups[1][field] = value
     with pytest.raises(ValueError) as info:
         opt.step()
     assert "param_groups[1]" in str(info.value) and fragment in str(info.value), str(info.value)

@@ -197,8 +197,23 @@ _eager_step_dtensor = _eager_step(
     "DTensor (FSDP2) parameters step eagerly, between compiled graphs (a graph break)")
 
 
+_eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+
+
+def eager_update(opt) -> None:
+    """The eager step from `step()` outside compilation: `opt._eager_update()` itself, sparing
+    `torch.compiler.disable`'s wrapper (host time every step), unless dynamo still hooks the
+    frames this one calls (`step`'s own frame was left to run eagerly: a fallback after an error
+    dynamo suppressed, or `torch.compiler.disable(step, recursive=False)`); then the disabled
+    `opt._update()`, so dynamo never traces the step's internals."""
+    if _eval_frame_callback is not None and _eval_frame_callback() is None:
+        opt._eager_update()
+    else:
+        opt._update()
+
+
 def optimizer_step(opt, closure):
-    """`step(closure)` of a packed optimizer that runs its eager step through `opt._eager_update()`
+    """`step(closure)` of a packed optimizer that runs its eager step through `eager_update(opt)`
     (PackedMuon, PackedMuonAdamW; PackedAdamW.step is the same): the closure re-evaluated with
     gradients on, then, under torch.compile, `traced_step` (the custom op), else the note LR
     schedulers read (see PackedAdamW.step) and the eager step. Returns the closure's loss."""
@@ -210,5 +225,5 @@ def optimizer_step(opt, closure):
         traced_step(opt)
     else:
         opt._opt_called = True
-        opt._eager_update()  # `_update` less its torch.compiler.disable wrapper (see PackedAdamW._update)
+        eager_update(opt)
     return loss

@@ -60,6 +60,10 @@ def step(opt, live: dict | None = None) -> None:
             "graph would freeze. Build it with PackedAdamW(..., lr=torch.tensor(lr, device='cuda'), "
             "capturable=True) to capture its step, or step it outside the capture")
     rows = [checked_row(opt, group, index) for index, group in enumerate(opt.param_groups)]
+    kept = opt.__dict__.get("_kept_rows")
+    if kept and len(kept) > len(rows):  # groups were taken away: their dicts need not stay alive here
+        for position in [position for position in kept if position >= len(rows)]:
+            del kept[position]
     plan = opt.__dict__.get("_plan")
     rejected = plan.step(opt, rows) if plan is not None and live is None else None
     if rejected is None:
@@ -189,13 +193,23 @@ def checked_row(opt, group: dict, index: int) -> tuple:
     # The row this group gave last, while it holds the very same value objects and they are
     # immutable (numbers, bools, tuples of them): the same values, so the same verdict and row
     # (a tensor or a list could have changed in place; those take the path below every step).
+    # A new float lr beside them (a scheduler's, every step) needs only the checks that read the
+    # lr (`Rule.field_holds`), as below; what fails them takes the path below, which says why.
     kept = opt.__dict__.setdefault("_kept_rows", {})
     position = index
     if position in kept:
         held, objects, row = kept[position]
-        if held is group and all(map(operator.is_, map(group.get, rule.group_keys), objects)) \
-                and group.get("maximize", False) is objects[-1]:
-            return row
+        keys = rule.group_keys
+        if held is group and group.get("maximize", False) is objects[-1] \
+                and all(map(operator.is_, map(group.get, keys[1:]), objects[1:-1])):
+            lr = group.get(keys[0])
+            if lr is objects[0]:
+                return row
+            if type(lr) is float and type(objects[0]) is float:
+                row = (lr, *row[1:])
+                if rule.field_holds(0, row[:-1]):
+                    kept[position] = (group, (lr, *objects[1:]), row)
+                    return row
     index = _checks.shown_group_index(opt, index)  # for messages
     lr_key = rule.group_keys[0]  # the learning rate: first, as LR schedulers and capturable steps set it
     if opt.capturable and not (isinstance(group.get(lr_key), torch.Tensor) and group[lr_key].numel() == 1):

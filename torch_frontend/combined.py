@@ -206,8 +206,9 @@ class PackedMuonAdamW(Optimizer):
         if errors:
             raise NonFiniteGradientError("; ".join(errors[kind] for kind in self._rules if kind in errors))
 
-    # compiled code reaches the eager step through the custom op (_compiled.py); see PackedAdamW._update
-    _update = torch.compiler.disable(_eager_update)
+    @torch.compiler.disable  # compiled code reaches the eager step through the custom op (_compiled.py)
+    def _update(self, live: dict | None = None) -> None:
+        self._eager_update(live)  # see PackedAdamW._update
 
     # ---- saving and loading -------------------------------------------------------------------
     def identities(self) -> dict[str, str]:
@@ -259,6 +260,7 @@ class PackedMuonAdamW(Optimizer):
             rule.param_groups = [g for g in self.param_groups if g["kind"] == kind]
             rule.state = self.state
             rule.__dict__.pop("_valid_rows", None)
+            rule.__dict__.pop("_kept_rows", None)
             rule._note_param_lists()
             if isinstance(rule, PackedAdamW):
                 _engine.drop_plan(rule, keep_counts=False)

@@ -324,8 +324,9 @@ class PackedMuon(Optimizer):
     def _eager_update(self, live: dict | None = None) -> None:
         step(self, live)
 
-    # compiled code reaches the eager step through the custom op (_compiled.py); see PackedAdamW._update
-    _update = torch.compiler.disable(_eager_update)
+    @torch.compiler.disable  # compiled code reaches the eager step through the custom op (_compiled.py)
+    def _update(self, live: dict | None = None) -> None:
+        self._eager_update(live)  # see PackedAdamW._update
 
     def state_dict(self) -> dict:
         return _persistence.with_identity(super().state_dict(), self.state_format.identity)

@@ -157,7 +157,7 @@ class PackedAdamW(Optimizer):
             _compiled.traced_step(self)  # one custom op that runs the eager step (docs/MULTI_TENSOR.md)
         else:
             self._opt_called = True  # for LR schedulers (see below)
-            self._eager_update()
+            _compiled.eager_update(self)
         return loss
 
     # torch's LR schedulers replace `opt.step` by a wrapper that notes the call in
@@ -174,9 +174,12 @@ class PackedAdamW(Optimizer):
     # The host-side plan and raw-address launches (or the numpy step on CPU) are not for dynamo
     # to trace: compiled code reaches them through the custom op (_compiled.py), or, where it
     # takes a graph break, through this disabled twin between graphs. `step` outside compilation
-    # calls `_eager_update` itself: the disabling wrapper costs host time every call (17 us of a
-    # 264 us step on an H100 host, torch 2.11: benchmarks/investigations/eager_step_parts.py).
-    _update = torch.compiler.disable(_eager_update)
+    # calls `_eager_update` itself (`_compiled.eager_update`): the disabling wrapper costs host
+    # time every call (4 to 17 us of a 200 to 264 us step in two calls on an H100 host, torch
+    # 2.11: benchmarks/investigations/eager_step_parts.py).
+    @torch.compiler.disable
+    def _update(self, live: dict | None = None) -> None:
+        self._eager_update(live)
 
     # ---- format health ------------------------------------------------------------------
     def format_stats(self) -> dict:
