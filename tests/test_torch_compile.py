@@ -636,3 +636,39 @@ def test_cuda_graph_capture_of_a_compiled_training_step_replays_the_eager_bits()
         eager.step()
     torch.cuda.synchronize()
     assert_same_state(list(m.parameters()), opt, params, eager, "captured compiled train step")
+
+
+def test_a_step_in_a_frame_dynamo_gave_up_on_takes_the_disabled_update(monkeypatch):
+    """The eager step() calls `_eager_update` itself only where dynamo hooks no frames
+    (`_compiled.eager_update`); in a frame dynamo gave up on (a failing backend, its error
+    suppressed) it takes the disabled `_update`, so dynamo never traces the step's internals:
+    the eager bits either way."""
+    import torch._dynamo.config as dynamo_config
+
+    calls = []
+    original = PackedAdamW._update
+
+    @torch.compiler.disable
+    def counted(self, live=None):
+        calls.append(live)
+        return original(self, live)
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    monkeypatch.setattr(PackedAdamW, "_update", counted)
+    monkeypatch.setattr(dynamo_config, "suppress_errors", True)
+    torch._dynamo.reset()
+    models = [mlp(), mlp()]
+    opts = [PackedAdamW(m.parameters(), lr=1e-2) for m in models]
+    params = [list(m.parameters()) for m in models]
+    given_up = torch.compile(lambda: opts[1].step(), backend=failing_backend)
+    for n, grads in enumerate(gradients(params[0], 2)):
+        for ps in params:
+            feed(ps, grads)
+        opts[0].step()
+        assert calls == [None] * n  # eager: `_update` (the disabled twin) not called
+        given_up()
+        assert calls == [None] * (n + 1)
+    assert_same_state(params[0], opts[0], params[1], opts[1], "a step in a frame dynamo gave up on")
+    torch._dynamo.reset()

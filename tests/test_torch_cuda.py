@@ -66,28 +66,38 @@ def test_cuda_equals_cpu_bit_for_bit_on_a_small_model(mode, multi_tensor):
         assert any(cuda_opt._plan.launches.values())
 
 
-def test_cuda_kept_launches_give_way_to_format_counts_and_unaligned_gradients_like_cpu():
-    """A plan keeps its launches per staging slot (`StepPlan.launches`, used from step 6 here);
-    steps that must not take them (format counts switched on, then off again: a new plan that
-    keeps counters; a gradient 4 bytes off the 16-byte alignment the kept launches were
-    compiled for) launch through `launch_step`: the CUDA run equals the CPU run throughout."""
+def test_cuda_kept_launches_give_way_to_unaligned_gradients_and_format_counts_like_cpu(monkeypatch):
+    """A plan keeps its launches per staging slot (`StepPlan.launches`; 4 slots: kept at steps 0
+    to 3, taken at step 4). A step that must not take them launches through `launch_step`: a
+    gradient 4 bytes off the 16-byte alignment the kept launch of its slot was compiled for
+    (step 5), format counts switched on and off again (steps 8 and 9: a new plan). The CUDA run
+    equals the CPU run throughout."""
+    launches_made = []
+    real_launch_step = _launch.launch_step
+
+    def counted_launch_step(*args, **kwargs):
+        launches_made.append(len(launches_made))
+        return real_launch_step(*args, **kwargs)
+
+    monkeypatch.setattr(_launch, "launch_step", counted_launch_step)
     cpu_params = list(H.small_mlp(width=40).parameters())
     cuda_params = _pair(cpu_params)
     cpu_opt, cuda_opt = PackedAdamW(cpu_params, lr=1e-2), PackedAdamW(cuda_params, lr=1e-2)
     rng = np.random.default_rng(5)
-    for step in range(16):
+    kept = _launch._triton_version() in _launch._Relaunch.CHECKED_TRITON  # else every step launches anew
+    for step in range(14):
         grads = [torch.from_numpy(H.spanning_values(rng, p.numel(), -30, 4)).reshape(p.shape) for p in cpu_params]
         _set_same_grads(cpu_params, cuda_params, grads)
-        if step == 10:  # the first gradient at an address 4 bytes past a 16-byte boundary
+        if step == 5:  # the first gradient at an address 4 bytes past a 16-byte boundary
             g = grads[0].cuda()
-            offset = torch.empty(g.numel() + 1, device="cuda")[1:]
-            cuda_params[0].grad = offset.view(g.shape).copy_(g)
+            cuda_params[0].grad = torch.empty(g.numel() + 1, device="cuda")[1:].view(g.shape).copy_(g)
             assert cuda_params[0].grad.data_ptr() % 16
+        before = len(launches_made)
         for opt in (cpu_opt, cuda_opt):
-            opt.track_format = step in (6, 7)
+            opt.track_format = step == 8
             opt.step()
-        if step == 5 and _launch._triton_version() in _launch._Relaunch.CHECKED_TRITON:
-            assert any(cuda_opt._plan.launches.values())  # kept at steps 0 to 3, taken at 4 and 5
+        if kept and step in (4, 5):
+            assert len(launches_made) - before == (0 if step == 4 else 1), f"step {step}"
     _assert_runs_equal(cpu_opt, cpu_params, cuda_opt, cuda_params, "kept launches and the steps beside them")
 
 

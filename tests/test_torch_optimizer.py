@@ -791,7 +791,8 @@ def test_bad_hyperparameters_are_refused_at_construction(kwargs, fragment):
 
 
 @pytest.mark.parametrize("field,value,fragment", [
-    ("lr", -1.0, "lr=-1.0"), ("lr", float("nan"), "lr=nan"), ("betas", (0.9, 1.5), "b2 (betas[1])=1.5"),
+    ("lr", -1.0, "lr=-1.0"), ("lr", float("nan"), "lr=nan"), ("lr", 3.5e38, "lr=3.5e+38"),
+    ("betas", (0.9, 1.5), "b2 (betas[1])=1.5"),
     ("eps", 0.0, "eps=0.0"), ("weight_decay", -1.0, "weight_decay=-1.0"),
 ])
 @pytest.mark.parametrize("stepped_first", [False, True], ids=["first step", "after a step"])
@@ -1132,6 +1133,27 @@ def test_a_kept_row_follows_values_changed_in_place():
                 opt.param_groups[0]["lr"] = float(np.float32(2e-3))
         runs.append(params[0].detach().clone())
     H.assert_same_bits(runs[0], runs[1], "a tensor lr changed in place against a float lr set anew")
+
+
+def test_a_kept_row_takes_the_lr_products_checks_and_goes_with_its_group():
+    """A new float lr beside a group's kept values takes the lr's own checks, the product with
+    weight_decay included (refused as a first step would); a group taken away leaves no kept row
+    behind (its dict and parameters are not held)."""
+    params = make_params(seed=8, shapes=((6,), (3, 2), (4,)))
+    opt = PackedAdamW([{"params": params[:1], "lr": torch.tensor(1e-3)},  # a tensor lr: never kept
+                       {"params": params[1:2], "weight_decay": 100.0}, {"params": params[2:]}], lr=1e-3)
+    set_grads(params, seed=1)
+    opt.step()
+    opt.param_groups[1]["lr"] = 1e37  # finite in float32; times 100 it is not
+    with pytest.raises(ValueError, match="overflows float32"):
+        opt.step()
+    opt.param_groups[1]["lr"] = 1e-3
+    opt.step()
+    assert set(opt._kept_rows) == {1, 2}
+    del opt.param_groups[2]
+    params[2].grad = None
+    opt.step()
+    assert set(opt._kept_rows) == {1}
 
 
 def test_a_remembered_verdict_does_not_pass_an_equal_value_of_a_refused_type():

@@ -16,8 +16,8 @@ counts (ints, or device tensors with `capturable=True`) and `state_dict()` are t
 Nothing the traced code reads changes between steps, so a changing learning rate (a float or a
 tensor) recompiles nothing. An optimizer takes part by having `_eager_update(live=None)` (its
 eager step; `live` as `run` says) and `_update`, the same wrapped in `torch.compiler.disable`
-(what compiled code and graph breaks call; the eager `step` calls `_eager_update`, sparing the
-wrapper's host time), `_note_param_lists()`, `check_nonfinite`, `capturable`, and
+(what compiled code and graph breaks call; the eager `step` calls `_eager_update` through
+`eager_update`, sparing the wrapper's host time where dynamo hooks no frames), `_note_param_lists()`, `check_nonfinite`, `capturable`, and
 `_compile_token = register(self)`.
 
 Steps dynamo cannot trace run eagerly between graphs (a graph break whose reason names why,
@@ -203,9 +203,9 @@ _eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_call
 def eager_update(opt) -> None:
     """The eager step from `step()` outside compilation: `opt._eager_update()` itself, sparing
     `torch.compiler.disable`'s wrapper (host time every step), unless dynamo still hooks the
-    frames this one calls (`step`'s own frame was left to run eagerly: a fallback after an error
-    dynamo suppressed, or `torch.compiler.disable(step, recursive=False)`); then the disabled
-    `opt._update()`, so dynamo never traces the step's internals."""
+    frames this one calls (a frame dynamo gave up on and runs eagerly: a `suppress_errors`
+    fallback, a failing backend); then the disabled `opt._update()`, so dynamo never traces the
+    step's internals."""
     if _eval_frame_callback is not None and _eval_frame_callback() is None:
         opt._eager_update()
     else:

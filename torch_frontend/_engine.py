@@ -61,7 +61,7 @@ def step(opt, live: dict | None = None) -> None:
             "capturable=True) to capture its step, or step it outside the capture")
     rows = [checked_row(opt, group, index) for index, group in enumerate(opt.param_groups)]
     kept = opt.__dict__.get("_kept_rows")
-    if kept and len(kept) > len(rows):  # groups were taken away: their dicts need not stay alive here
+    if kept and max(kept) >= len(rows):  # groups were taken away: their dicts need not stay alive here
         for position in [position for position in kept if position >= len(rows)]:
             del kept[position]
     plan = opt.__dict__.get("_plan")
