@@ -17,8 +17,8 @@ Nothing the traced code reads changes between steps, so a changing learning rate
 tensor) recompiles nothing. An optimizer takes part by having `_eager_update(live=None)` (its
 eager step; `live` as `run` says) and `_update`, the same wrapped in `torch.compiler.disable`
 (what compiled code and graph breaks call; the eager `step` calls `_eager_update` through
-`eager_update`, sparing the wrapper's host time where dynamo hooks no frames), `_note_param_lists()`, `check_nonfinite`, `capturable`, and
-`_compile_token = register(self)`.
+`eager_update`, sparing the wrapper's host time where dynamo hooks no frames),
+`_note_param_lists()`, `check_nonfinite`, `capturable`, and `_compile_token = register(self)`.
 
 Steps dynamo cannot trace run eagerly between graphs (a graph break whose reason names why,
 which `fullgraph=True` refuses with): `check_nonfinite=True`, DTensor parameters, and a

@@ -188,7 +188,8 @@ def checked_row(opt, group: dict, index: int) -> tuple:
     """The group's torch hyperparameter row (`RuleLaunch`): the rule's `group_row` of its
     `group_keys` (for AdamW lr, b1, b2, eps, weight_decay as floats), then maximize. Validity
     depends on the values alone, so rows already seen valid are not checked again (a scheduler
-    changes lr)."""
+    changes lr), and a group whose values are the very immutable objects of its last step gives
+    that step's row back (`_kept_rows`, position -> (group, values, row))."""
     rule = opt.rule_launch.rule
     # The row this group gave last, while it holds the very same value objects and they are
     # immutable (numbers, bools, tuples of them): the same values, so the same verdict and row
