@@ -64,7 +64,31 @@ def muon_weight_leaf_kernel(
         ortho_offsets = _slot_offsets(offsets, TALL, rows, cols)
         _weight_elements(param_ptr + base, lo_ptr + base, ortho_ptr + (slot0 + z) * n_elements, ortho_offsets,
                          new_state_ptr + base, state_ptr + base, scalars_ptr, rejected_ptr + slot0 + z, offsets,
-                         offsets < n_elements, SPLIT)
+                         offsets < n_elements, SPLIT, param_ptr, False)
+
+
+@triton.jit
+def muon_update_leaf_kernel(
+    param_ptr, ortho_ptr, new_state_ptr, state_in_ptr, scalars_ptr, refused_ptr, rejected_in_ptr,
+    n_elements, slot0, rows, cols,
+    update_ptr, state_ptr, rejected_ptr,
+    TALL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """`muon_weight_leaf_kernel` for a float32 leaf of the transform (`packed_muon`'s update):
+    the weights are only read, and `update` takes u (core/muon/kernel.py's `float32_update`:
+    -0.0 everywhere for a refused matrix, whose weights stay). So XLA keeps no copy of the
+    weights for the `p' - p` after the launch, and makes no pass of its own for it."""
+    z = tl.program_id(1).to(tl.int64)
+    base = z * n_elements
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_bounds = offsets < n_elements
+    if tl.load(refused_ptr + slot0 + z) == 0:
+        ortho_offsets = _slot_offsets(offsets, TALL, rows, cols)
+        _weight_elements(param_ptr + base, param_ptr + base, ortho_ptr + (slot0 + z) * n_elements, ortho_offsets,
+                         new_state_ptr + base, state_ptr + base, scalars_ptr, rejected_ptr + slot0 + z, offsets,
+                         in_bounds, False, update_ptr + base, True)
+    else:
+        tl.store(update_ptr + base + offsets, -tl.zeros((BLOCK,), tl.float32), mask=in_bounds)
 
 
 @triton.jit
@@ -175,6 +199,28 @@ def weight_step(params, lows, states, scratch, scalars, refused, rejected, ortho
     if split:
         return jax.lax.bitcast_convert_type(new_weights, jnp.bfloat16), new_low, new_states, rejected
     return new_weights, None, new_states, rejected
+
+
+def update_step(params, states, scratch, scalars, refused, rejected, ortho, slot0, view, *, fmt):
+    """`weight_step` for a float32 leaf of the transform: returns (the leaf's update u, new
+    states, `rejected` updated); the weights are only read (`muon_update_leaf_kernel`)."""
+    k, n, tall = wide_shape(view)
+    batch, n_elements = params.shape[0], view.rows * view.cols
+    state_in = states if fmt.mode == "fp32" else _bits16(states)
+    update, new_states, rejected = _jax_triton().triton_call(
+        params, ortho, scratch, state_in, scalars, refused, rejected, n_elements, slot0, k, n,
+        kernel=muon_update_leaf_kernel,
+        out_shape=(jax.ShapeDtypeStruct(params.shape, jnp.float32), jax.ShapeDtypeStruct(state_in.shape, state_in.dtype),
+                   jax.ShapeDtypeStruct(rejected.shape, rejected.dtype)),
+        grid=(launch.grid(n_elements, launch.GPU_BLOCK)[0], batch),
+        num_warps=launch.GPU_NUM_WARPS,
+        input_output_aliases={3: 1, 6: 2},
+        TALL=tall, BLOCK=launch.GPU_BLOCK,
+        **launch.COMPILE_OPTIONS,
+    )
+    if fmt.mode != "fp32":
+        new_states = jax.lax.bitcast_convert_type(new_states, jnp.uint16)
+    return update, new_states, rejected
 
 
 def newton_schulz(x_bits, ns_scalars, steps: int):

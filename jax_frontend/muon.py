@@ -507,9 +507,12 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         p_mats = [views[i].to_matrices(p_leaves[i]) for i in muon]
         lo_mats = [views[i].to_matrices(lows[i]) for i in muon if split[i]]
         placed = lambda x, j: x  # noqa: E731 (the GPU path's leaves are not sharded: see MUON.md)
+        # On the GPU a float32 leaf's update comes from its weight launch (`_muon_triton.update_step`).
+        kernel_updates = write_update and _step_platform((updates, params)) == "gpu"
         if _step_platform((updates, params)) == "gpu":
             new_params, new_lows, new_states = _gpu_phases(config, [views[i] for i in muon], g_mats, s_mats, p_mats,
-                                                           lo_mats, row, valid, coefficients, steps)
+                                                           lo_mats, row, valid, coefficients, steps,
+                                                           write_update=write_update)
         else:
             new_params, new_lows, new_states, placed = _cpu_phases_placed(
                 [p_leaves[i] for i in muon], config, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients,
@@ -522,7 +525,7 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
             view, p = views[i], p_leaves[i]
             p_new, new_momenta[i] = placed(view.from_matrices(p_new), j), placed(view.from_matrices(s_new), j)
             if not split[i]:
-                out[i] = p_new if not write_update else _float32_update(p, p_new)
+                out[i] = p_new if not write_update or kernel_updates else _float32_update(p, p_new)
                 continue
             lo_new = placed(view.from_matrices(next(new_lows)), j)
             if not write_update:
@@ -591,11 +594,13 @@ def _cpu_phases_placed(muon_params, config: _PhaseConfig, g_mats, s_mats, p_mats
     return list(results[:n]), iter(results[n:n + k]), list(results[n + k:]), placed
 
 
-def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients, steps):
+def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients, steps, *,
+                write_update: bool = False):
     """`_cpu_phases` on a GPU: core/muon's Triton kernels through jax-triton (_muon_triton.py),
     Newton-Schulz once per shape group with the kernels torch's `ns_impl="triton"` launches.
     A matrix is refused (weights and momentum kept) when the row is invalid or the momentum
-    kernel counts a refusing element in it."""
+    kernel counts a refusing element in it. With `write_update`, a float32 matrix's entry of
+    the new parameters is its update u instead (`_float32_update`'s, from the weight launch)."""
     from packed_adamw.core.muon import ns_kernel
 
     from . import _muon_triton
@@ -631,6 +636,11 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, ro
                 nesterov=config.nesterov)
         ortho = _muon_triton.newton_schulz(x, ns_scalars, steps)
         for j in members:
+            if write_update and not config.split[j]:
+                new_params[j], new_states[j], rejected = _muon_triton.update_step(
+                    p_mats[j], s_mats[j], scratches[j], scalars[j], refused, rejected, ortho, slots[j], views[j],
+                    fmt=config.fmt)
+                continue
             new_params[j], new_lows[j], new_states[j], rejected = _muon_triton.weight_step(
                 p_mats[j], lo_of[j], s_mats[j], scratches[j], scalars[j], refused, rejected, ortho, slots[j],
                 views[j], fmt=config.fmt)

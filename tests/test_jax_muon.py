@@ -469,6 +469,7 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypat
         updates, state = tx.update({k: jnp.asarray(v, params[k].dtype) for k, v in g.items()}, state, params)
         params = optax.apply_updates(params, updates)
     assert _muon_triton.muon_momentum_leaf_kernel in stand_in.kernels
+    assert _muon_triton.muon_update_leaf_kernel in stand_in.kernels  # the float32 leaves' updates
     assert np.array_equal(bits(params["wide"]), before_refusal["wide"])  # refused: kept
     assert not np.array_equal(bits(params["tall"]), before_refusal["tall"])  # its group neighbour stepped
     assert np.array_equal(bits(params["stack"][1]), before_refusal["stack"][1])  # refused: kept
@@ -497,3 +498,54 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypat
         np.testing.assert_array_equal(bits(state_momentum[k]).T, opt.state[p]["momentum_code"].numpy().view(np.uint16),
                                       err_msg=k)
         np.testing.assert_array_equal(bits(params[k]).T, theirs, err_msg=f"weights of {k}")
+
+
+def test_the_weight_kernels_float32_update_is_the_transforms_bit_for_bit():
+    """core/muon/kernel.py's `float32_update` (the update the GPU path's weight launch writes for
+    a float32 leaf) against `_float32_update` on pairs that exercise each of its rules: p' with
+    p's bits (-0.0, +0.0 and -0.0 apart, NaN kept), differences that overflow (clipped),
+    subnormal ones, and ordinary steps."""
+    from conftest import interpreting
+
+    if not interpreting():
+        pytest.skip("runs the kernel in Triton's CPU interpreter")
+    apply = _float32_update_kernel()
+    big, tiny = np.float32(3e38), np.float32(1e-45)
+    rng = np.random.default_rng(7)
+    ordinary = rng.standard_normal(40).astype(F32)
+    p = np.concatenate([[0.0, -0.0, 0.0, -0.0, np.nan, np.inf, big, -big, tiny, 2 * tiny, 1.0], ordinary]).astype(F32)
+    p_next = np.concatenate([[-0.0, 0.0, 0.0, -0.0, np.nan, np.inf, -big, big, 2 * tiny, -tiny, 1.0],
+                             ordinary * np.float32(0.999) + np.float32(1e-3)]).astype(F32)
+    u = torch.empty(p.size, dtype=torch.float32)
+    apply[(1,)](torch.from_numpy(p), torch.from_numpy(p_next), u, p.size, BLOCK=64)
+    # `_float32_update`'s rules in numpy: XLA's CPU runtime would flush the subnormal differences
+    # (the GPU's does not), so the transform's own function is compared where it agrees.
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = np.clip(p_next - p, -np.finfo(F32).max, np.finfo(F32).max).astype(F32)
+    want[p.view(np.uint32) == p_next.view(np.uint32)] = np.float32(-0.0)
+    np.testing.assert_array_equal(u.numpy().view(np.uint32), want.view(np.uint32))
+    normal = np.abs(want) >= np.finfo(F32).tiny
+    np.testing.assert_array_equal(
+        np.asarray(jax_muon._float32_update(jnp.asarray(p), jnp.asarray(p_next))).view(np.uint32)[normal],
+        want.view(np.uint32)[normal])
+
+
+def _float32_update_kernel():
+    """A kernel applying core/muon/kernel.py's `float32_update` to (p, p') arrays (made on
+    first use: the interpreter resolves the names it calls in this module's globals)."""
+    import triton
+    import triton.language as tl
+
+    from packed_adamw.core.muon import kernel
+
+    globals()["_muon_kernel"] = kernel
+
+    @triton.jit
+    def apply(p_ptr, p_next_ptr, u_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        mask = offsets < n
+        p = tl.load(p_ptr + offsets, mask=mask)
+        tl.store(u_ptr + offsets, _muon_kernel.float32_update(p, tl.load(p_next_ptr + offsets, mask=mask)),
+                 mask=mask)
+
+    return apply

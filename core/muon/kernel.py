@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..kernel import (
+    FLOAT32_MAX,
     FLOAT32_SIGN_BIT,
     SPLIT_LO_SIGN,
     SPLIT_MAGNITUDE_MASK,
@@ -107,8 +108,11 @@ def _momentum_elements(grad_ptr, state_ptr, new_state_ptr, x_ptr, x_offsets, sca
 
 @triton.jit
 def _weight_elements(param_ptr, lo_ptr, ortho_ptr, ortho_offsets, new_state_ptr, state_ptr, scalars_ptr,
-                     rejected_ptr, offsets, in_bounds, SPLIT: tl.constexpr):
-    """Phase 2 of one block of an accepted matrix; the Newton-Schulz result read at `ortho_offsets`."""
+                     rejected_ptr, offsets, in_bounds, SPLIT: tl.constexpr, update_ptr, UPDATE: tl.constexpr):
+    """Phase 2 of one block of an accepted matrix; the Newton-Schulz result read at `ortho_offsets`.
+    UPDATE (float32 weights only): the weights are left as they are and `update` takes the
+    optax update u for them, `float32_update(p, p')` (u = p' - p, clipped to the float32 range,
+    -0.0 where p' has p's bits), as the JAX transform returns it."""
     tl.store(state_ptr + offsets, tl.load(new_state_ptr + offsets, mask=in_bounds), mask=in_bounds)
     decay = tl.load(scalars_ptr + 2)
     neg_adjusted_lr = tl.load(scalars_ptr + 3)
@@ -132,10 +136,22 @@ def _weight_elements(param_ptr, lo_ptr, ortho_ptr, ortho_offsets, new_state_ptr,
         w_next, lo_next = split_master(p_next)
         tl.store(param_ptr + offsets, w_next.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
         tl.store(lo_ptr + offsets, lo_next.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+    elif UPDATE:
+        tl.store(update_ptr + offsets, float32_update(p, p_next), mask=in_bounds)
     else:
         tl.store(param_ptr + offsets, p_next, mask=in_bounds)
     n_rejected = tl.sum((~accepted & in_bounds).to(tl.int32), axis=0)
     tl.atomic_add(rejected_ptr, n_rejected, mask=n_rejected > 0)
+
+
+@triton.jit
+def float32_update(p, p_next):
+    """The float32 u with `p + u` = p' wherever p' - p is exact: p' - p clipped to the float32
+    range, or -0.0 where p' keeps p's bits (p + -0.0 is p for every p, -0.0 included): the JAX
+    transform's `_float32_update`, elementwise."""
+    u = tl.minimum(tl.maximum(p_next - p, -FLOAT32_MAX), FLOAT32_MAX)
+    unchanged = p_next.to(tl.uint32, bitcast=True) == p.to(tl.uint32, bitcast=True)
+    return tl.where(unchanged, -tl.zeros_like(u), u)  # a negated zero: the sign bit set, whatever folds constants
 
 
 @triton.jit
@@ -164,7 +180,7 @@ def muon_weight_kernel(
     if tl.load(refused_ptr) == 0:
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         _weight_elements(param_ptr, lo_ptr, ortho_ptr, offsets, new_state_ptr, state_ptr, scalars_ptr,
-                         rejected_ptr, offsets, offsets < n_elements, SPLIT)
+                         rejected_ptr, offsets, offsets < n_elements, SPLIT, param_ptr, False)
 
 
 # ---- one launch per Newton-Schulz batch -------------------------------------------------------
@@ -247,4 +263,5 @@ def muon_weight_table_kernel(
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ortho_offsets = _slot_offsets(offsets, tl.load(row + 5), rows, cols)
         _weight_elements(param_ptr, lo_ptr, ortho_ptr + slot, ortho_offsets, scratch_ptr + slot, state_ptr,
-                         scalars_ptr + index * MATRIX_SCALARS, counters_ptr + 1, offsets, offsets < n_elements, SPLIT)
+                         scalars_ptr + index * MATRIX_SCALARS, counters_ptr + 1, offsets, offsets < n_elements, SPLIT,
+                         param_ptr, False)
