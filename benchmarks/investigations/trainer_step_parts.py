@@ -13,10 +13,19 @@ the step (`format_counts.before_step` and `optimizer.step()`), and the second's 
 the wait for the kernels still queued. Medians from step 6 on, in ms, beside the trainer's own
 `median_optimizer_ms`. For PackedAdamW it also counts full steps (a step whose plan did not
 hold: every tensor checked again).
+
+Two diagnostics of why the step's host time in the trainer is a multiple of the isolated one
+(they change what is measured, so their rows are not the trainer's figures):
+`--repeat-step` runs a second `optimizer.step()` right after each timed one, the GPU idle and the
+learning rates set again as new float objects (the trainer's lr-changed path), and reports its
+host time as "repeat host ms": the same step with the CPU caches warm from the first (the repeat
+takes a second optimizer step, so the run trains differently). `--gc off` runs the trainer with
+Python's garbage collector disabled.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -30,11 +39,18 @@ from packed_adamw.torch import _engine
 from packed_adamw.torch.gpt import train
 
 
-def run(optimizer: str, trainer_args: list[str]) -> dict:
+def run(optimizer: str, trainer_args: list[str], repeat_step: bool = False) -> dict:
     calls: list[tuple[float, float]] = []
-    host, wait = [], []
+    host, wait, repeat_host = [], [], []
     real_sync, real_full, real_add = torch.cuda.synchronize, _engine.full_step, train.StepTimes.add
+    real_zero_grad = torch.optim.Optimizer.zero_grad
     full_steps = [0]
+    optimizers: list[torch.optim.Optimizer] = []
+
+    def noted_zero_grad(self, *args, **kwargs):  # the trainer's optimizer, whatever its class
+        if not optimizers:
+            optimizers.append(self)
+        return real_zero_grad(self, *args, **kwargs)
 
     def noted_sync(*args, **kwargs):
         t0 = time.perf_counter()
@@ -49,9 +65,18 @@ def run(optimizer: str, trainer_args: list[str]) -> dict:
         (_, first_returned), (second_started, second_returned) = calls[-2:]
         host.append(second_started - first_returned)
         wait.append(second_returned - second_started)
+        if repeat_step:
+            optimizer = optimizers[0]
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * 1.0 + 0.0  # a new float object: the lr-changed path
+            t0 = time.perf_counter()
+            optimizer.step()
+            repeat_host.append(time.perf_counter() - t0)
+            real_sync()
         real_add(self, start, after_backward, end)
 
     torch.cuda.synchronize, _engine.full_step, train.StepTimes.add = noted_sync, counted_full_step, noted_add
+    torch.optim.Optimizer.zero_grad = noted_zero_grad
     try:
         with tempfile.TemporaryDirectory() as out:
             train.main([*trainer_args, "--optimizer", optimizer, "--out", out, "--no-checkpoints",
@@ -59,11 +84,14 @@ def run(optimizer: str, trainer_args: list[str]) -> dict:
             summary = json.loads((Path(out) / "summary.json").read_text())
     finally:
         torch.cuda.synchronize, _engine.full_step, train.StepTimes.add = real_sync, real_full, real_add
+        torch.optim.Optimizer.zero_grad = real_zero_grad
     host, wait = host[5:], wait[5:]
+    repeat = {"repeat host ms": 1e3 * statistics.median(repeat_host[5:])} if repeat_step else {}
     return {"steps timed": len(host), "host ms": 1e3 * statistics.median(host),
             "wait ms": 1e3 * statistics.median(wait), "host + wait ms": 1e3 * statistics.median(
                 [h + w for h, w in zip(host, wait)]),
-            "trainer median_optimizer_ms": summary["median_optimizer_ms"], "full steps": full_steps[0]}
+            "trainer median_optimizer_ms": summary["median_optimizer_ms"], "full steps": full_steps[0],
+            **repeat}
 
 
 def main(argv=None) -> int:
@@ -72,16 +100,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--optimizers", nargs="+", default=["torch-adamw-fused", "packed-adamw"])
     parser.add_argument("--rounds", type=int, default=1, help="runs of each optimizer, alternating")
+    parser.add_argument("--repeat-step", action="store_true",
+                        help="diagnostic: time a second step right after each timed one (warm caches)")
+    parser.add_argument("--gc", choices=["on", "off"], default="on",
+                        help="diagnostic: off runs the trainer with Python's garbage collector disabled")
     args = parser.parse_args(argv[:split])
     trainer_args = argv[split + 1:]
     if not torch.cuda.is_available():
         print("trainer_step_parts.py needs a CUDA GPU", file=sys.stderr)
         return 2
     results = {}
+    if args.gc == "off":
+        gc.disable()
     for _ in range(args.rounds):
         for name in args.optimizers:
-            results.setdefault(name, []).append(run(name, trainer_args))
-    print(f"trainer arguments: {' '.join(trainer_args)}")
+            results.setdefault(name, []).append(run(name, trainer_args, args.repeat_step))
+    gc.enable()
+    print(f"trainer arguments: {' '.join(trainer_args)}; gc {args.gc}"
+          + ("; a repeated step after each" if args.repeat_step else ""))
     for name, rounds in results.items():
         for i, result in enumerate(rounds):
             print(f"{name} (round {i + 1}): " + ", ".join(
