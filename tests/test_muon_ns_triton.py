@@ -52,6 +52,18 @@ def test_kernels_equal_the_numpy_mirror(shape, monkeypatch):
         np.testing.assert_array_equal(_bits(got), want)
 
 
+def test_the_mirrored_products_equal_the_full_ones(monkeypatch):
+    # 36 x 48 under 16-element tiles: the 36 x 36 Gram matrix and polynomial are 3 x 3 tiles, a
+    # partial row and column among them; the kernel computes the six on or above the diagonal
+    # and mirrors three. The numpy mirror computes all nine.
+    _launch_with(SMALL, monkeypatch)
+    x = _input((36, 48), seed=11)
+    want = newton_schulz_triton_reference(_bits(x), COEFFICIENTS, 2, EPS, blocks=SMALL)
+    np.testing.assert_array_equal(_bits(newton_schulz_triton(x, COEFFICIENTS, 2, EPS)), want)
+    plan = ns_kernel.launch_plan(1, 36, 48, 1, interpreting=True, blocks=SMALL)
+    assert [constants["SYMMETRIC"] for _, _, _, constants, _ in plan[2:]] == [True, True, False]
+
+
 def test_norm_over_several_partials_and_eps():
     # 64 x 160 = 10240 elements: three partial sums. A zero matrix divides by bf16(eps).
     x = _input((64, 160), seed=3, scale=40.0)

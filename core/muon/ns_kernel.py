@@ -84,18 +84,35 @@ def ns_normalize_kernel(y_ptr, partials_ptr, scalars_ptr, out_ptr, N_ELEMENTS: t
 
 @triton.jit
 def ns_gemm_kernel(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                   B_IS_A_TRANSPOSED: tl.constexpr,
+                   B_IS_A_TRANSPOSED: tl.constexpr, SYMMETRIC: tl.constexpr,
                    EPILOGUE: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     """Grid (tiles of [M, N], B): out[z] = the EPILOGUE of A[z] @ B[z] (bf16 [M, K] and [K, N],
     contiguous), accumulated in float32 over K in BLOCK_K steps in order. B_IS_A_TRANSPOSED:
     B is A^T read from `a_ptr` (the Gram matrix Y Y^T; `b_ptr` unused). `c_ptr`: the bf16
     [M, N] term of the epilogue, whose coefficients come from `scalars` (`ns_scalars`' row). DOT_FP32: the operands go to tl.dot as float32 (exact for bf16
-    values) for Triton's CPU interpreter, whose bf16 dot multiplies raw bits; never on a GPU."""
+    values) for Triton's CPU interpreter, whose bf16 dot multiplies raw bits; never on a GPU.
+    SYMMETRIC (the Gram matrix and the polynomial, both symmetric; square tiles): only the
+    programs of tiles on or above the diagonal compute, and each stores its tile twice, the
+    second time transposed below the diagonal. Element (j, i) of the full product sums the
+    same exact bf16 products over K in the same order as element (i, j), so the mirror is the
+    value the program of (j, i) would compute, at about 60% of the product's work."""
     z = tl.program_id(1).to(tl.int64)
     tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     pid_m = tl.program_id(0) // tiles_n
     pid_n = tl.program_id(0) % tiles_n
+    if SYMMETRIC:
+        tl.static_assert(BLOCK_M == BLOCK_N)
+    if not SYMMETRIC or pid_m <= pid_n:
+        _gemm_tile(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, z, pid_m, pid_n, M, N, K, B_IS_A_TRANSPOSED,
+                   SYMMETRIC, EPILOGUE, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _gemm_tile(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, z, pid_m, pid_n, M: tl.constexpr, N: tl.constexpr,
+               K: tl.constexpr, B_IS_A_TRANSPOSED: tl.constexpr, SYMMETRIC: tl.constexpr, EPILOGUE: tl.constexpr,
+               DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`ns_gemm_kernel`'s tile (pid_m, pid_n) of matrix z."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -122,7 +139,11 @@ def ns_gemm_kernel(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, M: tl.constexpr, N
     elif EPILOGUE == 2:  # a Y + P Y
         c = _f32(tl.load(c_ptr + out_offsets, mask=in_bounds, other=0.0))
         acc = acc + c * tl.load(scalars_ptr)
-    tl.store(out_ptr + out_offsets, _bf16(acc), mask=in_bounds)
+    out = _bf16(acc)
+    tl.store(out_ptr + out_offsets, out, mask=in_bounds)
+    if SYMMETRIC and pid_m != pid_n:  # the mirror tile (pid_n, pid_m)
+        tl.store(out_ptr + z * (M * N) + rn[:, None] * N + rm[None, :], tl.trans(out),
+                 mask=(rn[:, None] < M) & (rm[None, :] < N))
 
 
 def gemm_grid(m: int, n: int, batch: int, blocks: dict) -> tuple[int, int]:
@@ -163,15 +184,16 @@ def launch_plan(batch: int, k: int, n: int, steps: int, *, interpreting: bool,
          {**norm_constants, "PARTIALS": PARTIALS_BLOCK}, norm_options),
     ]
     gemm = lambda **kw: {"DOT_FP32": bool(interpreting), **blocks, **kw}  # noqa: E731
+    symmetric = blocks["BLOCK_M"] == blocks["BLOCK_N"]  # the k x k products mirror square tiles
     for step in range(steps):
         y, y_next = f"y{step % 2}", f"y{(step + 1) % 2}"
         plan += [
             (ns_gemm_kernel, gemm_grid(k, k, batch, blocks), (y, y, y, "scalars", "gram"),
-             gemm(M=k, N=k, K=n, B_IS_A_TRANSPOSED=True, EPILOGUE=EPILOGUE_NONE), gemm_options),
+             gemm(M=k, N=k, K=n, B_IS_A_TRANSPOSED=True, SYMMETRIC=symmetric, EPILOGUE=EPILOGUE_NONE), gemm_options),
             (ns_gemm_kernel, gemm_grid(k, k, batch, blocks), ("gram", "gram", "gram", "scalars", "poly"),
-             gemm(M=k, N=k, K=k, B_IS_A_TRANSPOSED=False, EPILOGUE=EPILOGUE_POLYNOMIAL), gemm_options),
+             gemm(M=k, N=k, K=k, B_IS_A_TRANSPOSED=False, SYMMETRIC=symmetric, EPILOGUE=EPILOGUE_POLYNOMIAL), gemm_options),
             (ns_gemm_kernel, gemm_grid(k, n, batch, blocks), ("poly", y, y, "scalars", y_next),
-             gemm(M=k, N=n, K=k, B_IS_A_TRANSPOSED=False, EPILOGUE=EPILOGUE_UPDATE), gemm_options),
+             gemm(M=k, N=n, K=k, B_IS_A_TRANSPOSED=False, SYMMETRIC=False, EPILOGUE=EPILOGUE_UPDATE), gemm_options),
         ]
     return plan
 
