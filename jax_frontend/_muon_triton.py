@@ -1,12 +1,15 @@
 """`packed_muon`'s GPU step: core/muon's Triton kernels through jax-triton (docs/MUON.md, "JAX /
 optax", "On a GPU"). Imported lazily: `import jax_triton` fails with a CPU-only jaxlib.
 
-Per Muon leaf ([batch, rows, cols] in the JAX [in, out] layout), one momentum launch writes each
-matrix's Newton-Schulz input into its slot of its shape group's [B, k, n] buffer (in the wide
-orientation torch gives the same layer: transposed unless in < out) and its new momentum into a
-scratch; Newton-Schulz runs once per shape group (core/muon/ns_kernel.py's launches, the ones
-torch's `ns_impl="triton"` makes); one weight launch per leaf commits the momentum and steps the
-weights of each accepted matrix. The elementwise arithmetic is core/muon/kernel.py's
+Muon leaves are [batch, rows, cols] in the JAX [in, out] layout. Per shape group, one momentum
+launch for up to LEAVES_PER_LAUNCH leaves of one kind (orientation, gradient dtype, weight
+dtype) writes each matrix's Newton-Schulz input into its slot of the group's [B, k, n] buffer
+(in the wide orientation torch gives the same layer: transposed unless in < out) and its new
+momentum into a scratch; Newton-Schulz runs once per shape group (core/muon/ns_kernel.py's
+launches, the ones torch's `ns_impl="triton"` makes); one weight launch for the same leaves
+commits the momentum and steps the weights of each accepted matrix. A leaf's buffers are
+separate kernel arguments, one slot of each kind (jax-triton passes no tables of addresses),
+as the AdamW leaf-group kernel takes them. The elementwise arithmetic is core/muon/kernel.py's
 (`_momentum_elements`, `_weight_elements`), as torch's kernels; only the addressing differs.
 """
 from __future__ import annotations
@@ -18,77 +21,162 @@ import triton
 import triton.language as tl
 
 from packed_adamw.core import launch
+from packed_adamw.core.kernel import LEAF_GROUP_SLOTS, leaf_slot
 from packed_adamw.core.muon import adjusted_lr, ns_kernel, step_scalar_row
-from packed_adamw.core.muon.kernel import _momentum_elements, _slot_offsets, _weight_elements
+from packed_adamw.core.muon.kernel import (
+    FP32_MODE,
+    MATRIX_SCALARS,
+    _momentum_elements,
+    _slot_offsets,
+    _weight_elements,
+)
 
 from ._triton_launch import _jax_triton
 
+# Leaves per group launch: the kernels' slots of each buffer kind (as the AdamW leaf-group kernel's).
+LEAVES_PER_LAUNCH = launch.LEAF_GROUP_SLOTS
+
 
 @triton.jit
-def muon_momentum_leaf_kernel(
-    grad_ptr, state_ptr, scalars_ptr, x_in_ptr, refused_in_ptr, n_elements, slot0, rows, cols,
-    new_state_ptr, x_ptr, refused_ptr,
+def muon_momentum_group_kernel(
+    grad_0, grad_1, grad_2, grad_3, grad_4, grad_5, grad_6, grad_7, grad_8, grad_9, grad_10, grad_11, grad_12,
+    grad_13, grad_14, grad_15,
+    state_0, state_1, state_2, state_3, state_4, state_5, state_6, state_7, state_8, state_9, state_10,
+    state_11, state_12, state_13, state_14, state_15,
+    table_ptr, scalars_ptr, x_in_ptr, refused_in_ptr, n_elements, rows, cols,
+    scratch_0, scratch_1, scratch_2, scratch_3, scratch_4, scratch_5, scratch_6, scratch_7, scratch_8,
+    scratch_9, scratch_10, scratch_11, scratch_12, scratch_13, scratch_14, scratch_15,
+    x_ptr, refused_ptr,
     TALL: tl.constexpr, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
     NESTEROV: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Grid (blocks per matrix, matrices of the leaf): phase 1 of matrix z into the scratch
-    `new_state` [z], X into slot slot0 + z of `x` ([*, rows, cols] int16 bf16 bits; TALL: the
-    matrix transposed), its refusing elements added to `refused[slot0 + z]` (one counter a
-    slot of the shape group). `x_in` and `refused_in` are `x` and `refused` (aliased:
-    jax-triton passes outputs after the inputs)."""
+    """Phase 1 of up to LEAF_GROUP_SLOTS leaves of one shape group and orientation, grid
+    (blocks per matrix, the most matrices of a leaf, leaves): program (i, z, t) takes block i
+    of matrix z of leaf t (slot t of each buffer kind; `group_table`'s `table`), its new
+    momentum into the scratch, X into slot `slot0[t]` + z of `x` ([*, rows, cols] int16 bf16
+    bits; TALL: the matrix transposed), its refusing elements added to `refused` at that slot.
+    Scalar row t of `scalars` ([leaves, 4]). `x_in` and `refused_in` are `x` and `refused`
+    (aliased: jax-triton passes outputs after the inputs). Slots past the launch's leaves hold
+    one-element placeholders that no program reads."""
+    leaf = tl.program_id(2)
     z = tl.program_id(1).to(tl.int64)
-    base = z * n_elements
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x_offsets = _slot_offsets(offsets, TALL, rows, cols)
-    _momentum_elements(grad_ptr + base, state_ptr + base, new_state_ptr + base, x_ptr + (slot0 + z) * n_elements,
-                       x_offsets, scalars_ptr, refused_ptr + slot0 + z, offsets, offsets < n_elements, MODE, MU_FRAC,
-                       MU_BIAS, MU_MAX, NESTEROV, False, GRAD_BF16)
-
-
-@triton.jit
-def muon_weight_leaf_kernel(
-    param_in_ptr, lo_in_ptr, ortho_ptr, new_state_ptr, state_in_ptr, scalars_ptr, refused_ptr, rejected_in_ptr,
-    n_elements, slot0, rows, cols,
-    param_ptr, lo_ptr, state_ptr, rejected_ptr,
-    TALL: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Grid (blocks per matrix, matrices of the leaf): phase 2 of matrix z unless
-    `refused[slot0 + z]`: commits the scratch momentum to `state`, steps the weights (SPLIT:
-    int16 bf16 bits and low halves) with O read from slot slot0 + z of `ortho`, its rejected
-    elements counted in `rejected[slot0 + z]`. The `*_in` inputs are aliased to the outputs of
-    the same name (a matrix that is not stepped keeps them)."""
-    z = tl.program_id(1).to(tl.int64)
-    if tl.load(refused_ptr + slot0 + z) == 0:
+    if z < tl.load(table_ptr + LEAF_GROUP_SLOTS + leaf):  # a leaf of fewer matrices has idle programs
+        slot = tl.load(table_ptr + leaf) + z
+        grad = leaf_slot(
+            leaf, grad_0, grad_1, grad_2, grad_3, grad_4, grad_5, grad_6, grad_7, grad_8, grad_9, grad_10,
+            grad_11, grad_12, grad_13, grad_14, grad_15
+        )
+        state = leaf_slot(
+            leaf, state_0, state_1, state_2, state_3, state_4, state_5, state_6, state_7, state_8, state_9,
+            state_10, state_11, state_12, state_13, state_14, state_15
+        )
+        scratch = leaf_slot(
+            leaf, scratch_0, scratch_1, scratch_2, scratch_3, scratch_4, scratch_5, scratch_6, scratch_7,
+            scratch_8, scratch_9, scratch_10, scratch_11, scratch_12, scratch_13, scratch_14, scratch_15
+        )
+        # jax-triton declares every buffer 16-byte aligned; the selection hides it from the compiler.
+        if GRAD_BF16:
+            grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.int16))
+        else:
+            grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.float32))
+        if MODE == FP32_MODE:
+            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.float32))
+            scratch_ptr = tl.multiple_of(scratch, 16).to(tl.pointer_type(tl.float32))
+        else:
+            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.int16))
+            scratch_ptr = tl.multiple_of(scratch, 16).to(tl.pointer_type(tl.int16))
         base = z * n_elements
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ortho_offsets = _slot_offsets(offsets, TALL, rows, cols)
-        _weight_elements(param_ptr + base, lo_ptr + base, ortho_ptr + (slot0 + z) * n_elements, ortho_offsets,
-                         new_state_ptr + base, state_ptr + base, scalars_ptr, rejected_ptr + slot0 + z, offsets,
-                         offsets < n_elements, SPLIT, param_ptr, False)
+        _momentum_elements(grad_ptr + base, state_ptr + base, scratch_ptr + base, x_ptr + slot * n_elements,
+                           _slot_offsets(offsets, TALL, rows, cols), scalars_ptr + leaf * MATRIX_SCALARS,
+                           refused_ptr + slot, offsets, offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX,
+                           NESTEROV, False, GRAD_BF16)
 
 
 @triton.jit
-def muon_update_leaf_kernel(
-    param_ptr, ortho_ptr, new_state_ptr, state_in_ptr, scalars_ptr, refused_ptr, rejected_in_ptr,
-    n_elements, slot0, rows, cols,
-    update_ptr, state_ptr, rejected_ptr,
-    TALL: tl.constexpr, BLOCK: tl.constexpr,
+def muon_weight_group_kernel(
+    param_0, param_1, param_2, param_3, param_4, param_5, param_6, param_7, param_8, param_9, param_10,
+    param_11, param_12, param_13, param_14, param_15,
+    lo_0, lo_1, lo_2, lo_3, lo_4, lo_5, lo_6, lo_7, lo_8, lo_9, lo_10, lo_11, lo_12, lo_13, lo_14, lo_15,
+    scratch_0, scratch_1, scratch_2, scratch_3, scratch_4, scratch_5, scratch_6, scratch_7, scratch_8,
+    scratch_9, scratch_10, scratch_11, scratch_12, scratch_13, scratch_14, scratch_15,
+    state_0, state_1, state_2, state_3, state_4, state_5, state_6, state_7, state_8, state_9, state_10,
+    state_11, state_12, state_13, state_14, state_15,
+    table_ptr, ortho_ptr, scalars_ptr, refused_ptr, rejected_in_ptr, n_elements, rows, cols,
+    out_0, out_1, out_2, out_3, out_4, out_5, out_6, out_7, out_8, out_9, out_10, out_11, out_12, out_13,
+    out_14, out_15,
+    new_lo_0, new_lo_1, new_lo_2, new_lo_3, new_lo_4, new_lo_5, new_lo_6, new_lo_7, new_lo_8, new_lo_9,
+    new_lo_10, new_lo_11, new_lo_12, new_lo_13, new_lo_14, new_lo_15,
+    new_state_0, new_state_1, new_state_2, new_state_3, new_state_4, new_state_5, new_state_6, new_state_7,
+    new_state_8, new_state_9, new_state_10, new_state_11, new_state_12, new_state_13, new_state_14,
+    new_state_15,
+    rejected_ptr,
+    TALL: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, UPDATE: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """`muon_weight_leaf_kernel` for a float32 leaf of the transform (`packed_muon`'s update):
-    the weights are only read, and `update` takes u (core/muon/kernel.py's `float32_update`:
-    -0.0 everywhere for a refused matrix, whose weights stay). So XLA keeps no copy of the
-    weights for the `p' - p` after the launch, and makes no pass of its own for it."""
+    """Phase 2 of the leaves of a `muon_momentum_group_kernel` launch, on its grid: matrix z of
+    leaf t, unless `refused` at its slot, commits the scratch momentum to `new_state` (aliased
+    to `state`) and steps its weights with O read from that slot of `ortho`, its rejected
+    elements counted in `rejected` there. The weights: SPLIT, int16 bf16 bits and low halves,
+    the new ones to `out` and `new_lo` (aliased to `param` and `lo`); otherwise float32, to
+    `out` (aliased to `param`), or with UPDATE (the transform's float32 leaves) read from
+    `param` only, `out` a buffer of its own taking the optax update u (core/muon/kernel.py's
+    `float32_update`; -0.0 everywhere for a refused matrix, whose weights stay): so XLA keeps
+    no copy of the weights for a `p' - p` and makes no pass of its own for it. Without SPLIT,
+    `lo` and `new_lo` are one-element placeholders that no program reads."""
+    leaf = tl.program_id(2)
     z = tl.program_id(1).to(tl.int64)
-    base = z * n_elements
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_bounds = offsets < n_elements
-    if tl.load(refused_ptr + slot0 + z) == 0:
-        ortho_offsets = _slot_offsets(offsets, TALL, rows, cols)
-        _weight_elements(param_ptr + base, param_ptr + base, ortho_ptr + (slot0 + z) * n_elements, ortho_offsets,
-                         new_state_ptr + base, state_ptr + base, scalars_ptr, rejected_ptr + slot0 + z, offsets,
-                         in_bounds, False, update_ptr + base, True)
-    else:
-        tl.store(update_ptr + base + offsets, -tl.zeros((BLOCK,), tl.float32), mask=in_bounds)
+    if z < tl.load(table_ptr + LEAF_GROUP_SLOTS + leaf):
+        slot = tl.load(table_ptr + leaf) + z
+        base = z * n_elements
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_bounds = offsets < n_elements
+        out = leaf_slot(
+            leaf, out_0, out_1, out_2, out_3, out_4, out_5, out_6, out_7, out_8, out_9, out_10, out_11, out_12,
+            out_13, out_14, out_15
+        )
+        if tl.load(refused_ptr + slot) == 0:
+            scratch = leaf_slot(
+                leaf, scratch_0, scratch_1, scratch_2, scratch_3, scratch_4, scratch_5, scratch_6, scratch_7,
+                scratch_8, scratch_9, scratch_10, scratch_11, scratch_12, scratch_13, scratch_14, scratch_15
+            )
+            new_state = leaf_slot(
+                leaf, new_state_0, new_state_1, new_state_2, new_state_3, new_state_4, new_state_5,
+                new_state_6, new_state_7, new_state_8, new_state_9, new_state_10, new_state_11, new_state_12,
+                new_state_13, new_state_14, new_state_15
+            )
+            if SPLIT:
+                new_lo = leaf_slot(
+                    leaf, new_lo_0, new_lo_1, new_lo_2, new_lo_3, new_lo_4, new_lo_5, new_lo_6, new_lo_7,
+                    new_lo_8, new_lo_9, new_lo_10, new_lo_11, new_lo_12, new_lo_13, new_lo_14, new_lo_15
+                )
+                param_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.int16))
+                lo_ptr = tl.multiple_of(new_lo, 16).to(tl.pointer_type(tl.int16))
+                update_ptr = param_ptr  # unused
+            elif UPDATE:
+                param = leaf_slot(
+                    leaf, param_0, param_1, param_2, param_3, param_4, param_5, param_6, param_7, param_8,
+                    param_9, param_10, param_11, param_12, param_13, param_14, param_15
+                )
+                param_ptr = tl.multiple_of(param, 16).to(tl.pointer_type(tl.float32))
+                lo_ptr = param_ptr  # unused
+                update_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
+            else:
+                param_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
+                lo_ptr = param_ptr  # unused
+                update_ptr = param_ptr  # unused
+            if MODE == FP32_MODE:
+                scratch_ptr = tl.multiple_of(scratch, 16).to(tl.pointer_type(tl.float32))
+                state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.float32))
+            else:
+                scratch_ptr = tl.multiple_of(scratch, 16).to(tl.pointer_type(tl.int16))
+                state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.int16))
+            _weight_elements(param_ptr + base, lo_ptr + base, ortho_ptr + slot * n_elements,
+                             _slot_offsets(offsets, TALL, rows, cols), scratch_ptr + base, state_ptr + base,
+                             scalars_ptr + leaf * MATRIX_SCALARS, rejected_ptr + slot, offsets, in_bounds, SPLIT,
+                             update_ptr + base, UPDATE)
+        elif UPDATE:
+            update_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
+            tl.store(update_ptr + base + offsets, -tl.zeros((BLOCK,), tl.float32), mask=in_bounds)
 
 
 @triton.jit
@@ -143,84 +231,105 @@ def _bits16(x):
     return jax.lax.bitcast_convert_type(x, jnp.int16)
 
 
-def momentum_step(grads, states, scalars, x, refused, slot0, view, *, fmt, nesterov):
-    """One leaf's momentum launch. `grads`/`states` [batch, rows, cols] (float32 or bf16
-    gradients; uint16 codes or float32 momenta); `x` its group's int16 [B, k, n] buffer and
-    `refused` the group's int32 [B] counters (both updated, the leaf's slots from `slot0`).
-    Returns (scratch, x, refused)."""
+def group_table(slot0s: list[int], batches: list[int]) -> np.ndarray:
+    """A group launch's table: each leaf's first slot in its shape group's buffers, then its
+    number of matrices (0 past the launch's leaves)."""
+    if not 1 <= len(slot0s) == len(batches) <= LEAVES_PER_LAUNCH:
+        raise ValueError(f"a Muon group launch takes 1 to {LEAVES_PER_LAUNCH} leaves, got {len(slot0s)}")
+    padding = [0] * (LEAVES_PER_LAUNCH - len(slot0s))
+    return np.asarray([*slot0s, *padding, *batches, *padding], np.int64)
+
+
+def _slots(buffers: list) -> list:
+    """`buffers` in the kernel's slots of one kind, one-element placeholders of their dtype
+    after them (every launch compiles to the same kernel, whatever its number of leaves)."""
+    return [*buffers, *[jnp.zeros((1,), buffers[0].dtype)] * (LEAVES_PER_LAUNCH - len(buffers))]
+
+
+def _out_slots(buffers: list) -> list:
+    return [*(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers),
+            *[jax.ShapeDtypeStruct((1,), buffers[0].dtype)] * (LEAVES_PER_LAUNCH - len(buffers))]
+
+
+def _grid(view, batches: list[int]) -> tuple[int, int, int]:
+    return (launch.grid(view.rows * view.cols, launch.GPU_BLOCK)[0], max(batches), len(batches))
+
+
+def momentum_group_step(grads, states, scalars, x, refused, slot0s, view, *, fmt, nesterov):
+    """One momentum launch for up to LEAVES_PER_LAUNCH leaves of one shape group, orientation
+    and gradient dtype (`view` any of theirs). `grads`/`states`: per leaf [batch, rows, cols]
+    (float32 or bf16 gradients; uint16 codes or float32 momenta); `scalars` [leaves, 4]; `x`
+    the group's int16 [B, k, n] buffer and `refused` its int32 [B] counters (both updated,
+    leaf t's slots from `slot0s[t]`). Returns (the leaves' scratches, x, refused)."""
     k, n, tall = wide_shape(view)
-    batch, n_elements = grads.shape[0], view.rows * view.cols
-    grad_bf16 = grads.dtype == jnp.bfloat16
-    state_in = states if fmt.mode == "fp32" else _bits16(states)
+    batches = [g.shape[0] for g in grads]
+    grad_bf16 = grads[0].dtype == jnp.bfloat16
+    grad_in = [_bits16(g) if grad_bf16 else g for g in grads]
+    state_in = [s if fmt.mode == "fp32" else _bits16(s) for s in states]
     constants = fmt.kernel_constexprs(track_format=False)
-    scratch, x, refused = _jax_triton().triton_call(
-        _bits16(grads) if grad_bf16 else grads, state_in, scalars, x, refused, n_elements, slot0, k, n,
-        kernel=muon_momentum_leaf_kernel,
-        out_shape=(jax.ShapeDtypeStruct(state_in.shape, state_in.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype),
+    x_input = 2 * LEAVES_PER_LAUNCH + 2  # after the slots, the table and the scalars
+    results = _jax_triton().triton_call(
+        *_slots(grad_in), *_slots(state_in), jnp.asarray(group_table(slot0s, batches)), scalars, x, refused,
+        k * n, k, n,
+        kernel=muon_momentum_group_kernel,
+        out_shape=(*_out_slots(state_in), jax.ShapeDtypeStruct(x.shape, x.dtype),
                    jax.ShapeDtypeStruct(refused.shape, refused.dtype)),
-        grid=(launch.grid(n_elements, launch.GPU_BLOCK)[0], batch),
+        grid=_grid(view, batches),
         num_warps=launch.GPU_NUM_WARPS,
-        input_output_aliases={3: 1, 4: 2},
+        input_output_aliases={x_input: LEAVES_PER_LAUNCH, x_input + 1: LEAVES_PER_LAUNCH + 1},
         TALL=tall, MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"], MU_BIAS=constants["MU_BIAS"],
         MU_MAX=constants["MU_MAX"], NESTEROV=bool(nesterov), GRAD_BF16=bool(grad_bf16), BLOCK=launch.GPU_BLOCK,
         **launch.COMPILE_OPTIONS,
     )
-    return scratch, x, refused
+    return list(results[:len(grads)]), results[LEAVES_PER_LAUNCH], results[LEAVES_PER_LAUNCH + 1]
 
 
-def weight_step(params, lows, states, scratch, scalars, refused, rejected, ortho, slot0, view, *, fmt):
-    """One leaf's weight launch: returns (new params, new low halves or None, new states, the
-    group's `rejected` counters [B] updated), each matrix stepped unless its `refused` slot
-    (the group's [B] counters) is set."""
+def weight_group_step(params, lows, states, scratches, scalars, refused, rejected, ortho, slot0s, view, *, fmt,
+                      write_update: bool):
+    """The weight launch for the leaves of a `momentum_group_step` launch: returns (per leaf
+    its new params, or with `write_update` (float32 leaves only) its update u; new low halves
+    or None; new states; the group's `rejected` counters [B] updated), each matrix stepped
+    unless its `refused` slot (the group's [B] counters) is set. `lows`: None for float32
+    leaves, else the bf16 leaves' low halves."""
     k, n, tall = wide_shape(view)
-    batch, n_elements = params.shape[0], view.rows * view.cols
     split = lows is not None
-    weights = _bits16(params) if split else params
-    # Without a low half the kernel never touches `lo`: a one-element stand-in, not aliased.
-    # (Passing the weights again aliased one buffer to two outputs, and XLA copied the weights
-    # twice for every matrix.)
-    low = lows if split else jnp.zeros((1,), jnp.int16)
-    aliases = {0: 0, 1: 1, 4: 2, 7: 3} if split else {0: 0, 4: 2, 7: 3}
-    state_in = states if fmt.mode == "fp32" else _bits16(states)
-    new_weights, new_low, new_states, rejected = _jax_triton().triton_call(
-        weights, low, ortho, scratch, state_in, scalars, refused, rejected, n_elements, slot0, k, n,
-        kernel=muon_weight_leaf_kernel,
-        out_shape=(jax.ShapeDtypeStruct(weights.shape, weights.dtype), jax.ShapeDtypeStruct(low.shape, low.dtype),
-                   jax.ShapeDtypeStruct(state_in.shape, state_in.dtype),
+    if split and write_update:
+        raise ValueError("weight_group_step: a bf16 leaf's update comes from its new weight, not the launch")
+    batches = [p.shape[0] for p in params]
+    weights = [_bits16(p) for p in params] if split else list(params)
+    # Without low halves the kernel never touches `lo`: placeholders, not aliased.
+    low = list(lows) if split else [jnp.zeros((1,), jnp.int16)]
+    state_in = [s if fmt.mode == "fp32" else _bits16(s) for s in states]
+    slots = LEAVES_PER_LAUNCH
+    aliases = {4 * slots + 4: 3 * slots}  # rejected
+    for t in range(len(params)):
+        aliases[3 * slots + t] = 2 * slots + t  # the committed momentum
+        if not write_update:
+            aliases[t] = t  # the weights, stepped in place
+        if split:
+            aliases[slots + t] = slots + t
+    results = _jax_triton().triton_call(
+        *_slots(weights), *_slots(low), *_slots(scratches), *_slots(state_in),
+        jnp.asarray(group_table(slot0s, batches)), ortho, scalars, refused, rejected, k * n, k, n,
+        kernel=muon_weight_group_kernel,
+        out_shape=(*_out_slots(weights), *_out_slots(low), *_out_slots(state_in),
                    jax.ShapeDtypeStruct(rejected.shape, rejected.dtype)),
-        grid=(launch.grid(n_elements, launch.GPU_BLOCK)[0], batch),
+        grid=_grid(view, batches),
         num_warps=launch.GPU_NUM_WARPS,
         input_output_aliases=aliases,
-        TALL=tall, SPLIT=split, BLOCK=launch.GPU_BLOCK,
+        TALL=tall, MODE=fmt.kernel_constexprs(track_format=False)["MODE"], SPLIT=split, UPDATE=bool(write_update),
+        BLOCK=launch.GPU_BLOCK,
         **launch.COMPILE_OPTIONS,
     )
+    n_leaves = len(params)
+    new_weights = list(results[:n_leaves])
+    new_states = list(results[2 * slots:2 * slots + n_leaves])
     if fmt.mode != "fp32":
-        new_states = jax.lax.bitcast_convert_type(new_states, jnp.uint16)
+        new_states = [jax.lax.bitcast_convert_type(s, jnp.uint16) for s in new_states]
     if split:
-        return jax.lax.bitcast_convert_type(new_weights, jnp.bfloat16), new_low, new_states, rejected
-    return new_weights, None, new_states, rejected
-
-
-def update_step(params, states, scratch, scalars, refused, rejected, ortho, slot0, view, *, fmt):
-    """`weight_step` for a float32 leaf of the transform: returns (the leaf's update u, new
-    states, `rejected` updated); the weights are only read (`muon_update_leaf_kernel`)."""
-    k, n, tall = wide_shape(view)
-    batch, n_elements = params.shape[0], view.rows * view.cols
-    state_in = states if fmt.mode == "fp32" else _bits16(states)
-    update, new_states, rejected = _jax_triton().triton_call(
-        params, ortho, scratch, state_in, scalars, refused, rejected, n_elements, slot0, k, n,
-        kernel=muon_update_leaf_kernel,
-        out_shape=(jax.ShapeDtypeStruct(params.shape, jnp.float32), jax.ShapeDtypeStruct(state_in.shape, state_in.dtype),
-                   jax.ShapeDtypeStruct(rejected.shape, rejected.dtype)),
-        grid=(launch.grid(n_elements, launch.GPU_BLOCK)[0], batch),
-        num_warps=launch.GPU_NUM_WARPS,
-        input_output_aliases={3: 1, 6: 2},
-        TALL=tall, BLOCK=launch.GPU_BLOCK,
-        **launch.COMPILE_OPTIONS,
-    )
-    if fmt.mode != "fp32":
-        new_states = jax.lax.bitcast_convert_type(new_states, jnp.uint16)
-    return update, new_states, rejected
+        new_weights = [jax.lax.bitcast_convert_type(w, jnp.bfloat16) for w in new_weights]
+        return new_weights, list(results[slots:slots + n_leaves]), new_states, results[3 * slots]
+    return new_weights, None, new_states, results[3 * slots]
 
 
 def newton_schulz(x_bits, ns_scalars, steps: int):

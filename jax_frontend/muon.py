@@ -507,7 +507,7 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         p_mats = [views[i].to_matrices(p_leaves[i]) for i in muon]
         lo_mats = [views[i].to_matrices(lows[i]) for i in muon if split[i]]
         placed = lambda x, j: x  # noqa: E731 (the GPU path's leaves are not sharded: see MUON.md)
-        # On the GPU a float32 leaf's update comes from its weight launch (`_muon_triton.update_step`).
+        # On the GPU a float32 leaf's update comes from its weight launch (`_muon_triton.weight_group_step`).
         kernel_updates = write_update and _step_platform((updates, params)) == "gpu"
         if _step_platform((updates, params)) == "gpu":
             new_params, new_lows, new_states = _gpu_phases(config, [views[i] for i in muon], g_mats, s_mats, p_mats,
@@ -619,31 +619,44 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, ro
         if g_mats[j].size:  # a zero-size matrix has nothing to step
             groups.setdefault(_muon_triton.wide_shape(view)[:2], []).append(j)
     for (k, n_cols), members in groups.items():
-        scalars = {j: _muon_triton.leaf_scalars(row, config.static_row, config.shapes[j], config.adjust_lr_fn)
-                   for j in members}
         matrices = sum(g_mats[j].shape[0] for j in members)
         x = jnp.zeros((matrices, k, n_cols), jnp.int16)
-        # One counter a matrix for the whole group, threaded through its leaves' launches (a
-        # buffer a leaf would be an XLA operation a leaf, each a launch of its own).
+        # One counter a matrix for the whole group, threaded through its launches (a buffer a
+        # leaf would be an XLA operation a leaf, each a launch of its own).
         refused = jnp.broadcast_to(refused_if_invalid, (matrices,))
         rejected = jnp.zeros((matrices,), jnp.int32)  # the weight kernel's count; not read here
-        slots, scratches, slot = {}, {}, 0
+        slots, slot = {}, 0
         for j in members:
             slots[j] = slot
             slot += g_mats[j].shape[0]
-            scratches[j], x, refused = _muon_triton.momentum_step(
-                g_mats[j], s_mats[j], scalars[j], x, refused, slots[j], views[j], fmt=config.fmt,
-                nesterov=config.nesterov)
-        ortho = _muon_triton.newton_schulz(x, ns_scalars, steps)
+        # A launch takes leaves of one orientation, gradient dtype and weight kind (the kernels'
+        # constexprs), up to the kernels' slots.
+        kinds: dict[tuple, list[int]] = {}
         for j in members:
-            if write_update and not config.split[j]:
-                new_params[j], new_states[j], rejected = _muon_triton.update_step(
-                    p_mats[j], s_mats[j], scratches[j], scalars[j], refused, rejected, ortho, slots[j], views[j],
-                    fmt=config.fmt)
-                continue
-            new_params[j], new_lows[j], new_states[j], rejected = _muon_triton.weight_step(
-                p_mats[j], lo_of[j], s_mats[j], scratches[j], scalars[j], refused, rejected, ortho, slots[j],
-                views[j], fmt=config.fmt)
+            kind = (_muon_triton.wide_shape(views[j])[2], g_mats[j].dtype == BF16, config.split[j])
+            kinds.setdefault(kind, []).append(j)
+        launches = [leaves[i:i + _muon_triton.LEAVES_PER_LAUNCH] for leaves in kinds.values()
+                    for i in range(0, len(leaves), _muon_triton.LEAVES_PER_LAUNCH)]
+        scratches, scalars = {}, {}
+        for leaves in launches:
+            scalars[leaves[0]] = jnp.stack([_muon_triton.leaf_scalars(row, config.static_row, config.shapes[j],
+                                                                      config.adjust_lr_fn) for j in leaves])
+            new_scratches, x, refused = _muon_triton.momentum_group_step(
+                [g_mats[j] for j in leaves], [s_mats[j] for j in leaves], scalars[leaves[0]], x, refused,
+                [slots[j] for j in leaves], views[leaves[0]], fmt=config.fmt, nesterov=config.nesterov)
+            scratches.update(zip(leaves, new_scratches))
+        ortho = _muon_triton.newton_schulz(x, ns_scalars, steps)
+        for leaves in launches:
+            split = config.split[leaves[0]]
+            weights, leaf_lows, leaf_states, rejected = _muon_triton.weight_group_step(
+                [p_mats[j] for j in leaves], [lo_of[j] for j in leaves] if split else None,
+                [s_mats[j] for j in leaves], [scratches[j] for j in leaves], scalars[leaves[0]], refused, rejected,
+                ortho, [slots[j] for j in leaves], views[leaves[0]], fmt=config.fmt,
+                write_update=write_update and not split)
+            for t, j in enumerate(leaves):
+                new_params[j], new_states[j] = weights[t], leaf_states[t]
+                if split:
+                    new_lows[j] = leaf_lows[t]
     return new_params, iter([lo for lo, is_split in zip(new_lows, config.split) if is_split]), new_states
 
 

@@ -367,7 +367,9 @@ def test_a_tree_without_matrices_is_packed_adamws_and_counts_its_steps():
 # ---- CUDA: the same bits as torch's PackedMuon(ns_impl="triton") ---------------------------------
 # JAX [in, out] leaves: torch-tall, torch-wide of the same Newton-Schulz shape (one batch), a
 # square one, one over several tiles of every product, and a bf16 leaf (a split master).
-CUDA_LEAVES = {"tall": (64, 192), "wide": (192, 64), "square": (128, 128), "odd": (300, 130), "half": (96, 40)}
+# "tall" and "tall2" share a launch of each phase (one shape group, orientation and dtype).
+CUDA_LEAVES = {"tall": (64, 192), "tall2": (64, 192), "wide": (192, 64), "square": (128, 128), "odd": (300, 130),
+               "half": (96, 40)}
 
 
 def _cuda_reason():
@@ -400,6 +402,21 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
     for g in grads:  # a bf16 leaf's gradient in bf16 (torch >= 2.11 refuses a float32 one for a bf16 parameter)
         params, state = step(params, {k: jnp.asarray(v, params[k].dtype) for k, v in g.items()}, state)
     assert all(leaf.devices().pop().platform == "gpu" for leaf in jax.tree_util.tree_leaves(params))
+    if not batch_ns:  # (torch's option) the transform and apply_updates, jitted: the same bits as the fused step
+        tx = packed_muon(lr, beta=BETA, eps=EPS, weight_decay=WD, mode=mode)
+
+        @jax.jit
+        def train(p, s, g):
+            updates, s = tx.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+        t_params = {k: jnp.asarray(v, params[k].dtype) for k, v in p0.items()}
+        t_state = tx.init(t_params)
+        for g in grads:
+            t_params, t_state = train(t_params, t_state, {k: jnp.asarray(v, params[k].dtype) for k, v in g.items()})
+        for k in CUDA_LEAVES:
+            np.testing.assert_array_equal(bits(t_params[k]), bits(params[k]), err_msg=f"transform's weights of {k}")
+            np.testing.assert_array_equal(bits(t_state.momentum[k]), bits(state.momentum[k]), err_msg=k)
 
     torch_params = {k: torch.nn.Parameter(torch.from_numpy(v.T.copy()).to("cuda", torch.bfloat16 if bf16_leaf(k)
                                                                            else torch.float32))
@@ -468,8 +485,13 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypat
             before_refusal = {k: bits(params[k]) for k in ("wide", "tall", "stack")}
         updates, state = tx.update({k: jnp.asarray(v, params[k].dtype) for k, v in g.items()}, state, params)
         params = optax.apply_updates(params, updates)
-    assert _muon_triton.muon_momentum_leaf_kernel in stand_in.kernels
-    assert _muon_triton.muon_update_leaf_kernel in stand_in.kernels  # the float32 leaves' updates
+    # A launch a kind of leaf: the tall and the batched leaf share one (one orientation, float32),
+    # the wide leaf and the bf16 leaf have one each; three steps.
+    assert stand_in.kernels.count(_muon_triton.muon_momentum_group_kernel) == 3 * 3
+    weight_launches = [meta for kernel, meta in stand_in.launches if kernel is _muon_triton.muon_weight_group_kernel]
+    assert len(weight_launches) == 3 * 3
+    assert sorted((m["SPLIT"], m["UPDATE"]) for m in weight_launches[:3]) == [(False, True), (False, True),
+                                                                               (True, False)]
     assert np.array_equal(bits(params["wide"]), before_refusal["wide"])  # refused: kept
     assert not np.array_equal(bits(params["tall"]), before_refusal["tall"])  # its group neighbour stepped
     assert np.array_equal(bits(params["stack"][1]), before_refusal["stack"][1])  # refused: kept
