@@ -398,25 +398,26 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
     params = {k: jnp.asarray(v, jnp.bfloat16 if bf16_leaf(k) else jnp.float32) for k, v in p0.items()}
     lr = (lambda count: jnp.asarray(table)[count]) if schedule else LR
     step = jax.jit(packed_muon_fused_step(lr, beta=BETA, eps=EPS, weight_decay=WD, mode=mode))
-    state = packed_muon(lr, beta=BETA, eps=EPS, weight_decay=WD, mode=mode).init(params)
+    tx = packed_muon(lr, beta=BETA, eps=EPS, weight_decay=WD, mode=mode)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
     for g in grads:  # a bf16 leaf's gradient in bf16 (torch >= 2.11 refuses a float32 one for a bf16 parameter)
-        params, state = step(params, {k: jnp.asarray(v, params[k].dtype) for k, v in g.items()}, state)
+        g = {k: jnp.asarray(v, params[k].dtype) for k, v in g.items()}
+        if not batch_ns:  # (torch's option) the transform from the same point: its updates are the fused step's
+            updates, t_state = update(g, state, params)
+        new_params, new_state = step(params, g, state)
+        if not batch_ns:  # a float32 leaf's u from its weight launch, as MUON.md's "Updates" defines it
+            for k in CUDA_LEAVES:
+                if bf16_leaf(k):  # applied, its update gives the new weight (the low half keeps the master)
+                    got, want = optax.apply_updates(params[k], updates[k]), new_params[k]
+                else:
+                    got, want = updates[k], jax_muon._float32_update(params[k], new_params[k])
+                np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"update of {k}")
+            for a, b in zip(jax.tree_util.tree_leaves((t_state.momentum, t_state.low_halves)),
+                            jax.tree_util.tree_leaves((new_state.momentum, new_state.low_halves))):
+                np.testing.assert_array_equal(bits(a), bits(b))
+        params, state = new_params, new_state
     assert all(leaf.devices().pop().platform == "gpu" for leaf in jax.tree_util.tree_leaves(params))
-    if not batch_ns:  # (torch's option) the transform and apply_updates, jitted: the same bits as the fused step
-        tx = packed_muon(lr, beta=BETA, eps=EPS, weight_decay=WD, mode=mode)
-
-        @jax.jit
-        def train(p, s, g):
-            updates, s = tx.update(g, s, p)
-            return optax.apply_updates(p, updates), s
-
-        t_params = {k: jnp.asarray(v, params[k].dtype) for k, v in p0.items()}
-        t_state = tx.init(t_params)
-        for g in grads:
-            t_params, t_state = train(t_params, t_state, {k: jnp.asarray(v, params[k].dtype) for k, v in g.items()})
-        for k in CUDA_LEAVES:
-            np.testing.assert_array_equal(bits(t_params[k]), bits(params[k]), err_msg=f"transform's weights of {k}")
-            np.testing.assert_array_equal(bits(t_state.momentum[k]), bits(state.momentum[k]), err_msg=k)
 
     torch_params = {k: torch.nn.Parameter(torch.from_numpy(v.T.copy()).to("cuda", torch.bfloat16 if bf16_leaf(k)
                                                                            else torch.float32))
