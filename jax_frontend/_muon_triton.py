@@ -29,6 +29,7 @@ from packed_adamw.core.muon.kernel import (
     _momentum_elements,
     _slot_offsets,
     _weight_elements,
+    negative_zeros,
 )
 
 from ._triton_launch import _jax_triton
@@ -176,7 +177,7 @@ def muon_weight_group_kernel(
                              update_ptr + base, UPDATE)
         elif UPDATE:
             update_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
-            tl.store(update_ptr + base + offsets, -tl.zeros((BLOCK,), tl.float32), mask=in_bounds)
+            tl.store(update_ptr + base + offsets, negative_zeros(tl.zeros((BLOCK,), tl.float32)), mask=in_bounds)
 
 
 @triton.jit

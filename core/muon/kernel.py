@@ -151,7 +151,14 @@ def float32_update(p, p_next):
     transform's `_float32_update`, elementwise."""
     u = tl.minimum(tl.maximum(p_next - p, -FLOAT32_MAX), FLOAT32_MAX)
     unchanged = p_next.to(tl.uint32, bitcast=True) == p.to(tl.uint32, bitcast=True)
-    return tl.where(unchanged, -tl.zeros_like(u), u)  # a negated zero: the sign bit set, whatever folds constants
+    return tl.where(unchanged, negative_zeros(u), u)
+
+
+@triton.jit
+def negative_zeros(like):
+    """-0.0 in `like`'s shape (float32), made on the bits: compiled, `-tl.zeros_like(x)` may
+    become 0 - 0, which is +0.0 (an H100 run wrote +0.0 for it)."""
+    return (tl.zeros_like(like).to(tl.uint32, bitcast=True) | FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True)
 
 
 @triton.jit
