@@ -15,6 +15,12 @@ The matrix lists are bench_muon.py's (the reference GPT's 32, GPT-2 124M's 48, d
 Torch times are CUDA-event means of `--steps` back-to-back steps, median of `--repeats`; JAX
 times are wall-clock means of `--steps` jitted steps ended by block_until_ready, median of
 `--repeats`. Ratios: torch rows against torch.optim.Muon, JAX rows against optax.contrib.muon.
+
+Each list's floor row: Newton-Schulz's GEMM FLOPs (`ns_gemm_flops`: the full products torch
+computes, five quintic iterations) at the bf16 GEMM rate measured in the same run (a large
+batched matmul), plus the elementwise phases' bytes (`ELEMENTWISE_BYTES` per parameter) at the
+device-to-device copy bandwidth measured in the same run. The Triton Newton-Schulz computes
+the two symmetric products on and above the diagonal only, fewer FLOPs than that count.
 """
 from __future__ import annotations
 
@@ -28,11 +34,36 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_muon import LISTS, matrices  # noqa: E402
+from bench_step import copy_bandwidth  # noqa: E402
 
 from packed_adamw.torch import PackedMuon  # noqa: E402
 from packed_adamw.torch.muon import newton_schulz_stacked, newton_schulz_triton_stacked  # noqa: E402
 
 TORCH_KINDS = ("torch.optim.Muon", "cublas", "cublas batch_ns", "triton", "triton batch_ns")
+# A packed-momentum step on float32 weights, in place: read the gradient (4) and the momentum
+# code (2), write the new code (2) and the bf16 Newton-Schulz input (2); read its bf16 result
+# (2), read and write the weight (4 + 4).
+ELEMENTWISE_BYTES = 20
+NS_STEPS = 5
+
+
+def ns_gemm_flops(shapes, steps: int = NS_STEPS) -> int:
+    """Newton-Schulz's GEMM FLOPs over `shapes` (k <= n after the transpose a tall matrix
+    takes): per iteration the Gram matrix (2 k^2 n), its square (2 k^3) and the product with
+    the iterate (2 k^2 n)."""
+    total = 0
+    for rows, cols in shapes:
+        k, n = min(rows, cols), max(rows, cols)
+        total += steps * (4 * k * k * n + 2 * k ** 3)
+    return total
+
+
+def bf16_gemm_flops_per_ms() -> float:
+    """The bf16 GEMM rate of a large batched matmul ([8, 4096, 4096] @ [8, 4096, 4096]), FLOPs/ms."""
+    a = torch.randn((8, 4096, 4096), device="cuda").bfloat16()
+    b = torch.randn((8, 4096, 4096), device="cuda").bfloat16()
+    ms = statistics.median(cuda_ms(lambda: torch.bmm(a, b), 10) for _ in range(3))
+    return 2 * 8 * 4096 ** 3 / ms
 
 
 def make_torch(shapes, kind: str):
@@ -132,7 +163,9 @@ def main(argv=None) -> None:
     parser.add_argument("--lists", nargs="+", default=list(LISTS), choices=LISTS)
     parser.add_argument("--jax", action="store_true", help="also time packed_muon and optax.contrib.muon")
     args = parser.parse_args(argv)
-    lines = [f"torch {torch.__version__}, {torch.cuda.get_device_name()}", "",
+    gemm_rate, bandwidth = bf16_gemm_flops_per_ms(), copy_bandwidth()
+    lines = [f"torch {torch.__version__}, {torch.cuda.get_device_name()}; measured in this run: bf16 GEMM "
+             f"{gemm_rate / 1e9:.0f} TFLOP/s, copy bandwidth {bandwidth / 1e9:.2f} TB/s (read + write)", "",
              "| list | matrices | parameters | row | ms/step | ratio |", "|---|---|---|---|---|---|"]
 
     def row(name, shapes, label, ms, ratio):
@@ -161,6 +194,10 @@ def main(argv=None) -> None:
             row(name, shapes, label, ms, f"{ms / base:.2f}x torch.optim.Muon")
         del stacks
         torch.cuda.empty_cache()
+        n_params = sum(a * b for a, b in shapes)
+        floor = ns_gemm_flops(shapes) / gemm_rate + ELEMENTWISE_BYTES * n_params / bandwidth
+        row(name, shapes, f"floor: {ns_gemm_flops(shapes) / 1e12:.2f} TFLOP + {ELEMENTWISE_BYTES} B/param", floor,
+            f"{floor / base:.2f}x torch.optim.Muon")
         if args.jax:
             jax_times = jax_rows(shapes, args.steps, args.repeats)
             base = jax_times["optax.contrib.muon"]

@@ -146,3 +146,16 @@ def test_ns_impl_is_checked(monkeypatch):
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="ns_impl='triton'.*CUDA.*ns_impl='cublas'"):
         opt.step()
+
+
+def test_the_benchmarks_floor_counts_the_plans_gemm_work():
+    # benchmarks/muon_ns_timing.py's floor row: its FLOP count is the launch plan's full products
+    # (2 M N K each), for a wide and a tall matrix; d12's 72 matrices come to about 1.6 TFLOP.
+    from script_helpers import BENCHMARKS, import_script
+
+    timing = import_script(BENCHMARKS / "muon_ns_timing.py", "muon_ns_timing")
+    for rows, cols in ((48, 80), (80, 48)):
+        plan = ns_kernel.launch_plan(1, 48, 80, timing.NS_STEPS, interpreting=True)
+        gemms = [constants for kernel, _, _, constants, _ in plan if kernel is ns_kernel.ns_gemm_kernel]
+        assert timing.ns_gemm_flops([(rows, cols)]) == sum(2 * c["M"] * c["N"] * c["K"] for c in gemms)
+    assert 1.55e12 < timing.ns_gemm_flops(timing.matrices("d12")) < 1.7e12
