@@ -34,8 +34,10 @@ from packed_adamw.core.muon.kernel import (
 
 from ._triton_launch import _jax_triton
 
-# Leaves per group launch: the kernels' slots of each buffer kind (as the AdamW leaf-group kernel's).
-LEAVES_PER_LAUNCH = launch.LEAF_GROUP_SLOTS
+# The group kernels' slots of each buffer kind (as the AdamW leaf-group kernel's).
+SLOTS = launch.LEAF_GROUP_SLOTS
+# Leaves per launch, at most SLOTS: `_gpu_phases` splits larger groups (a test lowers it).
+LEAVES_PER_LAUNCH = SLOTS
 
 
 @triton.jit
@@ -235,21 +237,21 @@ def _bits16(x):
 def group_table(slot0s: list[int], batches: list[int]) -> np.ndarray:
     """A group launch's table: each leaf's first slot in its shape group's buffers, then its
     number of matrices (0 past the launch's leaves)."""
-    if not 1 <= len(slot0s) == len(batches) <= LEAVES_PER_LAUNCH:
-        raise ValueError(f"a Muon group launch takes 1 to {LEAVES_PER_LAUNCH} leaves, got {len(slot0s)}")
-    padding = [0] * (LEAVES_PER_LAUNCH - len(slot0s))
+    if not 1 <= len(slot0s) == len(batches) <= SLOTS:
+        raise ValueError(f"a Muon group launch takes 1 to {SLOTS} leaves, got {len(slot0s)}")
+    padding = [0] * (SLOTS - len(slot0s))
     return np.asarray([*slot0s, *padding, *batches, *padding], np.int64)
 
 
 def _slots(buffers: list) -> list:
     """`buffers` in the kernel's slots of one kind, one-element placeholders of their dtype
     after them (every launch compiles to the same kernel, whatever its number of leaves)."""
-    return [*buffers, *[jnp.zeros((1,), buffers[0].dtype)] * (LEAVES_PER_LAUNCH - len(buffers))]
+    return [*buffers, *[jnp.zeros((1,), buffers[0].dtype)] * (SLOTS - len(buffers))]
 
 
 def _out_slots(buffers: list) -> list:
     return [*(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers),
-            *[jax.ShapeDtypeStruct((1,), buffers[0].dtype)] * (LEAVES_PER_LAUNCH - len(buffers))]
+            *[jax.ShapeDtypeStruct((1,), buffers[0].dtype)] * (SLOTS - len(buffers))]
 
 
 def _grid(view, batches: list[int]) -> tuple[int, int, int]:
@@ -257,7 +259,7 @@ def _grid(view, batches: list[int]) -> tuple[int, int, int]:
 
 
 def momentum_group_step(grads, states, scalars, x, refused, slot0s, view, *, fmt, nesterov):
-    """One momentum launch for up to LEAVES_PER_LAUNCH leaves of one shape group, orientation
+    """One momentum launch for up to SLOTS leaves of one shape group, orientation
     and gradient dtype (`view` any of theirs). `grads`/`states`: per leaf [batch, rows, cols]
     (float32 or bf16 gradients; uint16 codes or float32 momenta); `scalars` [leaves, 4]; `x`
     the group's int16 [B, k, n] buffer and `refused` its int32 [B] counters (both updated,
@@ -268,7 +270,7 @@ def momentum_group_step(grads, states, scalars, x, refused, slot0s, view, *, fmt
     grad_in = [_bits16(g) if grad_bf16 else g for g in grads]
     state_in = [s if fmt.mode == "fp32" else _bits16(s) for s in states]
     constants = fmt.kernel_constexprs(track_format=False)
-    x_input = 2 * LEAVES_PER_LAUNCH + 2  # after the slots, the table and the scalars
+    x_input = 2 * SLOTS + 2  # after the slots, the table and the scalars
     results = _jax_triton().triton_call(
         *_slots(grad_in), *_slots(state_in), jnp.asarray(group_table(slot0s, batches)), scalars, x, refused,
         k * n, k, n,
@@ -277,12 +279,12 @@ def momentum_group_step(grads, states, scalars, x, refused, slot0s, view, *, fmt
                    jax.ShapeDtypeStruct(refused.shape, refused.dtype)),
         grid=_grid(view, batches),
         num_warps=launch.GPU_NUM_WARPS,
-        input_output_aliases={x_input: LEAVES_PER_LAUNCH, x_input + 1: LEAVES_PER_LAUNCH + 1},
+        input_output_aliases={x_input: SLOTS, x_input + 1: SLOTS + 1},
         TALL=tall, MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"], MU_BIAS=constants["MU_BIAS"],
         MU_MAX=constants["MU_MAX"], NESTEROV=bool(nesterov), GRAD_BF16=bool(grad_bf16), BLOCK=launch.GPU_BLOCK,
         **launch.COMPILE_OPTIONS,
     )
-    return list(results[:len(grads)]), results[LEAVES_PER_LAUNCH], results[LEAVES_PER_LAUNCH + 1]
+    return list(results[:len(grads)]), results[SLOTS], results[SLOTS + 1]
 
 
 def weight_group_step(params, lows, states, scratches, scalars, refused, rejected, ortho, slot0s, view, *, fmt,
@@ -301,7 +303,7 @@ def weight_group_step(params, lows, states, scratches, scalars, refused, rejecte
     # Without low halves the kernel never touches `lo`: placeholders, not aliased.
     low = list(lows) if split else [jnp.zeros((1,), jnp.int16)]
     state_in = [s if fmt.mode == "fp32" else _bits16(s) for s in states]
-    slots = LEAVES_PER_LAUNCH
+    slots = SLOTS
     aliases = {4 * slots + 4: 3 * slots}  # rejected
     for t in range(len(params)):
         aliases[3 * slots + t] = 2 * slots + t  # the committed momentum

@@ -523,6 +523,45 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypat
         np.testing.assert_array_equal(bits(params[k]).T, theirs, err_msg=f"weights of {k}")
 
 
+def test_gpu_path_launches_split_at_the_kernels_slots_in_the_interpreter(monkeypatch):
+    """17 leaves of one kind take two launches of each phase (16 slots, then 1), the second from
+    slot 16 of the shape group's buffers: the same bits, updates and momenta, as one launch a
+    leaf; a leaf refused in the second launch is refused alone."""
+    from conftest import interpreting
+    from jax_helpers import InterpretedJaxTriton
+
+    if not interpreting():
+        pytest.skip("runs the kernels in Triton's CPU interpreter")
+    from packed_adamw.jax import _muon_triton
+
+    stand_in = InterpretedJaxTriton()
+    monkeypatch.setattr(_muon_triton, "_jax_triton", lambda: stand_in)
+    monkeypatch.setattr(jax_muon, "_step_platform", lambda tree: "gpu")
+    rng = np.random.default_rng(43)
+    names = [f"m{i:02d}" for i in range(17)]
+    params = {k: jnp.asarray((rng.standard_normal((2, 4)) * 0.2).astype(F32)) for k in names}
+    grads = {k: jnp.asarray(gradient(rng, (2, 4))) for k in names}
+    grads["m16"] = grads["m16"].at[0, 1].set(np.nan)  # the second launch's only leaf: refused
+    tx = packed_muon(LR, ns_steps=1, beta=BETA, eps=EPS, weight_decay=WD)
+    state = tx.init(params)
+
+    def run(leaves_per_launch):
+        monkeypatch.setattr(_muon_triton, "LEAVES_PER_LAUNCH", leaves_per_launch)
+        stand_in.clear()
+        updates, new_state = tx.update(grads, state, params)
+        return updates, new_state, stand_in.kernels.count(_muon_triton.muon_momentum_group_kernel)
+
+    grouped, grouped_state, launches = run(16)
+    assert launches == 2
+    alone, alone_state, launches = run(1)
+    assert launches == 17
+    for k in names:
+        np.testing.assert_array_equal(bits(grouped[k]), bits(alone[k]), err_msg=k)
+        np.testing.assert_array_equal(bits(grouped_state.momentum[k]), bits(alone_state.momentum[k]), err_msg=k)
+    assert not np.any(bits(grouped["m16"]) != bits(jnp.full((2, 4), -0.0, jnp.float32)))  # refused: -0.0 updates
+    assert np.any(bits(grouped["m15"]) != bits(jnp.full((2, 4), -0.0, jnp.float32)))  # its group neighbour stepped
+
+
 def test_the_weight_kernels_float32_update_is_the_transforms_bit_for_bit():
     """core/muon/kernel.py's `float32_update` (the update the GPU path's weight launch writes for
     a float32 leaf) against `_float32_update` on pairs that exercise each of its rules: p' with
