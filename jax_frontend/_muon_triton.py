@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from packed_adamw.core import launch
-from packed_adamw.core.kernel import LEAF_GROUP_SLOTS, leaf_slot
+from packed_adamw.core.kernel import FLOAT32_SIGN_BIT, LEAF_GROUP_SLOTS, leaf_slot
 from packed_adamw.core.muon import adjusted_lr, ns_kernel, step_scalar_row
 from packed_adamw.core.muon.kernel import (
     FP32_MODE,
@@ -195,14 +195,19 @@ def muon_scalars_kernel(row_ptr, bits64_ptr, out_ptr, STATIC: tl.constexpr):
     tl.store(out_ptr, (1.0 - momentum).to(tl.float32))
     tl.store(out_ptr + 1, momentum.to(tl.float32))
     tl.store(out_ptr + 2, (1.0 - lr * weight_decay).to(tl.float32))
-    tl.store(out_ptr + 3, (-(lr * ratio)).to(tl.float32))
+    # Negated on the bits after the rounding (which is symmetric): compiled by Triton 3.6, -x is
+    # 0 - x, which turns lr = 0's -0.0 into +0.0.
+    adjusted_lr = (lr * ratio).to(tl.float32)
+    tl.store(out_ptr + 3, (adjusted_lr.to(tl.uint32, bitcast=True) ^ FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True))
 
 
 @triton.jit
 def _value(row_ptr, bits64_ptr, i: tl.constexpr, STATIC: tl.constexpr):
     if (STATIC >> i) & 1:
-        low = tl.load(bits64_ptr + 2 * i).to(tl.uint64)
-        high = tl.load(bits64_ptr + 2 * i + 1).to(tl.uint64)
+        # Each word read as uint32 before widening: a launcher that hands the words over as int32
+        # (the tests' interpreter stand-in) would otherwise sign-extend them.
+        low = tl.load(bits64_ptr + 2 * i).to(tl.uint32, bitcast=True).to(tl.uint64)
+        high = tl.load(bits64_ptr + 2 * i + 1).to(tl.uint32, bitcast=True).to(tl.uint64)
         return ((high << 32) | low).to(tl.float64, bitcast=True)
     return tl.load(row_ptr + i).to(tl.float64)
 

@@ -639,8 +639,10 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, ro
                     for i in range(0, len(leaves), _muon_triton.LEAVES_PER_LAUNCH)]
         scratches, scalars = {}, {}
         for leaves in launches:
-            scalars[leaves[0]] = jnp.stack([_muon_triton.leaf_scalars(row, config.static_row, config.shapes[j],
-                                                                      config.adjust_lr_fn) for j in leaves])
+            # A launch's leaves share their torch shape (the shape group and orientation), so their
+            # step scalars: one row, computed once (a launch of its own under a traced lr).
+            shared = _muon_triton.leaf_scalars(row, config.static_row, config.shapes[leaves[0]], config.adjust_lr_fn)
+            scalars[leaves[0]] = jnp.broadcast_to(shared, (len(leaves), shared.shape[0]))
             new_scratches, x, refused = _muon_triton.momentum_group_step(
                 [g_mats[j] for j in leaves], [s_mats[j] for j in leaves], scalars[leaves[0]], x, refused,
                 [slots[j] for j in leaves], views[leaves[0]], fmt=config.fmt, nesterov=config.nesterov)

@@ -442,16 +442,39 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
             np.testing.assert_array_equal(np.asarray(state.low_halves[k]).T, opt.state[p]["lo"].cpu().numpy())
 
 
+@pytest.mark.cuda
+def test_gpu_transform_gives_a_refused_float32_matrix_negative_zero_updates():
+    """Compiled, the weight launch's update for a refused float32 matrix is -0.0 everywhere (not
+    +0.0, which `apply_updates` would turn a -0.0 weight into +0.0 with: Triton 3.6 compiles -x
+    as 0 - x), beside a stepped matrix of the same launch."""
+    reason = _cuda_reason()
+    if reason is not None:
+        pytest.skip(f"needs CUDA for JAX plus jax_triton: {reason}")
+    rng = np.random.default_rng(53)
+    params = {k: jnp.asarray((rng.standard_normal((64, 192)) * 0.2).astype(F32)) for k in ("kept", "stepped")}
+    params["kept"] = params["kept"].at[0, 0].set(-0.0)
+    grads = {k: jnp.asarray(gradient(rng, (64, 192))) for k in params}
+    grads["kept"] = grads["kept"].at[3, 5].set(np.nan)
+    tx = packed_muon(LR, beta=BETA, eps=EPS, weight_decay=WD)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert (bits(updates["kept"]) == np.uint32(0x80000000)).all()
+    assert bits(optax.apply_updates(params, updates)["kept"])[0, 0] == np.uint32(0x80000000)
+    assert (bits(updates["stepped"]) != np.uint32(0x80000000)).any()
+
+
 # JAX's [in, out]; "stack": two [4, 8] matrices in one leaf (batch axis 0). The interpreter is slow.
 INTERPRETED_LEAVES = {"tall": (4, 8), "wide": (8, 4), "half": (6, 6), "stack": (2, 4, 8)}
 
 
-def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypatch):
+@pytest.mark.parametrize("mode,schedule", [("packed", False), ("fp32", True)])
+def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(mode, schedule, monkeypatch):
     """The GPU path's launches (_muon_triton.py) run in Triton's CPU interpreter through a
     stand-in for jax-triton 0.3.1's triton_call (arrays and scalars in order, then the outputs),
     against torch's PackedMuon(ns_impl="triton") with its kernels, also interpreted: the same
     bits, a tall, a wide, a bf16 and a batched leaf (the cuda test's comparison, on tiny
-    shapes; the batched leaf's matrices go to torch as two parameters)."""
+    shapes; the batched leaf's matrices go to torch as two parameters). Packed codes with a
+    constant lr; float32 momenta (the kernels' other pointer types) with a scheduled lr (the
+    step scalars computed on the device, `muon_scalars_kernel`)."""
     from conftest import interpreting
     from jax_helpers import InterpretedJaxTriton
 
@@ -473,27 +496,46 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypat
     # are the group's, indexed by slot and matrix.
     grads[2]["wide"][1, 2] = np.nan
     grads[2]["stack"][1, 0, 3] = np.nan
+    grads[2]["half"][0, 0] = np.inf  # the bf16 leaf (a launch of its own) refused too
     bf16_leaf = lambda k: k == "half"  # noqa: E731
+    table = np.float32([0.02, 0.0, 0.01])  # a zero lr in the schedule: the weights stay (but for decay)
 
     params = {k: jnp.asarray(v, jnp.bfloat16 if bf16_leaf(k) else jnp.float32) for k, v in p0.items()}
     before_refusal = {}
     dims = {k: MuonDimensionNumbers(reduction_axis=len(s) - 2, output_axis=len(s) - 1)
             for k, s in INTERPRETED_LEAVES.items()}
-    tx = packed_muon(LR, ns_steps=2, beta=BETA, eps=EPS, weight_decay=WD, muon_weight_dimension_numbers=dims)
+    lr = (lambda count: jnp.asarray(table)[count]) if schedule else LR
+    options = dict(ns_steps=2, beta=BETA, eps=EPS, weight_decay=WD, muon_weight_dimension_numbers=dims, mode=mode)
+    tx, fused = packed_muon(lr, **options), packed_muon_fused_step(lr, **options)
     state = tx.init(params)
     for n, g in enumerate(grads):  # eagerly: the stand-in runs each launch as it comes
         if n == 2:
-            before_refusal = {k: bits(params[k]) for k in ("wide", "tall", "stack")}
-        updates, state = tx.update({k: jnp.asarray(v, params[k].dtype) for k, v in g.items()}, state, params)
-        params = optax.apply_updates(params, updates)
+            before_refusal = {k: bits(params[k]) for k in ("wide", "tall", "stack", "half")}
+        g = {k: jnp.asarray(v, params[k].dtype) for k, v in g.items()}
+        # The transform from the same point as the fused step: its updates are the fused step's
+        # (MUON.md, "Updates"), the weights it leaves after apply_updates need not be.
+        updates, t_state = tx.update(g, state, params)
+        new_params, new_state = fused(params, g, state)
+        for k in INTERPRETED_LEAVES:
+            if bf16_leaf(k):
+                np.testing.assert_array_equal(bits(optax.apply_updates(params[k], updates[k])), bits(new_params[k]))
+            else:
+                np.testing.assert_array_equal(bits(updates[k]), float32_update_bits(params[k], new_params[k]),
+                                              err_msg=f"update of {k}")
+        for x, y in zip(jax.tree_util.tree_leaves((t_state.momentum, t_state.low_halves)),
+                        jax.tree_util.tree_leaves((new_state.momentum, new_state.low_halves))):
+            np.testing.assert_array_equal(bits(x), bits(y))
+        params, state = new_params, new_state
     # A launch a kind of leaf: the tall and the batched leaf share one (one orientation, float32),
-    # the wide leaf and the bf16 leaf have one each; three steps.
-    assert stand_in.kernels.count(_muon_triton.muon_momentum_group_kernel) == 3 * 3
+    # the wide leaf and the bf16 leaf have one each; three steps of the transform and the fused step.
+    assert stand_in.kernels.count(_muon_triton.muon_momentum_group_kernel) == 3 * 3 * 2
     weight_launches = [meta for kernel, meta in stand_in.launches if kernel is _muon_triton.muon_weight_group_kernel]
-    assert len(weight_launches) == 3 * 3
-    assert sorted((m["SPLIT"], m["UPDATE"]) for m in weight_launches[:3]) == [(False, True), (False, True),
-                                                                               (True, False)]
+    assert sorted((m["SPLIT"], m["UPDATE"]) for m in weight_launches[:6]) == [
+        (False, False), (False, False), (False, True), (False, True), (True, False), (True, False)]
+    if schedule:  # the step scalars on the device: a row a launch
+        assert stand_in.kernels.count(_muon_triton.muon_scalars_kernel) == 3 * 3 * 2
     assert np.array_equal(bits(params["wide"]), before_refusal["wide"])  # refused: kept
+    assert np.array_equal(bits(params["half"]), before_refusal["half"])
     assert not np.array_equal(bits(params["tall"]), before_refusal["tall"])  # its group neighbour stepped
     assert np.array_equal(bits(params["stack"][1]), before_refusal["stack"][1])  # refused: kept
     assert not np.array_equal(bits(params["stack"][0]), before_refusal["stack"][0])
@@ -510,16 +552,18 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(monkeypat
                                                                          else torch.float32))
                     for k, v in p0.items()}
     opt = PackedMuon(list(torch_params.values()), lr=LR, ns_steps=2, momentum=BETA, eps=EPS, weight_decay=WD,
-                     ns_impl="triton")
-    for g in grads:
+                     ns_impl="triton", mode=mode)
+    for n, g in enumerate(grads):
+        if schedule:
+            opt.param_groups[0]["lr"] = float(table[n])  # the float32 value the JAX schedule gives
         for k, p in torch_params.items():
             p.grad = torch.from_numpy(g[k].T.copy()).to(p.dtype)  # the bf16 leaf's gradient in bf16, as JAX's
         opt.step()
     for k, p in torch_params.items():
         theirs = p.detach()
         theirs = theirs.view(torch.int16).numpy().view(np.uint16) if bf16_leaf(k) else theirs.numpy().view(np.uint32)
-        np.testing.assert_array_equal(bits(state_momentum[k]).T, opt.state[p]["momentum_code"].numpy().view(np.uint16),
-                                      err_msg=k)
+        key, view = ("momentum_buffer", np.uint32) if mode == "fp32" else ("momentum_code", np.uint16)
+        np.testing.assert_array_equal(bits(state_momentum[k]).T, opt.state[p][key].numpy().view(view), err_msg=k)
         np.testing.assert_array_equal(bits(params[k]).T, theirs, err_msg=f"weights of {k}")
 
 
@@ -562,6 +606,17 @@ def test_gpu_path_launches_split_at_the_kernels_slots_in_the_interpreter(monkeyp
     assert np.any(bits(grouped["m15"]) != bits(jnp.full((2, 4), -0.0, jnp.float32)))  # its group neighbour stepped
 
 
+def float32_update_bits(p, p_next) -> np.ndarray:
+    """`_float32_update`'s rules in numpy (uint32 bits): p' - p clipped to the float32 range,
+    -0.0 where p' has p's bits. (XLA's CPU runtime would flush subnormal differences; the
+    GPU's does not, nor does the kernel.)"""
+    p, p_next = np.asarray(p, F32), np.asarray(p_next, F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        u = np.clip(p_next - p, -np.finfo(F32).max, np.finfo(F32).max).astype(F32)
+    u[p.view(np.uint32) == p_next.view(np.uint32)] = np.float32(-0.0)
+    return u.view(np.uint32)
+
+
 def test_the_weight_kernels_float32_update_is_the_transforms_bit_for_bit():
     """core/muon/kernel.py's `float32_update` (the update the GPU path's weight launch writes for
     a float32 leaf) against `_float32_update` on pairs that exercise each of its rules: p' with
@@ -582,9 +637,7 @@ def test_the_weight_kernels_float32_update_is_the_transforms_bit_for_bit():
     apply[(1,)](torch.from_numpy(p), torch.from_numpy(p_next), u, p.size, BLOCK=64)
     # `_float32_update`'s rules in numpy: XLA's CPU runtime would flush the subnormal differences
     # (the GPU's does not), so the transform's own function is compared where it agrees.
-    with np.errstate(invalid="ignore", over="ignore"):
-        want = np.clip(p_next - p, -np.finfo(F32).max, np.finfo(F32).max).astype(F32)
-    want[p.view(np.uint32) == p_next.view(np.uint32)] = np.float32(-0.0)
+    want = float32_update_bits(p, p_next).view(F32)
     np.testing.assert_array_equal(u.numpy().view(np.uint32), want.view(np.uint32))
     normal = np.abs(want) >= np.finfo(F32).tiny
     np.testing.assert_array_equal(

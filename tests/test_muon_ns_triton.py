@@ -55,11 +55,13 @@ def test_kernels_equal_the_numpy_mirror(shape, monkeypatch):
 def test_the_mirrored_products_equal_the_full_ones(monkeypatch):
     # 36 x 48 under 16-element tiles: the 36 x 36 Gram matrix and polynomial are 3 x 3 tiles, a
     # partial row and column among them; the kernel computes the six on or above the diagonal
-    # and mirrors three. The numpy mirror computes all nine.
+    # and mirrors three, in each matrix of a batch of three. The numpy mirror computes all nine.
     _launch_with(SMALL, monkeypatch)
-    x = _input((36, 48), seed=11)
-    want = newton_schulz_triton_reference(_bits(x), COEFFICIENTS, 2, EPS, blocks=SMALL)
-    np.testing.assert_array_equal(_bits(newton_schulz_triton(x, COEFFICIENTS, 2, EPS)), want)
+    xs = [_input((36, 48), seed=11 + i) for i in range(3)]
+    stacked = newton_schulz_triton_stacked(torch.stack(xs), COEFFICIENTS, 2, EPS)  # each its own slot
+    for i, x in enumerate(xs):
+        want = newton_schulz_triton_reference(_bits(x), COEFFICIENTS, 2, EPS, blocks=SMALL)
+        np.testing.assert_array_equal(_bits(stacked[i]), want, err_msg=f"matrix {i} of the batch")
     plan = ns_kernel.launch_plan(1, 36, 48, 1, interpreting=True, blocks=SMALL)
     assert [constants["SYMMETRIC"] for _, _, _, constants, _ in plan[2:]] == [True, True, False]
 

@@ -68,7 +68,8 @@ def run(optimizer: str, trainer_args: list[str], repeat_step: bool = False) -> d
         if repeat_step:
             optimizer = optimizers[0]
             for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * 1.0 + 0.0  # a new float object: the lr-changed path
+                if not isinstance(group["lr"], torch.Tensor):  # (a tensor lr is left as it is)
+                    group["lr"] = group["lr"] * 1.0 + 0.0  # a new float object: the lr-changed path
             t0 = time.perf_counter()
             optimizer.step()
             repeat_host.append(time.perf_counter() - t0)
@@ -112,10 +113,12 @@ def main(argv=None) -> int:
     results = {}
     if args.gc == "off":
         gc.disable()
-    for _ in range(args.rounds):
-        for name in args.optimizers:
-            results.setdefault(name, []).append(run(name, trainer_args, args.repeat_step))
-    gc.enable()
+    try:
+        for _ in range(args.rounds):
+            for name in args.optimizers:
+                results.setdefault(name, []).append(run(name, trainer_args, args.repeat_step))
+    finally:
+        gc.enable()
     print(f"trainer arguments: {' '.join(trainer_args)}; gc {args.gc}"
           + ("; a repeated step after each" if args.repeat_step else ""))
     for name, rounds in results.items():

@@ -156,8 +156,8 @@ def float32_update(p, p_next):
 
 @triton.jit
 def negative_zeros(like):
-    """-0.0 in `like`'s shape (float32), made on the bits: compiled, `-tl.zeros_like(x)` may
-    become 0 - 0, which is +0.0 (an H100 run wrote +0.0 for it)."""
+    """-0.0 in `like`'s shape (float32), made on the bits: compiled by Triton 3.6, `-x` is
+    0 - x, so `-tl.zeros_like(x)` was +0.0 (an H100 run wrote +0.0 for it)."""
     return (tl.zeros_like(like).to(tl.uint32, bitcast=True) | FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True)
 
 

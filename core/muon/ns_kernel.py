@@ -103,6 +103,7 @@ def ns_gemm_kernel(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, M: tl.constexpr, N
     pid_n = tl.program_id(0) % tiles_n
     if SYMMETRIC:
         tl.static_assert(BLOCK_M == BLOCK_N)
+        tl.static_assert(M == N)
     if not SYMMETRIC or pid_m <= pid_n:
         _gemm_tile(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, z, pid_m, pid_n, M, N, K, B_IS_A_TRANSPOSED,
                    SYMMETRIC, EPILOGUE, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
