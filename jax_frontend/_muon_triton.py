@@ -195,8 +195,8 @@ def muon_scalars_kernel(row_ptr, bits64_ptr, out_ptr, STATIC: tl.constexpr):
     tl.store(out_ptr, (1.0 - momentum).to(tl.float32))
     tl.store(out_ptr + 1, momentum.to(tl.float32))
     tl.store(out_ptr + 2, (1.0 - lr * weight_decay).to(tl.float32))
-    # Negated on the bits after the rounding (which is symmetric): compiled by Triton 3.6, -x is
-    # 0 - x, which turns lr = 0's -0.0 into +0.0.
+    # Negated on the bits after the rounding (which is symmetric): compiled, -x may be 0 - x (it
+    # was for float32 zeros under Triton 3.6: `negative_zeros`), which would give lr = 0 +0.0.
     adjusted_lr = (lr * ratio).to(tl.float32)
     tl.store(out_ptr + 3, (adjusted_lr.to(tl.uint32, bitcast=True) ^ FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True))
 
