@@ -41,6 +41,17 @@ LEAVES_PER_LAUNCH = SLOTS
 
 
 @triton.jit
+def _momentum_pointer(address, MODE: tl.constexpr):
+    """A slot's momentum buffer (its int64 address) as a typed pointer: float32 momenta in fp32
+    mode, else int16 codes. jax-triton declares every buffer 16-byte aligned; the selection
+    hides it from the compiler."""
+    if MODE == FP32_MODE:
+        return tl.multiple_of(address, 16).to(tl.pointer_type(tl.float32))
+    else:
+        return tl.multiple_of(address, 16).to(tl.pointer_type(tl.int16))
+
+
+@triton.jit
 def muon_momentum_group_kernel(
     grad_0, grad_1, grad_2, grad_3, grad_4, grad_5, grad_6, grad_7, grad_8, grad_9, grad_10, grad_11, grad_12,
     grad_13, grad_14, grad_15,
@@ -82,12 +93,8 @@ def muon_momentum_group_kernel(
             grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.int16))
         else:
             grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.float32))
-        if MODE == FP32_MODE:
-            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.float32))
-            scratch_ptr = tl.multiple_of(scratch, 16).to(tl.pointer_type(tl.float32))
-        else:
-            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.int16))
-            scratch_ptr = tl.multiple_of(scratch, 16).to(tl.pointer_type(tl.int16))
+        state_ptr = _momentum_pointer(state, MODE)
+        scratch_ptr = _momentum_pointer(scratch, MODE)
         base = z * n_elements
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         _momentum_elements(grad_ptr + base, state_ptr + base, scratch_ptr + base, x_ptr + slot * n_elements,
@@ -167,12 +174,8 @@ def muon_weight_group_kernel(
                 param_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
                 lo_ptr = param_ptr  # unused
                 update_ptr = param_ptr  # unused
-            if MODE == FP32_MODE:
-                scratch_ptr = tl.multiple_of(scratch, 16).to(tl.pointer_type(tl.float32))
-                state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.float32))
-            else:
-                scratch_ptr = tl.multiple_of(scratch, 16).to(tl.pointer_type(tl.int16))
-                state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.int16))
+            scratch_ptr = _momentum_pointer(scratch, MODE)
+            state_ptr = _momentum_pointer(new_state, MODE)
             _weight_elements(param_ptr + base, lo_ptr + base, ortho_ptr + slot * n_elements,
                              _slot_offsets(offsets, TALL, rows, cols), scratch_ptr + base, state_ptr + base,
                              scalars_ptr + leaf * MATRIX_SCALARS, rejected_ptr + slot, offsets, in_bounds, SPLIT,

@@ -1,0 +1,95 @@
+"""Compiles the Muon GPU kernels for sm_90 (an H100/H200) without a GPU, through Triton's NVIDIA
+backend and its bundled ptxas; run in a process of its own, without TRITON_INTERPRET (under it
+`@triton.jit` gives interpreter functions, which do not compile). Prints one line a kernel
+variant, then "compiled N". Used by tests/test_kernels_compile_for_sm90.py; also a quick check
+before a GPU call: `python tests/sm90_compile.py`."""
+import itertools
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    sys.exit("sm90_compile.py: unset TRITON_INTERPRET (interpreted kernels do not compile)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from packed_adamw.core import launch  # noqa: E402
+from packed_adamw.core.muon import ns_kernel  # noqa: E402
+from packed_adamw.core.muon.state_format import StateFormat  # noqa: E402
+from packed_adamw.jax import _muon_triton as mt  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+SLOTS = mt.SLOTS
+
+
+def compile_sm90(kernel, signature: dict, constants: dict, options: dict | None = None) -> str:
+    """The kernel's PTX for sm_90, compiled as the launchers compile it (launch.COMPILE_OPTIONS)."""
+    source = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constants}},
+                       constexprs=constants)
+    ptx = triton.compile(source, target=SM90, options={**launch.COMPILE_OPTIONS, **(options or {})}).asm["ptx"]
+    print(kernel.__name__, " ".join(f"{k}={v}" for k, v in sorted(constants.items())), flush=True)
+    return ptx
+
+
+def _slots(name: str, kind: str) -> dict:
+    return {f"{name}_{i}": kind for i in range(SLOTS)}
+
+
+def group_kernels() -> int:
+    """Every variant of the JAX group kernels the launchers make: packed and fp32 momenta, float32
+    and bf16 gradients, both orientations; float32 weights in place or writing the update, bf16
+    weights with low halves."""
+    n = 0
+    for mode in ("packed", "fp32"):
+        constants = StateFormat(mode, 31).kernel_constexprs(track_format=False)
+        state = "*fp32" if mode == "fp32" else "*i16"
+        for grad_bf16, tall in itertools.product((False, True), (False, True)):
+            signature = {**_slots("grad", "*i16" if grad_bf16 else "*fp32"), **_slots("state", state),
+                         "table_ptr": "*i64", "scalars_ptr": "*fp32", "x_in_ptr": "*i16", "refused_in_ptr": "*i32",
+                         "n_elements": "i32", "rows": "i32", "cols": "i32", **_slots("scratch", state),
+                         "x_ptr": "*i16", "refused_ptr": "*i32"}
+            compile_sm90(mt.muon_momentum_group_kernel, signature, {
+                "TALL": tall, **constants, "NESTEROV": True, "GRAD_BF16": grad_bf16, "BLOCK": launch.GPU_BLOCK})
+            n += 1
+        for (split, update), tall in itertools.product(((False, False), (False, True), (True, False)), (False, True)):
+            weights = "*i16" if split else "*fp32"
+            signature = {**_slots("param", weights), **_slots("lo", "*i16"), **_slots("scratch", state),
+                         **_slots("state", state), "table_ptr": "*i64", "ortho_ptr": "*i16", "scalars_ptr": "*fp32",
+                         "refused_ptr": "*i32", "rejected_in_ptr": "*i32", "n_elements": "i32", "rows": "i32",
+                         "cols": "i32", **_slots("out", weights), **_slots("new_lo", "*i16"),
+                         **_slots("new_state", state), "rejected_ptr": "*i32"}
+            compile_sm90(mt.muon_weight_group_kernel, signature, {
+                "TALL": tall, "MODE": constants["MODE"], "SPLIT": split, "UPDATE": update, "BLOCK": launch.GPU_BLOCK})
+            n += 1
+    return n
+
+
+def scalars_and_newton_schulz() -> int:
+    """The device step scalars (every hyperparameter from the graph; lr, momentum and weight decay
+    known) and each distinct launch of Newton-Schulz on d12's 768 x 3072 group: the norm's two
+    kernels, the Gram matrix and the polynomial (mirrored), the product with the iterate."""
+    n = 0
+    for static in (0, 7):
+        compile_sm90(mt.muon_scalars_kernel, {"row_ptr": "*fp32", "bits64_ptr": "*u32", "out_ptr": "*fp32"},
+                     {"STATIC": static})
+        n += 1
+    names = {"x": "*bf16", "partials": "*fp32", "scalars": "*fp32", "y0": "*bf16", "y1": "*bf16",
+             "gram": "*bf16", "poly": "*bf16"}
+    arguments = {ns_kernel.ns_gemm_kernel: ("a_ptr", "b_ptr", "c_ptr", "scalars_ptr", "out_ptr"),
+                 ns_kernel.ns_square_sums_kernel: ("y_ptr", "partials_ptr"),
+                 ns_kernel.ns_normalize_kernel: ("y_ptr", "partials_ptr", "scalars_ptr", "out_ptr")}
+    seen = set()
+    for kernel, _, buffers, constants, options in ns_kernel.launch_plan(2, 768, 3072, 1, interpreting=False):
+        key = (kernel, tuple(sorted(constants.items())))
+        if key not in seen:
+            seen.add(key)
+            compile_sm90(kernel, {arg: names[b] for arg, b in zip(arguments[kernel], buffers)}, constants, options)
+            n += 1
+    return n
+
+
+if __name__ == "__main__":
+    if "nvidia" not in triton.backends.backends:
+        sys.exit("sm90_compile.py: this Triton build has no NVIDIA backend")
+    print(f"compiled {group_kernels() + scalars_and_newton_schulz()}")
