@@ -198,10 +198,10 @@ def muon_scalars_kernel(row_ptr, bits64_ptr, out_ptr, STATIC: tl.constexpr):
     tl.store(out_ptr, (1.0 - momentum).to(tl.float32))
     tl.store(out_ptr + 1, momentum.to(tl.float32))
     tl.store(out_ptr + 2, (1.0 - lr * weight_decay).to(tl.float32))
-    # Negated on the bits after the rounding (which is symmetric): compiled, -x may be 0 - x (it
-    # was for float32 zeros under Triton 3.6: `negative_zeros`), which would give lr = 0 +0.0.
-    adjusted_lr = (lr * ratio).to(tl.float32)
-    tl.store(out_ptr + 3, (adjusted_lr.to(tl.uint32, bitcast=True) ^ FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True))
+    # Negated on the bits after the rounding (which is symmetric): Triton 3.6 compiles -x as 0 - x,
+    # which gives lr = 0 +0.0 (`negative_zeros` met it on an H100).
+    scaled_lr = (lr * ratio).to(tl.float32)
+    tl.store(out_ptr + 3, (scaled_lr.to(tl.uint32, bitcast=True) ^ FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -248,7 +248,7 @@ def group_table(slot0s: list[int], batches: list[int]) -> np.ndarray:
     if not 1 <= len(slot0s) == len(batches) <= SLOTS:
         raise ValueError(f"a Muon group launch takes 1 to {SLOTS} leaves, got {len(slot0s)}")
     padding = [0] * (SLOTS - len(slot0s))
-    return np.asarray([*slot0s, *padding, *batches, *padding], np.int64)
+    return np.asarray([*slot0s, *padding, *batches, *padding], np.int32)  # jnp's default int, x64 or not
 
 
 def _slots(buffers: list) -> list:

@@ -2,7 +2,13 @@
 backend and its bundled ptxas; run in a process of its own, without TRITON_INTERPRET (under it
 `@triton.jit` gives interpreter functions, which do not compile). Prints one line a kernel
 variant, then "compiled N". Used by tests/test_kernels_compile_for_sm90.py; also a quick check
-before a GPU call: `python tests/sm90_compile.py`."""
+before a GPU call: `python tests/sm90_compile.py`.
+
+It checks that each variant compiles with the arguments' dtypes and the warps the JAX launchers
+use, under whatever Triton is installed (3.9 on the CPU machines; the GPU image has 3.6, which
+can be installed apart and put first on PYTHONPATH). It does not check what the code computes:
+the interpreter tests do, and only a GPU run shows what the compiler made of it.
+"""
 import itertools
 import os
 import sys
@@ -24,8 +30,14 @@ SLOTS = mt.SLOTS
 
 
 def compile_sm90(kernel, signature: dict, constants: dict, options: dict | None = None) -> str:
-    """The kernel's PTX for sm_90, compiled as the launchers compile it (launch.COMPILE_OPTIONS)."""
-    source = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constants}},
+    """The kernel's PTX for sm_90, compiled as the launchers compile it (launch.COMPILE_OPTIONS).
+    `signature` names every non-constexpr argument, `constants` every constexpr one; the
+    signature is laid out in the kernel's own argument order (Triton matches it by position)."""
+    names = kernel.arg_names
+    if set(signature) | set(constants) != set(names) or set(signature) & set(constants):
+        raise ValueError(f"{kernel.__name__}: the arguments named {sorted(set(signature) | set(constants))} "
+                         f"are not the kernel's {names}")
+    source = ASTSource(fn=kernel, signature={n: signature.get(n, "constexpr") for n in names},
                        constexprs=constants)
     ptx = triton.compile(source, target=SM90, options={**launch.COMPILE_OPTIONS, **(options or {})}).asm["ptx"]
     print(kernel.__name__, " ".join(f"{k}={v}" for k, v in sorted(constants.items())), flush=True)
@@ -37,40 +49,44 @@ def _slots(name: str, kind: str) -> dict:
 
 
 def group_kernels() -> int:
-    """Every variant of the JAX group kernels the launchers make: packed and fp32 momenta, float32
-    and bf16 gradients, both orientations; float32 weights in place or writing the update, bf16
-    weights with low halves."""
+    """Every variant of the JAX group kernels the launchers make: the three momentum modes, float32
+    and bf16 gradients, both orientations, with and without Nesterov; float32 weights in place or
+    writing the update, bf16 weights with low halves. The launch table is int32 (`group_table`)."""
     n = 0
-    for mode in ("packed", "fp32"):
+    warps = {"num_warps": launch.GPU_NUM_WARPS}
+    for mode in ("packed", "bf16", "fp32"):
         constants = StateFormat(mode, 31).kernel_constexprs(track_format=False)
         state = "*fp32" if mode == "fp32" else "*i16"
-        for grad_bf16, tall in itertools.product((False, True), (False, True)):
+        for grad_bf16, tall, nesterov in itertools.product((False, True), (False, True), (False, True)):
             signature = {**_slots("grad", "*i16" if grad_bf16 else "*fp32"), **_slots("state", state),
-                         "table_ptr": "*i64", "scalars_ptr": "*fp32", "x_in_ptr": "*i16", "refused_in_ptr": "*i32",
+                         "table_ptr": "*i32", "scalars_ptr": "*fp32", "x_in_ptr": "*i16", "refused_in_ptr": "*i32",
                          "n_elements": "i32", "rows": "i32", "cols": "i32", **_slots("scratch", state),
                          "x_ptr": "*i16", "refused_ptr": "*i32"}
             compile_sm90(mt.muon_momentum_group_kernel, signature, {
-                "TALL": tall, **constants, "NESTEROV": True, "GRAD_BF16": grad_bf16, "BLOCK": launch.GPU_BLOCK})
+                "TALL": tall, **constants, "NESTEROV": nesterov, "GRAD_BF16": grad_bf16, "BLOCK": launch.GPU_BLOCK},
+                warps)
             n += 1
         for (split, update), tall in itertools.product(((False, False), (False, True), (True, False)), (False, True)):
             weights = "*i16" if split else "*fp32"
             signature = {**_slots("param", weights), **_slots("lo", "*i16"), **_slots("scratch", state),
-                         **_slots("state", state), "table_ptr": "*i64", "ortho_ptr": "*i16", "scalars_ptr": "*fp32",
+                         **_slots("state", state), "table_ptr": "*i32", "ortho_ptr": "*i16", "scalars_ptr": "*fp32",
                          "refused_ptr": "*i32", "rejected_in_ptr": "*i32", "n_elements": "i32", "rows": "i32",
                          "cols": "i32", **_slots("out", weights), **_slots("new_lo", "*i16"),
                          **_slots("new_state", state), "rejected_ptr": "*i32"}
             compile_sm90(mt.muon_weight_group_kernel, signature, {
-                "TALL": tall, "MODE": constants["MODE"], "SPLIT": split, "UPDATE": update, "BLOCK": launch.GPU_BLOCK})
+                "TALL": tall, "MODE": constants["MODE"], "SPLIT": split, "UPDATE": update, "BLOCK": launch.GPU_BLOCK},
+                warps)
             n += 1
     return n
 
 
 def scalars_and_newton_schulz() -> int:
-    """The device step scalars (every hyperparameter from the graph; lr, momentum and weight decay
-    known) and each distinct launch of Newton-Schulz on d12's 768 x 3072 group: the norm's two
-    kernels, the Gram matrix and the polynomial (mirrored), the product with the iterate."""
+    """The device step scalars (STATIC: which of lr, momentum and weight decay are known numbers;
+    with all three known the host computes the row, so 7 is never launched) and each distinct
+    launch of Newton-Schulz on d12's 768 x 3072 group: the norm's two kernels, the Gram matrix and
+    the polynomial (mirrored), the product with the iterate."""
     n = 0
-    for static in (0, 7):
+    for static in range(7):
         compile_sm90(mt.muon_scalars_kernel, {"row_ptr": "*fp32", "bits64_ptr": "*u32", "out_ptr": "*fp32"},
                      {"STATIC": static})
         n += 1

@@ -390,8 +390,11 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
 
     rng = np.random.default_rng(37)
     steps = 3
-    table = np.float32([0.02, 0.015, 0.01, 0.005])
+    # A zero lr at the first step, and a row of -0.0 weights: the step's -lr must be -0.0 there
+    # (computed on the device under the schedule), or p * 1 + (+0.0) * O turns -0.0 into +0.0.
+    table = np.float32([0.0, 0.02, 0.01, 0.005])
     p0 = {k: (rng.standard_normal(s) * 0.2).astype(F32) for k, s in CUDA_LEAVES.items()}
+    p0["square"][0] = -0.0
     grads = [{k: gradient(rng, s) for k, s in CUDA_LEAVES.items()} for _ in range(steps)]
     bf16_leaf = lambda k: k == "half"  # noqa: E731
 
@@ -498,7 +501,7 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(mode, sch
     grads[2]["stack"][1, 0, 3] = np.nan
     grads[2]["half"][0, 0] = np.inf  # the bf16 leaf (a launch of its own) refused too
     bf16_leaf = lambda k: k == "half"  # noqa: E731
-    table = np.float32([0.02, 0.0, 0.01])  # a zero lr in the schedule: the weights stay (but for decay)
+    table = np.float32([0.02, 0.0, 0.01])  # a zero lr in the schedule: the weights stay
 
     params = {k: jnp.asarray(v, jnp.bfloat16 if bf16_leaf(k) else jnp.float32) for k, v in p0.items()}
     before_refusal = {}
@@ -530,6 +533,7 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(mode, sch
     # the wide leaf and the bf16 leaf have one each; three steps of the transform and the fused step.
     assert stand_in.kernels.count(_muon_triton.muon_momentum_group_kernel) == 3 * 3 * 2
     weight_launches = [meta for kernel, meta in stand_in.launches if kernel is _muon_triton.muon_weight_group_kernel]
+    assert len(weight_launches) == 3 * 3 * 2
     assert sorted((m["SPLIT"], m["UPDATE"]) for m in weight_launches[:6]) == [
         (False, False), (False, False), (False, True), (False, True), (True, False), (True, False)]
     if schedule:  # the step scalars on the device: a row a launch
