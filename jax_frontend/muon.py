@@ -507,9 +507,10 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         p_mats = [views[i].to_matrices(p_leaves[i]) for i in muon]
         lo_mats = [views[i].to_matrices(lows[i]) for i in muon if split[i]]
         placed = lambda x, j: x  # noqa: E731 (the GPU path's leaves are not sharded: see MUON.md)
+        on_gpu = _step_platform((updates, params)) == "gpu"
         # On the GPU a float32 leaf's update comes from its weight launch (`_muon_triton.weight_group_step`).
-        kernel_updates = write_update and _step_platform((updates, params)) == "gpu"
-        if _step_platform((updates, params)) == "gpu":
+        kernel_updates = write_update and on_gpu
+        if on_gpu:
             new_params, new_lows, new_states = _gpu_phases(config, [views[i] for i in muon], g_mats, s_mats, p_mats,
                                                            lo_mats, row, valid, coefficients, steps,
                                                            write_update=write_update)
