@@ -10,7 +10,8 @@ the optimizers alternating by round; state bytes are torch.cuda.memory_allocated
 first step, per parameter. Rows with `batch_ns` run Newton-Schulz batched over the matrices of
 one shape; their last column says whether, after all the timed steps, their weights and momentum
 equal the per-matrix run's of the same mode bit for bit (both start equal and step on equal
-gradients).
+gradients). Newton-Schulz runs with torch's matmuls here (`ns_impl="cublas"`, torch.optim.Muon's);
+benchmarks/muon_ns_timing.py times the Triton kernels, the CUDA default.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def make(shapes, kind: str):
     if kind == "torch.optim.Muon":
         return params, torch.optim.Muon(params, lr=0.02, momentum=0.95)
     mode, _, batched = kind.partition(" ")
-    return params, PackedMuon(params, lr=0.02, momentum=0.95, mode=mode, batch_ns=batched == "batch_ns")
+    return params, PackedMuon(params, lr=0.02, momentum=0.95, mode=mode, batch_ns=batched == "batch_ns",
+                              ns_impl="cublas")
 
 
 def same_bits(a, b) -> str:

@@ -8,11 +8,10 @@ Stacks (`--stacks`, run one after the other; memory is freed and the peak reset 
 - `packed`: the model's parameters in bf16 (`model.to(torch.bfloat16)`), every one with an exact
   FP32 master (its bf16 weight + the int16 low half `lo` in the optimizer state, started from the
   FP32 initialisation as the trainer starts them); PackedMuonAdamW with Muon's momentum packed
-  (2 bytes) on the blocks' matrices and packed AdamW (4 bytes) on the rest. Newton-Schulz runs
-  batched over the matrices of one shape (PackedMuon's `batch_ns`, set on the Muon rule: the
-  combined optimizer has no such argument yet).
-- `packed-per-matrix`: the same with Newton-Schulz matrix by matrix (torch.optim.Muon's way and
-  bits; PackedMuon's default).
+  (2 bytes) on the blocks' matrices and packed AdamW (4 bytes) on the rest, with its defaults:
+  on CUDA Newton-Schulz runs on the Triton kernels, batched over the matrices of one shape.
+- `packed-per-matrix`: the same with Newton-Schulz on torch's matmuls matrix by matrix
+  (`ns_impl="cublas", batch_ns=False`: torch.optim.Muon's way).
 - `reference`: FP32 parameters, forward under bf16 autocast; torch.optim.Muon on the Muon
   groups and torch.optim.AdamW(fused=True) on the AdamW groups (FP32 state), stepped one after
   the other.
@@ -56,8 +55,10 @@ from packed_adamw.torch.gpt.schedules import ScheduleConfig, apply_schedule, bui
 
 BOS = 0  # token 0 starts every document; the Zipf tokens are 1 .. vocab - 1
 STACKS = {
-    "packed": ("bf16 + exact FP32 masters", "PackedMuonAdamW: Muon packed (batched Newton-Schulz) + AdamW packed"),
-    "packed-per-matrix": ("bf16 + exact FP32 masters", "PackedMuonAdamW: Muon packed (per matrix) + AdamW packed"),
+    "packed": ("bf16 + exact FP32 masters",
+               "PackedMuonAdamW: Muon packed (defaults: Triton Newton-Schulz, batched) + AdamW packed"),
+    "packed-per-matrix": ("bf16 + exact FP32 masters",
+                          "PackedMuonAdamW: Muon packed (cuBLAS Newton-Schulz per matrix) + AdamW packed"),
     "reference": ("FP32, bf16 autocast", "torch.optim.Muon + torch.optim.AdamW(fused=True), FP32 state"),
 }
 GIB = 2 ** 30
@@ -135,8 +136,8 @@ def build_stack(name: str, config, device: torch.device, seed: int):
         return model, [muon, adamw], lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     initial = {id(p): p.detach().clone() for p in model.parameters()}  # the FP32 initialisation
     model.to(torch.bfloat16)  # the same Parameter objects, now bf16
-    optimizer = PackedMuonAdamW(model.muon_adamw_groups(), mode="packed", adamw_mode="packed",
-                                batch_ns=name == "packed")
+    per_matrix = {} if name == "packed" else dict(ns_impl="cublas", batch_ns=False)
+    optimizer = PackedMuonAdamW(model.muon_adamw_groups(), mode="packed", adamw_mode="packed", **per_matrix)
     for rule in optimizer.rules.values():  # exact masters: bf16 weight + low half = the FP32 initialisation
         rule.load_master_weights([initial[id(p)] for g in rule.param_groups for p in g["params"]])
     del initial

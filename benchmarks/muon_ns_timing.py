@@ -6,7 +6,7 @@ in torch and JAX: step times against torch.optim.Muon and optax.contrib.muon.
 The matrix lists are bench_muon.py's (the reference GPT's 32, GPT-2 124M's 48, d12's 72, the
 1.3B list's 96; FP32 parameters, random gradients). Rows:
 - torch.optim.Muon; PackedMuon (packed momentum) with ns_impl "cublas" / "triton", per matrix
-  and `batch_ns`;
+  and `batch_ns` ("triton" with `batch_ns` is what PackedMuon's defaults choose on CUDA);
 - Newton-Schulz alone over the list's shape batches: `newton_schulz_stacked` (cuBLAS bmm) and
   `newton_schulz_triton_stacked` (the kernels), no elementwise phase;
 - JAX under jax.jit (with --jax): packed_muon (the GPU path: jax-triton kernels, Triton
@@ -40,6 +40,7 @@ from packed_adamw.torch import PackedMuon  # noqa: E402
 from packed_adamw.torch.muon import newton_schulz_stacked, newton_schulz_triton_stacked  # noqa: E402
 
 TORCH_KINDS = ("torch.optim.Muon", "cublas", "cublas batch_ns", "triton", "triton batch_ns")
+DEFAULT_KIND = "triton batch_ns"  # PackedMuon() on CUDA: ns_impl="auto", batch_ns=None
 # A packed-momentum step on float32 weights, in place: read the gradient (4) and the momentum
 # code (2), write the new code (2) and the bf16 Newton-Schulz input (2); read its bf16 result
 # (2), read and write the weight (4 + 4).
@@ -184,6 +185,8 @@ def main(argv=None) -> None:
         for kind in TORCH_KINDS:
             ms = statistics.median(times[kind])
             label = kind if kind == "torch.optim.Muon" else f"PackedMuon packed, ns_impl={kind}"
+            if kind == DEFAULT_KIND:
+                label += " (the CUDA default)"
             row(name, shapes, label, ms, f"{ms / base:.2f}x torch.optim.Muon")
         del opts
         stacks = ns_batches(shapes)

@@ -140,7 +140,7 @@ def test_packed_muon_triton_equals_the_phases_around_the_triton_newton_schulz(ba
 
 def test_ns_impl_is_checked(monkeypatch):
     p = torch.nn.Parameter(torch.ones(4, 8))
-    with pytest.raises(ValueError, match="ns_impl='fast'.*'cublas'.*'triton'"):
+    with pytest.raises(ValueError, match="ns_impl='fast'.*'auto'.*'cublas'.*'triton'"):
         PackedMuon([p], ns_impl="fast")
     opt = PackedMuon([p], ns_impl="triton")
     assert opt.__getstate__()["ns_impl"] == "triton"

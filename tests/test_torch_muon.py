@@ -14,7 +14,7 @@ from packed_adamw.core import launch
 from packed_adamw.core.muon import StateFormat, momentum_phase, step_scalar_row, weight_phase, weight_phase_split
 from packed_adamw.torch import NonFiniteGradientError, PackedAdamW, PackedMuon, PackedMuonAdamW, muon_param_groups
 from packed_adamw.torch import muon as torch_muon
-from packed_adamw.torch.muon import newton_schulz, newton_schulz_batched
+from packed_adamw.torch.muon import newton_schulz, newton_schulz_batched, newton_schulz_triton
 
 SHAPES = [(12, 5), (5, 12), (8, 8)]
 
@@ -23,7 +23,10 @@ SHAPES = [(12, 5), (5, 12), (8, 8)]
 def torch_muon_pair(p0, *, device="cpu", **kwargs):
     theirs = torch.nn.Parameter(p0.clone().to(device))
     ours = torch.nn.Parameter(p0.clone().to(device))
-    return theirs, ours, torch.optim.Muon([theirs], **kwargs), PackedMuon([ours], mode="fp32", **kwargs)
+    # torch's matmuls per matrix, as torch.optim.Muon runs Newton-Schulz (the default on the CPU;
+    # on CUDA the default is the Triton kernels).
+    return theirs, ours, torch.optim.Muon([theirs], **kwargs), PackedMuon([ours], mode="fp32", ns_impl="cublas",
+                                                                          batch_ns=False, **kwargs)
 
 
 @fused_torch
@@ -134,7 +137,7 @@ BATCH_NS_SHAPES = [(6, 10), (10, 6), (6, 10), (7, 7), (7, 7), (3, 5), (6, 10)]
 def batch_ns_optimizer(p0, device, batch_ns, dtype):
     params = [taking_fp32_gradients(torch.nn.Parameter(p.to(dtype).to(device).clone())) for p in p0]  # never p0
     groups = [{"params": params[:-1]}, {"params": params[-1:], "ns_steps": 3}]
-    return params, PackedMuon(groups, lr=0.03, batch_ns=batch_ns, check_nonfinite=True)
+    return params, PackedMuon(groups, lr=0.03, batch_ns=batch_ns, ns_impl="cublas", check_nonfinite=True)
 
 
 def step_and_compare(rng, runs, steps=3, bad_at=(1, 1)):
@@ -271,12 +274,30 @@ def count_launches(monkeypatch) -> dict:
     return launches
 
 
-def test_batch_ns_is_a_checked_bool_that_a_pickle_keeps():
-    with pytest.raises(TypeError, match="batch_ns must be True or False"):
+def test_batch_ns_is_a_checked_bool_or_none_that_a_pickle_keeps():
+    with pytest.raises(TypeError, match="batch_ns must be None .*True or False"):
         PackedMuon([torch.nn.Parameter(torch.ones(2, 2))], batch_ns=1)
-    assert not PackedMuon([torch.nn.Parameter(torch.ones(2, 2))]).batch_ns
+    assert PackedMuon([torch.nn.Parameter(torch.ones(2, 2))]).batch_ns is None
     opt = PackedMuon([torch.nn.Parameter(torch.ones(2, 2))], batch_ns=True)
     assert pickle.loads(pickle.dumps(opt)).batch_ns is True
+
+
+@pytest.mark.parametrize(("options", "on_cuda", "on_cpu"), [
+    ({}, ("triton", True), ("cublas", False)),  # the defaults: batched only where it changes no bit
+    ({"ns_impl": "cublas"}, ("cublas", False), ("cublas", False)),
+    ({"ns_impl": "cublas", "batch_ns": True}, ("cublas", True), ("cublas", True)),
+    ({"batch_ns": False}, ("triton", False), ("cublas", False)),
+    ({"ns_impl": "triton"}, ("triton", True), ("triton", True)),
+    (None, ("cublas", False), ("cublas", False)),  # pickled before either option existed
+])
+def test_newton_schulz_defaults_resolve_per_device(options, on_cuda, on_cpu):
+    """ns_impl="auto" is the Triton kernels on CUDA (JAX's bits) and torch's matmuls elsewhere;
+    batch_ns=None batches with the Triton kernels only, whose bits do not depend on the batch."""
+    opt = PackedMuon([torch.nn.Parameter(torch.ones(2, 2))], **(options or {}))
+    if options is None:
+        del opt.ns_impl, opt.batch_ns
+    for device, want in ((torch.device("cuda", 0), on_cuda), (torch.device("cpu"), on_cpu)):
+        assert (torch_muon._ns_impl(opt, device), torch_muon._batches_ns(opt, device)) == want, device
 
 
 # ---- the state and the modes ------------------------------------------------------------------
@@ -617,12 +638,15 @@ def test_cuda_fp32_mode_equals_torch_optim_muon_on_cuda(shape):
 @pytest.mark.cuda
 @cuda_only
 @pytest.mark.parametrize("mode", ["packed", "bf16"])
-def test_cuda_step_equals_the_cpu_phases_around_the_cuda_newton_schulz(mode):
+@pytest.mark.parametrize("ns_impl", ["auto", "cublas"])
+def test_cuda_step_equals_the_cpu_phases_around_the_cuda_newton_schulz(mode, ns_impl):
+    """The default (ns_impl="auto": the Triton kernels on CUDA) and torch's matmuls."""
     rng = np.random.default_rng(15)
     shape, fmt = (40, 24), StateFormat(mode)
     param = taking_fp32_gradients(
         torch.nn.Parameter(torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).cuda().bfloat16()))
-    opt = PackedMuon([param], lr=0.02, mode=mode, check_nonfinite=True)
+    opt = PackedMuon([param], lr=0.02, mode=mode, check_nonfinite=True, ns_impl=ns_impl)
+    ns = newton_schulz_triton if ns_impl == "auto" else newton_schulz
     state = np.zeros(shape, np.uint16)
     scalars = step_scalar_row((0.02, 0.95, 0.1, 1e-7), shape)
     weights = param.detach().cpu().view(torch.int16).numpy().copy()
@@ -632,7 +656,7 @@ def test_cuda_step_equals_the_cpu_phases_around_the_cuda_newton_schulz(mode):
         param.grad = g.cuda()
         opt.step()
         x = momentum_phase(g.numpy(), state, scalars, fmt=fmt)
-        ortho = newton_schulz(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()).contiguous()
+        ortho = ns(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()).contiguous()
         weight_phase_split(weights, low, ortho.view(torch.int16).cpu().numpy(), scalars)
         assert np.array_equal(opt.state[param]["momentum_code"].cpu().numpy().view(np.uint16), state)
         assert np.array_equal(param.detach().cpu().view(torch.int16).numpy(), weights)

@@ -379,7 +379,8 @@ def _segment_args(table, segment: Segment, scalars, rows) -> tuple:
 
 def planned_launches(table: torch.Tensor, layout: tuple[Segment, ...], aligned: bool, relaunch: dict) -> tuple | None:
     """What `launch_step` launches over `table` (its scalar rows at the table's tail) without
-    counters, non-finite counts or format counts, as ((relaunch, grid, args), ...) to call
+    non-finite counts or format counts (counter rows, unread then, are left out), as
+    ((relaunch, grid, args), ...) to call
     again while the table's memory stays the same; None while some launch has no compiled
     relaunch yet (`launch_step` makes it) or a tensor launches solo. A step plan keeps these
     per staging slot, so a step spends no host time on views and argument tuples

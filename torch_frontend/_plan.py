@@ -97,7 +97,7 @@ class StepPlan:
         self.cuda_tables = device >= 0 and opt.multi_tensor
         if self.cuda_tables:
             self.relaunch = {}  # _launch.launch_step keeps each launch kind's compiled kernel here
-            self.launches = {}  # (staging slot, words, aligned) -> _launch.planned_launches' launches, or None
+            self.launches = {}  # (staging slot, words, aligned) -> _launch.planned_launches' launches, or False
             self.group_layout = _launch.step_layout(self.kinds, self.numels, self.group_of, self.torch_device)
             # Every address but the gradients' is fixed: laid out once, the gradients' slots noted.
             self.n_pointers = _launch.layout_pointers(self.group_layout)
@@ -236,12 +236,13 @@ class StepPlan:
             aligned = self.aligned and not (grad_addresses & 15).any()
             table = staging.send()
             # Launches made before over this slot's table, while nothing but the table's contents
-            # changes: no counts, the plan's own layout, its device current (the launcher takes
-            # the current device's stream).
+            # changes: no counts taken (a plan that keeps format counters, with track_format off,
+            # launches the same uncounted kernel, which never reads them), the plan's own layout,
+            # its device current (the launcher takes the current device's stream).
             key = (staging.slot, staging.n_words, aligned)
-            plain = not (count_nonfinite or track_format or self.counters is not None) and rows is self.group_of
+            plain = not (count_nonfinite or track_format) and rows is self.group_of
             launches = self.launches.get(key) if plain else None
-            if launches is not None and torch.cuda.current_device() == self.device:
+            if launches and torch.cuda.current_device() == self.device:
                 for fast, grid, args in launches:
                     fast(grid, args)
                 rejected = [0] * len(grads)
@@ -249,8 +250,8 @@ class StepPlan:
                 rejected = _launch.launch_step(self.rule, table, self.kernel_params, grads, self.moments, layout, fmt,
                                                count_nonfinite, aligned, self.relaunch, self.counters, track_format,
                                                lows=self.lows)
-                if plain:
-                    self.launches[key] = _launch.planned_launches(table, layout, aligned, self.relaunch)
+                if plain and launches is None:  # False: none can be kept (a solo tensor, no relaunch)
+                    self.launches[key] = _launch.planned_launches(table, layout, aligned, self.relaunch) or False
             staging.launched()
         if type(counts) is int:
             for state in self.states:

@@ -69,7 +69,7 @@ class PackedMuonAdamW(Optimizer):
                  adamw_eps: float = 1e-8, adamw_weight_decay: float = 1e-2, adamw_mode: str = "packed",
                  m_bias: int = DEFAULT_M_BIAS, rms_bias: int = DEFAULT_RMS_BIAS, maximize: bool = False,
                  check_nonfinite: bool = False, multi_tensor: bool = True, capturable: bool = False,
-                 batch_ns: bool = False, ns_impl: str = "cublas"):
+                 batch_ns: bool | None = None, ns_impl: str = "auto"):
         _muon.check_options(type(self).__name__, capturable, batch_ns, ns_impl, lr=lr,
                             check_nonfinite=check_nonfinite)
         if capturable and not (isinstance(adamw_lr, torch.Tensor) and adamw_lr.numel() == 1

@@ -1,9 +1,10 @@
 """`PackedMuon`: torch.optim.Muon with its momentum in 2 bytes per parameter (docs/MUON.md).
 
 A step per matrix: the momentum phase (core/muon's numpy phase on the CPU, its Triton kernel
-on CUDA: per matrix, or per batch with `batch_ns`), Newton-Schulz with torch operations in
-bf16 (`newton_schulz`, as torch.optim.Muon runs it; or `newton_schulz_batched` over the
-matrices of one shape, with `batch_ns`), the weight phase (numpy or kernel). The shared machinery serves it as it serves
+on CUDA: per matrix, or per batch with `batch_ns`), Newton-Schulz (on CUDA by default
+core/muon's Triton kernels over the matrices of one shape, JAX's bits; elsewhere torch
+operations in bf16, `newton_schulz`, as torch.optim.Muon runs it; `ns_impl` and `batch_ns`
+choose), the weight phase (numpy or kernel). The shared machinery serves it as it serves
 PackedAdamW: parameter names and group checks (`_checks.py`), the low halves of bf16
 parameters and their masters (`_state.py`, `functional.py`), the state_dict's identity and the
 loaded tensors' restoration (`_persistence.py`), DTensor state layouts (`_dtensor.py`).
@@ -106,7 +107,7 @@ def newton_schulz_stacked(y: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS,
     return y.contiguous()
 
 
-NS_IMPLS = ("cublas", "triton")
+NS_IMPLS = ("auto", "cublas", "triton")
 _NS_SCALARS: dict = {}  # (coefficients, eps, device) -> the kernels' float32 row on the device
 
 
@@ -227,17 +228,22 @@ class PackedMuon(Optimizer):
     one-element tensor on the device) keeps the step on the GPU, so that `torch.cuda.graph` can
     capture it; its bits are the eager step's (MUON.md, "Capturable steps (CUDA graphs)").
 
-    `batch_ns=True` runs Newton-Schulz once per batch of matrices that share a shape (up to
-    transposition) and settings, as batched GEMMs, and on CUDA each elementwise phase as one
-    launch per batch: far fewer launches. Its bits are its
-    own: on the CPU they differ from the per-matrix ones in rare elements, on CUDA it is not
-    known yet (MUON.md, "Batched Newton-Schulz"). The default, False, is torch.optim.Muon's
-    per-matrix way and bits.
+    `ns_impl`: "auto" (default) is "triton" on CUDA and "cublas" elsewhere. "cublas" runs
+    Newton-Schulz with torch's matmuls (cuBLAS on CUDA), as torch.optim.Muon does: on the CPU
+    with mode="fp32" its bits are torch.optim.Muon's. "triton" runs core/muon's Triton kernels,
+    the ones `packed_muon` launches on a JAX GPU backend: the same bits as JAX, with or without
+    `batch_ns` (a matrix's result does not depend on its batch). "triton" needs CUDA (or
+    Triton's CPU interpreter).
 
-    `ns_impl`: "cublas" (default) runs Newton-Schulz with torch's matmuls (cuBLAS on CUDA, as
-    torch.optim.Muon); "triton" with core/muon's Triton kernels, the ones `packed_muon` launches
-    on a JAX GPU backend: the same bits as JAX, with or without `batch_ns` (a matrix's result
-    does not depend on its batch). "triton" needs CUDA (or Triton's CPU interpreter).
+    `batch_ns=True` runs Newton-Schulz once per batch of matrices that share a shape (up to
+    transposition) and settings, and on CUDA each elementwise phase as one launch per batch:
+    far fewer launches. With "cublas" a batched GEMM may round in another order than the
+    per-matrix one: on the CPU rare elements differ (MUON.md, "Batched Newton-Schulz").
+    `batch_ns=False` steps one matrix at a time. The default, None, batches where batching
+    cannot change a bit: with the Triton kernels, not with torch's matmuls. So the defaults
+    give, on CUDA, JAX's bits and the fastest step measured (0.10x to 0.18x torch.optim.Muon on
+    the d12, GPT-2 and reference GPT lists, 0.85x on a 1.3B list; docs/results/MUON_NS.md),
+    and on the CPU torch.optim.Muon's way and bits.
     """
 
     rule_name = "muon"
@@ -259,8 +265,8 @@ class PackedMuon(Optimizer):
         maximize: bool = False,
         check_nonfinite: bool = False,
         capturable: bool = False,
-        batch_ns: bool = False,
-        ns_impl: str = "cublas",
+        batch_ns: bool | None = None,
+        ns_impl: str = "auto",
     ):
         check_options(type(self).__name__, capturable, batch_ns, ns_impl, lr=lr, check_nonfinite=check_nonfinite)
         self.state_format = StateFormat(mode, mu_bias)
@@ -278,7 +284,7 @@ class PackedMuon(Optimizer):
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "state_format": self.state_format, "check_nonfinite": self.check_nonfinite,
                 "capturable": self.__dict__.get("capturable", False), "batch_ns": getattr(self, "batch_ns", False),
-                "ns_impl": _ns_impl(self)}
+                "ns_impl": getattr(self, "ns_impl", "cublas")}
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # torch's load_state_dict passes new groups: the compiled step's lists follow
@@ -389,11 +395,13 @@ def check_options(owner: str, capturable, batch_ns, ns_impl, *, lr, check_nonfin
                          f"device, got lr={lr!r}: a captured step reads it at every replay (LR schedulers update "
                          "it in place), where a Python float would be frozen into the graph; "
                          "lr=torch.tensor(0.02, device='cuda')")
-    if not isinstance(batch_ns, bool):
-        raise TypeError(f"{owner}(batch_ns={batch_ns!r}): batch_ns must be True or False")
+    if batch_ns is not None and not isinstance(batch_ns, bool):
+        raise TypeError(f"{owner}(batch_ns={batch_ns!r}): batch_ns must be None (batch where it changes no "
+                        "bit), True or False")
     if ns_impl not in NS_IMPLS:
-        raise ValueError(f"{owner}(ns_impl={ns_impl!r}): pass 'cublas' (torch's matmuls, torch.optim.Muon's "
-                         "bits) or 'triton' (core/muon's Triton kernels, JAX's bits on the GPU)")
+        raise ValueError(f"{owner}(ns_impl={ns_impl!r}): pass 'auto' (Triton on CUDA, torch's matmuls "
+                         "elsewhere), 'cublas' (torch's matmuls, torch.optim.Muon's bits) or 'triton' "
+                         "(core/muon's Triton kernels, JAX's bits on the GPU)")
 
 
 def validate_group(group: dict, where: str) -> None:
@@ -550,7 +558,7 @@ def _check_capturable_step(opt, checked: list[Checked], device: torch.device, ca
             raise RuntimeError(_muon_capturable.capture_refusal("a matrix has no state yet (its first step)"))
         work = _matrices(opt, checked, live)
         if work:
-            words = _batch_tables(opt, work)[0] if _batches_ns(opt) else None
+            words = _batch_tables(opt, work)[0] if _batches_ns(opt, device) else None
             _capture_inputs(opt, work, words, capturing=True, dry_run=True)
 
 
@@ -643,7 +651,7 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
 def _ns_batches(opt, work) -> list[list[int]]:
     """Indices into `work` of the matrices whose Newton-Schulz runs as one call: all of one
     `ns_batch_key` with `batch_ns`, else each matrix alone (torch.optim.Muon's way)."""
-    if not _batches_ns(opt):
+    if not work or not _batches_ns(opt, work[0].weights.device):
         return [[i] for i in range(len(work))]
     batches: dict[tuple, list[int]] = {}
     for i, w in enumerate(work):
@@ -651,16 +659,26 @@ def _ns_batches(opt, work) -> list[list[int]]:
     return list(batches.values())
 
 
-def _batches_ns(opt) -> bool:
-    return getattr(opt, "batch_ns", False)  # optimizers pickled before batch_ns existed have none
+def _batches_ns(opt, device: torch.device) -> bool:
+    """Whether Newton-Schulz runs per batch of one shape on `device`. batch_ns=None (the default)
+    batches where batching cannot change a bit: with the Triton kernels, whose result for a matrix
+    does not depend on its batch; torch's matmuls may sum a batched GEMM in another order."""
+    batch = getattr(opt, "batch_ns", False)  # optimizers pickled before batch_ns existed have none
+    return _ns_impl(opt, device) == "triton" if batch is None else batch
 
 
-def _ns_impl(opt) -> str:
-    return getattr(opt, "ns_impl", "cublas")  # optimizers pickled before ns_impl existed have none
+def _ns_impl(opt, device: torch.device) -> str:
+    """The Newton-Schulz implementation on `device`: ns_impl="auto" (the default) is the Triton
+    kernels on CUDA (JAX's bits, the fastest path measured) and torch's matmuls elsewhere
+    (torch.optim.Muon's bits on the CPU)."""
+    impl = getattr(opt, "ns_impl", "cublas")  # optimizers pickled before ns_impl existed have none
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "cublas"
+    return impl
 
 
 def _check_ns_device(opt, device: torch.device) -> None:
-    if _ns_impl(opt) == "triton" and device.type != "cuda" and not launch.interpreting():
+    if _ns_impl(opt, device) == "triton" and device.type != "cuda" and not launch.interpreting():
         raise ValueError(f"{type(opt).__name__}(ns_impl='triton'): the Triton Newton-Schulz runs on CUDA devices "
                          f"(or under TRITON_INTERPRET=1), and these matrices are on {device}; use "
                          "ns_impl='cublas' (torch's matmuls) there")
@@ -670,8 +688,8 @@ def _ns(opt, xs: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
     """Newton-Schulz of one batch with its group's settings. With `batch_ns` a lone matrix runs
     the batched function too: its bits do not depend on whether it has batch-mates."""
     settings = (tuple(group["ns_coefficients"]), int(group["ns_steps"]), float(group["eps"]))
-    impl = _ns_impl(opt)  # its device was checked with the step's (`_check_ns_device`)
-    if not _batches_ns(opt):
+    impl = _ns_impl(opt, xs[0].device)  # its device was checked with the step's (`_check_ns_device`)
+    if not _batches_ns(opt, xs[0].device):
         one = newton_schulz_triton if impl == "triton" else newton_schulz
         return [one(x, *settings) for x in xs]
     if impl == "triton":
@@ -761,7 +779,7 @@ def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     Newton-Schulz per matrix between them; with `batch_ns`, `_cuda_step_batched` (for plain
     parameters: DTensor ones take this path, gathering each X). Nothing waits for the GPU
     unless `check_nonfinite` asks."""
-    if _batches_ns(opt) and not any(w.sharded for w in work):
+    if _batches_ns(opt, work[0].weights.device) and not any(w.sharded for w in work):
         return _cuda_step_batched(opt, work)
     from packed_adamw.core.muon.kernel import muon_momentum_kernel, muon_weight_kernel
 
@@ -821,7 +839,7 @@ def _capture_inputs(opt, work: list[Matrix], words: list[int] | None, *, capturi
     each must have been made by an eager step (refused otherwise); `dry_run` only checks."""
     plan = _muon_capturable.device_plan(opt, work, capturing)
     kept = []
-    if _ns_impl(opt) == "triton":  # the Triton Newton-Schulz's scalar rows, made outside any capture
+    if _ns_impl(opt, work[0].weights.device) == "triton":  # the Triton Newton-Schulz's scalar rows, made outside any capture
         for w in work:
             kept.append(_ns_scalars(w.group["ns_coefficients"], w.group["eps"], w.weights.device, capturing))
     if words is None:
@@ -923,7 +941,7 @@ def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
                 MAXIMIZE=maximize, GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
         # output is not used, and a batch's matrices do not mix.
-        ortho = _stacked_ns(_ns_impl(opt))(x.view(BFLOAT16), tuple(group["ns_coefficients"]),
+        ortho = _stacked_ns(_ns_impl(opt, x.device))(x.view(BFLOAT16), tuple(group["ns_coefficients"]),
                                            int(group["ns_steps"]), float(group["eps"])).view(torch.int16)
         for split, (offset, count) in weight_launches.items():
             muon_weight_table_kernel[(blocks, count)](

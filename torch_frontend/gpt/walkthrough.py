@@ -247,7 +247,10 @@ def restore(path, device: str = "cpu", rows: int | None = None) -> Restored:
                        **options})
     formats = saved_optimizer["formats"]
     muon, adamw = formats.get("muon", {}), formats.get("adamw", {})
+    # Newton-Schulz with torch's matmuls, one matrix at a time: the step this file spells out
+    # (on CUDA the optimizer's default is the Triton kernels, whose summation order is their own).
     optimizer = PackedMuonAdamW(groups, **{k: v for k, v in muon.items() if k in ("mode", "mu_bias")},
+                                ns_impl="cublas", batch_ns=False,
                                 **({"adamw_mode": adamw["mode"], "m_bias": adamw["m_bias"],
                                     "rms_bias": adamw["rms_bias"]} if adamw else {}))
     optimizer.load_state_dict(_optimizer_state_dict(tensors, saved_optimizer))
