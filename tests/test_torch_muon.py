@@ -168,9 +168,9 @@ def p0_for_batch_ns(rng):
 NS_BATCHES = (([0, 1, 2], 5), ([3, 4], 5), ([5], 5), ([6], 3))
 
 
-def step_batch_ns_against_the_phases(opt, params, device, newton_schulz_batch, rng):
+def step_batch_ns_against_the_phases(opt, params, device, newton_schulz_batch, rng, ns_batches=NS_BATCHES):
     """Three steps of `opt` (the second with a NaN refusing matrix 1) against the numpy phases
-    around `newton_schulz_batch` of NS_BATCHES (PhasesReference.step)."""
+    around `newton_schulz_batch` of `ns_batches` (PhasesReference.step)."""
     reference = PhasesReference(params, BATCH_NS_SHAPES)
     for step in range(3):
         grads = [gradient(rng, s) for s in BATCH_NS_SHAPES]
@@ -179,12 +179,25 @@ def step_batch_ns_against_the_phases(opt, params, device, newton_schulz_batch, r
         for p, g in zip(params, grads):
             p.grad = g.to(device)
         step_refusing(opt, 1) if step == 1 else opt.step()
-        reference.step(grads, NS_BATCHES, newton_schulz_batch)
+        reference.step(grads, ns_batches, newton_schulz_batch)
         reference.assert_equals(params, opt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_ns_steps_as_the_core_phases_around_the_batched_newton_schulz(dtype, monkeypatch):
+    """Also with the batch limit lowered to 120 elements: the three (6, 10)-wide matrices
+    (60 elements each) run as two parts, [0, 1] and [2]; the (7, 7) pair stays whole."""
+    for limit, ns_batches, want in ((None, NS_BATCHES, None),
+                                    (120, (([0, 1], 5), ([2], 5), ([3, 4], 5), ([5], 5), ([6], 3)),
+                                     [[(6, 10), (10, 6)], [(6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]])):
+        if limit is not None:
+            monkeypatch.setattr(torch_muon, "NS_BATCH_ELEMENTS", limit)
+        batches = run_batch_ns_against_the_phases(dtype, monkeypatch, ns_batches)
+        if want is not None:
+            assert batches[:5] == want and batches[-5:] == want
+
+
+def run_batch_ns_against_the_phases(dtype, monkeypatch, ns_batches):
     batches = []
     monkeypatch.setattr(torch_muon, "newton_schulz_batched",
                         lambda xs, *a: batches.append([tuple(x.shape) for x in xs]) or newton_schulz_batched(xs, *a))
@@ -194,11 +207,23 @@ def test_batch_ns_steps_as_the_core_phases_around_the_batched_newton_schulz(dtyp
     def accepted_only(xs, batch, steps):  # a lone matrix runs batched too
         return dict(zip(xs, newton_schulz_batched(list(xs.values()), steps=steps))) if xs else {}
 
-    step_batch_ns_against_the_phases(opt, params, "cpu", accepted_only, rng)
-    # Each step batches the three (6, 10)-wide matrices and the (7, 7) pair; the lone (3, 5) and
-    # the ns_steps=3 group's matrix are batches of one. At the NaN step the refused (10, 6) is left out.
-    full = [[(6, 10), (10, 6), (6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]]
-    assert batches == full + [[(6, 10), (6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]] + full
+    step_batch_ns_against_the_phases(opt, params, "cpu", accepted_only, rng, ns_batches)
+    if ns_batches is NS_BATCHES:
+        # Each step batches the three (6, 10)-wide matrices and the (7, 7) pair; the lone (3, 5) and
+        # the ns_steps=3 group's matrix are batches of one. At the NaN step the refused (10, 6) is left out.
+        full = [[(6, 10), (10, 6), (6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]]
+        assert batches == full + [[(6, 10), (6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]] + full
+    return batches
+
+
+def test_split_batch_keeps_parts_under_the_limit():
+    split = torch_muon.split_batch
+    assert split(list(range(24)), 2048 * 8192, 1 << 26) == [list(range(i, i + 4)) for i in range(0, 24, 4)]
+    assert split(list(range(24)), 768 * 3072, 1 << 26) == [list(range(24))]  # d12's largest batch: whole
+    assert split(list(range(10)), 100, 400) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert split(list(range(3)), 1000, 400) == [[0], [1], [2]]  # over the limit: alone
+    assert split([7], 0, 400) == [[7]]
+    assert torch_muon.NS_BATCH_ELEMENTS == 1 << 26
 
 
 @pytest.mark.cuda

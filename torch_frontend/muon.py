@@ -648,15 +648,36 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
     return (group["lr"], *row[1:]) if capturable else row
 
 
+# A batch's buffers live while it runs: its stacked X, the scratch momentum entries and the
+# Newton-Schulz iterates, about 10 bytes an element on CUDA. Batching saves launches, which count
+# for small matrices only, so a shape's batch is split into parts of at most this many elements:
+# the memory a batched step adds stays bounded on large models (a 7B model's 32 MLP matrices of
+# one shape would otherwise stack 1.4 G elements), while the d12 and GPT-2 lists keep whole
+# batches (their largest holds 56.6 M elements). docs/results/MUON_NS.md measures the cap.
+NS_BATCH_ELEMENTS = 1 << 26
+
+
 def _ns_batches(opt, work) -> list[list[int]]:
-    """Indices into `work` of the matrices whose Newton-Schulz runs as one call: all of one
-    `ns_batch_key` with `batch_ns`, else each matrix alone (torch.optim.Muon's way)."""
+    """Indices into `work` of the matrices whose Newton-Schulz runs as one call: those of one
+    `ns_batch_key` with `batch_ns`, in parts of at most NS_BATCH_ELEMENTS elements
+    (`split_batch`), else each matrix alone (torch.optim.Muon's way)."""
     if not work or not _batches_ns(opt, work[0].weights.device):
         return [[i] for i in range(len(work))]
     batches: dict[tuple, list[int]] = {}
     for i, w in enumerate(work):
         batches.setdefault(ns_batch_key(w.param.shape, w.group), []).append(i)
-    return list(batches.values())
+    return [part for batch in batches.values() for part in split_batch(batch, work[batch[0]].param.numel())]
+
+
+def split_batch(batch: list[int], elements: int, limit: int | None = None) -> list[list[int]]:
+    """`batch` (matrices of `elements` each) in as few parts of at most `limit` elements
+    (NS_BATCH_ELEMENTS) as hold them, of equal sizes but the last; a matrix over the limit runs
+    alone."""
+    limit = NS_BATCH_ELEMENTS if limit is None else limit
+    per_part = max(1, limit // max(elements, 1))
+    parts = -(-len(batch) // per_part)
+    size = -(-len(batch) // parts)
+    return [batch[i:i + size] for i in range(0, len(batch), size)]
 
 
 def _batches_ns(opt, device: torch.device) -> bool:
