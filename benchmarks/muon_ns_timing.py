@@ -74,6 +74,8 @@ def make_torch(shapes, kind: str):
         p.grad = torch.randn(p.shape, device="cuda", generator=gen) * 1e-3
     if kind == "torch.optim.Muon":
         return torch.optim.Muon(params, lr=0.02, momentum=0.95)
+    if kind == "defaults":  # PackedMuon's own choice (investigations/muon_batch_memory.py)
+        return PackedMuon(params, lr=0.02, momentum=0.95)
     impl, _, batched = kind.partition(" ")
     return PackedMuon(params, lr=0.02, momentum=0.95, ns_impl=impl, batch_ns=batched == "batch_ns")
 

@@ -21,25 +21,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_muon import LISTS, matrices  # noqa: E402
-from muon_ns_timing import cuda_ms  # noqa: E402
+from muon_ns_timing import cuda_ms, make_torch  # noqa: E402
 
-from packed_adamw.torch import PackedMuon  # noqa: E402
 from packed_adamw.torch import muon as torch_muon  # noqa: E402
-
-
-def build(shapes, kind: str):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=gen) * 0.02) for s in shapes]
-    for p in params:
-        p.grad = torch.randn(p.shape, device="cuda", generator=gen) * 1e-3
-    if kind == "torch.optim.Muon":
-        return torch.optim.Muon(params, lr=0.02, momentum=0.95)
-    return PackedMuon(params, lr=0.02, momentum=0.95)
 
 
 def measure(shapes, kind: str, steps: int, repeats: int) -> tuple[float, float]:
     """(transient MiB of one step, ms per step)."""
-    opt = build(shapes, kind)
+    opt = make_torch(shapes, "torch.optim.Muon" if kind == "torch.optim.Muon" else "defaults")
     for _ in range(2):
         opt.step()
     torch.cuda.synchronize()
