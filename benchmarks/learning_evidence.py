@@ -110,6 +110,11 @@ ROWS = {
                                  ["--optimizer", "packed-muon", "--muon-mode", "packed", "--param-dtype", "bf16"]),
 }
 BASELINES = {"adamw": "adamw-fused", "muon": "muon"}
+# PackedMuonAdamW's Newton-Schulz on the GPU, which no trainer flag names: a run of a packed-muon row
+# is reused only if it ran the same. Runs recorded before the key existed ran torch's matmuls one
+# matrix at a time, the default until 2026-12-06; since then it is the Triton kernels, batched.
+MUON_NS = "auto: Triton batched on CUDA"
+MUON_NS_BEFORE = "cublas per matrix"
 SUGGESTED = "packed-suggested"
 DEFAULT_BIASES = (15, 15)
 PROBE_FLAGS = ["--optimizer", "packed-adamw", "--mode", "fp32", *AUTOCAST]  # FP32 moments to suggest from
@@ -256,9 +261,17 @@ def recorded_run(record: dict, model: str, row: str, seed: int, argv: list[str] 
         return None
     for run in record["runs"]:
         if (run["model"], run["row"], run["seed"]) == (model, row, seed) and \
-                flag_items(run["argv"]) == flag_items(argv):
+                flag_items(run["argv"]) == flag_items(argv) and muon_ns_of(row, run) == muon_ns_of(row):
             return run
     return None
+
+
+def muon_ns_of(row: str, run: dict | None = None) -> str | None:
+    """The Newton-Schulz a packed-muon row runs now, or the recorded `run` of it took; None for
+    other rows. Part of a run's key."""
+    if "packed-muon" not in ROWS[row][2]:
+        return None
+    return MUON_NS if run is None else run.get("muon_ns", MUON_NS_BEFORE)
 
 
 def check_tapes(args) -> dict:
@@ -336,7 +349,8 @@ def finish_run(job: Job, record: dict, args) -> str:
         "model": job.model, "row": job.row, "seed": job.seed, "argv": job.argv, "wall_s": round(wall_s, 1),
         "runs_sharing_the_gpu": job.most_at_once, "summary": {k: summary.get(k) for k in SUMMARY_KEYS},
         "val_curve": [[r["step"], r["val_bpb"]] for r in log if r.get("val_bpb") is not None],
-        "train_curve": [[r["step"], r["loss"]] for r in log if "loss" in r], "session": session()})
+        "train_curve": [[r["step"], r["loss"]] for r in log if "loss" in r], "session": session(),
+        **({"muon_ns": MUON_NS} if muon_ns_of(job.row) else {})})
     write_json(Path(args.record), record)
     return f"val bpb {summary['val_bpb']:.4f}, {wall_s:.0f} s"
 

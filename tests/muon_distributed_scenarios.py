@@ -27,13 +27,15 @@ RUNS = [(f"fp32-{mode}", torch.float32, mode, False) for mode in MODES] + [
     ("bf16-packed", torch.bfloat16, "packed", False), ("fp32-packed-batch_ns", torch.float32, "packed", True)]
 
 
-def make_model(seed: int = 0, dtype=torch.float32) -> torch.nn.Sequential:
+def make_model(seed: int = 0, dtype=torch.float32, same_shapes: bool = False) -> torch.nn.Sequential:
     """Muon matrices wide (7 x 18), tall (10 x 7) and of one row (1 x 10: on 2 ranks one local
-    shard is empty); AdamW's embedding and biases. Odd sizes shard unevenly."""
+    shard is empty); AdamW's embedding and biases. Odd sizes shard unevenly. `same_shapes`: two
+    7 x 7 matrices before the tall one (a Newton-Schulz batch of two)."""
     torch.manual_seed(seed)
+    twins = [torch.nn.Linear(7, 7), torch.nn.Tanh(), torch.nn.Linear(7, 7), torch.nn.Tanh()] if same_shapes else []
     return torch.nn.Sequential(
         torch.nn.Embedding(11, 6), torch.nn.Flatten(), torch.nn.Linear(18, 7), torch.nn.Tanh(),
-        torch.nn.Linear(7, 10), torch.nn.Tanh(), torch.nn.Linear(10, 1)).to(dtype)
+        *twins, torch.nn.Linear(7, 10), torch.nn.Tanh(), torch.nn.Linear(10, 1)).to(dtype)
 
 
 def make_optimizer(model, mode: str, batch_ns: bool) -> PackedMuonAdamW:
@@ -119,6 +121,24 @@ def muon_fsdp_train(out: Path) -> None:
         opt = make_optimizer(model, "packed", False)
         train(model, opt, range(STEPS))
     assert_same(snapshot(model, opt), expected, "FSDP2, kernel step vs numpy step")
+
+    # PackedMuon's default on CUDA, the Triton Newton-Schulz batched (here in the interpreter): the
+    # gathered Xs of two matrices of one shape run as one batch, with one process's bits.
+    batch_sizes = []
+    real = torch_muon.newton_schulz_batched
+    torch_muon.newton_schulz_batched = lambda xs, *a, **k: batch_sizes.append(len(xs)) or real(xs, *a, **k)
+    try:
+        with kernel_step():
+            runs = []
+            for sharded in (True, False):
+                model = shard(make_model(same_shapes=True)) if sharded else make_model(same_shapes=True)
+                opt = PackedMuonAdamW(muon_param_groups(model), mode="packed", ns_impl="triton", **OPTIONS)
+                train(model, opt, range(STEPS))
+                runs.append(snapshot(model, opt))
+    finally:
+        torch_muon.newton_schulz_batched = real
+    assert max(batch_sizes) == 2, batch_sizes  # the sharded run's batches (one process stacks on its own)
+    assert_same(*runs, "FSDP2 vs one process, the Triton Newton-Schulz batched")
 
     # A NaN in one rank's part of a matrix: every rank refuses that matrix and raises (both steps).
     for kernels in (False, True):

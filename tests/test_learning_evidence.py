@@ -59,3 +59,17 @@ def test_the_matrix_runs_writes_its_page_and_skips_recorded_runs(evidence, tmp_p
     monkeypatch.setattr(evidence.Job, "start", lambda job: pytest.fail(f"{job.name} ran again"))
     assert evidence.main(argv) == 0
     assert json.loads(record.read_text())["runs"] == kept["runs"]
+    assert ran["packed-muon-bf16-weights"]["muon_ns"] == evidence.MUON_NS and "muon_ns" not in ran["muon"]
+
+
+def test_a_packed_muon_run_of_another_newton_schulz_is_not_reused(evidence):
+    """Runs recorded before the Newton-Schulz key existed took torch's matmuls per matrix: a
+    packed-muon row runs again; other rows keep their runs."""
+    argv = ["--optimizer", "packed-muon"]
+    runs = [{"model": "micro", "row": "packed-muon", "seed": 0, "argv": argv},
+            {"model": "micro", "row": "muon", "seed": 0, "argv": argv}]
+    record = {"runs": runs}
+    assert evidence.recorded_run(record, "micro", "packed-muon", 0, argv) is None
+    assert evidence.recorded_run(record, "micro", "muon", 0, argv) is runs[1]
+    runs[0]["muon_ns"] = evidence.MUON_NS
+    assert evidence.recorded_run(record, "micro", "packed-muon", 0, argv) is runs[0]

@@ -58,10 +58,14 @@ def kernels_on_cpu(is_interpreting, monkeypatch):
     monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: True)
 
 
-@pytest.mark.parametrize("batch_ns, dtype", [(False, torch.float32), (True, torch.bfloat16)])
-def test_capturable_steps_equal_eager_steps_as_the_lr_changes(batch_ns, dtype, kernels_on_cpu):
+@pytest.mark.parametrize("batch_ns, dtype, limit", [(False, torch.float32, None), (True, torch.bfloat16, None),
+                                                    (True, torch.float32, 120)])
+def test_capturable_steps_equal_eager_steps_as_the_lr_changes(batch_ns, dtype, limit, kernels_on_cpu, monkeypatch):
     """The device-derived scalar rows against the host's (float32 and float64 lr tensors, two
-    lr adjustments, lr 0), through the kernel path, per matrix and batched."""
+    lr adjustments, lr 0), through the kernel path, per matrix and batched (with the batch limit
+    at 120 elements the (6, 10)-wide batch of three runs in two parts: the address table's)."""
+    if limit is not None:
+        monkeypatch.setattr(torch_muon, "NS_BATCH_ELEMENTS", limit)
     rng = np.random.default_rng(5)
     a, b = matrices(rng, "cpu", dtype), matrices(np.random.default_rng(5), "cpu", dtype)
     eager = PackedMuon(groups(a, 0.03), lr=0.03, batch_ns=batch_ns)
@@ -239,8 +243,9 @@ def combined(net, capturable: bool, **options):
 @pytest.mark.cuda
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("options", [dict(), dict(batch_ns=True), dict(batch_ns=True, ns_impl="triton"),
-                                     dict(mode="fp32")], ids=["per-matrix", "batch_ns", "triton", "fp32"])
+@pytest.mark.parametrize("options", [dict(ns_impl="cublas", batch_ns=False), dict(ns_impl="cublas", batch_ns=True),
+                                     dict(), dict(mode="fp32")],
+                         ids=["cublas-per-matrix", "cublas-batch_ns", "defaults", "fp32"])
 def test_cuda_captured_training_steps_replay_with_the_bits_of_eager_steps(dtype, options):
     """A training step (forward, backward, PackedMuonAdamW's step) warmed up, captured, then
     replayed on new tokens while a scheduler changes both rules' lr tensors; an eager
@@ -315,16 +320,17 @@ def test_cuda_capture_without_an_eager_step_or_after_a_change_is_refused():
 
 @pytest.mark.cuda
 @cuda_only
-@pytest.mark.parametrize("batch_ns", [False, True])
-def test_cuda_eager_steps_after_a_capture_leave_its_replays_on_the_captured_gradients(batch_ns):
+@pytest.mark.parametrize("options", [dict(ns_impl="cublas", batch_ns=False), dict()],
+                         ids=["cublas-per-matrix", "defaults"])
+def test_cuda_eager_steps_after_a_capture_leave_its_replays_on_the_captured_gradients(options):
     """A capture of the gradients its warm-up stepped reads the eager address table in place;
     eager steps afterwards on gradients elsewhere (new tables) and an lr changed in place must
     leave the replays stepping the captured gradients at the current lr: bits against a plain
     optimizer given the same sequence."""
     rng = np.random.default_rng(19)
     a, b = matrices(rng, "cuda"), matrices(np.random.default_rng(19), "cuda")
-    plain = PackedMuon(a, lr=0.02, batch_ns=batch_ns)
-    cap = PackedMuon(b, lr=torch.tensor(0.02, device="cuda"), batch_ns=batch_ns, capturable=True)
+    plain = PackedMuon(a, lr=0.02, **options)
+    cap = PackedMuon(b, lr=torch.tensor(0.02, device="cuda"), capturable=True, **options)
     captured = [gradient(rng, s, -10, -2).cuda() for s in SHAPES]
     for q, g in zip(b, captured):
         q.grad = g

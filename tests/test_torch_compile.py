@@ -510,15 +510,16 @@ def test_cuda_compiled_opt_step_equals_the_cpu_step(mode, dtype):
 
 
 @pytest.mark.parametrize("mode", ["packed", "fp32"])
-@pytest.mark.parametrize("batch_ns", [False, True], ids=["per_matrix", "batch_ns"])
+@pytest.mark.parametrize("options", [dict(ns_impl="cublas", batch_ns=False), dict(ns_impl="cublas", batch_ns=True),
+                                     dict()], ids=["cublas_per_matrix", "cublas_batch_ns", "defaults"])
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_compiled_packed_muon_adamw_step_equals_its_eager_cuda_step(mode, batch_ns):
+def test_cuda_compiled_packed_muon_adamw_step_equals_its_eager_cuda_step(mode, options):
     """Inductor on the GPU against eager CUDA steps (Newton-Schulz runs on the GPU in both, in
     the op), bf16 and FP32 parameters, the lrs changing, no recompile, one graph."""
     a, b = mixed_model().cuda(), mixed_model().cuda()
     eager, compiled = (PackedMuonAdamW(muon_param_groups(m, exclude=("head",), muon=dict(lr=0.02)), mode=mode,
-                                       batch_ns=batch_ns) for m in (a, b))
+                                       **options) for m in (a, b))
     counter = Counting("inductor")
     with no_recompiles():
         step = torch.compile(compiled.step, fullgraph=True, backend=counter)

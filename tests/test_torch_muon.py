@@ -223,7 +223,33 @@ def test_split_batch_keeps_parts_under_the_limit():
     assert split(list(range(10)), 100, 400) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert split(list(range(3)), 1000, 400) == [[0], [1], [2]]  # over the limit: alone
     assert split([7], 0, 400) == [[7]]
+    assert [len(part) for part in split(list(range(70000)), 4, 1 << 26)] == [35000, 35000]  # grid axis y
     assert torch_muon.NS_BATCH_ELEMENTS == 1 << 26
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("combined", [False, True])
+def test_cuda_defaults_take_the_batched_triton_step(combined, monkeypatch):
+    """PackedMuon's and PackedMuonAdamW's defaults on CUDA: the table kernels (one launch per
+    phase and batch) around the Triton Newton-Schulz, whose bits are the explicit setting's."""
+    rng = np.random.default_rng(26)
+    p0 = p0_for_batch_ns(rng)
+    runs = []
+    for options in (dict(), dict(ns_impl="triton", batch_ns=True)):
+        params = [taking_fp32_gradients(torch.nn.Parameter(p.cuda().clone())) for p in p0]
+        groups = [{"params": params[:-1]}, {"params": params[-1:], "ns_steps": 3}]
+        if combined:
+            groups = [{**g, "kind": "muon"} for g in groups]
+        runs.append((params, (PackedMuonAdamW if combined else PackedMuon)(groups, lr=0.03, **options)))
+    ns_calls = []
+    real = torch_muon.newton_schulz_triton_stacked
+    monkeypatch.setattr(torch_muon, "newton_schulz_triton_stacked", lambda *a: ns_calls.append(1) or real(*a))
+    launches = count_launches(monkeypatch)
+    step_and_compare(rng, runs, steps=2, bad_at=(-1, 0))
+    # Two runs, two steps, four batches (BATCH_NS_SHAPES): a per-matrix step would launch the
+    # per-matrix kernels (count_launches refuses a mix) and cuBLAS.
+    assert launches == {"momentum": 16, "weight": 16, "table": True} and len(ns_calls) == 16
 
 
 @pytest.mark.cuda
@@ -244,22 +270,26 @@ def test_cuda_batch_ns_step_equals_the_cpu_phases_around_the_cuda_batched_newton
     step_batch_ns_against_the_phases(opt, params, "cuda", refused_kept_as_zeros, rng)
 
 
-@pytest.mark.parametrize("batch_ns", [False, True])
-def test_kernel_step_equals_the_numpy_step(batch_ns, is_interpreting, monkeypatch):
+@pytest.mark.parametrize(("batch_ns", "limit"), [(False, None), (True, None), (True, 120)],
+                         ids=["per_matrix", "batch_ns", "batch_ns_split"])
+def test_kernel_step_equals_the_numpy_step(batch_ns, limit, is_interpreting, monkeypatch):
     """The CUDA step's code (both kernels around per-matrix or batched Newton-Schulz) against
     the numpy phases, on CPU tensors: the kernels in Triton's interpreter, Newton-Schulz on the
-    CPU for both (on a GPU the CUDA tests compare the compiled step)."""
+    CPU for both (on a GPU the CUDA tests compare the compiled step). With the batch limit at
+    120 elements the three (6, 10)-wide matrices run as two parts: five batches a step."""
     if not is_interpreting:
         pytest.skip("runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    if limit is not None:
+        monkeypatch.setattr(torch_muon, "NS_BATCH_ELEMENTS", limit)
     rng = np.random.default_rng(23)
     p0 = p0_for_batch_ns(rng)
     numpy_run, kernel_run = (batch_ns_optimizer(p0, "cpu", batch_ns, torch.bfloat16) for _ in range(2))
     monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: opt is kernel_run[1])
     launches = count_launches(monkeypatch)
     step_and_compare(rng, [numpy_run, kernel_run], steps=2, bad_at=(1, 4))
-    # Per step: with batch_ns one launch of each phase per batch (four batches; the refused
-    # matrix's batch too), else one per matrix.
-    per_phase = 2 * 4 if batch_ns else 2 * len(BATCH_NS_SHAPES)
+    # Per step: with batch_ns one launch of each phase per batch (four batches, five split; the
+    # refused matrix's batch too), else one per matrix.
+    per_phase = 2 * (5 if limit else 4) if batch_ns else 2 * len(BATCH_NS_SHAPES)
     assert launches == {"momentum": per_phase, "weight": per_phase, "table": batch_ns}
 
 
@@ -315,14 +345,23 @@ def test_batch_ns_is_a_checked_bool_or_none_that_a_pickle_keeps():
     ({"ns_impl": "triton"}, ("triton", True), ("triton", True)),
     (None, ("cublas", False), ("cublas", False)),  # pickled before either option existed
 ])
-def test_newton_schulz_defaults_resolve_per_device(options, on_cuda, on_cpu):
-    """ns_impl="auto" is the Triton kernels on CUDA (JAX's bits) and torch's matmuls elsewhere;
-    batch_ns=None batches with the Triton kernels only, whose bits do not depend on the batch."""
+def test_newton_schulz_defaults_resolve_per_device(options, on_cuda, on_cpu, monkeypatch):
+    """ns_impl="auto" is the Triton kernels on CUDA devices of compute capability 8.0 or later
+    (JAX's bits) and torch's matmuls elsewhere (the CPU, older GPUs, ROCm); batch_ns=None batches
+    with the Triton kernels only, whose bits do not depend on the batch."""
     opt = PackedMuon([torch.nn.Parameter(torch.ones(2, 2))], **(options or {}))
     if options is None:
         del opt.ns_impl, opt.batch_ns
-    for device, want in ((torch.device("cuda", 0), on_cuda), (torch.device("cpu"), on_cpu)):
+    capability = {0: (9, 0), 1: (7, 5)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[device.index])
+    monkeypatch.setattr(torch_muon, "_TRITON_NS_DEVICES", {})
+    auto_fallback = on_cpu if options in (None, {}, {"batch_ns": False}) else on_cuda
+    for device, want in ((torch.device("cuda", 0), on_cuda), (torch.device("cpu"), on_cpu),
+                         (torch.device("cuda", 1), auto_fallback)):
         assert (torch_muon._ns_impl(opt, device), torch_muon._batches_ns(opt, device)) == want, device
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    monkeypatch.setattr(torch_muon, "_TRITON_NS_DEVICES", {})
+    assert torch_muon._ns_impl(opt, torch.device("cuda", 0)) == auto_fallback[0]
 
 
 # ---- the state and the modes ------------------------------------------------------------------
@@ -881,6 +920,8 @@ def test_combined_takes_batch_ns_and_ns_impl_checks_them_and_keeps_them_in_copie
     opt = PackedMuonAdamW(muon_param_groups(model, exclude=("head",), muon=MUON_OPTIONS, adamw=ADAMW_OPTIONS),
                           batch_ns=True, ns_impl="triton")
     assert (opt.rules["muon"].batch_ns, opt.rules["muon"].ns_impl) == (True, "triton")
+    defaults = PackedMuonAdamW(muon_param_groups(TinyModel()))
+    assert (defaults.rules["muon"].batch_ns, defaults.rules["muon"].ns_impl) == (None, "auto")
     for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
         assert (copied.rules["muon"].batch_ns, copied.rules["muon"].ns_impl) == (True, "triton")
     adamw_only = [{"params": [model.norm.weight], "kind": "adamw"}]  # checked before any Muon group exists

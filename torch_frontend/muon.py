@@ -228,7 +228,8 @@ class PackedMuon(Optimizer):
     one-element tensor on the device) keeps the step on the GPU, so that `torch.cuda.graph` can
     capture it; its bits are the eager step's (MUON.md, "Capturable steps (CUDA graphs)").
 
-    `ns_impl`: "auto" (default) is "triton" on CUDA and "cublas" elsewhere. "cublas" runs
+    `ns_impl`: "auto" (default) is "triton" on CUDA devices of compute capability 8.0 or later
+    (not ROCm's) and "cublas" elsewhere. "cublas" runs
     Newton-Schulz with torch's matmuls (cuBLAS on CUDA), as torch.optim.Muon does: on the CPU
     with mode="fp32" its bits are torch.optim.Muon's. "triton" runs core/muon's Triton kernels,
     the ones `packed_muon` launches on a JAX GPU backend: the same bits as JAX, with or without
@@ -241,9 +242,9 @@ class PackedMuon(Optimizer):
     per-matrix one: on the CPU rare elements differ (MUON.md, "Batched Newton-Schulz").
     `batch_ns=False` steps one matrix at a time. The default, None, batches where batching
     cannot change a bit: with the Triton kernels, not with torch's matmuls. So the defaults
-    give, on CUDA, JAX's bits and the fastest step measured (0.10x to 0.18x torch.optim.Muon on
-    the d12, GPT-2 and reference GPT lists, 0.85x on a 1.3B list; docs/results/MUON_NS.md),
-    and on the CPU torch.optim.Muon's way and bits.
+    give, on CUDA, JAX's bits and a step of 0.18x to 0.26x torch.optim.Muon's on the d12, GPT-2
+    and reference GPT lists and 0.85x on a 1.3B list (H100; docs/results/MUON_NS.md), and on
+    the CPU torch.optim.Muon's way and bits.
     """
 
     rule_name = "muon"
@@ -651,10 +652,11 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
 # A batch's buffers live while it runs: its stacked X, the scratch momentum entries and the
 # Newton-Schulz iterates, about 10 bytes an element on CUDA. Batching saves launches, which count
 # for small matrices only, so a shape's batch is split into parts of at most this many elements:
-# the memory a batched step adds stays bounded on large models (a 7B model's 32 MLP matrices of
-# one shape would otherwise stack 1.4 G elements), while the d12 and GPT-2 lists keep whole
-# batches (their largest holds 56.6 M elements). docs/results/MUON_NS.md measures the cap.
+# the memory a batched step adds stays bounded on large models (a 7B model's 96 MLP matrices share
+# one shape up to transposition, 4.3 G elements), while the d12 and GPT-2 lists keep whole batches
+# (their largest holds 56.6 M elements). docs/results/MUON_NS.md measures the limit.
 NS_BATCH_ELEMENTS = 1 << 26
+MAX_BATCH_MATRICES = 65535  # the batch is the kernels' second grid axis, which CUDA caps at 65,535
 
 
 def _ns_batches(opt, work) -> list[list[int]]:
@@ -671,10 +673,10 @@ def _ns_batches(opt, work) -> list[list[int]]:
 
 def split_batch(batch: list[int], elements: int, limit: int | None = None) -> list[list[int]]:
     """`batch` (matrices of `elements` each) in as few parts of at most `limit` elements
-    (NS_BATCH_ELEMENTS) as hold them, of equal sizes but the last; a matrix over the limit runs
-    alone."""
+    (NS_BATCH_ELEMENTS) and MAX_BATCH_MATRICES matrices as hold them, of equal sizes but the last;
+    a matrix over the limit runs alone."""
     limit = NS_BATCH_ELEMENTS if limit is None else limit
-    per_part = max(1, limit // max(elements, 1))
+    per_part = min(MAX_BATCH_MATRICES, max(1, limit // max(elements, 1)))
     parts = -(-len(batch) // per_part)
     size = -(-len(batch) // parts)
     return [batch[i:i + size] for i in range(0, len(batch), size)]
@@ -690,12 +692,27 @@ def _batches_ns(opt, device: torch.device) -> bool:
 
 def _ns_impl(opt, device: torch.device) -> str:
     """The Newton-Schulz implementation on `device`: ns_impl="auto" (the default) is the Triton
-    kernels on CUDA (JAX's bits, the fastest path measured) and torch's matmuls elsewhere
+    kernels on NVIDIA GPUs with bf16 tensor cores (JAX's bits; the fastest torch step measured
+    on three of the four benchmark lists, docs/MUON.md) and torch's matmuls elsewhere
     (torch.optim.Muon's bits on the CPU)."""
     impl = getattr(opt, "ns_impl", "cublas")  # optimizers pickled before ns_impl existed have none
     if impl == "auto":
-        return "triton" if device.type == "cuda" else "cublas"
+        return "triton" if _auto_takes_triton(device) else "cublas"
     return impl
+
+
+_TRITON_NS_DEVICES: dict[int | None, bool] = {}  # CUDA device index -> _auto_takes_triton
+
+
+def _auto_takes_triton(device: torch.device) -> bool:
+    """Whether ns_impl="auto" runs the Triton Newton-Schulz on `device`: CUDA devices of compute
+    capability 8.0 or later (bf16 tensor cores; the kernels ran on sm_90 and compile for it), not
+    ROCm's (never run there) nor older GPUs, where torch's matmuls run as before."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if device.index not in _TRITON_NS_DEVICES:
+        _TRITON_NS_DEVICES[device.index] = torch.cuda.get_device_capability(device) >= (8, 0)
+    return _TRITON_NS_DEVICES[device.index]
 
 
 def _check_ns_device(opt, device: torch.device) -> None:
