@@ -154,10 +154,10 @@ def step_and_compare(rng, runs, steps=3, bad_at=(1, 1)):
         (a, opt_a), *others = runs
         for b, opt_b in others:
             for p, q in zip(a, b):
-                assert torch.equal(bits(p), bits(q.cpu()))
+                assert torch.equal(bits(p.cpu()), bits(q.cpu()))
                 assert opt_a.state[p].keys() == opt_b.state[q].keys()
                 for key, value in opt_a.state[p].items():
-                    assert torch.equal(bits(value), bits(opt_b.state[q][key].cpu()))
+                    assert torch.equal(bits(value.cpu()), bits(opt_b.state[q][key].cpu()))
 
 
 def p0_for_batch_ns(rng):
