@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -110,11 +111,12 @@ ROWS = {
                                  ["--optimizer", "packed-muon", "--muon-mode", "packed", "--param-dtype", "bf16"]),
 }
 BASELINES = {"adamw": "adamw-fused", "muon": "muon"}
-# PackedMuonAdamW's Newton-Schulz on the GPU, which no trainer flag names: a run of a packed-muon row
-# is reused only if it ran the same. Runs recorded before the key existed ran torch's matmuls one
-# matrix at a time, the default until 2026-12-06; since then it is the Triton kernels, batched.
-MUON_NS = "auto: Triton batched on CUDA"
-MUON_NS_BEFORE = "cublas per matrix"
+# PackedMuonAdamW's Newton-Schulz, which no trainer flag names (its defaults choose by device): a
+# run of a packed-muon row is reused only if it ran the same. Runs recorded before the key existed
+# ran torch's matmuls one matrix at a time, the default until 2026-12-06; since then, on GPUs of
+# compute capability 8.0 or later, the Triton kernels, batched.
+MUON_NS = "Triton batched"
+MUON_NS_BEFORE = "torch matmuls per matrix"
 SUGGESTED = "packed-suggested"
 DEFAULT_BIASES = (15, 15)
 PROBE_FLAGS = ["--optimizer", "packed-adamw", "--mode", "fp32", *AUTOCAST]  # FP32 moments to suggest from
@@ -255,13 +257,16 @@ def load_record(path: Path) -> dict:
     return record
 
 
-def recorded_run(record: dict, model: str, row: str, seed: int, argv: list[str] | None) -> dict | None:
-    """The record's run of (model, row, seed) with these trainer flags (--out aside), or None."""
+def recorded_run(record: dict, model: str, row: str, seed: int, argv: list[str] | None,
+                 newton_schulz: str | None = None) -> dict | None:
+    """The record's run of (model, row, seed) with these trainer flags (--out aside) and, for a
+    packed-muon row, `newton_schulz` (default: the one it runs now), or None."""
     if argv is None:
         return None
+    wanted = newton_schulz or muon_ns_of(row)
     for run in record["runs"]:
         if (run["model"], run["row"], run["seed"]) == (model, row, seed) and \
-                flag_items(run["argv"]) == flag_items(argv) and muon_ns_of(row, run) == muon_ns_of(row):
+                flag_items(run["argv"]) == flag_items(argv) and muon_ns_of(row, run) == wanted:
             return run
     return None
 
@@ -271,7 +276,18 @@ def muon_ns_of(row: str, run: dict | None = None) -> str | None:
     other rows. Part of a run's key."""
     if "packed-muon" not in ROWS[row][2]:
         return None
-    return MUON_NS if run is None else run.get("muon_ns", MUON_NS_BEFORE)
+    return muon_ns_now() if run is None else run.get("muon_ns", MUON_NS_BEFORE)
+
+
+@functools.cache
+def muon_ns_now() -> str:
+    """What PackedMuonAdamW's defaults run on this machine's first GPU, the runs' device."""
+    import torch  # here: as gpu_name()
+
+    from packed_adamw.torch import muon as torch_muon
+
+    on_gpu = torch.cuda.is_available() and torch_muon._auto_takes_triton(torch.device("cuda", 0))
+    return MUON_NS if on_gpu else MUON_NS_BEFORE
 
 
 def check_tapes(args) -> dict:
@@ -350,7 +366,7 @@ def finish_run(job: Job, record: dict, args) -> str:
         "runs_sharing_the_gpu": job.most_at_once, "summary": {k: summary.get(k) for k in SUMMARY_KEYS},
         "val_curve": [[r["step"], r["val_bpb"]] for r in log if r.get("val_bpb") is not None],
         "train_curve": [[r["step"], r["loss"]] for r in log if "loss" in r], "session": session(),
-        **({"muon_ns": MUON_NS} if muon_ns_of(job.row) else {})})
+        **({"muon_ns": muon_ns_now()} if muon_ns_of(job.row) else {})})
     write_json(Path(args.record), record)
     return f"val bpb {summary['val_bpb']:.4f}, {wall_s:.0f} s"
 
@@ -461,13 +477,18 @@ def run_all(args, record: dict) -> list[str]:
 # ---- the page -------------------------------------------------------------------------------
 
 def seeds_of(record: dict, args, model: str, row: str) -> dict[int, dict]:
-    """The record's runs of the row with this call's flags, by seed."""
-    found = {}
-    for run in record["runs"]:
-        if run["model"] == model and run["row"] == row and \
-                recorded_run(record, model, row, run["seed"], run_argv(args, record, model, row, run["seed"])):
-            found[run["seed"]] = run
-    return found
+    """The record's runs of the row with this call's flags, by seed. A packed-muon row with no run
+    of today's Newton-Schulz shows its runs of the one before (MUON_NS_BEFORE; the page says so)
+    until a call reruns them: never a mix of the two."""
+    for newton_schulz in dict.fromkeys([muon_ns_of(row), muon_ns_of(row, {})]):
+        found = {}
+        for run in record["runs"]:
+            if run["model"] == model and run["row"] == row and recorded_run(
+                    record, model, row, run["seed"], run_argv(args, record, model, row, run["seed"]), newton_schulz):
+                found[run["seed"]] = run
+        if found:
+            return found
+    return {}
 
 
 def mean_sd(values: list[float]) -> tuple[float, float | None]:
@@ -603,9 +624,11 @@ def write_page(args, record: dict, skipped: dict, left: list[str], tapes: dict |
                       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for row in (r for r in ROWS if ROWS[r][1] == group and (r in args.rows or seeds_of(record, args, model, r))):
                 label = ROWS[row][0]
+                runs = seeds_of(record, args, model, row)
+                if any(muon_ns_of(row, run) == MUON_NS_BEFORE for run in runs.values()):
+                    label += f" (Newton-Schulz: {MUON_NS_BEFORE}, the default before 2026-12-06)"
                 if row == SUGGESTED and (biases := suggested_biases(args, record, model)):
                     label += f" {biases[0]}/{biases[1]}"
-                runs = seeds_of(record, args, model, row)
                 if runs:
                     lines.append(row_line(row, runs, baseline, label))
                 else:

@@ -59,12 +59,14 @@ def test_the_matrix_runs_writes_its_page_and_skips_recorded_runs(evidence, tmp_p
     monkeypatch.setattr(evidence.Job, "start", lambda job: pytest.fail(f"{job.name} ran again"))
     assert evidence.main(argv) == 0
     assert json.loads(record.read_text())["runs"] == kept["runs"]
-    assert ran["packed-muon-bf16-weights"]["muon_ns"] == evidence.MUON_NS and "muon_ns" not in ran["muon"]
+    assert ran["packed-muon-bf16-weights"]["muon_ns"] == evidence.muon_ns_now() and "muon_ns" not in ran["muon"]
 
 
-def test_a_packed_muon_run_of_another_newton_schulz_is_not_reused(evidence):
+def test_a_packed_muon_run_of_another_newton_schulz_is_not_reused(evidence, monkeypatch):
     """Runs recorded before the Newton-Schulz key existed took torch's matmuls per matrix: a
-    packed-muon row runs again; other rows keep their runs."""
+    packed-muon row runs again; other rows keep their runs. The page shows a row's old runs
+    until one of today's Newton-Schulz exists, then only those."""
+    monkeypatch.setattr(evidence, "muon_ns_now", lambda: evidence.MUON_NS)  # a GPU's, on any machine
     argv = ["--optimizer", "packed-muon"]
     runs = [{"model": "micro", "row": "packed-muon", "seed": 0, "argv": argv},
             {"model": "micro", "row": "muon", "seed": 0, "argv": argv}]
@@ -73,3 +75,9 @@ def test_a_packed_muon_run_of_another_newton_schulz_is_not_reused(evidence):
     assert evidence.recorded_run(record, "micro", "muon", 0, argv) is runs[1]
     runs[0]["muon_ns"] = evidence.MUON_NS
     assert evidence.recorded_run(record, "micro", "packed-muon", 0, argv) is runs[0]
+    old = [{"model": "micro", "row": "packed-muon", "seed": seed, "argv": argv} for seed in (1, 2)]
+    record = {"runs": old}
+    monkeypatch.setattr(evidence, "run_argv", lambda *args: argv)
+    assert sorted(evidence.seeds_of(record, None, "micro", "packed-muon")) == [1, 2]
+    record["runs"].append(runs[0])  # seed 0, today's Newton-Schulz
+    assert sorted(evidence.seeds_of(record, None, "micro", "packed-muon")) == [0]

@@ -254,6 +254,27 @@ def test_cuda_defaults_take_the_batched_triton_step(combined, monkeypatch):
 
 @pytest.mark.cuda
 @cuda_only
+def test_cuda_defaults_on_a_gpu_before_sm80_take_the_per_matrix_cublas_step(monkeypatch):
+    """On a GPU of compute capability below 8.0 (made to look so here) the defaults step per
+    matrix with torch's matmuls: the per-matrix kernels, no Triton Newton-Schulz, and the bits of
+    ns_impl="cublas", batch_ns=False."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
+    monkeypatch.setattr(torch_muon, "_TRITON_NS_DEVICES", {})
+    rng = np.random.default_rng(27)
+    p0 = p0_for_batch_ns(rng)
+    runs = []
+    for options in (dict(), dict(ns_impl="cublas", batch_ns=False)):
+        params = [taking_fp32_gradients(torch.nn.Parameter(p.cuda().clone())) for p in p0]
+        runs.append((params, PackedMuon(params, lr=0.03, **options)))
+    monkeypatch.setattr(torch_muon, "newton_schulz_triton_stacked", lambda *a: pytest.fail("Triton Newton-Schulz"))
+    launches = count_launches(monkeypatch)
+    step_and_compare(rng, runs, steps=2, bad_at=(-1, 0))
+    per_phase = 2 * 2 * len(BATCH_NS_SHAPES)  # two runs, two steps, one launch a matrix
+    assert launches == {"momentum": per_phase, "weight": per_phase, "table": False}
+
+
+@pytest.mark.cuda
+@cuda_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_batch_ns_step_equals_the_cpu_phases_around_the_cuda_batched_newton_schulz(dtype):
     """The compiled table kernels (one launch per phase and batch) against the numpy phases
@@ -353,7 +374,7 @@ def test_newton_schulz_defaults_resolve_per_device(options, on_cuda, on_cpu, mon
     if options is None:
         del opt.ns_impl, opt.batch_ns
     capability = {0: (9, 0), 1: (7, 5)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[device.index])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[index])
     monkeypatch.setattr(torch_muon, "_TRITON_NS_DEVICES", {})
     auto_fallback = on_cpu if options in (None, {}, {"batch_ns": False}) else on_cuda
     for device, want in ((torch.device("cuda", 0), on_cuda), (torch.device("cpu"), on_cpu),

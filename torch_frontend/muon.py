@@ -243,7 +243,7 @@ class PackedMuon(Optimizer):
     `batch_ns=False` steps one matrix at a time. The default, None, batches where batching
     cannot change a bit: with the Triton kernels, not with torch's matmuls. So the defaults
     give, on CUDA, JAX's bits and a step of 0.18x to 0.26x torch.optim.Muon's on the d12, GPT-2
-    and reference GPT lists and 0.85x on a 1.3B list (H100; docs/results/MUON_NS.md), and on
+    and reference GPT lists and 0.86x on a 1.3B list (H100; docs/results/MUON_NS.md), and on
     the CPU torch.optim.Muon's way and bits.
     """
 
@@ -701,18 +701,19 @@ def _ns_impl(opt, device: torch.device) -> str:
     return impl
 
 
-_TRITON_NS_DEVICES: dict[int | None, bool] = {}  # CUDA device index -> _auto_takes_triton
+_TRITON_NS_DEVICES: dict[int, bool] = {}  # CUDA device index -> _auto_takes_triton
 
 
 def _auto_takes_triton(device: torch.device) -> bool:
     """Whether ns_impl="auto" runs the Triton Newton-Schulz on `device`: CUDA devices of compute
-    capability 8.0 or later (bf16 tensor cores; the kernels ran on sm_90 and compile for it), not
+    capability 8.0 or later (bf16 tensor cores; the kernels ran on an H100, sm_90, only), not
     ROCm's (never run there) nor older GPUs, where torch's matmuls run as before."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    if device.index not in _TRITON_NS_DEVICES:
-        _TRITON_NS_DEVICES[device.index] = torch.cuda.get_device_capability(device) >= (8, 0)
-    return _TRITON_NS_DEVICES[device.index]
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _TRITON_NS_DEVICES:
+        _TRITON_NS_DEVICES[index] = torch.cuda.get_device_capability(index) >= (8, 0)
+    return _TRITON_NS_DEVICES[index]
 
 
 def _check_ns_device(opt, device: torch.device) -> None:
