@@ -100,7 +100,9 @@ def main(argv=None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--optimizers", nargs="+", default=["torch-adamw-fused", "packed-adamw"])
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each optimizer, alternating")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each optimizer, alternating, the order reversed every other round")
+    parser.add_argument("--out", type=Path, help="also write the rounds' results to this JSON file")
     parser.add_argument("--repeat-step", action="store_true",
                         help="diagnostic: time a second step right after each timed one (warm caches)")
     parser.add_argument("--gc", choices=["on", "off"], default="on",
@@ -114,8 +116,8 @@ def main(argv=None) -> int:
     if args.gc == "off":
         gc.disable()
     try:
-        for _ in range(args.rounds):
-            for name in args.optimizers:
+        for i in range(args.rounds):  # ABBA...: a drift of the machine over the call falls on both
+            for name in (args.optimizers if i % 2 == 0 else args.optimizers[::-1]):
                 results.setdefault(name, []).append(run(name, trainer_args, args.repeat_step))
     finally:
         gc.enable()
@@ -125,7 +127,34 @@ def main(argv=None) -> int:
         for i, result in enumerate(rounds):
             print(f"{name} (round {i + 1}): " + ", ".join(
                 f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
+    summary = summarise(results, args.optimizers)
+    for line in summary["lines"]:
+        print(line)
+    if args.out:
+        args.out.write_text(json.dumps({"trainer arguments": trainer_args, "gc": args.gc,
+                                        "repeat step": args.repeat_step, "rounds": results,
+                                        "summary": summary}, indent=1) + "\n")
     return 0
+
+
+def summarise(results: dict[str, list[dict]], optimizers: list[str]) -> dict:
+    """Per optimizer the median over rounds of the trainer's `median_optimizer_ms`; per later
+    optimizer its ratio to the first's round by round (the rounds are pairs run back to back),
+    with the median and range of those ratios."""
+    key = "trainer median_optimizer_ms"
+    first = [r[key] for r in results[optimizers[0]]]
+    out = {"median ms": {name: statistics.median(r[key] for r in results[name]) for name in optimizers},
+           "paired ratios": {}, "lines": []}
+    for name in optimizers:
+        out["lines"].append(f"{name}: median over {len(results[name])} rounds of the trainer's median_optimizer_ms "
+                            f"{out['median ms'][name]:.3f}")
+    for name in optimizers[1:]:
+        ratios = [r[key] / f for r, f in zip(results[name], first)]
+        out["paired ratios"][name] = ratios
+        out["lines"].append(
+            f"{name} / {optimizers[0]}, round by round: median {statistics.median(ratios):.3f}, range "
+            f"{min(ratios):.3f}-{max(ratios):.3f}, {sum(r <= 1.0 for r in ratios)} of {len(ratios)} rounds at most 1.0")
+    return out
 
 
 if __name__ == "__main__":
