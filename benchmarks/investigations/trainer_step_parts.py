@@ -108,6 +108,11 @@ def main(argv=None) -> int:
     parser.add_argument("--gc", choices=["on", "off"], default="on",
                         help="diagnostic: off runs the trainer with Python's garbage collector disabled")
     args = parser.parse_args(argv[:split])
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if len(set(args.optimizers)) != len(args.optimizers):
+        parser.error(f"--optimizers names one twice ({' '.join(args.optimizers)}): each is timed in its own "
+                     "rounds, so a name given twice would be paired with itself")
     trainer_args = argv[split + 1:]
     if not torch.cuda.is_available():
         print("trainer_step_parts.py needs a CUDA GPU", file=sys.stderr)
@@ -119,6 +124,8 @@ def main(argv=None) -> int:
         for i in range(args.rounds):  # ABBA...: a drift of the machine over the call falls on both
             for name in (args.optimizers if i % 2 == 0 else args.optimizers[::-1]):
                 results.setdefault(name, []).append(run(name, trainer_args, args.repeat_step))
+                if args.out:  # after every run: a timeout or a crash keeps the rounds before it
+                    write(args.out, trainer_args, args, results, summary=None)
     finally:
         gc.enable()
     print(f"trainer arguments: {' '.join(trainer_args)}; gc {args.gc}"
@@ -131,16 +138,23 @@ def main(argv=None) -> int:
     for line in summary["lines"]:
         print(line)
     if args.out:
-        args.out.write_text(json.dumps({"trainer arguments": trainer_args, "gc": args.gc,
-                                        "repeat step": args.repeat_step, "rounds": results,
-                                        "summary": summary}, indent=1) + "\n")
+        write(args.out, trainer_args, args, results, summary)
     return 0
+
+
+def write(path: Path, trainer_args: list[str], args, results: dict, summary: dict | None) -> None:
+    """The rounds so far (and the summary once all have run) as JSON, replaced whole."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"trainer arguments": trainer_args, "gc": args.gc, "repeat step": args.repeat_step,
+                                   "rounds": results, "summary": summary}, indent=1) + "\n")
+    partial.replace(path)
 
 
 def summarise(results: dict[str, list[dict]], optimizers: list[str]) -> dict:
     """Per optimizer the median over rounds of the trainer's `median_optimizer_ms`; per later
-    optimizer its ratio to the first's round by round (the rounds are pairs run back to back),
-    with the median and range of those ratios."""
+    optimizer its ratio to the first's round by round (each optimizer runs once a round, so
+    round i of each is the same stretch of the call), with the median and range of those
+    ratios."""
     key = "trainer median_optimizer_ms"
     first = [r[key] for r in results[optimizers[0]]]
     out = {"median ms": {name: statistics.median(r[key] for r in results[name]) for name in optimizers},
