@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from distributed_scenarios import load_checkpoint, save_checkpoint, shard
+from distributed_scenarios import exit_after_success, load_checkpoint, save_checkpoint, shard
 from packed_adamw.torch import NonFiniteGradientError, PackedMuonAdamW, muon_param_groups
 from packed_adamw.torch import muon as torch_muon
 
@@ -214,6 +214,7 @@ def main() -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_after_success()
 
 
 if __name__ == "__main__":
