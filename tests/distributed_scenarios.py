@@ -307,10 +307,11 @@ def fsdp_bf16_resume(out: Path, source_world: str) -> None:
 def exit_after_success() -> None:
     """End a rank whose scenario passed (every check run, the process group destroyed) without
     the interpreter's finalisation. There, on 2026-12-06, a rank of the Muon FSDP2 scenarios
-    aborted in at least 2 of about 50 torchrun launches on a loaded 2-core machine ("terminate called
-    without an active exception", the main thread in no Python frame; torch 2.13, gloo): torch's
-    C++ objects torn down as the interpreter goes away, after every check had passed. A failing scenario still raises and
-    exits through the interpreter, so its traceback and exit status reach the test."""
+    aborted in at least 2 of about 50 torchrun launches on a loaded 2-core machine ("terminate
+    called without an active exception", the main thread in no Python frame; torch 2.13, gloo):
+    torch's C++ objects torn down as the interpreter goes away, after every check had passed. A
+    failing scenario still raises and exits through the interpreter, so its traceback and exit
+    status reach the test."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
