@@ -3,6 +3,7 @@ bit-exact resume of a tiny packed-document run with PackedMuonAdamW, refusals, t
 import json
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -85,9 +86,9 @@ class TinyLM(torch.nn.Module):
         return F.cross_entropy(self.head(x).float().reshape(-1, VOCAB), (targets % VOCAB).reshape(-1))
 
 
-def make_optimizer(model):
+def make_optimizer(model, **options):
     groups = muon_param_groups(model, exclude=("head",), muon=dict(lr=0.02), adamw=dict(lr=0.01, weight_decay=0.0))
-    return PackedMuonAdamW(groups)
+    return PackedMuonAdamW(groups, **options)
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +101,11 @@ def tape(tmp_path_factory):
 
 
 class Run:
-    def __init__(self, tape, dtype, seed=0, device="cpu"):
+    def __init__(self, tape, dtype, seed=0, device="cpu", **optimizer_options):
         torch.manual_seed(seed)
         self.device = device
         self.model = TinyLM(dtype).to(device)
-        self.optimizer = make_optimizer(self.model)
+        self.optimizer = make_optimizer(self.model, **optimizer_options)
         self.loader = PackedDocumentLoader(TapeReader(tape), B, T)
         self.schedule = build_schedule(ScheduleConfig(num_steps=20, warmup_steps=3, momentum_warmup_steps=5,
                                                       weight_decay=0.05))
@@ -249,8 +250,10 @@ def test_refuses_other_config_code_or_damage(tape, tmp_path):
         read_state(pickled)
 
 
-def test_export_has_reference_signs(tape, tmp_path):
-    run = Run(tape, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-masters", "fp32"])
+def test_export_has_reference_signs(tape, tmp_path, dtype):
+    """FP32 weights too: their master is the weight itself, a tensor of its own in the file."""
+    run = Run(tape, dtype)
     # One step from zero moments: AdamW's m = (1 - beta1) * g, Muon's buffer = (1 - momentum) * g.
     batch = run.loader.next_batch()
     apply_schedule(run.optimizer, run.schedule, run.t_step)
@@ -266,7 +269,11 @@ def test_export_has_reference_signs(tape, tmp_path):
     names = [n for g in run.optimizer.param_groups for n in g["param_names"]]
     for name, master in zip(names, masters):
         assert torch.equal(bits(tensors[f"params/{name}/master"]), bits(master)), name
-        w, mantissa = tensors[f"params/{name}/w"], tensors[f"params/{name}/mantissa"]
+        w = tensors[f"params/{name}/w"]
+        if dtype == torch.float32:
+            assert torch.equal(bits(w), bits(master)) and f"params/{name}/mantissa" not in tensors, name
+            continue
+        mantissa = tensors[f"params/{name}/mantissa"]
         joined = join_master(w.view(torch.int16).numpy(), mantissa.numpy())
         assert np.array_equal(joined.view(np.uint32), master.detach().numpy().view(np.uint32))
     # Update directions: every nonzero first moment points against the loss gradient.
@@ -279,6 +286,71 @@ def test_export_has_reference_signs(tape, tmp_path):
     assert "params/up.weight/scnd_mntm" not in tensors  # Muon keeps one moment
     assert not torch.signbit(tensors["params/gate/first_mntm"][tensors["params/gate/first_mntm"] == 0]).any()
     assert json.loads(json.dumps(metadata["config"])) == run.config
+
+
+def test_export_never_replaces_the_state_and_replaces_an_export_only_when_asked(tape, tmp_path):
+    """The state itself, under any spelling (a symlink, a path through '..'), is refused even
+    with overwrite=True; an existing export only with overwrite=True."""
+    run = Run(tape, torch.bfloat16)
+    run.train(1)
+    state = run.save(tmp_path)
+    written = state.read_bytes()
+    (tmp_path / "sub").mkdir()
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(state)
+    for spelling in (state, tmp_path / "sub" / ".." / state.name, link):
+        for overwrite in (False, True):
+            with pytest.raises(ValueError, match=f"(?s){re.escape(str(spelling))}.*is the training state it "
+                                                 "exports.*another output path"):
+                export_reference_layout(state, spelling, overwrite=overwrite)
+    assert state.read_bytes() == written and link.is_symlink()
+    run.load(state)  # still resumable
+
+    out = export_reference_layout(state, tmp_path / "export.safetensors")
+    exported = out.read_bytes()
+    run.train(1)
+    later = run.save(tmp_path)
+    with pytest.raises(FileExistsError, match=f"{re.escape(str(out))} exists.*overwrite=True"):
+        export_reference_layout(later, out)
+    assert out.read_bytes() == exported
+    export_reference_layout(later, out, overwrite=True)
+    assert read_state(out, expected_format="packed-adamw-reference-export/1")[1]["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary file left
+
+
+def test_export_refuses_nonfinite_weights_and_moments(tape, tmp_path):
+    """A NaN weight and an Inf bf16 momentum code are named (the state's tensors) before anything is
+    written; Muon's bf16 mode keeps codes that can hold them."""
+    run = Run(tape, torch.float32, mode="bf16")
+    run.train(1)
+    with torch.no_grad():
+        run.model.norm[3] = float("nan")
+    run.optimizer.state[run.model.down.weight]["momentum_code"].view(-1)[7] = 0x7F80  # bf16 +Inf
+    state = run.save(tmp_path)
+    out = tmp_path / "export.safetensors"
+    with pytest.raises(TrainingStateError, match=f"(?s){re.escape(str(state))}.*params/down.weight/opt/"
+                                                 r"momentum_code: 1 of 512 values.*params/norm/w: 1 of 16 values.*"
+                                                 "export an earlier state"):
+        export_reference_layout(state, out)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [state.name]
+
+
+@pytest.mark.parametrize("mode", ["fp32"])
+def test_resume_refuses_a_nonfinite_momentum(tape, tmp_path, mode):
+    """A NaN momentum (bf16 mode: a NaN code) would freeze its matrix for the rest of the run:
+    refused by the optimizer's load_state_dict (PackedMuon's checks), named with the parameter
+    and the file, before anything changes."""
+    run = Run(tape, torch.float32, mode=mode)
+    run.train(1)
+    momentum = run.optimizer.state[run.model.up.weight][run.optimizer.rules["muon"].state_format.state_key]
+    momentum.view(-1)[3] = float("nan") if momentum.is_floating_point() else 0x7FC0  # (a bf16 quiet NaN)
+    state = run.save(tmp_path)
+    other = Run(tape, torch.float32, seed=1, mode=mode)
+    other.train(1)
+    snapshot = ([p.detach().clone() for p in other.model.parameters()], optimizer_snapshot(other.optimizer))
+    with pytest.raises(TrainingStateError, match=f"(?s)training state {re.escape(str(state))}.*'up.weight'"):
+        other.load(state)
+    assert_snapshot(other, snapshot)
 
 
 def optimizer_snapshot(optimizer) -> list:

@@ -36,13 +36,17 @@ code (listing the files that differ) unless `allow_code_change=True` (chat_train
 `--allow-code-change`); it always refuses another configuration, listing the fields that differ.
 
 Writes are atomic (core/atomic_file.py, through checkpoint.py's helpers): a crash leaves the
-previous file as it was.
+previous file as it was. The export never writes over the state it reads (whatever the spelling
+of the path: a symlink, '..'), replaces another existing file only with `overwrite=True`, and
+refuses a state whose weights, masters or moments hold NaN or Inf, naming the tensors, before
+anything is written (`check_finite` is that check, for other readers such as the walkthrough).
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import os
 import subprocess
 import warnings
 from pathlib import Path
@@ -58,6 +62,7 @@ from packed_adamw.core.adamw.state_format import unpack_words
 from packed_adamw.core.muon.numpy_step import decode_momentum
 from packed_adamw.core.muon.state_format import StateFormat as MuonFormat
 
+from ..functional import nonfinite_count
 from .checkpoint import CheckpointError, _atomic_save, _checkpoint_sha256, _torch_save_contents, config_differences
 from .packed_data import PackedBatch
 from .schedules import ScheduleTables
@@ -184,6 +189,19 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.untyped_storage().nbytes() != t.nbytes else t
 
 
+def _owned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors to write, each owning a storage no other of them shares: safetensors refuses
+    two names over one storage (an FP32 weight and its master, which is the weight itself)."""
+    owned, storages = {}, set()
+    for key, t in tensors.items():
+        t = _own(t)
+        if t.nbytes and t.untyped_storage().data_ptr() in storages:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        owned[key] = t
+    return owned
+
+
 def save_state(path, *, model: torch.nn.Module, optimizer, loader, schedule: ScheduleTables, config: dict,
                step: int, t_step: int, code: dict | None = None) -> Path:
     """Write the entire training state to `path` atomically (layout: module docstring); returns
@@ -223,7 +241,7 @@ def save_state(path, *, model: torch.nn.Module, optimizer, loader, schedule: Sch
     for key in BATCH_KEYS:
         tensors[f"batch/{key}"] = _own(getattr(batch, key))
     tensors.update(schedule.to_tensors())
-    tensors = {key: _own(t) for key, t in tensors.items()}
+    tensors = _owned(tensors)
     metadata = {
         "format": STATE_FORMAT,
         "step": int(step),
@@ -323,8 +341,10 @@ def load_state(path, *, model: torch.nn.Module, optimizer, loader, config: dict,
     `code_identity()`) unless `allow_code_change` (then a warning); other schedule tables than
     `schedule` (when given); a loader whose restored cursor would not give the saved next batch
     bit for bit (another tape or packing); a model whose parameters or persistent buffers are
-    not the saved ones' names, dtypes and shapes. CUDA generator states are restored for the
-    devices visible here (a warning when the state holds more)."""
+    not the saved ones' names, dtypes and shapes; what the optimizer's load_state_dict refuses
+    (formats, layouts, a non-finite momentum), as a TrainingStateError naming the file. CUDA
+    generator states are restored for the devices visible here (a warning when the state holds
+    more)."""
     path = Path(path)
     tensors, metadata = read_state(path)
     differences = config_differences(*(_as_json(c, path) for c in (metadata["config"], config)))
@@ -357,9 +377,10 @@ def load_state(path, *, model: torch.nn.Module, optimizer, loader, config: dict,
     for key, value in model.state_dict(keep_vars=True).items():
         model_state[key] = tensors[f"params/{names[id(value)]}/w"] if id(value) in names else tensors[f"buffers/{key}"]
     optimizer_state = _optimizer_state_dict(tensors, metadata["optimizer"])
-    # The optimizer checks formats and layouts before it changes anything; the model's tensors
-    # and the generator states were checked above, so nothing after this load can refuse.
-    optimizer.load_state_dict(optimizer_state)
+    # The optimizer checks formats, layouts and values (PackedMuon: a non-finite momentum) before
+    # it changes anything; the model's tensors and the generator states were checked above, so
+    # nothing after this load can refuse.
+    load_optimizer_state(path, optimizer, optimizer_state)
     model.load_state_dict(model_state)
     loader.load_state_dict(metadata["loader"])
     torch.set_rng_state(tensors["rng/torch_cpu"])
@@ -367,6 +388,16 @@ def load_state(path, *, model: torch.nn.Module, optimizer, loader, config: dict,
         torch.cuda.set_rng_state_all(cuda_states)
     return LoadedState(metadata["step"], metadata["t_step"], batch, saved_schedule, metadata["config"],
                        metadata["code"], metadata)
+
+
+def load_optimizer_state(path, optimizer, optimizer_state: dict) -> None:
+    """`optimizer.load_state_dict`, its refusal (which names the parameter) naming the file too."""
+    try:
+        optimizer.load_state_dict(optimizer_state)
+    except TrainingStateError:
+        raise
+    except ValueError as error:
+        raise TrainingStateError(f"training state {path}: {error}") from error
 
 
 def _as_json(config: dict, path: Path):
@@ -470,7 +501,73 @@ def _decoded_moments(entry: dict, tensors: dict, formats: dict, shape) -> dict[s
     return {"first_mntm": (np.float32(0) - m).reshape(shape), "scnd_mntm": np.asarray(v, np.float32).reshape(shape)}
 
 
-def export_reference_layout(state_path, out_path) -> Path:
+def _reference_parameters(tensors: dict, optimizer_meta: dict):
+    """Each parameter tensor of the export, from a state's tensors: (export key, tensor, the
+    state's tensors it comes from), in the optimizer's order, then the weights it does not step."""
+    covered = set()
+    for entry in optimizer_meta["entries"].values():
+        name = entry["name"]
+        covered.add(name)
+        w_key = f"params/{name}/w"
+        w = tensors[w_key]
+        yield w_key, w, w_key
+        if w.dtype == torch.bfloat16:
+            mantissa_key = f"params/{name}/mantissa"
+            mantissa = tensors[mantissa_key]
+            yield mantissa_key, mantissa, mantissa_key
+            master = codecs.read_master(w.view(torch.int16).numpy(), mantissa.view(torch.int16).numpy())
+            master_source = f"{w_key} with {mantissa_key} (its FP32 master)"
+        else:
+            master, master_source = w.float().numpy(), w_key
+        yield f"params/{name}/master", torch.from_numpy(np.ascontiguousarray(master, np.float32)), master_source
+        stored = [f"params/{name}/opt/{k}" for k in entry["tensors"] if k != LOW_HALF_KEY]
+        moment_source = stored[0] if stored else f"params/{name} (never stepped: zero moments)"
+        for key, array in _decoded_moments(entry, tensors, optimizer_meta["formats"], tuple(w.shape)).items():
+            yield f"params/{name}/{key}", torch.from_numpy(np.ascontiguousarray(array, np.float32)), moment_source
+    for key, t in tensors.items():  # parameters the optimizer does not step: weights only
+        if key.startswith("params/") and key.endswith("/w") and key[len("params/"):-len("/w")] not in covered:
+            yield key, t, key
+
+
+def _refuse_nonfinite(path, parameters, remedy: str) -> None:
+    """TrainingStateError naming each state tensor behind `parameters` ((key, tensor, source) as
+    _reference_parameters gives them) that holds NaN or Inf, with `remedy`."""
+    lines, named = [], set()
+    for _, t, source in parameters:
+        if source in named or not t.is_floating_point():
+            continue
+        bad = nonfinite_count(t)
+        if bad:
+            named.add(source)
+            lines.append(f"{source}: {bad} of {t.numel()} values are NaN or Inf")
+    if lines:
+        raise TrainingStateError(f"training state {path} holds NaN or Inf:\n  " + "\n  ".join(lines) + f"\n{remedy}")
+
+
+def check_finite(path, tensors: dict, metadata: dict, remedy: str) -> None:
+    """Refuse (TrainingStateError naming each tensor) a state whose weights, FP32 masters or
+    decoded optimizer moments hold NaN or Inf; `remedy` says what to do instead."""
+    _refuse_nonfinite(path, _reference_parameters(tensors, metadata["optimizer"]), remedy)
+
+
+def _check_export_path(state_path: Path, out_path: Path, overwrite: bool) -> None:
+    """The export never replaces the state it reads (under any spelling of its path), and
+    replaces another existing file only when asked."""
+    if not out_path.exists():
+        return
+    if state_path.exists() and os.path.samefile(state_path, out_path):
+        raise ValueError(f"export_reference_layout: the output {out_path} is the training state it exports "
+                         f"({state_path}); writing the export there would lose the state, which can no longer be "
+                         "resumed: pass another output path")
+    if out_path.is_dir():
+        raise IsADirectoryError(f"export_reference_layout: the output {out_path} is a directory; pass a file path "
+                                "such as export_stepNNNNNN.safetensors")
+    if not overwrite:
+        raise FileExistsError(f"export_reference_layout: {out_path} exists; pass another output path, or "
+                              "overwrite=True to replace it")
+
+
+def export_reference_layout(state_path, out_path, *, overwrite: bool = False) -> Path:
     """Write a state's parameters and decoded moments in the reference's layout and signs to
     `out_path` (safetensors, atomically); returns it.
 
@@ -485,33 +582,24 @@ def export_reference_layout(state_path, out_path) -> Path:
 
     Metadata: format, step, t_step, config, code, sign_convention (SIGN_CONVENTION), sha256 (as
     in a state: `read_state(out_path, EXPORT_FORMAT)` reads it back checked). A parameter
-    the optimizer never stepped has zero moments."""
+    the optimizer never stepped has zero moments.
+
+    Refused before anything is written: an `out_path` that is the state itself (also through
+    a symlink or another spelling of the path; ValueError, whatever `overwrite` says); an
+    existing `out_path` unless `overwrite=True` (FileExistsError); a state whose weights,
+    masters or moments hold NaN or Inf (TrainingStateError naming the state's tensors)."""
+    state_path, out_path = Path(state_path), Path(out_path)
+    _check_export_path(state_path, out_path, overwrite)
     tensors, metadata = read_state(state_path)
-    optimizer = metadata["optimizer"]
+    parameters = list(_reference_parameters(tensors, metadata["optimizer"]))
+    _refuse_nonfinite(state_path, parameters, "nothing was written; export an earlier state of the run (one "
+                      "before its weights or moments became non-finite)")
     out = {key: t for key, t in tensors.items() if key.startswith(("batch/", "rng/", "schedule/"))}
-    covered = set()
-    for entry in optimizer["entries"].values():
-        name = entry["name"]
-        covered.add(name)
-        w = tensors[f"params/{name}/w"]
-        out[f"params/{name}/w"] = w
-        if w.dtype == torch.bfloat16:
-            mantissa = tensors[f"params/{name}/mantissa"]
-            out[f"params/{name}/mantissa"] = mantissa
-            master = codecs.read_master(w.view(torch.int16).numpy(), mantissa.view(torch.int16).numpy())
-        else:
-            master = w.float().numpy()
-        out[f"params/{name}/master"] = torch.from_numpy(np.ascontiguousarray(master, np.float32))
-        for key, array in _decoded_moments(entry, tensors, optimizer["formats"], tuple(w.shape)).items():
-            out[f"params/{name}/{key}"] = torch.from_numpy(np.ascontiguousarray(array, np.float32))
-    for key, t in tensors.items():  # parameters the optimizer does not step: weights only
-        if key.startswith("params/") and key.endswith("/w") and key[len("params/"):-len("/w")] not in covered:
-            out[key] = t
-    out = {key: _own(t) for key, t in out.items()}
+    out.update((key, t) for key, t, _ in parameters)
+    out = _owned(out)
     export_metadata = {"format": EXPORT_FORMAT, "step": metadata["step"], "t_step": metadata["t_step"],
                        "config": metadata["config"], "code": metadata["code"], "sign_convention": SIGN_CONVENTION}
     export_metadata["sha256"] = _checkpoint_sha256(out, export_metadata)  # read_state(out, EXPORT_FORMAT) checks it
-    out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_save(out, {key: json.dumps(value) for key, value in export_metadata.items()}, out_path)
     return out_path
