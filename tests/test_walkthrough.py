@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import re
 
 import numpy as np
 import pytest
@@ -51,16 +52,18 @@ def packed_batch(generator) -> PackedBatch:
     return PackedBatch(inputs, targets, cu_seqlens_of(inputs, BOS))
 
 
-def train_and_save(directory, device: str = "cpu", steps: int = 2, dtype=torch.bfloat16, run_config=None):
+def train_and_save(directory, device: str = "cpu", steps: int = 2, dtype=torch.bfloat16, run_config=None,
+                   schedule_steps: int = 10, optimizer_options=None, edit=None):
+    """`edit(model, optimizer)`, if given, runs after the training and before the save."""
     torch.manual_seed(0)
     config = dataclasses.replace(PRESETS[MODEL["preset"]], **{k: v for k, v in MODEL.items() if k != "preset"})
     model = ChatGPT(config).to(device)
     for p in model.parameters():
         p.data = p.data.to(dtype)
-    optimizer = PackedMuonAdamW(model.muon_adamw_groups(weight_decay=0.2))
+    optimizer = PackedMuonAdamW(model.muon_adamw_groups(weight_decay=0.2), **(optimizer_options or {}))
     generator = torch.Generator().manual_seed(1)
     loader = FixedBatches([packed_batch(generator) for _ in range(steps + 1)])
-    schedule = build_schedule(ScheduleConfig(num_steps=10, warmup_steps=2, momentum_warmup_steps=4,
+    schedule = build_schedule(ScheduleConfig(num_steps=schedule_steps, warmup_steps=2, momentum_warmup_steps=4,
                                              weight_decay=0.2))
     for t in range(steps):
         batch = loader.next_batch()
@@ -69,6 +72,8 @@ def train_and_save(directory, device: str = "cpu", steps: int = 2, dtype=torch.b
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    if edit is not None:
+        edit(model, optimizer)
     return save_state(directory / state_file_name(steps), model=model, optimizer=optimizer, loader=loader,
                       schedule=schedule, config=run_config or {"model": MODEL, "param_dtype": "bf16"}, step=steps,
                       t_step=steps)
@@ -98,6 +103,56 @@ def test_walkthrough_agrees_with_model_autograd_and_optimizer(state_path):
     assert "relative error" not in muon_part and muon_part.count("bit for bit") >= 12
     code, text = run(state_path, "--matrix", "attn.q", "--rows", "1")
     assert code == 0 and "Muon step on blocks.3.attn.q.weight" in text and "the first 1 of the saved 2" in text, text
+
+
+def no_forward(*args, **kwargs):
+    raise AssertionError("the model's forward ran before the walkthrough checked its arguments and the state")
+
+
+def test_arguments_are_checked_before_the_forward(state_path, monkeypatch, capsys):
+    """--matrix and --rows are checked against the state before any forward or backward: exit 2,
+    naming the flag and what it accepts."""
+    monkeypatch.setattr(walkthrough, "run_model", no_forward)
+    for args, message in ((["--matrix", "attn.z"], r"--matrix 'attn.z' names no Muon matrix of the state; give a part "
+                                                   r"of the last block's \(attn.k, attn.proj, attn.q, attn.v, "
+                                                   r"attn.ve_gate, mlp.fc, mlp.proj\) or a full name of a Muon "
+                                                   r"matrix \(blocks.0.attn.k.weight, \.\.\., "
+                                                   r"blocks.3.mlp.proj.weight, 26 in all\)"),
+                          (["--matrix", "weight"], r"--matrix 'weight' names more than one Muon matrix "
+                                                   r"\['blocks.3.attn.k.weight', "),
+                          (["--rows", "3"], r"--rows 3: the saved batch has 2 rows; pass 1 to 2"),
+                          (["--rows", "0"], r"--rows 0: the saved batch has 2 rows; pass 1 to 2")):
+        code, _ = run(state_path, *args)
+        error = capsys.readouterr().err
+        assert code == 2 and re.search(message, error), (args, error)
+
+
+def test_nonfinite_momentum_and_weight_are_named_before_the_step(tmp_path, monkeypatch, capsys):
+    """A NaN momentum code (Muon's bf16 mode) and an Inf weight are named, the state's tensors,
+    before the forward (not shown as a Newton-Schulz mismatch): exit 2."""
+    def poison(model, optimizer):
+        optimizer.state[model.blocks[-1].mlp.fc.weight]["momentum_code"].view(-1)[5] = 0x7FC0  # a bf16 quiet NaN
+        with torch.no_grad():
+            model.blocks[0].attn.q.weight[1, 2] = float("inf")
+
+    path = train_and_save(tmp_path, steps=1, optimizer_options={"mode": "bf16"}, edit=poison)
+    monkeypatch.setattr(walkthrough, "run_model", no_forward)
+    code, _ = run(path)
+    error = capsys.readouterr().err
+    assert code == 2, error
+    assert re.search(r"(?s)holds NaN or Inf.*params/blocks.0.attn.q.weight/w: 1 of 4096 values.*"
+                     r"params/blocks.3.mlp.fc.weight/opt/momentum_code: 1 of 16384 values", error), error
+
+
+def test_the_final_state_says_which_state_to_walk_through(tmp_path, monkeypatch, capsys):
+    """A finished run's last state has no next step (no schedule row): refused before the forward,
+    saying which states the walkthrough takes and how chat_train writes them."""
+    path = train_and_save(tmp_path, steps=1, schedule_steps=1)
+    monkeypatch.setattr(walkthrough, "run_model", no_forward)
+    code, _ = run(path)
+    error = capsys.readouterr().err
+    assert code == 2 and re.search(r"(?s)t_step 1.*schedule's 1 steps.*no next step.*a mid-run state.*"
+                                   r"chat_train --save-every K.*--stop-at STEP", error), error
 
 
 def test_corrupted_momentum_word_is_reported(state_path, monkeypatch):

@@ -29,8 +29,12 @@ autograd and the optimizer compute (the optimizer steps a copy rebuilt from the 
   model's own low-precision backward, its roundings).
 
 The forward runs in the weights' dtype, as chat_train runs it on the CPU and for bf16 weights;
-FP32 weights on CUDA, which chat_train runs under bf16 autocast, are refused. Exits 1 if any
-check fails, 2 if the state cannot be used. docs/D12.md, "Walkthrough", says what it prints.
+FP32 weights on CUDA, which chat_train runs under bf16 autocast, are refused. Before any forward
+the arguments are checked against the state (--matrix among its Muon matrices, --rows within
+its batch) and so is the state: a finished run's final state has no next step (walk through a
+mid-run one: chat_train --save-every K or --stop-at STEP), and NaN or Inf in a weight, master or
+momentum is named with its tensor. Exits 1 if any check fails, 2 if an argument or the state
+cannot be used. docs/D12.md, "Walkthrough", says what it prints.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import argparse
 import copy
 import dataclasses
 import math
+import re
 import sys
 import warnings
 
@@ -59,7 +64,10 @@ from .chat_model import PRESETS, QK_GAIN, SMEAR_CHANNELS, VALUE_GATE_CHANNELS, C
 from .chat_train import PARAM_DTYPES, forward_context
 from .packed_data import PackedBatch
 from .schedules import BASE_LR_KEY, TABLE_NAMES, ScheduleTables, apply_schedule, build_schedule
-from .training_state import LOW_HALF_KEY, TrainingStateError, _optimizer_state_dict, param_group_from_json, read_state
+from .training_state import (
+    LOW_HALF_KEY, TrainingStateError, _optimizer_state_dict, check_finite, load_optimizer_state, param_group_from_json,
+    read_state,
+)
 
 FLOAT64 = torch.float64
 # The hand backward (float64) against autograd of the same model in float64: only the order of
@@ -171,6 +179,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- restoring a state ------------------------------------------------------------------------
+class ArgumentError(ValueError):
+    """An argument (--matrix, --rows) that the state does not offer."""
+
+
 @dataclasses.dataclass
 class Restored:
     config: ChatConfig
@@ -182,6 +194,7 @@ class Restored:
     batch: PackedBatch  # on the device
     schedule: ScheduleTables
     t_step: int
+    matrix: str  # the Muon matrix to step (resolve_matrix)
 
 
 def check_forward_precision(path, run_config: dict, tensors: dict, device: torch.device) -> None:
@@ -208,18 +221,44 @@ def first_rows(batch: PackedBatch, rows: int | None) -> PackedBatch:
     if rows is None or rows == B:
         return batch
     if not 1 <= rows <= B:
-        raise TrainingStateError(f"--rows {rows}: the saved batch has {B} rows; pass 1 to {B}")
+        raise ArgumentError(f"--rows {rows}: the saved batch has {B} rows; pass 1 to {B}")
     cu = batch.cu_seqlens
     return PackedBatch(batch.inputs[:rows], batch.targets[:rows], cu[cu <= rows * T].contiguous())
 
 
-def restore(path, device: str = "cpu", rows: int | None = None) -> Restored:
+def check_next_step(path, schedule: ScheduleTables, t_step: int) -> None:
+    """The step the walkthrough spells out reads schedule row `t_step`: the final state of a
+    finished run has none."""
+    if not 0 <= t_step < len(schedule):
+        raise TrainingStateError(f"{path} is at t_step {t_step}, past its schedule's {len(schedule)} steps: the state "
+                                 "of a finished run has no next step to walk through; use a mid-run state, written "
+                                 "with chat_train --save-every K (a state every K steps) or --stop-at STEP (the run "
+                                 "ends after STEP with its state, and resumes from it later)")
+
+
+def restore(path, device: str = "cpu", rows: int | None = None, matrix: str | None = None) -> Restored:
     """The model (each parameter's saved dtype and bits) and a PackedMuonAdamW over it with the
     saved groups and state, from a state file; nothing of the trainer is needed. `rows`: keep
-    the saved batch's first rows only."""
+    the saved batch's first rows only; `matrix`: the Muon matrix to step (resolve_matrix).
+
+    Checked from the file before the model is built: the arguments (ArgumentError), then the
+    state (TrainingStateError): its optimizer, its next step's schedule row, finite weights,
+    masters and momenta (naming the tensors), the forward's precision on `device`."""
     tensors, metadata = read_state(path)
     run_config = metadata["config"]
     config = model_config_of(run_config)
+    saved_optimizer = metadata["optimizer"]
+    if saved_optimizer["class"] != PackedMuonAdamW.__name__:
+        raise TrainingStateError(f"{path} was written with a {saved_optimizer['class']}; the walkthrough steps "
+                                 "Muon: pass a state of a run with PackedMuonAdamW")
+    muon_names = [n for g in saved_optimizer["param_groups"] if g.get("kind") == "muon" for n in g["param_names"]]
+    matrix = resolve_matrix(muon_names, config.n_layers, matrix)
+    batch = first_rows(PackedBatch(*(tensors[f"batch/{key}"] for key in PackedBatch._fields)), rows)
+    schedule = ScheduleTables.from_tensors(metadata["schedule"], tensors)
+    t_step = int(metadata["t_step"])
+    check_next_step(path, schedule, t_step)
+    check_finite(path, tensors, metadata, "the walkthrough spells out a step from finite weights and momenta: walk "
+                 "through an earlier state of the run (one before they became non-finite)")
     device = torch.device(device)
     check_forward_precision(path, run_config, tensors, device)
     with torch.device(device):
@@ -235,10 +274,6 @@ def restore(path, device: str = "cpu", rows: int | None = None) -> Restored:
     if missing:
         raise TrainingStateError(f"{path} does not hold the model its config names ({config}):\n  " +
                                  "\n  ".join(missing))
-    saved_optimizer = metadata["optimizer"]
-    if saved_optimizer["class"] != PackedMuonAdamW.__name__:
-        raise TrainingStateError(f"{path} was written with a {saved_optimizer['class']}; the walkthrough steps "
-                                 "Muon: pass a state of a run with PackedMuonAdamW")
     named = dict(model.named_parameters())
     groups = []
     for group in map(param_group_from_json, saved_optimizer["param_groups"]):
@@ -253,11 +288,9 @@ def restore(path, device: str = "cpu", rows: int | None = None) -> Restored:
                                 ns_impl="cublas", batch_ns=False,
                                 **({"adamw_mode": adamw["mode"], "m_bias": adamw["m_bias"],
                                     "rms_bias": adamw["rms_bias"]} if adamw else {}))
-    optimizer.load_state_dict(_optimizer_state_dict(tensors, saved_optimizer))
-    batch = first_rows(PackedBatch(*(tensors[f"batch/{key}"] for key in PackedBatch._fields)), rows)
+    load_optimizer_state(path, optimizer, _optimizer_state_dict(tensors, saved_optimizer))
     batch = PackedBatch(*(t.to(device) for t in batch))
-    schedule = ScheduleTables.from_tensors(metadata["schedule"], tensors)
-    return Restored(config, run_config, model, optimizer, tensors, metadata, batch, schedule, int(metadata["t_step"]))
+    return Restored(config, run_config, model, optimizer, tensors, metadata, batch, schedule, t_step, matrix)
 
 
 # ---- 1. the last layer's forward --------------------------------------------------------------
@@ -720,19 +753,21 @@ def group_of(optimizer, p) -> dict:
     return next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
 
 
-def resolve_matrix(restored: Restored, name: str | None) -> str:
-    """A Muon matrix's parameter name: a full name, or a part of the last block's ("mlp.fc",
-    "attn.q", "q"); default the last block's MLP up-projection."""
-    L = restored.config.n_layers - 1
-    muon = [n for g in restored.optimizer.param_groups if g["kind"] == "muon" for n in g["param_names"]]
-    if name is None:
-        return f"blocks.{L}.mlp.fc.weight"
-    candidates = [name] if name in muon else [n for n in muon if n.startswith(f"blocks.{L}.") and
+def resolve_matrix(muon: list[str], n_layers: int, name: str | None) -> str:
+    """A Muon matrix's parameter name (of the names `muon`): a full name, or a part of the last
+    block's ("mlp.fc", "attn.q", "q"); default the last block's MLP up-projection."""
+    last = f"blocks.{n_layers - 1}."
+    name = f"{last}mlp.fc.weight" if name is None else name
+    in_order = sorted(muon, key=lambda n: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", n)])
+    candidates = [name] if name in muon else [n for n in in_order if n.startswith(last) and
                                                  (n.endswith(f".{name}.weight") or n.endswith(f".{name}"))]
-    if len(candidates) != 1:
-        raise SystemExit(f"--matrix {name!r} names {'no' if not candidates else 'more than one'} Muon matrix "
-                         f"{candidates if candidates else ''}; give one of {muon}")
-    return candidates[0]
+    if len(candidates) == 1:
+        return candidates[0]
+    parts = ", ".join(n[len(last):].removesuffix(".weight") for n in in_order if n.startswith(last))
+    full = f"{in_order[0]}, ..., {in_order[-1]}, {len(muon)} in all" if len(muon) > 2 else ", ".join(in_order)
+    found = f"more than one Muon matrix {candidates}" if candidates else "no Muon matrix of the state"
+    raise ArgumentError(f"--matrix {name!r} names {found}; give a part of the last block's ({parts}) or a full name "
+                        f"of a Muon matrix ({full})")
 
 
 def muon_step(restored: Restored, name: str, report: Report) -> None:
@@ -747,10 +782,7 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
     device = p.device
 
     report.say(f"  the schedule: row t_step={restored.t_step} of the saved tables")
-    try:
-        table = restored.schedule.row(restored.t_step)
-    except IndexError as error:
-        raise TrainingStateError(f"the state's next step has no schedule row: {error}") from None
+    table = restored.schedule.row(restored.t_step)  # restore checked that the row exists
     # The saved row against the row this code computes from the saved ScheduleConfig: the
     # tables are what their config says (a run continues on its saved tables, so a difference
     # means edited tables or changed schedule code).
@@ -898,7 +930,7 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
 def walkthrough(state_path, device: str = "cpu", matrix: str | None = None, rows: int | None = None,
                 out=None) -> Report:
     report = Report(out)
-    restored = restore(state_path, device, rows)
+    restored = restore(state_path, device, rows, matrix)  # every argument and the state checked: nothing ran yet
     model, batch, config = restored.model, restored.batch, restored.config
     L = config.n_layers - 1
     dtype = model.tok_emb.weight.dtype
@@ -944,7 +976,7 @@ def walkthrough(state_path, device: str = "cpu", matrix: str | None = None, rows
                           f"the model's autograd in {dtype}", rounding)
     del model64, a64
 
-    name = resolve_matrix(restored, matrix)
+    name = restored.matrix
     report.say(f"\n3. one Muon step on {name} {tuple(dict(model.named_parameters())[name].shape)} "
                "(bit for bit against the contract and the optimizer)")
     muon_step(restored, name, report)
@@ -973,7 +1005,7 @@ def main(argv=None) -> int:
         parser.error("--device cuda: no CUDA device here; use --device cpu")
     try:
         report = walkthrough(args.state, args.device, args.matrix, args.rows)
-    except TrainingStateError as error:
+    except (TrainingStateError, ArgumentError) as error:
         print(f"walkthrough: {error}", file=sys.stderr)
         return 2
     return 1 if report.failures else 0
