@@ -5,29 +5,28 @@ A format at exponent bias B covers a fixed window of magnitudes: normals from `m
 up to `max_value` (15 binades for the packed formats, exponent fields 1 to 15), and below
 them subnormals down to `min_subnormal`, with fewer significant bits the smaller they are.
 Moving the bias slides the window; it never widens it. This module says how a set of values
-falls against one window (`window_histogram`), and which biases put observed first moments
-and RMS values inside the normal range with room to grow (`suggest_biases`).
-Every threshold comes from `MiniFloat` (core/codecs.py); nothing here restates a format fact.
+falls against one window (`window_histogram`), and which biases put observed values inside
+the normal range with room to grow: for every code of any rule (`suggest_state_biases`, the
+rule found through core/rules.py) and, spelled out for AdamW's first moments and RMS values,
+`suggest_biases`. Every threshold comes from `MiniFloat` (core/codecs.py); nothing here
+restates a format fact.
 
 numpy only: no torch, no jax.
 """
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .adamw.state_format import (
-    DEFAULT_M_BIAS,
-    DEFAULT_RMS_BIAS,
-    StateFormat,
-    first_moment_format,
-    rms_format,
-    unpack_words,
-)
+from .adamw.state_format import DEFAULT_M_BIAS, StateFormat, first_moment_format, rms_format
 from .codecs import BIAS_RANGE, MiniFloat
+from .rule import StateLayout
+from .rules import rule_formats
+# Reading stored states and identities back is the rules registry's (core/rules.py); these names
+# were this module's own since 1.0 and stay importable from here.
+from .rules import moment_values, parse_minifloat_identity, state_format_from_identity  # noqa: F401
 
 # ---- the window classes ------------------------------------------------------------------
 
@@ -234,6 +233,51 @@ def choose_bias(stats, fmt_at: Callable[[int], MiniFloat], *, low: float = DEFAU
 
 
 @dataclass(frozen=True)
+class StateBiasSuggestion:
+    """`suggest_state_biases`' answer: one exponent bias per code of a rule, and why."""
+
+    state_format: StateLayout  # the rule's packed format at the chosen biases
+    choices: tuple[BiasChoice, ...]  # one per code, in the rule's `codes` order
+    notes: tuple[str, ...] = ()
+
+    @property
+    def biases(self) -> dict[str, int]:
+        """The chosen biases by the state format's field (the optimizers' option): {"mu_bias": 31}."""
+        return {code.bias_option: choice.bias for code, choice in zip(self.state_format.rule.codes, self.choices)}
+
+    def as_dict(self) -> dict:
+        codes = self.state_format.rule.codes
+        return {**self.biases, "identity": self.state_format.identity,
+                **{code.suffix: choice.as_dict() for code, choice in zip(codes, self.choices)},
+                "notes": list(self.notes)}
+
+
+def suggest_state_biases(rule, code_values, *, low: float = DEFAULT_LOW_QUANTILE, high: float = DEFAULT_HIGH_QUANTILE,
+                         headroom: float = DEFAULT_HEADROOM):
+    """A bias for each 16-bit code of any rule (`rule`: its name, `Rule` or a state format of
+    it; core/rules.py) from observed values: `code_values` holds one entry per code, in the
+    rule's `codes` order (AdamW: first moments, RMS values; Muon: momenta), each an array, a
+    sequence of arrays or a `MagnitudeQuantiles`, chosen by `choose_bias` against that code's
+    format. Per parameter group: pass one mapping `name -> code_values` and get
+    `name -> StateBiasSuggestion` back. `suggest_biases` is AdamW's, with (m, rms) spelled out."""
+    entry = rule_formats(rule)
+    if isinstance(code_values, Mapping):
+        return {name: suggest_state_biases(entry.name, values, low=low, high=high, headroom=headroom)
+                for name, values in code_values.items()}
+    codes = entry.rule.codes
+    if isinstance(code_values, (np.ndarray, MagnitudeQuantiles)) or len(code_values) != len(codes):
+        raise ValueError(f"suggest_state_biases({entry.name!r}, ...) takes one entry of values per code of the rule "
+                         f"({', '.join(code.holds for code in codes)}), got "
+                         f"{type(code_values).__name__} of length {len(code_values)}")
+    choices = tuple(choose_bias(values, lambda bias, i=i: entry.code_format(i, bias), low=low, high=high,
+                                headroom=headroom, default=entry.default_bias(i))
+                    for i, values in enumerate(code_values))
+    fmt = entry.packed(**{code.bias_option: choice.bias for code, choice in zip(codes, choices)})
+    notes = _SUGGESTION_NOTES[entry.name](choices) if entry.name in _SUGGESTION_NOTES else ()
+    return StateBiasSuggestion(fmt, choices, tuple(notes))
+
+
+@dataclass(frozen=True)
 class BiasSuggestion:
     """`suggest_biases`' answer; unpacks as `m_bias, rms_bias = suggestion`."""
 
@@ -276,8 +320,15 @@ def suggest_biases(m, rms=None, *, low: float = DEFAULT_LOW_QUANTILE, high: floa
             raise TypeError("suggest_biases(m, rms) takes the first moments and the RMS values, or one mapping "
                             "name -> (m, rms) for per-group suggestions")
         return {name: suggest_biases(*pair, low=low, high=high, headroom=headroom) for name, pair in m.items()}
-    m_choice = choose_bias(m, first_moment_format, low=low, high=high, headroom=headroom, default=DEFAULT_M_BIAS)
-    rms_choice = choose_bias(rms, rms_format, low=low, high=high, headroom=headroom, default=DEFAULT_RMS_BIAS)
+    suggestion = suggest_state_biases("adamw", (m, rms), low=low, high=high, headroom=headroom)
+    m_choice, rms_choice = suggestion.choices
+    return BiasSuggestion(m_choice.bias, rms_choice.bias, m_choice, rms_choice, suggestion.notes)
+
+
+def _zero_rms_notes(choices: Sequence[BiasChoice]) -> list[str]:
+    """AdamW's zero-RMS rule (FORMAT.md) at the chosen (m, rms) biases: how many sampled first
+    moments it would drop, or, without elementwise pairs, when it can."""
+    m_choice, rms_choice = choices
     notes = []
     m_values, rms_values = m_choice.quantiles.values, rms_choice.quantiles.values
     if m_values is not None and rms_values is not None and m_values.shape == rms_values.shape:
@@ -291,7 +342,11 @@ def suggest_biases(m, rms=None, *, low: float = DEFAULT_LOW_QUANTILE, high: floa
         notes.append(f"rms_bias {rms_choice.bias} < m_bias {m_choice.bias}: an RMS at or below "
                      f"{rms_format(rms_choice.bias).min_subnormal / 2:.3g} encodes to 0 and the zero-RMS rule then "
                      "drops the first moment too (FORMAT.md); pass elementwise m and RMS arrays to count it")
-    return BiasSuggestion(m_choice.bias, rms_choice.bias, m_choice, rms_choice, tuple(notes))
+    return notes
+
+
+# Notes a rule adds to its suggestions (by `Rule.name`); a rule without an entry adds none.
+_SUGGESTION_NOTES: dict[str, Callable[[Sequence[BiasChoice]], list[str]]] = {"adamw": _zero_rms_notes}
 
 
 def zero_rms_drops(m, rms, m_fmt: MiniFloat, rms_fmt: MiniFloat) -> int:
@@ -299,65 +354,3 @@ def zero_rms_drops(m, rms, m_fmt: MiniFloat, rms_fmt: MiniFloat) -> int:
     encodes to code 0 (zero or flushed) while the first moment alone would not."""
     gone = (_FLUSHED, _ZERO)
     return int(np.count_nonzero(np.isin(classify(rms, rms_fmt), gone) & ~np.isin(classify(m, m_fmt), gone)))
-
-
-# ---- the format identity, read back ---------------------------------------------------------
-
-_MINIFLOAT_IDENTITY = re.compile(r"(?P<sign>[SU])E(?P<e>\d+)M(?P<f>\d+)b(?P<bias>\d+)(?P<ieee>ieee)?")
-_STATE_IDENTITY = re.compile(r"(?P<mode>packed|fp16):m=(?P<m>[^,]+),rms=(?P<rms>.+)")
-
-
-def parse_minifloat_identity(text: str) -> dict:
-    """`MiniFloat.identity` (e.g. "SE4M11b15") -> its fields (signed, exponent_bits,
-    fraction_bits, bias, ieee_specials)."""
-    match = _MINIFLOAT_IDENTITY.fullmatch(text)
-    if match is None:
-        raise ValueError(f"{text!r} is not a 16-bit format identity such as 'SE4M11b15' or 'UE4M12b18'")
-    return {"signed": match["sign"] == "S", "exponent_bits": int(match["e"]), "fraction_bits": int(match["f"]),
-            "bias": int(match["bias"]), "ieee_specials": match["ieee"] is not None}
-
-
-def state_format_from_identity(identity: str) -> StateFormat:
-    """`StateFormat.identity` (e.g. "packed:m=SE4M11b15,rms=UE4M12b15") back to the StateFormat.
-
-    The result's identity is checked to spell `identity` exactly, so a string that names a
-    format the code does not make (another layout, an unknown mode) is refused."""
-    if identity == StateFormat("fp32").identity:
-        return StateFormat("fp32")
-    match = _STATE_IDENTITY.fullmatch(identity)
-    if match is None:
-        raise ValueError(f"{identity!r} is not a state format identity such as "
-                         f"{StateFormat().identity!r} or {StateFormat('fp32').identity!r}")
-    m_fields, rms_fields = parse_minifloat_identity(match["m"]), parse_minifloat_identity(match["rms"])
-    try:
-        fmt = StateFormat(match["mode"], m_fields["bias"], rms_fields["bias"])
-    except ValueError as error:
-        raise ValueError(f"{identity!r}: {error}") from None
-    if match["mode"] == "fp16":
-        fmt = StateFormat("fp16")  # the half format's bias is fixed; the identity spells it
-    if fmt.identity != identity:
-        raise ValueError(f"{identity!r} names no state format of this code (the nearest is {fmt.identity!r})")
-    return fmt
-
-
-# ---- one tensor's moments against its windows -------------------------------------------------
-
-
-def moment_values(moments: np.ndarray, fmt: StateFormat) -> tuple[np.ndarray, np.ndarray]:
-    """(first moments, RMS values) as float32 arrays from a stored state: uint32 words
-    decoded exactly as the step decodes them (`MiniFloat.decode_table`), or an fp32 state's
-    [2, ...] (m, v) with RMS = sqrt(v) rounded to float32, as the step computes it. Both are
-    new arrays, never views of `moments`."""
-    moments = np.asarray(moments)
-    if fmt.mode == "fp32":
-        if moments.dtype != np.float32 or moments.ndim < 1 or moments.shape[0] != 2:
-            raise ValueError(f"an fp32 state is float32 [2, ...], got {moments.dtype} {moments.shape}")
-        with np.errstate(invalid="ignore"):
-            return moments[0].copy(), np.sqrt(moments[1])  # copies: the state may be stepped in place later
-    if moments.dtype == np.int32:  # words saved as int32 views of the same bits
-        moments = moments.view(np.uint32)
-    if moments.dtype != np.uint32:
-        raise ValueError(f"a {fmt.mode} state is uint32 words, got {moments.dtype}")
-    m_fmt, r_fmt = fmt.formats
-    m_codes, rms_codes = unpack_words(moments)
-    return m_fmt.decode_table[m_codes], r_fmt.decode_table[rms_codes]

@@ -6,6 +6,7 @@ and reading the code's fields; the classifier itself uses only the format's thre
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -18,22 +19,30 @@ import torch
 
 from packed_adamw.core.adamw import authority
 from packed_adamw.core.format_health import (
+    DEFAULT_HIGH_QUANTILE,
+    DEFAULT_LOW_QUANTILE,
     WINDOW_CLASSES,
     MagnitudeQuantiles,
     classify,
     magnitude_quantiles,
     state_format_from_identity,
     suggest_biases,
+    suggest_state_biases,
     window_histogram,
 )
+from packed_adamw.core.muon.state_format import StateFormat as MuonFormat
+from packed_adamw.core.muon.state_format import momentum_format
 from packed_adamw.core.codecs import FP16
 from packed_adamw.core.adamw.state_format import StateFormat, first_moment_format, rms_format, unpack_words
 from packed_adamw.core.adamw.hyperparams import Hyperparams
 from packed_adamw.core.adamw.numpy_step import adamw_step, apply_step, step_scalar_row
 from packed_adamw.core.portable import PortableState
+from packed_adamw.core.rules import RULES, RuleFormats, momentum_values
 from packed_adamw.inspect import load_state_file, walk_step
 from packed_adamw.inspect.__main__ import main as inspect_main
-from packed_adamw.torch import PackedAdamW
+from packed_adamw.torch import PackedAdamW, PackedMuon, PackedMuonAdamW, muon_param_groups
+from muon_helpers import TinyModel, set_gradients
+from test_training_state import Run, tape  # noqa: F401 (tape: the tiny run's fixture)
 
 F32 = np.float32
 FORMATS = [first_moment_format(15), rms_format(15), first_moment_format(3), rms_format(60), FP16]
@@ -166,17 +175,36 @@ def test_zero_rms_drops_are_counted_from_paired_samples():
 
 
 @pytest.mark.parametrize("fmt", [StateFormat(), StateFormat("packed", 18, 12), StateFormat("packed", 0, 100),
-                                 StateFormat("fp16"), StateFormat("fp32")], ids=lambda f: f.identity)
+                                 StateFormat("fp16"), StateFormat("fp32"), MuonFormat(), MuonFormat("packed", 0),
+                                 MuonFormat("packed", 100), MuonFormat("bf16"), MuonFormat("fp32")],
+                         ids=lambda f: f.identity)
 def test_identity_parses_back(fmt):
-    assert state_format_from_identity(fmt.identity) == fmt
+    """Every rule's identities (core/rules.py): the parsed format names its rule."""
+    parsed = state_format_from_identity(fmt.identity)
+    assert parsed == fmt and type(parsed) is type(fmt) and parsed.rule.name == fmt.rule.name
 
 
 @pytest.mark.parametrize("bad", ["packed:m=SE4M11b15", "packed:m=SE4M11b15,rms=SE4M12b15", "packed:m=SE5M10b15,"
                                  "rms=UE4M12b15", "packed:m=SE4M11b101,rms=UE4M12b15", "fp16:m=SE5M10b16ieee,"
-                                 "rms=SE5M10b16ieee", "fp64:m=f64,v=f64", ""])
+                                 "rms=SE5M10b16ieee", "fp64:m=f64,v=f64", "", "muon-packed:mu=SE5M10b101",
+                                 "muon-packed:mu=SE4M11b15", "muon-bf16:mu=SE5M10b31", "muon-fp32:mu=f32,v=f32"])
 def test_identity_parser_refuses_what_the_code_does_not_make(bad):
     with pytest.raises(ValueError):
         state_format_from_identity(bad)
+
+
+def test_suggested_momentum_bias_keeps_quantiles_normal_and_nothing_saturated():
+    """Any rule's codes through suggest_state_biases: Muon's one code, E5M10."""
+    rng = np.random.default_rng(5)
+    momenta = lognormal(rng, -14, 2.0, 50_000) * rng.choice(F32([-1, 1]), 50_000)
+    suggestion = suggest_state_biases("muon", [momenta])
+    (choice,) = suggestion.choices
+    assert_choice_holds(momenta, choice, momentum_format, DEFAULT_LOW_QUANTILE, DEFAULT_HIGH_QUANTILE, 2.0)
+    assert suggestion.state_format == MuonFormat("packed", choice.bias)
+    assert suggestion.biases == {"mu_bias": choice.bias}
+    assert suggestion.as_dict()["mu"]["bias"] == choice.bias and suggestion.notes == ()
+    with pytest.raises(ValueError, match="one entry of values per code"):
+        suggest_state_biases("muon", [momenta, momenta])
 
 
 # ================================================================ --explain against the step ====
@@ -464,3 +492,195 @@ def test_inspect_reads_a_torch_adamw_state_as_float32_moments(tmp_path, capsys):
         assert t["rms"]["counts"] == window_histogram(rms, rms_format(13)).counts
     assert inspect_main([str(tmp_path / "adamw.pt"), "--explain", "#0[0]", "--grad", "1", "--param", "0"]) == 2
     assert "torch.optim.AdamW" in capsys.readouterr().err
+
+
+# ================================================================ Muon and combined states ====
+
+def trained_muon(mode="packed", mu_bias=40, combined=False, steps=2):
+    """PackedMuon over TinyModel's two block matrices, or PackedMuonAdamW over all of it (AdamW
+    at m_bias 18), stepped on gradients over many binades: at mu_bias 40 (largest momentum
+    2^-8) some momenta saturate."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    if combined:
+        opt = PackedMuonAdamW(muon_param_groups(model), lr=0.02, mode=mode, mu_bias=mu_bias, m_bias=18, adamw_lr=0.01)
+    else:
+        opt = PackedMuon([("up.weight", model.up.weight), ("down.weight", model.down.weight)], lr=0.02, mode=mode,
+                         mu_bias=mu_bias)
+    rng = np.random.default_rng(3)
+    for _ in range(steps):
+        set_gradients(rng, model)
+        opt.step()
+    return model, opt
+
+
+def momenta_of(opt, p, fmt: MuonFormat) -> np.ndarray:
+    """One matrix's momenta as float32, decoded with MiniFloat.decode or torch's bf16."""
+    stored = opt.state[p][fmt.state_key]
+    if fmt.mode == "fp32":
+        return stored.numpy()
+    if fmt.mode == "bf16":
+        return stored.view(torch.bfloat16).float().numpy()
+    return fmt.code.decode(stored.numpy().view(np.uint16))
+
+
+def check_rule_counts(report, opt, names=None, mu_window=None):
+    """Each tensor's window counts in its rule's section against the optimizer's own state
+    (Muon: `mu`; AdamW: `m` and `rms`, as check_report counts them); `names`: parameter name ->
+    the name the file shows."""
+    rules = opt.rules if hasattr(opt, "rules") else {"muon": opt}
+    sections = {section["rule"]: section for section in report["sections"]}
+    assert set(sections) == set(rules)
+    for kind, rule in rules.items():
+        fmt, section = rule.state_format, sections[kind]
+        assert section["identity"] == fmt.identity and section["stored"] == (fmt.formats is not None)
+        renamed = {shown: name for name, shown in (names or {}).items()}
+        tensors = {renamed.get(t["name"], t["name"]): t for t in section["tensors"]}
+        if kind == "adamw":
+            for name, (m_counts, rms_counts) in expected_counts(rule, fmt, list(tensors)).items():
+                assert tensors[name]["m"]["counts"] == m_counts and tensors[name]["rms"]["counts"] == rms_counts
+            continue
+        window = fmt.code if fmt.formats is not None else mu_window
+        assert section["windows"]["mu"]["format"] == window.identity
+        for group in rule.param_groups:
+            for name, p in zip(group["param_names"], group["params"]):
+                counts = window_histogram(momenta_of(rule, p, fmt), window).counts
+                assert tensors[name]["mu"]["counts"] == counts and tensors[name]["step"] is None, name
+        assert set(section["suggestion"]["all"]) >= {"mu_bias", "identity", "mu", "notes"}
+
+
+@pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
+def test_inspect_reads_a_muon_state_file(tmp_path, capsys, mode):
+    """torch.save(PackedMuon.state_dict()): the rule comes from the recorded identity; packed
+    codes count against their own window, bf16 and fp32 momenta against E5M10 at --mu-bias."""
+    _, opt = trained_muon(mode)
+    torch.save(opt.state_dict(), tmp_path / "muon.pt")
+    report = report_of(tmp_path / "muon.pt", capsys, "--mu-bias", "40", "--plot", str(tmp_path / "h.png"))
+    assert report["identity"] == opt.state_format.identity and report["kind"] == "torch state_dict"
+    assert [t["name"] for t in report["tensors"]] == ["up.weight", "down.weight"]
+    assert report["groups"][0]["rule"] == "muon" and report["groups"][0]["momentum"] == 0.95
+    check_rule_counts(report, opt, mu_window=momentum_format(40))
+    assert report["total"]["mu"]["counts"]["saturated"] > 0  # momenta past E5M10b40's largest value, about 2^-8
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert inspect_main([str(tmp_path / "muon.pt")]) == 0
+    text = capsys.readouterr().out
+    assert "up.weight  (9, 6)" in text and "|mu|" in text and "mu_bias=" in text
+    # one element's step needs its whole matrix: refused, saying why
+    assert inspect_main([str(tmp_path / "muon.pt"), "--explain", "up.weight[2,3]", "--grad", "1", "--param", "0"]) == 2
+    error = capsys.readouterr().err
+    assert "up.weight" in error and "Newton-Schulz" in error and "whole (9, 6) matrix" in error
+
+
+def test_inspect_reads_a_combined_state_file_per_rule(tmp_path, capsys):
+    """PackedMuonAdamW's state_dict: each rule's report, its tensors and groups; an AdamW
+    element's step is explained, bit for bit, a Muon element's refused."""
+    model, opt = trained_muon(combined=True)
+    torch.save(opt.state_dict(), tmp_path / "both.pt")
+    report = report_of(tmp_path / "both.pt", capsys)
+    assert report["identity"] == "mixed" and [s["rule"] for s in report["sections"]] == ["muon", "adamw"]
+    check_rule_counts(report, opt)
+    adamw = report["sections"][1]
+    assert adamw["windows"]["m"]["format"] == "SE4M11b18" and set(adamw["suggestion"]["all"]) >= {"m_bias", "rms_bias"}
+    assert [g["rule"] for g in report["groups"]] == ["muon", "adamw"] and report["groups"][1]["b2"] == 0.999
+    assert [t["group"] for t in report["sections"][0]["tensors"]] == [0, 0, 0]
+    assert inspect_main([str(tmp_path / "both.pt")]) == 0
+    text = capsys.readouterr().out
+    assert "rule muon, format muon-packed:mu=SE5M10b40" in text and "rule adamw, format packed:m=SE4M11b18" in text
+    walk = report_of(tmp_path / "both.pt", capsys, "--explain", "norm.weight[4]", "--grad", "0.3", "--param", "0.5")
+    p_next, state = numpy_step_of(opt, "norm.weight", 4, 0.3, 0.5, opt.rules["adamw"].state_format)
+    assert walk["p_next_bits"] == f"0x{bits(p_next):08X}" and walk["word_next"] == f"0x{int(state[0]):08X}"
+    assert walk["sources"]["lr"] == "param group 1"
+    assert inspect_main([str(tmp_path / "both.pt"), "--explain", "head.weight[0]", "--grad", "1", "--param", "0"]) == 2
+    assert "Newton-Schulz" in capsys.readouterr().err
+
+
+def test_inspect_reads_muon_portable_states(tmp_path):
+    """PackedMuon's export (counts None) in-process; PackedMuonAdamW's (format "mixed") with
+    torch, jax and triton unimportable: the rules registry is core's."""
+    _, muon = trained_muon(mode="bf16")
+    muon.export_state().save(tmp_path / "muon.safetensors")
+    state_file = load_state_file(tmp_path / "muon.safetensors")
+    assert [t.step for t in state_file.tensors] == [None, None]
+    assert state_file.state_format.identity == muon.state_format.identity  # bf16 mode's identity names no bias
+    values = state_file.values(state_file.tensors[1])
+    assert len(values) == 1 and np.array_equal(values[0], momenta_of(muon, muon.param_groups[0]["params"][1],
+                                                                       muon.state_format))
+    _, opt = trained_muon(combined=True)
+    opt.export_state().save(tmp_path / "both.safetensors")
+    code = textwrap.dedent(f"""
+        import sys, runpy
+        for name in ("torch", "jax", "matplotlib", "triton"):
+            sys.modules[name] = None
+        sys.argv = ["inspect", {str(tmp_path / "both.safetensors")!r}, "--json"]
+        runpy.run_module("packed_adamw.inspect", run_name="__main__")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["kind"] == "portable state" and report["identity"] == "mixed"
+    names = [n for g in opt.param_groups for n in g["param_names"]]
+    check_rule_counts(report, opt, names={name: f"moments.{i}" for i, name in enumerate(names)})
+    assert [t["step"] for t in report["sections"][1]["tensors"]] == [2, 2, 2, 2]
+
+
+def test_inspect_reads_a_chat_train_state(tape, tmp_path, capsys):
+    """chat_train's state_stepNNNNNN.safetensors (PackedMuonAdamW over bf16 weights): both rules'
+    reports, and an AdamW element explained from the state's FP32 master (weight and mantissa)."""
+    run = Run(tape, torch.bfloat16)
+    run.train(2)
+    path = run.save(tmp_path)
+    report = report_of(path, capsys)
+    assert report["kind"] == "training state" and report["trainer_step"] == 2
+    check_rule_counts(report, run.optimizer)
+    names = [n for g in run.optimizer.param_groups for n in g["param_names"]]
+    head = names.index("head.weight")
+    master = run.optimizer.master_weights()[head].reshape(-1)[7].item()
+    walk = report_of(path, capsys, "--explain", "head.weight[7]", "--grad", "0.01")
+    assert walk["sources"]["p"] == "the training state's model weights" and walk["p_bits"] == f"0x{bits(master):08X}"
+    adamw_format = run.optimizer.rules["adamw"].state_format
+    p_next, state = numpy_step_of(run.optimizer, "head.weight", 7, 0.01, master, adamw_format)
+    assert walk["p_next_bits"] == f"0x{bits(p_next):08X}" and walk["word_next"] == f"0x{int(state[0]):08X}"
+    assert inspect_main([str(path), "--explain", "up.weight[0]", "--grad", "1"]) == 2
+    assert "Newton-Schulz" in capsys.readouterr().err
+
+
+def test_saved_format_counts_are_shown(tmp_path, capsys):
+    """A state entry named by the rule's count names (Rule.count_names: `saturated_mu`, ...) is
+    a saved format count: shown with the tensor, never taken for the state."""
+    _, opt = trained_muon()
+    sd = opt.state_dict()
+    sd["state"][0].update(saturated_mu=torch.tensor(7), flushed_mu=0, subnormal_mu=torch.tensor(2))
+    torch.save(sd, tmp_path / "muon.pt")
+    report = report_of(tmp_path / "muon.pt", capsys)
+    assert report["tensors"][0]["format_counts"] == {"saturated_mu": 7, "flushed_mu": 0, "subnormal_mu": 2}
+    assert report["tensors"][1]["format_counts"] is None
+    assert inspect_main([str(tmp_path / "muon.pt")]) == 0
+    assert "saved format counts: saturated_mu 7, flushed_mu 0, subnormal_mu 2" in capsys.readouterr().out
+
+
+def test_a_third_rule_plugs_in_through_the_registry(tmp_path, capsys, monkeypatch):
+    """A rule is one entry of core/rules.py's RULES: its identities parse back and inspect
+    reports its codes (here a stand-in: Muon's format and codes under another name)."""
+    sign_rule = dataclasses.replace(MuonFormat().rule, name="sign")
+
+    @dataclasses.dataclass(frozen=True)
+    class SignFormat(MuonFormat):
+        @property
+        def identity(self) -> str:
+            return "sign-" + super().identity
+
+        @property
+        def rule(self):
+            return sign_rule
+
+    monkeypatch.setitem(RULES, "sign", RuleFormats(sign_rule, SignFormat, ("packed", "fp32"), momentum_values))
+    fmt = SignFormat("packed", 20)
+    assert state_format_from_identity(fmt.identity) == fmt
+    codes = np.arange(0, 2**16, 2**8, dtype=np.uint16).reshape(16, 16)
+    PortableState(fmt.identity, [None], [codes]).save(tmp_path / "sign.safetensors")
+    report = report_of(tmp_path / "sign.safetensors", capsys)
+    assert report["rule"] == "sign" and report["windows"]["mu"]["format"] == "SE5M10b20"
+    assert report["tensors"][0]["mu"]["counts"] == window_histogram(fmt.code.decode(codes), fmt.code).counts
+    assert report["suggestion"]["all"]["identity"].startswith("sign-muon-packed:mu=SE5M10b")
+    assert inspect_main([str(tmp_path / "sign.safetensors"), "--explain", "#0[3]", "--grad", "1", "--param", "0"]) == 2
+    assert "Newton-Schulz" in capsys.readouterr().err  # its declaration has a matrix phase

@@ -3,9 +3,10 @@
     python -m packed_adamw.inspect PATH [--plot out.png] [--json]
     python -m packed_adamw.inspect PATH --explain 'NAME[INDEX]' --grad G [--param P] [--lr ...]
 
-PATH is a trainer checkpoint, a torch optimizer state file or a PortableState file. Reading
-a PortableState needs only numpy and safetensors; the other two need torch, the plot
-matplotlib.
+PATH is a trainer checkpoint, a chat_train training state, a torch optimizer state file or a
+PortableState file, of any rule (AdamW, Muon, both: each tensor's rule comes from the format
+identity the file records, through core/rules.py). Reading a PortableState needs only numpy and
+safetensors; the other three need torch, the plot matplotlib.
 """
 from .explain import Walk, walk_step
 from .files import InspectError, StateFile, TensorState, load_state_file

@@ -9,37 +9,42 @@ import sys
 import numpy as np
 
 from packed_adamw.core.format_health import DEFAULT_HEADROOM, DEFAULT_HIGH_QUANTILE, DEFAULT_LOW_QUANTILE
-from packed_adamw.core.adamw.state_format import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS
+from packed_adamw.core.rules import RULES
 
-from .explain import walk_step
-from .files import TORCH_ADAMW, InspectError, load_state_file
+from .explain import ELEMENT_WALKS
+from .files import TORCH_OPTIMIZERS, InspectError, load_state_file
 from .report import file_report, format_report, format_walk, plot_report
 
 DESCRIPTION = """\
-Where the optimizer's moments sit in their format's window, per tensor, and the exponent biases
-they suggest; optionally one element's step spelled out. PATH is a trainer checkpoint (or its run
-directory), a torch optimizer state file (torch.save(opt.state_dict(), path)) or a PortableState
-file. Guide: docs/FORMAT_HEALTH.md.
+Where the optimizer's state sits in its format's window, per rule (AdamW's moments, Muon's
+momenta) and tensor, and the exponent biases it suggests; optionally one element's step spelled
+out. PATH is a trainer checkpoint (or its run directory), a chat_train training state, a torch
+optimizer state file (torch.save(opt.state_dict(), path)) or a PortableState file. Guide:
+docs/FORMAT_HEALTH.md.
 
     python -m packed_adamw.inspect runs/tiny-fp32/checkpoint.safetensors --plot moments.png
     python -m packed_adamw.inspect opt.pt --explain 'blocks.0.attn.qkv.weight[3,7]' --grad 0.02
 """
 
-# Without a param group in the file, hyperparameters fall back to PackedAdamW's defaults.
+# Without a param group in the file, hyperparameters fall back to PackedAdamW's defaults (the
+# one rule with an element walk, explain.ELEMENT_WALKS).
 FALLBACK_HYPERPARAMETERS = {"lr": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 1e-2, "maximize": False}
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m packed_adamw.inspect", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="trainer checkpoint, torch optimizer state file or PortableState file")
+    parser.add_argument("path", help="trainer checkpoint, training state, torch optimizer state file or PortableState "
+                                     "file")
     parser.add_argument("--tensor", action="append", default=[], metavar="NAME",
                         help="report (and plot) only these tensors (a name, #INDEX, or the key in the file); repeatable")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
     parser.add_argument("--plot", metavar="PNG", help="write histograms of log2|m| and log2 RMS with the window marked")
-    window = parser.add_argument_group("the window for float32 moments (fp32 mode, torch.optim.AdamW)")
-    window.add_argument("--m-bias", type=int, default=DEFAULT_M_BIAS, help=f"E4M11 bias to count against (default {DEFAULT_M_BIAS})")
-    window.add_argument("--rms-bias", type=int, default=DEFAULT_RMS_BIAS, help=f"E4M12 bias to count against (default {DEFAULT_RMS_BIAS})")
+    window = parser.add_argument_group("the window for values kept wider than a code (fp32 modes, Muon's bf16 mode, "
+                                       "torch.optim.AdamW and Muon)")
+    for option, (rule, fmt, default) in bias_options().items():
+        window.add_argument(f"--{option.replace('_', '-')}", type=int, default=default, dest=option,
+                            help=f"{rule}'s {fmt.name} bias to count against (default {default})")
     suggest = parser.add_argument_group("bias suggestion (core.format_health.suggest_biases)")
     suggest.add_argument("--low", type=float, default=DEFAULT_LOW_QUANTILE,
                          help=f"quantile of nonzero magnitudes to keep normal (default {DEFAULT_LOW_QUANTILE})")
@@ -57,6 +62,17 @@ def parse_args(argv):
         explain.add_argument(f"--{name}", type=float, dest=help_name.replace("-", "_"),
                              help=f"{help_name} (default: the tensor's param group in the file)")
     return parser.parse_args(argv)
+
+
+def bias_options() -> dict:
+    """Every rule's codes' bias options (core/rules.py): option -> (rule, the code's format at
+    its default bias, that bias)."""
+    options = {}
+    for entry in RULES.values():
+        for i, code in enumerate(entry.rule.codes):
+            bias = entry.default_bias(i)
+            options.setdefault(code.bias_option, (entry.name, entry.code_format(i, bias), bias))
+    return options
 
 
 _ELEMENT = re.compile(r"(?P<name>[^\[\]]+)(?P<index>(\[[-+\d,\s]+\])+)")
@@ -88,32 +104,45 @@ def flat_index(index: list[int], shape: tuple[int, ...], where: str) -> int:
 
 
 def explain(state_file, args) -> dict:
-    if state_file.identity == TORCH_ADAMW:
-        raise InspectError(f"{state_file.path} holds a torch.optim.AdamW state: its step is not packed-adamw's; "
-                           "--explain reads PackedAdamW states")
-    if args.grad is None:
-        raise InspectError("--explain needs the element's gradient: --grad VALUE")
     name, index = parse_element(args.explain)
     tensor = state_file.find(name)
     where = f"--explain {args.explain}"
+    if tensor.identity in TORCH_OPTIMIZERS:
+        raise InspectError(f"{state_file.path} holds a {tensor.identity} state: its step is not packed-adamw's; "
+                           "--explain reads the packed optimizers' states")
+    rule = tensor.fmt.rule
+    walk_step = ELEMENT_WALKS.get(rule.name)
+    if walk_step is None and rule.matrix_phase:
+        raise InspectError(f"{where}: {tensor.name} is stepped by {rule.name} (format {tensor.identity}), whose update "
+                           f"is not elementwise: each step orthogonalises the whole {tensor.shape} matrix's momentum "
+                           "with Newton-Schulz, so one element's update depends on every element of the matrix and "
+                           "its gradient and cannot be spelled out alone (docs/MUON.md); --explain walks the "
+                           f"elementwise steps of {', '.join(sorted(ELEMENT_WALKS))}")
+    if walk_step is None:
+        raise InspectError(f"{where}: {tensor.name} is stepped by {rule.name}, for which --explain has no element "
+                           f"walk (it has {', '.join(sorted(ELEMENT_WALKS))})")
+    if args.grad is None:
+        raise InspectError("--explain needs the element's gradient: --grad VALUE")
     i = flat_index(index, tensor.shape, where)
-    fmt = state_file.state_format
+    fmt = tensor.fmt
     if args.param is not None:
         p, p_source = args.param, "--param"
     elif tensor.param is not None:
-        p, p_source = float(tensor.param.reshape(-1)[i]), "the checkpoint's model weights"
+        p, p_source = float(tensor.param.reshape(-1)[i]), state_file.weights
     else:
         raise InspectError(f"{where}: {state_file.kind} files hold no model weights; pass --param VALUE")
     group = state_file.groups[tensor.group] if tensor.group is not None else None
     hyper, sources = {}, {}
-    for key in ("lr", "b1", "b2", "eps", "weight_decay", "maximize"):
+    for key in (*rule.hyperparam_fields, "maximize"):
         given = getattr(args, key, None)
         if given is not None:
             hyper[key], sources[key] = given, f"--{key.replace('_', '-')}"
-        elif group is not None:
+        elif group is not None and key in group:
             hyper[key], sources[key] = group[key], f"param group {tensor.group}"
         else:
             hyper[key], sources[key] = FALLBACK_HYPERPARAMETERS[key], "PackedAdamW default (not in the file)"
+    if args.step is None and tensor.step is None:
+        raise InspectError(f"{where}: the file keeps no step count for {tensor.name}; pass --step T")
     count = args.step if args.step is not None else tensor.step + 1
     if fmt.mode == "fp32":
         state = (float(tensor.moments[0].reshape(-1)[i]), float(tensor.moments[1].reshape(-1)[i]))
@@ -130,8 +159,7 @@ def explain(state_file, args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        state_file = load_state_file(args.path)
-        state_file.state_format  # a bad identity is refused here
+        state_file = load_state_file(args.path)  # a bad identity is refused here
         tensors = [state_file.find(name) for name in args.tensor] if args.tensor else state_file.tensors
         if args.explain:
             walk = explain(state_file, args)
@@ -146,8 +174,8 @@ def main(argv=None) -> int:
                     header.append(f"word {walk['word']}")
                 print(format_walk(walk, header))
             return 0
-        report = file_report(state_file, tensors, m_bias=args.m_bias, rms_bias=args.rms_bias, low=args.low,
-                             high=args.high, headroom=args.headroom)
+        report = file_report(state_file, tensors, biases={option: getattr(args, option) for option in bias_options()},
+                             low=args.low, high=args.high, headroom=args.headroom)
         if args.plot:
             plot_report(state_file, tensors, report, args.plot)
         print(json.dumps(report, indent=1) if args.json else format_report(report))

@@ -254,3 +254,9 @@ def _encode_note(value: float, code: int, fmt: MiniFloat, codec: authority.Codec
         return "zero"
     kind = "subnormal" if (code & ~fmt.sign_bit) >> fmt.fraction_bits == 0 else "normal"
     return f"{kind}, stored {stored}"
+
+
+# The rules whose one element's step can be spelled out, by `Rule.name`: each walk takes the
+# element's (p, g, stored state) and the rule's hyperparameter row by field name (and maximize).
+# A rule with a matrix phase (Muon's Newton-Schulz) has none: its update reads the whole matrix.
+ELEMENT_WALKS = {"adamw": walk_step}

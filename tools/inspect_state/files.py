@@ -1,14 +1,21 @@
-"""Reading the optimizer state out of the three kinds of files packed-adamw writes.
+"""Reading the optimizer state out of the four kinds of files packed-adamw writes.
 
 - a trainer checkpoint (`torch_frontend/gpt/checkpoint.py`): safetensors with JSON metadata,
   read with `read_checkpoint` (its checksum is verified); it also holds the model weights;
+- a training state of chat_train (`torch_frontend/gpt/training_state.py`,
+  `state_stepNNNNNN.safetensors`), read with `read_state` (its checksum is verified); it holds
+  the weights and their low halves too;
 - a torch optimizer state file, `torch.save(opt.state_dict(), path)`, read with
   `torch.load(weights_only=True)`;
 - a `PortableState` safetensors file (`core/portable.py`).
 
-torch is imported only for the first two. A state of `torch.optim.AdamW` (exp_avg,
-exp_avg_sq) reads as float32 moments too, so its statistics can choose biases; it has no
-packed-adamw format identity and cannot be explained step by step.
+torch is imported only for the first three. Each tensor's rule and format come from the
+format identity the file records for it (its param group's, the state_dict's, the
+PortableState's per tensor), looked up in core's registry of rules (`core/rules.py`), so a
+state of several rules (PackedMuonAdamW) reads tensor by tensor, and no rule is named here.
+A state of `torch.optim.AdamW` (exp_avg, exp_avg_sq) or `torch.optim.Muon` (momentum_buffer)
+records no identity: each group is read as the fp32 mode of the rule whose hyperparameters it
+holds, so its statistics can choose biases; it cannot be explained step by step.
 """
 from __future__ import annotations
 
@@ -18,15 +25,24 @@ from pathlib import Path
 
 import numpy as np
 
-from packed_adamw.core.format_health import moment_values, state_format_from_identity
-from packed_adamw.core.adamw.state_format import StateFormat
 from packed_adamw.core.codecs import read_master
+from packed_adamw.core.portable import MIXED
+from packed_adamw.core.rule import StateLayout
+from packed_adamw.core.rules import RULES, code_values, state_format_from_identity
 
 TORCH_ADAMW = "torch.optim.AdamW"  # `identity` of a torch.optim.AdamW state (no packed-adamw format)
+TORCH_MUON = "torch.optim.Muon"  # ... and of torch.optim.Muon's
+# torch's own optimizers, read as the fp32 mode of a rule: its float32 state under their keys
+# (torch.optim.Muon's momentum_buffer is Muon's fp32 entry; AdamW's exp_avg and exp_avg_sq stack
+# into fp32 mode's [2, *shape] moments)
+TORCH_OPTIMIZERS = {TORCH_ADAMW: "adamw", TORCH_MUON: "muon"}
+# Where a saved param group records its rule's format identity (torch_frontend/_persistence.py's
+# GROUP_FORMAT_KEY, spelled here so that PortableState files read without torch)
+GROUP_FORMAT_KEY = "packed_adamw_format"
 
 
 class InspectError(ValueError):
-    """A file that is not one of the three kinds, or a request the file cannot answer."""
+    """A file that is not one of the four kinds, or a request the file cannot answer."""
 
 
 @dataclass
@@ -36,39 +52,62 @@ class TensorState:
     index: int  # position in the optimizer's parameter order
     name: str  # the parameter's name when the file has one, else "#<index>"
     key: str  # where the state sits in the file
-    step: int  # the step count stored with it (steps taken)
-    moments: np.ndarray  # uint32 words shaped like the parameter, or float32 [2, *shape] (m, v)
+    step: int | None  # the step count stored with it (steps taken); None where the rule keeps none (Muon)
+    # the state entry as its rule stores it: AdamW's uint32 words (packed, fp16) or float32 [2, *shape]
+    # (m, v); Muon's uint16 momentum codes (packed, bf16) or float32 momenta
+    moments: np.ndarray
     group: int | None = None  # index of its param group, when the file has groups
     # the parameter's values as float32, when the file holds the model: a bf16 weight with a low
     # half is its split FP32 master (the value the step reads), one without is the widened weight
     param: np.ndarray | None = None
+    fmt: StateLayout | None = None  # its state format, of its rule (core/rules.py)
+    identity: str | None = None  # the identity recorded for it (TORCH_ADAMW / TORCH_MUON: torch's own)
+    # format counts saved with its state (entries named by its rule's `count_names`), if any
+    format_counts: dict | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.moments.shape[1:]) if self.moments.dtype == np.float32 else tuple(self.moments.shape)
+        leading = len(self.fmt.state_entry.leading) if self.fmt is not None else int(self.moments.dtype == np.float32)
+        return tuple(self.moments.shape[leading:])
 
     @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
+    @property
+    def rule(self) -> str:
+        return self.fmt.rule.name
+
 
 @dataclass
 class StateFile:
     path: Path
-    kind: str  # "trainer checkpoint", "torch state_dict", "portable state"
-    identity: str  # StateFormat.identity, or TORCH_ADAMW
+    kind: str  # "trainer checkpoint", "training state", "torch state_dict", "portable state"
+    identity: str  # the format identity every tensor shares (or TORCH_ADAMW / TORCH_MUON), MIXED when they differ
     tensors: list[TensorState]
-    groups: list[dict] = field(default_factory=list)  # hyperparameters per param group
+    groups: list[dict] = field(default_factory=list)  # per param group: its rule and hyperparameters
     trainer_step: int | None = None
+    weights: str | None = None  # where `TensorState.param` comes from, for messages (None: no weights)
 
     @property
-    def state_format(self) -> StateFormat:
-        """The moments' format; a torch.optim.AdamW state reads as fp32."""
-        return StateFormat("fp32") if self.identity == TORCH_ADAMW else state_format_from_identity(self.identity)
+    def state_format(self) -> StateLayout:
+        """The one format of the file's tensors; a torch optimizer's state reads as its rule's fp32."""
+        if self.identity == MIXED:
+            found = ", ".join(dict.fromkeys(t.identity for t in self.tensors))
+            raise InspectError(f"{self.path} holds tensors of several formats ({found}): each tensor's is its `fmt`")
+        return _format_of(self.identity, self.path)
 
-    def values(self, tensor: TensorState) -> tuple[np.ndarray, np.ndarray]:
-        """(m, RMS) of one tensor as float32 arrays shaped like the parameter."""
-        return moment_values(tensor.moments, self.state_format)
+    def values(self, tensor: TensorState) -> tuple[np.ndarray, ...]:
+        """Each code's values of one tensor (its rule's `codes` order: AdamW's m and RMS, Muon's
+        momenta) as float32 arrays shaped like the parameter."""
+        return code_values(tensor.moments, tensor.fmt)
+
+    def sections(self, tensors: list[TensorState] | None = None) -> list[tuple[str, list[TensorState]]]:
+        """(identity, its tensors) for each format among `tensors` (default: all), in file order."""
+        by_identity = {}
+        for tensor in self.tensors if tensors is None else tensors:
+            by_identity.setdefault(tensor.identity, []).append(tensor)
+        return list(by_identity.items())
 
     def find(self, name: str) -> TensorState:
         """A tensor by parameter name, by "#<index>" or "<index>", or by its key in the file."""
@@ -85,8 +124,8 @@ def load_state_file(path) -> StateFile:
         candidate = path / "checkpoint.safetensors"
         if not candidate.is_file():
             raise InspectError(f"{path} is a directory without a checkpoint.safetensors (sharded checkpoint "
-                               "directories are not read); pass a trainer checkpoint, a torch optimizer state "
-                               "file or a PortableState file")
+                               "directories are not read); pass a trainer checkpoint, a training state, a torch "
+                               "optimizer state file or a PortableState file")
         path = candidate
     if not path.is_file():
         raise InspectError(f"{path} does not exist")
@@ -101,8 +140,10 @@ def load_state_file(path) -> StateFile:
         file_format = metadata.get("format")
     if isinstance(file_format, str) and file_format.startswith("packed-adamw-gpt-checkpoint/"):
         return _trainer_checkpoint(path)
-    raise InspectError(f"{path} is a safetensors file but neither a trainer checkpoint nor a PortableState "
-                       f"(metadata format {file_format!r})")
+    if isinstance(file_format, str) and file_format.startswith("packed-adamw-training-state/"):
+        return _training_state(path)
+    raise InspectError(f"{path} is a safetensors file but neither a trainer checkpoint, a training state nor a "
+                       f"PortableState (metadata format {file_format!r})")
 
 
 def _safetensors_metadata(path: Path) -> dict | None:
@@ -119,14 +160,29 @@ def _safetensors_metadata(path: Path) -> dict | None:
         raise InspectError(f"cannot read {path} as safetensors: {error}") from error
 
 
-def _words_or_moments(array: np.ndarray, key: str) -> np.ndarray:
-    if key == "words":
-        if array.dtype == np.int32:  # int32 views of the words (pickled or sharded saves)
-            array = array.view(np.uint32)
-        if array.dtype != np.uint32:
-            raise InspectError(f"state entry 'words' is {array.dtype}, expected uint32 words")
-    elif array.dtype != np.float32:
-        raise InspectError(f"state entry {key!r} is {array.dtype}, expected float32")
+def _format_of(identity: str, path) -> StateLayout:
+    """The state format a recorded identity names (torch's own optimizers: their rule's fp32)."""
+    if identity in TORCH_OPTIMIZERS:
+        return RULES[TORCH_OPTIMIZERS[identity]].state_format("fp32")
+    try:
+        return state_format_from_identity(identity)
+    except ValueError as error:
+        raise InspectError(f"{path}: {error}") from None
+
+
+def _stored_entry(array: np.ndarray, fmt: StateLayout, key: str) -> np.ndarray:
+    """A state entry as its format lays it out: integer codes saved as a view of another
+    integer type of their width (torch's int32 words, int16 codes) read as the same bits."""
+    expected = np.dtype(fmt.state_dtype)
+    if array.dtype != expected:
+        if array.dtype.kind in "iu" and expected.kind in "iu" and array.dtype.itemsize == expected.itemsize:
+            array = array.view(expected)
+        else:
+            raise InspectError(f"state entry {key!r} is {array.dtype}, expected {expected} (format {fmt.identity})")
+    leading = fmt.state_entry.leading
+    if tuple(array.shape[:len(leading)]) != leading:
+        raise InspectError(f"state entry {key!r} has shape {array.shape}, expected {leading} before the parameter's "
+                           f"axes (format {fmt.identity})")
     return array
 
 
@@ -154,49 +210,94 @@ def _low_half(lo: np.ndarray) -> np.ndarray:
     return lo
 
 
-def _group_hyperparameters(group: dict) -> dict:
-    def plain(x):
-        return float(x.item() if hasattr(x, "item") else x)
-
-    b1, b2 = group["betas"]
-    return {"lr": plain(group["lr"]), "b1": plain(b1), "b2": plain(b2), "eps": plain(group["eps"]),
-            "weight_decay": plain(group["weight_decay"]), "maximize": bool(group.get("maximize", False))}
+def _plain(x):
+    return float(x.item() if hasattr(x, "item") else x)
 
 
-def _plain_step(step) -> int:
-    return int(step.item() if hasattr(step, "item") else step)
+def _group_hyperparameters(group: dict, fmt: StateLayout) -> dict:
+    """A saved group's rule and hyperparameter row (its `hyperparam_fields`, through its rule's
+    `group_row`), and maximize; a group missing one of its rule's keys gives the rule alone."""
+    rule = fmt.rule
+    try:
+        row = rule.group_row(*(group[key] for key in rule.group_keys), number=_plain)
+    except (KeyError, TypeError, ValueError):
+        return {"rule": rule.name}
+    return {"rule": rule.name, **dict(zip(rule.hyperparam_fields, row)), "maximize": bool(group.get("maximize", False))}
 
 
-def _from_optimizer_state(path, kind, identity, state: dict, param_groups: list, params: dict | None,
-                          key_of) -> StateFile:
-    """Shared by torch state files and trainer checkpoints: `state` maps a parameter index to
-    its entries (numpy arrays and the step), `param_groups` as saved."""
-    groups, names, group_of = [], {}, {}
-    for g_index, group in enumerate(param_groups):
-        groups.append(_group_hyperparameters(group))
+def _plain_step(step) -> int | None:
+    return None if step is None else int(step.item() if hasattr(step, "item") else step)
+
+
+def _saved_counts(entry: dict, fmt: StateLayout) -> dict | None:
+    """Format counts saved in a parameter's state: its entries named by the rule's count names
+    (`Rule.count_names`: saturated_mu, ...), as numbers or one-element tensors."""
+    found = {name: int(np.asarray(entry[name])) for name in fmt.rule.count_names if name in entry}
+    return found or None
+
+
+def _group_identities(path, meta, param_groups: list, fallback: str | None = None) -> list[str]:
+    """Each saved group's format identity: its own record, else the state_dict's (one string,
+    or one per group kind: PackedMuonAdamW's), else `fallback`; a group with none is a torch
+    optimizer's, named by the rule whose hyperparameters it holds."""
+    top = meta.get("format") if isinstance(meta, dict) else None
+    if meta and top is None:
+        raise InspectError(f"{path}: the 'packed_adamw' entry has no format: {meta!r}")
+    identities = []
+    for index, group in enumerate(param_groups):
+        identity = group.get(GROUP_FORMAT_KEY)
+        if identity is None:
+            identity = top.get(group.get("kind")) if isinstance(top, dict) else top
+        identity = identity or fallback
+        if identity is None:
+            identity = next((name for name, rule in TORCH_OPTIMIZERS.items()
+                             if set(RULES[rule].rule.group_keys) <= set(group)), None)
+        if identity is None:
+            raise InspectError(f"{path}: param group {index} records no format identity and holds the "
+                               f"hyperparameters of no rule ({', '.join(sorted(group))})")
+        identities.append(identity)
+    return identities
+
+
+def _from_optimizer_state(path, kind, identities: list[str], state: dict, param_groups: list,
+                          params: dict | None, key_of, names: dict | None = None) -> StateFile:
+    """Shared by torch state files, trainer checkpoints and training states: `state` maps a
+    parameter index to its entries (numpy arrays, the step and other numbers), `param_groups`
+    as saved, `identities` each group's format identity (`_group_identities`)."""
+    formats = {identity: _format_of(identity, path) for identity in identities}
+    groups, names, group_of = [], dict(names or {}), {}
+    for g_index, (group, identity) in enumerate(zip(param_groups, identities)):
+        groups.append(_group_hyperparameters(group, formats[identity]))
         group_names = group.get("param_names") or []
         for position, p_index in enumerate(group["params"]):
             group_of[p_index] = g_index
             if position < len(group_names):
-                names[p_index] = group_names[position]
+                names.setdefault(p_index, group_names[position])
     tensors = []
     for p_index in sorted(state):
         entry = state[p_index]
-        if "words" in entry or "moments" in entry:
-            entry_key = "words" if "words" in entry else "moments"
-            moments = _words_or_moments(entry[entry_key], entry_key)
-        elif "exp_avg" in entry and "exp_avg_sq" in entry:
+        if p_index not in group_of:
+            raise InspectError(f"{path}: state entry {p_index} belongs to no param group; the file is damaged")
+        identity = identities[group_of[p_index]]
+        fmt = formats[identity]
+        if identity == TORCH_ADAMW:
+            if "exp_avg" not in entry or "exp_avg_sq" not in entry:
+                continue
             entry_key = "exp_avg"
             moments = np.stack([entry["exp_avg"].astype(np.float32), entry["exp_avg_sq"].astype(np.float32)])
+        elif fmt.state_key in entry:
+            entry_key = fmt.state_key
+            moments = _stored_entry(entry[entry_key], fmt, entry_key)
         else:
-            continue
+            continue  # never stepped
         name = names.get(p_index, f"#{p_index}")
         param = params.get(name) if params else None
-        if param is not None and "lo" in entry:
-            param = _split_master(param, entry["lo"])
-        tensors.append(TensorState(p_index, name, key_of(p_index, entry_key), _plain_step(entry.get("step", 0)),
-                                   moments, group_of.get(p_index), param))
-    return StateFile(path, kind, identity, tensors, groups)
+        if param is not None and fmt.low_half_key in entry:
+            param = _split_master(param, entry[fmt.low_half_key])
+        tensors.append(TensorState(p_index, name, key_of(p_index, entry_key), _plain_step(entry.get("step")),
+                                   moments, group_of[p_index], param, fmt, identity, _saved_counts(entry, fmt)))
+    found = list(dict.fromkeys(t.identity for t in tensors) or dict.fromkeys(identities))
+    return StateFile(path, kind, found[0] if len(found) == 1 else MIXED, tensors, groups)
 
 
 def _torch_state_file(path: Path) -> StateFile:
@@ -211,22 +312,11 @@ def _torch_state_file(path: Path) -> StateFile:
                            f"reads: {type(error).__name__}: {error}") from error
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise InspectError(f"{path} is a torch file but not an optimizer state_dict (no 'state' and 'param_groups')")
-    identity = _identity(sd.get("packed_adamw"), sd["param_groups"], path)
+    identities = _group_identities(path, sd.get("packed_adamw"), sd["param_groups"])
     state = {int(i): {k: (_torch_numpy(v) if isinstance(v, torch.Tensor) and k != "step" else v)
                       for k, v in entry.items()} for i, entry in sd["state"].items()}
-    return _from_optimizer_state(path, "torch state_dict", identity, state, sd["param_groups"], None,
+    return _from_optimizer_state(path, "torch state_dict", identities, state, sd["param_groups"], None,
                                  lambda i, key: f"state[{i}][{key!r}]")
-
-
-def _identity(meta, param_groups, path) -> str:
-    if isinstance(meta, dict) and "format" in meta:
-        return meta["format"]
-    found = {g.get("packed_adamw_format") for g in param_groups}
-    if len(found) == 1 and None not in found:
-        return found.pop()
-    if not meta:
-        return TORCH_ADAMW
-    raise InspectError(f"{path}: the 'packed_adamw' entry has no format: {meta!r}")
 
 
 def _trainer_checkpoint(path: Path) -> StateFile:
@@ -237,16 +327,45 @@ def _trainer_checkpoint(path: Path) -> StateFile:
     except CheckpointError as error:
         raise InspectError(str(error)) from error
     optimizer = metadata["optimizer"]
-    identity = optimizer.get("format_identity") or (optimizer.get("packed_adamw") or {}).get("format") or TORCH_ADAMW
+    identities = _group_identities(path, optimizer.get("packed_adamw"), optimizer["param_groups"],
+                                   optimizer.get("format_identity"))
     state = {int(i): dict(entry) for i, entry in optimizer.get("scalar_state", {}).items()}
     for key, tensor in tensors.items():
         if key.startswith("optimizer/state/"):
             index, name = key.removeprefix("optimizer/state/").split("/")
             state.setdefault(int(index), {})[name] = tensor if name == "step" else _torch_numpy(tensor)
     params = {key.removeprefix("model/"): _torch_numpy(t) for key, t in tensors.items() if key.startswith("model/")}
-    result = _from_optimizer_state(path, "trainer checkpoint", identity, state, optimizer["param_groups"], params,
+    result = _from_optimizer_state(path, "trainer checkpoint", identities, state, optimizer["param_groups"], params,
                                    lambda i, key: f"optimizer/state/{i}/{key}")
     result.trainer_step = metadata.get("trainer", {}).get("step")
+    result.weights = "the checkpoint's model weights"
+    return result
+
+
+def _training_state(path: Path) -> StateFile:
+    """chat_train's state file: the optimizer's state_dict as training_state rebuilds it for a
+    load (a bf16 weight's mantissa as its low half), each parameter named by its entry."""
+    import torch
+
+    from packed_adamw.torch.gpt.training_state import TrainingStateError, _optimizer_state_dict, read_state
+
+    try:
+        tensors, metadata = read_state(path)
+        optimizer = metadata["optimizer"]
+        sd = _optimizer_state_dict(tensors, optimizer)
+        names = {int(index): entry["name"] for index, entry in optimizer["entries"].items()}
+    except (TrainingStateError, KeyError) as error:
+        raise InspectError(f"cannot read training state {path}: {error}") from error
+    state = {int(i): {k: (_torch_numpy(v) if isinstance(v, torch.Tensor) and k != "step" else v)
+                      for k, v in entry.items()} for i, entry in sd["state"].items()}
+    params = {key[len("params/"):-len("/w")]: _torch_numpy(t) for key, t in tensors.items()
+              if key.startswith("params/") and key.endswith("/w")}
+    result = _from_optimizer_state(path, "training state", _group_identities(path, sd.get("packed_adamw"),
+                                                                             sd["param_groups"]),
+                                   state, sd["param_groups"], params, lambda i, key: f"params/{names[i]}/opt/{key}",
+                                   names)
+    result.trainer_step = metadata.get("step")
+    result.weights = "the training state's model weights"
     return result
 
 
@@ -254,9 +373,12 @@ def _portable_file(path: Path) -> StateFile:
     from packed_adamw.core.portable import PortableState
 
     portable = PortableState.load(path)
+    identities = portable.tensor_formats()
+    formats = {identity: _format_of(identity, path) for identity in identities}
     tensors = []
-    for i, (count, moments) in enumerate(zip(portable.counts, portable.moments)):
+    for i, (identity, count, moments) in enumerate(zip(identities, portable.counts, portable.moments)):
         key = f"moments.{i}"
-        tensors.append(TensorState(i, key, key, int(count), _words_or_moments(
-            moments, "moments" if moments.dtype == np.float32 else "words")))
+        fmt = formats[identity]
+        tensors.append(TensorState(i, key, key, _plain_step(count), _stored_entry(moments, fmt, key), fmt=fmt,
+                                   identity=identity))
     return StateFile(path, "portable state", portable.format, tensors)

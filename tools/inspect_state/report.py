@@ -1,5 +1,5 @@
-"""What `python -m packed_adamw.inspect` prints: per tensor, the moments against the window of
-their format; the biases the file's moments suggest; one element's step."""
+"""What `python -m packed_adamw.inspect` prints: per rule's format, each tensor's codes against
+the window of their format; the biases the file's values suggest; one element's step."""
 from __future__ import annotations
 
 import math
@@ -10,66 +10,84 @@ from packed_adamw.core.authority import f32_bits
 from packed_adamw.core.format_health import (
     WINDOW_CLASSES,
     log2_quantiles,
-    suggest_biases,
+    suggest_state_biases,
     window_edges,
     window_histogram,
 )
-from packed_adamw.core.codecs import MiniFloat
-from packed_adamw.core.adamw.state_format import first_moment_format, rms_format
+from packed_adamw.core.rules import rule_formats
 
 from .files import StateFile, TensorState
 
 LOG2_LEVELS = (0.0, 0.01, 0.5, 0.99, 1.0)
+# A report of one format has its section's keys at the top level too (the 1.x report's layout).
+SECTION_KEYS = ("rule", "codes", "stored", "windows", "tensors", "total", "suggestion")
 
 
-def windows(state_file: StateFile, m_bias: int, rms_bias: int) -> tuple[MiniFloat, MiniFloat, bool]:
-    """(first-moment format, RMS format, stored): the formats the moments are held in, or, for
-    float32 moments, the packed formats at the given biases that they would be encoded into."""
-    formats = state_file.state_format.formats
-    if formats is not None:
-        return formats[0], formats[1], True
-    return first_moment_format(m_bias), rms_format(rms_bias), False
+def windows(fmt, biases: dict[str, int]) -> tuple[tuple, bool]:
+    """(each code's format, stored): the formats a state's codes are held in, or, for values
+    kept wider (float32 modes, Muon's bf16 momenta), the packed formats they would be encoded
+    into at `biases` (by bias option; a code not named keeps its default)."""
+    if fmt.formats is not None:
+        return fmt.formats, True
+    entry = rule_formats(fmt)
+    return entry.packed(**{c.bias_option: biases[c.bias_option] for c in entry.rule.codes
+                           if c.bias_option in biases}).formats, False
 
 
-def tensor_report(state_file: StateFile, tensor: TensorState, m_fmt: MiniFloat, r_fmt: MiniFloat) -> dict:
-    m, rms = state_file.values(tensor)
-    return {"name": tensor.name, "index": tensor.index, "key": tensor.key, "shape": list(tensor.shape),
-            "elements": tensor.size, "step": tensor.step, "group": tensor.group,
-            "m": {**window_histogram(m, m_fmt).as_dict(), "log2_quantiles": log2_quantiles(m, LOG2_LEVELS)},
-            "rms": {**window_histogram(rms, r_fmt).as_dict(), "log2_quantiles": log2_quantiles(rms, LOG2_LEVELS)}}
+def tensor_report(tensor: TensorState, values: tuple, codes, formats) -> dict:
+    out = {"name": tensor.name, "index": tensor.index, "key": tensor.key, "shape": list(tensor.shape),
+           "elements": tensor.size, "step": tensor.step, "group": tensor.group, "rule": tensor.rule,
+           "identity": tensor.identity}
+    for code, fmt, x in zip(codes, formats, values):
+        out[code.suffix] = {**window_histogram(x, fmt).as_dict(), "log2_quantiles": log2_quantiles(x, LOG2_LEVELS)}
+    out["format_counts"] = tensor.format_counts
+    return out
 
 
-def file_report(state_file: StateFile, tensors: list[TensorState], *, m_bias: int, rms_bias: int, low: float,
-                high: float, headroom: float) -> dict:
-    m_fmt, r_fmt, stored = windows(state_file, m_bias, rms_bias)
+def section_report(state_file: StateFile, identity: str, tensors: list[TensorState], *, biases: dict, low: float,
+                   high: float, headroom: float) -> dict:
+    """One format's part of a report: its tensors, totals and suggestions (all, and per group)."""
+    fmt = tensors[0].fmt
+    entry = rule_formats(fmt)
+    codes = entry.rule.codes
+    formats, stored = windows(fmt, biases)
     values = [state_file.values(t) for t in tensors]
-    m_all, rms_all = [v[0] for v in values], [v[1] for v in values]
-    report = {
-        "path": str(state_file.path), "kind": state_file.kind, "identity": state_file.identity,
-        "trainer_step": state_file.trainer_step, "stored": stored,
-        "windows": {"m": {"format": m_fmt.identity, "max_value": m_fmt.max_value, "min_normal": m_fmt.min_normal,
-                          "min_subnormal": m_fmt.min_subnormal, **window_edges(m_fmt)},
-                    "rms": {"format": r_fmt.identity, "max_value": r_fmt.max_value, "min_normal": r_fmt.min_normal,
-                            "min_subnormal": r_fmt.min_subnormal, **window_edges(r_fmt)}},
-        "tensors": [tensor_report(state_file, t, m_fmt, r_fmt) for t in tensors],
+    per_code = [[v[i] for v in values] for i in range(len(codes))]
+    section = {
+        "rule": entry.name, "identity": identity, "stored": stored,
+        "codes": [{"suffix": c.suffix, "holds": c.holds, "bias_option": c.bias_option} for c in codes],
+        "windows": {c.suffix: {"format": f.identity, "max_value": f.max_value, "min_normal": f.min_normal,
+                               "min_subnormal": f.min_subnormal, **window_edges(f)} for c, f in zip(codes, formats)},
+        "tensors": [tensor_report(t, v, codes, formats) for t, v in zip(tensors, values)],
         "total": {"elements": sum(t.size for t in tensors),
-                  "m": window_histogram(np.concatenate([x.ravel() for x in m_all]) if m_all else [], m_fmt).as_dict(),
-                  "rms": window_histogram(np.concatenate([x.ravel() for x in rms_all]) if rms_all else [],
-                                          r_fmt).as_dict()},
-        "groups": state_file.groups,
+                  **{c.suffix: window_histogram(np.concatenate([x.ravel() for x in xs]), f).as_dict()
+                     for c, f, xs in zip(codes, formats, per_code)}},
     }
-    if tensors:
-        suggestion = {"all": suggest_biases(m_all, rms_all, low=low, high=high, headroom=headroom).as_dict()}
-        by_group = {}
-        for t, (m, rms) in zip(tensors, values):
-            if t.group is not None:
-                pair = by_group.setdefault(f"param group {t.group}", ([], []))
-                pair[0].append(m)
-                pair[1].append(rms)
-        if len(by_group) > 1:
-            for name, s in suggest_biases(by_group, low=low, high=high, headroom=headroom).items():
-                suggestion[name] = s.as_dict()
-        report["suggestion"] = {"low": low, "high": high, "headroom": headroom, "censored": stored, **suggestion}
+    suggestion = {"all": suggest_state_biases(entry.name, per_code, low=low, high=high, headroom=headroom).as_dict()}
+    by_group = {}
+    for t, v in zip(tensors, values):
+        if t.group is not None:
+            lists = by_group.setdefault(f"param group {t.group}", [[] for _ in codes])
+            for i, x in enumerate(v):
+                lists[i].append(x)
+    if len(by_group) > 1:
+        for name, s in suggest_state_biases(entry.name, by_group, low=low, high=high, headroom=headroom).items():
+            suggestion[name] = s.as_dict()
+    section["suggestion"] = {"low": low, "high": high, "headroom": headroom, "censored": stored, **suggestion}
+    return section
+
+
+def file_report(state_file: StateFile, tensors: list[TensorState], *, biases: dict, low: float, high: float,
+                headroom: float) -> dict:
+    """The report: one section per format among `tensors` (a PackedMuonAdamW state has Muon's
+    and AdamW's), with the file's param groups; a file of one format also has its section's
+    keys at the top level."""
+    report = {"path": str(state_file.path), "kind": state_file.kind, "identity": state_file.identity,
+              "trainer_step": state_file.trainer_step, "groups": state_file.groups,
+              "sections": [section_report(state_file, identity, part, biases=biases, low=low, high=high,
+                                          headroom=headroom) for identity, part in state_file.sections(tensors)]}
+    if len(report["sections"]) == 1:
+        report.update({key: report["sections"][0][key] for key in SECTION_KEYS})
     return report
 
 
@@ -93,49 +111,67 @@ def _quantile_line(q: dict | None) -> str:
     return "log2|x| " + "  ".join(f"{labels.get(k, k)} {v:.2f}" for k, v in q.items())
 
 
+def _label(code: dict) -> str:
+    return f"|{code['suffix']}|"
+
+
+def _format_section(section: dict) -> list[str]:
+    w, codes = section["windows"], section["codes"]
+    width = max(len(_label(c)) for c in codes)
+    lines = [f"rule {section['rule']}, format {section['identity']}"]
+    how = "stored in" if section["stored"] else "kept wider than the code; counted as they would be stored in"
+    for code in codes:
+        x = w[code["suffix"]]
+        lines.append(f"  {_label(code)} ({code['holds']}) {how} {x['format']}: max {x['max_value']!r} "
+                     f"(2^{x['log2_max_value']:.4g}), min normal 2^{x['log2_min_normal']:.0f}, "
+                     f"min subnormal 2^{x['log2_min_subnormal']:.0f}")
+    if section["stored"]:
+        lines.append("  (stored codes: a value that flushed reads as zero, one that saturated as the maximum)")
+    for t in section["tensors"]:
+        lines.append("")
+        group = f"  group {t['group']}" if t["group"] is not None else ""
+        step = f"step {t['step']}" if t["step"] is not None else "no step count"
+        lines.append(f"{t['name']}  {tuple(t['shape'])}  {t['elements']:,} elements  {step}{group}")
+        for code in codes:
+            lines.append(f"  {_label(code):<{width}} {_classes_line(t[code['suffix']])}")
+            lines.append(f"  {'':<{width}} {_quantile_line(t[code['suffix']]['log2_quantiles'])}")
+        if t["format_counts"]:
+            lines.append("  saved format counts: " + ", ".join(f"{k} {v:,}" for k, v in t["format_counts"].items()))
+    total = section["total"]
+    lines += ["", f"all {len(section['tensors'])} tensors of {section['identity']}, {total['elements']:,} elements"]
+    for code in codes:
+        lines.append(f"  {_label(code):<{width}} {_classes_line(total[code['suffix']])}")
+    s = section["suggestion"]
+    lines += ["", f"suggested biases (quantiles {s['low']:g} and {s['high']:g} of nonzero magnitudes, "
+                  f"headroom {s['headroom']:g}x)"]
+    if s["censored"]:
+        lines.append("  from stored values, which the format has already clamped and flushed: "
+                     "collect float32 values (mode fp32) to decide")
+    for name, choice in s.items():
+        if not isinstance(choice, dict):
+            continue
+        chosen = " ".join(f"{c['bias_option']}={choice[c['bias_option']]}" for c in codes)
+        lines.append(f"  {name}: {chosen}  ({choice['identity']})")
+        for code in codes:
+            c = choice[code["suffix"]]
+            sample = c["sample"]
+            at = (f"; sample at this bias: saturated {sample['fractions']['saturated']:.3g}, subnormal "
+                  f"{sample['fractions']['subnormal']:.3g}, flushed {sample['fractions']['flushed']:.3g}"
+                  if sample else "")
+            lines.append(f"    {code['suffix']}: {c['reason']}{at}")
+        for note in choice["notes"]:
+            lines.append(f"    note: {note}")
+    return lines
+
+
 def format_report(report: dict) -> str:
-    w = report["windows"]
     lines = [f"{report['path']}: {report['kind']}"
              + (f" at trainer step {report['trainer_step']}" if report["trainer_step"] is not None else ""),
              f"format {report['identity']}"]
-    how = "stored in" if report["stored"] else "float32 moments; counted as they would be stored in"
-    for label, key in (("|m|", "m"), ("RMS", "rms")):
-        x = w[key]
-        lines.append(f"  {label} {how} {x['format']}: max {x['max_value']!r} (2^{x['log2_max_value']:.4g}), "
-                     f"min normal 2^{x['log2_min_normal']:.0f}, min subnormal 2^{x['log2_min_subnormal']:.0f}")
-    if report["stored"]:
-        lines.append("  (stored codes: a value that flushed reads as zero, one that saturated as the maximum)")
-    for t in report["tensors"]:
-        lines.append("")
-        group = f"  group {t['group']}" if t["group"] is not None else ""
-        lines.append(f"{t['name']}  {tuple(t['shape'])}  {t['elements']:,} elements  step {t['step']}{group}")
-        for label, key in (("|m|", "m"), ("RMS", "rms")):
-            lines.append(f"  {label:<4} {_classes_line(t[key])}")
-            lines.append(f"       {_quantile_line(t[key]['log2_quantiles'])}")
-    total = report["total"]
-    lines += ["", f"all {len(report['tensors'])} tensors, {total['elements']:,} elements"]
-    for label, key in (("|m|", "m"), ("RMS", "rms")):
-        lines.append(f"  {label:<4} {_classes_line(total[key])}")
-    s = report.get("suggestion")
-    if s:
-        lines += ["", f"suggested biases (quantiles {s['low']:g} and {s['high']:g} of nonzero magnitudes, "
-                      f"headroom {s['headroom']:g}x)"]
-        if s["censored"]:
-            lines.append("  from stored values, which the format has already clamped and flushed: "
-                         "collect float32 moments (mode fp32) to decide")
-        for name, choice in s.items():
-            if not isinstance(choice, dict):
-                continue
-            lines.append(f"  {name}: m_bias={choice['m_bias']} rms_bias={choice['rms_bias']}  ({choice['identity']})")
-            for label, key in (("m", "m"), ("rms", "rms")):
-                c = choice[key]
-                sample = c["sample"]
-                at = (f"; sample at this bias: saturated {sample['fractions']['saturated']:.3g}, subnormal "
-                      f"{sample['fractions']['subnormal']:.3g}, flushed {sample['fractions']['flushed']:.3g}"
-                      if sample else "")
-                lines.append(f"    {label}: {c['reason']}{at}")
-            for note in choice["notes"]:
-                lines.append(f"    note: {note}")
+    if not report["sections"]:
+        lines.append("no optimizer state to report (no tensor was stepped, or none was selected)")
+    for section in report["sections"]:
+        lines += ["", *_format_section(section)]
     return "\n".join(lines)
 
 
@@ -143,38 +179,46 @@ def format_report(report: dict) -> str:
 
 
 def plot_report(state_file: StateFile, tensors: list[TensorState], report: dict, out_path) -> None:
-    """Histograms of log2|m| and log2 RMS over `tensors`, the format's window marked."""
+    """Histograms of each code's log2 magnitudes over `tensors`, one row per format (rule), the
+    format's window marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    values = [state_file.values(t) for t in tensors]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, label, column in ((axes[0], "m", "|m|", 0), (axes[1], "rms", "RMS", 1)):
-        flat = np.concatenate([v[column].ravel() for v in values]) if values else np.zeros(0, np.float32)
-        magnitude = np.abs(flat.astype(np.float64))
-        nonzero = magnitude[(magnitude > 0) & np.isfinite(magnitude)]
-        w = report["windows"][key]
-        lo_edge, sub_edge, hi_edge = w["log2_min_subnormal"], w["log2_min_normal"], w["log2_max_value"]
-        logs = np.log2(nonzero) if nonzero.size else np.zeros(0)
-        left = math.floor(min(logs.min() if logs.size else lo_edge, lo_edge - 1)) - 1
-        right = math.ceil(max(logs.max() if logs.size else hi_edge, hi_edge)) + 1
-        h = report["total"][key]
-        share = {name: f"{100 * h['fractions'][name]:.3g}%" for name in WINDOW_CLASSES}
-        ax.axvspan(left, lo_edge - 1, color="tab:gray", alpha=0.25, label=f"flushed to 0: {share['flushed']}")
-        ax.axvspan(lo_edge - 1, sub_edge, color="tab:orange", alpha=0.2, label=f"subnormal: {share['subnormal']}")
-        ax.axvspan(hi_edge, right, color="tab:red", alpha=0.2, label=f"saturated: {share['saturated']}")
-        for x in (lo_edge, sub_edge, hi_edge):
-            ax.axvline(x, color="black", lw=0.8, ls="--")
-        if logs.size:
-            ax.hist(logs, bins=np.arange(left, right + 0.25, 0.25), color="tab:blue",
-                    label=f"{label}, nonzero (normal: {share['normal']})")
-        ax.set(xlim=(left, right), xlabel=f"log2 {label}", ylabel="elements",
-               title=f"{label} in {w['format']}" + ("" if report["stored"] else " (if stored)")
-               + f": {h['counts']['zero']:,} zero of {h['total']:,}")
-        ax.set_yscale("log")
-        ax.legend(fontsize=8, loc="upper left")
+    sections = report["sections"]
+    columns = max((len(s["codes"]) for s in sections), default=1)
+    fig, axes = plt.subplots(max(len(sections), 1), columns, figsize=(6 * columns, 4.5 * max(len(sections), 1)),
+                             squeeze=False)
+    for row, ((identity, part), section) in enumerate(zip(state_file.sections(tensors), sections)):
+        values = [state_file.values(t) for t in part]
+        for column, code in enumerate(section["codes"]):
+            ax, key, label = axes[row][column], code["suffix"], _label(code)
+            flat = np.concatenate([v[column].ravel() for v in values])
+            magnitude = np.abs(flat.astype(np.float64))
+            nonzero = magnitude[(magnitude > 0) & np.isfinite(magnitude)]
+            w = section["windows"][key]
+            lo_edge, sub_edge, hi_edge = w["log2_min_subnormal"], w["log2_min_normal"], w["log2_max_value"]
+            logs = np.log2(nonzero) if nonzero.size else np.zeros(0)
+            left = math.floor(min(logs.min() if logs.size else lo_edge, lo_edge - 1)) - 1
+            right = math.ceil(max(logs.max() if logs.size else hi_edge, hi_edge)) + 1
+            h = section["total"][key]
+            share = {name: f"{100 * h['fractions'][name]:.3g}%" for name in WINDOW_CLASSES}
+            ax.axvspan(left, lo_edge - 1, color="tab:gray", alpha=0.25, label=f"flushed to 0: {share['flushed']}")
+            ax.axvspan(lo_edge - 1, sub_edge, color="tab:orange", alpha=0.2, label=f"subnormal: {share['subnormal']}")
+            ax.axvspan(hi_edge, right, color="tab:red", alpha=0.2, label=f"saturated: {share['saturated']}")
+            for x in (lo_edge, sub_edge, hi_edge):
+                ax.axvline(x, color="black", lw=0.8, ls="--")
+            if logs.size:
+                ax.hist(logs, bins=np.arange(left, right + 0.25, 0.25), color="tab:blue",
+                        label=f"{label}, nonzero (normal: {share['normal']})")
+            ax.set(xlim=(left, right), xlabel=f"log2 {label}", ylabel="elements",
+                   title=f"{section['rule']}: {label} in {w['format']}" + ("" if section["stored"] else " (if stored)")
+                   + f": {h['counts']['zero']:,} zero of {h['total']:,}")
+            ax.set_yscale("log")
+            ax.legend(fontsize=8, loc="upper left")
+        for column in range(len(section["codes"]), columns):
+            axes[row][column].axis("off")
     fig.suptitle(f"{report['path']} ({report['identity']}), {len(tensors)} tensors", fontsize=9)
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
