@@ -4,8 +4,17 @@ step of all the rows, and DDP and FSDP2 on 2 gloo ranks against one process with
 global batch, FSDP2 resumed resharded 1 -> 2 -> 1 ranks. The model is the chat-tiny preset on
 tapes of a 320-entry tokenizer trained for the test (tokenizer/train_tokenizer.py), so a step
 takes a fraction of a second."""
+import errno
+import fcntl
 import json
+import os
 import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,11 +70,29 @@ def trajectory(records) -> list[tuple]:
     return [tuple((k, v) for k, v in r.items() if k not in ("step_ms", "tokens_per_s")) for r in records]
 
 
+def refused_flag(capsys, argv) -> str:
+    """The error line of a command line refused at parse time: argparse's exit 2, a usage line
+    and one line naming the flag, before anything is read or written."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(map(str, argv)))
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("usage: "), lines
+    assert lines[1].startswith("python -m packed_adamw.torch.gpt.chat_train: error: --"), lines
+    return lines[1]
+
+
+def files_of(directory) -> dict:
+    """Every file's bytes, by name (to show that a refused run changed nothing), but the run lock
+    (an empty file that any run into the directory opens)."""
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and p.name != "run.lock"}
+
+
 @pytest.fixture(scope="module")
 def straight(data, tmp_path_factory):
-    """4 steps in one session, bf16 weights, evaluating every 2 steps."""
+    """4 steps in one session, bf16 weights, evaluating every 2 steps, a state after steps 2 and 4."""
     out = tmp_path_factory.mktemp("straight")
-    assert main(arguments(data, out, "--eval-every", 2, "--eval-batches", 1)) == 0
+    assert main(arguments(data, out, "--eval-every", 2, "--eval-batches", 1, "--save-every", 2)) == 0
     return out
 
 
@@ -147,17 +174,194 @@ def test_refusals(data, straight, tmp_path, capsys):
     del preset_vocabulary[4:6]  # --vocab-size: the preset's 32,768 entries are not the tapes'
     assert main(preset_vocabulary) == 2
     assert f"--vocab-size {VOCAB}" in capsys.readouterr().err
-    assert main(arguments(data, tmp_path, "--optimizer", "reference", "--save-every", 1)) == 2
-    assert "no training states" in capsys.readouterr().err
-    assert main(arguments(data, tmp_path, "--parallel", "fsdp")) == 2
-    assert "start with torchrun --nproc_per_node=N" in capsys.readouterr().err
-    assert main(arguments(data, tmp_path, "--grad-accum", 0)) == 2
-    assert "--grad-accum 0" in capsys.readouterr().err
-    assert main(arguments(data, tmp_path, "--optimizer", "reference", "--parallel", "fsdp")) == 2
-    assert "cannot step FSDP2's shards" in capsys.readouterr().err
+    # refused at parse time (parser.error: exit 2)
+    assert "no training states" in refused_flag(capsys, arguments(data, tmp_path, "--optimizer", "reference",
+                                                                   "--save-every", 1))
+    assert "start with torchrun --nproc_per_node=N" in refused_flag(capsys, arguments(data, tmp_path, "--parallel",
+                                                                                      "fsdp"))
+    assert "--grad-accum 0" in refused_flag(capsys, arguments(data, tmp_path, "--grad-accum", 0))
+    assert "cannot step FSDP2's shards" in refused_flag(capsys, arguments(data, tmp_path, "--optimizer", "reference",
+                                                                          "--parallel", "fsdp"))
     # 2 micro-batches of 2 rows: a step of 4 rows, not the state's 2
     assert main(arguments(data, tmp_path, "--grad-accum", 2, "--resume", state)) == 2
     assert "rows_per_step" in capsys.readouterr().err
+
+
+def test_a_run_directory_of_another_run_is_never_replaced(data, straight, four_rows, tmp_path, capsys):
+    """Without --resume, a directory holding another run's files is refused, naming them and the
+    state to resume; so is a resume into a directory whose states are newer than the resumed
+    one or of another configuration. Nothing in the directory changes."""
+    finished = tmp_path / "finished"
+    shutil.copytree(straight, finished)
+    before = files_of(finished)
+    assert main(arguments(data, finished, "--eval-every", 2, "--eval-batches", 1)) == 2
+    error = capsys.readouterr().err
+    assert f"--out {finished} holds another run's files" in error
+    assert "log.jsonl" in error and "summary.json" in error and "state_step000004.safetensors" in error
+    assert f"--resume {finished / 'state_step000004.safetensors'}" in error and "another --out" in error
+
+    newer = f"{finished / 'state_step000004.safetensors'} (step 4) is newer than"
+    assert main(arguments(data, finished, "--resume", finished / "state_step000002.safetensors")) == 2
+    assert newer in capsys.readouterr().err
+    assert files_of(finished) == before
+
+    started = tmp_path / "started"  # a run that died before its first state
+    started.mkdir()
+    (started / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    assert main(arguments(data, started)) == 2
+    assert "log.jsonl" in capsys.readouterr().err
+    assert files_of(started) == {"log.jsonl": b'{"step": 1, "loss": 5.0}\n'}
+
+    other = tmp_path / "other"  # a state of another configuration (FP32 weights, 4 rows a step)
+    other.mkdir()
+    shutil.copy(four_rows / "state_step000001.safetensors", other)
+    assert main(arguments(data, other, "--resume", straight / "state_step000002.safetensors")) == 2
+    assert "belongs to another configuration" in capsys.readouterr().err
+    assert [p.name for p in other.iterdir() if p.name != "run.lock"] == ["state_step000001.safetensors"]
+
+
+def test_resuming_a_finished_run_changes_nothing(data, straight, tmp_path, capsys):
+    """The final state of a finished run: nothing is left to do; its summary is printed and
+    returned, and summary.json, log.jsonl and the states stay as they were."""
+    finished = tmp_path / "finished"
+    shutil.copytree(straight, finished)
+    before = files_of(finished)
+    capsys.readouterr()
+    assert main(arguments(data, finished, "--eval-every", 2, "--eval-batches", 1,
+                          "--resume", finished / "state_step000004.safetensors")) == 0
+    output = capsys.readouterr().out
+    assert "is a finished run" in output
+    assert json.loads(output.splitlines()[-1])["final_loss"] == json.loads(before["summary.json"])["final_loss"]
+    assert files_of(finished) == before
+
+
+def hold_lock(path):
+    """Another process holding `path`'s flock, as a running trainer does (killed by the caller)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys\n"
+                               "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\nsys.stdin.read()",
+                               str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_directory_claimed_by_a_running_run_is_refused(data, tmp_path, capsys):
+    """A second run into a directory whose lock another process holds is refused, naming the
+    directory and the lock, and writes nothing; once that process is gone (killed: its lock
+    file stays behind) a run goes ahead."""
+    from packed_adamw.torch.gpt.run_directory import LOCK_NAME
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = hold_lock(out / LOCK_NAME)
+    try:
+        assert main(arguments(data, out, steps=1)) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    error = capsys.readouterr().err
+    assert f"--out {out} is in use by another run" in error and str(out / LOCK_NAME) in error
+    assert [p.name for p in out.iterdir()] == [LOCK_NAME]
+    assert main(arguments(data, out, steps=1)) == 0
+    assert (out / "state_step000001.safetensors").exists()
+
+
+def test_sigterm_writes_a_state_at_the_step_boundary(data, tmp_path):
+    """SIGTERM finishes the step, writes its state (the one --stop-at writes there, bit for bit)
+    and exits 0; the summary says why the run stopped."""
+    out = tmp_path / "signalled"
+    process = subprocess.Popen([sys.executable, "-m", "packed_adamw.torch.gpt.chat_train",
+                                *map(str, arguments(data, out, steps=1000))],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((out / "log.jsonl").exists() and len((out / "log.jsonl").read_text().splitlines()) >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    assert "SIGTERM received" in stderr and "Traceback" not in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_because"] == "SIGTERM" and summary["step"] >= 2
+    step = summary["step"]
+    assert [r["step"] for r in log(out)] == list(range(1, step + 1))
+    assert main(arguments(data, tmp_path / "stopped", "--stop-at", step, steps=1000)) == 0
+    name = f"state_step{step:06d}.safetensors"
+    signalled, signalled_metadata = read(out / name)
+    stopped, stopped_metadata = read(tmp_path / "stopped" / name)
+    assert_same_bits(signalled, stopped)
+    assert signalled_metadata == stopped_metadata
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--device", "bogus", "not a device"), ("--matrix-lr", "nan", "--matrix-lr nan"),
+    ("--embedding-lr", "-1", "--embedding-lr -1.0"), ("--unembedding-lr", "inf", "--unembedding-lr inf"),
+    ("--scalar-lr", "nan", "--scalar-lr nan"), ("--weight-decay", "-0.1", "--weight-decay -0.1"),
+    ("--weight-decay", "nan", "--weight-decay nan"), ("--warmdown-ratio", "1.5", "[0, 1]"),
+    ("--warmup-steps", "-3", "--warmup-steps -3"), ("--momentum-warmup-steps", "-1", "--momentum-warmup-steps -1"),
+    ("--seed", "-1", "[0, 2**64)"), ("--seed", str(2**64), "[0, 2**64)"),
+])
+def test_invalid_flags_exit_2_naming_the_flag(data, tmp_path, capsys, flag, value, says):
+    out = tmp_path / "out"
+    assert says in refused_flag(capsys, arguments(data, out, flag, value))
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_without_cuda_is_refused_at_parse_time(data, tmp_path, capsys):
+    assert "CUDA is not available" in refused_flag(capsys, arguments(data, tmp_path / "out", "--device", "cuda"))
+
+
+def test_an_out_that_cannot_hold_a_run_is_refused_at_parse_time(data, tmp_path, capsys, monkeypatch):
+    """--out a file, or in a directory this process cannot write (os.access says so: as root a
+    mode bit would not stop the write, a read-only file system would)."""
+    from packed_adamw.torch.gpt import run_directory
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    assert f"--out {a_file} is a file" in refused_flag(capsys, arguments(data, a_file))
+    assert a_file.read_text() == "mine"
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    monkeypatch.setattr(run_directory.os, "access", lambda path, mode: Path(path) != read_only)
+    assert f"{read_only} is not writable" in refused_flag(capsys, arguments(data, read_only / "run"))
+    assert not (read_only / "run").exists()
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_ends_the_run_with_an_error_naming_the_file(data, tmp_path, capsys, monkeypatch):
+    """An OSError while writing the state, the log or the summary ends the run with one line,
+    exit 1, naming the file; a state cut short by it never appears (states are written to a
+    temporary file and renamed), and the run's lock is released."""
+    from packed_adamw.torch.gpt import checkpoint, run_directory, telemetry
+
+    def half_a_state(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half a state")
+        no_space()
+
+    for name, target, attribute, fault in (
+            ("state_step000001.safetensors", checkpoint, "save_file", half_a_state),
+            ("log.jsonl", telemetry.RunLog, "write", no_space),
+            ("summary.json", run_directory, "atomic_write", no_space)):
+        out = tmp_path / name.split(".")[0]
+        with monkeypatch.context() as patched:
+            patched.setattr(target, attribute, fault)
+            assert main(arguments(data, out, steps=1)) == 1, name
+        error = capsys.readouterr().err
+        assert error.startswith(f"error: could not write {out / name}: No space left on device"), error
+        assert not (out / "summary.json").exists()
+        assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+        if name.startswith("state"):
+            assert not (out / name).exists()
+        lock = os.open(out / "run.lock", os.O_RDWR)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
+        finally:
+            os.close(lock)
 
 
 def test_resume_under_changed_code_needs_allow_code_change(data, straight, tmp_path, capsys, monkeypatch):

@@ -1,5 +1,8 @@
 """The trainer: exact resume across processes, signals, tape exhaustion, smoke paths."""
+import errno
+import fcntl
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -164,6 +167,60 @@ def test_resume_of_an_older_file_never_replaces_a_newer_checkpoint(tmp_path, dat
     # Into another --out the older file resumes.
     train_in_process(*common, "--out", tmp_path / "branch", "--resume", older, "--stop-at-step", 3)
     assert summary(tmp_path / "branch")["step"] == 3
+
+
+def test_a_fresh_run_never_replaces_an_earlier_runs_files(tmp_path, data_dir, capsys):
+    """A run without checkpoints leaves its log and summary: a fresh run into its --out is
+    refused, naming them (there is no checkpoint to resume), and they stay as they were."""
+    out = tmp_path / "out"
+    train_in_process(*MICRO, "--data", data_dir, "--out", out, "--max-steps", 2, "--no-checkpoints")
+    log, result = (out / "log.jsonl").read_bytes(), (out / "summary.json").read_bytes()
+    capsys.readouterr()
+    assert main([*map(str, MICRO), "--data", str(data_dir), "--out", str(out), "--max-steps", "2"]) == 2
+    error = capsys.readouterr().err
+    assert f"--out {out} holds another run's files (log.jsonl, summary.json)" in error and "another --out" in error
+    assert (out / "log.jsonl").read_bytes() == log and (out / "summary.json").read_bytes() == result
+
+
+def test_a_directory_another_run_holds_is_refused(tmp_path, data_dir, capsys):
+    """The run directory's lock, held by another open of its lock file (another run), refuses a
+    second run into it, naming the lock; once released, the run goes ahead."""
+    from packed_adamw.torch.gpt.run_directory import LOCK_NAME
+
+    out = tmp_path / "out"
+    out.mkdir()
+    held = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert main([*map(str, MICRO), "--data", str(data_dir), "--out", str(out), "--max-steps", "1"]) == 2
+    finally:
+        os.close(held)
+    assert str(out / LOCK_NAME) in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == [LOCK_NAME]
+    train_in_process(*MICRO, "--data", data_dir, "--out", out, "--max-steps", 1)
+
+
+def test_an_out_that_is_a_file_is_refused_at_parse_time(tmp_path, data_dir, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        main([*map(str, MICRO), "--data", str(data_dir), "--out", str(a_file)])
+    assert exit_info.value.code == 2
+    assert f"error: --out {a_file} is a file" in capsys.readouterr().err
+    assert a_file.read_text() == "mine"
+
+
+def test_a_full_disk_at_the_summary_is_an_error_naming_it(tmp_path, data_dir, capsys, monkeypatch):
+    from packed_adamw.torch.gpt import run_directory
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(run_directory, "atomic_write", no_space)
+    out = tmp_path / "out"
+    assert main([*map(str, MICRO), "--data", str(data_dir), "--out", str(out), "--max-steps", "1"]) == 1
+    assert f"error: could not write {out / 'summary.json'}: No space left on device" in capsys.readouterr().err
+    assert not (out / "summary.json").exists()
 
 
 def test_missing_tapes_without_build_data_are_an_error(tmp_path, capsys):

@@ -26,10 +26,17 @@ safetensors and into every state. Step t: apply row t of the tables, forward wit
 cu_seqlens, backward (for each micro-batch), step, zero the gradients. FP32 weights run the forward under bf16
 autocast on CUDA (on the CPU in FP32); bf16 weights run in bf16.
 
+RUN_DIR (--out) holds one run (run_directory.py, shared with train.py): a run holds an
+exclusive lock on RUN_DIR/run.lock for its whole life, so a second run into it is refused; a
+run without --resume is refused where another run left files (log, summary, schedule, states),
+naming them and the state to resume; a resume is refused where RUN_DIR holds a newer state or
+one of another configuration, which it would replace.
+
 RUN_DIR/log.jsonl gets one JSON line per logged step (loss averaged over the ranks, the
 schedule row, each kind's lr, tokens/s) and per evaluation (val loss in nats per token and
 bits per byte over --eval-batches packed batches of val.tape; bytes from the tape's token byte
-counts). RUN_DIR/summary.json ends the run (throughput, peak memory, optimizer state bytes).
+counts). RUN_DIR/summary.json ends the run (why it stopped, throughput, peak memory, optimizer
+state bytes).
 
 The state: every --save-every steps and at the end, RUN_DIR/state_stepNNNNNN.safetensors
 (training_state.py: weights, low halves, optimizer state, step and t_step, RNG, the next
@@ -37,8 +44,13 @@ unconsumed batch, the run's config, the schedule tables and the code's identity)
 FILE` continues from one bit for bit (on CUDA with --deterministic): the continuation equals
 the uninterrupted run; a state
 of another configuration or other code is refused, saying what differs. `--stop-at STEP`
-ends a run early (with its state) without changing its schedule, so it can be resumed.
-The reference optimizer writes no states (training_state.py stores the packed optimizers).
+ends a run early (with its state) without changing its schedule, so it can be resumed;
+SIGINT or SIGTERM ends it at the next step boundary, with its state, exit status 0 (under
+torchrun the ranks agree on the step). Resuming a finished run's final state changes nothing
+and prints its summary. The reference optimizer writes no states (training_state.py stores the
+packed optimizers). A flag out of range is refused before anything runs (exit 2); a file that
+cannot be written (a full disk) ends the run with an error naming it (exit 1), and a state is
+written atomically (a failed write leaves none).
 
 Gradient accumulation (`--grad-accum N`): a step runs N micro-batches of --batch rows per rank
 (each read as the loader's next batch, so a step's micro-batches are consecutive), each loss
@@ -79,6 +91,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -88,18 +101,24 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from packed_adamw.core import validate_hyperparams as validate_adamw
+from packed_adamw.core.atomic_file import atomic_path
+from packed_adamw.core.muon import validate_hyperparams as validate_muon
 from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, read_header
 from packed_adamw.torch import _dtensor
 from packed_adamw.torch.combined import PackedMuonAdamW
 
 from .chat_model import PRESETS, ChatGPT
 from .checkpoint import CheckpointError
-from .distributed import (
-    Ranks, ddp_rebuild_buckets, launched_rank, launched_world_size, resolve_device, start_ranks, under_torchrun,
-    wrap_model,
-)
+from .cli import check_device, check_option, check_parallel, check_seed
+from .config import ConfigError
+from .distributed import Ranks, ddp_rebuild_buckets, launched_rank, resolve_device, start_ranks, wrap_model
 from .optimizers import optimizer_state_bytes
 from .packed_data import DEFAULT_PACKING, PACKING_RULES, PackedBatch, PackedDocumentLoader
+from .run_directory import (
+    GuardedRunLog, RunDirectoryError, RunWriteError, StopRequest, check_out, claim, on_main_rank, refuse_earlier_run,
+    refuse_to_replace_newer, summary_of_finished, write_summary, writing,
+)
 from .schedules import ScheduleConfig, apply_schedule, build_schedule
 from .telemetry import keep_records_up_to
 from .training_state import TrainingStateError, load_state, save_state, state_file_name
@@ -117,7 +136,9 @@ class ChatTrainError(ValueError):
 # ---- the command line --------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m packed_adamw.torch.gpt.chat_train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage="%(prog)s --preset P --data DIR --steps N --batch B --out DIR [options]  "
+                                      "(--help lists them)")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model (chat_model.PRESETS)")
     p.add_argument("--data", required=True, type=Path, help="a directory holding train.tape and val.tape")
     p.add_argument("--vocab-size", type=int, default=None,
@@ -129,7 +150,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=None, help="tokens per row (default: the preset's context)")
     p.add_argument("--packing", choices=PACKING_RULES, default=DEFAULT_PACKING,
                    help="how documents fill the rows (packed_data.py); val.tape is always packed by the default")
-    p.add_argument("--out", required=True, type=Path, help="the run directory (log, summary, states)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="the run directory (log, summary, states): one run's, locked while it runs")
     p.add_argument("--save-every", type=int, default=0, help="write a state every K steps (0: only at the end)")
     p.add_argument("--resume", type=Path, default=None, help="a state_stepNNNNNN.safetensors to continue from")
     p.add_argument("--allow-code-change", action="store_true",
@@ -143,7 +165,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=8, help="packed batches of val.tape per evaluation")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: cuda:LOCAL_RANK)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (under torchrun: cpu, cuda or auto, "
+                   "each rank taking cuda:LOCAL_RANK)")
     p.add_argument("--parallel", choices=PARALLEL, default="none", help="ddp or fsdp (FSDP2) under torchrun")
     p.add_argument("--deterministic", action="store_true",
                    help="CUDA: deterministic kernels (embedding backward, cuBLAS), for bit-exact resume on a GPU")
@@ -159,11 +182,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.param_dtype is None:
         args.param_dtype = "bf16" if args.optimizer == "packed" else "fp32"
-    check_args(args)
+    try:
+        check_args(args)
+    except (ChatTrainError, ConfigError, RunDirectoryError) as error:
+        p.error(str(error))  # one line on stderr, exit status 2
     return args
 
 
 def check_args(args: argparse.Namespace) -> None:
+    """Refuse flags that cannot work, naming the flag (ChatTrainError, or ConfigError from the
+    checks this shares with train.py's command line: cli.py)."""
     for name in ("steps", "batch", "grad_accum"):
         if getattr(args, name) < 1:
             raise ChatTrainError(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive number")
@@ -186,14 +214,31 @@ def check_args(args: argparse.Namespace) -> None:
     if args.parallel == "fsdp" and args.optimizer == "reference":
         raise ChatTrainError("--optimizer reference with --parallel fsdp: torch.optim.Muon orthogonalises whole "
                              "matrices and cannot step FSDP2's shards; use --parallel ddp for the baseline")
-    if args.parallel == "none" and launched_world_size() > 1:
-        raise ChatTrainError("started by torchrun with several processes: pass --parallel ddp or --parallel fsdp")
-    if args.parallel != "none" and not under_torchrun():
-        raise ChatTrainError(f"--parallel {args.parallel}: start with torchrun --nproc_per_node=N -m "
-                             f"packed_adamw.torch.gpt.chat_train --parallel {args.parallel} ...")
-    if args.parallel != "none" and args.device not in ("cpu", "cuda"):
-        raise ChatTrainError(f"--device {args.device}: under torchrun pass cpu or cuda (each rank takes "
-                             "cuda:LOCAL_RANK)")
+    check_parallel(args.parallel, args.device, module="packed_adamw.torch.gpt.chat_train")
+    check_device(args.device)
+    check_seed(args.seed)
+    check_rates(args)
+    # each schedule setting alone, the others at values the schedule's own checks accept
+    for option, name in (("--warmup-steps", "warmup_steps"), ("--warmdown-ratio", "warmdown_ratio"),
+                         ("--momentum-warmup-steps", "momentum_warmup_steps")):
+        value = getattr(args, name)
+        check_option(option, value, lambda: ScheduleConfig(num_steps=args.steps, **{name: value}))
+    check_out(args.out)
+
+
+def check_rates(args: argparse.Namespace) -> None:
+    """Each learning rate and the weight decay by its rule's own validation (packed_adamw.core:
+    Muon's for --matrix-lr and --weight-decay, AdamW's for the others), the other values held
+    at ones the rule accepts, so the error names the flag at fault. (The reference optimizer's
+    torch Muon and AdamW get the same values.)"""
+    momentum, eps = 0.95, 1e-7  # values Muon's rule accepts
+    check_option("--matrix-lr", args.matrix_lr, lambda: validate_muon(args.matrix_lr, momentum, 0.0, eps))
+    check_option("--weight-decay", args.weight_decay, lambda: validate_muon(0.0, momentum, args.weight_decay, eps))
+    check_option(f"--matrix-lr {args.matrix_lr} with --weight-decay", args.weight_decay,
+                 lambda: validate_muon(args.matrix_lr, momentum, args.weight_decay, eps))
+    for option in ("--embedding-lr", "--unembedding-lr", "--scalar-lr"):
+        lr = getattr(args, option[2:].replace("-", "_"))
+        check_option(option, lr, lambda: validate_adamw(lr, (0.9, 0.95), 1e-10, 0.0))
 
 
 # ---- the pieces of a run -------------------------------------------------------------------------
@@ -458,12 +503,45 @@ def kind_learning_rates(optimizer) -> dict[str, float]:
     return rates
 
 
+# ---- the run directory (run_directory.py's policies, with this trainer's files) -------------------
+RUN_FILES = ("log.jsonl", "schedule.safetensors", "summary.json")  # and the states
+STATE_NAME = re.compile(r"state_step(\d+)\.safetensors")
+
+
+def states_in(out: Path) -> list[Path]:
+    """The training states in `out`, oldest first."""
+    steps = {path: STATE_NAME.fullmatch(path.name) for path in out.glob("state_step*.safetensors")}
+    return sorted((path for path, match in steps.items() if match), key=lambda path: int(steps[path].group(1)))
+
+
+def refuse_earlier_run_in(out: Path, resume: Path | None) -> None:
+    """A fresh start (no --resume) into a directory holding another run's files would replace
+    them: refused, naming them and the newest state to resume."""
+    if resume is not None:
+        return
+    states = states_in(out)
+    found = sorted([out / name for name in RUN_FILES if (out / name).exists()] + states)
+    refuse_earlier_run(out, found, f"--resume {states[-1]}" if states else None)
+
+
+def state_info(path: Path) -> dict:
+    """A state's step and config, from its metadata alone (no tensor is read)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata()
+        return {"step": int(json.loads(metadata["step"])), "config": json.loads(metadata["config"])}
+    except (OSError, SafetensorError, KeyError, TypeError, ValueError) as error:
+        raise TrainingStateError(f"{path} is not a readable training state ({error})") from None
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 def train(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device, deterministic=args.deterministic, parallel=args.parallel)
     ranks = start_ranks(args.parallel, device)
     try:
-        return _train(args, device, ranks)
+        # --out is this run's alone until it ends (rank 0 holds its lock), and never another run's
+        with claim(args.out, ranks, device, lambda: refuse_earlier_run_in(args.out, args.resume)):
+            return _train(args, device, ranks)
     finally:
         ranks.close()
 
@@ -471,9 +549,7 @@ def train(args: argparse.Namespace) -> dict:
 def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict:
     say = print if ranks.main else (lambda *a, **k: None)
     out: Path = args.out
-    log_path = out / "log.jsonl"
-    if ranks.main:
-        out.mkdir(parents=True, exist_ok=True)
+    log_path, summary_path = out / "log.jsonl", out / "summary.json"
     preset = PRESETS[args.preset]
     model_config = dataclasses.replace(preset, vocab_size=args.vocab_size or preset.vocab_size)
     args.context = args.context or model_config.context
@@ -492,6 +568,7 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
     loader = PackedDocumentLoader(train_tape, args.batch, args.context, ranks.rank, ranks.world_size,
                                   packing=args.packing)
     config = run_config(args, model_config, schedule.config, train_tape, ranks.world_size)
+    last = min(args.steps, args.stop_at) if args.stop_at else args.steps
 
     # Under FSDP2 the state files are read and written through an unsharded twin (rank 0 keeps
     # one for the saves; a resume builds one on every rank and drops it on the others).
@@ -500,9 +577,13 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
     if args.resume is None:
         if args.optimizer == "packed":
             start_masters(optimizer, core, initial)
-        if ranks.main:
-            save_file(schedule.to_tensors(prefix=""), str(out / "schedule.safetensors"),
-                      metadata={"schedule": json.dumps(schedule.config.to_dict())})
+
+        def write_schedule() -> None:
+            path = out / "schedule.safetensors"
+            with writing(path), atomic_path(path) as written:
+                save_file(schedule.to_tensors(prefix=""), str(written),
+                          metadata={"schedule": json.dumps(schedule.config.to_dict())})
+        on_main_rank(ranks, device, write_schedule)
     else:
         # The file holds rank 0's next micro-batch and the cursor between steps, which every rank
         # shares whatever the number of ranks (module docstring): every rank loads through a
@@ -525,14 +606,28 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
         if loaded.t_step != step:
             raise TrainingStateError(f"{args.resume}: t_step {loaded.t_step} differs from step {step}; "
                                      "chat_train runs one schedule row per step")
+        # Before anything in --out is written or its log trimmed: the states there are this run's
+        # (none newer than the resumed one, none of another configuration), or it is refused.
+        states = states_in(out)
+        for existing in states:
+            refuse_to_replace_newer(existing, args.resume, step, json.loads(json.dumps(config)),  # as saved
+                                    read_info=state_info, resume_with=f"--resume {states[-1]}")
+        if step >= last:  # a finished run: nothing to do, and nothing in --out changes
+            finished = summary_of_finished(summary_path, step)
+            if finished is not None:
+                say(f"{args.resume} is a finished run; its summary:")
+                return finished
         say(f"resumed from {args.resume} at step {step}")
     if ranks.main:
-        keep_records_up_to(log_path, step)  # lines after the resume point came from a session that died
+        with writing(log_path):
+            keep_records_up_to(log_path, step)  # lines after the resume point came from a session that died
     if ranks.parallel == "ddp":
         ddp_rebuild_buckets(model, args.batch, args.context, device)  # every session reduces in the same buckets
 
+    saved_step = None
+
     def save() -> None:
-        nonlocal twin
+        nonlocal twin, saved_step
         saved_model, saved_optimizer = core, optimizer
         if args.optimizer == "packed" and ranks.parallel == "fsdp":
             if twin is None and ranks.main:
@@ -540,22 +635,22 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
             UnshardedTwin.gather(twin, core, optimizer)
             if ranks.main:
                 saved_model, saved_optimizer = twin.model, twin.optimizer
-        if args.optimizer == "packed" and ranks.main:
+
+        def write_state() -> None:
+            if args.optimizer != "packed":
+                return
+            path = out / state_file_name(step)
             try:
-                path = save_state(out / state_file_name(step), model=saved_model, optimizer=saved_optimizer,
-                                  loader=loader, schedule=schedule, config=config, step=step, t_step=step)
+                with writing(path):
+                    save_state(path, model=saved_model, optimizer=saved_optimizer, loader=loader, schedule=schedule,
+                               config=config, step=step, t_step=step)
                 say(f"wrote {path}")
             except TapeExhausted:
                 # a state holds the next batch; at the end of the tape there is none
                 say(f"no state at step {step}: {args.data / 'train.tape'} has no next batch for it to hold")
-        ranks.barrier()
+        on_main_rank(ranks, device, write_state)  # every rank learns whether rank 0 wrote it
+        saved_step = step
 
-    def log(record: dict) -> None:
-        if ranks.main:
-            with log_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    last = min(args.steps, args.stop_at) if args.stop_at else args.steps
     tokens_per_step = config["rows_per_step"] * args.context
     say(f"{args.preset}: {core.num_parameters():,} parameters, {args.param_dtype} weights, optimizer "
         f"{args.optimizer}{' (Muon ' + args.muon_mode + ')' if args.optimizer == 'packed' else ''}, "
@@ -563,48 +658,57 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
         + (f" in {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
         + f", steps {step} to {last} of {args.steps}"
         + (f", {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""))
-    step_seconds, losses, eval_record = [], [], None
+    step_seconds, losses, eval_record, stopped_by = [], [], None, None
     model.train()
-    while step < last:
-        started = time.perf_counter()
-        row = apply_schedule(optimizer, schedule, step)  # t_step: this run's step
-        step_loss = None  # the mean of the micro-batches' mean losses
-        for micro in range(args.grad_accum):
-            batch = to_device(loader.next_batch(), device)
-            with gradient_sync(model, ranks.parallel, sync=micro == args.grad_accum - 1):
-                with forward_context(args.param_dtype, device):
-                    _, loss = model(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
-                (loss / args.grad_accum).backward()
-            part = loss.detach().float() / args.grad_accum
-            step_loss = part if step_loss is None else step_loss + part
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        if step % args.log_every == 0 or step == last:
-            mean_loss = step_loss
-            if ranks.distributed:
-                torch.distributed.all_reduce(mean_loss)
-                mean_loss /= ranks.world_size
-            mean_loss = mean_loss.item()  # waits for the step
-            seconds = time.perf_counter() - started
-            step_seconds.append(seconds)
-            losses.append(mean_loss)
-            log({"step": step, "loss": mean_loss, **row, "lr": kind_learning_rates(optimizer),
-                 "tokens": step * tokens_per_step, "step_ms": 1e3 * seconds, "tokens_per_s": tokens_per_step / seconds})
-            if not math.isfinite(mean_loss):
-                raise FloatingPointError(f"loss {mean_loss} at step {step}: the run diverged")
-        if args.eval_every and (step % args.eval_every == 0 or step == last):
-            if ranks.main or ranks.parallel == "fsdp":  # FSDP2's forward gathers the shards: every rank runs it
-                eval_record = {"step": step, **evaluate(core, val_tape, args.batch, args.context, args.eval_batches,
-                                                        args.param_dtype, device)}
-                if ranks.parallel == "fsdp":
-                    # FSDP2's root keeps its parameters gathered after a forward without a backward:
-                    # put the shards back before the optimizer or a save reads the parameters.
-                    core.reshard()
-                log(eval_record)
-                say(f"step {step}: val loss {eval_record['val_loss']:.4f}, bpb {eval_record['val_bpb']}")
-            ranks.barrier()
-        if (args.save_every and step % args.save_every == 0) or step == last:
+    with StopRequest() as stop, GuardedRunLog(log_path, ranks) as log:
+        while step < last:
+            stopped_by = stop.agreed(ranks, device)  # SIGINT or SIGTERM on any rank: stop at this boundary
+            if stopped_by:
+                say(f"{stopped_by} received: {'writing a state and ' if args.optimizer == 'packed' else ''}"
+                    f"stopping at step {step}", file=sys.stderr)
+                break
+            started = time.perf_counter()
+            row = apply_schedule(optimizer, schedule, step)  # t_step: this run's step
+            step_loss = None  # the mean of the micro-batches' mean losses
+            for micro in range(args.grad_accum):
+                batch = to_device(loader.next_batch(), device)
+                with gradient_sync(model, ranks.parallel, sync=micro == args.grad_accum - 1):
+                    with forward_context(args.param_dtype, device):
+                        _, loss = model(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
+                    (loss / args.grad_accum).backward()
+                part = loss.detach().float() / args.grad_accum
+                step_loss = part if step_loss is None else step_loss + part
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step % args.log_every == 0 or step == last:
+                mean_loss = step_loss
+                if ranks.distributed:
+                    torch.distributed.all_reduce(mean_loss)
+                    mean_loss /= ranks.world_size
+                mean_loss = mean_loss.item()  # waits for the step
+                seconds = time.perf_counter() - started
+                step_seconds.append(seconds)
+                losses.append(mean_loss)
+                log.write({"step": step, "loss": mean_loss, **row, "lr": kind_learning_rates(optimizer),
+                           "tokens": step * tokens_per_step, "step_ms": 1e3 * seconds,
+                           "tokens_per_s": tokens_per_step / seconds})
+                if not math.isfinite(mean_loss):
+                    raise FloatingPointError(f"loss {mean_loss} at step {step}: the run diverged")
+            if args.eval_every and (step % args.eval_every == 0 or step == last):
+                if ranks.main or ranks.parallel == "fsdp":  # FSDP2's forward gathers the shards: every rank runs it
+                    eval_record = {"step": step, **evaluate(core, val_tape, args.batch, args.context,
+                                                            args.eval_batches, args.param_dtype, device)}
+                    if ranks.parallel == "fsdp":
+                        # FSDP2's root keeps its parameters gathered after a forward without a backward:
+                        # put the shards back before the optimizer or a save reads the parameters.
+                        core.reshard()
+                    log.write(eval_record)
+                    say(f"step {step}: val loss {eval_record['val_loss']:.4f}, bpb {eval_record['val_bpb']}")
+                ranks.barrier()
+            if (args.save_every and step % args.save_every == 0) or step == last:
+                save()
+        if stopped_by and saved_step != step:
             save()
 
     # The summary: the first logged steps (compilation, allocator warm-up) are left out of the rate.
@@ -612,7 +716,9 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
     parameters = core.num_parameters()
     state_bytes = optimizer_state_bytes(optimizer)
     summary = {
-        "step": step, "steps": args.steps, "preset": args.preset, "parameters": parameters,
+        "step": step, "steps": args.steps,
+        "stopped_because": stopped_by or ("stop_at" if last < args.steps else "steps"),
+        "preset": args.preset, "parameters": parameters,
         "param_dtype": args.param_dtype, "optimizer": args.optimizer, "muon_mode": args.muon_mode,
         "parallel": ranks.parallel, "world_size": ranks.world_size, "grad_accum": args.grad_accum,
         "device": str(device), "tokens_per_step": tokens_per_step,
@@ -628,17 +734,17 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
         summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         summary["peak_memory_bytes_per_parameter"] = summary["peak_memory_bytes"] / parameters
     if ranks.main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(summary_path, summary)
     return summary
 
 
 def main(argv=None) -> int:
+    args = parse_args(argv)  # a bad flag exits 2 here (argparse)
     try:
-        args = parse_args(argv)
         summary = train(args)
-    except (ChatTrainError, CheckpointError, TapeError, TapeExhausted) as error:
+    except (ChatTrainError, CheckpointError, RunDirectoryError, RunWriteError, TapeError, TapeExhausted) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(error, RunWriteError) else 2
     if launched_rank() == 0:
         print(json.dumps({k: summary[k] for k in ("step", "final_loss", "tokens_per_s", "val_bpb") if k in summary}))
     return 0

@@ -14,9 +14,10 @@ from .config import AUTOCAST, DEMO, FORMAT_STEPS, PARALLEL, PARAM_DTYPES, Config
 from .distributed import distributed_ready, launched_world_size, under_torchrun
 from .families import MODEL_PRESETS
 from .optimizers import OPTIMIZERS, optimizer_kind
+from .run_directory import RunDirectoryError, check_out
 
 
-def _check(option: str, value, check) -> None:
+def check_option(option: str, value, check) -> None:
     """Run a check of packed_adamw.core (which raises ValueError) and name the option on failure."""
     try:
         check()
@@ -46,18 +47,18 @@ def check_config(config: TrainConfig) -> None:
     kind.check(config)
     lr_ok, betas_ok, eps_ok = 1e-3, (0.9, 0.95), 1e-8  # values the rules accept
     for option, value in (("--lr", config.lr), ("--min-lr", config.min_lr)):
-        _check(option, value, lambda v=value: validate_hyperparams(v, betas_ok, eps_ok, 0.0))
-    _check("--beta1", config.beta1, lambda: validate_hyperparams(lr_ok, (config.beta1, 0.95), eps_ok, 0.0))
-    _check("--beta2", config.beta2, lambda: validate_hyperparams(lr_ok, (0.9, config.beta2), eps_ok, 0.0))
-    _check("--eps", config.eps, lambda: validate_hyperparams(lr_ok, betas_ok, config.eps, 0.0))
-    _check("--weight-decay", config.weight_decay,
+        check_option(option, value, lambda v=value: validate_hyperparams(v, betas_ok, eps_ok, 0.0))
+    check_option("--beta1", config.beta1, lambda: validate_hyperparams(lr_ok, (config.beta1, 0.95), eps_ok, 0.0))
+    check_option("--beta2", config.beta2, lambda: validate_hyperparams(lr_ok, (0.9, config.beta2), eps_ok, 0.0))
+    check_option("--eps", config.eps, lambda: validate_hyperparams(lr_ok, betas_ok, config.eps, 0.0))
+    check_option("--weight-decay", config.weight_decay,
            lambda: validate_hyperparams(lr_ok, betas_ok, eps_ok, config.weight_decay))
     for option, value in (("--lr", config.lr), ("--min-lr", config.min_lr)):  # lr * weight_decay
-        _check(f"{option} {value} with --weight-decay", config.weight_decay,
+        check_option(f"{option} {value} with --weight-decay", config.weight_decay,
                lambda v=value: validate_hyperparams(v, betas_ok, eps_ok, config.weight_decay))
-    _check("--mode", config.mode, lambda: StateFormat(mode=config.mode))
-    _check("--m-bias", config.m_bias, lambda: StateFormat(m_bias=config.m_bias))
-    _check("--rms-bias", config.rms_bias, lambda: StateFormat(rms_bias=config.rms_bias))
+    check_option("--mode", config.mode, lambda: StateFormat(mode=config.mode))
+    check_option("--m-bias", config.m_bias, lambda: StateFormat(m_bias=config.m_bias))
+    check_option("--rms-bias", config.rms_bias, lambda: StateFormat(rms_bias=config.rms_bias))
     moment_stats_biases(config)
     if config.grad_clip is not None and not (math.isfinite(config.grad_clip) and config.grad_clip > 0):
         raise ConfigError(f"--grad-clip {config.grad_clip}: the clipping norm must be a finite number > 0 "
@@ -71,32 +72,43 @@ def check_config(config: TrainConfig) -> None:
     if not config.checkpoints and config.stop_at_step:
         raise ConfigError(f"--stop-at-step {config.stop_at_step} stops to continue from its checkpoint, and "
                           "--no-checkpoints writes none: leave out one of the two")
-    if not 0 <= config.seed < 2**64:
-        raise ConfigError(f"--seed {config.seed}: must be in [0, 2**64)")
-    if config.device != "auto":
-        try:
-            device = torch.device(config.device)
-        except RuntimeError:
-            raise ConfigError(f"--device {config.device}: not a device; use auto, cpu, cuda or cuda:N") from None
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"--device {config.device}: the trainer runs on cpu or cuda")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"--device {config.device}: CUDA is not available on this machine; "
-                              "use --device cpu or auto")
+    check_seed(config.seed)
+    check_device(config.device)
     kind.check_telemetry(config)
     if config.format_steps not in FORMAT_STEPS:
         raise ConfigError(f"--format-steps {config.format_steps}: one of {', '.join(FORMAT_STEPS)}")
     if config.format_steps != "all" and not config.track_format:
         raise ConfigError(f"--format-steps {config.format_steps} says which steps --track-format counts: "
                           "add --track-format, or leave --format-steps out")
-    check_parallel(config)
+    check_parallel(config.parallel, config.device)
 
 
-def check_parallel(config: TrainConfig) -> None:
-    if config.parallel not in PARALLEL:
-        raise ConfigError(f"--parallel {config.parallel}: choose one of {', '.join(PARALLEL)}")
+# The checks below serve both trainers (chat_train.py's command line calls them too).
+def check_seed(seed: int) -> None:
+    if not 0 <= seed < 2**64:
+        raise ConfigError(f"--seed {seed}: must be in [0, 2**64)")
+
+
+def check_device(name: str) -> None:
+    """auto, cpu, cuda or cuda:N, and CUDA only where there is CUDA."""
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: the trainer runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: CUDA is not available on this machine; use --device cpu or auto")
+
+
+def check_parallel(parallel: str, device: str, module: str = "packed_adamw.torch.gpt.train") -> None:
+    """--parallel against how the process was started (`module`: the trainer torchrun starts)."""
+    if parallel not in PARALLEL:
+        raise ConfigError(f"--parallel {parallel}: choose one of {', '.join(PARALLEL)}")
     world = launched_world_size()
-    if config.parallel == "none":
+    if parallel == "none":
         if world > 1:
             raise ConfigError(
                 f"--parallel none (the default) cannot run as one of WORLD_SIZE={world} processes started by "
@@ -104,13 +116,13 @@ def check_parallel(config: TrainConfig) -> None:
                 "parameters and optimizer state sharded across the ranks), or run without torchrun")
         return
     if not torch.distributed.is_available():
-        raise ConfigError(f"--parallel {config.parallel}: this torch build has no torch.distributed")
+        raise ConfigError(f"--parallel {parallel}: this torch build has no torch.distributed")
     if not (under_torchrun() or distributed_ready()):
         raise ConfigError(
-            f"--parallel {config.parallel}: start the trainer with torchrun, which sets RANK, WORLD_SIZE and the "
-            f"rendezvous: torchrun --nproc_per_node=N -m packed_adamw.torch.gpt.train --parallel {config.parallel} ...")
-    if config.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device {config.device}: under torchrun each rank uses cuda:LOCAL_RANK (or the "
+            f"--parallel {parallel}: start with torchrun --nproc_per_node=N -m {module} --parallel {parallel} ... "
+            "(torchrun sets RANK, WORLD_SIZE and the rendezvous)")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {device}: under torchrun each rank uses cuda:LOCAL_RANK (or the "
                           "CPU); pass --device auto, cuda or cpu")
 
 
@@ -186,6 +198,8 @@ def parse_args(argv=None, description: str = "") -> tuple[TrainConfig, argparse.
         if args.synthetic and config.parallel != "none":
             raise ConfigError(f"--parallel {config.parallel}: --synthetic is one update in one process; "
                               "leave out --parallel")
-    except ConfigError as error:
+        if not args.synthetic:  # which writes nothing
+            check_out(config.out_dir)
+    except (ConfigError, RunDirectoryError) as error:
         parser.error(str(error))  # one line on stderr, exit code 2
     return config, args

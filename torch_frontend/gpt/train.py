@@ -13,22 +13,23 @@ The tape is read front to back once (docs/TAPE.md); training ends when it runs o
 --max-steps. The learning rate is a pure function of the step, there is no dropout, and the
 checkpoint holds everything else (model, optimizer, tape cursor, RNG), so a resumed run
 ends bit-identical to an uninterrupted one. SIGINT/SIGTERM finish the current step, write a
-checkpoint and exit with code 0. Under torchrun, rank r of W reads every W-th batch window
-of the tape (a step reads the tokens a single process with W times the batch would); DDP
-checkpoints are one file, FSDP2 ones a torch.distributed.checkpoint directory. See
-docs/TRAINING.md and docs/DISTRIBUTED.md.
+checkpoint and exit with code 0. One run at a time uses an --out (a lock), and a fresh run
+never replaces an earlier run's files there (run_directory.py). Under torchrun, rank r of W
+reads every W-th batch window of the tape (a step reads the tokens a single process with W
+times the batch would); DDP checkpoints are one file, FSDP2 ones a torch.distributed.checkpoint
+directory. See docs/TRAINING.md and docs/DISTRIBUTED.md.
 """
 # The loop is here, read top to bottom; around it: config.py and cli.py (settings, their
 # checks, the command line), families.py (what --config builds), optimizers.py (what
 # --optimizer builds, and what each kind offers), data.py (the tapes), distributed.py
-# (ranks, DDP, FSDP2), telemetry.py (log records, statistics, plots), checkpoint.py (files).
+# (ranks, DDP, FSDP2), telemetry.py (log records, statistics, plots), checkpoint.py (files),
+# run_directory.py (--out: its lock, the refusals that keep its files, signals, failed writes).
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
 import math
-import signal
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader
 
 from . import cli
 from .checkpoint import (
-    CHECKPOINT_NAME, MANIFEST_NAME, SHARDED_CHECKPOINT_NAME, CheckpointError, checkpoint_info, config_differences,
+    CHECKPOINT_NAME, MANIFEST_NAME, SHARDED_CHECKPOINT_NAME, CheckpointError, checkpoint_info,
     load_run_state, save_run_state,
 )
 from .cli import check_config, moment_stats_biases
@@ -52,16 +53,17 @@ from .data import TapeShard, open_tapes
 from .distributed import Ranks, ddp_rebuild_buckets, full, launched_rank, resolve_device, start_ranks, wrap_model
 from .families import family_of
 from .optimizers import optimizer_kind, set_learning_rate
+from .run_directory import (
+    GuardedRunLog, RunDirectoryError, RunWriteError, StopRequest, claim, refuse_earlier_run,
+    refuse_to_replace_newer, summary_of_finished, write_summary, writing,
+)
 from .telemetry import (
-    FormatCounts, LossWatch, RunLog, StepTimes, is_log_step, keep_records_up_to, moment_stats, plot_format_log,
-    plot_log,
+    FormatCounts, LossWatch, StepTimes, is_log_step, keep_records_up_to, moment_stats, plot_format_log, plot_log,
 )
 
 # benchmarks/peers.py reads these through this module, with the ones above
 from .optimizers import PEERS, peer_class  # noqa: F401
 from .telemetry import LOSS_SPIKE  # noqa: F401
-
-STOP_SIGNALS = (None, "SIGINT", "SIGTERM")  # agreed between ranks as an index (the largest wins)
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
@@ -151,31 +153,21 @@ def evaluate(core, val_tape: TapeReader, config: TrainConfig, device: torch.devi
     return bpb
 
 
-class StopRequest:
-    """SIGINT/SIGTERM set a flag that the loop checks between steps (handlers restored on exit)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.signal_name = None
-
-    def __enter__(self):
-        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-    def _handle(self, signum, frame):
-        # Only set the flag: printing here could re-enter a stream tqdm is writing to.
-        self.signal_name = signal.Signals(signum).name
-
-
 def finished(step: int, tape: TapeReader | TapeShard, config: TrainConfig, context: int) -> bool:
     """Whether a resumed run has nothing left to do (its summary then stands)."""
     return (step >= config.max_steps or 0 < config.stop_at_step <= step
             or tape.remaining_batches(config.batch_size, context) == 0)
+
+
+RUN_FILES = (CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME, "log.jsonl", "moment_stats.jsonl", "summary.json")
+
+
+def refuse_earlier_run_in(config: TrainConfig, out: Path) -> None:
+    """A fresh start (no --resume) into an --out holding another run's files would replace them."""
+    if config.resume == "":
+        found = [out / name for name in RUN_FILES if (out / name).exists() or (out / name).is_symlink()]
+        checkpoint = any(p.name in (CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME) for p in found)
+        refuse_earlier_run(out, found, "--resume auto" if checkpoint else None)
 
 
 def resume_source(config: TrainConfig, checkpoint_path: Path) -> Path | None:
@@ -185,10 +177,7 @@ def resume_source(config: TrainConfig, checkpoint_path: Path) -> Path | None:
         kind = "a --parallel fsdp run" if config.parallel != "fsdp" else "a run without --parallel fsdp"
         raise CheckpointError(f"--out {checkpoint_path.parent} holds {other}, the checkpoint of {kind}; this run "
                               f"writes {checkpoint_path.name}: choose another --out")
-    if config.resume == "":
-        if checkpoint_path.exists():
-            raise CheckpointError(f"{checkpoint_path} already exists: pass --resume auto to continue that run, "
-                                  "or choose another --out")
+    if config.resume == "":  # refuse_earlier_run_in refused an --out holding a checkpoint
         return None
     if config.resume == "auto":
         return checkpoint_path if checkpoint_path.exists() else None
@@ -203,27 +192,6 @@ def resume_source(config: TrainConfig, checkpoint_path: Path) -> Path | None:
     return path
 
 
-def refuse_to_replace_newer(checkpoint_path: Path, resume_path: Path, step: int, trajectory: dict) -> None:
-    """Resuming another file into an --out whose checkpoint is newer (or of another run) would lose it."""
-    if not checkpoint_path.exists() or (resume_path.exists() and checkpoint_path.samefile(resume_path)):
-        return
-    what_to_do = (f"continue it with --resume auto, resume {resume_path} into another --out, or move "
-                  f"{checkpoint_path} away first")
-    try:
-        existing = checkpoint_info(checkpoint_path)
-    except CheckpointError as error:
-        raise CheckpointError(f"--out already holds {checkpoint_path}, which resuming {resume_path} would "
-                              f"replace, and it cannot be read ({error}); move it away first, or resume "
-                              "into another --out") from None
-    existing_step = existing["step"]
-    if existing_step > step:
-        raise CheckpointError(f"{checkpoint_path} (step {existing_step}) is newer than {resume_path} (step {step}): "
-                              f"resuming here would replace it; {what_to_do}")
-    if config_differences(existing["config"], trajectory):
-        raise CheckpointError(f"{checkpoint_path} belongs to another configuration than {resume_path}: resuming "
-                              f"here would replace it; {what_to_do}")
-
-
 # ---- the training run -----------------------------------------------------------------------
 
 def train(config: TrainConfig) -> dict:
@@ -236,7 +204,8 @@ def train(config: TrainConfig) -> dict:
     device = resolve_device(config.device, config.deterministic, config.parallel)
     ranks = start_ranks(config.parallel, device)
     try:
-        return _train(config, device, ranks)
+        with claim(config.out_dir, ranks, device, lambda: refuse_earlier_run_in(config, config.out_dir)):
+            return _train(config, device, ranks)
     finally:
         ranks.close()
 
@@ -271,19 +240,25 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
         step = load_run_state(resume_path, ranks.parallel, ranks.rank if ranks.distributed else None,
                               **run_state)["step"]
         # before anything in --out is written or its logs trimmed
-        refuse_to_replace_newer(checkpoint_path, resume_path, step, trajectory)
+        refuse_to_replace_newer(checkpoint_path, resume_path, step, trajectory, read_info=checkpoint_info,
+                                resume_with="--resume auto")
         say(f"resumed from {resume_path} at step {step}")
+    summary_path = out / "summary.json"
+    if resume_path is not None and finished(step, train_tape, config, context):
+        finished_summary = summary_of_finished(summary_path, step)
+        if finished_summary is not None:  # nothing left to do, and nothing in --out changes
+            say(f"{resume_path} is a finished run; its summary:")
+            return finished_summary
     # The logs cover steps up to the resume point; later lines came from a session that died
     # (the last of them possibly cut short by the crash).
     if ranks.main:
         for path in (log_path, out / "moment_stats.jsonl"):
-            keep_records_up_to(path, step if resume_path else 0)
-    summary_path = out / "summary.json"
-    if resume_path is not None and summary_path.exists() and finished(step, train_tape, config, context):
-        say(f"{resume_path} is a finished run; its summary:")
-        return json.loads(summary_path.read_text())
+            with writing(path):
+                keep_records_up_to(path, step if resume_path else 0)
 
     def save(reason: str) -> None:
+        # An OSError here propagates as it is (the write is atomic: the previous checkpoint stands);
+        # tests/test_checkpoint.py and test_train_distributed.py catch it by that type.
         if config.checkpoints:
             save_run_state(checkpoint_path, ranks.parallel, **run_state, trainer={"step": step, "reason": reason})
 
@@ -303,7 +278,7 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     bar = tqdm(total=config.max_steps, initial=step, disable=not (config.progress and ranks.main), unit="step")
 
-    with StopRequest() as stop, RunLog(log_path, ranks) as log:
+    with StopRequest() as stop, GuardedRunLog(log_path, ranks) as log:
         while True:
             if step >= config.max_steps:
                 reason = "max_steps"
@@ -311,7 +286,7 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
             if 0 < config.stop_at_step <= step:
                 reason = "stop_at_step"
                 break
-            signal_name = STOP_SIGNALS[ranks.agree(STOP_SIGNALS.index(stop.signal_name), device)]
+            signal_name = stop.agreed(ranks, device)
             if signal_name:
                 reason = signal_name
                 if ranks.main:
@@ -392,7 +367,7 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
         plot_log(log_path, out / "loss.png")
         if config.track_format:
             plot_format_log(log_path, out / "format.png")
-        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(summary_path, summary)
     ranks.barrier()  # the summary is in place before any rank returns
     return summary
 
@@ -437,10 +412,11 @@ def main(argv=None) -> int:
             print(json.dumps(result))
             return 0 if result["loss_finite"] and result["tensors_changed"] >= result["tensors_required"] else 1
         summary = train(config)
-    except (CheckpointError, ConfigError, TapeError, CorpusNotInstalledError) as error:
+    except (CheckpointError, ConfigError, RunDirectoryError, RunWriteError, TapeError,
+            CorpusNotInstalledError) as error:
         where = f" (rank {launched_rank()})" if config.parallel != "none" else ""
         print(f"error{where}: {error}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(error, RunWriteError) else 2
     if launched_rank() != 0:
         return 0
     print(f"\nstopped because: {summary['stopped_because']} at step {summary['step']}")
