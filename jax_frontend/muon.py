@@ -47,12 +47,20 @@ from packed_adamw.core.muon import (
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
 from ._step import CpuStepError, _subnormals_kept
-from .transform import RefusedStepWarning, _step_platforms, packed_adamw
+from .transform import RefusedStepWarning, _refusal_reason, _refuse_invalid, _report_refusal, _step_platforms, \
+    packed_adamw
 
 # torch.optim.Muon's defaults (optax.contrib.muon's are eps=1e-8 and weight_decay=0).
 DEFAULT_EPS = 1e-7
 DEFAULT_WEIGHT_DECAY = 0.1
 ISSUE = "issue 37"
+# The count is int32 and stops at its largest value (`_increment`), where a step no longer moves
+# it: a state may hold at most one less (torch's `MAX_STEP`, torch_frontend/_checks.py, is the same).
+MAX_COUNT = int(np.iinfo(np.int32).max) - 1
+# The hyperparameters that may be schedules of the count: the Muon row's, read at
+# `PackedMuonState.count` as the step reads an injected array, and the AdamW half's learning
+# rate (packed_adamw takes a schedule for its learning rate only).
+SCHEDULES = ("learning_rate", "beta", "weight_decay", "eps", "adam_learning_rate")
 
 
 class PackedMuonState(NamedTuple):
@@ -314,11 +322,44 @@ def _concrete(x) -> float | None:
 
 
 def _warn_refused(valid, row, count) -> None:
+    """The host side of transform.py's `_report_refusal` for the Muon half (under `vmap` it runs
+    for every batch element, refused or not), in its words (`_refusal_reason`)."""
     if bool(np.asarray(valid)):
         return
-    warnings.warn(f"packed_muon: step refused at count {int(np.asarray(count))}: "
-                  f"{RULE.refusal_reason(np.asarray(row))}. No weight, momentum or count changed; fix the schedule or "
-                  "the injected value", RefusedStepWarning, stacklevel=2)
+    count = int(np.asarray(count))
+    fix = ("restore an undamaged state (import_muon_state refuses such a count)" if count < 0 else
+           "fix the schedule or the injected value (the eager update raises on it)")
+    warnings.warn(f"packed_muon: step refused at count {count}: {_refusal_reason(RULE, np.asarray(row), count)}. No "
+                  f"weight, momentum or count changed; {fix}", RefusedStepWarning, stacklevel=2)
+
+
+def _is_scalar_number(x) -> bool:
+    """A real number, or a real array of shape () (optax.inject_hyperparams passes those; traced
+    under jit). Bools pass here: the rule's validation refuses them in its own words."""
+    if isinstance(x, numbers.Real):
+        return True
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        dtype = jnp.result_type(x)
+        return jnp.ndim(x) == 0 and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+    return False
+
+
+def _check_hyperparameter_kinds(values: dict[str, Any]) -> None:
+    """Each hyperparameter a number, a scalar array, or (those in SCHEDULES) a schedule, refused
+    naming it otherwise: the rule's validation leaves what is not a number to the caller."""
+    for name, value in values.items():
+        if name == "adam_learning_rate" and value is None:  # the Muon half's learning rate
+            continue
+        if callable(value) and name not in SCHEDULES:
+            raise TypeError(
+                f"packed_muon: {name} is a schedule ({value!r}), but the AdamW half (packed_adamw) takes a schedule "
+                "for its learning rate only: pass a number, or let optax.inject_hyperparams evaluate the schedule "
+                "and pass its value (optax.inject_hyperparams(packed_muon, static_args=('ns_steps', 'mu_bias'))"
+                f"(..., {name}=schedule))")
+        if not callable(value) and not _is_scalar_number(value):
+            raise TypeError(f"packed_muon: {name}={value!r} is not a number: pass a float or a scalar array (as "
+                            "optax.inject_hyperparams passes)" + (", or a schedule of the step count"
+                                                                  if name in SCHEDULES else ""))
 
 
 def _step_platform(tree) -> str:
@@ -373,7 +414,8 @@ def packed_muon(
     norm, not optax's 1e-8 added to it) and `weight_decay=0.1` (decoupled: p * (1 - lr * wd));
     `adjust_lr_fn` None / "original" is optax's width scaling, "match_rms_adamw" its
     `consistent_rms=0.2`. `mode`: "packed" (E5M10 codes, exponent bias `mu_bias`), "bf16"
-    (2 bytes per parameter each) or "fp32" (4). `learning_rate` may be a schedule of the count.
+    (2 bytes per parameter each) or "fp32" (4). `learning_rate`, `beta`, `weight_decay` and `eps`
+    may be schedules of the count (`PackedMuonState.count`); `adam_learning_rate` too.
 
     Muon leaves: by default every 2-D leaf, read as a JAX [in, out] kernel; or as given by
     `muon_weight_dimension_numbers` (a tree of `optax.contrib.MuonDimensionNumbers` / None,
@@ -382,7 +424,12 @@ def packed_muon(
     whose gradient, momentum or Newton-Schulz input is not finite is refused whole: update
     -0.0, momentum kept. Every other leaf takes `packed_adamw(adam_learning_rate (default:
     learning_rate), adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_mask, adam_mode)`
-    (optax.contrib.muon's AdamW defaults: weight decay 0). `update` needs `params`.
+    (optax.contrib.muon's AdamW defaults: weight decay 0). That AdamW is plain AdamW:
+    optax.contrib.muon's is Nesterov's (`optax.adamw(..., nesterov=True)`), which packed_adamw
+    has no form of, so those leaves take other steps (larger in the first ~10 steps where the
+    gradient keeps its sign; docs/MUON.md, "optax.contrib.muon: the differences", gives the
+    numbers and how to get optax's: an `optax.partition` of packed_muon for the matrices and
+    `optax.adamw(..., nesterov=True)` for the rest). `update` needs `params`.
 
     A float32 Muon leaf's update is u = p' - p in float32: `optax.apply_updates` gives the
     contract's p' wherever that difference is exact, and elsewhere (0.2% to 2% of elements
@@ -428,6 +475,9 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
           adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_mask, adam_mode,
           muon_weight_dimension_numbers):
     """`packed_muon`'s checks, then its (init, run)."""
+    _check_hyperparameter_kinds(dict(learning_rate=learning_rate, beta=beta, eps=eps, weight_decay=weight_decay,
+                                     adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2,
+                                     adam_eps=adam_eps, adam_weight_decay=adam_weight_decay))
     for name, value in (("ns_steps", ns_steps), ("mu_bias", mu_bias)):
         if isinstance(value, (jax.Array, np.ndarray)):
             raise TypeError(f"packed_muon: {name}={value!r} is an array, but it fixes the compiled step (the "
@@ -482,20 +532,27 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         momenta = _checked_momenta(state.momentum, treedef, p_leaves, views, paths, fmt)
         lows = _checked_lows(state.low_halves, treedef, p_leaves, split, paths)
 
-        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-        given = RULE.group_row(lr, beta, weight_decay, eps, number=lambda x: x)  # hyperparam_fields order, as given
+        at_count = lambda x: x(state.count) if callable(x) else x  # noqa: E731 (a schedule of the count)
+        # hyperparam_fields order, as given
+        given = RULE.group_row(*map(at_count, (learning_rate, beta, weight_decay, eps)), number=lambda x: x)
         row = jnp.asarray([jnp.asarray(x, jnp.float32) for x in given])
-        valid = RULE.rows_valid(row) & (state.count >= 0)
+        # Only `valid` is taken: the phases read the row as given and step no matrix of a refused step.
+        _, valid = _refuse_invalid(RULE, row, state.count)
+        on_gpu = _step_platform((updates, params)) == "gpu"
         try:
             refused = not bool(valid)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
             refused = False  # under jit: refused in the graph, with a warning from the host
-            if any(_python_number(x) is None for x in given):
-                jax.lax.cond(valid, lambda *_: None, lambda *a: jax.debug.callback(_warn_refused, *a), valid, row,
-                             state.count)
+            # On the CPU the step waits for its host callbacks anyway, so the warning's cond costs
+            # no wait, and a damaged count warns too. On a GPU it is compiled in only where a
+            # hyperparameter is known only in the graph, as packed_adamw's: the count is then the
+            # only sign of a damaged one (MUON.md, "Refusals").
+            if not on_gpu or any(_python_number(x) is None for x in given):
+                _report_refusal(_warn_refused, valid, row, state.count)
         if refused:
-            reason = RULE.refusal_reason(np.asarray(row)) if bool(state.count >= 0) else "the count is negative"
-            raise ValueError(f"packed_muon: invalid hyperparameters at count {int(state.count)}: {reason}")
+            count = int(state.count)
+            raise ValueError(f"packed_muon: step refused at count {count}: "
+                             f"{_refusal_reason(RULE, np.asarray(row), count)}")
 
         # After Muon's checks, so that a bad shared learning rate is reported by Muon's words first.
         adamw_updates, adamw_state = adamw.update(updates, state.adamw, params, **extra_args)
@@ -507,7 +564,6 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         p_mats = [views[i].to_matrices(p_leaves[i]) for i in muon]
         lo_mats = [views[i].to_matrices(lows[i]) for i in muon if split[i]]
         placed = lambda x, j: x  # noqa: E731 (the GPU path's leaves are not sharded: see MUON.md)
-        on_gpu = _step_platform((updates, params)) == "gpu"
         # On the GPU a float32 leaf's update comes from its weight launch (`_muon_triton.weight_group_step`).
         kernel_updates = write_update and on_gpu
         if on_gpu:
@@ -517,7 +573,7 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         else:
             new_params, new_lows, new_states, placed = _cpu_phases_placed(
                 [p_leaves[i] for i in muon], config, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients,
-                steps, eps)
+                steps, given[3])
 
         out = list(treedef.flatten_up_to(_applied(adamw_updates, params, write_update)))
         new_momenta = list(treedef.flatten_up_to(state.momentum))
@@ -802,11 +858,19 @@ def export_muon_state(state: PackedMuonState, params, *, mode: str = "packed", m
     return PortableState.of(identities, counts, moments, low_list)
 
 
+def _is_step_count(count) -> bool:
+    return (isinstance(count, numbers.Integral) and not isinstance(count, (bool, np.bool_))
+            and 0 <= count <= MAX_COUNT)
+
+
 def _common_count(counts, what: str) -> int | None:
     known = sorted({c for c in counts if c is not None})
     if len(known) > 1:
         raise ValueError(f"import_muon_state: the {what} tensors have different step counts {known}; the JAX state has "
                          "one count per rule, so export from an optimizer whose parameters all stepped together")
+    if known and not _is_step_count(known[0]):
+        raise ValueError(f"import_muon_state: the state's {what} tensors took {known[0]!r} steps, which is not a step "
+                         f"count (a whole number from 0 to {MAX_COUNT}): the file was edited or damaged")
     return known[0] if known else None
 
 
@@ -820,11 +884,16 @@ def import_muon_state(portable, params, *, mode: str = "packed", mu_bias: int = 
 
     `count` (the steps taken, which a schedule reads): the Muon tensors' count when they have
     one (a JAX export), else the AdamW tensors' (torch steps both rules together), else this
-    argument; a given `count` must agree with the state's."""
+    argument; a given `count` must agree with the state's. A count is a whole number from 0 to
+    `MAX_COUNT` (2**31 - 2: the int32 count stops at 2**31 - 1, where a step would not move it)."""
     from packed_adamw.core.portable import PortableState
 
     from .transform import _placed_like, import_state as import_adamw_state
 
+    if count is not None and not _is_step_count(count):
+        raise ValueError(f"import_muon_state: count={count!r} is not a step count: pass the steps taken, a whole "
+                         f"number from 0 to {MAX_COUNT} (a state at 2**31 - 1 could not step again), or leave it out "
+                         "when the state's tensors carry their count")
     fmt, adam_fmt, leaves, treedef, paths, views, split = _portable_layout(
         params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers)
     fmts = [adam_fmt if v is None else fmt for v in views]
@@ -868,6 +937,6 @@ def import_muon_state(portable, params, *, mode: str = "packed", mu_bias: int = 
                            optax.MaskedState(inner_state=inner))
 
 
-__all__ = ["DEFAULT_EPS", "DEFAULT_WEIGHT_DECAY", "MatrixView", "PackedMuonState", "export_muon_state",
+__all__ = ["DEFAULT_EPS", "DEFAULT_WEIGHT_DECAY", "MAX_COUNT", "MatrixView", "PackedMuonState", "export_muon_state",
            "import_muon_state", "leaf_views", "newton_schulz",
            "packed_muon", "packed_muon_fused_step"]

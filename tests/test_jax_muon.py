@@ -4,6 +4,10 @@ torch.optim.Muon (momentum bit for bit, weights within the measured Newton-Schul
 its AdamW leaves against packed_adamw alone, its state, jit, refusals."""
 from __future__ import annotations
 
+import dataclasses
+import warnings
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -22,7 +26,13 @@ from packed_adamw.core.muon import (  # noqa: E402
     weight_phase_split,
 )
 from packed_adamw.jax import RefusedStepWarning, packed_adamw  # noqa: E402
-from packed_adamw.jax.muon import newton_schulz, packed_muon, packed_muon_fused_step  # noqa: E402
+from packed_adamw.jax.muon import (  # noqa: E402
+    export_muon_state,
+    import_muon_state,
+    newton_schulz,
+    packed_muon,
+    packed_muon_fused_step,
+)
 from packed_adamw.jax import muon as jax_muon  # noqa: E402
 
 F32 = np.float32
@@ -287,6 +297,15 @@ def test_a_non_finite_gradient_refuses_its_matrix_only():
     (dict(mu_bias=200), ValueError, "mu_bias=200"),
     (dict(nesterov="yes"), TypeError, "nesterov"),
     (dict(adam_b1=1.5), ValueError, "b1"),
+    # Not numbers: each named, with what it takes (a schedule only where the step reads one).
+    (dict(weight_decay=None), TypeError, "weight_decay=None is not a number.*or a schedule"),
+    (dict(beta=jnp.full((3,), 0.9)), TypeError, "beta=.* is not a number"),
+    (dict(learning_rate="0.02"), TypeError, "learning_rate='0.02' is not a number"),
+    (dict(adam_eps=None), TypeError, "adam_eps=None is not a number"),
+    (dict(adam_b1=lambda count: 0.9), TypeError, "adam_b1 is a schedule.*learning rate only.*inject_hyperparams"),
+    (dict(adam_b2=lambda count: 0.99), TypeError, "adam_b2 is a schedule"),
+    (dict(adam_eps=lambda count: 1e-8), TypeError, "adam_eps is a schedule"),
+    (dict(adam_weight_decay=lambda count: 0.01), TypeError, "adam_weight_decay is a schedule"),
 ])
 def test_bad_hyperparameters_are_refused_when_built(kwargs, error, message):
     kwargs = {"learning_rate": LR, **kwargs}
@@ -310,6 +329,157 @@ def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph():
     for k in MUON_LEAVES:
         assert np.all(bits(updates[k]) == 0x80000000)
         assert np.array_equal(bits(refused.momentum[k]), bits(state.momentum[k]))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_negative_count_refuses_the_step_eagerly_and_warns_under_jit(jit):
+    """A damaged count (here -3, with plain-number hyperparameters, so nothing else is known only
+    in the graph) refuses every Muon matrix: eagerly a ValueError, under jit a RefusedStepWarning
+    naming the count (transform.py's `_report_refusal`); nothing changes. The AdamW half keeps
+    its own count and steps."""
+    params = make_params(np.random.default_rng(31))
+    tx = packed_muon(LR)
+    state = tx.init(params)
+    state = state._replace(count=jnp.asarray(-3, jnp.int32))
+    grads = make_grads(np.random.default_rng(32), params)
+    if not jit:
+        with pytest.raises(ValueError, match="packed_muon: .*count -3.*step count is -3"):
+            tx.update(grads, state, params)
+        return
+    with pytest.warns(RefusedStepWarning, match="packed_muon: step refused at count -3: the state's step count is -3"):
+        updates, refused = jax.jit(tx.update)(grads, state, params)
+        jax.block_until_ready(updates)
+        jax.effects_barrier()
+    assert int(refused.count) == -3
+    for k in MUON_LEAVES:
+        assert np.all(bits(updates[k]) == 0x80000000)
+        assert np.array_equal(bits(refused.momentum[k]), bits(state.momentum[k]))
+    assert not np.all(bits(updates["bias"]) == 0x80000000)  # the AdamW half trained
+
+
+def test_a_valid_jitted_step_warns_nothing():
+    params = make_params(np.random.default_rng(33))
+    tx = packed_muon(LR)
+    grads = make_grads(np.random.default_rng(34), params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RefusedStepWarning)
+        updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+        jax.block_until_ready(updates)
+        jax.effects_barrier()
+
+
+def _without_muon_counts(portable):
+    """An exported state as torch's PackedMuon writes it: no step count on the Muon tensors."""
+    return dataclasses.replace(portable, counts=[None] * len(portable.counts))
+
+
+@pytest.mark.parametrize("count", [-3, 2.5, True, "4", 2 ** 31 - 1, 2 ** 31])
+def test_import_refuses_a_count_argument_that_is_not_a_step_count(count):
+    """count= must be a whole number from 0 to 2**31 - 2: the int32 count stops at 2**31 - 1, so
+    a state there could never step again (torch's step limit, the same number)."""
+    params = {k: v for k, v in make_params(np.random.default_rng(35)).items() if k in MUON_LEAVES}
+    portable = _without_muon_counts(export_muon_state(packed_muon(LR).init(params), params))
+    with pytest.raises(ValueError, match=f"import_muon_state: count={count!r} is not a step count.*2147483646"):
+        import_muon_state(portable, params, count=count)
+    state = import_muon_state(portable, params, count=2 ** 31 - 2)  # the last count that can still step
+    assert int(state.count) == 2 ** 31 - 2 and int(state.adamw.inner_state.count) == 2 ** 31 - 2
+
+
+def test_import_refuses_a_tensors_count_that_is_not_a_step_count():
+    """A count carried by the tensors (edited or damaged) is refused too, naming where it came from."""
+    params = make_params(np.random.default_rng(36))
+    portable = export_muon_state(packed_muon(LR).init(params), params)
+    edited = dataclasses.replace(portable, counts=[None if jnp.ndim(leaf) == 2 else -3
+                                                   for leaf in jax.tree_util.tree_leaves(params)])
+    with pytest.raises(ValueError, match="import_muon_state: the state's AdamW tensors took -3 steps"):
+        import_muon_state(edited, params)
+    edited = dataclasses.replace(portable, counts=[2 ** 31 - 1] * len(portable.counts))
+    with pytest.raises(ValueError, match="import_muon_state: the state's Muon tensors took 2147483647 steps"):
+        import_muon_state(edited, params)
+
+
+@pytest.mark.parametrize("name,first,second", [("weight_decay", 0.1, 0.05), ("beta", 0.9, 0.8),
+                                               ("eps", 1e-7, 1e-3)])
+def test_a_schedule_of_a_muon_hyperparameter_steps_as_its_values(name, first, second):
+    """beta, weight_decay and eps may be schedules of the count, as learning_rate is: each step
+    has the bits of a transform built from that step's float32 value (a schedule's value is
+    read as its float32 value, as an injected array's is), jitted; one turning invalid refuses
+    the step with a warning naming it."""
+    rng = np.random.default_rng(37)
+    params = {k: v for k, v in make_params(rng).items() if k in MUON_LEAVES}
+    values = jnp.asarray([first, second, -1.0], jnp.float32)
+    scheduled = packed_muon(LR, **{name: lambda count: values[jnp.minimum(count, 2)]})
+    state = scheduled.init(params)
+    update = jax.jit(scheduled.update)
+    for value in (first, second):
+        grads = make_grads(rng, params)
+        updates, new_state = update(grads, state, params)
+        plain_updates, plain_state = packed_muon(LR, **{name: float(F32(value))}).update(grads, state, params)
+        for k in MUON_LEAVES:
+            assert np.array_equal(bits(updates[k]), bits(plain_updates[k])), (k, value)
+            assert np.array_equal(bits(new_state.momentum[k]), bits(plain_state.momentum[k])), (k, value)
+        params, state = optax.apply_updates(params, updates), new_state
+    words = {"weight_decay": "weight decay should be >= 0", "beta": "momentum should be >= 0",
+             "eps": "eps should be > 0"}
+    with pytest.warns(RefusedStepWarning, match=f"packed_muon: step refused at count 2: {words[name]}"):
+        updates, refused = update(make_grads(rng, params), state, params)
+        jax.block_until_ready(updates)
+        jax.effects_barrier()
+    assert int(refused.count) == 2 and all(np.all(bits(updates[k]) == 0x80000000) for k in MUON_LEAVES)
+
+
+def test_an_adamw_hyperparameter_schedule_goes_through_inject_hyperparams_as_the_error_says():
+    """packed_adamw takes no weight-decay schedule; optax.inject_hyperparams, which the refusal
+    names, evaluates one and passes its value: the bits of packed_muon built with that value."""
+    rng = np.random.default_rng(38)
+    params = make_params(rng)
+    injected = optax.inject_hyperparams(packed_muon, static_args=("ns_steps", "mu_bias"))(
+        learning_rate=LR, adam_weight_decay=lambda count: 0.01)
+    plain = packed_muon(float(F32(LR)), beta=float(F32(0.95)), weight_decay=float(F32(WD)), eps=float(F32(EPS)),
+                        adam_learning_rate=LR, adam_weight_decay=float(F32(0.01)))
+    grads = make_grads(rng, params)
+    updates, _ = jax.jit(injected.update)(grads, injected.init(params), params)
+    plain_updates, _ = plain.update(grads, plain.init(params), params)
+    for k in params:
+        assert np.array_equal(bits(updates[k]), bits(plain_updates[k])), k
+
+
+def test_the_adamw_half_is_packed_adamw_without_nesterov_as_muon_md_says():
+    """optax.contrib.muon's AdamW half is Nesterov's (adamw(..., nesterov=True)); packed_muon's is
+    packed_adamw's, which has no Nesterov form. Pinned, with the numbers docs/MUON.md quotes (a
+    1-D leaf from 0, a constant gradient, lr 0.01, five steps) and the recipe it gives for
+    optax's behaviour: an optax.partition of packed_muon and optax.adamw(nesterov=True) gives
+    optax.contrib.muon's bits on that leaf and packed_muon's on the matrix."""
+    lr = 0.01
+    params = {"w": jnp.asarray((np.random.default_rng(39).standard_normal((4, 6)) * 0.2).astype(F32)),
+              "b": jnp.zeros((3,), jnp.float32)}
+    grads = {"w": jnp.full((4, 6), 0.1, jnp.float32), "b": jnp.ones((3,), jnp.float32)}
+    labels = lambda tree: jax.tree.map(lambda x: "muon" if x.ndim == 2 else "adam", tree)  # noqa: E731
+    recipe = optax.partition({"muon": packed_muon(lr), "adam": optax.adamw(lr, eps=1e-8, weight_decay=0.0,
+                                                                           nesterov=True)}, labels)
+    bias_alone = packed_adamw(lr, weight_decay=0.0)
+    runs = {name: (jax.jit(tx.update), params, tx.init(params)) for name, tx in
+            (("ours", packed_muon(lr)), ("optax", optax.contrib.muon(lr)), ("recipe", recipe),
+             ("plain adamw", optax.adamw(lr, eps=1e-8, weight_decay=0.0)))}
+    alone_params, alone_state = {"b": params["b"]}, bias_alone.init({"b": params["b"]})
+    first = None  # how far the leaf moved in step 1
+    for _ in range(5):
+        for name, (update, p, s) in runs.items():
+            u, s = update(grads, s, p)
+            runs[name] = (update, optax.apply_updates(p, u), s)
+        first = first or {name: -float(p["b"][0]) for name, (_, p, _) in runs.items()}
+        u, alone_state = bias_alone.update({"b": grads["b"]}, alone_state, alone_params)
+        alone_params = optax.apply_updates(alone_params, u)
+        assert np.array_equal(bits(runs["ours"][1]["b"]), bits(alone_params["b"]))  # packed_adamw's, every step
+    ours, theirs, recipe_params, plain = (runs[name][1] for name in ("ours", "optax", "recipe", "plain adamw"))
+    assert np.array_equal(bits(recipe_params["b"]), bits(theirs["b"]))  # optax's AdamW half, bit for bit
+    assert np.array_equal(bits(recipe_params["w"]), bits(ours["w"]))  # and our Muon step
+    # optax.adamw's without Nesterov, up to packed_adamw's state format (FORMAT.md)
+    assert np.abs(np.asarray(ours["b"]) - np.asarray(plain["b"])).max() < 1e-5
+    page = " ".join((Path(__file__).resolve().parents[1] / "docs" / "MUON.md").read_text().split())
+    for said in (f"packed_muon moves it by {-float(ours['b'][0]):.4f}, optax.contrib.muon by "
+                 f"{-float(theirs['b'][0]):.4f}", f"(step 1: {first['ours']:.4f} against {first['optax']:.4f})"):
+        assert said in page, f"docs/MUON.md should say: {said}"
 
 
 def test_misuse_is_refused_with_a_message(monkeypatch):
