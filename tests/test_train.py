@@ -290,3 +290,27 @@ def test_demo_on_the_embedded_corpus(tmp_path):
     assert main(argv) == 0
     result = summary(tmp_path / "demo")
     assert result["step"] == 2 and result["parameters"] == 2_357_888 and result["val_bpb"] > 0
+
+
+def test_trimming_the_log_on_a_full_disk_leaves_it_whole(tmp_path, monkeypatch):
+    """keep_records_up_to (a resume trims the log) replaces the file atomically: a write that
+    fails leaves every line, where a plain rewrite would have truncated the log."""
+    import errno
+
+    from packed_adamw.core import atomic_file
+    from packed_adamw.torch.gpt.telemetry import keep_records_up_to
+
+    log = tmp_path / "log.jsonl"
+    text = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 5))
+    log.write_text(text)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic_file.os, "replace", full_disk)
+    with pytest.raises(OSError):
+        keep_records_up_to(log, 2)
+    assert log.read_text() == text
+    monkeypatch.undo()
+    keep_records_up_to(log, 2)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]

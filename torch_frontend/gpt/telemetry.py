@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from packed_adamw.core import first_moment_format, rms_format
+from packed_adamw.core.atomic_file import atomic_write
 from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 from ..optimizer import PackedAdamW
@@ -145,7 +146,8 @@ def plot_log(log_path: Path, png_path: Path) -> None:
 
 
 def keep_records_up_to(path: Path, step: int) -> None:
-    """Drop JSONL records after `step` and any line a crash cut short."""
+    """Drop JSONL records after `step` and any line a crash cut short. The file is replaced
+    atomically: a write that fails (a full disk) leaves the log as it was."""
     if not path.exists():
         return
     kept = []
@@ -156,7 +158,7 @@ def keep_records_up_to(path: Path, step: int) -> None:
             continue
         if record.get("step", 0) <= step:
             kept.append(line + "\n")
-    path.write_text("".join(kept))
+    atomic_write(path, "".join(kept).encode())
 
 
 LOSS_SPIKE = 1.5  # a training loss above 1.5 x the lowest one so far, after warmup, is a spike
