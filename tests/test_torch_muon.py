@@ -1106,3 +1106,259 @@ def test_a_scheduled_lr_is_checked_by_its_own_bounds_and_an_invalid_one_still_re
         with pytest.raises(ValueError, match=rf"^param_groups\[0\]: .*{message}"):
             opt.step()
         assert torch.equal(bits(p), after_steps)
+
+
+# ---- loading refuses momenta no step stores ------------------------------------------------------
+@pytest.mark.parametrize("combined", [False, True], ids=["PackedMuon", "PackedMuonAdamW"])
+@pytest.mark.parametrize("bad_code", [0x7F80, 0xFFC1], ids=["inf", "nan"])
+def test_a_bf16_momentum_code_that_is_not_finite_is_refused_on_load_naming_the_parameter(combined, bad_code):
+    """Such a matrix would be refused at every step and never train again; fp32 mode and
+    import_state refuse the same state."""
+    rng = np.random.default_rng(50)
+    model = TinyModel()
+    muon_group = muon_param_groups(model, exclude=("head",))[0]
+    opt = (PackedMuonAdamW(muon_param_groups(model, exclude=("head",)), mode="bf16") if combined else
+           PackedMuon([{"params": muon_group["params"], "param_names": muon_group["param_names"]}], mode="bf16"))
+    set_gradients(rng, model)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][1]["momentum_code"].view(-1)[3] = np.int16(np.uint16(bad_code))  # down.weight's
+    params = [p for g in opt.param_groups for p in g["params"]]
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=r"saved parameter 1 \(for 'down.weight'\): the momentum holds NaN or Inf"):
+        opt.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(opt, params)))
+
+
+# ---- muon_param_groups' exclude ------------------------------------------------------------------
+def test_muon_param_groups_takes_one_name_as_a_string_and_refuses_an_entry_that_matches_nothing():
+    """A string is one name (not its characters, which matched every parameter: Muon never ran);
+    an entry that matches no parameter's name (a typo would send the head to Muon) is refused.
+    A tied head matches under its own name, though named_parameters lists it once."""
+    model = TinyModel()
+    as_string, as_tuple = muon_param_groups(model, exclude="head"), muon_param_groups(model, exclude=("head",))
+    assert [(g["kind"], g["param_names"]) for g in as_string] == [(g["kind"], g["param_names"]) for g in as_tuple]
+    assert as_string[0]["param_names"] == ["up.weight", "down.weight"]
+    with pytest.raises(ValueError, match=r"exclude entry 'haed' matches no parameter name of TinyModel"):
+        muon_param_groups(model, exclude=("haed",))
+    with pytest.raises(ValueError, match=r"exclude entry '' matches every parameter"):
+        muon_param_groups(model, exclude=("head", ""))
+    with pytest.raises(TypeError, match=r"exclude=\[3\]: pass a parameter name"):
+        muon_param_groups(model, exclude=[3])
+    model.head.weight = model.embed.weight
+    assert muon_param_groups(model, exclude="head")[0]["param_names"] == ["up.weight", "down.weight"]
+
+
+# ---- a group cannot have its own state format ----------------------------------------------------
+@pytest.mark.parametrize("kind, key, value, message", [
+    ("muon", "mode", "fp32", r"PackedMuonAdamW\(\.\.\., mode=\.\.\.\)"),
+    ("muon", "mu_bias", 30, r"PackedMuonAdamW\(\.\.\., mu_bias=\.\.\.\)"),
+    ("adamw", "mode", "fp32", r"PackedMuonAdamW\(\.\.\., adamw_mode=\.\.\.\)"),
+    ("adamw", "adamw_mode", "fp32", r"PackedMuonAdamW\(\.\.\., adamw_mode=\.\.\.\)"),
+    ("adamw", "m_bias", 5, r"PackedMuonAdamW\(\.\.\., m_bias=\.\.\.\)"),
+    ("adamw", "rms_bias", 5, r"PackedMuonAdamW\(\.\.\., rms_bias=\.\.\.\)"),
+    ("muon", "batch_ns", True, r"PackedMuonAdamW\(\.\.\., batch_ns=\.\.\.\)"),
+    ("adamw", "adamw_lr", 1e-3, r"a group's own AdamW setting is 'lr'"),
+    ("adamw", "momentum", 0.9, r"an option of Muon groups, which this AdamW group would ignore"),
+    ("muon", "betas", (0.9, 0.95), r"an option of AdamW groups, which this Muon group would ignore"),
+])
+def test_a_group_option_the_combined_optimizer_would_ignore_is_refused_naming_it(kind, key, value, message):
+    """Each rule keeps one state format for all its groups: a group asking for its own (say fp32
+    momentum) would silently get the optimizer's; so would another rule's option."""
+    model = TinyModel()
+    groups = muon_param_groups(model, exclude=("head",))
+    index = [g["kind"] for g in groups].index(kind)
+    groups[index][key] = value
+    full = rf"^param_groups\[{index}\] \(kind='{kind}'\) sets {key!r}: .*{message}"
+    with pytest.raises(ValueError, match=full):
+        PackedMuonAdamW(groups)
+    opt = PackedMuonAdamW([groups[1 - index]])
+    with pytest.raises(ValueError, match=full.replace(rf"\[{index}\]", r"\[1\]")):
+        opt.add_param_group(groups[index])
+    assert len(opt.param_groups) == 1 and list(opt.rules) == [groups[1 - index]["kind"]]
+
+
+# ---- pickling a combined optimizer ---------------------------------------------------------------
+def test_a_pickled_combined_optimizer_with_adamw_state_unpickles_bit_for_bit_and_steps_alike():
+    """AdamW's uint32 words, which torch cannot unpickle, travel as their int32 bits."""
+    rng = np.random.default_rng(51)
+    model = TinyModel()
+    opt = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)))
+    for _ in range(2):
+        set_gradients(rng, model)
+        opt.step()
+    copied = pickle.loads(pickle.dumps(opt))
+    params = [p for g in opt.param_groups for p in g["params"]]
+    copied_params = [p for g in copied.param_groups for p in g["params"]]
+    words_key = opt.rules["adamw"].state_format.state_key
+    assert copied.state[copied_params[-1]][words_key].dtype == torch.uint32
+    assert all(rule.state is copied.state for rule in copied.rules.values())
+    for before, after in zip(snapshot(opt, params), snapshot(copied, copied_params)):
+        assert before.dtype == after.dtype and torch.equal(before, after)
+    for _ in range(2):
+        for p, q in zip(params, copied_params):
+            p.grad = gradient(rng, tuple(p.shape))
+            q.grad = p.grad.clone()
+        opt.step()
+        copied.step()
+        assert all(torch.equal(a, b) for a, b in zip(snapshot(opt, params), snapshot(copied, copied_params)))
+
+
+# ---- a parameter listed twice ---------------------------------------------------------------------
+def test_a_parameter_listed_twice_is_refused_naming_the_torch_optimizer_of_its_rule():
+    p, q = torch.nn.Parameter(torch.ones(3, 4)), torch.nn.Parameter(torch.ones(3))
+    for make, twin in ((lambda: PackedMuon([p, p]), "torch.optim.Muon"),
+                       (lambda: PackedMuonAdamW([{"params": [p, p], "kind": "muon"}]), "torch.optim.Muon"),
+                       (lambda: PackedMuonAdamW([{"params": [q, q], "kind": "adamw"}]), "torch.optim.AdamW")):
+        with pytest.raises(ValueError, match=r"\['params'\]\[1\] is the same tensor as .*") as raised:
+            make()
+        assert f"({twin} would step it twice" in str(raised.value)
+
+
+# ---- format counts and refused matrices (track_format) ---------------------------------------------
+# Gradients over 58 binades: the first momenta (0.05 g) saturate the default E5M10 code (|m| > 2),
+# go subnormal (below 2**-30) and flush (below 2**-41).
+TRACKED_SHAPES = [(8, 12), (12, 8), (8, 12)]
+
+
+def tracked_pair(mode, batch_ns):
+    """An optimizer with track_format and an untracked twin over copies of the same matrices."""
+    torch.manual_seed(52)
+    p0 = [torch.randn(s) for s in TRACKED_SHAPES]
+    names = [f"w{i}" for i in range(len(p0))]
+    pairs = []
+    for track in (True, False):
+        params = [torch.nn.Parameter(p.clone()) for p in p0]
+        opt = PackedMuon([{"params": params, "param_names": names}], mode=mode, track_format=track,
+                         batch_ns=batch_ns, ns_impl="cublas")
+        pairs.append((params, opt))
+    return pairs
+
+
+def expected_stats(opt, params, grads, stats) -> None:
+    """Adds one step's counts to `stats` as MUON.md defines them, replaying the momentum phase on
+    copies of the state before the step: a refused matrix counts as refused, an accepted one its
+    elements and its codes' format events."""
+    group = opt.param_groups[0]
+    fmt = opt.state_format
+    for name, p, g in zip(group["param_names"], params, grads):
+        entry = stats.setdefault(name, {"elements": 0, "refused": 0})
+        state = opt.state[p][fmt.state_key].numpy().copy() if p in opt.state else \
+            np.zeros(p.shape, np.float32 if fmt.mode == "fp32" else np.uint16)
+        counts = np.zeros(3, np.int64)
+        scalars = step_scalar_row((group["lr"], group["momentum"], group["weight_decay"], group["eps"]), tuple(p.shape))
+        if momentum_phase(g.numpy(), state, scalars, fmt=fmt, format_counts_out=counts) is None:
+            entry["refused"] += 1
+            continue
+        entry["elements"] += p.numel()
+        if fmt.mode == "packed":
+            for key, count in zip(("saturated_mu", "flushed_mu", "subnormal_mu"), counts.tolist()):
+                entry[key] = entry.get(key, 0) + count
+
+
+@pytest.mark.parametrize("mode, kernels, batch_ns", [
+    ("packed", False, False), ("fp32", False, True), ("packed", True, False), ("packed", True, True),
+    ("bf16", True, True)], ids=["numpy", "numpy-fp32", "kernels", "table-kernels", "table-kernels-bf16"])
+def test_track_format_counts_refused_matrices_and_format_events_and_changes_no_bit(mode, kernels, batch_ns,
+                                                                                    is_interpreting, monkeypatch):
+    """Over three steps, the second refusing w1 (a NaN gradient): format_stats gives each matrix's
+    refused steps, the element-steps of its accepted ones and (packed mode) their format events,
+    as MUON.md defines them; the steps' bits are the untracked twin's. The kernels (CUDA's step)
+    run in Triton's interpreter on CPU tensors, Newton-Schulz on the CPU."""
+    if kernels and not is_interpreting:
+        pytest.skip("runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    if kernels:
+        monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: True)
+    rng = np.random.default_rng(53)
+    (params, opt), (twin_params, twin) = tracked_pair(mode, batch_ns)
+    want = {}
+    for step in range(3):
+        grads = [gradient(rng, s, -50, 9) for s in TRACKED_SHAPES]
+        if step == 1:
+            grads[1][2, 3] = float("nan")
+        expected_stats(opt, params, grads, want)
+        for ps, o in ((params, opt), (twin_params, twin)):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            o.step()
+        assert all(torch.equal(a, b) for a, b in zip(snapshot(opt, params), snapshot(twin, twin_params)))
+    assert want["w1"]["refused"] == 1 and want["w0"]["refused"] == 0
+    if mode == "packed":
+        assert all(want["w0"][key] > 0 for key in ("saturated_mu", "flushed_mu", "subnormal_mu"))
+        with pytest.warns(RuntimeWarning) as warned:  # the shared saturation warning, with Muon's bias
+            assert opt.format_stats() == want
+        assert any(str(w.message).startswith("PackedMuon: 'w0': ") and "momenta saturated at" in str(w.message)
+                   and "lower mu_bias (now 31" in str(w.message) for w in warned)
+    else:
+        assert opt.format_stats() == want
+    with pytest.raises(ValueError, match=r"PackedMuon\(\.\.\., track_format=True\)"):
+        twin.format_stats()
+
+
+def test_track_format_is_a_checked_switch_that_a_pickle_keeps_and_a_load_restarts():
+    p = torch.nn.Parameter(torch.ones(4, 6))
+    with pytest.raises(TypeError, match="track_format=1: pass True or False"):
+        PackedMuon([p], track_format=1)
+    with pytest.raises(ValueError, match="track_format=True with capturable=True"):
+        PackedMuon([p], lr=torch.tensor(0.02), capturable=True, track_format=True)
+    opt = PackedMuon([p])
+    assert not opt.track_format
+    opt.track_format = True
+    assert pickle.loads(pickle.dumps(opt)).track_format
+    p.grad = torch.ones(4, 6)
+    opt.step()
+    saved = opt.state_dict()
+    opt.step()
+    opt.load_state_dict(saved)  # a loaded state starts the counts afresh
+    assert opt.format_stats() == {}
+    opt.step()
+    opt.import_state(opt.export_state())  # so does an imported one
+    assert opt.format_stats() == {}
+    opt.track_format = False
+    opt.step()
+    with pytest.raises(ValueError, match="track_format"):
+        opt.format_stats()
+
+
+def test_combined_track_format_reports_both_rules():
+    rng = np.random.default_rng(54)
+    model = TinyModel()
+    opt = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)), track_format=True)
+    set_gradients(rng, model)
+    model.up.weight.grad[0, 0] = float("inf")
+    opt.step()
+    stats = opt.format_stats()
+    assert set(stats) == {name for name, _ in model.named_parameters()}
+    assert stats["up.weight"] == {"elements": 0, "refused": 1, "saturated_mu": 0, "flushed_mu": 0, "subnormal_mu": 0}
+    assert stats["down.weight"]["elements"] == model.down.weight.numel() and stats["down.weight"]["refused"] == 0
+    assert set(stats["head.weight"]) == {"elements", "saturated_m", "saturated_rms", "flushed_m", "flushed_rms",
+                                         "subnormal_m", "subnormal_rms"}
+    with pytest.raises(ValueError, match=r"adamw_mode='fp32'.*adamw_mode='packed' or 'fp16'"):
+        PackedMuonAdamW(muon_param_groups(model, exclude=("head",)), adamw_mode="fp32", track_format=True)
+    untracked = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)))
+    with pytest.raises(ValueError, match=r"PackedMuonAdamW\(\.\.\., track_format=True\)"):
+        untracked.format_stats()
+
+
+# ---- FP32 masters of a combined optimizer -----------------------------------------------------------
+def test_combined_load_master_weights_starts_a_bf16_run_on_the_fp32_run_bit_for_bit():
+    """A bf16 model given an FP32 model's weights as masters follows its trajectory exactly (both
+    rules' split masters), fed the same float32 gradients; its weights are the masters rounded."""
+    rng = np.random.default_rng(55)
+    torch.manual_seed(55)
+    fp32_model = TinyModel()
+    bf16_model = copy.deepcopy(fp32_model).to(torch.bfloat16)
+    for p in bf16_model.parameters():
+        taking_fp32_gradients(p)
+    fp32_opt, bf16_opt = (PackedMuonAdamW(muon_param_groups(m, exclude=("head",))) for m in (fp32_model, bf16_model))
+    bf16_opt.load_master_weights([m.detach().clone() for m in fp32_opt.master_weights()])
+    for step in range(3):
+        masters = bf16_opt.master_weights()
+        for a, b in zip(fp32_opt.master_weights(), masters):
+            assert torch.equal(bits(a), bits(b))
+        for p, q in zip(fp32_model.parameters(), bf16_model.parameters()):
+            assert torch.equal(bits(q), bits(p.detach().bfloat16()))
+            p.grad = gradient(rng, tuple(p.shape), -10, -2)
+            q.grad = p.grad.clone()
+        fp32_opt.step()
+        bf16_opt.step()

@@ -255,9 +255,10 @@ def validate_group_hyperparams(group: dict, index: int, rule, check_lr: bool = T
         raise type(e)(f"param_groups[{index}]: {e}") from None
 
 
-def check_listed_once(group: dict, index: int) -> None:
-    """A parameter listed twice in a group is refused: torch.optim.AdamW steps it twice (and
-    warns that this will become an error), a step plan would step it once."""
+def check_listed_once(group: dict, index: int, torch_twin: str = "torch.optim.AdamW") -> None:
+    """A parameter listed twice in a group is refused: `torch_twin`, the torch optimizer whose
+    arguments the caller takes (torch.optim.AdamW, torch.optim.Muon), steps it twice (and warns
+    that this will become an error), a step plan would step it once."""
     first = {}
     for param_index, p in enumerate(group["params"]):
         earlier = first.setdefault(id(p), param_index)
@@ -265,7 +266,7 @@ def check_listed_once(group: dict, index: int) -> None:
             raise ValueError(
                 f"{param_name(group, index, param_index)} is the same tensor as "
                 f"{param_name(group, index, earlier)}: a parameter may be listed once in an optimizer "
-                "(torch.optim.AdamW would step it twice per step and warns that this will become an error); "
+                f"({torch_twin} would step it twice per step and warns that this will become an error); "
                 "list each parameter once"
             )
 
@@ -349,12 +350,17 @@ def check_hyperparams(defaults: dict, rule, *, check_lr: bool) -> None:
     validate_rule_hyperparams(defaults, rule, check_lr=check_lr)
 
 
-def check_track_format(value, fmt: StateFormat, capturable: bool) -> None:
+def check_track_format(value, fmt: StateFormat, capturable: bool, *, counts_refusals: bool = False,
+                       mode_option: str = "mode") -> None:
+    """`track_format`'s value for an optimizer of state format `fmt`. A rule that refuses whole
+    matrices (`counts_refusals`: Muon) counts them in every mode; otherwise a mode without codes
+    has nothing to count. `mode_option`: the option that set `fmt`'s mode, as messages name it."""
     if not isinstance(value, bool):
         raise TypeError(f"track_format={value!r}: pass True or False")
-    if value and not has_format_counts(fmt):
-        raise ValueError("track_format=True counts where packed or fp16 codes saturate, flush or go subnormal; "
-                         "fp32 mode stores float32 moments: use mode='packed' or 'fp16'")
+    if value and not has_format_counts(fmt) and not counts_refusals:
+        which = "" if mode_option == "mode" else f" ({mode_option}={fmt.mode!r})"
+        raise ValueError(f"track_format=True counts where packed or fp16 codes saturate, flush or go subnormal; "
+                         f"fp32 mode stores float32 moments{which}: use {mode_option}='packed' or 'fp16'")
     if value and capturable:
         raise ValueError("track_format=True with capturable=True: a captured step's replays are not counted "
                          "on the host; count with an eager optimizer (capturable=False)")

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from packed_adamw.core import launch
+
 from . import _checks, _dtensor
 from ._launch import launch_kind
 from ._plan import CapturableStepPlan, StepPlan
@@ -280,54 +282,138 @@ def raise_if_rejected(opt, params: list, rejected: list[int]) -> None:
 
 
 # ---- format counts -----------------------------------------------------------------------
+# Per parameter, until `format_stats` reads them (`_format_totals`, id(param) -> entry): the
+# format counts ([MAX_FORMAT_COUNTS] int64, the rule's `count_names` first, on the device), the
+# element-steps counted (an int, or an int64 tensor on the device) and, for a rule that refuses
+# whole matrices (Muon), the steps it refused (an int64 tensor; None for AdamW, which refuses
+# elements). A step adds to its plan's counter rows (AdamW) or to the optimizer's
+# `PendingCounts` (Muon, which has no plan), on the device: neither waits for the GPU.
+class _Totals(NamedTuple):
+    param: torch.Tensor
+    counts: torch.Tensor
+    elements: int | torch.Tensor
+    refused: torch.Tensor | None
+
+
+def _add_totals(totals: dict, p: torch.Tensor, counts: torch.Tensor, elements, refused=None) -> None:
+    entry = totals.get(id(p))
+    if entry is None or entry.param is not p:
+        entry = _Totals(p, torch.zeros_like(counts), 0, None if refused is None else torch.zeros_like(refused))
+    totals[id(p)] = entry._replace(counts=entry.counts + counts, elements=entry.elements + elements,
+                                   refused=None if refused is None else entry.refused + refused)
+
+
+class PendingCounts:
+    """What the tracked steps of one list of matrices (`params`) counted since the last read,
+    each a few tensor operations on the device: per matrix its format counts and, of the steps
+    it was accepted in, the element-steps, and the steps it was refused in."""
+
+    def __init__(self, params: list, numels: list[int], device):
+        self.params = list(params)
+        self.numels = torch.tensor(numels, dtype=torch.int64, device=device)
+        self.counts = torch.zeros((len(params), launch.MAX_FORMAT_COUNTS), dtype=torch.int64, device=device)
+        self.elements = torch.zeros(len(params), dtype=torch.int64, device=device)
+        self.refused = torch.zeros(len(params), dtype=torch.int64, device=device)
+
+    def holds(self, params: list) -> bool:
+        return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+
+    def add(self, counts: torch.Tensor, accepted: torch.Tensor) -> None:
+        """One step: `counts` [n, MAX_FORMAT_COUNTS] of every matrix (a refused one's are left
+        out), `accepted` [n] bools."""
+        accepted = accepted.to(torch.int64)
+        self.counts += counts * accepted[:, None]
+        self.elements += self.numels * accepted
+        self.refused += 1 - accepted
+
+    def fold(self, totals: dict) -> None:
+        for i, p in enumerate(self.params):
+            _add_totals(totals, p, self.counts[i], self.elements[i], self.refused[i])
+
+
+def add_pending_counts(opt, params: list, numels: list[int], counts: torch.Tensor, accepted: torch.Tensor) -> None:
+    """A tracked step's counts of the matrices `params` (`PendingCounts.add`); a step over
+    another list first moves the pending counts to the totals."""
+    pending = opt.__dict__.get("_pending_counts")
+    if pending is None or not pending.holds(params):
+        if pending is not None:
+            pending.fold(opt.__dict__.setdefault("_format_totals", {}))
+        pending = opt._pending_counts = PendingCounts(params, numels, counts.device)
+    pending.add(counts, accepted)
+
+
+def forget_counts(opt) -> None:
+    """A loaded state starts a new record: every count kept or pending goes."""
+    opt.__dict__.setdefault("_format_totals", {}).clear()
+    opt.__dict__.pop("_pending_counts", None)
+    plan = opt.__dict__.get("_plan")
+    if plan is not None and plan.counters is not None:
+        plan.counters.zero_()
+        plan.tracked_steps = 0
+
+
 def drop_plan(opt, keep_counts: bool = True) -> None:
     """Forget the step plan; its format counts go to the per-parameter totals (or, when a
     loaded state starts a new record, away with every total)."""
     plan = opt.__dict__.get("_plan")
     totals = opt.__dict__.setdefault("_format_totals", {})
     if not keep_counts:
-        totals.clear()
+        forget_counts(opt)
     elif plan is not None and plan.counters is not None and plan.tracked_steps:
         _fold_counts(plan, totals)
     opt._plan = None
 
 
 def _fold_counts(plan, totals: dict) -> None:
-    """Adds a plan's counts to `totals` (id(param) -> [param, [6] int64 counts, element-steps]),
-    on the device, and zeroes them."""
+    """Adds a plan's counts to `totals`, on the device, and zeroes them."""
     counts = format_counts(plan.counters)
     for i, p in enumerate(plan.params):
-        entry = totals.setdefault(id(p), [p, torch.zeros_like(counts[i]), 0])
-        entry[1] += counts[i]
-        entry[2] += plan.numels[i] * plan.tracked_steps
+        _add_totals(totals, p, counts[i], plan.numels[i] * plan.tracked_steps)
     plan.counters.zero_()
     plan.tracked_steps = 0
 
 
+def counts_to_read(opt) -> bool:
+    """Whether `format_stats` has counts to read: steps are counted now, or were since the last read."""
+    plan = opt.__dict__.get("_plan")
+    return bool(opt.track_format or opt.__dict__.get("_format_totals")
+                or (plan is not None and plan.counters is not None and plan.tracked_steps)
+                or opt.__dict__.get("_pending_counts") is not None)
+
+
+def no_counts_error(owner: str) -> ValueError:
+    return ValueError(f"format_stats() reads the counts of steps made with track_format on, and none was made "
+                      f"since the last read: pass {owner}(..., track_format=True), or set "
+                      "opt.track_format = True before the steps to count")
+
+
 def format_stats(opt, count_names: tuple[str, ...]) -> dict:
-    """`PackedAdamW.format_stats`: the counts since the last call, per parameter."""
+    """`PackedAdamW.format_stats` (and PackedMuon's): the counts since the last call, per
+    parameter, keyed by its name or its (group, position) as messages number them."""
+    if not counts_to_read(opt):
+        raise no_counts_error(type(opt).__name__)
     totals = opt.__dict__.setdefault("_format_totals", {})
     plan = opt.__dict__.get("_plan")
-    pending = totals or (plan is not None and plan.counters is not None and plan.tracked_steps)
-    if not (opt.track_format or pending):
-        raise ValueError("format_stats() reads the counts of steps made with track_format on, and none was made "
-                         "since the last read: pass PackedAdamW(..., track_format=True), or set "
-                         "opt.track_format = True before the steps to count")
     if plan is not None and plan.counters is not None and plan.tracked_steps:
         _fold_counts(plan, totals)
+    pending = opt.__dict__.pop("_pending_counts", None)
+    if pending is not None:
+        pending.fold(totals)
     stats = {}
     warned = opt.__dict__.setdefault("_saturation_warned", set())
     for gi, group in enumerate(opt.param_groups):
+        shown = _checks.shown_group_index(opt, gi)
         for pi, p in enumerate(group["params"]):
             entry = totals.get(id(p))
-            if entry is None or entry[0] is not p:
+            if entry is None or entry.param is not p:
                 continue
-            key = group["param_names"][pi] if group.get("param_names") else (gi, pi)
-            counts = entry[1].cpu().tolist()
-            stats[key] = {"elements": entry[2], **dict(zip(count_names, counts))}
-            if id(p) not in warned and entry[2]:
-                _warn_saturation(opt, _checks.param_name(group, _checks.shown_group_index(opt, gi), pi), stats[key],
-                                 warned, id(p))
+            key = group["param_names"][pi] if group.get("param_names") else (shown, pi)
+            stats[key] = {"elements": int(entry.elements)}
+            if entry.refused is not None:
+                stats[key]["refused"] = int(entry.refused)
+            stats[key].update(zip(count_names, entry.counts.cpu().tolist()))
+            if id(p) not in warned and stats[key]["elements"]:
+                _warn_saturation(opt, _checks.param_name(group, shown, pi), stats[key], warned, id(p))
     totals.clear()
     return stats
 

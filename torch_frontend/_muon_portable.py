@@ -15,7 +15,7 @@ import torch
 from packed_adamw.core import codecs
 from packed_adamw.core.portable import PortableState
 
-from . import _dtensor, _persistence
+from . import _dtensor, _engine, _persistence
 from ._checks import BFLOAT16
 from ._state import LOW_HALF_KEY
 
@@ -104,3 +104,6 @@ def import_state(opt, portable: PortableState) -> None:
                                                          adamw["counts"], adamw["moments"], adamw["lows"]))
     for p, (rule, entry) in muon_entries.items():
         rule.state[p] = entry
+    for rule in dict.fromkeys(rules):
+        if _is_muon(rule):
+            _engine.forget_counts(rule)  # an imported state starts the counts afresh, as a loaded one

@@ -202,15 +202,16 @@ def master_weights(opt) -> list[torch.Tensor]:
     return masters
 
 
-def load_master_weights(opt, masters) -> None:
+def load_master_weights(opt, masters, fresh_entries=None) -> None:
     """Set the parameters from FP32 master weights in parameter order (as `master_weights()`
     returns them, e.g. an FP32 model's parameters): a float32 parameter takes the value, a
     bfloat16 one its exact split (its weight the master rounded to nearest bf16, ties away
     from zero, and the low half in its optimizer state), so `master_weights()` gives the
     masters back bit for bit. Moments and step counts stay as they are (a parameter never
-    stepped gets a fresh state holding its low half). Everything is checked before anything
+    stepped gets a fresh state holding its low half: `fresh_entries(p)`, the state entries of
+    its rule's first step, PackedAdamW's by default). Everything is checked before anything
     changes (`_checks.checked_masters`). Masters of DTensor parameters must be DTensors laid
-    out like them."""
+    out like them. Call it under torch.no_grad()."""
     params = [p for g in opt.param_groups for p in g["params"]]
     locals_ = checked_masters(params, list(masters), [name_of(opt, p) for p in params], opt.state)
     for p, local in zip(params, locals_):
@@ -218,12 +219,20 @@ def load_master_weights(opt, masters) -> None:
             _dtensor.local(p).copy_(local)
             continue
         state = opt.state[p]
-        if not state:  # never stepped: a fresh state (step 0) that keeps the low half
-            state[STEP_KEY] = 0
-            state[opt.state_format.state_key] = _dtensor.wrap_state(p, new_state(_dtensor.local(p), opt.state_format),
-                                                         opt.state_format, name_of(opt, p))
-            state[LOW_HALF_KEY] = _dtensor.wrap_low_half(p, new_low_half(_dtensor.local(p)))
+        if not state:  # never stepped: a fresh state that keeps the low half
+            state.update(fresh_entries(p) if fresh_entries is not None else fresh_adamw_entries(opt, p))
         split_master_(local, _dtensor.local(p), _dtensor.kernel_low_half(state[LOW_HALF_KEY]))
+
+
+def fresh_adamw_entries(opt, p) -> dict:
+    """A PackedAdamW parameter's state before its first step: step 0, zero moments and, for a
+    bf16 parameter, a zero low half (laid out like the parameter)."""
+    fmt = opt.state_format
+    entries = {STEP_KEY: 0, fmt.state_key: _dtensor.wrap_state(p, new_state(_dtensor.local(p), fmt), fmt,
+                                                              name_of(opt, p))}
+    if p.dtype is BFLOAT16:
+        entries[LOW_HALF_KEY] = _dtensor.wrap_low_half(p, new_low_half(_dtensor.local(p)))
+    return entries
 
 
 def saved_identity(opt, state_dict: dict) -> str:

@@ -13,32 +13,49 @@ import torch
 from torch.optim import Optimizer
 
 from packed_adamw.core.adamw.state_format import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS
+from packed_adamw.core.adamw.state_format import StateFormat as AdamWStateFormat
 from packed_adamw.core.muon import DEFAULT_MU_BIAS
 
-from . import _compiled, _engine, _persistence
+from . import _checks, _compiled, _engine, _persistence
 from ._engine import NonFiniteGradientError
 from . import muon as _muon
 from .muon import PackedMuon
 from .optimizer import PackedAdamW
 
 KINDS = ("muon", "adamw")
+# What a rule shares with the combined optimizer: its pickle leaves them out (`__getstate__`).
+_SHARED_WITH_RULES = ("state", "param_groups", "_words_pickled_as_int32")
 
 
-def muon_param_groups(model: torch.nn.Module, *, exclude=(), muon: dict | None = None,
+def muon_param_groups(model: torch.nn.Module, *, exclude: str | tuple[str, ...] = (), muon: dict | None = None,
                       adamw: dict | None = None) -> list[dict]:
     """The usual split: every 2-D weight -> Muon, except embeddings and the output head (an
-    `nn.Embedding`'s weight, and any parameter whose name is in `exclude` or contains one of
-    its entries); 1-D and 0-D parameters (norms, biases, scalars), embeddings and the head ->
-    AdamW. Tied parameters are listed once. Returns two groups (one if the other is empty),
-    with `param_names`, `kind`, and the options in `muon` / `adamw` (e.g. each group's lr).
-    For a head that is a plain `nn.Linear`, pass its name in `exclude` (e.g. exclude=("lm_head",))."""
+    `nn.Embedding`'s weight, and any parameter one of whose names is in `exclude` or contains one
+    of its entries); 1-D and 0-D parameters (norms, biases, scalars), embeddings and the head ->
+    AdamW. Tied parameters are listed once (under their first name; any of their names may be
+    excluded). Returns two groups (one if the other is empty), with `param_names`, `kind`, and
+    the options in `muon` / `adamw` (e.g. each group's lr).
+    For a head that is a plain `nn.Linear`, pass its name in `exclude` (exclude="lm_head", or a
+    tuple of names). Every entry must match some parameter's name: one that matches none (a
+    typo would send the head to Muon) is refused."""
+    excluded_names = _exclude_entries(exclude)
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    every_name = [name for names in names_of.values() for name in names]
+    for entry in excluded_names:
+        if not any(entry in name for name in every_name):
+            shown = ", ".join(every_name[:12]) + (", ..." if len(every_name) > 12 else "")
+            raise ValueError(f"muon_param_groups: exclude entry {entry!r} matches no parameter name of "
+                             f"{type(model).__name__} ({shown}); pass the name of the parameters AdamW should "
+                             "step (the head's), or a part of it")
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     seen, groups = set(), {"muon": ([], []), "adamw": ([], [])}
     for name, p in model.named_parameters():
         if id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
-        excluded = any(name == e or e in name for e in exclude)
+        excluded = any(entry in alias for entry in excluded_names for alias in names_of[id(p)])
         kind = "muon" if p.dim() == 2 and id(p) not in embedding_weights and not excluded else "adamw"
         groups[kind][0].append(p)
         groups[kind][1].append(name)
@@ -47,12 +64,44 @@ def muon_param_groups(model: torch.nn.Module, *, exclude=(), muon: dict | None =
             for kind, (params, names) in groups.items() if params]
 
 
+def _exclude_entries(exclude) -> tuple[str, ...]:
+    """`muon_param_groups`' exclude as a tuple of names: a string is one name (not its characters)."""
+    entries = (exclude,) if isinstance(exclude, str) else exclude
+    try:
+        entries = tuple(entries)
+    except TypeError:
+        entries = None
+    if entries is None or not all(isinstance(entry, str) for entry in entries):
+        raise TypeError(f"muon_param_groups: exclude={exclude!r}: pass a parameter name (a str, e.g. "
+                        "exclude='lm_head') or a tuple of names")
+    if "" in entries:
+        raise ValueError("muon_param_groups: exclude entry '' matches every parameter name, which would send every "
+                         "parameter to AdamW; pass the names of the parameters AdamW should step")
+    return entries
+
+
+# PackedMuonAdamW's options that are not a group's: each rule keeps one state format for all its
+# groups (its mode and biases: the state_dict records one identity per rule), and the step's own
+# switches. A group holding one would be stepped with the optimizer's, silently: it is refused.
+OPTIMIZER_OPTIONS = ("mode", "mu_bias", "adamw_mode", "m_bias", "rms_bias", "check_nonfinite", "multi_tensor",
+                     "capturable", "batch_ns", "ns_impl", "track_format")
+# The constructor's defaults for AdamW groups, and the key a group's own value has.
+ADAMW_DEFAULTS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps",
+                  "adamw_weight_decay": "weight_decay"}
+RULE_NAMES = {"muon": "Muon", "adamw": "AdamW"}
+
+
 class PackedMuonAdamW(Optimizer):
     """One optimizer over Muon groups and AdamW groups (`kind` in every group; see
     `muon_param_groups`). Muon's options (`lr`, `weight_decay`, `momentum`, `nesterov`,
     `ns_coefficients`, `eps`, `ns_steps`, `adjust_lr_fn`, `mode`, `mu_bias`, `batch_ns`, `ns_impl`)
     default to PackedMuon's, AdamW's (`adamw_lr`, `adamw_betas`, `adamw_eps`, `adamw_weight_decay`,
-    `adamw_mode`, `m_bias`, `rms_bias`) to PackedAdamW's; a group's own entries win. The step,
+    `adamw_mode`, `m_bias`, `rms_bias`) to PackedAdamW's. A group's own hyperparameters win (a
+    Muon group's `lr`, `weight_decay`, `momentum`, `nesterov`, `ns_coefficients`, `eps`,
+    `ns_steps`, `adjust_lr_fn`, `maximize`; an AdamW group's `lr`, `betas`, `eps`,
+    `weight_decay`, `maximize`); the state formats (`mode`, `mu_bias`, `adamw_mode`, `m_bias`,
+    `rms_bias`: one per rule) and the step's switches are the optimizer's, and a group that sets
+    one (or the other rule's option) is refused, naming the key. The step,
     state_dict and load_state_dict are both rules', each rule's state with its format identity
     (every saved group records its rule's); a load checks both before anything changes.
     DTensor (FSDP2) parameters step as each rule steps them, and the state_dict shards with them
@@ -60,7 +109,9 @@ class PackedMuonAdamW(Optimizer):
     PackedAdamW's and PackedMuon's are (`fullgraph=True` holds; the eager step's bits).
     `capturable=True` (CUDA; `lr` and `adamw_lr`, or every group's lr, one-element tensors on the
     device) makes both rules' steps capturable by `torch.cuda.graph`, as PackedMuon's and
-    PackedAdamW's are."""
+    PackedAdamW's are. `track_format=True` counts both rules' steps (`format_stats`), as each
+    counts alone; AdamW's needs adamw_mode 'packed' or 'fp16'. `master_weights()` and
+    `load_master_weights()` are both rules' FP32 masters, in this optimizer's parameter order."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=_muon.DEFAULT_NS_COEFFICIENTS, eps: float = 1e-7,
@@ -69,9 +120,12 @@ class PackedMuonAdamW(Optimizer):
                  adamw_eps: float = 1e-8, adamw_weight_decay: float = 1e-2, adamw_mode: str = "packed",
                  m_bias: int = DEFAULT_M_BIAS, rms_bias: int = DEFAULT_RMS_BIAS, maximize: bool = False,
                  check_nonfinite: bool = False, multi_tensor: bool = True, capturable: bool = False,
-                 batch_ns: bool | None = None, ns_impl: str = "auto"):
+                 batch_ns: bool | None = None, ns_impl: str = "auto", track_format: bool = False):
         _muon.check_options(type(self).__name__, capturable, batch_ns, ns_impl, lr=lr,
                             check_nonfinite=check_nonfinite)
+        if track_format is not False:  # AdamW's refusals, before any group makes its rule (Muon counts in every mode)
+            _checks.check_track_format(track_format, AdamWStateFormat(adamw_mode, m_bias, rms_bias), capturable,
+                                       mode_option="adamw_mode")
         if capturable and not (isinstance(adamw_lr, torch.Tensor) and adamw_lr.numel() == 1
                                and adamw_lr.is_floating_point()):
             raise ValueError(f"PackedMuonAdamW(capturable=True) needs adamw_lr as a one-element tensor on the "
@@ -84,12 +138,13 @@ class PackedMuonAdamW(Optimizer):
                                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                                        adjust_lr_fn=adjust_lr_fn, maximize=maximize),
                          options=dict(mode=mode, mu_bias=mu_bias, check_nonfinite=check_nonfinite,
-                                      batch_ns=batch_ns, ns_impl=ns_impl, capturable=capturable)),
+                                      batch_ns=batch_ns, ns_impl=ns_impl, capturable=capturable,
+                                      track_format=track_format)),
             "adamw": dict(defaults=dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                                         weight_decay=adamw_weight_decay, maximize=maximize),
                           options=dict(mode=adamw_mode, m_bias=m_bias, rms_bias=rms_bias,
                                        check_nonfinite=check_nonfinite, multi_tensor=multi_tensor,
-                                       capturable=capturable)),
+                                       capturable=capturable, track_format=track_format)),
         }
         self._rules: dict[str, Optimizer] = {}
         super().__init__(params, {})
@@ -105,6 +160,7 @@ class PackedMuonAdamW(Optimizer):
             raise ValueError(f"param_groups[{len(self.param_groups)}] has kind={kind!r}: every group of "
                              f"PackedMuonAdamW says its rule, kind='muon' or kind='adamw' (muon_param_groups(model) "
                              "makes them)")
+        self._check_group_options(param_group, len(self.param_groups), kind)
         group = dict(param_group)
         params = group["params"]
         group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -136,6 +192,28 @@ class PackedMuonAdamW(Optimizer):
         finally:
             self._note_param_lists()
 
+    def _check_group_options(self, group: dict, index: int, kind: str) -> None:
+        """Refuses a key the group's rule would not read from it (`OPTIMIZER_OPTIONS`, the
+        constructor's `adamw_*` defaults, the other rule's hyperparameters), naming it."""
+        other = "adamw" if kind == "muon" else "muon"
+        others = set(self._rule_options[other]["defaults"]) - set(self._rule_options[kind]["defaults"])
+        where = f"param_groups[{index}] (kind={kind!r}) sets {{key!r}}"
+        for key in group:
+            if key in OPTIMIZER_OPTIONS:
+                option = "adamw_mode" if kind == "adamw" and key == "mode" else key
+                raise ValueError(
+                    f"{where.format(key=key)}: a group cannot have its own state format or step switches "
+                    f"({', '.join(OPTIMIZER_OPTIONS)}); PackedMuonAdamW keeps one per rule for all its groups. Pass "
+                    f"it to the optimizer, PackedMuonAdamW(..., {option}=...), or step these parameters with an "
+                    "optimizer of their own")
+            if key in ADAMW_DEFAULTS:
+                raise ValueError(f"{where.format(key=key)}: {key} is the constructor's default for AdamW groups; a "
+                                 f"group's own AdamW setting is {ADAMW_DEFAULTS[key]!r}")
+            if key in others:
+                raise ValueError(f"{where.format(key=key)}: {key} is an option of {RULE_NAMES[other]} groups, which "
+                                 f"this {RULE_NAMES[kind]} group would ignore; remove it, or make the group "
+                                 f"kind={other!r}")
+
     def _note_param_lists(self) -> None:
         """The groups' parameter lists, which compiled steps iterate (see PackedAdamW's), and
         each rule's group indices in this optimizer, which its messages name
@@ -160,19 +238,72 @@ class PackedMuonAdamW(Optimizer):
             rule.check_nonfinite = value
 
     @property
+    def track_format(self) -> bool:
+        """Whether the steps made from now on are counted (`format_stats`): set here (for both
+        rules) or on a rule since; it may be switched between steps."""
+        return any(rule.track_format for rule in self.__dict__.get("_rules", {}).values())
+
+    @track_format.setter
+    def track_format(self, value: bool) -> None:
+        adamw = self._rule_options["adamw"]["options"]
+        _checks.check_track_format(value, AdamWStateFormat(adamw["mode"], adamw["m_bias"], adamw["rms_bias"]),
+                                   self.__dict__.get("capturable", False), mode_option="adamw_mode")
+        for settings in self._rule_options.values():
+            settings["options"]["track_format"] = value
+        for rule in self._rules.values():
+            rule.track_format = value
+
+    def format_stats(self) -> dict:
+        """Both rules' `format_stats` in one dict, in this optimizer's parameter order (keys: a
+        parameter's name, or its (group, position) here): Muon's entries as PackedMuon gives them
+        (`refused`, `elements`, `saturated_mu`, ...), AdamW's as PackedAdamW (`elements`,
+        `saturated_m`, ...). Counts since the last call, reset on read."""
+        counted = [rule for rule in self._rules.values() if _engine.counts_to_read(rule)]
+        if not counted:
+            raise _engine.no_counts_error(type(self).__name__)
+        merged = {}
+        for rule in counted:
+            merged.update(rule.format_stats())
+        ordered = {}
+        for gi, group in enumerate(self.param_groups):
+            for pi in range(len(group["params"])):
+                key = group["param_names"][pi] if group.get("param_names") else (gi, pi)
+                if key in merged:
+                    ordered[key] = merged.pop(key)
+        return {**ordered, **merged}
+
+    @property
     def rules(self) -> dict[str, Optimizer]:
         """The rule optimizers (kind -> PackedMuon / PackedAdamW) that step the groups."""
         return dict(self._rules)
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_rule_options": self._rule_options, "_rules": self._rules,
-                "_check_nonfinite": self.__dict__.get("_check_nonfinite", False),
-                "capturable": self.__dict__.get("capturable", False)}
+        # The rules share this optimizer's groups and state: each travels without them (its own
+        # pickle's other entries) and takes them back when unpickled. AdamW's uint32 words travel
+        # as their int32 bits, which torch can unpickle (as PackedAdamW's own pickle does).
+        rules = {kind: (type(rule), {k: v for k, v in rule.__getstate__().items() if k not in _SHARED_WITH_RULES})
+                 for kind, rule in self._rules.items()}
+        state = {**super().__getstate__(), "_rule_options": self._rule_options, "_rule_pickles": rules,
+                 "_check_nonfinite": self.__dict__.get("_check_nonfinite", False),
+                 "capturable": self.__dict__.get("capturable", False)}
+        adamw = self._rules.get("adamw")
+        return _persistence.words_as_int32(adamw, state) if adamw is not None else state
 
     def __setstate__(self, state: dict) -> None:
+        as_int32 = state.pop("_words_pickled_as_int32", False)
+        rule_pickles = state.pop("_rule_pickles", None)  # absent from torch's load_state_dict call
         super().__setstate__(state)
         self.__dict__.setdefault("_check_nonfinite", False)  # pickled before the attribute existed
         self.__dict__.setdefault("capturable", False)
+        if rule_pickles is not None:
+            self._rules = {}
+            for kind, (cls, rule_state) in rule_pickles.items():
+                rule = cls.__new__(cls)
+                rule.__setstate__({**rule_state, "state": self.state,
+                                   "param_groups": [g for g in self.param_groups if g["kind"] == kind]})
+                self._rules[kind] = rule
+        if as_int32:
+            _persistence.words_from_int32(self._rules["adamw"])
         self._note_param_lists()
         if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer
             self._compile_token = _compiled.register(self)
@@ -264,14 +395,29 @@ class PackedMuonAdamW(Optimizer):
             rule._note_param_lists()
             if isinstance(rule, PackedAdamW):
                 _engine.drop_plan(rule, keep_counts=False)
+            else:
+                _engine.forget_counts(rule)  # a loaded state starts the counts afresh, as drop_plan's for AdamW
 
     def master_weights(self) -> list[torch.Tensor]:
-        """The FP32 masters in this optimizer's parameter order (param_groups flattened)."""
-        by_param = {}
-        for rule in self._rules.values():
-            params = [p for g in rule.param_groups for p in g["params"]]
-            by_param.update(zip(map(id, params), rule.master_weights()))
-        return [by_param[id(p)] for g in self.param_groups for p in g["params"]]
+        """The FP32 masters in this optimizer's parameter order (param_groups flattened), as
+        PackedAdamW.master_weights gives them."""
+        return _persistence.master_weights(self)
+
+    @torch.no_grad()
+    def load_master_weights(self, masters) -> None:
+        """As PackedAdamW.load_master_weights, in this optimizer's parameter order (as
+        `master_weights()` returns them): float32 parameters take the values, bf16 ones their
+        exact split (weight and low half), both rules' states stay (a bf16 parameter never
+        stepped gets its rule's first state, holding the low half). Everything is checked before
+        anything changes."""
+        kind_of = {id(p): g["kind"] for g in self.param_groups for p in g["params"]}
+
+        def fresh_entries(p):
+            rule = self._rules[kind_of[id(p)]]
+            return _muon.fresh_entries(rule, p) if kind_of[id(p)] == "muon" else \
+                _persistence.fresh_adamw_entries(rule, p)
+
+        _persistence.load_master_weights(self, masters, fresh_entries)
 
     def export_state(self) -> "PortableState":
         """Both rules' states in parameter order as one `PortableState` (format "mixed", each

@@ -6,8 +6,9 @@ core/muon's Triton kernels over the matrices of one shape, JAX's bits; elsewhere
 operations in bf16, `newton_schulz`, as torch.optim.Muon runs it; `ns_impl` and `batch_ns`
 choose), the weight phase (numpy or kernel). The shared machinery serves it as it serves
 PackedAdamW: parameter names and group checks (`_checks.py`), the low halves of bf16
-parameters and their masters (`_state.py`, `functional.py`), the state_dict's identity and the
-loaded tensors' restoration (`_persistence.py`), DTensor state layouts (`_dtensor.py`).
+parameters and their masters (`_state.py`, `functional.py`, `_persistence.load_master_weights`),
+the state_dict's identity and the loaded tensors' restoration (`_persistence.py`), the format
+counts and `format_stats` (`_engine.py`), DTensor state layouts (`_dtensor.py`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from packed_adamw.core.muon import (
     DEFAULT_MU_BIAS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
+    FORMAT_COUNTS,
     RULE,
     StateFormat,
     momentum_phase,
@@ -32,10 +34,10 @@ from packed_adamw.core.muon import (
     weight_phase_split,
 )
 
-from . import _checks, _compiled, _dtensor, _muon_capturable, _persistence
+from . import _checks, _compiled, _dtensor, _engine, _muon_capturable, _persistence
 from ._engine import NonFiniteGradientError
-from ._state import LOW_HALF_KEY, new_low_half
-from .functional import nonfinite_count, split_master_
+from ._state import LOW_HALF_KEY, format_counts, new_counters, new_low_half
+from .functional import nonfinite_count
 
 FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
 COMBINED_NAME = "PackedMuonAdamW"  # where the parameters Muon refuses belong (combined.py)
@@ -197,6 +199,15 @@ def new_momentum(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     return _dtensor.like_param(param, local)
 
 
+def fresh_entries(opt, p: torch.Tensor) -> dict:
+    """A matrix's state before its first step: a zero momentum entry and, for a bf16 one, a zero
+    low half (both laid out like the parameter)."""
+    entries = {opt.state_format.state_key: new_momentum(p, opt.state_format)}
+    if p.dtype is BFLOAT16:
+        entries[LOW_HALF_KEY] = new_split_low_half(p)
+    return entries
+
+
 def local_entry(stored: torch.Tensor) -> torch.Tensor:
     """The local tensor the phases read and write of a stored momentum entry or low half: a
     view of the stored bits (int16 codes from int8 pairs, float32 momenta as they are)."""
@@ -227,6 +238,10 @@ class PackedMuon(Optimizer):
     bits and state (MUON.md, "Compiled steps"). `capturable=True` (CUDA, each group's lr a
     one-element tensor on the device) keeps the step on the GPU, so that `torch.cuda.graph` can
     capture it; its bits are the eager step's (MUON.md, "Capturable steps (CUDA graphs)").
+    `track_format=True` counts, per matrix, the steps it was refused in and, of those it was
+    accepted in, the element-steps and (packed mode) where the momentum codes saturated, flushed
+    or went subnormal (MUON.md, "Format counts"), as PackedAdamW's `track_format` does:
+    `format_stats()` reads them; counting changes no bit of the step and waits for no GPU.
 
     `ns_impl`: "auto" (default) is "triton" on CUDA devices of compute capability 8.0 or later
     (not ROCm's) and "cublas" elsewhere. "cublas" runs
@@ -268,11 +283,13 @@ class PackedMuon(Optimizer):
         capturable: bool = False,
         batch_ns: bool | None = None,
         ns_impl: str = "auto",
+        track_format: bool = False,
     ):
         check_options(type(self).__name__, capturable, batch_ns, ns_impl, lr=lr, check_nonfinite=check_nonfinite)
         self.state_format = StateFormat(mode, mu_bias)
         self.check_nonfinite = check_nonfinite
         self.capturable = capturable
+        self.track_format = track_format  # checked against capturable (the property)
         self.batch_ns = batch_ns
         self.ns_impl = ns_impl
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
@@ -282,12 +299,27 @@ class PackedMuon(Optimizer):
         super().__init__(params, defaults)
         self._compile_token = _compiled.register(self)  # names this optimizer to its compiled steps
 
+    @property
+    def track_format(self) -> bool:
+        """Whether the steps made from now on are counted (`format_stats`); it may be switched
+        between steps, as PackedAdamW's (a step made with it off launches the uncounted kernels)."""
+        return self.__dict__.get("_track_format", False)
+
+    @track_format.setter
+    def track_format(self, value: bool) -> None:
+        _checks.check_track_format(value, self.state_format, self.__dict__.get("capturable", False),
+                                   counts_refusals=True)
+        self._track_format = value
+
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "state_format": self.state_format, "check_nonfinite": self.check_nonfinite,
                 "capturable": self.__dict__.get("capturable", False), "batch_ns": getattr(self, "batch_ns", False),
-                "ns_impl": getattr(self, "ns_impl", "cublas")}
+                "ns_impl": getattr(self, "ns_impl", "cublas"), "track_format": self.track_format}
 
     def __setstate__(self, state: dict) -> None:
+        # The switch lives behind the property (`_track_format`); a pickle carries it by name, and
+        # torch's load_state_dict (only "state" and "param_groups") keeps the one set.
+        state["_track_format"] = bool(state.pop("track_format", self.__dict__.get("_track_format", False)))
         super().__setstate__(state)  # torch's load_state_dict passes new groups: the compiled step's lists follow
         self.__dict__.setdefault("capturable", False)
         self._note_param_lists()
@@ -311,7 +343,7 @@ class PackedMuon(Optimizer):
         try:
             index = _checks.shown_group_index(self, len(self.param_groups) - 1)
             group = self.param_groups[-1]
-            _checks.check_listed_once(group, index)
+            _checks.check_listed_once(group, index, "torch.optim.Muon")
             validate_group(group, f"param_groups[{index}]")
             for param_index, p in enumerate(group["params"]):
                 check_matrix(p, _checks.param_name(group, index, param_index))
@@ -342,30 +374,29 @@ class PackedMuon(Optimizer):
         """Load a state saved by `state_dict()`: its format identity, and every parameter's
         momentum and low half, are checked before anything changes."""
         for_torch, loaded = checked_load(self, state_dict)
+        _engine.forget_counts(self)
         super().load_state_dict(for_torch)
         restore_loaded(self, loaded)
+
+    def format_stats(self) -> dict:
+        """The counts of the steps made with `track_format` since the last call (reset on read),
+        per matrix (its name when the groups carry `param_names`, else its position): `refused`
+        (steps that refused it), `elements` (element-steps of the steps that accepted it) and, in
+        packed mode, `saturated_mu`, `flushed_mu`, `subnormal_mu` over those (MUON.md, "Format
+        counts"). This call waits for the GPU; the steps do not. Loading a state starts the
+        counts afresh. Warns once per matrix whose saturated share passes SATURATION_WARNING."""
+        return _engine.format_stats(self, FORMAT_COUNTS if self.state_format.mode == "packed" else ())
 
     def master_weights(self) -> list[torch.Tensor]:
         """As PackedAdamW.master_weights: the FP32 masters in parameter order (DTensors laid
         out like DTensor parameters)."""
         return _persistence.master_weights(self)
 
+    @torch.no_grad()
     def load_master_weights(self, masters) -> None:
         """As PackedAdamW.load_master_weights: float32 parameters take the values, bf16 ones
         their exact split (weight and low half); the momentum stays."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        masters = _checks.checked_masters(params, list(masters), [_persistence.name_of(self, p) for p in params],
-                                          self.state)
-        for p, master in zip(params, masters):
-            local_param = _dtensor.local(p)
-            if p.dtype is not BFLOAT16:
-                local_param.detach().copy_(master)
-                continue
-            state = self.state[p]
-            if not state:
-                state[self.state_format.state_key] = new_momentum(p, self.state_format)
-                state[LOW_HALF_KEY] = new_split_low_half(p)
-            split_master_(master, local_param, local_entry(state[LOW_HALF_KEY]))
+        _persistence.load_master_weights(self, masters, lambda p: fresh_entries(self, p))
 
     def export_state(self) -> "PortableState":
         """The momenta (and bf16 parameters' low halves) in parameter order as a
@@ -567,13 +598,9 @@ def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
     """The step of matrices `check_step` checked (nothing else may have changed them since):
     the first step's state entries, then the phases. Raises only NonFiniteGradientError (with
     `check_nonfinite`), after every other matrix stepped."""
-    fmt = opt.state_format
     for p, g, state, group, row, name in checked:
         if not state:
-            state = opt.state[p]
-            state[fmt.state_key] = new_momentum(p, fmt)
-            if p.dtype is BFLOAT16:
-                state[LOW_HALF_KEY] = new_split_low_half(p)
+            opt.state[p].update(fresh_entries(opt, p))
     work = _matrices(opt, checked, live)
     if work and _runs_kernels(opt, work[0].weights.device):
         refused, rejected = _cuda_step(opt, work)
@@ -777,6 +804,8 @@ def _summed_over_shards(param: torch.Tensor, count: torch.Tensor) -> torch.Tenso
 def _cpu_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     fmt = opt.state_format
     refused, rejected = [False] * len(work), [0] * len(work)
+    # With track_format, each matrix's format counts (its phase adds them only if it accepts it).
+    counts = np.zeros((len(work), launch.MAX_FORMAT_COUNTS), np.int64) if opt.track_format else None
     for batch in _ns_batches(opt, work):
         inputs, scalar_rows = {}, {}
         for i in batch:
@@ -786,7 +815,8 @@ def _cpu_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
             # A shard's new momentum is committed only once every rank accepted the matrix.
             momentum = w.momentum.numpy().copy() if w.sharded else w.momentum.numpy()
             ns_bits = momentum_phase(grad, momentum, scalar_rows[i], fmt=fmt, nesterov=w.group["nesterov"],
-                                     maximize=bool(w.group.get("maximize", False)))
+                                     maximize=bool(w.group.get("maximize", False)),
+                                     format_counts_out=None if counts is None else counts[i, :len(FORMAT_COUNTS)])
             x = None if ns_bits is None else torch.from_numpy(ns_bits.view(np.int16))
             if w.sharded:
                 x = _gathered_input(w.param, torch.full(w.weights.shape, NAN_BF16_BITS, dtype=torch.int16)
@@ -810,7 +840,22 @@ def _cpu_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
                 rejected[i] = weight_phase(w.weights.detach().numpy(), ortho, scalar_rows[i])
             if w.sharded and opt.check_nonfinite:
                 rejected[i] = int(_summed_over_shards(w.param, torch.tensor(rejected[i])))
+    if counts is not None:
+        _track(opt, work, torch.from_numpy(counts), torch.tensor([not r for r in refused]))
     return refused, rejected
+
+
+def _track(opt, work: list[Matrix], counts: torch.Tensor, accepted: torch.Tensor) -> None:
+    """A step's counts for `format_stats` (`track_format`): per matrix its format counts ([n,
+    MAX_FORMAT_COUNTS], kept only where it was accepted) and whether it was (refused on every
+    rank or none, for a DTensor), on the device, without a wait."""
+    _engine.add_pending_counts(opt, [w.param for w in work], [w.weights.numel() for w in work], counts, accepted)
+
+
+def _counting(opt) -> bool:
+    """Whether this step launches the counting twins of the momentum kernels: `track_format`
+    in packed mode (the other modes have no codes to count, only refusals)."""
+    return opt.track_format and opt.state_format.mode == "packed"
 
 
 def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
@@ -820,7 +865,7 @@ def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     unless `check_nonfinite` asks."""
     if _batches_ns(opt, work[0].weights.device) and not any(w.sharded for w in work):
         return _cuda_step_batched(opt, work)
-    from packed_adamw.core.muon.kernel import muon_momentum_kernel, muon_weight_kernel
+    from packed_adamw.core.muon.kernel import muon_momentum_counting_kernel, muon_momentum_kernel, muon_weight_kernel
 
     fmt = opt.state_format
     constants = fmt.kernel_constexprs(track_format=False)
@@ -834,6 +879,10 @@ def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
                                    device=device)
     # Each matrix's views made in two calls, not by indexing per launch (host time is the cost here).
     rows, counts = scalar_rows.unbind(0), counters.view(-1).split(1)  # counts: refused 2i, rejected 2i + 1
+    # With track_format (packed mode) the momentum phase's counting twin adds each matrix's format
+    # counts to its row here; the default path launches the uncounted kernel as before.
+    format_rows = new_counters(len(work), device) if _counting(opt) else None
+    momentum_kernel = muon_momentum_kernel if format_rows is None else muon_momentum_counting_kernel
     for batch in _ns_batches(opt, work):
         scratches, inputs = {}, {}
         for i in batch:
@@ -843,9 +892,10 @@ def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
                                                                        device=device)
             grad_bf16 = w.grad.dtype is BFLOAT16
             if n:
-                muon_momentum_kernel[launch.grid(n, block)](
+                counted = () if format_rows is None else (format_rows[i],)
+                momentum_kernel[launch.grid(n, block)](
                     w.grad.view(torch.int16) if grad_bf16 else w.grad, w.momentum, scratches[i], x, rows[i],
-                    counts[2 * i], n, MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"],
+                    counts[2 * i], *counted, n, MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"],
                     MU_BIAS=constants["MU_BIAS"], MU_MAX=constants["MU_MAX"], NESTEROV=bool(w.group["nesterov"]),
                     MAXIMIZE=bool(w.group.get("maximize", False)), GRAD_BF16=grad_bf16, BLOCK=block,
                     **launch.COMPILE_OPTIONS)
@@ -869,7 +919,18 @@ def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
                     counts[2 * i + 1], n, SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
             if w.sharded and opt.check_nonfinite:
                 counts[2 * i + 1].copy_(_summed_over_shards(w.param, counts[2 * i + 1]))
+    _track_launches(opt, work, counters, format_rows)
     return _counted(opt, counters)
+
+
+def _track_launches(opt, work: list[Matrix], counters: torch.Tensor, format_rows: torch.Tensor | None) -> None:
+    """`_track` after the kernels' step: a matrix was accepted where its refused count is 0;
+    its format counts are in `format_rows` (None: nothing counted but refusals)."""
+    if not opt.track_format:
+        return
+    counts = format_counts(format_rows) if format_rows is not None else \
+        torch.zeros((len(work), launch.MAX_FORMAT_COUNTS), dtype=torch.int64, device=counters.device)
+    _track(opt, work, counts, counters[:, 0] == 0)
 
 
 def _capture_inputs(opt, work: list[Matrix], words: list[int] | None, *, capturing: bool, dry_run: bool = False):
@@ -947,7 +1008,8 @@ def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     a batch whose matrices differ in a kernel constant, such as bf16 and float32 gradients,
     takes one launch per constant). Every matrix's addresses and the step's scalar rows reach
     the GPU in one copy. A matrix's counters row refuses it alone, as per matrix."""
-    from packed_adamw.core.muon.kernel import muon_momentum_table_kernel, muon_weight_table_kernel
+    from packed_adamw.core.muon.kernel import (muon_momentum_table_counting_kernel, muon_momentum_table_kernel,
+                                               muon_weight_table_kernel)
 
     fmt = opt.state_format
     state_dtype = _TORCH_DTYPES[fmt.state_dtype]
@@ -969,13 +1031,16 @@ def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
         counters = torch.zeros((len(work), 2), dtype=torch.int32, device=device)  # refused elements, rejected weights
     mode = fmt.kernel_constexprs(track_format=False)
     block = launch.block_size()
+    format_rows = new_counters(len(work), device) if _counting(opt) else None  # as in `_cuda_step`
     for batch, rows, cols, group, momentum_launches, weight_launches in plans:
         x = torch.empty((len(batch), rows, cols), dtype=torch.int16, device=device)
         scratch = torch.empty((len(batch), rows * cols), dtype=state_dtype, device=device)
         blocks = launch.grid(rows * cols, block)[0]
         for (nesterov, maximize, grad_bf16), (offset, count) in momentum_launches.items():
-            muon_momentum_table_kernel[(blocks, count)](
-                table[offset:], scratch, x, scalars, counters, rows, cols, MODE=mode["MODE"],
+            kernel, counted = ((muon_momentum_table_kernel, ()) if format_rows is None else
+                               (muon_momentum_table_counting_kernel, (format_rows,)))
+            kernel[(blocks, count)](
+                table[offset:], scratch, x, scalars, counters, *counted, rows, cols, MODE=mode["MODE"],
                 MU_FRAC=mode["MU_FRAC"], MU_BIAS=mode["MU_BIAS"], MU_MAX=mode["MU_MAX"], NESTEROV=nesterov,
                 MAXIMIZE=maximize, GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
@@ -986,6 +1051,7 @@ def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
             muon_weight_table_kernel[(blocks, count)](
                 table[offset:], scratch, ortho, scalars, counters, rows, cols, MODE=mode["MODE"], SPLIT=split,
                 BLOCK=block, **launch.COMPILE_OPTIONS)
+    _track_launches(opt, work, counters, format_rows)
     return _counted(opt, counters)
 
 
@@ -1027,11 +1093,22 @@ def checked_entries(opt, saved_state: dict, saved_params: list, our_params: list
             got = tensor if not isinstance(tensor, torch.Tensor) else f"{tensor.dtype} {tuple(tensor.shape)}"
             raise ValueError(f"{where}: {fmt.state_key!r} must be a {dtype} tensor of shape {shape} "
                              f"({fmt.identity}), got {got}; load a state saved by PackedMuon over these parameters")
-        if fmt.mode == "fp32" and nonfinite_count(tensor):  # a DTensor's count is over every rank: all refuse
-            raise ValueError(f"{where}: the momentum holds NaN or Inf; this state cannot continue a run")
+        if nonfinite_momenta(p, tensor, fmt):  # a DTensor's count is over every rank: all refuse
+            raise ValueError(f"{where}: the momentum holds NaN or Inf, which no step stores (that matrix would be "
+                             "refused at every step); this state cannot continue a run: load an undamaged one")
         low = _checks.checked_loaded_low_half(entry.get(LOW_HALF_KEY), p, where)
         loaded[p] = (tensor, low)
     return loaded
+
+
+def nonfinite_momenta(p: torch.Tensor, stored: torch.Tensor, fmt: StateFormat) -> int:
+    """How many values of `p`'s stored momentum entry are NaN or Inf: fp32 values, or bf16 codes
+    (exponent all ones); every packed code is finite. A DTensor's count is over every rank."""
+    if fmt.mode == "fp32":
+        return nonfinite_count(stored)
+    if fmt.mode == "bf16":
+        return nonfinite_count(_dtensor.like_param(p, local_entry(stored).view(BFLOAT16)))
+    return 0
 
 
 def _strip_identity(state_dict: dict) -> dict:

@@ -9,20 +9,32 @@ the counter is zero, commits the scratch momentum to the state and steps the wei
 matrix keeps everything (MUON.md, "The matrix is refused"). One launch of each per matrix, or
 (`muon_momentum_table_kernel`, `muon_weight_table_kernel`) one per Newton-Schulz batch, whose
 matrices' addresses come from a table: the same arithmetic per element, other addressing.
+
+With `track_format` a frontend launches the momentum phase's counting twins instead
+(`muon_momentum_counting_kernel`, `muon_momentum_table_counting_kernel`): the same stores, and
+each matrix's format counts (MUON.md, "Format counts") added to its counter row (core/launch.py's
+layout). Whether a matrix is accepted is known only after all its blocks ran, so the frontend
+keeps the counts of accepted matrices; the uncounted kernels are compiled without counting.
 """
 import triton
 import triton.language as tl
 
 from ..kernel import (
+    ALL_ONES,
+    COUNTER_ROW,
+    FLOAT32_MAGNITUDE_MASK,
     FLOAT32_MAX,
     FLOAT32_SIGN_BIT,
     SPLIT_LO_SIGN,
     SPLIT_MAGNITUDE_MASK,
     SPLIT_MASTER_MAX,
+    add_counts,
+    code_magnitude,
     decode,
     encode_magnitude,
     finish_code,
     join_master,
+    lane_bit,
     split_master,
 )
 from .hyperparams import SCALAR_FIELDS
@@ -68,6 +80,18 @@ def _momentum_elements(grad_ptr, state_ptr, new_state_ptr, x_ptr, x_offsets, sca
                        GRAD_BF16: tl.constexpr):
     """Phase 1 of one block of a matrix: every pointer but `x` is read and written at `offsets`,
     the Newton-Schulz input at `x_offsets` (a batch slot may hold it transposed)."""
+    _momentum_block(grad_ptr, state_ptr, new_state_ptr, x_ptr, x_offsets, scalars_ptr, refused_ptr, offsets,
+                    in_bounds, MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE, GRAD_BF16, False)
+
+
+@triton.jit
+def _momentum_block(grad_ptr, state_ptr, new_state_ptr, x_ptr, x_offsets, scalars_ptr, refused_ptr, offsets,
+                    in_bounds, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
+                    MU_MAX: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+                    GRAD_BF16: tl.constexpr, TRACK_FORMAT: tl.constexpr):
+    """`_momentum_elements`; with TRACK_FORMAT (packed mode) returns the block's format counts in
+    their lane fields (`lane_bit`, rule.FORMAT_COUNTS order), zeros otherwise."""
+    format_lanes = tl.zeros(offsets.shape, tl.int32)
     one_minus_momentum = tl.load(scalars_ptr)
     momentum = tl.load(scalars_ptr + 1)
     if GRAD_BF16:
@@ -100,10 +124,22 @@ def _momentum_elements(grad_ptr, state_ptr, new_state_ptr, x_ptr, x_offsets, sca
         bad = bad | ((m_bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK)
         tl.store(new_state_ptr + offsets, m_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
     else:
-        m_code = finish_code(encode_magnitude(tl.abs(m_next), MU_FRAC, MU_BIAS), m_next, True, MU_MAX)
+        m_raw = encode_magnitude(tl.abs(m_next), MU_FRAC, MU_BIAS)
+        m_code = finish_code(m_raw, m_next, True, MU_MAX)
         tl.store(new_state_ptr + offsets, m_code.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+        if TRACK_FORMAT:  # MUON.md, "Format counts"; as AdamW's kernel counts (core/adamw/kernel.py)
+            magnitude = code_magnitude(m_code, True)
+            # Each test leaves its answer in bit 31: x + (2**31 - 1 - k) has it set exactly when
+            # x > k (for 0 <= x < 2**31); magnitude - 1 wraps exactly when magnitude == 0.
+            saturated = m_raw + (FLOAT32_MAGNITUDE_MASK - MU_MAX)
+            zero = magnitude - 1
+            subnormal = (magnitude - (1 << MU_FRAC)) & (zero ^ ALL_ONES)  # `^ ALL_ONES`: see AdamW's kernel
+            nonzero = (m_next.to(tl.uint32, bitcast=True) & FLOAT32_MAGNITUDE_MASK) + FLOAT32_MAGNITUDE_MASK
+            lanes = lane_bit(saturated, 0) | lane_bit(zero & nonzero, 1) | lane_bit(subnormal, 2)
+            format_lanes = tl.where(in_bounds, lanes, 0)
     n_bad = tl.sum((bad & in_bounds).to(tl.int32), axis=0)
     tl.atomic_add(refused_ptr, n_bad, mask=n_bad > 0)
+    return format_lanes
 
 
 @triton.jit
@@ -176,6 +212,21 @@ def muon_momentum_kernel(
 
 
 @triton.jit
+def muon_momentum_counting_kernel(
+    grad_ptr, state_ptr, new_state_ptr, x_ptr, scalars_ptr, refused_ptr, counts_ptr, n_elements,
+    MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """`muon_momentum_kernel` (packed mode) that also adds the matrix's format counts to
+    `counts`, its int64 counter row (core/launch.py: COUNTER_ROW), whether or not it is refused."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    format_lanes = _momentum_block(grad_ptr, state_ptr, new_state_ptr, x_ptr, offsets, scalars_ptr, refused_ptr,
+                                   offsets, offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV,
+                                   MAXIMIZE, GRAD_BF16, True)
+    add_counts(counts_ptr, format_lanes, format_lanes, False, True)
+
+
+@triton.jit
 def muon_weight_kernel(
     param_ptr, lo_ptr, ortho_ptr, new_state_ptr, state_ptr, scalars_ptr, refused_ptr, rejected_ptr, n_elements,
     SPLIT: tl.constexpr, BLOCK: tl.constexpr,
@@ -224,6 +275,31 @@ def muon_momentum_table_kernel(
     the matrix's slot of `scratch` ([B, rows * cols], the state's dtype), X into its slot of `x`
     ([B, rows, cols] int16 bf16 bits, a tall matrix transposed); `scalars` the step's [n, 4]
     float32 rows, `counters` its [n, 2] int32 rows."""
+    _momentum_table_block(table_ptr, scratch_ptr, x_ptr, scalars_ptr, counters_ptr, rows, cols, MODE, MU_FRAC,
+                          MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE, GRAD_BF16, BLOCK, False)
+
+
+@triton.jit
+def muon_momentum_table_counting_kernel(
+    table_ptr, scratch_ptr, x_ptr, scalars_ptr, counters_ptr, counts_ptr, rows, cols,
+    MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """`muon_momentum_table_kernel` (packed mode) that also adds each matrix's format counts to
+    its row of `counts` ([n, COUNTER_ROW] int64, at the matrix's index), refused or not."""
+    format_lanes, index = _momentum_table_block(table_ptr, scratch_ptr, x_ptr, scalars_ptr, counters_ptr, rows, cols,
+                                                MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE, GRAD_BF16, BLOCK,
+                                                True)
+    add_counts(counts_ptr + index * COUNTER_ROW, format_lanes, format_lanes, False, True)
+
+
+@triton.jit
+def _momentum_table_block(table_ptr, scratch_ptr, x_ptr, scalars_ptr, counters_ptr, rows, cols,
+                          MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+                          NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr,
+                          BLOCK: tl.constexpr, TRACK_FORMAT: tl.constexpr):
+    """A table kernel's program of phase 1: its matrix's row of the table, then `_momentum_block`.
+    Returns the block's format lanes and the matrix's index."""
     row = table_ptr + tl.program_id(1).to(tl.int64) * _MOMENTUM_COLUMNS
     n_elements = tl.cast(rows, tl.int64) * cols  # tl.cast: a 1 may arrive as a constexpr
     index = tl.load(row + 2)
@@ -238,9 +314,11 @@ def muon_momentum_table_kernel(
         state_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x_offsets = _slot_offsets(offsets, tl.load(row + 4), rows, cols)
-    _momentum_elements(grad_ptr, state_ptr, scratch_ptr + slot, x_ptr + slot, x_offsets,
-                       scalars_ptr + index * MATRIX_SCALARS, counters_ptr + index * MATRIX_COUNTERS, offsets,
-                       offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE, GRAD_BF16)
+    format_lanes = _momentum_block(grad_ptr, state_ptr, scratch_ptr + slot, x_ptr + slot, x_offsets,
+                                   scalars_ptr + index * MATRIX_SCALARS, counters_ptr + index * MATRIX_COUNTERS,
+                                   offsets, offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE,
+                                   GRAD_BF16, TRACK_FORMAT)
+    return format_lanes, index
 
 
 @triton.jit
