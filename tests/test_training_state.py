@@ -335,7 +335,7 @@ def test_export_refuses_nonfinite_weights_and_moments(tape, tmp_path):
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [state.name]
 
 
-@pytest.mark.parametrize("mode", ["fp32"])
+@pytest.mark.parametrize("mode", ["bf16", "fp32"])
 def test_resume_refuses_a_nonfinite_momentum(tape, tmp_path, mode):
     """A NaN momentum (bf16 mode: a NaN code) would freeze its matrix for the rest of the run:
     refused by the optimizer's load_state_dict (PackedMuon's checks), named with the parameter
