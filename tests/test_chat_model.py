@@ -186,6 +186,40 @@ def test_packed_forward_and_backward_equal_each_document_alone():
     assert (leaked[~first_documents] - torch.cat(alone_logits).detach()[~first_documents]).abs().max() > 1e-2
 
 
+def test_bf16_weights_run_the_fp32_reference_forward_on_their_values():
+    """A bf16 model keeps its residual stream, norms and logits in float32 and runs its matmuls
+    and attention in bf16 (issue 53: the bf16 stream trained worse): its logits and loss are the
+    bits of an FP32 model holding the same values under bf16 autocast, which is how chat_train
+    runs its reference. stream="param" keeps the earlier forward, a bf16 stream."""
+    config = dataclasses.replace(PRESETS["chat-tiny"], vocab_size=96, context=16)
+    reference = perturbed_model(config, torch.float32)
+    with torch.no_grad():  # FP32 weights holding bf16 values
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    idx = torch.randint(0, config.vocab_size, (2, 16))
+    cu = cu_seqlens_of(((5, 11), (16,)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_logits, ref_loss = reference(idx, idx, cu_seqlens=cu)
+
+    streams = {}
+    for stream in ("float32", "param"):
+        model = ChatGPT(config, stream=stream)
+        model.load_state_dict(reference.state_dict())
+        for p in model.parameters():  # as chat_train makes bf16 weights: the rotary tables stay FP32
+            p.data = p.data.to(torch.bfloat16)
+        seen = []
+        model.blocks[1].register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+        logits, loss = model(idx, idx, cu_seqlens=cu)
+        streams[stream] = seen[0]
+        if stream == "float32":
+            assert torch.equal(logits, ref_logits) and torch.equal(loss, ref_loss)
+        else:
+            assert not torch.equal(logits, ref_logits)
+    assert streams == {"float32": torch.float32, "param": torch.bfloat16}
+    with pytest.raises(ValueError, match="stream="):
+        ChatGPT(config, stream="bf16")
+
+
 def test_a_short_window_layer_does_not_see_past_its_window():
     """With every layer but the last on a 3-token window (query and the 3 tokens before it),
     block 0's output at a position depends on no token beyond the window (and the smear's one

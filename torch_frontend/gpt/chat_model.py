@@ -17,8 +17,13 @@ packed end to end (attention.py). No token sees another document: attention is m
 document (and per window), rotary positions restart at each document, and the smear does not
 reach across a document start. So a packed run equals each document run alone.
 
-The model runs in its parameters' dtype (float32, bfloat16, or float64 for tight tests), with
-no autocast; logits are soft-capped and the loss computed in float32 at least.
+Precision. The residual stream, the norms, the scalars' products, the logits and the loss run
+in float32 at least (float64 for a float64 model in tight tests). A model of bf16 (or fp16)
+weights runs its forward under torch.autocast of that dtype, so that its matmuls and attention
+take bf16 inputs while everything else stays in float32: the computation of an FP32 model
+under bf16 autocast (chat_train's reference), with the weights rounded to bf16. `stream="param"`
+keeps the earlier forward, everything in the weights' dtype (a bf16 residual stream), which
+only the fidelity evidence runs (docs/results/D12_FIDELITY.md: it trained worse).
 
 Presets (vocabulary 32,768, nanochat's; depth x 64 wide as nanochat sizes them):
 
@@ -33,6 +38,7 @@ preset, vocab_size=...)` gives a tiny-vocabulary model for tests.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -99,6 +105,14 @@ PRESETS = {
 }
 
 
+STREAMS = ("float32", "param")
+
+
+def widened(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 at least: the dtype of the residual stream."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def rms_norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
@@ -163,9 +177,13 @@ class Block(nn.Module):
 
 
 class ChatGPT(nn.Module):
-    def __init__(self, config: ChatConfig):
+    def __init__(self, config: ChatConfig, *, stream: str = "float32"):
         super().__init__()
+        if stream not in STREAMS:
+            raise ValueError(f"stream={stream!r}: one of {STREAMS} (float32: the residual stream in float32 "
+                             "under the weights' autocast; param: everything in the weights' dtype)")
         self.config = config
+        self.stream = stream
         d, V = config.d_model, config.vocab_size
         self.tok_emb = _embedding(V, d)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
@@ -227,7 +245,21 @@ class ChatGPT(nn.Module):
         B, T = idx.shape
         if T > self.config.context:
             raise ValueError(f"sequence length {T} exceeds the model's context {self.config.context}")
-        x = rms_norm(self.tok_emb(idx))
+        with self._mixed_precision(idx.device):
+            return self._forward(idx, targets, reduction, cu_seqlens)
+
+    def _mixed_precision(self, device: torch.device):
+        """bf16 (fp16) weights: autocast to their dtype, so that matmuls and attention run in it
+        while the float32 stream stays float32 (an outer autocast, the reference's, stays)."""
+        dtype = self.tok_emb.weight.dtype
+        if self.stream == "param" or dtype not in (torch.bfloat16, torch.float16):
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
+    def _forward(self, idx, targets, reduction, cu_seqlens):
+        B, T = idx.shape
+        stream = widened if self.stream == "float32" else (lambda t: t)
+        x = rms_norm(stream(self.tok_emb(idx)))
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         first_of_document = None
         if cu_seqlens is not None:
@@ -239,7 +271,7 @@ class ChatGPT(nn.Module):
         cos, sin = cos.to(x.dtype).unsqueeze(-2), sin.to(x.dtype).unsqueeze(-2)  # broadcast over heads
 
         # Smear: add a gated share of the previous token's embedding, never across a document start.
-        gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
+        gate = stream(self.smear_lambda) * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
         previous = x[:, :-1]
         if first_of_document is not None:
             previous = previous.masked_fill(first_of_document, 0.0)
@@ -247,12 +279,12 @@ class ChatGPT(nn.Module):
 
         x0, backout_layer, x_backout = x, self.config.n_layers // 2, None
         for i, block in enumerate(self.blocks):
-            x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            x = stream(self.resid_lambdas[i]) * x + stream(self.x0_lambdas[i]) * x0
             table = self.value_embeds[str(i)] if str(i) in self.value_embeds else None
-            x = block(x, None if table is None else table(idx), cos, sin, cu_seqlens)
+            x = block(x, None if table is None else stream(table(idx)), cos, sin, cu_seqlens)
             if i == backout_layer:
                 x_backout = x
-        x = rms_norm(x - self.backout_lambda * x_backout)
+        x = rms_norm(x - stream(self.backout_lambda) * x_backout)
 
         logits = self.lm_head(x)
         # Soft cap and loss in float32 at least: bf16 logits would round the log-softmax to 8 bits.

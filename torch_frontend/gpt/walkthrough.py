@@ -28,8 +28,10 @@ autograd and the optimizer compute (the optimizer steps a copy rebuilt from the 
   orders), and the hand backward against autograd (other summation orders; against the
   model's own low-precision backward, its roundings).
 
-The forward runs in the weights' dtype, as chat_train runs it on the CPU and for bf16 weights;
-FP32 weights on CUDA, which chat_train runs under bf16 autocast, are refused. Before any forward
+The forward is the model's: FP32 weights in FP32 (chat_train on the CPU); bf16 weights with the
+residual stream, norms and logits in float32 and the matmuls and attention in bf16, as the
+model's own autocast runs them (chat_model.py, "Precision"), spelled out here with explicit
+casts. FP32 weights on CUDA, which chat_train runs under bf16 autocast, are refused. Before any forward
 the arguments are checked against the state (--matrix among its Muon matrices, --rows within
 its batch) and so is the state: a finished run's final state has no next step (walk through a
 mid-run one: chat_train --save-every K or --stop-at STEP), and NaN or Inf in a weight, master or
@@ -446,13 +448,26 @@ def spelled_forward(model: ChatGPT, batch: PackedBatch, seen: dict, logits: torc
     W = dict(model.named_parameters())
     prefix = f"blocks.{L}."
     a = {}
+    # What the model's autocast does (chat_model.py, "Precision"): bf16 weights keep the stream in
+    # float32 and take bf16 inputs in every matmul and in attention; other models compute in
+    # their weights' dtype.
+    weights = model.tok_emb.weight.dtype
+    mixed = model.stream == "float32" and weights in (torch.bfloat16, torch.float16)
+    matmul = weights if mixed else None
+    stream = chat_model.widened if model.stream == "float32" else (lambda t: t)
 
+    def linear(x, w):
+        """x W^T with autocast's casts (a weight already in the matmul dtype is the parameter itself)."""
+        return x @ w.T if matmul is None else x.to(matmul) @ w.to(matmul).T
+
+    if mixed:
+        report.say(f"  mixed precision: the stream in float32, matmuls and attention in {weights}")
     report.say(f"  embedding and smear (x0, which every layer mixes in; the stream itself is the model's)")
-    x = rms_norm(W["tok_emb.weight"][idx], report, "x0")
+    x = rms_norm(stream(W["tok_emb.weight"][idx]), report, "x0")
     token = torch.arange(B * T, device=idx.device)
     start = cu.long()[(token[:, None] >= cu.long()[None, 1:]).sum(-1)]
     position = (token - start).view(B, T)
-    gate = W["smear_lambda"] * torch.sigmoid(x[:, 1:, :SMEAR_CHANNELS] @ W["smear_gate.weight"].T)
+    gate = stream(W["smear_lambda"]) * torch.sigmoid(linear(x[:, 1:, :SMEAR_CHANNELS], W["smear_gate.weight"]))
     previous = x[:, :-1].masked_fill((position[:, 1:] == 0).unsqueeze(-1), 0.0)
     a["x0"] = x0 = torch.cat([x[:, :1], x[:, 1:] + gate * previous], dim=1)
     report.show("x0", x0)
@@ -460,7 +475,7 @@ def spelled_forward(model: ChatGPT, batch: PackedBatch, seen: dict, logits: torc
     report.say(f"  layer {L} (the last) of {config.n_layers}")
     a["x_prev"] = x_prev = seen["stream before the last layer"] if L > 0 else x0
     report.show("stream entering (hooked)", x_prev)
-    x_in = W["resid_lambdas"][L] * x_prev + W["x0_lambdas"][L] * x0
+    x_in = stream(W["resid_lambdas"][L]) * x_prev + stream(W["x0_lambdas"][L]) * x0
     report.say(f"    residual scalars: x = {W['resid_lambdas'][L].item():.6g} * x + "
                f"{W['x0_lambdas'][L].item():.6g} * x0")
     report.show("block input", x_in)
@@ -477,14 +492,14 @@ def spelled_forward(model: ChatGPT, batch: PackedBatch, seen: dict, logits: torc
     a["x_n"] = x_n = rms_norm(x_in, report, "attention norm")
     report.show("rms_norm(x)", x_n)
     for name in ("q", "k", "v"):
-        a[f"{name}_lin"] = out = x_n @ W[f"{prefix}attn.{name}.weight"].T
+        a[f"{name}_lin"] = out = linear(x_n, W[f"{prefix}attn.{name}.weight"])
         report.show(f"{name} = x W{name}^T", out)
         report.bitwise(name, out, seen[name], f"the model's attn.{name}")
     q, k, v = (a[f"{name}_lin"].view(B, T, H, D) for name in ("q", "k", "v"))
     if block.attn.ve_gate is not None:
-        a["ve"] = ve = W[f"value_embeds.{L}.weight"][idx]
+        a["ve"] = ve = stream(W[f"value_embeds.{L}.weight"][idx])
         report.bitwise("value embedding", ve, seen["value embedding"], "the model's")
-        a["gate_logits"] = gate_logits = x_n[..., :VALUE_GATE_CHANNELS] @ W[f"{prefix}attn.ve_gate.weight"].T
+        a["gate_logits"] = gate_logits = linear(x_n[..., :VALUE_GATE_CHANNELS], W[f"{prefix}attn.ve_gate.weight"])
         report.bitwise("value gate logits", gate_logits, seen["value gate logits"], "the model's attn.ve_gate")
         gate = 3 * torch.sigmoid(gate_logits)
         report.show("value gate 3 sigmoid(.)", gate)
@@ -499,24 +514,26 @@ def spelled_forward(model: ChatGPT, batch: PackedBatch, seen: dict, logits: torc
     a["q"], a["k"] = q, k
     report.show(f"q: RoPE, rms_norm, * {QK_GAIN}", q)
     report.show(f"k: RoPE, rms_norm, * {QK_GAIN}", k)
+    if mixed:  # autocast casts attention's inputs (attention.py does it for varlen_attn)
+        q, k, v = (t.to(matmul) for t in (q, k, v))
     y = attention(q, k, v, cu, config.layer_windows()[L], report)
     a["y"] = y = y.reshape(B, T, -1)
     report.show("attention (heads joined)", y)
     report.bitwise("attention", y, seen["attention (heads joined)"], "the model's")
-    attn_out = y @ W[f"{prefix}attn.proj.weight"].T
+    attn_out = linear(y, W[f"{prefix}attn.proj.weight"])
     report.show("output projection", attn_out)
     report.bitwise("output projection", attn_out, seen["attention output"], "the model's attn.proj")
     a["x1"] = x1 = x_in + attn_out
     report.show("x + attention", x1)
 
     a["u"] = u = rms_norm(x1, report, "MLP norm")
-    a["fc"] = fc = u @ W[f"{prefix}mlp.fc.weight"].T
+    a["fc"] = fc = linear(u, W[f"{prefix}mlp.fc.weight"])
     report.show("MLP up: u Wfc^T", fc)
     report.bitwise("MLP up", fc, seen["mlp fc"], "the model's mlp.fc")
     a["relu2"] = relu2 = F.relu(fc).square()
     report.show("relu(.)^2", relu2)
     report.bitwise("relu^2", relu2, seen["relu^2"], "the model's")
-    mlp_out = relu2 @ W[f"{prefix}mlp.proj.weight"].T
+    mlp_out = linear(relu2, W[f"{prefix}mlp.proj.weight"])
     report.show("MLP down", mlp_out)
     report.bitwise("MLP down", mlp_out, seen["mlp proj"], "the model's mlp.proj")
     a["x_out"] = x_out = x1 + mlp_out
@@ -526,11 +543,11 @@ def spelled_forward(model: ChatGPT, batch: PackedBatch, seen: dict, logits: torc
     report.say("  head")
     a["backout_is_last"] = L == config.n_layers // 2
     x_backout = x_out if a["backout_is_last"] else seen["backout stream"]
-    a["z"] = z = x_out - W["backout_lambda"] * x_backout
+    a["z"] = z = x_out - stream(W["backout_lambda"]) * x_backout
     report.say(f"    backout: x - {W['backout_lambda'].item():.6g} * (stream after layer {config.n_layers // 2})")
     a["h"] = h = rms_norm(z, report, "final norm")
     report.show("final rms_norm", h)
-    raw = h @ W["lm_head.weight"].T
+    raw = linear(h, W["lm_head.weight"])
     report.show("head h Wh^T", raw)
     report.bitwise("head", raw, seen["head"], "the model's lm_head")
     a["raw_logits"] = raw = raw.to(torch.promote_types(raw.dtype, torch.float32))
