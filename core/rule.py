@@ -58,6 +58,12 @@ class StateEntry:
 # A bf16 parameter's low half (FORMAT.md, "Split masters"): the same for every rule.
 LOW_HALF = StateEntry(LOW_HALF_KEY, LOW_HALF_DTYPE)
 
+# The most steps a stored state may have taken, for every rule and frontend. The count is int32
+# (JAX keeps it so, and the step scalars' powers b**t need it below 2**31), so it stops at
+# 2**31 - 1, where a step no longer moves it: a state holding that could never step again, and
+# one step short of it is the last count a loader may accept.
+MAX_STEP_COUNT = 2**31 - 2
+
 
 @dataclass(frozen=True)
 class Bound:

@@ -21,7 +21,6 @@ import functools
 import inspect
 import math
 import numbers
-import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -43,23 +42,23 @@ from packed_adamw.core.muon import (
     weight_phase,
     weight_phase_split,
 )
+from packed_adamw.core.rule import MAX_STEP_COUNT
 
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
 from ._step import CpuStepError, _subnormals_kept
-from .transform import RefusedStepWarning, _refusal_reason, _refuse_invalid, _report_refusal, _step_platforms, \
-    packed_adamw
+from .transform import _check_hyperparameter_kinds, _increment, _is_step_count, _refusal_reason, _refuse_invalid, \
+    _report_refusal, _step_platforms, _warn_refused, packed_adamw
 
 # torch.optim.Muon's defaults (optax.contrib.muon's are eps=1e-8 and weight_decay=0).
 DEFAULT_EPS = 1e-7
 DEFAULT_WEIGHT_DECAY = 0.1
 ISSUE = "issue 37"
-# The count is int32 and stops at its largest value (`_increment`), where a step no longer moves
-# it: a state may hold at most one less (torch's `MAX_STEP`, torch_frontend/_checks.py, is the same).
-MAX_COUNT = int(np.iinfo(np.int32).max) - 1
+# The most steps a state may have taken (core's one number, which says why).
+MAX_COUNT = MAX_STEP_COUNT
 # The hyperparameters that may be schedules of the count: the Muon row's, read at
 # `PackedMuonState.count` as the step reads an injected array, and the AdamW half's learning
-# rate (packed_adamw takes a schedule for its learning rate only).
+# rate (read at the AdamW half's count; its other hyperparameters take numbers).
 SCHEDULES = ("learning_rate", "beta", "weight_decay", "eps", "adam_learning_rate")
 
 
@@ -321,45 +320,16 @@ def _concrete(x) -> float | None:
         return None
 
 
-def _warn_refused(valid, row, count) -> None:
-    """The host side of transform.py's `_report_refusal` for the Muon half (under `vmap` it runs
-    for every batch element, refused or not), in its words (`_refusal_reason`)."""
-    if bool(np.asarray(valid)):
-        return
-    count = int(np.asarray(count))
-    fix = ("restore an undamaged state (import_muon_state refuses such a count)" if count < 0 else
-           "fix the schedule or the injected value (the eager update raises on it)")
-    warnings.warn(f"packed_muon: step refused at count {count}: {_refusal_reason(RULE, np.asarray(row), count)}. No "
-                  f"weight, momentum or count changed; {fix}", RefusedStepWarning, stacklevel=2)
+# The host side of transform.py's `_report_refusal` for the Muon half, in packed_muon's words.
+_warn_muon_refused = functools.partial(_warn_refused, "packed_muon", RULE, unchanged="weight, momentum or count")
 
 
-def _is_scalar_number(x) -> bool:
-    """A real number, or a real array of shape () (optax.inject_hyperparams passes those; traced
-    under jit). Bools pass here: the rule's validation refuses them in its own words."""
-    if isinstance(x, numbers.Real):
-        return True
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        dtype = jnp.result_type(x)
-        return jnp.ndim(x) == 0 and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
-    return False
-
-
-def _check_hyperparameter_kinds(values: dict[str, Any]) -> None:
-    """Each hyperparameter a number, a scalar array, or (those in SCHEDULES) a schedule, refused
-    naming it otherwise: the rule's validation leaves what is not a number to the caller."""
-    for name, value in values.items():
-        if name == "adam_learning_rate" and value is None:  # the Muon half's learning rate
-            continue
-        if callable(value) and name not in SCHEDULES:
-            raise TypeError(
-                f"packed_muon: {name} is a schedule ({value!r}), but the AdamW half (packed_adamw) takes a schedule "
-                "for its learning rate only: pass a number, or let optax.inject_hyperparams evaluate the schedule "
-                "and pass its value (optax.inject_hyperparams(packed_muon, static_args=('ns_steps', 'mu_bias'))"
-                f"(..., {name}=schedule))")
-        if not callable(value) and not _is_scalar_number(value):
-            raise TypeError(f"packed_muon: {name}={value!r} is not a number: pass a float or a scalar array (as "
-                            "optax.inject_hyperparams passes)" + (", or a schedule of the step count"
-                                                                  if name in SCHEDULES else ""))
+def _refused_schedule(name: str, value) -> str:
+    """`_check_hyperparameter_kinds`' message for a schedule outside SCHEDULES (an adam_* one)."""
+    return (f"packed_muon: {name} is a schedule ({value!r}), but packed_muon takes schedules for the Muon half's "
+            "hyperparameters and the AdamW half's learning rate only: pass a number, or let "
+            "optax.inject_hyperparams evaluate the schedule and pass its value "
+            f"(optax.inject_hyperparams(packed_muon, static_args=('ns_steps', 'mu_bias'))(..., {name}=schedule))")
 
 
 def _step_platform(tree) -> str:
@@ -463,10 +433,6 @@ def packed_muon_fused_step(*args, **kwargs) -> Callable[[Any, Any, PackedMuonSta
     return step
 
 
-def _increment(count):
-    return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
-
-
 def _applied(updates, params, write_update: bool):
     return updates if write_update else optax.apply_updates(params, updates)
 
@@ -475,9 +441,12 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
           adam_learning_rate, adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_mask, adam_mode,
           muon_weight_dimension_numbers):
     """`packed_muon`'s checks, then its (init, run)."""
-    _check_hyperparameter_kinds(dict(learning_rate=learning_rate, beta=beta, eps=eps, weight_decay=weight_decay,
-                                     adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2,
-                                     adam_eps=adam_eps, adam_weight_decay=adam_weight_decay))
+    values = dict(learning_rate=learning_rate, beta=beta, eps=eps, weight_decay=weight_decay,
+                  adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps,
+                  adam_weight_decay=adam_weight_decay)
+    if adam_learning_rate is None:  # the Muon half's learning rate
+        del values["adam_learning_rate"]
+    _check_hyperparameter_kinds("packed_muon", values, SCHEDULES, _refused_schedule)
     for name, value in (("ns_steps", ns_steps), ("mu_bias", mu_bias)):
         if isinstance(value, (jax.Array, np.ndarray)):
             raise TypeError(f"packed_muon: {name}={value!r} is an array, but it fixes the compiled step (the "
@@ -548,7 +517,7 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
             # hyperparameter is known only in the graph, as packed_adamw's: the count is then the
             # only sign of a damaged one (MUON.md, "Refusals").
             if not on_gpu or any(_python_number(x) is None for x in given):
-                _report_refusal(_warn_refused, valid, row, state.count)
+                _report_refusal(_warn_muon_refused, valid, row, state.count)
         if refused:
             count = int(state.count)
             raise ValueError(f"packed_muon: step refused at count {count}: "
@@ -856,11 +825,6 @@ def export_muon_state(state: PackedMuonState, params, *, mode: str = "packed", m
         moments.append(_torch_layout(momentum, view, ndim))
         low_list.append(None if low is None else _torch_layout(low, view, ndim))
     return PortableState.of(identities, counts, moments, low_list)
-
-
-def _is_step_count(count) -> bool:
-    return (isinstance(count, numbers.Integral) and not isinstance(count, (bool, np.bool_))
-            and 0 <= count <= MAX_COUNT)
 
 
 def _common_count(counts, what: str) -> int | None:

@@ -32,6 +32,7 @@ from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
 from packed_adamw.core.codecs import SPLIT_MASTER_MAX
 from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 from packed_adamw.core.portable import PortableState
+from packed_adamw.core.rule import MAX_STEP_COUNT
 
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
@@ -333,32 +334,36 @@ class RefusedStepWarning(RuntimeWarning):
 
 
 def _refusal_reason(rule, row, count: int) -> str:
-    """What made a step invalid, in the words of the constructor's validation (the rule's)."""
+    """What made a step invalid, in the words of the constructor's validation (the rule's), or
+    the damaged count, in words that fit any transform's message (packed_adamw's, packed_muon's)."""
     if count < 0:
-        return f"the state's step count is {count} (a count is >= 0: the state is damaged or not a packed_adamw state)"
+        return f"the state's step count is {count} (a count is >= 0: the state is damaged or was built by hand)"
     return rule.refusal_reason(row)
 
 
-def _warn_refused(rule, valid, row, count) -> None:
-    """Host side of `_report_refusal`: warns for a refused step (under `vmap` it runs for every
-    batch element, refused or not)."""
+def _warn_refused(transform: str, rule, valid, row, count, *,
+                  unchanged: str = "parameter, state word or count") -> None:
+    """Host side of `_report_refusal` for the transform named `transform` (packed_adamw,
+    packed_muon), whose step of `rule` keeps `unchanged` when refused: warns for a refused step
+    (under `vmap` it runs for every batch element, refused or not). Bind the leading arguments
+    with `functools.partial`."""
     if bool(np.asarray(valid)):
         return
     count = int(np.asarray(count))
-    warnings.warn(
-        f"packed_adamw: step refused at count {count}: {_refusal_reason(rule, np.asarray(row), count)}. No parameter, "
-        "state word or count changed, and since the count did not move a schedule is evaluated at the same count "
-        "next step: fix the schedule or the injected value (the eager update raises on it)", RefusedStepWarning,
-        stacklevel=2)
+    fix = ("restore an undamaged state (init() starts the count at 0, and the importers refuse a negative one)"
+           if count < 0 else "since the count did not move, a schedule is evaluated at the same count next step: "
+           "fix the schedule or the injected value (the eager update raises on it)")
+    warnings.warn(f"{transform}: step refused at count {count}: {_refusal_reason(rule, np.asarray(row), count)}. No "
+                  f"{unchanged} changed; {fix}", RefusedStepWarning, stacklevel=2)
 
 
 def _report_refusal(warn, valid, row, count) -> None:
     """Under jit an invalid step cannot raise: a `jax.debug.callback` of `warn` (`_warn_refused`
-    for the stepper's rule) warns instead (`RefusedStepWarning`, naming the value) where a
-    hyperparameter is known only in the graph; a negative (damaged) count with plain-number
-    hyperparameters is refused without it (docs/JAX.md, "Known gaps"). The callback is taken
-    only on the refusing branch of a `lax.cond`; under `vmap` the cond becomes a select, so the
-    host side checks `valid` again."""
+    with the transform's name and rule bound) warns instead (`RefusedStepWarning`, naming the
+    value) where a hyperparameter is known only in the graph; a negative (damaged) count with
+    plain-number hyperparameters is refused without it (docs/JAX.md, "Known gaps"). The callback
+    is taken only on the refusing branch of a `lax.cond`; under `vmap` the cond becomes a
+    select, so the host side checks `valid` again."""
     jax.lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(warn, *args), valid, row, count)
 
 
@@ -371,7 +376,14 @@ def _concrete_float(x) -> float | None:
 
 
 def _increment(count):
-    return jnp.where(count < jnp.iinfo(jnp.int32).max, count + 1, count)
+    """The count after a step: past MAX_STEP_COUNT it stays (int32's largest value, 2**31 - 1)."""
+    return jnp.where(count <= MAX_STEP_COUNT, count + 1, count)
+
+
+def _is_step_count(count) -> bool:
+    """A count a state may hold: a whole number (not a bool) from 0 to MAX_STEP_COUNT."""
+    return (isinstance(count, numbers.Integral) and not isinstance(count, (bool, np.bool_))
+            and 0 <= count <= MAX_STEP_COUNT)
 
 
 def _check_count(count) -> None:
@@ -395,16 +407,52 @@ def _as_given(x):
     return x
 
 
+def _is_scalar_number(x) -> bool:
+    """A real number, or a real array of shape () (optax.inject_hyperparams passes those; traced
+    under jit). Bools pass here: the rule's validation refuses them in its own words."""
+    if isinstance(x, numbers.Real):
+        return True
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        dtype = jnp.result_type(x)
+        return jnp.ndim(x) == 0 and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+    return False
+
+
+def _check_hyperparameter_kinds(transform: str, values: dict[str, Any], schedules,
+                                refuse_schedule: Callable[[str, Any], str] | None = None) -> None:
+    """Each hyperparameter (`values`, by argument name) a number, a scalar array, or (those named
+    in `schedules`) a schedule of the count, refused naming it when the transform is built: the
+    rule's validation (`allow_arrays`) leaves what is not a number to the caller, and the step
+    would fail on it without a name. `transform` starts the messages; `refuse_schedule(name,
+    value)` gives the message for a schedule of one not in `schedules`."""
+    for name, value in values.items():
+        if callable(value) and name not in schedules:
+            raise TypeError(refuse_schedule(name, value))
+        if not callable(value) and not _is_scalar_number(value):
+            raise TypeError(f"{transform}: {name}={value!r} is not a number: pass a float or a scalar array (as "
+                            "optax.inject_hyperparams passes)" + (", or a schedule of the step count"
+                                                                  if name in schedules else ""))
+
+
+def _at_count(x, count):
+    """A hyperparameter's value at `count`: a schedule's value there, else x as given."""
+    return x(count) if callable(x) else x
+
+
 def _adamw_group(learning_rate, b1, b2, eps, weight_decay) -> tuple:
     """The transform's arguments as AdamW's rule takes a group's values (`RULE.group_keys`:
-    lr, betas, eps, weight_decay); the learning rate may be a schedule of the count."""
+    lr, betas, eps, weight_decay). Each may be a schedule of the count (as packed_muon's
+    learning rate, beta, weight_decay and eps may), read at the count as an injected array is;
+    anything else that is not a number or a scalar array is refused here, naming it."""
+    values = dict(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    _check_hyperparameter_kinds("packed_adamw", values, schedules=tuple(values))
     return learning_rate, (b1, b2), eps, weight_decay
 
 
 class _Stepper:
     """What the transform and the fused step share: hyperparameters, format, the step over
     leaves. `group`: the hyperparameters in the rule's `group_keys` order (the learning rate
-    first, a number, an array or a schedule of the count)."""
+    first), each a number, an array or a schedule of the count."""
 
     def __init__(self, group, mask, mode, m_bias, rms_bias, multi_tensor, reuse_grad_buffer=False,
                  track_format=False, impl="auto"):
@@ -416,7 +464,7 @@ class _Stepper:
             raise ValueError("packed_adamw: impl='xla' does not count formats; with track_format=True use "
                              "impl='kernel' (or 'auto', which picks it)")
         self.impl = impl
-        self.warn_refused = functools.partial(_warn_refused, self.rule)  # the host side of `_report_refusal`
+        self.warn_refused = functools.partial(_warn_refused, "packed_adamw", self.rule)  # `_report_refusal`'s host side
         if track_format not in (True, False):
             raise TypeError(f"packed_adamw: track_format={track_format!r}: pass True or False")
         if track_format and self.fmt.mode == "fp32":
@@ -521,9 +569,8 @@ class _Stepper:
         rule = self.rule
         selected = treedef.flatten_up_to(_mask_flags(self.mask, grads if params is None else params))
         leaf_rows = tuple(rule.leaf_variant(masked_in) for masked_in in selected)
-        lr, *rest = self.group
-        lr = lr(state.count) if callable(lr) else lr  # a schedule of the count
-        given = rule.group_row(lr, *rest, number=_as_given)  # hyperparam_fields order, as given
+        at_count = _map_group(functools.partial(_at_count, count=state.count), self.group)  # schedules' values
+        given = rule.group_row(*at_count, number=_as_given)  # hyperparam_fields order, as given
         if params is None:
             self._check_params_unread(given, leaf_rows)
             params = grads  # never read: the fields the update reads it through are 0
@@ -586,7 +633,11 @@ def packed_adamw(
 
     Like `optax.adamw` (same defaults, `weight_decay=1e-4` included): `learning_rate` is a
     float or a schedule of the step count, and `mask` (a pytree of bools or a callable
-    returning one) limits weight decay to some leaves. The returned updates u satisfy
+    returning one) limits weight decay to some leaves. `b1`, `b2`, `eps` and `weight_decay` may
+    be schedules too (as packed_muon's beta, eps and weight_decay; optax.adamw takes one for its
+    weight decay), each read at `PackedAdamWState.count` as its float32 value, the bits of a
+    transform built from that value; one that turns invalid refuses the step as an invalid
+    learning rate does. The returned updates u satisfy
     `optax.apply_updates(params, u) == PackedAdamW's in-place step` bit for bit.
 
     `mode` is "packed" (4 bytes/parameter), "fp16" (4) or "fp32" (8), or a
@@ -714,7 +765,9 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
     their low halves: exactly the bfloat16 leaves must have one in the export (torch's bf16
     parameters).
 
-    JAX keeps one step count for all leaves, so every tensor must have taken the same steps.
+    JAX keeps one step count for all leaves, so every tensor must have taken the same steps:
+    a whole number from 0 to `MAX_STEP_COUNT` (2**31 - 2; core/rule.py says why), refused
+    otherwise.
     """
     fmt = state_format(mode, m_bias, rms_bias)
     leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -726,6 +779,11 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
             "state has one count, so export from an optimizer whose parameters all stepped together"
         )
     count = portable.counts[0] if portable.counts else 0
+    if not _is_step_count(count):
+        raise ValueError(
+            f"import_state: the state's tensors took {count!r} steps, which is not a step count (a whole number from 0 "
+            f"to {MAX_STEP_COUNT}): the file was edited or damaged, or (at 2**31 - 1, where the int32 count stops) its "
+            "run took every step a state can; import an undamaged state, or start these parameters from init()")
     if track_format and fmt.mode == "fp32":
         raise ValueError("import_state: track_format=True counts packed or fp16 codes; fp32 mode has none")
     count = jnp.asarray(count, jnp.int32)

@@ -10,6 +10,7 @@ of `b1*m + (1-b1)*g` differ by one ulp under jit on XLA CPU).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import re
@@ -302,6 +303,75 @@ def test_a_schedule_gone_negative_is_refused_visibly(jitted):
         assert int(after_state.count) == 1
 
 
+@pytest.mark.parametrize("name, first, second, bad, says", [
+    ("b1", 0.9, 0.8, -0.5, "Invalid beta parameter at index 0"),
+    ("b2", 0.999, 0.99, 1.0, "Invalid beta parameter at index 1"),
+    ("eps", 1e-8, 1e-3, 0.0, "Invalid epsilon value"),
+    ("weight_decay", 0.1, 0.05, -1.0, "Invalid weight_decay value"),
+])
+def test_a_schedule_of_b1_b2_eps_or_weight_decay_steps_as_its_values(name, first, second, bad, says):
+    """b1, b2, eps and weight_decay may be schedules of the count, as learning_rate is (and as
+    packed_muon's beta, weight_decay and eps are): each jitted step has the bits of a transform
+    built from that step's float32 value; a value turning invalid is refused as an invalid
+    learning rate is: eagerly a ValueError, under jit a RefusedStepWarning naming it, nothing
+    changed and the count kept."""
+    from packed_adamw.jax import RefusedStepWarning
+
+    params0, grads = problem(seed=20, steps=3)
+    values = jnp.asarray([first, second, bad], jnp.float32)
+    scheduled = packed_adamw(LR, **{"weight_decay": WD, name: lambda count: values[jnp.minimum(count, 2)]})
+    update = jax.jit(scheduled.update)
+    params = to_jax(params0)
+    state = scheduled.init(params)
+    for value, g in zip((first, second), grads):
+        plain = packed_adamw(LR, **{"weight_decay": WD, name: float(F32(value))})
+        updates, new_state = update(to_jax(g), state, params)
+        plain_updates, plain_state = plain.update(to_jax(g), state, params)
+        assert_trees_bits_equal(updates, plain_updates, f"updates with {name}={value}")
+        assert_trees_bits_equal(new_state, plain_state, f"state with {name}={value}")
+        params, state = optax.apply_updates(params, updates), new_state
+    with pytest.raises(ValueError, match=f"packed_adamw: invalid hyperparameters at count 2: {says}"):
+        scheduled.update(to_jax(grads[2]), state, params)
+    with pytest.warns(RefusedStepWarning, match=f"packed_adamw: step refused at count 2: {says}"):
+        updates, refused = update(to_jax(grads[2]), state, params)
+        jax.effects_barrier()
+    assert int(refused.count) == 2
+    assert_trees_bits_equal(refused.moments, state.moments, "words after a refused step")
+    assert all(np.all(bits(u) == U32(0x80000000)) for u in jax.tree_util.tree_leaves(updates))
+
+
+@pytest.mark.parametrize("factory", [packed_adamw, packed_adamw_fused_step])
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(learning_rate=None), "learning_rate=None is not a number"),
+    (dict(b1=None), "b1=None is not a number"),
+    (dict(b2="0.99"), "b2='0.99' is not a number"),
+    (dict(eps=jnp.full((3,), 1e-8)), "eps=.* is not a number"),
+    (dict(weight_decay=None), "weight_decay=None is not a number.*or a schedule of the step count"),
+])
+def test_a_hyperparameter_neither_a_number_nor_a_schedule_is_refused_when_built_naming_it(factory, kwargs, message):
+    kwargs = {"learning_rate": LR, **kwargs}
+    with pytest.raises(TypeError, match=f"packed_adamw: {message}"):
+        factory(**kwargs)
+
+
+@pytest.mark.parametrize("transform_name, other", [("packed_adamw", "packed_muon"), ("packed_muon", "packed_adamw")])
+def test_the_refusal_warning_speaks_for_the_transform_that_refused(transform_name, other):
+    """The host side of the jitted refusal (`_warn_refused`, `_refusal_reason`) is shared by
+    packed_adamw and packed_muon: it names the transform it speaks for and no other, and for a
+    damaged (negative) count says to restore the state, not to fix a schedule."""
+    from packed_adamw.core.adamw import RULE as ADAMW_RULE
+    from packed_adamw.core.muon import RULE as MUON_RULE
+    from packed_adamw.jax import RefusedStepWarning, transform
+
+    rule = {"packed_adamw": ADAMW_RULE, "packed_muon": MUON_RULE}[transform_name]
+    with pytest.warns(RefusedStepWarning) as caught:
+        transform._warn_refused(transform_name, rule, np.bool_(False), np.zeros(rule.hyperparam_row, F32),
+                                np.int32(-3))
+    message = str(caught[0].message)
+    assert message.startswith(f"{transform_name}: step refused at count -3: the state's step count is -3"), message
+    assert other not in message and "restore" in message and "fix the schedule" not in message, message
+
+
 def test_a_negative_count_under_jit_warns_that_the_step_was_refused():
     """With a hyperparameter known only in the graph (here injected), the refusal warning also
     names a negative count (plain-number hyperparameters add no callback: see docs/JAX.md)."""
@@ -585,6 +655,25 @@ def test_import_state_refuses_unequal_per_tensor_counts():
     assert sorted(set(portable.counts)) == [2, 3]
     with pytest.raises(ValueError, match="step counts"):
         import_state(portable, params, "packed")
+
+
+@pytest.mark.parametrize("count", [-3, 1.5, True, 2 ** 31 - 1, 2 ** 31])
+def test_import_state_refuses_a_count_that_is_not_a_step_count(count):
+    """A portable count must be a whole number from 0 to 2**31 - 2 (import_muon_state's and
+    torch's range): a negative one refuses every later step, 2**31 - 1 is where the int32 count
+    stops (no step moves it), 2**31 does not fit, a fraction or a bool is no count. The top of
+    the range still steps."""
+    params = to_jax(problem(seed=19, steps=1)[0])
+    portable = export_state(packed_adamw(LR).init(params), "packed")
+    edited = dataclasses.replace(portable, counts=[count] * len(portable.counts))
+    with pytest.raises(ValueError, match=rf"import_state: the state's tensors took {re.escape(repr(count))} steps, "
+                                         r"which is not a step count \(a whole number from 0 to 2147483646\)"):
+        import_state(edited, params, "packed")
+    last = import_state(dataclasses.replace(portable, counts=[2 ** 31 - 2] * len(portable.counts)), params, "packed")
+    assert int(last.count) == 2 ** 31 - 2
+    tx = packed_adamw(LR)
+    _, stepped = tx.update(params, last, params)
+    assert int(stepped.count) == 2 ** 31 - 1
 
 
 @pytest.mark.parametrize("torch_kwargs", [dict(mode="fp16"), dict(mode="fp32"), dict(mode="packed", rms_bias=12)])
