@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from packed_adamw.core import StateFormat, codecs as formats
+from packed_adamw.core.rule import MAX_STEP_COUNT as MAX_STEP
 
 from . import _dtensor
 from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, STEP_KEY, has_format_counts, state_dtype
@@ -18,8 +19,7 @@ from .functional import nonfinite_count, outside_split_domain
 FLOAT32, BFLOAT16, STRIDED = torch.float32, torch.bfloat16, torch.strided
 # The step scalars' powers b**t need the count t below 2**31 (FORMAT.md): a parameter steps at
 # most STEP_LIMIT times, and a state may hold a count up to MAX_STEP, one step short of it.
-STEP_LIMIT = 2**31 - 1
-MAX_STEP = STEP_LIMIT - 1
+STEP_LIMIT = MAX_STEP + 1  # core/rule.py's MAX_STEP_COUNT: the one home of the number, for both frontends
 
 
 def capturing() -> bool:
