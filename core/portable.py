@@ -12,7 +12,10 @@ A state of several rules (torch's PackedMuonAdamW, JAX's packed_muon: Muon's mom
 AdamW's words) has `format` MIXED and each tensor's identity in `formats`; the importers of one
 rule refuse it. A Muon tensor holds its matrix in torch's [out, in] layout (JAX transposes on
 export and import: docs/MUON.md, "The layout"), and its count is None where the exporter keeps
-none (torch's Muon has no step count; JAX's packed_muon exports its `count`).
+none (torch's Muon has no step count; JAX's packed_muon exports its `count`). A packed Muon
+tensor's matrices each have an int32 exponent (their momentum is decode(code) * 2**exponent),
+listed in `exponents` (shape (): one matrix; [batch] for a JAX leaf of several); a packed Muon
+tensor of the identity before the exponents has none and reads with exponent 0.
 """
 from __future__ import annotations
 
@@ -38,15 +41,17 @@ class PortableState:
     #                            Muon's uint16 codes or float32 momentum, shaped like the parameter
     low_halves: list[np.ndarray | None] | None = None  # int16 shaped like the parameter, for bf16 parameters
     formats: list[str] | None = None  # with format MIXED: each tensor's identity
+    exponents: list[np.ndarray | None] | None = None  # int32 per matrix, for packed Muon tensors
 
     @classmethod
-    def of(cls, identities: list[str], counts, moments, low_halves) -> "PortableState":
+    def of(cls, identities: list[str], counts, moments, low_halves, exponents=None) -> "PortableState":
         """A state from per-tensor identities: one `format` when they agree, else MIXED with
-        `formats`; `low_halves` None when no tensor has one."""
+        `formats`; `low_halves` and `exponents` None when no tensor has one."""
         lows = low_halves if any(low is not None for low in low_halves) else None
+        exponents = exponents if exponents is not None and any(e is not None for e in exponents) else None
         if len(set(identities)) == 1:
-            return cls(identities[0], list(counts), list(moments), lows)
-        return cls(MIXED, list(counts), list(moments), lows, list(identities))
+            return cls(identities[0], list(counts), list(moments), lows, None, exponents)
+        return cls(MIXED, list(counts), list(moments), lows, list(identities), exponents)
 
     def tensor_formats(self) -> list[str]:
         """Each tensor's format identity."""
@@ -83,7 +88,7 @@ class PortableState:
             raise ValueError(f"portable state lists {len(identities)} formats for {len(shapes)} tensors; the file was "
                              "edited or damaged: export the state again")
         for i, (identity, fmt) in enumerate(zip(identities, fmts)):
-            if identity != fmt.identity:
+            if not _reads(fmt, identity):
                 raise ValueError(
                     f"{where(i)} has format {identity!r}, the optimizer's {fmt.identity!r}: use the same rule (Muon "
                     "or AdamW) for this parameter and the same modes and biases on both sides"
@@ -96,6 +101,7 @@ class PortableState:
                     f"{where(i)} is {moments.dtype} {moments.shape}, expected {np.dtype(dtype)} "
                     f"{expected}: the parameters or their order differ"
                 )
+        self._check_exponents(identities, fmts, shapes, where)
         lows = self.low_halves if self.low_halves is not None else [None] * len(shapes)
         split = split if split is not None else [False] * len(shapes)
         if len(lows) != len(shapes):
@@ -116,12 +122,47 @@ class PortableState:
                                  + f" is {low.dtype} {low.shape}, expected "
                                  f"{LOW_HALF_DTYPE} {tuple(shape)}: the parameters or their order differ")
 
+    def _check_exponents(self, identities, fmts, shapes, where) -> None:
+        """Exactly the packed Muon tensors of the current identity have exponents: int32, one
+        per matrix (the parameter's shape less its last two axes), each one a step can store."""
+        exponents = self.exponents if self.exponents is not None else [None] * len(shapes)
+        if len(exponents) != len(shapes):
+            raise ValueError(f"portable state holds {len(exponents)} exponents, the parameters are {len(shapes)}; "
+                             "the file was edited or damaged: export the state again")
+        for i, (exponent, identity, fmt, shape) in enumerate(zip(exponents, identities, fmts, shapes)):
+            entry = getattr(fmt, "exponent_entry", None)
+            if entry is None or fmt.saved_without_exponents(identity):
+                if exponent is not None:
+                    raise ValueError(f"{where(i)} ({identity}) has an exponent, which its format does not keep; "
+                                     "the file was edited or damaged: export the state again")
+                continue
+            expected = tuple(shape[:-2])
+            if exponent is None or exponent.dtype != np.dtype(entry.dtype) or exponent.shape != expected:
+                got = "none" if exponent is None else f"{exponent.dtype} {exponent.shape}"
+                raise ValueError(f"{where(i)} ({identity}) needs its matrices' {entry.dtype} exponents of shape "
+                                 f"{expected} (its momentum is the codes times 2**exponent), got {got}; the file "
+                                 "was edited or damaged: export the state again")
+            low, high = fmt.exponent_range
+            if exponent.size and not (low <= exponent.min() and exponent.max() <= high):
+                raise ValueError(f"{where(i)} ({identity}) has exponents {exponent.tolist()}, outside the "
+                                 f"[{low}, {high}] a step stores; the file was edited or damaged")
+
+    def muon_exponent(self, i: int, fmt) -> np.ndarray | None:
+        """After `check_tensors`: packed Muon tensor i's exponents (zeros for a tensor saved
+        before them, which read with exponent 0), or None for a tensor of another format."""
+        if getattr(fmt, "exponent_entry", None) is None:
+            return None
+        if self.exponents is not None and self.exponents[i] is not None:
+            return self.exponents[i]
+        return np.zeros(self.moments[i].shape[:-2], np.dtype(fmt.exponent_entry.dtype))
+
     def check_muon_values(self, fmts: list, names: list[str]) -> None:
         """After `check_tensors`: every Muon tensor's count is None or a whole number >= 0, and
         its momentum holds no NaN or Inf (fp32 values, bf16 codes; the packed code has none), as
         no step ever stores one (docs/MUON.md)."""
         # Here, not at the top: core/muon's package loads its Triton kernels, and a portable
         # state must stay readable without them (tools/format_health.py).
+        from .muon.numpy_step import decode_momentum
         from .muon.state_format import StateFormat as MuonStateFormat
 
         for i, (fmt, name) in enumerate(zip(fmts, names)):
@@ -136,8 +177,11 @@ class PortableState:
                 finite = np.isfinite(momentum).all()
             elif fmt.mode == "bf16":
                 finite = not np.any((momentum & np.uint16(0x7F80)) == np.uint16(0x7F80))  # exponent all ones
-            else:
-                finite = True
+            else:  # a code times 2**exponent past float32's range (a step never stores one)
+                exponents = self.muon_exponent(i, fmt).reshape(-1)
+                matrices = momentum.reshape(exponents.size, -1) if exponents.size else momentum.reshape(0, 0)
+                with np.errstate(over="ignore"):
+                    finite = all(np.isfinite(decode_momentum(m, fmt, e)).all() for m, e in zip(matrices, exponents))
             if not finite:
                 raise ValueError(f"portable state tensor {i} ({name}): the momentum holds NaN or Inf, which no step "
                                  "stores; this state cannot continue a run")
@@ -147,6 +191,9 @@ class PortableState:
         for i, low in enumerate(self.low_halves or []):
             if low is not None:
                 tensors[f"low_half.{i}"] = np.array(low, order="C")
+        for i, exponent in enumerate(self.exponents or []):
+            if exponent is not None:
+                tensors[f"exponent.{i}"] = np.array(exponent, order="C")
         metadata = {"format": self.format, "counts": json.dumps(self.counts)}
         if self.format == MIXED:
             metadata["formats"] = json.dumps(self.formats)
@@ -174,5 +221,14 @@ class PortableState:
             raise ValueError(f"{path} says its tensors mix formats but lists none ('formats' is missing from its "
                              "metadata); the file was edited or damaged: export the state again")
         lows = [tensors.get(f"low_half.{i}") for i in range(len(counts))]
+        exponents = [tensors.get(f"exponent.{i}") for i in range(len(counts))]
         return cls(metadata["format"], counts, [tensors[f"moments.{i}"] for i in range(len(counts))],
-                   lows if any(low is not None for low in lows) else None, formats)
+                   lows if any(low is not None for low in lows) else None, formats,
+                   exponents if any(e is not None for e in exponents) else None)
+
+
+def _reads(fmt, identity: str) -> bool:
+    """Whether a tensor saved with `identity` loads under `fmt`: its identity, or one it still
+    reads (a Muon packed state saved before its exponents: `StateFormat.reads`)."""
+    reads = getattr(fmt, "reads", None)
+    return reads(identity) if reads is not None else identity == fmt.identity

@@ -24,14 +24,21 @@ class StateEntry:
     """One state tensor kept per parameter: `leading` axes, then the parameter's shape.
 
     It shards with its parameter: the parameter's axes, moved past the leading ones (which
-    are never split), as fp32 mode's [2, *shape] moments."""
+    are never split), as fp32 mode's [2, *shape] moments. A `per_matrix` entry is one value per
+    2-D matrix instead (shape (): Muon's packed momentum exponent), whole on every shard: a
+    sharded parameter's ranks hold the same value (replicated)."""
 
     key: str  # its name in a state dict (torch) and in checkpoints
     dtype: str  # numpy name of its dtype
     leading: tuple[int, ...] = ()  # axes before the parameter's, whole on every shard
+    per_matrix: bool = False  # one value per matrix (shape ()), not per element
+
+    def __post_init__(self):
+        if self.per_matrix and self.leading:
+            raise ValueError(f"state entry {self.key!r}: a per-matrix entry has no leading axes")
 
     def shape(self, param_shape) -> tuple[int, ...]:
-        return (*self.leading, *param_shape)
+        return () if self.per_matrix else (*self.leading, *param_shape)
 
     def flat_shape(self, n_elements: int) -> tuple[int, ...]:
         """`shape` of the flattened parameter, as the kernels and the numpy steps read it."""
@@ -39,8 +46,9 @@ class StateEntry:
 
     @property
     def values_per_param(self) -> int:
-        """Values of `dtype` per parameter element."""
-        return math.prod(self.leading)
+        """Values of `dtype` per parameter element (0 for a per-matrix entry: a matrix's one
+        value is no part of any element's bytes)."""
+        return 0 if self.per_matrix else math.prod(self.leading)
 
     @property
     def bytes_per_param(self) -> int:
@@ -48,11 +56,14 @@ class StateEntry:
 
     def sharded_axis(self, param_axis: int) -> int:
         """The axis of this entry that shards as the parameter's axis `param_axis` does."""
+        if self.per_matrix:
+            raise ValueError(f"state entry {self.key!r} is one value per matrix: no axis of it is sharded")
         return len(self.leading) + param_axis
 
     def sharding(self, param_spec: tuple) -> tuple:
-        """The entry's partition spec (one item per axis; None: whole) from its parameter's."""
-        return (None,) * len(self.leading) + tuple(param_spec)
+        """The entry's partition spec (one item per axis; None: whole) from its parameter's
+        (a per-matrix entry: (), replicated)."""
+        return () if self.per_matrix else (None,) * len(self.leading) + tuple(param_spec)
 
 
 # A bf16 parameter's low half (FORMAT.md, "Split masters"): the same for every rule.

@@ -47,11 +47,13 @@ def parse_minifloat_identity(text: str) -> dict:
 # ---- what each rule's stored state entry reads as ---------------------------------------------
 
 
-def moment_values(moments: np.ndarray, fmt: AdamWFormat) -> tuple[np.ndarray, np.ndarray]:
+def moment_values(moments: np.ndarray, fmt: AdamWFormat, exponent=None) -> tuple[np.ndarray, np.ndarray]:
     """AdamW's (first moments, RMS values) as float32 arrays from a stored state: uint32 words
     decoded exactly as the step decodes them (`MiniFloat.decode_table`), or an fp32 state's
     [2, ...] (m, v) with RMS = sqrt(v) rounded to float32, as the step computes it. Both are
-    new arrays, never views of `moments`."""
+    new arrays, never views of `moments`. AdamW keeps no exponent (`exponent` must be None)."""
+    if exponent is not None:
+        raise ValueError(f"{fmt.identity} keeps no per-matrix exponent; pass exponent=None")
     moments = np.asarray(moments)
     if fmt.mode == "fp32":
         if moments.dtype != np.float32 or moments.ndim < 1 or moments.shape[0] != 2:
@@ -67,11 +69,15 @@ def moment_values(moments: np.ndarray, fmt: AdamWFormat) -> tuple[np.ndarray, np
     return m_fmt.decode_table[m_codes], r_fmt.decode_table[rms_codes]
 
 
-def momentum_values(momentum: np.ndarray, fmt: MuonFormat) -> tuple[np.ndarray]:
+def momentum_values(momentum: np.ndarray, fmt: MuonFormat, exponent=None) -> tuple[np.ndarray]:
     """Muon's (momenta,) as a float32 array from a stored state: packed codes decoded as the
-    step decodes them, bf16 bits widened exactly, fp32 values copied. torch keeps the 16-bit
-    codes in int16 tensors (muon.py): they are read as the same bits."""
+    step decodes them, times 2**exponent per matrix (`exponent`: the `mu_exponent` entry, shape
+    () for one matrix or the leading axes' for a stack of them; None for a state saved before
+    the exponents, which read with 0), bf16 bits widened exactly, fp32 values copied. torch
+    keeps the 16-bit codes in int16 tensors (muon.py): they are read as the same bits."""
     momentum = np.asarray(momentum)
+    if exponent is not None and fmt.mode != "packed":
+        raise ValueError(f"{fmt.identity} keeps no per-matrix exponent; pass exponent=None")
     if fmt.mode == "fp32":
         if momentum.dtype != np.float32:
             raise ValueError(f"an fp32 Muon state is float32 momenta, got {momentum.dtype}")
@@ -80,7 +86,16 @@ def momentum_values(momentum: np.ndarray, fmt: MuonFormat) -> tuple[np.ndarray]:
         momentum = momentum.view(np.uint16)
     if momentum.dtype != np.uint16:
         raise ValueError(f"a {fmt.mode} Muon state is 16-bit codes, got {momentum.dtype}")
-    return (np.asarray(decode_momentum(momentum, fmt), np.float32),)
+    if fmt.mode == "bf16" or exponent is None:
+        return (np.asarray(decode_momentum(momentum, fmt), np.float32),)
+    exponent = np.asarray(exponent)
+    if momentum.ndim < 2 or exponent.shape != momentum.shape[:-2]:
+        raise ValueError(f"the exponents have shape {exponent.shape}, the momentum {momentum.shape}: one exponent "
+                         "per matrix (the momentum's shape less its last two axes)")
+    values = np.empty(momentum.shape, np.float32)
+    for index in np.ndindex(exponent.shape):
+        values[index] = decode_momentum(momentum[index], fmt, exponent[index])
+    return (values,)
 
 
 # ---- the registry -------------------------------------------------------------------------------
@@ -95,10 +110,10 @@ class RuleFormats:
     rule: Rule
     state_format: type
     modes: tuple[str, ...]
-    # (the stored state entry, its state format) -> each code's values as float32 arrays shaped
-    # like the parameter, in `rule.codes` order: what the step reads (a float32 mode's values
-    # are those a packed state would encode)
-    code_values: Callable[[np.ndarray, StateLayout], tuple[np.ndarray, ...]]
+    # (the stored state entry, its state format, its per-matrix exponent or None) -> each code's
+    # values as float32 arrays shaped like the parameter, in `rule.codes` order: what the step
+    # reads (a float32 mode's values are those a packed state would encode)
+    code_values: Callable[[np.ndarray, StateLayout, np.ndarray | None], tuple[np.ndarray, ...]]
 
     @property
     def name(self) -> str:
@@ -116,9 +131,10 @@ class RuleFormats:
         return self.packed(**{self.rule.codes[code].bias_option: bias}).formats[code]
 
     def parse(self, identity: str) -> StateLayout | None:
-        """The format of this rule whose identity is exactly `identity`, or None. The biases
-        are read from the identity's 16-bit code identities in their order; a mode whose codes
-        have a fixed bias (fp16) or no code is matched at the defaults."""
+        """The format of this rule whose identity is exactly `identity` (or its legacy identity:
+        Muon's packed one before the per-matrix exponents), or None. The biases are read from
+        the identity's 16-bit code identities in their order; a mode whose codes have a fixed
+        bias (fp16) or no code is matched at the defaults."""
         biases = [int(match["bias"]) for match in _MINIFLOAT_IDENTITY.finditer(identity)]
         codes = self.rule.codes
         candidates = [{}]
@@ -130,7 +146,7 @@ class RuleFormats:
                     fmt = self.state_format(mode, **fields)
                 except (TypeError, ValueError):  # a bias outside the range: no format of this code
                     continue
-                if fmt.identity == identity:
+                if identity in (fmt.identity, getattr(fmt, "legacy_identity", None)):
                     return fmt
         return None
 
@@ -158,8 +174,9 @@ def rule_formats(of) -> RuleFormats:
 
 def state_format_from_identity(identity: str) -> StateLayout:
     """The state format, of whichever rule, whose `identity` is exactly `identity` (e.g.
-    "packed:m=SE4M11b15,rms=UE4M12b15" for AdamW, "muon-packed:mu=SE5M10b31" for Muon); its
-    `rule` names the rule. A string that names no format this code makes is refused."""
+    "packed:m=SE4M11b15,rms=UE4M12b15" for AdamW, "muon-packed:mu=SE5M10b31:scale=pow2/matrix"
+    for Muon, or the legacy "muon-packed:mu=SE5M10b31"); its `rule` names the rule. A string
+    that names no format this code makes is refused."""
     if isinstance(identity, str):
         for entry in RULES.values():
             fmt = entry.parse(identity)
@@ -170,6 +187,7 @@ def state_format_from_identity(identity: str) -> StateLayout:
                      f"the biases may be any in {list(BIAS_RANGE)})")
 
 
-def code_values(state: np.ndarray, fmt: StateLayout) -> tuple[np.ndarray, ...]:
-    """A stored state entry's values of each of its rule's codes (`RuleFormats.code_values`)."""
-    return rule_formats(fmt).code_values(state, fmt)
+def code_values(state: np.ndarray, fmt: StateLayout, exponent=None) -> tuple[np.ndarray, ...]:
+    """A stored state entry's values of each of its rule's codes (`RuleFormats.code_values`);
+    `exponent`: a Muon packed state's per-matrix exponents (None: read with 0)."""
+    return rule_formats(fmt).code_values(state, fmt, exponent)

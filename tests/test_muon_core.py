@@ -17,10 +17,13 @@ from packed_adamw.core.muon import (
     StateFormat,
     adjusted_lr,
     bf16_bits,
+    commit_momentum,
+    decode_momentum,
     fma32,
     lerp32,
     momentum_format,
     momentum_phase,
+    momentum_update,
     newton_schulz_reference,
     step_scalar_row,
     validate_hyperparams,
@@ -97,12 +100,19 @@ def test_default_code_is_se5m10_bias_31_and_the_state_format_records_it():
     code = momentum_format()
     assert (code.identity, code.max_value, code.min_normal, code.min_subnormal) == \
         ("SE5M10b31", 2 - 2.0**-10, 2.0**-30, 2.0**-40)
-    assert StateFormat().identity == "muon-packed:mu=SE5M10b31"
-    assert StateFormat(mu_bias=36).identity == "muon-packed:mu=SE5M10b36"
+    # The packed identity names the per-matrix power-of-two exponent; the one before it (the codes
+    # alone) is still read, with every exponent 0 (the values those codes had).
+    assert StateFormat().identity == "muon-packed:mu=SE5M10b31:scale=pow2/matrix"
+    assert StateFormat(mu_bias=36).identity == "muon-packed:mu=SE5M10b36:scale=pow2/matrix"
     assert StateFormat("bf16").identity == "muon-bf16:mu=bf16" and StateFormat("fp32").identity == "muon-fp32:mu=f32"
     with pytest.raises(ValueError, match="muon-packed:mu=SE5M10b36"):
         StateFormat().check_identity("muon-packed:mu=SE5M10b36")
-    StateFormat(mu_bias=36).check_identity("muon-packed:mu=SE5M10b36")
+    for bad in ("muon-packed:mu=SE5M10b36:scale=pow2/matrix", "muon-packed:mu=SE5M10b31:scale=pow2", None):
+        with pytest.raises(ValueError, match="construct the optimizer with the saved state's mode and mu_bias"):
+            StateFormat().check_identity(bad)
+    assert StateFormat(mu_bias=36).check_identity("muon-packed:mu=SE5M10b36:scale=pow2/matrix") is False
+    assert StateFormat(mu_bias=36).check_identity("muon-packed:mu=SE5M10b36") is True  # saved without exponents
+    assert StateFormat("bf16").check_identity("muon-bf16:mu=bf16") is False and StateFormat("bf16").legacy_identity is None
     for bad, error in ((101, ValueError), (-1, ValueError), (True, TypeError), (31.0, TypeError)):
         with pytest.raises(error, match="mu_bias"):
             StateFormat(mu_bias=bad)
@@ -117,6 +127,12 @@ def test_state_entries_and_declaration():
     assert layout == {"packed": ("momentum_code", "uint16", 2, 4), "bf16": ("momentum_code", "uint16", 2, 4),
                       "fp32": ("momentum_buffer", "float32", 4, 6)}
     assert StateFormat().state_shape((3, 5)) == (3, 5) and StateFormat().low_half_key == "lo"
+    # packed mode's exponent: one int32 a matrix, whole on every shard; the other modes have none
+    entry = StateFormat().exponent_entry
+    assert (entry.key, entry.dtype, entry.shape((3, 5)), entry.bytes_per_param, entry.sharding(("data", None))) == \
+        ("mu_exponent", "int32", (), 0, ())
+    assert formats["bf16"].exponent_entry is None and formats["fp32"].exponent_entry is None
+    assert StateFormat().exponent_range == (-148, 128) and StateFormat(mu_bias=0).exponent_range == (-179, 97)
     assert RULE.matrix_phase and RULE.hyperparam_fields == ("lr", "momentum", "weight_decay", "eps")
     # The codecs of the rule's codes, in their order, as format counts and their warnings read them:
     assert StateFormat(mu_bias=20).formats == (momentum_format(20),) and len(RULE.codes) == 1
@@ -203,35 +219,136 @@ def random_state(rng, fmt, shape, scale_low=-45, scale_high=2):
     return fmt.code.encode(m)
 
 
+def exponent_of(fmt, value=0):
+    """Packed mode's per-matrix exponent as the numpy phase takes it (None in the other modes)."""
+    return np.array(value, np.int32) if fmt.mode == "packed" else None
+
+
 @pytest.mark.parametrize("mode, bias", [("packed", 31), ("packed", 36), ("bf16", 31), ("fp32", 31)])
 @pytest.mark.parametrize("nesterov, maximize", [(True, False), (False, False), (True, True)])
 def test_momentum_phase_matches_the_authority(mode, bias, nesterov, maximize):
+    """Packed mode over exponents that put the stored momenta high, low (their decoded values
+    subnormal in float32) and at 0 (a state saved before the exponents); the new exponent too."""
     rng = np.random.default_rng(11)
     fmt = StateFormat(mode, bias)
     shape = (13, 17)  # 221 elements: vector bodies and a scalar tail
-    for momentum in (0.95, 0.3):
+    for momentum, old_exponent, grad_scale in ((0.95, 0, 0), (0.3, -40, -70), (0.95, 60, 50), (0.3, -120, -125)):
         state = random_state(rng, fmt, shape)
-        grad = spread(rng, 221, -50, 4).reshape(shape)  # saturating and subnormal momenta
-        grad.flat[:5] = [0.0, -0.0, 1e-45, -3e-39, 4.0]
+        grad = spread(rng, 221, -50 + grad_scale, 4 + grad_scale).reshape(shape)  # many binades below the largest
+        grad.flat[:5] = [0.0, -0.0, 1e-45, -3e-39, 4.0 * 2.0**grad_scale]
         before = state.copy()
+        exponent = exponent_of(fmt, old_exponent)
         scalars = step_scalar_row((0.02, momentum, 0.1, 1e-7), shape)
-        ns_in = momentum_phase(grad, state, scalars, fmt=fmt, nesterov=nesterov, maximize=maximize)
+        ns_in = momentum_phase(grad, state, scalars, fmt=fmt, exponent=exponent, nesterov=nesterov, maximize=maximize)
         assert ns_in is not None
+        new_states, new_exponent, xs, ok = MA.momentum_matrix(
+            [float(g) for g in grad.flat], [s.item() for s in before.flat], momentum=momentum,
+            exponent=old_exponent, mode=mode, mu_bias=bias, nesterov=nesterov, maximize=maximize)
+        assert ok
+        if mode == "packed":
+            assert int(exponent) == new_exponent
         for i in range(221):
-            st = before.flat[i].item()
-            new_state, x, ok = MA.momentum_element(float(grad.flat[i]), st, momentum=momentum, mode=mode,
-                                                   mu_bias=bias, nesterov=nesterov, maximize=maximize)
-            assert ok
             got_state = state.flat[i].item()
             if mode == "fp32":
-                assert A.f32_bits(got_state) == A.f32_bits(new_state), i
+                assert A.f32_bits(got_state) == A.f32_bits(new_states[i]), i
             else:
-                assert got_state == new_state, i
-            assert A.f32_bits(float(bf16_values_of(ns_in.flat[i]))) == A.f32_bits(x), i
+                assert got_state == new_states[i], i
+            assert A.f32_bits(float(bf16_values_of(ns_in.flat[i]))) == A.f32_bits(xs[i]), i
 
 
 def bf16_values_of(b):
     return np.uint32(int(b) << 16).view(F32)
+
+
+# ---- packed mode's per-matrix power-of-two exponent ----
+def test_ldexp_and_the_exponent_from_amax_match_the_authority():
+    """MUON.md's ldexp32 (two float32 products by powers of two; a subnormal result rounded at
+    the second) and the exponent chosen from a matrix's largest |m'| (normal and subnormal
+    float32 amaxes, every bias's window) against the authority."""
+    from packed_adamw.core.muon.numpy_step import floor_log2, ldexp32, matrix_exponent
+
+    rng = np.random.default_rng(21)
+    x = spread(rng, 4000, -149, 127)
+    x[:6] = [0.0, -0.0, 1e-45, -1e-45, 3.4e38, -1.17e-38]
+    n = rng.integers(-252, 255, 4000)
+    got = np.array([ldexp32(v, k) for v, k in zip(x, n)], F32)
+    assert np.array_equal(bits(got), bits([MA.ldexp(float(v), int(k)) for v, k in zip(x, n)]))
+    assert np.array_equal(bits(ldexp32(x, 0)), bits(x))  # a state saved before the exponents reads as it was
+    amax = np.abs(spread(rng, 2000, -149, 128))
+    amax[:4] = [1e-45, 2.0**-149 * 3, 2.0**-126, np.finfo(F32).max]
+    for bias in BIASES:
+        fmt = StateFormat(mu_bias=bias)
+        for a in amax:
+            s = matrix_exponent(a, 5, fmt)
+            assert s == MA.matrix_exponent(float(a), 5, bias) and s - bias + 30 == floor_log2(a)
+            assert fmt.exponent_range[0] <= s <= fmt.exponent_range[1]
+            assert 2.0 ** (30 - bias) <= float(a) * 2.0 ** -s < 2.0 ** (31 - bias)  # exponent field 30
+        assert matrix_exponent(F32(0), 5, fmt) == MA.matrix_exponent(0.0, 5, bias) == 5  # amax 0: kept
+
+
+def packed_run(grads, bias=31, momentum=0.95, nesterov=True):
+    """The numpy momentum phase (packed) over the gradients from a fresh state: the codes, the
+    exponents and the Newton-Schulz inputs' values after each step."""
+    fmt = StateFormat("packed", bias)
+    state, exponent = np.zeros(grads[0].shape, np.uint16), np.zeros((), np.int32)
+    scalars = step_scalar_row((0.02, momentum, 0.1, 1e-7), grads[0].shape)
+    out = []
+    for g in grads:
+        x = momentum_phase(g, state, scalars, fmt=fmt, exponent=exponent, nesterov=nesterov)
+        out.append((state.copy(), int(exponent), (x.astype(U32) << 16).view(F32)))
+    return out
+
+
+@pytest.mark.parametrize("scale", [-12, 12, 20, -100, 100])
+def test_packed_momentum_is_invariant_to_a_power_of_two_scale_of_the_gradients(scale):
+    """Gradients times 2**scale give the same codes at every step, exponents `scale` higher and
+    Newton-Schulz inputs times 2**scale exactly (power-of-two scaling commutes with rounding
+    while values stay normal): as torch.optim.Muon's step is, the packed step is unchanged.
+    With the fixed window of bias 31 alone, 2**12 already saturated and 2**-100 flushed."""
+    rng = np.random.default_rng(31)
+    grads = [(rng.standard_normal((6, 9)) * 2.0 ** rng.integers(-12, 0, (6, 9))).astype(F32) for _ in range(6)]
+    for (codes, exponent, x), (codes_s, exponent_s, x_s) in zip(
+            packed_run(grads), packed_run([(g * F32(2.0 ** scale)).astype(F32) for g in grads])):
+        assert np.array_equal(codes, codes_s) and exponent_s == exponent + scale
+        assert np.array_equal(bits(x_s), bits((x * F32(2.0 ** scale)).astype(F32)))
+
+
+def test_the_codes_are_the_same_for_every_bias_and_the_exponent_shifts_by_it():
+    """mu_bias no longer moves the trajectory: its codes are bit for bit the same, its exponent
+    is bias - 31 higher, so every decoded momentum and Newton-Schulz input is the same."""
+    rng = np.random.default_rng(32)
+    grads = [(rng.standard_normal((7, 5)) * 2.0 ** rng.integers(-30, 0, (7, 5))).astype(F32) for _ in range(4)]
+    reference = packed_run(grads)
+    for bias in (0, 36, 100):
+        for (codes, exponent, x), (codes_b, exponent_b, x_b) in zip(reference, packed_run(grads, bias)):
+            assert np.array_equal(codes, codes_b) and exponent_b == exponent + bias - 31
+            assert np.array_equal(bits(x), bits(x_b))
+            assert np.array_equal(bits(decode_momentum(codes, StateFormat(), exponent)),
+                                  bits(decode_momentum(codes_b, StateFormat(mu_bias=bias), exponent_b)))
+
+
+def test_a_state_saved_before_the_exponents_reads_with_exponent_zero():
+    """Codes of the fixed-window format (bias 31, no exponent) decode, with s = 0, to the very
+    values the format had: every code of every bias. A sharded matrix's shards take the whole
+    matrix's amax (`commit_momentum`): each shard's codes are then the whole matrix's."""
+    for bias in BIASES:
+        fmt = StateFormat(mu_bias=bias)
+        assert np.array_equal(bits(decode_momentum(ALL_CODES.astype(np.uint16), fmt, 0)),
+                              bits(momentum_format(bias).decode_table))
+    rng = np.random.default_rng(33)
+    fmt, shape = StateFormat(), (6, 8)
+    state = fmt.code.encode(spread(rng, 48, -20, 0).reshape(shape))
+    grad = spread(rng, 48, -25, -3).reshape(shape)
+    scalars = step_scalar_row((0.02, 0.95, 0.1, 1e-7), shape)
+    whole_state, whole_exponent = state.copy(), np.array(-3, np.int32)
+    momentum_phase(grad, whole_state, scalars, fmt=fmt, exponent=whole_exponent)
+    updates = [momentum_update(grad[rows], state[rows], scalars, fmt=fmt, exponent=np.array(-3, np.int32))
+               for rows in (slice(0, 2), slice(2, 6))]
+    amax = max(u.amax for u in updates)
+    for rows, update in zip((slice(0, 2), slice(2, 6)), updates):
+        part, exponent = state[rows].copy(), np.array(-3, np.int32)
+        commit_momentum(update, part, fmt=fmt, exponent=exponent, amax=amax)
+        assert np.array_equal(part, whole_state[rows]) and exponent == whole_exponent
 
 
 @pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
@@ -243,8 +360,11 @@ def test_a_non_finite_gradient_refuses_the_whole_matrix(mode):
         before = state.copy()
         grad = spread(rng, 24, -20, 0).reshape(4, 6)
         grad[2, 3] = bad
-        assert momentum_phase(grad, state, step_scalar_row((0.02, 0.95, 0.1, 1e-7), (4, 6)), fmt=fmt) is None
+        exponent = exponent_of(fmt, -7)
+        assert momentum_phase(grad, state, step_scalar_row((0.02, 0.95, 0.1, 1e-7), (4, 6)), fmt=fmt,
+                              exponent=exponent) is None
         assert np.array_equal(state.view(np.uint8), before.view(np.uint8))
+        assert exponent is None or int(exponent) == -7
         assert not MA.momentum_element(float(bad), 0, momentum=0.95, mode=mode)[2]
 
 
@@ -257,9 +377,16 @@ def test_state_of_the_wrong_dtype_is_refused_and_int16_views_are_read_as_bits():
         momentum_phase(grad, np.zeros((1, 3), np.uint16), scalars, fmt=StateFormat("fp32"))
     codes = StateFormat().code.encode(np.array([[-0.5, 1.5, -1e-3]], F32))
     as_int16 = codes.view(np.int16).copy()
-    momentum_phase(grad, codes, scalars, fmt=StateFormat())
-    momentum_phase(grad, as_int16, scalars, fmt=StateFormat())
-    assert np.array_equal(as_int16.view(np.uint16), codes)
+    exponents = [np.zeros((), np.int32), np.zeros(1, np.int32)]  # a 0-d tensor's array, or one element of a batch
+    momentum_phase(grad, codes, scalars, fmt=StateFormat(), exponent=exponents[0])
+    momentum_phase(grad, as_int16, scalars, fmt=StateFormat(), exponent=exponents[1])
+    assert np.array_equal(as_int16.view(np.uint16), codes) and exponents[0] == exponents[1] == 1
+    # packed mode keeps one exponent per matrix, the others none: each refused naming it
+    for exponent in (None, 0, np.zeros((), np.int64), np.zeros(2, np.int32)):
+        with pytest.raises(TypeError, match="exponent must be the matrix's int32 exponent"):
+            momentum_phase(grad, codes, scalars, fmt=StateFormat(), exponent=exponent)
+    with pytest.raises(TypeError, match="exponent: muon-fp32:mu=f32 keeps no exponent"):
+        momentum_phase(grad, np.zeros((1, 3), F32), scalars, fmt=StateFormat("fp32"), exponent=np.zeros((), np.int32))
 
 
 def test_overflowing_momenta_refuse_the_matrix():
@@ -273,16 +400,20 @@ def test_overflowing_momenta_refuse_the_matrix():
     assert momentum_phase(grad, state, step_scalar_row((0.02, 0.0, 0.1, 1e-7), (1, 2)), fmt=StateFormat("bf16"),
                           nesterov=False) is None
     assert not MA.momentum_element(3.4e38, 0, momentum=0.0, mode="bf16", nesterov=False)[2]
-    # packed mode saturates instead, and counts it
+    # packed mode scales the matrix instead (its largest |m'| in exponent field 30): nothing
+    # saturates, and the values 40 binades and more below the largest flush
     counts = np.zeros(3, np.int64)
     state = np.zeros((1, 2), np.uint16)
     assert momentum_phase(grad, state, step_scalar_row((0.02, 0.0, 0.1, 1e-7), (1, 2)), fmt=StateFormat(),
-                          nesterov=False, format_counts_out=counts) is None  # the NS input is past bf16
+                          exponent=np.zeros((), np.int32), nesterov=False,
+                          format_counts_out=counts) is None  # the NS input is past bf16
     grad = np.array([[5.0, 2.0**-41, 2.0**-35, -2.0**-45]], F32)
-    state = np.zeros((1, 4), np.uint16)
+    state, exponent = np.zeros((1, 4), np.uint16), np.zeros((), np.int32)
     ns_in = momentum_phase(grad, state, step_scalar_row((0.02, 0.0, 0.1, 1e-7), (1, 4)), fmt=StateFormat(),
-                           nesterov=False, format_counts_out=counts)
-    assert ns_in is not None and state[0, 0] == 0x7FFF and counts.tolist() == [1, 2, 1]
+                           exponent=exponent, nesterov=False, format_counts_out=counts)
+    # 5 = 0.625 * 2**3: exponent 3, code exponent field 30, fraction 0.25; 2**-35 * 2**-3 subnormal
+    assert ns_in is not None and int(exponent) == 3 and state[0, 0] == (30 << 10 | 256)
+    assert counts.tolist() == [0, 2, 1]
 
 
 @pytest.mark.parametrize("ortho_bf16", [False, True])

@@ -16,11 +16,17 @@ from .hyperparams import (
     validate_ns,
 )
 from .numpy_step import (
+    MomentumUpdate,
     bf16_bits,
     bf16_values,
+    commit_momentum,
+    decode_momentum,
     fma32,
+    ldexp32,
     lerp32,
+    matrix_exponent,
     momentum_phase,
+    momentum_update,
     newton_schulz_reference,
     weight_phase,
     weight_phase_split,
@@ -32,5 +38,6 @@ __all__ = [
     "RULE", "FORMAT_COUNTS", "StateFormat", "MODES", "DEFAULT_MU_BIAS", "E5M10", "momentum_format",
     "Hyperparams", "HPARAM_BOUNDS", "validate_hyperparams", "validate_ns", "adjusted_lr", "step_scalar_row",
     "ADJUST_LR_FNS", "DEFAULT_NS_COEFFICIENTS", "DEFAULT_NS_STEPS", "fma32", "lerp32", "bf16_bits", "bf16_values",
-    "momentum_phase", "weight_phase", "weight_phase_split", "newton_schulz_reference",
+    "momentum_phase", "weight_phase", "weight_phase_split", "newton_schulz_reference", "momentum_update",
+    "commit_momentum", "MomentumUpdate", "decode_momentum", "ldexp32", "matrix_exponent",
 ]

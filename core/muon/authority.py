@@ -14,6 +14,8 @@ from ..authority import SPLIT_MASTER_MAX_BITS, Codec, bits_f32, f32, f32_bits, j
 MODES = ("packed", "bf16", "fp32")
 _BF16 = Codec(True, 8, 7, 127, ieee_specials=True)  # bf16's finite codes
 _BF16_OVERFLOW = math.ldexp(2.0 - 2.0**-8, 127)  # from here up, nearest-even rounding gives Inf
+# MUON.md, "E5M10 (packed)": a matrix's largest |m'| is encoded with exponent field 30.
+_AMAX_EXPONENT_FIELD = 30
 
 
 def round_to_f32(value: Fraction) -> float:
@@ -58,12 +60,29 @@ def codec(mu_bias: int = 31) -> Codec:
     return Codec(True, 5, 10, mu_bias)
 
 
-def decode(state, mode: str, mu_bias: int = 31) -> float:
+def ldexp(x: float, n: int) -> float:
+    """MUON.md's ldexp32: (x * 2**(n >> 1)) * 2**(n - (n >> 1)), each product rounded to
+    binary32 (a binary32 value times a power of two is exact in binary64)."""
+    half = n >> 1
+    return f32(f32(x * 2.0**half) * 2.0**(n - half))
+
+
+def floor_log2(magnitude: float) -> int:
+    """floor(log2 x) of a positive float (frexp's exponent is exact)."""
+    return math.frexp(magnitude)[1] - 1
+
+
+def matrix_exponent(amax: float, old: int, mu_bias: int = 31) -> int:
+    """The exponent that puts amax * 2**-s in exponent field 30 of the code; `old` when amax is 0."""
+    return old if amax == 0 else floor_log2(amax) + mu_bias - _AMAX_EXPONENT_FIELD
+
+
+def decode(state, mode: str, mu_bias: int = 31, exponent: int = 0) -> float:
     if mode == "fp32":
         return state
     if mode == "bf16":
         return bits_f32(state << 16)
-    return codec(mu_bias).decode(state)
+    return ldexp(codec(mu_bias).decode(state), exponent)
 
 
 def encode(value: float, mode: str, mu_bias: int = 31):
@@ -84,25 +103,46 @@ def bf16_round(value: float):
     return math.copysign(_BF16.decode(_BF16.encode(abs(value))), value)
 
 
-def momentum_element(g, state, *, momentum, mode="packed", mu_bias=31, nesterov=True, maximize=False):
-    """One element's phase 1. `momentum` as the user gave it (binary64). Returns
-    (state_new, ns_input, ok): `ns_input` is the bf16-rounded Newton-Schulz input as a float,
-    and `ok` is False where this element refuses its matrix (then nothing else is meaningful)."""
+def momentum_matrix(grads, states, *, momentum, exponent=0, mode="packed", mu_bias=31, nesterov=True,
+                    maximize=False):
+    """One matrix's phase 1, element by element (its elements in any order). `momentum` as the
+    user gave it (binary64); `exponent` the matrix's (packed mode). Returns (states_new,
+    exponent_new, ns_inputs, ok): `ns_inputs` the bf16-rounded Newton-Schulz inputs as floats;
+    `ok` False where the matrix is refused (then states and exponent are the old ones)."""
     one_minus_momentum, momentum = f32(1.0 - momentum), f32(momentum)
-    g = f32(g)
-    if not math.isfinite(g):
-        return state, None, False
-    if maximize:
-        g = -g
-    m_next = lerp(decode(state, mode, mu_bias), g, one_minus_momentum)
-    if not math.isfinite(m_next):
-        return state, None, False
-    x = lerp(g, m_next, momentum) if nesterov else m_next
-    ns_input = bf16_round(x) if math.isfinite(x) else x
-    stored = encode(m_next, mode, mu_bias)
-    if not math.isfinite(ns_input) or stored is None:
-        return state, None, False
-    return stored, ns_input, True
+    refused = (list(states), exponent, None, False)
+    m_nexts, ns_inputs = [], []
+    for g, state in zip(grads, states):
+        g = f32(g)
+        if not math.isfinite(g):
+            return refused
+        if maximize:
+            g = -g
+        m_next = lerp(decode(state, mode, mu_bias, exponent), g, one_minus_momentum)
+        if not math.isfinite(m_next):
+            return refused
+        x = lerp(g, m_next, momentum) if nesterov else m_next
+        ns_input = bf16_round(x) if math.isfinite(x) else x
+        if not math.isfinite(ns_input):
+            return refused
+        m_nexts.append(m_next)
+        ns_inputs.append(ns_input)
+    if mode == "packed":
+        amax = max((abs(m) for m in m_nexts), default=0.0)
+        exponent = matrix_exponent(amax, exponent, mu_bias)
+        stored = [encode(ldexp(m, -exponent), mode, mu_bias) for m in m_nexts]
+    else:
+        stored = [encode(m, mode, mu_bias) for m in m_nexts]
+        if any(s is None for s in stored):
+            return refused
+    return stored, exponent, ns_inputs, True
+
+
+def momentum_element(g, state, *, momentum, exponent=0, mode="packed", mu_bias=31, nesterov=True, maximize=False):
+    """`momentum_matrix` of a one-element matrix: (state_new, ns_input, ok)."""
+    stored, _, ns_inputs, ok = momentum_matrix([g], [state], momentum=momentum, exponent=exponent, mode=mode,
+                                               mu_bias=mu_bias, nesterov=nesterov, maximize=maximize)
+    return (stored[0], ns_inputs[0], True) if ok else (state, None, False)
 
 
 def weight_element(p, o, *, lr, weight_decay, adjusted_lr):

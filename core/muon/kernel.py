@@ -3,18 +3,28 @@ core/muon/numpy_step.py. Compile with launch.COMPILE_OPTIONS (`enable_fp_fusion=
 contract's only fused multiply-adds are the explicit `tl.fma`s below.
 
 `muon_momentum_kernel` reads the gradient and the stored momentum, writes the Newton-Schulz
-input X (bf16 bits) and the new momentum into a scratch entry, and adds the matrix's refusing
-elements to one counter. The framework runs Newton-Schulz on X. `muon_weight_kernel` then, if
-the counter is zero, commits the scratch momentum to the state and steps the weights; a refused
-matrix keeps everything (MUON.md, "The matrix is refused"). One launch of each per matrix, or
-(`muon_momentum_table_kernel`, `muon_weight_table_kernel`) one per Newton-Schulz batch, whose
-matrices' addresses come from a table: the same arithmetic per element, other addressing.
+input X (bf16 bits), adds the matrix's refusing elements to its counters row and (packed mode)
+takes the maximum of |m'| over the matrix into it, with the matrix's old exponent beside it.
+The framework runs Newton-Schulz on X. `muon_weight_kernel` then, if no element refused the
+matrix, computes m' again from the same gradient and stored momentum (the same operations, the
+same bits), stores it (packed mode: encoded with the exponent chosen from the whole matrix's
+largest |m'|, which it writes too) and steps the weights; a refused matrix keeps everything
+(MUON.md, "The matrix is refused"). So the momentum is committed only with its matrix, from
+the stored state the momentum kernel read: no kernel reads an exponent another program of it
+may have written (the weight kernel reads the old one from the counters row). One launch of
+each per matrix, or (`muon_momentum_table_kernel`, `muon_weight_table_kernel`) one per
+Newton-Schulz batch, whose matrices' addresses come from a table: the same arithmetic per
+element, other addressing.
 
-With `track_format` a frontend launches the momentum phase's counting twins instead
-(`muon_momentum_counting_kernel`, `muon_momentum_table_counting_kernel`): the same stores, and
-each matrix's format counts (MUON.md, "Format counts") added to its counter row (core/launch.py's
-layout). Whether a matrix is accepted is known only after all its blocks ran, so the frontend
-keeps the counts of accepted matrices; the uncounted kernels are compiled without counting.
+Each matrix has a counters row of MATRIX_COUNTERS int32: refused elements, rejected weights,
+the float32 bits of max |m'| (non-negative floats order as their bits: the atomic maximum is
+order-independent) and the exponent the momentum was read with. A DTensor's shards take the
+maximum over every shard before the weight kernel (torch_frontend/muon.py).
+
+With `track_format` a frontend launches the weight phase's counting twins instead
+(`muon_weight_counting_kernel`, `muon_weight_table_counting_kernel`): the same stores, and each
+accepted matrix's format counts (MUON.md, "Format counts") added to its counter row
+(core/launch.py's layout); a refused matrix's row stays zero.
 """
 import triton
 import triton.language as tl
@@ -38,12 +48,21 @@ from ..kernel import (
     split_master,
 )
 from .hyperparams import SCALAR_FIELDS
+from .state_format import AMAX_EXPONENT_FIELD as _AMAX_EXPONENT_FIELD
 
 PACKED_MODE = tl.constexpr(0)  # StateFormat.kernel_constexprs' MODE: MODES.index(mode)
 BF16_MODE = tl.constexpr(1)
 FP32_MODE = tl.constexpr(2)
 EXPONENT_MASK = tl.constexpr(0x7F800000)
 BF16_EXPONENT_MASK = tl.constexpr(0x7F80)
+AMAX_EXPONENT_FIELD = tl.constexpr(_AMAX_EXPONENT_FIELD)  # the code's exponent field of a matrix's largest |m'|
+# A matrix's counters row: refused elements, rejected weights, the bits of max |m'| (packed
+# mode), the exponent its momentum was read with (packed mode).
+COUNTER_COLUMNS = ("refused", "rejected", "amax_bits", "old_exponent")
+MATRIX_COUNTERS = tl.constexpr(len(COUNTER_COLUMNS))
+REJECTED_COUNTER = tl.constexpr(COUNTER_COLUMNS.index("rejected"))
+AMAX_COUNTER = tl.constexpr(COUNTER_COLUMNS.index("amax_bits"))
+EXPONENT_COUNTER = tl.constexpr(COUNTER_COLUMNS.index("old_exponent"))
 
 
 @triton.jit
@@ -74,59 +93,124 @@ def lerp(start, end, weight):
 
 
 @triton.jit
-def _momentum_elements(grad_ptr, state_ptr, new_state_ptr, x_ptr, x_offsets, scalars_ptr, refused_ptr, offsets,
-                       in_bounds, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
-                       MU_MAX: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
-                       GRAD_BF16: tl.constexpr):
-    """Phase 1 of one block of a matrix: every pointer but `x` is read and written at `offsets`,
-    the Newton-Schulz input at `x_offsets` (a batch slot may hold it transposed)."""
-    _momentum_block(grad_ptr, state_ptr, new_state_ptr, x_ptr, x_offsets, scalars_ptr, refused_ptr, offsets,
-                    in_bounds, MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE, GRAD_BF16, False)
+def power_of_two(j):
+    """2**j as float32 for int32 j in [-126, 127], made on the bits (MUON.md's ldexp32)."""
+    return ((j + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _momentum_block(grad_ptr, state_ptr, new_state_ptr, x_ptr, x_offsets, scalars_ptr, refused_ptr, offsets,
-                    in_bounds, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
-                    MU_MAX: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
-                    GRAD_BF16: tl.constexpr, TRACK_FORMAT: tl.constexpr):
-    """`_momentum_elements`; with TRACK_FORMAT (packed mode) returns the block's format counts in
-    their lane fields (`lane_bit`, rule.FORMAT_COUNTS order), zeros otherwise."""
-    format_lanes = tl.zeros(offsets.shape, tl.int32)
-    one_minus_momentum = tl.load(scalars_ptr)
-    momentum = tl.load(scalars_ptr + 1)
+def ldexp32(x, n):
+    """MUON.md's x * 2**n: (x * 2**(n >> 1)) * 2**(n - (n >> 1)), two rounded products, the
+    numpy step's and the authority's bits (n an int32 scalar in [-252, 254])."""
+    half = n >> 1
+    return (x * power_of_two(half)) * power_of_two(n - half)
+
+
+@triton.jit
+def matrix_exponent(amax_bits, old, MU_BIAS: tl.constexpr):
+    """Packed mode's new exponent from the float32 bits of a matrix's largest |m'| (int32,
+    non-negative): floor(log2 amax) + MU_BIAS - 30, exactly from the bits (normal: the
+    exponent field - 127; subnormal: the highest set bit's position - 149, read as the exponent
+    field of its exact float32 conversion); `old` when amax is 0."""
+    field = amax_bits >> 23
+    subnormal = ((amax_bits.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127) - 149
+    k = tl.where(field != 0, field - 127, subnormal)
+    return tl.where(amax_bits == 0, old, k + (MU_BIAS - AMAX_EXPONENT_FIELD))
+
+
+@triton.jit
+def _next_momentum(grad_ptr, state_ptr, offsets, in_bounds, one_minus_momentum, exponent, MODE: tl.constexpr,
+                   MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr):
+    """(g, m') of one block (g negated with MAXIMIZE): what both phases compute from the
+    gradient and the stored momentum (packed mode: its codes times 2**exponent)."""
     if GRAD_BF16:
         g = _bf16_from_bits(tl.load(grad_ptr + offsets, mask=in_bounds, other=0))
     else:
         g = tl.load(grad_ptr + offsets, mask=in_bounds, other=0.0)
-    bad = ~_finite(g)
     if MAXIMIZE:  # on the bits: compiled negation may become 0 - x, which loses -0
-        g = (g.to(tl.uint32, bitcast=True) ^ FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True)
+        g_used = (g.to(tl.uint32, bitcast=True) ^ FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True)
+    else:
+        g_used = g
     if MODE == FP32_MODE:
         m = tl.load(state_ptr + offsets, mask=in_bounds, other=0.0)
     elif MODE == BF16_MODE:
         m = _bf16_from_bits(tl.load(state_ptr + offsets, mask=in_bounds, other=0))
     else:
         code = tl.load(state_ptr + offsets, mask=in_bounds, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-        m = decode(code, True, MU_FRAC, MU_BIAS)
-    m_next = lerp(m, g, one_minus_momentum)
-    bad = bad | ~_finite(m_next)
+        m = ldexp32(decode(code, True, MU_FRAC, MU_BIAS), exponent)
+    return g, g_used, lerp(m, g_used, one_minus_momentum)
+
+
+@triton.jit
+def _momentum_block(grad_ptr, state_ptr, exponent_ptr, x_ptr, x_offsets, scalars_ptr, counters_ptr, offsets,
+                    in_bounds, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
+                    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr):
+    """Phase 1 of one block of a matrix: the gradient and the momentum read at `offsets`, the
+    Newton-Schulz input written at `x_offsets` (a batch slot may hold it transposed); the
+    block's refusing elements, and (packed mode) its largest |m'| and the matrix's exponent
+    (read at `exponent_ptr`), into the matrix's counters row."""
+    one_minus_momentum = tl.load(scalars_ptr)
+    momentum = tl.load(scalars_ptr + 1)
+    if MODE == PACKED_MODE:
+        exponent = tl.load(exponent_ptr)
+    else:
+        exponent = 0
+    g, g_used, m_next = _next_momentum(grad_ptr, state_ptr, offsets, in_bounds, one_minus_momentum, exponent, MODE,
+                                       MU_FRAC, MU_BIAS, MAXIMIZE, GRAD_BF16)
+    bad = ~_finite(g) | ~_finite(m_next)
     if NESTEROV:
-        x = lerp(g, m_next, momentum)
+        x = lerp(g_used, m_next, momentum)
     else:
         x = m_next
     x_bits = _bf16_bits(x)
     bad = bad | ~_finite(x) | ((x_bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK)
     tl.store(x_ptr + x_offsets, x_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
-    if MODE == FP32_MODE:
-        tl.store(new_state_ptr + offsets, m_next, mask=in_bounds)
-    elif MODE == BF16_MODE:
+    if MODE == BF16_MODE:
         m_bits = _bf16_bits(m_next)
         bad = bad | ((m_bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK)
-        tl.store(new_state_ptr + offsets, m_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+    elif MODE == PACKED_MODE:
+        magnitude = (m_next.to(tl.uint32, bitcast=True) & FLOAT32_MAGNITUDE_MASK).to(tl.int32, bitcast=True)
+        block_max = tl.max(tl.where(in_bounds, magnitude, 0), axis=0)
+        tl.atomic_max(counters_ptr + AMAX_COUNTER, block_max, mask=block_max > 0)
+        tl.store(counters_ptr + EXPONENT_COUNTER, exponent)  # every program stores the same value
+    n_bad = tl.sum((bad & in_bounds).to(tl.int32), axis=0)
+    tl.atomic_add(counters_ptr, n_bad, mask=n_bad > 0)
+
+
+@triton.jit
+def _weight_block(param_ptr, lo_ptr, ortho_ptr, ortho_offsets, grad_ptr, state_ptr, exponent_ptr, scalars_ptr,
+                  counters_ptr, rejected_ptr, offsets, in_bounds, MODE: tl.constexpr, MU_FRAC: tl.constexpr,
+                  MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr,
+                  SPLIT: tl.constexpr, update_ptr, UPDATE: tl.constexpr, TRACK_FORMAT: tl.constexpr):
+    """Phase 2 of one block of an accepted matrix: m' again (the momentum phase's operations on
+    the same gradient and stored momentum, with the exponent it read, from `counters`), stored
+    at `offsets` (packed mode: m' * 2**-s encoded, s from the counters row's max |m'|, and s
+    written at `exponent_ptr`); then the weights, the Newton-Schulz result read at
+    `ortho_offsets`, their rejected elements added at `rejected_ptr`. UPDATE (float32 weights
+    only): the weights are left as they are and `update` takes the optax update u for them,
+    `float32_update(p, p')` (u = p' - p, clipped to the float32 range, -0.0 where p' has p's
+    bits), as the JAX transform returns it. With TRACK_FORMAT (packed mode) returns the block's
+    format counts in their lane fields (`lane_bit`, rule.FORMAT_COUNTS order), zeros otherwise."""
+    format_lanes = tl.zeros(offsets.shape, tl.int32)
+    one_minus_momentum = tl.load(scalars_ptr)
+    if MODE == PACKED_MODE:
+        old_exponent = tl.load(counters_ptr + EXPONENT_COUNTER)
+        exponent = matrix_exponent(tl.load(counters_ptr + AMAX_COUNTER), old_exponent, MU_BIAS)
     else:
-        m_raw = encode_magnitude(tl.abs(m_next), MU_FRAC, MU_BIAS)
-        m_code = finish_code(m_raw, m_next, True, MU_MAX)
-        tl.store(new_state_ptr + offsets, m_code.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+        old_exponent = 0
+        exponent = 0
+    _, _, m_next = _next_momentum(grad_ptr, state_ptr, offsets, in_bounds, one_minus_momentum, old_exponent, MODE,
+                                  MU_FRAC, MU_BIAS, MAXIMIZE, GRAD_BF16)
+    if MODE == FP32_MODE:
+        tl.store(state_ptr + offsets, m_next, mask=in_bounds)
+    elif MODE == BF16_MODE:
+        tl.store(state_ptr + offsets, _bf16_bits(m_next).to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+    else:
+        scaled = ldexp32(m_next, -exponent)
+        m_raw = encode_magnitude(tl.abs(scaled), MU_FRAC, MU_BIAS)
+        m_code = finish_code(m_raw, scaled, True, MU_MAX)
+        tl.store(state_ptr + offsets, m_code.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+        tl.store(exponent_ptr, exponent)  # every program stores the same value; none reads it
         if TRACK_FORMAT:  # MUON.md, "Format counts"; as AdamW's kernel counts (core/adamw/kernel.py)
             magnitude = code_magnitude(m_code, True)
             # Each test leaves its answer in bit 31: x + (2**31 - 1 - k) has it set exactly when
@@ -137,19 +221,6 @@ def _momentum_block(grad_ptr, state_ptr, new_state_ptr, x_ptr, x_offsets, scalar
             nonzero = (m_next.to(tl.uint32, bitcast=True) & FLOAT32_MAGNITUDE_MASK) + FLOAT32_MAGNITUDE_MASK
             lanes = lane_bit(saturated, 0) | lane_bit(zero & nonzero, 1) | lane_bit(subnormal, 2)
             format_lanes = tl.where(in_bounds, lanes, 0)
-    n_bad = tl.sum((bad & in_bounds).to(tl.int32), axis=0)
-    tl.atomic_add(refused_ptr, n_bad, mask=n_bad > 0)
-    return format_lanes
-
-
-@triton.jit
-def _weight_elements(param_ptr, lo_ptr, ortho_ptr, ortho_offsets, new_state_ptr, state_ptr, scalars_ptr,
-                     rejected_ptr, offsets, in_bounds, SPLIT: tl.constexpr, update_ptr, UPDATE: tl.constexpr):
-    """Phase 2 of one block of an accepted matrix; the Newton-Schulz result read at `ortho_offsets`.
-    UPDATE (float32 weights only): the weights are left as they are and `update` takes the
-    optax update u for them, `float32_update(p, p')` (u = p' - p, clipped to the float32 range,
-    -0.0 where p' has p's bits), as the JAX transform returns it."""
-    tl.store(state_ptr + offsets, tl.load(new_state_ptr + offsets, mask=in_bounds), mask=in_bounds)
     decay = tl.load(scalars_ptr + 2)
     neg_adjusted_lr = tl.load(scalars_ptr + 3)
     o = _bf16_from_bits(tl.load(ortho_ptr + ortho_offsets, mask=in_bounds, other=0))
@@ -178,6 +249,7 @@ def _weight_elements(param_ptr, lo_ptr, ortho_ptr, ortho_offsets, new_state_ptr,
         tl.store(param_ptr + offsets, p_next, mask=in_bounds)
     n_rejected = tl.sum((~accepted & in_bounds).to(tl.int32), axis=0)
     tl.atomic_add(rejected_ptr, n_rejected, mask=n_rejected > 0)
+    return format_lanes
 
 
 @triton.jit
@@ -199,46 +271,59 @@ def negative_zeros(like):
 
 @triton.jit
 def muon_momentum_kernel(
-    grad_ptr, state_ptr, new_state_ptr, x_ptr, scalars_ptr, refused_ptr, n_elements,
+    grad_ptr, state_ptr, exponent_ptr, x_ptr, scalars_ptr, counters_ptr, n_elements,
     MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
     NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Phase 1 of one matrix (flat, n_elements): `grad` float32 (or int16 bf16 bits with
-    GRAD_BF16); `state` and `new_state` int16 codes (float32 in fp32 mode); `x` int16 bf16 bits;
-    `scalars` the matrix's float32 step-scalar row; `refused` one int32 counter."""
+    GRAD_BF16); `state` int16 codes (float32 in fp32 mode), read only; `exponent` the matrix's
+    int32 exponent (packed mode; any pointer otherwise, unread); `x` int16 bf16 bits; `scalars`
+    the matrix's float32 step-scalar row; `counters` its MATRIX_COUNTERS int32, zeroed before."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    _momentum_elements(grad_ptr, state_ptr, new_state_ptr, x_ptr, offsets, scalars_ptr, refused_ptr, offsets,
-                       offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE, GRAD_BF16)
-
-
-@triton.jit
-def muon_momentum_counting_kernel(
-    grad_ptr, state_ptr, new_state_ptr, x_ptr, scalars_ptr, refused_ptr, counts_ptr, n_elements,
-    MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
-    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """`muon_momentum_kernel` (packed mode) that also adds the matrix's format counts to
-    `counts`, its int64 counter row (core/launch.py: COUNTER_ROW), whether or not it is refused."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    format_lanes = _momentum_block(grad_ptr, state_ptr, new_state_ptr, x_ptr, offsets, scalars_ptr, refused_ptr,
-                                   offsets, offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV,
-                                   MAXIMIZE, GRAD_BF16, True)
-    add_counts(counts_ptr, format_lanes, format_lanes, False, True)
+    _momentum_block(grad_ptr, state_ptr, exponent_ptr, x_ptr, offsets, scalars_ptr, counters_ptr, offsets,
+                    offsets < n_elements, MODE, MU_FRAC, MU_BIAS, NESTEROV, MAXIMIZE, GRAD_BF16)
 
 
 @triton.jit
 def muon_weight_kernel(
-    param_ptr, lo_ptr, ortho_ptr, new_state_ptr, state_ptr, scalars_ptr, refused_ptr, rejected_ptr, n_elements,
-    SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    param_ptr, lo_ptr, ortho_ptr, grad_ptr, state_ptr, exponent_ptr, scalars_ptr, counters_ptr, n_elements,
+    MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+    MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Phase 2 of one matrix, unless `refused` (phase 1's counter) is nonzero: commits
-    `new_state` to `state` (same dtype, copied as bits), then p' = fma(neg_adjusted_lr, O,
-    p * decay) on float32 weights (SPLIT: int16 bf16 weights and their int16 low halves);
-    elements whose p' is not finite (or past SPLIT_MASTER_MAX) keep p and are added to `rejected`."""
-    if tl.load(refused_ptr) == 0:
+    """Phase 2 of one matrix, unless `counters` (phase 1's row) counts a refusing element:
+    the new momentum into `state` (packed mode: its exponent into `exponent`), from the same
+    `grad` and `state` phase 1 read; then p' = fma(neg_adjusted_lr, O, p * decay) on float32
+    weights (SPLIT: int16 bf16 weights and their int16 low halves); elements whose p' is not
+    finite (or past SPLIT_MASTER_MAX) keep p and are counted in the row's rejected weights."""
+    _weight_program(param_ptr, lo_ptr, ortho_ptr, grad_ptr, state_ptr, exponent_ptr, scalars_ptr, counters_ptr,
+                    counters_ptr, n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, BLOCK, False)
+
+
+@triton.jit
+def muon_weight_counting_kernel(
+    param_ptr, lo_ptr, ortho_ptr, grad_ptr, state_ptr, exponent_ptr, scalars_ptr, counters_ptr, counts_ptr,
+    n_elements, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+    MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """`muon_weight_kernel` (packed mode) that also adds an accepted matrix's format counts to
+    `counts`, its int64 counter row (core/launch.py: COUNTER_ROW)."""
+    _weight_program(param_ptr, lo_ptr, ortho_ptr, grad_ptr, state_ptr, exponent_ptr, scalars_ptr, counters_ptr,
+                    counts_ptr, n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, BLOCK, True)
+
+
+@triton.jit
+def _weight_program(param_ptr, lo_ptr, ortho_ptr, grad_ptr, state_ptr, exponent_ptr, scalars_ptr, counters_ptr,
+                    counts_ptr, n_elements, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
+                    MU_MAX: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr,
+                    BLOCK: tl.constexpr, TRACK_FORMAT: tl.constexpr):
+    if tl.load(counters_ptr) == 0:
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        _weight_elements(param_ptr, lo_ptr, ortho_ptr, offsets, new_state_ptr, state_ptr, scalars_ptr,
-                         rejected_ptr, offsets, offsets < n_elements, SPLIT, param_ptr, False)
+        format_lanes = _weight_block(param_ptr, lo_ptr, ortho_ptr, offsets, grad_ptr, state_ptr, exponent_ptr,
+                                     scalars_ptr, counters_ptr, counters_ptr + REJECTED_COUNTER, offsets,
+                                     offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT,
+                                     param_ptr, False, TRACK_FORMAT)
+        if TRACK_FORMAT:
+            add_counts(counts_ptr, format_lanes, format_lanes, False, True)
 
 
 # ---- one launch per Newton-Schulz batch -------------------------------------------------------
@@ -247,12 +332,11 @@ def muon_weight_kernel(
 # WEIGHT_TABLE_COLUMNS) words: its addresses, its index into the step's scalar rows and
 # counters, its slot in the batch's [B, rows, cols] buffers, and whether it is tall (its slot
 # holds it transposed). The elementwise arithmetic is the per-matrix kernels'.
-MOMENTUM_TABLE_COLUMNS = 5  # grad, state, matrix index, slot, tall
-WEIGHT_TABLE_COLUMNS = 6  # param, low half (the param again without SPLIT), state, matrix index, slot, tall
+MOMENTUM_TABLE_COLUMNS = 6  # grad, state, exponent, matrix index, slot, tall
+WEIGHT_TABLE_COLUMNS = 8  # param, low half (the param again without SPLIT), grad, state, exponent, index, slot, tall
 _MOMENTUM_COLUMNS = tl.constexpr(MOMENTUM_TABLE_COLUMNS)  # Triton reads globals only as constexprs
 _WEIGHT_COLUMNS = tl.constexpr(WEIGHT_TABLE_COLUMNS)
 MATRIX_SCALARS = tl.constexpr(len(SCALAR_FIELDS))  # a matrix's step_scalar_row
-MATRIX_COUNTERS = tl.constexpr(2)  # refused elements, rejected weights
 
 
 @triton.jit
@@ -266,87 +350,91 @@ def _slot_offsets(offsets, tall, rows, cols):
 
 
 @triton.jit
+def _state_pointer(address, MODE: tl.constexpr):
+    if MODE == FP32_MODE:
+        return address.to(tl.pointer_type(tl.float32))
+    else:
+        return address.to(tl.pointer_type(tl.int16))
+
+
+@triton.jit
+def _grad_pointer(address, GRAD_BF16: tl.constexpr):
+    if GRAD_BF16:
+        return address.to(tl.pointer_type(tl.int16))
+    else:
+        return address.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
 def muon_momentum_table_kernel(
-    table_ptr, scratch_ptr, x_ptr, scalars_ptr, counters_ptr, rows, cols,
+    table_ptr, x_ptr, scalars_ptr, counters_ptr, rows, cols,
     MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
     NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Phase 1 of a batch's matrices, grid (blocks per matrix, matrices): the new momentum into
-    the matrix's slot of `scratch` ([B, rows * cols], the state's dtype), X into its slot of `x`
-    ([B, rows, cols] int16 bf16 bits, a tall matrix transposed); `scalars` the step's [n, 4]
-    float32 rows, `counters` its [n, 2] int32 rows."""
-    _momentum_table_block(table_ptr, scratch_ptr, x_ptr, scalars_ptr, counters_ptr, rows, cols, MODE, MU_FRAC,
-                          MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE, GRAD_BF16, BLOCK, False)
-
-
-@triton.jit
-def muon_momentum_table_counting_kernel(
-    table_ptr, scratch_ptr, x_ptr, scalars_ptr, counters_ptr, counts_ptr, rows, cols,
-    MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
-    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """`muon_momentum_table_kernel` (packed mode) that also adds each matrix's format counts to
-    its row of `counts` ([n, COUNTER_ROW] int64, at the matrix's index), refused or not."""
-    format_lanes, index = _momentum_table_block(table_ptr, scratch_ptr, x_ptr, scalars_ptr, counters_ptr, rows, cols,
-                                                MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE, GRAD_BF16, BLOCK,
-                                                True)
-    add_counts(counts_ptr + index * COUNTER_ROW, format_lanes, format_lanes, False, True)
-
-
-@triton.jit
-def _momentum_table_block(table_ptr, scratch_ptr, x_ptr, scalars_ptr, counters_ptr, rows, cols,
-                          MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
-                          NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr,
-                          BLOCK: tl.constexpr, TRACK_FORMAT: tl.constexpr):
-    """A table kernel's program of phase 1: its matrix's row of the table, then `_momentum_block`.
-    Returns the block's format lanes and the matrix's index."""
+    """Phase 1 of a batch's matrices, grid (blocks per matrix, matrices): X into the matrix's
+    slot of `x` ([B, rows, cols] int16 bf16 bits, a tall matrix transposed); `scalars` the
+    step's [n, 4] float32 rows, `counters` its [n, MATRIX_COUNTERS] int32 rows."""
     row = table_ptr + tl.program_id(1).to(tl.int64) * _MOMENTUM_COLUMNS
     n_elements = tl.cast(rows, tl.int64) * cols  # tl.cast: a 1 may arrive as a constexpr
-    index = tl.load(row + 2)
-    slot = tl.load(row + 3) * n_elements
-    if GRAD_BF16:
-        grad_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
-    else:
-        grad_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-    if MODE == FP32_MODE:
-        state_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-    else:
-        state_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
+    index = tl.load(row + 3)
+    slot = tl.load(row + 4) * n_elements
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x_offsets = _slot_offsets(offsets, tl.load(row + 4), rows, cols)
-    format_lanes = _momentum_block(grad_ptr, state_ptr, scratch_ptr + slot, x_ptr + slot, x_offsets,
-                                   scalars_ptr + index * MATRIX_SCALARS, counters_ptr + index * MATRIX_COUNTERS,
-                                   offsets, offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, NESTEROV, MAXIMIZE,
-                                   GRAD_BF16, TRACK_FORMAT)
-    return format_lanes, index
+    x_offsets = _slot_offsets(offsets, tl.load(row + 5), rows, cols)
+    _momentum_block(_grad_pointer(tl.load(row), GRAD_BF16), _state_pointer(tl.load(row + 1), MODE),
+                    tl.load(row + 2).to(tl.pointer_type(tl.int32)), x_ptr + slot, x_offsets,
+                    scalars_ptr + index * MATRIX_SCALARS, counters_ptr + index * MATRIX_COUNTERS, offsets,
+                    offsets < n_elements, MODE, MU_FRAC, MU_BIAS, NESTEROV, MAXIMIZE, GRAD_BF16)
 
 
 @triton.jit
 def muon_weight_table_kernel(
-    table_ptr, scratch_ptr, ortho_ptr, scalars_ptr, counters_ptr, rows, cols,
-    MODE: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    table_ptr, ortho_ptr, scalars_ptr, counters_ptr, rows, cols,
+    MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+    MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Phase 2 of a batch's matrices, grid (blocks per matrix, matrices), each unless its refused
-    counter is nonzero: `ortho` the batch's Newton-Schulz result [B, rows, cols] (int16 bf16
-    bits, a tall matrix transposed), `scratch` phase 1's new momenta."""
+    """Phase 2 of a batch's matrices, grid (blocks per matrix, matrices), each unless its row of
+    `counters` counts a refusing element: `ortho` the batch's Newton-Schulz result [B, rows,
+    cols] (int16 bf16 bits, a tall matrix transposed)."""
+    _weight_table_program(table_ptr, ortho_ptr, scalars_ptr, counters_ptr, counters_ptr, rows, cols, MODE, MU_FRAC,
+                          MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, BLOCK, False)
+
+
+@triton.jit
+def muon_weight_table_counting_kernel(
+    table_ptr, ortho_ptr, scalars_ptr, counters_ptr, counts_ptr, rows, cols,
+    MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+    MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """`muon_weight_table_kernel` (packed mode) that also adds each accepted matrix's format
+    counts to its row of `counts` ([n, COUNTER_ROW] int64, at the matrix's index)."""
+    _weight_table_program(table_ptr, ortho_ptr, scalars_ptr, counters_ptr, counts_ptr, rows, cols, MODE, MU_FRAC,
+                          MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, BLOCK, True)
+
+
+@triton.jit
+def _weight_table_program(table_ptr, ortho_ptr, scalars_ptr, counters_ptr, counts_ptr, rows, cols,
+                          MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+                          MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                          TRACK_FORMAT: tl.constexpr):
     row = table_ptr + tl.program_id(1).to(tl.int64) * _WEIGHT_COLUMNS
-    index = tl.load(row + 3)
+    index = tl.load(row + 5)
     counters_ptr += index * MATRIX_COUNTERS
     if tl.load(counters_ptr) == 0:
         n_elements = tl.cast(rows, tl.int64) * cols  # tl.cast: a 1 may arrive as a constexpr
-        slot = tl.load(row + 4) * n_elements
+        slot = tl.load(row + 6) * n_elements
         if SPLIT:
             param_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
             lo_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
         else:
             param_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
             lo_ptr = param_ptr
-        if MODE == FP32_MODE:
-            state_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-        else:
-            state_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int16))
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ortho_offsets = _slot_offsets(offsets, tl.load(row + 5), rows, cols)
-        _weight_elements(param_ptr, lo_ptr, ortho_ptr + slot, ortho_offsets, scratch_ptr + slot, state_ptr,
-                         scalars_ptr + index * MATRIX_SCALARS, counters_ptr + 1, offsets, offsets < n_elements, SPLIT,
-                         param_ptr, False)
+        ortho_offsets = _slot_offsets(offsets, tl.load(row + 7), rows, cols)
+        format_lanes = _weight_block(param_ptr, lo_ptr, ortho_ptr + slot, ortho_offsets,
+                                     _grad_pointer(tl.load(row + 2), GRAD_BF16), _state_pointer(tl.load(row + 3), MODE),
+                                     tl.load(row + 4).to(tl.pointer_type(tl.int32)),
+                                     scalars_ptr + index * MATRIX_SCALARS, counters_ptr,
+                                     counters_ptr + REJECTED_COUNTER, offsets, offsets < n_elements, MODE, MU_FRAC,
+                                     MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, param_ptr, False, TRACK_FORMAT)
+        if TRACK_FORMAT:
+            add_counts(counts_ptr + index * COUNTER_ROW, format_lanes, format_lanes, False, True)

@@ -8,11 +8,13 @@ which makes the double rounding innocuous (53 >= 24 + 2 bits).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..codecs import SPLIT_MASTER_MAX, read_master, split_master
 from .hyperparams import SCALAR_FIELDS
-from .state_format import StateFormat
+from .state_format import AMAX_EXPONENT_FIELD, StateFormat
 
 F32 = np.float32
 BF16_EXPONENT_MASK = 0x7F80
@@ -58,31 +60,91 @@ def bf16_values(bits) -> np.ndarray:
     return (np.asarray(bits).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(F32)
 
 
-def decode_momentum(state, fmt: StateFormat) -> np.ndarray:
+def power_of_two(j) -> np.ndarray:
+    """2**j as float32 for integers j in [-126, 127] (float32's normal binades), made on the bits."""
+    j = np.asarray(j, np.int64)
+    if np.any((j < -126) | (j > 127)):
+        raise ValueError(f"power_of_two: exponents must lie in [-126, 127], got {j}")
+    return ((j + 127) << 23).astype(np.uint32).view(F32)
+
+
+def ldexp32(x, n) -> np.ndarray:
+    """x * 2**n in float32 as MUON.md defines it, the same bits in numpy, Triton and jnp:
+    (x * 2**(n >> 1)) * 2**(n - (n >> 1)), two rounded multiplications by float32 powers of two
+    (exact unless the result is subnormal). `n` an integer in [-252, 254]."""
+    n = np.asarray(n, np.int64)
+    half = n >> 1
+    with np.errstate(over="ignore", under="ignore"):
+        return (np.asarray(x, F32) * power_of_two(half)) * power_of_two(n - half)
+
+
+def floor_log2(amax) -> int:
+    """floor(log2 amax) of a finite nonzero float32 magnitude, exactly, from its bits: the
+    exponent field - 127 for a normal one; for a subnormal one the highest set bit's position - 149."""
+    bits = int(np.asarray(amax, F32).view(np.uint32))
+    field = bits >> 23
+    return field - 127 if field else bits.bit_length() - 1 - 149
+
+
+def matrix_exponent(amax, old: int, fmt: StateFormat) -> int:
+    """Packed mode's new exponent of a matrix whose largest |m'| is `amax` (float32): the one
+    that puts amax * 2**-s in [2**(30 - B), 2**(31 - B)), exponent field 30 of the code
+    (B = mu_bias: the codes are the same for every bias); the old one when amax is 0."""
+    if amax == 0:
+        return int(old)
+    return floor_log2(amax) + fmt.mu_bias - AMAX_EXPONENT_FIELD
+
+
+def decode_momentum(state, fmt: StateFormat, exponent=0) -> np.ndarray:
+    """The momentum values of a stored entry: packed codes times 2**exponent (the matrix's;
+    0 for a state saved before the exponents), bf16 bits widened, fp32 values as they are."""
     if fmt.mode == "fp32":
         return np.asarray(state, F32)
     if fmt.mode == "bf16":
         return bf16_values(state)
-    return fmt.code.decode_table[np.asarray(state).astype(np.intp)]
+    return ldexp32(fmt.code.decode_table[np.asarray(state).astype(np.intp)], int(np.asarray(exponent)))
 
 
 def _finite_bf16(bits) -> np.ndarray:
     return (bits & np.uint16(BF16_EXPONENT_MASK)) != np.uint16(BF16_EXPONENT_MASK)
 
 
-def momentum_phase(grad, state, scalars, *, fmt: StateFormat, nesterov: bool = True, maximize: bool = False,
-                   format_counts_out=None):
-    """Phase 1 of one matrix's step, in place on `state` (MUON.md, "The momentum phase").
+class MomentumUpdate(NamedTuple):
+    """An accepted matrix's phase 1 before its momentum is stored (`momentum_update`)."""
+
+    m_next: np.ndarray  # m' (float32)
+    ns_bits: np.ndarray  # the Newton-Schulz input X as bf16 bits (uint16)
+    stored: np.ndarray | None  # bf16 and fp32 modes: the new state entry; packed mode: None (its exponent waits for amax)
+    amax: np.float32  # max |m'| over these elements (0 when there are none)
+
+
+def momentum_phase(grad, state, scalars, *, fmt: StateFormat, exponent=None, nesterov: bool = True,
+                   maximize: bool = False, format_counts_out=None):
+    """Phase 1 of one matrix's step, in place on `state` and `exponent` (MUON.md, "The momentum
+    phase"): `momentum_update`, then, if the matrix is accepted, `commit_momentum`.
 
     `grad`: the matrix's gradient, float32, or bf16 bits as uint16/int16 (upcast exactly);
     `state`: the momentum entry of the same shape (uint16 codes, or float32 in fp32 mode);
+    `exponent` (packed mode only): the matrix's int32 exponent, a one-element array;
     `scalars`: `hyperparams.step_scalar_row`. Returns the Newton-Schulz input as bf16 bits
     (uint16, the gradient's shape), or None when the matrix is refused: a non-finite gradient,
-    momentum or Newton-Schulz input anywhere in it. A refused matrix's state is left as it was.
-    `format_counts_out` (int64 [3], packed mode): adds the accepted matrix's format counts."""
+    momentum or Newton-Schulz input anywhere in it. A refused matrix's state is left as it was. `format_counts_out` (int64 [3], packed
+    mode): adds the accepted matrix's format counts."""
+    update = momentum_update(grad, state, scalars, fmt=fmt, exponent=exponent, nesterov=nesterov, maximize=maximize)
+    if update is None:
+        return None
+    commit_momentum(update, state, fmt=fmt, exponent=exponent, format_counts_out=format_counts_out)
+    return update.ns_bits
+
+
+def momentum_update(grad, state, scalars, *, fmt: StateFormat, exponent=None, nesterov: bool = True,
+                    maximize: bool = False) -> MomentumUpdate | None:
+    """`momentum_phase` up to the store: m' and X of these elements (a whole matrix, or one
+    shard of it), or None where one of them refuses the matrix. Writes nothing."""
     s = dict(zip(SCALAR_FIELDS, scalars))
     g = _gradient_values(grad)
     state = _state_array(state, fmt)
+    old = _exponent_array(exponent, fmt)
     if state.shape != g.shape:
         raise ValueError(f"state has shape {np.shape(state)} but the gradient has {g.shape}; pass one momentum "
                          "value per gradient element")
@@ -91,33 +153,51 @@ def momentum_phase(grad, state, scalars, *, fmt: StateFormat, nesterov: bool = T
             return None
         if maximize:
             g = -g
-        m_next = lerp32(decode_momentum(state, fmt), g, s["one_minus_momentum"])
+        m_next = lerp32(decode_momentum(state, fmt, 0 if old is None else old[()]), g, s["one_minus_momentum"])
         if not np.isfinite(m_next).all():
             return None
         ns_in = lerp32(g, m_next, s["momentum"]) if nesterov else m_next
         ns_bits = bf16_bits(ns_in)
         if not np.isfinite(ns_in).all() or not _finite_bf16(ns_bits).all():
             return None
+        amax = np.abs(m_next).max(initial=F32(0))
+        stored = None
         if fmt.mode == "fp32":
-            new_state = m_next
+            stored = m_next
         elif fmt.mode == "bf16":
-            new_state = bf16_bits(m_next)
-            if not _finite_bf16(new_state).all():
+            stored = bf16_bits(m_next)
+            if not _finite_bf16(stored).all():
                 return None
-        else:
-            new_state = fmt.code.encode_unchecked(m_next).astype(np.uint16)
-            if format_counts_out is not None:
-                format_counts_out += format_counts(m_next, new_state, fmt)
-    state[...] = new_state
-    return ns_bits
+    return MomentumUpdate(m_next, ns_bits, stored, F32(amax))
 
 
-def format_counts(m_next, codes, fmt: StateFormat) -> np.ndarray:
-    """MUON.md, "Format counts", in rule.FORMAT_COUNTS order: saturated (beyond the largest
-    code), flushed (nonzero, stored as code 0), subnormal (a nonzero code with exponent 0)."""
+def commit_momentum(update: MomentumUpdate, state, *, fmt: StateFormat, exponent=None, amax=None,
+                    format_counts_out=None) -> None:
+    """Stores an accepted update's m' in `state`. Packed mode: the matrix's new exponent, from
+    `amax` (the whole matrix's largest |m'|: by default the update's own; the shards of a
+    sharded matrix pass the maximum over all of them), into `exponent`, and the codes of
+    m' * 2**-s; `format_counts_out` adds their format counts."""
+    state = _state_array(state, fmt)
+    old = _exponent_array(exponent, fmt)
+    if fmt.mode != "packed":
+        state[...] = update.stored
+        return
+    new = matrix_exponent(update.amax if amax is None else F32(amax), old[()], fmt)
+    scaled = ldexp32(update.m_next, -new)
+    codes = fmt.code.encode_unchecked(scaled).astype(np.uint16)
+    if format_counts_out is not None:
+        format_counts_out += format_counts(update.m_next, scaled, codes, fmt)
+    state[...] = codes
+    old[...] = new
+
+
+def format_counts(m_next, scaled, codes, fmt: StateFormat) -> np.ndarray:
+    """MUON.md, "Format counts", in rule.FORMAT_COUNTS order, on the values as encoded (m' *
+    2**-s, `scaled`): saturated (beyond the largest code), flushed (a nonzero m' stored as
+    code 0), subnormal (a nonzero code with exponent 0)."""
     code = fmt.code
     magnitude = codes.astype(np.uint32) & np.uint32(code.sign_bit - 1)
-    beyond = code.unsaturated_code(np.abs(m_next).astype(F32)) > code.max_magnitude_code
+    beyond = code.unsaturated_code(np.abs(scaled).astype(F32)) > code.max_magnitude_code
     return np.array([
         np.count_nonzero(beyond),
         np.count_nonzero((m_next != 0) & (magnitude == 0)),
@@ -181,6 +261,19 @@ def _state_array(state, fmt: StateFormat) -> np.ndarray:
         return state.view(np.uint16)
     raise TypeError(f"state has dtype {state.dtype} but {fmt.identity} keeps {fmt.state_dtype} "
                     f"(the {fmt.state_key!r} entry); pass the entry this state format created")
+
+
+def _exponent_array(exponent, fmt: StateFormat) -> np.ndarray | None:
+    """Packed mode's exponent as the phase reads and writes it (a 0-d view: writes reach the
+    caller); None in the other modes, which have none."""
+    if fmt.mode != "packed":
+        if exponent is not None:
+            raise TypeError(f"exponent: {fmt.identity} keeps no exponent; pass exponent=None")
+        return None
+    if not isinstance(exponent, np.ndarray) or exponent.dtype != np.int32 or exponent.size != 1:
+        raise TypeError(f"exponent must be the matrix's int32 exponent (the {fmt.exponent_entry.key!r} entry) as a "
+                        f"one-element numpy array, got {exponent!r}; {fmt.identity} stores one per matrix")
+    return exponent.reshape(())
 
 
 def _gradient_values(grad) -> np.ndarray:

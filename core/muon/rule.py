@@ -9,6 +9,9 @@ from .hyperparams import FINITE_PRODUCTS, GROUP_KEYS, HPARAM_BOUNDS, HPARAM_FIEL
 # a float32 (fp32 mode, torch.optim.Muon's buffer under its name).
 MOMENTUM_CODE = StateEntry("momentum_code", "uint16")
 MOMENTUM_BUFFER = StateEntry("momentum_buffer", "float32")
+# Packed mode's power-of-two scale: one int32 exponent s per matrix, the momentum of a code c being
+# decode(c) * 2**s (MUON.md, "E5M10 (packed)"); replicated on every shard of a sharded matrix.
+MOMENTUM_EXPONENT = StateEntry("mu_exponent", "int32", per_matrix=True)
 # The one 16-bit code of packed mode: the momentum (state_format.py's E5M10, its bias mu_bias).
 CODES = (StateCode("mu", "momenta", "mu_bias"),)
 # MUON.md, "Format counts": over the elements of accepted matrices, packed mode:

@@ -1,5 +1,5 @@
-"""Muon's state format: the momentum buffer's mode and, in packed mode, its 16-bit code and
-bias (spec: docs/MUON.md, "The momentum formats")."""
+"""Muon's state format: the momentum buffer's mode and, in packed mode, its 16-bit code, its
+bias and each matrix's power-of-two exponent (spec: docs/MUON.md, "The momentum formats")."""
 from __future__ import annotations
 
 import functools
@@ -10,10 +10,19 @@ import numpy as np
 
 from ..codecs import BIAS_RANGE, MiniFloat
 from ..rule import Rule, StateEntry, StateLayout
-from .rule import MOMENTUM_BUFFER, MOMENTUM_CODE, RULE
+from .rule import MOMENTUM_BUFFER, MOMENTUM_CODE, MOMENTUM_EXPONENT, RULE
 
 DEFAULT_MU_BIAS = 31
 MODES = ("packed", "bf16", "fp32")
+# Packed mode scales each matrix by 2**s, s chosen at every step so that the matrix's largest
+# |m'| is encoded with this exponent field: one binade below the code's top one (31), so no
+# momentum ever saturates and 30 binades of normal codes lie below the largest (MUON.md).
+AMAX_EXPONENT_FIELD = 30
+# floor(log2 |x|) over float32's finite nonzero values (2**-149 .. FLOAT32_MAX).
+FLOAT32_EXPONENTS = (-149, 127)
+# What the packed identity adds to the code's: the per-matrix power-of-two exponent. A packed state
+# saved before it (the identity without it) is read with s = 0 (`StateFormat.saved_without_exponents`).
+SCALE_IDENTITY = "scale=pow2/matrix"
 
 
 @functools.cache
@@ -62,19 +71,48 @@ class StateFormat(StateLayout):
     def identity(self) -> str:
         """Recorded in every saved state and compared on load."""
         if self.mode == "packed":
-            return f"muon-packed:mu={self.code.identity}"
+            return f"{self.legacy_identity}:{SCALE_IDENTITY}"
         return "muon-bf16:mu=bf16" if self.mode == "bf16" else "muon-fp32:mu=f32"
 
-    def check_identity(self, saved: str) -> None:
-        """Refuse a saved state written in another format."""
-        if saved != self.identity:
+    @property
+    def legacy_identity(self) -> str | None:
+        """Packed mode's identity before the per-matrix exponent (its codes read with s = 0,
+        exactly the values they had); None in bf16 and fp32 modes, which did not change."""
+        return f"muon-packed:mu={self.code.identity}" if self.mode == "packed" else None
+
+    def reads(self, saved) -> bool:
+        """Whether a state saved with identity `saved` loads into this format: its own, or (packed
+        mode) its legacy identity, the same codes without exponents."""
+        return saved == self.identity or (saved is not None and saved == self.legacy_identity)
+
+    def saved_without_exponents(self, saved) -> bool:
+        """Whether a state of identity `saved` (one this format `reads`) predates the exponents:
+        every matrix's exponent is then 0."""
+        return self.legacy_identity is not None and saved == self.legacy_identity
+
+    def check_identity(self, saved) -> bool:
+        """Refuse a saved state written in another format; returns `saved_without_exponents`."""
+        if not self.reads(saved):
             raise ValueError(f"the saved Muon state has format {saved!r} but this optimizer uses {self.identity!r}; "
                              "construct the optimizer with the saved state's mode and mu_bias")
+        return self.saved_without_exponents(saved)
 
     @property
     def state_entry(self) -> StateEntry:
         """One uint16 code (packed: E5M10; bf16: the bf16 bits) or one float32 per element."""
         return MOMENTUM_BUFFER if self.mode == "fp32" else MOMENTUM_CODE
+
+    @property
+    def exponent_entry(self) -> StateEntry | None:
+        """Packed mode's per-matrix int32 exponent (`mu_exponent`, shape ()); None otherwise."""
+        return MOMENTUM_EXPONENT if self.mode == "packed" else None
+
+    @property
+    def exponent_range(self) -> tuple[int, int]:
+        """The exponents a step stores (packed mode): floor(log2 amax) + mu_bias - 30 over every
+        finite nonzero float32 amax; the first step's 0 lies inside for every bias."""
+        low, high = (k + self.mu_bias - AMAX_EXPONENT_FIELD for k in FLOAT32_EXPONENTS)
+        return low, high
 
     @property
     def rule(self) -> Rule:
