@@ -23,6 +23,12 @@ same batches: rows of `--context` tokens from a Zipf unigram distribution (so th
 something to learn: uniform tokens would start at their entropy), split into documents of
 geometric lengths (mean `--mean-document`), each starting with BOS, with their `cu_seqlens`.
 
+`--compile [BACKEND]` compiles each stack's model (forward and backward; not the optimizer step)
+with chat_model.compile_chat_model: once for every document count, dynamo's caches reset before
+each stack. Each stack's row records the graphs compiled by its first step and in all (equal:
+nothing recompiled after the first batch). BACKEND: inductor (the default), or aot_eager / eager
+(the captured graphs run eagerly: on the CPU the eager run's bits).
+
 Measured per stack: `--warmup` untimed steps (kernel compilation, state allocation), then
 `--steps` timed ones. ms/step and tokens/s: CUDA events around the timed steps (the host never
 waits inside them); optimizer ms: CUDA events around the optimizer step(s) alone, median over
@@ -30,7 +36,11 @@ the timed steps. Peak memory: torch.cuda.max_memory_allocated over the stack's w
 build included, activations of the batch included). Training state: bytes of the parameters'
 storages plus the optimizer state's (moments, momentum, low halves of the masters, step
 counters), each storage counted once, measured from the tensors; gradients are reported apart
-(their bytes after a backward). Loss: the first step's and the last step's.
+(their bytes after a backward). Loss: the first step's and the last step's. MFU: tokens/s x
+nanochat's FLOPs per token (telemetry.chat_flops_per_token: 6 x the matmul weights + 12 x heads x
+head_dim x each layer's attention span, a short-window layer at its window) / the GPU's dense
+bf16 peak (telemetry.PEAK_BF16_FLOPS: H100 SXM and H200 989 TFLOP/s); null (`-` in the table)
+for other GPUs and the CPU.
 """
 from __future__ import annotations
 
@@ -48,10 +58,11 @@ import time
 import torch
 
 from packed_adamw.torch.combined import PackedMuonAdamW
-from packed_adamw.torch.gpt.chat_model import PRESETS, ChatGPT
+from packed_adamw.torch.gpt.chat_model import PRESETS, ChatGPT, compile_chat_model, compiled_graph_count
 from packed_adamw.torch.gpt.optimizers import optimizer_state_bytes
 from packed_adamw.torch.gpt.packed_data import PackedBatch, cu_seqlens_of
 from packed_adamw.torch.gpt.schedules import ScheduleConfig, apply_schedule, build_schedule
+from packed_adamw.torch.gpt.telemetry import chat_flops_per_token, model_flops_utilization, peak_bf16_flops
 
 BOS = 0  # token 0 starts every document; the Zipf tokens are 1 .. vocab - 1
 STACKS = {
@@ -62,6 +73,7 @@ STACKS = {
     "reference": ("FP32, bf16 autocast", "torch.optim.Muon + torch.optim.AdamW(fused=True), FP32 state"),
 }
 GIB = 2 ** 30
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -146,8 +158,11 @@ def build_stack(name: str, config, device: torch.device, seed: int):
 
 def run_stack(name: str, config, batches: list[PackedBatch], args, device: torch.device) -> dict:
     free_memory(device)
+    if args.compile:
+        torch._dynamo.reset()  # each stack compiles afresh (and has the whole recompile limit)
     model, optimizers, autocast = build_stack(name, config, device, args.seed)
-    forward = torch.compile(model) if args.compile else model
+    forward = compile_chat_model(model, args.compile) if args.compile else model
+    graphs_at_start, graphs_after_first_step = compiled_graph_count(), None
     n_params = model.num_parameters()
     total_steps = args.warmup + args.steps
     tables = build_schedule(ScheduleConfig(num_steps=total_steps, warmup_steps=args.lr_warmup,
@@ -162,6 +177,8 @@ def run_stack(name: str, config, batches: list[PackedBatch], args, device: torch
         with autocast():
             _, loss = forward(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
         loss.backward()
+        if graphs_after_first_step is None:
+            graphs_after_first_step = compiled_graph_count() - graphs_at_start
         if gradient_bytes is None:
             gradient_bytes = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
         before_step = clock.mark()
@@ -182,10 +199,15 @@ def run_stack(name: str, config, batches: list[PackedBatch], args, device: torch
     state_bytes = sum(optimizer_state_bytes(optimizer) for optimizer in optimizers)
     losses = [float(loss) for loss in losses]
     weights, optimizer_text = STACKS[name]
+    tokens_per_s = args.batch * config.context * args.steps / (total_ms / 1e3)
     result = {
         "stack": name, "weights": weights, "optimizer": optimizer_text, "parameters": n_params,
         "ms_per_step": total_ms / args.steps,
-        "tokens_per_s": args.batch * config.context * args.steps / (total_ms / 1e3),
+        "tokens_per_s": tokens_per_s,
+        "mfu": model_flops_utilization(tokens_per_s, chat_flops_per_token(model, config.context),
+                                       peak_bf16_flops(device)),
+        "compiled_graphs_after_first_step": graphs_after_first_step if args.compile else None,
+        "compiled_graphs": compiled_graph_count() - graphs_at_start if args.compile else None,
         "optimizer_ms_median": statistics.median(optimizer_ms),
         "optimizer_ms_mean": statistics.fmean(optimizer_ms),
         "parameter_bytes": parameter_bytes,
@@ -229,26 +251,37 @@ def comparison(results: dict) -> dict:
 
 def render(meta: dict, results: dict, compared: dict) -> str:
     n = meta["parameters"]
+    peak = meta["peak_flops_per_s"]
+    peak_text = "no known peak for this device" if peak is None else f"{peak / 1e12:,.0f} TFLOP/s (dense bf16)"
+    graphs_note = (" Graphs: compiled by the first step / in all (equal: no recompilation after the first batch)."
+                   if meta["compile"] else "")
     lines = [f"# The {meta['preset']} stack: bf16 + PackedMuonAdamW against FP32 + torch.optim.Muon + fused AdamW", "",
              f"- Date: {meta['date']}; device: {meta['device_name']}; Python {meta['python']}; torch {meta['torch']}, "
              f"triton {meta['triton']}.",
              f"- Command: `{meta['command']}`",
              f"- Model: {meta['preset']} ({n:,} parameters, vocabulary {meta['vocab_size']:,}, context "
              f"{meta['context']}); batch {meta['batch']} x {meta['context']} = {meta['tokens_per_step']:,} tokens per "
-             f"step; {meta['warmup']} warmup steps, then {meta['steps']} timed; torch.compile: {meta['compile']}.",
+             f"step; {meta['warmup']} warmup steps, then {meta['steps']} timed; torch.compile: "
+             f"{meta['compile'] or 'off'}.",
              "- Training state = parameters + optimizer state (moments, momentum, masters' low halves, step "
-             "counters), measured from the tensors' storages; gradients apart.", "",
-             "| stack | weights | optimizer | tokens/s | ms/step | optimizer ms | peak GiB | peak B/param "
-             "| state B/param | params B/param | opt. state B/param | grads B/param | loss first -> last |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "counters), measured from the tensors' storages; gradients apart.",
+             f"- MFU: tokens/s x {meta['flops_per_token']:,} FLOPs per token (nanochat's estimate, the sliding "
+             f"windows as they are) / {peak_text}.{graphs_note}", "",
+             "| stack | weights | optimizer | tokens/s | MFU | ms/step | optimizer ms | peak GiB | peak B/param "
+             "| state B/param | params B/param | opt. state B/param | grads B/param | loss first -> last |"
+             + (" graphs |" if meta["compile"] else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if meta["compile"] else "")]
     for r in results.values():
         peak = r.get("peak_memory_bytes")
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        graphs = f" {r['compiled_graphs_after_first_step']} / {r['compiled_graphs']} |" if meta["compile"] else ""
         lines.append(
-            f"| {r['stack']} | {r['weights']} | {r['optimizer']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} "
+            f"| {r['stack']} | {r['weights']} | {r['optimizer']} | {r['tokens_per_s']:,.0f} | {mfu} "
+            f"| {r['ms_per_step']:.2f} "
             f"| {r['optimizer_ms_median']:.2f} | {'-' if peak is None else f'{peak / GIB:.2f}'} "
             f"| {'-' if peak is None else f'{peak / n:.2f}'} | {r['training_state_bytes_per_param']:.3f} "
             f"| {r['parameter_bytes'] / n:.3f} | {r['optimizer_state_bytes'] / n:.3f} | {r['gradient_bytes'] / n:.3f} "
-            f"| {r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+            f"| {r['first_loss']:.3f} -> {r['last_loss']:.3f} |{graphs}")
     if compared:
         lines.append("")
     for name, c in compared.items():
@@ -278,7 +311,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run, no memory)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model (both stacks)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, choices=COMPILE_BACKENDS,
+                        metavar="BACKEND", help="torch.compile every stack's model, once for every document count "
+                        "(BACKEND: inductor, the default, or aot_eager / eager: the graphs run eagerly)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr-warmup", type=int, default=5, help="the schedule's lr warmup steps")
     parser.add_argument("--weight-decay", type=float, default=0.28, help="Muon weight decay (cosine schedule)")
@@ -311,6 +346,8 @@ def main(argv=None) -> int:
     batches = [PackedBatch(*(t.to(device) for t in batch)) for batch in
                synthetic_batches(args.warmup + args.steps, args.batch, config.context, config.vocab_size,
                                  args.seed, args.mean_document, args.zipf_exponent)]
+    with torch.device("meta"):  # shapes only
+        flops_per_token = chat_flops_per_token(ChatGPT(config), config.context)
     results = {}
     for name in args.stacks:
         results[name] = run_stack(name, config, batches, args, device)
@@ -328,7 +365,8 @@ def main(argv=None) -> int:
             "preset": args.preset, "parameters": next(iter(results.values()))["parameters"],
             "vocab_size": config.vocab_size, "context": config.context, "batch": args.batch,
             "tokens_per_step": args.batch * config.context, "warmup": args.warmup, "steps": args.steps,
-            "compile": args.compile, "seed": args.seed, "lr_warmup": args.lr_warmup,
+            "compile": args.compile, "flops_per_token": flops_per_token, "peak_flops_per_s": peak_bf16_flops(device),
+            "seed": args.seed, "lr_warmup": args.lr_warmup,
             "weight_decay": args.weight_decay, "mean_document": args.mean_document,
             "zipf_exponent": args.zipf_exponent}
     compared = comparison(results)

@@ -1,7 +1,7 @@
 """The "chat" family (nanochat-style GPT, chat_model.py) and packed-document attention
-(attention.py): the d12's parameter count, nanochat's initialisation, packed runs equal to each
-document run alone, the window, the Muon + AdamW split; on CUDA, varlen_attn against the
-masked-SDPA reference."""
+(attention.py): the d12's parameter count and FLOPs per token, nanochat's initialisation, packed
+runs equal to each document run alone, the window, the compiled model (once for any number of
+documents), the Muon + AdamW split; on CUDA, varlen_attn against the masked-SDPA reference."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +12,11 @@ import torch
 
 from packed_adamw.torch.combined import PackedMuonAdamW
 from packed_adamw.torch.gpt.attention import attention_mask, packed_causal_attention, uses_varlen
-from packed_adamw.torch.gpt.chat_model import PRESETS, ChatConfig, ChatGPT, chat_parameter_kind
+from packed_adamw.torch.gpt.chat_model import (
+    PRESETS, ChatConfig, ChatGPT, chat_parameter_kind, compile_chat_model, compiled_graph_count,
+)
 from packed_adamw.torch.gpt.families import family_of, new_model
+from packed_adamw.torch.gpt.telemetry import chat_flops_per_token
 
 TINY_VOCAB = 61
 # d4's shape with a tiny vocabulary and a 3-token short window, so that the short-window
@@ -57,6 +60,24 @@ def test_d12_has_nanochats_286_261_730_parameters():
         (32_768, 768, 12, 6, 128, 2048)
     assert config.layer_windows() == (512, 512, 512, None) * 3  # SSSL; the last layer always long
     assert [i for i in range(12) if config.has_value_embedding(i)] == [1, 3, 5, 7, 9, 11]
+
+
+def test_d12_flops_per_token_are_nanochats_estimate_counted_by_hand():
+    """nanochat's estimate_flops: 6 x the weights of every matmul with the token stream (the
+    nn.Linear weights: blocks, value and smear gates, head; not the token and value embeddings,
+    which are lookups, nor the 26 scalars) + 12 x heads x head_dim x each layer's attention span,
+    a short-window layer counted at its window (min(window, context))."""
+    with torch.device("meta"):
+        model = new_model("d12")
+        full_windows = ChatGPT(dataclasses.replace(PRESETS["d12"], window_pattern="L"))
+    matmul_weights = 12 * 12 * 768 * 768 + 6 * 12 * 6 + 24 + 768 * 32_768  # blocks, value gates, smear gate, head
+    assert matmul_weights == 110_100_936 == model.num_parameters() - 7 * 32_768 * 768 - 26
+    per_span = 12 * 6 * 128  # 12 x heads x head_dim
+    assert chat_flops_per_token(model, 2048) == 6 * matmul_weights + per_span * (9 * 512 + 3 * 2048) == 759_696_048
+    assert chat_flops_per_token(full_windows, 2048) == 6 * matmul_weights + per_span * 12 * 2048 == 887_098_032
+    # rows shorter than the context: the long layers span the row, the short ones their window
+    assert chat_flops_per_token(model, 1024) == 6 * matmul_weights + per_span * (9 * 512 + 3 * 1024)
+    assert chat_flops_per_token(model, 256) == 6 * matmul_weights + per_span * 12 * 256
 
 
 def test_initialisation_is_nanochats_and_drawn_from_the_global_generator():
@@ -218,6 +239,38 @@ def test_bf16_weights_run_the_fp32_reference_forward_on_their_values():
     assert streams == {"float32": torch.float32, "param": torch.bfloat16}
     with pytest.raises(ValueError, match="stream="):
         ChatGPT(config, stream="bf16")
+
+
+def test_a_compiled_model_compiles_once_for_any_number_of_documents():
+    """compile_chat_model marks cu_seqlens's length (the batch's documents + 1) dynamic: batches of
+    2 to 6 documents compile their graphs at the first batch and none after (plain torch.compile
+    specialises the first length and compiles again for the next), and the compiled model's loss
+    and every gradient equal the eager model's bit for bit (the backend runs dynamo's graphs
+    eagerly and counts them), bf16 weights under the model's own autocast."""
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    config = dataclasses.replace(SMALL, n_layers=2, d_model=64, n_heads=2)
+    eager, compiled_copy = perturbed_model(config, torch.bfloat16), perturbed_model(config, torch.bfloat16)
+    compiled = compile_chat_model(compiled_copy, backend=counting_backend)
+    counted = compiled_graph_count()
+    torch.manual_seed(7)
+    for documents in (((16,), (16,)), ((5, 7, 4), (9, 7)), ((3, 13), (16,)), ((2, 2, 2, 10), (1, 15))):
+        idx = torch.randint(0, TINY_VOCAB, (2, ROW_LENGTH))
+        results = [model(idx, idx, cu_seqlens=cu_seqlens_of(documents)) for model in (eager, compiled)]
+        for _, loss in results:
+            loss.backward()
+        assert torch.equal(results[0][1], results[1][1]) and torch.equal(results[0][0], results[1][0])
+        for (name, a), b in zip(eager.named_parameters(), compiled_copy.parameters()):
+            assert torch.equal(a.grad.view(torch.int16), b.grad.view(torch.int16)), name
+            a.grad, b.grad = None, None
+        if documents == ((16,), (16,)):
+            first = len(graphs)
+            assert first > 0 and compiled_graph_count() - counted == first
+    assert len(graphs) == first and compiled_graph_count() - counted == first
 
 
 def test_a_short_window_layer_does_not_see_past_its_window():

@@ -160,6 +160,59 @@ def test_resume_is_bit_exact_on_cuda(data, tmp_path):
     assert "rng/cuda/0" in resumed
 
 
+def test_a_compiled_run_compiles_once_and_resumes_eagerly_bit_for_bit(data, straight, tmp_path):
+    """--compile aot_eager (AOT autograd's graphs run eagerly: on the CPU the bits of the eager
+    model) on batches of different document counts: the model compiles in the first micro-batch
+    and never again (summary.json's graph counts), and its step-2 state equals the eager run's;
+    resumed without --compile (compile is not in the run's configuration: a compiled and an eager
+    run resume each other), the step-4 state and the log equal the eager run's bit for bit."""
+    from packed_adamw.tokenizer.tape import TapeReader
+    from packed_adamw.torch.gpt.packed_data import PackedDocumentLoader
+
+    loader = PackedDocumentLoader(TapeReader(data / "train.tape", vocab_size=VOCAB), 2, 64)
+    assert len({loader.next_batch().cu_seqlens.numel() for _ in range(2)}) == 2  # the two steps' counts differ
+    flags = ("--eval-every", 2, "--eval-batches", 1)
+    assert main(arguments(data, tmp_path, *flags, "--compile", "aot_eager", "--stop-at", 2)) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["compile"] == "aot_eager"
+    assert summary["compiled_graphs"] == summary["compiled_graphs_after_first_batch"] > 0
+    assert_same_bits(read(tmp_path / "state_step000002.safetensors")[0],
+                     read(straight / "state_step000002.safetensors")[0])
+    assert main(arguments(data, tmp_path, *flags, "--resume", tmp_path / "state_step000002.safetensors")) == 0
+    resumed, resumed_metadata = read(tmp_path / "state_step000004.safetensors")
+    uninterrupted, metadata = read(straight / "state_step000004.safetensors")
+    assert_same_bits(resumed, uninterrupted)
+    assert resumed_metadata == metadata
+    assert trajectory(log(tmp_path)) == trajectory(log(straight))
+    assert json.loads((tmp_path / "summary.json").read_text())["compile"] is None
+
+
+def test_flops_per_token_are_reported_and_the_cpu_reports_no_mfu(straight, monkeypatch):
+    """summary.json and every step's log line: nanochat's FLOPs per token of chat-tiny at
+    --context 64, counted by hand, and MFU null on the CPU (no peak is known for it); the peak
+    is looked up by the GPU's name (H100 SXM and H200: 989 TFLOP/s dense bf16; other GPUs null)."""
+    from packed_adamw.torch.gpt import telemetry
+
+    # 2 blocks of 4 x 64^2 attention + 2 x 4 x 64^2 MLP weights, layer 1's value gate (12 x 1
+    # head), the smear gate (24), the head (64 x 320); both layers span the 64-token row (the
+    # short window is 128): 12 x 1 head x 64 x (64 + 64)
+    flops = 6 * (2 * 12 * 64 * 64 + 12 + 24 + 64 * VOCAB) + 12 * 1 * 64 * (64 + 64)
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["flops_per_token"] == flops == 811_224
+    assert summary["peak_flops_per_device"] is None and summary["mfu"] is None and summary["compile"] is None
+    assert all(r["mfu"] is None for r in log(straight) if "loss" in r)
+
+    assert telemetry.peak_bf16_flops(torch.device("cpu")) is None
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12), ("NVIDIA H100 PCIe", None),
+                       ("NVIDIA A100-SXM4-80GB", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert telemetry.peak_bf16_flops(torch.device("cuda:0")) == peak, name
+    assert telemetry.model_flops_utilization(309_537, 759_696_048, 989e12) == 309_537 * 759_696_048 / 989e12
+    assert telemetry.model_flops_utilization(309_537, 759_696_048, 989e12, devices=2) == \
+        309_537 * 759_696_048 / (2 * 989e12)
+    assert telemetry.model_flops_utilization(309_537, 759_696_048, None) is None
+
+
 def test_refusals(data, straight, tmp_path, capsys):
     state = straight / "state_step000004.safetensors"
     assert main(arguments(data, tmp_path, "--matrix-lr", 0.03, "--resume", state)) == 2
@@ -182,6 +235,8 @@ def test_refusals(data, straight, tmp_path, capsys):
     assert "--grad-accum 0" in refused_flag(capsys, arguments(data, tmp_path, "--grad-accum", 0))
     assert "cannot step FSDP2's shards" in refused_flag(capsys, arguments(data, tmp_path, "--optimizer", "reference",
                                                                           "--parallel", "fsdp"))
+    assert "--compile with --parallel ddp" in refused_flag(capsys, arguments(data, tmp_path, "--compile",
+                                                                             "--parallel", "ddp"))
     # 2 micro-batches of 2 rows: a step of 4 rows, not the state's 2
     assert main(arguments(data, tmp_path, "--grad-accum", 2, "--resume", state)) == 2
     assert "rows_per_step" in capsys.readouterr().err

@@ -91,3 +91,42 @@ def test_fidelity_table_pairs_each_seed_with_the_reference():
     record["runs"][3]["val_bpb"]["300"] = 1.40
     packed = next(line for line in fidelity.table(record, flags).splitlines() if line.startswith("| packed"))
     assert [c.strip() for c in packed.split("|")[1:-1]][7] == "no"
+
+
+def test_a_compiled_cpu_run_compiles_once_and_reports_flops_but_no_mfu(bench, tmp_path):
+    """--compile aot_eager on batches of different document counts (documents of 4 tokens on
+    average): each stack compiles in its first step and never again, its losses are the eager
+    run's bit for bit (AOT autograd's graphs run eagerly), and the JSON and table give nanochat's
+    FLOPs per token with MFU null on the CPU (no peak is known for it)."""
+    import dataclasses
+
+    from packed_adamw.torch.gpt.chat_model import PRESETS, ChatGPT
+    from packed_adamw.torch.gpt.telemetry import chat_flops_per_token
+
+    def run_with(out, extra):
+        out.mkdir()
+        assert bench.main(TINY + ["--device", "cpu", "--stacks", "packed", "reference", "--out", str(out / "d12.md"),
+                                  "--json", str(out / "d12.json"), *extra]) == 0
+        return (out / "d12.md").read_text(), json.loads((out / "d12.json").read_text())
+
+    short_documents = ["--mean-document", "4"]
+    batches = bench.synthetic_batches(3, 1, 64, 256, 0, 4.0, 1.1)
+    assert len({batch.cu_seqlens.numel() for batch in batches}) == 3
+    _, eager = run_with(tmp_path / "eager", short_documents)
+    table, compiled = run_with(tmp_path / "compiled", short_documents + ["--compile", "aot_eager"])
+    assert compiled["meta"]["compile"] == "aot_eager" and eager["meta"]["compile"] is None
+    for name in ("packed", "reference"):
+        r = compiled["stacks"][name]
+        assert r["compiled_graphs"] == r["compiled_graphs_after_first_step"] > 0, name
+        assert r["losses"] == eager["stacks"][name]["losses"], name
+        assert r["mfu"] is None and eager["stacks"][name]["compiled_graphs"] is None
+    with torch.device("meta"):
+        model = ChatGPT(dataclasses.replace(PRESETS["d4"], vocab_size=256, context=64, d_model=64, n_layers=2))
+    assert compiled["meta"]["flops_per_token"] == chat_flops_per_token(model, 64) > 0
+    assert compiled["meta"]["peak_flops_per_s"] is None
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("| stack |"))
+    column = [c.strip() for c in header.split("|")].index("MFU")
+    for name in ("packed", "reference"):
+        row = next(line for line in lines if line.startswith(f"| {name} |"))
+        assert [c.strip() for c in row.split("|")][column] == "-", row

@@ -25,6 +25,10 @@ under bf16 autocast (chat_train's reference), with the weights rounded to bf16. 
 keeps the earlier forward, everything in the weights' dtype (a bf16 residual stream), which
 only the fidelity evidence runs (docs/results/D12_FIDELITY.md: it trained worse).
 
+Compiled: `compile_chat_model(model)` is torch.compile(model) called as the model is, compiling
+once for batches of any number of documents (it marks cu_seqlens's length dynamic);
+`compiled_graph_count()` counts the graphs compiled so far, to show that none came later.
+
 Presets (vocabulary 32,768, nanochat's; depth x 64 wide as nanochat sizes them):
 
     name  d_model  layers  heads x dim  context  parameters
@@ -330,6 +334,29 @@ class ChatGPT(nn.Module):
         listed = sum(len(g["params"]) for g in groups)
         assert listed == len(names), f"the groups list {listed} parameters, the model has {len(names)}"
         return groups
+
+
+def compile_chat_model(model: nn.Module, backend="inductor"):
+    """torch.compile(model, backend=backend) (a ChatGPT, or a wrapper taking its arguments), as a
+    function called as the model is, that compiles once for batches of any document count: each
+    call marks its cu_seqlens's length (documents + 1) dynamic before the compiled model sees it.
+    (Otherwise dynamo specialises the first batch's length and compiles again for another.) The
+    eager computation is unchanged: the same cu_seqlens, no padding. A backend that specialises
+    the length anyway raises at the first compilation, naming it, instead of recompiling."""
+    compiled = torch.compile(model, backend=backend)
+
+    def forward(idx, targets=None, reduction="mean", *, cu_seqlens=None):
+        if cu_seqlens is not None:
+            torch._dynamo.mark_dynamic(cu_seqlens, 0)
+        return compiled(idx, targets, reduction, cu_seqlens=cu_seqlens)
+
+    return forward
+
+
+def compiled_graph_count() -> int:
+    """Graphs dynamo has compiled in this process (a recompilation adds one per frame it compiles
+    again): read before and after a batch to see whether that batch compiled anything."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def chat_parameter_kind(name: str) -> str:

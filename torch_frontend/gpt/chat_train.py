@@ -10,6 +10,7 @@ checkpoint.
     python -m packed_adamw.torch.gpt.chat_train ... --optimizer reference   # torch Muon + AdamW, FP32
     torchrun --nproc_per_node=2 -m packed_adamw.torch.gpt.chat_train --parallel ddp ...   # or fsdp
     python -m packed_adamw.torch.gpt.chat_train ... --batch 8 --grad-accum 4   # 32 rows a step, 8 at a time
+    python -m packed_adamw.torch.gpt.chat_train ... --device cuda --compile    # torch.compile (inductor)
 
 --data holds train.tape and val.tape (docs/TAPE.md); the model's vocabulary (the preset's
 32,768, or --vocab-size) must be the tapes' vocab_size. A micro-batch is one packed batch
@@ -33,10 +34,22 @@ naming them and the state to resume; a resume is refused where RUN_DIR holds a n
 one of another configuration, which it would replace.
 
 RUN_DIR/log.jsonl gets one JSON line per logged step (loss averaged over the ranks, the
-schedule row, each kind's lr, tokens/s) and per evaluation (val loss in nats per token and
+schedule row, each kind's lr, tokens/s, MFU) and per evaluation (val loss in nats per token and
 bits per byte over --eval-batches packed batches of val.tape; bytes from the tape's token byte
-counts). RUN_DIR/summary.json ends the run (why it stopped, throughput, peak memory, optimizer
-state bytes).
+counts). RUN_DIR/summary.json ends the run (why it stopped, throughput, FLOPs per token and MFU,
+peak memory, optimizer state bytes, the graphs --compile compiled). MFU: tokens/s x nanochat's
+FLOPs per token (telemetry.chat_flops_per_token) / (the GPUs' dense bf16 peak x ranks); null
+where the peak is not known (the CPU, GPUs outside telemetry.PEAK_BF16_FLOPS).
+
+`--compile [BACKEND]` runs the model's forward and backward through torch.compile (inductor, or
+aot_eager / eager, which run the captured graphs eagerly: on the CPU the eager run's bits),
+compiled once in the first micro-batch for every document count (chat_model.compile_chat_model);
+the optimizer step and the evaluation stay eager. summary.json records the backend and the
+graphs compiled after the first micro-batch and in all: equal when nothing recompiled. Compiling
+is not part of the configuration a state records (like the device): a compiled run and an eager
+one resume each other; on the CPU with aot_eager the continuation is bit for bit the same (tested),
+on a GPU inductor fuses operations and its bits may differ from the eager run's, as another
+device's would. One process only (not with --parallel ddp or fsdp, untested so far).
 
 The state: every --save-every steps and at the end, RUN_DIR/state_stepNNNNNN.safetensors
 (training_state.py: weights, low halves, optimizer state, step and t_step, RNG, the next
@@ -108,7 +121,7 @@ from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, re
 from packed_adamw.torch import _dtensor
 from packed_adamw.torch.combined import PackedMuonAdamW
 
-from .chat_model import PRESETS, ChatGPT
+from .chat_model import PRESETS, ChatGPT, compile_chat_model, compiled_graph_count
 from .checkpoint import CheckpointError
 from .cli import check_device, check_option, check_parallel, check_seed
 from .config import ConfigError
@@ -120,13 +133,14 @@ from .run_directory import (
     refuse_to_replace_newer, summary_of_finished, write_summary, writing,
 )
 from .schedules import ScheduleConfig, apply_schedule, build_schedule
-from .telemetry import keep_records_up_to
+from .telemetry import chat_flops_per_token, keep_records_up_to, model_flops_utilization, peak_bf16_flops
 from .training_state import TrainingStateError, load_state, save_state, state_file_name
 
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MUON_MODES = ("packed", "bf16", "fp32")
 OPTIMIZERS = ("packed", "reference")
 PARALLEL = ("none", "ddp", "fsdp")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 class ChatTrainError(ValueError):
@@ -170,6 +184,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parallel", choices=PARALLEL, default="none", help="ddp or fsdp (FSDP2) under torchrun")
     p.add_argument("--deterministic", action="store_true",
                    help="CUDA: deterministic kernels (embedding backward, cuBLAS), for bit-exact resume on a GPU")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=COMPILE_BACKENDS,
+                   metavar="BACKEND", help="torch.compile the model, once for every document count (BACKEND: "
+                   "inductor, the default, or aot_eager / eager, which run the captured graphs eagerly)")
     # nanochat's base_train settings (muon_adamw_groups; the weight decay is used as given, unscaled)
     p.add_argument("--matrix-lr", type=float, default=0.02)
     p.add_argument("--embedding-lr", type=float, default=0.3)
@@ -211,6 +228,9 @@ def check_args(args: argparse.Namespace) -> None:
         if args.save_every or args.resume or args.stop_at:
             raise ChatTrainError("--optimizer reference writes and reads no training states (training_state.py "
                                  "stores the packed optimizers): leave out --save-every, --resume and --stop-at")
+    if args.compile and args.parallel != "none":
+        raise ChatTrainError(f"--compile with --parallel {args.parallel}: compiling a DDP or FSDP2 model is not "
+                             "tested yet; leave out --compile, or run one process")
     if args.parallel == "fsdp" and args.optimizer == "reference":
         raise ChatTrainError("--optimizer reference with --parallel fsdp: torch.optim.Muon orthogonalises whole "
                              "matrices and cannot step FSDP2's shards; use --parallel ddp for the baseline")
@@ -560,7 +580,10 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
 
     # The model (the same seeded weights on every rank), its wrapper, the optimizer, the tables.
     core, initial = build_model(model_config, args.param_dtype, args.seed, device)
+    flops_per_token = chat_flops_per_token(core, args.context)
+    peak_flops = peak_bf16_flops(device)  # per device; the ranks are alike
     model = wrap_model(core, ranks, device)
+    forward = compile_chat_model(model, args.compile) if args.compile else model
     optimizer = build_optimizer(core, args, device)
     schedule = build_schedule(ScheduleConfig(
         num_steps=args.steps, warmup_steps=args.warmup_steps, warmdown_ratio=args.warmdown_ratio,
@@ -659,6 +682,7 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
         + f", steps {step} to {last} of {args.steps}"
         + (f", {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""))
     step_seconds, losses, eval_record, stopped_by = [], [], None, None
+    graphs_at_start, graphs_after_first_batch = compiled_graph_count(), None
     model.train()
     with StopRequest() as stop, GuardedRunLog(log_path, ranks) as log:
         while step < last:
@@ -674,8 +698,10 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
                 batch = to_device(loader.next_batch(), device)
                 with gradient_sync(model, ranks.parallel, sync=micro == args.grad_accum - 1):
                     with forward_context(args.param_dtype, device):
-                        _, loss = model(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
+                        _, loss = forward(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
                     (loss / args.grad_accum).backward()
+                if graphs_after_first_batch is None:
+                    graphs_after_first_batch = compiled_graph_count() - graphs_at_start
                 part = loss.detach().float() / args.grad_accum
                 step_loss = part if step_loss is None else step_loss + part
             optimizer.step()
@@ -692,7 +718,9 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
                 losses.append(mean_loss)
                 log.write({"step": step, "loss": mean_loss, **row, "lr": kind_learning_rates(optimizer),
                            "tokens": step * tokens_per_step, "step_ms": 1e3 * seconds,
-                           "tokens_per_s": tokens_per_step / seconds})
+                           "tokens_per_s": tokens_per_step / seconds,
+                           "mfu": model_flops_utilization(tokens_per_step / seconds, flops_per_token, peak_flops,
+                                                          ranks.world_size)})
                 if not math.isfinite(mean_loss):
                     raise FloatingPointError(f"loss {mean_loss} at step {step}: the run diverged")
             if args.eval_every and (step % args.eval_every == 0 or step == last):
@@ -713,6 +741,7 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
 
     # The summary: the first logged steps (compilation, allocator warm-up) are left out of the rate.
     steady = step_seconds[2:] or step_seconds
+    tokens_per_s = tokens_per_step / statistics.median(steady) if steady else None
     parameters = core.num_parameters()
     state_bytes = optimizer_state_bytes(optimizer)
     summary = {
@@ -724,7 +753,13 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
         "device": str(device), "tokens_per_step": tokens_per_step,
         "final_loss": losses[-1] if losses else None,
         "median_step_ms": 1e3 * statistics.median(steady) if steady else None,
-        "tokens_per_s": tokens_per_step / statistics.median(steady) if steady else None,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops_per_token, "peak_flops_per_device": peak_flops,
+        "mfu": model_flops_utilization(tokens_per_s, flops_per_token, peak_flops, ranks.world_size),
+        "compile": args.compile,
+        # this session's graphs (dynamo's count): equal when no batch after the first compiled anything
+        "compiled_graphs_after_first_batch": graphs_after_first_batch if args.compile else None,
+        "compiled_graphs": compiled_graph_count() - graphs_at_start if args.compile else None,
         # under FSDP2: rank 0's shard of the state, per parameter of the whole model
         "optimizer_state_bytes": state_bytes, "optimizer_state_bytes_per_parameter": state_bytes / parameters,
         "weight_bytes_per_parameter": sum(p.numel() * p.element_size() for p in core.parameters()) / parameters,

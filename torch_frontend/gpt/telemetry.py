@@ -1,5 +1,5 @@
 """What a run reports: log.jsonl's records, the moments' statistics and format counts, loss
-events, step times, and the plots drawn from the log (docs/TRAINING.md)."""
+events, step times, model FLOPs utilisation, and the plots drawn from the log (docs/TRAINING.md)."""
 from __future__ import annotations
 
 import collections
@@ -227,6 +227,47 @@ class StepTimes:
             "median_fwd_bwd_ms": median_ms(self.fwd_bwd),
             "median_optimizer_ms": median_ms(self.optimizer),
         }
+
+
+# ---- model FLOPs utilisation (chat_train, benchmarks/d12_stack.py; docs/D12.md) -------------------
+# Dense bf16 tensor-core peaks in FLOP/s, by torch.cuda.get_device_name: the names the project's
+# GPUs report (docs/results). Other GPUs (the H100 PCIe and NVL, the H200 NVL have lower peaks)
+# and the CPU report no MFU rather than a number of another device.
+PEAK_BF16_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM5
+    "NVIDIA H200": 989e12,  # H200 SXM
+}
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of `device` (FLOP/s) from PEAK_BF16_FLOPS, or None where it is not known."""
+    if device.type != "cuda":
+        return None
+    return PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(device))
+
+
+def chat_flops_per_token(model: torch.nn.Module, context: int) -> int:
+    """Training FLOPs per token of a chat-family model on rows of `context` tokens, nanochat's
+    estimate (gpt.py's estimate_flops): 6 x the weights that multiply the token stream (every
+    nn.Linear: the blocks' matrices, the value and smear gates, the head; not the token and value
+    embeddings, which are looked up, nor the scalars) + 12 x heads x head_dim x the attention span
+    of each layer: the row for a long layer, min(window, context) for a short-window one. As in
+    nanochat (and PaLM's count) every query is counted at the full span, not the causal average,
+    and document boundaries inside a packed row are not subtracted: a convention, so that MFU
+    compares with nanochat's."""
+    config = model.config
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    spans = sum(context if window is None else min(window, context) for window in config.layer_windows())
+    return 6 * matmul_weights + 12 * config.n_heads * config.head_dim * spans
+
+
+def model_flops_utilization(tokens_per_s: float | None, flops_per_token: int, peak_flops: float | None,
+                            devices: int = 1) -> float | None:
+    """tokens/s x FLOPs per token / (peak x devices): the share of the devices' peak the model's
+    FLOPs use; None where the peak (or the rate) is not known."""
+    if peak_flops is None or tokens_per_s is None:
+        return None
+    return tokens_per_s * flops_per_token / (peak_flops * devices)
 
 
 class RunLog:
