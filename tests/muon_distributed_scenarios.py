@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from distributed_scenarios import exit_after_success, load_checkpoint, save_checkpoint, shard
 from packed_adamw.torch import NonFiniteGradientError, PackedMuonAdamW, muon_param_groups
@@ -104,8 +104,11 @@ def muon_fsdp_train(out: Path) -> None:
         for group in opt.param_groups:
             for p in group["params"] if group["kind"] == "muon" else ():
                 for key, entry in opt.state[p].items():
+                    # packed mode's exponent: one value per matrix, the same on every rank
+                    placements = (Replicate(),) * p.device_mesh.ndim if key == "mu_exponent" else p.placements
                     assert isinstance(entry, DTensor) and entry.device_mesh == p.device_mesh \
-                        and entry.placements == p.placements, f"{name}: the Muon state {key!r} is not laid out like {p}"
+                        and entry.placements == placements, f"{name}: the Muon state {key!r} is not laid out like {p}"
+                assert ("mu_exponent" in opt.state[p]) == (mode == "packed"), name
         save_checkpoint(model, opt, out / f"ckpt-{name}-world{world}")
         train(model, opt, range(SAVE_AT, STEPS))
         got = snapshot(model, opt)

@@ -60,6 +60,16 @@ def step_refusing(opt, index: int) -> None:
         opt.step()
 
 
+def exponent_of(mode: str, value: int = 0) -> torch.Tensor | None:
+    """Packed mode's 0-d int32 exponent of a matrix as the kernels take it (None otherwise)."""
+    return torch.tensor(value, dtype=torch.int32) if mode == "packed" else None
+
+
+def numpy_exponent(exponent: torch.Tensor | None) -> np.ndarray | None:
+    """An exponent tensor as the numpy phases take it (a copy)."""
+    return None if exponent is None else exponent.numpy().copy()
+
+
 def random_state(rng: np.random.Generator, mode: str, shape) -> torch.Tensor:
     """A momentum entry of `mode` with random finite values over many binades."""
     if mode == "fp32":
@@ -89,13 +99,15 @@ class PhasesReference:
         if not self.split:
             self.weights = [w.view(np.float32) for w in self.weights]
         self.states = [np.zeros(s, np.uint16) for s in shapes]
+        self.exponents = [np.zeros((), np.int32) for _ in shapes]
         self.lows = [np.zeros(s, np.int16) for s in shapes]
         self.scalars = [step_scalar_row((lr, 0.95, 0.1, 1e-7), s) for s in shapes]
 
     def step(self, grads, batches, newton_schulz_batch) -> None:
         """`batches`: (indices, ns_steps) per Newton-Schulz batch; `newton_schulz_batch(xs,
         indices, steps)` returns the results of the accepted matrices' inputs `xs` (a dict)."""
-        xs = {i: momentum_phase(g.numpy(), self.states[i], self.scalars[i], fmt=self.fmt) for i, g in enumerate(grads)}
+        xs = {i: momentum_phase(g.numpy(), self.states[i], self.scalars[i], fmt=self.fmt, exponent=self.exponents[i])
+              for i, g in enumerate(grads)}
         for batch, steps in batches:
             accepted = {i: torch.from_numpy(xs[i].view(np.int16)).view(torch.bfloat16)
                         for i in batch if xs[i] is not None}
@@ -110,5 +122,7 @@ class PhasesReference:
         for i, p in enumerate(params):
             assert np.array_equal(bits(p).cpu().numpy(), self.weights[i].view(np.int16 if self.split else np.int32))
             assert np.array_equal(opt.state[p]["momentum_code"].cpu().numpy().view(np.uint16), self.states[i])
+            assert opt.state[p]["mu_exponent"].dtype == torch.int32 and opt.state[p]["mu_exponent"].dim() == 0
+            assert int(opt.state[p]["mu_exponent"]) == int(self.exponents[i])
             if self.split:
                 assert np.array_equal(opt.state[p]["lo"].cpu().numpy(), self.lows[i])

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
-from muon_helpers import (PhasesReference, TinyModel, bits, cuda_only, fused_torch, gradient, random_state,
-                          random_weights, set_gradients, step_refusing, taking_fp32_gradients)
+from muon_helpers import (PhasesReference, TinyModel, bits, cuda_only, exponent_of, fused_torch, gradient,
+                          numpy_exponent, random_state, random_weights, set_gradients, step_refusing,
+                          taking_fp32_gradients)
 from packed_adamw.core import launch
 from packed_adamw.core.muon import StateFormat, momentum_phase, step_scalar_row, weight_phase, weight_phase_split
 from packed_adamw.torch import NonFiniteGradientError, PackedAdamW, PackedMuon, PackedMuonAdamW, muon_param_groups
@@ -385,6 +387,82 @@ def test_newton_schulz_defaults_resolve_per_device(options, on_cuda, on_cpu, mon
     assert torch_muon._ns_impl(opt, torch.device("cuda", 0)) == auto_fallback[0]
 
 
+# ---- scale invariance (issue 53) ----------------------------------------------------------------
+# torch.optim.Muon's step is unchanged by a power-of-two scale of the gradients (power-of-two
+# scaling commutes with rounding, and Newton-Schulz divides by the norm); packed mode's
+# per-matrix exponent makes PackedMuon's so too: the same codes, the exponent shifted.
+INVARIANCE_SCALES = (0, -12, 12, 20)
+INVARIANCE_SHAPES = [(6, 10), (10, 6)]
+
+
+def weights_after_scaled_steps(make_optimizer, device, dtype, scale, steps=6):
+    """Each matrix's weight bits after `steps` steps on the same gradients times 2**scale."""
+    rng = np.random.default_rng(61)
+    params = [taking_fp32_gradients(torch.nn.Parameter(
+        torch.from_numpy(rng.standard_normal(s).astype(np.float32) * 0.3).to(dtype).to(device)))
+        for s in INVARIANCE_SHAPES]
+    opt = make_optimizer(params)
+    for _ in range(steps):
+        for p in params:
+            p.grad = (gradient(rng, tuple(p.shape)) * 2.0 ** scale).to(device)
+        opt.step()
+    return [bits(p).cpu().clone() for p in params]
+
+
+def assert_scale_invariant(make_optimizer, device="cpu", dtype=torch.float32) -> None:
+    unscaled, *scaled = (weights_after_scaled_steps(make_optimizer, device, dtype, scale)
+                         for scale in INVARIANCE_SCALES)
+    for scale, weights in zip(INVARIANCE_SCALES[1:], scaled):
+        for a, b in zip(unscaled, weights):
+            assert torch.equal(a, b), f"gradients times 2**{scale}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["numpy", "kernels", "table-kernels"])
+def test_weights_are_the_same_for_power_of_two_scaled_gradients_as_torch_optim_muons(dtype, path, is_interpreting,
+                                                                                      monkeypatch):
+    """The issue's acceptance test: weights after 6 steps bit for bit the same for gradients
+    times 2**-12, 2**12 and 2**20 as unscaled, as torch.optim.Muon's are (the control); the
+    numpy step and the CUDA step's kernels (per matrix and per batch, in Triton's interpreter),
+    float32 and bf16 weights. With bias 31's fixed window 2**12 saturated the momenta."""
+    if path != "numpy":
+        if not is_interpreting:
+            pytest.skip("runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+        monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: True)
+    if dtype is torch.float32 and path == "numpy":
+        assert_scale_invariant(lambda params: torch.optim.Muon(params, lr=0.02))
+    assert_scale_invariant(lambda params: PackedMuon(params, lr=0.02, ns_impl="cublas",
+                                                     batch_ns=path == "table-kernels"), dtype=dtype)
+
+
+def test_mu_bias_no_longer_moves_the_trajectory():
+    """With the per-matrix exponent the codes are the same for every bias and the exponent
+    shifts by it: two biases give the same weights and codes (mu_bias stays an option, for the
+    API and the states saved under it)."""
+    runs = {}
+    for bias in (31, 40):
+        def make(params, bias=bias):
+            runs[bias] = PackedMuon(params, lr=0.02, mu_bias=bias)
+            return runs[bias]
+        runs[f"weights{bias}"] = weights_after_scaled_steps(make, "cpu", torch.float32, -30)
+    assert all(torch.equal(a, b) for a, b in zip(runs["weights31"], runs["weights40"]))
+    for p31, p40 in zip(*(runs[bias].param_groups[0]["params"] for bias in (31, 40))):
+        s31, s40 = runs[31].state[p31], runs[40].state[p40]
+        assert torch.equal(s31["momentum_code"], s40["momentum_code"]) and s40["mu_exponent"] == s31["mu_exponent"] + 9
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [{}, {"ns_impl": "cublas", "batch_ns": False}], ids=["defaults", "cublas"])
+def test_cuda_weights_are_the_same_for_power_of_two_scaled_gradients(dtype, options):
+    """The acceptance test compiled on a GPU: the defaults (Triton Newton-Schulz, table kernels)
+    and per-matrix cuBLAS, against torch.optim.Muon's own invariance on CUDA."""
+    if dtype is torch.float32 and not options:
+        assert_scale_invariant(lambda params: torch.optim.Muon(params, lr=0.02), "cuda")
+    assert_scale_invariant(lambda params: PackedMuon(params, lr=0.02, **options), "cuda", dtype)
+
+
 # ---- the state and the modes ------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["packed", "bf16"])
 def test_two_byte_modes_step_as_the_core_phases(mode):
@@ -393,18 +471,23 @@ def test_two_byte_modes_step_as_the_core_phases(mode):
     p0 = rng.standard_normal((6, 10)).astype(np.float32)
     param = torch.nn.Parameter(torch.from_numpy(p0.copy()))
     opt = PackedMuon([param], lr=0.03, mode=mode, nesterov=False, maximize=True)
-    weights, state = p0.copy(), np.zeros((6, 10), np.uint16)
+    weights, state, exponent = p0.copy(), np.zeros((6, 10), np.uint16), numpy_exponent(exponent_of(mode))
     scalars = step_scalar_row((0.03, 0.95, 0.1, 1e-7), (6, 10))
     for _ in range(3):
         g = gradient(rng, (6, 10))
         param.grad = g.clone()
         opt.step()
-        x = momentum_phase(g.numpy(), state, scalars, fmt=fmt, nesterov=False, maximize=True)
+        x = momentum_phase(g.numpy(), state, scalars, fmt=fmt, exponent=exponent, nesterov=False, maximize=True)
         ortho = newton_schulz(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)).contiguous()
         weight_phase(weights, ortho.view(torch.int16).numpy(), scalars)
         stored = opt.state[param]["momentum_code"]
         assert stored.dtype == torch.int16 and stored.shape == param.shape
         assert np.array_equal(stored.numpy().view(np.uint16), state)
+        if mode == "packed":  # one int32 exponent for the matrix
+            stored_exponent = opt.state[param]["mu_exponent"]
+            assert stored_exponent.dtype == torch.int32 and int(stored_exponent) == exponent
+        else:
+            assert "mu_exponent" not in opt.state[param]
         assert np.array_equal(param.detach().numpy().view(np.uint32), weights.view(np.uint32))
 
 
@@ -514,7 +597,7 @@ def test_state_dict_round_trip_continues_bit_for_bit(dtype):
             p.grad = g.clone()
         opt.step()
     saved = copy.deepcopy(opt.state_dict())
-    assert saved["packed_adamw"]["format"] == "muon-packed:mu=SE5M10b33"
+    assert saved["packed_adamw"]["format"] == "muon-packed:mu=SE5M10b33:scale=pow2/matrix"
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     other = PackedMuon(twins, lr=0.05, mu_bias=33)
     other.load_state_dict(saved)
@@ -550,27 +633,124 @@ def test_a_foreign_identity_is_refused_before_anything_changes():
     assert opt.param_groups[0]["lr"] == 1e-3
 
 
+def as_saved_before_the_exponents(state_dict: dict) -> dict:
+    """A packed state_dict as PackedMuon (or PackedMuonAdamW) saved it before the per-matrix
+    exponents: the identity without them, the codes alone."""
+    old = copy.deepcopy(state_dict)
+    fmt = StateFormat()
+    legacy = lambda identity: fmt.legacy_identity if identity == fmt.identity else identity  # noqa: E731
+    meta = old["packed_adamw"]
+    meta["format"] = {k: legacy(v) for k, v in meta["format"].items()} if isinstance(meta["format"], dict) \
+        else legacy(meta["format"])
+    for group in old["param_groups"]:
+        group["packed_adamw_format"] = legacy(group["packed_adamw_format"])
+    for entry in old["state"].values():
+        entry.pop("mu_exponent", None)
+    return old
+
+
+@pytest.mark.parametrize("combined", [False, True])
+def test_a_packed_state_saved_before_the_exponents_loads_exactly_with_exponent_zero(combined):
+    """A state of the fixed-window format (identity "muon-packed:mu=SE5M10b31", codes, no
+    exponents) loads into today's optimizer: exponent 0, the codes as saved, so each momentum
+    is the value it had; the next step is the numpy phases' from those codes at exponent 0.
+    An old pickle likewise. A state of today's identity without its exponent is refused."""
+    rng = np.random.default_rng(62)
+    shape = (6, 10)
+    codes = torch.from_numpy(StateFormat().code.encode(
+        (rng.standard_normal(shape) * 2.0 ** rng.integers(-20, 0, shape)).astype(np.float32)).view(np.int16))
+    make = (lambda ps: PackedMuonAdamW([{"params": ps, "kind": "muon"}], lr=0.02)) if combined else \
+        (lambda ps: PackedMuon(ps, lr=0.02))
+    p0 = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+    source = torch.nn.Parameter(p0.clone())
+    saver = make([source])
+    source.grad = torch.zeros(shape)
+    saver.step()  # makes the state; then its codes are replaced by the old run's
+    saver.state[source]["momentum_code"].copy_(codes)
+    old = as_saved_before_the_exponents(saver.state_dict())
+    assert "mu_exponent" not in old["state"][0]
+    twin = torch.nn.Parameter(p0.clone())
+    opt = make([twin])
+    opt.load_state_dict(old)
+    state = opt.state[twin]
+    assert torch.equal(state["momentum_code"], codes) and state["mu_exponent"].dtype == torch.int32
+    assert state["mu_exponent"].dim() == 0 and int(state["mu_exponent"]) == 0
+    g = gradient(rng, shape)
+    twin.grad = g.clone()
+    opt.step()
+    weights, reference, exponent = p0.numpy().copy(), codes.numpy().copy(), np.zeros((), np.int32)
+    scalars = step_scalar_row((0.02, 0.95, 0.1, 1e-7), shape)
+    x = momentum_phase(g.numpy(), reference, scalars, fmt=StateFormat(), exponent=exponent)
+    weight_phase(weights, newton_schulz(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)).contiguous()
+                 .view(torch.int16).numpy(), scalars)
+    assert np.array_equal(bits(twin).numpy(), weights.view(np.int32))
+    assert np.array_equal(state["momentum_code"].numpy(), reference.view(np.int16)) and state["mu_exponent"] == exponent
+    # An optimizer pickled before the exponents: its codes, exponent 0.
+    source.grad = torch.zeros(shape)
+    saver.step()
+    saver.state[source]["momentum_code"].copy_(codes)
+    del saver.state[source]["mu_exponent"]
+    unpickled = pickle.loads(pickle.dumps(saver))
+    p = unpickled.param_groups[0]["params"][0]
+    assert torch.equal(unpickled.state[p]["momentum_code"], codes) and int(unpickled.state[p]["mu_exponent"]) == 0
+    p.grad = g.clone()
+    unpickled.step()
+    assert torch.equal(unpickled.state[p]["momentum_code"], state["momentum_code"])
+    # Today's identity without the exponent, or the old one with one, is damaged: refused, naming it.
+    damaged = copy.deepcopy(opt.state_dict())
+    del damaged["state"][0]["mu_exponent"]
+    with pytest.raises(ValueError, match="'mu_exponent' must be a 0-d torch.int32 tensor"):
+        opt.load_state_dict(damaged)
+    damaged = as_saved_before_the_exponents(opt.state_dict())
+    damaged["state"][0]["mu_exponent"] = torch.tensor(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match="keeps no 'mu_exponent', yet it holds one"):
+        opt.load_state_dict(damaged)
+
+
+@pytest.mark.parametrize("exponent, message", [
+    (torch.tensor(129, dtype=torch.int32), r"'mu_exponent' is 129, outside the \[-148, 128\]"),
+    (torch.tensor(3.0), "'mu_exponent' must be a 0-d torch.int32 tensor"),
+    (torch.tensor([3], dtype=torch.int32), "'mu_exponent' must be a 0-d torch.int32 tensor"),
+    (torch.tensor(128, dtype=torch.int32), "the momentum holds NaN or Inf")])
+def test_a_damaged_exponent_is_refused_on_load_before_anything_changes(exponent, message):
+    """An exponent a step never stores (outside the range, or one under which the largest code
+    decodes past float32's range) or of another layout refuses the load, naming the entry."""
+    p = torch.nn.Parameter(torch.ones(4, 3))
+    opt = PackedMuon([p])
+    p.grad = torch.full((4, 3), 0.25)
+    opt.step()
+    before = [v.clone() for v in opt.state[p].values()]
+    damaged = copy.deepcopy(opt.state_dict())
+    damaged["state"][0]["momentum_code"] = torch.full((4, 3), 0x7C00, dtype=torch.int16)  # 1.0: times 2**128, Inf
+    damaged["state"][0]["mu_exponent"] = exponent
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(damaged)
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.state[p].values()))
+
+
 # ---- the kernels, interpreted on CPU tensors ------------------------------------------------------
-def run_kernels(fmt, grad, state, weights, low, scalars, *, nesterov, maximize):
-    """Both phase kernels around our Newton-Schulz, in place on `state`, `weights` and `low`,
-    on their device: CPU tensors run in the Triton interpreter, CUDA ones compiled."""
-    from packed_adamw.core.muon.kernel import muon_momentum_kernel, muon_weight_kernel
+def run_kernels(fmt, grad, state, exponent, weights, low, scalars, *, nesterov, maximize):
+    """Both phase kernels around our Newton-Schulz, in place on `state`, `exponent` (packed
+    mode; None otherwise), `weights` and `low`, on their device: CPU tensors run in the Triton
+    interpreter, CUDA ones compiled. Returns X, the Newton-Schulz result and the counters row."""
+    from packed_adamw.core.muon.kernel import MATRIX_COUNTERS, muon_momentum_kernel, muon_weight_kernel
 
     c = fmt.kernel_constexprs(track_format=False)
     n, block = grad.numel(), 64  # several programs per matrix
     grid = launch.grid(n, block)
-    counters = torch.zeros(2, dtype=torch.int32, device=grad.device)
-    scratch, x = torch.empty_like(state), torch.empty(grad.shape, dtype=torch.int16, device=grad.device)
+    counters = torch.zeros(MATRIX_COUNTERS, dtype=torch.int32, device=grad.device)
+    x = torch.empty(grad.shape, dtype=torch.int16, device=grad.device)
     scalar_row = torch.tensor(np.array(scalars, np.float32), device=grad.device)
     grad_bf16 = grad.dtype is torch.bfloat16
-    muon_momentum_kernel[grid](grad.view(torch.int16) if grad_bf16 else grad, state, scratch, x, scalar_row,
-                               counters[0:1], n, MODE=c["MODE"], MU_FRAC=c["MU_FRAC"], MU_BIAS=c["MU_BIAS"],
-                               MU_MAX=c["MU_MAX"], NESTEROV=nesterov, MAXIMIZE=maximize, GRAD_BF16=grad_bf16,
-                               BLOCK=block, **launch.COMPILE_OPTIONS)
+    grad_bits = grad.view(torch.int16) if grad_bf16 else grad
+    exponent = counters if exponent is None else exponent  # unread outside packed mode
+    muon_momentum_kernel[grid](grad_bits, state, exponent, x, scalar_row, counters, n, **c, NESTEROV=nesterov,
+                               MAXIMIZE=maximize, GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
     ortho = newton_schulz(x.view(torch.bfloat16)).contiguous().view(torch.int16)
     split = weights.dtype is torch.int16
-    muon_weight_kernel[grid](weights, low if split else weights, ortho, scratch, state, scalar_row, counters[0:1],
-                             counters[1:2], n, SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
+    muon_weight_kernel[grid](weights, low if split else weights, ortho, grad_bits, state, exponent, scalar_row,
+                             counters, n, **c, MAXIMIZE=maximize, GRAD_BF16=grad_bf16, SPLIT=split, BLOCK=block,
+                             **launch.COMPILE_OPTIONS)
     return x, ortho, counters
 
 
@@ -578,27 +758,32 @@ def run_kernels(fmt, grad, state, weights, low, scalars, *, nesterov, maximize):
 @pytest.mark.parametrize("nesterov, maximize, split", [(True, False, False), (False, True, True),
                                                        (True, True, True), (False, False, False)])
 def test_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split, device):
+    """Packed mode from an exponent that puts the decoded momenta far below the gradients'
+    scale (the new exponent comes from the new largest |m'|), the exponent too."""
     rng = np.random.default_rng(12)
     fmt, shape = StateFormat(mode, 33), (9, 17)
     scalars = step_scalar_row((0.02, 0.9, 0.1, 1e-7), shape, adjust_lr_fn="match_rms_adamw")
     grad = gradient(rng, shape, -40, 1)
     if split:
         grad = grad.bfloat16()
-    state = random_state(rng, mode, shape)
+    state, exponent = random_state(rng, mode, shape), exponent_of(mode, -29)
     weights, low = random_weights(rng, shape, split)
-    ref_state, ref_w = state.numpy().copy(), weights.numpy().copy()
+    ref_state, ref_w, ref_exponent = state.numpy().copy(), weights.numpy().copy(), numpy_exponent(exponent)
     ref_low = None if low is None else low.numpy().copy()
     grad_np = grad.view(torch.int16).numpy() if split else grad.numpy()
-    x_ref = momentum_phase(grad_np, ref_state, scalars, fmt=fmt, nesterov=nesterov, maximize=maximize)
-    on_device = [None if t is None else t.to(device) for t in (grad, state, weights, low)]
+    x_ref = momentum_phase(grad_np, ref_state, scalars, fmt=fmt, exponent=ref_exponent, nesterov=nesterov,
+                           maximize=maximize)
+    on_device = [None if t is None else t.to(device) for t in (grad, state, exponent, weights, low)]
     x, ortho, counters = run_kernels(fmt, *on_device, scalars, nesterov=nesterov, maximize=maximize)
-    state, weights, low = (None if t is None else t.cpu() for t in on_device[1:])
+    state, exponent, weights, low = (None if t is None else t.cpu() for t in on_device[1:])
     assert x_ref is not None and int(counters[0]) == 0
     assert np.array_equal(x.cpu().numpy().view(np.uint16), x_ref)
     ortho = ortho.cpu().numpy()
     rejected = weight_phase_split(ref_w, ref_low, ortho, scalars) if split else weight_phase(ref_w, ortho, scalars)
     assert int(counters[1]) == rejected
     assert np.array_equal(state.numpy().view(np.uint8), ref_state.view(np.uint8))
+    if mode == "packed":
+        assert int(exponent) == int(ref_exponent) != -29
     assert np.array_equal(weights.numpy().view(np.uint8), ref_w.view(np.uint8))
     if split:
         assert np.array_equal(low.numpy(), ref_low)
@@ -611,11 +796,12 @@ def test_kernels_refuse_a_matrix_with_a_non_finite_gradient(device):
     grad[4, 5] = float("inf")
     grad = grad.to(device)
     state = torch.from_numpy(rng.integers(0, 2**15, shape).astype(np.int16)).to(device)
+    exponent = exponent_of("packed", 7).to(device)
     weights = gradient(rng, shape).to(device)
     state_before, weights_before = state.clone(), weights.clone()
-    _, _, counters = run_kernels(fmt, grad, state, weights, None, step_scalar_row((0.1, 0.9, 0.1, 1e-7), shape),
-                                 nesterov=True, maximize=False)
-    assert int(counters[0]) > 0
+    _, _, counters = run_kernels(fmt, grad, state, exponent, weights, None,
+                                 step_scalar_row((0.1, 0.9, 0.1, 1e-7), shape), nesterov=True, maximize=False)
+    assert int(counters[0]) > 0 and int(exponent) == 7
     assert torch.equal(state, state_before) and torch.equal(bits(weights), bits(weights_before))
 
 
@@ -624,35 +810,34 @@ def test_kernels_refuse_a_matrix_with_a_non_finite_gradient(device):
 TABLE_SHAPES, TABLE_INDICES = [(20, 12), (12, 20), (12, 20)], [2, 0, 1]
 
 
-def run_table_kernels(fmt, grads, states, weights, lows, scalar_rows, *, nesterov, maximize):
+def run_table_kernels(fmt, grads, states, exponents, weights, lows, scalar_rows, *, nesterov, maximize):
     """Both table kernels, one launch each, around the batched Newton-Schulz of their [B, m, n]
-    buffer; in place on `states`, `weights` and `lows`. Returns the X and result buffers and the
-    [n, 2] counters."""
-    from packed_adamw.core.muon.kernel import muon_momentum_table_kernel, muon_weight_table_kernel
+    buffer; in place on `states`, `exponents`, `weights` and `lows`. Returns the X and result
+    buffers and the [n, MATRIX_COUNTERS] counters."""
+    from packed_adamw.core.muon.kernel import MATRIX_COUNTERS, muon_momentum_table_kernel, muon_weight_table_kernel
 
     c, device = fmt.kernel_constexprs(track_format=False), grads[0].device
     rows, cols = sorted(grads[0].shape)
     block, n = 64, len(TABLE_INDICES)  # several programs per matrix
     tall = [int(g.size(0) > g.size(1)) for g in grads]
-    momentum_table = torch.tensor([[g.data_ptr(), s.data_ptr(), i, slot, t] for slot, (g, s, i, t)
-                                   in enumerate(zip(grads, states, TABLE_INDICES, tall))], device=device)
+    exponent_ptrs = [(s if e is None else e).data_ptr() for s, e in zip(states, exponents)]
+    momentum_table = torch.tensor([[g.data_ptr(), s.data_ptr(), e, i, slot, t] for slot, (g, s, e, i, t)
+                                   in enumerate(zip(grads, states, exponent_ptrs, TABLE_INDICES, tall))], device=device)
     split = weights[0].dtype is torch.int16
-    weight_table = torch.tensor([[w.data_ptr(), (lo if split else w).data_ptr(), s.data_ptr(), i, slot, t]
-                                 for slot, (w, lo, s, i, t) in enumerate(zip(weights, lows, states, TABLE_INDICES,
-                                                                              tall))], device=device)
+    weight_table = torch.tensor([[w.data_ptr(), (lo if split else w).data_ptr(), g.data_ptr(), s.data_ptr(), e, i, slot,
+                                  t] for slot, (w, lo, g, s, e, i, t) in enumerate(zip(weights, lows, grads, states,
+                                                                                          exponent_ptrs, TABLE_INDICES,
+                                                                                          tall))], device=device)
     scalars = torch.tensor(np.array(scalar_rows, np.float32), device=device)
-    counters = torch.zeros((n, 2), dtype=torch.int32, device=device)
+    counters = torch.zeros((n, MATRIX_COUNTERS), dtype=torch.int32, device=device)
     x = torch.empty((n, rows, cols), dtype=torch.int16, device=device)
-    scratch = torch.empty((n, rows * cols), dtype=states[0].dtype, device=device)
     grid = (launch.grid(rows * cols, block)[0], n)
     grad_bf16 = grads[0].dtype is torch.bfloat16
-    muon_momentum_table_kernel[grid](momentum_table, scratch, x, scalars, counters, rows, cols, MODE=c["MODE"],
-                                     MU_FRAC=c["MU_FRAC"], MU_BIAS=c["MU_BIAS"], MU_MAX=c["MU_MAX"],
-                                     NESTEROV=nesterov, MAXIMIZE=maximize, GRAD_BF16=grad_bf16, BLOCK=block,
-                                     **launch.COMPILE_OPTIONS)
+    muon_momentum_table_kernel[grid](momentum_table, x, scalars, counters, rows, cols, **c, NESTEROV=nesterov,
+                                     MAXIMIZE=maximize, GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
     ortho = torch_muon.newton_schulz_stacked(x.view(torch.bfloat16)).view(torch.int16)
-    muon_weight_table_kernel[grid](weight_table, scratch, ortho, scalars, counters, rows, cols, MODE=c["MODE"],
-                                   SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
+    muon_weight_table_kernel[grid](weight_table, ortho, scalars, counters, rows, cols, **c, MAXIMIZE=maximize,
+                                   GRAD_BF16=grad_bf16, SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
     return x, ortho, counters
 
 
@@ -661,31 +846,34 @@ def run_table_kernels(fmt, grads, states, weights, lows, scalar_rows, *, nestero
                                                        (True, True, True), (False, False, False)])
 def test_table_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split, device):
     """One launch per phase for a batch, a tall matrix's X and result in its slot transposed, and
-    a refused matrix (slot 1) that keeps everything while its batch-mates step."""
+    a refused matrix (slot 1) that keeps everything while its batch-mates step; each matrix's
+    exponent its own."""
     rng = np.random.default_rng(16)
     fmt = StateFormat(mode, 33)
     scalar_rows = [None] * len(TABLE_SHAPES)
     for lr, shape, i in zip((0.02, 0.03, 0.05), TABLE_SHAPES, TABLE_INDICES):
         scalar_rows[i] = step_scalar_row((lr, 0.9, 0.1, 1e-7), shape, adjust_lr_fn="match_rms_adamw")
-    grads, states, weights, lows = [], [], [], []
+    grads, states, exponents, weights, lows = [], [], [], [], []
     for slot, shape in enumerate(TABLE_SHAPES):
-        grad = gradient(rng, shape, -40, 1)
+        grad = gradient(rng, shape, -40, 1 + 9 * slot)
         if slot == 1:
             grad[3, 7] = float("nan")
         grads.append(grad.bfloat16() if split else grad)
         states.append(random_state(rng, mode, shape))
+        exponents.append(exponent_of(mode, 5 * slot - 3))
         w, low = random_weights(rng, shape, split)
         weights.append(w)
         lows.append(low)
-    refs = [(s.numpy().copy(), w.numpy().copy(), None if lo is None else lo.numpy().copy())
-            for s, w, lo in zip(states, weights, lows)]
-    on_device = [[None if t is None else t.to(device) for t in ts] for ts in (grads, states, weights, lows)]
+    refs = [(s.numpy().copy(), numpy_exponent(e), w.numpy().copy(), None if lo is None else lo.numpy().copy())
+            for s, e, w, lo in zip(states, exponents, weights, lows)]
+    on_device = [[None if t is None else t.to(device) for t in ts] for ts in (grads, states, exponents, weights, lows)]
     x, ortho, counters = run_table_kernels(fmt, *on_device, scalar_rows, nesterov=nesterov, maximize=maximize)
     x, ortho, counters = x.cpu().numpy(), ortho.cpu().numpy(), counters.cpu().numpy()
-    for slot, (grad, (ref_state, ref_w, ref_low), i) in enumerate(zip(grads, refs, TABLE_INDICES)):
-        state, w = on_device[1][slot].cpu().numpy(), on_device[2][slot].cpu().numpy()
+    for slot, (grad, (ref_state, ref_exponent, ref_w, ref_low), i) in enumerate(zip(grads, refs, TABLE_INDICES)):
+        state, w = on_device[1][slot].cpu().numpy(), on_device[3][slot].cpu().numpy()
         grad_np = grad.view(torch.int16).numpy() if split else grad.numpy()
-        x_ref = momentum_phase(grad_np, ref_state, scalar_rows[i], fmt=fmt, nesterov=nesterov, maximize=maximize)
+        x_ref = momentum_phase(grad_np, ref_state, scalar_rows[i], fmt=fmt, exponent=ref_exponent, nesterov=nesterov,
+                               maximize=maximize)
         tall = grad.size(0) > grad.size(1)
         if slot == 1:
             assert x_ref is None and counters[i, 0] > 0 and counters[i, 1] == 0
@@ -697,9 +885,11 @@ def test_table_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split, d
                         else weight_phase(ref_w, result, scalar_rows[i]))
             assert counters[i, 1] == rejected
         assert np.array_equal(state.view(np.uint8), ref_state.view(np.uint8))
+        if mode == "packed":
+            assert int(on_device[2][slot].cpu()) == int(ref_exponent)
         assert np.array_equal(w.view(np.uint8), ref_w.view(np.uint8))
         if split:
-            assert np.array_equal(on_device[3][slot].cpu().numpy(), ref_low)
+            assert np.array_equal(on_device[4][slot].cpu().numpy(), ref_low)
 
 
 @pytest.mark.cuda
@@ -732,7 +922,7 @@ def test_cuda_step_equals_the_cpu_phases_around_the_cuda_newton_schulz(mode, ns_
         torch.nn.Parameter(torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).cuda().bfloat16()))
     opt = PackedMuon([param], lr=0.02, mode=mode, check_nonfinite=True, ns_impl=ns_impl)
     ns = newton_schulz_triton if ns_impl == "auto" else newton_schulz
-    state = np.zeros(shape, np.uint16)
+    state, exponent = np.zeros(shape, np.uint16), numpy_exponent(exponent_of(mode))
     scalars = step_scalar_row((0.02, 0.95, 0.1, 1e-7), shape)
     weights = param.detach().cpu().view(torch.int16).numpy().copy()
     low = np.zeros(shape, np.int16)
@@ -740,10 +930,12 @@ def test_cuda_step_equals_the_cpu_phases_around_the_cuda_newton_schulz(mode, ns_
         g = gradient(rng, shape)
         param.grad = g.cuda()
         opt.step()
-        x = momentum_phase(g.numpy(), state, scalars, fmt=fmt)
+        x = momentum_phase(g.numpy(), state, scalars, fmt=fmt, exponent=exponent)
         ortho = ns(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()).contiguous()
         weight_phase_split(weights, low, ortho.view(torch.int16).cpu().numpy(), scalars)
         assert np.array_equal(opt.state[param]["momentum_code"].cpu().numpy().view(np.uint16), state)
+        if mode == "packed":
+            assert int(opt.state[param]["mu_exponent"]) == int(exponent)
         assert np.array_equal(param.detach().cpu().view(torch.int16).numpy(), weights)
         assert np.array_equal(opt.state[param]["lo"].cpu().numpy(), low)
 
@@ -794,7 +986,7 @@ def test_combined_state_dict_round_trip_and_identity_checks():
         set_gradients(rng, model)
         combined.step()
     saved = copy.deepcopy(combined.state_dict())
-    assert saved["packed_adamw"]["format"] == {"muon": "muon-packed:mu=SE5M10b31",
+    assert saved["packed_adamw"]["format"] == {"muon": "muon-packed:mu=SE5M10b31:scale=pow2/matrix",
                                                "adamw": combined.rules["adamw"].state_format.identity}
     twin.load_state_dict(model.state_dict())
     other = PackedMuonAdamW(muon_param_groups(twin, exclude=("head",), muon=MUON_OPTIONS, adamw=ADAMW_OPTIONS))
@@ -1245,9 +1437,11 @@ def expected_stats(opt, params, grads, stats) -> None:
         entry = stats.setdefault(name, {"elements": 0, "refused": 0})
         state = opt.state[p][fmt.state_key].numpy().copy() if p in opt.state else \
             np.zeros(p.shape, np.float32 if fmt.mode == "fp32" else np.uint16)
+        exponent = None if fmt.mode != "packed" else \
+            opt.state[p]["mu_exponent"].numpy().copy() if p in opt.state else np.zeros((), np.int32)
         counts = np.zeros(3, np.int64)
         scalars = step_scalar_row((group["lr"], group["momentum"], group["weight_decay"], group["eps"]), tuple(p.shape))
-        if momentum_phase(g.numpy(), state, scalars, fmt=fmt, format_counts_out=counts) is None:
+        if momentum_phase(g.numpy(), state, scalars, fmt=fmt, exponent=exponent, format_counts_out=counts) is None:
             entry["refused"] += 1
             continue
         entry["elements"] += p.numel()
@@ -1284,11 +1478,13 @@ def test_track_format_counts_refused_matrices_and_format_events_and_changes_no_b
         assert all(torch.equal(a, b) for a, b in zip(snapshot(opt, params), snapshot(twin, twin_params)))
     assert want["w1"]["refused"] == 1 and want["w0"]["refused"] == 0
     if mode == "packed":
-        assert all(want["w0"][key] > 0 for key in ("saturated_mu", "flushed_mu", "subnormal_mu"))
-        with pytest.warns(RuntimeWarning) as warned:  # the shared saturation warning, with Muon's bias
+        # Each matrix's exponent puts its largest |m'| one binade below the top code: nothing
+        # saturates (so the shared saturation warning stays silent); the momenta 30 and 40
+        # binades below the largest go subnormal and flush.
+        assert want["w0"]["saturated_mu"] == 0 and all(want["w0"][key] > 0 for key in ("flushed_mu", "subnormal_mu"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
             assert opt.format_stats() == want
-        assert any(str(w.message).startswith("PackedMuon: 'w0': ") and "momenta saturated at" in str(w.message)
-                   and "lower mu_bias (now 31" in str(w.message) for w in warned)
     else:
         assert opt.format_stats() == want
     with pytest.raises(ValueError, match=r"PackedMuon\(\.\.\., track_format=True\)"):

@@ -129,6 +129,25 @@ def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
+def replicated(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A per-matrix state value of `param` (a 0-d tensor, Muon's packed exponent): itself for a
+    plain parameter; for a DTensor, the same value on every rank, replicated on its mesh (never
+    sharded: each rank's shard reads the whole matrix's value)."""
+    if not is_dtensor(param):
+        return local
+    mesh = param.device_mesh
+    return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False, shape=local.shape,
+                              stride=local.stride())
+
+
+def is_replicated_on(t, param: torch.Tensor) -> bool:
+    """Whether `t` is laid out as `replicated` lays out a value of `param`."""
+    if not is_dtensor(param):
+        return not is_dtensor(t)
+    return is_dtensor(t) and t.device_mesh == param.device_mesh and all(isinstance(pl, Replicate)
+                                                                         for pl in t.placements)
+
+
 def describe(t) -> str:
     if is_dtensor(t):
         return f"a DTensor on {t.device_mesh} with placements {tuple(t.placements)}"

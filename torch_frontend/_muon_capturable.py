@@ -51,8 +51,11 @@ class DevicePlan:
         self.spares: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def scalars_and_counters(self, groups: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's [n, 4] float32 scalar rows (SCALAR_FIELDS order) and [n, 2] int32 counters
-        (refused elements, rejected weights), a matrix whose group's lr is invalid counted refused."""
+        """The step's [n, 4] float32 scalar rows (SCALAR_FIELDS order) and [n, MATRIX_COUNTERS]
+        int32 counters (core/muon/kernel.py's COUNTER_COLUMNS: refused elements first), zeroed, a
+        matrix whose group's lr is invalid counted refused."""
+        from packed_adamw.core.muon.kernel import MATRIX_COUNTERS
+
         lrs = torch.stack([group["lr"].reshape(()).to(FLOAT64) for group in groups])
         lr = lrs.index_select(0, self.group_index)
         n = len(self.lr_ratio)
@@ -62,7 +65,7 @@ class DevicePlan:
         scalars[:, 3] = -(lr * self.lr_ratio)
         lr32 = lr.float().double()  # the host validates lr as a float32 number
         valid = (lr32 >= 0) & (lr32 <= FLOAT32_MAX) & (lr32 * self.weight_decay32 <= FLOAT32_MAX)
-        counters = torch.zeros((n, 2), dtype=torch.int32, device=lr.device)
+        counters = torch.zeros((n, MATRIX_COUNTERS), dtype=torch.int32, device=lr.device)
         counters[:, 0] = torch.logical_not(valid)
         return scalars, counters
 

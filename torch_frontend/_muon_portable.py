@@ -3,9 +3,11 @@
 `packed_adamw.jax.muon.import_muon_state` or another torch optimizer.
 
 A Muon parameter's tensor is its momentum entry (uint16 codes, or float32 in fp32 mode) in
-torch's [out, in] layout, with count None (torch's Muon keeps no step count), and a bf16
-parameter's low half. An AdamW parameter's tensor is `_persistence.export_state`'s. Imports
-check every tensor (format, shape, dtype, low half, values) before anything changes.
+torch's [out, in] layout, with count None (torch's Muon keeps no step count), in packed mode its
+exponent (0-d int32), and a bf16 parameter's low half. An AdamW parameter's tensor is
+`_persistence.export_state`'s. Imports check every tensor (format, shape, dtype, exponent, low
+half, values) before anything changes; a packed state exported before the exponents imports with
+exponent 0.
 """
 from __future__ import annotations
 
@@ -39,20 +41,25 @@ def _is_muon(rule) -> bool:
     return getattr(rule, "rule_name", None) == "muon"
 
 
-def _muon_tensor(rule, p) -> tuple[np.ndarray, np.ndarray | None]:
-    """(momentum, low half or None) of one Muon parameter as numpy arrays; zeros if never stepped."""
-    from .muon import new_momentum
+def _muon_tensor(rule, p) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(momentum, exponent or None, low half or None) of one Muon parameter as numpy arrays;
+    zeros if never stepped."""
+    from .muon import new_exponent, new_momentum
 
     fmt = rule.state_format
     state = rule.state.get(p) or {}
     momentum = state.get(fmt.state_key)
     momentum = (momentum if momentum is not None else new_momentum(p, fmt)).detach().cpu()
     array = momentum.numpy().view(np.uint16) if momentum.dtype is torch.int16 else momentum.numpy()
+    exponent = None
+    if fmt.exponent_entry is not None:
+        stored = state.get(fmt.exponent_entry.key)
+        exponent = (stored if stored is not None else new_exponent(p)).detach().cpu().numpy().copy()
     low = None
     if p.dtype is BFLOAT16:
         stored = state.get(LOW_HALF_KEY)
         low = stored.detach().cpu().numpy().copy() if stored is not None else np.zeros(p.shape, codecs.LOW_HALF_DTYPE)
-    return array.copy(), low
+    return array.copy(), exponent, low
 
 
 def export_state(opt) -> PortableState:
@@ -60,11 +67,12 @@ def export_state(opt) -> PortableState:
     adamw = [r for r in dict.fromkeys(rules) if not _is_muon(r)]
     adamw_part = _persistence.export_state(adamw[0]) if adamw else None  # in the AdamW groups' order
     adamw_index = 0
-    identities, counts, moments, lows = [], [], [], []
+    identities, counts, moments, lows, exponents = [], [], [], [], []
     for p, rule in zip(params, rules):
         identities.append(rule.state_format.identity)
+        exponent = None
         if _is_muon(rule):
-            momentum, low = _muon_tensor(rule, p)
+            momentum, exponent, low = _muon_tensor(rule, p)
             counts.append(None)
         else:
             momentum, count = adamw_part.moments[adamw_index], adamw_part.counts[adamw_index]
@@ -72,8 +80,9 @@ def export_state(opt) -> PortableState:
             counts.append(count)
             adamw_index += 1
         moments.append(momentum)
+        exponents.append(exponent)
         lows.append(low)
-    return PortableState.of(identities, counts, moments, lows)
+    return PortableState.of(identities, counts, moments, lows, exponents)
 
 
 def import_state(opt, portable: PortableState) -> None:
@@ -85,11 +94,15 @@ def import_state(opt, portable: PortableState) -> None:
     portable.check_muon_values(fmts, names)
     lows = portable.low_halves or [None] * len(params)
     muon_entries, adamw = {}, {"counts": [], "moments": [], "lows": [], "rule": None}
-    for p, rule, count, momentum, low in zip(params, rules, portable.counts, portable.moments, lows):
+    for i, (p, rule, count, momentum, low) in enumerate(zip(params, rules, portable.counts, portable.moments, lows)):
         if _is_muon(rule):
+            fmt = rule.state_format
             array = np.array(momentum, order="C", copy=True)
             tensor = torch.from_numpy(array.view(np.int16) if array.dtype == np.uint16 else array)
-            entry = {rule.state_format.state_key: tensor.to(p.device)}
+            entry = {fmt.state_key: tensor.to(p.device)}
+            if fmt.exponent_entry is not None:  # 0 for a state exported before the exponents
+                entry[fmt.exponent_entry.key] = torch.from_numpy(
+                    np.array(portable.muon_exponent(i, fmt), order="C", copy=True)).to(p.device)
             if low is not None:
                 entry[LOW_HALF_KEY] = torch.from_numpy(np.array(low, order="C", copy=True)).to(p.device)
             muon_entries[p] = (rule, entry)

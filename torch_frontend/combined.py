@@ -360,12 +360,16 @@ class PackedMuonAdamW(Optimizer):
             raise ValueError(f"load_state_dict: the saved state has {len(saved_groups)} param groups, this optimizer "
                              f"{len(self.param_groups)}; load it into an optimizer built over the same groups")
         identities = self.identities()
+        saved_identities = {}  # per rule, the identity its saved groups carry (all the same)
         for i, (saved, ours) in enumerate(zip(saved_groups, self.param_groups)):
             if saved.get("kind") != ours["kind"]:
                 raise ValueError(f"load_state_dict: saved param_groups[{i}] is kind={saved.get('kind')!r}, this "
                                  f"optimizer's is {ours['kind']!r}; build the optimizer with the saved run's groups")
             saved_identity = saved.get(_persistence.GROUP_FORMAT_KEY)
-            if saved_identity != identities[ours["kind"]]:
+            fmt = self._rules[ours["kind"]].state_format
+            # Muon's packed format also reads its states saved before the exponents (MUON.md).
+            reads = fmt.reads(saved_identity) if hasattr(fmt, "reads") else saved_identity == fmt.identity
+            if not reads or saved_identities.setdefault(ours["kind"], saved_identity) != saved_identity:
                 raise ValueError(f"load_state_dict: saved param_groups[{i}] ({ours['kind']}) has format "
                                  f"{saved_identity!r} but this optimizer uses {identities[ours['kind']]!r}; "
                                  "construct it with the saved run's modes and biases")
@@ -374,7 +378,7 @@ class PackedMuonAdamW(Optimizer):
             part = {"state": state_dict["state"],
                     "param_groups": [g for g in saved_groups if g["kind"] == kind],
                     _persistence.STATE_DICT_KEY: {"version": _persistence.STATE_DICT_VERSION,
-                                                  "format": identities[kind]}}
+                                                  "format": saved_identities.get(kind, identities[kind])}}
             check = _muon.checked_load if kind == "muon" else _persistence.checked_load
             checked[kind] = check(rule, part)[1]
         groups = [{k: v for k, v in g.items() if k != _persistence.GROUP_FORMAT_KEY} for g in saved_groups]

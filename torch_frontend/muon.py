@@ -27,7 +27,9 @@ from packed_adamw.core.muon import (
     FORMAT_COUNTS,
     RULE,
     StateFormat,
-    momentum_phase,
+    commit_momentum,
+    decode_momentum,
+    momentum_update,
     step_scalar_row,
     validate_ns,
     weight_phase,
@@ -44,6 +46,7 @@ COMBINED_NAME = "PackedMuonAdamW"  # where the parameters Muon refuses belong (c
 # The 16-bit momentum codes live in int16 tensors: torch has few uint16 operations, and
 # core/muon reads an int16 view as its bits.
 _TORCH_DTYPES = {"uint16": torch.int16, "float32": torch.float32}
+EXPONENT_DTYPE = torch.int32  # packed mode's per-matrix exponent (StateFormat.exponent_entry)
 
 
 def newton_schulz(x: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS,
@@ -175,6 +178,8 @@ def ns_batch_key(shape, group: dict) -> tuple:
 # stored as int8 pairs [*shape, 2], as _dtensor.py stores a low half: torch.distributed's
 # collectives carry no int16, and a trailing pair dimension keeps every placement of the
 # parameter's dims meaning the same. fp32 momenta are float32 DTensors laid out like the parameter.
+# Packed mode's exponent (one int32 a matrix) is a 0-d DTensor replicated on the parameter's mesh:
+# every rank holds the whole matrix's.
 SHARDED_CODES_DTYPE = _dtensor.SHARDED_LOW_HALF_DTYPE
 NAN_BF16_BITS = 0x7FC0  # a shard that refuses its part of X sends these (see `_gathered_input`)
 
@@ -199,13 +204,40 @@ def new_momentum(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     return _dtensor.like_param(param, local)
 
 
+def new_exponent(param: torch.Tensor, value: int = 0) -> torch.Tensor:
+    """Packed mode's per-matrix exponent of `param` (0 before the first step, and for a state
+    saved before the exponents): a 0-d int32 tensor on its device, replicated for a DTensor."""
+    local = torch.tensor(value, dtype=EXPONENT_DTYPE, device=_dtensor.local(param).device)
+    return _dtensor.replicated(param, local)
+
+
 def fresh_entries(opt, p: torch.Tensor) -> dict:
-    """A matrix's state before its first step: a zero momentum entry and, for a bf16 one, a zero
-    low half (both laid out like the parameter)."""
-    entries = {opt.state_format.state_key: new_momentum(p, opt.state_format)}
+    """A matrix's state before its first step: a zero momentum entry (and, packed mode, its
+    exponent 0) and, for a bf16 one, a zero low half (laid out like the parameter)."""
+    fmt = opt.state_format
+    entries = {fmt.state_key: new_momentum(p, fmt)}
+    if fmt.exponent_entry is not None:
+        entries[fmt.exponent_entry.key] = new_exponent(p)
     if p.dtype is BFLOAT16:
         entries[LOW_HALF_KEY] = new_split_low_half(p)
     return entries
+
+
+def add_missing_exponents(opt) -> None:
+    """An optimizer pickled before packed mode's exponents holds codes alone: each such matrix
+    gets exponent 0, under which its codes read as the values they had."""
+    entry = opt.__dict__.get("state_format") and opt.state_format.exponent_entry
+    if not entry:
+        return
+    for p, state in opt.state.items():
+        if opt.state_format.state_key in state and entry.key not in state:
+            state[entry.key] = new_exponent(p)
+
+
+def local_exponent(stored: torch.Tensor) -> torch.Tensor:
+    """The 0-d int32 tensor the phases read and write of a stored exponent (a replicated
+    DTensor's local value)."""
+    return _dtensor.local(stored)
 
 
 def local_entry(stored: torch.Tensor) -> torch.Tensor:
@@ -322,6 +354,7 @@ class PackedMuon(Optimizer):
         state["_track_format"] = bool(state.pop("track_format", self.__dict__.get("_track_format", False)))
         super().__setstate__(state)  # torch's load_state_dict passes new groups: the compiled step's lists follow
         self.__dict__.setdefault("capturable", False)
+        add_missing_exponents(self)
         self._note_param_lists()
         if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer
             self._compile_token = _compiled.register(self)
@@ -498,9 +531,28 @@ def _checked_state(opt, p, name: str) -> dict:
                          f"shape {shape} on {p_local.device} ({_dtensor.describe(p)}, like the parameter); load a "
                          "state saved by PackedMuon with the same mode (a sharded one through "
                          "torch.distributed.checkpoint), or start fresh")
+    _check_exponent(fmt, p, state.get(fmt.exponent_entry.key) if fmt.exponent_entry else None, name)
     if p.dtype is BFLOAT16:
         _checks.check_live_low_half(p, p_local, state, name)
     return state
+
+
+def _check_exponent(fmt: StateFormat, p: torch.Tensor, exponent, where: str) -> None:
+    """Packed mode's stored exponent of `p`: a 0-d int32 tensor on its device (replicated on a
+    DTensor's mesh)."""
+    entry = fmt.exponent_entry
+    if entry is None:
+        return
+    laid_out = isinstance(exponent, torch.Tensor) and _dtensor.is_replicated_on(exponent, p) \
+        and exponent.dtype == EXPONENT_DTYPE and exponent.dim() == 0 \
+        and local_exponent(exponent).device == _dtensor.local(p).device
+    if not laid_out:
+        got = exponent if not isinstance(exponent, torch.Tensor) else \
+            f"{_dtensor.describe(exponent)} {exponent.dtype} {tuple(exponent.shape)}"
+        raise ValueError(f"{where}: its optimizer state has no 0-d int32 {entry.key!r} tensor on "
+                         f"{_dtensor.local(p).device} (the matrix's exponent in {fmt.identity}"
+                         + (", replicated on the parameter's mesh" if _dtensor.is_dtensor(p) else "")
+                         + f"), got {got}; load a state saved by PackedMuon with the same mode, or start fresh")
 
 
 # ---- the step ------------------------------------------------------------------------------
@@ -515,6 +567,7 @@ class Matrix(NamedTuple):
     weights: torch.Tensor
     momentum: torch.Tensor
     low: torch.Tensor | None  # a bf16 parameter's int16 low half
+    exponent: torch.Tensor | None  # packed mode's 0-d int32 exponent
 
     @property
     def sharded(self) -> bool:
@@ -620,15 +673,16 @@ def _matrices(opt, checked: list[Checked], live) -> list[Matrix]:
     """The checked matrices with their state made, as the phases read them. A zero-size one
     has nothing to step (and no learning-rate ratio); its empty state is made, as
     torch.optim.Muon makes its empty buffer."""
-    key = opt.state_format.state_key
+    fmt = opt.state_format
     work = []
     for p, g, _, group, row, name in checked:
         if p.numel() == 0:
             continue
         state = opt.state[p]
         low = local_entry(state[LOW_HALF_KEY]) if p.dtype is BFLOAT16 else None
+        exponent = local_exponent(state[fmt.exponent_entry.key]) if fmt.exponent_entry else None
         weights = _dtensor.local(p) if live is None else live.get(id(p), _dtensor.local(p))
-        work.append(Matrix(p, g, group, row, name, weights, local_entry(state[key]), low))
+        work.append(Matrix(p, g, group, row, name, weights, local_entry(state[fmt.state_key]), low, exponent))
     return work
 
 
@@ -676,8 +730,9 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
     return (group["lr"], *row[1:]) if capturable else row
 
 
-# A batch's buffers live while it runs: its stacked X, the scratch momentum entries and the
-# Newton-Schulz iterates, about 10 bytes an element on CUDA. Batching saves launches, which count
+# A batch's buffers live while it runs: its stacked X and the Newton-Schulz iterates, about 8
+# bytes an element on CUDA (the weight kernel recomputes the new momentum: no scratch entries,
+# which were 2 more in packed mode, 4 in fp32 mode). Batching saves launches, which count
 # for small matrices only, so a shape's batch is split into parts of at most this many elements:
 # the memory a batched step adds stays bounded on large models (a 7B model's 96 MLP matrices share
 # one shape up to transposition, 4.3 G elements), while the d12 and GPT-2 lists keep whole batches
@@ -804,31 +859,37 @@ def _summed_over_shards(param: torch.Tensor, count: torch.Tensor) -> torch.Tenso
 def _cpu_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     fmt = opt.state_format
     refused, rejected = [False] * len(work), [0] * len(work)
-    # With track_format, each matrix's format counts (its phase adds them only if it accepts it).
+    # With track_format, each matrix's format counts (added only where it is accepted).
     counts = np.zeros((len(work), launch.MAX_FORMAT_COUNTS), np.int64) if opt.track_format else None
     for batch in _ns_batches(opt, work):
-        inputs, scalar_rows = {}, {}
+        updates, inputs, scalar_rows = {}, {}, {}
         for i in batch:
             w = work[i]
             scalar_rows[i] = _scalar_row(w)
             grad = w.grad.detach().numpy() if w.grad.dtype is FLOAT32 else _numpy16(w.grad)
-            # A shard's new momentum is committed only once every rank accepted the matrix.
-            momentum = w.momentum.numpy().copy() if w.sharded else w.momentum.numpy()
-            ns_bits = momentum_phase(grad, momentum, scalar_rows[i], fmt=fmt, nesterov=w.group["nesterov"],
-                                     maximize=bool(w.group.get("maximize", False)),
-                                     format_counts_out=None if counts is None else counts[i, :len(FORMAT_COUNTS)])
-            x = None if ns_bits is None else torch.from_numpy(ns_bits.view(np.int16))
+            update = momentum_update(grad, w.momentum.numpy(), scalar_rows[i], fmt=fmt,
+                                     exponent=None if w.exponent is None else w.exponent.numpy(),
+                                     nesterov=w.group["nesterov"], maximize=bool(w.group.get("maximize", False)))
+            x = None if update is None else torch.from_numpy(update.ns_bits.view(np.int16))
             if w.sharded:
                 x = _gathered_input(w.param, torch.full(w.weights.shape, NAN_BF16_BITS, dtype=torch.int16)
                                     if x is None else x)
                 if not bool(torch.isfinite(x.view(BFLOAT16)).all()):
                     x = None
-                else:
-                    np.copyto(w.momentum.numpy(), momentum)
             if x is None:
                 refused[i] = True
             else:
-                inputs[i] = x.view(BFLOAT16)
+                updates[i], inputs[i] = update, x.view(BFLOAT16)
+        # The momenta are stored only once the matrices are accepted; a sharded one's exponent
+        # from its largest |m'| over every shard, one collective for the batch's.
+        whole_amax = _amax_over_shards([work[i] for i in batch], [
+            torch.tensor(updates[i].amax if i in updates else 0.0) for i in batch]) if fmt.exponent_entry else {}
+        for i, update in updates.items():
+            w = work[i]
+            commit_momentum(update, w.momentum.numpy(), fmt=fmt,
+                            exponent=None if w.exponent is None else w.exponent.numpy(),
+                            amax=whole_amax.get(id(w.param)),
+                            format_counts_out=None if counts is None else counts[i, :len(FORMAT_COUNTS)])
         if not inputs:
             continue
         for i, result in zip(inputs, _ns(opt, list(inputs.values()), work[batch[0]].group)):
@@ -843,6 +904,24 @@ def _cpu_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     if counts is not None:
         _track(opt, work, torch.from_numpy(counts), torch.tensor([not r for r in refused]))
     return refused, rejected
+
+
+def _amax_over_shards(matrices: list[Matrix], values: list[torch.Tensor]) -> dict:
+    """id(param) -> the largest |m'| over every rank's part, of the sharded matrices among
+    `matrices` (`values`: this rank's, 0-d, in their order): one all-reduce (MAX) per mesh, on
+    the values' device, with no wait. Every rank passes the same matrices, refused ones too."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    by_mesh: dict[int, tuple] = {}
+    for w, value in zip(matrices, values):
+        if w.sharded:
+            by_mesh.setdefault(id(w.param.device_mesh), (w.param.device_mesh, []))[1].append((w, value))
+    whole = {}
+    for mesh, members in by_mesh.values():
+        local = torch.stack([value for _, value in members])
+        reduced = DTensor.from_local(local, mesh, [Partial("max")] * mesh.ndim, run_check=False).full_tensor()
+        whole.update((id(w.param), reduced[j]) for j, (w, _) in enumerate(members))
+    return whole
 
 
 def _track(opt, work: list[Matrix], counts: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -865,7 +944,8 @@ def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     unless `check_nonfinite` asks."""
     if _batches_ns(opt, work[0].weights.device) and not any(w.sharded for w in work):
         return _cuda_step_batched(opt, work)
-    from packed_adamw.core.muon.kernel import muon_momentum_counting_kernel, muon_momentum_kernel, muon_weight_kernel
+    from packed_adamw.core.muon.kernel import (COUNTER_COLUMNS, MATRIX_COUNTERS, muon_momentum_kernel,
+                                               muon_weight_counting_kernel, muon_weight_kernel)
 
     fmt = opt.state_format
     constants = fmt.kernel_constexprs(track_format=False)
@@ -874,37 +954,41 @@ def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     if opt.capturable:
         scalar_rows, counters, _ = _capturable_rows(opt, work)
     else:
-        counters = torch.zeros((len(work), 2), dtype=torch.int32, device=device)  # refused elements, rejected weights
+        counters = torch.zeros((len(work), MATRIX_COUNTERS), dtype=torch.int32, device=device)  # kernel.COUNTER_COLUMNS
         scalar_rows = torch.tensor(np.array([_scalar_row(w) for w in work], np.float32).reshape(len(work), 4),
                                    device=device)
     # Each matrix's views made in two calls, not by indexing per launch (host time is the cost here).
-    rows, counts = scalar_rows.unbind(0), counters.view(-1).split(1)  # counts: refused 2i, rejected 2i + 1
-    # With track_format (packed mode) the momentum phase's counting twin adds each matrix's format
-    # counts to its row here; the default path launches the uncounted kernel as before.
+    rows, counter_rows = scalar_rows.unbind(0), counters.unbind(0)
+    # With track_format (packed mode) the weight phase's counting twin adds each accepted matrix's
+    # format counts to its row here; the default path launches the uncounted kernel as before.
     format_rows = new_counters(len(work), device) if _counting(opt) else None
-    momentum_kernel = muon_momentum_kernel if format_rows is None else muon_momentum_counting_kernel
+    weight_kernel = muon_weight_kernel if format_rows is None else muon_weight_counting_kernel
     for batch in _ns_batches(opt, work):
-        scratches, inputs = {}, {}
+        inputs = {}
         for i in batch:
             w = work[i]
             n = w.weights.numel()
-            scratches[i], x = torch.empty_like(w.momentum), torch.empty(w.weights.shape, dtype=torch.int16,
-                                                                       device=device)
+            x = torch.empty(w.weights.shape, dtype=torch.int16, device=device)
             grad_bf16 = w.grad.dtype is BFLOAT16
-            if n:
-                counted = () if format_rows is None else (format_rows[i],)
-                momentum_kernel[launch.grid(n, block)](
-                    w.grad.view(torch.int16) if grad_bf16 else w.grad, w.momentum, scratches[i], x, rows[i],
-                    counts[2 * i], *counted, n, MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"],
-                    MU_BIAS=constants["MU_BIAS"], MU_MAX=constants["MU_MAX"], NESTEROV=bool(w.group["nesterov"]),
-                    MAXIMIZE=bool(w.group.get("maximize", False)), GRAD_BF16=grad_bf16, BLOCK=block,
-                    **launch.COMPILE_OPTIONS)
+            # A DTensor's empty local shard launches one program too, which touches no element: each
+            # rank keeps its copy of the matrix's exponent.
+            muon_momentum_kernel[launch.grid(max(n, 1), block)](
+                w.grad.view(torch.int16) if grad_bf16 else w.grad, w.momentum, _exponent_pointer(w, counter_rows[i]),
+                x, rows[i], counter_rows[i], n, **constants, NESTEROV=bool(w.group["nesterov"]),
+                MAXIMIZE=bool(w.group.get("maximize", False)), GRAD_BF16=grad_bf16, BLOCK=block,
+                **launch.COMPILE_OPTIONS)
             if w.sharded:
                 # On the device, without a wait: a refusing rank sends NaNs, and every rank's
                 # refused count becomes the whole X's non-finite count, which the weight kernel reads.
-                x = _gathered_input(w.param, torch.where(counts[2 * i] > 0, NAN_BF16_BITS, x))
-                counts[2 * i].copy_((~torch.isfinite(x.view(BFLOAT16))).sum())
+                x = _gathered_input(w.param, torch.where(counter_rows[i][0] > 0, NAN_BF16_BITS, x))
+                counter_rows[i][0].copy_((~torch.isfinite(x.view(BFLOAT16))).sum())
             inputs[i] = x.view(BFLOAT16)
+        if fmt.exponent_entry is not None:  # a sharded matrix's exponent from its largest |m'| over every shard
+            amax = COUNTER_COLUMNS.index("amax_bits")
+            sharded = [i for i in batch if work[i].sharded]
+            whole = _amax_over_shards([work[i] for i in sharded], [counter_rows[i][amax] for i in sharded])
+            for i in sharded:
+                counter_rows[i][amax].copy_(whole[id(work[i].param)])
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
         # output is not used, and a batch's matrices do not mix.
         for i, result in zip(batch, _ns(opt, list(inputs.values()), work[batch[0]].group)):
@@ -913,14 +997,24 @@ def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
             ortho = (_local_part(w.param, result) if w.sharded else result.contiguous()).view(torch.int16)
             split = w.low is not None
             weights = w.weights.detach().view(torch.int16) if split else w.weights.detach()
-            if n:
-                muon_weight_kernel[launch.grid(n, block)](
-                    weights, w.low if split else weights, ortho, scratches[i], w.momentum, rows[i], counts[2 * i],
-                    counts[2 * i + 1], n, SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
+            grad_bf16 = w.grad.dtype is BFLOAT16
+            counted = () if format_rows is None else (format_rows[i],)
+            weight_kernel[launch.grid(max(n, 1), block)](
+                weights, w.low if split else weights, ortho, w.grad.view(torch.int16) if grad_bf16 else w.grad,
+                w.momentum, _exponent_pointer(w, counter_rows[i]), rows[i], counter_rows[i], *counted, n,
+                **constants, MAXIMIZE=bool(w.group.get("maximize", False)), GRAD_BF16=grad_bf16, SPLIT=split,
+                BLOCK=block, **launch.COMPILE_OPTIONS)
             if w.sharded and opt.check_nonfinite:
-                counts[2 * i + 1].copy_(_summed_over_shards(w.param, counts[2 * i + 1]))
+                rejected = COUNTER_COLUMNS.index("rejected")
+                counter_rows[i][rejected].copy_(_summed_over_shards(w.param, counter_rows[i][rejected]))
     _track_launches(opt, work, counters, format_rows)
     return _counted(opt, counters)
+
+
+def _exponent_pointer(w: Matrix, placeholder: torch.Tensor) -> torch.Tensor:
+    """The kernels' exponent argument: packed mode's 0-d exponent; in the other modes a tensor
+    of the launch's that the kernels never read there."""
+    return placeholder if w.exponent is None else w.exponent
 
 
 def _track_launches(opt, work: list[Matrix], counters: torch.Tensor, format_rows: torch.Tensor | None) -> None:
@@ -966,14 +1060,15 @@ def _counted(opt, counters: torch.Tensor) -> tuple[list[bool], list[int]]:
     """Per matrix: refused, and how many weights were rejected (read only if `check_nonfinite`)."""
     if not opt.check_nonfinite:
         return [False] * len(counters), [0] * len(counters)
-    host = counters.cpu().tolist()
+    host = counters[:, :2].cpu().tolist()  # refused elements, rejected weights
     return [r > 0 for r, _ in host], [n for _, n in host]
 
 
 def _batch_tables(opt, work: list[Matrix]) -> tuple[list[int], list[tuple]]:
     """The batched step's table words (every matrix's addresses, index, slot and orientation)
     and, per Newton-Schulz batch, (matrix indices, rows, cols, group, momentum launches, weight
-    launches), each launch {kernel constants: (first table row's word, matrices)}."""
+    launches), each launch {kernel constants: (first table row's word, matrices)}. A matrix
+    without an exponent (bf16 and fp32 modes) has its momentum's address in that column, unread."""
     words, plans = [], []
     for batch in _ns_batches(opt, work):
         batch = [i for i in batch if _tall(work[i].param)] + [i for i in batch if not _tall(work[i].param)]
@@ -982,13 +1077,16 @@ def _batch_tables(opt, work: list[Matrix]) -> tuple[list[int], list[tuple]]:
         for slot, i in enumerate(batch):
             w = work[i]
             tall = int(_tall(w.param))
-            constants = (bool(w.group["nesterov"]), bool(w.group.get("maximize", False)), w.grad.dtype is BFLOAT16)
+            maximize, grad_bf16 = bool(w.group.get("maximize", False)), w.grad.dtype is BFLOAT16
+            exponent = (w.momentum if w.exponent is None else w.exponent).data_ptr()
             # The table rows' words, in the order core/muon/kernel.py's *_TABLE_COLUMNS name them.
-            momentum_rows.setdefault(constants, []).append((w.grad.data_ptr(), w.momentum.data_ptr(), i, slot, tall))
+            momentum_rows.setdefault((bool(w.group["nesterov"]), maximize, grad_bf16), []).append(
+                (w.grad.data_ptr(), w.momentum.data_ptr(), exponent, i, slot, tall))
             split = w.low is not None
             low = w.low if split else w.weights
-            weight_rows.setdefault(split, []).append(
-                (w.weights.data_ptr(), low.data_ptr(), w.momentum.data_ptr(), i, slot, tall))
+            weight_rows.setdefault((maximize, grad_bf16, split), []).append(
+                (w.weights.data_ptr(), low.data_ptr(), w.grad.data_ptr(), w.momentum.data_ptr(), exponent, i, slot,
+                 tall))
         launches = []
         for table_rows in (momentum_rows, weight_rows):
             offsets = {}
@@ -1008,11 +1106,10 @@ def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     a batch whose matrices differ in a kernel constant, such as bf16 and float32 gradients,
     takes one launch per constant). Every matrix's addresses and the step's scalar rows reach
     the GPU in one copy. A matrix's counters row refuses it alone, as per matrix."""
-    from packed_adamw.core.muon.kernel import (muon_momentum_table_counting_kernel, muon_momentum_table_kernel,
-                                               muon_weight_table_kernel)
+    from packed_adamw.core.muon.kernel import (MATRIX_COUNTERS, muon_momentum_table_kernel,
+                                               muon_weight_table_counting_kernel, muon_weight_table_kernel)
 
     fmt = opt.state_format
-    state_dtype = _TORCH_DTYPES[fmt.state_dtype]
     device = work[0].weights.device
     words, plans = _batch_tables(opt, work)
     if opt.capturable:
@@ -1028,29 +1125,27 @@ def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
         host[len(words):].view(np.float32)[:] = scalar_rows.reshape(-1)
         table = staged.to(device, non_blocking=True)
         scalars = table[len(words):].view(torch.float32)
-        counters = torch.zeros((len(work), 2), dtype=torch.int32, device=device)  # refused elements, rejected weights
-    mode = fmt.kernel_constexprs(track_format=False)
+        counters = torch.zeros((len(work), MATRIX_COUNTERS), dtype=torch.int32, device=device)  # kernel.COUNTER_COLUMNS
+    constants = fmt.kernel_constexprs(track_format=False)
     block = launch.block_size()
     format_rows = new_counters(len(work), device) if _counting(opt) else None  # as in `_cuda_step`
+    weight_kernel, counted = ((muon_weight_table_kernel, ()) if format_rows is None else
+                              (muon_weight_table_counting_kernel, (format_rows,)))
     for batch, rows, cols, group, momentum_launches, weight_launches in plans:
         x = torch.empty((len(batch), rows, cols), dtype=torch.int16, device=device)
-        scratch = torch.empty((len(batch), rows * cols), dtype=state_dtype, device=device)
         blocks = launch.grid(rows * cols, block)[0]
         for (nesterov, maximize, grad_bf16), (offset, count) in momentum_launches.items():
-            kernel, counted = ((muon_momentum_table_kernel, ()) if format_rows is None else
-                               (muon_momentum_table_counting_kernel, (format_rows,)))
-            kernel[(blocks, count)](
-                table[offset:], scratch, x, scalars, counters, *counted, rows, cols, MODE=mode["MODE"],
-                MU_FRAC=mode["MU_FRAC"], MU_BIAS=mode["MU_BIAS"], MU_MAX=mode["MU_MAX"], NESTEROV=nesterov,
-                MAXIMIZE=maximize, GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
+            muon_momentum_table_kernel[(blocks, count)](
+                table[offset:], x, scalars, counters, rows, cols, **constants, NESTEROV=nesterov, MAXIMIZE=maximize,
+                GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
         # output is not used, and a batch's matrices do not mix.
         ortho = _stacked_ns(_ns_impl(opt, x.device))(x.view(BFLOAT16), tuple(group["ns_coefficients"]),
-                                           int(group["ns_steps"]), float(group["eps"])).view(torch.int16)
-        for split, (offset, count) in weight_launches.items():
-            muon_weight_table_kernel[(blocks, count)](
-                table[offset:], scratch, ortho, scalars, counters, rows, cols, MODE=mode["MODE"], SPLIT=split,
-                BLOCK=block, **launch.COMPILE_OPTIONS)
+                                                     int(group["ns_steps"]), float(group["eps"])).view(torch.int16)
+        for (maximize, grad_bf16, split), (offset, count) in weight_launches.items():
+            weight_kernel[(blocks, count)](
+                table[offset:], ortho, scalars, counters, *counted, rows, cols, **constants, MAXIMIZE=maximize,
+                GRAD_BF16=grad_bf16, SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
     _track_launches(opt, work, counters, format_rows)
     return _counted(opt, counters)
 
@@ -1062,18 +1157,21 @@ def _tall(p: torch.Tensor) -> bool:
 # ---- saving and loading --------------------------------------------------------------------
 def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
     """Every check of `load_state_dict`; returns what torch's loader takes and, per parameter,
-    the checked (momentum, low half)."""
+    the checked (momentum, exponent, low half). A packed state saved before the exponents (its
+    identity without them) loads with every exponent 0: its codes keep the values they had."""
     identity = _persistence.saved_identity(opt, state_dict)
-    opt.state_format.check_identity(identity)
+    without_exponents = opt.state_format.check_identity(identity)
     saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
     our_params = [p for g in opt.param_groups for p in g["params"]]
     if len(saved_params) != len(our_params):
         raise ValueError(f"load_state_dict: the saved state has {len(saved_params)} parameters, this optimizer "
                          f"{len(our_params)}; load it into an optimizer built over the same parameters")
-    return _strip_identity(state_dict), checked_entries(opt, state_dict["state"], saved_params, our_params)
+    return _strip_identity(state_dict), checked_entries(opt, state_dict["state"], saved_params, our_params,
+                                                        without_exponents=without_exponents)
 
 
-def checked_entries(opt, saved_state: dict, saved_params: list, our_params: list) -> dict:
+def checked_entries(opt, saved_state: dict, saved_params: list, our_params: list, *,
+                    without_exponents: bool = False) -> dict:
     fmt = opt.state_format
     loaded = {}
     for saved_id, p in zip(saved_params, our_params):
@@ -1093,22 +1191,58 @@ def checked_entries(opt, saved_state: dict, saved_params: list, our_params: list
             got = tensor if not isinstance(tensor, torch.Tensor) else f"{tensor.dtype} {tuple(tensor.shape)}"
             raise ValueError(f"{where}: {fmt.state_key!r} must be a {dtype} tensor of shape {shape} "
                              f"({fmt.identity}), got {got}; load a state saved by PackedMuon over these parameters")
-        if nonfinite_momenta(p, tensor, fmt):  # a DTensor's count is over every rank: all refuse
+        exponent = _checked_loaded_exponent(fmt, p, entry, where, without_exponents)
+        if nonfinite_momenta(p, tensor, fmt, exponent):  # a DTensor's count is over every rank: all refuse
             raise ValueError(f"{where}: the momentum holds NaN or Inf, which no step stores (that matrix would be "
                              "refused at every step); this state cannot continue a run: load an undamaged one")
         low = _checks.checked_loaded_low_half(entry.get(LOW_HALF_KEY), p, where)
-        loaded[p] = (tensor, low)
+        loaded[p] = (tensor, exponent, low)
     return loaded
 
 
-def nonfinite_momenta(p: torch.Tensor, stored: torch.Tensor, fmt: StateFormat) -> int:
-    """How many values of `p`'s stored momentum entry are NaN or Inf: fp32 values, or bf16 codes
-    (exponent all ones); every packed code is finite. A DTensor's count is over every rank."""
+def _checked_loaded_exponent(fmt: StateFormat, p: torch.Tensor, entry: dict, where: str, without_exponents: bool):
+    """The saved exponent of `p` (packed mode; None otherwise), checked as the step will read it,
+    or a 0 one for a state saved before the exponents."""
+    if fmt.exponent_entry is None:
+        return None
+    key = fmt.exponent_entry.key
+    exponent = entry.get(key)
+    if without_exponents:
+        if exponent is not None:
+            raise ValueError(f"{where}: the state's identity {fmt.legacy_identity!r} keeps no {key!r}, yet it holds "
+                             "one; the state was edited or damaged: save it again")
+        return new_exponent(p)
+    if isinstance(exponent, torch.Tensor) and _dtensor.is_dtensor(exponent) != _dtensor.is_dtensor(p):
+        raise ValueError(f"{where}: {key!r} is {_dtensor.describe(exponent)} but the parameter is "
+                         f"{_dtensor.describe(p)}: a sharded state loads into the sharded model through "
+                         "torch.distributed.checkpoint (set_optimizer_state_dict)")
+    if not (isinstance(exponent, torch.Tensor) and exponent.dtype == EXPONENT_DTYPE and exponent.dim() == 0
+            and _dtensor.is_replicated_on(exponent, p)):
+        got = exponent if not isinstance(exponent, torch.Tensor) else \
+            f"{_dtensor.describe(exponent)} {exponent.dtype} {tuple(exponent.shape)}"
+        raise ValueError(f"{where}: {key!r} must be a 0-d {EXPONENT_DTYPE} tensor (the matrix's exponent in "
+                         f"{fmt.identity}" + (", replicated on the parameter's mesh" if _dtensor.is_dtensor(p) else "")
+                         + f"), got {got}; load a state saved by PackedMuon over these parameters")
+    value, (low, high) = int(local_exponent(exponent)), fmt.exponent_range
+    if not low <= value <= high:
+        raise ValueError(f"{where}: {key!r} is {value}, outside the [{low}, {high}] a step stores with mu_bias "
+                         f"{fmt.mu_bias}; the state was edited or damaged: load an undamaged one")
+    return exponent
+
+
+def nonfinite_momenta(p: torch.Tensor, stored: torch.Tensor, fmt: StateFormat, exponent=None) -> int:
+    """How many values of `p`'s stored momentum entry are NaN or Inf: fp32 values, bf16 codes
+    (exponent all ones), packed codes whose value times 2**exponent is past float32's range
+    (a damaged exponent). A DTensor's count is over every rank."""
     if fmt.mode == "fp32":
         return nonfinite_count(stored)
     if fmt.mode == "bf16":
         return nonfinite_count(_dtensor.like_param(p, local_entry(stored).view(BFLOAT16)))
-    return 0
+    codes = local_entry(stored).detach().cpu().numpy()
+    with np.errstate(over="ignore"):
+        count = torch.tensor(int(np.count_nonzero(~np.isfinite(
+            decode_momentum(codes, fmt, int(local_exponent(exponent)))))))
+    return int(_summed_over_shards(p, count)) if _dtensor.is_dtensor(p) else int(count)
 
 
 def _strip_identity(state_dict: dict) -> dict:
@@ -1118,12 +1252,14 @@ def _strip_identity(state_dict: dict) -> dict:
 
 def restore_loaded(opt, loaded: dict) -> None:
     """torch's loader casts state tensors to a floating parameter's dtype: put the saved codes
-    (and low halves) back, bits unchanged, on the parameter's device."""
-    key = opt.state_format.state_key
-    for p, (tensor, low) in loaded.items():
+    (and exponents, low halves) back, bits unchanged, on the parameter's device."""
+    fmt = opt.state_format
+    for p, (tensor, exponent, low) in loaded.items():
         state = opt.state[p]
         state.pop("step", None)
-        state[key] = _persistence._on_param_device(tensor, p)
+        state[fmt.state_key] = _persistence._on_param_device(tensor, p)
+        if exponent is not None:
+            state[fmt.exponent_entry.key] = _persistence._on_param_device(exponent, p)
         if low is not None:
             state[LOW_HALF_KEY] = _persistence._on_param_device(low, p)
 
