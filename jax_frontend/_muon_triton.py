@@ -4,13 +4,16 @@ optax", "On a GPU"). Imported lazily: `import jax_triton` fails with a CPU-only 
 Muon leaves are [batch, rows, cols] in the JAX [in, out] layout. Per shape group, one momentum
 launch for up to LEAVES_PER_LAUNCH leaves of one kind (orientation, gradient dtype, weight
 dtype) writes each matrix's Newton-Schulz input into its slot of the group's [B, k, n] buffer
-(in the wide orientation torch gives the same layer: transposed unless in < out) and its new
-momentum into a scratch; Newton-Schulz runs once per shape group (core/muon/ns_kernel.py's
-launches, the ones torch's `ns_impl="triton"` makes); one weight launch for the same leaves
-commits the momentum and steps the weights of each accepted matrix. A leaf's buffers are
-separate kernel arguments, one slot of each kind (jax-triton passes no tables of addresses),
-as the AdamW leaf-group kernel takes them. The elementwise arithmetic is core/muon/kernel.py's
-(`_momentum_elements`, `_weight_elements`), as torch's kernels; only the addressing differs.
+(in the wide orientation torch gives the same layer: transposed unless in < out) and its
+refusing elements, largest |m'| and old exponent into its row of the group's [B, 4] counters;
+Newton-Schulz runs once per shape group (core/muon/ns_kernel.py's launches, the ones torch's
+`ns_impl="triton"` makes); one weight launch for the same leaves computes each accepted matrix's
+new momentum again from its gradient and stored momentum, stores it (packed mode: with the
+exponent from the matrix's largest |m'|, which it writes too) and steps the weights. A leaf's
+buffers are separate kernel arguments, one slot of each kind (jax-triton passes no tables of
+addresses), as the AdamW leaf-group kernel takes them. The elementwise arithmetic is
+core/muon/kernel.py's (`_momentum_block`, `_weight_block`), as torch's kernels; only the
+addressing differs.
 """
 from __future__ import annotations
 
@@ -25,10 +28,12 @@ from packed_adamw.core.kernel import FLOAT32_SIGN_BIT, LEAF_GROUP_SLOTS, leaf_sl
 from packed_adamw.core.muon import adjusted_lr, ns_kernel, step_scalar_row
 from packed_adamw.core.muon.kernel import (
     FP32_MODE,
+    MATRIX_COUNTERS,
     MATRIX_SCALARS,
-    _momentum_elements,
+    REJECTED_COUNTER,
+    _momentum_block,
     _slot_offsets,
-    _weight_elements,
+    _weight_block,
     negative_zeros,
 )
 
@@ -52,26 +57,42 @@ def _momentum_pointer(address, MODE: tl.constexpr):
 
 
 @triton.jit
+def _exponent_pointer(address):
+    """A slot's exponents (its int64 address) as an int32 pointer (jax-triton's 16-byte alignment
+    hidden from the compiler, as `_momentum_pointer`'s)."""
+    return tl.multiple_of(address, 16).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def _grad_pointer(address, GRAD_BF16: tl.constexpr):
+    if GRAD_BF16:
+        return tl.multiple_of(address, 16).to(tl.pointer_type(tl.int16))
+    else:
+        return tl.multiple_of(address, 16).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
 def muon_momentum_group_kernel(
     grad_0, grad_1, grad_2, grad_3, grad_4, grad_5, grad_6, grad_7, grad_8, grad_9, grad_10, grad_11, grad_12,
     grad_13, grad_14, grad_15,
     state_0, state_1, state_2, state_3, state_4, state_5, state_6, state_7, state_8, state_9, state_10,
     state_11, state_12, state_13, state_14, state_15,
-    table_ptr, scalars_ptr, x_in_ptr, refused_in_ptr, n_elements, rows, cols,
-    scratch_0, scratch_1, scratch_2, scratch_3, scratch_4, scratch_5, scratch_6, scratch_7, scratch_8,
-    scratch_9, scratch_10, scratch_11, scratch_12, scratch_13, scratch_14, scratch_15,
-    x_ptr, refused_ptr,
+    exponent_0, exponent_1, exponent_2, exponent_3, exponent_4, exponent_5, exponent_6, exponent_7, exponent_8,
+    exponent_9, exponent_10, exponent_11, exponent_12, exponent_13, exponent_14, exponent_15,
+    table_ptr, scalars_ptr, x_in_ptr, counters_in_ptr, n_elements, rows, cols,
+    x_ptr, counters_ptr,
     TALL: tl.constexpr, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
     NESTEROV: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Phase 1 of up to LEAF_GROUP_SLOTS leaves of one shape group and orientation, grid
     (blocks per matrix, the most matrices of a leaf, leaves): program (i, z, t) takes block i
-    of matrix z of leaf t (slot t of each buffer kind; `group_table`'s `table`), its new
-    momentum into the scratch, X into slot `slot0[t]` + z of `x` ([*, rows, cols] int16 bf16
-    bits; TALL: the matrix transposed), its refusing elements added to `refused` at that slot.
-    Scalar row t of `scalars` ([leaves, 4]). `x_in` and `refused_in` are `x` and `refused`
-    (aliased: jax-triton passes outputs after the inputs). Slots past the launch's leaves hold
-    one-element placeholders that no program reads."""
+    of matrix z of leaf t (slot t of each buffer kind; `group_table`'s `table`; `exponent`
+    element z its exponent in packed mode, a placeholder otherwise), X into slot `slot0[t]` + z
+    of `x` ([*, rows, cols] int16 bf16 bits; TALL: the matrix transposed), its refusing
+    elements, max |m'| and old exponent into that row of `counters` ([*, MATRIX_COUNTERS]
+    int32). Scalar row t of `scalars` ([leaves, 4]). `x_in` and `counters_in` are `x` and
+    `counters` (aliased: jax-triton passes outputs after the inputs). Slots past the launch's
+    leaves hold one-element placeholders that no program reads."""
     leaf = tl.program_id(2)
     z = tl.program_id(1).to(tl.int64)
     if z < tl.load(table_ptr + LEAF_GROUP_SLOTS + leaf):  # a leaf of fewer matrices has idle programs
@@ -84,23 +105,17 @@ def muon_momentum_group_kernel(
             leaf, state_0, state_1, state_2, state_3, state_4, state_5, state_6, state_7, state_8, state_9,
             state_10, state_11, state_12, state_13, state_14, state_15
         )
-        scratch = leaf_slot(
-            leaf, scratch_0, scratch_1, scratch_2, scratch_3, scratch_4, scratch_5, scratch_6, scratch_7,
-            scratch_8, scratch_9, scratch_10, scratch_11, scratch_12, scratch_13, scratch_14, scratch_15
+        exponent = leaf_slot(
+            leaf, exponent_0, exponent_1, exponent_2, exponent_3, exponent_4, exponent_5, exponent_6, exponent_7,
+            exponent_8, exponent_9, exponent_10, exponent_11, exponent_12, exponent_13, exponent_14, exponent_15
         )
-        # jax-triton declares every buffer 16-byte aligned; the selection hides it from the compiler.
-        if GRAD_BF16:
-            grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.int16))
-        else:
-            grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.float32))
-        state_ptr = _momentum_pointer(state, MODE)
-        scratch_ptr = _momentum_pointer(scratch, MODE)
         base = z * n_elements
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        _momentum_elements(grad_ptr + base, state_ptr + base, scratch_ptr + base, x_ptr + slot * n_elements,
-                           _slot_offsets(offsets, TALL, rows, cols), scalars_ptr + leaf * MATRIX_SCALARS,
-                           refused_ptr + slot, offsets, offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX,
-                           NESTEROV, False, GRAD_BF16)
+        _momentum_block(_grad_pointer(grad, GRAD_BF16) + base, _momentum_pointer(state, MODE) + base,
+                        _exponent_pointer(exponent) + z, x_ptr + slot * n_elements,
+                        _slot_offsets(offsets, TALL, rows, cols), scalars_ptr + leaf * MATRIX_SCALARS,
+                        counters_ptr + slot * MATRIX_COUNTERS, offsets, offsets < n_elements, MODE, MU_FRAC, MU_BIAS,
+                        NESTEROV, False, GRAD_BF16)
 
 
 @triton.jit
@@ -108,11 +123,13 @@ def muon_weight_group_kernel(
     param_0, param_1, param_2, param_3, param_4, param_5, param_6, param_7, param_8, param_9, param_10,
     param_11, param_12, param_13, param_14, param_15,
     lo_0, lo_1, lo_2, lo_3, lo_4, lo_5, lo_6, lo_7, lo_8, lo_9, lo_10, lo_11, lo_12, lo_13, lo_14, lo_15,
-    scratch_0, scratch_1, scratch_2, scratch_3, scratch_4, scratch_5, scratch_6, scratch_7, scratch_8,
-    scratch_9, scratch_10, scratch_11, scratch_12, scratch_13, scratch_14, scratch_15,
+    grad_0, grad_1, grad_2, grad_3, grad_4, grad_5, grad_6, grad_7, grad_8, grad_9, grad_10, grad_11, grad_12,
+    grad_13, grad_14, grad_15,
     state_0, state_1, state_2, state_3, state_4, state_5, state_6, state_7, state_8, state_9, state_10,
     state_11, state_12, state_13, state_14, state_15,
-    table_ptr, ortho_ptr, scalars_ptr, refused_ptr, rejected_in_ptr, n_elements, rows, cols,
+    exponent_0, exponent_1, exponent_2, exponent_3, exponent_4, exponent_5, exponent_6, exponent_7, exponent_8,
+    exponent_9, exponent_10, exponent_11, exponent_12, exponent_13, exponent_14, exponent_15,
+    table_ptr, ortho_ptr, scalars_ptr, counters_in_ptr, n_elements, rows, cols,
     out_0, out_1, out_2, out_3, out_4, out_5, out_6, out_7, out_8, out_9, out_10, out_11, out_12, out_13,
     out_14, out_15,
     new_lo_0, new_lo_1, new_lo_2, new_lo_3, new_lo_4, new_lo_5, new_lo_6, new_lo_7, new_lo_8, new_lo_9,
@@ -120,19 +137,26 @@ def muon_weight_group_kernel(
     new_state_0, new_state_1, new_state_2, new_state_3, new_state_4, new_state_5, new_state_6, new_state_7,
     new_state_8, new_state_9, new_state_10, new_state_11, new_state_12, new_state_13, new_state_14,
     new_state_15,
-    rejected_ptr,
-    TALL: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, UPDATE: tl.constexpr, BLOCK: tl.constexpr,
+    new_exponent_0, new_exponent_1, new_exponent_2, new_exponent_3, new_exponent_4, new_exponent_5,
+    new_exponent_6, new_exponent_7, new_exponent_8, new_exponent_9, new_exponent_10, new_exponent_11,
+    new_exponent_12, new_exponent_13, new_exponent_14, new_exponent_15,
+    counters_ptr,
+    TALL: tl.constexpr, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+    GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, UPDATE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Phase 2 of the leaves of a `muon_momentum_group_kernel` launch, on its grid: matrix z of
-    leaf t, unless `refused` at its slot, commits the scratch momentum to `new_state` (aliased
-    to `state`) and steps its weights with O read from that slot of `ortho`, its rejected
-    elements counted in `rejected` there. The weights: SPLIT, int16 bf16 bits and low halves,
-    the new ones to `out` and `new_lo` (aliased to `param` and `lo`); otherwise float32, to
-    `out` (aliased to `param`), or with UPDATE (the transform's float32 leaves) read from
-    `param` only, `out` a buffer of its own taking the optax update u (core/muon/kernel.py's
-    `float32_update`; -0.0 everywhere for a refused matrix, whose weights stay): so XLA keeps
-    no copy of the weights for a `p' - p` and makes no pass of its own for it. Without SPLIT,
-    `lo` and `new_lo` are one-element placeholders that no program reads."""
+    leaf t, unless its row of `counters` (aliased to `counters_in`) counts a refusing element,
+    computes its new momentum again from `grad` and `state` and stores it in `new_state`
+    (aliased to `state`; packed mode: its exponent into element z of `new_exponent`, aliased to
+    `exponent`), then steps its weights with O read from its slot of `ortho`, its rejected
+    elements counted in its row. The weights: SPLIT, int16 bf16 bits and low halves, the new
+    ones to `out` and `new_lo` (aliased to `param` and `lo`); otherwise float32, to `out`
+    (aliased to `param`), or with UPDATE (the transform's float32 leaves) read from `param`
+    only, `out` a buffer of its own taking the optax update u (core/muon/kernel.py's
+    `float32_update`; -0.0 everywhere for a refused matrix, whose weights stay): so XLA keeps no
+    copy of the weights for a `p' - p` and makes no pass of its own for it. Without SPLIT, `lo`
+    and `new_lo` are one-element placeholders that no program reads; outside packed mode so are
+    `exponent` and `new_exponent`."""
     leaf = tl.program_id(2)
     z = tl.program_id(1).to(tl.int64)
     if z < tl.load(table_ptr + LEAF_GROUP_SLOTS + leaf):
@@ -144,15 +168,21 @@ def muon_weight_group_kernel(
             leaf, out_0, out_1, out_2, out_3, out_4, out_5, out_6, out_7, out_8, out_9, out_10, out_11, out_12,
             out_13, out_14, out_15
         )
-        if tl.load(refused_ptr + slot) == 0:
-            scratch = leaf_slot(
-                leaf, scratch_0, scratch_1, scratch_2, scratch_3, scratch_4, scratch_5, scratch_6, scratch_7,
-                scratch_8, scratch_9, scratch_10, scratch_11, scratch_12, scratch_13, scratch_14, scratch_15
+        row_in = counters_in_ptr + slot * MATRIX_COUNTERS
+        if tl.load(row_in) == 0:
+            grad = leaf_slot(
+                leaf, grad_0, grad_1, grad_2, grad_3, grad_4, grad_5, grad_6, grad_7, grad_8, grad_9, grad_10,
+                grad_11, grad_12, grad_13, grad_14, grad_15
             )
             new_state = leaf_slot(
                 leaf, new_state_0, new_state_1, new_state_2, new_state_3, new_state_4, new_state_5,
                 new_state_6, new_state_7, new_state_8, new_state_9, new_state_10, new_state_11, new_state_12,
                 new_state_13, new_state_14, new_state_15
+            )
+            new_exponent = leaf_slot(
+                leaf, new_exponent_0, new_exponent_1, new_exponent_2, new_exponent_3, new_exponent_4,
+                new_exponent_5, new_exponent_6, new_exponent_7, new_exponent_8, new_exponent_9, new_exponent_10,
+                new_exponent_11, new_exponent_12, new_exponent_13, new_exponent_14, new_exponent_15
             )
             if SPLIT:
                 new_lo = leaf_slot(
@@ -174,12 +204,15 @@ def muon_weight_group_kernel(
                 param_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
                 lo_ptr = param_ptr  # unused
                 update_ptr = param_ptr  # unused
-            scratch_ptr = _momentum_pointer(scratch, MODE)
-            state_ptr = _momentum_pointer(new_state, MODE)
-            _weight_elements(param_ptr + base, lo_ptr + base, ortho_ptr + slot * n_elements,
-                             _slot_offsets(offsets, TALL, rows, cols), scratch_ptr + base, state_ptr + base,
-                             scalars_ptr + leaf * MATRIX_SCALARS, rejected_ptr + slot, offsets, in_bounds, SPLIT,
-                             update_ptr + base, UPDATE)
+            # The stored momentum and exponent are read and written through the aliased outputs,
+            # which hold the inputs' values: each program its own elements, and the exponent's old
+            # value is read from the counters row, never from `new_exponent`.
+            _weight_block(param_ptr + base, lo_ptr + base, ortho_ptr + slot * n_elements,
+                          _slot_offsets(offsets, TALL, rows, cols), _grad_pointer(grad, GRAD_BF16) + base,
+                          _momentum_pointer(new_state, MODE) + base, _exponent_pointer(new_exponent) + z,
+                          scalars_ptr + leaf * MATRIX_SCALARS, row_in,
+                          counters_ptr + slot * MATRIX_COUNTERS + REJECTED_COUNTER, offsets, in_bounds, MODE,
+                          MU_FRAC, MU_BIAS, MU_MAX, False, GRAD_BF16, SPLIT, update_ptr + base, UPDATE, False)
         elif UPDATE:
             update_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
             tl.store(update_ptr + base + offsets, negative_zeros(tl.zeros((BLOCK,), tl.float32)), mask=in_bounds)
@@ -266,81 +299,93 @@ def _grid(view, batches: list[int]) -> tuple[int, int, int]:
     return (launch.grid(view.rows * view.cols, launch.GPU_BLOCK)[0], max(batches), len(batches))
 
 
-def momentum_group_step(grads, states, scalars, x, refused, slot0s, view, *, fmt, nesterov):
-    """One momentum launch for up to SLOTS leaves of one shape group, orientation
-    and gradient dtype (`view` any of theirs). `grads`/`states`: per leaf [batch, rows, cols]
-    (float32 or bf16 gradients; uint16 codes or float32 momenta); `scalars` [leaves, 4]; `x`
-    the group's int16 [B, k, n] buffer and `refused` its int32 [B] counters (both updated,
-    leaf t's slots from `slot0s[t]`). Returns (the leaves' scratches, x, refused)."""
+def _exponent_slots(exponents: list) -> list:
+    """The leaves' int32 exponents [batch] (packed mode), or placeholders where there are none."""
+    return [jnp.zeros((1,), jnp.int32) if e is None else e for e in exponents]
+
+
+def momentum_group_step(grads, states, exponents, scalars, x, counters, slot0s, view, *, fmt, nesterov):
+    """One momentum launch for up to SLOTS leaves of one shape group, orientation and gradient
+    dtype (`view` any of theirs). `grads`/`states`: per leaf [batch, rows, cols] (float32 or
+    bf16 gradients; uint16 codes or float32 momenta); `exponents`: per leaf its int32 [batch]
+    (packed mode) or None; `scalars` [leaves, 4]; `x` the group's int16 [B, k, n] buffer and
+    `counters` its int32 [B, MATRIX_COUNTERS] rows (both updated, leaf t's from `slot0s[t]`).
+    Returns (x, counters)."""
     k, n, tall = wide_shape(view)
     batches = [g.shape[0] for g in grads]
     grad_bf16 = grads[0].dtype == jnp.bfloat16
     grad_in = [_bits16(g) if grad_bf16 else g for g in grads]
     state_in = [s if fmt.mode == "fp32" else _bits16(s) for s in states]
     constants = fmt.kernel_constexprs(track_format=False)
-    x_input = 2 * SLOTS + 2  # after the slots, the table and the scalars
+    x_input = 3 * SLOTS + 2  # after the slots, the table and the scalars
     results = _jax_triton().triton_call(
-        *_slots(grad_in), *_slots(state_in), jnp.asarray(group_table(slot0s, batches)), scalars, x, refused,
-        k * n, k, n,
+        *_slots(grad_in), *_slots(state_in), *_slots(_exponent_slots(exponents)),
+        jnp.asarray(group_table(slot0s, batches)), scalars, x, counters, k * n, k, n,
         kernel=muon_momentum_group_kernel,
-        out_shape=(*_out_slots(state_in), jax.ShapeDtypeStruct(x.shape, x.dtype),
-                   jax.ShapeDtypeStruct(refused.shape, refused.dtype)),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(counters.shape, counters.dtype)),
         grid=_grid(view, batches),
         num_warps=launch.GPU_NUM_WARPS,
-        input_output_aliases={x_input: SLOTS, x_input + 1: SLOTS + 1},
-        TALL=tall, MODE=constants["MODE"], MU_FRAC=constants["MU_FRAC"], MU_BIAS=constants["MU_BIAS"],
-        MU_MAX=constants["MU_MAX"], NESTEROV=bool(nesterov), GRAD_BF16=bool(grad_bf16), BLOCK=launch.GPU_BLOCK,
+        input_output_aliases={x_input: 0, x_input + 1: 1},
+        TALL=tall, **constants, NESTEROV=bool(nesterov), GRAD_BF16=bool(grad_bf16), BLOCK=launch.GPU_BLOCK,
         **launch.COMPILE_OPTIONS,
     )
-    return list(results[:len(grads)]), results[SLOTS], results[SLOTS + 1]
+    return results[0], results[1]
 
 
-def weight_group_step(params, lows, states, scratches, scalars, refused, rejected, ortho, slot0s, view, *, fmt,
+def weight_group_step(params, lows, grads, states, exponents, scalars, counters, ortho, slot0s, view, *, fmt,
                       write_update: bool):
     """The weight launch for the leaves of a `momentum_group_step` launch: returns (per leaf
     its new params, or with `write_update` (float32 leaves only) its update u; new low halves
-    or None; new states; the group's `rejected` counters [B] updated), each matrix stepped
-    unless its `refused` slot (the group's [B] counters) is set. `lows`: None for float32
-    leaves, else the bf16 leaves' low halves."""
+    or None; new states; new exponents (None outside packed mode); the group's `counters`
+    updated), each matrix stepped unless its row of `counters` counts a refusing element.
+    `lows`: None for float32 leaves, else the bf16 leaves' low halves."""
     k, n, tall = wide_shape(view)
     split = lows is not None
     if split and write_update:
         raise ValueError("weight_group_step: a bf16 leaf's update comes from its new weight, not the launch")
     batches = [p.shape[0] for p in params]
+    grad_bf16 = grads[0].dtype == jnp.bfloat16
     weights = [_bits16(p) for p in params] if split else list(params)
-    # Without low halves the kernel never touches `lo`: placeholders, not aliased.
+    # Without low halves (or exponents) the kernel never touches them: placeholders, not aliased.
     low = list(lows) if split else [jnp.zeros((1,), jnp.int16)]
+    packed = fmt.exponent_entry is not None
+    exponent_in = _exponent_slots(exponents if packed else [None])
+    grad_in = [_bits16(g) if grad_bf16 else g for g in grads]
     state_in = [s if fmt.mode == "fp32" else _bits16(s) for s in states]
     slots = SLOTS
-    aliases = {4 * slots + 4: 3 * slots}  # rejected
+    aliases = {5 * slots + 3: 4 * slots}  # the counters
     for t in range(len(params)):
-        aliases[3 * slots + t] = 2 * slots + t  # the committed momentum
+        aliases[3 * slots + t] = 2 * slots + t  # the momentum, stored in place
+        if packed:
+            aliases[4 * slots + t] = 3 * slots + t  # the exponents
         if not write_update:
             aliases[t] = t  # the weights, stepped in place
         if split:
             aliases[slots + t] = slots + t
     results = _jax_triton().triton_call(
-        *_slots(weights), *_slots(low), *_slots(scratches), *_slots(state_in),
-        jnp.asarray(group_table(slot0s, batches)), ortho, scalars, refused, rejected, k * n, k, n,
+        *_slots(weights), *_slots(low), *_slots(grad_in), *_slots(state_in), *_slots(exponent_in),
+        jnp.asarray(group_table(slot0s, batches)), ortho, scalars, counters, k * n, k, n,
         kernel=muon_weight_group_kernel,
-        out_shape=(*_out_slots(weights), *_out_slots(low), *_out_slots(state_in),
-                   jax.ShapeDtypeStruct(rejected.shape, rejected.dtype)),
+        out_shape=(*_out_slots(weights), *_out_slots(low), *_out_slots(state_in), *_out_slots(exponent_in),
+                   jax.ShapeDtypeStruct(counters.shape, counters.dtype)),
         grid=_grid(view, batches),
         num_warps=launch.GPU_NUM_WARPS,
         input_output_aliases=aliases,
-        TALL=tall, MODE=fmt.kernel_constexprs(track_format=False)["MODE"], SPLIT=split, UPDATE=bool(write_update),
-        BLOCK=launch.GPU_BLOCK,
+        TALL=tall, **fmt.kernel_constexprs(track_format=False), GRAD_BF16=bool(grad_bf16), SPLIT=split,
+        UPDATE=bool(write_update), BLOCK=launch.GPU_BLOCK,
         **launch.COMPILE_OPTIONS,
     )
     n_leaves = len(params)
     new_weights = list(results[:n_leaves])
     new_states = list(results[2 * slots:2 * slots + n_leaves])
+    new_exponents = list(results[3 * slots:3 * slots + n_leaves]) if packed else [None] * n_leaves
     if fmt.mode != "fp32":
         new_states = [jax.lax.bitcast_convert_type(s, jnp.uint16) for s in new_states]
+    new_lows = None
     if split:
         new_weights = [jax.lax.bitcast_convert_type(w, jnp.bfloat16) for w in new_weights]
-        return new_weights, list(results[slots:slots + n_leaves]), new_states, results[3 * slots]
-    return new_weights, None, new_states, results[3 * slots]
+        new_lows = list(results[slots:slots + n_leaves])
+    return new_weights, new_lows, new_states, new_exponents, results[4 * slots]
 
 
 def newton_schulz(x_bits, ns_scalars, steps: int):

@@ -72,12 +72,16 @@ class PackedMuonState(NamedTuple):
     else the tree with the int16 low half of each bfloat16 Muon leaf's FP32 master
     (docs/FORMAT.md, "Split masters") and MaskedNode elsewhere. `adamw`: the AdamW half's state
     (`optax.masked` around `packed_adamw`: its `inner_state` is a `PackedAdamWState` over the
-    AdamW leaves)."""
+    AdamW leaves). `exponents` (packed mode; None in bf16 and fp32 modes): the tree with each
+    Muon leaf's int32 exponents, one per matrix (shape (): a 2-D leaf; its batch axes' for a
+    leaf of several), the momentum of a code c being decode(c) * 2**exponent (MUON.md), and
+    MaskedNode elsewhere. A packed state made before the exponents (None) steps with exponents 0."""
 
     count: jax.Array
     momentum: Any
     low_halves: Any
     adamw: Any
+    exponents: Any = None
 
 
 @functools.partial(jax.jit, static_argnames=("coefficients", "steps"))
@@ -140,6 +144,12 @@ class MatrixView:
     batch: int
     rows: int
     cols: int
+    batch_ndim: int = 0  # the leaf's batch axes (the first of `perm`)
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The leaf's batch axes' sizes: the shape of its per-matrix state (() for a 2-D leaf)."""
+        return self.permuted_shape[:self.batch_ndim]
 
     @property
     def torch_shape(self) -> tuple[int, int]:
@@ -166,7 +176,7 @@ def _view_of(shape, spec: MuonDimensionNumbers, path: str) -> MatrixView:
     batch = tuple(i for i in range(ndim) if i not in reduction and i not in output)
     perm = batch + reduction + output
     size = lambda axes: math.prod(shape[i] for i in axes)  # noqa: E731
-    return MatrixView(perm, tuple(shape[i] for i in perm), size(batch), size(reduction), size(output))
+    return MatrixView(perm, tuple(shape[i] for i in perm), size(batch), size(reduction), size(output), len(batch))
 
 
 def leaf_views(dim_numbers, tree) -> list[MatrixView | None]:
@@ -224,29 +234,35 @@ def _bits16(x) -> np.ndarray:
 
 
 def _host_momentum(valid, row, *flat, config: _PhaseConfig):
-    """Per Muon leaf [batch, rows, cols]: (new state, Newton-Schulz input as bf16 bits,
-    accepted per matrix). A refused matrix keeps its state and gets a zero input."""
+    """Per Muon leaf [batch, rows, cols]: (new state, new exponents [batch] (packed mode),
+    Newton-Schulz input as bf16 bits, accepted per matrix). A refused matrix keeps its state
+    and exponent and gets a zero input."""
     n = len(config.shapes)
-    grads, states = flat[:n], flat[n:]
+    grads, states = flat[:n], flat[n:2 * n]
+    exponents = flat[2 * n:] if config.fmt.exponent_entry is not None else [None] * n
     values = _row_values(row, config)
-    new_states, inputs, accepted = [], [], []
+    new_states, new_exponents, inputs, accepted = [], [], [], []
     with _subnormals_kept():
-        for g, s, shape, path in zip(grads, states, config.shapes, config.paths):
+        for g, s, exps, shape, path in zip(grads, states, exponents, config.shapes, config.paths):
             g, s = _bits16(g), np.array(s)  # callback inputs are read-only: the phase writes a copy
+            exps = None if exps is None else np.array(exps, np.int32)
             scalars = step_scalar_row(values, shape, adjust_lr_fn=config.adjust_lr_fn)
             x = np.zeros(g.shape, np.uint16)
             ok = np.zeros(g.shape[0], np.bool_)
             for b in range(g.shape[0] if bool(np.asarray(valid)) else 0):
                 try:
-                    result = momentum_phase(g[b], s[b], scalars, fmt=config.fmt, nesterov=config.nesterov)
+                    result = momentum_phase(g[b], s[b], scalars, fmt=config.fmt,
+                                            exponent=None if exps is None else exps[b:b + 1], nesterov=config.nesterov)
                 except Exception as e:  # surfaces as JaxRuntimeError: say which leaf
                     raise CpuStepError(f"packed_muon momentum phase of leaf {path}: {type(e).__name__}: {e}") from None
                 if result is not None:
                     x[b], ok[b] = result, True
             new_states.append(s)
+            if exps is not None:
+                new_exponents.append(exps)
             inputs.append(x)
             accepted.append(ok)
-    return [*new_states, *inputs, *accepted]
+    return [*new_states, *new_exponents, *inputs, *accepted]
 
 
 def _host_weight(row, *flat, config: _PhaseConfig):
@@ -476,7 +492,8 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         if any(split):
             lows = treedef.unflatten([jnp.zeros_like(p, dtype=LOW_HALF) if s else optax.MaskedNode()
                                       for p, s in zip(leaves, split)])
-        return PackedMuonState(jnp.zeros([], jnp.int32), treedef.unflatten(momentum), lows, adamw.init(params))
+        return PackedMuonState(jnp.zeros([], jnp.int32), treedef.unflatten(momentum), lows, adamw.init(params),
+                               _zero_exponents(leaves, treedef, views, fmt))
 
     def run(updates, state, params, extra_args, *, write_update: bool):
         """(updates, state), or with write_update=False (new params, state)."""
@@ -499,6 +516,7 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         grads = [g for _, g in flat]
         _check_grads(grads, split, views, paths)
         momenta = _checked_momenta(state.momentum, treedef, p_leaves, views, paths, fmt)
+        exponents = _checked_exponents(state.exponents, treedef, p_leaves, views, paths, fmt)
         lows = _checked_lows(state.low_halves, treedef, p_leaves, split, paths)
 
         at_count = lambda x: x(state.count) if callable(x) else x  # noqa: E731 (a schedule of the count)
@@ -530,19 +548,20 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
                               tuple(paths[i] for i in muon))
         g_mats = [views[i].to_matrices(grads[i]) for i in muon]
         s_mats = [views[i].to_matrices(momenta[i]) for i in muon]
+        e_mats = [exponents[i].reshape(views[i].batch) for i in muon] if fmt.exponent_entry is not None else []
         p_mats = [views[i].to_matrices(p_leaves[i]) for i in muon]
         lo_mats = [views[i].to_matrices(lows[i]) for i in muon if split[i]]
-        placed = lambda x, j: x  # noqa: E731 (the GPU path's leaves are not sharded: see MUON.md)
+        placed = _unplaced  # the GPU path's leaves are not sharded: see MUON.md
         # On the GPU a float32 leaf's update comes from its weight launch (`_muon_triton.weight_group_step`).
         kernel_updates = write_update and on_gpu
         if on_gpu:
-            new_params, new_lows, new_states = _gpu_phases(config, [views[i] for i in muon], g_mats, s_mats, p_mats,
-                                                           lo_mats, row, valid, coefficients, steps,
-                                                           write_update=write_update)
+            new_params, new_lows, new_states, new_exponents = _gpu_phases(
+                config, [views[i] for i in muon], g_mats, s_mats, e_mats, p_mats, lo_mats, row, valid, coefficients,
+                steps, write_update=write_update)
         else:
-            new_params, new_lows, new_states, placed = _cpu_phases_placed(
-                [p_leaves[i] for i in muon], config, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients,
-                steps, given[3])
+            new_params, new_lows, new_states, new_exponents, placed = _cpu_phases_placed(
+                [p_leaves[i] for i in muon], config, g_mats, s_mats, e_mats, p_mats, lo_mats, row, valid,
+                coefficients, steps, given[3])
 
         out = list(treedef.flatten_up_to(_applied(adamw_updates, params, write_update)))
         new_momenta = list(treedef.flatten_up_to(state.momentum))
@@ -558,76 +577,97 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
                 out[i], low_list[i] = p_new, lo_new
             else:
                 out[i], low_list[i] = _masters.transform_update(p, p_new, lo_new)
+        new_exponent_tree = None
+        if fmt.exponent_entry is not None:
+            exponent_list = list(exponents)
+            for j, (i, e_new) in enumerate(zip(muon, new_exponents)):
+                exponent_list[i] = placed(e_new.reshape(views[i].batch_shape), j, replicated=True)
+            new_exponent_tree = treedef.unflatten([optax.MaskedNode() if e is None else e for e in exponent_list])
         count = jnp.where(valid, _increment(state.count), state.count)
         new_state = PackedMuonState(count, treedef.unflatten(new_momenta),
-                                    None if low_list is None else treedef.unflatten(low_list), adamw_state)
+                                    None if low_list is None else treedef.unflatten(low_list), adamw_state,
+                                    new_exponent_tree)
         return treedef.unflatten(out), new_state
 
     return init_fn, run
 
 
-def _cpu_phases(config: _PhaseConfig, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients, steps, eps):
+def _cpu_phases(config: _PhaseConfig, g_mats, s_mats, e_mats, p_mats, lo_mats, row, valid, coefficients, steps,
+                eps):
     """The CPU step of the Muon leaves' matrices: core/muon's numpy phases through two
-    callbacks around `newton_schulz`. Returns (new params, iterator of the split leaves' new
-    low halves, new states), per Muon leaf as [batch, rows, cols]."""
-    out_types = ([_like(s) for s in s_mats] + [jax.ShapeDtypeStruct(s.shape, jnp.uint16) for s in s_mats]
+    callbacks around `newton_schulz`. `e_mats`: per Muon leaf its int32 exponents [batch]
+    (packed mode), else empty. Returns (new params, iterator of the split leaves' new low
+    halves, new states, new exponents), per Muon leaf as [batch, rows, cols] ([batch])."""
+    out_types = ([_like(s) for s in s_mats] + [_like(e) for e in e_mats]
+                 + [jax.ShapeDtypeStruct(s.shape, jnp.uint16) for s in s_mats]
                  + [jax.ShapeDtypeStruct(s.shape[:1], jnp.bool_) for s in s_mats])
     results = jax.pure_callback(functools.partial(_host_momentum, config=config), out_types, valid, row,
-                                *g_mats, *s_mats, vmap_method="sequential")
-    n = len(g_mats)
-    new_states, inputs, accepted = results[:n], results[n:2 * n], results[2 * n:]
+                                *g_mats, *s_mats, *e_mats, vmap_method="sequential")
+    n, k = len(g_mats), len(e_mats)
+    new_states, new_exponents = results[:n], results[n:n + k]
+    inputs, accepted = results[n + k:2 * n + k], results[2 * n + k:]
     ns_eps = eps if _python_number(eps) is not None else row[3]
     orthos = [_orthogonalize(jax.lax.bitcast_convert_type(x, BF16), coefficients, steps, ns_eps) for x in inputs]
     weight_types = [_like(p) for p in p_mats] + [_like(lo) for lo in lo_mats]
     stepped = jax.pure_callback(functools.partial(_host_weight, config=config), weight_types, row, *p_mats,
                                 *lo_mats, *orthos, *accepted, vmap_method="sequential")
-    return stepped[:n], iter(stepped[n:]), new_states
+    return stepped[:n], iter(stepped[n:]), new_states, list(new_exponents)
 
 
-def _cpu_phases_placed(muon_params, config: _PhaseConfig, g_mats, s_mats, p_mats, lo_mats, row, valid,
+def _unplaced(x, j, replicated=False):
+    """The `placed` of a step on one device: results stay where the step put them."""
+    return x
+
+
+def _cpu_phases_placed(muon_params, config: _PhaseConfig, g_mats, s_mats, e_mats, p_mats, lo_mats, row, valid,
                        coefficients, steps, eps):
-    """`_cpu_phases`, and `placed(x, j)` which lays out a result of Muon leaf j as its
-    parameter. Leaves sharded over a mesh (docs/MUON.md, "Sharded leaves"): Newton-Schulz needs
-    whole matrices and a matrix is refused whole, so the Muon matrices are gathered (resharded
-    to replicated: XLA's all-gathers), every device runs the phases on the whole matrices
-    inside a `shard_map` (a host callback runs per device there, on that device's copy), and
-    the results are resharded to the parameters' specs (each device keeps its part). The bits
-    are the unsharded step's: the same operations on the same whole matrices."""
+    """`_cpu_phases`, and `placed(x, j, replicated=False)` which lays out a result of Muon leaf
+    j as its parameter (or, `replicated`, whole on every device: an exponent). Leaves sharded
+    over a mesh (docs/MUON.md, "Sharded leaves"): Newton-Schulz needs whole matrices and a
+    matrix is refused whole, so the Muon matrices are gathered (resharded to replicated: XLA's
+    all-gathers), every device runs the phases on the whole matrices inside a `shard_map` (a
+    host callback runs per device there, on that device's copy), and the results are resharded
+    to the parameters' specs (each device keeps its part; every device keeps every exponent).
+    The bits are the unsharded step's: the same operations on the same whole matrices."""
     from . import _sharding
 
     where = _sharding.placement(muon_params)
     if where is None:
-        return (*_cpu_phases(config, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients, steps, eps),
-                lambda x, j: x)
+        return (*_cpu_phases(config, g_mats, s_mats, e_mats, p_mats, lo_mats, row, valid, coefficients, steps, eps),
+                _unplaced)
     mesh = where.mesh
-    n, k = len(g_mats), len(lo_mats)
+    n, k, m = len(g_mats), len(lo_mats), len(e_mats)
     whole = [_sharding._reshard_to(x, mesh, (None,) * x.ndim)
-             for x in (*g_mats, *s_mats, *p_mats, *lo_mats, row, valid)]
+             for x in (*g_mats, *s_mats, *e_mats, *p_mats, *lo_mats, row, valid)]
 
     def per_device(*flat):
-        g, st, p, lo = flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:3 * n + k]
-        new_params, new_lows, new_states = _cpu_phases(config, list(g), list(st), list(p), list(lo), flat[-2],
-                                                       flat[-1], coefficients, steps, eps)
-        return (*new_params, *new_lows, *new_states)
+        g, st, e = flat[:n], flat[n:2 * n], flat[2 * n:2 * n + m]
+        p, lo = flat[2 * n + m:3 * n + m], flat[3 * n + m:3 * n + m + k]
+        new_params, new_lows, new_states, new_exponents = _cpu_phases(
+            config, list(g), list(st), list(e), list(p), list(lo), flat[-2], flat[-1], coefficients, steps, eps)
+        return (*new_params, *new_lows, *new_states, *new_exponents)
 
     replicated = jax.sharding.PartitionSpec()
     results = jax.shard_map(per_device, mesh=mesh, axis_names=where.axis_names, check_vma=False,
-                            in_specs=(replicated,) * len(whole), out_specs=(replicated,) * (2 * n + k))(*whole)
+                            in_specs=(replicated,) * len(whole), out_specs=(replicated,) * (2 * n + k + m))(*whole)
 
-    def placed(x, j):
-        return _sharding._reshard_to(x, mesh, where.specs[j])
+    def placed(x, j, replicated=False):
+        return _sharding._reshard_to(x, mesh, (None,) * x.ndim if replicated else where.specs[j])
 
-    return list(results[:n]), iter(results[n:n + k]), list(results[n + k:]), placed
+    return (list(results[:n]), iter(results[n:n + k]), list(results[n + k:2 * n + k]), list(results[2 * n + k:]),
+            placed)
 
 
-def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, row, valid, coefficients, steps, *,
-                write_update: bool = False):
+def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, e_mats, p_mats, lo_mats, row, valid, coefficients,
+                steps, *, write_update: bool = False):
     """`_cpu_phases` on a GPU: core/muon's Triton kernels through jax-triton (_muon_triton.py),
     Newton-Schulz once per shape group with the kernels torch's `ns_impl="triton"` launches.
-    A matrix is refused (weights and momentum kept) when the row is invalid or the momentum
-    kernel counts a refusing element in it. With `write_update`, a float32 matrix's entry of
-    the new parameters is its update u instead (`_float32_update`'s, from the weight launch)."""
+    A matrix is refused (weights, momentum and exponent kept) when the row is invalid or the
+    momentum kernel counts a refusing element in it. With `write_update`, a float32 matrix's
+    entry of the new parameters is its update u instead (`_float32_update`'s, from the weight
+    launch)."""
     from packed_adamw.core.muon import ns_kernel
+    from packed_adamw.core.muon.kernel import MATRIX_COUNTERS
 
     from . import _muon_triton
 
@@ -639,7 +679,8 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, ro
     refused_if_invalid = jnp.where(valid, 0, 1).astype(jnp.int32)
     lows = iter(lo_mats)
     lo_of = [next(lows) if is_split else None for is_split in config.split]
-    new_params, new_lows, new_states = list(p_mats), list(lo_of), list(s_mats)
+    exponent_of = e_mats if e_mats else [None] * len(g_mats)
+    new_params, new_lows, new_states, new_exponents = list(p_mats), list(lo_of), list(s_mats), list(exponent_of)
     groups: dict[tuple, list[int]] = {}
     for j, view in enumerate(views):
         if g_mats[j].size:  # a zero-size matrix has nothing to step
@@ -647,10 +688,10 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, ro
     for (k, n_cols), members in groups.items():
         matrices = sum(g_mats[j].shape[0] for j in members)
         x = jnp.zeros((matrices, k, n_cols), jnp.int16)
-        # One counter a matrix for the whole group, threaded through its launches (a buffer a
-        # leaf would be an XLA operation a leaf, each a launch of its own).
-        refused = jnp.broadcast_to(refused_if_invalid, (matrices,))
-        rejected = jnp.zeros((matrices,), jnp.int32)  # the weight kernel's count; not read here
+        # One counters row a matrix for the whole group (core/muon/kernel.py's COUNTER_COLUMNS: refused
+        # elements, rejected weights, max |m'|, the old exponent), threaded through its launches (a
+        # buffer a leaf would be an XLA operation a leaf, each a launch of its own).
+        counters = jnp.zeros((matrices, MATRIX_COUNTERS), jnp.int32).at[:, 0].set(refused_if_invalid)
         slots, slot = {}, 0
         for j in members:
             slots[j] = slot
@@ -663,29 +704,30 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, p_mats, lo_mats, ro
             kinds.setdefault(kind, []).append(j)
         launches = [leaves[i:i + _muon_triton.LEAVES_PER_LAUNCH] for leaves in kinds.values()
                     for i in range(0, len(leaves), _muon_triton.LEAVES_PER_LAUNCH)]
-        scratches, scalars = {}, {}
+        scalars = {}
         for leaves in launches:
             # A launch's leaves share their torch shape (the shape group and orientation), so their
             # step scalars: one row, computed once (a launch of its own under a traced lr).
             shared = _muon_triton.leaf_scalars(row, config.static_row, config.shapes[leaves[0]], config.adjust_lr_fn)
             scalars[leaves[0]] = jnp.broadcast_to(shared, (len(leaves), shared.shape[0]))
-            new_scratches, x, refused = _muon_triton.momentum_group_step(
-                [g_mats[j] for j in leaves], [s_mats[j] for j in leaves], scalars[leaves[0]], x, refused,
-                [slots[j] for j in leaves], views[leaves[0]], fmt=config.fmt, nesterov=config.nesterov)
-            scratches.update(zip(leaves, new_scratches))
+            x, counters = _muon_triton.momentum_group_step(
+                [g_mats[j] for j in leaves], [s_mats[j] for j in leaves], [exponent_of[j] for j in leaves],
+                scalars[leaves[0]], x, counters, [slots[j] for j in leaves], views[leaves[0]], fmt=config.fmt,
+                nesterov=config.nesterov)
         ortho = _muon_triton.newton_schulz(x, ns_scalars, steps)
         for leaves in launches:
             split = config.split[leaves[0]]
-            weights, leaf_lows, leaf_states, rejected = _muon_triton.weight_group_step(
+            weights, leaf_lows, leaf_states, leaf_exponents, counters = _muon_triton.weight_group_step(
                 [p_mats[j] for j in leaves], [lo_of[j] for j in leaves] if split else None,
-                [s_mats[j] for j in leaves], [scratches[j] for j in leaves], scalars[leaves[0]], refused, rejected,
-                ortho, [slots[j] for j in leaves], views[leaves[0]], fmt=config.fmt,
+                [g_mats[j] for j in leaves], [s_mats[j] for j in leaves], [exponent_of[j] for j in leaves],
+                scalars[leaves[0]], counters, ortho, [slots[j] for j in leaves], views[leaves[0]], fmt=config.fmt,
                 write_update=write_update and not split)
             for t, j in enumerate(leaves):
-                new_params[j], new_states[j] = weights[t], leaf_states[t]
+                new_params[j], new_states[j], new_exponents[j] = weights[t], leaf_states[t], leaf_exponents[t]
                 if split:
                     new_lows[j] = leaf_lows[t]
-    return new_params, iter([lo for lo, is_split in zip(new_lows, config.split) if is_split]), new_states
+    return (new_params, iter([lo for lo, is_split in zip(new_lows, config.split) if is_split]), new_states,
+            new_exponents if e_mats else [])
 
 
 def _check_param_dtypes(params, views) -> list[bool]:
@@ -732,6 +774,50 @@ def _checked_momenta(momentum, treedef, params, views, paths, fmt: StateFormat) 
                              f"for {fmt.identity}; build the state with init() of a transform with the same mode and "
                              "mu_bias over the same parameters")
     return entries
+
+
+def _zero_exponents(leaves, treedef, views, fmt: StateFormat):
+    """Packed mode's exponents before the first step (0 for each matrix of each Muon leaf,
+    MaskedNode elsewhere); None in the other modes."""
+    entry = fmt.exponent_entry
+    if entry is None:
+        return None
+    return treedef.unflatten([optax.MaskedNode() if v is None else jnp.zeros(v.batch_shape, jnp.dtype(entry.dtype))
+                              for v in views])
+
+
+def _checked_exponents(exponents, treedef, params, views, paths, fmt: StateFormat) -> list:
+    """Per leaf: its exponents (int32, the leaf's batch shape) for a Muon leaf in packed mode,
+    else None. A packed state made before the exponents (None) reads with exponents 0."""
+    entry = fmt.exponent_entry
+    if entry is None:
+        if exponents is not None:
+            raise ValueError(f"packed_muon: the state holds exponents, which {fmt.identity} does not keep; build the "
+                             "state with init() of a transform with the same mode")
+        return [None] * len(views)
+    if exponents is None:  # saved before the exponents: its codes keep their values at exponent 0
+        exponents = _zero_exponents(params, treedef, views, fmt)
+    try:
+        entries = treedef.flatten_up_to(exponents)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"packed_muon: the state's exponents do not have the parameters' tree ({e}); build the "
+                         "state with init() over the same parameters") from None
+    checked = []
+    for e, view, path in zip(entries, views, paths):
+        is_masked = isinstance(e, optax.MaskedNode)
+        if view is None:
+            if not is_masked:
+                raise ValueError(f"packed_muon: the state holds an exponent for leaf {path}, which is not a Muon leaf "
+                                 "here; build the state with init() with the same muon_weight_dimension_numbers")
+            checked.append(None)
+            continue
+        want = jax.ShapeDtypeStruct(view.batch_shape, jnp.dtype(entry.dtype))
+        if is_masked or _like(e) != want:
+            got = "none" if is_masked else f"{jnp.result_type(e)} {jnp.shape(e)}"
+            raise ValueError(f"packed_muon: the exponents of leaf {path} are {got}, expected {want.dtype} {want.shape} "
+                             f"(one per matrix, {fmt.identity}); build the state with init() over the same parameters")
+        checked.append(e)
+    return checked
 
 
 def _checked_lows(low_halves, treedef, params, split, paths) -> list:
@@ -805,26 +891,30 @@ def export_muon_state(state: PackedMuonState, params, *, mode: str = "packed", m
     if not isinstance(state, PackedMuonState):
         raise TypeError(f"export_muon_state: the state is a {type(state).__name__}; pass packed_muon's state")
     momenta = _checked_momenta(state.momentum, treedef, leaves, views, paths, fmt)
+    exponents = _checked_exponents(state.exponents, treedef, leaves, views, paths, fmt)
     lows = _checked_lows(state.low_halves, treedef, leaves, [s and v is not None for s, v in zip(split, views)],
                          paths)
     adamw = export_adamw_state(state.adamw.inner_state, adam_fmt)
     adamw_lows = iter(adamw.low_halves or [None] * len(adamw.moments))
     adamw_tensors = iter(zip(adamw.counts, adamw.moments))
-    identities, counts, moments, low_list = [], [], [], []
-    for leaf, view, momentum, low in zip(leaves, views, momenta, lows):
+    identities, counts, moments, low_list, exponent_list = [], [], [], [], []
+    for leaf, view, momentum, exponent, low in zip(leaves, views, momenta, exponents, lows):
         if view is None:
             count, words = next(adamw_tensors)
             identities.append(adam_fmt.identity)
             counts.append(count)
             moments.append(words)
             low_list.append(next(adamw_lows))
+            exponent_list.append(None)
             continue
         ndim = len(jnp.shape(leaf))
         identities.append(fmt.identity)
         counts.append(int(state.count))
         moments.append(_torch_layout(momentum, view, ndim))
         low_list.append(None if low is None else _torch_layout(low, view, ndim))
-    return PortableState.of(identities, counts, moments, low_list)
+        # one per matrix, in the torch layout's batch order ([batch] for a leaf of several)
+        exponent_list.append(None if exponent is None else np.asarray(exponent).reshape(_torch_shape(view, ndim)[:-2]))
+    return PortableState.of(identities, counts, moments, low_list, exponent_list)
 
 
 def _common_count(counts, what: str) -> int | None:
@@ -877,11 +967,12 @@ def import_muon_state(portable, params, *, mode: str = "packed", mu_bias: int = 
                              "no AdamW tensors): pass count=, the steps taken (a learning-rate schedule reads it)")
         known = 0
     lows = portable.low_halves or [None] * len(leaves)
-    momentum, low_halves, adamw = [], [], {"counts": [], "moments": [], "lows": []}
-    for leaf, view, c, m, lo in zip(leaves, views, portable.counts, portable.moments, lows):
+    momentum, low_halves, exponents, adamw = [], [], [], {"counts": [], "moments": [], "lows": []}
+    for i, (leaf, view, c, m, lo) in enumerate(zip(leaves, views, portable.counts, portable.moments, lows)):
         if view is None:
             momentum.append(optax.MaskedNode())
             low_halves.append(optax.MaskedNode())
+            exponents.append(optax.MaskedNode())
             adamw["counts"].append(c)
             adamw["moments"].append(m)
             adamw["lows"].append(lo)
@@ -889,6 +980,8 @@ def import_muon_state(portable, params, *, mode: str = "packed", mu_bias: int = 
         ndim = len(jnp.shape(leaf))
         momentum.append(_placed_like(_leaf_layout(m, view, ndim), leaf, None))
         low_halves.append(optax.MaskedNode() if lo is None else _placed_like(_leaf_layout(lo, view, ndim), leaf, None))
+        exponent = portable.muon_exponent(i, fmt)  # zeros for a state exported before the exponents
+        exponents.append(None if exponent is None else _replicated_like(exponent.reshape(view.batch_shape), leaf))
     masked = treedef.unflatten([leaf if v is None else optax.MaskedNode() for leaf, v in zip(leaves, views)])
     has_low = any(lo is not None for lo in adamw["lows"])
     inner = import_adamw_state(PortableState(adam_fmt.identity, adamw["counts"], adamw["moments"],
@@ -898,7 +991,18 @@ def import_muon_state(portable, params, *, mode: str = "packed", mu_bias: int = 
     muon_split = any(s and v is not None for s, v in zip(split, views))
     return PackedMuonState(jnp.asarray(known, jnp.int32), treedef.unflatten(momentum),
                            treedef.unflatten(low_halves) if muon_split else None,
-                           optax.MaskedState(inner_state=inner))
+                           optax.MaskedState(inner_state=inner),
+                           treedef.unflatten(exponents) if fmt.exponent_entry is not None else None)
+
+
+def _replicated_like(x: np.ndarray, param):
+    """A per-matrix state array on the devices of its (concrete) parameter, whole on each."""
+    sharding = getattr(param, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return jax.device_put(x, sharding)
+    return jnp.asarray(x)
 
 
 __all__ = ["DEFAULT_EPS", "DEFAULT_WEIGHT_DECAY", "MAX_COUNT", "MatrixView", "PackedMuonState", "export_muon_state",

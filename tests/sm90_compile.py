@@ -1,5 +1,6 @@
-"""Compiles the Muon GPU kernels for sm_90 (an H100/H200) without a GPU, through Triton's NVIDIA
-backend and its bundled ptxas; run in a process of its own, without TRITON_INTERPRET (under it
+"""Compiles the Muon GPU kernels (JAX's group kernels, torch's per-matrix and table kernels) for
+sm_90 (an H100/H200) without a GPU, through Triton's NVIDIA backend and its bundled ptxas; run
+in a process of its own, without TRITON_INTERPRET (under it
 `@triton.jit` gives interpreter functions, which do not compile). Prints one line a kernel
 variant, then "compiled N". Used by tests/test_kernels_compile_for_sm90.py; also a quick check
 before a GPU call: `python tests/sm90_compile.py`.
@@ -59,24 +60,67 @@ def group_kernels() -> int:
         state = "*fp32" if mode == "fp32" else "*i16"
         for grad_bf16, tall, nesterov in itertools.product((False, True), (False, True), (False, True)):
             signature = {**_slots("grad", "*i16" if grad_bf16 else "*fp32"), **_slots("state", state),
-                         "table_ptr": "*i32", "scalars_ptr": "*fp32", "x_in_ptr": "*i16", "refused_in_ptr": "*i32",
-                         "n_elements": "i32", "rows": "i32", "cols": "i32", **_slots("scratch", state),
-                         "x_ptr": "*i16", "refused_ptr": "*i32"}
+                         **_slots("exponent", "*i32"), "table_ptr": "*i32", "scalars_ptr": "*fp32",
+                         "x_in_ptr": "*i16", "counters_in_ptr": "*i32", "n_elements": "i32", "rows": "i32",
+                         "cols": "i32", "x_ptr": "*i16", "counters_ptr": "*i32"}
             compile_sm90(mt.muon_momentum_group_kernel, signature, {
                 "TALL": tall, **constants, "NESTEROV": nesterov, "GRAD_BF16": grad_bf16, "BLOCK": launch.GPU_BLOCK},
                 warps)
             n += 1
-        for (split, update), tall in itertools.product(((False, False), (False, True), (True, False)), (False, True)):
+        for (split, update), tall, grad_bf16 in itertools.product(((False, False), (False, True), (True, False)),
+                                                                  (False, True), (False, True)):
+            if grad_bf16 and not split:
+                continue  # a float32 leaf takes float32 gradients
             weights = "*i16" if split else "*fp32"
-            signature = {**_slots("param", weights), **_slots("lo", "*i16"), **_slots("scratch", state),
-                         **_slots("state", state), "table_ptr": "*i32", "ortho_ptr": "*i16", "scalars_ptr": "*fp32",
-                         "refused_ptr": "*i32", "rejected_in_ptr": "*i32", "n_elements": "i32", "rows": "i32",
+            signature = {**_slots("param", weights), **_slots("lo", "*i16"),
+                         **_slots("grad", "*i16" if grad_bf16 else "*fp32"), **_slots("state", state),
+                         **_slots("exponent", "*i32"), "table_ptr": "*i32", "ortho_ptr": "*i16",
+                         "scalars_ptr": "*fp32", "counters_in_ptr": "*i32", "n_elements": "i32", "rows": "i32",
                          "cols": "i32", **_slots("out", weights), **_slots("new_lo", "*i16"),
-                         **_slots("new_state", state), "rejected_ptr": "*i32"}
+                         **_slots("new_state", state), **_slots("new_exponent", "*i32"), "counters_ptr": "*i32"}
             compile_sm90(mt.muon_weight_group_kernel, signature, {
-                "TALL": tall, "MODE": constants["MODE"], "SPLIT": split, "UPDATE": update, "BLOCK": launch.GPU_BLOCK},
-                warps)
+                "TALL": tall, **constants, "GRAD_BF16": grad_bf16, "SPLIT": split, "UPDATE": update,
+                "BLOCK": launch.GPU_BLOCK}, warps)
             n += 1
+    return n
+
+
+def torch_kernels() -> int:
+    """Every variant of torch's phase kernels (core/muon/kernel.py): per matrix and per batch
+    (table), momentum and weight phases, the weight phases' counting twins (packed mode), the
+    three momentum modes, float32 and bf16 gradients, with and without maximize (and Nesterov for
+    the momentum phase), float32 and split bf16 weights, at launch.GPU_BLOCK and PackedMuon's
+    default warps."""
+    from packed_adamw.core.muon import kernel as mk
+
+    n = 0
+    for mode in ("packed", "bf16", "fp32"):
+        constants = StateFormat(mode, 31).kernel_constexprs(track_format=False)
+        state = "*fp32" if mode == "fp32" else "*i16"
+        for grad_bf16, maximize in itertools.product((False, True), (False, True)):
+            grad = "*i16" if grad_bf16 else "*fp32"
+            flags = {**constants, "MAXIMIZE": maximize, "GRAD_BF16": grad_bf16, "BLOCK": launch.GPU_BLOCK}
+            for nesterov in (False, True):
+                compile_sm90(mk.muon_momentum_kernel, {
+                    "grad_ptr": grad, "state_ptr": state, "exponent_ptr": "*i32", "x_ptr": "*i16",
+                    "scalars_ptr": "*fp32", "counters_ptr": "*i32", "n_elements": "i32"}, {**flags, "NESTEROV": nesterov})
+                compile_sm90(mk.muon_momentum_table_kernel, {
+                    "table_ptr": "*i64", "x_ptr": "*i16", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
+                    "rows": "i32", "cols": "i32"}, {**flags, "NESTEROV": nesterov})
+                n += 2
+            for split in (False, True) if not grad_bf16 else (True,):  # a float32 matrix takes float32 gradients
+                weights = "*i16" if split else "*fp32"
+                counting = (False, True) if mode == "packed" else (False,)
+                for count in counting:
+                    counts = {"counts_ptr": "*i64"} if count else {}
+                    compile_sm90(mk.muon_weight_counting_kernel if count else mk.muon_weight_kernel, {
+                        "param_ptr": weights, "lo_ptr": "*i16" if split else weights, "ortho_ptr": "*i16",
+                        "grad_ptr": grad, "state_ptr": state, "exponent_ptr": "*i32", "scalars_ptr": "*fp32",
+                        "counters_ptr": "*i32", **counts, "n_elements": "i32"}, {**flags, "SPLIT": split})
+                    compile_sm90(mk.muon_weight_table_counting_kernel if count else mk.muon_weight_table_kernel, {
+                        "table_ptr": "*i64", "ortho_ptr": "*i16", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
+                        **counts, "rows": "i32", "cols": "i32"}, {**flags, "SPLIT": split})
+                    n += 2
     return n
 
 
@@ -108,4 +152,4 @@ def scalars_and_newton_schulz() -> int:
 if __name__ == "__main__":
     if "nvidia" not in triton.backends.backends:
         sys.exit("sm90_compile.py: this Triton build has no NVIDIA backend")
-    print(f"compiled {group_kernels() + scalars_and_newton_schulz()}")
+    print(f"compiled {group_kernels() + torch_kernels() + scalars_and_newton_schulz()}")

@@ -90,10 +90,12 @@ class Reference:
         self.p = np.array(p).view(np.uint16).copy() if self.bf16 else np.array(p, F32)
         self.lo = np.zeros(p.shape, np.int16)
         self.state = np.zeros(p.shape, np.dtype(fmt.state_dtype))
+        self.exponent = np.zeros((), np.int32) if fmt.mode == "packed" else None
         self.scalars = step_scalar_row((lr, BETA, WD, EPS), p.shape[::-1], adjust_lr_fn=adjust_lr_fn)
 
     def step(self, g):
-        x = momentum_phase(np.asarray(g), self.state, self.scalars, fmt=self.fmt, nesterov=self.nesterov)
+        x = momentum_phase(np.asarray(g), self.state, self.scalars, fmt=self.fmt, exponent=self.exponent,
+                           nesterov=self.nesterov)
         assert x is not None
         ortho = self.ns(x)
         if self.bf16:
@@ -125,6 +127,11 @@ def test_muon_leaves_take_the_contracts_step_bit_for_bit(mode, jit, nesterov, ad
             refs[k].step(grads[k])
             assert np.array_equal(bits(params[k]), bits(refs[k].p)), k
             assert np.array_equal(bits(state.momentum[k]), bits(refs[k].state)), k
+            if mode == "packed":  # one int32 exponent a matrix
+                assert state.exponents[k].dtype == jnp.int32 and state.exponents[k].shape == ()
+                assert int(state.exponents[k]) == int(refs[k].exponent), k
+            else:
+                assert state.exponents is None
     assert int(state.count) == 3
 
 
@@ -222,7 +229,13 @@ def test_state_holds_one_momentum_entry_per_muon_element(mode, nbytes):
         m = state.momentum[k]
         assert m.shape == params[k].shape and m.dtype == (jnp.uint16 if nbytes == 2 else jnp.float32)
         assert m.nbytes == nbytes * params[k].size
+        # packed mode adds one int32 exponent per matrix (4 bytes a matrix, not an element's)
+        if mode == "packed":
+            assert state.exponents[k].shape == () and state.exponents[k].dtype == jnp.int32
     assert isinstance(state.momentum["bias"], optax.MaskedNode) and state.low_halves is None
+    assert (state.exponents is None) == (mode != "packed")
+    if mode == "packed":
+        assert isinstance(state.exponents["bias"], optax.MaskedNode)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -257,6 +270,7 @@ def test_dimension_numbers_pick_muon_leaves_and_batch_their_matrices():
     step = packed_muon_fused_step(LR, muon_weight_dimension_numbers=dims)
     state = packed_muon(LR, muon_weight_dimension_numbers=dims).init(params)
     assert isinstance(state.momentum["kept"], optax.MaskedNode) and state.momentum["stack"].shape == (3, 6, 10)
+    assert state.exponents["stack"].shape == (3,) and isinstance(state.exponents["kept"], optax.MaskedNode)
     single = packed_muon_fused_step(LR)
     slices = {str(b): stack[b] for b in range(3)}
     single_state = packed_muon(LR).init(slices)
@@ -266,6 +280,7 @@ def test_dimension_numbers_pick_muon_leaves_and_batch_their_matrices():
         slices, single_state = single(slices, {str(b): g[b] for b in range(3)}, single_state)
         for b in range(3):
             assert np.array_equal(bits(params["stack"][b]), bits(slices[str(b)]))
+            assert int(state.exponents["stack"][b]) == int(single_state.exponents[str(b)])  # each matrix its own
     assert not np.array_equal(bits(state.adamw.inner_state.moments["kept"]), np.zeros((4, 4), np.uint32))
 
 
@@ -282,6 +297,7 @@ def test_a_non_finite_gradient_refuses_its_matrix_only():
     updates, new_state = tx.update(grads, state, params)
     assert np.all(bits(updates["wide"]) == 0x80000000)  # -0.0 everywhere: the weight stays
     assert np.array_equal(bits(new_state.momentum["wide"]), bits(state.momentum["wide"]))
+    assert int(new_state.exponents["wide"]) == int(state.exponents["wide"])
     assert not np.array_equal(bits(new_state.momentum["tall"]), bits(state.momentum["tall"]))
 
 
@@ -537,6 +553,71 @@ def test_a_tree_without_matrices_is_packed_adamws_and_counts_its_steps():
 # ---- CUDA: the same bits as torch's PackedMuon(ns_impl="triton") ---------------------------------
 # JAX [in, out] leaves: torch-tall, torch-wide of the same Newton-Schulz shape (one batch), a
 # square one, one over several tiles of every product, and a bf16 leaf (a split master).
+# ---- scale invariance (issue 53): tests/test_torch_muon.py's acceptance test, for packed_muon ----
+SCALES = (0, -12, 12, 20)
+
+
+def weights_after_scaled_steps(scale, dtype, steps=6, **options):
+    """packed_muon's fused step (packed mode) over `steps` steps of gradients times 2**scale:
+    the Muon leaves' weight bits and the state's exponents."""
+    rng = np.random.default_rng(63)
+    params = {k: jnp.asarray((rng.standard_normal(s) * 0.3).astype(F32), dtype)
+              for k, s in (("tall", (6, 10)), ("wide", (10, 6)))}
+    step = packed_muon_fused_step(LR, **options)
+    state = packed_muon(LR, **options).init(params)
+    for _ in range(steps):
+        grads = {k: jnp.asarray(gradient(rng, p.shape) * F32(2.0 ** scale), dtype) for k, p in params.items()}
+        params, state = step(params, grads, state)
+    return {k: bits(p).copy() for k, p in params.items()}, {k: int(e) for k, e in state.exponents.items()}
+
+
+def assert_scale_invariant(dtype, **options) -> None:
+    (weights, exponents), *scaled = (weights_after_scaled_steps(scale, dtype, **options) for scale in SCALES)
+    for scale, (weights_s, exponents_s) in zip(SCALES[1:], scaled):
+        for k in weights:
+            assert np.array_equal(weights[k], weights_s[k]), (k, scale)
+            assert exponents_s[k] == exponents[k] + scale, (k, scale)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_weights_are_the_same_for_power_of_two_scaled_gradients(dtype):
+    """The issue's acceptance test on the CPU: weights after 6 steps bit for bit the same for
+    gradients times 2**-12, 2**12 and 2**20 as unscaled (torch.optim.Muon's control is in
+    tests/test_torch_muon.py), float32 and bf16 weights; the exponents move by the scale."""
+    assert_scale_invariant(dtype)
+
+
+def test_weights_are_the_same_for_power_of_two_scaled_gradients_in_the_interpreted_gpu_path(monkeypatch):
+    """The acceptance test through the GPU path's kernels (_muon_triton.py) in Triton's CPU
+    interpreter, float32 weights, two steps (the interpreter is slow)."""
+    from conftest import interpreting
+    from jax_helpers import InterpretedJaxTriton
+
+    if not interpreting():
+        pytest.skip("runs the kernels in Triton's CPU interpreter")
+    from packed_adamw.jax import _muon_triton
+
+    stand_in = InterpretedJaxTriton()
+    monkeypatch.setattr(_muon_triton, "_jax_triton", lambda: stand_in)
+    monkeypatch.setattr(jax_muon, "_step_platform", lambda tree: "gpu")
+    (weights, exponents), *scaled = (weights_after_scaled_steps(scale, jnp.float32, steps=2, ns_steps=2)
+                                     for scale in SCALES)
+    assert stand_in.kernels.count(_muon_triton.muon_momentum_group_kernel) == 2 * 2 * len(SCALES)
+    for scale, (weights_s, exponents_s) in zip(SCALES[1:], scaled):
+        for k in weights:
+            assert np.array_equal(weights[k], weights_s[k]) and exponents_s[k] == exponents[k] + scale, (k, scale)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_weights_are_the_same_for_power_of_two_scaled_gradients(dtype):
+    """The acceptance test compiled on a GPU (jax-triton)."""
+    reason = _cuda_reason()
+    if reason is not None:
+        pytest.skip(f"needs CUDA for JAX plus jax_triton: {reason}")
+    assert_scale_invariant(dtype)
+
+
 # "tall" and "tall2" share a launch of each phase (one shape group, orientation and dtype).
 CUDA_LEAVES = {"tall": (64, 192), "tall2": (64, 192), "wide": (192, 64), "square": (128, 128), "odd": (300, 130),
                "half": (96, 40)}
@@ -586,8 +667,8 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
                 else:
                     got, want = updates[k], jax_muon._float32_update(params[k], new_params[k])
                 np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"update of {k}")
-            for a, b in zip(jax.tree_util.tree_leaves((t_state.momentum, t_state.low_halves)),
-                            jax.tree_util.tree_leaves((new_state.momentum, new_state.low_halves))):
+            for a, b in zip(*(jax.tree_util.tree_leaves((st.momentum, st.low_halves, st.exponents))
+                              for st in (t_state, new_state))):
                 np.testing.assert_array_equal(bits(a), bits(b))
         params, state = new_params, new_state
     assert all(leaf.devices().pop().platform == "gpu" for leaf in jax.tree_util.tree_leaves(params))
@@ -611,6 +692,8 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
         momentum = opt.state[p][key].cpu().numpy()
         np.testing.assert_array_equal(bits(state.momentum[k]).T, momentum.view(np.uint32 if mode == "fp32"
                                                                              else np.uint16), err_msg=k)
+        if mode == "packed":
+            assert int(state.exponents[k]) == int(opt.state[p]["mu_exponent"]), k
         if bf16_leaf(k):
             np.testing.assert_array_equal(np.asarray(state.low_halves[k]).T, opt.state[p]["lo"].cpu().numpy())
 
@@ -695,8 +778,8 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(mode, sch
             else:
                 np.testing.assert_array_equal(bits(updates[k]), float32_update_bits(params[k], new_params[k]),
                                               err_msg=f"update of {k}")
-        for x, y in zip(jax.tree_util.tree_leaves((t_state.momentum, t_state.low_halves)),
-                        jax.tree_util.tree_leaves((new_state.momentum, new_state.low_halves))):
+        for x, y in zip(*(jax.tree_util.tree_leaves((st.momentum, st.low_halves, st.exponents))
+                          for st in (t_state, new_state))):
             np.testing.assert_array_equal(bits(x), bits(y))
         params, state = new_params, new_state
     # A launch a kind of leaf: the tall and the batched leaf share one (one orientation, float32),
@@ -722,6 +805,7 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(mode, sch
     p0, grads = matrices(p0), [matrices(g) for g in grads]
     params = matrices(params)
     state_momentum = matrices(state.momentum)
+    state_exponents = matrices(state.exponents) if mode == "packed" else None
     torch_params = {k: torch.nn.Parameter(torch.from_numpy(v.T.copy()).to(torch.bfloat16 if bf16_leaf(k)
                                                                          else torch.float32))
                     for k, v in p0.items()}
@@ -738,6 +822,8 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(mode, sch
         theirs = theirs.view(torch.int16).numpy().view(np.uint16) if bf16_leaf(k) else theirs.numpy().view(np.uint32)
         key, view = ("momentum_buffer", np.uint32) if mode == "fp32" else ("momentum_code", np.uint16)
         np.testing.assert_array_equal(bits(state_momentum[k]).T, opt.state[p][key].numpy().view(view), err_msg=k)
+        if mode == "packed":  # each matrix's exponent, the batched leaf's two included
+            assert int(state_exponents[k]) == int(opt.state[p]["mu_exponent"]), k
         np.testing.assert_array_equal(bits(params[k]).T, theirs, err_msg=f"weights of {k}")
 
 

@@ -120,6 +120,11 @@ def assert_same_tensors(a: PortableState, b: PortableState, what: str) -> None:
     lows_a, lows_b = a.low_halves or [None] * len(PARAMS), b.low_halves or [None] * len(PARAMS)
     for i, (x, y) in enumerate(zip(lows_a, lows_b)):
         assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), f"{what}: low half {i}"
+    exponents_a, exponents_b = (e.exponents or [None] * len(PARAMS) for e in (a, b))
+    for i, (x, y) in enumerate(zip(exponents_a, exponents_b)):
+        assert (x is None) == (y is None), f"{what}: exponent {i}"
+        assert x is None or (x.dtype == y.dtype == np.int32 and x.shape == y.shape == () and x == y), \
+            f"{what}: exponent {i}"
 
 
 @pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
@@ -133,6 +138,9 @@ def test_a_state_moves_torch_to_jax_and_back(mode, tmp_path):
         torch_step(opt, params, g)
     exported = opt.export_state()
     assert exported.format == MIXED and [exported.counts[i] for i in MUON] == [None] * len(MUON)
+    # packed mode's exponents travel, one int32 a matrix (none for AdamW's tensors)
+    assert [e is not None for e in exported.exponents or [None] * len(PARAMS)] == \
+        [mode == "packed" and i in MUON for i in range(len(PARAMS))]
     exported.save(tmp_path / "torch.safetensors")
     portable = PortableState.load(tmp_path / "torch.safetensors")
     assert_same_tensors(portable, exported, "saved and loaded")
@@ -147,6 +155,8 @@ def test_a_state_moves_torch_to_jax_and_back(mode, tmp_path):
     assert_same_tensors(export_muon_state(state, jparams, **jax_args(mode)), portable, "JAX import then export")
     square = MUON[-1]  # the momentum of a matrix is its transpose in JAX
     assert np.array_equal(bits(state.momentum[square]), bits(portable.moments[square].T))
+    if mode == "packed":
+        assert [int(state.exponents[i]) for i in MUON] == [int(portable.exponents[i]) for i in MUON]
 
     step = jax_step(mode)
     for n, g in enumerate(grads[3:5], start=1):
@@ -162,8 +172,11 @@ def test_a_state_moves_torch_to_jax_and_back(mode, tmp_path):
                 assert np.array_equal(bits(ours.moments[i]), bits(theirs.moments[i])), (n, PARAMS[i][0])
                 assert ours.counts[i] == theirs.counts[i] == 3 + n
                 continue
-            # Muon: the momentum exactly, the weights (masters) within the Newton-Schulz tolerance
+            # Muon: the momentum (and its exponent) exactly, the weights (masters) within the
+            # Newton-Schulz tolerance
             assert np.array_equal(bits(ours.moments[i]), bits(theirs.moments[i])), (n, PARAMS[i][0])
+            if mode == "packed":
+                assert ours.exponents[i] == theirs.exponents[i], (n, PARAMS[i][0])
             if dtype is BF16:
                 jm = join_master(jw.view(np.uint16), ours.low_halves[i].T)
                 tm = join_master(tw.view(torch.int16).numpy(), theirs.low_halves[i])
@@ -187,6 +200,8 @@ def test_a_state_moves_torch_to_jax_and_back(mode, tmp_path):
     ours, theirs = export_muon_state(state, jparams, **jax_args(mode)), opt2.export_state()
     for i, (_, _, dtype, rule) in enumerate(PARAMS):
         assert np.array_equal(bits(ours.moments[i]), bits(theirs.moments[i])), PARAMS[i][0]
+        if rule == "muon" and mode == "packed":
+            assert ours.exponents[i] == theirs.exponents[i], PARAMS[i][0]
         if rule == "adamw":
             tw = back[i].detach()
             assert np.array_equal(bits(np.asarray(jparams[i])),
@@ -244,3 +259,60 @@ def test_a_torch_muon_state_without_counts_needs_one_and_bad_values_are_refused(
         import_muon_state(portable, leaves, mode="fp32", count=1)
     with pytest.raises(ValueError, match=r"tensor 1 \(param_groups\[0\]\['params'\]\[1\]\): the momentum holds NaN or Inf"):
         PackedMuon(matrices, mode="fp32").import_state(portable)
+
+
+def test_exponents_travel_and_a_state_exported_before_them_imports_with_exponent_zero(exported_once, tmp_path):
+    """A packed state exported before the per-matrix exponents (the identity without them, codes
+    alone) imports into torch and JAX with every exponent 0, its codes as saved: the values they
+    had. A state of today's identity without its exponents, or with one a step never stores, is
+    refused naming the tensor; a batched JAX leaf exports one exponent per matrix."""
+    weights, params, portable = exported_once
+    fmt = PackedMuon([torch.nn.Parameter(torch.ones(2, 2))]).state_format
+    legacy = PortableState(MIXED, list(portable.counts), [m.copy() for m in portable.moments],
+                           portable.low_halves, [fmt.legacy_identity if f == fmt.identity else f
+                                                 for f in portable.formats])
+    legacy.save(tmp_path / "old.safetensors")
+    legacy = PortableState.load(tmp_path / "old.safetensors")
+    assert legacy.exponents is None
+    opt = torch_optimizer(torch_params(weights))
+    opt.import_state(legacy)
+    for i in MUON:
+        p = opt.param_groups[0]["params"][MUON.index(i)]
+        assert int(opt.state[p]["mu_exponent"]) == 0 and opt.state[p]["mu_exponent"].dtype == torch.int32
+        assert np.array_equal(opt.state[p]["momentum_code"].numpy().view(np.uint16), portable.moments[i])
+    state = import_muon_state(legacy, jax_params_from(params), **jax_args("packed"))
+    assert [int(state.exponents[i]) for i in MUON] == [0] * len(MUON)
+    assert [np.array_equal(bits(state.momentum[i]).T, portable.moments[i]) for i in MUON] == [True] * len(MUON)
+
+    damaged = PortableState(MIXED, portable.counts, portable.moments, portable.low_halves, portable.formats,
+                            [None] * len(PARAMS))
+    with pytest.raises(ValueError, match=r"tensor 0 \('wide'\) \(muon-packed:mu=SE5M10b31:scale=pow2/matrix\) needs "
+                                         r"its matrices' int32 exponents of shape \(\) .*, got none"):
+        opt.import_state(damaged)
+    for bad, message in ((np.int32(129), r"has exponents 129, outside the \[-148, 128\]"),
+                         (np.zeros(2, np.int32), r"int32 exponents of shape \(\) .*, got int32 \(2,\)")):
+        damaged.exponents = [np.asarray(bad) if i == 0 else e for i, e in enumerate(portable.exponents)]
+        with pytest.raises(ValueError, match=message):
+            import_muon_state(damaged, jax_params_from(params), **jax_args("packed"))
+    damaged.exponents = list(portable.exponents)
+    damaged.exponents[0] = np.int32(128)  # in range, but the largest codes times 2**128 are Inf
+    damaged.moments = [m.copy() for m in portable.moments]
+    damaged.moments[0][0, 0] = 0x7C00
+    with pytest.raises(ValueError, match=r"tensor 0 \('wide'\): the momentum holds NaN or Inf"):
+        opt.import_state(damaged)
+
+    # A batched leaf: one exponent per matrix, in torch's [batch, out, in] order.
+    rng = np.random.default_rng(5)
+    stack = {"stack": jnp.asarray((rng.standard_normal((3, 6, 10)) * 0.2).astype(np.float32))}
+    dims = {"stack": MuonDimensionNumbers(reduction_axis=1, output_axis=2)}
+    base = rng.standard_normal((6, 10)).astype(np.float32)  # one gradient, three scales
+    grads = {"stack": jnp.asarray(base * np.float32(2.0) ** np.array([-20, 0, 20], np.float32)[:, None, None])}
+    stack, jstate = packed_muon_fused_step(LR, muon_weight_dimension_numbers=dims)(
+        stack, grads, packed_muon(LR, muon_weight_dimension_numbers=dims).init(stack))
+    out = export_muon_state(jstate, stack, muon_weight_dimension_numbers=dims)
+    assert out.exponents[0].shape == (3,)
+    assert out.exponents[0].tolist() == np.asarray(jstate.exponents["stack"]).tolist()
+    assert np.diff(out.exponents[0]).tolist() == [20, 20]  # each matrix its own scale
+    assert np.array_equal(out.moments[0][0], out.moments[0][2])  # and the same codes
+    back = import_muon_state(out, stack, muon_weight_dimension_numbers=dims)
+    assert np.array_equal(np.asarray(back.exponents["stack"]), np.asarray(jstate.exponents["stack"]))
