@@ -114,7 +114,7 @@ class MomentumUpdate(NamedTuple):
 
     m_next: np.ndarray  # m' (float32)
     ns_bits: np.ndarray  # the Newton-Schulz input X as bf16 bits (uint16)
-    stored: np.ndarray | None  # bf16 and fp32 modes: the new state entry; packed mode: None (its exponent waits for amax)
+    stored: np.ndarray | None  # bf16 and fp32 modes: the new state entry; packed mode: None (waits for amax)
     amax: np.float32  # max |m'| over these elements (0 when there are none)
 
 
@@ -128,8 +128,8 @@ def momentum_phase(grad, state, scalars, *, fmt: StateFormat, exponent=None, nes
     `exponent` (packed mode only): the matrix's int32 exponent, a one-element array;
     `scalars`: `hyperparams.step_scalar_row`. Returns the Newton-Schulz input as bf16 bits
     (uint16, the gradient's shape), or None when the matrix is refused: a non-finite gradient,
-    momentum or Newton-Schulz input anywhere in it. A refused matrix's state is left as it was. `format_counts_out` (int64 [3], packed
-    mode): adds the accepted matrix's format counts."""
+    momentum or Newton-Schulz input anywhere in it. A refused matrix's state is left as it was.
+    `format_counts_out` (int64 [3], packed mode): adds the accepted matrix's format counts."""
     update = momentum_update(grad, state, scalars, fmt=fmt, exponent=exponent, nesterov=nesterov, maximize=maximize)
     if update is None:
         return None
