@@ -112,7 +112,8 @@ def test_default_code_is_se5m10_bias_31_and_the_state_format_records_it():
             StateFormat().check_identity(bad)
     assert StateFormat(mu_bias=36).check_identity("muon-packed:mu=SE5M10b36:scale=pow2/matrix") is False
     assert StateFormat(mu_bias=36).check_identity("muon-packed:mu=SE5M10b36") is True  # saved without exponents
-    assert StateFormat("bf16").check_identity("muon-bf16:mu=bf16") is False and StateFormat("bf16").legacy_identity is None
+    assert StateFormat("bf16").check_identity("muon-bf16:mu=bf16") is False
+    assert StateFormat("bf16").legacy_identity is None
     for bad, error in ((101, ValueError), (-1, ValueError), (True, TypeError), (31.0, TypeError)):
         with pytest.raises(error, match="mu_bias"):
             StateFormat(mu_bias=bad)
