@@ -5,10 +5,11 @@ A format at exponent bias B covers a fixed window of magnitudes: normals from `m
 up to `max_value` (15 binades for the packed formats, exponent fields 1 to 15), and below
 them subnormals down to `min_subnormal`, with fewer significant bits the smaller they are.
 Moving the bias slides the window; it never widens it. This module says how a set of values
-falls against one window (`window_histogram`), and which biases put observed values inside
-the normal range with room to grow: for every code of any rule (`suggest_state_biases`, the
-rule found through core/rules.py) and, spelled out for AdamW's first moments and RMS values,
-`suggest_biases`. Every threshold comes from `MiniFloat` (core/codecs.py); nothing here
+falls against one window (`window_histogram`), how many are NaN or Inf (`nonfinite_counts`:
+a damaged state's, which the statistics leave out, `finite_elements`), and which biases put
+observed values inside the normal range with room to grow: for every code of any rule
+(`suggest_state_biases`, the rule found through core/rules.py) and, spelled out for AdamW's
+first moments and RMS values, `suggest_biases`. Every threshold comes from `MiniFloat` (core/codecs.py); nothing here
 restates a format fact.
 
 numpy only: no torch, no jax.
@@ -125,15 +126,39 @@ def _flat_float32(values) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
+def nonfinite_counts(values) -> dict[str, int]:
+    """How many of `values` (an array, or a sequence of arrays taken together) are NaN and how
+    many are +-Inf, apart: {"nan": ..., "inf": ...}. No step stores either, so a state holding
+    one is damaged; statistics and bias suggestions leave such elements out (`finite_elements`)."""
+    flat = _flat_float32(values)
+    return {"nan": int(np.count_nonzero(np.isnan(flat))), "inf": int(np.count_nonzero(np.isinf(flat)))}
+
+
+def finite_elements(code_values: Sequence) -> tuple[np.ndarray, ...]:
+    """One tensor's values of each code (arrays of one shape, in its rule's `codes` order),
+    flattened, keeping only the elements whose every code is finite: an element with a NaN or
+    Inf in any code is left out of all of them, so codes read in pairs (AdamW's m and RMS, for
+    the zero-RMS rule) stay paired."""
+    flat = [np.asarray(x, dtype=np.float32).ravel() for x in code_values]
+    if not flat:
+        return ()
+    keep = np.logical_and.reduce([np.isfinite(x) for x in flat])
+    return tuple(x[keep] for x in flat)
+
+
 def magnitude_quantiles(values, low: float = DEFAULT_LOW_QUANTILE, high: float = DEFAULT_HIGH_QUANTILE
                         ) -> MagnitudeQuantiles:
     """Quantiles `low` and `high` of the nonzero |values| (an array, or a sequence of arrays
-    taken together). NaN is refused: it has no magnitude to place."""
+    taken together). NaN and Inf are refused: neither has a magnitude a window can place, and
+    an Inf would push every bias into saturation; leave them out first (`finite_elements`)."""
     if not 0.0 <= low <= high <= 1.0:
         raise ValueError(f"quantiles must satisfy 0 <= low <= high <= 1, got low={low}, high={high}")
     flat = _flat_float32(values)
-    if np.isnan(flat).any():
-        raise ValueError(f"{int(np.isnan(flat).sum())} values are NaN: moment statistics must be numbers")
+    bad = nonfinite_counts(flat)
+    if bad["nan"] or bad["inf"]:
+        raise ValueError(f"moment statistics must be finite numbers, and {bad['nan']} NaN and {bad['inf']} Inf "
+                         f"values of {flat.size} were given: leave them out first (format_health.finite_elements; "
+                         "python -m packed_adamw.inspect counts them per tensor)")
     magnitude = np.abs(flat)
     nonzero = magnitude[magnitude > 0].astype(np.float64)
     if nonzero.size == 0:

@@ -684,3 +684,106 @@ def test_a_third_rule_plugs_in_through_the_registry(tmp_path, capsys, monkeypatc
     assert report["suggestion"]["all"]["identity"].startswith("sign-muon-packed:mu=SE5M10b")
     assert inspect_main([str(tmp_path / "sign.safetensors"), "--explain", "#0[3]", "--grad", "1", "--param", "0"]) == 2
     assert "Newton-Schulz" in capsys.readouterr().err  # its declaration has a matrix phase
+
+
+# ================================================================ damaged states and run directories ====
+
+def damaged_state_dicts():
+    """(rule, mode, a saved state_dict with NaN and Inf written into one tensor's state, the
+    optimizer that saved it, that tensor's name, (NaN, Inf) per code): states the optimizers
+    refuse to load, which inspect must still report on."""
+    for mode in ("fp32", "bf16"):
+        _, opt = trained_muon(mode)
+        sd = opt.state_dict()
+        fmt = opt.state_format
+        stored = sd["state"][0][fmt.state_key].clone()
+        flat = stored.view(-1)
+        if mode == "fp32":
+            flat[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), float("inf")])
+        else:  # bf16 codes with the exponent all ones: NaN, +Inf, -Inf
+            flat[:4] = torch.tensor([0x7FC0, 0x7F80, 0xFF80 - 2**16, 0x7F80], dtype=torch.int16)
+        sd["state"][0][fmt.state_key] = stored
+        yield "muon", mode, sd, opt, "up.weight", {"mu": (1, 3)}
+    _, opt = trained_optimizer(mode="fp32")
+    sd = opt.state_dict()
+    moments = sd["state"][0]["moments"].clone()
+    moments[0].view(-1)[0] = float("inf")  # an Inf first moment: once "even bias 0 saturates"
+    moments[1].view(-1)[1] = -1.0  # a negative v: its RMS, sqrt(v), is NaN
+    moments[1].view(-1)[2] = float("nan")
+    sd["state"][0]["moments"] = moments
+    yield "adamw", "fp32", sd, opt, "0.weight", {"m": (0, 1), "rms": (2, 0)}
+
+
+def test_inspect_reports_nonfinite_values_first_and_leaves_them_out(tmp_path, capsys):
+    """W3: a state holding NaN or Inf (which the optimizers refuse to load) is still reported:
+    NaN and Inf counted per tensor and code, shown first naming the tensor, and left out of the
+    window counts, quantiles and bias suggestions."""
+    for rule, mode, sd, opt, name, expected in damaged_state_dicts():
+        path = tmp_path / f"{rule}-{mode}.pt"
+        torch.save(sd, path)
+        with pytest.raises(ValueError, match="NaN"):  # the refusal the report announces
+            opt.load_state_dict(sd)
+        report = report_of(path, capsys, "--mu-bias", "40", "--m-bias", "15", "--rms-bias", "15")
+        (damaged,) = report["nonfinite"]
+        assert damaged["name"] == name and damaged["key"].endswith(f"[{opt.state_format.state_key!r}]")
+        assert {suffix: (c["nan"], c["inf"]) for suffix, c in damaged["codes"].items()} == expected
+        left_out = 3 if rule == "adamw" else 4  # elements with NaN or Inf in any code
+        assert damaged["left_out"] == left_out
+        assert "refuse" in report["nonfinite_note"] and "load_state_dict" in report["nonfinite_note"]
+        state_file = load_state_file(path)
+
+        def finite(tensor):  # each code's values at the elements whose every code is finite
+            values = [x.ravel() for x in state_file.values(tensor)]
+            return [x[np.logical_and.reduce([np.isfinite(y) for y in values])] for x in values]
+
+        windows = [momentum_format(40)] if rule == "muon" else [first_moment_format(15), rms_format(15)]
+        codes = [c["suffix"] for c in report["codes"]]
+        for t in report["tensors"]:
+            assert t["left_out"] == (left_out if t["name"] == name else 0)
+            for suffix, x, window in zip(codes, finite(state_file.find(t["name"])), windows):
+                assert t[suffix]["counts"] == window_histogram(x, window).counts and t[suffix]["total"] == x.size
+        per_code = list(zip(*(finite(t) for t in state_file.tensors)))
+        suggested = suggest_state_biases(rule, [list(xs) for xs in per_code]).biases
+        assert {k: report["suggestion"]["all"][k] for k in suggested} == suggested
+        for suffix in codes:
+            choice = report["suggestion"]["all"][suffix]
+            assert "even bias" not in choice["reason"] and math.isfinite(choice["maximum"])
+        assert inspect_main([str(path)]) == 0
+        text = capsys.readouterr().out
+        head = text[:text.index(f"rule {rule},")]  # what comes before the statistics
+        assert f"{name} (" in head and "NaN" in head and "Inf" in head and "refuse to load it" in head
+
+
+def test_magnitude_statistics_refuse_nan_and_inf_counting_each():
+    """The library's own statistics refuse what has no place in a window, counting NaN and Inf
+    apart (an Inf used to give a suggestion 'even bias 0 saturates')."""
+    with pytest.raises(ValueError, match=r"1 NaN and 2 Inf"):
+        magnitude_quantiles(F32([1.0, np.nan, np.inf, -np.inf]))
+    with pytest.raises(ValueError, match=r"0 NaN and 1 Inf"):
+        suggest_biases(F32([1e-3, np.inf]), F32([1e-3, 1e-3]))
+
+
+def test_inspect_reads_a_chat_train_run_directory(tape, tmp_path, capsys):
+    """W13: a chat_train run directory holds state_stepNNNNNN.safetensors files: the newest is
+    read, and the report says which (and which others there are); a directory with neither a
+    trainer checkpoint nor a training state is refused, saying what it looks for."""
+    run = Run(tape, torch.bfloat16)
+    run.train(1)
+    run.save(tmp_path)
+    run.train(1)
+    newest = run.save(tmp_path)
+    (tmp_path / "log.jsonl").write_text("")
+    report = report_of(tmp_path, capsys)
+    assert report["path"] == str(newest) and report["kind"] == "training state" and report["trainer_step"] == 2
+    assert "state_step000002.safetensors" in report["chosen"] and "state_step000001.safetensors" in report["chosen"]
+    assert inspect_main([str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "newest of 2 training states" in text and "state_step000001.safetensors" in text
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert inspect_main([str(empty)]) == 2
+    error = capsys.readouterr().err
+    assert "checkpoint.safetensors" in error and "state_stepNNNNNN.safetensors" in error
+    (tmp_path / "checkpoint.safetensors").write_bytes(b"")  # two trainers' files: which one is meant is asked
+    assert inspect_main([str(tmp_path)]) == 2
+    assert "pass the file to read" in capsys.readouterr().err

@@ -18,8 +18,10 @@ from .report import file_report, format_report, format_walk, plot_report
 DESCRIPTION = """\
 Where the optimizer's state sits in its format's window, per rule (AdamW's moments, Muon's
 momenta) and tensor, and the exponent biases it suggests; optionally one element's step spelled
-out. PATH is a trainer checkpoint (or its run directory), a chat_train training state, a torch
-optimizer state file (torch.save(opt.state_dict(), path)) or a PortableState file. Guide:
+out. PATH is a trainer checkpoint, a chat_train training state (or the run directory of either:
+chat_train's newest state is read, and named), a torch optimizer state file
+(torch.save(opt.state_dict(), path)) or a PortableState file. NaN and Inf values, which no step
+stores, are counted per tensor and listed first, and left out of every statistic. Guide:
 docs/FORMAT_HEALTH.md.
 
     python -m packed_adamw.inspect runs/tiny-fp32/checkpoint.safetensors --plot moments.png
@@ -34,8 +36,8 @@ FALLBACK_HYPERPARAMETERS = {"lr": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "we
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m packed_adamw.inspect", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="trainer checkpoint, training state, torch optimizer state file or PortableState "
-                                     "file")
+    parser.add_argument("path", help="trainer checkpoint, training state (or a run directory of either), torch "
+                                     "optimizer state file or PortableState file")
     parser.add_argument("--tensor", action="append", default=[], metavar="NAME",
                         help="report (and plot) only these tensors (a name, #INDEX, or the key in the file); repeatable")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
@@ -152,7 +154,8 @@ def explain(state_file, args) -> dict:
     multi = np.unravel_index(i, tensor.shape) if tensor.shape else ()
     result = walk.as_dict()
     result.update({"tensor": tensor.name, "flat_index": i, "index": [int(x) for x in multi],
-                   "shape": list(tensor.shape), "stored_step": tensor.step, "sources": {"p": p_source, **sources}})
+                   "shape": list(tensor.shape), "stored_step": tensor.step, "sources": {"p": p_source, **sources},
+                   "chosen": state_file.chosen})
     return result
 
 
@@ -167,6 +170,7 @@ def main(argv=None) -> int:
                 print(json.dumps(walk, indent=1))
             else:
                 header = [f"{state_file.path}: {state_file.kind}, format {walk['format']}",
+                          *([f"read {state_file.chosen}"] if state_file.chosen else []),
                           f"element {walk['tensor']}{walk['index']} (flat {walk['flat_index']}) of shape "
                           f"{tuple(walk['shape'])}; stored step count {walk['stored_step']}, this step t = {walk['count']}",
                           "sources: " + ", ".join(f"{k} from {v}" for k, v in walk["sources"].items())]

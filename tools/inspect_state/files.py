@@ -9,6 +9,9 @@
   `torch.load(weights_only=True)`;
 - a `PortableState` safetensors file (`core/portable.py`).
 
+A run directory stands for its file: train.py's `checkpoint.safetensors`, or the newest of
+chat_train's states (`StateFile.chosen` says which, and names the others).
+
 torch is imported only for the first three. Each tensor's rule and format come from the
 format identity the file records for it (its param group's, the state_dict's, the
 PortableState's per tensor), looked up in core's registry of rules (`core/rules.py`), so a
@@ -88,6 +91,7 @@ class StateFile:
     groups: list[dict] = field(default_factory=list)  # per param group: its rule and hyperparameters
     trainer_step: int | None = None
     weights: str | None = None  # where `TensorState.param` comes from, for messages (None: no weights)
+    chosen: str | None = None  # for a run directory given as PATH: which of its files was read, and why
 
     @property
     def state_format(self) -> StateLayout:
@@ -120,15 +124,50 @@ class StateFile:
 
 def load_state_file(path) -> StateFile:
     path = Path(path)
+    chosen = None
     if path.is_dir():
-        candidate = path / "checkpoint.safetensors"
-        if not candidate.is_file():
-            raise InspectError(f"{path} is a directory without a checkpoint.safetensors (sharded checkpoint "
-                               "directories are not read); pass a trainer checkpoint, a training state, a torch "
-                               "optimizer state file or a PortableState file")
-        path = candidate
+        path, chosen = _run_directory_file(path)
     if not path.is_file():
         raise InspectError(f"{path} does not exist")
+    state_file = _read_state_file(path)
+    state_file.chosen = chosen
+    return state_file
+
+
+STATES_LISTED = 6  # of a chat_train run directory's older states, in the note saying which was read
+
+
+def _run_directory_file(directory: Path) -> tuple[Path, str | None]:
+    """The file to read in a run directory: train.py's checkpoint, or the newest of chat_train's
+    state_stepNNNNNN.safetensors (with a note naming it and the others). The trainers' own
+    names and listing (chat_train's `states_in`, which its resume and refusals use) decide."""
+    try:
+        from packed_adamw.torch.gpt.chat_train import states_in
+        from packed_adamw.torch.gpt.checkpoint import CHECKPOINT_NAME
+    except ImportError as error:
+        raise InspectError(f"{directory} is a directory: reading a run directory's checkpoint or training states "
+                           f"needs torch ({error})") from error
+    checkpoint, states = directory / CHECKPOINT_NAME, states_in(directory)
+    if checkpoint.is_file() and states:
+        raise InspectError(f"{directory} holds both a trainer checkpoint ({CHECKPOINT_NAME}) and {len(states)} "
+                           f"chat_train training states (the newest {states[-1].name}): pass the file to read")
+    if checkpoint.is_file():
+        return checkpoint, None
+    if not states:
+        raise InspectError(f"{directory} is a directory with neither a {CHECKPOINT_NAME} (train.py's run directory) "
+                           "nor a state_stepNNNNNN.safetensors (chat_train's); sharded checkpoint directories are "
+                           "not read. Pass a trainer checkpoint, a training state, a torch optimizer state file or a "
+                           "PortableState file")
+    newest, older = states[-1], [state.name for state in reversed(states[:-1])]
+    if not older:
+        return newest, f"{newest.name}, the one training state in {directory}"
+    listed = ", ".join(older[:STATES_LISTED]) + (f" and {len(older) - STATES_LISTED} more"
+                                                  if len(older) > STATES_LISTED else "")
+    return newest, (f"{newest.name}, the newest of {len(states)} training states in {directory}; pass another "
+                    f"to read it instead: {listed}")
+
+
+def _read_state_file(path: Path) -> StateFile:
     metadata = _safetensors_metadata(path)
     if metadata is None:
         return _torch_state_file(path)

@@ -9,14 +9,16 @@ import numpy as np
 from packed_adamw.core.authority import f32_bits
 from packed_adamw.core.format_health import (
     WINDOW_CLASSES,
+    finite_elements,
     log2_quantiles,
+    nonfinite_counts,
     suggest_state_biases,
     window_edges,
     window_histogram,
 )
 from packed_adamw.core.rules import rule_formats
 
-from .files import StateFile, TensorState
+from .files import TORCH_OPTIMIZERS, StateFile, TensorState
 
 LOG2_LEVELS = (0.0, 0.01, 0.5, 0.99, 1.0)
 # A report of one format has its section's keys at the top level too (the 1.x report's layout).
@@ -35,23 +37,59 @@ def windows(fmt, biases: dict[str, int]) -> tuple[tuple, bool]:
 
 
 def tensor_report(tensor: TensorState, values: tuple, codes, formats) -> dict:
+    """One tensor's window classes and log2 quantiles per code, over `values`: its finite
+    elements (`finite_elements`); `left_out` counts the others."""
     out = {"name": tensor.name, "index": tensor.index, "key": tensor.key, "shape": list(tensor.shape),
-           "elements": tensor.size, "step": tensor.step, "group": tensor.group, "rule": tensor.rule,
-           "identity": tensor.identity}
+           "elements": tensor.size, "left_out": tensor.size - (values[0].size if values else tensor.size),
+           "step": tensor.step, "group": tensor.group, "rule": tensor.rule, "identity": tensor.identity}
     for code, fmt, x in zip(codes, formats, values):
         out[code.suffix] = {**window_histogram(x, fmt).as_dict(), "log2_quantiles": log2_quantiles(x, LOG2_LEVELS)}
     out["format_counts"] = tensor.format_counts
     return out
 
 
-def section_report(state_file: StateFile, identity: str, tensors: list[TensorState], *, biases: dict, low: float,
-                   high: float, headroom: float) -> dict:
-    """One format's part of a report: its tensors, totals and suggestions (all, and per group)."""
+def nonfinite_report(tensors: list[TensorState], values: dict) -> list[dict]:
+    """The tensors whose state holds NaN or Inf (which no step stores): per code, how many of
+    each, and how many elements the statistics leave out. `values`: each tensor's code values
+    by `id(tensor)`."""
+    damaged = []
+    for tensor in tensors:
+        codes = rule_formats(tensor.fmt).rule.codes
+        counts = {code.suffix: nonfinite_counts(x) for code, x in zip(codes, values[id(tensor)])}
+        if any(c["nan"] or c["inf"] for c in counts.values()):
+            finite = finite_elements(values[id(tensor)])
+            damaged.append({"name": tensor.name, "index": tensor.index, "key": tensor.key, "rule": tensor.rule,
+                            "identity": tensor.identity, "elements": tensor.size,
+                            "left_out": tensor.size - finite[0].size, "codes": counts})
+    return damaged
+
+
+def nonfinite_note(state_file: StateFile, damaged: list[dict]) -> str | None:
+    """What a state holding NaN or Inf means: who refuses it, and what the report does with them."""
+    if not damaged:
+        return None
+    note = "these elements are left out of the window counts, quantiles and bias suggestions below"
+    if all(d["identity"] in TORCH_OPTIMIZERS for d in damaged):
+        return note + " (a torch.optim state: packed-adamw's steps did not write it)"
+    refusals = {"training state": "; so do chat_train's --resume, its export (export_reference_layout) and "
+                                  "the walkthrough (python -m packed_adamw.torch.gpt.walkthrough)",
+                "trainer checkpoint": "; so does train.py's --resume"}.get(state_file.kind, "")
+    return (f"No step stores NaN or Inf, so this state is damaged: PackedAdamW, PackedMuon and PackedMuonAdamW "
+            f"refuse to load it (load_state_dict, import_state){refusals}. Continue from an earlier state, saved "
+            f"before its values became non-finite; {note}")
+
+
+def section_report(identity: str, tensors: list[TensorState], *, biases: dict, low: float, high: float,
+                   headroom: float, values_of: dict) -> dict:
+    """One format's part of a report: its tensors, totals and suggestions (all, and per group),
+    each over the finite elements only (`finite_elements`: NaN and Inf have no place in a
+    window, and would push every suggested bias into saturation). `values_of`: each tensor's
+    code values (`StateFile.values`) by `id(tensor)`."""
     fmt = tensors[0].fmt
     entry = rule_formats(fmt)
     codes = entry.rule.codes
     formats, stored = windows(fmt, biases)
-    values = [state_file.values(t) for t in tensors]
+    values = [finite_elements(values_of[id(t)]) for t in tensors]
     per_code = [[v[i] for v in values] for i in range(len(codes))]
     section = {
         "rule": entry.name, "identity": identity, "stored": stored,
@@ -59,7 +97,8 @@ def section_report(state_file: StateFile, identity: str, tensors: list[TensorSta
         "windows": {c.suffix: {"format": f.identity, "max_value": f.max_value, "min_normal": f.min_normal,
                                "min_subnormal": f.min_subnormal, **window_edges(f)} for c, f in zip(codes, formats)},
         "tensors": [tensor_report(t, v, codes, formats) for t, v in zip(tensors, values)],
-        "total": {"elements": sum(t.size for t in tensors),
+        "total": {"elements": sum(t.size for t in tensors), "left_out": sum(t.size - v[0].size for t, v in
+                                                                            zip(tensors, values) if v),
                   **{c.suffix: window_histogram(np.concatenate([x.ravel() for x in xs]), f).as_dict()
                      for c, f, xs in zip(codes, formats, per_code)}},
     }
@@ -81,11 +120,17 @@ def file_report(state_file: StateFile, tensors: list[TensorState], *, biases: di
                 headroom: float) -> dict:
     """The report: one section per format among `tensors` (a PackedMuonAdamW state has Muon's
     and AdamW's), with the file's param groups; a file of one format also has its section's
-    keys at the top level."""
+    keys at the top level. `nonfinite` lists every tensor of the file (selected or not) whose
+    state holds NaN or Inf, and `nonfinite_note` says what that means; `chosen` says which
+    file of a run directory was read."""
+    values = {id(t): state_file.values(t) for t in state_file.tensors}
+    damaged = nonfinite_report(state_file.tensors, values)
     report = {"path": str(state_file.path), "kind": state_file.kind, "identity": state_file.identity,
-              "trainer_step": state_file.trainer_step, "groups": state_file.groups,
-              "sections": [section_report(state_file, identity, part, biases=biases, low=low, high=high,
-                                          headroom=headroom) for identity, part in state_file.sections(tensors)]}
+              "trainer_step": state_file.trainer_step, "chosen": state_file.chosen, "groups": state_file.groups,
+              "nonfinite": damaged, "nonfinite_note": nonfinite_note(state_file, damaged),
+              "sections": [section_report(identity, part, biases=biases, low=low, high=high, headroom=headroom,
+                                          values_of=values)
+                           for identity, part in state_file.sections(tensors)]}
     if len(report["sections"]) == 1:
         report.update({key: report["sections"][0][key] for key in SECTION_KEYS})
     return report
@@ -104,9 +149,9 @@ def _classes_line(h: dict) -> str:
     return "  ".join(parts)
 
 
-def _quantile_line(q: dict | None) -> str:
+def _quantile_line(q: dict | None, h: dict) -> str:
     if q is None:
-        return "all zero"
+        return "all zero" if h["total"] else "no finite value"
     labels = {"0.0": "min", "0.01": "1%", "0.5": "50%", "0.99": "99%", "1.0": "max"}
     return "log2|x| " + "  ".join(f"{labels.get(k, k)} {v:.2f}" for k, v in q.items())
 
@@ -134,11 +179,15 @@ def _format_section(section: dict) -> list[str]:
         lines.append(f"{t['name']}  {tuple(t['shape'])}  {t['elements']:,} elements  {step}{group}")
         for code in codes:
             lines.append(f"  {_label(code):<{width}} {_classes_line(t[code['suffix']])}")
-            lines.append(f"  {'':<{width}} {_quantile_line(t[code['suffix']]['log2_quantiles'])}")
+            lines.append(f"  {'':<{width}} {_quantile_line(t[code['suffix']]['log2_quantiles'], t[code['suffix']])}")
+        if t["left_out"]:
+            lines.append(f"  left out: {t['left_out']:,} elements holding NaN or Inf (listed first)")
         if t["format_counts"]:
             lines.append("  saved format counts: " + ", ".join(f"{k} {v:,}" for k, v in t["format_counts"].items()))
     total = section["total"]
-    lines += ["", f"all {len(section['tensors'])} tensors of {section['identity']}, {total['elements']:,} elements"]
+    left_out = f" ({total['left_out']:,} left out: NaN or Inf)" if total["left_out"] else ""
+    lines += ["", f"all {len(section['tensors'])} tensors of {section['identity']}, {total['elements']:,} elements"
+                  + left_out]
     for code in codes:
         lines.append(f"  {_label(code):<{width}} {_classes_line(total[code['suffix']])}")
     s = section["suggestion"]
@@ -168,6 +217,18 @@ def format_report(report: dict) -> str:
     lines = [f"{report['path']}: {report['kind']}"
              + (f" at trainer step {report['trainer_step']}" if report["trainer_step"] is not None else ""),
              f"format {report['identity']}"]
+    if report["chosen"]:
+        lines.append(f"read {report['chosen']}")
+    if report["nonfinite"]:
+        damaged = len(report["nonfinite"])
+        lines += ["", f"NaN or Inf in {damaged} tensor{'s' if damaged > 1 else ''}:"]
+        for d in report["nonfinite"]:
+            counts = ", ".join(f"|{suffix}| " + " and ".join(f"{c[kind]:,} {label}" for kind, label in
+                                                               (("nan", "NaN"), ("inf", "Inf")) if c[kind])
+                               for suffix, c in d["codes"].items() if c["nan"] or c["inf"])
+            lines.append(f"  {d['name']} ({d['key']}, {d['rule']}): {counts}; {d['left_out']:,} of "
+                         f"{d['elements']:,} elements left out")
+        lines.append(report["nonfinite_note"])
     if not report["sections"]:
         lines.append("no optimizer state to report (no tensor was stepped, or none was selected)")
     for section in report["sections"]:
