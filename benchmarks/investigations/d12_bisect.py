@@ -79,18 +79,43 @@ def optimizer_for(model, variant, initial, device, args):
         return ReferenceMuonAdamW(groups, fused=device.type == "cuda")
     _, muon_mode, adamw_mode, ns_impl, batch_ns = variant
     biases = {k: v for k, v in (("m_bias", args.m_bias), ("rms_bias", args.rms_bias), ("mu_bias", args.mu_bias)) if v}
-    opt = PackedMuonAdamW(groups, mode=muon_mode, adamw_mode=adamw_mode, ns_impl=ns_impl, batch_ns=batch_ns, **biases)
+    names = {id(p): n for n, p in model.named_parameters()}
+    apart = [g for g in groups if g["kind"] == "adamw"
+             and {chat_parameter_kind(names[id(p)]) for p in g["params"]} & set(args.fp32_adamw_kinds)]
+    opt = PackedMuonAdamW([g for g in groups if all(g is not a for a in apart)], mode=muon_mode, adamw_mode=adamw_mode, ns_impl=ns_impl,
+                          batch_ns=batch_ns, **biases)
+    if apart:  # an experiment's stand-in for per-group state formats: these groups' AdamW in fp32 mode
+        opt = Stepped(opt, PackedMuonAdamW(apart, adamw_mode="fp32"))
     if initial is not None:
-        names = {id(p): n for n, p in model.named_parameters()}
-        for rule in opt.rules.values():
-            rule.load_master_weights([initial[names[id(p)]].to(p.device) for g in rule.param_groups
-                                      for p in g["params"]])
+        for part in getattr(opt, "parts", [opt]):
+            for rule in part.rules.values():
+                rule.load_master_weights([initial[names[id(p)]].to(p.device) for g in rule.param_groups
+                                          for p in g["params"]])
     return opt
+
+
+class Stepped:
+    """Several optimizers stepped as one (param_groups joined, for apply_schedule)."""
+
+    def __init__(self, *parts):
+        self.parts = parts
+        self.param_groups = [g for part in parts for g in part.param_groups]
+
+    def step(self):
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none=True):
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+
+    def master_weights(self):
+        return [m for part in self.parts for m in part.master_weights()]
 
 
 def masters(model, opt) -> dict[str, torch.Tensor]:
     """Each parameter's FP32 value (the master of a bf16 weight) by name."""
-    if isinstance(opt, PackedMuonAdamW):
+    if isinstance(opt, (PackedMuonAdamW, Stepped)):
         by_id = dict(zip((id(p) for g in opt.param_groups for p in g["params"]), opt.master_weights()))
     else:
         by_id = {}
@@ -126,6 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--m-bias", type=int, default=None, help="the variant's AdamW first-moment bias")
     p.add_argument("--rms-bias", type=int, default=None, help="the variant's AdamW RMS bias")
     p.add_argument("--mu-bias", type=int, default=None, help="the variant's Muon momentum bias")
+    p.add_argument("--fp32-adamw-kinds", default="", type=lambda t: [k for k in t.split(",") if k],
+                   help="parameter kinds (chat_parameter_kind) whose AdamW groups keep fp32-mode moments, e.g. scalar")
     p.add_argument("--solo", action="store_true",
                    help="train the variant alone (no reference beside it, no distances): for val bpb at the --eval-at steps")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per reported step")
@@ -181,7 +208,10 @@ def main(argv=None) -> int:
         var_opt.zero_grad(set_to_none=True)
         if step + 1 in report or step + 1 == args.steps or step + 1 in eval_at:
             d = None if args.solo else distances(masters(ref_model, ref_opt), masters(var_model, var_opt), start)
-            record = {"variant": args.variant, "grads": args.grads, "seed": args.seed, "step": step + 1,
+            biases = "".join(f" {k}={v}" for k, v in (("m_bias", args.m_bias), ("rms_bias", args.rms_bias),
+                                                         ("mu_bias", args.mu_bias)) if v)
+            biases += f" fp32-adamw={','.join(args.fp32_adamw_kinds)}" if args.fp32_adamw_kinds else ""
+            record = {"variant": args.variant + biases, "grads": args.grads, "seed": args.seed, "step": step + 1,
                       "ref_loss": float(ref_loss.detach()), "var_loss": float(var_loss.detach()), "distance": d,
                       "seconds": round(time.time() - started, 1)}
             if step + 1 in eval_at:
