@@ -360,11 +360,51 @@ def _warn_refused(transform: str, rule, valid, row, count, *,
 def _report_refusal(warn, valid, row, count) -> None:
     """Under jit an invalid step cannot raise: a `jax.debug.callback` of `warn` (`_warn_refused`
     with the transform's name and rule bound) warns instead (`RefusedStepWarning`, naming the
-    value) where a hyperparameter is known only in the graph; a negative (damaged) count with
-    plain-number hyperparameters is refused without it (docs/JAX.md, "Known gaps"). The callback
-    is taken only on the refusing branch of a `lax.cond`; under `vmap` the cond becomes a
-    select, so the host side checks `valid` again."""
+    value or the count); `_refused_eagerly` says where it is compiled in. The callback is taken
+    only on the refusing branch of a `lax.cond`; under `vmap` the cond becomes a select, so the
+    host side checks `valid` again."""
     jax.lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(warn, *args), valid, row, count)
+
+
+def _known_value(x):
+    """x as a float where it is known when the step is traced (a number, a concrete array), else x."""
+    value = _concrete_float(x)
+    return x if value is None else value
+
+
+def _refused_eagerly(transform: str, rule, warn, values, row, valid, count) -> bool:
+    """Whether a step of `rule` whose hyperparameters are `values` (in `rule.group_keys` order,
+    schedules read at `count`) is refused where that is known: outside jit (`valid`, from
+    `_refuse_invalid`, concrete), where the caller raises in its own words. Under jit (or vmap)
+    the graph refuses an invalid step, and this makes the refusal heard, for every transform
+    alike (packed_adamw, packed_muon; `transform` names it, `warn` is its `_warn_refused`):
+
+    - values known when the step is traced (a schedule returning a plain number, such as
+      optax.constant_schedule's, the same at every count) are validated now: an invalid one
+      raises, naming it, as the eager update does, instead of a step that refuses every weight;
+    - the refusal warning (`_report_refusal` of `row` and `count`) is compiled in where a value
+      is known only in the graph (a traced schedule, an injected array), and otherwise wherever
+      the step is lowered for a platform other than CUDA (the CPU): there the step waits for its
+      host callbacks anyway, so a damaged count warns too. On CUDA a plain-number step keeps no
+      callback and waits for no host; a damaged count there shows only as the count not moving
+      (docs/JAX.md, "Known gaps"). The platform is the lowering's (`lax.platform_dependent`),
+      not the default backend's, as the step's own path is."""
+    try:
+        return not bool(valid)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
+        pass
+    try:
+        rule.validate(*_map_group(_known_value, values), allow_arrays=True)
+    except ValueError as e:
+        raise ValueError(f"{transform}: invalid hyperparameters, known when the step was traced (a schedule that "
+                         f"returns a plain number is the same at every count, so every step would be refused): {e}") \
+            from None
+    if any(_concrete_float(x) is None for x in rule.group_row(*values, number=_as_given)):
+        _report_refusal(warn, valid, row, count)
+    else:
+        lax.platform_dependent(valid, row, count, default=functools.partial(_report_refusal, warn),
+                               cuda=lambda *_: None)
+    return False
 
 
 def _concrete_float(x) -> float | None:
@@ -380,10 +420,25 @@ def _increment(count):
     return jnp.where(count <= MAX_STEP_COUNT, count + 1, count)
 
 
+def _as_step_count(count):
+    """`count` as a Python int where it is an integer: an integral number (not a bool), or a
+    concrete 0-d array of an integer dtype (a state's `count`, `np.array(5)`), converted exactly;
+    anything else as it is, for `_is_step_count` to refuse."""
+    if isinstance(count, (bool, np.bool_)):
+        return count
+    if isinstance(count, numbers.Integral):
+        return int(count)
+    if (isinstance(count, (jax.Array, np.ndarray)) and not isinstance(count, jax.core.Tracer)
+            and np.ndim(count) == 0 and np.issubdtype(count.dtype, np.integer)):
+        return int(np.asarray(count))
+    return count
+
+
 def _is_step_count(count) -> bool:
-    """A count a state may hold: a whole number (not a bool) from 0 to MAX_STEP_COUNT."""
-    return (isinstance(count, numbers.Integral) and not isinstance(count, (bool, np.bool_))
-            and 0 <= count <= MAX_STEP_COUNT)
+    """A count a state may hold: a whole number (not a bool; a 0-d integer array too, as
+    `_as_step_count` reads it) from 0 to MAX_STEP_COUNT."""
+    count = _as_step_count(count)
+    return isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= MAX_STEP_COUNT
 
 
 def _check_count(count) -> None:
@@ -579,15 +634,9 @@ class _Stepper:
         moments = treedef.flatten_up_to(state.moments)
         rows = jnp.asarray(rule.variant_rows(given), jnp.float32)  # the leaves' rows: AdamW's mask
         hparams, valid = _refuse_invalid(rule, rows, state.count)
-        try:  # known outside jit (a schedule's value, say): say so instead of refusing silently
-            refused = not bool(valid)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
-            refused = False  # under jit the step is refused in the graph (docs/JAX.md)
-            if any(_concrete_float(x) is None for x in given):
-                # A value known only in the graph (a schedule, an injected array) may turn invalid
-                # mid-run; plain numbers were validated when the transform was built.
-                _report_refusal(self.warn_refused, valid, rows[0], state.count)
-        if refused:
+        # Known outside jit (a schedule's value, say): say so instead of refusing silently; under
+        # jit refused in the graph, and heard as `_refused_eagerly` says (docs/JAX.md).
+        if _refused_eagerly("packed_adamw", rule, self.warn_refused, at_count, rows[0], valid, state.count):
             raise ValueError(f"packed_adamw: invalid hyperparameters at count {int(state.count)}: "
                              f"{_refusal_reason(rule, np.asarray(rows)[0], int(state.count))}")
         count = jnp.where(valid, _increment(state.count), state.count)
@@ -773,12 +822,13 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
     leaves, treedef = jax.tree_util.tree_flatten(params)
     split = _split_flags(params)
     portable.check(fmt, [tuple(jnp.shape(leaf)) for leaf in leaves], split)
-    if len(set(portable.counts)) > 1:
+    counts = [_as_step_count(c) for c in portable.counts]  # a 0-d integer array (a state's count) as its int
+    if len(set(counts)) > 1:
         raise ValueError(
-            f"import_state: the tensors have different step counts {sorted(set(portable.counts))}; the JAX "
+            f"import_state: the tensors have different step counts {sorted(set(counts))}; the JAX "
             "state has one count, so export from an optimizer whose parameters all stepped together"
         )
-    count = portable.counts[0] if portable.counts else 0
+    count = counts[0] if counts else 0
     if not _is_step_count(count):
         raise ValueError(
             f"import_state: the state's tensors took {count!r} steps, which is not a step count (a whole number from 0 "

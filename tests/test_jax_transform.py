@@ -11,6 +11,7 @@ of `b1*m + (1-b1)*g` differ by one ulp under jit on XLA CPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import re
@@ -374,7 +375,8 @@ def test_the_refusal_warning_speaks_for_the_transform_that_refused(transform_nam
 
 def test_a_negative_count_under_jit_warns_that_the_step_was_refused():
     """With a hyperparameter known only in the graph (here injected), the refusal warning also
-    names a negative count (plain-number hyperparameters add no callback: see docs/JAX.md)."""
+    names a negative count (on any platform; with plain-number hyperparameters only on the CPU:
+    see docs/JAX.md)."""
     from packed_adamw.jax import RefusedStepWarning
 
     params0, grads = problem(seed=17, steps=1)
@@ -385,6 +387,57 @@ def test_a_negative_count_under_jit_warns_that_the_step_was_refused():
     with pytest.warns(RefusedStepWarning, match="step refused at count -3: the state's step count is -3"):
         jax.jit(tx.update)(to_jax(grads[0]), state, params)
         jax.effects_barrier()
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(b1=optax.constant_schedule(1.0)), r"Invalid beta parameter at index 0: b1 \(betas\[0\]\)=1.0"),
+    (dict(weight_decay=optax.constant_schedule(-0.1)), r"Invalid weight_decay value: weight_decay=-0.1"),
+    (dict(learning_rate=optax.constant_schedule(float("nan"))), r"Invalid learning rate: lr=nan"),
+])
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_a_schedule_of_an_invalid_plain_number_raises_under_jit_as_eagerly(kwargs, says, jitted):
+    """A schedule that returns a plain number (optax.constant_schedule's) is known when the step
+    is traced, and the same at every count: under jit an invalid one raises naming it, as the
+    eager update does, instead of compiling a step that refuses every weight without a word."""
+    params0, grads = problem(seed=22, steps=1)
+    params = to_jax(params0)
+    tx = packed_adamw(**{"learning_rate": LR, "weight_decay": WD, **kwargs})
+    fused = packed_adamw_fused_step(**{"learning_rate": LR, "weight_decay": WD, **kwargs})
+    state = tx.init(params)
+    update, step = (jax.jit(tx.update), jax.jit(fused)) if jitted else (tx.update, fused)
+    with pytest.raises(ValueError, match=f"packed_adamw: invalid hyperparameters.*: {says}"):
+        update(to_jax(grads[0]), state, params)
+    with pytest.raises(ValueError, match=f"packed_adamw: invalid hyperparameters.*: {says}"):
+        step(params, to_jax(grads[0]), state)
+
+
+@pytest.mark.parametrize("hyperparameter", ["number", "traced"])
+def test_the_jitted_refusal_warning_is_compiled_in_on_the_cpu_and_where_a_value_is_traced(hyperparameter):
+    """The one rule packed_adamw and packed_muon share (`_refused_eagerly`): under jit the
+    refusal warning's callback is compiled in where the step is lowered for the CPU, which
+    waits for its host callbacks anyway (so a damaged count warns with plain-number
+    hyperparameters too), and for CUDA only where a hyperparameter is known only in the graph.
+    (A CUDA lowering of a host callback needs a GPU host, so that case is read off the jaxpr.)"""
+    from packed_adamw.core.adamw import RULE as ADAMW_RULE
+    from packed_adamw.jax import transform
+
+    warn = functools.partial(transform._warn_refused, "packed_adamw", ADAMW_RULE)
+
+    def guarded(lr, count):
+        values = (lr if hyperparameter == "traced" else LR, (0.9, 0.999), 1e-8, WD)
+        row = jnp.asarray(ADAMW_RULE.group_row(*values, number=lambda x: x), jnp.float32)
+        _, valid = transform._refuse_invalid(ADAMW_RULE, row, count)
+        assert not transform._refused_eagerly("packed_adamw", ADAMW_RULE, warn, values, row, valid, count)
+        return valid
+
+    args = (jnp.float32(LR), jnp.int32(-3))
+    traced = jax.jit(guarded).trace(*args)
+    assert "xla_ffi_python_cpu_callback" in traced.lower(lowering_platforms=("cpu",)).as_text()
+    jaxpr = str(jax.make_jaxpr(guarded)(*args))
+    if hyperparameter == "traced":  # on every platform
+        assert "debug_callback" in jaxpr and "platform_index" not in jaxpr, jaxpr
+    else:
+        assert "callback" not in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -676,6 +729,43 @@ def test_import_state_refuses_a_count_that_is_not_a_step_count(count):
     assert int(stepped.count) == 2 ** 31 - 1
 
 
+@pytest.mark.parametrize("count", [np.array(5), np.array(5, np.uint8), jnp.asarray(5), np.int64(5), "state"],
+                         ids=["numpy", "numpy-uint8", "jax", "numpy-scalar", "a-state's-count"])
+def test_a_step_count_may_be_a_0d_integer_array_taken_exactly(count):
+    """A 0-d integer array is a step count (a state's `count`, `np.array(5)`), converted exactly to
+    a Python int, as the importers' count checks (`_is_step_count`, shared with
+    import_muon_state's count=) read it; the portable counts of import_state too."""
+    from packed_adamw.jax import transform
+
+    params = to_jax(problem(seed=19, steps=1)[0])
+    tx = packed_adamw(LR)
+    if isinstance(count, str):
+        _, stepped = tx.update(params, tx.init(params), params)
+        count = tx.update(params, stepped, params)[1].count  # a jax int32 array holding 2
+    expected = int(np.asarray(count))
+    assert transform._is_step_count(count)
+    exact = transform._as_step_count(count)
+    assert type(exact) is int and exact == expected
+    top = np.array(2 ** 31 - 2, np.int64)
+    assert transform._is_step_count(top) and transform._as_step_count(top) == 2 ** 31 - 2
+    portable = export_state(tx.init(params), "packed")
+    state = import_state(dataclasses.replace(portable, counts=[count] * len(portable.counts)), params, "packed")
+    assert jnp.result_type(state.count) == jnp.int32 and int(state.count) == expected
+
+
+@pytest.mark.parametrize("count", [np.array(True), jnp.asarray(True), np.bool_(True), np.array(5.0),
+                                   jnp.asarray(5.0), np.float64(5.0), np.array(2.5), np.array([5]), jnp.asarray([5]),
+                                   np.array(-1), jnp.asarray(-1), np.array(2 ** 31 - 1, np.int64),
+                                   np.array(2 ** 32 + 5, np.int64), np.array(2 ** 64 - 1, np.uint64), None, "5"])
+def test_a_step_count_is_still_a_whole_number_in_range(count):
+    """Arrays pass only as a 0-d integer holding a count in [0, MAX_STEP_COUNT]: bools, floats,
+    fractions, values out of range (wrapping none of them) and arrays of other shapes are
+    refused, as their Python spellings are."""
+    from packed_adamw.jax import transform
+
+    assert not transform._is_step_count(count)
+
+
 @pytest.mark.parametrize("torch_kwargs", [dict(mode="fp16"), dict(mode="fp32"), dict(mode="packed", rms_bias=12)])
 def test_torch_import_state_refuses_a_jax_state_of_another_format(torch_kwargs):
     params0, grads = problem(seed=15, steps=2)
@@ -880,16 +970,30 @@ def test_no_params_are_needed_when_the_mask_exempts_every_leaf():
 
 
 def test_a_negative_step_count_is_refused_eagerly_and_refuses_the_step_under_jit():
+    """A damaged count with plain-number hyperparameters: eagerly a ValueError; under jit the
+    step is refused in the graph and, on the CPU (where the step waits for its host callbacks
+    anyway), a RefusedStepWarning names the count, for the transform and the fused step alike."""
+    from packed_adamw.jax import RefusedStepWarning
+
     params0, grads = problem(seed=17, steps=1)
     tx = packed_adamw(LR, weight_decay=WD)
     params = to_jax(params0)
     state = tx.init(params)._replace(count=jnp.asarray(-3, jnp.int32))
     with pytest.raises(ValueError, match="step count is -3"):
         tx.update(to_jax(grads[0]), state, params)
-    updates, new_state = jax.jit(tx.update)(to_jax(grads[0]), state, params)
+    says = "packed_adamw: step refused at count -3: the state's step count is -3"
+    with pytest.warns(RefusedStepWarning, match=says):
+        updates, new_state = jax.jit(tx.update)(to_jax(grads[0]), state, params)
+        jax.effects_barrier()
     assert int(new_state.count) == -3
     assert_trees_bits_equal(new_state.moments, state.moments, "words after a refused step")
     assert all(np.all(bits(u) == U32(0x80000000)) for u in jax.tree_util.tree_leaves(updates))
+    with pytest.warns(RefusedStepWarning, match=says):
+        fused = jax.jit(packed_adamw_fused_step(LR, weight_decay=WD))
+        stepped, fused_state = fused(params, to_jax(grads[0]), state)
+        jax.effects_barrier()
+    assert int(fused_state.count) == -3
+    assert_trees_bits_equal(stepped, params, "params after a refused fused step")
 
 
 def test_an_error_inside_the_cpu_callback_names_the_leaf_on_its_last_line(monkeypatch):
@@ -912,12 +1016,17 @@ def test_an_error_inside_the_cpu_callback_names_the_leaf_on_its_last_line(monkey
 def test_the_path_follows_the_lowering_platform_not_the_default_backend():
     """The step is chosen when lowering: the CPU lowering is the numpy callback and imports no
     jax_triton; a CUDA lowering of the same trace reaches the jax-triton launcher (here, with
-    no jax_triton installed, its import fails; tests/test_jax_cuda.py covers a GPU host)."""
+    no jax_triton installed, its import fails; tests/test_jax_cuda.py covers a GPU host). The
+    CPU lowering's one other host callback is the refusal warning's (side effect only), which
+    `_refused_eagerly` compiles in on the CPU."""
     params = to_jax(problem(seed=6, steps=1)[0])
     tx = packed_adamw(LR, weight_decay=WD)
     traced = jax.jit(tx.update).trace(params, tx.init(params), params)
     cpu_text = traced.lower(lowering_platforms=("cpu",)).as_text()
-    assert cpu_text.count("xla_ffi_python_cpu_callback") == 1 and "triton" not in cpu_text
+    callbacks = cpu_text.split("custom_call @xla_ffi_python_cpu_callback(")[1:]
+    warnings_only = ["has_side_effect = true" in call.split("}")[0] for call in callbacks]
+    assert warnings_only.count(False) == 1 and "triton" not in cpu_text
+    assert warnings_only.count(True) == 1
     if importlib.util.find_spec("jax_triton") is not None:
         pytest.skip("jax_triton is installed here; the CUDA lowering is checked in tests/test_jax_cuda.py")
     assert "jax_triton" not in sys.modules
