@@ -399,8 +399,10 @@ def packed_muon(
     `ns_coefficients`. Defaults are torch.optim.Muon's: `eps=1e-7` (a clamp of the Frobenius
     norm, not optax's 1e-8 added to it) and `weight_decay=0.1` (decoupled: p * (1 - lr * wd));
     `adjust_lr_fn` None / "original" is optax's width scaling, "match_rms_adamw" its
-    `consistent_rms=0.2`. `mode`: "packed" (E5M10 codes, exponent bias `mu_bias`), "bf16"
-    (2 bytes per parameter each) or "fp32" (4). `learning_rate`, `beta`, `weight_decay` and `eps`
+    `consistent_rms=0.2`. `mode`: "packed" (E5M10 codes with a power-of-two exponent per
+    matrix, `PackedMuonState.exponents`, which makes the step invariant to a power-of-two scale
+    of the gradients; `mu_bias` no longer moves it), "bf16" (2 bytes per parameter each) or
+    "fp32" (4). `learning_rate`, `beta`, `weight_decay` and `eps`
     may be schedules of the count (`PackedMuonState.count`); `adam_learning_rate` too.
 
     Muon leaves: by default every 2-D leaf, read as a JAX [in, out] kernel; or as given by

@@ -27,6 +27,7 @@ from packed_adamw.core.muon import (  # noqa: E402
 )
 from packed_adamw.jax import RefusedStepWarning, packed_adamw  # noqa: E402
 from packed_adamw.jax.muon import (  # noqa: E402
+    PackedMuonState,
     export_muon_state,
     import_muon_state,
     newton_schulz,
@@ -606,6 +607,28 @@ def test_weights_are_the_same_for_power_of_two_scaled_gradients_in_the_interpret
     for scale, (weights_s, exponents_s) in zip(SCALES[1:], scaled):
         for k in weights:
             assert np.array_equal(weights[k], weights_s[k]) and exponents_s[k] == exponents[k] + scale, (k, scale)
+
+
+def test_a_packed_state_made_before_the_exponents_steps_with_exponent_zero():
+    """A PackedMuonState without exponents (built with four fields, or unpickled from before
+    them) steps as one whose exponents are 0, its codes read as the values they had, and the
+    step returns the exponents; a state of another mode holding exponents is refused."""
+    rng = np.random.default_rng(64)
+    params = make_params(rng)
+    tx = packed_muon(LR)
+    state = tx.init(params)
+    codes = {k: jnp.asarray(StateFormat().code.encode(gradient(rng, params[k].shape, -30, 0))) for k in MUON_LEAVES}
+    state = state._replace(momentum={**state.momentum, **codes})
+    legacy = PackedMuonState(state.count, state.momentum, state.low_halves, state.adamw)
+    assert legacy.exponents is None
+    grads = make_grads(rng, params)
+    want_updates, want_state = tx.update(grads, state, params)
+    got_updates, got_state = tx.update(grads, legacy, params)
+    want, got = (jax.tree_util.tree_leaves(tree) for tree in ((want_updates, want_state), (got_updates, got_state)))
+    assert len(want) == len(got) and all(np.array_equal(bits(a), bits(b)) for a, b in zip(want, got))
+    with pytest.raises(ValueError, match="the state holds exponents, which muon-fp32:mu=f32 does not keep"):
+        packed_muon(LR, mode="fp32").update(grads, packed_muon(LR, mode="fp32").init(params)._replace(
+            exponents=state.exponents), params)
 
 
 @pytest.mark.cuda

@@ -253,8 +253,11 @@ def new_split_low_half(param: torch.Tensor) -> torch.Tensor:
 
 class PackedMuon(Optimizer):
     """torch.optim.Muon (its arguments, names and defaults) whose momentum is a 2-byte code per
-    parameter: `mode="packed"` (E5M10 with exponent bias `mu_bias`, default 31), `"bf16"`, or
-    `"fp32"` (torch's float32 `momentum_buffer`; on CPU it equals torch.optim.Muon bit for bit).
+    parameter: `mode="packed"` (E5M10 codes scaled by a power of two per matrix, `mu_exponent`,
+    chosen each step from the matrix's largest momentum: like torch.optim.Muon's, the step is
+    invariant to a power-of-two scale of the gradients, and `mu_bias`, default 31, no longer
+    moves it), `"bf16"`, or `"fp32"` (torch's float32 `momentum_buffer`; on CPU it equals
+    torch.optim.Muon bit for bit).
 
     Parameters are 2-D matrices, float32 or bfloat16 (a bf16 one keeps an exact FP32 master as
     PackedAdamW's do: its state adds the int16 low half `"lo"`), contiguous, on one device.
