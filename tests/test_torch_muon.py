@@ -789,6 +789,33 @@ def test_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split, device)
         assert np.array_equal(low.numpy(), ref_low)
 
 
+@pytest.mark.parametrize("grad_scale, old_exponent, new_exponents", [
+    (-140, -148, (-148, -126)), (-60, -148, (-70, -50)), (100, 90, (90, 110)), (0, 128, (120, 128))],
+    ids=["subnormal-amax", "subnormal-momenta", "large", "top-exponent"])
+def test_kernels_take_the_exponent_as_the_numpy_phase_at_float32s_edges(grad_scale, old_exponent, new_exponents,
+                                                                       device):
+    """The exponent's edges in the kernels: a subnormal largest |m'| (the exponent from its
+    highest set bit), stored codes whose values at the old exponent are subnormal float32s (the
+    second product of ldexp32 rounds), large momenta, and the largest exponent a step stores
+    (bias 31: 128); codes and exponents as the numpy phase's, two steps."""
+    rng = np.random.default_rng(17)
+    fmt, shape = StateFormat("packed"), (5, 13)
+    scalars = step_scalar_row((0.02, 0.9, 0.1, 1e-7), shape)
+    state = torch.from_numpy(rng.integers(0, 2**15, shape).astype(np.int16) & 0x7BFF)  # below 2**(31 - 31)
+    exponent = exponent_of("packed", old_exponent)
+    weights, _ = random_weights(rng, shape, False)
+    ref_state, ref_exponent = state.numpy().copy(), numpy_exponent(exponent)
+    on_device = [t.to(device) for t in (state, exponent, weights)]
+    for _ in range(2):
+        grad = gradient(rng, shape, -8, 0) * 2.0 ** grad_scale
+        x_ref = momentum_phase(grad.numpy(), ref_state, scalars, fmt=fmt, exponent=ref_exponent)
+        x, _, counters = run_kernels(fmt, grad.to(device), *on_device, None, scalars, nesterov=True, maximize=False)
+        assert x_ref is not None and int(counters[0]) == 0
+        assert np.array_equal(x.cpu().numpy().view(np.uint16), x_ref)
+        assert np.array_equal(on_device[0].cpu().numpy(), ref_state.view(np.int16))
+        assert int(on_device[1]) == int(ref_exponent) and new_exponents[0] <= int(ref_exponent) <= new_exponents[1]
+
+
 def test_kernels_refuse_a_matrix_with_a_non_finite_gradient(device):
     rng = np.random.default_rng(13)
     fmt, shape = StateFormat("packed"), (5, 6)
