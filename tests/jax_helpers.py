@@ -19,6 +19,13 @@ U32 = np.uint32
 MODES = ["packed", "fp16", "fp32"]
 
 
+def step_callbacks(compiled_text: str) -> int:
+    """Host callbacks in a compiled step's text other than the refusal warning's (side effect
+    only, which packed_adamw compiles in wherever a step is lowered for the CPU)."""
+    return sum("xla_ffi_python_cpu_callback" in line and "custom_call_has_side_effect=true" not in line
+               for line in compiled_text.splitlines())
+
+
 def bits(x) -> np.ndarray:
     """uint32 view of a float32 / uint32 array (jax, torch or numpy), for bitwise comparison."""
     try:

@@ -25,7 +25,7 @@ import torch
 
 import kernel_harness as H
 from jax_helpers import (F32, InterpretedJaxTriton, assert_bits_equal, jax_cuda_unavailable, run_cases_child,
-                         spanning_values)
+                         spanning_values, step_callbacks)
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.adamw import RULE as ADAMW_RULE
 from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
@@ -618,7 +618,7 @@ def _cases():
             assert found == ["all-reduce"], found
             reductions = [line for line in text.splitlines() if re.search(r"\ball-reduce(-start)?\(", line)]
             assert all("u32[" in line and "f32[" not in line for line in reductions), reductions  # counts only
-            assert text.count("xla_ffi_python_cpu_callback") == 1
+            assert step_callbacks(text) == 1
 
     @case("custom_partitioning_sums_the_counts_of_the_shards")
     def _():
