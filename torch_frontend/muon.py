@@ -885,8 +885,9 @@ def _cpu_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
                 updates[i], inputs[i] = update, x.view(BFLOAT16)
         # The momenta are stored only once the matrices are accepted; a sharded one's exponent
         # from its largest |m'| over every shard, one collective for the batch's.
-        whole_amax = _amax_over_shards([work[i] for i in batch], [
-            torch.tensor(updates[i].amax if i in updates else 0.0) for i in batch]) if fmt.exponent_entry else {}
+        sharded = [i for i in batch if work[i].sharded] if fmt.exponent_entry else []
+        whole_amax = _amax_over_shards([work[i] for i in sharded], [
+            torch.tensor(updates[i].amax if i in updates else 0.0) for i in sharded])
         for i, update in updates.items():
             w = work[i]
             commit_momentum(update, w.momentum.numpy(), fmt=fmt,
@@ -913,6 +914,8 @@ def _amax_over_shards(matrices: list[Matrix], values: list[torch.Tensor]) -> dic
     """id(param) -> the largest |m'| over every rank's part, of the sharded matrices among
     `matrices` (`values`: this rank's, 0-d, in their order): one all-reduce (MAX) per mesh, on
     the values' device, with no wait. Every rank passes the same matrices, refused ones too."""
+    if not any(w.sharded for w in matrices):
+        return {}
     from torch.distributed.tensor import DTensor, Partial
 
     by_mesh: dict[int, tuple] = {}
