@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from packed_adamw.core.muon import E5M10
+from packed_adamw.core.muon.numpy_step import floor_log2, ldexp32
 from packed_adamw.torch.combined import PackedMuonAdamW
 from packed_adamw.torch.gpt import walkthrough
 from packed_adamw.torch.gpt.chat_model import PRESETS, ChatGPT
@@ -155,27 +156,32 @@ def test_the_final_state_says_which_state_to_walk_through(tmp_path, monkeypatch,
                                    r"chat_train --save-every K.*--stop-at STEP", error), error
 
 
-def test_corrupted_momentum_word_is_reported(state_path, monkeypatch):
-    """The optimizer's copy of the momentum gets one word flipped after the load: the walkthrough,
-    which decodes the file's words, must disagree with the loaded state and the optimizer's step."""
+@pytest.mark.parametrize("key, index, flip, stage", [
+    ("momentum_code", 5, 0x0400, "loaded momentum"),  # one exponent bit of one word
+    ("mu_exponent", 0, 4, "loaded exponent"),  # the matrix's power-of-two exponent, 16x off
+])
+def test_corrupted_momentum_word_is_reported(state_path, monkeypatch, key, index, flip, stage):
+    """The optimizer's copy of the momentum (a word, or the matrix's exponent) gets flipped after
+    the load: the walkthrough, which decodes the file's words under the file's exponent, must
+    disagree with the loaded state and the optimizer's step."""
     restore = walkthrough.restore
 
     def corrupted(*args, **kwargs):
         restored = restore(*args, **kwargs)
         p = restored.model.blocks[-1].mlp.fc.weight
-        restored.optimizer.state[p]["momentum_code"].view(-1)[5] ^= 0x0400  # one exponent bit of one word
+        restored.optimizer.state[p][key].view(-1)[index] ^= flip
         return restored
 
     monkeypatch.setattr(walkthrough, "restore", corrupted)
     code, text = run(state_path)
     assert code == 1
-    assert "MISMATCH loaded momentum: not bit for bit equal to the file's (1 of" in text
+    assert f"MISMATCH {stage}: not bit for bit equal to the file's (1 of" in text
     assert "MISMATCH new momentum" in text and "FAILED" in text
 
 
 def test_bit_level_codecs_match_the_contract():
-    """The walkthrough's E5M10 decode/encode and split masters against core's, on every code and
-    on values around every binade edge, zeros, subnormals and saturation."""
+    """The walkthrough's E5M10 decode/encode, split masters, ldexp and floor(log2) against core's,
+    on every code and on values around every binade edge, zeros, subnormals and saturation."""
     codes = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
     decoded = walkthrough.decode_e5m10(codes, 31)
     assert np.array_equal(decoded.numpy().view(np.uint32), E5M10.decode_table.view(np.uint32))
@@ -189,6 +195,16 @@ def test_bit_level_codecs_match_the_contract():
     masters = torch.from_numpy(values)
     w, lo = walkthrough.split_master(masters)
     assert torch.equal(walkthrough.join_master(w, lo).view(torch.int32), masters.view(torch.int32))
+    # The per-matrix exponent: ldexp's two products (a subnormal result rounds, odd and negative
+    # n halve unevenly) and floor(log2 amax) from the bits, subnormal amax included.
+    decoded = E5M10.decode_table
+    for n in (-252, -177, -149, -40, -1, 0, 1, 27, 148, 254):
+        ours = walkthrough.ldexp(torch.from_numpy(decoded), n).numpy()
+        assert np.array_equal(ours.view(np.uint32), ldexp32(decoded, n).view(np.uint32)), n
+    magnitudes = np.abs(values[np.isfinite(values) & (values != 0)])[::97]
+    magnitudes = np.concatenate([magnitudes, np.float32([2.0 ** -149, 3 * 2.0 ** -149, 2.0 ** -126 - 2.0 ** -149,
+                                                         2.0 ** -126, np.finfo(np.float32).max])])
+    assert [walkthrough.floor_log2(torch.tensor(a)) for a in magnitudes] == [floor_log2(a) for a in magnitudes]
 
 
 def test_wrong_rotation_and_edited_schedule_are_reported(state_path, monkeypatch):

@@ -12,9 +12,10 @@ next batch, and spells out with plain tensor operations (no call into the model'
 2. its backward by hand (the chain rule in plain operations, in float64) down to the gradients
    of that layer's matrices;
 3. one Muon step on one matrix (default: the last block's MLP up-projection): the E5M10
-   momentum decoded bit by bit, the momentum update and Nesterov (the contract's fused lerp),
-   Newton-Schulz, the learning-rate adjustment, weight decay, the update of the FP32 master
-   (joined from w and the mantissa), the new momentum encoded and the new master split.
+   momentum decoded bit by bit and scaled by the matrix's power-of-two exponent, the momentum
+   update and Nesterov (the contract's fused lerp), Newton-Schulz, the learning-rate adjustment,
+   weight decay, the update of the FP32 master (joined from w and the mantissa), the new
+   exponent chosen from max |m'|, the new momentum encoded under it and the new master split.
 
 Every stage is printed (shape, dtype, a few values, norm) and checked against what the model,
 autograd and the optimizer compute (the optimizer steps a copy rebuilt from the file):
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 from packed_adamw.core.codecs import SPLIT_MASTER_MAX, read_master
 from packed_adamw.core.muon import StateFormat as MuonFormat
 from packed_adamw.core.muon import step_scalar_row
-from packed_adamw.core.muon.numpy_step import bf16_bits, decode_momentum, lerp32
+from packed_adamw.core.muon.numpy_step import bf16_bits, decode_momentum, ldexp32, lerp32, matrix_exponent
 
 from .._persistence import GROUP_FORMAT_KEY
 from ..combined import PackedMuonAdamW
@@ -721,6 +722,24 @@ def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
     return _signed((exponent + 127) << 23, 32).view(torch.float32)
 
 
+def ldexp(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x * 2^n in float32 as MUON.md defines it: (x * 2^(n >> 1)) * 2^(n - (n >> 1)), two
+    rounded products by powers of two (exact unless the result is subnormal); n in [-252, 254]."""
+    half = n >> 1  # floor(n / 2), also for negative n
+    return (x * power_of_two(torch.tensor(half))) * power_of_two(torch.tensor(n - half))
+
+
+def floor_log2(amax: torch.Tensor) -> int:
+    """floor(log2 amax) of a finite nonzero float32 magnitude, from its bits: the exponent field
+    - 127; for a subnormal (field 0), the position of its top set bit - 149."""
+    bits = _uint(amax.reshape(1), 32).item()
+    field = bits >> 23
+    if field:
+        return field - 127
+    top = int(((torch.tensor(bits) >> torch.arange(23)) > 0).sum()) - 1  # the highest set bit's position
+    return top - 149
+
+
 def decode_e5m10(codes: torch.Tensor, bias: int) -> torch.Tensor:
     """E5M10 codes -> float32 (MUON.md): sign, 5 exponent bits e, 10 fraction bits f;
     e = 0: f * 2^(1 - bias - 10); else (1024 + f) * 2^(e - bias - 10). Exact products."""
@@ -839,8 +858,20 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
     split = saved_w.dtype == torch.bfloat16
     saved_lo = tensors[f"params/{name}/mantissa"].view(torch.int16) if split else None
     report.show(f"momentum ({fmt.identity})", saved_code)
+    exponent_key = fmt.exponent_entry.key if fmt.exponent_entry is not None else None
+    if exponent_key is not None:
+        # Absent from the file: a matrix never stepped, or a state saved before the exponents
+        # (its legacy identity), whose codes read with exponent 0 (MUON.md, "The momentum formats").
+        saved_exponent = tensors.get(f"params/{name}/opt/{exponent_key}")
+        if saved_exponent is None:
+            saved_exponent = torch.tensor(0, dtype=torch.int32)
+        report.show(f"exponent s ({exponent_key})", saved_exponent)
     if entry:
         report.bitwise("loaded momentum", entry[key].cpu(), saved_code, "the file's")
+        if exponent_key is not None:
+            report.bitwise("loaded exponent", entry[exponent_key].cpu(), saved_exponent,
+                           "the file's" if f"params/{name}/opt/{exponent_key}" in tensors else
+                           "the file's (none there: exponent 0)")
         if split:
             report.bitwise("loaded mantissa", entry[LOW_HALF_KEY].cpu(), saved_lo, "the file's")
     report.bitwise("loaded weight", p.detach().cpu(), saved_w, "the file's")
@@ -854,9 +885,10 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
         g = -g
 
     report.say("  momentum phase")
+    s = int(saved_exponent) if fmt.mode == "packed" else 0
     if fmt.mode == "packed":
-        m = decode_e5m10(code, fmt.mu_bias)
-        how = f"E5M10 bias {fmt.mu_bias}: sign | 5 exponent | 10 fraction bits"
+        m = ldexp(decode_e5m10(code, fmt.mu_bias), s)
+        how = f"E5M10 bias {fmt.mu_bias}: sign | 5 exponent | 10 fraction bits, x 2^{s}"
     elif fmt.mode == "bf16":
         m = _signed(_uint(code, 16) << 16, 32).view(torch.float32)
         how = "bf16 bits << 16"
@@ -865,7 +897,7 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
         how = "float32 as stored"
     report.show(f"decoded momentum ({how})", m)
     contract_state = saved_code.numpy().view(np.uint16) if fmt.mode != "fp32" else saved_code.numpy()
-    report.bitwise("decoded momentum", m.cpu(), torch.from_numpy(decode_momentum(contract_state, fmt)),
+    report.bitwise("decoded momentum", m.cpu(), torch.from_numpy(decode_momentum(contract_state, fmt, s)),
                    "core's decode_momentum")
     m_next = lerp(m, g, scalars["one_minus_momentum"])
     report.show("m' = lerp(m, g, 1 - momentum)", m_next)
@@ -879,11 +911,26 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
     report.bitwise("Newton-Schulz input", X.cpu().view(torch.int16),
                    torch.from_numpy(bf16_bits(x.cpu().numpy()).view(np.int16)), "core's bf16_bits")
     finite = bool(torch.isfinite(g).all() and torch.isfinite(m_next).all() and torch.isfinite(X).all())
-    if fmt.mode == "packed":
-        code_next = encode_e5m10(m_next, fmt.mu_bias)
+    s_next = s
+    if fmt.mode == "packed" and not finite:
+        code_next = code  # refused (below): no exponent is chosen from a non-finite max
+    elif fmt.mode == "packed":
+        amax = m_next.abs().max()
+        k = floor_log2(amax)
+        # amax lands in the code's exponent field 30, one binade below its top: nothing saturates.
+        s_next = s if amax.item() == 0 else k + fmt.mu_bias - 30
+        report.say(f"    amax = max |m'| = {amax.item():.9g}: floor(log2 amax) = {k} (from its float32 bits); "
+                   f"new exponent s' = " + (f"s = {s} (amax is 0)" if amax.item() == 0 else
+                                            f"{k} + bias {fmt.mu_bias} - 30 = {s_next}"))
+        report.bitwise("chosen exponent", torch.tensor(s_next, dtype=torch.int32),
+                       torch.tensor(matrix_exponent(np.float32(amax.item()), s, fmt), dtype=torch.int32),
+                       "core's matrix_exponent")
+        scaled = ldexp(m_next, -s_next)
+        report.show(f"m' x 2^{-s_next}", scaled)
+        code_next = encode_e5m10(scaled, fmt.mu_bias)
         report.bitwise("encoded momentum", code_next.cpu(),
-                       torch.from_numpy(fmt.code.encode_unchecked(m_next.cpu().numpy()).astype(np.uint16)
-                                        .view(np.int16)), "core's E5M10 encoder")
+                       torch.from_numpy(fmt.code.encode_unchecked(ldexp32(m_next.cpu().numpy(), -s_next))
+                                        .astype(np.uint16).view(np.int16)), "core's E5M10 encoder")
     elif fmt.mode == "bf16":
         code_next = m_next.bfloat16().view(torch.int16)
         finite = finite and bool(torch.isfinite(m_next.bfloat16()).all())
@@ -928,12 +975,15 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
     if not finite:
         report.say("    the matrix is refused (a non-finite gradient, momentum or Newton-Schulz input): nothing "
                    "changes")
-        code_next = code
+        code_next, s_next = code, s
 
     report.say("  the optimizer's step on the copy")
     optimizer.step()
     state = optimizer.state[p]
     report.bitwise("new momentum", state[key], code_next, "the optimizer's")
+    if exponent_key is not None:
+        report.bitwise("new exponent", state[exponent_key].cpu(), torch.tensor(s_next, dtype=torch.int32),
+                       "the optimizer's")
     order = [id(q) for g_ in optimizer.param_groups for q in g_["params"]]
     report.bitwise("new master", optimizer.master_weights()[order.index(id(p))], new_master, "the optimizer's")
     if split:
