@@ -47,8 +47,8 @@ from packed_adamw.core.rule import MAX_STEP_COUNT
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
 from ._step import CpuStepError, _subnormals_kept
-from .transform import _check_hyperparameter_kinds, _increment, _is_step_count, _refusal_reason, _refuse_invalid, \
-    _report_refusal, _step_platforms, _warn_refused, packed_adamw
+from .transform import _as_step_count, _check_hyperparameter_kinds, _increment, _is_step_count, _refusal_reason, \
+    _refuse_invalid, _refused_eagerly, _step_platforms, _warn_refused, packed_adamw
 
 # torch.optim.Muon's defaults (optax.contrib.muon's are eps=1e-8 and weight_decay=0).
 DEFAULT_EPS = 1e-7
@@ -336,8 +336,10 @@ def _concrete(x) -> float | None:
         return None
 
 
-# The host side of transform.py's `_report_refusal` for the Muon half, in packed_muon's words.
-_warn_muon_refused = functools.partial(_warn_refused, "packed_muon", RULE, unchanged="weight, momentum or count")
+# The host side of transform.py's `_report_refusal` for the Muon half, in packed_muon's words. A
+# refused step is the whole transform's: the AdamW leaves keep theirs too (`_whole_step_valid`).
+_warn_muon_refused = functools.partial(_warn_refused, "packed_muon", RULE,
+                                       unchanged="weight, momentum, AdamW state word or count")
 
 
 def _refused_schedule(name: str, value) -> str:
@@ -410,8 +412,11 @@ def packed_muon(
     or a callable returning one; batch axes give one matrix each). They are float32 or
     bfloat16 (an exact FP32 master: its low half in `PackedMuonState.low_halves`). A matrix
     whose gradient, momentum or Newton-Schulz input is not finite is refused whole: update
-    -0.0, momentum kept. Every other leaf takes `packed_adamw(adam_learning_rate (default:
-    learning_rate), adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_mask, adam_mode)`
+    -0.0, momentum kept. An invalid hyperparameter of either half (or a damaged count) refuses
+    the whole step: eagerly a ValueError; under `jax.jit` nothing changes in either half, with a
+    `RefusedStepWarning` naming it (MUON.md, "Refusals"). Every other leaf takes
+    `packed_adamw(adam_learning_rate (default: learning_rate), adam_b1, adam_b2, adam_eps,
+    adam_weight_decay, adam_mask, adam_mode)`
     (optax.contrib.muon's AdamW defaults: weight decay 0). That AdamW is plain AdamW:
     optax.contrib.muon's is Nesterov's (`optax.adamw(..., nesterov=True)`), which packed_adamw
     has no form of, so those leaves take other steps (larger in the first ~10 steps where the
@@ -507,8 +512,9 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         muon = [i for i, v in enumerate(views) if v is not None]
         if not muon:
             adamw_updates, adamw_state = adamw.update(updates, state.adamw, params, **extra_args)
-            return _applied(adamw_updates, params, write_update), state._replace(count=_increment(state.count),
-                                                                                 adamw=adamw_state)
+            accepted = _adamw_accepted(adamw_state, state.adamw)
+            return _applied(adamw_updates, params, write_update), state._replace(
+                count=jnp.where(accepted, _increment(state.count), state.count), adamw=adamw_state)
         if params is None:
             raise ValueError("packed_muon: the Muon step reads the weights (decay, and the update that gives the new "
                              "weight), so update() needs params: call tx.update(grads, state, params)")
@@ -522,29 +528,23 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         lows = _checked_lows(state.low_halves, treedef, p_leaves, split, paths)
 
         at_count = lambda x: x(state.count) if callable(x) else x  # noqa: E731 (a schedule of the count)
-        # hyperparam_fields order, as given
-        given = RULE.group_row(*map(at_count, (learning_rate, beta, weight_decay, eps)), number=lambda x: x)
+        values = tuple(map(at_count, (learning_rate, beta, weight_decay, eps)))  # RULE.group_keys order
+        given = RULE.group_row(*values, number=lambda x: x)  # hyperparam_fields order, as given
         row = jnp.asarray([jnp.asarray(x, jnp.float32) for x in given])
         # Only `valid` is taken: the phases read the row as given and step no matrix of a refused step.
         _, valid = _refuse_invalid(RULE, row, state.count)
         on_gpu = _step_platform((updates, params)) == "gpu"
-        try:
-            refused = not bool(valid)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
-            refused = False  # under jit: refused in the graph, with a warning from the host
-            # On the CPU the step waits for its host callbacks anyway, so the warning's cond costs
-            # no wait, and a damaged count warns too. On a GPU it is compiled in only where a
-            # hyperparameter is known only in the graph, as packed_adamw's: the count is then the
-            # only sign of a damaged one (MUON.md, "Refusals").
-            if not on_gpu or any(_python_number(x) is None for x in given):
-                _report_refusal(_warn_muon_refused, valid, row, state.count)
-        if refused:
+        # Known outside jit (a schedule's value, say): raise in Muon's words; under jit refused in
+        # the graph, and heard as transform.py's `_refused_eagerly` says (MUON.md, "Refusals").
+        if _refused_eagerly("packed_muon", RULE, _warn_muon_refused, values, row, valid, state.count):
             count = int(state.count)
             raise ValueError(f"packed_muon: step refused at count {count}: "
                              f"{_refusal_reason(RULE, np.asarray(row), count)}")
 
         # After Muon's checks, so that a bad shared learning rate is reported by Muon's words first.
-        adamw_updates, adamw_state = adamw.update(updates, state.adamw, params, **extra_args)
+        adamw_updates, adamw_state = adamw.update(_refused_unless(valid, updates, views), state.adamw, params,
+                                                  **extra_args)
+        adamw_state, valid = _whole_step_valid(valid, adamw_state, state.adamw)
         config = _PhaseConfig(fmt, bool(nesterov), adjust_lr_fn, tuple(_python_number(x) for x in given),
                               tuple(views[i].torch_shape for i in muon), tuple(split[i] for i in muon),
                               tuple(paths[i] for i in muon))
@@ -592,6 +592,45 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         return treedef.unflatten(out), new_state
 
     return init_fn, run
+
+
+# ---- one step, all or nothing ------------------------------------------------------------------
+# A step that either half refuses (an invalid hyperparameter, a damaged count) changes nothing in
+# either: the optax user sees one transform. The AdamW half refuses through packed_adamw's own
+# contracts, in its step, so its state keeps being updated in place (no copy of it to select from):
+# a non-finite gradient element keeps its parameter and state (FORMAT.md), and a refused step of
+# packed_adamw keeps its count.
+def _refused_unless(valid, updates, views):
+    """The gradients the AdamW half steps on: as given, or NaN when Muon refused the step (so
+    packed_adamw keeps every AdamW parameter and word; its update is -0.0, as a refusal's)."""
+    try:
+        if bool(valid):
+            return updates  # known outside jit: nothing to select
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
+        pass
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    return treedef.unflatten([g if v is not None else jnp.where(valid, g, jnp.asarray(jnp.nan, jnp.result_type(g)))
+                              for g, v in zip(leaves, views)])
+
+
+def _adamw_accepted(new, old):
+    """Whether packed_adamw accepted the AdamW half's step: its count moved (a refused step keeps
+    it), or stood past the last count that moves (MAX_COUNT + 1, where steps go on)."""
+    new, old = new.inner_state.count, old.inner_state.count
+    return (new != old) | (old > MAX_COUNT)
+
+
+def _whole_step_valid(valid, adamw_state, old_adamw):
+    """(the AdamW half's state, the whole step's validity): a step Muon refused keeps the AdamW
+    count and format counts (its words and weights kept themselves, `_refused_unless`), and one
+    the AdamW half refused refuses the Muon matrices (packed_adamw's warning names why)."""
+    accepted = _adamw_accepted(adamw_state, old_adamw)
+    inner, old = adamw_state.inner_state, old_adamw.inner_state
+    kept = lambda new_x, old_x: jnp.where(valid, new_x, old_x)  # noqa: E731 (scalars and the small counts)
+    inner = inner._replace(count=kept(inner.count, old.count),
+                           format_counts=None if inner.format_counts is None else
+                           jax.tree_util.tree_map(kept, inner.format_counts, old.format_counts))
+    return adamw_state._replace(inner_state=inner), valid & accepted
 
 
 def _cpu_phases(config: _PhaseConfig, g_mats, s_mats, e_mats, p_mats, lo_mats, row, valid, coefficients, steps,
@@ -950,6 +989,7 @@ def import_muon_state(portable, params, *, mode: str = "packed", mu_bias: int = 
         raise ValueError(f"import_muon_state: count={count!r} is not a step count: pass the steps taken, a whole "
                          f"number from 0 to {MAX_COUNT} (a state at 2**31 - 1 could not step again), or leave it out "
                          "when the state's tensors carry their count")
+    count = None if count is None else _as_step_count(count)  # a 0-d integer array (a state's count) as its int
     fmt, adam_fmt, leaves, treedef, paths, views, split = _portable_layout(
         params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers)
     fmts = [adam_fmt if v is None else fmt for v in views]

@@ -351,9 +351,9 @@ def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph():
 @pytest.mark.parametrize("jit", [False, True])
 def test_a_negative_count_refuses_the_step_eagerly_and_warns_under_jit(jit):
     """A damaged count (here -3, with plain-number hyperparameters, so nothing else is known only
-    in the graph) refuses every Muon matrix: eagerly a ValueError, under jit a RefusedStepWarning
-    naming the count (transform.py's `_report_refusal`); nothing changes. The AdamW half keeps
-    its own count and steps."""
+    in the graph) refuses the step: eagerly a ValueError, under jit a RefusedStepWarning naming
+    the count (transform.py's `_report_refusal`); nothing changes, the AdamW half's leaves and
+    state neither (one transform's step is all or nothing)."""
     params = make_params(np.random.default_rng(31))
     tx = packed_muon(LR)
     state = tx.init(params)
@@ -371,7 +371,99 @@ def test_a_negative_count_refuses_the_step_eagerly_and_warns_under_jit(jit):
     for k in MUON_LEAVES:
         assert np.all(bits(updates[k]) == 0x80000000)
         assert np.array_equal(bits(refused.momentum[k]), bits(state.momentum[k]))
-    assert not np.all(bits(updates["bias"]) == 0x80000000)  # the AdamW half trained
+    for k in ("bias", "scale"):  # the AdamW half refused too
+        assert np.all(bits(updates[k]) == 0x80000000)
+    assert_same_adamw_state(refused, state)
+
+
+def assert_same_adamw_state(new, old) -> None:
+    """The AdamW half's state (count, words, format counts) unchanged, bit for bit."""
+    for a, b in zip(jax.tree_util.tree_leaves(new.adamw), jax.tree_util.tree_leaves(old.adamw), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transform", "fused_step"])
+def test_a_step_refused_under_jit_by_either_half_refuses_the_whole_step(fused):
+    """One transform's step is all or nothing: a Muon hyperparameter turning invalid refuses the
+    AdamW leaves too (their updates -0.0, their state and count kept), and an AdamW one (here its
+    own learning-rate schedule) refuses the Muon matrices; each warns naming the value, and
+    neither count moves. The Muon warning says nothing changed, and nothing did."""
+    params = make_params(np.random.default_rng(39))
+    rng = np.random.default_rng(40)
+    for half, kwargs in (("packed_muon", dict(learning_rate=LR, beta=lambda count: jnp.where(count >= 1, 1.5, BETA))),
+                         ("packed_adamw", dict(learning_rate=LR,
+                                               adam_learning_rate=lambda count: jnp.where(count >= 1, -1.0, LR)))):
+        tx = packed_muon(**kwargs)
+        fused_step = packed_muon_fused_step(**kwargs)
+        # (grads, state, params) -> (updates, or the new params, state)
+        step = jax.jit(lambda g, s, p: fused_step(p, g, s)) if fused else jax.jit(tx.update)
+        state = tx.init(params)
+        stepped, state = step(make_grads(rng, params), state, params)
+        stepped = stepped if fused else optax.apply_updates(params, stepped)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RefusedStepWarning)
+            out, refused = step(make_grads(rng, params), state, stepped)
+            jax.block_until_ready(out)
+            jax.effects_barrier()
+        messages = [str(w.message) for w in caught if issubclass(w.category, RefusedStepWarning)]
+        assert len(messages) == 1 and messages[0].startswith(f"{half}: step refused at count 1"), messages
+        if half == "packed_muon":
+            assert "No weight, momentum, AdamW state word or count changed" in messages[0]
+        for k in params:
+            assert np.all(bits(out[k]) == (bits(stepped[k]) if fused else 0x80000000)), (half, k)
+        assert int(refused.count) == 1
+        for k in MUON_LEAVES:
+            assert np.array_equal(bits(refused.momentum[k]), bits(state.momentum[k]))
+            assert np.array_equal(np.asarray(refused.exponents[k]), np.asarray(state.exponents[k]))
+        assert_same_adamw_state(refused, state)
+
+
+def test_a_tree_without_muon_leaves_keeps_its_count_when_the_adamw_step_is_refused():
+    """Without Muon leaves the step is the AdamW half's alone: refused under jit, packed_muon's
+    count stays with packed_adamw's (it moved regardless)."""
+    params = {k: v for k, v in make_params(np.random.default_rng(44)).items() if k not in MUON_LEAVES}
+    tx = packed_muon(lambda count: jnp.where(count >= 1, -1.0, LR))
+    update = jax.jit(tx.update)
+    rng = np.random.default_rng(45)
+    _, state = update(make_grads(rng, params), tx.init(params), params)
+    with pytest.warns(RefusedStepWarning, match="packed_adamw: step refused at count 1"):
+        updates, refused = update(make_grads(rng, params), state, params)
+        jax.block_until_ready(updates)
+        jax.effects_barrier()
+    assert int(refused.count) == 1 and int(refused.adamw.inner_state.count) == 1
+
+
+@pytest.mark.parametrize("name,schedule,words", [
+    ("beta", optax.constant_schedule(1.0), "momentum should be below 1"),
+    ("learning_rate", lambda count: float("nan"), "Learning rate should be >= 0"),
+    ("weight_decay", lambda count: -0.1, "weight decay should be >= 0"),
+])
+def test_a_schedule_of_an_invalid_plain_number_raises_under_jit_as_eagerly(name, schedule, words):
+    """A schedule returning a plain number (optax.constant_schedule's) is the same at every
+    count: known when the step is traced, an invalid one raises naming it under jit too, as
+    packed_adamw's does (transform.py's `_refused_eagerly`), instead of a step refusing every
+    matrix at every count."""
+    params = make_params(np.random.default_rng(41))
+    tx = packed_muon(**{"learning_rate": LR, name: schedule})
+    state = tx.init(params)
+    grads = make_grads(np.random.default_rng(42), params)
+    with pytest.raises(ValueError, match=f"packed_muon: step refused at count 0: {words}"):
+        tx.update(grads, state, params)
+    with pytest.raises(ValueError, match=f"packed_muon: invalid hyperparameters, known when the step was traced.*"
+                                         f"{words}"):
+        jax.jit(tx.update)(grads, state, params)
+
+
+@pytest.mark.parametrize("count", [np.array(5), jnp.asarray(5), np.int64(5), "state"])
+def test_import_takes_a_0d_integer_array_count_as_its_int(count):
+    """A state's count (a 0-d int32 array) or a numpy one is a step count, as import_state takes it."""
+    params = {k: v for k, v in make_params(np.random.default_rng(43)).items() if k in MUON_LEAVES}
+    state = packed_muon(LR).init(params)
+    portable = _without_muon_counts(export_muon_state(state, params))
+    count = state._replace(count=jnp.asarray(5, jnp.int32)).count if count == "state" else count
+    imported = import_muon_state(portable, params, count=count)
+    assert int(imported.count) == 5 and imported.count.dtype == jnp.int32
+    assert int(imported.adamw.inner_state.count) == 5
 
 
 def test_a_valid_jitted_step_warns_nothing():
