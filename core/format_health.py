@@ -12,6 +12,12 @@ observed values inside the normal range with room to grow: for every code of any
 first moments and RMS values, `suggest_biases`. Every threshold comes from `MiniFloat` (core/codecs.py); nothing here
 restates a format fact.
 
+A rule whose packed format scales each matrix by its own power of two (`scaled_per_matrix`:
+Muon's `mu_exponent`, chosen at every step from the matrix's largest |value|) keeps its codes
+relative to that exponent: its window is the codes' own (`encoded_values`: what the step encodes),
+none saturates, and the bias moves the exponent, not the codes, so there is no bias to choose
+(`suggest_state_biases` says so).
+
 numpy only: no torch, no jax.
 """
 from __future__ import annotations
@@ -23,6 +29,7 @@ import numpy as np
 
 from .adamw.state_format import DEFAULT_M_BIAS, StateFormat, first_moment_format, rms_format
 from .codecs import BIAS_RANGE, MiniFloat
+from .muon.numpy_step import ldexp32, matrix_exponent
 from .rule import StateLayout
 from .rules import rule_formats
 # Reading stored states and identities back is the rules registry's (core/rules.py); these names
@@ -191,10 +198,13 @@ class BiasChoice:
     headroom: float  # requested factor between the high quantile and the format's maximum
     max_value: float  # the chosen format's largest value
     sample: WindowCounts | None  # the sample's classes under the chosen format, when values were given
+    # the code is scaled per matrix (`scaled_per_matrix`): every bias stores the same codes, `bias` is the default
+    bias_independent: bool = False
 
     def as_dict(self) -> dict:
         q = self.quantiles
         return {"bias": self.bias, "feasible": self.feasible, "reason": self.reason,
+                "bias_independent": self.bias_independent,
                 "span": list(self.span) if self.span else None,
                 "low_quantile_value": q.low, "high_quantile_value": q.high, "maximum": q.maximum,
                 "headroom": self.headroom, "max_value": self.max_value,
@@ -284,7 +294,11 @@ def suggest_state_biases(rule, code_values, *, low: float = DEFAULT_LOW_QUANTILE
     rule's `codes` order (AdamW: first moments, RMS values; Muon: momenta), each an array, a
     sequence of arrays or a `MagnitudeQuantiles`, chosen by `choose_bias` against that code's
     format. Per parameter group: pass one mapping `name -> code_values` and get
-    `name -> StateBiasSuggestion` back. `suggest_biases` is AdamW's, with (m, rms) spelled out."""
+    `name -> StateBiasSuggestion` back. `suggest_biases` is AdamW's, with (m, rms) spelled out.
+
+    A rule whose packed format scales each matrix (`scaled_per_matrix`: Muon) stores the same
+    codes at every bias: each choice is its code's default bias, `bias_independent`, saying so,
+    with the values' quantiles and no sample (and a note)."""
     entry = rule_formats(rule)
     if isinstance(code_values, Mapping):
         return {name: suggest_state_biases(entry.name, values, low=low, high=high, headroom=headroom)
@@ -294,12 +308,78 @@ def suggest_state_biases(rule, code_values, *, low: float = DEFAULT_LOW_QUANTILE
         raise ValueError(f"suggest_state_biases({entry.name!r}, ...) takes one entry of values per code of the rule "
                          f"({', '.join(code.holds for code in codes)}), got "
                          f"{type(code_values).__name__} of length {len(code_values)}")
-    choices = tuple(choose_bias(values, lambda bias, i=i: entry.code_format(i, bias), low=low, high=high,
-                                headroom=headroom, default=entry.default_bias(i))
-                    for i, values in enumerate(code_values))
+    if scaled_per_matrix(entry.name):
+        choices = tuple(_bias_independent_choice(values, entry.code_format(i, entry.default_bias(i)), codes[i],
+                                                 entry.default_bias(i), low=low, high=high, headroom=headroom)
+                        for i, values in enumerate(code_values))
+        options = " and ".join(code.bias_option for code in codes)
+        notes = [f"{entry.name}'s packed codes are relative to each matrix's power-of-two exponent: {options} "
+                 "changes nothing, so no bias is suggested"]
+    else:
+        choices = tuple(choose_bias(values, lambda bias, i=i: entry.code_format(i, bias), low=low, high=high,
+                                    headroom=headroom, default=entry.default_bias(i))
+                        for i, values in enumerate(code_values))
+        notes = _SUGGESTION_NOTES[entry.name](choices) if entry.name in _SUGGESTION_NOTES else ()
     fmt = entry.packed(**{code.bias_option: choice.bias for code, choice in zip(codes, choices)})
-    notes = _SUGGESTION_NOTES[entry.name](choices) if entry.name in _SUGGESTION_NOTES else ()
     return StateBiasSuggestion(fmt, choices, tuple(notes))
+
+
+def _bias_independent_choice(stats, fmt: MiniFloat, code, default: int, *, low: float, high: float,
+                             headroom: float) -> BiasChoice:
+    """A code scaled per matrix: the default bias, and why no other would differ."""
+    if not headroom >= 1.0:
+        raise ValueError(f"headroom={headroom!r} must be >= 1 (a factor below the format's largest value)")
+    q = stats if isinstance(stats, MagnitudeQuantiles) else magnitude_quantiles(stats, low, high)
+    reason = (f"every {code.bias_option} stores the same codes: the step keeps each matrix's {code.holds} as codes "
+              f"times 2^s, its exponent s chosen at every step from the matrix's largest |value| (the bias moves s, "
+              f"not the codes; docs/MUON.md), so none saturates and the bias changes nothing (the default "
+              f"{default} is as good as any)")
+    return BiasChoice(default, True, reason, BIAS_RANGE, q, headroom, fmt.max_value, None, bias_independent=True)
+
+
+# ---- codes scaled per matrix ----------------------------------------------------------------
+
+
+def scaled_per_matrix(fmt) -> bool:
+    """Whether the packed format of `fmt`'s rule (`fmt`: a state format, its `Rule` or the
+    rule's name) stores each matrix's values as codes times 2**s, one exponent s per matrix
+    chosen at every step from the matrix's largest |value| (its `exponent_entry`: Muon's
+    `mu_exponent`, docs/MUON.md); such codes are the same bits at every bias."""
+    return getattr(rule_formats(fmt).packed(), "exponent_entry", None) is not None
+
+
+def _matrices(values: np.ndarray) -> np.ndarray:
+    """A tensor's values as [matrices, elements]: one matrix per index of its leading axes."""
+    return values.reshape(-1, int(np.prod(values.shape[-2:], dtype=np.int64))) if values.ndim >= 2 \
+        else values.reshape(1, -1)
+
+
+def chosen_exponents(values, packed: StateLayout) -> np.ndarray | None:
+    """Each matrix's exponent (shape: the leading axes of `values`, () for one matrix) as the
+    packed step of `packed` chooses it from the matrix's values (its largest finite |value|; 0
+    for an all-zero one), for values kept wider than the code (fp32 and bf16 modes); None for a
+    format that keeps no exponent."""
+    if getattr(packed, "exponent_entry", None) is None:
+        return None
+    values = np.asarray(values, np.float32)
+    exponents = [matrix_exponent(np.abs(m[np.isfinite(m)]).max(initial=np.float32(0)), 0, packed)
+                 for m in _matrices(values)]
+    return np.array(exponents, np.dtype(packed.exponent_entry.dtype)).reshape(values.shape[:-2] if values.ndim >= 2
+                                                                              else ())
+
+
+def encoded_values(values, packed: StateLayout, exponents=None) -> np.ndarray:
+    """One code's values of a tensor as the packed format `packed` would encode them, the numbers
+    its window classifies: for a format scaled per matrix, each matrix's values times 2**-s
+    (ldexp32, as the step scales them), s its `exponents` entry (default `chosen_exponents`);
+    otherwise the values themselves. For stored codes, their own values (`rules.code_values`
+    without the exponent) are these."""
+    values = np.asarray(values, np.float32)
+    exponents = chosen_exponents(values, packed) if exponents is None else np.asarray(exponents)
+    if exponents is None:
+        return values
+    scaled = [ldexp32(m, -int(s)) for m, s in zip(_matrices(values), exponents.reshape(-1))]
+    return np.concatenate(scaled).reshape(values.shape) if scaled else values.copy()
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from packed_adamw.core.format_health import (
     WINDOW_CLASSES,
     MagnitudeQuantiles,
     classify,
+    log2_quantiles,
     magnitude_quantiles,
     state_format_from_identity,
     suggest_biases,
@@ -32,16 +33,16 @@ from packed_adamw.core.format_health import (
 )
 from packed_adamw.core.muon.state_format import StateFormat as MuonFormat
 from packed_adamw.core.muon.state_format import momentum_format
-from packed_adamw.core.codecs import FP16
+from packed_adamw.core.codecs import BIAS_RANGE, FP16
 from packed_adamw.core.adamw.state_format import StateFormat, first_moment_format, rms_format, unpack_words
 from packed_adamw.core.adamw.hyperparams import Hyperparams
 from packed_adamw.core.adamw.numpy_step import adamw_step, apply_step, step_scalar_row
 from packed_adamw.core.portable import PortableState
 from packed_adamw.core.rules import RULES, RuleFormats, momentum_values
-from packed_adamw.inspect import load_state_file, walk_step
+from packed_adamw.inspect import InspectError, load_state_file, walk_step
 from packed_adamw.inspect.__main__ import main as inspect_main
 from packed_adamw.torch import PackedAdamW, PackedMuon, PackedMuonAdamW, muon_param_groups
-from muon_helpers import TinyModel, set_gradients
+from muon_helpers import TinyModel, gradient, set_gradients
 from test_training_state import Run, tape  # noqa: F401 (tape: the tiny run's fixture)
 
 F32 = np.float32
@@ -193,16 +194,35 @@ def test_identity_parser_refuses_what_the_code_does_not_make(bad):
         state_format_from_identity(bad)
 
 
-def test_suggested_momentum_bias_keeps_quantiles_normal_and_nothing_saturated():
-    """Any rule's codes through suggest_state_biases: Muon's one code, E5M10."""
+def as_packed_codes(momenta: np.ndarray, bias: int) -> np.ndarray:
+    """One matrix's momenta as Muon's packed step encodes them (MUON.md, "The exponent"), apart
+    from the library: times 2^-s, s = floor(log2 max |m|) - 30 + bias (normal magnitudes)."""
+    amax = np.abs(momenta).max()
+    if amax == 0:
+        return momenta
+    scaled = np.ldexp(momenta, -(int(np.frexp(amax)[1]) - 1 - 30 + bias))
+    assert scaled.dtype == F32
+    return scaled
+
+
+def test_muon_suggestion_says_no_bias_changes_its_codes():
+    """Any rule's codes through suggest_state_biases: Muon's one code, E5M10, is kept relative to
+    each matrix's power-of-two exponent, so every bias stores the same codes: no bias is chosen
+    (the default is kept, saying why, with the values' quantiles)."""
     rng = np.random.default_rng(5)
     momenta = lognormal(rng, -14, 2.0, 50_000) * rng.choice(F32([-1, 1]), 50_000)
+    codes = {bias: momentum_format(bias).encode(as_packed_codes(momenta, bias)) for bias in (0, 31, 40, 100)}
+    assert all(np.array_equal(c, codes[31]) for c in codes.values())  # what makes the bias irrelevant
     suggestion = suggest_state_biases("muon", [momenta])
     (choice,) = suggestion.choices
-    assert_choice_holds(momenta, choice, momentum_format, DEFAULT_LOW_QUANTILE, DEFAULT_HIGH_QUANTILE, 2.0)
+    assert choice.bias == 31 and choice.bias_independent and choice.feasible and choice.span == BIAS_RANGE
+    assert choice.sample is None and "every mu_bias stores the same codes" in choice.reason
+    assert choice.quantiles == magnitude_quantiles(momenta)
     assert suggestion.state_format == MuonFormat("packed", choice.bias)
     assert suggestion.biases == {"mu_bias": choice.bias}
-    assert suggestion.as_dict()["mu"]["bias"] == choice.bias and suggestion.notes == ()
+    assert suggestion.as_dict()["mu"]["bias"] == choice.bias and suggestion.as_dict()["mu"]["bias_independent"]
+    assert suggestion.notes == ("muon's packed codes are relative to each matrix's power-of-two exponent: mu_bias "
+                                "changes nothing, so no bias is suggested",)
     with pytest.raises(ValueError, match="one entry of values per code"):
         suggest_state_biases("muon", [momenta, momenta])
 
@@ -375,7 +395,8 @@ def write_trainer_checkpoint(path, model, opt):
         def state_dict(self):
             return {"cursor": 0}
 
-    save_training_state(path, model=model, optimizer=opt, tape=Tape(), config={"mode": opt.state_format.mode},
+    mode = opt.state_format.mode if hasattr(opt, "state_format") else "mixed"  # PackedMuonAdamW: two rules
+    save_training_state(path, model=model, optimizer=opt, tape=Tape(), config={"mode": mode},
                         trainer={"step": 2})
 
 
@@ -498,8 +519,8 @@ def test_inspect_reads_a_torch_adamw_state_as_float32_moments(tmp_path, capsys):
 
 def trained_muon(mode="packed", mu_bias=40, combined=False, steps=2):
     """PackedMuon over TinyModel's two block matrices, or PackedMuonAdamW over all of it (AdamW
-    at m_bias 18), stepped on gradients over many binades: at mu_bias 40 (largest momentum
-    2^-8) some momenta saturate."""
+    at m_bias 18), stepped on gradients over many binades (at mu_bias 40, largest code 2^-8, the
+    momenta are past it: each matrix's exponent brings them into the code)."""
     torch.manual_seed(0)
     model = TinyModel()
     if combined:
@@ -515,13 +536,20 @@ def trained_muon(mode="packed", mu_bias=40, combined=False, steps=2):
 
 
 def momenta_of(opt, p, fmt: MuonFormat) -> np.ndarray:
-    """One matrix's momenta as float32, decoded with MiniFloat.decode or torch's bf16."""
+    """One matrix's momenta as float32, decoded with MiniFloat.decode or torch's bf16 (packed:
+    the codes' own values, relative to the matrix's exponent)."""
     stored = opt.state[p][fmt.state_key]
     if fmt.mode == "fp32":
         return stored.numpy()
     if fmt.mode == "bf16":
         return stored.view(torch.bfloat16).float().numpy()
     return fmt.code.decode(stored.numpy().view(np.uint16))
+
+
+def momentum_values_of(opt, p, fmt: MuonFormat) -> np.ndarray:
+    """One matrix's momentum values: packed codes times 2^mu_exponent (np.ldexp), else as stored."""
+    momenta = momenta_of(opt, p, fmt)
+    return np.ldexp(momenta, int(opt.state[p]["mu_exponent"])).astype(F32) if fmt.mode == "packed" else momenta
 
 
 def check_rule_counts(report, opt, names=None, mu_window=None):
@@ -544,15 +572,25 @@ def check_rule_counts(report, opt, names=None, mu_window=None):
         assert section["windows"]["mu"]["format"] == window.identity
         for group in rule.param_groups:
             for name, p in zip(group["param_names"], group["params"]):
-                counts = window_histogram(momenta_of(rule, p, fmt), window).counts
+                # the window counts the codes (relative to the matrix's exponent), the quantiles the values
+                momenta, values = momenta_of(rule, p, fmt), momentum_values_of(rule, p, fmt)
+                codes = momenta if fmt.formats is not None else as_packed_codes(momenta, window.bias)
+                counts = window_histogram(codes, window).counts
                 assert tensors[name]["mu"]["counts"] == counts and tensors[name]["step"] is None, name
+                assert tensors[name]["mu"]["log2_quantiles"] == log2_quantiles(values), name
+                exponent = int(rule.state[p]["mu_exponent"]) if fmt.mode == "packed" else \
+                    int(np.frexp(np.abs(momenta).max())[1]) - 1 - 30 + window.bias
+                assert tensors[name]["exponents"]["values"] == [exponent], name
         assert set(section["suggestion"]["all"]) >= {"mu_bias", "identity", "mu", "notes"}
+        assert section["suggestion"]["bias_independent"] and section["suggestion"]["all"]["mu"]["bias_independent"]
 
 
 @pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
 def test_inspect_reads_a_muon_state_file(tmp_path, capsys, mode):
     """torch.save(PackedMuon.state_dict()): the rule comes from the recorded identity; packed
-    codes count against their own window, bf16 and fp32 momenta against E5M10 at --mu-bias."""
+    codes count against their own window (relative to each matrix's exponent), bf16 and fp32
+    momenta as the packed step would encode them in E5M10 at --mu-bias (scaled by the exponent it
+    would choose); the quantiles are of the momenta; no bias is suggested."""
     _, opt = trained_muon(mode)
     torch.save(opt.state_dict(), tmp_path / "muon.pt")
     report = report_of(tmp_path / "muon.pt", capsys, "--mu-bias", "40", "--plot", str(tmp_path / "h.png"))
@@ -560,11 +598,17 @@ def test_inspect_reads_a_muon_state_file(tmp_path, capsys, mode):
     assert [t["name"] for t in report["tensors"]] == ["up.weight", "down.weight"]
     assert report["groups"][0]["rule"] == "muon" and report["groups"][0]["momentum"] == 0.95
     check_rule_counts(report, opt, mu_window=momentum_format(40))
-    assert report["total"]["mu"]["counts"]["saturated"] > 0  # momenta past E5M10b40's largest value, about 2^-8
+    # momenta past E5M10b40's largest value, about 2^-8: each matrix's exponent keeps them in the code
+    assert max(q for t in report["tensors"] for q in t["mu"]["log2_quantiles"].values()) > -8
+    assert report["total"]["mu"]["counts"]["saturated"] == 0
     assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert inspect_main([str(tmp_path / "muon.pt")]) == 0
     text = capsys.readouterr().out
-    assert "up.weight  (9, 6)" in text and "|mu|" in text and "mu_bias=" in text
+    assert "up.weight  (9, 6)" in text and "|mu|" in text and "mu_bias=" not in text
+    assert "relative to each matrix's exponent s" in text and "no bias suggested" in text
+    # wider momenta at the default --mu-bias 31: the exponent the step would choose moves by the bias, 40 - 31
+    assert ("exponent s = 2, stored (mu_exponent)" if mode == "packed" else "exponent s = -7, as the packed step "
+            "would choose (muon-packed:mu=SE5M10b31:scale=pow2/matrix)") in text
     # one element's step needs its whole matrix: refused, saying why
     assert inspect_main([str(tmp_path / "muon.pt"), "--explain", "up.weight[2,3]", "--grad", "1", "--param", "0"]) == 2
     error = capsys.readouterr().err
@@ -585,7 +629,8 @@ def test_inspect_reads_a_combined_state_file_per_rule(tmp_path, capsys):
     assert [t["group"] for t in report["sections"][0]["tensors"]] == [0, 0, 0]
     assert inspect_main([str(tmp_path / "both.pt")]) == 0
     text = capsys.readouterr().out
-    assert "rule muon, format muon-packed:mu=SE5M10b40" in text and "rule adamw, format packed:m=SE4M11b18" in text
+    assert "rule muon, format muon-packed:mu=SE5M10b40:scale=pow2/matrix" in text
+    assert "rule adamw, format packed:m=SE4M11b18" in text
     walk = report_of(tmp_path / "both.pt", capsys, "--explain", "norm.weight[4]", "--grad", "0.3", "--param", "0.5")
     p_next, state = numpy_step_of(opt, "norm.weight", 4, 0.3, 0.5, opt.rules["adamw"].state_format)
     assert walk["p_next_bits"] == f"0x{bits(p_next):08X}" and walk["word_next"] == f"0x{int(state[0]):08X}"
@@ -644,6 +689,98 @@ def test_inspect_reads_a_chat_train_state(tape, tmp_path, capsys):
     assert "Newton-Schulz" in capsys.readouterr().err
 
 
+def test_inspect_applies_each_matrixs_exponent_in_every_file_kind(tape, tmp_path):
+    """Packed Muon's values are its codes' values times 2^s, s the matrix's exponent as each kind
+    of file holds it: a torch state_dict's and a trainer checkpoint's `mu_exponent` entry, a
+    PortableState's `exponents`, a chat_train training state's params/<name>/opt/mu_exponent."""
+    model, opt = trained_muon(combined=True)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    write_trainer_checkpoint(tmp_path / "checkpoint.safetensors", model, opt)
+    opt.export_state().save(tmp_path / "state.safetensors")
+    run = Run(tape, torch.bfloat16)
+    run.train(2)
+    order = [n for g in opt.param_groups for n in g["param_names"]]
+    files = [(tmp_path / "opt.pt", opt, str), (tmp_path / "checkpoint.safetensors", opt, str),
+             (tmp_path / "state.safetensors", opt, lambda name: f"moments.{order.index(name)}"),
+             (run.save(tmp_path / "run"), run.optimizer, str)]
+    kinds = []
+    for path, optimizer, shown in files:
+        state_file = load_state_file(path)
+        kinds.append(state_file.kind)
+        muon = optimizer.rules["muon"]
+        exponents = []
+        for group in muon.param_groups:
+            for name, p in zip(group["param_names"], group["params"]):
+                tensor = state_file.find(shown(name))
+                exponent = int(muon.state[p]["mu_exponent"])
+                assert tensor.exponent.dtype == np.int32 and tensor.exponent.shape == () and \
+                    int(tensor.exponent) == exponent, (path, name)
+                (values,) = state_file.values(tensor)
+                expected = momentum_values_of(muon, p, muon.state_format)
+                assert np.array_equal(values.view(np.uint32), expected.view(np.uint32)), (path, name)
+                exponents.append(exponent)
+        assert any(exponents), path  # s = 0 everywhere would not tell applied from ignored
+    assert kinds == ["torch state_dict", "trainer checkpoint", "portable state", "training state"]
+
+
+def test_inspect_reads_states_saved_before_the_exponents_and_refuses_a_missing_one(tmp_path):
+    """A packed Muon state of the identity before the exponents has none: its codes read with s = 0,
+    as PackedMuon loads it; a state of the current identity without its exponent, or the legacy one
+    with an exponent, is refused naming the entry."""
+    _, opt = trained_muon()
+    legacy = opt.state_dict()
+    fmt = opt.state_format
+    for group in legacy["param_groups"]:
+        group["packed_adamw_format"] = fmt.legacy_identity
+    legacy["packed_adamw"]["format"] = fmt.legacy_identity
+    for entry in legacy["state"].values():
+        del entry["mu_exponent"]
+    torch.save(legacy, tmp_path / "legacy.pt")
+    state_file = load_state_file(tmp_path / "legacy.pt")
+    tensor = state_file.tensors[0]
+    assert tensor.identity == fmt.legacy_identity and tensor.exponent is None
+    codes = legacy["state"][0]["momentum_code"].numpy().view(np.uint16)
+    assert np.array_equal(state_file.values(tensor)[0].view(np.uint32), fmt.code.decode(codes).view(np.uint32))
+    opt.load_state_dict(legacy)  # the optimizer reads these codes with exponent 0 too
+    assert int(opt.state[opt.param_groups[0]["params"][0]]["mu_exponent"]) == 0
+    damaged = opt.state_dict()
+    del damaged["state"][1]["mu_exponent"]
+    torch.save(damaged, tmp_path / "missing.pt")
+    with pytest.raises(InspectError, match=r"state\[1\]\['mu_exponent'\] is missing: .*codes times 2\*\*mu_exponent"):
+        load_state_file(tmp_path / "missing.pt")
+    legacy["state"][1]["mu_exponent"] = torch.tensor(3, dtype=torch.int32)
+    torch.save(legacy, tmp_path / "legacy-with-exponent.pt")
+    with pytest.raises(InspectError, match=r"state\[1\]\['mu_exponent'\]: muon-packed:mu=SE5M10b40 keeps no per-matrix "
+                                           "exponent"):
+        load_state_file(tmp_path / "legacy-with-exponent.pt")
+
+
+def test_muon_windows_count_the_flushes_and_subnormals_the_packed_step_counts(tmp_path, capsys):
+    """One step on gradients over 50 binades: the largest |m'| of each matrix is one binade below
+    the code's largest, so nothing saturates at any bias, and the smallest go subnormal or flush.
+    An fp32-mode state, counted as the packed step would encode it, gives the packed step's own
+    format counts; the packed state's codes give its subnormals (a flushed one reads as zero)."""
+    reports, stats = {}, {}
+    for mode in ("packed", "fp32"):
+        torch.manual_seed(0)
+        model = TinyModel()
+        opt = PackedMuon([("up.weight", model.up.weight), ("down.weight", model.down.weight)], mode=mode,
+                         mu_bias=40, track_format=mode == "packed")
+        rng = np.random.default_rng(7)
+        for p in (model.up.weight, model.down.weight):
+            p.grad = gradient(rng, tuple(p.shape), -50, 0)
+        opt.step()
+        stats[mode] = opt.format_stats() if mode == "packed" else None
+        torch.save(opt.state_dict(), tmp_path / f"{mode}.pt")
+        reports[mode] = {t["name"]: t["mu"]["counts"] for t in report_of(tmp_path / f"{mode}.pt", capsys)["tensors"]}
+    for name, counted in stats["packed"].items():
+        wider, stored = reports["fp32"][name], reports["packed"][name]
+        assert counted["saturated_mu"] == wider["saturated"] == stored["saturated"] == 0, name
+        assert counted["flushed_mu"] == wider["flushed"] > 0 and stored["flushed"] == 0, name
+        assert counted["subnormal_mu"] == wider["subnormal"] == stored["subnormal"] > 0, name
+        assert stored["zero"] == wider["zero"] + wider["flushed"], name
+
+
 def test_saved_format_counts_are_shown(tmp_path, capsys):
     """A state entry named by the rule's count names (Rule.count_names: `saturated_mu`, ...) is
     a saved format count: shown with the tensor, never taken for the state."""
@@ -677,10 +814,11 @@ def test_a_third_rule_plugs_in_through_the_registry(tmp_path, capsys, monkeypatc
     fmt = SignFormat("packed", 20)
     assert state_format_from_identity(fmt.identity) == fmt
     codes = np.arange(0, 2**16, 2**8, dtype=np.uint16).reshape(16, 16)
-    PortableState(fmt.identity, [None], [codes]).save(tmp_path / "sign.safetensors")
+    PortableState(fmt.identity, [None], [codes], exponents=[np.array(3, np.int32)]).save(tmp_path / "sign.safetensors")
     report = report_of(tmp_path / "sign.safetensors", capsys)
     assert report["rule"] == "sign" and report["windows"]["mu"]["format"] == "SE5M10b20"
     assert report["tensors"][0]["mu"]["counts"] == window_histogram(fmt.code.decode(codes), fmt.code).counts
+    assert report["tensors"][0]["exponents"]["values"] == [3]
     assert report["suggestion"]["all"]["identity"].startswith("sign-muon-packed:mu=SE5M10b")
     assert inspect_main([str(tmp_path / "sign.safetensors"), "--explain", "#0[3]", "--grad", "1", "--param", "0"]) == 2
     assert "Newton-Schulz" in capsys.readouterr().err  # its declaration has a matrix phase
@@ -741,7 +879,8 @@ def test_inspect_reports_nonfinite_values_first_and_leaves_them_out(tmp_path, ca
         for t in report["tensors"]:
             assert t["left_out"] == (left_out if t["name"] == name else 0)
             for suffix, x, window in zip(codes, finite(state_file.find(t["name"])), windows):
-                assert t[suffix]["counts"] == window_histogram(x, window).counts and t[suffix]["total"] == x.size
+                encoded = as_packed_codes(x, 40) if rule == "muon" else x  # scaled by the finite ones' exponent
+                assert t[suffix]["counts"] == window_histogram(encoded, window).counts and t[suffix]["total"] == x.size
         per_code = list(zip(*(finite(t) for t in state_file.tensors)))
         suggested = suggest_state_biases(rule, [list(xs) for xs in per_code]).biases
         assert {k: report["suggestion"]["all"][k] for k in suggested} == suggested

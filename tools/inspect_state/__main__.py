@@ -17,12 +17,13 @@ from .report import file_report, format_report, format_walk, plot_report
 
 DESCRIPTION = """\
 Where the optimizer's state sits in its format's window, per rule (AdamW's moments, Muon's
-momenta) and tensor, and the exponent biases it suggests; optionally one element's step spelled
-out. PATH is a trainer checkpoint, a chat_train training state (or the run directory of either:
-chat_train's newest state is read, and named), a torch optimizer state file
-(torch.save(opt.state_dict(), path)) or a PortableState file. NaN and Inf values, which no step
-stores, are counted per tensor and listed first, and left out of every statistic. Guide:
-docs/FORMAT_HEALTH.md.
+momenta) and tensor, and the exponent biases it suggests (Muon's codes are relative to each
+matrix's exponent, shown per tensor: no bias changes them, and none is suggested); optionally
+one element's step spelled out. PATH is a trainer checkpoint, a chat_train training state (or
+the run directory of either: chat_train's newest state is read, and named), a torch optimizer
+state file (torch.save(opt.state_dict(), path)) or a PortableState file. NaN and Inf values,
+which no step stores, are counted per tensor and listed first, and left out of every statistic.
+Guide: docs/FORMAT_HEALTH.md.
 
     python -m packed_adamw.inspect runs/tiny-fp32/checkpoint.safetensors --plot moments.png
     python -m packed_adamw.inspect opt.pt --explain 'blocks.0.attn.qkv.weight[3,7]' --grad 0.02

@@ -19,6 +19,12 @@ state of several rules (PackedMuonAdamW) reads tensor by tensor, and no rule is 
 A state of `torch.optim.AdamW` (exp_avg, exp_avg_sq) or `torch.optim.Muon` (momentum_buffer)
 records no identity: each group is read as the fp32 mode of the rule whose hyperparameters it
 holds, so its statistics can choose biases; it cannot be explained step by step.
+
+A format that scales each matrix by a power of two (Muon's packed mode: `mu_exponent`, int32,
+one per matrix) has its exponents read beside the codes: a torch state's and a trainer
+checkpoint's entry, a training state's `params/<name>/opt/mu_exponent`, a PortableState's
+`exponents`. A state saved before the exponents (its legacy identity) has none: its codes read
+with exponent 0.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from packed_adamw.core.codecs import read_master
+from packed_adamw.core.format_health import encoded_values
 from packed_adamw.core.portable import MIXED
 from packed_adamw.core.rule import StateLayout
 from packed_adamw.core.rules import RULES, code_values, state_format_from_identity
@@ -67,6 +74,10 @@ class TensorState:
     identity: str | None = None  # the identity recorded for it (TORCH_ADAMW / TORCH_MUON: torch's own)
     # format counts saved with its state (entries named by its rule's `count_names`), if any
     format_counts: dict | None = None
+    # a format scaled per matrix (Muon packed): each matrix's exponent s (int32, shaped like the
+    # parameter's leading axes; () for one matrix), the values being codes times 2**s; None for
+    # other formats and for a state saved before the exponents (read with s = 0)
+    exponent: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -103,8 +114,19 @@ class StateFile:
 
     def values(self, tensor: TensorState) -> tuple[np.ndarray, ...]:
         """Each code's values of one tensor (its rule's `codes` order: AdamW's m and RMS, Muon's
-        momenta) as float32 arrays shaped like the parameter."""
-        return code_values(tensor.moments, tensor.fmt)
+        momenta, codes times each matrix's 2**exponent) as float32 arrays shaped like the parameter."""
+        return code_values(tensor.moments, tensor.fmt, tensor.exponent)
+
+    def window_values(self, tensor: TensorState, packed: StateLayout, values=None) -> tuple[np.ndarray, ...]:
+        """Each code's values as its window classifies them: stored codes' own values (relative
+        to each matrix's exponent where the format scales per matrix), or values kept wider as
+        the packed format `packed` would encode them (`format_health.encoded_values`: Muon's
+        scaled by the exponent its step would choose). `values`: `values(tensor)`, if at hand."""
+        if tensor.fmt.formats is not None:
+            if tensor.exponent is None and values is not None:
+                return values
+            return code_values(tensor.moments, tensor.fmt)
+        return tuple(encoded_values(x, packed) for x in (self.values(tensor) if values is None else values))
 
     def sections(self, tensors: list[TensorState] | None = None) -> list[tuple[str, list[TensorState]]]:
         """(identity, its tensors) for each format among `tensors` (default: all), in file order."""
@@ -249,6 +271,28 @@ def _low_half(lo: np.ndarray) -> np.ndarray:
     return lo
 
 
+def _stored_exponent(exponent, fmt: StateLayout, identity: str, moments: np.ndarray, where: str) -> np.ndarray | None:
+    """A tensor's per-matrix exponents as its file holds them (`where`: their place in it), or
+    None for a format that keeps none or a state saved before them (`saved_without_exponents`:
+    read with exponent 0). Refused: one missing beside packed codes, or present where the
+    format keeps none, or not one integer per matrix."""
+    entry = getattr(fmt, "exponent_entry", None)
+    if entry is None or fmt.saved_without_exponents(identity):
+        if exponent is not None:
+            raise InspectError(f"{where}: {identity} keeps no per-matrix exponent, yet the file holds one; the file "
+                               "was edited or damaged")
+        return None
+    leading = tuple(moments.shape[len(fmt.state_entry.leading):])[:-2]
+    if exponent is None:
+        raise InspectError(f"{where} is missing: {identity} keeps each matrix's momentum as its codes times "
+                           f"2**{entry.key}, one per matrix; the file was edited or damaged")
+    exponent = np.asarray(exponent)
+    if exponent.dtype.kind not in "iu" or exponent.shape != leading:
+        raise InspectError(f"{where} is {exponent.dtype} {exponent.shape}, expected {entry.dtype} {leading} (one "
+                           f"exponent per matrix of {identity}); the file was edited or damaged")
+    return exponent.astype(np.dtype(entry.dtype))
+
+
 def _plain(x):
     return float(x.item() if hasattr(x, "item") else x)
 
@@ -333,8 +377,12 @@ def _from_optimizer_state(path, kind, identities: list[str], state: dict, param_
         param = params.get(name) if params else None
         if param is not None and fmt.low_half_key in entry:
             param = _split_master(param, entry[fmt.low_half_key])
+        exponent_key = fmt.exponent_entry.key if getattr(fmt, "exponent_entry", None) is not None else None
+        exponent = _stored_exponent(entry.get(exponent_key) if exponent_key else None, fmt, identity, moments,
+                                    key_of(p_index, exponent_key or "exponent"))
         tensors.append(TensorState(p_index, name, key_of(p_index, entry_key), _plain_step(entry.get("step")),
-                                   moments, group_of[p_index], param, fmt, identity, _saved_counts(entry, fmt)))
+                                   moments, group_of[p_index], param, fmt, identity, _saved_counts(entry, fmt),
+                                   exponent))
     found = list(dict.fromkeys(t.identity for t in tensors) or dict.fromkeys(identities))
     return StateFile(path, kind, found[0] if len(found) == 1 else MIXED, tensors, groups)
 
@@ -418,6 +466,9 @@ def _portable_file(path: Path) -> StateFile:
     for i, (identity, count, moments) in enumerate(zip(identities, portable.counts, portable.moments)):
         key = f"moments.{i}"
         fmt = formats[identity]
-        tensors.append(TensorState(i, key, key, _plain_step(count), _stored_entry(moments, fmt, key), fmt=fmt,
-                                   identity=identity))
+        moments = _stored_entry(moments, fmt, key)
+        saved = portable.exponents[i] if portable.exponents is not None and i < len(portable.exponents) else None
+        exponent = _stored_exponent(saved, fmt, identity, moments, f"exponent.{i}")
+        tensors.append(TensorState(i, key, key, _plain_step(count), moments, fmt=fmt, identity=identity,
+                                   exponent=exponent))
     return StateFile(path, "portable state", portable.format, tensors)

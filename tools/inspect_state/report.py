@@ -1,5 +1,11 @@
 """What `python -m packed_adamw.inspect` prints: per rule's format, each tensor's codes against
-the window of their format; the biases the file's values suggest; one element's step."""
+the window of their format; the biases the file's values suggest; one element's step.
+
+A format scaled per matrix (Muon's packed mode) keeps each matrix's codes relative to its
+exponent s: the window classifies the codes' own values (m x 2^-s; the exponents the packed
+step would choose, for values kept wider), the quantiles are of the values themselves (codes x
+2^s), each tensor's exponents are shown, and no bias is suggested (every one stores the same
+codes)."""
 from __future__ import annotations
 
 import math
@@ -9,9 +15,11 @@ import numpy as np
 from packed_adamw.core.authority import f32_bits
 from packed_adamw.core.format_health import (
     WINDOW_CLASSES,
+    chosen_exponents,
     finite_elements,
     log2_quantiles,
     nonfinite_counts,
+    scaled_per_matrix,
     suggest_state_biases,
     window_edges,
     window_histogram,
@@ -25,25 +33,52 @@ LOG2_LEVELS = (0.0, 0.01, 0.5, 0.99, 1.0)
 SECTION_KEYS = ("rule", "codes", "stored", "windows", "tensors", "total", "suggestion")
 
 
-def windows(fmt, biases: dict[str, int]) -> tuple[tuple, bool]:
-    """(each code's format, stored): the formats a state's codes are held in, or, for values
-    kept wider (float32 modes, Muon's bf16 momenta), the packed formats they would be encoded
-    into at `biases` (by bias option; a code not named keeps its default)."""
+def packed_layout(fmt, biases: dict[str, int]):
+    """The packed state format a state's codes are held in (its own), or, for values kept wider
+    (float32 modes, Muon's bf16 momenta), the one they would be encoded into at `biases` (by
+    bias option; a code not named keeps its default)."""
     if fmt.formats is not None:
-        return fmt.formats, True
+        return fmt
     entry = rule_formats(fmt)
-    return entry.packed(**{c.bias_option: biases[c.bias_option] for c in entry.rule.codes
-                           if c.bias_option in biases}).formats, False
+    return entry.packed(**{c.bias_option: biases[c.bias_option] for c in entry.rule.codes if c.bias_option in biases})
 
 
-def tensor_report(tensor: TensorState, values: tuple, codes, formats) -> dict:
-    """One tensor's window classes and log2 quantiles per code, over `values`: its finite
-    elements (`finite_elements`); `left_out` counts the others."""
+def windows(fmt, biases: dict[str, int]) -> tuple[tuple, bool]:
+    """(each code's format, stored): the formats of `packed_layout`, and whether the state holds
+    those codes."""
+    return packed_layout(fmt, biases).formats, fmt.formats is not None
+
+
+def exponents_report(tensor: TensorState, packed, values: tuple) -> dict | None:
+    """A tensor's per-matrix exponents, where its rule's packed format scales each matrix: the
+    stored ones (none in a state saved before them: 0), or those the packed step would choose
+    for values kept wider; None for other rules."""
+    if not scaled_per_matrix(packed):
+        return None
+    if tensor.fmt.formats is None:
+        exponents, how = chosen_exponents(values[0], packed), f"as the packed step would choose ({packed.identity})"
+    elif tensor.exponent is None:
+        exponents = np.zeros(tensor.shape[:-2], np.int32)
+        how = "none saved (a state written before the exponents): its codes read with 0"
+    else:
+        exponents, how = tensor.exponent, f"stored ({packed.exponent_entry.key})"
+    flat = [int(e) for e in np.ravel(exponents)]
+    return {"shape": list(np.shape(exponents)), "values": flat, "min": min(flat, default=None),
+            "max": max(flat, default=None), "how": how}
+
+
+def tensor_report(tensor: TensorState, values: tuple, codes, formats, window: tuple | None = None,
+                  exponents: dict | None = None) -> dict:
+    """One tensor's window classes per code over `window` (the values as encoded: default
+    `values`) and log2 quantiles over `values`, both its finite elements (`finite_elements`);
+    `left_out` counts the others; `exponents`: `exponents_report`'s."""
+    window = values if window is None else window
     out = {"name": tensor.name, "index": tensor.index, "key": tensor.key, "shape": list(tensor.shape),
            "elements": tensor.size, "left_out": tensor.size - (values[0].size if values else tensor.size),
-           "step": tensor.step, "group": tensor.group, "rule": tensor.rule, "identity": tensor.identity}
-    for code, fmt, x in zip(codes, formats, values):
-        out[code.suffix] = {**window_histogram(x, fmt).as_dict(), "log2_quantiles": log2_quantiles(x, LOG2_LEVELS)}
+           "step": tensor.step, "group": tensor.group, "rule": tensor.rule, "identity": tensor.identity,
+           "exponents": exponents}
+    for code, fmt, x, w in zip(codes, formats, values, window):
+        out[code.suffix] = {**window_histogram(w, fmt).as_dict(), "log2_quantiles": log2_quantiles(x, LOG2_LEVELS)}
     out["format_counts"] = tensor.format_counts
     return out
 
@@ -80,27 +115,38 @@ def nonfinite_note(state_file: StateFile, damaged: list[dict]) -> str | None:
 
 
 def section_report(identity: str, tensors: list[TensorState], *, biases: dict, low: float, high: float,
-                   headroom: float, values_of: dict) -> dict:
+                   headroom: float, values_of: dict, state_file: StateFile) -> dict:
     """One format's part of a report: its tensors, totals and suggestions (all, and per group),
     each over the finite elements only (`finite_elements`: NaN and Inf have no place in a
     window, and would push every suggested bias into saturation). `values_of`: each tensor's
-    code values (`StateFile.values`) by `id(tensor)`."""
+    code values (`StateFile.values`) by `id(tensor)`; the windows classify them as encoded
+    (`StateFile.window_values`), the quantiles and suggestions take them as they are."""
     fmt = tensors[0].fmt
     entry = rule_formats(fmt)
     codes = entry.rule.codes
+    packed = packed_layout(fmt, biases)
     formats, stored = windows(fmt, biases)
-    values = [finite_elements(values_of[id(t)]) for t in tensors]
+    scaled = scaled_per_matrix(packed)
+    values, encoded, exponents = [], [], []
+    for t in tensors:
+        raw = values_of[id(t)]
+        both = finite_elements((*raw, *state_file.window_values(t, packed, raw)))
+        values.append(both[:len(codes)])
+        encoded.append(both[len(codes):])
+        exponents.append(exponents_report(t, packed, raw))
     per_code = [[v[i] for v in values] for i in range(len(codes))]
     section = {
-        "rule": entry.name, "identity": identity, "stored": stored,
+        "rule": entry.name, "identity": identity, "stored": stored, "scaled_per_matrix": scaled,
+        "biases": {c.bias_option: getattr(packed, c.bias_option) for c in codes},
         "codes": [{"suffix": c.suffix, "holds": c.holds, "bias_option": c.bias_option} for c in codes],
         "windows": {c.suffix: {"format": f.identity, "max_value": f.max_value, "min_normal": f.min_normal,
                                "min_subnormal": f.min_subnormal, **window_edges(f)} for c, f in zip(codes, formats)},
-        "tensors": [tensor_report(t, v, codes, formats) for t, v in zip(tensors, values)],
+        "tensors": [tensor_report(t, v, codes, formats, w, e) for t, v, w, e in zip(tensors, values, encoded,
+                                                                                        exponents)],
         "total": {"elements": sum(t.size for t in tensors), "left_out": sum(t.size - v[0].size for t, v in
                                                                             zip(tensors, values) if v),
-                  **{c.suffix: window_histogram(np.concatenate([x.ravel() for x in xs]), f).as_dict()
-                     for c, f, xs in zip(codes, formats, per_code)}},
+                  **{c.suffix: window_histogram(np.concatenate([w[i].ravel() for w in encoded]), f).as_dict()
+                     for i, (c, f) in enumerate(zip(codes, formats))}},
     }
     suggestion = {"all": suggest_state_biases(entry.name, per_code, low=low, high=high, headroom=headroom).as_dict()}
     by_group = {}
@@ -112,7 +158,8 @@ def section_report(identity: str, tensors: list[TensorState], *, biases: dict, l
     if len(by_group) > 1:
         for name, s in suggest_state_biases(entry.name, by_group, low=low, high=high, headroom=headroom).items():
             suggestion[name] = s.as_dict()
-    section["suggestion"] = {"low": low, "high": high, "headroom": headroom, "censored": stored, **suggestion}
+    section["suggestion"] = {"low": low, "high": high, "headroom": headroom, "censored": stored,
+                             "bias_independent": scaled, **suggestion}
     return section
 
 
@@ -129,7 +176,7 @@ def file_report(state_file: StateFile, tensors: list[TensorState], *, biases: di
               "trainer_step": state_file.trainer_step, "chosen": state_file.chosen, "groups": state_file.groups,
               "nonfinite": damaged, "nonfinite_note": nonfinite_note(state_file, damaged),
               "sections": [section_report(identity, part, biases=biases, low=low, high=high, headroom=headroom,
-                                          values_of=values)
+                                          values_of=values, state_file=state_file)
                            for identity, part in state_file.sections(tensors)]}
     if len(report["sections"]) == 1:
         report.update({key: report["sections"][0][key] for key in SECTION_KEYS})
@@ -163,20 +210,30 @@ def _label(code: dict) -> str:
 def _format_section(section: dict) -> list[str]:
     w, codes = section["windows"], section["codes"]
     width = max(len(_label(c)) for c in codes)
+    scaled = section.get("scaled_per_matrix", False)
     lines = [f"rule {section['rule']}, format {section['identity']}"]
     how = "stored in" if section["stored"] else "kept wider than the code; counted as they would be stored in"
+    relative = "" if not scaled else ", relative to each matrix's exponent s" + (" (value = code x 2^s)"
+                                                                                 if section["stored"] else "")
     for code in codes:
         x = w[code["suffix"]]
-        lines.append(f"  {_label(code)} ({code['holds']}) {how} {x['format']}: max {x['max_value']!r} "
+        lines.append(f"  {_label(code)} ({code['holds']}) {how} {x['format']}{relative}: max {x['max_value']!r} "
                      f"(2^{x['log2_max_value']:.4g}), min normal 2^{x['log2_min_normal']:.0f}, "
                      f"min subnormal 2^{x['log2_min_subnormal']:.0f}")
-    if section["stored"]:
+    if scaled:
+        lines.append("  (the window counts the codes, value x 2^-s: the step puts each matrix's largest |value| one "
+                     "binade below the largest code, so none saturates, and the smallest ones go subnormal or flush; "
+                     + ("s as the packed step would choose it for each matrix; " if not section["stored"] else "")
+                     + "the log2 quantiles are of the values themselves, codes x 2^s)")
+    elif section["stored"]:
         lines.append("  (stored codes: a value that flushed reads as zero, one that saturated as the maximum)")
     for t in section["tensors"]:
         lines.append("")
         group = f"  group {t['group']}" if t["group"] is not None else ""
         step = f"step {t['step']}" if t["step"] is not None else "no step count"
         lines.append(f"{t['name']}  {tuple(t['shape'])}  {t['elements']:,} elements  {step}{group}")
+        if t.get("exponents"):
+            lines.append(f"  {_exponents_line(t['exponents'])}")
         for code in codes:
             lines.append(f"  {_label(code):<{width}} {_classes_line(t[code['suffix']])}")
             lines.append(f"  {'':<{width}} {_quantile_line(t[code['suffix']]['log2_quantiles'], t[code['suffix']])}")
@@ -191,6 +248,10 @@ def _format_section(section: dict) -> list[str]:
     for code in codes:
         lines.append(f"  {_label(code):<{width}} {_classes_line(total[code['suffix']])}")
     s = section["suggestion"]
+    if s.get("bias_independent"):
+        lines += ["", "no bias suggested:"]
+        lines += [f"  {code['suffix']}: {s['all'][code['suffix']]['reason']}" for code in codes]
+        return lines
     lines += ["", f"suggested biases (quantiles {s['low']:g} and {s['high']:g} of nonzero magnitudes, "
                   f"headroom {s['headroom']:g}x)"]
     if s["censored"]:
@@ -211,6 +272,13 @@ def _format_section(section: dict) -> list[str]:
         for note in choice["notes"]:
             lines.append(f"    note: {note}")
     return lines
+
+
+def _exponents_line(e: dict) -> str:
+    count = len(e["values"])
+    if count == 1:
+        return f"exponent s = {e['values'][0]}, {e['how']}"
+    return f"exponents s of {count} matrices {tuple(e['shape'])}: min {e['min']}, max {e['max']}, {e['how']}"
 
 
 def format_report(report: dict) -> str:
@@ -240,7 +308,8 @@ def format_report(report: dict) -> str:
 
 
 def plot_report(state_file: StateFile, tensors: list[TensorState], report: dict, out_path) -> None:
-    """Histograms of each code's log2 magnitudes over `tensors`, one row per format (rule), the
+    """Histograms of each code's log2 magnitudes over `tensors` as the window classifies them
+    (a format scaled per matrix: the codes, value x 2^-s), one row per format (rule), the
     format's window marked."""
     import matplotlib
 
@@ -252,7 +321,8 @@ def plot_report(state_file: StateFile, tensors: list[TensorState], report: dict,
     fig, axes = plt.subplots(max(len(sections), 1), columns, figsize=(6 * columns, 4.5 * max(len(sections), 1)),
                              squeeze=False)
     for row, ((identity, part), section) in enumerate(zip(state_file.sections(tensors), sections)):
-        values = [state_file.values(t) for t in part]
+        packed = packed_layout(part[0].fmt, section["biases"])
+        values = [state_file.window_values(t, packed) for t in part]  # as the window classifies them
         for column, code in enumerate(section["codes"]):
             ax, key, label = axes[row][column], code["suffix"], _label(code)
             flat = np.concatenate([v[column].ravel() for v in values])
@@ -273,7 +343,8 @@ def plot_report(state_file: StateFile, tensors: list[TensorState], report: dict,
             if logs.size:
                 ax.hist(logs, bins=np.arange(left, right + 0.25, 0.25), color="tab:blue",
                         label=f"{label}, nonzero (normal: {share['normal']})")
-            ax.set(xlim=(left, right), xlabel=f"log2 {label}", ylabel="elements",
+            scaled = " x 2^-s (each matrix's codes)" if section.get("scaled_per_matrix") else ""
+            ax.set(xlim=(left, right), xlabel=f"log2 {label}{scaled}", ylabel="elements",
                    title=f"{section['rule']}: {label} in {w['format']}" + ("" if section["stored"] else " (if stored)")
                    + f": {h['counts']['zero']:,} zero of {h['total']:,}")
             ax.set_yscale("log")
