@@ -290,7 +290,8 @@ def test_export_has_reference_signs(tape, tmp_path, dtype):
 
 def test_export_never_replaces_the_state_and_replaces_an_export_only_when_asked(tape, tmp_path):
     """The state itself, under any spelling (a symlink, a path through '..'), is refused even
-    with overwrite=True; an existing export only with overwrite=True."""
+    with overwrite=True; an existing export only with overwrite=True (a bool: "no" is refused);
+    a path under a file is refused naming the file."""
     run = Run(tape, torch.bfloat16)
     run.train(1)
     state = run.save(tmp_path)
@@ -313,8 +314,15 @@ def test_export_never_replaces_the_state_and_replaces_an_export_only_when_asked(
     with pytest.raises(FileExistsError, match=f"{re.escape(str(out))} exists.*overwrite=True"):
         export_reference_layout(later, out)
     assert out.read_bytes() == exported
+    with pytest.raises(TypeError, match="overwrite must be True or False, got 'no'"):
+        export_reference_layout(later, out, overwrite="no")  # a truthy string is not a yes
+    assert out.read_bytes() == exported
     export_reference_layout(later, out, overwrite=True)
     assert read_state(out, expected_format="packed-adamw-reference-export/1")[1]["step"] == 2
+    under_a_file = state / "export.safetensors"  # a path under the state file
+    with pytest.raises(NotADirectoryError, match=f"{re.escape(str(under_a_file))} lies under {re.escape(str(state))}, "
+                                                 "which is not a directory"):
+        export_reference_layout(later, under_a_file)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary file left
 
 
@@ -335,11 +343,30 @@ def test_export_refuses_nonfinite_weights_and_moments(tape, tmp_path):
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [state.name]
 
 
+def test_resume_refuses_nonfinite_weights(tape, tmp_path):
+    """An Inf weight (a state written as the run diverged) is refused on load, naming the state's
+    tensors as the export does, before anything changes: a resume would only diverge again."""
+    run = Run(tape, torch.bfloat16)
+    run.train(1)
+    with torch.no_grad():
+        run.model.norm[2] = float("inf")
+    state = run.save(tmp_path)
+    other = Run(tape, torch.bfloat16, seed=1)
+    other.train(1)
+    snapshot = ([p.detach().clone() for p in other.model.parameters()], optimizer_snapshot(other.optimizer))
+    cursor = other.loader.state_dict()
+    with pytest.raises(TrainingStateError, match=f"(?s)training state {re.escape(str(state))} holds NaN or Inf:.*"
+                                                 "params/norm/w: 1 of 16 values.*resume an earlier state"):
+        other.load(state)
+    assert_snapshot(other, snapshot)
+    assert other.loader.state_dict() == cursor
+
+
 @pytest.mark.parametrize("mode", ["bf16", "fp32"])
 def test_resume_refuses_a_nonfinite_momentum(tape, tmp_path, mode):
     """A NaN momentum (bf16 mode: a NaN code) would freeze its matrix for the rest of the run:
-    refused by the optimizer's load_state_dict (PackedMuon's checks), named with the parameter
-    and the file, before anything changes."""
+    refused on load (check_finite, ahead of PackedMuon's own check in its load_state_dict),
+    named with the parameter and the file, before anything changes."""
     run = Run(tape, torch.float32, mode=mode)
     run.train(1)
     momentum = run.optimizer.state[run.model.up.weight][run.optimizer.rules["muon"].state_format.state_key]

@@ -39,7 +39,8 @@ Writes are atomic (core/atomic_file.py, through checkpoint.py's helpers): a cras
 previous file as it was. The export never writes over the state it reads (whatever the spelling
 of the path: a symlink, '..'), replaces another existing file only with `overwrite=True`, and
 refuses a state whose weights, masters or moments hold NaN or Inf, naming the tensors, before
-anything is written (`check_finite` is that check, for other readers such as the walkthrough).
+anything is written; `load_state` refuses such a state before anything changes (`check_finite`
+is that check, for the other readers too, such as the walkthrough).
 """
 from __future__ import annotations
 
@@ -62,7 +63,6 @@ from packed_adamw.core.adamw.state_format import unpack_words
 from packed_adamw.core.muon.numpy_step import decode_momentum
 from packed_adamw.core.muon.state_format import StateFormat as MuonFormat
 
-from ..functional import nonfinite_count
 from .checkpoint import CheckpointError, _atomic_save, _checkpoint_sha256, _torch_save_contents, config_differences
 from .packed_data import PackedBatch
 from .schedules import ScheduleTables
@@ -341,7 +341,8 @@ def load_state(path, *, model: torch.nn.Module, optimizer, loader, config: dict,
     `code_identity()`) unless `allow_code_change` (then a warning); other schedule tables than
     `schedule` (when given); a loader whose restored cursor would not give the saved next batch
     bit for bit (another tape or packing); a model whose parameters or persistent buffers are
-    not the saved ones' names, dtypes and shapes; what the optimizer's load_state_dict refuses
+    not the saved ones' names, dtypes and shapes; weights, FP32 masters or decoded moments holding
+    NaN or Inf (`check_finite`, naming the tensors); what the optimizer's load_state_dict refuses
     (formats, layouts, a non-finite momentum), as a TrainingStateError naming the file. CUDA
     generator states are restored for the devices visible here (a warning when the state holds
     more)."""
@@ -367,6 +368,10 @@ def load_state(path, *, model: torch.nn.Module, optimizer, loader, config: dict,
         if changed or saved_schedule.config != schedule.config:
             raise TrainingStateError(f"training state {path} has other schedule tables: "
                                      + "; ".join(changed or ["its ScheduleConfig differs"]))
+    # A non-finite weight, master or moment would turn the run into NaN (or freeze a matrix):
+    # refused naming the tensors, as the export and the walkthrough refuse them.
+    check_finite(path, tensors, metadata, "resume an earlier state of the run (one written before its weights or "
+                 "moments became non-finite), or start anew")
     batch = PackedBatch(*(tensors[f"batch/{key}"] for key in BATCH_KEYS))
     _check_loader(path, loader, metadata["loader"], batch)
     _check_model(path, model, tensors)
@@ -533,13 +538,18 @@ def _refuse_nonfinite(path, parameters, remedy: str) -> None:
     """TrainingStateError naming each state tensor behind `parameters` ((key, tensor, source) as
     _reference_parameters gives them) that holds NaN or Inf, with `remedy`."""
     lines, named = [], set()
-    for _, t, source in parameters:
+    for key, t, source in parameters:
         if source in named or not t.is_floating_point():
             continue
-        bad = nonfinite_count(t)
+        # NaN and Inf reach the min or the max: one pass, many times quicker than isfinite (a d12
+        # state holds 1.1 G values, which resuming it checks)
+        if t.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
+            continue
+        bad = t.numel() - int(torch.isfinite(t).sum())
         if bad:
             named.add(source)
-            lines.append(f"{source}: {bad} of {t.numel()} values are NaN or Inf")
+            parameter = key[len("params/"):key.rindex("/")]  # params/<name>/<what>
+            lines.append(f"{source}: {bad} of {t.numel()} values are NaN or Inf (parameter {parameter!r})")
     if lines:
         raise TrainingStateError(f"training state {path} holds NaN or Inf:\n  " + "\n  ".join(lines) + f"\n{remedy}")
 
@@ -551,9 +561,18 @@ def check_finite(path, tensors: dict, metadata: dict, remedy: str) -> None:
 
 
 def _check_export_path(state_path: Path, out_path: Path, overwrite: bool) -> None:
-    """The export never replaces the state it reads (under any spelling of its path), and
-    replaces another existing file only when asked."""
+    """The export never replaces the state it reads (under any spelling of its path), replaces
+    another existing file only when asked (`overwrite`, a bool: a string such as "no" is not a
+    no), and goes where a file can be made."""
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"export_reference_layout: overwrite must be True or False, got {overwrite!r}")
     if not out_path.exists():
+        existing = out_path.absolute().parent
+        while not existing.exists() and not existing.is_symlink():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise NotADirectoryError(f"export_reference_layout: the output {out_path} lies under {existing}, which is "
+                                     "not a directory; pass a path in a directory")
         return
     if state_path.exists() and os.path.samefile(state_path, out_path):
         raise ValueError(f"export_reference_layout: the output {out_path} is the training state it exports "
@@ -586,8 +605,9 @@ def export_reference_layout(state_path, out_path, *, overwrite: bool = False) ->
 
     Refused before anything is written: an `out_path` that is the state itself (also through
     a symlink or another spelling of the path; ValueError, whatever `overwrite` says); an
-    existing `out_path` unless `overwrite=True` (FileExistsError); a state whose weights,
-    masters or moments hold NaN or Inf (TrainingStateError naming the state's tensors)."""
+    existing `out_path` unless `overwrite=True` (FileExistsError; `overwrite` other than a bool:
+    TypeError); an `out_path` under a file (NotADirectoryError); a state whose weights, masters
+    or moments hold NaN or Inf (TrainingStateError naming the state's tensors)."""
     state_path, out_path = Path(state_path), Path(out_path)
     _check_export_path(state_path, out_path, overwrite)
     tensors, metadata = read_state(state_path)
