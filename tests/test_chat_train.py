@@ -23,11 +23,13 @@ from safetensors import safe_open
 from packed_adamw.tokenizer.tape import build_split
 from packed_adamw.tokenizer.train_tokenizer import train_tokenizer
 from packed_adamw.torch.gpt.chat_train import main
+from packed_adamw.torch.gpt.training_state import state_file_name
 
 from gpt_helpers import WORDS
 from torchrun_helpers import free_port, torchrun
 
 VOCAB = 320
+MOST_STEPS = 76  # of 2 rows x 64 tokens the test tape feeds (9,964 tokens: 77 steps, less the last state's next batch)
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +235,9 @@ def test_refusals(data, straight, tmp_path, capsys):
     assert "start with torchrun --nproc_per_node=N" in refused_flag(capsys, arguments(data, tmp_path, "--parallel",
                                                                                       "fsdp"))
     assert "--grad-accum 0" in refused_flag(capsys, arguments(data, tmp_path, "--grad-accum", 0))
+    # an evaluation reads at least one batch: the flag at fault is named, not --batch or --context
+    assert "--eval-batches 0 with --eval-every 2" in refused_flag(capsys, arguments(data, tmp_path, "--eval-batches", 0,
+                                                                                     "--eval-every", 2))
     assert "cannot step FSDP2's shards" in refused_flag(capsys, arguments(data, tmp_path, "--optimizer", "reference",
                                                                           "--parallel", "fsdp"))
     assert "--compile with --parallel ddp" in refused_flag(capsys, arguments(data, tmp_path, "--compile",
@@ -253,7 +258,10 @@ def test_a_run_directory_of_another_run_is_never_replaced(data, straight, four_r
     error = capsys.readouterr().err
     assert f"--out {finished} holds another run's files" in error
     assert "log.jsonl" in error and "summary.json" in error and "state_step000004.safetensors" in error
-    assert f"--resume {finished / 'state_step000004.safetensors'}" in error and "another --out" in error
+    # that run has ended: nothing of it is left to continue, so no --resume is offered
+    assert ("that run has ended (it took its last step at step 4; state_step000004.safetensors is its final "
+            "state)") in error
+    assert "--resume" not in error and "choose another --out" in error
 
     newer = f"{finished / 'state_step000004.safetensors'} (step 4) is newer than"
     assert main(arguments(data, finished, "--resume", finished / "state_step000002.safetensors")) == 2
@@ -288,6 +296,184 @@ def test_resuming_a_finished_run_changes_nothing(data, straight, tmp_path, capsy
     assert "is a finished run" in output
     assert json.loads(output.splitlines()[-1])["final_loss"] == json.loads(before["summary.json"])["final_loss"]
     assert files_of(finished) == before
+
+
+def test_a_resume_from_elsewhere_never_replaces_another_runs_files(data, straight, tmp_path, capsys):
+    """A run that does not continue a state of its --out is refused where --out holds another
+    run's files: a resume of another directory's state, and a fresh start (--resume auto finding
+    no state there), into a reference run's directory (log and summary, no state), a run's that
+    died before its first state, and one whose log.jsonl is a dangling link (counted as train.py
+    counts it: one test for both trainers). Nothing there changes."""
+    reference, started, dangling = tmp_path / "reference", tmp_path / "started", tmp_path / "dangling"
+    assert main(arguments(data, reference, "--optimizer", "reference", steps=2)) == 0
+    started.mkdir()
+    (started / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    dangling.mkdir()
+    (dangling / "log.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
+    state = straight / "state_step000002.safetensors"
+    capsys.readouterr()
+    for out in (reference, started, dangling):
+        before = files_of(out)
+        assert main(arguments(data, out, "--resume", state)) == 2
+        error = capsys.readouterr().err
+        assert f"--out {out} holds another run's files (log.jsonl" in error, error
+        assert f"resuming {state} there would replace them" in error and f"resume {state} into another --out" in error
+        for fresh in ((), ("--resume", "auto")):
+            assert main(arguments(data, out, *fresh)) == 2
+            assert f"--out {out} holds another run's files (log.jsonl" in capsys.readouterr().err
+        assert files_of(out) == before
+    assert (dangling / "log.jsonl").is_symlink() and not (tmp_path / "nowhere.jsonl").exists()
+
+
+def test_resume_auto_continues_the_newest_state_or_starts_fresh(data, straight, tmp_path, capsys):
+    """--resume auto into an absent --out starts fresh; into the --out of a run stopped at step 2
+    it continues from the newest state there, and the step-4 state and the log equal the
+    uninterrupted run's bit for bit. A fresh start into the stopped run's directory is refused,
+    offering that state (the run has not ended)."""
+    out = tmp_path / "auto"
+    flags = ("--eval-every", 2, "--eval-batches", 1)
+    assert main(arguments(data, out, *flags, "--stop-at", 2, "--resume", "auto")) == 0
+    assert main(arguments(data, out, *flags)) == 2
+    assert f"continue that run with --resume {out / 'state_step000002.safetensors'}" in capsys.readouterr().err
+    assert main(arguments(data, out, *flags, "--resume", "auto")) == 0
+    assert f"resumed from {out / 'state_step000002.safetensors'} at step 2" in capsys.readouterr().out
+    assert_same_bits(read(out / "state_step000004.safetensors")[0], read(straight / "state_step000004.safetensors")[0])
+    assert trajectory(log(out)) == trajectory(log(straight))
+
+
+def test_a_finished_run_whose_summary_is_missing_rebuilds_it_from_its_log(data, straight, tmp_path, capsys):
+    """A summary lost after the final state (a full disk at summary.json, a signal between the
+    two): resuming the final state rebuilds it from log.jsonl (the logged losses, step times
+    and evaluation), changing nothing else; into an --out without its log there is nothing to
+    do, and nothing is written."""
+    finished = tmp_path / "finished"
+    shutil.copytree(straight, finished)
+    original = json.loads((finished / "summary.json").read_text())
+    (finished / "summary.json").unlink()
+    before = files_of(finished)
+    state = finished / "state_step000004.safetensors"
+    assert main(arguments(data, finished, "--eval-every", 2, "--eval-batches", 1, "--resume", state)) == 0
+    rebuilt = json.loads((finished / "summary.json").read_text())
+    for key in ("step", "steps", "stopped_because", "final_loss", "val_loss", "val_bpb", "parameters",
+                "optimizer_state_bytes", "flops_per_token"):
+        assert rebuilt[key] == original[key], key
+    for key in ("median_step_ms", "tokens_per_s"):  # from the log's milliseconds
+        assert rebuilt[key] == pytest.approx(original[key], rel=1e-9), key
+    assert rebuilt["rebuilt_from"] == str(finished / "log.jsonl")
+    assert {name: b for name, b in files_of(finished).items() if name != "summary.json"} == before
+    elsewhere = tmp_path / "elsewhere"
+    capsys.readouterr()
+    assert main(arguments(data, elsewhere, "--resume", state)) == 0
+    assert "nothing to do" in capsys.readouterr().out and files_of(elsewhere) == {}
+
+
+def test_a_start_that_failed_before_its_first_step_does_not_block_the_rerun(data, tmp_path, capsys, monkeypatch):
+    """A full disk at the first state, before any step was logged, leaves an empty log.jsonl and
+    schedule.safetensors: files a run writes before its first completed step, which are no run's
+    work; the rerun goes ahead."""
+    from packed_adamw.torch.gpt import checkpoint
+
+    out = tmp_path / "out"
+    flags = ("--log-every", 2, "--save-every", 1)
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoint, "save_file", no_space)
+        assert main(arguments(data, out, *flags, steps=2)) == 1
+    assert f"could not write {out / 'state_step000001.safetensors'}" in capsys.readouterr().err
+    assert files_of(out).keys() == {"log.jsonl", "schedule.safetensors"} and (out / "log.jsonl").read_text() == ""
+    assert main(arguments(data, out, *flags, steps=2)) == 0
+    assert [r["step"] for r in log(out)] == [2] and (out / "state_step000002.safetensors").exists()
+
+
+def test_a_diverging_run_ends_in_one_line_keeping_its_last_good_state(data, tmp_path, capsys, monkeypatch):
+    """Weights that turn NaN in step 3 (a poisoned optimizer step; the loss is checked only every
+    4 steps): the run ends with exit 1 and one line naming the step and the state that stays its
+    last; no state holds NaN (none after step 2), and the summary says why it stopped. Learning
+    rates of 1e30 end the same way, before the first state."""
+    from packed_adamw.torch.gpt import chat_train
+
+    real_step, steps_taken = chat_train.PackedMuonAdamW.step, []
+
+    def poisoned_step(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        steps_taken.append(1)
+        if len(steps_taken) == 3:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+        return result
+
+    out = tmp_path / "poisoned"
+    with monkeypatch.context() as patched:
+        patched.setattr(chat_train.PackedMuonAdamW, "step", poisoned_step)
+        assert main(arguments(data, out, "--save-every", 1, "--log-every", 4)) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("error: the run diverged: NaN or Inf in the weights after step 3")
+    assert f"{out / 'state_step000002.safetensors'} stays its last state" in error[0] and "another --out" in error[0]
+    assert sorted(p.name for p in out.glob("state_step*")) == ["state_step000001.safetensors",
+                                                                "state_step000002.safetensors"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_because"] == "diverged" and summary["step"] == 3
+
+    out = tmp_path / "huge_rates"
+    assert main(arguments(data, out, "--matrix-lr", 1e30, "--embedding-lr", 1e30, steps=3)) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("error: the run diverged: ") and "before its first state" in error[0]
+    assert not list(out.glob("state_step*"))
+
+
+def test_steps_the_tape_cannot_feed_are_refused_and_a_wasteful_packing_ends_with_a_state(data, tmp_path, capsys):
+    """The test tape's 9,964 tokens feed 8 steps of 16 rows x 64 tokens and the batch after them
+    (which the last state holds): --steps 9 is refused at start naming 8, and so is --steps
+    10**11 (before a schedule of that length is built), writing nothing but the lock; --steps 8
+    runs to the end. The crop rule drops cropped tails, so its rows take more tokens and the
+    tape runs out earlier: the run ends there with exit 0, its state at the last step and a
+    summary saying why (as train.py's does); resuming that state changes nothing."""
+    for steps in (9, 10**11):
+        out = tmp_path / f"steps{steps}"
+        assert main(arguments(data, out, steps=steps, batch=16)) == 2
+        error = capsys.readouterr().err
+        assert f"--steps {steps}: " in error and "feed at most 8 steps of 16 rows x 64 tokens" in error, error
+        assert "pass --steps 8 or fewer" in error and [p.name for p in out.iterdir()] == ["run.lock"]
+    assert main(arguments(data, tmp_path / "eight", steps=8, batch=16)) == 0
+    assert json.loads((tmp_path / "eight" / "summary.json").read_text())["stopped_because"] == "steps"
+    assert (tmp_path / "eight" / "state_step000008.safetensors").exists()
+
+    crop = tmp_path / "crop"
+    assert main(arguments(data, crop, "--packing", "bos-greedy-crop/1", steps=8, batch=16)) == 0
+    assert "training tape exhausted at step" in capsys.readouterr().out
+    summary = json.loads((crop / "summary.json").read_text())
+    assert summary["stopped_because"] == "tape_exhausted" and 0 < summary["step"] < 8
+    state = crop / state_file_name(summary["step"])
+    assert sorted(p.name for p in crop.glob("state_step*")) == [state.name]
+    before = files_of(crop)
+    assert main(arguments(data, crop, "--packing", "bos-greedy-crop/1", "--resume", state, steps=8, batch=16)) == 0
+    assert "is a finished run" in capsys.readouterr().out and files_of(crop) == before
+
+
+def test_an_out_on_a_file_system_without_flock_runs_unlocked_with_a_warning(data, tmp_path, monkeypatch):
+    """flock refused as a file system without it refuses it (Lustre without -o flock: ENOSYS;
+    ENOLCK, EOPNOTSUPP, EINVAL elsewhere): the run goes on, warning that --out is not protected
+    against a second run (the refusals of another run's files still hold); another flock error is
+    refused naming --out."""
+    from packed_adamw.torch.gpt import run_directory
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(run_directory.fcntl, "flock", no_flock)
+    out = tmp_path / "out"
+    with pytest.warns(run_directory.RunDirectoryWarning, match=f"--out {out} is on a file system without flock "
+                      r"\(.*\): the run goes on without the lock .* NOT protected against a second run"):
+        assert main(arguments(data, out, steps=1)) == 0
+    assert (out / "state_step000001.safetensors").exists()
+    with pytest.warns(run_directory.RunDirectoryWarning):
+        assert main(arguments(data, out, steps=1)) == 2  # another run's files: refused without the lock too
+
+    def bad_descriptor(fd, operation):
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    monkeypatch.setattr(run_directory.fcntl, "flock", bad_descriptor)
+    with pytest.raises(run_directory.RunDirectoryError, match=f"--out {out}: cannot lock {out / 'run.lock'}"):
+        run_directory.RunLock(out).acquire()
 
 
 def hold_lock(path):
@@ -326,7 +512,7 @@ def test_sigterm_writes_a_state_at_the_step_boundary(data, tmp_path):
     and exits 0; the summary says why the run stopped."""
     out = tmp_path / "signalled"
     process = subprocess.Popen([sys.executable, "-m", "packed_adamw.torch.gpt.chat_train",
-                                *map(str, arguments(data, out, steps=1000))],
+                                *map(str, arguments(data, out, steps=MOST_STEPS))],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not ((out / "log.jsonl").exists() and len((out / "log.jsonl").read_text().splitlines()) >= 2):
@@ -340,7 +526,7 @@ def test_sigterm_writes_a_state_at_the_step_boundary(data, tmp_path):
     assert summary["stopped_because"] == "SIGTERM" and summary["step"] >= 2
     step = summary["step"]
     assert [r["step"] for r in log(out)] == list(range(1, step + 1))
-    assert main(arguments(data, tmp_path / "stopped", "--stop-at", step, steps=1000)) == 0
+    assert main(arguments(data, tmp_path / "stopped", "--stop-at", step, steps=MOST_STEPS)) == 0
     name = f"state_step{step:06d}.safetensors"
     signalled, signalled_metadata = read(out / name)
     stopped, stopped_metadata = read(tmp_path / "stopped" / name)

@@ -9,6 +9,7 @@ from gpt_helpers import MICRO, build_data
 from packed_adamw.core import __version__
 from packed_adamw.torch.gpt import checkpoint
 from packed_adamw.torch.gpt.checkpoint import CheckpointError, config_differences, read_checkpoint
+from packed_adamw.torch.gpt.run_directory import RunWriteError
 from packed_adamw.torch.gpt.train import main
 
 
@@ -59,9 +60,37 @@ def test_config_differences_flattens_nested_fields():
 
 
 def test_existing_checkpoint_is_not_overwritten_without_resume(run, capsys):
-    argv, _ = run
+    """The run took its last step (--max-steps is part of its configuration): the refusal says
+    that nothing of it is left to continue, rather than offering --resume auto."""
+    argv, path = run
+    before = path.read_bytes()
     assert main(argv) == 2
-    assert "--resume auto" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert ("that run has ended (it took its last step at step 3; checkpoint.safetensors is its final state)"
+            in error and "choose another --out" in error)
+    assert "--resume" not in error and path.read_bytes() == before
+
+
+def test_a_finished_run_whose_summary_is_missing_rebuilds_it_from_its_log(run, tmp_path, capsys):
+    """summary.json lost after the final checkpoint (a full disk, a signal between the two):
+    --resume auto rebuilds it from log.jsonl (the logged losses and the last val_bpb), and the
+    checkpoint and log stay as they were."""
+    import shutil
+
+    argv, path = run
+    out = tmp_path / "out"
+    shutil.copytree(path.parent, out)
+    original = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").unlink()
+    checkpoint_bytes, log = (out / "checkpoint.safetensors").read_bytes(), (out / "log.jsonl").read_bytes()
+    moved = [str(out) if a == str(path.parent) else a for a in argv]
+    assert main([*moved, "--resume", "auto"]) == 0
+    assert "summary was missing: rebuilt from" in capsys.readouterr().out
+    rebuilt = json.loads((out / "summary.json").read_text())
+    for key in ("stopped_because", "step", "final_train_loss_mean_last_50", "val_bpb", "parameters", "loss_events"):
+        assert rebuilt[key] == original[key], key
+    assert rebuilt["steps_this_session"] == 0 and rebuilt["rebuilt_from"] == str(out / "log.jsonl")
+    assert (out / "checkpoint.safetensors").read_bytes() == checkpoint_bytes and (out / "log.jsonl").read_bytes() == log
 
 
 def test_truncated_checkpoint_is_refused_naming_the_file(run, tmp_path):
@@ -161,7 +190,7 @@ def test_resume_accepts_a_run_directory(run, tmp_path, capsys):
     assert f"looked for {empty / 'checkpoint.safetensors'}" in error and "does not exist" not in error
 
 
-def test_failed_write_leaves_the_previous_checkpoint_untouched(tmp_path, monkeypatch):
+def test_failed_write_leaves_the_previous_checkpoint_untouched(tmp_path, monkeypatch, capsys):
     argv = [*MICRO, "--data", str(build_data(tmp_path / "data")), "--out", str(tmp_path / "out"), "--max-steps", "3"]
     assert main([*argv, "--stop-at-step", "2"]) == 0  # a run with a step still to go
     path = tmp_path / "out" / "checkpoint.safetensors"
@@ -175,8 +204,9 @@ def test_failed_write_leaves_the_previous_checkpoint_untouched(tmp_path, monkeyp
         raise OSError("No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_file", crash_mid_write)
-    with pytest.raises(OSError, match="No space left"):
-        main([*argv, "--resume", "auto"])
+    assert main([*argv, "--resume", "auto"]) == 1  # one line naming the file, no traceback
+    assert f"error: could not write {path}: No space left on device" in capsys.readouterr().err
+    assert issubclass(RunWriteError, OSError)  # callers catching the OSError of a write still catch it
     assert path.read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir() if "tmp" in p.name) == []
     read_checkpoint(path)

@@ -171,15 +171,21 @@ def test_resume_of_an_older_file_never_replaces_a_newer_checkpoint(tmp_path, dat
 
 def test_a_fresh_run_never_replaces_an_earlier_runs_files(tmp_path, data_dir, capsys):
     """A run without checkpoints leaves its log and summary: a fresh run into its --out is
-    refused, naming them (there is no checkpoint to resume), and they stay as they were."""
-    out = tmp_path / "out"
+    refused, naming them (there is no checkpoint to resume), and they stay as they were. So is
+    every run that will not continue a checkpoint of that --out: --resume auto (which finds none
+    there and would start fresh) and a resume of another run's checkpoint."""
+    out, other = tmp_path / "out", tmp_path / "other"
     train_in_process(*MICRO, "--data", data_dir, "--out", out, "--max-steps", 2, "--no-checkpoints")
+    train_in_process(*MICRO, "--data", data_dir, "--out", other, "--max-steps", 2, "--stop-at-step", 1)
     log, result = (out / "log.jsonl").read_bytes(), (out / "summary.json").read_bytes()
     capsys.readouterr()
-    assert main([*map(str, MICRO), "--data", str(data_dir), "--out", str(out), "--max-steps", "2"]) == 2
-    error = capsys.readouterr().err
-    assert f"--out {out} holds another run's files (log.jsonl, summary.json)" in error and "another --out" in error
-    assert (out / "log.jsonl").read_bytes() == log and (out / "summary.json").read_bytes() == result
+    common = [*map(str, MICRO), "--data", str(data_dir), "--out", str(out), "--max-steps", "2"]
+    for resume in (["--resume", "auto"], ["--resume", str(other / "checkpoint.safetensors")], []):
+        assert main([*common, *resume]) == 2, resume
+        error = capsys.readouterr().err
+        assert f"--out {out} holds another run's files (log.jsonl, summary.json)" in error, resume
+        assert "that run has ended (it took its last step at step 2)" in error and "another --out" in error, resume
+        assert (out / "log.jsonl").read_bytes() == log and (out / "summary.json").read_bytes() == result
 
 
 def test_a_directory_another_run_holds_is_refused(tmp_path, data_dir, capsys):

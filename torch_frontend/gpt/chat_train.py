@@ -7,6 +7,7 @@ checkpoint.
     python -m packed_adamw.torch.gpt.chat_train --preset d12 --data runs/data/large --steps 1680 \\
         --batch 32 --out runs/d12 --save-every 250 --device cuda            # bf16 weights, FP32 masters
     python -m packed_adamw.torch.gpt.chat_train ... --resume runs/d12/state_step000250.safetensors
+    python -m packed_adamw.torch.gpt.chat_train ... --out runs/d12 --resume auto   # its newest state, or a fresh start
     python -m packed_adamw.torch.gpt.chat_train ... --optimizer reference   # torch Muon + AdamW, FP32
     torchrun --nproc_per_node=2 -m packed_adamw.torch.gpt.chat_train --parallel ddp ...   # or fsdp
     python -m packed_adamw.torch.gpt.chat_train ... --batch 8 --grad-accum 4   # 32 rows a step, 8 at a time
@@ -29,9 +30,11 @@ autocast on CUDA (on the CPU in FP32); bf16 weights run in bf16.
 
 RUN_DIR (--out) holds one run (run_directory.py, shared with train.py): a run holds an
 exclusive lock on RUN_DIR/run.lock for its whole life, so a second run into it is refused; a
-run without --resume is refused where another run left files (log, summary, schedule, states),
-naming them and the state to resume; a resume is refused where RUN_DIR holds a newer state or
-one of another configuration, which it would replace.
+run that does not continue a state of RUN_DIR (no --resume, --resume auto finding no state, a
+state of another directory) is refused where another run left files (its summary, states, a
+log holding a record; the schedule beside those), naming them and the state to resume or
+saying that run has ended; a resume is refused where RUN_DIR holds a newer state or one of
+another configuration, which it would replace.
 
 RUN_DIR/log.jsonl gets one JSON line per logged step (loss averaged over the ranks, the
 schedule row, each kind's lr, tokens/s, MFU) and per evaluation (val loss in nats per token and
@@ -55,15 +58,20 @@ The state: every --save-every steps and at the end, RUN_DIR/state_stepNNNNNN.saf
 (training_state.py: weights, low halves, optimizer state, step and t_step, RNG, the next
 unconsumed batch, the run's config, the schedule tables and the code's identity). `--resume
 FILE` continues from one bit for bit (on CUDA with --deterministic): the continuation equals
-the uninterrupted run; a state
-of another configuration or other code is refused, saying what differs. `--stop-at STEP`
-ends a run early (with its state) without changing its schedule, so it can be resumed;
-SIGINT or SIGTERM ends it at the next step boundary, with its state, exit status 0 (under
-torchrun the ranks agree on the step). Resuming a finished run's final state changes nothing
-and prints its summary. The reference optimizer writes no states (training_state.py stores the
-packed optimizers). A flag out of range is refused before anything runs (exit 2); a file that
-cannot be written (a full disk) ends the run with an error naming it (exit 1), and a state is
-written atomically (a failed write leaves none).
+the uninterrupted run (`--resume auto`: RUN_DIR's newest state); a state of another
+configuration or other code, or one holding NaN or Inf, is refused, saying what differs.
+`--stop-at STEP` ends a run early (with its state) without changing its schedule, so it can be
+resumed; SIGINT or SIGTERM ends it at the next step boundary, with its state, exit status 0
+(under torchrun the ranks agree on the step). Resuming a finished run's final state changes
+nothing and prints its summary (rebuilt from the log if it is missing). The reference
+optimizer writes no states (training_state.py stores the packed optimizers). A flag out of
+range is refused before anything runs (exit 2), and so is a --steps the training tape cannot
+feed; a packing that drops tokens (the crop rule) can still run out, and the run then ends
+where the tape cannot feed a step and the next batch, with its state (`tape_exhausted`, exit 0). A file that cannot be
+written (a full disk) ends the run with an error naming it (exit 1), and a state is written
+atomically (a failed write leaves none). A run that diverges (a non-finite loss, or NaN or Inf
+in the weights before a state is written) ends with one line (exit 1): no state holding NaN or
+Inf is written, so the last one written stays the run's last good state.
 
 Gradient accumulation (`--grad-accum N`): a step runs N micro-batches of --batch rows per rank
 (each read as the loader's next batch, so a step's micro-batches are consecutive), each loss
@@ -129,8 +137,8 @@ from .distributed import Ranks, ddp_rebuild_buckets, launched_rank, resolve_devi
 from .optimizers import optimizer_state_bytes
 from .packed_data import DEFAULT_PACKING, PACKING_RULES, PackedBatch, PackedDocumentLoader
 from .run_directory import (
-    GuardedRunLog, RunDirectoryError, RunWriteError, StopRequest, check_out, claim, on_main_rank, refuse_earlier_run,
-    refuse_to_replace_newer, summary_of_finished, write_summary, writing,
+    GuardedRunLog, RunDirectoryError, RunFiles, RunWriteError, StopRequest, check_out, claim, finished_run_summary,
+    on_main_rank, refuse_earlier_run, refuse_to_replace, write_summary, writing,
 )
 from .schedules import ScheduleConfig, apply_schedule, build_schedule
 from .telemetry import chat_flops_per_token, keep_records_up_to, model_flops_utilization, peak_bf16_flops
@@ -145,6 +153,15 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 class ChatTrainError(ValueError):
     """A run that cannot start as asked (the message says which option to change)."""
+
+
+class RunDiverged(FloatingPointError):
+    """The run diverged (a non-finite loss or weight): it ends with exit status 1, its summary
+    saying so (`stopped_because: "diverged"`), no state written after the divergence."""
+
+
+class Diverged(Exception):
+    """Inside the loop: what diverged, caught to end the run (RunDiverged says it to the user)."""
 
 
 # ---- the command line --------------------------------------------------------------------------
@@ -167,7 +184,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=Path,
                    help="the run directory (log, summary, states): one run's, locked while it runs")
     p.add_argument("--save-every", type=int, default=0, help="write a state every K steps (0: only at the end)")
-    p.add_argument("--resume", type=Path, default=None, help="a state_stepNNNNNN.safetensors to continue from")
+    p.add_argument("--resume", type=resume_argument, default=None, metavar="FILE|auto",
+                   help="a state_stepNNNNNN.safetensors to continue from, or auto: --out's newest state, or a fresh "
+                        "start where --out holds no run's files")
     p.add_argument("--allow-code-change", action="store_true",
                    help="resume a state written by other trajectory code (warns, listing the files that differ)")
     p.add_argument("--stop-at", type=int, default=0, help="end after this step (0: after --steps), state written")
@@ -217,6 +236,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ChatTrainError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 0 or a positive number")
     if args.log_every < 1:
         raise ChatTrainError(f"--log-every {args.log_every}: give a positive number")
+    if args.eval_every and args.eval_batches == 0:
+        raise ChatTrainError(f"--eval-batches 0 with --eval-every {args.eval_every}: an evaluation reads at least one "
+                             "packed batch of val.tape; pass --eval-batches 1 or more, or leave out --eval-every")
     preset = PRESETS[args.preset]
     context = args.context if args.context is not None else preset.context
     if not 1 <= context <= preset.context:
@@ -244,6 +266,11 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         check_option(option, value, lambda: ScheduleConfig(num_steps=args.steps, **{name: value}))
     check_out(args.out)
+
+
+def resume_argument(text: str) -> Path | str:
+    """--resume: a state file, or `auto` (resume_source: --out's newest state, else a fresh start)."""
+    return "auto" if text == "auto" else Path(text)
 
 
 def check_rates(args: argparse.Namespace) -> None:
@@ -524,7 +551,6 @@ def kind_learning_rates(optimizer) -> dict[str, float]:
 
 
 # ---- the run directory (run_directory.py's policies, with this trainer's files) -------------------
-RUN_FILES = ("log.jsonl", "schedule.safetensors", "summary.json")  # and the states
 STATE_NAME = re.compile(r"state_step(\d+)\.safetensors")
 
 
@@ -534,14 +560,69 @@ def states_in(out: Path) -> list[Path]:
     return sorted((path for path, match in steps.items() if match), key=lambda path: int(steps[path].group(1)))
 
 
-def refuse_earlier_run_in(out: Path, resume: Path | None) -> None:
-    """A fresh start (no --resume) into a directory holding another run's files would replace
-    them: refused, naming them and the newest state to resume."""
-    if resume is not None:
+def state_step(path: Path) -> int | None:
+    match = STATE_NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+# schedule.safetensors is written before the first step: alone it is no run's work
+RUN_FILES = RunFiles(results=("summary.json",), logs=("log.jsonl",), before_first_step=("schedule.safetensors",),
+                     states=states_in, state_step=state_step, resume_flag=lambda state: f"--resume {state}")
+
+
+def resume_source(out: Path, resume: Path | str | None) -> Path | None:
+    """The state this run continues from: --resume's file, or with `auto` --out's newest state
+    (None: a fresh start, refused by refuse_earlier_run where --out holds another run's files)."""
+    if resume == "auto":
+        states = states_in(out)
+        return states[-1] if states else None
+    return resume
+
+
+def next_step_batches(loader: PackedDocumentLoader, batches: int) -> list[PackedBatch] | None:
+    """A step's `batches` micro-batches, consumed, where the tape also holds the batch after them
+    (which the state written after the step holds; peeked, so the next step reads it once); None,
+    the loader left where it was, where it does not."""
+    position = loader.state_dict()
+    try:
+        step = [loader.next_batch() for _ in range(batches)]
+        loader.peek()
+        return step
+    except TapeExhausted:
+        loader.load_state_dict(position)
+        return None
+
+
+def tape_feeds(loader: PackedDocumentLoader, batches: int) -> bool:
+    """Whether the tape feeds a step from the loader's position (next_step_batches), which stays."""
+    position = loader.state_dict()
+    fed = next_step_batches(loader, batches) is not None
+    loader.load_state_dict(position)
+    return fed
+
+
+def check_steps_fit(args: argparse.Namespace, train_tape: TapeReader, rows_per_step: int) -> None:
+    """Refuse a --steps the tape cannot feed, before the schedule of that many steps is built: a
+    step takes rows_per_step rows of --context new tokens (the split rule takes exactly these,
+    the crop rule at least these), and a state after the last step holds the next batch."""
+    step_tokens = rows_per_step * args.context
+    most = train_tape.num_tokens // step_tokens - 1
+    if args.steps <= most:
         return
-    states = states_in(out)
-    found = sorted([out / name for name in RUN_FILES if (out / name).exists()] + states)
-    refuse_earlier_run(out, found, f"--resume {states[-1]}" if states else None)
+    holds = (f"--steps {args.steps}: {train_tape.path} holds {train_tape.num_tokens:,} tokens, which feed "
+             f"{f'at most {most} steps' if most > 0 else 'no step'} of {rows_per_step} rows x {args.context} tokens "
+             "and the next batch that the last state holds")
+    if most > 0:
+        raise ChatTrainError(f"{holds}: pass --steps {most} or fewer, or a tape with more tokens (tape build --passes)")
+    raise ChatTrainError(f"{holds}: pass a smaller --batch or --context, or a tape with more tokens")
+
+
+def nonfinite_weights(model: torch.nn.Module, ranks: Ranks, device: torch.device) -> list[str] | None:
+    """The parameters holding NaN or Inf (this rank's shards under FSDP2), or None when every
+    rank's are finite (collective: every rank learns whether any rank found one)."""
+    bad = [name for name, p in model.named_parameters()
+           if not torch.isfinite(p.detach().to_local() if _is_dtensor(p) else p.detach()).all()]
+    return bad if ranks.agree(int(bool(bad)), device) else None
 
 
 def state_info(path: Path) -> dict:
@@ -558,15 +639,21 @@ def state_info(path: Path) -> dict:
 def train(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device, deterministic=args.deterministic, parallel=args.parallel)
     ranks = start_ranks(args.parallel, device)
+
+    def refuse_fresh_start_over_another_run() -> None:
+        if resume_source(args.out, args.resume) is None:
+            refuse_earlier_run(args.out, RUN_FILES)
+
     try:
         # --out is this run's alone until it ends (rank 0 holds its lock), and never another run's
-        with claim(args.out, ranks, device, lambda: refuse_earlier_run_in(args.out, args.resume)):
-            return _train(args, device, ranks)
+        with claim(args.out, ranks, device, refuse_fresh_start_over_another_run):
+            # every rank finds the same state: rank 0 writes none before the first step
+            return _train(args, device, ranks, resume_source(args.out, args.resume))
     finally:
         ranks.close()
 
 
-def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict:
+def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks, resume: Path | None) -> dict:
     say = print if ranks.main else (lambda *a, **k: None)
     out: Path = args.out
     log_path, summary_path = out / "log.jsonl", out / "summary.json"
@@ -575,6 +662,7 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
     args.context = args.context or model_config.context
     train_tape = open_tape(args.data / "train.tape", model_config.vocab_size)
     val_tape = open_tape(args.data / "val.tape", model_config.vocab_size)
+    check_steps_fit(args, train_tape, ranks.world_size * args.grad_accum * args.batch)  # before the tables are built
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -592,12 +680,63 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
                                   packing=args.packing)
     config = run_config(args, model_config, schedule.config, train_tape, ranks.world_size)
     last = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    tokens_per_step = config["rows_per_step"] * args.context
 
+    def summarize(step: int, stopped_because: str, step_seconds: list[float], losses: list[float],
+                  eval_record: dict | None) -> dict:
+        """summary.json: the first logged steps (compilation, allocator warm-up) are left out of the rate."""
+        steady = step_seconds[2:] or step_seconds
+        tokens_per_s = tokens_per_step / statistics.median(steady) if steady else None
+        parameters = core.num_parameters()
+        state_bytes = optimizer_state_bytes(optimizer)
+        summary = {
+            "step": step, "steps": args.steps, "stopped_because": stopped_because,
+            "preset": args.preset, "parameters": parameters,
+            "param_dtype": args.param_dtype, "optimizer": args.optimizer, "muon_mode": args.muon_mode,
+            "parallel": ranks.parallel, "world_size": ranks.world_size, "grad_accum": args.grad_accum,
+            "device": str(device), "tokens_per_step": tokens_per_step,
+            "final_loss": losses[-1] if losses else None,
+            "median_step_ms": 1e3 * statistics.median(steady) if steady else None,
+            "tokens_per_s": tokens_per_s,
+            "flops_per_token": flops_per_token, "peak_flops_per_device": peak_flops,
+            "mfu": model_flops_utilization(tokens_per_s, flops_per_token, peak_flops, ranks.world_size),
+            "compile": args.compile,
+            # this session's graphs (dynamo's count): equal when no batch after the first compiled anything
+            "compiled_graphs_after_first_batch": graphs_after_first_batch if args.compile else None,
+            "compiled_graphs": compiled_graph_count() - graphs_at_start if args.compile else None,
+            # under FSDP2: rank 0's shard of the state, per parameter of the whole model
+            "optimizer_state_bytes": state_bytes, "optimizer_state_bytes_per_parameter": state_bytes / parameters,
+            "weight_bytes_per_parameter": sum(p.numel() * p.element_size() for p in core.parameters()) / parameters,
+            **({"val_loss": eval_record["val_loss"], "val_bpb": eval_record["val_bpb"]} if eval_record else {}),
+        }
+        if device.type == "cuda":
+            summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+            summary["peak_memory_bytes_per_parameter"] = summary["peak_memory_bytes"] / parameters
+        return summary
+
+    def summary_from_log(records: list[dict]) -> dict:
+        """A finished run's summary from its log (its summary.json was lost after the final
+        state): the figures the sessions logged; nothing of this session, which trains nothing."""
+        steps = [r for r in records if "loss" in r]
+        evals = [r for r in records if "val_loss" in r]
+        stopped_because = "tape_exhausted" if step < last else "stop_at" if last < args.steps else "steps"
+        summary = summarize(step, stopped_because, [r["step_ms"] / 1e3 for r in steps], [r["loss"] for r in steps],
+                            evals[-1] if evals else None)
+        for key in ("compile", "compiled_graphs_after_first_batch", "compiled_graphs", "peak_memory_bytes",
+                    "peak_memory_bytes_per_parameter"):
+            summary.pop(key, None)  # a session's own, not in the log
+        return summary
+
+    graphs_at_start, graphs_after_first_batch = compiled_graph_count(), None
     # Under FSDP2 the state files are read and written through an unsharded twin (rank 0 keeps
     # one for the saves; a resume builds one on every rank and drops it on the others).
     twin = None
     step = 0
-    if args.resume is None:
+    if resume is None:
+        if not tape_feeds(loader, args.grad_accum):  # the crop rule's rows can take more than check_steps_fit's
+            raise ChatTrainError(f"{args.data / 'train.tape'} cannot feed the first step under --packing "
+                                 f"{args.packing} ({config['rows_per_step']} rows x {args.context} tokens and the "
+                                 "next batch): pass a smaller --batch or --context, or a longer tape")
         if args.optimizer == "packed":
             start_masters(optimizer, core, initial)
 
@@ -613,12 +752,12 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
         # rank-0 view of its tape in the layout that wrote the state (load_state checks the saved
         # batch against it), then takes the cursor into its own loader.
         view = PackedDocumentLoader(train_tape, args.batch, args.context, 0,
-                                    saved_world_size(args.resume, ranks.world_size),
+                                    saved_world_size(resume, ranks.world_size),
                                     packing=args.packing)
         if ranks.parallel == "fsdp":
             twin = UnshardedTwin(model_config, args)
         target = (twin.model, twin.optimizer) if twin is not None else (core, optimizer)
-        loaded = load_state(args.resume, model=target[0], optimizer=target[1], loader=view, config=config,
+        loaded = load_state(resume, model=target[0], optimizer=target[1], loader=view, config=config,
                             schedule=schedule, allow_code_change=args.allow_code_change)
         if twin is not None:
             twin.scatter(core, optimizer)
@@ -627,30 +766,32 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
         loader.load_state_dict({**view.state_dict(), "world_size": ranks.world_size})
         step = loaded.step
         if loaded.t_step != step:
-            raise TrainingStateError(f"{args.resume}: t_step {loaded.t_step} differs from step {step}; "
+            raise TrainingStateError(f"{resume}: t_step {loaded.t_step} differs from step {step}; "
                                      "chat_train runs one schedule row per step")
         # Before anything in --out is written or its log trimmed: the states there are this run's
-        # (none newer than the resumed one, none of another configuration), or it is refused.
-        states = states_in(out)
-        for existing in states:
-            refuse_to_replace_newer(existing, args.resume, step, json.loads(json.dumps(config)),  # as saved
-                                    read_info=state_info, resume_with=f"--resume {states[-1]}")
-        if step >= last:  # a finished run: nothing to do, and nothing in --out changes
-            finished = summary_of_finished(summary_path, step)
-            if finished is not None:
-                say(f"{args.resume} is a finished run; its summary:")
-                return finished
-        say(f"resumed from {args.resume} at step {step}")
+        # (none newer than the resumed one, none of another configuration), and a resume of a
+        # file from elsewhere goes into a directory without another run's files; or it is refused.
+        refuse_to_replace(out, RUN_FILES, resume, step, json.loads(json.dumps(config)),  # the config as saved
+                          read_info=state_info)
+        if step >= last or not tape_feeds(loader, args.grad_accum):  # nothing to do: nothing in --out changes
+            return finished_run_summary(resume, summary_path, log_path, step, summary_from_log,
+                                        write=ranks.main, say=say)
+        say(f"resumed from {resume} at step {step}")
     if ranks.main:
         with writing(log_path):
             keep_records_up_to(log_path, step)  # lines after the resume point came from a session that died
     if ranks.parallel == "ddp":
         ddp_rebuild_buckets(model, args.batch, args.context, device)  # every session reduces in the same buckets
 
-    saved_step = None
+    saved_step, last_state = None, resume  # the newest state of the run: the last good one if it diverges
 
     def save() -> None:
-        nonlocal twin, saved_step
+        nonlocal twin, saved_step, last_state
+        # No state holds NaN or Inf: the one written last stays the run's last good state.
+        bad = nonfinite_weights(core, ranks, device)
+        if bad is not None:
+            raise Diverged(f"NaN or Inf in the weights after step {step}"
+                           + (f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else ""))
         saved_model, saved_optimizer = core, optimizer
         if args.optimizer == "packed" and ranks.parallel == "fsdp":
             if twin is None and ranks.main:
@@ -669,107 +810,102 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks) -> dict
                                config=config, step=step, t_step=step)
                 say(f"wrote {path}")
             except TapeExhausted:
-                # a state holds the next batch; at the end of the tape there is none
+                # a state holds the next batch; at the end of the tape there is none (tape_feeds
+                # stops the run a step early so that this does not happen)
                 say(f"no state at step {step}: {args.data / 'train.tape'} has no next batch for it to hold")
         on_main_rank(ranks, device, write_state)  # every rank learns whether rank 0 wrote it
         saved_step = step
+        if args.optimizer == "packed":
+            last_state = out / state_file_name(step)
 
-    tokens_per_step = config["rows_per_step"] * args.context
     say(f"{args.preset}: {core.num_parameters():,} parameters, {args.param_dtype} weights, optimizer "
         f"{args.optimizer}{' (Muon ' + args.muon_mode + ')' if args.optimizer == 'packed' else ''}, "
         f"{tokens_per_step:,} tokens a step"
         + (f" in {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
         + f", steps {step} to {last} of {args.steps}"
         + (f", {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""))
-    step_seconds, losses, eval_record, stopped_by = [], [], None, None
-    graphs_at_start, graphs_after_first_batch = compiled_graph_count(), None
+    step_seconds, losses, eval_record, stopped_by, diverged = [], [], None, None, None
     model.train()
     with StopRequest() as stop, GuardedRunLog(log_path, ranks) as log:
-        while step < last:
-            stopped_by = stop.agreed(ranks, device)  # SIGINT or SIGTERM on any rank: stop at this boundary
-            if stopped_by:
-                say(f"{stopped_by} received: {'writing a state and ' if args.optimizer == 'packed' else ''}"
-                    f"stopping at step {step}", file=sys.stderr)
-                break
-            started = time.perf_counter()
-            row = apply_schedule(optimizer, schedule, step)  # t_step: this run's step
-            step_loss = None  # the mean of the micro-batches' mean losses
-            for micro in range(args.grad_accum):
-                batch = to_device(loader.next_batch(), device)
-                with gradient_sync(model, ranks.parallel, sync=micro == args.grad_accum - 1):
-                    with forward_context(args.param_dtype, device):
-                        _, loss = forward(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
-                    (loss / args.grad_accum).backward()
-                if graphs_after_first_batch is None:
-                    graphs_after_first_batch = compiled_graph_count() - graphs_at_start
-                part = loss.detach().float() / args.grad_accum
-                step_loss = part if step_loss is None else step_loss + part
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            if step % args.log_every == 0 or step == last:
-                mean_loss = step_loss
-                if ranks.distributed:
-                    torch.distributed.all_reduce(mean_loss)
-                    mean_loss /= ranks.world_size
-                mean_loss = mean_loss.item()  # waits for the step
-                seconds = time.perf_counter() - started
-                step_seconds.append(seconds)
-                losses.append(mean_loss)
-                log.write({"step": step, "loss": mean_loss, **row, "lr": kind_learning_rates(optimizer),
-                           "tokens": step * tokens_per_step, "step_ms": 1e3 * seconds,
-                           "tokens_per_s": tokens_per_step / seconds,
-                           "mfu": model_flops_utilization(tokens_per_step / seconds, flops_per_token, peak_flops,
-                                                          ranks.world_size)})
-                if not math.isfinite(mean_loss):
-                    raise FloatingPointError(f"loss {mean_loss} at step {step}: the run diverged")
-            if args.eval_every and (step % args.eval_every == 0 or step == last):
-                if ranks.main or ranks.parallel == "fsdp":  # FSDP2's forward gathers the shards: every rank runs it
-                    eval_record = {"step": step, **evaluate(core, val_tape, args.batch, args.context,
-                                                            args.eval_batches, args.param_dtype, device)}
-                    if ranks.parallel == "fsdp":
-                        # FSDP2's root keeps its parameters gathered after a forward without a backward:
-                        # put the shards back before the optimizer or a save reads the parameters.
-                        core.reshard()
-                    log.write(eval_record)
-                    say(f"step {step}: val loss {eval_record['val_loss']:.4f}, bpb {eval_record['val_bpb']}")
-                ranks.barrier()
-            if (args.save_every and step % args.save_every == 0) or step == last:
+        try:
+            while step < last:
+                stopped_by = stop.agreed(ranks, device)  # SIGINT or SIGTERM on any rank: stop at this boundary
+                if stopped_by:
+                    say(f"{stopped_by} received: {'writing a state and ' if args.optimizer == 'packed' else ''}"
+                        f"stopping at step {step}", file=sys.stderr)
+                    break
+                started = time.perf_counter()
+                # The packing of the crop rule can waste tokens: a run stops where the tape cannot
+                # feed the step and the next batch, which the state written here then holds.
+                micro_batches = next_step_batches(loader, args.grad_accum)  # every rank alike (one cursor)
+                if micro_batches is None:
+                    stopped_by = "tape_exhausted"
+                    say(f"training tape exhausted at step {step}: {args.data / 'train.tape'} cannot feed another "
+                        f"step and the next batch under --packing {args.packing}; writing the state and stopping")
+                    break
+                row = apply_schedule(optimizer, schedule, step)  # t_step: this run's step
+                step_loss = None  # the mean of the micro-batches' mean losses
+                for micro, packed in enumerate(micro_batches):
+                    batch = to_device(packed, device)
+                    with gradient_sync(model, ranks.parallel, sync=micro == args.grad_accum - 1):
+                        with forward_context(args.param_dtype, device):
+                            _, loss = forward(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
+                        (loss / args.grad_accum).backward()
+                    if graphs_after_first_batch is None:
+                        graphs_after_first_batch = compiled_graph_count() - graphs_at_start
+                    part = loss.detach().float() / args.grad_accum
+                    step_loss = part if step_loss is None else step_loss + part
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                logged = step % args.log_every == 0 or step == last
+                saving = (args.save_every and step % args.save_every == 0) or step == last
+                if logged or saving:  # a state is written only after a step whose loss was finite
+                    mean_loss = step_loss
+                    if ranks.distributed:
+                        torch.distributed.all_reduce(mean_loss)
+                        mean_loss /= ranks.world_size
+                    mean_loss = mean_loss.item()  # waits for the step
+                    if logged:
+                        seconds = time.perf_counter() - started
+                        step_seconds.append(seconds)
+                        losses.append(mean_loss)
+                        log.write({"step": step, "loss": mean_loss, **row, "lr": kind_learning_rates(optimizer),
+                                   "tokens": step * tokens_per_step, "step_ms": 1e3 * seconds,
+                                   "tokens_per_s": tokens_per_step / seconds,
+                                   "mfu": model_flops_utilization(tokens_per_step / seconds, flops_per_token,
+                                                                  peak_flops, ranks.world_size)})
+                    if not math.isfinite(mean_loss):
+                        raise Diverged(f"loss {mean_loss} at step {step}")
+                if args.eval_every and (step % args.eval_every == 0 or step == last):
+                    if ranks.main or ranks.parallel == "fsdp":  # FSDP2's forward gathers the shards: every rank runs it
+                        eval_record = {"step": step, **evaluate(core, val_tape, args.batch, args.context,
+                                                                args.eval_batches, args.param_dtype, device)}
+                        if ranks.parallel == "fsdp":
+                            # FSDP2's root keeps its parameters gathered after a forward without a backward:
+                            # put the shards back before the optimizer or a save reads the parameters.
+                            core.reshard()
+                        log.write(eval_record)
+                        say(f"step {step}: val loss {eval_record['val_loss']:.4f}, bpb {eval_record['val_bpb']}")
+                    ranks.barrier()
+                if saving:
+                    save()
+            if stopped_by and saved_step != step:
                 save()
-        if stopped_by and saved_step != step:
-            save()
+        except Diverged as error:
+            stopped_by, diverged = "diverged", error
 
-    # The summary: the first logged steps (compilation, allocator warm-up) are left out of the rate.
-    steady = step_seconds[2:] or step_seconds
-    tokens_per_s = tokens_per_step / statistics.median(steady) if steady else None
-    parameters = core.num_parameters()
-    state_bytes = optimizer_state_bytes(optimizer)
-    summary = {
-        "step": step, "steps": args.steps,
-        "stopped_because": stopped_by or ("stop_at" if last < args.steps else "steps"),
-        "preset": args.preset, "parameters": parameters,
-        "param_dtype": args.param_dtype, "optimizer": args.optimizer, "muon_mode": args.muon_mode,
-        "parallel": ranks.parallel, "world_size": ranks.world_size, "grad_accum": args.grad_accum,
-        "device": str(device), "tokens_per_step": tokens_per_step,
-        "final_loss": losses[-1] if losses else None,
-        "median_step_ms": 1e3 * statistics.median(steady) if steady else None,
-        "tokens_per_s": tokens_per_s,
-        "flops_per_token": flops_per_token, "peak_flops_per_device": peak_flops,
-        "mfu": model_flops_utilization(tokens_per_s, flops_per_token, peak_flops, ranks.world_size),
-        "compile": args.compile,
-        # this session's graphs (dynamo's count): equal when no batch after the first compiled anything
-        "compiled_graphs_after_first_batch": graphs_after_first_batch if args.compile else None,
-        "compiled_graphs": compiled_graph_count() - graphs_at_start if args.compile else None,
-        # under FSDP2: rank 0's shard of the state, per parameter of the whole model
-        "optimizer_state_bytes": state_bytes, "optimizer_state_bytes_per_parameter": state_bytes / parameters,
-        "weight_bytes_per_parameter": sum(p.numel() * p.element_size() for p in core.parameters()) / parameters,
-        **({"val_loss": eval_record["val_loss"], "val_bpb": eval_record["val_bpb"]} if eval_record else {}),
-    }
-    if device.type == "cuda":
-        summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-        summary["peak_memory_bytes_per_parameter"] = summary["peak_memory_bytes"] / parameters
+    summary = summarize(step, stopped_by or ("stop_at" if last < args.steps else "steps"), step_seconds, losses,
+                        eval_record)
     if ranks.main:
         write_summary(summary_path, summary)
+    if diverged is not None:
+        what = (f"{diverged}; {last_state} stays its last state (none is written after a divergence)"
+                if last_state is not None else f"{diverged} (the reference optimizer writes no states)"
+                if args.optimizer != "packed" else f"{diverged}, before its first state")
+        raise RunDiverged(f"the run diverged: {what}; lower the learning rates (--matrix-lr, --embedding-lr, "
+                          "--unembedding-lr, --scalar-lr) or lengthen --warmup-steps, and start again into another "
+                          "--out")
     return summary
 
 
@@ -777,9 +913,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)  # a bad flag exits 2 here (argparse)
     try:
         summary = train(args)
-    except (ChatTrainError, CheckpointError, RunDirectoryError, RunWriteError, TapeError, TapeExhausted) as error:
+    except (ChatTrainError, CheckpointError, RunDirectoryError, RunWriteError, RunDiverged, TapeError,
+            TapeExhausted) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1 if isinstance(error, RunWriteError) else 2
+        return 1 if isinstance(error, (RunWriteError, RunDiverged)) else 2
     if launched_rank() == 0:
         print(json.dumps({k: summary[k] for k in ("step", "final_loss", "tokens_per_s", "val_bpb") if k in summary}))
     return 0

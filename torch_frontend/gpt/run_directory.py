@@ -7,25 +7,40 @@ directory, one process at a time, a stop asked for by a signal, writes that fail
   holds an exclusive `fcntl.flock` on `--out/run.lock`, so a second run into the directory is
   refused while the first lives. The kernel releases the lock when its process ends, however it
   ends, so a lock file left by a killed run blocks nothing: what counts is the lock, not the
-  file (which stays, empty). Inside the claim the trainer checks the files already there:
-  `refuse_earlier_run` (a fresh start into another run's directory) and
-  `refuse_to_replace_newer` (a resume that would replace a newer state, or one of another
-  configuration). A refusal on rank 0 is raised on every rank (`on_main_rank`).
-- `summary_of_finished`: a resumed run with nothing left to do changes nothing in the directory.
+  file (which stays, empty). A file system without flock (Lustre mounted without `-o flock`,
+  some FUSE file systems) cannot hold the lock: the run goes on unlocked, with a
+  `RunDirectoryWarning` naming --out and the file system (the refusals below still hold; only
+  two runs started into the directory at the same time are no longer kept apart). Inside the
+  claim the trainer checks the files already there.
+- `RunFiles`: what a trainer writes into --out, and which of those files make it another run's
+  (`RunFiles.earlier_run`, the one test both trainers use): its states and summary, its logs
+  once they hold a record; files a run writes before its first step (chat_train's schedule)
+  only beside those, so a start that failed before its first step blocks nothing.
+- `refuse_earlier_run`: a run that will not continue a state of --out (a fresh start, a
+  `--resume auto` that found no state, a resume of a file from elsewhere) is refused where
+  --out holds another run's files, naming them and how to continue that run (or that it has
+  ended). `refuse_to_replace`: a resume is also refused where it would replace a newer state
+  of --out, or one of another configuration (`refuse_to_replace_newer`). A refusal on rank 0 is
+  raised on every rank (`on_main_rank`).
+- `finished_run_summary`: a resumed run with nothing left to do changes nothing in the
+  directory; a summary lost after the final state is rebuilt from log.jsonl.
 - `StopRequest`: SIGINT/SIGTERM ask the loop to stop at the next step boundary, where it writes
   its state and exits 0; under torchrun the ranks agree on the step (`StopRequest.agreed`).
 - `writing`, `GuardedRunLog`, `write_summary`: an OSError while writing a run's file (a full
-  disk) ends the run with one line naming the file (`RunWriteError`, exit 1), never a
-  traceback; states and summaries are written atomically (core/atomic_file.py), so a failed
-  write leaves the previous file or none, never a part of one.
+  disk) ends the run with one line naming the file (`RunWriteError`, itself an OSError, exit 1),
+  never a traceback; states and summaries are written atomically (core/atomic_file.py), so a
+  failed write leaves the previous file or none, never a part of one.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import fcntl
 import json
 import os
 import signal
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -40,14 +55,25 @@ from .telemetry import RunLog
 LOCK_NAME = "run.lock"
 STOP_SIGNALS = (None, "SIGINT", "SIGTERM")  # agreed between ranks as an index (the largest wins)
 NAMES_SHOWN = 6  # of another run's files, in a refusal
+# flock's errors on a file system that has no flock (Lustre without -o flock: ENOSYS; NFS without
+# a lock manager: ENOLCK; some FUSE file systems: EOPNOTSUPP or EINVAL)
+FLOCK_UNSUPPORTED = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+# summary.json's stopped_because of a run that has ended: nothing of it is left to continue
+ENDED = {"steps": "it took its last step", "max_steps": "it took its last step", "tape_exhausted": "its tape ran out",
+         "diverged": "it diverged"}
 
 
 class RunDirectoryError(ValueError):
     """An --out this run cannot use (the message says what to do instead)."""
 
 
-class RunWriteError(RuntimeError):
-    """A file of the run could not be written (the message names it and says why)."""
+class RunDirectoryWarning(UserWarning):
+    """--out cannot be locked (its file system has no flock): the run goes on unprotected."""
+
+
+class RunWriteError(OSError):
+    """A file of the run could not be written (the message names it and says why). An OSError,
+    as the error it stands for: callers that catch OSError around a write still catch it."""
 
 
 # ---- the directory -------------------------------------------------------------------------------
@@ -104,6 +130,20 @@ class RunLock:
             os.close(fd)
             raise RunDirectoryError(f"--out {self.out} is in use by another run: it holds the lock on {self.path} "
                                     "(flock); wait for that run to end, or choose another --out") from None
+        except OSError as error:
+            os.close(fd)
+            if error.errno not in FLOCK_UNSUPPORTED:
+                raise RunDirectoryError(f"--out {self.out}: cannot lock {self.path} ({error.strerror or error}); "
+                                        "pass a directory on a local file system") from None
+            # Refusing would make the trainers unusable on such a file system; the refusals of
+            # another run's files do not need the lock. What is lost is the guard against two
+            # runs started into --out at the same time: said, so that a scheduler can avoid it.
+            warnings.warn(f"--out {self.out} is on a file system without flock ({filesystem_of(self.out)}: "
+                          f"{error.strerror or error}): the run goes on without the lock on {self.path}, so the "
+                          "directory is NOT protected against a second run started into it while this one runs; "
+                          "start one run at a time there, or choose an --out on a file system with flock "
+                          "(Lustre: mount with -o flock)", RunDirectoryWarning, stacklevel=2)
+            return
         self.fd = fd
 
     def release(self) -> None:
@@ -134,29 +174,158 @@ def claim(out: Path, ranks: Ranks, device: torch.device, check: Callable[[], Non
         lock.release()
 
 
-def refuse_earlier_run(out: Path, found: list[Path], resume_with: str | None) -> None:
-    """A fresh run into a directory holding another run's files (`found`) would replace them:
-    refuse, naming them and how to continue that run (`resume_with`, the flag to pass; None:
-    that run left nothing to resume from)."""
+def filesystem_of(path: Path) -> str:
+    """"<type> at <mount point>" of the file system holding `path` (Linux's mount table), or
+    "its file system" where that cannot be told."""
+    try:
+        target, best = str(path.resolve()), None
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            mount = fields[1].replace("\\040", " ")
+            if (target == mount or target.startswith(mount.rstrip("/") + "/")) and \
+                    (best is None or len(mount) > len(best[0])):
+                best = (mount, fields[2])
+        return f"{best[1]} at {best[0]}" if best else "its file system"
+    except (OSError, IndexError):
+        return "its file system"
+
+
+# ---- another run's files -------------------------------------------------------------------------
+def log_records(path: Path, up_to: int | None = None) -> list[dict]:
+    """The whole JSON records of a JSON-lines log (a line a crash cut short is none), those of
+    steps up to `up_to` (None: all); [] for a file that is not there."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        step = record.get("step", 0) if isinstance(record, dict) else None
+        if isinstance(step, (int, float)) and (up_to is None or step <= up_to):
+            records.append(record)
+    return records
+
+
+def _present(path: Path) -> bool:
+    return path.exists() or path.is_symlink()  # a dangling link is someone's file too
+
+
+def _holds_a_record(path: Path) -> bool:
+    if not _present(path):
+        return False
+    if not path.exists():  # a dangling link: what it held cannot be told, so it is counted
+        return True
+    try:
+        return bool(log_records(path))
+    except (OSError, UnicodeDecodeError):  # unreadable: counted, never replaced
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFiles:
+    """What a trainer writes into --out, for the refusals that keep another run's files.
+
+    `results`: files that make --out another run's whenever they are there (the summary, a
+    checkpoint); `logs`: JSON-lines files that do once they hold a record (a log opened by a
+    start that never finished a step is empty); `before_first_step`: files a run writes before
+    its first step, which count only beside one of the others (so that a start that failed
+    early blocks nothing); `states(out)`: the run's states there, oldest first;
+    `state_step(path)`: a state's step, where its name tells (None: unknown); `resume_flag(state)`:
+    the flag that continues from a state."""
+    results: tuple[str, ...]
+    logs: tuple[str, ...]
+    before_first_step: tuple[str, ...]
+    states: Callable[[Path], list[Path]]
+    state_step: Callable[[Path], int | None]
+    resume_flag: Callable[[Path], str]
+
+    def earlier_run(self, out: Path) -> list[Path]:
+        """Another run's files in `out` (sorted; [] when it holds none), the one test both
+        trainers' refusals use."""
+        found = [out / name for name in self.results if _present(out / name)]
+        found += [out / name for name in self.logs if _holds_a_record(out / name)]
+        found += self.states(out)
+        if found:
+            found += [out / name for name in self.before_first_step if _present(out / name)]
+        return sorted(set(found))
+
+    def ended(self, out: Path) -> str | None:
+        """Why the run of `out` has ended, from its summary (None: it has not, or its summary
+        does not say so): its newest state is then its last, and nothing is left to continue."""
+        try:
+            summary = json.loads((out / "summary.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(summary, dict) or summary.get("stopped_because") not in ENDED:
+            return None
+        states = self.states(out)
+        step = self.state_step(states[-1]) if states else None
+        if step is not None and summary.get("step") != step:
+            return None  # a newer state than the summary's: a later session that did not end
+        return f"{ENDED[summary['stopped_because']]} at step {summary.get('step')}"
+
+    def how_to_continue(self, out: Path) -> str:
+        """What to say of the run whose files `out` holds: how to continue it, or that it ended."""
+        states = self.states(out)
+        ended = self.ended(out)
+        if ended:
+            last = f"; {states[-1].name} is its final state" if states else ""
+            return f"that run has ended ({ended}{last}), so nothing of it is left to continue"
+        if states:
+            return f"continue that run with {self.resume_flag(states[-1])}"
+        return "it left nothing to resume from"
+
+
+def refuse_earlier_run(out: Path, files: RunFiles, resuming: Path | None = None) -> None:
+    """A run that will not continue a state of `out` (a fresh start; `resuming`: a resume of a
+    file that is not one of out's states) would replace the files another run left there:
+    refuse (RunDirectoryError), naming them and what to do."""
+    if resuming is not None and any(_same_file(state, resuming) for state in files.states(out)):
+        return  # it continues a state of out: that run's own files
+    found = files.earlier_run(out)
     if not found:
         return
     names = [p.name for p in found[:NAMES_SHOWN]] + ([f"{len(found) - NAMES_SHOWN} more"]
                                                      if len(found) > NAMES_SHOWN else [])
-    continued = (f"continue that run with {resume_with}, or choose another --out" if resume_with else
-                 "it left nothing to resume from: choose another --out, or move its files away")
-    raise RunDirectoryError(f"--out {out} holds another run's files ({', '.join(names)}); a new run would replace "
-                            f"them: {continued}")
+    what = "a new run" if resuming is None else f"resuming {resuming} there"
+    instead = "choose another --out" if resuming is None else f"resume {resuming} into another --out"
+    raise RunDirectoryError(f"--out {out} holds another run's files ({', '.join(names)}); {what} would replace "
+                            f"them: {files.how_to_continue(out)}; {instead}, or move its files away")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
+
+
+def refuse_to_replace(out: Path, files: RunFiles, resume_path: Path, step: int, trajectory: dict, *,
+                      read_info: Callable[[Path], dict]) -> None:
+    """Before a resume of `resume_path` (at `step`) writes anything in `out` or trims its logs:
+    refused where a state there is newer or of another configuration (`refuse_to_replace_newer`,
+    CheckpointError), and where `resume_path` is not one of out's states while out holds
+    another run's files (`refuse_earlier_run`, RunDirectoryError)."""
+    states = files.states(out)
+    continued = files.how_to_continue(out) if states else ""
+    for existing in states:
+        refuse_to_replace_newer(existing, resume_path, step, trajectory, read_info=read_info, continued=continued)
+    refuse_earlier_run(out, files, resuming=resume_path)
 
 
 def refuse_to_replace_newer(existing: Path, resume_path: Path, step: int, trajectory: dict, *,
-                            read_info: Callable[[Path], dict], resume_with: str) -> None:
+                            read_info: Callable[[Path], dict], continued: str) -> None:
     """Resuming `resume_path` (at `step`) into an --out whose state `existing` is newer (or of
-    another run) would lose it: refuse (CheckpointError), saying how to continue that one
-    (`resume_with`, a flag). `read_info(path)` gives a state's {"step", "config"}."""
+    another run) would lose it: refuse (CheckpointError), saying how to continue that run or
+    that it has ended (`continued`, RunFiles.how_to_continue's words). `read_info(path)` gives a
+    state's {"step", "config"}."""
     if not existing.exists() or (resume_path.exists() and existing.samefile(resume_path)):
         return
-    what_to_do = (f"continue it with {resume_with}, resume {resume_path} into another --out, or move "
-                  f"{existing} away first")
+    what_to_do = f"{continued}; resume {resume_path} into another --out, or move {existing} away first"
     try:
         info = read_info(existing)
     except CheckpointError as error:
@@ -181,6 +350,30 @@ def summary_of_finished(summary_path: Path, step: int) -> dict | None:
     except (OSError, ValueError):
         return None
     return summary if isinstance(summary, dict) and summary.get("step") == step else None
+
+
+def finished_run_summary(resume_path: Path, summary_path: Path, log_path: Path, step: int,
+                         rebuild: Callable[[list[dict]], dict], *, write: bool, say: Callable) -> dict:
+    """A resume of `resume_path` (at `step`) with nothing left to do: the summary the run wrote
+    when it ended there, returned as it is (nothing in --out changes). Where that summary is
+    missing (a full disk at summary.json, a signal between the final state and the summary, a
+    state resumed into a new --out), `rebuild(records)` makes one from the log's records up to
+    `step`, written when `write` (rank 0); where the log holds no record of `step` either,
+    nothing is written, and the summary returned says so."""
+    finished = summary_of_finished(summary_path, step)
+    if finished is not None:
+        say(f"{resume_path} is a finished run; its summary:")
+        return finished
+    records = log_records(log_path, step)
+    if not any(record.get("step") == step for record in records):
+        say(f"{resume_path} is a finished run (step {step}): nothing to do, and {summary_path.parent} holds neither "
+            f"its summary nor a log of its last step, so nothing was written")
+        return {"step": step, "stopped_because": "nothing_to_do", "summary": None}
+    summary = {**rebuild(records), "rebuilt_from": str(log_path)}
+    if write:
+        write_summary(summary_path, summary)
+    say(f"{resume_path} is a finished run whose summary was missing: rebuilt from {log_path} into {summary_path}")
+    return summary
 
 
 # ---- stopping ------------------------------------------------------------------------------------

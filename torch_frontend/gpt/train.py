@@ -13,11 +13,12 @@ The tape is read front to back once (docs/TAPE.md); training ends when it runs o
 --max-steps. The learning rate is a pure function of the step, there is no dropout, and the
 checkpoint holds everything else (model, optimizer, tape cursor, RNG), so a resumed run
 ends bit-identical to an uninterrupted one. SIGINT/SIGTERM finish the current step, write a
-checkpoint and exit with code 0. One run at a time uses an --out (a lock), and a fresh run
-never replaces an earlier run's files there (run_directory.py). Under torchrun, rank r of W
-reads every W-th batch window of the tape (a step reads the tokens a single process with W
-times the batch would); DDP checkpoints are one file, FSDP2 ones a torch.distributed.checkpoint
-directory. See docs/TRAINING.md and docs/DISTRIBUTED.md.
+checkpoint and exit with code 0. One run at a time uses an --out (a lock), and a run that does
+not continue the checkpoint there never replaces an earlier run's files (run_directory.py); a
+file that cannot be written (a full disk) ends the run naming it (exit 1). Under torchrun,
+rank r of W reads every W-th batch window of the tape (a step reads the tokens a single
+process with W times the batch would); DDP checkpoints are one file, FSDP2 ones a
+torch.distributed.checkpoint directory. See docs/TRAINING.md and docs/DISTRIBUTED.md.
 """
 # The loop is here, read top to bottom; around it: config.py and cli.py (settings, their
 # checks, the command line), families.py (what --config builds), optimizers.py (what
@@ -54,8 +55,8 @@ from .distributed import Ranks, ddp_rebuild_buckets, full, launched_rank, resolv
 from .families import family_of
 from .optimizers import optimizer_kind, set_learning_rate
 from .run_directory import (
-    GuardedRunLog, RunDirectoryError, RunWriteError, StopRequest, claim, refuse_earlier_run,
-    refuse_to_replace_newer, summary_of_finished, write_summary, writing,
+    GuardedRunLog, RunDirectoryError, RunFiles, RunWriteError, StopRequest, claim, finished_run_summary,
+    refuse_earlier_run, refuse_to_replace, write_summary, writing,
 )
 from .telemetry import (
     FormatCounts, LossWatch, StepTimes, is_log_step, keep_records_up_to, moment_stats, plot_format_log, plot_log,
@@ -159,25 +160,23 @@ def finished(step: int, tape: TapeReader | TapeShard, config: TrainConfig, conte
             or tape.remaining_batches(config.batch_size, context) == 0)
 
 
-RUN_FILES = (CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME, "log.jsonl", "moment_stats.jsonl", "summary.json")
-
-
-def refuse_earlier_run_in(config: TrainConfig, out: Path) -> None:
-    """A fresh start (no --resume) into an --out holding another run's files would replace them."""
-    if config.resume == "":
-        found = [out / name for name in RUN_FILES if (out / name).exists() or (out / name).is_symlink()]
-        checkpoint = any(p.name in (CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME) for p in found)
-        refuse_earlier_run(out, found, "--resume auto" if checkpoint else None)
+RUN_FILES = RunFiles(
+    results=(CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME, "summary.json"), logs=("log.jsonl", "moment_stats.jsonl"),
+    before_first_step=(),  # the log is opened before the first step, and counts only once it holds a record
+    states=lambda out: [out / name for name in (CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME)
+                        if (out / name).exists() or (out / name).is_symlink()],
+    state_step=lambda path: None, resume_flag=lambda path: "--resume auto")
 
 
 def resume_source(config: TrainConfig, checkpoint_path: Path) -> Path | None:
-    """The checkpoint to resume from: None (fresh start), out's own, a file, or a run directory's."""
+    """The checkpoint to resume from: None (fresh start: refused by refuse_earlier_run where --out
+    holds another run's files), out's own, a file, or a run directory's."""
     other = checkpoint_path.with_name(CHECKPOINT_NAME if config.parallel == "fsdp" else SHARDED_CHECKPOINT_NAME)
     if other.exists():  # logs and summary of one run per --out
         kind = "a --parallel fsdp run" if config.parallel != "fsdp" else "a run without --parallel fsdp"
         raise CheckpointError(f"--out {checkpoint_path.parent} holds {other}, the checkpoint of {kind}; this run "
                               f"writes {checkpoint_path.name}: choose another --out")
-    if config.resume == "":  # refuse_earlier_run_in refused an --out holding a checkpoint
+    if config.resume == "":
         return None
     if config.resume == "auto":
         return checkpoint_path if checkpoint_path.exists() else None
@@ -203,8 +202,14 @@ def train(config: TrainConfig) -> dict:
     check_config(config)
     device = resolve_device(config.device, config.deterministic, config.parallel)
     ranks = start_ranks(config.parallel, device)
+    out = config.out_dir
+
+    def refuse_fresh_start_over_another_run() -> None:
+        if resume_source(config, out / config.checkpoint_name) is None:
+            refuse_earlier_run(out, RUN_FILES)
+
     try:
-        with claim(config.out_dir, ranks, device, lambda: refuse_earlier_run_in(config, config.out_dir)):
+        with claim(out, ranks, device, refuse_fresh_start_over_another_run):
             return _train(config, device, ranks)
     finally:
         ranks.close()
@@ -239,16 +244,51 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
     else:
         step = load_run_state(resume_path, ranks.parallel, ranks.rank if ranks.distributed else None,
                               **run_state)["step"]
-        # before anything in --out is written or its logs trimmed
-        refuse_to_replace_newer(checkpoint_path, resume_path, step, trajectory, read_info=checkpoint_info,
-                                resume_with="--resume auto")
+        # before anything in --out is written or its logs trimmed: no newer checkpoint, none of
+        # another configuration, and no other run's files under a checkpoint from elsewhere
+        refuse_to_replace(out, RUN_FILES, resume_path, step, trajectory, read_info=checkpoint_info)
         say(f"resumed from {resume_path} at step {step}")
     summary_path = out / "summary.json"
+
+    def summarize(reason: str, losses: LossWatch, times: StepTimes, val_bpb: float | None) -> dict:
+        summary = {
+            "stopped_because": reason,
+            "step": step,
+            "steps_this_session": len(times.step),
+            "parameters": core.num_parameters(),
+            "final_train_loss_mean_last_50": losses.recent_mean(),
+            "val_bpb": val_bpb,
+            **times.summary(tokens_per_step),
+            "optimizer_state_bytes": kind.state_bytes(optimizer),  # this rank's (an FSDP2 shard's)
+            **losses.summary(),
+            "log": str(log_path), "plot": str(out / "loss.png"),
+            "checkpoint": str(checkpoint_path) if config.checkpoints else None,
+            "config": dataclasses.asdict(config),
+        }
+        if config.track_format:
+            summary["format_plot"] = str(out / "format.png")
+        if ranks.distributed:
+            summary["world_size"] = ranks.world_size
+        return summary
+
+    def summary_from_log(records: list[dict]) -> dict:
+        """A finished run's summary from its log (its summary.json was lost after the final
+        checkpoint): the logged steps' losses, gradient norms and times, the last val_bpb."""
+        losses, times = LossWatch(config), StepTimes()
+        for record in records:
+            if {"loss", "grad_norm", "fwd_bwd_ms", "optimizer_ms"} <= record.keys():  # a logged step
+                losses.observe(record["step"], record["loss"], record["grad_norm"])
+                fwd_bwd, optimizer_s = record["fwd_bwd_ms"] / 1e3, record["optimizer_ms"] / 1e3
+                times.add(0.0, fwd_bwd, fwd_bwd + optimizer_s)
+        val = [record["val_bpb"] for record in records if "val_bpb" in record]
+        reason = ("max_steps" if step >= config.max_steps else
+                  "stop_at_step" if 0 < config.stop_at_step <= step else "tape_exhausted")
+        return {**summarize(reason, losses, times, val[-1] if val else None), "steps_this_session": 0}
+
     if resume_path is not None and finished(step, train_tape, config, context):
-        finished_summary = summary_of_finished(summary_path, step)
-        if finished_summary is not None:  # nothing left to do, and nothing in --out changes
-            say(f"{resume_path} is a finished run; its summary:")
-            return finished_summary
+        # nothing left to do, and nothing in --out changes (but a summary lost after the final checkpoint)
+        return finished_run_summary(resume_path, summary_path, log_path, step, summary_from_log,
+                                    write=ranks.main, say=say)
     # The logs cover steps up to the resume point; later lines came from a session that died
     # (the last of them possibly cut short by the crash).
     if ranks.main:
@@ -257,10 +297,11 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
                 keep_records_up_to(path, step if resume_path else 0)
 
     def save(reason: str) -> None:
-        # An OSError here propagates as it is (the write is atomic: the previous checkpoint stands);
-        # tests/test_checkpoint.py and test_train_distributed.py catch it by that type.
+        # A failed write (a full disk) ends the run naming the file (RunWriteError, an OSError);
+        # the write is atomic, so the previous checkpoint stands.
         if config.checkpoints:
-            save_run_state(checkpoint_path, ranks.parallel, **run_state, trainer={"step": step, "reason": reason})
+            with writing(checkpoint_path):
+                save_run_state(checkpoint_path, ranks.parallel, **run_state, trainer={"step": step, "reason": reason})
 
     parallel = f"; {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""
     masters = " with split FP32 masters" if kind.split_masters else ""
@@ -343,26 +384,9 @@ def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
             log.write({"step": step, "val_bpb": val_bpb})
         format_counts.finish(step, log)
 
-    summary = {
-        "stopped_because": reason,
-        "step": step,
-        "steps_this_session": len(times.step),
-        "parameters": core.num_parameters(),
-        "final_train_loss_mean_last_50": losses.recent_mean(),
-        "val_bpb": val_bpb,
-        **times.summary(tokens_per_step),
-        "optimizer_state_bytes": kind.state_bytes(optimizer),  # this rank's (an FSDP2 shard's)
-        **losses.summary(),
-        "log": str(log_path), "plot": str(out / "loss.png"),
-        "checkpoint": str(checkpoint_path) if config.checkpoints else None,
-        "config": dataclasses.asdict(config),
-    }
-    if config.track_format:
-        summary["format_plot"] = str(out / "format.png")
+    summary = summarize(reason, losses, times, val_bpb)
     if device.type == "cuda":
         summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-    if ranks.distributed:
-        summary["world_size"] = ranks.world_size
     if ranks.main:
         plot_log(log_path, out / "loss.png")
         if config.track_format:
