@@ -89,6 +89,63 @@ def test_amsgrad_is_refused_saying_the_word_holds_no_third_moment():
     PackedAdamW(make_params(), amsgrad=False)
 
 
+# torch.optim.AdamW's group keys at their defaults (what its param_groups and state_dict hold).
+TORCH_ADAMW_GROUP_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                                  fused=None, decoupled_weight_decay=True)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("amsgrad", True, r": amsgrad=True is not supported: .*running maximum.*amsgrad=False"),
+    ("decoupled_weight_decay", False, r": decoupled_weight_decay=False is not supported: .*decoupled"),
+    ("differentiable", True, r": differentiable=True is not supported"),
+    ("foreach", True, r": foreach=True is not supported"),
+    ("fused", True, r": fused=True is not supported"),
+    ("capturable", True, r" sets 'capturable': a group cannot have its own .*PackedAdamW\(\.\.\., capturable=\.\.\.\)"),
+    ("mode", "fp32", r" sets 'mode': a group cannot have its own state format.*PackedAdamW\(\.\.\., mode=\.\.\.\)"),
+    ("m_bias", 14, r" sets 'm_bias': .*PackedAdamW\(\.\.\., m_bias=\.\.\.\)"),
+    ("track_format", True, r" sets 'track_format': .*PackedAdamW\(\.\.\., track_format=\.\.\.\)"),
+    ("mu_bias", 30, r" sets 'mu_bias': PackedAdamW has no such option"),
+])
+def test_a_group_option_packed_adamw_would_ignore_is_refused_in_a_group_and_on_load(key, value, message):
+    """A group's state format, step switch or unsupported torch option (amsgrad=True: its words
+    hold no running maximum) would be stepped as the optimizer's, silently: refused naming the
+    group and the key, whether given with the group or brought by a loaded state_dict."""
+    params = make_params()
+    with pytest.raises(ValueError, match=rf"^param_groups\[1\]{message}"):
+        PackedAdamW([{"params": params[:1]}, {"params": params[1:], key: value}])
+    opt = PackedAdamW([{"params": params[:1]}], lr=1e-2)
+    with pytest.raises(ValueError, match=rf"^param_groups\[1\]{message}"):
+        opt.add_param_group({"params": params[1:], key: value})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": params[1:]})
+    run(opt, params, range(2))
+    saved = opt.state_dict()
+    saved["param_groups"][1][key] = value
+    before = H.snapshot(opt, params)
+    with pytest.raises(ValueError, match=rf"^load_state_dict: saved param_groups\[1\]{message}"):
+        opt.load_state_dict(saved)
+    assert key not in opt.param_groups[1]
+    H.assert_same_snapshot(H.snapshot(opt, params), before, "after the refused load")
+
+
+def test_the_keys_torch_puts_in_adamw_groups_at_their_defaults_are_accepted_and_change_no_bit():
+    """Groups taken from a torch.optim.AdamW (amsgrad=False, foreach=None, ...) build, and a
+    state_dict whose groups carry those keys loads: the run is the plain one's, bit for bit."""
+    params, opt = trained()
+    other = make_params(0)
+    groups = [dict(g) for g in torch.optim.AdamW(other, lr=1e-2, weight_decay=0.1).param_groups]
+    assert {k: groups[0][k] for k in TORCH_ADAMW_GROUP_DEFAULTS} == TORCH_ADAMW_GROUP_DEFAULTS
+    from_torch = PackedAdamW(groups)
+    run(from_torch, other, range(3))
+    assert_same_run(params, opt, other, from_torch, "groups of torch.optim.AdamW")
+    saved = opt.state_dict()
+    saved["param_groups"] = [{**g, **TORCH_ADAMW_GROUP_DEFAULTS} for g in saved["param_groups"]]
+    from_torch.load_state_dict(saved)
+    run(opt, params, range(3, 5))
+    run(from_torch, other, range(3, 5))
+    assert_same_run(params, opt, other, from_torch, "a state_dict whose groups carry torch's defaults")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_maximize_gives_the_bits_of_a_step_on_the_negated_gradient(mode):
     up, down = make_params(1), make_params(1)

@@ -1368,6 +1368,21 @@ def test_muon_param_groups_takes_one_name_as_a_string_and_refuses_an_entry_that_
     assert muon_param_groups(model, exclude="head")[0]["param_names"] == ["up.weight", "down.weight"]
 
 
+@pytest.mark.parametrize("exclude, named", [("weight", "entry 'weight'"), (".", "entry '.'"), ("w", "entry 'w'"),
+                                            (("head", "up", "down"), "entries 'head', 'up', 'down'")])
+def test_muon_param_groups_refuses_an_exclude_that_leaves_muon_no_matrix(exclude, named):
+    """Entries match as parts of names: exclude="weight" (or ".") matched every matrix, so every
+    parameter went to AdamW and Muon never ran, silently. Refused naming the entry (or the
+    entries that together match them all); a model with no matrix for Muon is not refused."""
+    model = TinyModel()
+    with pytest.raises(ValueError, match=rf"^muon_param_groups: exclude {named} (matches|together match) every matrix "
+                                         "Muon would step in TinyModel") as raised:
+        muon_param_groups(model, exclude=exclude)
+    assert "'up.weight', 'down.weight', 'head.weight'" in str(raised.value) and "PackedAdamW" in str(raised.value)
+    no_matrices = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.LayerNorm(3))
+    assert [g["kind"] for g in muon_param_groups(no_matrices, exclude="weight")] == ["adamw"]
+
+
 # ---- a group cannot have its own state format ----------------------------------------------------
 @pytest.mark.parametrize("kind, key, value, message", [
     ("muon", "mode", "fp32", r"PackedMuonAdamW\(\.\.\., mode=\.\.\.\)"),
@@ -1395,6 +1410,95 @@ def test_a_group_option_the_combined_optimizer_would_ignore_is_refused_naming_it
     with pytest.raises(ValueError, match=full.replace(rf"\[{index}\]", r"\[1\]")):
         opt.add_param_group(groups[index])
     assert len(opt.param_groups) == 1 and list(opt.rules) == [groups[1 - index]["kind"]]
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("mode", "fp32", r" sets 'mode': a group cannot have its own state format.*PackedMuon\(\.\.\., mode=\.\.\.\)"),
+    ("mu_bias", 30, r" sets 'mu_bias': .*PackedMuon\(\.\.\., mu_bias=\.\.\.\)"),
+    ("ns_impl", "triton", r" sets 'ns_impl': .*PackedMuon\(\.\.\., ns_impl=\.\.\.\)"),
+    ("m_bias", 5, r" sets 'm_bias': PackedMuon has no such option"),
+    ("amsgrad", True, r": amsgrad=True is not supported"),
+])
+def test_a_group_option_packed_muon_would_ignore_is_refused_in_a_group_and_on_load(key, value, message):
+    """PackedMuon keeps one state format and one set of switches: a group's own (fp32 momentum,
+    say) would step packed codes, silently; refused naming the group and the key, given with the
+    group or brought by a loaded state_dict (which then changes nothing)."""
+    p, q = torch.nn.Parameter(torch.ones(4, 6)), torch.nn.Parameter(torch.ones(6, 4))
+    with pytest.raises(ValueError, match=rf"^param_groups\[1\]{message}"):
+        PackedMuon([{"params": [p]}, {"params": [q], key: value}])
+    opt = PackedMuon([{"params": [p]}])
+    with pytest.raises(ValueError, match=rf"^param_groups\[1\]{message}"):
+        opt.add_param_group({"params": [q], key: value})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [q]})
+    p.grad, q.grad = torch.ones(4, 6), torch.ones(6, 4)
+    opt.step()
+    saved = opt.state_dict()
+    saved["param_groups"][1][key] = value
+    before = snapshot(opt, [p, q])
+    with pytest.raises(ValueError, match=rf"^load_state_dict: saved param_groups\[1\]{message}"):
+        opt.load_state_dict(saved)
+    assert key not in opt.param_groups[1]
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(opt, [p, q])))
+
+
+# torch.optim.AdamW's group keys at their defaults (what its param_groups and state_dict hold).
+TORCH_ADAMW_GROUP_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                                  fused=None, decoupled_weight_decay=True)
+
+
+@pytest.mark.parametrize("key, value", [("amsgrad", True), ("decoupled_weight_decay", False), ("fused", True),
+                                        ("foreach", True), ("differentiable", True)])
+def test_a_combined_adamw_group_asking_for_an_unsupported_torch_option_is_refused(key, value):
+    """torch.optim.AdamW's options that PackedAdamW refuses as keywords are refused in a
+    combined optimizer's AdamW group too (and on load), instead of stepping plain packed AdamW;
+    at torch's defaults they are accepted and change no bit."""
+    model = TinyModel()
+    groups = muon_param_groups(model, exclude=("head",))
+    index = [g["kind"] for g in groups].index("adamw")
+    with pytest.raises(ValueError, match=rf"^param_groups\[{index}\] \(kind='adamw'\): {key}={value!r} is not "
+                                         "supported"):
+        PackedMuonAdamW([{**g, key: value} if i == index else g for i, g in enumerate(groups)])
+    with_defaults = PackedMuonAdamW([{**g, **TORCH_ADAMW_GROUP_DEFAULTS} if i == index else g
+                                     for i, g in enumerate(groups)])
+    twin = TinyModel()
+    twin.load_state_dict(model.state_dict())
+    plain = PackedMuonAdamW(muon_param_groups(twin, exclude=("head",)))
+    rng = np.random.default_rng(50)
+    for _ in range(2):
+        set_gradients(rng, model, twin)
+        with_defaults.step()
+        plain.step()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(model.parameters(), twin.parameters()))
+    saved = with_defaults.state_dict()
+    saved["param_groups"][index][key] = value
+    with pytest.raises(ValueError, match=rf"^load_state_dict: saved param_groups\[{index}\] \(kind='adamw'\): "
+                                         rf"{key}={value!r} is not supported"):
+        with_defaults.load_state_dict(saved)
+    assert with_defaults.param_groups[index][key] == TORCH_ADAMW_GROUP_DEFAULTS[key]
+
+
+@pytest.mark.parametrize("kind, key, value, option", [("muon", "mode", "fp32", "mode"),
+                                                      ("adamw", "m_bias", 5, "m_bias"),
+                                                      ("adamw", "mode", "fp32", "adamw_mode")])
+def test_a_combined_state_dict_whose_group_sets_a_state_format_is_refused_on_load(kind, key, value, option):
+    """A saved group holding a state-format key would be loaded into the group and ignored by
+    its rule: refused naming the saved group, the key and the constructor option; nothing changes."""
+    rng = np.random.default_rng(56)
+    model = TinyModel()
+    opt = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)))
+    set_gradients(rng, model)
+    opt.step()
+    saved = opt.state_dict()
+    index = [g["kind"] for g in opt.param_groups].index(kind)
+    saved["param_groups"][index][key] = value
+    params = list(model.parameters())
+    before = snapshot(opt, params)
+    with pytest.raises(ValueError, match=rf"^load_state_dict: saved param_groups\[{index}\] \(kind='{kind}'\) sets "
+                                         rf"{key!r}: .*PackedMuonAdamW\(\.\.\., {option}=\.\.\.\)"):
+        opt.load_state_dict(saved)
+    assert key not in opt.param_groups[index]
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(opt, params)))
 
 
 # ---- pickling a combined optimizer ---------------------------------------------------------------
@@ -1543,6 +1647,32 @@ def test_track_format_is_a_checked_switch_that_a_pickle_keeps_and_a_load_restart
         opt.format_stats()
 
 
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda opt: pickle.loads(pickle.dumps(opt))],
+                         ids=["deepcopy", "pickle"])
+@pytest.mark.parametrize("combined", [False, True], ids=["PackedMuon", "PackedMuonAdamW"])
+def test_a_copy_keeps_the_muon_counts_not_read_yet(combined, copy_of):
+    """Pending counts travel with a copy, as the switch does (they were dropped: the copy read
+    {}, or raised once the switch was off); the copy and the original each read them once."""
+    rng = np.random.default_rng(58)
+    model = TinyModel()
+    groups = muon_param_groups(model, exclude=("head",))
+    opt = PackedMuonAdamW(groups, track_format=True) if combined else \
+        PackedMuon([{k: v for k, v in groups[0].items() if k != "kind"}], track_format=True)
+    for step in range(2):
+        set_gradients(rng, model)
+        if step == 1:
+            model.up.weight.grad[1, 2] = float("inf")
+        opt.step()
+    opt.track_format = False
+    copied = copy_of(opt)
+    want = opt.format_stats()
+    assert want["up.weight"]["refused"] == 1 and want["down.weight"]["elements"] == 2 * model.down.weight.numel()
+    assert ("head.weight" in want) is combined
+    assert copied.format_stats() == want
+    with pytest.raises(ValueError, match="none was made since the last read"):
+        copied.format_stats()
+
+
 def test_combined_track_format_reports_both_rules():
     rng = np.random.default_rng(54)
     model = TinyModel()
@@ -1556,11 +1686,37 @@ def test_combined_track_format_reports_both_rules():
     assert stats["down.weight"]["elements"] == model.down.weight.numel() and stats["down.weight"]["refused"] == 0
     assert set(stats["head.weight"]) == {"elements", "saturated_m", "saturated_rms", "flushed_m", "flushed_rms",
                                          "subnormal_m", "subnormal_rms"}
-    with pytest.raises(ValueError, match=r"adamw_mode='fp32'.*adamw_mode='packed' or 'fp16'"):
-        PackedMuonAdamW(muon_param_groups(model, exclude=("head",)), adamw_mode="fp32", track_format=True)
     untracked = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)))
     with pytest.raises(ValueError, match=r"PackedMuonAdamW\(\.\.\., track_format=True\)"):
         untracked.format_stats()
+
+
+@pytest.mark.parametrize("switched", [False, True], ids=["built_on", "switched_on"])
+def test_combined_track_format_with_fp32_adamw_counts_muon_and_leaves_adamw_out(switched):
+    """AdamW's fp32 mode stores float32 moments, no codes to count; Muon counts its refusals in
+    every mode: each rule counts what it can (it was refused whole). The AdamW rule alone still
+    refuses the switch in fp32 mode."""
+    rng = np.random.default_rng(57)
+    model = TinyModel()
+    groups = muon_param_groups(model, exclude=("head",))
+    opt = PackedMuonAdamW(groups, adamw_mode="fp32", track_format=not switched)
+    if switched:
+        assert not opt.track_format
+    else:
+        assert opt.format_stats() == {}  # counting on, nothing counted yet
+    opt.track_format = True
+    assert opt.track_format and opt.rules["muon"].track_format and not opt.rules["adamw"].track_format
+    set_gradients(rng, model)
+    model.up.weight.grad[0, 0] = float("nan")
+    opt.step()
+    stats = opt.format_stats()
+    assert set(stats) == {"up.weight", "down.weight"}
+    assert stats["up.weight"] == {"elements": 0, "refused": 1, "saturated_mu": 0, "flushed_mu": 0, "subnormal_mu": 0}
+    assert stats["down.weight"]["elements"] == model.down.weight.numel() and stats["down.weight"]["refused"] == 0
+    with pytest.raises(ValueError, match=r"fp32 mode stores float32 moments"):
+        opt.rules["adamw"].track_format = True
+    adamw_only = PackedMuonAdamW([g for g in groups if g["kind"] == "adamw"], adamw_mode="fp32", track_format=True)
+    assert adamw_only.track_format and adamw_only.format_stats() == {}  # counting on, nothing counted
 
 
 # ---- FP32 masters of a combined optimizer -----------------------------------------------------------

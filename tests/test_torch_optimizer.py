@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -736,6 +737,36 @@ def test_a_deep_copy_continues_like_the_original():
         opt.step()
         twin.step()
     H.assert_same_snapshot(H.snapshot(twin, twin_params), H.snapshot(opt, params), "deep copy")
+
+
+
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda opt: pickle.loads(pickle.dumps(opt))],
+                         ids=["deepcopy", "pickle"])
+def test_a_copy_keeps_the_format_counts_not_read_yet(copy_of):
+    """The counts not read yet travel with a copy, as the track_format switch does (they were
+    dropped: the copy read {}, or raised once the switch was off): the copy and the original
+    each read them, once; counts kept from before a plan was rebuilt travel too."""
+    params = make_params(0)
+    opt = PackedAdamW(params, lr=1e-2, track_format=True)
+    for switch_after in (True, False):
+        for seed in range(2):
+            set_grads(params, seed)
+            opt.step()
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})  # the next step makes a new plan
+        set_grads(params, 2)
+        opt.step()
+        opt.track_format = switch_after
+        copied = copy_of(opt)
+        want = opt.format_stats()
+        assert [entry["elements"] for entry in want.values()] == [3 * p.numel() for p in params]
+        assert copied.format_stats() == want
+        assert copied.track_format is switch_after
+        if switch_after:
+            assert copied.format_stats() == {}  # read once
+        else:
+            with pytest.raises(ValueError, match="none was made since the last read"):
+                copied.format_stats()
+        opt.track_format = True
 
 
 def test_betas_of_the_wrong_length_set_later_get_the_validated_message():

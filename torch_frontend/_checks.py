@@ -314,19 +314,74 @@ def raise_grad_error(p: torch.Tensor, g: torch.Tensor, name: str, optimizer: str
 
 
 # ---- the optimizer's options --------------------------------------------------------------
+# torch.optim's options that torch puts in its optimizers' groups (AdamW's), with the values that
+# ask for nothing this project lacks (torch's defaults), and why another is refused. Refused as
+# the constructor's keywords and as a group's keys alike (`check_group_options`): a group holding
+# another would be stepped without it, silently.
+_KERNELS = ("the packed optimizers always run their own kernels (PackedAdamW's multi_tensor=True: one launch for "
+            "all tensors on CUDA)")
+TORCH_OPTIONS = {
+    "amsgrad": ((False, None), "AMSGrad keeps the running maximum of v as a third moment, and PackedAdamW's one word "
+                "per parameter holds only m and sqrt(v); pass amsgrad=False or leave it out, or use "
+                "torch.optim.AdamW(amsgrad=True)"),
+    "decoupled_weight_decay": ((True,), "the weight decay is decoupled, p * (1 - lr * weight_decay), as "
+                               "torch.optim.AdamW's and Muon's; pass decoupled_weight_decay=True or leave it out (for "
+                               "Adam's L2 penalty use torch.optim.Adam)"),
+    "foreach": ((None, False), f"{_KERNELS}; pass foreach=None or False, or leave it out"),
+    "fused": ((None, False), f"{_KERNELS}; pass fused=None or False, or leave it out"),
+    "differentiable": ((None, False), "the step is not differentiable (its state is rounded to 16-bit codes); pass "
+                       "differentiable=False or leave it out"),
+}
+# The options of the project's optimizers that are the optimizer's, not a group's: each keeps one
+# state format for all its groups (the state_dict records one identity) and one set of switches for
+# its step. A group holding one would be stepped with the optimizer's, silently.
+OPTIMIZER_OPTIONS = ("mode", "mu_bias", "adamw_mode", "m_bias", "rms_bias", "check_nonfinite", "multi_tensor",
+                     "capturable", "batch_ns", "ns_impl", "track_format")
+
+
+def _asks_nothing_missing(value, accepted: tuple) -> bool:
+    return any(value is a or (isinstance(value, (bool, int, np.bool_)) and value == a) for a in accepted)
+
+
+def torch_option_refusal(key: str, value) -> str | None:
+    """Why torch's option `key` cannot be `value` here (None when it asks for nothing missing)."""
+    accepted, why = TORCH_OPTIONS[key]
+    return None if _asks_nothing_missing(value, accepted) else f"{key}={value!r} is not supported: {why}"
+
+
 def check_adamw_flags(*, amsgrad, foreach, fused, differentiable) -> None:
     """torch.optim.AdamW's flags: those asking for nothing PackedAdamW lacks are accepted."""
-    if amsgrad:
-        raise ValueError(
-            "amsgrad=True is not supported: AMSGrad keeps the running maximum of v as a third moment, and "
-            "PackedAdamW's one word per parameter holds only m and sqrt(v); use torch.optim.AdamW(amsgrad=True)"
-        )
-    for flag, value in (("foreach", foreach), ("fused", fused), ("differentiable", differentiable)):
-        if value not in (None, False):
+    for key, value in (("amsgrad", amsgrad), ("foreach", foreach), ("fused", fused),
+                       ("differentiable", differentiable)):
+        refusal = torch_option_refusal(key, value)
+        if refusal:
+            raise ValueError(refusal)
+
+
+def check_group_options(group: dict, where: str, optimizer: str, options: dict, capturable: bool) -> None:
+    """The one check of what a parameter group may hold besides its hyperparameters, for every
+    optimizer of the project, when a group is added and when a state_dict's groups are loaded:
+    refuses, naming the group (`where`), the key and the option to use, a state-format key or
+    step switch (`OPTIMIZER_OPTIONS`; `options` maps those of `optimizer` to its constructor's
+    option) and a torch option set to what the project does not do (`TORCH_OPTIONS`). torch's
+    keys at their defaults pass (a group taken from torch.optim.AdamW holds capturable=False,
+    accepted where the optimizer is not capturable either)."""
+    for key, value in group.items():
+        if key == "capturable" and isinstance(value, bool) and value == capturable:
+            continue
+        if key in OPTIMIZER_OPTIONS:
+            option = options.get(key)
+            if option is None:
+                raise ValueError(f"{where} sets {key!r}: {optimizer} has no such option (it is another packed "
+                                 "optimizer's state format or step switch), and a group sets none; remove it")
             raise ValueError(
-                f"{flag}={value!r} is not supported: PackedAdamW always runs its own fused kernel "
-                f"(multi_tensor=True: one launch for all tensors on CUDA); pass {flag}=None or False, or leave it out"
-            )
+                f"{where} sets {key!r}: a group cannot have its own state format or step switches "
+                f"({', '.join(OPTIMIZER_OPTIONS)}); {optimizer} keeps one for all its groups. Pass it to the "
+                f"optimizer, {optimizer}(..., {option}=...), or step these parameters with an optimizer of their own")
+        if key in TORCH_OPTIONS:
+            refusal = torch_option_refusal(key, value)
+            if refusal:
+                raise ValueError(f"{where}: {refusal}")
 
 
 def check_capturable(capturable, lr, *, check_nonfinite: bool, multi_tensor: bool) -> None:
@@ -350,17 +405,16 @@ def check_hyperparams(defaults: dict, rule, *, check_lr: bool) -> None:
     validate_rule_hyperparams(defaults, rule, check_lr=check_lr)
 
 
-def check_track_format(value, fmt: StateFormat, capturable: bool, *, counts_refusals: bool = False,
-                       mode_option: str = "mode") -> None:
+def check_track_format(value, fmt: StateFormat, capturable: bool, *, counts_refusals: bool = False) -> None:
     """`track_format`'s value for an optimizer of state format `fmt`. A rule that refuses whole
-    matrices (`counts_refusals`: Muon) counts them in every mode; otherwise a mode without codes
-    has nothing to count. `mode_option`: the option that set `fmt`'s mode, as messages name it."""
+    matrices (`counts_refusals`: Muon, and PackedMuonAdamW, whose AdamW rule then counts only
+    where its mode has codes) counts them in every mode; otherwise a mode without codes has
+    nothing to count."""
     if not isinstance(value, bool):
         raise TypeError(f"track_format={value!r}: pass True or False")
     if value and not has_format_counts(fmt) and not counts_refusals:
-        which = "" if mode_option == "mode" else f" ({mode_option}={fmt.mode!r})"
-        raise ValueError(f"track_format=True counts where packed or fp16 codes saturate, flush or go subnormal; "
-                         f"fp32 mode stores float32 moments{which}: use {mode_option}='packed' or 'fp16'")
+        raise ValueError("track_format=True counts where packed or fp16 codes saturate, flush or go subnormal; "
+                         "fp32 mode stores float32 moments: use mode='packed' or 'fp16'")
     if value and capturable:
         raise ValueError("track_format=True with capturable=True: a captured step's replays are not counted "
                          "on the host; count with an eager optimizer (capturable=False)")

@@ -364,13 +364,56 @@ def drop_plan(opt, keep_counts: bool = True) -> None:
     opt._plan = None
 
 
-def _fold_counts(plan, totals: dict) -> None:
-    """Adds a plan's counts to `totals`, on the device, and zeroes them."""
+def _add_plan_counts(plan, totals: dict) -> None:
+    """Adds a plan's counts to `totals`, on the device (new tensors: the plan's stay as they are)."""
     counts = format_counts(plan.counters)
     for i, p in enumerate(plan.params):
         _add_totals(totals, p, counts[i], plan.numels[i] * plan.tracked_steps)
+
+
+def _fold_counts(plan, totals: dict) -> None:
+    """Adds a plan's counts to `totals`, on the device, and zeroes them."""
+    _add_plan_counts(plan, totals)
     plan.counters.zero_()
     plan.tracked_steps = 0
+
+
+def _unread_totals(opt) -> dict:
+    """Every count not read yet (id(param) -> _Totals): the totals kept, the plan's counters and
+    the pending counts, gathered on the device without moving any."""
+    totals = dict(opt.__dict__.get("_format_totals", {}))
+    plan = opt.__dict__.get("_plan")
+    if plan is not None and plan.counters is not None and plan.tracked_steps:
+        _add_plan_counts(plan, totals)
+    pending = opt.__dict__.get("_pending_counts")
+    if pending is not None:
+        pending.fold(totals)
+    return totals
+
+
+def pickled_counts(opt) -> list | None:
+    """The counts not read yet, for a pickle or a copy of `opt` (its `__getstate__`): per
+    parameter in param_groups order, its (counts, elements, refused) or None; None when there
+    are none. The plan and the pending counts do not travel, their counts do."""
+    totals = _unread_totals(opt)
+    if not totals:
+        return None
+    entries = []
+    for p in (p for group in opt.param_groups for p in group["params"]):
+        entry = totals.get(id(p))
+        entries.append(None if entry is None or entry.param is not p else tuple(entry)[1:])
+    return entries
+
+
+def restore_pickled_counts(opt, entries: list | None) -> None:
+    """`pickled_counts`' entries back as the totals of the unpickled (or copied) `opt`'s
+    parameters, for `format_stats` to read as the original would have."""
+    if not entries:
+        return
+    totals = opt.__dict__.setdefault("_format_totals", {})
+    for p, entry in zip((p for group in opt.param_groups for p in group["params"]), entries):
+        if entry is not None:
+            totals[id(p)] = _Totals(p, *entry)
 
 
 def counts_to_read(opt) -> bool:
@@ -389,7 +432,9 @@ def no_counts_error(owner: str) -> ValueError:
 
 def format_stats(opt, count_names: tuple[str, ...]) -> dict:
     """`PackedAdamW.format_stats` (and PackedMuon's): the counts since the last call, per
-    parameter, keyed by its name or its (group, position) as messages number them."""
+    parameter, keyed by its name or its (group, position) as messages number them. With no
+    counted step since the last read: {} while `track_format` is on (none made yet), and an
+    error while it is off (none could be: the switch was forgotten, or the counts read)."""
     if not counts_to_read(opt):
         raise no_counts_error(type(opt).__name__)
     totals = opt.__dict__.setdefault("_format_totals", {})

@@ -59,6 +59,7 @@ def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
             f"load_state_dict: the saved state has format {identity!r} but this optimizer uses "
             f"{opt.state_format.identity!r}; construct PackedAdamW with the same mode, m_bias and rms_bias"
         )
+    check_saved_group_options(opt, state_dict["param_groups"])
     saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
     our_params = [p for g in opt.param_groups for p in g["params"]]
     if len(saved_params) != len(our_params):
@@ -90,6 +91,13 @@ def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
         loaded[p] = (count, tensor, checked_loaded_low_half(entry.get(LOW_HALF_KEY), p, where))
     groups = [{k: v for k, v in g.items() if k != GROUP_FORMAT_KEY} for g in state_dict["param_groups"]]
     return {"state": state_dict["state"], "param_groups": groups}, loaded
+
+
+def check_saved_group_options(opt, saved_groups: list) -> None:
+    """torch's loader puts every key of a saved group into the optimizer's: each saved group
+    must hold what `add_param_group` would take (`opt._check_group_options`)."""
+    for i, group in enumerate(saved_groups):
+        opt._check_group_options(group, f"load_state_dict: saved param_groups[{shown_group_index(opt, i)}]")
 
 
 def restore_loaded(opt, loaded: dict) -> None:

@@ -18,6 +18,7 @@ from packed_adamw.core.muon import DEFAULT_MU_BIAS
 
 from . import _checks, _compiled, _engine, _persistence
 from ._engine import NonFiniteGradientError
+from ._state import has_format_counts
 from . import muon as _muon
 from .muon import PackedMuon
 from .optimizer import PackedAdamW
@@ -37,7 +38,8 @@ def muon_param_groups(model: torch.nn.Module, *, exclude: str | tuple[str, ...] 
     the options in `muon` / `adamw` (e.g. each group's lr).
     For a head that is a plain `nn.Linear`, pass its name in `exclude` (exclude="lm_head", or a
     tuple of names). Every entry must match some parameter's name: one that matches none (a
-    typo would send the head to Muon) is refused."""
+    typo would send the head to Muon) is refused, and so is an exclusion that leaves Muon no
+    matrix of a model that has some (exclude="weight" matches every one: Muon would never run)."""
     excluded_names = _exclude_entries(exclude)
     names_of: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -51,17 +53,45 @@ def muon_param_groups(model: torch.nn.Module, *, exclude: str | tuple[str, ...] 
                              "step (the head's), or a part of it")
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     seen, groups = set(), {"muon": ([], []), "adamw": ([], [])}
+    matrices = []  # (name, the entries excluding it) of each weight Muon would step but for exclude
     for name, p in model.named_parameters():
         if id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
-        excluded = any(entry in alias for entry in excluded_names for alias in names_of[id(p)])
-        kind = "muon" if p.dim() == 2 and id(p) not in embedding_weights and not excluded else "adamw"
+        excluding = [entry for entry in excluded_names if any(entry in alias for alias in names_of[id(p)])]
+        if p.dim() == 2 and id(p) not in embedding_weights:
+            matrices.append((name, excluding))
+        kind = "muon" if p.dim() == 2 and id(p) not in embedding_weights and not excluding else "adamw"
         groups[kind][0].append(p)
         groups[kind][1].append(name)
+    if matrices and not groups["muon"][0]:
+        _refuse_excluding_every_matrix(model, excluded_names, matrices)
     options = {"muon": dict(muon or {}), "adamw": dict(adamw or {})}
     return [{"params": params, "param_names": names, "kind": kind, **options[kind]}
             for kind, (params, names) in groups.items() if params]
+
+
+def _refuse_excluding_every_matrix(model, entries: tuple[str, ...], matrices: list) -> None:
+    """Entries match any part of a name, so a short one ("weight", ".") can match every matrix:
+    every parameter would go to AdamW and Muon never run. Names the entry that matches them all,
+    or the entries that together do."""
+    alone = [entry for entry in entries if all(entry in excluding for _, excluding in matrices)]
+    together = [entry for entry in entries if any(entry in excluding for _, excluding in matrices)]
+    named = f"entry {alone[0]!r} matches" if alone else \
+        f"entries {', '.join(map(repr, together))} together match"
+    shown = ", ".join(repr(name) for name, _ in matrices[:8]) + (", ..." if len(matrices) > 8 else "")
+    raise ValueError(f"muon_param_groups: exclude {named} every matrix Muon would step in {type(model).__name__} "
+                     f"({shown}): an entry matches any part of a name, so every parameter would go to AdamW and "
+                     "Muon would never run. Pass the names of the parameters AdamW should step (exclude='lm_head'), "
+                     "or, for AdamW on every parameter, use PackedAdamW")
+
+
+def _checked_track_format(value, adamw_format: AdamWStateFormat, capturable: bool) -> bool:
+    """PackedMuonAdamW's `track_format` (checked as each rule's is): each rule counts what it
+    can, Muon its refusals in every mode, AdamW its codes where its mode has some (fp32 mode
+    stores float32 moments). Returns whether AdamW's rule counts."""
+    _checks.check_track_format(value, adamw_format, capturable, counts_refusals=True)
+    return value and has_format_counts(adamw_format)
 
 
 def _exclude_entries(exclude) -> tuple[str, ...]:
@@ -82,9 +112,11 @@ def _exclude_entries(exclude) -> tuple[str, ...]:
 
 # PackedMuonAdamW's options that are not a group's: each rule keeps one state format for all its
 # groups (its mode and biases: the state_dict records one identity per rule), and the step's own
-# switches. A group holding one would be stepped with the optimizer's, silently: it is refused.
-OPTIMIZER_OPTIONS = ("mode", "mu_bias", "adamw_mode", "m_bias", "rms_bias", "check_nonfinite", "multi_tensor",
-                     "capturable", "batch_ns", "ns_impl", "track_format")
+# switches. A group holding one would be stepped with the optimizer's, silently: it is refused
+# (`_checks.check_group_options`), naming the option that sets it (an AdamW group's mode: adamw_mode).
+OPTIMIZER_OPTIONS = _checks.OPTIMIZER_OPTIONS
+_GROUP_OPTIONS = {kind: {key: "adamw_mode" if kind == "adamw" and key == "mode" else key for key in OPTIMIZER_OPTIONS}
+                  for kind in KINDS}
 # The constructor's defaults for AdamW groups, and the key a group's own value has.
 ADAMW_DEFAULTS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps",
                   "adamw_weight_decay": "weight_decay"}
@@ -101,7 +133,8 @@ class PackedMuonAdamW(Optimizer):
     `ns_steps`, `adjust_lr_fn`, `maximize`; an AdamW group's `lr`, `betas`, `eps`,
     `weight_decay`, `maximize`); the state formats (`mode`, `mu_bias`, `adamw_mode`, `m_bias`,
     `rms_bias`: one per rule) and the step's switches are the optimizer's, and a group that sets
-    one (or the other rule's option) is refused, naming the key. The step,
+    one (or the other rule's option, or a torch option to what the rule does not do, as
+    `amsgrad=True`) is refused, naming the key, when added and when a state_dict's groups load. The step,
     state_dict and load_state_dict are both rules', each rule's state with its format identity
     (every saved group records its rule's); a load checks both before anything changes.
     DTensor (FSDP2) parameters step as each rule steps them, and the state_dict shards with them
@@ -109,8 +142,9 @@ class PackedMuonAdamW(Optimizer):
     PackedAdamW's and PackedMuon's are (`fullgraph=True` holds; the eager step's bits).
     `capturable=True` (CUDA; `lr` and `adamw_lr`, or every group's lr, one-element tensors on the
     device) makes both rules' steps capturable by `torch.cuda.graph`, as PackedMuon's and
-    PackedAdamW's are. `track_format=True` counts both rules' steps (`format_stats`), as each
-    counts alone; AdamW's needs adamw_mode 'packed' or 'fp16'. `master_weights()` and
+    PackedAdamW's are. `track_format=True` counts both rules' steps (`format_stats`), each
+    what it counts alone: Muon's refusals in every mode, AdamW's codes in adamw_mode 'packed' or
+    'fp16' (fp32 mode stores float32 moments: its parameters have no entries). `master_weights()` and
     `load_master_weights()` are both rules' FP32 masters, in this optimizer's parameter order."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -123,9 +157,10 @@ class PackedMuonAdamW(Optimizer):
                  batch_ns: bool | None = None, ns_impl: str = "auto", track_format: bool = False):
         _muon.check_options(type(self).__name__, capturable, batch_ns, ns_impl, lr=lr,
                             check_nonfinite=check_nonfinite)
-        if track_format is not False:  # AdamW's refusals, before any group makes its rule (Muon counts in every mode)
-            _checks.check_track_format(track_format, AdamWStateFormat(adamw_mode, m_bias, rms_bias), capturable,
-                                       mode_option="adamw_mode")
+        adamw_counts = False  # whether AdamW's rule counts too (Muon counts its refusals in every mode)
+        if track_format is not False:  # checked before any group makes its rule
+            adamw_counts = _checked_track_format(track_format, AdamWStateFormat(adamw_mode, m_bias, rms_bias),
+                                                 capturable)
         if capturable and not (isinstance(adamw_lr, torch.Tensor) and adamw_lr.numel() == 1
                                and adamw_lr.is_floating_point()):
             raise ValueError(f"PackedMuonAdamW(capturable=True) needs adamw_lr as a one-element tensor on the "
@@ -144,7 +179,7 @@ class PackedMuonAdamW(Optimizer):
                                         weight_decay=adamw_weight_decay, maximize=maximize),
                           options=dict(mode=adamw_mode, m_bias=m_bias, rms_bias=rms_bias,
                                        check_nonfinite=check_nonfinite, multi_tensor=multi_tensor,
-                                       capturable=capturable, track_format=track_format)),
+                                       capturable=capturable, track_format=adamw_counts)),
         }
         self._rules: dict[str, Optimizer] = {}
         super().__init__(params, {})
@@ -160,7 +195,7 @@ class PackedMuonAdamW(Optimizer):
             raise ValueError(f"param_groups[{len(self.param_groups)}] has kind={kind!r}: every group of "
                              f"PackedMuonAdamW says its rule, kind='muon' or kind='adamw' (muon_param_groups(model) "
                              "makes them)")
-        self._check_group_options(param_group, len(self.param_groups), kind)
+        self._check_group_options(param_group, f"param_groups[{len(self.param_groups)}]")
         group = dict(param_group)
         params = group["params"]
         group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -192,20 +227,19 @@ class PackedMuonAdamW(Optimizer):
         finally:
             self._note_param_lists()
 
-    def _check_group_options(self, group: dict, index: int, kind: str) -> None:
-        """Refuses a key the group's rule would not read from it (`OPTIMIZER_OPTIONS`, the
-        constructor's `adamw_*` defaults, the other rule's hyperparameters), naming it."""
+    def _check_group_options(self, group: dict, where: str) -> None:
+        """Refuses, for a group added or about to load (`where` names it), a key the group's rule
+        would not read from it, naming it: an option of the optimizer's or an unsupported torch
+        option (`_checks.check_group_options`, every optimizer's one check), the constructor's
+        `adamw_*` defaults, the other rule's hyperparameters."""
+        kind = group["kind"]
         other = "adamw" if kind == "muon" else "muon"
         others = set(self._rule_options[other]["defaults"]) - set(self._rule_options[kind]["defaults"])
-        where = f"param_groups[{index}] (kind={kind!r}) sets {{key!r}}"
+        where = f"{where} (kind={kind!r})"
+        _checks.check_group_options(group, where, type(self).__name__, _GROUP_OPTIONS[kind],
+                                    self.__dict__.get("capturable", False))
+        where = f"{where} sets {{key!r}}"
         for key in group:
-            if key in OPTIMIZER_OPTIONS:
-                option = "adamw_mode" if kind == "adamw" and key == "mode" else key
-                raise ValueError(
-                    f"{where.format(key=key)}: a group cannot have its own state format or step switches "
-                    f"({', '.join(OPTIMIZER_OPTIONS)}); PackedMuonAdamW keeps one per rule for all its groups. Pass "
-                    f"it to the optimizer, PackedMuonAdamW(..., {option}=...), or step these parameters with an "
-                    "optimizer of their own")
             if key in ADAMW_DEFAULTS:
                 raise ValueError(f"{where.format(key=key)}: {key} is the constructor's default for AdamW groups; a "
                                  f"group's own AdamW setting is {ADAMW_DEFAULTS[key]!r}")
@@ -240,26 +274,33 @@ class PackedMuonAdamW(Optimizer):
     @property
     def track_format(self) -> bool:
         """Whether the steps made from now on are counted (`format_stats`): set here (for both
-        rules) or on a rule since; it may be switched between steps."""
-        return any(rule.track_format for rule in self.__dict__.get("_rules", {}).values())
+        rules, each counting what it can) or on a rule since; it may be switched between steps."""
+        rules = self.__dict__.get("_rules", {})
+        return any(rule.track_format for rule in rules.values()) or any(
+            settings["options"]["track_format"] for kind, settings in self.__dict__.get("_rule_options", {}).items()
+            if kind not in rules)
 
     @track_format.setter
     def track_format(self, value: bool) -> None:
         adamw = self._rule_options["adamw"]["options"]
-        _checks.check_track_format(value, AdamWStateFormat(adamw["mode"], adamw["m_bias"], adamw["rms_bias"]),
-                                   self.__dict__.get("capturable", False), mode_option="adamw_mode")
-        for settings in self._rule_options.values():
-            settings["options"]["track_format"] = value
-        for rule in self._rules.values():
-            rule.track_format = value
+        adamw_counts = _checked_track_format(value, AdamWStateFormat(adamw["mode"], adamw["m_bias"],
+                                                                     adamw["rms_bias"]),
+                                             self.__dict__.get("capturable", False))
+        self._rule_options["muon"]["options"]["track_format"] = value
+        adamw["track_format"] = adamw_counts
+        for kind, rule in self._rules.items():
+            rule.track_format = self._rule_options[kind]["options"]["track_format"]
 
     def format_stats(self) -> dict:
         """Both rules' `format_stats` in one dict, in this optimizer's parameter order (keys: a
         parameter's name, or its (group, position) here): Muon's entries as PackedMuon gives them
         (`refused`, `elements`, `saturated_mu`, ...), AdamW's as PackedAdamW (`elements`,
-        `saturated_m`, ...). Counts since the last call, reset on read."""
+        `saturated_m`, ...; none in adamw_mode 'fp32', which has no codes to count). Counts since
+        the last call, reset on read; as each rule's, they travel with a pickle or a copy, and
+        with nothing counted since the last read the result is {} while `track_format` is on and
+        an error while it is off."""
         counted = [rule for rule in self._rules.values() if _engine.counts_to_read(rule)]
-        if not counted:
+        if not counted and not self.track_format:
             raise _engine.no_counts_error(type(self).__name__)
         merged = {}
         for rule in counted:
@@ -373,6 +414,7 @@ class PackedMuonAdamW(Optimizer):
                 raise ValueError(f"load_state_dict: saved param_groups[{i}] ({ours['kind']}) has format "
                                  f"{saved_identity!r} but this optimizer uses {identities[ours['kind']]!r}; "
                                  "construct it with the saved run's modes and biases")
+            self._check_group_options(saved, f"load_state_dict: saved param_groups[{i}]")
         checked = {}
         for kind, rule in self._rules.items():
             part = {"state": state_dict["state"],

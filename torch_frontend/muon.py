@@ -262,8 +262,11 @@ class PackedMuon(Optimizer):
     Parameters are 2-D matrices, float32 or bfloat16 (a bf16 one keeps an exact FP32 master as
     PackedAdamW's do: its state adds the int16 low half `"lo"`), contiguous, on one device.
     Embeddings, heads, norms and scalars belong to AdamW: `PackedMuonAdamW` steps both rules
-    as one optimizer. `maximize=True` steps on the negated gradient. A matrix whose gradient,
-    momentum or Newton-Schulz input is not finite is refused whole: its weights and momentum
+    as one optimizer. A parameter group sets its own hyperparameters (torch.optim.Muon's and
+    `maximize`); one that sets an option of the optimizer (`mode`, `mu_bias`, a switch) is
+    refused naming it, when added and when a state_dict's groups load: every group shares the
+    optimizer's state format. `maximize=True` steps on the negated gradient. A matrix whose
+    gradient, momentum or Newton-Schulz input is not finite is refused whole: its weights and momentum
     stay as they were (MUON.md); with `check_nonfinite=True` the step then raises
     `NonFiniteGradientError` naming it. DTensor parameters (FSDP2's `fully_shard`) step shard
     by shard with Newton-Schulz on the gathered whole matrix, with the single process's bits,
@@ -298,6 +301,10 @@ class PackedMuon(Optimizer):
     """
 
     rule_name = "muon"
+    # The optimizer's options a group cannot set (`_checks.check_group_options`), each the
+    # constructor's option of the same name.
+    group_options = {key: key for key in ("mode", "mu_bias", "check_nonfinite", "capturable", "batch_ns", "ns_impl",
+                                          "track_format")}
 
     def __init__(
         self,
@@ -349,16 +356,19 @@ class PackedMuon(Optimizer):
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "state_format": self.state_format, "check_nonfinite": self.check_nonfinite,
                 "capturable": self.__dict__.get("capturable", False), "batch_ns": getattr(self, "batch_ns", False),
-                "ns_impl": getattr(self, "ns_impl", "cublas"), "track_format": self.track_format}
+                "ns_impl": getattr(self, "ns_impl", "cublas"), "track_format": self.track_format,
+                "format_counts": _engine.pickled_counts(self)}
 
     def __setstate__(self, state: dict) -> None:
         # The switch lives behind the property (`_track_format`); a pickle carries it by name, and
         # torch's load_state_dict (only "state" and "param_groups") keeps the one set.
         state["_track_format"] = bool(state.pop("track_format", self.__dict__.get("_track_format", False)))
+        counts = state.pop("format_counts", None)  # the counts not read yet travel by value (as PackedAdamW's)
         super().__setstate__(state)  # torch's load_state_dict passes new groups: the compiled step's lists follow
         self.__dict__.setdefault("capturable", False)
         add_missing_exponents(self)
         self._note_param_lists()
+        _engine.restore_pickled_counts(self, counts)
         if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer
             self._compile_token = _compiled.register(self)
 
@@ -379,6 +389,7 @@ class PackedMuon(Optimizer):
         try:
             index = _checks.shown_group_index(self, len(self.param_groups) - 1)
             group = self.param_groups[-1]
+            self._check_group_options(group, f"param_groups[{index}]")
             _checks.check_listed_once(group, index, "torch.optim.Muon")
             validate_group(group, f"param_groups[{index}]")
             for param_index, p in enumerate(group["params"]):
@@ -389,6 +400,11 @@ class PackedMuon(Optimizer):
             self.param_groups.pop()
             raise
         self._note_param_lists()
+
+    def _check_group_options(self, group: dict, where: str) -> None:
+        """As PackedAdamW's: `_checks.check_group_options` with PackedMuon's options."""
+        _checks.check_group_options(group, where, type(self).__name__, self.group_options,
+                                    self.__dict__.get("capturable", False))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -419,8 +435,10 @@ class PackedMuon(Optimizer):
         per matrix (its name when the groups carry `param_names`, else its position): `refused`
         (steps that refused it), `elements` (element-steps of the steps that accepted it) and, in
         packed mode, `saturated_mu`, `flushed_mu`, `subnormal_mu` over those (MUON.md, "Format
-        counts"). This call waits for the GPU; the steps do not. Loading a state starts the
-        counts afresh. Warns once per matrix whose saturated share passes SATURATION_WARNING."""
+        counts"). This call waits for the GPU; the steps do not. The counts not read yet travel
+        with a pickle or a copy (as the switch does); loading a state starts them afresh. With no
+        counted step since the last read: {} while `track_format` is on, an error while it is off.
+        Warns once per matrix whose saturated share passes SATURATION_WARNING."""
         return _engine.format_stats(self, FORMAT_COUNTS if self.state_format.mode == "packed" else ())
 
     def master_weights(self) -> list[torch.Tensor]:
@@ -1167,6 +1185,7 @@ def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
     identity without them) loads with every exponent 0: its codes keep the values they had."""
     identity = _persistence.saved_identity(opt, state_dict)
     without_exponents = opt.state_format.check_identity(identity)
+    _persistence.check_saved_group_options(opt, state_dict["param_groups"])
     saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
     our_params = [p for g in opt.param_groups for p in g["params"]]
     if len(saved_params) != len(our_params):

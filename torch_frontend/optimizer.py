@@ -34,7 +34,12 @@ class PackedAdamW(Optimizer):
     tensor, which `multi_tensor=False` selects). `maximize=True` (per group, as in torch)
     gives the bits of a step on the negated gradient. `foreach`, `fused` and `differentiable`
     are accepted as None or False, as configurations pass them; `amsgrad` is refused (the
-    word holds no running maximum). `capturable=True` (CUDA, a tensor `lr`) keeps the step
+    word holds no running maximum). A parameter group sets its own `lr`, `betas`, `eps`,
+    `weight_decay` and `maximize`; one that sets an option of the optimizer (`mode`, a bias, a
+    switch) or a torch option to what PackedAdamW does not do (`amsgrad=True`,
+    `decoupled_weight_decay=False`, ...) is refused naming it, when added and when a
+    state_dict's groups load (torch's keys at their defaults, as torch.optim.AdamW's groups
+    hold them, are accepted). `capturable=True` (CUDA, a tensor `lr`) keeps the step
     counts and the learning rate on the device, so `torch.cuda.graph` can capture a step
     (README, "Distributed, compiled, captured"). Under `torch.compile` the step is one custom
     op (`packed_adamw::step_`) with the eager step's bits and state (docs/MULTI_TENSOR.md,
@@ -56,6 +61,10 @@ class PackedAdamW(Optimizer):
     """
 
     rule_launch = ADAMW_LAUNCH  # what the shared step machinery (_engine, _plan, _launch) launches
+    # The optimizer's options a group cannot set (`_checks.check_group_options`), each the
+    # constructor's option of the same name.
+    group_options = {key: key for key in ("mode", "m_bias", "rms_bias", "multi_tensor", "check_nonfinite",
+                                          "capturable", "track_format")}
 
     def __init__(
         self,
@@ -108,7 +117,7 @@ class PackedAdamW(Optimizer):
         # torch.optim keeps only defaults, state and param_groups; a copy needs the format too.
         state = {**super().__getstate__(), "state_format": self.state_format, "multi_tensor": self.multi_tensor,
                  "check_nonfinite": self.check_nonfinite, "track_format": self.track_format,
-                 "capturable": self.capturable}
+                 "capturable": self.capturable, "format_counts": _engine.pickled_counts(self)}
         return _persistence.words_as_int32(self, state)
 
     def __setstate__(self, state: dict) -> None:
@@ -118,8 +127,10 @@ class PackedAdamW(Optimizer):
         state.setdefault("capturable", self.__dict__.get("capturable", False))
         # The switch lives behind the property (`_track_format`); a pickle carries it by name.
         state["_track_format"] = bool(state.pop("track_format", self.__dict__.get("_track_format", False)))
+        counts = state.pop("format_counts", None)  # the counts not read yet travel by value (id(param) keys do not)
         super().__setstate__(state)
         self._note_param_lists()
+        _engine.restore_pickled_counts(self, counts)
         if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer (load_state_dict keeps it)
             self._compile_token = _compiled.register(self)
         if as_int32:
@@ -132,6 +143,7 @@ class PackedAdamW(Optimizer):
             super().add_param_group(param_group)
         try:  # a refused group must not stay behind
             index = _checks.shown_group_index(self, len(self.param_groups) - 1)  # as messages name it
+            self._check_group_options(self.param_groups[-1], f"param_groups[{index}]")
             _checks.check_listed_once(self.param_groups[-1], index)
             _checks.validate_group(self.param_groups[-1], index, self.rule_launch.rule)
             _checks.check_one_device([p for g in self.param_groups for p in g["params"]], f"param_groups[{index}]")
@@ -139,6 +151,12 @@ class PackedAdamW(Optimizer):
             self.param_groups.pop()
             raise
         self._note_param_lists()
+
+    def _check_group_options(self, group: dict, where: str) -> None:
+        """A group (added, or saved and about to load) holds no option of the optimizer's, nor a
+        torch option set to what this optimizer does not do: `_checks.check_group_options`."""
+        _checks.check_group_options(group, where, type(self).__name__, self.group_options,
+                                    self.__dict__.get("capturable", False))
 
     def _note_param_lists(self) -> None:
         """The groups' parameter lists, for compiled steps to iterate (`_compiled.traced_step`):
@@ -189,8 +207,11 @@ class PackedAdamW(Optimizer):
         `flushed_m`, `flushed_rms`, `subnormal_m`, `subnormal_rms`, as FORMAT.md ("Format
         counts") defines them, over the steps made with `track_format` on (`elements` says
         how many element-steps that was); the step itself never waits for the GPU, this call
-        does. Loading a state starts the counts afresh. Warns once per
-        parameter whose saturated share passes `SATURATION_WARNING`, saying which bias to move."""
+        does. The counts not read yet travel with a pickle or a copy of the optimizer (as the
+        switch does); loading a state starts them afresh. With no counted step since the last
+        read it returns {} while `track_format` is on, and raises while it is off (no step could
+        have been counted). Warns once per parameter whose saturated share passes
+        `SATURATION_WARNING`, saying which bias to move."""
         return _engine.format_stats(self, FORMAT_COUNTS)
 
     # ---- saving and loading -------------------------------------------------------------
