@@ -218,7 +218,8 @@ def test_state_holds_the_layout(tape, tmp_path):
     assert metadata["code"]["files"]["packed_adamw.torch/gpt/training_state.py"]
     entries = {e["name"]: e for e in metadata["optimizer"]["entries"].values()}
     assert entries["head.weight"]["scalars"] == {"step": 2} and entries["head.weight"]["kind"] == "adamw"
-    assert entries["up.weight"]["tensors"] == ["lo", "momentum_code"] and entries["up.weight"]["kind"] == "muon"
+    assert entries["up.weight"]["tensors"] == ["lo", "momentum_code", "mu_exponent"]
+    assert entries["up.weight"]["kind"] == "muon"
 
 
 def test_refuses_other_config_code_or_damage(tape, tmp_path):
@@ -284,6 +285,13 @@ def test_export_has_reference_signs(tape, tmp_path, dtype):
         assert (torch.sign(first[nonzero]) == -torch.sign(g[nonzero])).all(), name
     assert (tensors["params/head.weight/scnd_mntm"] >= 0).all()
     assert "params/up.weight/scnd_mntm" not in tensors  # Muon keeps one moment
+    # Muon's first moment is the momentum's value: its codes times 2**mu_exponent (11 bits kept
+    # down to 30 binades below the matrix's largest), here (1 - momentum) * g.
+    momentum = next(g["momentum"] for g in run.optimizer.param_groups if g["kind"] == "muon")
+    for name in ("up.weight", "down.weight"):
+        expected, first = (1 - momentum) * grads[name], -tensors[f"params/{name}/first_mntm"]
+        tiny = expected.abs().max() * 2.0**-30
+        assert torch.allclose(first, expected, rtol=2.0**-10, atol=float(tiny)), name
     assert not torch.signbit(tensors["params/gate/first_mntm"][tensors["params/gate/first_mntm"] == 0]).any()
     assert json.loads(json.dumps(metadata["config"])) == run.config
 

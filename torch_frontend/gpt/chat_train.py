@@ -125,6 +125,7 @@ from safetensors.torch import save_file
 from packed_adamw.core import validate_hyperparams as validate_adamw
 from packed_adamw.core.atomic_file import atomic_path
 from packed_adamw.core.muon import validate_hyperparams as validate_muon
+from packed_adamw.core.muon.rule import MOMENTUM_EXPONENT
 from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, read_header
 from packed_adamw.torch import _dtensor
 from packed_adamw.torch.combined import PackedMuonAdamW
@@ -406,10 +407,13 @@ def _whole_state_entry(value):
     """An optimizer state entry of a sharded parameter as a single process holds it, on the CPU
     (collective: every rank gathers). Sharded entries keep their bits in types the collectives
     carry (_dtensor.py, muon.py): int8 pairs [*shape, 2] for the int16 low halves and Muon codes,
-    int32 for the uint32 AdamW words; these are viewed back."""
+    int32 for the uint32 AdamW words; these are viewed back. A per-matrix entry (Muon's int32
+    exponent, 0-d, replicated) is taken as it is."""
     if not _is_dtensor(value):
         return value
     whole = value.full_tensor().cpu()
+    if whole.dim() == 0:
+        return whole
     if whole.dtype == _dtensor.SHARDED_LOW_HALF_DTYPE:
         return whole.view(torch.int16).squeeze(-1)
     if whole.dtype == _dtensor.SHARDED_WORDS_DTYPE:
@@ -417,11 +421,15 @@ def _whole_state_entry(value):
     return whole
 
 
-def _sharded_state_entry(value, param: torch.Tensor):
+def _sharded_state_entry(key: str, value, param: torch.Tensor):
     """The inverse of _whole_state_entry: a single process's state entry of `param`, as the
-    sharded optimizer stores it (this rank's shard)."""
+    sharded optimizer stores it (this rank's shard; a per-matrix entry replicated on its mesh)."""
     from torch.distributed.tensor import Shard
-    if not isinstance(value, torch.Tensor) or not _is_dtensor(param) or value.dim() == 0:
+    if not isinstance(value, torch.Tensor) or not _is_dtensor(param):
+        return value
+    if key == MOMENTUM_EXPONENT.key:
+        return _dtensor.replicated(param, value.to(param.to_local().device))
+    if value.dim() == 0:
         return value
     if value.dtype == torch.int16:
         return _like_param(value.unsqueeze(-1).view(_dtensor.SHARDED_LOW_HALF_DTYPE), param)
@@ -471,7 +479,7 @@ class UnshardedTwin:
                 p.copy_(_like_param(whole, p))
         saved = self.optimizer.state_dict()
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        state = {index: {key: _sharded_state_entry(v, params[index]) for key, v in entry.items()}
+        state = {index: {key: _sharded_state_entry(key, v, params[index]) for key, v in entry.items()}
                  for index, entry in saved["state"].items()}
         optimizer.load_state_dict({**saved, "state": state})
 

@@ -61,6 +61,7 @@ from packed_adamw.core import codecs
 from packed_adamw.core.adamw.state_format import StateFormat as AdamWFormat
 from packed_adamw.core.adamw.state_format import unpack_words
 from packed_adamw.core.muon.numpy_step import decode_momentum
+from packed_adamw.core.muon.rule import MOMENTUM_EXPONENT
 from packed_adamw.core.muon.state_format import StateFormat as MuonFormat
 
 from .checkpoint import CheckpointError, _atomic_save, _checkpoint_sha256, _torch_save_contents, config_differences
@@ -488,7 +489,8 @@ def _decoded_moments(entry: dict, tensors: dict, formats: dict, shape) -> dict[s
         # the 16-bit codes live in int16 tensors (muon.py); the codec indexes by their uint16 bits
         codes = None if state is None else (state.numpy().view(np.uint16) if state.dtype == torch.int16
                                             else state.numpy())
-        m = decode_momentum(codes, fmt) if keys else zeros
+        exponent = tensors.get(f"params/{name}/opt/{MOMENTUM_EXPONENT.key}")  # absent: a state saved before them
+        m = decode_momentum(codes, fmt, 0 if exponent is None else int(exponent)) if keys else zeros
         return {"first_mntm": np.float32(0) - m.reshape(shape)}
     fmt = AdamWFormat(**formats["adamw"])
     if not keys:
