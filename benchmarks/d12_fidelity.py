@@ -12,7 +12,11 @@ autocast, torch.optim.Muon + fused torch.optim.AdamW). `--steps`, `--batch`, `--
 `--context`, `--eval-*` and `--preset` change them (small values for a CPU check).
 
 The record (JSON) is written after every run, so a call cut short keeps what it ran; a run of
-the same stack, seed and trainer flags already in the record is not run again. Each entry holds
+the same stack, seed, trainer flags and code (`environment`'s `code`) already in the record is not
+run again, and the table takes only runs of the code it is written with, unless `--reuse` names
+earlier codes whose runs may stand for it (say why where the page is written: e.g. the reference stack's
+code did not change between them). A run recorded by hand from an earlier measurement carries
+its `source`. Each entry holds
 the run's val bpb at every evaluation, its summary (tokens/s, peak memory, state bytes), the GPU,
 versions and the code's commit.
 
@@ -61,12 +65,17 @@ def write_record(path: Path, record: dict) -> None:
 
 
 def environment() -> dict:
+    """The machine, versions and the code: `code` is the first 12 hex digits of the SHA-256 of the
+    sources that decide a trajectory (training_state.code_identity, as every state records it), so
+    runs are told apart without a git checkout (the GPU machines get the tree without .git)."""
     import torch
     import triton
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+    from packed_adamw.torch.gpt.training_state import code_identity
+    identity = code_identity()
     return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-            "torch": torch.__version__, "triton": triton.__version__, "commit": commit or None,
-            "date": datetime.date.today().isoformat()}
+            "torch": torch.__version__, "triton": triton.__version__, "code": identity["sha256"][:12],
+            "commit": identity["git_commit"], "date": datetime.date.today().isoformat()}
 
 
 def run_one(args, stack: str, seed: int) -> dict:
@@ -90,11 +99,11 @@ def final(run: dict) -> float:
     return run["val_bpb"][str(max(int(s) for s in run["val_bpb"]))]
 
 
-def table(record: dict, flags: list[str]) -> str:
-    """The page's table over the runs made with `flags`."""
+def table(record: dict, flags: list[str], codes: set) -> str:
+    """The page's table over the runs made with `flags` by the code of `codes`."""
     runs = {}
     for run in record["runs"]:
-        if run["flags"] == flags:
+        if run["flags"] == flags and run.get("code") in codes:
             runs.setdefault(run["stack"], {})[run["seed"]] = run
     baseline = runs.get(BASELINE, {})
     base_values = [final(r) for r in baseline.values()]
@@ -132,7 +141,8 @@ def table(record: dict, flags: list[str]) -> str:
             f"{'-' if state is None else f'{state:.2f}'} |")
     per_seed = ["", "| seed | " + " | ".join(STACKS) + " |", "|---|" + "---|" * len(STACKS)]
     for seed in sorted({s for stack in runs.values() for s in stack}):
-        cells = [f"{final(runs[stack][seed]):.4f}" if seed in runs.get(stack, {}) else "-" for stack in STACKS]
+        cells = [f"{final(runs[stack][seed]):.4f} ({runs[stack][seed].get('source') or runs[stack][seed]['code']})"
+                 if seed in runs.get(stack, {}) else "-" for stack in STACKS]
         per_seed.append(f"| {seed} | " + " | ".join(cells) + " |")
     return "\n".join(lines + per_seed) + "\n"
 
@@ -154,18 +164,22 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=Path, default=Path("runs/d12_fidelity"), help="where the runs' directories go")
     p.add_argument("--record", type=Path, default=Path("docs/results/d12_fidelity.json"))
     p.add_argument("--page", type=Path, default=None, help="write the table (markdown) here")
+    p.add_argument("--reuse", nargs="*", default=[], metavar="CODE",
+                   help="earlier codes (a run's `code`) whose recorded runs the table may take beside this code's")
     args = p.parse_args(argv)
     record = load_record(args.record)
     flags = trainer_flags(args)
+    codes = {environment()["code"], *args.reuse}
     for seed in args.seeds:
         for stack in args.stacks:
-            if any(r["stack"] == stack and r["seed"] == seed and r["flags"] == flags for r in record["runs"]):
+            if any(r["stack"] == stack and r["seed"] == seed and r["flags"] == flags and r.get("code") in codes
+                   for r in record["runs"]):
                 continue
             run = run_one(args, stack, seed)
             record["runs"].append(run)
             write_record(args.record, record)
             print(f"{stack} seed {seed}: val bpb {run['val_bpb']} ({run['seconds']} s)", flush=True)
-    text = table(record, flags)
+    text = table(record, flags, codes)
     print(text)
     if args.page:
         args.page.write_text(text)

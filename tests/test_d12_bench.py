@@ -75,22 +75,26 @@ def test_fidelity_table_pairs_each_seed_with_the_reference():
     fidelity = import_script(BENCHMARKS / "d12_fidelity.py", "d12_fidelity_under_test")
     flags = ["--preset", "d12"]
 
-    def run(stack, seed, bpb, run_flags=flags):
+    def run(stack, seed, bpb, run_flags=flags, code="abc1234"):
         return {"stack": stack, "seed": seed, "flags": run_flags, "val_bpb": {"100": bpb + 0.5, "300": bpb},
-                "tokens_per_s": 1000.0, "peak_memory_bytes": 2**30, "optimizer_state_bytes_per_parameter": 7.4}
+                "tokens_per_s": 1000.0, "peak_memory_bytes": 2**30, "optimizer_state_bytes_per_parameter": 7.4,
+                "code": code}
 
     record = {"runs": [run("reference", 0, 1.27), run("reference", 1, 1.26), run("reference", 2, 1.28),
                        run("packed", 0, 1.275), run("packed", 1, 1.27), run("packed", 2, 1.28),
-                       run("packed", 3, 9.0, ["--preset", "d4"])]}
-    text = fidelity.table(record, flags)
+                       run("packed", 3, 9.0, ["--preset", "d4"]), run("packed", 4, 9.0, code="old0000")]}
+    text = fidelity.table(record, flags, {"abc1234"})
     packed = next(line for line in text.splitlines() if line.startswith("| packed"))
     cells = [c.strip() for c in packed.split("|")[1:-1]]
-    assert cells[1] == "0,1,2" and cells[2] == "1.2750"           # seed 3 ran other flags
+    assert cells[1] == "0,1,2" and cells[2] == "1.2750"           # seed 3 ran other flags, seed 4 other code
     assert cells[5].startswith("+0.0050 (seeds 0,1,2")          # (0.005 + 0.01 + 0) / 3
     assert cells[6] == "0.0200" and cells[7] == "yes"
     record["runs"][3]["val_bpb"]["300"] = 1.40
-    packed = next(line for line in fidelity.table(record, flags).splitlines() if line.startswith("| packed"))
+    packed = next(line for line in fidelity.table(record, flags, {"abc1234"}).splitlines() if line.startswith("| packed"))
     assert [c.strip() for c in packed.split("|")[1:-1]][7] == "no"
+    reused = next(line for line in fidelity.table(record, flags, {"abc1234", "old0000"}).splitlines()
+                  if line.startswith("| packed"))
+    assert [c.strip() for c in reused.split("|")[1:-1]][1] == "0,1,2,4"  # --reuse names the earlier code
 
 
 def test_a_compiled_cpu_run_compiles_once_and_reports_flops_but_no_mfu(bench, tmp_path):

@@ -138,7 +138,7 @@ from .distributed import Ranks, ddp_rebuild_buckets, launched_rank, resolve_devi
 from .optimizers import optimizer_state_bytes
 from .packed_data import DEFAULT_PACKING, PACKING_RULES, PackedBatch, PackedDocumentLoader
 from .run_directory import (
-    GuardedRunLog, RunDirectoryError, RunFiles, RunWriteError, StopRequest, check_out, claim, finished_run_summary,
+    ENDED, GuardedRunLog, RunDirectoryError, RunFiles, RunWriteError, StopRequest, check_out, claim, finished_run_summary,
     on_main_rank, refuse_earlier_run, refuse_to_replace, write_summary, writing,
 )
 from .schedules import ScheduleConfig, apply_schedule, build_schedule
@@ -583,6 +583,10 @@ def resume_source(out: Path, resume: Path | str | None) -> Path | None:
     (None: a fresh start, refused by refuse_earlier_run where --out holds another run's files)."""
     if resume == "auto":
         states = states_in(out)
+        ended = RUN_FILES.ended(out)
+        if ended and states and ended.startswith(ENDED["diverged"]):  # its newest state would diverge again
+            raise RunDirectoryError(f"--resume auto: --out {out} holds a run that has ended ({ended}); start "
+                                    "again into another --out (with other settings)")
         return states[-1] if states else None
     return resume
 
@@ -609,19 +613,30 @@ def tape_feeds(loader: PackedDocumentLoader, batches: int) -> bool:
     return fed
 
 
+# The schedule's tables hold a row per step (in every state too): a million steps is 24 MB of them.
+MAX_SCHEDULE_STEPS = 1_000_000
+
+
 def check_steps_fit(args: argparse.Namespace, train_tape: TapeReader, rows_per_step: int) -> None:
-    """Refuse a --steps the tape cannot feed, before the schedule of that many steps is built: a
-    step takes rows_per_step rows of --context new tokens (the split rule takes exactly these,
-    the crop rule at least these), and a state after the last step holds the next batch."""
+    """Refuse a run the tape cannot feed, before the schedule is built: the steps this run takes
+    (--stop-at's, when it stops early; the schedule may be longer, as the reference documents'
+    1,680-step schedule stopped at 250) each take rows_per_step rows of --context new tokens (the
+    split rule takes exactly these, the crop rule at least these), and a state after the last
+    step holds the next batch. A schedule past MAX_SCHEDULE_STEPS is refused too."""
+    if args.steps > MAX_SCHEDULE_STEPS:
+        raise ChatTrainError(f"--steps {args.steps}: the schedule's tables hold a row per step, in every state; "
+                             f"pass at most {MAX_SCHEDULE_STEPS:,}")
+    flag, steps = ("--stop-at", args.stop_at) if args.stop_at and args.stop_at < args.steps else ("--steps", args.steps)
     step_tokens = rows_per_step * args.context
     most = train_tape.num_tokens // step_tokens - 1
-    if args.steps <= most:
+    if steps <= most:
         return
-    holds = (f"--steps {args.steps}: {train_tape.path} holds {train_tape.num_tokens:,} tokens, which feed "
+    holds = (f"{flag} {steps}: {train_tape.path} holds {train_tape.num_tokens:,} tokens, which feed "
              f"{f'at most {most} steps' if most > 0 else 'no step'} of {rows_per_step} rows x {args.context} tokens "
              "and the next batch that the last state holds")
     if most > 0:
-        raise ChatTrainError(f"{holds}: pass --steps {most} or fewer, or a tape with more tokens (tape build --passes)")
+        raise ChatTrainError(f"{holds}: pass {flag} {most} or fewer (--stop-at keeps a longer schedule), or a tape "
+                             "with more tokens (tape build --passes)")
     raise ChatTrainError(f"{holds}: pass a smaller --batch or --context, or a tape with more tokens")
 
 
@@ -747,13 +762,6 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks, resume:
                                  "next batch): pass a smaller --batch or --context, or a longer tape")
         if args.optimizer == "packed":
             start_masters(optimizer, core, initial)
-
-        def write_schedule() -> None:
-            path = out / "schedule.safetensors"
-            with writing(path), atomic_path(path) as written:
-                save_file(schedule.to_tensors(prefix=""), str(written),
-                          metadata={"schedule": json.dumps(schedule.config.to_dict())})
-        on_main_rank(ranks, device, write_schedule)
     else:
         # The file holds rank 0's next micro-batch and the cursor between steps, which every rank
         # shares whatever the number of ranks (module docstring): every rank loads through a
@@ -785,6 +793,15 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks, resume:
             return finished_run_summary(resume, summary_path, log_path, step, summary_from_log,
                                         write=ranks.main, say=say)
         say(f"resumed from {resume} at step {step}")
+
+    def write_schedule() -> None:
+        """This run's tables, written by every session (a resume into a new --out, or over a stale
+        file of a start that failed before its first step, leaves none of another run's)."""
+        path = out / "schedule.safetensors"
+        with writing(path), atomic_path(path) as written:
+            save_file(schedule.to_tensors(prefix=""), str(written),
+                      metadata={"schedule": json.dumps(schedule.config.to_dict())})
+    on_main_rank(ranks, device, write_schedule)
     if ranks.main:
         with writing(log_path):
             keep_records_up_to(log_path, step)  # lines after the resume point came from a session that died

@@ -264,7 +264,12 @@ class RunFiles:
             return None
         states = self.states(out)
         step = self.state_step(states[-1]) if states else None
-        if step is not None and summary.get("step") != step:
+        ended_at = summary.get("step")
+        # A run that diverged ended after its newest state (the last good one, which a resume would
+        # take into the same divergence); the others end at a state.
+        newer = step > ended_at if summary["stopped_because"] == "diverged" and isinstance(ended_at, int) \
+            else step != ended_at
+        if step is not None and newer:
             return None  # a newer state than the summary's: a later session that did not end
         return f"{ENDED[summary['stopped_because']]} at step {summary.get('step')}"
 
