@@ -16,6 +16,7 @@ from packed_adamw.torch.gpt.chat_model import (
     PRESETS, ChatConfig, ChatGPT, chat_parameter_kind, compile_chat_model, compiled_graph_count,
 )
 from packed_adamw.torch.gpt.families import family_of, new_model
+from packed_adamw.torch.gpt.optimizers import optimizer_state_bytes
 from packed_adamw.torch.gpt.telemetry import chat_flops_per_token
 
 TINY_VOCAB = 61
@@ -339,6 +340,40 @@ def test_muon_adamw_groups_are_nanochats_split_and_step_in_packed_muon_adamw():
     must_move = {n for n, p in model.named_parameters() if n in decayed or bool(p.grad.ne(0).any())}
     assert "smear_gate.weight" not in must_move and len(must_move) >= len(before) - 3
     assert changed == must_move
+
+
+SCALARS = ("resid_lambdas", "x0_lambdas", "smear_gate.weight", "smear_lambda", "backout_lambda")
+
+
+def test_the_scalar_groups_keep_fp32_adamw_state_and_the_state_costs_what_each_format_does():
+    """nanochat's scalars keep fp32 AdamW moments (issue 53: packed AdamW's RMS code saturated on
+    their gradients), 8 bytes each (d12's 50: 400 bytes); the embeddings, value embeddings and
+    head keep the optimizer's packed AdamW words (4 bytes), the matrices packed Muon codes (2
+    bytes, and a 4-byte exponent per matrix). The state holds exactly that."""
+    with torch.device("meta"):
+        d12 = new_model("d12")
+    own = {n: g["mode"] for g in d12.muon_adamw_groups() if "mode" in g for n in g["param_names"]}
+    assert own == dict.fromkeys(SCALARS, "fp32")
+    assert sum(p.numel() for n, p in d12.named_parameters() if n in own) == 50
+
+    torch.manual_seed(6)
+    model = ChatGPT(SMALL)
+    groups = model.muon_adamw_groups()
+    optimizer = PackedMuonAdamW(groups)
+    idx = torch.randint(0, TINY_VOCAB, (1, 8))
+    model(idx, idx)[1].backward()
+    optimizer.step()
+    assert sorted(optimizer.rules) == ["adamw", "adamw:fp32:m=f32,v=f32", "muon"]
+    cost = {("adamw", "fp32"): lambda p: 8 * p.numel(), ("adamw", "packed"): lambda p: 4 * p.numel(),
+            ("muon", "packed"): lambda p: 2 * p.numel() + 4}
+    expected = {name: cost[g["kind"], optimizer.rules[optimizer.rule_key(g)].state_format.mode](p)
+                for g in optimizer.param_groups for name, p in zip(g["param_names"], g["params"])}
+    names = {id(p): n for n, p in model.named_parameters()}
+    held = {names[id(p)]: sum(t.untyped_storage().nbytes() for t in state.values() if torch.is_tensor(t))
+            for p, state in optimizer.state.items()}
+    assert held == expected
+    assert optimizer_state_bytes(optimizer) == sum(expected.values())
+    assert sum(held[n] for n in SCALARS) == 8 * sum(p.numel() for n, p in model.named_parameters() if n in SCALARS)
 
 
 def test_every_parameter_has_a_telemetry_kind():

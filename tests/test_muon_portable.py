@@ -316,3 +316,63 @@ def test_exponents_travel_and_a_state_exported_before_them_imports_with_exponent
     assert np.array_equal(out.moments[0][0], out.moments[0][2])  # and the same codes
     back = import_muon_state(out, stack, muon_weight_dimension_numbers=dims)
     assert np.array_equal(np.asarray(back.exponents["stack"]), np.asarray(jstate.exponents["stack"]))
+
+
+def own_format_optimizer(params, own: bool = True) -> PackedMuonAdamW:
+    """PARAMS in groups of their own state format: fp32 Muon ('tall') and fp32 AdamW ('gain',
+    'bias') beside packed groups of each rule, when `own`; all packed otherwise."""
+    fp32 = {"mode": "fp32"} if own else {}
+    named = dict(zip((name for name, _, _, _ in PARAMS), params))
+
+    def group(kind, names, **options):
+        return {"params": [named[n] for n in names], "param_names": list(names), "kind": kind, **options}
+
+    return PackedMuonAdamW([group("muon", ("wide", "square")), group("muon", ("tall",), **fp32),
+                            group("adamw", ("embed",)), group("adamw", ("gain", "bias"), **fp32)],
+                           lr=LR, weight_decay=WD, momentum=BETA, adamw_lr=ADAM_LR, adamw_weight_decay=ADAM_WD)
+
+
+def test_groups_of_their_own_state_format_export_and_import_each_tensor_in_its_format(tmp_path):
+    """Each tensor travels in its group's format ("mixed"); a fresh optimizer over the same groups
+    imports it bit for bit and then steps as the exporting one. One whose groups keep other
+    formats is refused naming the parameter, and a bad count in the second AdamW format's tensors
+    is refused before the first format's tensors change anything."""
+    weights, grads = problem(seed=41, steps=4)
+    params, twin = torch_params(weights), torch_params(weights)
+    opt = own_format_optimizer(params)
+    for g in grads[:2]:
+        torch_step(opt, params, g)
+    exported = opt.export_state()
+    order = ["wide", "square", "tall", "embed", "gain", "bias"]  # param_groups flattened
+    assert exported.format == MIXED and exported.tensor_formats() == [
+        "muon-packed:mu=SE5M10b31:scale=pow2/matrix", "muon-packed:mu=SE5M10b31:scale=pow2/matrix",
+        "muon-fp32:mu=f32", "packed:m=SE4M11b15,rms=UE4M12b15", "fp32:m=f32,v=f32", "fp32:m=f32,v=f32"]
+    assert exported.counts == [None, None, None, 2, 2, 2]
+    exported.save(tmp_path / "own.safetensors")
+    portable = PortableState.load(tmp_path / "own.safetensors")
+    imported = own_format_optimizer(twin)
+    imported.import_state(portable)
+    with torch.no_grad():  # the weights travel apart from the state
+        for p, q in zip(params, twin):
+            q.copy_(p)
+    assert_same_tensors(imported.export_state(), exported, "imported")
+    by_name = [dict(zip((n for n, _, _, _ in PARAMS), ps)) for ps in (params, twin)]
+    for g in grads[2:]:
+        torch_step(opt, params, g)
+        torch_step(imported, twin, g)
+        assert_same_tensors(imported.export_state(), opt.export_state(), "stepped on")
+        for name in order:
+            a, b = (named[name].detach() for named in by_name)
+            assert torch.equal(a.view(torch.int16) if a.dtype is BF16 else a.view(torch.int32),
+                               b.view(torch.int16) if b.dtype is BF16 else b.view(torch.int32)), name
+
+    packed = own_format_optimizer(torch_params(weights), own=False)
+    with pytest.raises(ValueError, match=r"tensor 2 \('tall'\) has format 'muon-fp32:mu=f32', the optimizer's "
+                                         r"'muon-packed"):
+        packed.import_state(portable)
+    assert not packed.state
+    portable.counts[5] = -1  # 'bias', in the fp32 AdamW rule, which imports after the packed one
+    before = opt.export_state()
+    with pytest.raises(ValueError, match=r"tensor 1 \('bias'\): step count -1"):
+        opt.import_state(portable)
+    assert_same_tensors(opt.export_state(), before, "after a refused import")

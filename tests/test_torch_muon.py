@@ -1190,9 +1190,9 @@ def three_groups(seed):
     return [torch.nn.Parameter(torch.randn(s)) for s in ((5,), (6, 4), (3,))]
 
 
-def combined_over(params):
+def combined_over(params, third_group: dict | None = None):
     return PackedMuonAdamW([{"params": [params[0]], "kind": "adamw"}, {"params": [params[1]], "kind": "muon"},
-                            {"params": [params[2]], "kind": "adamw"}], lr=0.02, adamw_lr=3e-3)
+                            {"params": [params[2]], "kind": "adamw", **(third_group or {})}], lr=0.02, adamw_lr=3e-3)
 
 
 def snapshot(opt, params) -> list[torch.Tensor]:
@@ -1221,13 +1221,16 @@ def wrong_dtype_gradient(params, i):
     (lambda opt, params: wrong_dtype_gradient(params, 1), TypeError,
      r"^param_groups\[1\]\['params'\]\[0\]: gradient dtype torch.float64"),
 ], ids=["adamw-lr", "muon-lr", "adamw-grad-dtype", "muon-grad-dtype"])
-def test_a_combined_step_that_raises_changes_neither_rule_and_names_the_combined_group(break_step, error, message):
+@pytest.mark.parametrize("third_group", [{}, {"mode": "fp32"}], ids=["one-adamw-format", "fp32-third-group"])
+def test_a_combined_step_that_raises_changes_neither_rule_and_names_the_combined_group(break_step, error, message,
+                                                                                       third_group):
     """Whichever rule refuses (a bad lr a scheduler set, a gradient of a wrong dtype), neither
     rule's parameters or state change, and the message names the group as the user numbers it.
-    Repaired, the optimizer steps as a twin that never failed."""
+    Repaired, the optimizer steps as a twin that never failed. With the third group in fp32 mode
+    its own AdamW rule steps after the first group's: it refuses before the first steps."""
     rng = np.random.default_rng(40)
     params, twin_params = three_groups(1), three_groups(1)
-    opt, twin = combined_over(params), combined_over(twin_params)
+    opt, twin = combined_over(params, third_group), combined_over(twin_params, third_group)
     for _ in range(2):  # the second step runs AdamW's plan
         for p, q in zip(params, twin_params):
             p.grad = gradient(rng, tuple(p.shape))
@@ -1383,22 +1386,27 @@ def test_muon_param_groups_refuses_an_exclude_that_leaves_muon_no_matrix(exclude
     assert [g["kind"] for g in muon_param_groups(no_matrices, exclude="weight")] == ["adamw"]
 
 
-# ---- a group cannot have its own state format ----------------------------------------------------
+# ---- a group's own state format; what a group cannot set ------------------------------------------
 @pytest.mark.parametrize("kind, key, value, message", [
-    ("muon", "mode", "fp32", r"PackedMuonAdamW\(\.\.\., mode=\.\.\.\)"),
-    ("muon", "mu_bias", 30, r"PackedMuonAdamW\(\.\.\., mu_bias=\.\.\.\)"),
-    ("adamw", "mode", "fp32", r"PackedMuonAdamW\(\.\.\., adamw_mode=\.\.\.\)"),
-    ("adamw", "adamw_mode", "fp32", r"PackedMuonAdamW\(\.\.\., adamw_mode=\.\.\.\)"),
-    ("adamw", "m_bias", 5, r"PackedMuonAdamW\(\.\.\., m_bias=\.\.\.\)"),
-    ("adamw", "rms_bias", 5, r"PackedMuonAdamW\(\.\.\., rms_bias=\.\.\.\)"),
-    ("muon", "batch_ns", True, r"PackedMuonAdamW\(\.\.\., batch_ns=\.\.\.\)"),
+    ("muon", "batch_ns", True, r"cannot have its own step switches.*PackedMuonAdamW\(\.\.\., batch_ns=\.\.\.\)"),
+    ("adamw", "multi_tensor", False, r"PackedMuonAdamW\(\.\.\., multi_tensor=\.\.\.\)"),
+    ("adamw", "track_format", True, r"PackedMuonAdamW\(\.\.\., track_format=\.\.\.\)"),
+    ("adamw", "adamw_mode", "fp32", r"the constructor's default for AdamW groups; a group's own AdamW setting is "
+                                    "'mode'"),
     ("adamw", "adamw_lr", 1e-3, r"a group's own AdamW setting is 'lr'"),
     ("adamw", "momentum", 0.9, r"an option of Muon groups, which this AdamW group would ignore"),
+    ("adamw", "mu_bias", 30, r"an option of Muon groups, which this AdamW group would ignore"),
     ("muon", "betas", (0.9, 0.95), r"an option of AdamW groups, which this Muon group would ignore"),
+    ("muon", "m_bias", 5, r"an option of AdamW groups, which this Muon group would ignore"),
+    ("muon", "mode", "fp16", r"mode='fp16' is not one of \('packed', 'bf16', 'fp32'\)"),
+    ("adamw", "mode", "bf16", r"mode='bf16' is not one of \('packed', 'fp16', 'fp32'\)"),
+    ("adamw", "rms_bias", 101, r"rms_bias=101 is outside"),
+    ("muon", "mu_bias", -1, r"mu_bias=-1 is outside"),
 ])
 def test_a_group_option_the_combined_optimizer_would_ignore_is_refused_naming_it(kind, key, value, message):
-    """Each rule keeps one state format for all its groups: a group asking for its own (say fp32
-    momentum) would silently get the optimizer's; so would another rule's option."""
+    """A group's own state format is its rule's options (`mode` and biases: the other rule's
+    are refused), checked as the rule checks them; the step's switches stay the optimizer's, and
+    another rule's option would be ignored: refused, naming the group and the key."""
     model = TinyModel()
     groups = muon_param_groups(model, exclude=("head",))
     index = [g["kind"] for g in groups].index(kind)
@@ -1478,12 +1486,11 @@ def test_a_combined_adamw_group_asking_for_an_unsupported_torch_option_is_refuse
     assert with_defaults.param_groups[index][key] == TORCH_ADAMW_GROUP_DEFAULTS[key]
 
 
-@pytest.mark.parametrize("kind, key, value, option", [("muon", "mode", "fp32", "mode"),
-                                                      ("adamw", "m_bias", 5, "m_bias"),
-                                                      ("adamw", "mode", "fp32", "adamw_mode")])
-def test_a_combined_state_dict_whose_group_sets_a_state_format_is_refused_on_load(kind, key, value, option):
-    """A saved group holding a state-format key would be loaded into the group and ignored by
-    its rule: refused naming the saved group, the key and the constructor option; nothing changes."""
+@pytest.mark.parametrize("kind, key, value", [("muon", "mode", "fp32"), ("adamw", "m_bias", 5),
+                                              ("adamw", "mode", "fp32")])
+def test_a_combined_state_dict_whose_group_sets_a_state_format_is_refused_on_load(kind, key, value):
+    """A saved group whose own state-format key is not the format its state was saved in (the
+    identity it records) was edited: refused naming the saved group and the key; nothing changes."""
     rng = np.random.default_rng(56)
     model = TinyModel()
     opt = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)))
@@ -1495,10 +1502,178 @@ def test_a_combined_state_dict_whose_group_sets_a_state_format_is_refused_on_loa
     params = list(model.parameters())
     before = snapshot(opt, params)
     with pytest.raises(ValueError, match=rf"^load_state_dict: saved param_groups\[{index}\] \(kind='{kind}'\) sets "
-                                         rf"{key!r}: .*PackedMuonAdamW\(\.\.\., {option}=\.\.\.\)"):
+                                         rf"{key!r}={value!r}, but its state was saved in format "):
         opt.load_state_dict(saved)
     assert key not in opt.param_groups[index]
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(opt, params)))
+
+
+# ---- groups of their own state format --------------------------------------------------------------
+FP32_ADAMW, FP32_MUON = "adamw:fp32:m=f32,v=f32", "muon:muon-fp32:mu=f32"
+
+
+def own_format_groups(model, own: bool = True) -> list[dict]:
+    """TinyModel's parameters in four groups: a packed and (`own`) an fp32 one of each rule, the
+    fp32 groups saying so themselves (nanochat's scalars in fp32 AdamW state, say)."""
+    fp32 = {"mode": "fp32"} if own else {}
+    names = dict((id(p), n) for n, p in model.named_parameters())
+
+    def group(kind, params, **options):
+        return {"params": params, "param_names": [names[id(p)] for p in params], "kind": kind, **options}
+
+    return [group("muon", [model.up.weight], **MUON_OPTIONS),
+            group("muon", [model.down.weight], **MUON_OPTIONS, **fp32),
+            group("adamw", [model.embed.weight, model.head.weight], **ADAMW_OPTIONS),
+            group("adamw", [model.up.bias, model.norm.weight, model.norm.bias], **ADAMW_OPTIONS, **fp32)]
+
+
+def each_format_alone(model) -> list:
+    """PackedMuon and PackedAdamW of each format over own_format_groups(model)'s groups."""
+    up, down, packed, fp32 = (g["params"] for g in own_format_groups(model))
+    return [PackedMuon(up, **MUON_OPTIONS), PackedMuon(down, **MUON_OPTIONS, mode="fp32"),
+            PackedAdamW(packed, **ADAMW_OPTIONS), PackedAdamW(fp32, **ADAMW_OPTIONS, mode="fp32")]
+
+
+def assert_same_state(a_opt, a_params, b_opts, b_params) -> None:
+    """Parameters and every state entry bit for bit (one optimizer against one or several)."""
+    for p, q in zip(a_params, b_params):
+        b_state = next(opt.state[q] for opt in b_opts if q in opt.state)
+        assert torch.equal(bits(p), bits(q)) and a_opt.state[p].keys() == b_state.keys()
+        for key, value in a_opt.state[p].items():
+            other = b_state[key]
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), key
+            assert not torch.is_tensor(value) or (value.dtype == other.dtype and torch.equal(bits(value), bits(other)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_groups_of_their_own_state_format_step_as_each_format_alone(dtype):
+    """An fp32 AdamW group beside a packed one, and an fp32 Muon group beside a packed one, each
+    step as the optimizer of that format alone does, bit for bit (state included), one rule
+    optimizer per (kind, format); the constructor's formats keep their rules' keys."""
+    rng = np.random.default_rng(59)
+    torch.manual_seed(59)
+    model = TinyModel().to(dtype)
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        for p in m.parameters():
+            taking_fp32_gradients(p)
+    combined, alone = PackedMuonAdamW(own_format_groups(model), track_format=True), each_format_alone(twin)
+    assert list(combined.rules) == ["muon", FP32_MUON, "adamw", FP32_ADAMW]
+    assert [combined.rules[combined.rule_key(g)].state_format.mode for g in combined.param_groups] == \
+        ["packed", "fp32", "packed", "fp32"]
+    assert [g.get("mode") for g in combined.param_groups] == [None, "fp32", None, "fp32"]  # as given
+    for _ in range(3):
+        set_gradients(rng, model, twin)
+        combined.step()
+        for opt in alone:
+            opt.step()
+        assert_same_state(combined, list(model.parameters()), alone, list(twin.parameters()))
+    assert combined.state[model.norm.weight]["moments"].shape == (2, 6)
+    assert combined.state[model.down.weight]["momentum_buffer"].dtype is torch.float32
+    # Each rule counts what it counts alone: fp32 AdamW has no codes, Muon its refusals in every mode.
+    assert set(combined.format_stats()) == {"up.weight", "down.weight", "embed.weight", "head.weight"}
+
+
+def test_groups_of_their_own_state_format_round_trip_state_dict_pickle_and_deepcopy():
+    rng = np.random.default_rng(60)
+    torch.manual_seed(60)
+    model = TinyModel()
+    opt = PackedMuonAdamW(own_format_groups(model))
+    for _ in range(2):
+        set_gradients(rng, model)
+        opt.step()
+    saved = opt.state_dict()
+    assert [g["packed_adamw_format"] for g in saved["param_groups"]] == [
+        "muon-packed:mu=SE5M10b31:scale=pow2/matrix", "muon-fp32:mu=f32", "packed:m=SE4M11b15,rms=UE4M12b15",
+        "fp32:m=f32,v=f32"]
+    assert saved["packed_adamw"]["format"] == {key: rule.state_format.identity for key, rule in opt.rules.items()}
+    twin = TinyModel()
+    twin.load_state_dict(model.state_dict())
+    loaded = PackedMuonAdamW(own_format_groups(twin))
+    loaded.load_state_dict(copy.deepcopy(saved))
+    assert [g.get("mode") for g in loaded.param_groups] == [None, "fp32", None, "fp32"]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    copies = [(loaded, [p for g in loaded.param_groups for p in g["params"]])]
+    for copied in (pickle.loads(pickle.dumps(opt)), copy.deepcopy(opt)):
+        assert list(copied.rules) == list(opt.rules) and all(r.state is copied.state for r in copied.rules.values())
+        copies.append((copied, [p for g in copied.param_groups for p in g["params"]]))
+    for copied, copied_params in copies:
+        assert_same_state(opt, params, [copied], copied_params)
+        assert copied.state[copied_params[0]]["momentum_code"].dtype is torch.int16
+        assert copied.state[copied_params[3]]["words"].dtype is torch.uint32  # head.weight's, as pickled too
+        assert copied.state[copied_params[-1]]["moments"].dtype is torch.float32
+    for _ in range(2):
+        grads = [gradient(rng, tuple(p.shape)) for p in params]
+        for optimizer, ps in [(opt, params), *copies]:
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            optimizer.step()
+        for copied, copied_params in copies:
+            assert_same_state(opt, params, [copied], copied_params)
+
+
+def test_a_group_format_changed_after_the_group_was_added_is_refused_when_saved_or_loaded():
+    """A group's format is read when it is added: an entry changed since would be saved beside a
+    state of the other format. Refused, naming the group, its entry and the state's format."""
+    opt = PackedMuonAdamW(own_format_groups(TinyModel()))
+    opt.param_groups[3]["mode"] = "packed"
+    message = r"^param_groups\[3\] sets mode='packed' since it was added, but its state is kept in 'fp32:m=f32,v=f32'"
+    with pytest.raises(ValueError, match=message):
+        opt.state_dict()
+    opt.param_groups[3]["mode"] = "fp32"
+    saved = opt.state_dict()
+    opt.param_groups[1]["mode"] = "fp16"  # no Muon mode at all
+    with pytest.raises(ValueError, match=r"^param_groups\[1\] sets mode='fp16' since it was added"):
+        opt.load_state_dict(saved)
+
+
+def test_a_compiled_step_over_groups_of_their_own_state_format_gives_the_eager_bits():
+    """fullgraph=True: one custom op steps every rule (two formats of each kind); aot_eager hands
+    the op copies of the parameters, which each rule steps (the later AdamW rule checked first)."""
+    rng = np.random.default_rng(62)
+    torch.manual_seed(62)
+    model = TinyModel()
+    twin = copy.deepcopy(model)
+    eager, compiled = PackedMuonAdamW(own_format_groups(model)), PackedMuonAdamW(own_format_groups(twin))
+    step = torch.compile(compiled.step, fullgraph=True, backend="aot_eager")
+    for _ in range(2):
+        set_gradients(rng, model, twin)
+        eager.step()
+        step()
+        assert_same_state(eager, list(model.parameters()), [compiled], list(twin.parameters()))
+
+
+@pytest.mark.parametrize("saved_own, loading_own", [(True, False), (False, True)])
+def test_a_state_dict_of_another_group_format_is_refused_naming_the_group(saved_own, loading_own):
+    """A group's state loads only into a group of its format: the first group whose saved format
+    differs is named (the Muon one, param_groups[1]), and nothing changes."""
+    rng = np.random.default_rng(61)
+    model, twin = TinyModel(), TinyModel()
+    opt = PackedMuonAdamW(own_format_groups(model, saved_own))
+    other = PackedMuonAdamW(own_format_groups(twin, loading_own))
+    for optimizer, m in ((opt, model), (other, twin)):
+        set_gradients(rng, m)
+        optimizer.step()
+    saved = opt.state_dict()
+    params = list(twin.parameters())
+    before = snapshot(other, params)
+    theirs, ours = ("muon-fp32:mu=f32", "muon-packed") if saved_own else ("muon-packed", "muon-fp32:mu=f32")
+    with pytest.raises(ValueError, match=rf"^load_state_dict: saved param_groups\[1\] \(muon\) has format '{theirs}.* "
+                                         rf"but this optimizer's param_groups\[1\] uses '{ours}"):
+        other.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(other, params)))
+    # A saved group that does not set its format (saved before groups could) loads into a group
+    # that sets the same format itself.
+    explicit = own_format_groups(twin, False)
+    explicit[0]["mode"] = "packed"
+    plain = PackedMuonAdamW(own_format_groups(model, False))
+    set_gradients(rng, model)
+    plain.step()
+    spelled_out = PackedMuonAdamW(explicit)
+    spelled_out.load_state_dict(plain.state_dict())
+    twin.load_state_dict(model.state_dict())
+    assert list(spelled_out.rules) == ["muon", "adamw"] and spelled_out.param_groups[0]["mode"] == "packed"
+    assert_same_state(plain, list(model.parameters()), [spelled_out], list(twin.parameters()))
 
 
 # ---- pickling a combined optimizer ---------------------------------------------------------------

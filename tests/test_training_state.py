@@ -491,3 +491,96 @@ def test_single_rule_optimizers_are_named_by_their_rule(tape, tmp_path):
     assert group["ns_coefficients"] == (3.0, -4.0, 2.0) and isinstance(group["params"], list)
     assert param_group_from_json({"params": [0], "param_names": ["a"], "x": [[1, 2], [3]]}) == {
         "params": [0], "param_names": ["a"], "x": ((1, 2), (3,))}
+
+
+def own_format_optimizer(model, own: bool = True) -> PackedMuonAdamW:
+    """TinyLM's norm and gate (its vector and scalar) in fp32 AdamW state and `down` in fp32 Muon
+    state, groups of their own beside packed ones (as chat_model keeps nanochat's scalars)."""
+    fp32 = {"mode": "fp32"} if own else {}
+    named = dict(model.named_parameters())
+
+    def group(kind, names, **options):
+        return {"params": [named[n] for n in names], "param_names": list(names), "kind": kind, **options}
+
+    return PackedMuonAdamW([group("muon", ["up.weight"], lr=0.02), group("muon", ["down.weight"], lr=0.02, **fp32),
+                            group("adamw", ["embed.weight", "head.weight"], lr=0.01, weight_decay=0.0),
+                            group("adamw", ["norm", "gate"], lr=0.01, weight_decay=0.0, **fp32)])
+
+
+def own_format_run(tape, seed=0, own=True) -> Run:
+    run = Run(tape, torch.bfloat16, seed=seed)
+    run.optimizer = own_format_optimizer(run.model, own)
+    return run
+
+
+def rewritten(path, out, change) -> None:
+    """The state at `path` with `change(metadata)` applied, checksummed again, written to `out`
+    (a state as an earlier release wrote it)."""
+    from safetensors.torch import save_file
+
+    from packed_adamw.torch.gpt.checkpoint import _checkpoint_sha256
+
+    tensors, metadata = read_state(path)
+    change(metadata)
+    metadata["sha256"] = _checkpoint_sha256(tensors, metadata)
+    save_file(tensors, str(out), metadata={key: json.dumps(value) for key, value in metadata.items()})
+
+
+def test_groups_of_their_own_state_format_resume_bit_exact_and_export_in_their_formats(tape, tmp_path):
+    """A PackedMuonAdamW whose groups keep different formats of one rule saves each tensor in its
+    format, resumes bit for bit, exports each moment decoded by its own format, and is refused by
+    an optimizer whose groups keep other formats (naming the group and the file)."""
+    straight = own_format_run(tape)
+    straight.train(2)
+    path = straight.save(tmp_path)
+    tensors, metadata = read_state(path)
+    formats = metadata["optimizer"]["formats"]
+    assert set(formats) == {"muon", "muon:muon-fp32:mu=f32", "adamw", "adamw:fp32:m=f32,v=f32"}
+    entries = {e["name"]: e for e in metadata["optimizer"]["entries"].values()}
+    assert entries["gate"]["rule"] == "adamw:fp32:m=f32,v=f32" and entries["head.weight"]["rule"] == "adamw"
+    assert formats[entries["gate"]["rule"]]["mode"] == "fp32" and tensors["params/gate/opt/moments"].shape == (2,)
+    assert tensors["params/down.weight/opt/momentum_buffer"].dtype == torch.float32
+    assert tensors["params/head.weight/opt/words"].dtype == torch.uint32
+    straight.train(2)
+
+    resumed = own_format_run(tape, seed=1)
+    resumed.load(path)
+    resumed.train(2)
+    assert_same_run(straight, resumed)
+
+    exported, _ = read_state(export_reference_layout(path, tmp_path / "export.safetensors"),
+                             expected_format="packed-adamw-reference-export/1")
+    moments = tensors["params/norm/opt/moments"]
+    assert torch.equal(bits(exported["params/norm/first_mntm"]), bits(0.0 - moments[0]))
+    assert torch.equal(bits(exported["params/norm/scnd_mntm"]), bits(moments[1]))
+    assert torch.equal(bits(exported["params/down.weight/first_mntm"]),
+                       bits(0.0 - tensors["params/down.weight/opt/momentum_buffer"]))
+
+    packed = own_format_run(tape, seed=1, own=False)
+    with pytest.raises(TrainingStateError, match=rf"training state {re.escape(str(path))}: load_state_dict: saved "
+                                                 r"param_groups\[1\] \(muon\) has format 'muon-fp32:mu=f32'"):
+        packed.load(path)
+
+
+def test_a_state_written_before_entries_named_their_rule_loads_and_exports(tape, tmp_path):
+    """A state of one format per kind, its entries naming no rule (as written before groups had
+    formats of their own), resumes bit for bit and exports as before."""
+    straight = Run(tape, torch.bfloat16)
+    straight.train(2)
+    path = straight.save(tmp_path)
+    old = tmp_path / "old.safetensors"
+
+    def as_written_before(metadata):
+        for entry in metadata["optimizer"]["entries"].values():
+            assert entry.pop("rule") == entry["kind"]
+        assert set(metadata["optimizer"]["formats"]) == {"muon", "adamw"}
+
+    rewritten(path, old, as_written_before)
+    straight.train(2)
+    resumed = Run(tape, torch.bfloat16, seed=1)
+    resumed.load(old)
+    resumed.train(2)
+    assert_same_run(straight, resumed)
+    ours, theirs = (read_state(export_reference_layout(p, tmp_path / f"{p.stem}.export"),
+                               expected_format="packed-adamw-reference-export/1")[0] for p in (path, old))
+    assert ours.keys() == theirs.keys() and all(torch.equal(bits(ours[k]), bits(theirs[k])) for k in ours)

@@ -332,11 +332,13 @@ TORCH_OPTIONS = {
     "differentiable": ((None, False), "the step is not differentiable (its state is rounded to 16-bit codes); pass "
                        "differentiable=False or leave it out"),
 }
-# The options of the project's optimizers that are the optimizer's, not a group's: each keeps one
-# state format for all its groups (the state_dict records one identity) and one set of switches for
-# its step. A group holding one would be stepped with the optimizer's, silently.
-OPTIMIZER_OPTIONS = ("mode", "mu_bias", "adamw_mode", "m_bias", "rms_bias", "check_nonfinite", "multi_tensor",
-                     "capturable", "batch_ns", "ns_impl", "track_format")
+# The options of the project's optimizers that are the optimizer's, not a group's: its state format
+# (PackedAdamW and PackedMuon keep one for all their groups, the state_dict records one identity;
+# a PackedMuonAdamW group may set its own rule's, `own_format_keys`) and the switches of its step.
+# A group holding one would be stepped with the optimizer's, silently.
+FORMAT_OPTIONS = ("mode", "mu_bias", "adamw_mode", "m_bias", "rms_bias")
+OPTIMIZER_OPTIONS = (*FORMAT_OPTIONS, "check_nonfinite", "multi_tensor", "capturable", "batch_ns", "ns_impl",
+                     "track_format")
 
 
 def _asks_nothing_missing(value, accepted: tuple) -> bool:
@@ -358,26 +360,35 @@ def check_adamw_flags(*, amsgrad, foreach, fused, differentiable) -> None:
             raise ValueError(refusal)
 
 
-def check_group_options(group: dict, where: str, optimizer: str, options: dict, capturable: bool) -> None:
+def check_group_options(group: dict, where: str, optimizer: str, options: dict, capturable: bool,
+                        own_format_keys: tuple[str, ...] = ()) -> None:
     """The one check of what a parameter group may hold besides its hyperparameters, for every
     optimizer of the project, when a group is added and when a state_dict's groups are loaded:
     refuses, naming the group (`where`), the key and the option to use, a state-format key or
     step switch (`OPTIMIZER_OPTIONS`; `options` maps those of `optimizer` to its constructor's
-    option) and a torch option set to what the project does not do (`TORCH_OPTIONS`). torch's
-    keys at their defaults pass (a group taken from torch.optim.AdamW holds capturable=False,
-    accepted where the optimizer is not capturable either)."""
+    option) and a torch option set to what the project does not do (`TORCH_OPTIONS`). The keys
+    of `own_format_keys` pass: a PackedMuonAdamW group's own state format, whose values its
+    caller checks. torch's keys at their defaults pass (a group taken from torch.optim.AdamW
+    holds capturable=False, accepted where the optimizer is not capturable either)."""
     for key, value in group.items():
         if key == "capturable" and isinstance(value, bool) and value == capturable:
             continue
-        if key in OPTIMIZER_OPTIONS:
+        if key in OPTIMIZER_OPTIONS and key not in own_format_keys:
             option = options.get(key)
             if option is None:
                 raise ValueError(f"{where} sets {key!r}: {optimizer} has no such option (it is another packed "
                                  "optimizer's state format or step switch), and a group sets none; remove it")
+            if key in FORMAT_OPTIONS:
+                raise ValueError(
+                    f"{where} sets {key!r}: a group cannot have its own state format ({', '.join(FORMAT_OPTIONS)}); "
+                    f"{optimizer} keeps one for all its groups. Pass it to the optimizer, {optimizer}(..., "
+                    f"{option}=...), or step these parameters with an optimizer of their own (PackedMuonAdamW's "
+                    "groups may each keep their own mode and biases)")
+            switches = ", ".join(k for k in OPTIMIZER_OPTIONS if k not in FORMAT_OPTIONS)
             raise ValueError(
-                f"{where} sets {key!r}: a group cannot have its own state format or step switches "
-                f"({', '.join(OPTIMIZER_OPTIONS)}); {optimizer} keeps one for all its groups. Pass it to the "
-                f"optimizer, {optimizer}(..., {option}=...), or step these parameters with an optimizer of their own")
+                f"{where} sets {key!r}: a group cannot have its own step switches ({switches}); {optimizer} keeps one "
+                f"for all its groups. Pass it to the optimizer, {optimizer}(..., {option}=...), or step these "
+                "parameters with an optimizer of their own")
         if key in TORCH_OPTIONS:
             refusal = torch_option_refusal(key, value)
             if refusal:

@@ -24,9 +24,9 @@ from ._state import LOW_HALF_KEY
 
 def _rules_of(opt) -> list:
     """Per parameter (param_groups flattened): the optimizer whose state format it has (the
-    rule of a PackedMuonAdamW group, or `opt` itself)."""
+    rule of a PackedMuonAdamW group's kind and format, or `opt` itself)."""
     rules = getattr(opt, "_rules", None)
-    return [rules[g["kind"]] if rules is not None else opt for g in opt.param_groups for _ in g["params"]]
+    return [rules[opt.rule_key(g)] if rules is not None else opt for g in opt.param_groups for _ in g["params"]]
 
 
 def _params(opt) -> list[torch.Tensor]:
@@ -64,9 +64,13 @@ def _muon_tensor(rule, p) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | N
 
 def export_state(opt) -> PortableState:
     params, rules = _params(opt), _rules_of(opt)
-    adamw = [r for r in dict.fromkeys(rules) if not _is_muon(r)]
-    adamw_part = _persistence.export_state(adamw[0]) if adamw else None  # in the AdamW groups' order
-    adamw_index = 0
+    adamw = {}  # id(parameter) -> (moments, count, low half), from each AdamW rule's export
+    for rule in dict.fromkeys(rules):
+        if not _is_muon(rule):
+            part = _persistence.export_state(rule)  # in that rule's groups' order
+            lows = part.low_halves or [None] * len(part.moments)
+            rule_params = [p for g in rule.param_groups for p in g["params"]]
+            adamw.update((id(p), entry) for p, entry in zip(rule_params, zip(part.moments, part.counts, lows)))
     identities, counts, moments, lows, exponents = [], [], [], [], []
     for p, rule in zip(params, rules):
         identities.append(rule.state_format.identity)
@@ -75,10 +79,8 @@ def export_state(opt) -> PortableState:
             momentum, exponent, low = _muon_tensor(rule, p)
             counts.append(None)
         else:
-            momentum, count = adamw_part.moments[adamw_index], adamw_part.counts[adamw_index]
-            low = adamw_part.low_halves[adamw_index] if adamw_part.low_halves is not None else None
+            momentum, count, low = adamw[id(p)]
             counts.append(count)
-            adamw_index += 1
         moments.append(momentum)
         exponents.append(exponent)
         lows.append(low)
@@ -93,7 +95,7 @@ def import_state(opt, portable: PortableState) -> None:
     portable.check_tensors(fmts, [tuple(p.shape) for p in params], split, names)
     portable.check_muon_values(fmts, names)
     lows = portable.low_halves or [None] * len(params)
-    muon_entries, adamw = {}, {"counts": [], "moments": [], "lows": [], "rule": None}
+    muon_entries, adamw = {}, {}  # AdamW: per rule, its parameters' counts, moments and low halves
     for i, (p, rule, count, momentum, low) in enumerate(zip(params, rules, portable.counts, portable.moments, lows)):
         if _is_muon(rule):
             fmt = rule.state_format
@@ -107,14 +109,16 @@ def import_state(opt, portable: PortableState) -> None:
                 entry[LOW_HALF_KEY] = torch.from_numpy(np.array(low, order="C", copy=True)).to(p.device)
             muon_entries[p] = (rule, entry)
         else:
-            adamw["rule"] = rule
-            adamw["counts"].append(count)
-            adamw["moments"].append(momentum)
-            adamw["lows"].append(low)
-    if adamw["rule"] is not None:  # checks its counts and values, then commits: Muon's entries are already checked
-        rule = adamw["rule"]
-        _persistence.import_state(rule, PortableState.of([rule.state_format.identity] * len(adamw["counts"]),
-                                                         adamw["counts"], adamw["moments"], adamw["lows"]))
+            part = adamw.setdefault(rule, {"counts": [], "moments": [], "lows": []})
+            part["counts"].append(count)
+            part["moments"].append(momentum)
+            part["lows"].append(low)
+    # Every AdamW rule checks its counts and values before any commits (Muon's entries are checked).
+    checked = [(rule, _persistence.checked_import(rule, PortableState.of(
+        [rule.state_format.identity] * len(part["counts"]), part["counts"], part["moments"], part["lows"])))
+        for rule, part in adamw.items()]
+    for rule, new in checked:
+        _persistence.commit_import(rule, new)
     for p, (rule, entry) in muon_entries.items():
         rule.state[p] = entry
     for rule in dict.fromkeys(rules):

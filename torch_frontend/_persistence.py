@@ -115,24 +115,28 @@ def restore_loaded(opt, loaded: dict) -> None:
 
 
 # ---- pickling -----------------------------------------------------------------------------
-def words_as_int32(opt, state: dict) -> dict:
+def words_as_int32(opt, state: dict, formats=None) -> dict:
     """torch cannot unpickle uint32 storages: plain words travel as int32 views of the same
-    bits (`words_from_int32` undoes it)."""
-    key = opt.state_format.state_key
-    if state_dtype(opt.state_format) is torch.uint32:
+    bits (`words_from_int32` undoes it). `formats`: the state formats whose entries `opt.state`
+    holds (PackedMuonAdamW's AdamW rules'); `opt`'s own by default."""
+    keys = {fmt.state_key for fmt in (formats if formats is not None else [opt.state_format])
+            if state_dtype(fmt) is torch.uint32}
+    if keys:
         state["state"] = defaultdict(dict, {
-            p: {k: (v.view(torch.int32) if k == key and v.dtype == torch.uint32 else v) for k, v in s.items()}
+            p: {k: (v.view(torch.int32) if k in keys and v.dtype == torch.uint32 else v) for k, v in s.items()}
             for p, s in opt.state.items()})
         state["_words_pickled_as_int32"] = True
     return state
 
 
-def words_from_int32(opt) -> None:
-    key = opt.state_format.state_key
+def words_from_int32(opt, formats=None) -> None:
+    keys = {fmt.state_key for fmt in (formats if formats is not None else [opt.state_format])
+            if state_dtype(fmt) is torch.uint32}
     for s in opt.state.values():
-        words = s.get(key)
-        if words is not None and not _dtensor.is_dtensor(words) and words.dtype == torch.int32:
-            s[key] = words.view(torch.uint32)
+        for key in keys:
+            words = s.get(key)
+            if words is not None and not _dtensor.is_dtensor(words) and words.dtype == torch.int32:
+                s[key] = words.view(torch.uint32)
 
 
 # ---- PortableState, masters -----------------------------------------------------------------
@@ -163,6 +167,12 @@ def import_state(opt, portable: PortableState) -> None:
     """Replace the state with one exported from JAX (or torch); checks format, shapes, step
     counts, values and low halves (exactly the bf16 parameters have them) before changing
     anything."""
+    commit_import(opt, checked_import(opt, portable))
+
+
+def checked_import(opt, portable: PortableState) -> dict:
+    """Every check of `import_state`, changing nothing; returns, per parameter, its new state
+    entries (None: as never stepped), for `commit_import`."""
     params = [p for g in opt.param_groups for p in g["params"]]
     if any(_dtensor.is_dtensor(p) for p in params):
         raise ValueError(
@@ -185,6 +195,11 @@ def import_state(opt, portable: PortableState) -> None:
         new[p] = {STEP_KEY: count, opt.state_format.state_key: tensor.to(p.device)}
         if low is not None:
             new[p][LOW_HALF_KEY] = torch.from_numpy(np.array(low, order="C", copy=True)).to(p.device)
+    return new
+
+
+def commit_import(opt, new: dict) -> None:
+    """Puts `checked_import`'s entries in place (the plan and the counts start afresh)."""
     drop_plan(opt, keep_counts=False)
     for p, entry in new.items():
         if entry is None:

@@ -2,10 +2,11 @@
 `torch.optim.Optimizer` (one step, one state_dict, one scheduler), and `muon_param_groups`, the
 usual split of a model's parameters.
 
-Each param group names its rule (`kind="muon"` or `kind="adamw"`). The combined optimizer holds
-one `PackedMuon` and one `PackedAdamW` that share its group dicts and its state, so a scheduler
-changing a group's lr reaches the rule that steps it, and each rule steps, checks, saves and
-loads exactly as it does alone: the combined step has their bits.
+Each param group names its rule (`kind="muon"` or `kind="adamw"`) and may name its own state
+format (that rule's `mode` and biases). The combined optimizer holds one `PackedMuon` or
+`PackedAdamW` per (rule, state format) that shares its group dicts and its state, so a
+scheduler changing a group's lr reaches the rule that steps it, and each rule steps, checks,
+saves and loads exactly as it does alone: the combined step has their bits.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.optim import Optimizer
 from packed_adamw.core.adamw.state_format import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS
 from packed_adamw.core.adamw.state_format import StateFormat as AdamWStateFormat
 from packed_adamw.core.muon import DEFAULT_MU_BIAS
+from packed_adamw.core.muon import StateFormat as MuonStateFormat
 
 from . import _checks, _compiled, _engine, _persistence
 from ._engine import NonFiniteGradientError
@@ -24,6 +26,10 @@ from .muon import PackedMuon
 from .optimizer import PackedAdamW
 
 KINDS = ("muon", "adamw")
+# A group's own state format: its rule's format options, named as PackedMuon and PackedAdamW name
+# them (the constructor's `mode`, `mu_bias` and `adamw_mode`, `m_bias`, `rms_bias` are the defaults).
+FORMAT_KEYS = {"muon": ("mode", "mu_bias"), "adamw": ("mode", "m_bias", "rms_bias")}
+FORMAT_CLASSES = {"muon": MuonStateFormat, "adamw": AdamWStateFormat}
 # What a rule shares with the combined optimizer: its pickle leaves them out (`__getstate__`).
 _SHARED_WITH_RULES = ("state", "param_groups", "_words_pickled_as_int32")
 
@@ -110,17 +116,19 @@ def _exclude_entries(exclude) -> tuple[str, ...]:
     return entries
 
 
-# PackedMuonAdamW's options that are not a group's: each rule keeps one state format for all its
-# groups (its mode and biases: the state_dict records one identity per rule), and the step's own
-# switches. A group holding one would be stepped with the optimizer's, silently: it is refused
-# (`_checks.check_group_options`), naming the option that sets it (an AdamW group's mode: adamw_mode).
+# PackedMuonAdamW's options that are not a group's: the step's switches. A group holding one would
+# be stepped with the optimizer's, silently: it is refused (`_checks.check_group_options`), naming
+# the option that sets it. A group's own state format (FORMAT_KEYS) is its rule's.
 OPTIMIZER_OPTIONS = _checks.OPTIMIZER_OPTIONS
-_GROUP_OPTIONS = {kind: {key: "adamw_mode" if kind == "adamw" and key == "mode" else key for key in OPTIMIZER_OPTIONS}
-                  for kind in KINDS}
+_GROUP_OPTIONS = {key: key for key in OPTIMIZER_OPTIONS}
 # The constructor's defaults for AdamW groups, and the key a group's own value has.
 ADAMW_DEFAULTS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps",
-                  "adamw_weight_decay": "weight_decay"}
+                  "adamw_weight_decay": "weight_decay", "adamw_mode": "mode"}
 RULE_NAMES = {"muon": "Muon", "adamw": "AdamW"}
+
+
+def _is_muon(rule) -> bool:
+    return isinstance(rule, PackedMuon)
 
 
 class PackedMuonAdamW(Optimizer):
@@ -128,24 +136,29 @@ class PackedMuonAdamW(Optimizer):
     `muon_param_groups`). Muon's options (`lr`, `weight_decay`, `momentum`, `nesterov`,
     `ns_coefficients`, `eps`, `ns_steps`, `adjust_lr_fn`, `mode`, `mu_bias`, `batch_ns`, `ns_impl`)
     default to PackedMuon's, AdamW's (`adamw_lr`, `adamw_betas`, `adamw_eps`, `adamw_weight_decay`,
-    `adamw_mode`, `m_bias`, `rms_bias`) to PackedAdamW's. A group's own hyperparameters win (a
-    Muon group's `lr`, `weight_decay`, `momentum`, `nesterov`, `ns_coefficients`, `eps`,
-    `ns_steps`, `adjust_lr_fn`, `maximize`; an AdamW group's `lr`, `betas`, `eps`,
-    `weight_decay`, `maximize`); the state formats (`mode`, `mu_bias`, `adamw_mode`, `m_bias`,
-    `rms_bias`: one per rule) and the step's switches are the optimizer's, and a group that sets
-    one (or the other rule's option, or a torch option to what the rule does not do, as
-    `amsgrad=True`) is refused, naming the key, when added and when a state_dict's groups load. The step,
-    state_dict and load_state_dict are both rules', each rule's state with its format identity
-    (every saved group records its rule's); a load checks both before anything changes.
-    DTensor (FSDP2) parameters step as each rule steps them, and the state_dict shards with them
-    (torch.distributed.checkpoint). Under `torch.compile` the step is one custom op, as
-    PackedAdamW's and PackedMuon's are (`fullgraph=True` holds; the eager step's bits).
-    `capturable=True` (CUDA; `lr` and `adamw_lr`, or every group's lr, one-element tensors on the
-    device) makes both rules' steps capturable by `torch.cuda.graph`, as PackedMuon's and
-    PackedAdamW's are. `track_format=True` counts both rules' steps (`format_stats`), each
-    what it counts alone: Muon's refusals in every mode, AdamW's codes in adamw_mode 'packed' or
-    'fp16' (fp32 mode stores float32 moments: its parameters have no entries). `master_weights()` and
-    `load_master_weights()` are both rules' FP32 masters, in this optimizer's parameter order."""
+    `adamw_mode`, `m_bias`, `rms_bias`) to PackedAdamW's. A group's own entries win: its
+    hyperparameters (a Muon group's `lr`, `weight_decay`, `momentum`, `nesterov`,
+    `ns_coefficients`, `eps`, `ns_steps`, `adjust_lr_fn`, `maximize`; an AdamW group's `lr`,
+    `betas`, `eps`, `weight_decay`, `maximize`) and its state format (a Muon group's `mode`,
+    `mu_bias`; an AdamW group's `mode`, `m_bias`, `rms_bias`: PackedMuon's and PackedAdamW's
+    names), so nanochat's scalars can keep fp32 AdamW moments beside packed embeddings. Each
+    (rule, state format) is one rule optimizer (`rules`: "muon" and "adamw" for the
+    constructor's formats, "adamw:<identity>" for another), stepped as it steps alone. The
+    step's switches are the optimizer's, and a group that sets one (or the constructor's
+    `adamw_*` name, the other rule's option, or a torch option to what the rule does not do, as
+    `amsgrad=True`) is refused, naming the key, when added and when a state_dict's groups load.
+    The step, state_dict and load_state_dict are all rules', every saved group recording its
+    own format identity; a load checks each group's against the group it loads into, and every
+    rule's state, before anything changes. DTensor (FSDP2) parameters step as each rule steps
+    them, and the state_dict shards with them (torch.distributed.checkpoint). Under
+    `torch.compile` the step is one custom op, as PackedAdamW's and PackedMuon's are
+    (`fullgraph=True` holds; the eager step's bits). `capturable=True` (CUDA; `lr` and
+    `adamw_lr`, or every group's lr, one-element tensors on the device) makes every rule's step
+    capturable by `torch.cuda.graph`, as PackedMuon's and PackedAdamW's are.
+    `track_format=True` counts every rule's steps (`format_stats`), each what it counts alone:
+    Muon's refusals in every mode, AdamW's codes in mode 'packed' or 'fp16' (fp32 mode stores
+    float32 moments: its parameters have no entries). `master_weights()` and
+    `load_master_weights()` are every rule's FP32 masters, in this optimizer's parameter order."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=_muon.DEFAULT_NS_COEFFICIENTS, eps: float = 1e-7,
@@ -185,7 +198,7 @@ class PackedMuonAdamW(Optimizer):
         super().__init__(params, {})
         self._compile_token = _compiled.register(self)  # names this optimizer to its compiled steps
 
-    # ---- groups: each one belongs to its rule's optimizer, which validates it --------------------
+    # ---- groups: each one belongs to the rule optimizer of its kind and format ---------------------
     def add_param_group(self, param_group: dict) -> None:
         if not isinstance(param_group, dict):
             raise TypeError("PackedMuonAdamW takes param groups (dicts with 'params' and 'kind'), e.g. "
@@ -203,9 +216,13 @@ class PackedMuonAdamW(Optimizer):
         if any(id(p) in ours for p in group["params"]):
             raise ValueError(f"param_groups[{len(self.param_groups)}] lists a parameter another group has: a "
                              "parameter belongs to one rule; list each parameter once")
-        rule = self._rules.get(kind)
+        key, fmt = self._key_for(group), self._format_of(group)
+        rule = self._rules.get(key)
         # The rule's messages name the group by the index it is getting here.
-        shown = [i for i, g in enumerate(self.param_groups) if g["kind"] == kind] + [len(self.param_groups)]
+        shown = [i for i, g in enumerate(self.param_groups) if self.rule_key(g) == key] + [len(self.param_groups)]
+        # A rule optimizer alone refuses format keys in its groups (its format is all its groups'):
+        # it checks the group without them, and the group dict keeps them, as given.
+        own_format = {k: group.pop(k) for k in FORMAT_KEYS[kind] if k in group}
         try:
             default_lr = self._rule_options[kind]["defaults"]["lr"]
             if self.capturable and "lr" not in group and isinstance(default_lr, torch.Tensor):
@@ -217,48 +234,120 @@ class PackedMuonAdamW(Optimizer):
                 cls = PackedMuon if kind == "muon" else PackedAdamW
                 rule = cls.__new__(cls)
                 rule._shown_group_indices = shown  # before __init__, which checks the group
-                rule.__init__([group], **settings["defaults"], **settings["options"])
+                rule.__init__([group], **settings["defaults"], **self._rule_settings(kind, fmt))
                 rule.state = self.state  # one state: torch's state_dict packs every parameter's
-                self._rules[kind] = rule
+                self._rules[key] = rule
             else:
                 rule._shown_group_indices = shown
                 rule.add_param_group(group)
+            rule.param_groups[-1].update(own_format)
             self.param_groups.append(rule.param_groups[-1])  # the same dict: schedulers reach the rule
         finally:
             self._note_param_lists()
 
     def _check_group_options(self, group: dict, where: str) -> None:
         """Refuses, for a group added or about to load (`where` names it), a key the group's rule
-        would not read from it, naming it: an option of the optimizer's or an unsupported torch
+        would not read from it, naming it: a step switch of the optimizer's or an unsupported torch
         option (`_checks.check_group_options`, every optimizer's one check), the constructor's
-        `adamw_*` defaults, the other rule's hyperparameters."""
+        `adamw_*` defaults, the other rule's hyperparameters and format keys, and a state format
+        of its own that its rule refuses (mode='fp8', a bias out of range)."""
         kind = group["kind"]
         other = "adamw" if kind == "muon" else "muon"
-        others = set(self._rule_options[other]["defaults"]) - set(self._rule_options[kind]["defaults"])
+        keys = lambda k: {*self._rule_options[k]["defaults"], *FORMAT_KEYS[k]}  # noqa: E731
+        others = keys(other) - keys(kind)
         where = f"{where} (kind={kind!r})"
-        _checks.check_group_options(group, where, type(self).__name__, _GROUP_OPTIONS[kind],
-                                    self.__dict__.get("capturable", False))
-        where = f"{where} sets {{key!r}}"
+        shown = f"{where} sets {{key!r}}"
         for key in group:
             if key in ADAMW_DEFAULTS:
-                raise ValueError(f"{where.format(key=key)}: {key} is the constructor's default for AdamW groups; a "
+                raise ValueError(f"{shown.format(key=key)}: {key} is the constructor's default for AdamW groups; a "
                                  f"group's own AdamW setting is {ADAMW_DEFAULTS[key]!r}")
             if key in others:
-                raise ValueError(f"{where.format(key=key)}: {key} is an option of {RULE_NAMES[other]} groups, which "
+                raise ValueError(f"{shown.format(key=key)}: {key} is an option of {RULE_NAMES[other]} groups, which "
                                  f"this {RULE_NAMES[kind]} group would ignore; remove it, or make the group "
                                  f"kind={other!r}")
+        _checks.check_group_options(group, where, type(self).__name__, _GROUP_OPTIONS,
+                                    self.__dict__.get("capturable", False), own_format_keys=FORMAT_KEYS[kind])
+        for key in FORMAT_KEYS[kind]:
+            if key in group:
+                try:
+                    FORMAT_CLASSES[kind](**{key: group[key]})
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"{shown.format(key=key)}: {e}") from None
+
+    # ---- the rules: one per (kind, state format) --------------------------------------------------
+    def _default_format(self, kind: str):
+        """The constructor's state format for groups of `kind`."""
+        options = self._rule_options[kind]["options"]
+        return FORMAT_CLASSES[kind](**{key: options[key] for key in FORMAT_KEYS[kind]})
+
+    def _format_of(self, group: dict):
+        """A group's state format: its own entries, the constructor's for the others."""
+        kind = group["kind"]
+        options = self._rule_options[kind]["options"]
+        return FORMAT_CLASSES[kind](**{key: group.get(key, options[key]) for key in FORMAT_KEYS[kind]})
+
+    def _key_for(self, group: dict) -> str:
+        """The key of the rule optimizer for a group of this kind and state format: its kind
+        ("muon", "adamw") for the constructor's format, else "<kind>:<the format's identity>"."""
+        kind = group["kind"]
+        if not any(key in group for key in FORMAT_KEYS[kind]):
+            return kind
+        identity = self._format_of(group).identity
+        return kind if identity == self._default_format(kind).identity else f"{kind}:{identity}"
+
+    def rule_key(self, group: dict) -> str:
+        """The key in `rules` of the rule optimizer that steps `group` (one of `param_groups`): its
+        kind ("muon", "adamw") where the group keeps the constructor's state format, else
+        "<kind>:<the format's identity>" (an AdamW group in fp32 mode: "adamw:fp32:m=f32,v=f32")."""
+        for key, rule in self.__dict__.get("_rules", {}).items():
+            if any(g is group for g in rule.param_groups):
+                return key
+        return self._key_for(group)  # a group no rule holds (yet)
+
+    def _rule_keys(self) -> list[str]:
+        """`rule_key` of every group, each checked: a group's own format entries must still name
+        its rule's format (they are read when it is added; changed since, they would be saved
+        beside a state of another format)."""
+        keys = []
+        for i, group in enumerate(self.param_groups):
+            key = self.rule_key(group)
+            try:
+                named = self._key_for(group)
+            except (TypeError, ValueError) as e:
+                named = str(e)
+            if named != key:
+                own = ", ".join(f"{k}={group[k]!r}" for k in FORMAT_KEYS[group["kind"]] if k in group)
+                raise ValueError(f"param_groups[{i}] sets {own} since it was added, but its state is kept in "
+                                 f"{self._rules[key].state_format.identity!r}: a group's state format is fixed when "
+                                 "it is added. Set its entries back, or move the run to a new optimizer over the "
+                                 "groups (export_state / import_state, or master_weights)")
+            keys.append(key)
+        return keys
+
+    def _rule_settings(self, kind: str, fmt) -> dict:
+        """The options a rule optimizer of `kind` and state format `fmt` is built with: the
+        constructor's, its format's fields, and whether it counts (`track_format` as set here:
+        AdamW's rule counts where its mode has codes)."""
+        options = {**self._rule_options[kind]["options"], **{key: getattr(fmt, key) for key in FORMAT_KEYS[kind]}}
+        requested = self._rule_options["muon"]["options"]["track_format"]  # Muon's is the switch as set here
+        options["track_format"] = requested if kind == "muon" else requested and has_format_counts(fmt)
+        return options
 
     def _note_param_lists(self) -> None:
         """The groups' parameter lists, which compiled steps iterate (see PackedAdamW's), and
         each rule's group indices in this optimizer, which its messages name
-        (`_checks.shown_group_index`): a rule's groups are this optimizer's of its kind, in order."""
+        (`_checks.shown_group_index`): a rule's groups are this optimizer's of its kind and
+        format, in order."""
         self._param_lists = [group["params"] for group in self.param_groups]
-        for kind, rule in self.__dict__.get("_rules", {}).items():
-            rule._shown_group_indices = [i for i, g in enumerate(self.param_groups) if g["kind"] == kind]
+        rules = self.__dict__.get("_rules", {})
+        if rules:
+            keys = [self.rule_key(g) for g in self.param_groups]
+            for key, rule in rules.items():
+                rule._shown_group_indices = [i for i, k in enumerate(keys) if k == key]
 
     @property
     def check_nonfinite(self) -> bool:
-        """Whether a step may raise NonFiniteGradientError: set here (for both rules) or on a rule
+        """Whether a step may raise NonFiniteGradientError: set here (for every rule) or on a rule
         since. The compiled step reads it, to take such a step between graphs."""
         rules = self.__dict__.get("_rules", {}).values()
         return self.__dict__.get("_check_nonfinite", False) or any(rule.check_nonfinite for rule in rules)
@@ -273,8 +362,8 @@ class PackedMuonAdamW(Optimizer):
 
     @property
     def track_format(self) -> bool:
-        """Whether the steps made from now on are counted (`format_stats`): set here (for both
-        rules, each counting what it can) or on a rule since; it may be switched between steps."""
+        """Whether the steps made from now on are counted (`format_stats`): set here (for every
+        rule, each counting what it can) or on a rule since; it may be switched between steps."""
         rules = self.__dict__.get("_rules", {})
         return any(rule.track_format for rule in rules.values()) or any(
             settings["options"]["track_format"] for kind, settings in self.__dict__.get("_rule_options", {}).items()
@@ -288,14 +377,14 @@ class PackedMuonAdamW(Optimizer):
                                              self.__dict__.get("capturable", False))
         self._rule_options["muon"]["options"]["track_format"] = value
         adamw["track_format"] = adamw_counts
-        for kind, rule in self._rules.items():
-            rule.track_format = self._rule_options[kind]["options"]["track_format"]
+        for rule in self._rules.values():
+            rule.track_format = value if _is_muon(rule) else value and has_format_counts(rule.state_format)
 
     def format_stats(self) -> dict:
-        """Both rules' `format_stats` in one dict, in this optimizer's parameter order (keys: a
+        """Every rule's `format_stats` in one dict, in this optimizer's parameter order (keys: a
         parameter's name, or its (group, position) here): Muon's entries as PackedMuon gives them
         (`refused`, `elements`, `saturated_mu`, ...), AdamW's as PackedAdamW (`elements`,
-        `saturated_m`, ...; none in adamw_mode 'fp32', which has no codes to count). Counts since
+        `saturated_m`, ...; none in AdamW's fp32 mode, which has no codes to count). Counts since
         the last call, reset on read; as each rule's, they travel with a pickle or a copy, and
         with nothing counted since the last read the result is {} while `track_format` is on and
         an error while it is off."""
@@ -315,20 +404,24 @@ class PackedMuonAdamW(Optimizer):
 
     @property
     def rules(self) -> dict[str, Optimizer]:
-        """The rule optimizers (kind -> PackedMuon / PackedAdamW) that step the groups."""
+        """The rule optimizers (PackedMuon / PackedAdamW) that step the groups, one per kind and
+        state format: "muon" and "adamw" for the constructor's formats, "<kind>:<identity>" for a
+        group's own (`rule_key(group)` says which steps a group)."""
         return dict(self._rules)
+
+    def _adamw_formats(self) -> list:
+        return [rule.state_format for rule in self._rules.values() if not _is_muon(rule)]
 
     def __getstate__(self) -> dict:
         # The rules share this optimizer's groups and state: each travels without them (its own
         # pickle's other entries) and takes them back when unpickled. AdamW's uint32 words travel
         # as their int32 bits, which torch can unpickle (as PackedAdamW's own pickle does).
-        rules = {kind: (type(rule), {k: v for k, v in rule.__getstate__().items() if k not in _SHARED_WITH_RULES})
-                 for kind, rule in self._rules.items()}
+        rules = {key: (type(rule), {k: v for k, v in rule.__getstate__().items() if k not in _SHARED_WITH_RULES})
+                 for key, rule in self._rules.items()}
         state = {**super().__getstate__(), "_rule_options": self._rule_options, "_rule_pickles": rules,
                  "_check_nonfinite": self.__dict__.get("_check_nonfinite", False),
                  "capturable": self.__dict__.get("capturable", False)}
-        adamw = self._rules.get("adamw")
-        return _persistence.words_as_int32(adamw, state) if adamw is not None else state
+        return _persistence.words_as_int32(self, state, self._adamw_formats())
 
     def __setstate__(self, state: dict) -> None:
         as_int32 = state.pop("_words_pickled_as_int32", False)
@@ -336,15 +429,16 @@ class PackedMuonAdamW(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_check_nonfinite", False)  # pickled before the attribute existed
         self.__dict__.setdefault("capturable", False)
-        if rule_pickles is not None:
+        if rule_pickles is not None:  # keyed by kind before groups had formats of their own: the same keys
             self._rules = {}
-            for kind, (cls, rule_state) in rule_pickles.items():
+            keys = [self._key_for(g) for g in self.param_groups]
+            for key, (cls, rule_state) in rule_pickles.items():
                 rule = cls.__new__(cls)
                 rule.__setstate__({**rule_state, "state": self.state,
-                                   "param_groups": [g for g in self.param_groups if g["kind"] == kind]})
-                self._rules[kind] = rule
+                                   "param_groups": [g for g, k in zip(self.param_groups, keys) if k == key]})
+                self._rules[key] = rule
         if as_int32:
-            _persistence.words_from_int32(self._rules["adamw"])
+            _persistence.words_from_int32(self, self._adamw_formats())
         self._note_param_lists()
         if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer
             self._compile_token = _compiled.register(self)
@@ -357,26 +451,29 @@ class PackedMuonAdamW(Optimizer):
     step._wrapped_by_lr_sched = True  # see PackedAdamW.step
 
     def _eager_update(self, live: dict | None = None) -> None:
-        """Both rules' steps as one: Muon's checks (`muon.check_step`, which change nothing),
-        then AdamW's whole step (which raises before changing anything), then Muon's phases on
-        what was checked. So a step that raises anything but NonFiniteGradientError leaves both
-        rules as they were. A rule that raises NonFiniteGradientError has stepped, and the other
-        steps too before the error names what either refused. `live`: see `_compiled.run`."""
-        muon, adamw = self._rules.get("muon"), self._rules.get("adamw")
-        checked_muon = _muon.check_step(muon, live) if muon is not None else None
+        """Every rule's step as one: Muon's checks (`muon.check_step`, which change nothing),
+        then each AdamW rule's whole step (which raises before changing anything; the rules after
+        the first are checked before the first steps), then Muon's phases on what was checked.
+        So a step that raises anything but NonFiniteGradientError leaves every rule as it was. A
+        rule that raises NonFiniteGradientError has stepped, and the others step too before the
+        error names what any refused. `live`: see `_compiled.run`."""
+        checked_muon = {key: _muon.check_step(rule, live) for key, rule in self._rules.items() if _is_muon(rule)}
+        adamw = [(key, rule) for key, rule in self._rules.items() if not _is_muon(rule)]
+        for _, rule in adamw[1:]:
+            _check_adamw_step(rule, live)
         errors = {}
-        if adamw is not None:
+        for key, rule in adamw:
             try:
-                adamw._eager_update(live)
-            except NonFiniteGradientError as e:  # raised after AdamW stepped: Muon steps too
-                errors["adamw"] = str(e)
-        if muon is not None:
+                rule._eager_update(live)
+            except NonFiniteGradientError as e:  # raised after the rule stepped: the others step too
+                errors[key] = str(e)
+        for key, checked in checked_muon.items():
             try:
-                _muon.run_step(muon, checked_muon, live)
+                _muon.run_step(self._rules[key], checked, live)
             except NonFiniteGradientError as e:
-                errors["muon"] = str(e)
+                errors[key] = str(e)
         if errors:
-            raise NonFiniteGradientError("; ".join(errors[kind] for kind in self._rules if kind in errors))
+            raise NonFiniteGradientError("; ".join(errors[key] for key in self._rules if key in errors))
 
     @torch.compiler.disable  # compiled code reaches the eager step through the custom op (_compiled.py)
     def _update(self, live: dict | None = None) -> None:
@@ -384,57 +481,77 @@ class PackedMuonAdamW(Optimizer):
 
     # ---- saving and loading -------------------------------------------------------------------
     def identities(self) -> dict[str, str]:
-        return {kind: rule.state_format.identity for kind, rule in self._rules.items()}
+        """Each rule's format identity, by its key in `rules`."""
+        return {key: rule.state_format.identity for key, rule in self._rules.items()}
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
         identities = self.identities()
         sd[_persistence.STATE_DICT_KEY] = {"version": _persistence.STATE_DICT_VERSION, "format": identities}
-        sd["param_groups"] = [{**g, _persistence.GROUP_FORMAT_KEY: identities[g["kind"]]} for g in sd["param_groups"]]
+        sd["param_groups"] = [{**saved, _persistence.GROUP_FORMAT_KEY: identities[key]}
+                              for saved, key in zip(sd["param_groups"], self._rule_keys())]
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Every group's rule and format identity, and each rule's state, are checked before
-        anything changes; then torch loads, and each rule puts its codes back bit for bit."""
+        """Every group's rule and format identity (against the group it loads into), and each
+        rule's state, are checked before anything changes; then torch loads, and each rule puts
+        its codes back bit for bit. A state saved before groups had formats of their own (one
+        per kind) loads as it did."""
         saved_groups = state_dict.get("param_groups") or []
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"load_state_dict: the saved state has {len(saved_groups)} param groups, this optimizer "
                              f"{len(self.param_groups)}; load it into an optimizer built over the same groups")
-        identities = self.identities()
+        keys = self._rule_keys()
         saved_identities = {}  # per rule, the identity its saved groups carry (all the same)
-        for i, (saved, ours) in enumerate(zip(saved_groups, self.param_groups)):
-            if saved.get("kind") != ours["kind"]:
+        for i, (saved, ours, key) in enumerate(zip(saved_groups, self.param_groups, keys)):
+            kind = ours["kind"]
+            if saved.get("kind") != kind:
                 raise ValueError(f"load_state_dict: saved param_groups[{i}] is kind={saved.get('kind')!r}, this "
-                                 f"optimizer's is {ours['kind']!r}; build the optimizer with the saved run's groups")
+                                 f"optimizer's is {kind!r}; build the optimizer with the saved run's groups")
             saved_identity = saved.get(_persistence.GROUP_FORMAT_KEY)
-            fmt = self._rules[ours["kind"]].state_format
+            fmt = self._rules[key].state_format
             # Muon's packed format also reads its states saved before the exponents (MUON.md).
             reads = fmt.reads(saved_identity) if hasattr(fmt, "reads") else saved_identity == fmt.identity
-            if not reads or saved_identities.setdefault(ours["kind"], saved_identity) != saved_identity:
-                raise ValueError(f"load_state_dict: saved param_groups[{i}] ({ours['kind']}) has format "
-                                 f"{saved_identity!r} but this optimizer uses {identities[ours['kind']]!r}; "
-                                 "construct it with the saved run's modes and biases")
-            self._check_group_options(saved, f"load_state_dict: saved param_groups[{i}]")
+            if not reads or saved_identities.setdefault(key, saved_identity) != saved_identity:
+                raise ValueError(f"load_state_dict: saved param_groups[{i}] ({kind}) has format {saved_identity!r} "
+                                 f"but this optimizer's param_groups[{i}] uses {fmt.identity!r}; build it with the "
+                                 "saved run's state formats (the constructor's modes and biases, and each group's own)")
+            where = f"load_state_dict: saved param_groups[{i}]"
+            self._check_group_options(saved, where)
+            self._check_saved_format_keys(saved, fmt, f"{where} (kind={kind!r})", saved_identity)
         checked = {}
-        for kind, rule in self._rules.items():
+        for key, rule in self._rules.items():
+            kind = "muon" if _is_muon(rule) else "adamw"
             part = {"state": state_dict["state"],
-                    "param_groups": [g for g in saved_groups if g["kind"] == kind],
+                    "param_groups": [_without(g, FORMAT_KEYS[kind]) for g, k in zip(saved_groups, keys) if k == key],
                     _persistence.STATE_DICT_KEY: {"version": _persistence.STATE_DICT_VERSION,
-                                                  "format": saved_identities.get(kind, identities[kind])}}
+                                                  "format": saved_identities.get(key, rule.state_format.identity)}}
             check = _muon.checked_load if kind == "muon" else _persistence.checked_load
-            checked[kind] = check(rule, part)[1]
-        groups = [{k: v for k, v in g.items() if k != _persistence.GROUP_FORMAT_KEY} for g in saved_groups]
+            checked[key] = check(rule, part)[1]
+        groups = [_with_own_format(_without(g, (_persistence.GROUP_FORMAT_KEY,)), ours)
+                  for g, ours in zip(saved_groups, self.param_groups)]
         super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
-        self._bind_rules()
-        for kind, loaded in checked.items():
-            restore = _muon.restore_loaded if kind == "muon" else _persistence.restore_loaded
-            restore(self._rules[kind], loaded)
+        self._bind_rules(keys)
+        for key, loaded in checked.items():
+            rule = self._rules[key]
+            restore = _muon.restore_loaded if _is_muon(rule) else _persistence.restore_loaded
+            restore(rule, loaded)
 
-    def _bind_rules(self) -> None:
-        """torch's loader makes new group dicts and a new state: the rules take them."""
-        self._note_param_lists()
-        for kind, rule in self._rules.items():
-            rule.param_groups = [g for g in self.param_groups if g["kind"] == kind]
+    def _check_saved_format_keys(self, saved: dict, fmt, where: str, identity) -> None:
+        """A saved group's own format entries must be the format its state was saved in (the
+        identity it records, which `fmt`, its group's here, reads): otherwise it was edited."""
+        kind = saved["kind"]
+        fields = {key: getattr(fmt, key) for key in FORMAT_KEYS[kind]}
+        for key in FORMAT_KEYS[kind]:
+            if key in saved and FORMAT_CLASSES[kind](**{**fields, key: saved[key]}).identity != fmt.identity:
+                raise ValueError(f"{where} sets {key!r}={saved[key]!r}, but its state was saved in format "
+                                 f"{identity!r}; the state_dict was edited: save it again from the optimizer")
+
+    def _bind_rules(self, keys: list[str]) -> None:
+        """torch's loader makes new group dicts and a new state: the rules take them (group i
+        the rule keys[i] names, as before the load)."""
+        for key, rule in self._rules.items():
+            rule.param_groups = [g for g, k in zip(self.param_groups, keys) if k == key]
             rule.state = self.state
             rule.__dict__.pop("_valid_rows", None)
             rule.__dict__.pop("_kept_rows", None)
@@ -443,6 +560,7 @@ class PackedMuonAdamW(Optimizer):
                 _engine.drop_plan(rule, keep_counts=False)
             else:
                 _engine.forget_counts(rule)  # a loaded state starts the counts afresh, as drop_plan's for AdamW
+        self._note_param_lists()
 
     def master_weights(self) -> list[torch.Tensor]:
         """The FP32 masters in this optimizer's parameter order (param_groups flattened), as
@@ -453,20 +571,19 @@ class PackedMuonAdamW(Optimizer):
     def load_master_weights(self, masters) -> None:
         """As PackedAdamW.load_master_weights, in this optimizer's parameter order (as
         `master_weights()` returns them): float32 parameters take the values, bf16 ones their
-        exact split (weight and low half), both rules' states stay (a bf16 parameter never
+        exact split (weight and low half), every rule's state stays (a bf16 parameter never
         stepped gets its rule's first state, holding the low half). Everything is checked before
         anything changes."""
-        kind_of = {id(p): g["kind"] for g in self.param_groups for p in g["params"]}
+        rule_of = {id(p): self._rules[self.rule_key(g)] for g in self.param_groups for p in g["params"]}
 
         def fresh_entries(p):
-            rule = self._rules[kind_of[id(p)]]
-            return _muon.fresh_entries(rule, p) if kind_of[id(p)] == "muon" else \
-                _persistence.fresh_adamw_entries(rule, p)
+            rule = rule_of[id(p)]
+            return _muon.fresh_entries(rule, p) if _is_muon(rule) else _persistence.fresh_adamw_entries(rule, p)
 
         _persistence.load_master_weights(self, masters, fresh_entries)
 
     def export_state(self) -> "PortableState":
-        """Both rules' states in parameter order as one `PortableState` (format "mixed", each
+        """Every rule's state in parameter order as one `PortableState` (format "mixed", each
         tensor's identity in `formats`): Muon's momenta (count None), AdamW's words and counts,
         bf16 parameters' low halves. For `packed_adamw.jax.muon.import_muon_state`."""
         from . import _muon_portable
@@ -474,9 +591,37 @@ class PackedMuonAdamW(Optimizer):
         return _muon_portable.export_state(self)
 
     def import_state(self, portable) -> None:
-        """Replace both rules' states with an exported one (from JAX's packed_muon or torch);
+        """Replace every rule's state with an exported one (from JAX's packed_muon or torch);
         every tensor's format, shape, low half and values are checked, naming the parameter,
         before anything changes."""
         from . import _muon_portable
 
         _muon_portable.import_state(self, portable)
+
+
+def _without(group: dict, keys) -> dict:
+    return {k: v for k, v in group.items() if k not in keys}
+
+
+def _with_own_format(saved: dict, ours: dict) -> dict:
+    """A saved group as it loads into `ours`: with our group's own format entries (the saved
+    ones name the same format, checked), where the saved group holds them (its order of keys
+    kept: a state saved after a resume is the uninterrupted run's), else after its keys."""
+    keys = FORMAT_KEYS[ours["kind"]]
+    loaded = {k: ours[k] if k in keys else v for k, v in saved.items() if k not in keys or k in ours}
+    loaded.update((k, ours[k]) for k in keys if k in ours and k not in loaded)
+    return loaded
+
+
+def _check_adamw_step(rule: PackedAdamW, live) -> None:
+    """Raises what `rule`'s step would raise before changing anything (its hyperparameter rows,
+    then its plan's checks, or a full step's where the plan no longer holds), changing nothing:
+    a PackedMuonAdamW with several AdamW formats checks the later rules before the first steps.
+    Not while a CUDA graph captures (a capture records launches, which a refusal discards)."""
+    if _checks.capturing():
+        return
+    for index, group in enumerate(rule.param_groups):
+        _engine.checked_row(rule, group, index)
+    plan = rule.__dict__.get("_plan")
+    if plan is None or live is not None or plan._gradients(rule) is None:
+        _engine._check_step(rule, live)

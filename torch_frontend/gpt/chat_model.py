@@ -307,8 +307,10 @@ class ChatGPT(nn.Module):
         blocks' matrices (attention, MLP, value gates) to Muon, one group per shape; the token
         embedding, value embeddings, head and scalars to AdamW, each group with nanochat's lr,
         betas, eps and weight decay. The embedding and head lrs scale by (d_model / 768)^-0.5.
-        Defaults are nanochat's base_train.py settings (lr scaling with the batch size is the
-        caller's). Each group has `params`, `param_names`, `kind` and its options."""
+        The scalars' groups keep their AdamW state in fp32 mode (`mode="fp32"`, 8 bytes a
+        parameter); the other groups take the optimizer's formats. Defaults are nanochat's
+        base_train.py settings (lr scaling with the batch size is the caller's). Each group has
+        `params`, `param_names`, `kind` and its options."""
         names = {id(p): name for name, p in self.named_parameters()}
         width_scale = (self.config.d_model / 768) ** -0.5
 
@@ -316,16 +318,22 @@ class ChatGPT(nn.Module):
             params = list(params)
             return {"params": params, "param_names": [names[id(p)] for p in params], "kind": kind, **options}
 
-        def adamw(params, lr, betas, weight_decay):
-            return group("adamw", params, lr=lr, betas=betas, eps=1e-10, weight_decay=weight_decay)
+        def adamw(params, lr, betas, weight_decay, **state_format):
+            return group("adamw", params, lr=lr, betas=betas, eps=1e-10, weight_decay=weight_decay, **state_format)
 
+        # The scalars' gradients reach 2^3.9 on the d12 stack, where packed AdamW's RMS code (E4M12,
+        # bias 15) tops out near 2: their RMS saturated and they took updates up to ~7x too large
+        # (issue 53: replaying the reference's gradients, x0_lambdas moved 1.68 and backout_lambda 3.8
+        # of the reference's movement away from it; 0 in fp32 mode). fp32 moments for these ~50
+        # parameters (8 bytes each) closed the gap.
+        scalar = {"mode": "fp32"}
         groups = [
             adamw(self.lm_head.parameters(), unembedding_lr * width_scale, (0.8, 0.96), 0.01),
             adamw(self.tok_emb.parameters(), embedding_lr * width_scale, (0.8, 0.995), 0.001),
             adamw(self.value_embeds.parameters(), embedding_lr * width_scale * 0.5, (0.8, 0.995), 0.01),
-            adamw([self.resid_lambdas], scalar_lr * 0.01, (0.8, 0.95), 0.05),
-            adamw([self.x0_lambdas], scalar_lr, (0.96, 0.95), 0.0),  # nanochat's higher beta1 for x0
-            adamw([self.smear_gate.weight, self.smear_lambda, self.backout_lambda], 0.2, (0.8, 0.95), 0.0),
+            adamw([self.resid_lambdas], scalar_lr * 0.01, (0.8, 0.95), 0.05, **scalar),
+            adamw([self.x0_lambdas], scalar_lr, (0.96, 0.95), 0.0, **scalar),  # nanochat's higher beta1 for x0
+            adamw([self.smear_gate.weight, self.smear_lambda, self.backout_lambda], 0.2, (0.8, 0.95), 0.0, **scalar),
         ]
         matrices = list(self.blocks.parameters())
         for shape in sorted({tuple(p.shape) for p in matrices}):

@@ -274,8 +274,10 @@ class MuonKind(OptimizerKind):
 
 @dataclasses.dataclass(frozen=True)
 class PackedMuonKind(MuonKind):
-    """PackedMuonAdamW: Muon's momentum in --muon-mode's format, AdamW's moments in --mode's;
-    with --param-dtype bf16 both rules keep exact FP32 split masters."""
+    """PackedMuonAdamW: Muon's momentum in --muon-mode's format, AdamW's moments in --mode's (a
+    group of the model's `optimizer_groups` that names its own `mode` or biases keeps them; its
+    state bytes are measured, so they count each group's format); with --param-dtype bf16 every
+    rule keeps exact FP32 split masters."""
 
     split_masters: bool = True
     own_settings: tuple = ("muon_lr", "muon_momentum", "muon_mode")
@@ -302,7 +304,8 @@ class PackedMuonKind(MuonKind):
 
     def start_masters(self, optimizer: PackedMuonAdamW, model: torch.nn.Module,
                       initial: dict[str, torch.Tensor] | None) -> None:
-        """As PackedAdamWKind's: each rule's split masters start at the FP32 initialisation."""
+        """As PackedAdamWKind's: each rule's split masters start at the FP32 initialisation (every
+        rule optimizer of `rules`: one per kind and state format)."""
         if initial is None:
             return
         name_of = {id(p): name for name, p in model.named_parameters()}

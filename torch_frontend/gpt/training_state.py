@@ -22,8 +22,10 @@ Tensors (safetensors: no pickle, nothing executes on load):
 Metadata (JSON strings): `format`, `step` (optimizer steps taken), `t_step` (the schedule row
 the next step reads), `config` (the full run configuration, compared on load), `schedule`
 (the ScheduleConfig), `code` (below), `loader` (the cursor), `optimizer` (class, each rule's
-state format, param_groups, per-parameter names, kinds, state keys and non-tensor state such
-as AdamW's step counts), and `sha256` over every tensor and every other metadata entry.
+state format by its key in the optimizer's `rules` (a PackedMuonAdamW has one per kind and
+state format), param_groups, per-parameter names, kinds, rule keys, state keys and non-tensor
+state such as AdamW's step counts), and `sha256` over every tensor and every other metadata
+entry. A state written before entries named their rule (one format per kind) reads as before.
 
 The code: `code_identity()` records the SHA-256 of each Python source file that decides a
 run's trajectory (the packages that train, packed_adamw.core, .torch, .tokenizer, less the files
@@ -152,9 +154,11 @@ def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
 
 
 def optimizer_rules(optimizer) -> dict:
-    """{kind: rule optimizer}: a PackedMuonAdamW's `rules`, or a PackedMuon / PackedAdamW as its
-    one rule. PackedMuon declares `rule_name = "muon"` (the attribute _muon_portable reads); the
-    other packed rule, PackedAdamW, declares none."""
+    """{key: rule optimizer}: a PackedMuonAdamW's `rules` (one per kind and state format: "muon"
+    and "adamw" for its constructor's formats, "<kind>:<identity>" for a group's own), or a
+    PackedMuon / PackedAdamW as its one rule, keyed by its kind. PackedMuon declares
+    `rule_name = "muon"` (the attribute _muon_portable reads); the other packed rule,
+    PackedAdamW, declares none."""
     if hasattr(optimizer, "rules"):
         return optimizer.rules
     if not hasattr(optimizer, "state_format"):
@@ -163,16 +167,20 @@ def optimizer_rules(optimizer) -> dict:
     return {getattr(optimizer, "rule_name", "adamw"): optimizer}
 
 
-def _optimizer_params(optimizer) -> list[tuple[torch.nn.Parameter, str]]:
-    """(parameter, kind) in state_dict index order."""
+def _optimizer_params(optimizer) -> list[tuple[torch.nn.Parameter, str, str]]:
+    """(parameter, kind, the key of its rule in `_formats`) in state_dict index order."""
     rules = optimizer_rules(optimizer)
-    only_kind = next(iter(rules)) if len(rules) == 1 else None  # a single rule's groups carry no kind
-    return [(p, group.get("kind", only_kind)) for group in optimizer.param_groups for p in group["params"]]
+    if len(rules) == 1 and not hasattr(optimizer, "rule_key"):  # a single rule: its groups carry no kind
+        (only,) = rules
+        return [(p, only, only) for group in optimizer.param_groups for p in group["params"]]
+    return [(p, group["kind"], optimizer.rule_key(group)) for group in optimizer.param_groups for p in group["params"]]
 
 
 def _formats(optimizer) -> dict:
-    """{kind: the rule's state format fields}, for decoding the saved moments."""
-    return {kind: dataclasses.asdict(rule.state_format) for kind, rule in optimizer_rules(optimizer).items()}
+    """{rule key: the rule's state format fields}, for decoding the saved moments (each entry
+    names its rule's key; a state written before groups had formats of their own names none,
+    and its kind is the key)."""
+    return {key: dataclasses.asdict(rule.state_format) for key, rule in optimizer_rules(optimizer).items()}
 
 
 def _jsonable(value):
@@ -213,14 +221,14 @@ def save_state(path, *, model: torch.nn.Module, optimizer, loader, schedule: Sch
     tensors, entries = {}, {}
     state_dict = optimizer.state_dict()
     params = _optimizer_params(optimizer)
-    for index, (p, kind) in enumerate(params):
+    for index, (p, kind, rule) in enumerate(params):
         if id(p) not in names:
             raise ValueError(f"save_state: optimizer parameter {index} is not a parameter of the model; "
                              "save the model the optimizer steps")
         name = names[id(p)]
         entry = state_dict["state"].get(index, {})
         tensor_keys = sorted(k for k, v in entry.items() if isinstance(v, torch.Tensor))
-        entries[str(index)] = {"name": name, "kind": kind, "tensors": tensor_keys,
+        entries[str(index)] = {"name": name, "kind": kind, "rule": rule, "tensors": tensor_keys,
                                "scalars": {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}}
         for key in tensor_keys:
             if key == LOW_HALF_KEY:
@@ -479,12 +487,15 @@ SIGN_CONVENTION = (
 
 
 def _decoded_moments(entry: dict, tensors: dict, formats: dict, shape) -> dict[str, np.ndarray]:
-    """{"first_mntm", "scnd_mntm" (AdamW)} of one parameter, float32, reference signs."""
+    """{"first_mntm", "scnd_mntm" (AdamW)} of one parameter, float32, reference signs, in the
+    state format of its rule (`formats[entry["rule"]]`; its kind's in a state written before
+    entries named their rule)."""
     name, kind = entry["name"], entry["kind"]
+    fields = formats[entry.get("rule", kind)]
     keys = [k for k in entry["tensors"] if k != LOW_HALF_KEY]
     zeros = np.zeros(shape, np.float32)
     if kind == "muon":
-        fmt = MuonFormat(**formats["muon"])
+        fmt = MuonFormat(**fields)
         state = tensors[f"params/{name}/opt/{fmt.state_key}"] if keys else None
         # the 16-bit codes live in int16 tensors (muon.py); the codec indexes by their uint16 bits
         codes = None if state is None else (state.numpy().view(np.uint16) if state.dtype == torch.int16
@@ -492,7 +503,7 @@ def _decoded_moments(entry: dict, tensors: dict, formats: dict, shape) -> dict[s
         exponent = tensors.get(f"params/{name}/opt/{MOMENTUM_EXPONENT.key}")  # absent: a state saved before them
         m = decode_momentum(codes, fmt, 0 if exponent is None else int(exponent)) if keys else zeros
         return {"first_mntm": np.float32(0) - m.reshape(shape)}
-    fmt = AdamWFormat(**formats["adamw"])
+    fmt = AdamWFormat(**fields)
     if not keys:
         m = v = zeros
     elif fmt.mode == "fp32":

@@ -812,7 +812,7 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
     rebuilt from the file, after the model's backward on the batch)."""
     optimizer, tensors = restored.optimizer, restored.tensors
     p = dict(restored.model.named_parameters())[name]
-    fmt: MuonFormat = optimizer.rules["muon"].state_format
+    fmt: MuonFormat = optimizer.rules[optimizer.rule_key(group_of(optimizer, p))].state_format  # the matrix's rule
     key = fmt.state_key
     rows, cols = p.shape
     device = p.device
