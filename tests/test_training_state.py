@@ -464,6 +464,7 @@ def test_code_identity_covers_what_decides_the_trajectory(tape, tmp_path):
     for name in NOT_TRAJECTORY_CODE:
         assert name not in files, name
     assert "packed_adamw.torch/gpt/walkthrough.py" in NOT_TRAJECTORY_CODE
+    assert "packed_adamw.torch/gpt/run_directory.py" in NOT_TRAJECTORY_CODE  # its guards decide no step
     # A state recording another walkthrough (as states did before the narrowing) still loads.
     run = Run(tape, torch.float32)
     run.train(1)

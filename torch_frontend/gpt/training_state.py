@@ -80,6 +80,7 @@ CODE_PACKAGES = ("packed_adamw.core", "packed_adamw.torch", "packed_adamw.tokeni
 NOT_TRAJECTORY_CODE = {
     "packed_adamw.torch/gpt/walkthrough.py": "explains a saved step; no trainer runs it",
     "packed_adamw.torch/gpt/telemetry.py": "writes and trims log records",
+    "packed_adamw.torch/gpt/run_directory.py": "locks and guards the run directory and its writes; decides no step",
     "packed_adamw.torch/gpt/checkpoint.py": "the learned-position trainer's checkpoints; the file helpers "
                                             "this module borrows read back checked",
     "packed_adamw.torch/gpt/optimizers.py": "the learned-position trainer's optimizers; chat_train reads "
