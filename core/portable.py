@@ -124,7 +124,8 @@ class PortableState:
 
     def _check_exponents(self, identities, fmts, shapes, where) -> None:
         """Exactly the packed Muon tensors of the current identity have exponents: int32, one
-        per matrix (the parameter's shape less its last two axes), each one a step can store."""
+        per matrix (the parameter's shape less its last two axes), each one a step can store,
+        none under which a code decodes past float32's range (`StateFormat.check_exponent`)."""
         exponents = self.exponents if self.exponents is not None else [None] * len(shapes)
         if len(exponents) != len(shapes):
             raise ValueError(f"portable state holds {len(exponents)} exponents, the parameters are {len(shapes)}; "
@@ -137,15 +138,12 @@ class PortableState:
                                      "the file was edited or damaged: export the state again")
                 continue
             expected = tuple(shape[:-2])
-            if exponent is None or exponent.dtype != np.dtype(entry.dtype) or exponent.shape != expected:
-                got = "none" if exponent is None else f"{exponent.dtype} {exponent.shape}"
+            if exponent is None:
                 raise ValueError(f"{where(i)} ({identity}) needs its matrices' {entry.dtype} exponents of shape "
-                                 f"{expected} (its momentum is the codes times 2**exponent), got {got}; the file "
+                                 f"{expected} (its momentum is the codes times 2**exponent), got none; the file "
                                  "was edited or damaged: export the state again")
-            low, high = fmt.exponent_range
-            if exponent.size and not (low <= exponent.min() and exponent.max() <= high):
-                raise ValueError(f"{where(i)} ({identity}) has exponents {exponent.tolist()}, outside the "
-                                 f"[{low}, {high}] a step stores; the file was edited or damaged")
+            fmt.check_exponent(exponent, f"{where(i)} ({identity}): exponents[{i}]", shape=expected,
+                               codes=self.moments[i], remedy="the file was edited or damaged: export the state again")
 
     def muon_exponent(self, i: int, fmt) -> np.ndarray | None:
         """After `check_tensors`: packed Muon tensor i's exponents (zeros for a tensor saved
@@ -158,11 +156,11 @@ class PortableState:
 
     def check_muon_values(self, fmts: list, names: list[str]) -> None:
         """After `check_tensors`: every Muon tensor's count is None or a whole number >= 0, and
-        its momentum holds no NaN or Inf (fp32 values, bf16 codes; the packed code has none), as
-        no step ever stores one (docs/MUON.md)."""
+        its momentum holds no NaN or Inf (fp32 values, bf16 codes; packed codes are numbers, and
+        `check_tensors` refused an exponent under which one decodes past float32's range), as no
+        step ever stores one (docs/MUON.md)."""
         # Here, not at the top: core/muon's package loads its Triton kernels, and a portable
         # state must stay readable without them (tools/format_health.py).
-        from .muon.numpy_step import decode_momentum
         from .muon.state_format import StateFormat as MuonStateFormat
 
         for i, (fmt, name) in enumerate(zip(fmts, names)):
@@ -177,11 +175,8 @@ class PortableState:
                 finite = np.isfinite(momentum).all()
             elif fmt.mode == "bf16":
                 finite = not np.any((momentum & np.uint16(0x7F80)) == np.uint16(0x7F80))  # exponent all ones
-            else:  # a code times 2**exponent past float32's range (a step never stores one)
-                exponents = self.muon_exponent(i, fmt).reshape(-1)
-                matrices = momentum.reshape(exponents.size, -1) if exponents.size else momentum.reshape(0, 0)
-                with np.errstate(over="ignore"):
-                    finite = all(np.isfinite(decode_momentum(m, fmt, e)).all() for m, e in zip(matrices, exponents))
+            else:  # packed: checked with its exponents
+                continue
             if not finite:
                 raise ValueError(f"portable state tensor {i} ({name}): the momentum holds NaN or Inf, which no step "
                                  "stores; this state cannot continue a run")

@@ -71,10 +71,11 @@ def moment_values(moments: np.ndarray, fmt: AdamWFormat, exponent=None) -> tuple
 
 def momentum_values(momentum: np.ndarray, fmt: MuonFormat, exponent=None) -> tuple[np.ndarray]:
     """Muon's (momenta,) as a float32 array from a stored state: packed codes decoded as the
-    step decodes them, times 2**exponent per matrix (`exponent`: the `mu_exponent` entry, shape
-    () for one matrix or the leading axes' for a stack of them; None for a state saved before
-    the exponents, which read with 0), bf16 bits widened exactly, fp32 values copied. torch
-    keeps the 16-bit codes in int16 tensors (muon.py): they are read as the same bits."""
+    step decodes them, times 2**exponent per matrix (`exponent`: the int32 `mu_exponent` entry,
+    shape () for one matrix or the leading axes' for a stack of them, as
+    `StateFormat.check_exponent` checks it; None for a state saved before the exponents, which
+    read with 0), bf16 bits widened exactly, fp32 values copied. torch keeps the 16-bit codes
+    in int16 tensors (muon.py): they are read as the same bits."""
     momentum = np.asarray(momentum)
     if exponent is not None and fmt.mode != "packed":
         raise ValueError(f"{fmt.identity} keeps no per-matrix exponent; pass exponent=None")
@@ -88,10 +89,10 @@ def momentum_values(momentum: np.ndarray, fmt: MuonFormat, exponent=None) -> tup
         raise ValueError(f"a {fmt.mode} Muon state is 16-bit codes, got {momentum.dtype}")
     if fmt.mode == "bf16" or exponent is None:
         return (np.asarray(decode_momentum(momentum, fmt), np.float32),)
-    exponent = np.asarray(exponent)
-    if momentum.ndim < 2 or exponent.shape != momentum.shape[:-2]:
-        raise ValueError(f"the exponents have shape {exponent.shape}, the momentum {momentum.shape}: one exponent "
-                         "per matrix (the momentum's shape less its last two axes)")
+    if momentum.ndim < 2:
+        raise ValueError(f"a packed Muon momentum is a matrix or a stack of them, got shape {momentum.shape}")
+    exponent = fmt.check_exponent(exponent, "momentum_values: the exponents", shape=momentum.shape[:-2],
+                                  remedy="pass the state's own (its mu_exponent entry)")
     values = np.empty(momentum.shape, np.float32)
     for index in np.ndindex(exponent.shape):
         values[index] = decode_momentum(momentum[index], fmt, exponent[index])

@@ -6,6 +6,7 @@ and reading the code's fields; the classifier itself uses only the format's thre
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -723,18 +724,25 @@ def test_inspect_applies_each_matrixs_exponent_in_every_file_kind(tape, tmp_path
     assert kinds == ["torch state_dict", "trainer checkpoint", "portable state", "training state"]
 
 
-def test_inspect_reads_states_saved_before_the_exponents_and_refuses_a_missing_one(tmp_path):
-    """A packed Muon state of the identity before the exponents has none: its codes read with s = 0,
-    as PackedMuon loads it; a state of the current identity without its exponent, or the legacy one
-    with an exponent, is refused naming the entry."""
-    _, opt = trained_muon()
-    legacy = opt.state_dict()
-    fmt = opt.state_format
+def saved_before_the_exponents(opt) -> dict:
+    """PackedMuon's state_dict as a packed state saved before the exponents: the legacy identity,
+    no mu_exponent entries."""
+    legacy, fmt = copy.deepcopy(opt.state_dict()), opt.state_format  # state_dict's entries are the optimizer's
     for group in legacy["param_groups"]:
         group["packed_adamw_format"] = fmt.legacy_identity
     legacy["packed_adamw"]["format"] = fmt.legacy_identity
     for entry in legacy["state"].values():
         del entry["mu_exponent"]
+    return legacy
+
+
+def test_inspect_reads_states_saved_before_the_exponents_and_refuses_a_missing_one(tmp_path):
+    """A packed Muon state of the identity before the exponents has none: its codes read with s = 0,
+    as PackedMuon loads it; a state of the current identity without its exponent, or the legacy one
+    with an exponent, is refused naming the entry."""
+    _, opt = trained_muon()
+    legacy = saved_before_the_exponents(opt)
+    fmt = opt.state_format
     torch.save(legacy, tmp_path / "legacy.pt")
     state_file = load_state_file(tmp_path / "legacy.pt")
     tensor = state_file.tensors[0]
@@ -746,13 +754,54 @@ def test_inspect_reads_states_saved_before_the_exponents_and_refuses_a_missing_o
     damaged = opt.state_dict()
     del damaged["state"][1]["mu_exponent"]
     torch.save(damaged, tmp_path / "missing.pt")
-    with pytest.raises(InspectError, match=r"state\[1\]\['mu_exponent'\] is missing: .*codes times 2\*\*mu_exponent"):
+    with pytest.raises(InspectError, match=r"state\[1\]\['mu_exponent'\] \(down\.weight\) is missing: .*codes times "
+                                           r"2\*\*mu_exponent"):
         load_state_file(tmp_path / "missing.pt")
     legacy["state"][1]["mu_exponent"] = torch.tensor(3, dtype=torch.int32)
     torch.save(legacy, tmp_path / "legacy-with-exponent.pt")
-    with pytest.raises(InspectError, match=r"state\[1\]\['mu_exponent'\]: muon-packed:mu=SE5M10b40 keeps no per-matrix "
-                                           "exponent"):
+    with pytest.raises(InspectError, match=r"state\[1\]\['mu_exponent'\] \(down\.weight\): muon-packed:mu=SE5M10b40 keeps "
+                                           "no per-matrix exponent"):
         load_state_file(tmp_path / "legacy-with-exponent.pt")
+
+
+def test_inspect_refuses_an_exponent_no_step_stores_naming_the_tensor_and_the_range(tmp_path, capsys):
+    """An edited exponent outside the range a step stores (at mu_bias 40, [-139, 137]) is
+    refused when the file is read, naming the tensor, the value and the range (core's one
+    check, `StateFormat.check_exponent`): in a torch state and in a PortableState."""
+    _, opt = trained_muon()
+    for exponent in (1000, -300, 200):
+        edited = opt.state_dict()
+        edited["state"][1]["mu_exponent"] = torch.tensor(exponent, dtype=torch.int32)
+        torch.save(edited, tmp_path / "edited.pt")
+        with pytest.raises(InspectError, match=rf"^state\[1\]\['mu_exponent'\] \(down\.weight\) is {exponent}, "
+                                               r"outside the \[-139, 137\] a step stores with mu_bias 40"):
+            load_state_file(tmp_path / "edited.pt")
+    portable = opt.export_state()
+    portable.exponents[1] = np.array(200, np.int32)
+    portable.save(tmp_path / "edited.safetensors")
+    assert inspect_main([str(tmp_path / "edited.safetensors")]) == 2
+    assert r"exponent.1 (moments.1) is 200, outside the [-139, 137]" in capsys.readouterr().err
+
+
+def test_the_header_of_a_state_saved_before_the_exponents_counts_saturation_in_the_fixed_window(tmp_path, capsys):
+    """A legacy packed Muon state's codes were stored in the code's fixed window (s = 0), where a
+    momentum past the largest code saturated: its section is not read as scaled per matrix (no
+    "none saturates"), says what the state is, and counts the stored maximum as saturated."""
+    _, opt = trained_muon()
+    legacy = saved_before_the_exponents(opt)
+    legacy["state"][0]["momentum_code"].view(-1)[:3] = 0x7FFF  # the largest code: a saturated momentum
+    torch.save(legacy, tmp_path / "legacy.pt")
+    report = report_of(tmp_path / "legacy.pt", capsys)
+    assert report["sections"][0]["saved_without_exponents"] and not report["sections"][0]["scaled_per_matrix"]
+    assert report["tensors"][0]["mu"]["counts"]["saturated"] == 3 and report["total"]["mu"]["counts"]["saturated"] == 3
+    assert report["suggestion"]["bias_independent"]  # continued, it is scaled per matrix: still no bias to choose
+    assert inspect_main([str(tmp_path / "legacy.pt")]) == 0
+    header = capsys.readouterr().out.split("\nup.weight")[0]  # the section's lines before its first tensor
+    assert "none saturates" not in header and "relative to each matrix's exponent" not in header
+    assert "saved before the per-matrix exponents" in header and "fixed window" in header
+    torch.save(opt.state_dict(), tmp_path / "today.pt")
+    assert inspect_main([str(tmp_path / "today.pt")]) == 0
+    assert "none saturates" in capsys.readouterr().out.split("\nup.weight")[0]
 
 
 def test_muon_windows_count_the_flushes_and_subnormals_the_packed_step_counts(tmp_path, capsys):

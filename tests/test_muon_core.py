@@ -352,6 +352,36 @@ def test_a_state_saved_before_the_exponents_reads_with_exponent_zero():
         assert np.array_equal(part, whole_state[rows]) and exponent == whole_exponent
 
 
+def test_an_exponent_no_step_stores_is_refused_by_the_one_check_and_by_decode_momentum():
+    """`StateFormat.check_exponent`, which every reader of a saved state calls: the format's int32
+    of one exponent per matrix, inside `exponent_range`, and (given the codes) none under which a
+    matrix's largest code decodes past float32's range; each refusal names the exponent, its
+    value and the range. decode_momentum refuses one outside the range in the same words,
+    instead of ldexp32's halves of it."""
+    fmt = StateFormat(mu_bias=40)  # exponent_range (-139, 137)
+    codes = np.zeros((2, 3, 4), np.uint16)
+    codes[1, 2, 3] = 0x7C00  # 1.0 * 2**(31 - 40): times 2**137, past float32's largest value
+    for value in (1000, -300, 200, 138, -140):
+        with pytest.raises(ValueError, match=rf"^decode_momentum: the exponent is {value}, outside the \[-139, 137\] a "
+                                             r"step stores with mu_bias 40"):
+            decode_momentum(codes[0], fmt, value)
+        with pytest.raises(ValueError, match=rf"^params/w/opt/mu_exponent is {value}, outside the \[-139, 137\]"):
+            fmt.check_exponent(np.array(value, np.int32), "params/w/opt/mu_exponent")
+    with pytest.raises(ValueError, match=r"^exponent\.0 is \[3, 1000\], outside the \[-139, 137\].*export it again"):
+        fmt.check_exponent(np.array([3, 1000], np.int32), "exponent.0", shape=(2,), remedy="export it again")
+    for bad, got in ((np.array(3, np.int64), "int64 ()"), (np.array([3], np.int32), r"int32 \(1,\)"), (3.0, "float")):
+        with pytest.raises(ValueError, match=rf"^e must be the matrices' int32 exponents of shape \(\) .*got {got}"):
+            fmt.check_exponent(bad, "e")
+    edge = np.array([137, 137], np.int32)
+    with pytest.raises(ValueError, match=r"^e is \[137, 137\], under which the momentum holds NaN or Inf"):
+        fmt.check_exponent(edge, "e", shape=(2,), codes=codes)
+    codes[1, 2, 3] = 0x7BFF  # the code below: finite at 2**137, and the other matrix is all zeros
+    checked = fmt.check_exponent(edge, "e", shape=(2,), codes=codes.view(np.int16))  # torch's int16 view too
+    assert checked.dtype == np.int32 and checked.tolist() == [137, 137]
+    assert np.isfinite(decode_momentum(codes[1], fmt, 137)).all()
+    assert fmt.check_exponent(-139, "e").dtype == np.int32  # a Python int is one matrix's
+
+
 @pytest.mark.parametrize("mode", ["packed", "bf16", "fp32"])
 def test_a_non_finite_gradient_refuses_the_whole_matrix(mode):
     rng = np.random.default_rng(5)

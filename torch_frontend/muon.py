@@ -1248,10 +1248,9 @@ def _checked_loaded_exponent(fmt: StateFormat, p: torch.Tensor, entry: dict, whe
         raise ValueError(f"{where}: {key!r} must be a 0-d {EXPONENT_DTYPE} tensor (the matrix's exponent in "
                          f"{fmt.identity}" + (", replicated on the parameter's mesh" if _dtensor.is_dtensor(p) else "")
                          + f"), got {got}; load a state saved by PackedMuon over these parameters")
-    value, (low, high) = int(local_exponent(exponent)), fmt.exponent_range
-    if not low <= value <= high:
-        raise ValueError(f"{where}: {key!r} is {value}, outside the [{low}, {high}] a step stores with mu_bias "
-                         f"{fmt.mu_bias}; the state was edited or damaged: load an undamaged one")
+    # The codes' range is `nonfinite_momenta`'s, which counts over every rank of a sharded matrix.
+    fmt.check_exponent(local_exponent(exponent).detach().cpu().numpy(), f"{where}: {key!r}",
+                       remedy="the state was edited or damaged: load an undamaged one")
     return exponent
 
 

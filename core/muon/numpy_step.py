@@ -96,13 +96,19 @@ def matrix_exponent(amax, old: int, fmt: StateFormat) -> int:
 
 
 def decode_momentum(state, fmt: StateFormat, exponent=0) -> np.ndarray:
-    """The momentum values of a stored entry: packed codes times 2**exponent (the matrix's;
-    0 for a state saved before the exponents), bf16 bits widened, fp32 values as they are."""
+    """The momentum values of a stored entry: packed codes times 2**exponent (the matrix's, an
+    integer; 0 for a state saved before the exponents), bf16 bits widened, fp32 values as they
+    are. An exponent no step stores (outside `fmt.exponent_range`) is refused naming it
+    (`StateFormat.check_exponent`); the values are not checked: past float32's range they are Inf."""
     if fmt.mode == "fp32":
         return np.asarray(state, F32)
     if fmt.mode == "bf16":
         return bf16_values(state)
-    return ldexp32(fmt.code.decode_table[np.asarray(state).astype(np.intp)], int(np.asarray(exponent)))
+    exponent = np.asarray(exponent)
+    exponent = int(fmt.check_exponent(exponent[()] if exponent.ndim == 0 and exponent.dtype.kind in "iu" else exponent,
+                                      "decode_momentum: the exponent", remedy="pass the matrix's stored exponent "
+                                      f"(its {fmt.exponent_entry.key!r} entry)"))
+    return ldexp32(fmt.code.decode_table[np.asarray(state).astype(np.intp)], exponent)
 
 
 def _finite_bf16(bits) -> np.ndarray:

@@ -3,6 +3,7 @@ bias and each matrix's power-of-two exponent (spec: docs/MUON.md, "The momentum 
 from __future__ import annotations
 
 import functools
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -113,6 +114,52 @@ class StateFormat(StateLayout):
         finite nonzero float32 amax; the first step's 0 lies inside for every bias."""
         low, high = (k + self.mu_bias - AMAX_EXPONENT_FIELD for k in FLOAT32_EXPONENTS)
         return low, high
+
+    def check_exponent(self, exponent, where: str, *, shape=(), codes=None,
+                       remedy: str = "the state was edited or damaged") -> np.ndarray:
+        """The one check of a stored per-matrix exponent (packed mode), which every reader of a
+        saved state makes (PortableState, torch's load, inspect, training states) and
+        `decode_momentum` makes of its argument: `exponent` must be the format's int32 array of
+        `shape` (one per matrix: the parameter's shape less its last two axes; a Python or numpy
+        integer stands for shape ()), each one a step stores (`exponent_range`), and, given the
+        matrices' `codes` (uint16 or their int16 view, shaped `shape` + the matrix), none under
+        which a matrix's largest code decodes past float32's range (NaN or Inf, which no step
+        stores). A refusal is a ValueError that begins with `where` (which names the exponent)
+        and ends with `remedy`. Returns the exponents as an int32 array."""
+        entry = self.exponent_entry
+        if entry is None:
+            raise ValueError(f"{where}: {self.identity} keeps no per-matrix exponent")
+        dtype, shape = np.dtype(entry.dtype), tuple(shape)
+        if isinstance(exponent, numbers.Integral) and not isinstance(exponent, (bool, np.bool_)) and shape == ():
+            values = np.asarray(int(exponent))  # int64 or object: the range check below sees its value
+        elif isinstance(exponent, np.ndarray) and exponent.dtype == dtype and exponent.shape == shape:
+            values = exponent
+        else:
+            got = f"{exponent.dtype} {exponent.shape}" if isinstance(exponent, np.ndarray) else type(exponent).__name__
+            raise ValueError(f"{where} must be the matrices' {dtype} exponents of shape {shape} (one per matrix: "
+                             f"{self.identity} keeps each matrix's momentum as its codes times 2**{entry.key}), got "
+                             f"{got}; {remedy}")
+        low, high = self.exponent_range
+        if values.size and not (low <= values.min() and values.max() <= high):
+            raise ValueError(f"{where} is {values.tolist()}, outside the [{low}, {high}] a step stores with mu_bias "
+                             f"{self.mu_bias} ({self.identity}); {remedy}")
+        values = values.astype(dtype)
+        if codes is not None and values.size:
+            from .numpy_step import ldexp32  # numpy_step imports this module
+
+            codes = np.asarray(codes)
+            if codes.dtype not in (np.uint16, np.int16) or codes.shape[:len(shape)] != shape or codes.ndim != len(shape) + 2:
+                raise ValueError(f"{where}: the codes are {codes.dtype} {codes.shape}, expected 16-bit codes of "
+                                 f"shape {shape} + a matrix's")
+            # A code's magnitude orders its value: each matrix's largest tells whether any is past float32's range.
+            magnitude = codes.view(np.uint16).reshape(values.size, -1) & np.uint16(self.code.sign_bit - 1)
+            largest = self.code.decode_table[magnitude.max(axis=1, initial=0).astype(np.intp)]
+            with np.errstate(over="ignore"):
+                finite = np.isfinite(ldexp32(largest, values.reshape(-1)))
+            if not finite.all():
+                raise ValueError(f"{where} is {values.tolist()}, under which the momentum holds NaN or Inf (a code times "
+                                 f"2**{entry.key} past float32's range), which no step stores; {remedy}")
+        return values
 
     @property
     def rule(self) -> Rule:

@@ -272,10 +272,12 @@ def _low_half(lo: np.ndarray) -> np.ndarray:
 
 
 def _stored_exponent(exponent, fmt: StateLayout, identity: str, moments: np.ndarray, where: str) -> np.ndarray | None:
-    """A tensor's per-matrix exponents as its file holds them (`where`: their place in it), or
-    None for a format that keeps none or a state saved before them (`saved_without_exponents`:
-    read with exponent 0). Refused: one missing beside packed codes, or present where the
-    format keeps none, or not one integer per matrix."""
+    """A tensor's per-matrix exponents as its file holds them (`where`: their place in it, and the
+    tensor), or None for a format that keeps none or a state saved before them
+    (`saved_without_exponents`: read with exponent 0). Refused: one missing beside packed codes,
+    or present where the format keeps none, or one no step stores (core's check,
+    `StateFormat.check_exponent`: not the int32 of each matrix, or outside `exponent_range`). One
+    under which a code decodes past float32's range is read: its NaN and Inf are reported."""
     entry = getattr(fmt, "exponent_entry", None)
     if entry is None or fmt.saved_without_exponents(identity):
         if exponent is not None:
@@ -286,11 +288,10 @@ def _stored_exponent(exponent, fmt: StateLayout, identity: str, moments: np.ndar
     if exponent is None:
         raise InspectError(f"{where} is missing: {identity} keeps each matrix's momentum as its codes times "
                            f"2**{entry.key}, one per matrix; the file was edited or damaged")
-    exponent = np.asarray(exponent)
-    if exponent.dtype.kind not in "iu" or exponent.shape != leading:
-        raise InspectError(f"{where} is {exponent.dtype} {exponent.shape}, expected {entry.dtype} {leading} (one "
-                           f"exponent per matrix of {identity}); the file was edited or damaged")
-    return exponent.astype(np.dtype(entry.dtype))
+    try:
+        return fmt.check_exponent(np.asarray(exponent), where, shape=leading, remedy="the file was edited or damaged")
+    except ValueError as error:
+        raise InspectError(str(error)) from None
 
 
 def _plain(x):
@@ -378,8 +379,9 @@ def _from_optimizer_state(path, kind, identities: list[str], state: dict, param_
         if param is not None and fmt.low_half_key in entry:
             param = _split_master(param, entry[fmt.low_half_key])
         exponent_key = fmt.exponent_entry.key if getattr(fmt, "exponent_entry", None) is not None else None
+        exponent_where = key_of(p_index, exponent_key or "exponent")
         exponent = _stored_exponent(entry.get(exponent_key) if exponent_key else None, fmt, identity, moments,
-                                    key_of(p_index, exponent_key or "exponent"))
+                                    exponent_where if name in exponent_where else f"{exponent_where} ({name})")
         tensors.append(TensorState(p_index, name, key_of(p_index, entry_key), _plain_step(entry.get("step")),
                                    moments, group_of[p_index], param, fmt, identity, _saved_counts(entry, fmt),
                                    exponent))
@@ -468,7 +470,7 @@ def _portable_file(path: Path) -> StateFile:
         fmt = formats[identity]
         moments = _stored_entry(moments, fmt, key)
         saved = portable.exponents[i] if portable.exponents is not None and i < len(portable.exponents) else None
-        exponent = _stored_exponent(saved, fmt, identity, moments, f"exponent.{i}")
+        exponent = _stored_exponent(saved, fmt, identity, moments, f"exponent.{i} ({key})")
         tensors.append(TensorState(i, key, key, _plain_step(count), moments, fmt=fmt, identity=identity,
                                    exponent=exponent))
     return StateFile(path, "portable state", portable.format, tensors)

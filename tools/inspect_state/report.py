@@ -5,7 +5,8 @@ A format scaled per matrix (Muon's packed mode) keeps each matrix's codes relati
 exponent s: the window classifies the codes' own values (m x 2^-s; the exponents the packed
 step would choose, for values kept wider), the quantiles are of the values themselves (codes x
 2^s), each tensor's exponents are shown, and no bias is suggested (every one stores the same
-codes)."""
+codes). A state saved before the exponents (its legacy identity) stored its codes in the code's
+fixed window (s = 0): its section says so (`saved_without_exponents`), as it counts saturation."""
 from __future__ import annotations
 
 import math
@@ -126,6 +127,9 @@ def section_report(identity: str, tensors: list[TensorState], *, biases: dict, l
     codes = entry.rule.codes
     packed = packed_layout(fmt, biases)
     formats, stored = windows(fmt, biases)
+    # A state saved before its rule's per-matrix exponents (Muon's legacy identity) stored its
+    # codes in the code's fixed window (s = 0), where they could saturate: not scaled per matrix.
+    legacy = bool(getattr(fmt, "saved_without_exponents", lambda _: False)(identity))
     scaled = scaled_per_matrix(packed)
     values, encoded, exponents = [], [], []
     for t in tensors:
@@ -136,7 +140,8 @@ def section_report(identity: str, tensors: list[TensorState], *, biases: dict, l
         exponents.append(exponents_report(t, packed, raw))
     per_code = [[v[i] for v in values] for i in range(len(codes))]
     section = {
-        "rule": entry.name, "identity": identity, "stored": stored, "scaled_per_matrix": scaled,
+        "rule": entry.name, "identity": identity, "stored": stored, "scaled_per_matrix": scaled and not legacy,
+        "saved_without_exponents": legacy,
         "biases": {c.bias_option: getattr(packed, c.bias_option) for c in codes},
         "codes": [{"suffix": c.suffix, "holds": c.holds, "bias_option": c.bias_option} for c in codes],
         "windows": {c.suffix: {"format": f.identity, "max_value": f.max_value, "min_normal": f.min_normal,
@@ -225,6 +230,10 @@ def _format_section(section: dict) -> list[str]:
                      "binade below the largest code, so none saturates, and the smallest ones go subnormal or flush; "
                      + ("s as the packed step would choose it for each matrix; " if not section["stored"] else "")
                      + "the log2 quantiles are of the values themselves, codes x 2^s)")
+    elif section.get("saved_without_exponents"):
+        lines.append("  (a state saved before the per-matrix exponents: its codes were stored in the code's fixed "
+                     "window, s = 0, so a value that saturated reads as the maximum and is counted saturated, one "
+                     "that flushed reads as zero; loaded, it reads with s = 0, and each step then chooses each matrix's)")
     elif section["stored"]:
         lines.append("  (stored codes: a value that flushed reads as zero, one that saturated as the maximum)")
     for t in section["tensors"]:
