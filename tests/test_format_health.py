@@ -759,8 +759,8 @@ def test_inspect_reads_states_saved_before_the_exponents_and_refuses_a_missing_o
         load_state_file(tmp_path / "missing.pt")
     legacy["state"][1]["mu_exponent"] = torch.tensor(3, dtype=torch.int32)
     torch.save(legacy, tmp_path / "legacy-with-exponent.pt")
-    with pytest.raises(InspectError, match=r"state\[1\]\['mu_exponent'\] \(down\.weight\): muon-packed:mu=SE5M10b40 keeps "
-                                           "no per-matrix exponent"):
+    with pytest.raises(InspectError, match=r"state\[1\]\['mu_exponent'\] \(down\.weight\): muon-packed:mu=SE5M10b40 "
+                                           "keeps no per-matrix exponent"):
         load_state_file(tmp_path / "legacy-with-exponent.pt")
 
 

@@ -709,8 +709,8 @@ def test_a_packed_state_saved_before_the_exponents_loads_exactly_with_exponent_z
 
 @pytest.mark.parametrize("exponent, message", [
     (torch.tensor(129, dtype=torch.int32), r"'mu_exponent' is 129, outside the \[-148, 128\]"),
-    (torch.tensor(-300, dtype=torch.int32), r"^load_state_dict: state of saved parameter 0 \(for .*\): 'mu_exponent' is "
-                                            r"-300, outside the \[-148, 128\] a step stores with mu_bias 31"),
+    (torch.tensor(-300, dtype=torch.int32), r"^load_state_dict: state of saved parameter 0 \(for .*\): 'mu_exponent' "
+                                            r"is -300, outside the \[-148, 128\] a step stores with mu_bias 31"),
     (torch.tensor(3.0), "'mu_exponent' must be a 0-d torch.int32 tensor"),
     (torch.tensor([3], dtype=torch.int32), "'mu_exponent' must be a 0-d torch.int32 tensor"),
     (torch.tensor(128, dtype=torch.int32), "the momentum holds NaN or Inf")])

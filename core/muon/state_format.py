@@ -148,7 +148,7 @@ class StateFormat(StateLayout):
             from .numpy_step import ldexp32  # numpy_step imports this module
 
             codes = np.asarray(codes)
-            if codes.dtype not in (np.uint16, np.int16) or codes.shape[:len(shape)] != shape or codes.ndim != len(shape) + 2:
+            if codes.dtype not in (np.uint16, np.int16) or codes.shape[:-2] != shape or codes.ndim != len(shape) + 2:
                 raise ValueError(f"{where}: the codes are {codes.dtype} {codes.shape}, expected 16-bit codes of "
                                  f"shape {shape} + a matrix's")
             # A code's magnitude orders its value: each matrix's largest tells whether any is past float32's range.
@@ -157,8 +157,8 @@ class StateFormat(StateLayout):
             with np.errstate(over="ignore"):
                 finite = np.isfinite(ldexp32(largest, values.reshape(-1)))
             if not finite.all():
-                raise ValueError(f"{where} is {values.tolist()}, under which the momentum holds NaN or Inf (a code times "
-                                 f"2**{entry.key} past float32's range), which no step stores; {remedy}")
+                raise ValueError(f"{where} is {values.tolist()}, under which the momentum holds NaN or Inf (a code "
+                                 f"times 2**{entry.key} past float32's range), which no step stores; {remedy}")
         return values
 
     @property

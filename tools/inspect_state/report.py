@@ -233,7 +233,8 @@ def _format_section(section: dict) -> list[str]:
     elif section.get("saved_without_exponents"):
         lines.append("  (a state saved before the per-matrix exponents: its codes were stored in the code's fixed "
                      "window, s = 0, so a value that saturated reads as the maximum and is counted saturated, one "
-                     "that flushed reads as zero; loaded, it reads with s = 0, and each step then chooses each matrix's)")
+                     "that flushed reads as zero; loaded, it reads with s = 0, and each step then chooses each "
+                     "matrix's)")
     elif section["stored"]:
         lines.append("  (stored codes: a value that flushed reads as zero, one that saturated as the maximum)")
     for t in section["tensors"]:
