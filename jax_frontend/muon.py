@@ -75,7 +75,10 @@ class PackedMuonState(NamedTuple):
     AdamW leaves). `exponents` (packed mode; None in bf16 and fp32 modes): the tree with each
     Muon leaf's int32 exponents, one per matrix (shape (): a 2-D leaf; its batch axes' for a
     leaf of several), the momentum of a code c being decode(c) * 2**exponent (MUON.md), and
-    MaskedNode elsewhere. A packed state made before the exponents (None) steps with exponents 0."""
+    MaskedNode elsewhere. A packed state without them (made before they were kept: an unpickled
+    one, or one built with four fields) is refused naming `exponents`; one made before them
+    continues with `state._replace(exponents=tx.init(params).exponents)` (its codes read with
+    exponent 0, the values they had: docs/MUON.md, "JAX / optax")."""
 
     count: jax.Array
     momentum: Any
@@ -336,6 +339,29 @@ def _concrete(x) -> float | None:
         return None
 
 
+def _rate_valid(rate):
+    """Whether a learning rate is one Muon's step takes (its float32 value within RULE's bound,
+    as `_refuse_invalid` checks the row); True for one known when the step is traced, which was
+    validated there."""
+    if _concrete(rate) is not None:
+        return True
+    return RULE.bounds["lr"].holds(jnp.asarray(rate, jnp.float32))
+
+
+def _screened_rate(rate):
+    """The AdamW half's learning rate where it shares the Muon half's: the same value where Muon
+    takes it (`_rate_valid`), else 0, a rate packed_adamw takes, so a step refused for it warns
+    once (Muon's `RefusedStepWarning`); Muon's refusal hands the AdamW half NaN gradients, which
+    keep every AdamW leaf and word, and the count stays (`_whole_step_valid`). A schedule stays a
+    schedule; a value known when the step is traced stays as it is."""
+    def screened(value):
+        if _concrete(value) is not None:
+            return value
+        return jnp.where(_rate_valid(value), value, jnp.zeros_like(value))
+
+    return (lambda count: screened(rate(count))) if callable(rate) else screened(rate)
+
+
 # The host side of transform.py's `_report_refusal` for the Muon half, in packed_muon's words. A
 # refused step is the whole transform's: the AdamW leaves keep theirs too (`_whole_step_valid`).
 _warn_muon_refused = functools.partial(_warn_refused, "packed_muon", RULE,
@@ -481,11 +507,19 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         raise TypeError(f"packed_muon: nesterov={nesterov!r}: pass True or False")
     known = lambda x: x if callable(x) or _concrete(x) is None else _concrete(x)  # noqa: E731
     RULE.validate(*(known(x) for x in (learning_rate, beta, weight_decay, eps)), allow_arrays=True)
-    adamw = optax.masked(
-        packed_adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, adam_b1, adam_b2, adam_eps,
-                     adam_weight_decay, mask=adam_mask, mode=adam_mode),
-        lambda tree: jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree),
-                                                  [v is None for v in leaf_views(muon_weight_dimension_numbers, tree)]))
+
+    def adamw_half(rate):
+        return optax.masked(
+            packed_adamw(rate, adam_b1, adam_b2, adam_eps, adam_weight_decay, mask=adam_mask, mode=adam_mode),
+            lambda tree: jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree),
+                                                      [v is None for v in leaf_views(muon_weight_dimension_numbers,
+                                                                                     tree)]))
+
+    shared_rate = adam_learning_rate is None  # both halves read `learning_rate`
+    adamw = adamw_half(learning_rate if shared_rate else adam_learning_rate)  # alone: no Muon leaf to refuse for it
+    # Beside Muon leaves a shared rate that Muon refuses is read as 0 by the AdamW half: that step
+    # is Muon's refusal, heard once in packed_muon's words, not again in packed_adamw's.
+    adamw_beside_muon = adamw_half(_screened_rate(learning_rate)) if shared_rate else adamw
 
     def init_fn(params):
         _refuse_accelerators(params)
@@ -533,6 +567,9 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         row = jnp.asarray([jnp.asarray(x, jnp.float32) for x in given])
         # Only `valid` is taken: the phases read the row as given and step no matrix of a refused step.
         _, valid = _refuse_invalid(RULE, row, state.count)
+        if shared_rate:  # a rate the AdamW half reads as 0 at its count (the step keeps it Muon's) refuses the step
+            valid = valid & _rate_valid(learning_rate(state.adamw.inner_state.count) if callable(learning_rate)
+                                        else learning_rate)
         on_gpu = _step_platform((updates, params)) == "gpu"
         # Known outside jit (a schedule's value, say): raise in Muon's words; under jit refused in
         # the graph, and heard as transform.py's `_refused_eagerly` says (MUON.md, "Refusals").
@@ -542,8 +579,8 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
                              f"{_refusal_reason(RULE, np.asarray(row), count)}")
 
         # After Muon's checks, so that a bad shared learning rate is reported by Muon's words first.
-        adamw_updates, adamw_state = adamw.update(_refused_unless(valid, updates, views), state.adamw, params,
-                                                  **extra_args)
+        adamw_updates, adamw_state = adamw_beside_muon.update(_refused_unless(valid, updates, views), state.adamw,
+                                                              params, **extra_args)
         adamw_state, valid = _whole_step_valid(valid, adamw_state, state.adamw)
         config = _PhaseConfig(fmt, bool(nesterov), adjust_lr_fn, tuple(_python_number(x) for x in given),
                               tuple(views[i].torch_shape for i in muon), tuple(split[i] for i in muon),
@@ -829,15 +866,24 @@ def _zero_exponents(leaves, treedef, views, fmt: StateFormat):
 
 def _checked_exponents(exponents, treedef, params, views, paths, fmt: StateFormat) -> list:
     """Per leaf: its exponents (int32, the leaf's batch shape) for a Muon leaf in packed mode,
-    else None. A packed state made before the exponents (None) reads with exponents 0."""
+    else None. A packed state without exponents is refused: nothing in it tells one made before
+    the exponents (whose codes read with 0) from one that lost them (its momenta off by 2**-s),
+    so the message gives the line that continues the first kind."""
     entry = fmt.exponent_entry
     if entry is None:
         if exponents is not None:
             raise ValueError(f"packed_muon: the state holds exponents, which {fmt.identity} does not keep; build the "
                              "state with init() of a transform with the same mode")
         return [None] * len(views)
-    if exponents is None:  # saved before the exponents: its codes keep their values at exponent 0
-        exponents = _zero_exponents(params, treedef, views, fmt)
+    if exponents is None:
+        raise ValueError(
+            f"packed_muon: the state's exponents are None, but mode {fmt.mode!r} keeps each Muon matrix's momentum as "
+            f"its codes times 2**exponent ({fmt.identity}: PackedMuonState.exponents, which init() and "
+            "import_muon_state make), so its codes cannot be read. A state made by a packed-adamw before the "
+            "exponents (its codes read with exponent 0) continues with "
+            "`state = state._replace(exponents=tx.init(params).exponents)`; a state that lost its exponents cannot "
+            "(its momenta would be off by 2**-exponent): restore it whole, or carry it through export_muon_state and "
+            "import_muon_state")
     try:
         entries = treedef.flatten_up_to(exponents)
     except (ValueError, TypeError) as e:

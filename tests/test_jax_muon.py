@@ -330,7 +330,6 @@ def test_bad_hyperparameters_are_refused_when_built(kwargs, error, message):
         packed_muon(**kwargs)
 
 
-@pytest.mark.filterwarnings("ignore:packed_adamw. step refused")  # the AdamW half refuses its step too
 def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph():
     params = make_params(np.random.default_rng(19))
     tx = packed_muon(lambda count: jnp.where(count >= 1, -1.0, LR))
@@ -386,13 +385,18 @@ def assert_same_adamw_state(new, old) -> None:
 def test_a_step_refused_under_jit_by_either_half_refuses_the_whole_step(fused):
     """One transform's step is all or nothing: a Muon hyperparameter turning invalid refuses the
     AdamW leaves too (their updates -0.0, their state and count kept), and an AdamW one (here its
-    own learning-rate schedule) refuses the Muon matrices; each warns naming the value, and
-    neither count moves. The Muon warning says nothing changed, and nothing did."""
+    own learning-rate schedule) refuses the Muon matrices; each warns once naming the value, and
+    neither count moves. The learning rate both halves share (no adam_learning_rate) warns once
+    too, in packed_muon's words. The Muon warning says nothing changed, and nothing did."""
     params = make_params(np.random.default_rng(39))
     rng = np.random.default_rng(40)
-    for half, kwargs in (("packed_muon", dict(learning_rate=LR, beta=lambda count: jnp.where(count >= 1, 1.5, BETA))),
-                         ("packed_adamw", dict(learning_rate=LR,
-                                               adam_learning_rate=lambda count: jnp.where(count >= 1, -1.0, LR)))):
+    turning_invalid = lambda value: lambda count: jnp.where(count >= 1, value, LR)  # noqa: E731
+    for half, kwargs, words in (
+            ("packed_muon", dict(learning_rate=LR, beta=lambda count: jnp.where(count >= 1, 1.5, BETA)),
+             "momentum should be below 1"),
+            ("packed_adamw", dict(learning_rate=LR, adam_learning_rate=turning_invalid(-1.0)),
+             "Invalid learning rate: lr=-1.0"),
+            ("packed_muon", dict(learning_rate=turning_invalid(-1.0)), "Learning rate should be >= 0")):
         tx = packed_muon(**kwargs)
         fused_step = packed_muon_fused_step(**kwargs)
         # (grads, state, params) -> (updates, or the new params, state)
@@ -406,7 +410,7 @@ def test_a_step_refused_under_jit_by_either_half_refuses_the_whole_step(fused):
             jax.block_until_ready(out)
             jax.effects_barrier()
         messages = [str(w.message) for w in caught if issubclass(w.category, RefusedStepWarning)]
-        assert len(messages) == 1 and messages[0].startswith(f"{half}: step refused at count 1"), messages
+        assert len(messages) == 1 and messages[0].startswith(f"{half}: step refused at count 1: {words}"), messages
         if half == "packed_muon":
             assert "No weight, momentum, AdamW state word or count changed" in messages[0]
         for k in params:
@@ -701,10 +705,13 @@ def test_weights_are_the_same_for_power_of_two_scaled_gradients_in_the_interpret
             assert np.array_equal(weights[k], weights_s[k]) and exponents_s[k] == exponents[k] + scale, (k, scale)
 
 
-def test_a_packed_state_made_before_the_exponents_steps_with_exponent_zero():
-    """A PackedMuonState without exponents (built with four fields, or unpickled from before
-    them) steps as one whose exponents are 0, its codes read as the values they had, and the
-    step returns the exponents; a state of another mode holding exponents is refused."""
+def test_a_packed_state_without_exponents_is_refused_and_one_made_before_them_steps_given_zeros():
+    """A packed PackedMuonState without exponents (built with four fields, or unpickled from
+    before them) cannot tell a state made before the exponents (its codes read with 0) from one
+    that lost them (its momenta off by 2**-s): the step, the fused step and the export refuse it
+    naming `exponents` and the line that continues a state made before them, which then steps as
+    one whose exponents are 0, its codes read as the values they had, and the step returns the
+    exponents; a state of another mode holding exponents is refused."""
     rng = np.random.default_rng(64)
     params = make_params(rng)
     tx = packed_muon(LR)
@@ -714,6 +721,14 @@ def test_a_packed_state_made_before_the_exponents_steps_with_exponent_zero():
     legacy = PackedMuonState(state.count, state.momentum, state.low_halves, state.adamw)
     assert legacy.exponents is None
     grads = make_grads(rng, params)
+    message = (r"^packed_muon: the state's exponents are None, but mode 'packed' keeps each Muon matrix's momentum as "
+               r"its codes times 2\*\*exponent .*state\._replace\(exponents=tx\.init\(params\)\.exponents\)")
+    for refused in (lambda: tx.update(grads, legacy, params), lambda: jax.jit(tx.update)(grads, legacy, params),
+                    lambda: packed_muon_fused_step(LR)(params, grads, legacy),
+                    lambda: export_muon_state(legacy, params)):
+        with pytest.raises(ValueError, match=message):
+            refused()
+    legacy = legacy._replace(exponents=tx.init(params).exponents)  # the line the message gives
     want_updates, want_state = tx.update(grads, state, params)
     got_updates, got_state = tx.update(grads, legacy, params)
     want, got = (jax.tree_util.tree_leaves(tree) for tree in ((want_updates, want_state), (got_updates, got_state)))
