@@ -388,6 +388,27 @@ def test_resume_refuses_a_nonfinite_momentum(tape, tmp_path, mode):
     assert_snapshot(other, snapshot)
 
 
+@pytest.mark.parametrize("exponent", [1000, -300])
+def test_resume_and_export_refuse_an_exponent_no_step_stores(tape, tmp_path, exponent):
+    """A packed Muon exponent outside the range a step stores (an edited state) is refused by
+    core's one check, naming the tensor and the range, on resume and on export, before anything
+    changes, instead of a raw error from the decoder."""
+    run = Run(tape, torch.float32)
+    run.train(1)
+    run.optimizer.state[run.model.up.weight]["mu_exponent"].fill_(exponent)
+    state = run.save(tmp_path)
+    other = Run(tape, torch.float32, seed=1)
+    other.train(1)
+    snapshot = ([p.detach().clone() for p in other.model.parameters()], optimizer_snapshot(other.optimizer))
+    pattern = f"training state {re.escape(str(state))}: params/up.weight/opt/mu_exponent"
+    with pytest.raises(TrainingStateError, match=pattern):
+        other.load(state)
+    assert_snapshot(other, snapshot)
+    with pytest.raises(TrainingStateError, match=pattern):
+        export_reference_layout(state, tmp_path / "export.safetensors")
+    assert not (tmp_path / "export.safetensors").exists()
+
+
 def optimizer_snapshot(optimizer) -> list:
     """Every tensor of the optimizer's state (bits) and every group entry, for 'nothing changed'."""
     sd = optimizer.state_dict()

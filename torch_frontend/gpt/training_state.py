@@ -501,8 +501,11 @@ def _decoded_moments(entry: dict, tensors: dict, formats: dict, shape) -> dict[s
         # the 16-bit codes live in int16 tensors (muon.py); the codec indexes by their uint16 bits
         codes = None if state is None else (state.numpy().view(np.uint16) if state.dtype == torch.int16
                                             else state.numpy())
-        exponent = tensors.get(f"params/{name}/opt/{MOMENTUM_EXPONENT.key}")  # absent: a state saved before them
-        m = decode_momentum(codes, fmt, 0 if exponent is None else int(exponent)) if keys else zeros
+        key = f"params/{name}/opt/{MOMENTUM_EXPONENT.key}"
+        exponent = tensors.get(key)  # absent: a state saved before them
+        if exponent is not None:  # core's one check of a stored exponent (its range, and the codes it scales)
+            exponent = fmt.check_exponent(exponent.numpy(), key, codes=codes)
+        m = decode_momentum(codes, fmt, 0 if exponent is None else exponent) if keys else zeros
         return {"first_mntm": np.float32(0) - m.reshape(shape)}
     fmt = AdamWFormat(**fields)
     if not keys:
@@ -570,8 +573,18 @@ def _refuse_nonfinite(path, parameters, remedy: str) -> None:
 
 def check_finite(path, tensors: dict, metadata: dict, remedy: str) -> None:
     """Refuse (TrainingStateError naming each tensor) a state whose weights, FP32 masters or
-    decoded optimizer moments hold NaN or Inf; `remedy` says what to do instead."""
-    _refuse_nonfinite(path, _reference_parameters(tensors, metadata["optimizer"]), remedy)
+    decoded optimizer moments hold NaN or Inf, or whose stored Muon exponent no step stores;
+    `remedy` says what to do instead."""
+    _refuse_nonfinite(path, _checked_parameters(path, tensors, metadata, remedy), remedy)
+
+
+def _checked_parameters(path, tensors: dict, metadata: dict, remedy: str):
+    """_reference_parameters one tensor at a time (a d12 state's decoded moments are gigabytes),
+    a stored exponent that core's check refuses turned into a TrainingStateError naming the file."""
+    try:
+        yield from _reference_parameters(tensors, metadata["optimizer"])
+    except ValueError as error:  # a damaged exponent, named by core's check
+        raise TrainingStateError(f"training state {path}: {error}; {remedy}") from None
 
 
 def _check_export_path(state_path: Path, out_path: Path, overwrite: bool) -> None:
@@ -625,9 +638,10 @@ def export_reference_layout(state_path, out_path, *, overwrite: bool = False) ->
     state_path, out_path = Path(state_path), Path(out_path)
     _check_export_path(state_path, out_path, overwrite)
     tensors, metadata = read_state(state_path)
-    parameters = list(_reference_parameters(tensors, metadata["optimizer"]))
-    _refuse_nonfinite(state_path, parameters, "nothing was written; export an earlier state of the run (one "
-                      "before its weights or moments became non-finite)")
+    remedy = ("nothing was written; export an earlier state of the run (one before its weights or moments became "
+              "non-finite)")
+    parameters = list(_checked_parameters(state_path, tensors, metadata, remedy))
+    _refuse_nonfinite(state_path, parameters, remedy)
     out = {key: t for key, t in tensors.items() if key.startswith(("batch/", "rng/", "schedule/"))}
     out.update((key, t) for key, t, _ in parameters)
     out = _owned(out)
