@@ -434,6 +434,13 @@ def rotate(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def autocast_dtype(op, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `op` of a `dtype` tensor returns under torch.autocast(device, dtype): autocast's
+    op lists differ by device and torch version (pow: float32 on CUDA, kept on CPU)."""
+    with torch.autocast(device.type, dtype=dtype):
+        return op(torch.ones(2, device=device, dtype=dtype)).dtype
+
+
 @torch.no_grad()
 def spelled_forward(model: ChatGPT, batch: PackedBatch, seen: dict, logits: torch.Tensor, loss: torch.Tensor,
                     report: Report) -> dict:
@@ -531,10 +538,17 @@ def spelled_forward(model: ChatGPT, batch: PackedBatch, seen: dict, logits: torc
     a["fc"] = fc = linear(u, W[f"{prefix}mlp.fc.weight"])
     report.show("MLP up: u Wfc^T", fc)
     report.bitwise("MLP up", fc, seen["mlp fc"], "the model's mlp.fc")
-    a["relu2"] = relu2 = F.relu(fc).square()
+    # square() is a pow, which CUDA's autocast runs in float32 (CPU's keeps bf16): the dtype is
+    # asked of autocast on this device rather than assumed, so the spelled stage has the model's.
+    squared_in = autocast_dtype(lambda t: t.square(), fc.device, matmul) if mixed else fc.dtype
+    if squared_in != fc.dtype:
+        in_words = str(squared_in).removeprefix("torch.")
+        report.say(f"    (relu^2 in {in_words}: autocast runs pow in it on {fc.device.type})")
+    relu2 = F.relu(fc).to(squared_in).square()
     report.show("relu(.)^2", relu2)
     report.bitwise("relu^2", relu2, seen["relu^2"], "the model's")
     mlp_out = linear(relu2, W[f"{prefix}mlp.proj.weight"])
+    a["relu2"] = relu2 if matmul is None else relu2.to(matmul)  # what the down-projection's weight gradient sees
     report.show("MLP down", mlp_out)
     report.bitwise("MLP down", mlp_out, seen["mlp proj"], "the model's mlp.proj")
     a["x_out"] = x_out = x1 + mlp_out
