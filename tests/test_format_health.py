@@ -367,19 +367,25 @@ def test_inspect_reads_a_torch_state_file(tmp_path, capsys, int32_words):
     assert report["tensors"][0]["m"]["counts"]["saturated"] > 0  # the 10x gradients of step 2 at m_bias 18
 
 
-def test_inspect_reads_a_portable_state_without_torch(tmp_path):
-    _, opt = trained_optimizer(mode="fp16")
-    opt.export_state().save(tmp_path / "state.safetensors")
+def inspect_without_torch(path) -> dict:
+    """`python -m packed_adamw.inspect PATH --json` in a process where torch, jax, matplotlib and
+    triton cannot be imported (the portable reader's promise); returns its report."""
     code = textwrap.dedent(f"""
         import sys, runpy
         for name in ("torch", "jax", "matplotlib", "triton"):
             sys.modules[name] = None
-        sys.argv = ["inspect", {str(tmp_path / "state.safetensors")!r}, "--json"]
+        sys.argv = ["inspect", {str(path)!r}, "--json"]
         runpy.run_module("packed_adamw.inspect", run_name="__main__")
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    return json.loads(result.stdout)
+
+
+def test_inspect_reads_a_portable_state_without_torch(tmp_path):
+    _, opt = trained_optimizer(mode="fp16")
+    opt.export_state().save(tmp_path / "state.safetensors")
+    report = inspect_without_torch(tmp_path / "state.safetensors")
     assert report["kind"] == "portable state" and report["identity"] == StateFormat("fp16").identity
     assert [t["name"] for t in report["tensors"]] == ["moments.0", "moments.1", "moments.2", "moments.3"]
     # PortableState lists tensors in param_groups order: group 0's weights, then group 1's biases
@@ -653,16 +659,7 @@ def test_inspect_reads_muon_portable_states(tmp_path):
                                                                        muon.state_format))
     _, opt = trained_muon(combined=True)
     opt.export_state().save(tmp_path / "both.safetensors")
-    code = textwrap.dedent(f"""
-        import sys, runpy
-        for name in ("torch", "jax", "matplotlib", "triton"):
-            sys.modules[name] = None
-        sys.argv = ["inspect", {str(tmp_path / "both.safetensors")!r}, "--json"]
-        runpy.run_module("packed_adamw.inspect", run_name="__main__")
-    """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = inspect_without_torch(tmp_path / "both.safetensors")
     assert report["kind"] == "portable state" and report["identity"] == "mixed"
     names = [n for g in opt.param_groups for n in g["param_names"]]
     check_rule_counts(report, opt, names={name: f"moments.{i}" for i, name in enumerate(names)})
