@@ -7,9 +7,15 @@ module. On a machine with a CUDA GPU the kernels are compiled instead.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
+
+from layout import IMPORT_DIRS
+
+# Test modules import helpers and each other by name across the package folders (layout.py).
+sys.path[:0] = [str(d) for d in IMPORT_DIRS if str(d) not in sys.path]
 
 CUDA = torch.cuda.is_available()
 

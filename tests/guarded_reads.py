@@ -2,7 +2,7 @@
 tensors whose last byte is the last one before an inaccessible page, so that a load past a
 tensor's end faults (SIGSEGV) instead of reading a neighbour's memory unnoticed. Sentinels
 catch writes past a tensor; only this catches reads, such as a prefetch of a block that is
-not the program's. Run by tests/test_format_counts.py in a subprocess:
+not the program's. Run by tests/core/test_format_counts.py in a subprocess:
 
     TRITON_INTERPRET=1 python tests/guarded_reads.py launch    # prints "no read past a tensor"
     TRITON_INTERPRET=1 python tests/guarded_reads.py control   # reads one float past: must fault

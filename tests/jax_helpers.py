@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from layout import REPO, child_env
+
 F32 = np.float32
 U32 = np.uint32
 MODES = ["packed", "fp16", "fp32"]
@@ -171,10 +173,11 @@ def run_cases_child(test_file: str, devices: int) -> dict:
     returns {case: "ok" or the failure}, from the JSON lines the child prints."""
     import pytest
 
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = child_env(dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                         JAX_PLATFORMS="cpu"))
     path = Path(test_file).resolve()
     done = subprocess.run([sys.executable, str(path), "--cases"], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=path.parents[1])
+                          timeout=600, cwd=REPO)
     results = {}
     for line in done.stdout.splitlines():
         if line.startswith("{"):

@@ -2,7 +2,7 @@
 sm_90 (an H100/H200) without a GPU, through Triton's NVIDIA backend and its bundled ptxas; run
 in a process of its own, without TRITON_INTERPRET (under it
 `@triton.jit` gives interpreter functions, which do not compile). Prints one line a kernel
-variant, then "compiled N". Used by tests/test_kernels_compile_for_sm90.py; also a quick check
+variant, then "compiled N". Used by tests/core/test_kernels_compile_for_sm90.py; also a quick check
 before a GPU call: `python tests/sm90_compile.py`.
 
 It checks that each variant compiles with the arguments' dtypes and the warps the JAX launchers

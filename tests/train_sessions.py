@@ -1,4 +1,4 @@
-"""Several trainer sessions in one torchrun launch, for tests/test_train_distributed.py.
+"""Several trainer sessions in one torchrun launch, for tests/gpt/test_train_distributed.py.
 
     python -m torch.distributed.run --nproc_per_node=N tests/train_sessions.py ARGS [--then ARGS ...]
 

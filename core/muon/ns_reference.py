@@ -9,7 +9,7 @@ to float32 before their sum, the result rounded to bf16.
 What it cannot mirror is how a GPU's tensor cores sum inside one block product; Triton's CPU
 interpreter sums each block product with `np.matmul` (float32) and adds it to the accumulator,
 and so does `block_product` here. So in the interpreter the kernels equal this reference bit
-for bit (tests/test_muon_ns_triton.py); on a GPU they equal each other (torch and JAX launch
+for bit (tests/core/test_muon_ns_triton.py); on a GPU they equal each other (torch and JAX launch
 the same kernels), not this.
 """
 from __future__ import annotations

@@ -24,11 +24,12 @@ from packed_adamw.tokenizer.tape import TapeExhausted, TapeError, TapeReader
 from packed_adamw.torch.gpt import checkpoint
 from packed_adamw.torch.gpt.data import TapeShard
 from packed_adamw.torch.gpt.train import main
+from layout import TESTS
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
-SESSIONS = Path(__file__).with_name("train_sessions.py")
+SESSIONS = TESTS / "train_sessions.py"
 TIMEOUT_S = 240
 STEPS, STOP_AT = 6, 3
 BATCH, CONTEXT = 4, 16  # MICRO's --batch-size and the micro preset's context

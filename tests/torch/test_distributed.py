@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torchrun_helpers import torchrun
+from layout import TESTS
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
-SCENARIOS = Path(__file__).with_name("distributed_scenarios.py")
+SCENARIOS = TESTS / "distributed_scenarios.py"
 TIMEOUT_S = 180
 
 

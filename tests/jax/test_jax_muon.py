@@ -35,6 +35,7 @@ from packed_adamw.jax.muon import (  # noqa: E402
     packed_muon_fused_step,
 )
 from packed_adamw.jax import muon as jax_muon  # noqa: E402
+from layout import REPO
 
 F32 = np.float32
 LR, BETA, WD, EPS = 0.02, 0.95, 0.1, 1e-7
@@ -589,7 +590,7 @@ def test_the_adamw_half_is_packed_adamw_without_nesterov_as_muon_md_says():
     assert np.array_equal(bits(recipe_params["w"]), bits(ours["w"]))  # and our Muon step
     # optax.adamw's without Nesterov, up to packed_adamw's state format (FORMAT.md)
     assert np.abs(np.asarray(ours["b"]) - np.asarray(plain["b"])).max() < 1e-5
-    page = " ".join((Path(__file__).resolve().parents[1] / "docs" / "MUON.md").read_text().split())
+    page = " ".join((REPO / "docs" / "MUON.md").read_text().split())
     for said in (f"packed_muon moves it by {-float(ours['b'][0]):.4f}, optax.contrib.muon by "
                  f"{-float(theirs['b'][0]):.4f}", f"(step 1: {first['ours']:.4f} against {first['optax']:.4f})"):
         assert said in page, f"docs/MUON.md should say: {said}"
@@ -650,7 +651,7 @@ def test_a_tree_without_matrices_is_packed_adamws_and_counts_its_steps():
 # ---- CUDA: the same bits as torch's PackedMuon(ns_impl="triton") ---------------------------------
 # JAX [in, out] leaves: torch-tall, torch-wide of the same Newton-Schulz shape (one batch), a
 # square one, one over several tiles of every product, and a bf16 leaf (a split master).
-# ---- scale invariance (issue 53): tests/test_torch_muon.py's acceptance test, for packed_muon ----
+# ---- scale invariance (issue 53): tests/torch/test_torch_muon.py's acceptance test, for packed_muon ----
 SCALES = (0, -12, 12, 20)
 
 
@@ -680,7 +681,7 @@ def assert_scale_invariant(dtype, **options) -> None:
 def test_weights_are_the_same_for_power_of_two_scaled_gradients(dtype):
     """The issue's acceptance test on the CPU: weights after 6 steps bit for bit the same for
     gradients times 2**-12, 2**12 and 2**20 as unscaled (torch.optim.Muon's control is in
-    tests/test_torch_muon.py), float32 and bf16 weights; the exponents move by the scale."""
+    tests/torch/test_torch_muon.py), float32 and bf16 weights; the exponents move by the scale."""
     assert_scale_invariant(dtype)
 
 

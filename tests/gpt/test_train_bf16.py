@@ -18,6 +18,7 @@ from packed_adamw.inspect.__main__ import main as inspect_main
 from packed_adamw.torch.gpt import checkpoint
 from packed_adamw.torch.gpt.optimizers import optimizer_kind
 from packed_adamw.torch.gpt.train import TrainConfig, build_model, gradient_norm_, main
+from layout import TESTS
 
 BF16 = ["--param-dtype", "bf16"]
 
@@ -264,7 +265,7 @@ def test_older_checkpoint_without_param_dtype_resumes_as_fp32(tmp_path, data_dir
 
 # ---- under torchrun (gloo, two ranks) ------------------------------------------------------
 
-SESSIONS = Path(__file__).with_name("train_sessions.py")
+SESSIONS = TESTS / "train_sessions.py"
 STEPS, STOP_AT = 6, 3
 
 

@@ -20,6 +20,7 @@ from packed_adamw.torch.gpt.families import gpt_parameter_kind as parameter_kind
 from packed_adamw.torch.gpt.model import GPT, GPTConfig
 from packed_adamw.torch.gpt.train import ConfigError, TrainConfig, main, train
 from packed_adamw.core.adamw.rule import FORMAT_COUNTS
+from layout import TESTS
 
 KINDS = {"embedding", "attention_qkv", "attention_proj", "mlp", "layernorm", "bias"}
 STEPS, STOP_AT, LOG_EVERY = 6, 5, 2  # format records at steps 1, 2, 4 and (the session's end) 5
@@ -244,7 +245,7 @@ def test_two_ranks_log_the_counts_of_whole_tensors(data_dir, tmp_path):
 
     sessions = [common(data_dir, "--out", tmp_path / parallel, "--parallel", parallel, "--track-format")
                 for parallel in ("ddp", "fsdp")]
-    torchrun(2, Path(__file__).with_name("train_sessions.py"), *sessions[0], "--then", *sessions[1], timeout_s=240)
+    torchrun(2, TESTS / "train_sessions.py", *sessions[0], "--then", *sessions[1], timeout_s=240)
     numels = micro_numels()
     ddp, fsdp = format_records(tmp_path / "ddp"), format_records(tmp_path / "fsdp")
     for records in (ddp, fsdp):

@@ -21,6 +21,7 @@ from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
 from packed_adamw.core.adamw.numpy_step import apply_step, step_scalar_row
 from packed_adamw.torch import PackedAdamW
 from packed_adamw.core.adamw.rule import FORMAT_COUNTS
+from layout import TESTS
 
 COUNTED_MODES = ["packed", "fp16"]
 HP = Hyperparams(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
@@ -149,7 +150,7 @@ def test_programs_of_several_blocks_read_nothing_past_a_tensor():
     """Each layout of several blocks a program, interpreted, on tensors that end right before an
     inaccessible page (tests/guarded_reads.py): a load past the end, such as a prefetch of a
     block the program does not own, faults. The control shows that such a read does fault."""
-    script = os.path.join(os.path.dirname(__file__), "guarded_reads.py")
+    script = str(TESTS / "guarded_reads.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, script, "launch"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "no read past a tensor" in done.stdout, (done.returncode, done.stderr[-2000:])

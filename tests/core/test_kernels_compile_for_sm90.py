@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from layout import TESTS
 
 pytest.importorskip("jax")
 
 
 def test_the_muon_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("sm90_compile.py"))], env=env,
+    done = subprocess.run([sys.executable, str(TESTS / "sm90_compile.py")], env=env,
                           capture_output=True, text=True, timeout=600)
     if "has no NVIDIA backend" in done.stderr:
         pytest.skip("this Triton build has no NVIDIA backend")

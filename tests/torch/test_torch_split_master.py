@@ -28,6 +28,7 @@ from conftest import interpreting
 from packed_adamw.core import StateFormat, codecs as formats
 from packed_adamw.core.portable import PortableState
 from packed_adamw.torch import NonFiniteGradientError, PackedAdamW, adamw_step_, new_state
+from layout import TESTS
 
 MODES = H.MODES
 LOW = formats.LOW_HALF_KEY
@@ -536,7 +537,7 @@ def test_fsdp2_bf16_params_on_two_ranks_equal_one_process_and_resume_resharded(t
     ranks, and resharded on 1 (`fsdp_bf16_resume`); sharded masters load back exactly."""
     from torchrun_helpers import torchrun
 
-    scenarios = Path(__file__).with_name("distributed_scenarios.py")
+    scenarios = TESTS / "distributed_scenarios.py"
     torchrun(2, scenarios, "fsdp_bf16", str(tmp_path), timeout_s=180)
     for mode in MODES:
         assert (tmp_path / f"final-bf16-{mode}.pt").is_file()
@@ -870,7 +871,7 @@ def test_cuda_fsdp2_bf16_on_one_rank_equals_the_plain_step_and_resumes(tmp_path)
     """The bf16 DTensor path with the compiled split kernels (NCCL, world size 1)."""
     from torchrun_helpers import torchrun
 
-    scenarios = Path(__file__).with_name("distributed_scenarios.py")
+    scenarios = TESTS / "distributed_scenarios.py"
     torchrun(1, scenarios, "fsdp_bf16", str(tmp_path), timeout_s=300, extra_env={"SCENARIO_DEVICE": "cuda"})
     torchrun(1, scenarios, "fsdp_bf16_resume", str(tmp_path), "1", timeout_s=300,
              extra_env={"SCENARIO_DEVICE": "cuda"})
