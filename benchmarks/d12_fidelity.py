@@ -39,7 +39,8 @@ from pathlib import Path
 STACKS = {
     "reference": ("FP32 weights under bf16 autocast; torch.optim.Muon + fused torch.optim.AdamW (baseline)",
                   ["--optimizer", "reference"]),
-    "packed": ("bf16 weights + exact FP32 masters; PackedMuonAdamW defaults (packed Muon momentum, packed AdamW)",
+    "packed": ("bf16 weights + exact FP32 masters; PackedMuonAdamW defaults (packed Muon momentum, packed AdamW; "
+               "the ~50 scalars in fp32-mode AdamW)",
                ["--optimizer", "packed"]),
 }
 BASELINE = "reference"
