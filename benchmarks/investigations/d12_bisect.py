@@ -42,7 +42,8 @@ import torch
 from packed_adamw.tokenizer.tape import TapeReader
 from packed_adamw.torch.combined import PackedMuonAdamW
 from packed_adamw.torch.gpt.chat_model import PRESETS, ChatGPT, chat_parameter_kind
-from packed_adamw.torch.gpt.chat_train import ReferenceMuonAdamW, evaluate
+from packed_adamw.torch.gpt.chat_train import evaluate
+from packed_adamw.torch.gpt.optimizers import TorchMuonAdamW
 from packed_adamw.torch.gpt.packed_data import PackedDocumentLoader
 from packed_adamw.torch.gpt.schedules import ScheduleConfig, apply_schedule, build_schedule
 
@@ -76,7 +77,7 @@ def build(preset: str, vocab: int | None, seed: int, device, dtype: str, bf16_st
 def optimizer_for(model, variant, initial, device, args):
     groups = model.muon_adamw_groups(matrix_lr=args.matrix_lr)
     if variant is None:
-        return ReferenceMuonAdamW(groups, fused=device.type == "cuda")
+        return TorchMuonAdamW(groups, muon={}, adamw={"fused": device.type == "cuda"})
     _, muon_mode, adamw_mode, ns_impl, batch_ns = variant
     biases = {k: v for k, v in (("m_bias", args.m_bias), ("rms_bias", args.rms_bias), ("mu_bias", args.mu_bias)) if v}
     names = {id(p): n for n, p in model.named_parameters()}

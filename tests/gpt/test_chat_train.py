@@ -795,3 +795,46 @@ def test_fsdp2_matches_one_process_and_resumes_resharded(data, straight, four_ro
     assert resumed_metadata == final[1]
     assert_same_bits(read(back / "state_step000004.safetensors")[0], final[0])
     assert_first_step_close(tmp_path / "fp32", four_rows)
+
+
+def test_the_reference_optimizer_is_torch_muon_and_adamw_stepped_side_by_side():
+    """`--optimizer reference` is optimizers.TorchMuonAdamW over the model's groups (their own
+    lr, betas, weight decay, and keys torch keeps unread, such as the scalar groups' `mode`):
+    bit for bit torch.optim.Muon over the Muon groups and torch.optim.AdamW over the rest."""
+    import argparse
+    import copy
+    import dataclasses
+
+    from packed_adamw.torch.gpt.chat_model import PRESETS, ChatGPT
+    from packed_adamw.torch.gpt.chat_train import build_optimizer
+    from packed_adamw.torch.gpt.schedules import ScheduleConfig, apply_schedule, build_schedule
+
+    torch.manual_seed(0)
+    ours = ChatGPT(dataclasses.replace(PRESETS["chat-tiny"], vocab_size=97, d_model=64, n_layers=2, n_heads=2))
+    theirs, start = copy.deepcopy(ours), copy.deepcopy(ours)
+    args = argparse.Namespace(matrix_lr=0.02, embedding_lr=0.3, unembedding_lr=0.008, scalar_lr=0.5, weight_decay=0.28,
+                              optimizer="reference", muon_mode="packed")
+    reference = build_optimizer(ours, args, torch.device("cpu"))
+    groups = theirs.muon_adamw_groups(matrix_lr=0.02, embedding_lr=0.3, unembedding_lr=0.008, scalar_lr=0.5,
+                                      weight_decay=0.28)
+    muon = torch.optim.Muon([g for g in groups if g["kind"] == "muon"])
+    adamw = torch.optim.AdamW([g for g in groups if g["kind"] == "adamw"])
+    schedule = build_schedule(ScheduleConfig(num_steps=4, warmup_steps=1))
+    rng = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x, y = torch.randint(0, 97, (2, 32), generator=rng), torch.randint(0, 97, (2, 32), generator=rng)
+        cu = torch.tensor([0, 20, 32, 50, 64], dtype=torch.int32)
+        apply_schedule(reference, schedule, step)
+        apply_schedule(muon, schedule, step)
+        apply_schedule(adamw, schedule, step)
+        ours(x, y, cu_seqlens=cu)[1].backward()
+        theirs(x, y, cu_seqlens=cu)[1].backward()
+        reference.step()
+        muon.step()
+        adamw.step()
+        for opt in (reference, muon, adamw):
+            opt.zero_grad()
+    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert torch.equal(bits(p), bits(q)), name
+    moved = [n for (n, p), (_, q) in zip(ours.named_parameters(), start.named_parameters()) if not torch.equal(p, q)]
+    assert len(moved) == len(list(start.parameters())), "every parameter trained"

@@ -13,97 +13,20 @@ checkpoint.
     python -m packed_adamw.torch.gpt.chat_train ... --batch 8 --grad-accum 4   # 32 rows a step, 8 at a time
     python -m packed_adamw.torch.gpt.chat_train ... --device cuda --compile    # torch.compile (inductor)
 
---data holds train.tape and val.tape (docs/TAPE.md); the model's vocabulary (the preset's
-32,768, or --vocab-size) must be the tapes' vocab_size. A micro-batch is one packed batch
-(packed_data.py: rows of documents, each starting with BOS, under --packing, and their cu_seqlens)
-of --batch rows of --context tokens per rank; a step is --grad-accum micro-batches.
+--data holds train.tape and val.tape (docs/TAPE.md), whose vocab_size the model's vocabulary
+must be. A micro-batch is one packed batch (packed_data.py) of --batch rows of --context tokens
+per rank; a step is --grad-accum micro-batches. The run, top to bottom in `_train`: the model
+from --seed; the optimizer over muon_adamw_groups (`--optimizer packed`: PackedMuonAdamW with
+bf16 weights and exact FP32 masters by default; `reference`: torch.optim.Muon + torch.optim.AdamW
+over FP32 weights, the baseline); the schedule tables for every step (schedules.py); then per
+step: the schedule's row, forward and backward of each micro-batch, the optimizer step; logs,
+evaluations and states on their steps.
 
-The run, in order: the model is built from --seed; the optimizer over muon_adamw_groups
-(`--optimizer packed`: PackedMuonAdamW, Muon's momentum in --muon-mode, packed AdamW; with
---param-dtype bf16, the default, the live weights are bf16 and every parameter has an exact
-FP32 master, its low half kept by the optimizer. `--optimizer reference`: torch.optim.Muon and
-torch.optim.AdamW, fused on CUDA, over FP32 weights: the baseline the packed stack is measured
-against); the schedule tables for every step (schedules.py), written to RUN_DIR/schedule.
-safetensors and into every state. Step t: apply row t of the tables, forward with the batch's
-cu_seqlens, backward (for each micro-batch), step, zero the gradients. FP32 weights run the forward under bf16
-autocast on CUDA (on the CPU in FP32); bf16 weights run in bf16.
-
-RUN_DIR (--out) holds one run (run_directory.py, shared with train.py): a run holds an
-exclusive lock on RUN_DIR/run.lock for its whole life, so a second run into it is refused; a
-run that does not continue a state of RUN_DIR (no --resume, --resume auto finding no state, a
-state of another directory) is refused where another run left files (its summary, states, a
-log holding a record; the schedule beside those), naming them and the state to resume or
-saying that run has ended; a resume is refused where RUN_DIR holds a newer state or one of
-another configuration, which it would replace.
-
-RUN_DIR/log.jsonl gets one JSON line per logged step (loss averaged over the ranks, the
-schedule row, each kind's lr, tokens/s, MFU) and per evaluation (val loss in nats per token and
-bits per byte over --eval-batches packed batches of val.tape; bytes from the tape's token byte
-counts). RUN_DIR/summary.json ends the run (why it stopped, throughput, FLOPs per token and MFU,
-peak memory, optimizer state bytes, the graphs --compile compiled). MFU: tokens/s x nanochat's
-FLOPs per token (telemetry.chat_flops_per_token) / (the GPUs' dense bf16 peak x ranks); null
-where the peak is not known (the CPU, GPUs outside telemetry.PEAK_BF16_FLOPS).
-
-`--compile [BACKEND]` runs the model's forward and backward through torch.compile (inductor, or
-aot_eager / eager, which run the captured graphs eagerly: on the CPU the eager run's bits),
-compiled once in the first micro-batch for every document count (chat_model.compile_chat_model);
-the optimizer step and the evaluation stay eager. summary.json records the backend and the
-graphs compiled after the first micro-batch and in all: equal when nothing recompiled. Compiling
-is not part of the configuration a state records (like the device): a compiled run and an eager
-one resume each other; on the CPU with aot_eager the continuation is bit for bit the same (tested),
-on a GPU inductor fuses operations and its bits may differ from the eager run's, as another
-device's would. One process only (not with --parallel ddp or fsdp, untested so far).
-
-The state: every --save-every steps and at the end, RUN_DIR/state_stepNNNNNN.safetensors
-(training_state.py: weights, low halves, optimizer state, step and t_step, RNG, the next
-unconsumed batch, the run's config, the schedule tables and the code's identity). `--resume
-FILE` continues from one bit for bit (on CUDA with --deterministic): the continuation equals
-the uninterrupted run (`--resume auto`: RUN_DIR's newest state); a state of another
-configuration or other code, or one holding NaN or Inf, is refused, saying what differs.
-`--stop-at STEP` ends a run early (with its state) without changing its schedule, so it can be
-resumed; SIGINT or SIGTERM ends it at the next step boundary, with its state, exit status 0
-(under torchrun the ranks agree on the step). Resuming a finished run's final state changes
-nothing and prints its summary (rebuilt from the log if it is missing). The reference
-optimizer writes no states (training_state.py stores the packed optimizers). A flag out of
-range is refused before anything runs (exit 2), and so is a --steps the training tape cannot
-feed; a packing that drops tokens (the crop rule) can still run out, and the run then ends
-where the tape cannot feed a step and the next batch, with its state (`tape_exhausted`, exit 0). A file that cannot be
-written (a full disk) ends the run with an error naming it (exit 1), and a state is written
-atomically (a failed write leaves none). A run that diverges (a non-finite loss, or NaN or Inf
-in the weights before a state is written) ends with one line (exit 1): no state holding NaN or
-Inf is written, so the last one written stays the run's last good state.
-
-Gradient accumulation (`--grad-accum N`): a step runs N micro-batches of --batch rows per rank
-(each read as the loader's next batch, so a step's micro-batches are consecutive), each loss
-scaled by 1/N before its backward, and one optimizer step; under DDP and FSDP2 the ranks
-reduce the gradients only in the last micro-batch's backward (DDP's no_sync, FSDP2's
-set_requires_gradient_sync). A state is written between steps, so its next unconsumed batch
-is the next step's first micro-batch.
-
-DDP (`--parallel ddp` under torchrun): rank r of W takes the r-th --batch rows of each
-micro-batch's W x --batch rows (packed_data.py), so a step sees the tokens of a single process
-with W times the batch, and the gradients are averaged. Rank 0 alone writes the log and the
-states. A state holds rank 0's view: its RNG states and its next batch (the loader's cursor is
-every rank's). On resume every rank restores the weights, optimizer state and cursor from the
-one file, and takes rank 0's RNG state: the model has no dropout and no rank draws random
-numbers after the seeded initialisation, so the ranks' states are equal anyway.
-
-FSDP2 (`--parallel fsdp` under torchrun; distributed.wrap_model shards each block, then the
-root): the parameters and the optimizer state are DTensor shards, and the state file still
-holds the whole of them: every rank gathers each tensor (DTensor.full_tensor) and rank 0 loads
-them into an unsharded twin of the model and optimizer on the CPU (`UnshardedTwin`), which
-training_state.py saves as it saves a single process's. A resume loads the file into a twin on
-every rank and hands each rank its shards. Evaluation runs on every rank (FSDP2's forward
-gathers the shards), rank 0 logs it.
-
-What a state ties a resume to (`run_config`): the rows of a micro-batch on each rank and the
-rows of a step (ranks x micro-batches x --batch), not how the step's rows are split between
-ranks and micro-batches: the cursor a state holds is a document start between steps, the same
-for any split. A state of W ranks resumes on W' ranks with W x N = W' x N' (--grad-accum N'),
-under DDP, FSDP2 or one process, reading the same rows at every step. The gradient is then the
-same mean of the same micro-batches' means, summed in another order; with two micro-batches
-in all (2 ranks x 1, 1 rank x 2) the order cannot change the bits (a + b = b + a, and halving
-is exact), and the continuation equals the uninterrupted run bit for bit (tested).
+docs/D12.md is the manual, the one home of what this module promises: the run directory's rules
+(run_directory.py, shared with train.py), the log and summary (MFU), --compile, the states and
+resuming (--resume, --resume auto, --stop-at, SIGINT/SIGTERM, refusals), divergence and
+unwritable files, gradient accumulation, DDP and FSDP2 (the unsharded twin, unsharded_twin.py)
+and which resumes are bit for bit.
 """
 from __future__ import annotations
 
@@ -125,9 +48,7 @@ from safetensors.torch import save_file
 from packed_adamw.core import validate_hyperparams as validate_adamw
 from packed_adamw.core.atomic_file import atomic_path
 from packed_adamw.core.muon import validate_hyperparams as validate_muon
-from packed_adamw.core.muon.rule import MOMENTUM_EXPONENT
 from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, read_header
-from packed_adamw.torch import _dtensor
 from packed_adamw.torch.combined import PackedMuonAdamW
 
 from .chat_model import PRESETS, ChatGPT, compile_chat_model, compiled_graph_count
@@ -135,7 +56,7 @@ from .checkpoint import CheckpointError
 from .cli import check_device, check_option, check_parallel, check_seed
 from .config import ConfigError
 from .distributed import Ranks, ddp_rebuild_buckets, launched_rank, resolve_device, start_ranks, wrap_model
-from .optimizers import optimizer_state_bytes
+from .optimizers import TorchMuonAdamW, optimizer_state_bytes
 from .packed_data import DEFAULT_PACKING, PACKING_RULES, PackedBatch, PackedDocumentLoader
 from .run_directory import (
     ENDED, GuardedRunLog, RunDirectoryError, RunFiles, RunWriteError, StopRequest, check_out, claim, finished_run_summary,
@@ -144,6 +65,7 @@ from .run_directory import (
 from .schedules import ScheduleConfig, apply_schedule, build_schedule
 from .telemetry import chat_flops_per_token, keep_records_up_to, model_flops_utilization, peak_bf16_flops
 from .training_state import TrainingStateError, load_state, save_state, state_file_name
+from .unsharded_twin import UnshardedTwin, is_dtensor, like_param
 
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MUON_MODES = ("packed", "bf16", "fp32")
@@ -333,46 +255,23 @@ def build_model(model_config, param_dtype: str, seed: int, device: torch.device)
     return model, initial
 
 
-class ReferenceMuonAdamW:
-    """The baseline: torch.optim.Muon over the Muon groups and torch.optim.AdamW (fused on CUDA)
-    over the rest, stepped together. `param_groups` lists both optimizers' groups (the same
-    dicts), so apply_schedule sets them as it sets PackedMuonAdamW's."""
-
-    def __init__(self, groups: list[dict], fused: bool):
-        def torch_group(g):  # torch's optimizers take param_names; `kind` stays for apply_schedule
-            return {k: v for k, v in g.items()}
-        self.muon = torch.optim.Muon([torch_group(g) for g in groups if g["kind"] == "muon"])
-        self.adamw = torch.optim.AdamW([torch_group(g) for g in groups if g["kind"] == "adamw"], fused=fused)
-        self.param_groups = self.muon.param_groups + self.adamw.param_groups
-        self.state = _CombinedState(self.muon.state, self.adamw.state)
-
-    def step(self) -> None:
-        self.muon.step()
-        self.adamw.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.muon.zero_grad(set_to_none)
-        self.adamw.zero_grad(set_to_none)
-
-
-class _CombinedState(dict):
-    """Both optimizers' per-parameter state, for optimizer_state_bytes (which reads `.state`)."""
-
-    def __init__(self, *states):
-        super().__init__()
-        self._states = states
-
-    def values(self):
-        return [v for s in self._states for v in s.values()]
-
-
 def build_optimizer(model: ChatGPT, args: argparse.Namespace, device: torch.device):
     groups = model.muon_adamw_groups(matrix_lr=args.matrix_lr, embedding_lr=args.embedding_lr,
                                      unembedding_lr=args.unembedding_lr, scalar_lr=args.scalar_lr,
                                      weight_decay=args.weight_decay)
-    if args.optimizer == "reference":
-        return ReferenceMuonAdamW(groups, fused=device.type == "cuda")
+    if args.optimizer == "reference":  # the baseline: torch.optim.Muon + torch.optim.AdamW (fused on CUDA)
+        return TorchMuonAdamW(groups, muon={}, adamw={"fused": device.type == "cuda"})
     return PackedMuonAdamW(groups, mode=args.muon_mode)
+
+
+def unsharded_twin(model_config, args: argparse.Namespace) -> UnshardedTwin:
+    """Rank 0's CPU copy of the run's model and optimizer under FSDP2 (unsharded_twin.py)."""
+    def model():
+        built = ChatGPT(model_config)
+        for p in built.parameters():
+            p.data = p.data.to(PARAM_DTYPES[args.param_dtype])
+        return built
+    return UnshardedTwin(model, lambda m: build_optimizer(m, args, torch.device("cpu")))
 
 
 def start_masters(optimizer: PackedMuonAdamW, model: ChatGPT, initial: dict[str, torch.Tensor] | None) -> None:
@@ -382,106 +281,8 @@ def start_masters(optimizer: PackedMuonAdamW, model: ChatGPT, initial: dict[str,
         return
     names = {id(p): name for name, p in model.named_parameters()}
     for rule in optimizer.rules.values():
-        rule.load_master_weights([_like_param(initial[names[id(p)]], p) for g in rule.param_groups
+        rule.load_master_weights([like_param(initial[names[id(p)]], p) for g in rule.param_groups
                                   for p in g["params"]])
-
-
-# ---- FSDP2: the whole state in one file ------------------------------------------------------------
-def _is_dtensor(t) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "placements")
-
-
-def _like_param(value: torch.Tensor, param: torch.Tensor, placements=None) -> torch.Tensor:
-    """A whole tensor laid out like `param`: its shard on this rank when `param` is a DTensor.
-    Every rank holds the same whole tensor (one seed, one file), so each cuts its own shard
-    (src_data_rank=None: no communication)."""
-    if not _is_dtensor(param):
-        return value
-    from torch.distributed.tensor import distribute_tensor
-    local = param.to_local()
-    return distribute_tensor(value.to(local.device).contiguous(), param.device_mesh,
-                             placements if placements is not None else param.placements, src_data_rank=None)
-
-
-def _whole_state_entry(value):
-    """An optimizer state entry of a sharded parameter as a single process holds it, on the CPU
-    (collective: every rank gathers). Sharded entries keep their bits in types the collectives
-    carry (_dtensor.py, muon.py): int8 pairs [*shape, 2] for the int16 low halves and Muon codes,
-    int32 for the uint32 AdamW words; these are viewed back. A per-matrix entry (Muon's int32
-    exponent, 0-d, replicated) is taken as it is."""
-    if not _is_dtensor(value):
-        return value
-    whole = value.full_tensor().cpu()
-    if whole.dim() == 0:
-        return whole
-    if whole.dtype == _dtensor.SHARDED_LOW_HALF_DTYPE:
-        return whole.view(torch.int16).squeeze(-1)
-    if whole.dtype == _dtensor.SHARDED_WORDS_DTYPE:
-        return whole.view(torch.uint32)
-    return whole
-
-
-def _sharded_state_entry(key: str, value, param: torch.Tensor):
-    """The inverse of _whole_state_entry: a single process's state entry of `param`, as the
-    sharded optimizer stores it (this rank's shard; a per-matrix entry replicated on its mesh)."""
-    from torch.distributed.tensor import Shard
-    if not isinstance(value, torch.Tensor) or not _is_dtensor(param):
-        return value
-    if key == MOMENTUM_EXPONENT.key:
-        return _dtensor.replicated(param, value.to(param.to_local().device))
-    if value.dim() == 0:
-        return value
-    if value.dtype == torch.int16:
-        return _like_param(value.unsqueeze(-1).view(_dtensor.SHARDED_LOW_HALF_DTYPE), param)
-    if value.dtype == torch.uint32:
-        return _like_param(value.view(_dtensor.SHARDED_WORDS_DTYPE), param)
-    if value.dim() == param.dim() + 1:  # fp32 AdamW moments [2, *shape]: sharded one dimension further in
-        return _like_param(value, param, [Shard(pl.dim + 1) if type(pl) is Shard else pl for pl in param.placements])
-    return _like_param(value, param)
-
-
-class UnshardedTwin:
-    """Under FSDP2, a plain copy of the model and its optimizer on the CPU that holds the whole
-    training state, for training_state.py to save and load as a single process's.
-
-    Allocated on the meta device and materialised uninitialised, and under fork_rng: building
-    it draws no random numbers (a state records the generators)."""
-
-    def __init__(self, model_config, args: argparse.Namespace):
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = ChatGPT(model_config)
-            for p in model.parameters():
-                p.data = p.data.to(PARAM_DTYPES[args.param_dtype])
-        self.model = model.to_empty(device="cpu")
-        self.optimizer = build_optimizer(self.model, args, torch.device("cpu"))
-
-    @staticmethod
-    def gather(twin: "UnshardedTwin | None", model: ChatGPT, optimizer: PackedMuonAdamW) -> None:
-        """Collective: every rank gathers the sharded weights and optimizer state, tensor by
-        tensor in the same order, and rank 0 loads them into its `twin` (the other ranks pass
-        None and drop what they gathered)."""
-        weights = {name: _whole_state_entry(p.detach()) for name, p in model.named_parameters()}
-        saved = optimizer.state_dict()
-        state = {index: {key: _whole_state_entry(v) for key, v in entry.items()}
-                 for index, entry in saved["state"].items()}
-        if twin is not None:
-            twin.model.load_state_dict(weights)
-            twin.optimizer.load_state_dict({**saved, "state": state})
-
-    def scatter(self, model: ChatGPT, optimizer: PackedMuonAdamW) -> None:
-        """This rank's shards of the twin's weights and optimizer state into the sharded model and
-        optimizer (no communication: every rank's twin holds the same whole state)."""
-        twin_names = [name for name, _ in self.model.named_parameters()]
-        if twin_names != [name for name, _ in model.named_parameters()]:
-            raise AssertionError("the sharded model and its unsharded twin list other parameters")
-        with torch.no_grad():
-            for (_, p), (_, whole) in zip(model.named_parameters(), self.model.named_parameters()):
-                p.copy_(_like_param(whole, p))
-        saved = self.optimizer.state_dict()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        state = {index: {key: _sharded_state_entry(key, v, params[index]) for key, v in entry.items()}
-                 for index, entry in saved["state"].items()}
-        optimizer.load_state_dict({**saved, "state": state})
 
 
 def saved_world_size(path: Path, default: int) -> int:
@@ -644,7 +445,7 @@ def nonfinite_weights(model: torch.nn.Module, ranks: Ranks, device: torch.device
     """The parameters holding NaN or Inf (this rank's shards under FSDP2), or None when every
     rank's are finite (collective: every rank learns whether any rank found one)."""
     bad = [name for name, p in model.named_parameters()
-           if not torch.isfinite(p.detach().to_local() if _is_dtensor(p) else p.detach()).all()]
+           if not torch.isfinite(p.detach().to_local() if is_dtensor(p) else p.detach()).all()]
     return bad if ranks.agree(int(bool(bad)), device) else None
 
 
@@ -771,7 +572,7 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks, resume:
                                     saved_world_size(resume, ranks.world_size),
                                     packing=args.packing)
         if ranks.parallel == "fsdp":
-            twin = UnshardedTwin(model_config, args)
+            twin = unsharded_twin(model_config, args)
         target = (twin.model, twin.optimizer) if twin is not None else (core, optimizer)
         loaded = load_state(resume, model=target[0], optimizer=target[1], loader=view, config=config,
                             schedule=schedule, allow_code_change=args.allow_code_change)
@@ -820,7 +621,7 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks, resume:
         saved_model, saved_optimizer = core, optimizer
         if args.optimizer == "packed" and ranks.parallel == "fsdp":
             if twin is None and ranks.main:
-                twin = UnshardedTwin(model_config, args)
+                twin = unsharded_twin(model_config, args)
             UnshardedTwin.gather(twin, core, optimizer)
             if ranks.main:
                 saved_model, saved_optimizer = twin.model, twin.optimizer
