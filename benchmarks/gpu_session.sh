@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 versions=$(python3 -c 'import torch, triton, jax, optax; print(f"torch {torch.__version__}, triton {triton.__version__}, jax {jax.__version__}, optax {optax.__version__}, GPU {torch.cuda.get_device_name()}")')
 
 if [[ " $STEPS " == *" tests "* ]]; then
-  cmd="python3 -m pytest -m cuda -v tests/ ; python3 -m pytest -q tests/test_kernel.py tests/test_multi_tensor.py tests/test_formats.py tests/test_format_counts.py tests/test_split_master.py"
+  cmd="python3 -m pytest -m cuda -v tests/ ; python3 -m pytest -q tests/core/test_kernel.py tests/core/test_multi_tensor.py tests/core/test_formats.py tests/core/test_format_counts.py tests/core/test_split_master.py"
   {
     echo "# GPU test log"; echo
     echo "- Date: $(date -u +%Y-%m-%d); $versions"
@@ -25,7 +25,7 @@ if [[ " $STEPS " == *" tests "* ]]; then
     echo "- The second command runs the kernel tests compiled on the GPU (conftest.py interprets only without CUDA)."
     echo; echo '```'
     python3 -m pytest -m cuda -v -p no:cacheprovider tests/ 2>&1 | grep -vE "^(platform|rootdir|configfile|plugins|cachedir)" | tail -80
-    python3 -m pytest -q -p no:cacheprovider tests/test_kernel.py tests/test_multi_tensor.py tests/test_formats.py tests/test_format_counts.py tests/test_split_master.py 2>&1 | tail -15
+    python3 -m pytest -q -p no:cacheprovider tests/core/test_kernel.py tests/core/test_multi_tensor.py tests/core/test_formats.py tests/core/test_format_counts.py tests/core/test_split_master.py 2>&1 | tail -15
     echo '```'
   } > "$OUT/GPU_TESTS.md"
   tail -30 "$OUT/GPU_TESTS.md"

@@ -8,7 +8,7 @@ elementwise computation; the primitive's Triton kernel and numpy callback can do
 
 It follows docs/FORMAT.md ("The step", "Split masters") operation for operation, in the order
 of `core/adamw/numpy_step.update_chunk`, each float32 operation rounded on its own. What stands
-between XLA and those bits (measured on CPU, jax 0.10.2; tests/jax/test_jax_xla_step.py checks each):
+between XLA and those bits (measured on CPU, jax 0.10.2; tests/jax_frontend/test_jax_xla_step.py checks each):
 
 - **FMA contraction.** XLA's CPU backend contracts `a * b + c` into one fused multiply-add:
   `jit(lambda a, b, c: a * b + c)` on a = b = 1 + 2**-12, c = -(1 + 2**-11) gives 2**-24, the

@@ -7,7 +7,7 @@ again. Every other leaf takes `packed_adamw`, reused unchanged behind `optax.mas
 
 On a GPU backend the phases are core/muon's Triton kernels through jax-triton and Newton-Schulz
 is core/muon/ns_kernel.py's (the kernels torch launches with `ns_impl="triton"`: meant to give
-the same bits, checked by tests/jax/test_jax_muon.py's cuda-marked test on an H100); see
+the same bits, checked by tests/jax_frontend/test_jax_muon.py's cuda-marked test on an H100); see
 `_gpu_phases` and _muon_triton.py.
 
 Layout: a JAX kernel is [in, out] (optax's reduction axis, then output axis). Muon's contract

@@ -540,7 +540,7 @@ class _Stepper:
         primitive (`sharded_step`), or on CUDA GPUs the XLA step (`xla_step`).
 
         The XLA step only on CUDA: there XLA keeps float32 subnormals and the step's bits are
-        the contract's (tests/jax/test_jax_xla_step.py); XLA's CPU runtime flushes them, so on a CPU
+        the contract's (tests/jax_frontend/test_jax_xla_step.py); XLA's CPU runtime flushes them, so on a CPU
         the numpy step (the primitive's callback) stays. Under `jax.jit` the arrays are tracers
         and the platform is known only when the step is lowered, so on a host with a GPU the
         choice is staged out (`lax.platform_dependent`): arrays placed on such a host's CPU

@@ -1,4 +1,4 @@
-"""Multi-process scenarios for tests/torch/test_distributed.py, run under torchrun (gloo, CPU).
+"""Multi-process scenarios for tests/torch_frontend/test_distributed.py, run under torchrun (gloo, CPU).
 
     python -m torch.distributed.run --nproc_per_node=N tests/distributed_scenarios.py SCENARIO DIR
 

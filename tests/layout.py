@@ -1,5 +1,7 @@
-"""Where the tests live: one folder per package they test (core/, torch/, jax/, gpt/,
-tokenizer/, benchmarks/), the shared helpers and the scripts run in child processes here.
+"""Where the tests live: one folder per source folder they test (core/, torch_frontend/,
+jax_frontend/, gpt/, tokenizer/, benchmarks/; not torch/ or jax/, which would shadow the real
+packages as namespace packages where one is not installed); the shared helpers and the scripts
+run in child processes stay here.
 
 A test module may import a helper or another test module by its name wherever it lives (names
 are unique across the folders), as it could when the tests were one folder: conftest.py puts

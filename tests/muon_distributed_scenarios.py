@@ -1,4 +1,4 @@
-"""Multi-process scenarios for tests/torch/test_muon_distributed.py: PackedMuonAdamW under FSDP2
+"""Multi-process scenarios for tests/torch_frontend/test_muon_distributed.py: PackedMuonAdamW under FSDP2
 (gloo, CPU), run under torchrun as tests/distributed_scenarios.py's are.
 
     python -m torch.distributed.run --nproc_per_node=N tests/muon_distributed_scenarios.py SCENARIO DIR [WORLD]

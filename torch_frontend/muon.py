@@ -78,7 +78,7 @@ def newton_schulz_batched(xs, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int =
 
     Each matrix's arithmetic is the per-matrix one, but a batched GEMM may sum or round in
     another order than the solo one: on the CPU rare elements differ from `newton_schulz`'s; on
-    CUDA tests/torch/test_torch_muon.py compares them (MUON.md, "Batched Newton-Schulz"). A matrix's
+    CUDA tests/torch_frontend/test_torch_muon.py compares them (MUON.md, "Batched Newton-Schulz"). A matrix's
     result does not depend on its batch-mates. `ns_impl="triton"` runs the stack through
     `newton_schulz_triton_stacked` (whose bits are the per-matrix `newton_schulz_triton`'s)."""
     tall = [i for i, x in enumerate(xs) if x.size(0) > x.size(1)]

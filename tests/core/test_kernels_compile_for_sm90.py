@@ -7,7 +7,6 @@ does not check what the compiled code computes."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from layout import TESTS

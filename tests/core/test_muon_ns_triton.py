@@ -1,7 +1,7 @@
 """The Triton Newton-Schulz (core/muon/ns_kernel.py) in Triton's CPU interpreter against its
 numpy mirror (core/muon/ns_reference.py) bit for bit, and the properties its GPU bits rely on:
 a matrix's result does not depend on its batch, a tall matrix is its transpose's. The
-interpreter is slow: tiny shapes. On a GPU, torch == JAX is tests/jax/test_jax_muon.py's CUDA test.
+interpreter is slow: tiny shapes. On a GPU, torch == JAX is tests/jax_frontend/test_jax_muon.py's CUDA test.
 """
 from __future__ import annotations
 

@@ -480,7 +480,8 @@ def test_code_identity_covers_what_decides_the_trajectory(tape, tmp_path):
     for kept in ("packed_adamw.core/codecs.py", "packed_adamw.torch/muon.py", "packed_adamw.torch/optimizer.py",
                  "packed_adamw.torch/gpt/chat_model.py", "packed_adamw.torch/gpt/packed_data.py",
                  "packed_adamw.torch/gpt/schedules.py", "packed_adamw.torch/gpt/training_state.py",
-                 "packed_adamw.torch/gpt/chat_train.py", "packed_adamw.tokenizer/tape.py"):
+                 "packed_adamw.torch/gpt/chat_train.py", "packed_adamw.tokenizer/tape.py",
+                 "packed_adamw.torch/gpt/optimizers.py", "packed_adamw.torch/gpt/unsharded_twin.py"):
         assert kept in files, kept
     for name in NOT_TRAJECTORY_CODE:
         assert name not in files, name

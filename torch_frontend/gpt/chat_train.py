@@ -228,7 +228,7 @@ def run_config(args: argparse.Namespace, model_config, schedule: ScheduleConfig,
                world_size: int) -> dict:
     """Everything that decides the run's trajectory: saved in every state and compared on resume.
     (Not in it: where the run writes, how often it logs, evaluates or saves, when it stops, the
-    device, and how a step's rows are split between ranks and micro-batches: module docstring.)"""
+    device, and how a step's rows are split between ranks and micro-batches: docs/D12.md, "FSDP2" and "Gradient accumulation".)"""
     return {
         "trainer": "chat_train/2", "preset": args.preset, "model": dataclasses.asdict(model_config),
         "micro_batch_rows": args.batch, "rows_per_step": world_size * args.grad_accum * args.batch,
@@ -565,7 +565,7 @@ def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks, resume:
             start_masters(optimizer, core, initial)
     else:
         # The file holds rank 0's next micro-batch and the cursor between steps, which every rank
-        # shares whatever the number of ranks (module docstring): every rank loads through a
+        # shares whatever the number of ranks (docs/D12.md, "FSDP2"): every rank loads through a
         # rank-0 view of its tape in the layout that wrote the state (load_state checks the saved
         # batch against it), then takes the cursor into its own loader.
         view = PackedDocumentLoader(train_tape, args.batch, args.context, 0,

@@ -76,15 +76,14 @@ LOW_HALF_KEY = codecs.LOW_HALF_KEY  # the optimizer's state entry stored as `man
 CODE_PACKAGES = ("packed_adamw.core", "packed_adamw.torch", "packed_adamw.tokenizer")
 # Files of CODE_PACKAGES that do not decide a training trajectory, so that editing them does not
 # refuse every saved state. Everything else counts, new files included (core, the optimizers, the
-# model, attention, packed data, schedules, the distributed set-up, this file, chat_train, tape.py).
+# model, attention, packed data, schedules, the distributed set-up, this file, chat_train, tape.py,
+# optimizers.py: its TorchMuonAdamW is chat_train's reference).
 NOT_TRAJECTORY_CODE = {
     "packed_adamw.torch/gpt/walkthrough.py": "explains a saved step; no trainer runs it",
     "packed_adamw.torch/gpt/telemetry.py": "writes and trims log records",
     "packed_adamw.torch/gpt/run_directory.py": "locks and guards the run directory and its writes; decides no step",
     "packed_adamw.torch/gpt/checkpoint.py": "the learned-position trainer's checkpoints; the file helpers "
                                             "this module borrows read back checked",
-    "packed_adamw.torch/gpt/optimizers.py": "the learned-position trainer's optimizers; chat_train reads "
-                                            "only its state-size count",
     **{f"packed_adamw.torch/gpt/{name}.py": "the learned-position trainer"
        for name in ("train", "cli", "config", "data", "model", "families")},
     **{f"packed_adamw.tokenizer/{name}.py": "builds corpora, tokenizers and tapes; a run reads a finished tape, "

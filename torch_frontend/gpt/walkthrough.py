@@ -544,11 +544,10 @@ def spelled_forward(model: ChatGPT, batch: PackedBatch, seen: dict, logits: torc
     if squared_in != fc.dtype:
         in_words = str(squared_in).removeprefix("torch.")
         report.say(f"    (relu^2 in {in_words}: autocast runs pow in it on {fc.device.type})")
-    relu2 = F.relu(fc).to(squared_in).square()
+    a["relu2"] = relu2 = F.relu(fc).to(squared_in).square()
     report.show("relu(.)^2", relu2)
     report.bitwise("relu^2", relu2, seen["relu^2"], "the model's")
     mlp_out = linear(relu2, W[f"{prefix}mlp.proj.weight"])
-    a["relu2"] = relu2 if matmul is None else relu2.to(matmul)  # what the down-projection's weight gradient sees
     report.show("MLP down", mlp_out)
     report.bitwise("MLP down", mlp_out, seen["mlp proj"], "the model's mlp.proj")
     a["x_out"] = x_out = x1 + mlp_out

@@ -6,7 +6,6 @@ bounded in time; the process group of a launch is killed if it overruns).
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist

@@ -847,7 +847,7 @@ def test_weight_decay_without_params_raises_and_zero_decay_works_without_params(
         jax.jit(injected.update)(params, injected.init(params))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.int32])  # bfloat16: tests/jax/test_jax_split_master.py
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.int32])  # bfloat16: tests/jax_frontend/test_jax_split_master.py
 def test_non_float32_leaves_raise_type_error_naming_the_leaf(dtype):
     params = {"layer": {"w": jnp.ones((3, 2), jnp.float32), "b": jnp.ones((2,), jnp.float32)}}
     tx = packed_adamw(LR)
@@ -1016,7 +1016,7 @@ def test_an_error_inside_the_cpu_callback_names_the_leaf_on_its_last_line(monkey
 def test_the_path_follows_the_lowering_platform_not_the_default_backend():
     """The step is chosen when lowering: the CPU lowering is the numpy callback and imports no
     jax_triton; a CUDA lowering of the same trace reaches the jax-triton launcher (here, with
-    no jax_triton installed, its import fails; tests/jax/test_jax_cuda.py covers a GPU host). The
+    no jax_triton installed, its import fails; tests/jax_frontend/test_jax_cuda.py covers a GPU host). The
     CPU lowering's one other host callback is the refusal warning's (side effect only), which
     `_refused_eagerly` compiles in on the CPU."""
     params = to_jax(problem(seed=6, steps=1)[0])
@@ -1028,7 +1028,7 @@ def test_the_path_follows_the_lowering_platform_not_the_default_backend():
     assert warnings_only.count(False) == 1 and "triton" not in cpu_text
     assert warnings_only.count(True) == 1
     if importlib.util.find_spec("jax_triton") is not None:
-        pytest.skip("jax_triton is installed here; the CUDA lowering is checked in tests/jax/test_jax_cuda.py")
+        pytest.skip("jax_triton is installed here; the CUDA lowering is checked in tests/jax_frontend/test_jax_cuda.py")
     assert "jax_triton" not in sys.modules
     with pytest.raises(ImportError, match="jax_triton"):
         traced.lower(lowering_platforms=("cuda",))

@@ -228,7 +228,7 @@ def test_sharded_update_and_fused_step_on_a_one_device_mesh_give_the_unsharded_b
 def test_the_custom_partitioning_step_gives_the_bits_of_the_plain_step(mode):
     """The Auto-axes path of several GPUs (`custom_partitioning`), built and run here on one GPU,
     where XLA lowers it inline: same bits as the plain step. (Its partition callback needs two
-    or more GPUs; tests/jax/test_jax_sharding.py checks it on CPU devices with a stand-in body.)"""
+    or more GPUs; tests/jax_frontend/test_jax_sharding.py checks it on CPU devices with a stand-in body.)"""
     from packed_adamw.core import StateFormat
     from packed_adamw.jax._sharding import partitioned_step
     from packed_adamw.jax._rules import ADAMW

@@ -535,7 +535,7 @@ def test_a_parameter_replaced_by_another_shape_after_stepping_is_refused():
 
 
 def plan_events(opt, params, extra):
-    """Steps interleaved with every change a reused step plan must notice (tests/torch/test_torch_cuda.py
+    """Steps interleaved with every change a reused step plan must notice (tests/torch_frontend/test_torch_cuda.py
     runs them on CUDA too, where a stale address would update the wrong memory)."""
     def step(seed, skip=()):
         set_grads(params + extra, seed)

@@ -6,7 +6,7 @@ callback, which XLA runs under FTZ/DAZ too); the contract's own bits (IEEE numpy
 checked where no subnormal arises, and the inputs are checked to make the two differ somewhere.
 The `cuda` tests compare against the IEEE numpy step everywhere and probe whether XLA's GPU
 backend contracts multiply-adds: run them on a GPU machine with
-`.venv/bin/python -m pytest tests/jax/test_jax_xla_step.py -m cuda -rs -s -q`.
+`.venv/bin/python -m pytest tests/jax_frontend/test_jax_xla_step.py -m cuda -rs -s -q`.
 """
 from __future__ import annotations
 

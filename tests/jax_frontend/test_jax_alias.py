@@ -187,7 +187,7 @@ def test_preserve_dtype(mode):
     with pytest.raises(TypeError, match="float32"):
         opt.init(params.astype(jnp.complex64))
     # bfloat16 leaves hold split masters: their updates are float32, so that
-    # optax.apply_updates gives the new bf16 weight (tests/jax/test_jax_split_master.py).
+    # optax.apply_updates gives the new bf16 weight (tests/jax_frontend/test_jax_split_master.py).
     bf16 = params.astype(jnp.bfloat16)
     updates, _ = jax.jit(opt.update)(grads.astype(jnp.bfloat16), jax.jit(opt.init)(bf16), bf16)
     assert updates.dtype == jnp.float32

@@ -6,7 +6,7 @@ low half lo. Fed the same gradient values, the masters of a bf16 run equal an FP
 parameters bit for bit (and its words and format counts), w is always split(M).w, the
 transform's `optax.apply_updates(p, u)` equals the fused step's w, and torch `PackedAdamW` over
 bf16 parameters gives the same bits; `PortableState` carries lo both ways. Like
-tests/jax/test_jax_transform.py (optax's alias_test style) every stateful test runs over the modes
+tests/jax_frontend/test_jax_transform.py (optax's alias_test style) every stateful test runs over the modes
 and over a `variant` (eager or `jax.jit`), with table-lookup schedules.
 
 The exceptions of the transform's updates (no float32 u gives the new weight) are tested

@@ -1100,7 +1100,7 @@ def test_groups_with_their_own_settings_equal_torch_optim_muon():
 
 
 def test_dtensor_parameters_that_no_rank_holds_a_part_of_are_refused():
-    """Sharded and replicated DTensors are stepped (tests/torch/test_muon_distributed.py); a Partial one
+    """Sharded and replicated DTensors are stepped (tests/torch_frontend/test_muon_distributed.py); a Partial one
     says no rank's part of the matrix: refused (one fake rank of two)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -6,7 +6,7 @@ What can be exact is asserted exact: the exported and imported tensors, the mome
 continued steps (the momentum phase reads only gradients), the AdamW leaves (torch CPU == JAX
 CPU, as for PackedAdamW). The Muon weights after a continued step go through two Newton-Schulz
 implementations (torch's and XLA's, which MUON.md promises only within a tolerance on the CPU):
-they are compared within tests/jax/test_jax_muon.py's NS_TOLERANCE per step.
+they are compared within tests/jax_frontend/test_jax_muon.py's NS_TOLERANCE per step.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ PARAMS = [("wide", (6, 14), F32, "muon"), ("tall", (14, 5), F32, "muon"), ("squa
 MUON = [i for i, (_, _, _, rule) in enumerate(PARAMS) if rule == "muon"]
 DIMS = [MuonDimensionNumbers() if rule == "muon" else None for _, _, _, rule in PARAMS]
 LR, WD, BETA, ADAM_LR, ADAM_WD = 0.02, 0.1, 0.95, 1e-3, 0.01
-NS_TOLERANCE = 2.0 ** -6  # tests/jax/test_jax_muon.py: twice the measured Newton-Schulz gap, per step
+NS_TOLERANCE = 2.0 ** -6  # tests/jax_frontend/test_jax_muon.py: twice the measured Newton-Schulz gap, per step
 
 
 def torch_optimizer(params, mode="packed", adamw_mode="packed"):

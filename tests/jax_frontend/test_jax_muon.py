@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -651,7 +650,7 @@ def test_a_tree_without_matrices_is_packed_adamws_and_counts_its_steps():
 # ---- CUDA: the same bits as torch's PackedMuon(ns_impl="triton") ---------------------------------
 # JAX [in, out] leaves: torch-tall, torch-wide of the same Newton-Schulz shape (one batch), a
 # square one, one over several tiles of every product, and a bf16 leaf (a split master).
-# ---- scale invariance (issue 53): tests/torch/test_torch_muon.py's acceptance test, for packed_muon ----
+# ---- scale invariance (issue 53): tests/torch_frontend/test_torch_muon.py's acceptance test, for packed_muon ----
 SCALES = (0, -12, 12, 20)
 
 
@@ -681,7 +680,7 @@ def assert_scale_invariant(dtype, **options) -> None:
 def test_weights_are_the_same_for_power_of_two_scaled_gradients(dtype):
     """The issue's acceptance test on the CPU: weights after 6 steps bit for bit the same for
     gradients times 2**-12, 2**12 and 2**20 as unscaled (torch.optim.Muon's control is in
-    tests/torch/test_torch_muon.py), float32 and bf16 weights; the exponents move by the scale."""
+    tests/torch_frontend/test_torch_muon.py), float32 and bf16 weights; the exponents move by the scale."""
     assert_scale_invariant(dtype)
 
 
