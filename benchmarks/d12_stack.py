@@ -59,7 +59,7 @@ import torch
 
 from packed_adamw.torch.combined import PackedMuonAdamW
 from packed_adamw.torch.gpt.chat_model import PRESETS, ChatGPT, compile_chat_model, compiled_graph_count
-from packed_adamw.torch.gpt.optimizers import optimizer_state_bytes
+from packed_adamw.torch.gpt.optimizers import TorchMuonAdamW, optimizer_state_bytes
 from packed_adamw.torch.gpt.packed_data import PackedBatch, cu_seqlens_of
 from packed_adamw.torch.gpt.schedules import ScheduleConfig, apply_schedule, build_schedule
 from packed_adamw.torch.gpt.telemetry import chat_flops_per_token, model_flops_utilization, peak_bf16_flops
@@ -142,10 +142,9 @@ def build_stack(name: str, config, device: torch.device, seed: int):
     with torch.device(device):
         model = ChatGPT(config)
     if name == "reference":
-        groups = model.muon_adamw_groups()
-        muon = torch.optim.Muon([g for g in groups if g["kind"] == "muon"])
-        adamw = torch.optim.AdamW([g for g in groups if g["kind"] == "adamw"], fused=True)
-        return model, [muon, adamw], lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+        # chat_train's baseline: torch.optim.Muon + fused torch.optim.AdamW, one per group kind
+        reference = TorchMuonAdamW(model.muon_adamw_groups(), muon={}, adamw={"fused": True})
+        return model, [reference], lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     initial = {id(p): p.detach().clone() for p in model.parameters()}  # the FP32 initialisation
     model.to(torch.bfloat16)  # the same Parameter objects, now bf16
     per_matrix = {} if name == "packed" else dict(ns_impl="cublas", batch_ns=False)
