@@ -15,7 +15,7 @@ import torch
 from packed_adamw.core.muon import E5M10
 from packed_adamw.core.muon.numpy_step import floor_log2, ldexp32
 from packed_adamw.torch.combined import PackedMuonAdamW
-from packed_adamw.torch.gpt import walkthrough
+from packed_adamw.torch.gpt import walkthrough, walkthrough_muon
 from packed_adamw.torch.gpt.chat_model import PRESETS, ChatGPT
 from packed_adamw.torch.gpt.packed_data import PackedBatch, cu_seqlens_of
 from packed_adamw.torch.gpt.schedules import ScheduleConfig, apply_schedule, build_schedule
@@ -183,28 +183,28 @@ def test_bit_level_codecs_match_the_contract():
     """The walkthrough's E5M10 decode/encode, split masters, ldexp and floor(log2) against core's,
     on every code and on values around every binade edge, zeros, subnormals and saturation."""
     codes = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
-    decoded = walkthrough.decode_e5m10(codes, 31)
+    decoded = walkthrough_muon.decode_e5m10(codes, 31)
     assert np.array_equal(decoded.numpy().view(np.uint32), E5M10.decode_table.view(np.uint32))
     rng = np.random.default_rng(0)
     values = np.concatenate([E5M10.decode_table, rng.standard_normal(20000).astype(np.float32)
                              * np.float32(2.0) ** rng.integers(-45, 3, 20000).astype(np.float32),
                              np.float32([0.0, -0.0, 3.0, -1e30, 2.0 ** -41, 1.5 * 2.0 ** -41, 2.0 ** -30])])
     values = np.concatenate([values, np.nextafter(values, np.float32(np.inf)), np.nextafter(values, np.float32(0))])
-    ours = walkthrough.encode_e5m10(torch.from_numpy(values), 31).numpy().view(np.uint16)
+    ours = walkthrough_muon.encode_e5m10(torch.from_numpy(values), 31).numpy().view(np.uint16)
     assert np.array_equal(ours, E5M10.encode_unchecked(values).astype(np.uint16))
     masters = torch.from_numpy(values)
-    w, lo = walkthrough.split_master(masters)
-    assert torch.equal(walkthrough.join_master(w, lo).view(torch.int32), masters.view(torch.int32))
+    w, lo = walkthrough_muon.split_master(masters)
+    assert torch.equal(walkthrough_muon.join_master(w, lo).view(torch.int32), masters.view(torch.int32))
     # The per-matrix exponent: ldexp's two products (a subnormal result rounds, odd and negative
     # n halve unevenly) and floor(log2 amax) from the bits, subnormal amax included.
     decoded = E5M10.decode_table
     for n in (-252, -177, -149, -40, -1, 0, 1, 27, 148, 254):
-        ours = walkthrough.ldexp(torch.from_numpy(decoded), n).numpy()
+        ours = walkthrough_muon.ldexp(torch.from_numpy(decoded), n).numpy()
         assert np.array_equal(ours.view(np.uint32), ldexp32(decoded, n).view(np.uint32)), n
     magnitudes = np.abs(values[np.isfinite(values) & (values != 0)])[::97]
     magnitudes = np.concatenate([magnitudes, np.float32([2.0 ** -149, 3 * 2.0 ** -149, 2.0 ** -126 - 2.0 ** -149,
                                                          2.0 ** -126, np.finfo(np.float32).max])])
-    assert [walkthrough.floor_log2(torch.tensor(a)) for a in magnitudes] == [floor_log2(a) for a in magnitudes]
+    assert [walkthrough_muon.floor_log2(torch.tensor(a)) for a in magnitudes] == [floor_log2(a) for a in magnitudes]
 
 
 def test_wrong_rotation_and_edited_schedule_are_reported(state_path, monkeypatch):
