@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -186,6 +187,30 @@ def run_cases_child(test_file: str, devices: int) -> dict:
         pytest.fail(f"the {devices}-device child ran no case (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
                     f"{done.stderr[-3000:]}")
     return results
+
+
+def case_recorder() -> tuple[dict, Callable]:
+    """The child side of `run_cases_child`: (results, case), where `@case(name)` runs the function
+    at once, records "ok" or its traceback under `name` and prints that as the JSON line the
+    parent reads (with the seconds it took)."""
+    import time
+    import traceback
+
+    results = {}
+
+    def case(name):
+        def register(fn):
+            start = time.perf_counter()
+            try:
+                fn()
+                results[name] = "ok"
+            except Exception:
+                results[name] = traceback.format_exc(limit=12)
+            print(json.dumps({name: results[name], "seconds": round(time.perf_counter() - start, 1)}), flush=True)
+            return fn
+        return register
+
+    return results, case
 
 
 class InterpretedJaxTriton:

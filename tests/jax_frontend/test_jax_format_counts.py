@@ -10,11 +10,8 @@ interpreter with a stand-in for jax-triton, and on CUDA (marked `cuda`).
 from __future__ import annotations
 
 import functools
-import json
 import re
 import sys
-import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +21,8 @@ import pytest
 import torch
 
 import kernel_harness as H
-from jax_helpers import (F32, InterpretedJaxTriton, assert_bits_equal, jax_cuda_unavailable, run_cases_child,
-                         spanning_values, step_callbacks)
+from jax_helpers import (F32, InterpretedJaxTriton, assert_bits_equal, case_recorder, jax_cuda_unavailable,
+                         run_cases_child, spanning_values, step_callbacks)
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.adamw import RULE as ADAMW_RULE
 from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
@@ -500,19 +497,7 @@ def _cases():
             p, state = jax.jit(train_step(tx))(p, state, {k: jnp.asarray(v) for k, v in g.items()})
         return format_stats(state), state
 
-    results = {}
-
-    def case(name):
-        def register(fn):
-            start = time.perf_counter()
-            try:
-                fn()
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc(limit=12)
-            print(json.dumps({name: results[name], "seconds": round(time.perf_counter() - start, 1)}), flush=True)
-            return fn
-        return register
+    results, case = case_recorder()
 
     @case("sharded_counts_equal_unsharded")
     def _():

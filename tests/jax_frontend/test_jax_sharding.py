@@ -13,11 +13,10 @@ import json
 import re
 import sys
 import time
-import traceback
 
 import pytest
 
-from jax_helpers import run_cases_child, step_callbacks
+from jax_helpers import case_recorder, run_cases_child, step_callbacks
 
 DEVICES = 8
 COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\b")
@@ -88,19 +87,7 @@ def _cases():
     def entry_shapes(compiled_text):
         return re.search(r"ENTRY[^\n]*", compiled_text).group(0)
 
-    results = {}
-
-    def case(name):
-        def register(fn):
-            start = time.perf_counter()
-            try:
-                fn()
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc(limit=12)
-            print(json.dumps({name: results[name], "seconds": round(time.perf_counter() - start, 1)}), flush=True)
-            return fn
-        return register
+    results, case = case_recorder()
 
     explicit = jax.make_mesh((DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
     auto = jax.make_mesh((DEVICES,), ("x",), axis_types=(AxisType.Auto,))

@@ -18,11 +18,8 @@ Bits are compared as integers (bf16 and int16 as uint16, float32 and uint32 as u
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
-import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +29,7 @@ import optax
 import pytest
 import torch
 
-from jax_helpers import InterpretedJaxTriton, jax_cuda_unavailable, run_cases_child, step_callbacks
+from jax_helpers import InterpretedJaxTriton, case_recorder, jax_cuda_unavailable, run_cases_child, step_callbacks
 from packed_adamw.core import StateFormat, codecs as formats, launch
 from packed_adamw.core.adamw import RULE as ADAMW_RULE
 from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
@@ -800,19 +797,7 @@ def _cases():
             params, state = step(params, state, g)
         return params, state
 
-    results = {}
-
-    def case(name):
-        def register(fn):
-            start_time = time.perf_counter()
-            try:
-                fn()
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc(limit=12)
-            print(json.dumps({name: results[name], "seconds": round(time.perf_counter() - start_time, 1)}), flush=True)
-            return fn
-        return register
+    results, case = case_recorder()
 
     explicit = jax.make_mesh((DEVICES,), ("x",), axis_types=(AxisType.Explicit,))
     auto = jax.make_mesh((DEVICES,), ("x",), axis_types=(AxisType.Auto,))
