@@ -299,6 +299,17 @@ class StateLayout:
     def state_bytes_per_param(self) -> int:
         return self.state_entry.bytes_per_param
 
+    # A per-matrix scale kept beside the codes (Muon's packed `mu_exponent`); None for a format
+    # without one. A state format whose mode keeps one defines it.
+    exponent_entry: StateEntry | None = None
+
+    def param_entries(self, split: bool) -> tuple[StateEntry, ...]:
+        """Every entry a parameter's state holds, in the order they are made: the state entry,
+        the per-matrix exponent where the format keeps one, and (`split`: a bf16 parameter) the
+        low half of its FP32 master."""
+        scale = () if self.exponent_entry is None else (self.exponent_entry,)
+        return (self.state_entry, *scale, *((LOW_HALF,) if split else ()))
+
     # ---- a bf16 parameter's low half (FORMAT.md, "Split masters"), as every rule keeps it ----
     @property
     def low_half_key(self) -> str:

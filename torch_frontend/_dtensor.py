@@ -15,15 +15,21 @@ loads and reshards it:
 - a bf16 parameter's low half (FORMAT.md, "Split masters"; int16 in a plain state) is stored as
   an **int8** DTensor of shape [*shape, 2] holding the low halves' bytes: the collectives carry
   no int16 either, while a trailing pair dimension keeps every placement of the parameter's
-  dims meaning the same. The kernel reads the local shard as its int16 view.
+  dims meaning the same. The kernel reads the local shard as its int16 view. Any 16-bit code
+  entry (Muon's momentum codes) is stored so too;
+- a per-matrix entry (Muon's packed exponent, shape ()) is replicated on the parameter's mesh.
+
+`stored_layout`, `wrap_entry` and `kernel_entry` do this for any `StateEntry` (core/rule.py);
+the functions after them are their readings for the entries the step code names.
 """
 from __future__ import annotations
 
 import torch
 
 from packed_adamw.core import StateFormat
+from packed_adamw.core.rule import LOW_HALF, StateEntry
 
-from ._state import LOW_HALF_DTYPE, state_dtype
+from ._state import TORCH_DTYPES, state_dtype
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -43,34 +49,40 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-def kernel_state(state: torch.Tensor) -> torch.Tensor:
-    """The local state as the step reads it: sharded int32 words are viewed as uint32."""
-    if is_dtensor(state):
-        state = state.to_local()
-        if state.dtype == SHARDED_WORDS_DTYPE:
-            return state.view(torch.uint32)
-    return state
+# ---- any state entry ---------------------------------------------------------------------------
+def stored_layout(param: torch.Tensor, entry: StateEntry) -> tuple[torch.dtype, tuple[int, ...]]:
+    """(dtype, shape) of the stored `entry` of `param` (a DTensor's: its global shape)."""
+    dtype, shape = TORCH_DTYPES[entry.dtype], entry.shape(param.shape)
+    if is_dtensor(param) and not entry.per_matrix:
+        if dtype is torch.int16:
+            return SHARDED_LOW_HALF_DTYPE, (*shape, 2)
+        if dtype is torch.uint32:
+            return SHARDED_WORDS_DTYPE, shape
+    return dtype, shape
 
 
-def state_dtype_for(param: torch.Tensor, fmt: StateFormat) -> torch.dtype:
-    """The dtype of the stored state of `param`."""
-    plain = state_dtype(fmt)
-    return SHARDED_WORDS_DTYPE if plain is torch.uint32 and is_dtensor(param) else plain
-
-
-def wrap_state(param: torch.Tensor, local_state: torch.Tensor, fmt: StateFormat, name: str) -> torch.Tensor:
-    """The stored state for `param` from its local state (the state entry's local shard:
-    uint32 words, or fp32 mode's float32 [2, *local]): the local tensor itself for a plain
-    parameter, otherwise a DTensor sharded as the entry declares (`StateEntry.sharding`: the
-    parameter's placements, moved past the entry's leading axes)."""
+def wrap_entry(param: torch.Tensor, local_entry: torch.Tensor, entry: StateEntry, name: str,
+               mode: str = "") -> torch.Tensor:
+    """The stored `entry` for `param` from its local tensor: the local tensor itself for a plain
+    parameter; for a DTensor, a DTensor on the parameter's mesh as the module's docstring lays
+    each dtype out (a per-matrix entry replicated; the others sharded as the entry declares,
+    `StateEntry.sharding`: the parameter's placements, moved past the entry's leading axes).
+    `mode` names the state format's mode in the refusal of a placement leading axes cannot follow."""
     if not is_dtensor(param):
-        return local_state
-    entry = fmt.state_entry
+        return local_entry
+    if entry.per_matrix:
+        mesh = param.device_mesh  # the same value on every rank: each shard reads the whole matrix's
+        return DTensor.from_local(local_entry, mesh, [Replicate()] * mesh.ndim, run_check=False,
+                                  shape=local_entry.shape, stride=local_entry.stride())
+    if local_entry.dtype is torch.int16:  # collectives carry no int16: int8 pairs in a trailing axis
+        pairs = local_entry.unsqueeze(-1).view(SHARDED_LOW_HALF_DTYPE)
+        return DTensor.from_local(pairs, param.device_mesh, param.placements, run_check=False,
+                                  shape=(*param.shape, 2), stride=(*(2 * s for s in param.stride()), 1))
+    if local_entry.dtype is torch.uint32:  # nor uint32: the words' bits as int32
+        local_entry = local_entry.view(SHARDED_WORDS_DTYPE)
     shape = entry.shape(param.shape)
-    if state_dtype(fmt) is torch.uint32:
-        local_state = local_state.view(SHARDED_WORDS_DTYPE)
     if not entry.leading:  # the parameter's shape: it follows any placement the parameter has
-        return DTensor.from_local(local_state, param.device_mesh, param.placements, run_check=False, shape=shape,
+        return DTensor.from_local(local_entry, param.device_mesh, param.placements, run_check=False, shape=shape,
                                   stride=param.stride())
     placements = []
     for placement in param.placements:
@@ -81,7 +93,7 @@ def wrap_state(param: torch.Tensor, local_state: torch.Tensor, fmt: StateFormat,
         else:
             leading = ", ".join(map(str, entry.leading))
             raise NotImplementedError(
-                f"{name} is a DTensor with placement {placement}: mode={fmt.mode!r} keeps its state "
+                f"{name} is a DTensor with placement {placement}: mode={mode!r} keeps its state "
                 f"({entry.key!r}) as one [{leading}, *shape] tensor and can follow Shard and Replicate placements "
                 "only; use mode='packed', whose state has the parameter's shape and follows any placement"
             )
@@ -89,36 +101,71 @@ def wrap_state(param: torch.Tensor, local_state: torch.Tensor, fmt: StateFormat,
     for size in reversed(entry.leading):
         leading_strides.insert(0, inner)
         inner *= size
-    return DTensor.from_local(local_state, param.device_mesh, placements, run_check=False, shape=shape,
+    return DTensor.from_local(local_entry, param.device_mesh, placements, run_check=False, shape=shape,
                               stride=(*leading_strides, *param.stride()))
+
+
+def kernel_entry(stored: torch.Tensor, entry: StateEntry) -> torch.Tensor:
+    """The local tensor the step reads and writes of a stored `entry` (a view: writes reach the
+    stored state): a DTensor's int8 pairs as int16, its int32 words as uint32."""
+    if not is_dtensor(stored):
+        return stored
+    local_part = stored.to_local()
+    if local_part.dtype == SHARDED_LOW_HALF_DTYPE:
+        return local_part.view(torch.int16).squeeze(-1)
+    if local_part.dtype == SHARDED_WORDS_DTYPE and entry.dtype == "uint32":
+        return local_part.view(torch.uint32)
+    return local_part
+
+
+def new_entries(param: torch.Tensor, fmt, name: str) -> dict[str, torch.Tensor]:
+    """A parameter's state entries before its first step, for any rule's state format `fmt`
+    (`fmt.param_entries`: its state entry, its per-matrix exponent, a bf16 parameter's low half):
+    zeros, each stored as `wrap_entry` lays it out. Zero codes read as zero moments, an
+    exponent 0 as no scale, a zero low half as a master equal to its bf16 weight."""
+    local_param = local(param)
+    entries = {}
+    for entry in fmt.param_entries(param.dtype is torch.bfloat16):
+        dtype = TORCH_DTYPES[entry.dtype]
+        # uint32 made as int32 and viewed: torch fills uint32 on every device only from 2.3 on
+        zeros = torch.zeros(entry.shape(local_param.shape), dtype=torch.int32 if dtype is torch.uint32 else dtype,
+                            device=local_param.device)
+        entries[entry.key] = wrap_entry(param, zeros.view(dtype), entry, name, getattr(fmt, "mode", ""))
+    return entries
+
+
+# ---- the entries the step code names ----------------------------------------------------------------
+def kernel_state(state: torch.Tensor) -> torch.Tensor:
+    """The local state as the step reads it: sharded int32 words are viewed as uint32."""
+    return kernel_entry(state, _WORDS_READING)
+
+
+_WORDS_READING = StateEntry("words", "uint32")  # how kernel_state reads an int32 DTensor: as words
+
+
+def state_dtype_for(param: torch.Tensor, fmt: StateFormat) -> torch.dtype:
+    """The dtype of the stored state of `param`."""
+    return stored_layout(param, fmt.state_entry)[0]
+
+
+def wrap_state(param: torch.Tensor, local_state: torch.Tensor, fmt: StateFormat, name: str) -> torch.Tensor:
+    """The stored state entry for `param` from its local state (`wrap_entry`)."""
+    return wrap_entry(param, local_state, fmt.state_entry, name, fmt.mode)
 
 
 def kernel_low_half(low_half: torch.Tensor) -> torch.Tensor:
     """The local int16 low half as the step reads it (a view: writes reach the stored state)."""
-    if is_dtensor(low_half):
-        local_pairs = low_half.to_local()
-        if local_pairs.dtype == SHARDED_LOW_HALF_DTYPE:
-            return local_pairs.view(torch.int16).squeeze(-1)
-        return local_pairs
-    return low_half
+    return kernel_entry(low_half, LOW_HALF)
 
 
 def low_half_layout(param: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
     """(dtype, shape) of the stored low half of bf16 `param`."""
-    if is_dtensor(param):
-        return SHARDED_LOW_HALF_DTYPE, (*param.shape, 2)
-    return LOW_HALF_DTYPE, tuple(param.shape)
+    return stored_layout(param, LOW_HALF)
 
 
 def wrap_low_half(param: torch.Tensor, local_low_half: torch.Tensor) -> torch.Tensor:
-    """The stored low half for `param` from its local int16 one: the tensor itself for a plain
-    parameter; for a DTensor, int8 pairs on the parameter's mesh with its placements."""
-    if not is_dtensor(param):
-        return local_low_half
-    pairs = local_low_half.unsqueeze(-1).view(SHARDED_LOW_HALF_DTYPE)
-    stride = (*(2 * s for s in param.stride()), 1)
-    return DTensor.from_local(pairs, param.device_mesh, param.placements, run_check=False,
-                              shape=(*param.shape, 2), stride=stride)
+    """The stored low half for `param` from its local int16 one (`wrap_entry`)."""
+    return wrap_entry(param, local_low_half, LOW_HALF, "")
 
 
 def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -131,13 +178,11 @@ def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def replicated(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """A per-matrix state value of `param` (a 0-d tensor, Muon's packed exponent): itself for a
-    plain parameter; for a DTensor, the same value on every rank, replicated on its mesh (never
-    sharded: each rank's shard reads the whole matrix's value)."""
-    if not is_dtensor(param):
-        return local
-    mesh = param.device_mesh
-    return DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False, shape=local.shape,
-                              stride=local.stride())
+    plain parameter; for a DTensor, the same value on every rank, replicated on its mesh."""
+    return wrap_entry(param, local, _PER_MATRIX_READING, "")
+
+
+_PER_MATRIX_READING = StateEntry("per_matrix", "int32", per_matrix=True)
 
 
 def is_replicated_on(t, param: torch.Tensor) -> bool:

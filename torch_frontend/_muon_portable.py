@@ -44,17 +44,15 @@ def _is_muon(rule) -> bool:
 def _muon_tensor(rule, p) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """(momentum, exponent or None, low half or None) of one Muon parameter as numpy arrays;
     zeros if never stepped."""
-    from .muon import new_exponent, new_momentum
+    from .muon import fresh_entries
 
     fmt = rule.state_format
-    state = rule.state.get(p) or {}
-    momentum = state.get(fmt.state_key)
-    momentum = (momentum if momentum is not None else new_momentum(p, fmt)).detach().cpu()
+    state = rule.state.get(p) or fresh_entries(rule, p)
+    momentum = state[fmt.state_key].detach().cpu()
     array = momentum.numpy().view(np.uint16) if momentum.dtype is torch.int16 else momentum.numpy()
     exponent = None
     if fmt.exponent_entry is not None:
-        stored = state.get(fmt.exponent_entry.key)
-        exponent = (stored if stored is not None else new_exponent(p)).detach().cpu().numpy().copy()
+        exponent = state[fmt.exponent_entry.key].detach().cpu().numpy().copy()
     low = None
     if p.dtype is BFLOAT16:
         stored = state.get(LOW_HALF_KEY)

@@ -250,12 +250,7 @@ def load_master_weights(opt, masters, fresh_entries=None) -> None:
 def fresh_adamw_entries(opt, p) -> dict:
     """A PackedAdamW parameter's state before its first step: step 0, zero moments and, for a
     bf16 parameter, a zero low half (laid out like the parameter)."""
-    fmt = opt.state_format
-    entries = {STEP_KEY: 0, fmt.state_key: _dtensor.wrap_state(p, new_state(_dtensor.local(p), fmt), fmt,
-                                                              name_of(opt, p))}
-    if p.dtype is BFLOAT16:
-        entries[LOW_HALF_KEY] = _dtensor.wrap_low_half(p, new_low_half(_dtensor.local(p)))
-    return entries
+    return {STEP_KEY: 0, **_dtensor.new_entries(p, opt.state_format, name_of(opt, p))}
 
 
 def saved_identity(opt, state_dict: dict) -> str:

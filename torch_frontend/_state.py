@@ -13,8 +13,11 @@ import torch
 
 from packed_adamw.core import StateFormat, codecs as formats, launch
 
-# core's numpy dtype names as torch dtypes: the only such map in the torch frontend.
-TORCH_DTYPES = {"float32": torch.float32, "uint32": torch.uint32, "int16": torch.int16}
+# core's numpy dtype names as torch dtypes: the only such map in the torch frontend. 16-bit codes
+# (Muon's momentum) live in int16 tensors: torch has few uint16 operations, and core reads an
+# int16 view as the codes' bits.
+TORCH_DTYPES = {"float32": torch.float32, "uint32": torch.uint32, "int16": torch.int16, "uint16": torch.int16,
+                "int32": torch.int32}
 LOW_HALF_KEY = formats.LOW_HALF_KEY  # the state entry of a bf16 parameter's low half
 LOW_HALF_DTYPE = TORCH_DTYPES[formats.LOW_HALF_DTYPE]
 STEP_KEY = "step"

@@ -16,20 +16,22 @@ from torch.optim import Optimizer
 from packed_adamw.core.adamw.state_format import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS
 from packed_adamw.core.adamw.state_format import StateFormat as AdamWStateFormat
 from packed_adamw.core.muon import DEFAULT_MU_BIAS
-from packed_adamw.core.muon import StateFormat as MuonStateFormat
 
 from . import _checks, _compiled, _engine, _persistence
+from ._base import PackedOptimizer
 from ._engine import NonFiniteGradientError
 from ._state import has_format_counts
 from . import muon as _muon
 from .muon import PackedMuon
 from .optimizer import PackedAdamW
 
-KINDS = ("muon", "adamw")
+# The rule a group's `kind` names: its optimizer class, which says the rest (below).
+RULE_CLASSES = {cls.rule_name: cls for cls in (PackedMuon, PackedAdamW)}
+KINDS = tuple(RULE_CLASSES)
 # A group's own state format: its rule's format options, named as PackedMuon and PackedAdamW name
 # them (the constructor's `mode`, `mu_bias` and `adamw_mode`, `m_bias`, `rms_bias` are the defaults).
-FORMAT_KEYS = {"muon": ("mode", "mu_bias"), "adamw": ("mode", "m_bias", "rms_bias")}
-FORMAT_CLASSES = {"muon": MuonStateFormat, "adamw": AdamWStateFormat}
+FORMAT_KEYS = {kind: cls.format_keys for kind, cls in RULE_CLASSES.items()}
+FORMAT_CLASSES = {kind: cls.state_format_class for kind, cls in RULE_CLASSES.items()}
 # What a rule shares with the combined optimizer: its pickle leaves them out (`__getstate__`).
 _SHARED_WITH_RULES = ("state", "param_groups", "_words_pickled_as_int32")
 
@@ -124,14 +126,14 @@ _GROUP_OPTIONS = {key: key for key in OPTIMIZER_OPTIONS}
 # The constructor's defaults for AdamW groups, and the key a group's own value has.
 ADAMW_DEFAULTS = {"adamw_lr": "lr", "adamw_betas": "betas", "adamw_eps": "eps",
                   "adamw_weight_decay": "weight_decay", "adamw_mode": "mode"}
-RULE_NAMES = {"muon": "Muon", "adamw": "AdamW"}
+RULE_NAMES = {kind: cls.display_name for kind, cls in RULE_CLASSES.items()}
 
 
 def _is_muon(rule) -> bool:
     return isinstance(rule, PackedMuon)
 
 
-class PackedMuonAdamW(Optimizer):
+class PackedMuonAdamW(PackedOptimizer):
     """One optimizer over Muon groups and AdamW groups (`kind` in every group; see
     `muon_param_groups`). Muon's options (`lr`, `weight_decay`, `momentum`, `nesterov`,
     `ns_coefficients`, `eps`, `ns_steps`, `adjust_lr_fn`, `mode`, `mu_bias`, `batch_ns`, `ns_impl`)
@@ -194,9 +196,8 @@ class PackedMuonAdamW(Optimizer):
                                        check_nonfinite=check_nonfinite, multi_tensor=multi_tensor,
                                        capturable=capturable, track_format=adamw_counts)),
         }
-        self._rules: dict[str, Optimizer] = {}
+        self._rules: dict[str, PackedOptimizer] = {}
         super().__init__(params, {})
-        self._compile_token = _compiled.register(self)  # names this optimizer to its compiled steps
 
     # ---- groups: each one belongs to the rule optimizer of its kind and format ---------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -231,7 +232,7 @@ class PackedMuonAdamW(Optimizer):
             if rule is None:
                 settings = self._rule_options[kind]
                 group = {**settings["defaults"], **group}
-                cls = PackedMuon if kind == "muon" else PackedAdamW
+                cls = RULE_CLASSES[kind]
                 rule = cls.__new__(cls)
                 rule._shown_group_indices = shown  # before __init__, which checks the group
                 rule.__init__([group], **settings["defaults"], **self._rule_settings(kind, fmt))
@@ -403,7 +404,7 @@ class PackedMuonAdamW(Optimizer):
         return {**ordered, **merged}
 
     @property
-    def rules(self) -> dict[str, Optimizer]:
+    def rules(self) -> dict[str, PackedOptimizer]:
         """The rule optimizers (PackedMuon / PackedAdamW) that step the groups, one per kind and
         state format: "muon" and "adamw" for the constructor's formats, "<kind>:<identity>" for a
         group's own (`rule_key(group)` says which steps a group)."""
@@ -418,7 +419,8 @@ class PackedMuonAdamW(Optimizer):
         # as their int32 bits, which torch can unpickle (as PackedAdamW's own pickle does).
         rules = {key: (type(rule), {k: v for k, v in rule.__getstate__().items() if k not in _SHARED_WITH_RULES})
                  for key, rule in self._rules.items()}
-        state = {**super().__getstate__(), "_rule_options": self._rule_options, "_rule_pickles": rules,
+        # torch's own pickle, loader and state_dict: the rules hold the state formats the base's read
+        state = {**Optimizer.__getstate__(self), "_rule_options": self._rule_options, "_rule_pickles": rules,
                  "_check_nonfinite": self.__dict__.get("_check_nonfinite", False),
                  "capturable": self.__dict__.get("capturable", False)}
         return _persistence.words_as_int32(self, state, self._adamw_formats())
@@ -426,7 +428,7 @@ class PackedMuonAdamW(Optimizer):
     def __setstate__(self, state: dict) -> None:
         as_int32 = state.pop("_words_pickled_as_int32", False)
         rule_pickles = state.pop("_rule_pickles", None)  # absent from torch's load_state_dict call
-        super().__setstate__(state)
+        Optimizer.__setstate__(self, state)
         self.__dict__.setdefault("_check_nonfinite", False)  # pickled before the attribute existed
         self.__dict__.setdefault("capturable", False)
         if rule_pickles is not None:  # keyed by kind before groups had formats of their own: the same keys
@@ -443,13 +445,7 @@ class PackedMuonAdamW(Optimizer):
         if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer
             self._compile_token = _compiled.register(self)
 
-    # ---- the step ----------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        return _compiled.optimizer_step(self, closure)
-
-    step._wrapped_by_lr_sched = True  # see PackedAdamW.step
-
+    # ---- the step (`PackedOptimizer.step`) ----------------------------------------------------
     def _eager_update(self, live: dict | None = None) -> None:
         """Every rule's step as one: Muon's checks (`muon.check_step`, which change nothing),
         then each AdamW rule's whole step (which raises before changing anything; the rules after
@@ -475,17 +471,13 @@ class PackedMuonAdamW(Optimizer):
         if errors:
             raise NonFiniteGradientError("; ".join(errors[key] for key in self._rules if key in errors))
 
-    @torch.compiler.disable  # compiled code reaches the eager step through the custom op (_compiled.py)
-    def _update(self, live: dict | None = None) -> None:
-        self._eager_update(live)  # see PackedAdamW._update
-
     # ---- saving and loading -------------------------------------------------------------------
     def identities(self) -> dict[str, str]:
         """Each rule's format identity, by its key in `rules`."""
         return {key: rule.state_format.identity for key, rule in self._rules.items()}
 
     def state_dict(self) -> dict:
-        sd = super().state_dict()
+        sd = Optimizer.state_dict(self)
         identities = self.identities()
         sd[_persistence.STATE_DICT_KEY] = {"version": _persistence.STATE_DICT_VERSION, "format": identities}
         sd["param_groups"] = [{**saved, _persistence.GROUP_FORMAT_KEY: identities[key]}
@@ -526,16 +518,13 @@ class PackedMuonAdamW(Optimizer):
                     "param_groups": [_without(g, FORMAT_KEYS[kind]) for g, k in zip(saved_groups, keys) if k == key],
                     _persistence.STATE_DICT_KEY: {"version": _persistence.STATE_DICT_VERSION,
                                                   "format": saved_identities.get(key, rule.state_format.identity)}}
-            check = _muon.checked_load if kind == "muon" else _persistence.checked_load
-            checked[key] = check(rule, part)[1]
+            checked[key] = rule._checked_load(part)[1]
         groups = [_with_own_format(_without(g, (_persistence.GROUP_FORMAT_KEY,)), ours)
                   for g, ours in zip(saved_groups, self.param_groups)]
-        super().load_state_dict({"state": state_dict["state"], "param_groups": groups})
+        Optimizer.load_state_dict(self, {"state": state_dict["state"], "param_groups": groups})
         self._bind_rules(keys)
         for key, loaded in checked.items():
-            rule = self._rules[key]
-            restore = _muon.restore_loaded if _is_muon(rule) else _persistence.restore_loaded
-            restore(rule, loaded)
+            self._rules[key]._restore_loaded(loaded)
 
     def _check_saved_format_keys(self, saved: dict, fmt, where: str, identity) -> None:
         """A saved group's own format entries must be the format its state was saved in (the
@@ -556,47 +545,22 @@ class PackedMuonAdamW(Optimizer):
             rule.__dict__.pop("_valid_rows", None)
             rule.__dict__.pop("_kept_rows", None)
             rule._note_param_lists()
-            if isinstance(rule, PackedAdamW):
-                _engine.drop_plan(rule, keep_counts=False)
-            else:
-                _engine.forget_counts(rule)  # a loaded state starts the counts afresh, as drop_plan's for AdamW
+            _engine.drop_plan(rule, keep_counts=False)  # a loaded state starts the counts afresh
         self._note_param_lists()
 
-    def master_weights(self) -> list[torch.Tensor]:
-        """The FP32 masters in this optimizer's parameter order (param_groups flattened), as
-        PackedAdamW.master_weights gives them."""
-        return _persistence.master_weights(self)
+    # ---- masters and PortableState: `PackedOptimizer`'s, over every rule ------------------------
+    def _fresh_entries(self, p: torch.Tensor) -> dict:
+        """A parameter's state before its first step, as the rule of its group makes it."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        return self._rules[self.rule_key(group)]._fresh_entries(p)
 
-    @torch.no_grad()
-    def load_master_weights(self, masters) -> None:
-        """As PackedAdamW.load_master_weights, in this optimizer's parameter order (as
-        `master_weights()` returns them): float32 parameters take the values, bf16 ones their
-        exact split (weight and low half), every rule's state stays (a bf16 parameter never
-        stepped gets its rule's first state, holding the low half). Everything is checked before
-        anything changes."""
-        rule_of = {id(p): self._rules[self.rule_key(g)] for g in self.param_groups for p in g["params"]}
-
-        def fresh_entries(p):
-            rule = rule_of[id(p)]
-            return _muon.fresh_entries(rule, p) if _is_muon(rule) else _persistence.fresh_adamw_entries(rule, p)
-
-        _persistence.load_master_weights(self, masters, fresh_entries)
-
-    def export_state(self) -> "PortableState":
-        """Every rule's state in parameter order as one `PortableState` (format "mixed", each
-        tensor's identity in `formats`): Muon's momenta (count None), AdamW's words and counts,
-        bf16 parameters' low halves. For `packed_adamw.jax.muon.import_muon_state`."""
+    def _portable(self):
+        """Every rule's state as one `PortableState` (format "mixed", each tensor's identity in
+        `formats`): Muon's momenta (count None), AdamW's words and counts, bf16 parameters' low
+        halves; for `packed_adamw.jax.muon.import_muon_state` and back."""
         from . import _muon_portable
 
-        return _muon_portable.export_state(self)
-
-    def import_state(self, portable) -> None:
-        """Replace every rule's state with an exported one (from JAX's packed_muon or torch);
-        every tensor's format, shape, low half and values are checked, naming the parameter,
-        before anything changes."""
-        from . import _muon_portable
-
-        _muon_portable.import_state(self, portable)
+        return _muon_portable
 
 
 def _without(group: dict, keys) -> dict:

@@ -12,12 +12,10 @@ counts and `format_stats` (`_engine.py`), DTensor state layouts (`_dtensor.py`).
 """
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch.optim import Optimizer
 
 from packed_adamw.core import launch
 from packed_adamw.core.muon import (
@@ -36,17 +34,15 @@ from packed_adamw.core.muon import (
     weight_phase_split,
 )
 
-from . import _checks, _compiled, _dtensor, _engine, _muon_capturable, _persistence
+from . import _checks, _dtensor, _engine, _muon_capturable, _persistence
+from ._base import _REQUIRED, PackedOptimizer
 from ._engine import NonFiniteGradientError
-from ._state import LOW_HALF_KEY, format_counts, new_counters, new_low_half
+from ._state import LOW_HALF_KEY, TORCH_DTYPES, format_counts, new_counters
 from .functional import nonfinite_count
 
 FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
 COMBINED_NAME = "PackedMuonAdamW"  # where the parameters Muon refuses belong (combined.py)
-# The 16-bit momentum codes live in int16 tensors: torch has few uint16 operations, and
-# core/muon reads an int16 view as its bits.
-_TORCH_DTYPES = {"uint16": torch.int16, "float32": torch.float32}
-EXPONENT_DTYPE = torch.int32  # packed mode's per-matrix exponent (StateFormat.exponent_entry)
+EXPONENT_DTYPE = TORCH_DTYPES["int32"]  # packed mode's per-matrix exponent (StateFormat.exponent_entry)
 
 
 def newton_schulz(x: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS,
@@ -179,48 +175,21 @@ def ns_batch_key(shape, group: dict) -> tuple:
 # collectives carry no int16, and a trailing pair dimension keeps every placement of the
 # parameter's dims meaning the same. fp32 momenta are float32 DTensors laid out like the parameter.
 # Packed mode's exponent (one int32 a matrix) is a 0-d DTensor replicated on the parameter's mesh:
-# every rank holds the whole matrix's.
-SHARDED_CODES_DTYPE = _dtensor.SHARDED_LOW_HALF_DTYPE
+# every rank holds the whole matrix's (`_dtensor.wrap_entry` lays every entry out).
 NAN_BF16_BITS = 0x7FC0  # a shard that refuses its part of X sends these (see `_gathered_input`)
 
 
-def momentum_layout(param: torch.Tensor, fmt: StateFormat) -> tuple[torch.dtype, tuple[int, ...]]:
-    """(dtype, shape) of the stored momentum entry of `param` (a DTensor's: its global shape)."""
-    dtype = _TORCH_DTYPES[fmt.state_dtype]
-    if _dtensor.is_dtensor(param) and dtype is torch.int16:
-        return SHARDED_CODES_DTYPE, (*param.shape, 2)
-    return dtype, tuple(fmt.state_shape(param.shape))
-
-
-def new_momentum(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
-    """A zero momentum entry for `param`: a DTensor laid out like it when it is one."""
-    local_param = _dtensor.local(param)
-    local = torch.zeros(fmt.state_shape(local_param.shape), dtype=_TORCH_DTYPES[fmt.state_dtype],
-                        device=local_param.device)
-    if not _dtensor.is_dtensor(param):
-        return local
-    if local.dtype is torch.int16:
-        return _dtensor.wrap_low_half(param, local)  # int16 -> int8 pairs, laid out like the parameter
-    return _dtensor.like_param(param, local)
-
-
-def new_exponent(param: torch.Tensor, value: int = 0) -> torch.Tensor:
-    """Packed mode's per-matrix exponent of `param` (0 before the first step, and for a state
-    saved before the exponents): a 0-d int32 tensor on its device, replicated for a DTensor."""
-    local = torch.tensor(value, dtype=EXPONENT_DTYPE, device=_dtensor.local(param).device)
-    return _dtensor.replicated(param, local)
-
-
 def fresh_entries(opt, p: torch.Tensor) -> dict:
-    """A matrix's state before its first step: a zero momentum entry (and, packed mode, its
-    exponent 0) and, for a bf16 one, a zero low half (laid out like the parameter)."""
-    fmt = opt.state_format
-    entries = {fmt.state_key: new_momentum(p, fmt)}
-    if fmt.exponent_entry is not None:
-        entries[fmt.exponent_entry.key] = new_exponent(p)
-    if p.dtype is BFLOAT16:
-        entries[LOW_HALF_KEY] = new_split_low_half(p)
-    return entries
+    """A matrix's state before its first step (`_dtensor.new_entries`, every rule's): a zero
+    momentum entry (and, packed mode, its exponent 0) and, for a bf16 one, a zero low half, each
+    laid out like the parameter."""
+    return _dtensor.new_entries(p, opt.state_format, _persistence.name_of(opt, p))
+
+
+def new_exponent(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """Packed mode's exponent 0 for `param` (a state saved before the exponents reads with it):
+    a 0-d int32 tensor on its device, replicated for a DTensor."""
+    return _dtensor.new_entries(param, fmt, "")[fmt.exponent_entry.key]
 
 
 def add_missing_exponents(opt) -> None:
@@ -231,7 +200,7 @@ def add_missing_exponents(opt) -> None:
         return
     for p, state in opt.state.items():
         if opt.state_format.state_key in state and entry.key not in state:
-            state[entry.key] = new_exponent(p)
+            state[entry.key] = new_exponent(p, opt.state_format)
 
 
 def local_exponent(stored: torch.Tensor) -> torch.Tensor:
@@ -246,12 +215,7 @@ def local_entry(stored: torch.Tensor) -> torch.Tensor:
     return _dtensor.kernel_low_half(stored)
 
 
-def new_split_low_half(param: torch.Tensor) -> torch.Tensor:
-    """A bf16 parameter's low half, stored as PackedAdamW stores it (int8 pairs for a DTensor)."""
-    return _dtensor.wrap_low_half(param, new_low_half(_dtensor.local(param)))
-
-
-class PackedMuon(Optimizer):
+class PackedMuon(PackedOptimizer):
     """torch.optim.Muon (its arguments, names and defaults) whose momentum is a 2-byte code per
     parameter: `mode="packed"` (E5M10 codes scaled by a power of two per matrix, `mu_exponent`,
     chosen each step from the matrix's largest momentum: like torch.optim.Muon's, the step is
@@ -301,6 +265,14 @@ class PackedMuon(Optimizer):
     """
 
     rule_name = "muon"
+    display_name = "Muon"
+    state_format_class = StateFormat
+    format_keys = ("mode", "mu_bias")
+    torch_twin = "torch.optim.Muon"
+    counts_refusals = True  # a refused matrix is counted in every mode
+    # An older pickle lacks the later options: it stepped per matrix, with torch's matmuls.
+    pickled_options = {"state_format": _REQUIRED, "check_nonfinite": False, "capturable": False,
+                       "batch_ns": False, "ns_impl": "cublas"}
     # The optimizer's options a group cannot set (`_checks.check_group_options`), each the
     # constructor's option of the same name.
     group_options = {key: key for key in ("mode", "mu_bias", "check_nonfinite", "capturable", "batch_ns", "ns_impl",
@@ -339,133 +311,37 @@ class PackedMuon(Optimizer):
                         adjust_lr_fn=adjust_lr_fn, maximize=maximize)
         validate_group(defaults, "defaults")
         super().__init__(params, defaults)
-        self._compile_token = _compiled.register(self)  # names this optimizer to its compiled steps
 
-    @property
-    def track_format(self) -> bool:
-        """Whether the steps made from now on are counted (`format_stats`); it may be switched
-        between steps, as PackedAdamW's (a step made with it off launches the uncounted kernels)."""
-        return self.__dict__.get("_track_format", False)
-
-    @track_format.setter
-    def track_format(self, value: bool) -> None:
-        _checks.check_track_format(value, self.state_format, self.__dict__.get("capturable", False),
-                                   counts_refusals=True)
-        self._track_format = value
-
-    def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "state_format": self.state_format, "check_nonfinite": self.check_nonfinite,
-                "capturable": self.__dict__.get("capturable", False), "batch_ns": getattr(self, "batch_ns", False),
-                "ns_impl": getattr(self, "ns_impl", "cublas"), "track_format": self.track_format,
-                "format_counts": _engine.pickled_counts(self)}
-
-    def __setstate__(self, state: dict) -> None:
-        # The switch lives behind the property (`_track_format`); a pickle carries it by name, and
-        # torch's load_state_dict (only "state" and "param_groups") keeps the one set.
-        state["_track_format"] = bool(state.pop("track_format", self.__dict__.get("_track_format", False)))
-        counts = state.pop("format_counts", None)  # the counts not read yet travel by value (as PackedAdamW's)
-        super().__setstate__(state)  # torch's load_state_dict passes new groups: the compiled step's lists follow
-        self.__dict__.setdefault("capturable", False)
+    def _unpickled(self) -> None:
         add_missing_exponents(self)
-        self._note_param_lists()
-        _engine.restore_pickled_counts(self, counts)
-        if "_compile_token" not in self.__dict__:  # a copy or an unpickled optimizer
-            self._compile_token = _compiled.register(self)
 
-    def _note_param_lists(self) -> None:
-        """The groups' parameter lists, which compiled steps iterate (see PackedAdamW's)."""
-        self._param_lists = [group["params"] for group in self.param_groups]
-
-    def add_param_group(self, param_group: dict) -> None:
-        default_lr = self.defaults.get("lr")
-        if self.__dict__.get("capturable") and isinstance(param_group, dict) and "lr" not in param_group \
-                and isinstance(default_lr, torch.Tensor):
-            # A group of its own lr tensor: a scheduler fills each group's in place, and groups
-            # sharing the default's would all take the last value written.
-            param_group = {**param_group, "lr": default_lr.clone()}
-        with warnings.catch_warnings():  # a repeated parameter is refused below instead
-            warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
-            super().add_param_group(param_group)
-        try:
-            index = _checks.shown_group_index(self, len(self.param_groups) - 1)
-            group = self.param_groups[-1]
-            self._check_group_options(group, f"param_groups[{index}]")
-            _checks.check_listed_once(group, index, "torch.optim.Muon")
-            validate_group(group, f"param_groups[{index}]")
-            for param_index, p in enumerate(group["params"]):
-                check_matrix(p, _checks.param_name(group, index, param_index))
-            _checks.check_one_device([p for g in self.param_groups for p in g["params"]], f"param_groups[{index}]",
-                                     "PackedMuon")
-        except Exception:
-            self.param_groups.pop()
-            raise
-        self._note_param_lists()
-
-    def _check_group_options(self, group: dict, where: str) -> None:
-        """As PackedAdamW's: `_checks.check_group_options` with PackedMuon's options."""
-        _checks.check_group_options(group, where, type(self).__name__, self.group_options,
-                                    self.__dict__.get("capturable", False))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        return _compiled.optimizer_step(self, closure)
-
-    step._wrapped_by_lr_sched = True  # see PackedAdamW.step
+    def _check_new_group(self, group: dict, index: int) -> None:
+        validate_group(group, f"param_groups[{index}]")
+        for param_index, p in enumerate(group["params"]):
+            check_matrix(p, _checks.param_name(group, index, param_index))
 
     def _eager_update(self, live: dict | None = None) -> None:
         step(self, live)
 
-    @torch.compiler.disable  # compiled code reaches the eager step through the custom op (_compiled.py)
-    def _update(self, live: dict | None = None) -> None:
-        self._eager_update(live)  # see PackedAdamW._update
+    def _count_names(self) -> tuple:
+        """`refused` (steps that refused the matrix), `elements` (element-steps of the steps that
+        accepted it) and, in packed mode, `saturated_mu`, `flushed_mu`, `subnormal_mu` over those
+        (MUON.md, "Format counts")."""
+        return FORMAT_COUNTS if self.state_format.mode == "packed" else ()
 
-    def state_dict(self) -> dict:
-        return _persistence.with_identity(super().state_dict(), self.state_format.identity)
+    def _checked_load(self, state_dict: dict) -> tuple[dict, dict]:
+        return checked_load(self, state_dict)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state saved by `state_dict()`: its format identity, and every parameter's
-        momentum and low half, are checked before anything changes."""
-        for_torch, loaded = checked_load(self, state_dict)
-        _engine.forget_counts(self)
-        super().load_state_dict(for_torch)
+    def _restore_loaded(self, loaded: dict) -> None:
         restore_loaded(self, loaded)
 
-    def format_stats(self) -> dict:
-        """The counts of the steps made with `track_format` since the last call (reset on read),
-        per matrix (its name when the groups carry `param_names`, else its position): `refused`
-        (steps that refused it), `elements` (element-steps of the steps that accepted it) and, in
-        packed mode, `saturated_mu`, `flushed_mu`, `subnormal_mu` over those (MUON.md, "Format
-        counts"). This call waits for the GPU; the steps do not. The counts not read yet travel
-        with a pickle or a copy (as the switch does); loading a state starts them afresh. With no
-        counted step since the last read: {} while `track_format` is on, an error while it is off.
-        Warns once per matrix whose saturated share passes SATURATION_WARNING."""
-        return _engine.format_stats(self, FORMAT_COUNTS if self.state_format.mode == "packed" else ())
+    def _fresh_entries(self, p: torch.Tensor) -> dict:
+        return fresh_entries(self, p)
 
-    def master_weights(self) -> list[torch.Tensor]:
-        """As PackedAdamW.master_weights: the FP32 masters in parameter order (DTensors laid
-        out like DTensor parameters)."""
-        return _persistence.master_weights(self)
+    def _portable(self):
+        from . import _muon_portable  # it imports this module
 
-    @torch.no_grad()
-    def load_master_weights(self, masters) -> None:
-        """As PackedAdamW.load_master_weights: float32 parameters take the values, bf16 ones
-        their exact split (weight and low half); the momentum stays."""
-        _persistence.load_master_weights(self, masters, lambda p: fresh_entries(self, p))
-
-    def export_state(self) -> "PortableState":
-        """The momenta (and bf16 parameters' low halves) in parameter order as a
-        `PortableState`, for `packed_adamw.jax.muon.import_muon_state` (MUON.md, "Moving a
-        state between torch and JAX"). Counts are None: torch's Muon keeps none."""
-        from . import _muon_portable
-
-        return _muon_portable.export_state(self)
-
-    def import_state(self, portable) -> None:
-        """Replace the state with an exported one (from JAX or torch); format, shapes, low
-        halves and values are checked, naming the parameter, before anything changes."""
-        from . import _muon_portable
-
-        _muon_portable.import_state(self, portable)
+        return _muon_portable
 
 
 # ---- checks ------------------------------------------------------------------------------
@@ -541,7 +417,7 @@ def _checked_state(opt, p, name: str) -> dict:
     if not state:
         return {}
     stored = state.get(fmt.state_key)
-    dtype, shape = momentum_layout(p, fmt)
+    dtype, shape = _dtensor.stored_layout(p, fmt.state_entry)
     p_local = _dtensor.local(p)
     laid_out = isinstance(stored, torch.Tensor) and _dtensor.is_dtensor(stored) == _dtensor.is_dtensor(p) \
         and stored.dtype == dtype and tuple(stored.shape) == shape \
@@ -1211,7 +1087,7 @@ def checked_entries(opt, saved_state: dict, saved_params: list, our_params: list
             raise ValueError(f"{where}: {fmt.state_key!r} is {_dtensor.describe(tensor)} but the parameter is "
                              f"{_dtensor.describe(p)}: a sharded state loads into the sharded model through "
                              "torch.distributed.checkpoint (set_optimizer_state_dict), which also reshards it")
-        dtype, shape = momentum_layout(p, fmt)
+        dtype, shape = _dtensor.stored_layout(p, fmt.state_entry)
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
             got = tensor if not isinstance(tensor, torch.Tensor) else f"{tensor.dtype} {tuple(tensor.shape)}"
             raise ValueError(f"{where}: {fmt.state_key!r} must be a {dtype} tensor of shape {shape} "
@@ -1236,7 +1112,7 @@ def _checked_loaded_exponent(fmt: StateFormat, p: torch.Tensor, entry: dict, whe
         if exponent is not None:
             raise ValueError(f"{where}: the state's identity {fmt.legacy_identity!r} keeps no {key!r}, yet it holds "
                              "one; the state was edited or damaged: save it again")
-        return new_exponent(p)
+        return new_exponent(p, fmt)
     if isinstance(exponent, torch.Tensor) and _dtensor.is_dtensor(exponent) != _dtensor.is_dtensor(p):
         raise ValueError(f"{where}: {key!r} is {_dtensor.describe(exponent)} but the parameter is "
                          f"{_dtensor.describe(p)}: a sharded state loads into the sharded model through "
