@@ -185,6 +185,16 @@ def replicated(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 _PER_MATRIX_READING = StateEntry("per_matrix", "int32", per_matrix=True)
 
 
+def summed_over_shards(param: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """A per-rank count summed over the ranks that hold different parts of `param` (a replica
+    counts once), so that a check made on it (`check_nonfinite`, a loaded state's values) refuses
+    on every rank or on none."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    placements = [Partial() if isinstance(pl, Shard) else Replicate() for pl in param.placements]
+    return DTensor.from_local(count, param.device_mesh, placements, run_check=False).full_tensor()
+
+
 def is_replicated_on(t, param: torch.Tensor) -> bool:
     """Whether `t` is laid out as `replicated` lays out a value of `param`."""
     if not is_dtensor(param):

@@ -26,7 +26,6 @@ from packed_adamw.core.muon import (
     RULE,
     StateFormat,
     commit_momentum,
-    decode_momentum,
     momentum_update,
     step_scalar_row,
     validate_ns,
@@ -34,15 +33,22 @@ from packed_adamw.core.muon import (
     weight_phase_split,
 )
 
-from . import _checks, _dtensor, _engine, _muon_capturable, _persistence
+from . import _checks, _dtensor, _engine, _muon_capturable, _muon_kernels
 from ._base import _REQUIRED, PackedOptimizer
 from ._engine import NonFiniteGradientError
-from ._state import LOW_HALF_KEY, TORCH_DTYPES, format_counts, new_counters
-from .functional import nonfinite_count
+from ._muon_state import (  # noqa: F401  (fresh_entries, checked_load, restore_loaded: this module's names too)
+    _checked_state,
+    add_missing_exponents,
+    checked_load,
+    fresh_entries,
+    local_entry,
+    local_exponent,
+    restore_loaded,
+)
+from ._state import LOW_HALF_KEY
 
 FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
 COMBINED_NAME = "PackedMuonAdamW"  # where the parameters Muon refuses belong (combined.py)
-EXPONENT_DTYPE = TORCH_DTYPES["int32"]  # packed mode's per-matrix exponent (StateFormat.exponent_entry)
 
 
 def newton_schulz(x: torch.Tensor, coefficients=DEFAULT_NS_COEFFICIENTS, steps: int = DEFAULT_NS_STEPS,
@@ -177,42 +183,6 @@ def ns_batch_key(shape, group: dict) -> tuple:
 # Packed mode's exponent (one int32 a matrix) is a 0-d DTensor replicated on the parameter's mesh:
 # every rank holds the whole matrix's (`_dtensor.wrap_entry` lays every entry out).
 NAN_BF16_BITS = 0x7FC0  # a shard that refuses its part of X sends these (see `_gathered_input`)
-
-
-def fresh_entries(opt, p: torch.Tensor) -> dict:
-    """A matrix's state before its first step (`_dtensor.new_entries`, every rule's): a zero
-    momentum entry (and, packed mode, its exponent 0) and, for a bf16 one, a zero low half, each
-    laid out like the parameter."""
-    return _dtensor.new_entries(p, opt.state_format, _persistence.name_of(opt, p))
-
-
-def new_exponent(param: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
-    """Packed mode's exponent 0 for `param` (a state saved before the exponents reads with it):
-    a 0-d int32 tensor on its device, replicated for a DTensor."""
-    return _dtensor.new_entries(param, fmt, "")[fmt.exponent_entry.key]
-
-
-def add_missing_exponents(opt) -> None:
-    """An optimizer pickled before packed mode's exponents holds codes alone: each such matrix
-    gets exponent 0, under which its codes read as the values they had."""
-    entry = opt.__dict__.get("state_format") and opt.state_format.exponent_entry
-    if not entry:
-        return
-    for p, state in opt.state.items():
-        if opt.state_format.state_key in state and entry.key not in state:
-            state[entry.key] = new_exponent(p, opt.state_format)
-
-
-def local_exponent(stored: torch.Tensor) -> torch.Tensor:
-    """The 0-d int32 tensor the phases read and write of a stored exponent (a replicated
-    DTensor's local value)."""
-    return _dtensor.local(stored)
-
-
-def local_entry(stored: torch.Tensor) -> torch.Tensor:
-    """The local tensor the phases read and write of a stored momentum entry or low half: a
-    view of the stored bits (int16 codes from int8 pairs, float32 momenta as they are)."""
-    return _dtensor.kernel_low_half(stored)
 
 
 class PackedMuon(PackedOptimizer):
@@ -411,47 +381,6 @@ def _checked_grad(p: torch.Tensor, name: str) -> torch.Tensor:
     return g
 
 
-def _checked_state(opt, p, name: str) -> dict:
-    fmt = opt.state_format
-    state = opt.state.get(p)
-    if not state:
-        return {}
-    stored = state.get(fmt.state_key)
-    dtype, shape = _dtensor.stored_layout(p, fmt.state_entry)
-    p_local = _dtensor.local(p)
-    laid_out = isinstance(stored, torch.Tensor) and _dtensor.is_dtensor(stored) == _dtensor.is_dtensor(p) \
-        and stored.dtype == dtype and tuple(stored.shape) == shape \
-        and (not _dtensor.is_dtensor(p) or tuple(stored.placements) == tuple(p.placements))
-    local = local_entry(stored) if laid_out else None
-    if not laid_out or local.shape != p_local.shape or local.device != p_local.device or not local.is_contiguous():
-        raise ValueError(f"{name}: its optimizer state has no contiguous {dtype} {fmt.state_key!r} tensor of "
-                         f"shape {shape} on {p_local.device} ({_dtensor.describe(p)}, like the parameter); load a "
-                         "state saved by PackedMuon with the same mode (a sharded one through "
-                         "torch.distributed.checkpoint), or start fresh")
-    _check_exponent(fmt, p, state.get(fmt.exponent_entry.key) if fmt.exponent_entry else None, name)
-    if p.dtype is BFLOAT16:
-        _checks.check_live_low_half(p, p_local, state, name)
-    return state
-
-
-def _check_exponent(fmt: StateFormat, p: torch.Tensor, exponent, where: str) -> None:
-    """Packed mode's stored exponent of `p`: a 0-d int32 tensor on its device (replicated on a
-    DTensor's mesh)."""
-    entry = fmt.exponent_entry
-    if entry is None:
-        return
-    laid_out = isinstance(exponent, torch.Tensor) and _dtensor.is_replicated_on(exponent, p) \
-        and exponent.dtype == EXPONENT_DTYPE and exponent.dim() == 0 \
-        and local_exponent(exponent).device == _dtensor.local(p).device
-    if not laid_out:
-        got = exponent if not isinstance(exponent, torch.Tensor) else \
-            f"{_dtensor.describe(exponent)} {exponent.dtype} {tuple(exponent.shape)}"
-        raise ValueError(f"{where}: its optimizer state has no 0-d int32 {entry.key!r} tensor on "
-                         f"{_dtensor.local(p).device} (the matrix's exponent in {fmt.identity}"
-                         + (", replicated on the parameter's mesh" if _dtensor.is_dtensor(p) else "")
-                         + f"), got {got}; load a state saved by PackedMuon with the same mode, or start fresh")
-
-
 # ---- the step ------------------------------------------------------------------------------
 class Matrix(NamedTuple):
     """One matrix of a step, with the local tensors its phases read and write (a DTensor
@@ -540,8 +469,8 @@ def _check_capturable_step(opt, checked: list[Checked], device: torch.device, ca
             raise RuntimeError(_muon_capturable.capture_refusal("a matrix has no state yet (its first step)"))
         work = _matrices(opt, checked, live)
         if work:
-            words = _batch_tables(opt, work)[0] if _batches_ns(opt, device) else None
-            _capture_inputs(opt, work, words, capturing=True, dry_run=True)
+            words = _muon_kernels.batch_tables(opt, work)[0] if _batches_ns(opt, device) else None
+            _muon_kernels.capture_inputs(opt, work, words, capturing=True, dry_run=True)
 
 
 def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
@@ -553,7 +482,7 @@ def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
             opt.state[p].update(fresh_entries(opt, p))
     work = _matrices(opt, checked, live)
     if work and _runs_kernels(opt, work[0].weights.device):
-        refused, rejected = _cuda_step(opt, work)
+        refused, rejected = _muon_kernels.cuda_step(opt, work)
     else:
         refused, rejected = _cpu_step(opt, work)
     if opt.check_nonfinite and (any(refused) or any(rejected)):
@@ -744,15 +673,6 @@ def _local_part(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     return replicated.redistribute(mesh, param.placements).to_local().contiguous()
 
 
-def _summed_over_shards(param: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """A per-rank count summed over the ranks that hold different parts of `param` (a replica
-    counts once), so that `check_nonfinite` raises on every rank or on none."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-    placements = [Partial() if isinstance(pl, Shard) else Replicate() for pl in param.placements]
-    return DTensor.from_local(count, param.device_mesh, placements, run_check=False).full_tensor()
-
-
 def _cpu_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
     fmt = opt.state_format
     refused, rejected = [False] * len(work), [0] * len(work)
@@ -798,7 +718,7 @@ def _cpu_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
             else:
                 rejected[i] = weight_phase(w.weights.detach().numpy(), ortho, scalar_rows[i])
             if w.sharded and opt.check_nonfinite:
-                rejected[i] = int(_summed_over_shards(w.param, torch.tensor(rejected[i])))
+                rejected[i] = int(_dtensor.summed_over_shards(w.param, torch.tensor(rejected[i])))
     if counts is not None:
         _track(opt, work, torch.from_numpy(counts), torch.tensor([not r for r in refused]))
     return refused, rejected
@@ -835,333 +755,6 @@ def _counting(opt) -> bool:
     """Whether this step launches the counting twins of the momentum kernels: `track_format`
     in packed mode (the other modes have no codes to count, only refusals)."""
     return opt.track_format and opt.state_format.mode == "packed"
-
-
-def _cuda_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
-    """One momentum launch and one weight launch per matrix (core/muon/kernel.py), with
-    Newton-Schulz per matrix between them; with `batch_ns`, `_cuda_step_batched` (for plain
-    parameters: DTensor ones take this path, gathering each X). Nothing waits for the GPU
-    unless `check_nonfinite` asks."""
-    if _batches_ns(opt, work[0].weights.device) and not any(w.sharded for w in work):
-        return _cuda_step_batched(opt, work)
-    from packed_adamw.core.muon.kernel import (COUNTER_COLUMNS, MATRIX_COUNTERS, muon_momentum_kernel,
-                                               muon_weight_counting_kernel, muon_weight_kernel)
-
-    fmt = opt.state_format
-    constants = fmt.kernel_constexprs(track_format=False)
-    device = work[0].weights.device
-    block = launch.block_size()
-    if opt.capturable:
-        scalar_rows, counters, _ = _capturable_rows(opt, work)
-    else:
-        counters = torch.zeros((len(work), MATRIX_COUNTERS), dtype=torch.int32, device=device)  # kernel.COUNTER_COLUMNS
-        scalar_rows = torch.tensor(np.array([_scalar_row(w) for w in work], np.float32).reshape(len(work), 4),
-                                   device=device)
-    # Each matrix's views made in two calls, not by indexing per launch (host time is the cost here).
-    rows, counter_rows = scalar_rows.unbind(0), counters.unbind(0)
-    # With track_format (packed mode) the weight phase's counting twin adds each accepted matrix's
-    # format counts to its row here; the default path launches the uncounted kernel as before.
-    format_rows = new_counters(len(work), device) if _counting(opt) else None
-    weight_kernel = muon_weight_kernel if format_rows is None else muon_weight_counting_kernel
-    for batch in _ns_batches(opt, work):
-        inputs = {}
-        for i in batch:
-            w = work[i]
-            n = w.weights.numel()
-            x = torch.empty(w.weights.shape, dtype=torch.int16, device=device)
-            grad_bf16 = w.grad.dtype is BFLOAT16
-            # A DTensor's empty local shard launches one program too, which touches no element: each
-            # rank keeps its copy of the matrix's exponent.
-            muon_momentum_kernel[launch.grid(max(n, 1), block)](
-                w.grad.view(torch.int16) if grad_bf16 else w.grad, w.momentum, _exponent_pointer(w, counter_rows[i]),
-                x, rows[i], counter_rows[i], n, **constants, NESTEROV=bool(w.group["nesterov"]),
-                MAXIMIZE=bool(w.group.get("maximize", False)), GRAD_BF16=grad_bf16, BLOCK=block,
-                **launch.COMPILE_OPTIONS)
-            if w.sharded:
-                # On the device, without a wait: a refusing rank sends NaNs, and every rank's
-                # refused count becomes the whole X's non-finite count, which the weight kernel reads.
-                x = _gathered_input(w.param, torch.where(counter_rows[i][0] > 0, NAN_BF16_BITS, x))
-                counter_rows[i][0].copy_((~torch.isfinite(x.view(BFLOAT16))).sum())
-            inputs[i] = x.view(BFLOAT16)
-        if fmt.exponent_entry is not None:  # a sharded matrix's exponent from its largest |m'| over every shard
-            amax = COUNTER_COLUMNS.index("amax_bits")
-            sharded = [i for i in batch if work[i].sharded]
-            whole = _amax_over_shards([work[i] for i in sharded], [counter_rows[i][amax] for i in sharded])
-            for i in sharded:
-                counter_rows[i][amax].copy_(whole[id(work[i].param)])
-        # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
-        # output is not used, and a batch's matrices do not mix.
-        for i, result in zip(batch, _ns(opt, list(inputs.values()), work[batch[0]].group)):
-            w = work[i]
-            n = w.weights.numel()
-            ortho = (_local_part(w.param, result) if w.sharded else result.contiguous()).view(torch.int16)
-            split = w.low is not None
-            weights = w.weights.detach().view(torch.int16) if split else w.weights.detach()
-            grad_bf16 = w.grad.dtype is BFLOAT16
-            counted = () if format_rows is None else (format_rows[i],)
-            weight_kernel[launch.grid(max(n, 1), block)](
-                weights, w.low if split else weights, ortho, w.grad.view(torch.int16) if grad_bf16 else w.grad,
-                w.momentum, _exponent_pointer(w, counter_rows[i]), rows[i], counter_rows[i], *counted, n,
-                **constants, MAXIMIZE=bool(w.group.get("maximize", False)), GRAD_BF16=grad_bf16, SPLIT=split,
-                BLOCK=block, **launch.COMPILE_OPTIONS)
-            if w.sharded and opt.check_nonfinite:
-                rejected = COUNTER_COLUMNS.index("rejected")
-                counter_rows[i][rejected].copy_(_summed_over_shards(w.param, counter_rows[i][rejected]))
-    _track_launches(opt, work, counters, format_rows)
-    return _counted(opt, counters)
-
-
-def _exponent_pointer(w: Matrix, placeholder: torch.Tensor) -> torch.Tensor:
-    """The kernels' exponent argument: packed mode's 0-d exponent; in the other modes a tensor
-    of the launch's that the kernels never read there."""
-    return placeholder if w.exponent is None else w.exponent
-
-
-def _track_launches(opt, work: list[Matrix], counters: torch.Tensor, format_rows: torch.Tensor | None) -> None:
-    """`_track` after the kernels' step: a matrix was accepted where its refused count is 0;
-    its format counts are in `format_rows` (None: nothing counted but refusals)."""
-    if not opt.track_format:
-        return
-    counts = format_counts(format_rows) if format_rows is not None else \
-        torch.zeros((len(work), launch.MAX_FORMAT_COUNTS), dtype=torch.int64, device=counters.device)
-    _track(opt, work, counts, counters[:, 0] == 0)
-
-
-def _capture_inputs(opt, work: list[Matrix], words: list[int] | None, *, capturing: bool, dry_run: bool = False):
-    """What a capturable step reads on the device besides its scalar rows: the plan, the
-    batched address table (with `words`), the Triton Newton-Schulz's scalar rows. Under capture
-    each must have been made by an eager step (refused otherwise); `dry_run` only checks."""
-    plan = _muon_capturable.device_plan(opt, work, capturing)
-    kept = []
-    if _ns_impl(opt, work[0].weights.device) == "triton":  # the Triton Newton-Schulz's scalar rows, made outside any capture
-        for w in work:
-            kept.append(_ns_scalars(w.group["ns_coefficients"], w.group["eps"], w.weights.device, capturing))
-    if words is None:
-        return plan, None, kept
-    if dry_run:
-        plan.check_table(words)
-        return plan, None, kept
-    table, table_kept = plan.batch_table(words, capturing)
-    return plan, table, kept + list(table_kept)
-
-
-def _capturable_rows(opt, work: list[Matrix], words: list[int] | None = None):
-    """(scalar rows, counters) derived on the device, and with `words` the batched address
-    table too (`_muon_capturable`); under capture, what the graph reads is kept alive."""
-    capturing = _checks.capturing()
-    plan, table, kept = _capture_inputs(opt, work, words, capturing=capturing)
-    scalars, counters = plan.scalars_and_counters(opt.param_groups)
-    if capturing:
-        _muon_capturable.keep_for_capture(opt, plan, kept + [group["lr"] for group in opt.param_groups])
-    return scalars, counters, table
-
-
-def _counted(opt, counters: torch.Tensor) -> tuple[list[bool], list[int]]:
-    """Per matrix: refused, and how many weights were rejected (read only if `check_nonfinite`)."""
-    if not opt.check_nonfinite:
-        return [False] * len(counters), [0] * len(counters)
-    host = counters[:, :2].cpu().tolist()  # refused elements, rejected weights
-    return [r > 0 for r, _ in host], [n for _, n in host]
-
-
-def _batch_tables(opt, work: list[Matrix]) -> tuple[list[int], list[tuple]]:
-    """The batched step's table words (every matrix's addresses, index, slot and orientation)
-    and, per Newton-Schulz batch, (matrix indices, rows, cols, group, momentum launches, weight
-    launches), each launch {kernel constants: (first table row's word, matrices)}. A matrix
-    without an exponent (bf16 and fp32 modes) has its momentum's address in that column, unread."""
-    words, plans = [], []
-    for batch in _ns_batches(opt, work):
-        batch = [i for i in batch if _tall(work[i].param)] + [i for i in batch if not _tall(work[i].param)]
-        rows, cols = sorted(work[batch[0]].param.shape)
-        momentum_rows, weight_rows = {}, {}
-        for slot, i in enumerate(batch):
-            w = work[i]
-            tall = int(_tall(w.param))
-            maximize, grad_bf16 = bool(w.group.get("maximize", False)), w.grad.dtype is BFLOAT16
-            exponent = (w.momentum if w.exponent is None else w.exponent).data_ptr()
-            # The table rows' words, in the order core/muon/kernel.py's *_TABLE_COLUMNS name them.
-            momentum_rows.setdefault((bool(w.group["nesterov"]), maximize, grad_bf16), []).append(
-                (w.grad.data_ptr(), w.momentum.data_ptr(), exponent, i, slot, tall))
-            split = w.low is not None
-            low = w.low if split else w.weights
-            weight_rows.setdefault((maximize, grad_bf16, split), []).append(
-                (w.weights.data_ptr(), low.data_ptr(), w.grad.data_ptr(), w.momentum.data_ptr(), exponent, i, slot,
-                 tall))
-        launches = []
-        for table_rows in (momentum_rows, weight_rows):
-            offsets = {}
-            for constants, members in table_rows.items():
-                offsets[constants] = (len(words), len(members))
-                words.extend(word for member in members for word in member)
-            launches.append(offsets)
-        plans.append((batch, rows, cols, work[batch[0]].group, *launches))
-    return words, plans
-
-
-def _cuda_step_batched(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
-    """The CUDA step with `batch_ns`: per Newton-Schulz batch one momentum launch, which writes
-    each matrix's X into its slot of one [B, m, n] buffer (a tall matrix transposed, as
-    `newton_schulz_batched` stacks it: the tall first), Newton-Schulz on that buffer, and one
-    weight launch reading each matrix's slot of the result (core/muon/kernel.py's table kernels;
-    a batch whose matrices differ in a kernel constant, such as bf16 and float32 gradients,
-    takes one launch per constant). Every matrix's addresses and the step's scalar rows reach
-    the GPU in one copy. A matrix's counters row refuses it alone, as per matrix."""
-    from packed_adamw.core.muon.kernel import (MATRIX_COUNTERS, muon_momentum_table_kernel,
-                                               muon_weight_table_counting_kernel, muon_weight_table_kernel)
-
-    fmt = opt.state_format
-    device = work[0].weights.device
-    words, plans = _batch_tables(opt, work)
-    if opt.capturable:
-        scalars, counters, table = _capturable_rows(opt, work, words)
-    else:
-        # A model's matrices share a few (row, shape, adjustment)s: each scalar row is computed once.
-        row_keys = [(w.row, tuple(w.param.shape), w.group["adjust_lr_fn"]) for w in work]
-        distinct = {k: step_scalar_row(k[0], k[1], adjust_lr_fn=k[2]) for k in dict.fromkeys(row_keys)}
-        scalar_rows = np.array([distinct[k] for k in row_keys], np.float32).reshape(len(work), 4)
-        staged = torch.empty(len(words) + scalar_rows.size // 2, dtype=torch.int64, pin_memory=device.type == "cuda")
-        host = staged.numpy()
-        host[:len(words)] = words
-        host[len(words):].view(np.float32)[:] = scalar_rows.reshape(-1)
-        table = staged.to(device, non_blocking=True)
-        scalars = table[len(words):].view(torch.float32)
-        counters = torch.zeros((len(work), MATRIX_COUNTERS), dtype=torch.int32, device=device)  # kernel.COUNTER_COLUMNS
-    constants = fmt.kernel_constexprs(track_format=False)
-    block = launch.block_size()
-    format_rows = new_counters(len(work), device) if _counting(opt) else None  # as in `_cuda_step`
-    weight_kernel, counted = ((muon_weight_table_kernel, ()) if format_rows is None else
-                              (muon_weight_table_counting_kernel, (format_rows,)))
-    for batch, rows, cols, group, momentum_launches, weight_launches in plans:
-        x = torch.empty((len(batch), rows, cols), dtype=torch.int16, device=device)
-        blocks = launch.grid(rows * cols, block)[0]
-        for (nesterov, maximize, grad_bf16), (offset, count) in momentum_launches.items():
-            muon_momentum_table_kernel[(blocks, count)](
-                table[offset:], x, scalars, counters, rows, cols, **constants, NESTEROV=nesterov, MAXIMIZE=maximize,
-                GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
-        # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
-        # output is not used, and a batch's matrices do not mix.
-        ortho = _stacked_ns(_ns_impl(opt, x.device))(x.view(BFLOAT16), tuple(group["ns_coefficients"]),
-                                                     int(group["ns_steps"]), float(group["eps"])).view(torch.int16)
-        for (maximize, grad_bf16, split), (offset, count) in weight_launches.items():
-            weight_kernel[(blocks, count)](
-                table[offset:], ortho, scalars, counters, *counted, rows, cols, **constants, MAXIMIZE=maximize,
-                GRAD_BF16=grad_bf16, SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
-    _track_launches(opt, work, counters, format_rows)
-    return _counted(opt, counters)
-
-
-def _tall(p: torch.Tensor) -> bool:
-    return p.size(0) > p.size(1)
-
-
-# ---- saving and loading --------------------------------------------------------------------
-def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
-    """Every check of `load_state_dict`; returns what torch's loader takes and, per parameter,
-    the checked (momentum, exponent, low half). A packed state saved before the exponents (its
-    identity without them) loads with every exponent 0: its codes keep the values they had."""
-    identity = _persistence.saved_identity(opt, state_dict)
-    without_exponents = opt.state_format.check_identity(identity)
-    _persistence.check_saved_group_options(opt, state_dict["param_groups"])
-    saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
-    our_params = [p for g in opt.param_groups for p in g["params"]]
-    if len(saved_params) != len(our_params):
-        raise ValueError(f"load_state_dict: the saved state has {len(saved_params)} parameters, this optimizer "
-                         f"{len(our_params)}; load it into an optimizer built over the same parameters")
-    return _strip_identity(state_dict), checked_entries(opt, state_dict["state"], saved_params, our_params,
-                                                        without_exponents=without_exponents)
-
-
-def checked_entries(opt, saved_state: dict, saved_params: list, our_params: list, *,
-                    without_exponents: bool = False) -> dict:
-    fmt = opt.state_format
-    loaded = {}
-    for saved_id, p in zip(saved_params, our_params):
-        entry = saved_state.get(saved_id)
-        if not entry:
-            continue
-        where = f"load_state_dict: state of saved parameter {saved_id!r} (for {_persistence.name_of(opt, p)})"
-        tensor = entry.get(fmt.state_key)
-        if isinstance(tensor, torch.Tensor) and not _dtensor.is_dtensor(tensor) and tensor.dtype == torch.uint16:
-            tensor = tensor.view(torch.int16)
-        if isinstance(tensor, torch.Tensor) and _dtensor.is_dtensor(tensor) != _dtensor.is_dtensor(p):
-            raise ValueError(f"{where}: {fmt.state_key!r} is {_dtensor.describe(tensor)} but the parameter is "
-                             f"{_dtensor.describe(p)}: a sharded state loads into the sharded model through "
-                             "torch.distributed.checkpoint (set_optimizer_state_dict), which also reshards it")
-        dtype, shape = _dtensor.stored_layout(p, fmt.state_entry)
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            got = tensor if not isinstance(tensor, torch.Tensor) else f"{tensor.dtype} {tuple(tensor.shape)}"
-            raise ValueError(f"{where}: {fmt.state_key!r} must be a {dtype} tensor of shape {shape} "
-                             f"({fmt.identity}), got {got}; load a state saved by PackedMuon over these parameters")
-        exponent = _checked_loaded_exponent(fmt, p, entry, where, without_exponents)
-        if nonfinite_momenta(p, tensor, fmt, exponent):  # a DTensor's count is over every rank: all refuse
-            raise ValueError(f"{where}: the momentum holds NaN or Inf, which no step stores (that matrix would be "
-                             "refused at every step); this state cannot continue a run: load an undamaged one")
-        low = _checks.checked_loaded_low_half(entry.get(LOW_HALF_KEY), p, where)
-        loaded[p] = (tensor, exponent, low)
-    return loaded
-
-
-def _checked_loaded_exponent(fmt: StateFormat, p: torch.Tensor, entry: dict, where: str, without_exponents: bool):
-    """The saved exponent of `p` (packed mode; None otherwise), checked as the step will read it,
-    or a 0 one for a state saved before the exponents."""
-    if fmt.exponent_entry is None:
-        return None
-    key = fmt.exponent_entry.key
-    exponent = entry.get(key)
-    if without_exponents:
-        if exponent is not None:
-            raise ValueError(f"{where}: the state's identity {fmt.legacy_identity!r} keeps no {key!r}, yet it holds "
-                             "one; the state was edited or damaged: save it again")
-        return new_exponent(p, fmt)
-    if isinstance(exponent, torch.Tensor) and _dtensor.is_dtensor(exponent) != _dtensor.is_dtensor(p):
-        raise ValueError(f"{where}: {key!r} is {_dtensor.describe(exponent)} but the parameter is "
-                         f"{_dtensor.describe(p)}: a sharded state loads into the sharded model through "
-                         "torch.distributed.checkpoint (set_optimizer_state_dict)")
-    if not (isinstance(exponent, torch.Tensor) and exponent.dtype == EXPONENT_DTYPE and exponent.dim() == 0
-            and _dtensor.is_replicated_on(exponent, p)):
-        got = exponent if not isinstance(exponent, torch.Tensor) else \
-            f"{_dtensor.describe(exponent)} {exponent.dtype} {tuple(exponent.shape)}"
-        raise ValueError(f"{where}: {key!r} must be a 0-d {EXPONENT_DTYPE} tensor (the matrix's exponent in "
-                         f"{fmt.identity}" + (", replicated on the parameter's mesh" if _dtensor.is_dtensor(p) else "")
-                         + f"), got {got}; load a state saved by PackedMuon over these parameters")
-    # The codes' range is `nonfinite_momenta`'s, which counts over every rank of a sharded matrix.
-    fmt.check_exponent(local_exponent(exponent).detach().cpu().numpy(), f"{where}: {key!r}",
-                       remedy="the state was edited or damaged: load an undamaged one")
-    return exponent
-
-
-def nonfinite_momenta(p: torch.Tensor, stored: torch.Tensor, fmt: StateFormat, exponent=None) -> int:
-    """How many values of `p`'s stored momentum entry are NaN or Inf: fp32 values, bf16 codes
-    (exponent all ones), packed codes whose value times 2**exponent is past float32's range
-    (a damaged exponent). A DTensor's count is over every rank."""
-    if fmt.mode == "fp32":
-        return nonfinite_count(stored)
-    if fmt.mode == "bf16":
-        return nonfinite_count(_dtensor.like_param(p, local_entry(stored).view(BFLOAT16)))
-    codes = local_entry(stored).detach().cpu().numpy()
-    with np.errstate(over="ignore"):
-        count = torch.tensor(int(np.count_nonzero(~np.isfinite(
-            decode_momentum(codes, fmt, int(local_exponent(exponent)))))))
-    return int(_summed_over_shards(p, count)) if _dtensor.is_dtensor(p) else int(count)
-
-
-def _strip_identity(state_dict: dict) -> dict:
-    groups = [{k: v for k, v in g.items() if k != _persistence.GROUP_FORMAT_KEY} for g in state_dict["param_groups"]]
-    return {"state": state_dict["state"], "param_groups": groups}
-
-
-def restore_loaded(opt, loaded: dict) -> None:
-    """torch's loader casts state tensors to a floating parameter's dtype: put the saved codes
-    (and exponents, low halves) back, bits unchanged, on the parameter's device."""
-    fmt = opt.state_format
-    for p, (tensor, exponent, low) in loaded.items():
-        state = opt.state[p]
-        state.pop("step", None)
-        state[fmt.state_key] = _persistence._on_param_device(tensor, p)
-        if exponent is not None:
-            state[fmt.exponent_entry.key] = _persistence._on_param_device(exponent, p)
-        if low is not None:
-            state[LOW_HALF_KEY] = _persistence._on_param_device(low, p)
 
 
 __all__ = ["PackedMuon", "newton_schulz", "newton_schulz_batched", "newton_schulz_triton", "newton_schulz_triton_stacked"]
