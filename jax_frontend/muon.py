@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 import numbers
 from typing import Any, Callable, NamedTuple
 
@@ -27,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from optax.contrib import MuonDimensionNumbers
 
 from packed_adamw.core.codecs import FLOAT32_MAX
 from packed_adamw.core.muon import (
@@ -46,9 +44,11 @@ from packed_adamw.core.rule import MAX_STEP_COUNT
 
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
+from ._muon_state import MatrixView, _check_grads, _check_param_dtypes, _checked_exponents, _checked_lows, \
+    _checked_momenta, _like, _zero_exponents, leaf_views
 from ._step import CpuStepError, _subnormals_kept
-from .transform import _as_step_count, _check_hyperparameter_kinds, _increment, _is_step_count, _refusal_reason, \
-    _refuse_invalid, _refused_eagerly, _step_platforms, _warn_refused, packed_adamw
+from .transform import _check_hyperparameter_kinds, _increment, _refusal_reason, _refuse_invalid, _refused_eagerly, \
+    _step_platforms, _warn_refused, packed_adamw
 
 # torch.optim.Muon's defaults (optax.contrib.muon's are eps=1e-8 and weight_decay=0).
 DEFAULT_EPS = 1e-7
@@ -120,92 +120,6 @@ def _newton_schulz_torch_layout(y, coefficients, steps, eps):
         polynomial = (scaled(b, gram.astype(FLOAT32)) + scaled(c, square)).astype(BF16)
         y = (scaled(a, y.astype(FLOAT32)) + jnp.matmul(polynomial, y, preferred_element_type=FLOAT32)).astype(BF16)
     return y.T if tall else y
-
-
-# ---------------------------------------------------------------------------------------------
-# Which leaves are Muon's, and each one's matrices
-# ---------------------------------------------------------------------------------------------
-def _is_spec(x) -> bool:
-    return x is None or isinstance(x, MuonDimensionNumbers)
-
-
-def _axes(value, ndim: int, what: str, path: str) -> tuple[int, ...]:
-    values = (value,) if isinstance(value, numbers.Integral) else tuple(value)
-    if not values or not all(isinstance(v, numbers.Integral) and -ndim <= v < ndim for v in values):
-        raise ValueError(f"packed_muon: leaf {path} (rank {ndim}) has {what}={value!r}; give axes in "
-                         f"[-{ndim}, {ndim})")
-    return tuple(int(v) % ndim for v in values)
-
-
-@dataclasses.dataclass(frozen=True)
-class MatrixView:
-    """How one Muon leaf is read as matrices: its axes permuted to (batch..., reduction...,
-    output...) and reshaped to [batch, rows, cols] in the leaf's [in, out] layout."""
-
-    perm: tuple[int, ...]
-    permuted_shape: tuple[int, ...]
-    batch: int
-    rows: int
-    cols: int
-    batch_ndim: int = 0  # the leaf's batch axes (the first of `perm`)
-
-    @property
-    def batch_shape(self) -> tuple[int, ...]:
-        """The leaf's batch axes' sizes: the shape of its per-matrix state (() for a 2-D leaf)."""
-        return self.permuted_shape[:self.batch_ndim]
-
-    @property
-    def torch_shape(self) -> tuple[int, int]:
-        """The matrix in torch's [out, in] layout: what the learning-rate ratio reads."""
-        return (self.cols, self.rows)
-
-    def to_matrices(self, x):
-        return jnp.transpose(x, self.perm).reshape(self.batch, self.rows, self.cols)
-
-    def from_matrices(self, x):
-        return jnp.transpose(x.reshape(self.permuted_shape), tuple(int(i) for i in np.argsort(self.perm)))
-
-
-def _view_of(shape, spec: MuonDimensionNumbers, path: str) -> MatrixView:
-    ndim = len(shape)
-    if ndim < 2:
-        raise ValueError(f"packed_muon: leaf {path} has rank {ndim} but muon_weight_dimension_numbers gives it "
-                         f"{spec}; Muon steps matrices (rank >= 2). Give it None to train it with AdamW")
-    reduction = _axes(spec.reduction_axis, ndim, "reduction_axis", path)
-    output = _axes(spec.output_axis, ndim, "output_axis", path)
-    if set(reduction) & set(output) or len(set(reduction)) < len(reduction) or len(set(output)) < len(output):
-        raise ValueError(f"packed_muon: leaf {path} has reduction axes {reduction} and output axes {output}; "
-                         "each axis may be named once, in one of them")
-    batch = tuple(i for i in range(ndim) if i not in reduction and i not in output)
-    perm = batch + reduction + output
-    size = lambda axes: math.prod(shape[i] for i in axes)  # noqa: E731
-    return MatrixView(perm, tuple(shape[i] for i in perm), size(batch), size(reduction), size(output), len(batch))
-
-
-def leaf_views(dim_numbers, tree) -> list[MatrixView | None]:
-    """Per leaf of `tree` (in tree order): its MatrixView if it is a Muon leaf, else None.
-    `dim_numbers`: None (every 2-D leaf is a [in, out] matrix), or a tree of
-    MuonDimensionNumbers / None over the leaves (or a prefix of them), or a callable giving
-    one from `tree`, as optax.contrib.muon's `muon_weight_dimension_numbers`."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
-    shapes = [tuple(jnp.shape(leaf)) for _, leaf in flat]
-    if dim_numbers is None:
-        specs = [MuonDimensionNumbers() if len(s) == 2 else None for s in shapes]
-    else:
-        given = dim_numbers(tree) if callable(dim_numbers) else dim_numbers
-        prefix, prefix_def = jax.tree_util.tree_flatten(given, is_leaf=_is_spec)
-        if not all(_is_spec(x) for x in prefix):
-            raise TypeError("packed_muon: muon_weight_dimension_numbers must hold MuonDimensionNumbers or None per "
-                            f"leaf (or subtree), got {given!r}")
-        try:
-            subtrees = prefix_def.flatten_up_to(tree)
-        except (ValueError, TypeError):
-            raise ValueError(f"packed_muon: muon_weight_dimension_numbers has the tree {prefix_def}, which is neither "
-                             f"the parameters' tree {jax.tree_util.tree_structure(tree)} nor a prefix of it; give "
-                             "one MuonDimensionNumbers or None per leaf (or subtree)") from None
-        specs = [spec for spec, sub in zip(prefix, subtrees) for _ in jax.tree_util.tree_leaves(sub)]
-    return [None if spec is None else _view_of(shape, spec, path) for spec, shape, path in zip(specs, shapes, paths)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,10 +209,6 @@ def _host_weight(row, *flat, config: _PhaseConfig):
             except Exception as e:
                 raise CpuStepError(f"packed_muon weight phase of leaf {path}: {type(e).__name__}: {e}") from None
     return [*new_params, *new_lows]
-
-
-def _like(x) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
 
 def _orthogonalize(inputs, coefficients, steps, eps):
@@ -808,290 +718,9 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, e_mats, p_mats, lo_
             new_exponents if e_mats else [])
 
 
-def _check_param_dtypes(params, views) -> list[bool]:
-    """Per leaf: whether it is a bfloat16 Muon leaf (a split master). Muon leaves must be
-    float32 or bfloat16 (the AdamW half checks its own)."""
-    split = []
-    for (path, p), view in zip(jax.tree_util.tree_flatten_with_path(params)[0], views):
-        dtype = jnp.result_type(p)
-        if view is not None and dtype not in (FLOAT32, BF16):
-            raise TypeError(f"packed_muon: params leaf {jax.tree_util.keystr(path) or '<root>'} has dtype {dtype}: "
-                            "Muon trains float32 or bfloat16 matrices (a bfloat16 one keeps an exact FP32 master); "
-                            "convert it with .astype(jnp.float32) or .astype(jnp.bfloat16)")
-        split.append(view is not None and dtype == BF16)
-    return split
-
-
-def _check_grads(grads, split, views, paths) -> None:
-    for g, is_split, view, path in zip(grads, split, views, paths):
-        dtype = jnp.result_type(g)
-        if view is None or dtype == FLOAT32 or (is_split and dtype == BF16):
-            continue
-        allowed = "bfloat16 or float32 (a bfloat16 parameter)" if is_split else "float32 (a float32 parameter)"
-        raise TypeError(f"packed_muon: grads leaf {path} has dtype {dtype}: Muon takes gradients of dtype {allowed}; "
-                        "cast it with .astype(jnp.float32)")
-
-
-def _checked_momenta(momentum, treedef, params, views, paths, fmt: StateFormat) -> list:
-    try:
-        entries = treedef.flatten_up_to(momentum)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"packed_muon: the state's momentum does not have the parameters' tree ({e}); build the "
-                         "state with init() over the same parameters") from None
-    for entry, p, view, path in zip(entries, params, views, paths):
-        is_masked = isinstance(entry, optax.MaskedNode)
-        if view is None and not is_masked:
-            raise ValueError(f"packed_muon: the state holds a momentum for leaf {path}, which is not a Muon leaf here; "
-                             "build the state with init() with the same muon_weight_dimension_numbers")
-        if view is None:
-            continue
-        want = jax.ShapeDtypeStruct(fmt.state_shape(jnp.shape(p)), jnp.dtype(fmt.state_dtype))
-        if is_masked or _like(entry) != want:
-            got = "none" if is_masked else f"{jnp.result_type(entry)} {jnp.shape(entry)}"
-            raise ValueError(f"packed_muon: the momentum of leaf {path} is {got}, expected {want.dtype} {want.shape} "
-                             f"for {fmt.identity}; build the state with init() of a transform with the same mode and "
-                             "mu_bias over the same parameters")
-    return entries
-
-
-def _zero_exponents(leaves, treedef, views, fmt: StateFormat):
-    """Packed mode's exponents before the first step (0 for each matrix of each Muon leaf,
-    MaskedNode elsewhere); None in the other modes."""
-    entry = fmt.exponent_entry
-    if entry is None:
-        return None
-    return treedef.unflatten([optax.MaskedNode() if v is None else jnp.zeros(v.batch_shape, jnp.dtype(entry.dtype))
-                              for v in views])
-
-
-def _checked_exponents(exponents, treedef, params, views, paths, fmt: StateFormat) -> list:
-    """Per leaf: its exponents (int32, the leaf's batch shape) for a Muon leaf in packed mode,
-    else None. A packed state without exponents is refused: nothing in it tells one made before
-    the exponents (whose codes read with 0) from one that lost them (its momenta off by 2**-s),
-    so the message gives the line that continues the first kind."""
-    entry = fmt.exponent_entry
-    if entry is None:
-        if exponents is not None:
-            raise ValueError(f"packed_muon: the state holds exponents, which {fmt.identity} does not keep; build the "
-                             "state with init() of a transform with the same mode")
-        return [None] * len(views)
-    if exponents is None:
-        raise ValueError(
-            f"packed_muon: the state's exponents are None, but mode {fmt.mode!r} keeps each Muon matrix's momentum as "
-            f"its codes times 2**exponent ({fmt.identity}: PackedMuonState.exponents, which init() and "
-            "import_muon_state make), so its codes cannot be read. A state made by a packed-adamw before the "
-            "exponents (its codes read with exponent 0) continues with "
-            "`state = state._replace(exponents=tx.init(params).exponents)`; a state that lost its exponents cannot "
-            "(its momenta would be off by 2**-exponent): restore it whole, or carry it through export_muon_state and "
-            "import_muon_state")
-    try:
-        entries = treedef.flatten_up_to(exponents)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"packed_muon: the state's exponents do not have the parameters' tree ({e}); build the "
-                         "state with init() over the same parameters") from None
-    checked = []
-    for e, view, path in zip(entries, views, paths):
-        is_masked = isinstance(e, optax.MaskedNode)
-        if view is None:
-            if not is_masked:
-                raise ValueError(f"packed_muon: the state holds an exponent for leaf {path}, which is not a Muon leaf "
-                                 "here; build the state with init() with the same muon_weight_dimension_numbers")
-            checked.append(None)
-            continue
-        want = jax.ShapeDtypeStruct(view.batch_shape, jnp.dtype(entry.dtype))
-        if is_masked or _like(e) != want:
-            got = "none" if is_masked else f"{jnp.result_type(e)} {jnp.shape(e)}"
-            raise ValueError(f"packed_muon: the exponents of leaf {path} are {got}, expected {want.dtype} {want.shape} "
-                             f"(one per matrix, {fmt.identity}); build the state with init() over the same parameters")
-        checked.append(e)
-    return checked
-
-
-def _checked_lows(low_halves, treedef, params, split, paths) -> list:
-    if low_halves is None:
-        if any(split):
-            raise ValueError(f"packed_muon: params leaf {paths[split.index(True)]} is bfloat16 but the state has no "
-                             "low halves (it was built for float32 leaves); build the state with init() over these "
-                             "parameters")
-        return [None] * len(split)
-    entries = treedef.flatten_up_to(low_halves)
-    for lo, p, is_split, path in zip(entries, params, split, paths):
-        has = not isinstance(lo, optax.MaskedNode)
-        if has != is_split or (has and _like(lo) != jax.ShapeDtypeStruct(jnp.shape(p), LOW_HALF)):
-            raise ValueError(f"packed_muon: the state's low half of leaf {path} does not fit the leaf "
-                             f"({jnp.result_type(p)} {jnp.shape(p)}); build the state with init() over these "
-                             "parameters")
-    return [lo if s else None for lo, s in zip(entries, split)]
-
-
-# ---------------------------------------------------------------------------------------------
-# PortableState: moving a state between torch and JAX
-# ---------------------------------------------------------------------------------------------
-def _portable_layout(params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers):
-    """What both directions read: leaves, treedef, paths, views, each leaf's format and
-    whether it is a bfloat16 leaf."""
-    from .transform import state_format
-
-    fmt, adam_fmt = StateFormat(mode, mu_bias), state_format(adam_mode)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    leaves = [leaf for _, leaf in flat]
-    paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
-    views = leaf_views(muon_weight_dimension_numbers, params)
-    _check_param_dtypes(params, views)
-    split = [jnp.result_type(p) == BF16 for p in leaves]
-    return fmt, adam_fmt, leaves, treedef, paths, views, split
-
-
-def _torch_layout(x, view: MatrixView, ndim: int) -> np.ndarray:
-    """A Muon leaf's entry (momentum or low half) in torch's layout: the transpose of each
-    [in, out] matrix, [batch, out, in], or [out, in] for a 2-D leaf (torch's parameter)."""
-    matrices = np.asarray(view.to_matrices(x)).transpose(0, 2, 1)
-    return np.ascontiguousarray(matrices[0] if ndim == 2 else matrices)
-
-
-def _torch_shape(view: MatrixView, ndim: int) -> tuple[int, ...]:
-    return view.torch_shape if ndim == 2 else (view.batch, *view.torch_shape)
-
-
-def _leaf_layout(array: np.ndarray, view: MatrixView, ndim: int) -> np.ndarray:
-    """`_torch_layout` undone: the leaf's own layout."""
-    matrices = (array[None] if ndim == 2 else array).transpose(0, 2, 1)
-    return np.asarray(view.from_matrices(jnp.asarray(matrices)))
-
-
-def export_muon_state(state: PackedMuonState, params, *, mode: str = "packed", mu_bias: int = DEFAULT_MU_BIAS,
-                      adam_mode: Any = "packed", muon_weight_dimension_numbers: Any = None):
-    """`packed_muon`'s state as a `PortableState` in leaf order, for torch's
-    `PackedMuonAdamW.import_state` (or `PackedMuon`'s, when every leaf is Muon's).
-
-    `mode`, `mu_bias`, `adam_mode` and `muon_weight_dimension_numbers` must be the
-    transform's (the state does not record them); `params` the parameters it steps. A Muon
-    leaf's momentum (and a bfloat16 leaf's low half) is written in torch's layout: each
-    [in, out] matrix transposed (MUON.md, "The layout"), with the count `state.count`; an
-    AdamW leaf's tensor is `export_state`'s, with the AdamW half's count."""
-    from packed_adamw.core.portable import PortableState
-
-    from .transform import export_state as export_adamw_state
-
-    fmt, adam_fmt, leaves, treedef, paths, views, split = _portable_layout(
-        params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers)
-    if not isinstance(state, PackedMuonState):
-        raise TypeError(f"export_muon_state: the state is a {type(state).__name__}; pass packed_muon's state")
-    momenta = _checked_momenta(state.momentum, treedef, leaves, views, paths, fmt)
-    exponents = _checked_exponents(state.exponents, treedef, leaves, views, paths, fmt)
-    lows = _checked_lows(state.low_halves, treedef, leaves, [s and v is not None for s, v in zip(split, views)],
-                         paths)
-    adamw = export_adamw_state(state.adamw.inner_state, adam_fmt)
-    adamw_lows = iter(adamw.low_halves or [None] * len(adamw.moments))
-    adamw_tensors = iter(zip(adamw.counts, adamw.moments))
-    identities, counts, moments, low_list, exponent_list = [], [], [], [], []
-    for leaf, view, momentum, exponent, low in zip(leaves, views, momenta, exponents, lows):
-        if view is None:
-            count, words = next(adamw_tensors)
-            identities.append(adam_fmt.identity)
-            counts.append(count)
-            moments.append(words)
-            low_list.append(next(adamw_lows))
-            exponent_list.append(None)
-            continue
-        ndim = len(jnp.shape(leaf))
-        identities.append(fmt.identity)
-        counts.append(int(state.count))
-        moments.append(_torch_layout(momentum, view, ndim))
-        low_list.append(None if low is None else _torch_layout(low, view, ndim))
-        # one per matrix, in the torch layout's batch order ([batch] for a leaf of several)
-        exponent_list.append(None if exponent is None else np.asarray(exponent).reshape(_torch_shape(view, ndim)[:-2]))
-    return PortableState.of(identities, counts, moments, low_list, exponent_list)
-
-
-def _common_count(counts, what: str) -> int | None:
-    known = sorted({c for c in counts if c is not None})
-    if len(known) > 1:
-        raise ValueError(f"import_muon_state: the {what} tensors have different step counts {known}; the JAX state has "
-                         "one count per rule, so export from an optimizer whose parameters all stepped together")
-    if known and not _is_step_count(known[0]):
-        raise ValueError(f"import_muon_state: the state's {what} tensors took {known[0]!r} steps, which is not a step "
-                         f"count (a whole number from 0 to {MAX_COUNT}): the file was edited or damaged")
-    return known[0] if known else None
-
-
-def import_muon_state(portable, params, *, mode: str = "packed", mu_bias: int = DEFAULT_MU_BIAS,
-                      adam_mode: Any = "packed", muon_weight_dimension_numbers: Any = None,
-                      count: int | None = None) -> PackedMuonState:
-    """A `PackedMuonState` for `params` from an exported torch (or JAX) state, placed (and
-    sharded) as the parameters are. The transform's `mode`, `mu_bias`, `adam_mode` and
-    `muon_weight_dimension_numbers` say each leaf's rule and format; every tensor is checked
-    (format, shape in torch's layout for a Muon leaf, low half, values) naming its leaf.
-
-    `count` (the steps taken, which a schedule reads): the Muon tensors' count when they have
-    one (a JAX export), else the AdamW tensors' (torch steps both rules together), else this
-    argument; a given `count` must agree with the state's. A count is a whole number from 0 to
-    `MAX_COUNT` (2**31 - 2: the int32 count stops at 2**31 - 1, where a step would not move it)."""
-    from packed_adamw.core.portable import PortableState
-
-    from .transform import _placed_like, import_state as import_adamw_state
-
-    if count is not None and not _is_step_count(count):
-        raise ValueError(f"import_muon_state: count={count!r} is not a step count: pass the steps taken, a whole "
-                         f"number from 0 to {MAX_COUNT} (a state at 2**31 - 1 could not step again), or leave it out "
-                         "when the state's tensors carry their count")
-    count = None if count is None else _as_step_count(count)  # a 0-d integer array (a state's count) as its int
-    fmt, adam_fmt, leaves, treedef, paths, views, split = _portable_layout(
-        params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers)
-    fmts = [adam_fmt if v is None else fmt for v in views]
-    shapes = [tuple(jnp.shape(p)) if v is None else _torch_shape(v, len(jnp.shape(p))) for p, v in zip(leaves, views)]
-    portable.check_tensors(fmts, shapes, split, paths)
-    portable.check_muon_values(fmts, paths)
-    muon_count = _common_count([c for c, v in zip(portable.counts, views) if v is not None], "Muon")
-    adamw_count = _common_count([c for c, v in zip(portable.counts, views) if v is None], "AdamW")
-    known = muon_count if muon_count is not None else adamw_count
-    if count is not None and known is not None and count != known:
-        raise ValueError(f"import_muon_state: count={count} but the state's tensors took {known} steps; leave count "
-                         "out, or pass the state's")
-    known = known if known is not None else count
-    if known is None:
-        if any(v is not None for v in views):
-            raise ValueError("import_muon_state: the state has no step count (torch's Muon keeps none, and there are "
-                             "no AdamW tensors): pass count=, the steps taken (a learning-rate schedule reads it)")
-        known = 0
-    lows = portable.low_halves or [None] * len(leaves)
-    momentum, low_halves, exponents, adamw = [], [], [], {"counts": [], "moments": [], "lows": []}
-    for i, (leaf, view, c, m, lo) in enumerate(zip(leaves, views, portable.counts, portable.moments, lows)):
-        if view is None:
-            momentum.append(optax.MaskedNode())
-            low_halves.append(optax.MaskedNode())
-            exponents.append(optax.MaskedNode())
-            adamw["counts"].append(c)
-            adamw["moments"].append(m)
-            adamw["lows"].append(lo)
-            continue
-        ndim = len(jnp.shape(leaf))
-        momentum.append(_placed_like(_leaf_layout(m, view, ndim), leaf, None))
-        low_halves.append(optax.MaskedNode() if lo is None else _placed_like(_leaf_layout(lo, view, ndim), leaf, None))
-        exponent = portable.muon_exponent(i, fmt)  # zeros for a state exported before the exponents
-        exponents.append(None if exponent is None else _replicated_like(exponent.reshape(view.batch_shape), leaf))
-    masked = treedef.unflatten([leaf if v is None else optax.MaskedNode() for leaf, v in zip(leaves, views)])
-    has_low = any(lo is not None for lo in adamw["lows"])
-    inner = import_adamw_state(PortableState(adam_fmt.identity, adamw["counts"], adamw["moments"],
-                                             adamw["lows"] if has_low else None), masked, adam_fmt)
-    if not adamw["counts"]:  # no AdamW leaf: its count kept in step with Muon's, as the transform keeps it
-        inner = inner._replace(count=jnp.asarray(known, jnp.int32))
-    muon_split = any(s and v is not None for s, v in zip(split, views))
-    return PackedMuonState(jnp.asarray(known, jnp.int32), treedef.unflatten(momentum),
-                           treedef.unflatten(low_halves) if muon_split else None,
-                           optax.MaskedState(inner_state=inner),
-                           treedef.unflatten(exponents) if fmt.exponent_entry is not None else None)
-
-
-def _replicated_like(x: np.ndarray, param):
-    """A per-matrix state array on the devices of its (concrete) parameter, whole on each."""
-    sharding = getattr(param, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return jax.device_put(x, sharding)
-    return jnp.asarray(x)
-
+# PortableState: moving a state between torch and JAX (_muon_portable.py, which reads this
+# module's names: imported once they are defined).
+from ._muon_portable import export_muon_state, import_muon_state  # noqa: E402
 
 __all__ = ["DEFAULT_EPS", "DEFAULT_WEIGHT_DECAY", "MAX_COUNT", "MatrixView", "PackedMuonState", "export_muon_state",
            "import_muon_state", "leaf_views", "newton_schulz",
