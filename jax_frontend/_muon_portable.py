@@ -15,7 +15,7 @@ from ._masters import BF16
 from ._muon_state import MatrixView, _check_param_dtypes, _checked_exponents, _checked_lows, _checked_momenta, \
     leaf_views
 from .muon import MAX_COUNT, PackedMuonState
-from .transform import _as_step_count, _is_step_count
+from ._hyperparams import _as_step_count, _is_step_count
 
 
 def _portable_layout(params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers):
@@ -120,7 +120,7 @@ def import_muon_state(portable, params, *, mode: str = "packed", mu_bias: int = 
     `MAX_COUNT` (2**31 - 2: the int32 count stops at 2**31 - 1, where a step would not move it)."""
     from packed_adamw.core.portable import PortableState
 
-    from .transform import _placed_like, import_state as import_adamw_state
+    from ._state_io import _placed_like, import_state as import_adamw_state
 
     if count is not None and not _is_step_count(count):
         raise ValueError(f"import_muon_state: count={count!r} is not a step count: pass the steps taken, a whole "

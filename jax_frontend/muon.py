@@ -47,8 +47,9 @@ from ._masters import BF16, FLOAT32, LOW_HALF
 from ._muon_state import MatrixView, _check_grads, _check_param_dtypes, _checked_exponents, _checked_lows, \
     _checked_momenta, _like, _zero_exponents, leaf_views
 from ._step import CpuStepError, _subnormals_kept
-from .transform import _check_hyperparameter_kinds, _increment, _refusal_reason, _refuse_invalid, _refused_eagerly, \
-    _step_platforms, _warn_refused, packed_adamw
+from ._hyperparams import _check_hyperparameter_kinds, _increment, _refusal_reason, _refuse_invalid, \
+    _refused_eagerly, _warn_refused
+from .transform import _step_platforms, packed_adamw
 
 # torch.optim.Muon's defaults (optax.contrib.muon's are eps=1e-8 and weight_decay=0).
 DEFAULT_EPS = 1e-7

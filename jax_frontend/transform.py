@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import numbers
-import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -29,14 +28,27 @@ import numpy as np
 import optax
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
-from packed_adamw.core.codecs import SPLIT_MASTER_MAX
 from packed_adamw.core.adamw.rule import FORMAT_COUNTS
-from packed_adamw.core.portable import PortableState
-from packed_adamw.core.rule import MAX_STEP_COUNT
 
 from . import _masters
+from ._hyperparams import (  # noqa: F401  (RefusedStepWarning and the count's helpers: this module's names too)
+    RefusedStepWarning,
+    _as_given,
+    _as_step_count,
+    _at_count,
+    _check_count,
+    _check_hyperparameter_kinds,
+    _concrete_float,
+    _increment,
+    _is_step_count,
+    _map_group,
+    _refusal_reason,
+    _refuse_invalid,
+    _refused_eagerly,
+    _warn_refused,
+)
 from ._masters import BF16, FLOAT32, LOW_HALF
-from ._sharding import sharded_step, state_spec
+from ._sharding import sharded_step
 from ._rules import ADAMW
 from ._step import StepConfig, StepOperands, StepResults
 from ._xla_step import xla_step
@@ -315,183 +327,6 @@ def _mask_flags(mask, params):
             f"tree {jax.tree_util.tree_structure(params)} nor a prefix of it; give one bool per parameter leaf (or "
             "per subtree of a prefix), or a callable that returns such a tree from the parameters") from None
     return jax.tree_util.tree_map(broadcast, flags, params)
-
-
-def _refuse_invalid(rule, hparams, count):
-    """(rows, valid): the hyperparameter rows (`rule.hyperparam_fields`) checked in the graph by
-    `rule.rows_valid`, from the same bounds the host's `rule.validate` is written from, for
-    values known only there (schedules, injected arrays), and the count before the step (>= 0).
-    If anything is invalid every row becomes NaN, so every element of every leaf is rejected
-    and keeps its value and state, on CPU and GPU alike; the caller then leaves the count as
-    it was."""
-    valid = jnp.all(rule.rows_valid(hparams)) & (count >= 0)
-    return jnp.where(valid, hparams, jnp.nan), valid
-
-
-class RefusedStepWarning(RuntimeWarning):
-    """A step under `jax.jit` was refused in the graph (an invalid hyperparameter or a negative
-    count): nothing changed, and the count did not move."""
-
-
-def _refusal_reason(rule, row, count: int) -> str:
-    """What made a step invalid, in the words of the constructor's validation (the rule's), or
-    the damaged count, in words that fit any transform's message (packed_adamw's, packed_muon's)."""
-    if count < 0:
-        return f"the state's step count is {count} (a count is >= 0: the state is damaged or was built by hand)"
-    return rule.refusal_reason(row)
-
-
-def _warn_refused(transform: str, rule, valid, row, count, *,
-                  unchanged: str = "parameter, state word or count") -> None:
-    """Host side of `_report_refusal` for the transform named `transform` (packed_adamw,
-    packed_muon), whose step of `rule` keeps `unchanged` when refused: warns for a refused step
-    (under `vmap` it runs for every batch element, refused or not). Bind the leading arguments
-    with `functools.partial`."""
-    if bool(np.asarray(valid)):
-        return
-    count = int(np.asarray(count))
-    fix = ("restore an undamaged state (init() starts the count at 0, and the importers refuse a negative one)"
-           if count < 0 else "since the count did not move, a schedule is evaluated at the same count next step: "
-           "fix the schedule or the injected value (the eager update raises on it)")
-    warnings.warn(f"{transform}: step refused at count {count}: {_refusal_reason(rule, np.asarray(row), count)}. No "
-                  f"{unchanged} changed; {fix}", RefusedStepWarning, stacklevel=2)
-
-
-def _report_refusal(warn, valid, row, count) -> None:
-    """Under jit an invalid step cannot raise: a `jax.debug.callback` of `warn` (`_warn_refused`
-    with the transform's name and rule bound) warns instead (`RefusedStepWarning`, naming the
-    value or the count); `_refused_eagerly` says where it is compiled in. The callback is taken
-    only on the refusing branch of a `lax.cond`; under `vmap` the cond becomes a select, so the
-    host side checks `valid` again."""
-    jax.lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(warn, *args), valid, row, count)
-
-
-def _known_value(x):
-    """x as a float where it is known when the step is traced (a number, a concrete array), else x."""
-    value = _concrete_float(x)
-    return x if value is None else value
-
-
-def _refused_eagerly(transform: str, rule, warn, values, row, valid, count) -> bool:
-    """Whether a step of `rule` whose hyperparameters are `values` (in `rule.group_keys` order,
-    schedules read at `count`) is refused where that is known: outside jit (`valid`, from
-    `_refuse_invalid`, concrete), where the caller raises in its own words. Under jit (or vmap)
-    the graph refuses an invalid step, and this makes the refusal heard, for every transform
-    alike (packed_adamw, packed_muon; `transform` names it, `warn` is its `_warn_refused`):
-
-    - values known when the step is traced (a schedule returning a plain number, such as
-      optax.constant_schedule's, the same at every count) are validated now: an invalid one
-      raises, naming it, as the eager update does, instead of a step that refuses every weight;
-    - the refusal warning (`_report_refusal` of `row` and `count`) is compiled in where a value
-      is known only in the graph (a traced schedule, an injected array), and otherwise wherever
-      the step is lowered for a platform other than CUDA (the CPU): there the step waits for its
-      host callbacks anyway, so a damaged count warns too. On CUDA a plain-number step keeps no
-      callback and waits for no host; a damaged count there shows only as the count not moving
-      (docs/JAX.md, "Known gaps"). The platform is the lowering's (`lax.platform_dependent`),
-      not the default backend's, as the step's own path is."""
-    try:
-        return not bool(valid)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
-        pass
-    try:
-        rule.validate(*_map_group(_known_value, values), allow_arrays=True)
-    except ValueError as e:
-        raise ValueError(f"{transform}: invalid hyperparameters, known when the step was traced (a schedule that "
-                         f"returns a plain number is the same at every count, so every step would be refused): {e}") \
-            from None
-    if any(_concrete_float(x) is None for x in rule.group_row(*values, number=_as_given)):
-        _report_refusal(warn, valid, row, count)
-    else:
-        lax.platform_dependent(valid, row, count, default=functools.partial(_report_refusal, warn),
-                               cuda=lambda *_: None)
-    return False
-
-
-def _concrete_float(x) -> float | None:
-    """x as a float where it is known before compilation (a number or a concrete array)."""
-    try:
-        return float(x)
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        return None  # traced (or not a scalar): not known
-
-
-def _increment(count):
-    """The count after a step: past MAX_STEP_COUNT it stays (int32's largest value, 2**31 - 1)."""
-    return jnp.where(count <= MAX_STEP_COUNT, count + 1, count)
-
-
-def _as_step_count(count):
-    """`count` as a Python int where it is an integer: an integral number (not a bool), or a
-    concrete 0-d array of an integer dtype (a state's `count`, `np.array(5)`), converted exactly;
-    anything else as it is, for `_is_step_count` to refuse."""
-    if isinstance(count, (bool, np.bool_)):
-        return count
-    if isinstance(count, numbers.Integral):
-        return int(count)
-    if (isinstance(count, (jax.Array, np.ndarray)) and not isinstance(count, jax.core.Tracer)
-            and np.ndim(count) == 0 and np.issubdtype(count.dtype, np.integer)):
-        return int(np.asarray(count))
-    return count
-
-
-def _is_step_count(count) -> bool:
-    """A count a state may hold: a whole number (not a bool; a 0-d integer array too, as
-    `_as_step_count` reads it) from 0 to MAX_STEP_COUNT."""
-    count = _as_step_count(count)
-    return isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= MAX_STEP_COUNT
-
-
-def _check_count(count) -> None:
-    """Refuse a negative count before the step where it is known (under jit the step is
-    refused in the graph instead, by `_refuse_invalid`)."""
-    if isinstance(count, jax.core.Tracer):
-        return
-    value = int(np.asarray(count))
-    if value < 0:
-        raise ValueError(f"packed_adamw: the state's step count is {value}; a count is >= 0 (init() starts at 0). "
-                         "The state is damaged or not a packed_adamw state")
-
-
-def _map_group(f, values) -> tuple:
-    """f applied to each of a group's values (`Rule.group_keys` order), and to each element of
-    those that are tuples (AdamW's betas)."""
-    return tuple(tuple(map(f, v)) if isinstance(v, tuple) else f(v) for v in values)
-
-
-def _as_given(x):
-    return x
-
-
-def _is_scalar_number(x) -> bool:
-    """A real number, or a real array of shape () (optax.inject_hyperparams passes those; traced
-    under jit). Bools pass here: the rule's validation refuses them in its own words."""
-    if isinstance(x, numbers.Real):
-        return True
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        dtype = jnp.result_type(x)
-        return jnp.ndim(x) == 0 and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
-    return False
-
-
-def _check_hyperparameter_kinds(transform: str, values: dict[str, Any], schedules,
-                                refuse_schedule: Callable[[str, Any], str] | None = None) -> None:
-    """Each hyperparameter (`values`, by argument name) a number, a scalar array, or (those named
-    in `schedules`) a schedule of the count, refused naming it when the transform is built: the
-    rule's validation (`allow_arrays`) leaves what is not a number to the caller, and the step
-    would fail on it without a name. `transform` starts the messages; `refuse_schedule(name,
-    value)` gives the message for a schedule of one not in `schedules`."""
-    for name, value in values.items():
-        if callable(value) and name not in schedules:
-            raise TypeError(refuse_schedule(name, value))
-        if not callable(value) and not _is_scalar_number(value):
-            raise TypeError(f"{transform}: {name}={value!r} is not a number: pass a float or a scalar array (as "
-                            "optax.inject_hyperparams passes)" + (", or a schedule of the step count"
-                                                                  if name in schedules else ""))
-
-
-def _at_count(x, count):
-    """A hyperparameter's value at `count`: a schedule's value there, else x as given."""
-    return x(count) if callable(x) else x
 
 
 def _adamw_group(learning_rate, b1, b2, eps, weight_decay) -> tuple:
@@ -776,76 +611,6 @@ def packed_adamw_fused_step(
     return step
 
 
-def export_state(state: PackedAdamWState, mode: str | StateFormat, *,
-                 m_bias: int | None = None, rms_bias: int | None = None) -> PortableState:
-    """The state in leaf order, for `PackedAdamW.import_state`. `mode` (and biases, or a
-    `StateFormat`) must be the transform's: the words do not say which format they hold, and
-    the export records it for the importer to check. The low halves of bfloat16 leaves go with
-    it (torch's bf16 parameters take them). Format counts are not exported."""
-    fmt = state_format(mode, m_bias, rms_bias)
-    leaves, treedef = jax.tree_util.tree_flatten(state.moments)
-    count = int(state.count)
-    lows = None
-    if state.low_halves is not None:
-        lows = [None if lo is None else np.array(lo) for lo in treedef.flatten_up_to(state.low_halves)]
-        lows = lows if any(lo is not None for lo in lows) else None
-    return PortableState(fmt.identity, [count] * len(leaves), [np.array(leaf) for leaf in leaves], lows)
-
-
-def _placed_like(moments: np.ndarray, param, fmt: StateFormat | None):
-    """An imported state leaf on the devices of its (concrete) parameter, sharded alike (the
-    moments for `fmt`; with `fmt=None`, an array of the parameter's shape: a low half)."""
-    sharding = getattr(param, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (np.ndim(param) - len(sharding.spec))
-        spec = spec if fmt is None else state_spec(spec, fmt)
-        return jax.device_put(moments, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec)))
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return jax.device_put(moments, sharding)
-    return jnp.asarray(moments)
-
-
-def import_state(portable: PortableState, params, mode: str | StateFormat = "packed", *, m_bias: int | None = None,
-                 rms_bias: int | None = None,
-                 track_format: bool = False):
-    """A `PackedAdamWState` for `params` from an exported torch (or JAX) state, placed (and
-    sharded) as the parameters are; with `track_format=True` for a transform built so, its
-    format counts starting at zero (as torch's do on a load). With bfloat16 leaves it holds
-    their low halves: exactly the bfloat16 leaves must have one in the export (torch's bf16
-    parameters).
-
-    JAX keeps one step count for all leaves, so every tensor must have taken the same steps:
-    a whole number from 0 to `MAX_STEP_COUNT` (2**31 - 2; core/rule.py says why), refused
-    otherwise.
-    """
-    fmt = state_format(mode, m_bias, rms_bias)
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    split = _split_flags(params)
-    portable.check(fmt, [tuple(jnp.shape(leaf)) for leaf in leaves], split)
-    counts = [_as_step_count(c) for c in portable.counts]  # a 0-d integer array (a state's count) as its int
-    if len(set(counts)) > 1:
-        raise ValueError(
-            f"import_state: the tensors have different step counts {sorted(set(counts))}; the JAX "
-            "state has one count, so export from an optimizer whose parameters all stepped together"
-        )
-    count = counts[0] if counts else 0
-    if not _is_step_count(count):
-        raise ValueError(
-            f"import_state: the state's tensors took {count!r} steps, which is not a step count (a whole number from 0 "
-            f"to {MAX_STEP_COUNT}): the file was edited or damaged, or (at 2**31 - 1, where the int32 count stops) its "
-            "run took every step a state can; import an undamaged state, or start these parameters from init()")
-    if track_format and fmt.mode == "fp32":
-        raise ValueError("import_state: track_format=True counts packed or fp16 codes; fp32 mode has none")
-    count = jnp.asarray(count, jnp.int32)
-    moments = treedef.unflatten([_placed_like(m, p, fmt) for m, p in zip(portable.moments, leaves)])
-    counts = _zero_format_counts(len(leaves)) if track_format else None
-    lows = None
-    if any(split):
-        lows = treedef.unflatten([None if lo is None else _placed_like(lo, p, None)
-                                  for lo, p in zip(portable.low_halves, leaves)])
-    return PackedAdamWState(count, moments, lows, counts)
-
-
 def _is_ours(x) -> bool:
     return isinstance(x, PackedAdamWState)
 
@@ -903,106 +668,9 @@ def format_stats(state, params=None) -> dict[str, dict[str, int]]:
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# FP32 masters of bfloat16 leaves
-# ---------------------------------------------------------------------------------------------
-def _the_packed_state(state, what: str):
-    """The one packed_adamw state inside an optax state (itself, a chain's, inject_hyperparams')."""
-    found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=_is_ours) if _is_ours(x)]
-    if len(found) != 1:
-        raise ValueError(f"{what}: the state holds {len(found)} packed_adamw states; pass a packed_adamw state or an "
-                         "optax state (a chain's, inject_hyperparams') that holds exactly one")
-    return found[0]
-
-
-def _checked_lows(what: str, params, state) -> list:
-    treedef = jax.tree_util.tree_structure(params)
-    try:
-        return _check_low_halves(state, treedef, params, _split_flags(params))
-    except ValueError as e:
-        raise ValueError(f"{what}: {str(e).removeprefix('packed_adamw: ')}") from None
-
-
-def master_weights(params, state):
-    """The FP32 master weights, in the parameters' tree: for a bfloat16 leaf its weight joined
-    with its low half from the state (docs/FORMAT.md, "Split masters"), a new float32 array
-    laid out as the leaf; a float32 leaf as it is. The twin of torch's
-    `PackedAdamW.master_weights()`: for saving or evaluating the model in FP32.
-
-    `state` is the packed_adamw state (or an optax state holding exactly one). Works under
-    `jax.jit`; an elementwise bit operation, so each device joins its own shards."""
-    lows = _checked_lows("master_weights", params, _the_packed_state(state, "master_weights"))
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    return treedef.unflatten([p if lo is None else _masters.read(p, lo) for p, lo in zip(leaves, lows)])
-
-
-def load_master_weights(masters, params, state):
-    """`(params, state)` holding the FP32 `masters` (a float32 tree of the parameters' shapes,
-    as `master_weights` returns it or an FP32 model's parameters): a float32 leaf takes its
-    master, a bfloat16 leaf the master's exact split (its weight the master rounded to the
-    nearest bf16, ties away from zero, its low half in the returned state), so
-    `master_weights` gives the masters back bit for bit. Moments, counts and format counts are
-    kept. The twin of torch's `PackedAdamW.load_master_weights`.
-
-    To start bf16 training from FP32 masters: `params = jax.tree.map(lambda m: m.astype(jnp.bfloat16), masters)`
-    (for the leaves meant to be bf16), `state = tx.init(params)`, then
-    `params, state = load_master_weights(masters, params, state)`.
-
-    `state` is the packed_adamw state or an optax state holding exactly one (replaced in it).
-    Non-finite masters (NaN, Inf), and for a bfloat16 leaf masters with no finite bf16 weight
-    (|M| > SPLIT_MASTER_MAX), are refused, naming the leaf, before anything changes, when their
-    values are known (outside jit); under `jax.jit` they are not checked.
-    The masters are placed as the parameters are."""
-    ours = _the_packed_state(state, "load_master_weights")
-    lows = _checked_lows("load_master_weights", params, ours)
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    try:
-        master_leaves = treedef.flatten_up_to(masters)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"load_master_weights: the masters do not have the parameters' tree ({e}); pass one float32 "
-                         "array per parameter leaf, in the parameters' tree") from None
-    paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    # Every master is checked before any is placed or split: a refusal changes nothing.
-    for path, p, m, lo in zip(paths, leaves, master_leaves, lows):
-        where = f"load_master_weights: the master of leaf {path}"
-        if jnp.result_type(m) != FLOAT32 or tuple(jnp.shape(m)) != tuple(jnp.shape(p)):
-            raise ValueError(f"{where} is {jnp.result_type(m)} {jnp.shape(m)}; expected float32 {jnp.shape(p)}")
-        if isinstance(m, jax.core.Tracer):
-            continue
-        if lo is None:  # a float32 leaf holds any float32, but a NaN or Inf weight is no weight to train
-            bad = int(jnp.count_nonzero(~jnp.isfinite(m)))
-            if bad:
-                raise ValueError(
-                    f"{where} has {bad} of {int(np.prod(jnp.shape(m)))} values that are NaN or Inf: a master must be "
-                    "finite; repair those weights (or reload them from a checkpoint taken before they diverged)")
-            continue
-        outside = int(jnp.count_nonzero(_masters.outside_domain(m)))
-        if outside:
-            raise ValueError(
-                f"{where} has {outside} of {int(np.prod(jnp.shape(m)))} values with no finite bf16 weight (NaN, "
-                f"Inf, or a magnitude above codecs.SPLIT_MASTER_MAX = {SPLIT_MASTER_MAX:.6g}): a bfloat16 leaf "
-                "cannot hold them; clip or repair those weights, or keep the leaf float32")
-    new_params, new_lows = [], []
-    for p, m, lo in zip(leaves, master_leaves, lows):
-        m = _placed_like_param(m, p)
-        if lo is None:
-            new_params.append(m)
-            new_lows.append(None)
-            continue
-        w, low = _masters.split(m)
-        new_params.append(w)
-        new_lows.append(low)
-    new_state = ours if ours.low_halves is None else ours._replace(low_halves=treedef.unflatten(new_lows))
-    replaced = jax.tree_util.tree_map(lambda x: new_state if x is ours else x, state, is_leaf=_is_ours)
-    return treedef.unflatten(new_params), replaced
-
-
-def _placed_like_param(x, param):
-    """A concrete array on its parameter's devices and sharding (no-op for traced arrays)."""
-    sharding = getattr(param, "sharding", None)
-    if isinstance(x, jax.core.Tracer) or isinstance(param, jax.core.Tracer) or sharding is None:
-        return x
-    return x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding)
+# Moving a state: PortableState and the FP32 masters (_state_io.py, which reads this module's
+# names: imported once they are defined).
+from ._state_io import export_state, import_state, load_master_weights, master_weights  # noqa: E402
 
 
 __all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState",
