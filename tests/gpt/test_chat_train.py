@@ -590,11 +590,12 @@ def test_a_run_started_from_code_checks_its_settings(data, tmp_path):
     train.py's train() did), before --out is made: a Namespace edited after parse_args is
     refused naming the flag, rather than failing inside the loop."""
     from packed_adamw.torch.gpt import chat_train
+    from packed_adamw.torch.gpt.config import ConfigError
 
     out = tmp_path / "out"
     args = chat_train.parse_args(list(map(str, arguments(data, out))))
     args.log_every = 0
-    with pytest.raises(chat_train.ChatTrainError, match="--log-every 0: give a positive number"):
+    with pytest.raises(ConfigError, match="--log-every 0: must be at least 1"):
         chat_train.train(args)
     assert not out.exists()
 
