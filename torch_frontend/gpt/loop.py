@@ -251,12 +251,12 @@ def _run(recipe: Recipe, device: torch.device, ranks: Ranks, resume: Path | None
         # (none newer than the resumed one, none of another configuration), and a resume of a
         # file from elsewhere goes into a directory without another run's files; or it is refused.
         refuse_to_replace(out, recipe.files, resume, step, recipe.trajectory, read_info=recipe.state_info)
+        say(f"resumed from {resume} at step {step}")
         if step >= last or not recipe.tape_feeds_a_step():  # nothing to do: nothing in --out changes
             return finished_run_summary(
                 resume, summary_path, log_path, step,
                 lambda records: recipe.summary_from_log(records, step, end_reason(step, plan)),
                 write=ranks.main, say=say)
-        say(f"resumed from {resume} at step {step}")
     recipe.start_session(step)
     if ranks.main:
         for name in recipe.files.logs:  # lines after the resume point came from a session that died
