@@ -585,6 +585,21 @@ def test_cuda_without_cuda_is_refused_at_parse_time(data, tmp_path, capsys):
     assert "CUDA is not available" in refused_flag(capsys, arguments(data, tmp_path / "out", "--device", "cuda"))
 
 
+def test_a_run_started_from_code_checks_its_settings(data, tmp_path):
+    """train() checks the settings as the command line does (the shared loop's first step, as
+    train.py's train() did), before --out is made: a Namespace edited after parse_args is
+    refused naming the flag, rather than failing inside the loop."""
+    from packed_adamw.torch.gpt import chat_train
+    from packed_adamw.torch.gpt.config import ConfigError
+
+    out = tmp_path / "out"
+    args = chat_train.parse_args(list(map(str, arguments(data, out))))
+    args.log_every = 0
+    with pytest.raises(ConfigError, match="--log-every 0: must be at least 1"):
+        chat_train.train(args)
+    assert not out.exists()
+
+
 def test_an_out_that_cannot_hold_a_run_is_refused_at_parse_time(data, tmp_path, capsys, monkeypatch):
     """--out a file, or in a directory this process cannot write (os.access says so: as root a
     mode bit would not stop the write, a read-only file system would)."""
@@ -795,6 +810,37 @@ def test_fsdp2_matches_one_process_and_resumes_resharded(data, straight, four_ro
     assert resumed_metadata == final[1]
     assert_same_bits(read(back / "state_step000004.safetensors")[0], final[0])
     assert_first_step_close(tmp_path / "fp32", four_rows)
+
+
+def test_no_rank_returns_before_the_summary_is_written_and_errors_name_their_rank(data, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """Under torchrun rank 0 writes summary.json, and every rank returns only once it is there (the
+    shared loop's barrier, as train.py's): rank 0's write is slowed here by 3 s, and rank 1 looks
+    for the file as soon as its main returns. An error under torchrun names the rank that
+    printed it (here one rank, in this process, whose summary cannot be written)."""
+    script = tmp_path / "slow_summary.py"
+    script.write_text("import json, os, sys, time\n"
+                      "from packed_adamw.torch.gpt import run_directory\n"
+                      "from packed_adamw.torch.gpt.chat_train import main\n"
+                      "write = run_directory.atomic_write\n"
+                      "def slow(path, data):\n    time.sleep(3)\n    write(path, data)\n"
+                      "if os.environ['RANK'] == '0':\n    run_directory.atomic_write = slow\n"
+                      "argv = json.loads(sys.argv[1])\n"
+                      "assert main(argv) == 0\n"
+                      "summary = os.path.join(argv[argv.index('--out') + 1], 'summary.json')\n"
+                      "assert os.path.exists(summary), f\"rank {os.environ['RANK']} returned before {summary}\"\n"
+                      "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n")
+    torchrun(2, script, json.dumps(arguments(data, tmp_path / "ddp", "--parallel", "ddp", steps=1)), timeout_s=120)
+
+    from packed_adamw.torch.gpt import run_directory
+
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("GLOO_SOCKET_IFNAME", "lo"), ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(run_directory, "atomic_write", no_space)
+    out = tmp_path / "one_rank"
+    assert main(arguments(data, out, "--parallel", "ddp", steps=1)) == 1
+    assert f"error (rank 0): could not write {out / 'summary.json'}" in capsys.readouterr().err
 
 
 def test_the_reference_optimizer_is_torch_muon_and_adamw_stepped_side_by_side():

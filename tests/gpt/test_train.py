@@ -188,6 +188,69 @@ def test_a_fresh_run_never_replaces_an_earlier_runs_files(tmp_path, data_dir, ca
         assert (out / "log.jsonl").read_bytes() == log and (out / "summary.json").read_bytes() == result
 
 
+def test_a_diverging_run_ends_in_one_line_keeping_its_last_good_checkpoint(tmp_path, data_dir, capsys, monkeypatch):
+    """The divergence guard chat_train had, shared by the loop (loop.py): weights that turn NaN in
+    step 3 (a poisoned optimizer step; the loss is read every 4 steps) end the run with exit 1 and
+    one line naming the step and the checkpoint that stays its last (step 2's: none holds NaN);
+    the summary says why it stopped, and --resume auto (which would take step 2 into the same
+    divergence) and a fresh start are refused, changing nothing. A learning rate of 1e30 ends the
+    same way at its first non-finite loss, before any checkpoint."""
+    import torch
+
+    from packed_adamw.torch.gpt.checkpoint import read_checkpoint
+    from packed_adamw.torch.optimizer import PackedAdamW
+
+    real_step, steps_taken = PackedAdamW.step, []
+
+    def poisoned_step(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        steps_taken.append(1)
+        if len(steps_taken) == 3:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+        return result
+
+    out = tmp_path / "poisoned"
+    common = [*map(str, MICRO), "--data", str(data_dir), "--out", str(out), "--max-steps", "4",
+              "--checkpoint-every", "1", "--log-every", "4"]
+    with monkeypatch.context() as patched:
+        patched.setattr(PackedAdamW, "step", poisoned_step)
+        assert main(common) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("error: the run diverged: NaN or Inf in the weights after step 3")
+    assert f"{out / 'checkpoint.safetensors'} stays its last checkpoint" in error[0] and "another --out" in error[0]
+    tensors, metadata = read_checkpoint(out / "checkpoint.safetensors")
+    assert metadata["trainer"]["step"] == 2 and all(torch.isfinite(t).all() for t in tensors.values()
+                                                   if t.is_floating_point())
+    assert summary(out)["stopped_because"] == "diverged" and summary(out)["step"] == 3
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "run.lock"}
+    for again in (["--resume", "auto"], []):
+        assert main([*common, *again]) == 2
+        error = capsys.readouterr().err
+        assert "has ended (it diverged at step 3" in error and "--resume" not in error.split("ended")[1], error
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "run.lock"} == before
+
+    out = tmp_path / "huge_lr"
+    assert main([*map(str, MICRO), "--data", str(data_dir), "--out", str(out), "--max-steps", "3", "--lr", "1e30",
+                 "--warmup-steps", "0"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("error: the run diverged: loss nan at step 2")
+    assert "before its first checkpoint" in error[0] and not (out / "checkpoint.safetensors").exists()
+
+
+def test_a_fresh_start_whose_tape_cannot_feed_a_step_is_refused(tmp_path, capsys):
+    """As chat_train refuses it (the shared loop's check): a training tape shorter than one step
+    (64 rows of 16 tokens here) is refused before anything is written, where a run used to end at
+    step 0 with a checkpoint of nothing trained."""
+    data = build_data(tmp_path / "data", count=4, words=60)
+    out = tmp_path / "out"
+    assert main([*MICRO, "--data", str(data), "--out", str(out), "--batch-size", "64"]) == 2
+    error = capsys.readouterr().err
+    assert f"{data / 'train.tape'} cannot feed the first step (1 x 64 rows of 16 tokens" in error, error
+    assert "--batch-size" in error
+    assert [p.name for p in out.iterdir()] == ["run.lock"]
+
+
 def test_a_directory_another_run_holds_is_refused(tmp_path, data_dir, capsys):
     """The run directory's lock, held by another open of its lock file (another run), refuses a
     second run into it, naming the lock; once released, the run goes ahead."""

@@ -15,15 +15,16 @@ checkpoint.
 
 --data holds train.tape and val.tape (docs/TAPE.md), whose vocab_size the model's vocabulary
 must be. A micro-batch is one packed batch (packed_data.py) of --batch rows of --context tokens
-per rank; a step is --grad-accum micro-batches. The run, top to bottom in `_train`: the model
-from --seed; the optimizer over muon_adamw_groups (`--optimizer packed`: PackedMuonAdamW with
-bf16 weights and exact FP32 masters by default; `reference`: torch.optim.Muon + torch.optim.AdamW
-over FP32 weights, the baseline); the schedule tables for every step (schedules.py); then per
-step: the schedule's row, forward and backward of each micro-batch, the optimizer step; logs,
-evaluations and states on their steps.
+per rank; a step is --grad-accum micro-batches. The run is loop.py's, shared with train.py and
+read top to bottom there; `ChatRun` gives it this trainer's pieces: the model from --seed; the
+optimizer over muon_adamw_groups (`--optimizer packed`: PackedMuonAdamW with bf16 weights and
+exact FP32 masters by default; `reference`: torch.optim.Muon + torch.optim.AdamW over FP32
+weights, the baseline); the schedule tables for every step (schedules.py); a step: the schedule's
+row, forward and backward of each micro-batch, the optimizer step; its log record, evaluation and
+state. The command line and its checks are chat_cli.py's.
 
 docs/D12.md is the manual, the one home of what this module promises: the run directory's rules
-(run_directory.py, shared with train.py), the log and summary (MFU), --compile, the states and
+(run_directory.py and loop.py, shared with train.py), the log and summary (MFU), --compile, the states and
 resuming (--resume, --resume auto, --stop-at, SIGINT/SIGTERM, refusals), divergence and
 unwritable files, gradient accumulation, DDP and FSDP2 (the unsharded twin, unsharded_twin.py)
 and which resumes are bit for bit.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -45,171 +47,23 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from packed_adamw.core import validate_hyperparams as validate_adamw
 from packed_adamw.core.atomic_file import atomic_path
-from packed_adamw.core.muon import validate_hyperparams as validate_muon
-from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader, read_header
+from packed_adamw.tokenizer.tape import TapeExhausted, TapeReader, read_header
 from packed_adamw.torch.combined import PackedMuonAdamW
 
+from . import loop
 from .chat_model import PRESETS, ChatGPT, compile_chat_model, compiled_graph_count
-from .checkpoint import CheckpointError
-from .cli import check_device, check_option, check_parallel, check_seed
-from .config import ConfigError
-from .distributed import Ranks, ddp_rebuild_buckets, launched_rank, resolve_device, start_ranks, wrap_model
+from .chat_cli import PARAM_DTYPES, ChatTrainError, check_args
+from .chat_cli import parse_args as parse_command_line
+from .distributed import Ranks, launched_rank, wrap_model
+from .loop import RunDiverged  # noqa: F401 (the error a diverged run ends in, by this module's name too)
 from .optimizers import TorchMuonAdamW, optimizer_state_bytes
-from .packed_data import DEFAULT_PACKING, PACKING_RULES, PackedBatch, PackedDocumentLoader
-from .run_directory import (
-    ENDED, GuardedRunLog, RunDirectoryError, RunFiles, RunWriteError, StopRequest, check_out, claim, finished_run_summary,
-    on_main_rank, refuse_earlier_run, refuse_to_replace, write_summary, writing,
-)
+from .packed_data import PackedBatch, PackedDocumentLoader
+from .run_directory import RunFiles, on_main_rank, writing
 from .schedules import ScheduleConfig, apply_schedule, build_schedule
-from .telemetry import chat_flops_per_token, keep_records_up_to, model_flops_utilization, peak_bf16_flops
+from .telemetry import chat_flops_per_token, model_flops_utilization, peak_bf16_flops
 from .training_state import TrainingStateError, load_state, save_state, state_file_name
-from .unsharded_twin import UnshardedTwin, is_dtensor, like_param
-
-PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-MUON_MODES = ("packed", "bf16", "fp32")
-OPTIMIZERS = ("packed", "reference")
-PARALLEL = ("none", "ddp", "fsdp")
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-
-
-class ChatTrainError(ValueError):
-    """A run that cannot start as asked (the message says which option to change)."""
-
-
-class RunDiverged(FloatingPointError):
-    """The run diverged (a non-finite loss or weight): it ends with exit status 1, its summary
-    saying so (`stopped_because: "diverged"`), no state written after the divergence."""
-
-
-class Diverged(Exception):
-    """Inside the loop: what diverged, caught to end the run (RunDiverged says it to the user)."""
-
-
-# ---- the command line --------------------------------------------------------------------------
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m packed_adamw.torch.gpt.chat_train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                usage="%(prog)s --preset P --data DIR --steps N --batch B --out DIR [options]  "
-                                      "(--help lists them)")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the model (chat_model.PRESETS)")
-    p.add_argument("--data", required=True, type=Path, help="a directory holding train.tape and val.tape")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="the model's vocabulary instead of the preset's (it must equal the tapes' vocab_size)")
-    p.add_argument("--steps", required=True, type=int, help="steps of the run (the schedule's length)")
-    p.add_argument("--batch", required=True, type=int, help="rows per micro-batch and rank")
-    p.add_argument("--grad-accum", type=int, default=1,
-                   help="micro-batches per step (gradients accumulated; the ranks reduce in the last one's backward)")
-    p.add_argument("--context", type=int, default=None, help="tokens per row (default: the preset's context)")
-    p.add_argument("--packing", choices=PACKING_RULES, default=DEFAULT_PACKING,
-                   help="how documents fill the rows (packed_data.py); val.tape is always packed by the default")
-    p.add_argument("--out", required=True, type=Path,
-                   help="the run directory (log, summary, states): one run's, locked while it runs")
-    p.add_argument("--save-every", type=int, default=0, help="write a state every K steps (0: only at the end)")
-    p.add_argument("--resume", type=resume_argument, default=None, metavar="FILE|auto",
-                   help="a state_stepNNNNNN.safetensors to continue from, or auto: --out's newest state, or a fresh "
-                        "start where --out holds no run's files")
-    p.add_argument("--allow-code-change", action="store_true",
-                   help="resume a state written by other trajectory code (warns, listing the files that differ)")
-    p.add_argument("--stop-at", type=int, default=0, help="end after this step (0: after --steps), state written")
-    p.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default=None,
-                   help="live weights (default: bf16 for --optimizer packed, fp32 for reference)")
-    p.add_argument("--muon-mode", choices=MUON_MODES, default="packed", help="PackedMuon's momentum storage")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="packed")
-    p.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps and at the end (0: never)")
-    p.add_argument("--eval-batches", type=int, default=8, help="packed batches of val.tape per evaluation")
-    p.add_argument("--log-every", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (under torchrun: cpu, cuda or auto, "
-                   "each rank taking cuda:LOCAL_RANK)")
-    p.add_argument("--parallel", choices=PARALLEL, default="none", help="ddp or fsdp (FSDP2) under torchrun")
-    p.add_argument("--deterministic", action="store_true",
-                   help="CUDA: deterministic kernels (embedding backward, cuBLAS), for bit-exact resume on a GPU")
-    p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=COMPILE_BACKENDS,
-                   metavar="BACKEND", help="torch.compile the model, once for every document count (BACKEND: "
-                   "inductor, the default, or aot_eager / eager, which run the captured graphs eagerly)")
-    # nanochat's base_train settings (muon_adamw_groups; the weight decay is used as given, unscaled)
-    p.add_argument("--matrix-lr", type=float, default=0.02)
-    p.add_argument("--embedding-lr", type=float, default=0.3)
-    p.add_argument("--unembedding-lr", type=float, default=0.008)
-    p.add_argument("--scalar-lr", type=float, default=0.5)
-    p.add_argument("--weight-decay", type=float, default=0.28, help="Muon's weight decay before its schedule")
-    p.add_argument("--warmup-steps", type=int, default=40)
-    p.add_argument("--warmdown-ratio", type=float, default=0.65)
-    p.add_argument("--momentum-warmup-steps", type=int, default=400)
-    args = p.parse_args(argv)
-    if args.param_dtype is None:
-        args.param_dtype = "bf16" if args.optimizer == "packed" else "fp32"
-    try:
-        check_args(args)
-    except (ChatTrainError, ConfigError, RunDirectoryError) as error:
-        p.error(str(error))  # one line on stderr, exit status 2
-    return args
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse flags that cannot work, naming the flag (ChatTrainError, or ConfigError from the
-    checks this shares with train.py's command line: cli.py)."""
-    for name in ("steps", "batch", "grad_accum"):
-        if getattr(args, name) < 1:
-            raise ChatTrainError(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive number")
-    for name in ("save_every", "stop_at", "eval_every", "eval_batches"):
-        if getattr(args, name) < 0:
-            raise ChatTrainError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 0 or a positive number")
-    if args.log_every < 1:
-        raise ChatTrainError(f"--log-every {args.log_every}: give a positive number")
-    if args.eval_every and args.eval_batches == 0:
-        raise ChatTrainError(f"--eval-batches 0 with --eval-every {args.eval_every}: an evaluation reads at least one "
-                             "packed batch of val.tape; pass --eval-batches 1 or more, or leave out --eval-every")
-    preset = PRESETS[args.preset]
-    context = args.context if args.context is not None else preset.context
-    if not 1 <= context <= preset.context:
-        raise ChatTrainError(f"--context {context}: the {args.preset} model takes 1 to {preset.context} tokens")
-    if args.optimizer == "reference":
-        if args.param_dtype != "fp32":
-            raise ChatTrainError("--optimizer reference runs FP32 weights (torch's Muon and AdamW keep no masters): "
-                                 "leave out --param-dtype or pass --param-dtype fp32")
-        if args.save_every or args.resume or args.stop_at:
-            raise ChatTrainError("--optimizer reference writes and reads no training states (training_state.py "
-                                 "stores the packed optimizers): leave out --save-every, --resume and --stop-at")
-    if args.compile and args.parallel != "none":
-        raise ChatTrainError(f"--compile with --parallel {args.parallel}: compiling a DDP or FSDP2 model is not "
-                             "tested yet; leave out --compile, or run one process")
-    if args.parallel == "fsdp" and args.optimizer == "reference":
-        raise ChatTrainError("--optimizer reference with --parallel fsdp: torch.optim.Muon orthogonalises whole "
-                             "matrices and cannot step FSDP2's shards; use --parallel ddp for the baseline")
-    check_parallel(args.parallel, args.device, module="packed_adamw.torch.gpt.chat_train")
-    check_device(args.device)
-    check_seed(args.seed)
-    check_rates(args)
-    # each schedule setting alone, the others at values the schedule's own checks accept
-    for option, name in (("--warmup-steps", "warmup_steps"), ("--warmdown-ratio", "warmdown_ratio"),
-                         ("--momentum-warmup-steps", "momentum_warmup_steps")):
-        value = getattr(args, name)
-        check_option(option, value, lambda: ScheduleConfig(num_steps=args.steps, **{name: value}))
-    check_out(args.out)
-
-
-def resume_argument(text: str) -> Path | str:
-    """--resume: a state file, or `auto` (resume_source: --out's newest state, else a fresh start)."""
-    return "auto" if text == "auto" else Path(text)
-
-
-def check_rates(args: argparse.Namespace) -> None:
-    """Each learning rate and the weight decay by its rule's own validation (packed_adamw.core:
-    Muon's for --matrix-lr and --weight-decay, AdamW's for the others), the other values held
-    at ones the rule accepts, so the error names the flag at fault. (The reference optimizer's
-    torch Muon and AdamW get the same values.)"""
-    momentum, eps = 0.95, 1e-7  # values Muon's rule accepts
-    check_option("--matrix-lr", args.matrix_lr, lambda: validate_muon(args.matrix_lr, momentum, 0.0, eps))
-    check_option("--weight-decay", args.weight_decay, lambda: validate_muon(0.0, momentum, args.weight_decay, eps))
-    check_option(f"--matrix-lr {args.matrix_lr} with --weight-decay", args.weight_decay,
-                 lambda: validate_muon(args.matrix_lr, momentum, args.weight_decay, eps))
-    for option in ("--embedding-lr", "--unembedding-lr", "--scalar-lr"):
-        lr = getattr(args, option[2:].replace("-", "_"))
-        check_option(option, lr, lambda: validate_adamw(lr, (0.9, 0.95), 1e-10, 0.0))
-
+from .unsharded_twin import UnshardedTwin, like_param
 
 # ---- the pieces of a run -------------------------------------------------------------------------
 def open_tape(path: Path, vocab_size: int) -> TapeReader:
@@ -379,19 +233,6 @@ RUN_FILES = RunFiles(results=("summary.json",), logs=("log.jsonl",), before_firs
                      states=states_in, state_step=state_step, resume_flag=lambda state: f"--resume {state}")
 
 
-def resume_source(out: Path, resume: Path | str | None) -> Path | None:
-    """The state this run continues from: --resume's file, or with `auto` --out's newest state
-    (None: a fresh start, refused by refuse_earlier_run where --out holds another run's files)."""
-    if resume == "auto":
-        states = states_in(out)
-        ended = RUN_FILES.ended(out)
-        if ended and states and ended.startswith(ENDED["diverged"]):  # its newest state would diverge again
-            raise RunDirectoryError(f"--resume auto: --out {out} holds a run that has ended ({ended}); start "
-                                    "again into another --out (with other settings)")
-        return states[-1] if states else None
-    return resume
-
-
 def next_step_batches(loader: PackedDocumentLoader, batches: int) -> list[PackedBatch] | None:
     """A step's `batches` micro-batches, consumed, where the tape also holds the batch after them
     (which the state written after the step holds; peeked, so the next step reads it once); None,
@@ -441,14 +282,6 @@ def check_steps_fit(args: argparse.Namespace, train_tape: TapeReader, rows_per_s
     raise ChatTrainError(f"{holds}: pass a smaller --batch or --context, or a tape with more tokens")
 
 
-def nonfinite_weights(model: torch.nn.Module, ranks: Ranks, device: torch.device) -> list[str] | None:
-    """The parameters holding NaN or Inf (this rank's shards under FSDP2), or None when every
-    rank's are finite (collective: every rank learns whether any rank found one)."""
-    bad = [name for name, p in model.named_parameters()
-           if not torch.isfinite(p.detach().to_local() if is_dtensor(p) else p.detach()).all()]
-    return bad if ranks.agree(int(bool(bad)), device) else None
-
-
 def state_info(path: Path) -> dict:
     """A state's step and config, from its metadata alone (no tensor is read)."""
     try:
@@ -459,290 +292,285 @@ def state_info(path: Path) -> dict:
         raise TrainingStateError(f"{path} is not a readable training state ({error})") from None
 
 
-# ---- the run ---------------------------------------------------------------------------------------
+# ---- the run: loop.py's, with this trainer's pieces ------------------------------------------------
 def train(args: argparse.Namespace) -> dict:
-    device = resolve_device(args.device, deterministic=args.deterministic, parallel=args.parallel)
-    ranks = start_ranks(args.parallel, device)
-
-    def refuse_fresh_start_over_another_run() -> None:
-        if resume_source(args.out, args.resume) is None:
-            refuse_earlier_run(args.out, RUN_FILES)
-
-    try:
-        # --out is this run's alone until it ends (rank 0 holds its lock), and never another run's
-        with claim(args.out, ranks, device, refuse_fresh_start_over_another_run):
-            # every rank finds the same state: rank 0 writes none before the first step
-            return _train(args, device, ranks, resume_source(args.out, args.resume))
-    finally:
-        ranks.close()
+    """Run (or resume) the run of the command line `args` (parse_args'); returns its summary."""
+    return loop.run(ChatRun(args))
 
 
-def _train(args: argparse.Namespace, device: torch.device, ranks: Ranks, resume: Path | None) -> dict:
-    say = print if ranks.main else (lambda *a, **k: None)
-    out: Path = args.out
-    log_path, summary_path = out / "log.jsonl", out / "summary.json"
-    preset = PRESETS[args.preset]
-    model_config = dataclasses.replace(preset, vocab_size=args.vocab_size or preset.vocab_size)
-    args.context = args.context or model_config.context
-    train_tape = open_tape(args.data / "train.tape", model_config.vocab_size)
-    val_tape = open_tape(args.data / "val.tape", model_config.vocab_size)
-    check_steps_fit(args, train_tape, ranks.world_size * args.grad_accum * args.batch)  # before the tables are built
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+class ChatRun(loop.Recipe):
+    """The chat family's run for loop.run: packed documents, per-step schedule tables, Muon +
+    AdamW, gradient accumulation, and the entire training state in each state file."""
 
-    # The model (the same seeded weights on every rank), its wrapper, the optimizer, the tables.
-    core, initial = build_model(model_config, args.param_dtype, args.seed, device)
-    flops_per_token = chat_flops_per_token(core, args.context)
-    peak_flops = peak_bf16_flops(device)  # per device; the ranks are alike
-    model = wrap_model(core, ranks, device)
-    forward = compile_chat_model(model, args.compile) if args.compile else model
-    optimizer = build_optimizer(core, args, device)
-    schedule = build_schedule(ScheduleConfig(
-        num_steps=args.steps, warmup_steps=args.warmup_steps, warmdown_ratio=args.warmdown_ratio,
-        momentum_warmup_steps=args.momentum_warmup_steps, weight_decay=args.weight_decay))
-    loader = PackedDocumentLoader(train_tape, args.batch, args.context, ranks.rank, ranks.world_size,
-                                  packing=args.packing)
-    config = run_config(args, model_config, schedule.config, train_tape, ranks.world_size)
-    last = min(args.steps, args.stop_at) if args.stop_at else args.steps
-    tokens_per_step = config["rows_per_step"] * args.context
+    files = RUN_FILES
+    divergence_remedy = ("lower the learning rates (--matrix-lr, --embedding-lr, --unembedding-lr, --scalar-lr) "
+                         "or lengthen --warmup-steps")
 
-    def summarize(step: int, stopped_because: str, step_seconds: list[float], losses: list[float],
-                  eval_record: dict | None) -> dict:
-        """summary.json: the first logged steps (compilation, allocator warm-up) are left out of the rate."""
-        steady = step_seconds[2:] or step_seconds
-        tokens_per_s = tokens_per_step / statistics.median(steady) if steady else None
-        parameters = core.num_parameters()
-        state_bytes = optimizer_state_bytes(optimizer)
-        summary = {
-            "step": step, "steps": args.steps, "stopped_because": stopped_because,
-            "preset": args.preset, "parameters": parameters,
-            "param_dtype": args.param_dtype, "optimizer": args.optimizer, "muon_mode": args.muon_mode,
-            "parallel": ranks.parallel, "world_size": ranks.world_size, "grad_accum": args.grad_accum,
-            "device": str(device), "tokens_per_step": tokens_per_step,
-            "final_loss": losses[-1] if losses else None,
-            "median_step_ms": 1e3 * statistics.median(steady) if steady else None,
-            "tokens_per_s": tokens_per_s,
-            "flops_per_token": flops_per_token, "peak_flops_per_device": peak_flops,
-            "mfu": model_flops_utilization(tokens_per_s, flops_per_token, peak_flops, ranks.world_size),
-            "compile": args.compile,
-            # this session's graphs (dynamo's count): equal when no batch after the first compiled anything
-            "compiled_graphs_after_first_batch": graphs_after_first_batch if args.compile else None,
-            "compiled_graphs": compiled_graph_count() - graphs_at_start if args.compile else None,
-            # under FSDP2: rank 0's shard of the state, per parameter of the whole model
-            "optimizer_state_bytes": state_bytes, "optimizer_state_bytes_per_parameter": state_bytes / parameters,
-            "weight_bytes_per_parameter": sum(p.numel() * p.element_size() for p in core.parameters()) / parameters,
-            **({"val_loss": eval_record["val_loss"], "val_bpb": eval_record["val_bpb"]} if eval_record else {}),
-        }
-        if device.type == "cuda":
-            summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-            summary["peak_memory_bytes_per_parameter"] = summary["peak_memory_bytes"] / parameters
-        return summary
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
 
-    def summary_from_log(records: list[dict]) -> dict:
-        """A finished run's summary from its log (its summary.json was lost after the final
-        state): the figures the sessions logged; nothing of this session, which trains nothing."""
+    def check(self) -> None:
+        check_args(self.args)
+
+    @functools.cached_property
+    def plan(self) -> loop.Plan:
+        args = self.args
+        return loop.Plan(
+            out=args.out, resume=args.resume, steps=args.steps, stop_at=args.stop_at, save_every=args.save_every,
+            eval_every=args.eval_every, device=args.device, deterministic=args.deterministic, parallel=args.parallel,
+            end_reasons=("steps", "stop_at"), state_noun="state",
+            no_states=None if args.optimizer == "packed" else "the reference optimizer writes no states")
+
+    state_info = staticmethod(state_info)
+
+    # ---- where the run starts ----
+    def build(self, device: torch.device, ranks: Ranks) -> None:
+        args = self.args
+        self.device, self.ranks = device, ranks
+        preset = PRESETS[args.preset]
+        self.model_config = dataclasses.replace(preset, vocab_size=args.vocab_size or preset.vocab_size)
+        args.context = args.context or self.model_config.context
+        train_tape = open_tape(args.data / "train.tape", self.model_config.vocab_size)
+        self.val_tape = open_tape(args.data / "val.tape", self.model_config.vocab_size)
+        check_steps_fit(args, train_tape, ranks.world_size * args.grad_accum * args.batch)  # before the tables exist
+
+        # The model (the same seeded weights on every rank), its wrapper, the optimizer, the tables.
+        self.core, self.initial = build_model(self.model_config, args.param_dtype, args.seed, device)
+        self.flops_per_token = chat_flops_per_token(self.core, args.context)
+        self.peak_flops = peak_bf16_flops(device)  # per device; the ranks are alike
+        self.model = wrap_model(self.core, ranks, device)
+        self.model.train()
+        self.forward = compile_chat_model(self.model, args.compile) if args.compile else self.model
+        self.optimizer = build_optimizer(self.core, args, device)
+        self.schedule = build_schedule(ScheduleConfig(
+            num_steps=args.steps, warmup_steps=args.warmup_steps, warmdown_ratio=args.warmdown_ratio,
+            momentum_warmup_steps=args.momentum_warmup_steps, weight_decay=args.weight_decay))
+        self.train_tape = train_tape
+        self.loader = PackedDocumentLoader(train_tape, args.batch, args.context, ranks.rank, ranks.world_size,
+                                           packing=args.packing)
+        self.config = run_config(args, self.model_config, self.schedule.config, train_tape, ranks.world_size)
+        self.trajectory = json.loads(json.dumps(self.config))  # the config as a state saves it
+        self.batch_shape = (args.batch, args.context)
+        self.tokens_per_step = self.config["rows_per_step"] * args.context
+        self.graphs_at_start, self.graphs_after_first_batch = compiled_graph_count(), None
+        # Under FSDP2 the state files are read and written through an unsharded twin (rank 0 keeps
+        # one for the saves; a resume builds one on every rank and drops it on the others).
+        self.twin = None
+        self.step_seconds, self.losses, self.eval_record = [], [], None  # this session's logged steps
+
+    def tape_feeds_a_step(self) -> bool:
+        return tape_feeds(self.loader, self.args.grad_accum)  # the crop rule's rows can take more than check_steps_fit's
+
+    def unfed_start(self) -> Exception:
+        args = self.args
+        return ChatTrainError(f"{args.data / 'train.tape'} cannot feed the first step under --packing {args.packing} "
+                              f"({self.config['rows_per_step']} rows x {args.context} tokens and the next batch): "
+                              "pass a smaller --batch or --context, or a longer tape")
+
+    def start_fresh(self) -> None:
+        if self.args.optimizer == "packed":
+            start_masters(self.optimizer, self.core, self.initial)
+
+    def load(self, path: Path) -> int:
+        args, ranks = self.args, self.ranks
+        # The file holds rank 0's next micro-batch and the cursor between steps, which every rank
+        # shares whatever the number of ranks (docs/D12.md, "FSDP2"): every rank loads through a
+        # rank-0 view of its tape in the layout that wrote the state (load_state checks the saved
+        # batch against it), then takes the cursor into its own loader.
+        view = PackedDocumentLoader(self.train_tape, args.batch, args.context, 0,
+                                    saved_world_size(path, ranks.world_size), packing=args.packing)
+        if ranks.parallel == "fsdp":
+            self.twin = unsharded_twin(self.model_config, args)
+        target = (self.twin.model, self.twin.optimizer) if self.twin is not None else (self.core, self.optimizer)
+        loaded = load_state(path, model=target[0], optimizer=target[1], loader=view, config=self.config,
+                            schedule=self.schedule, allow_code_change=args.allow_code_change)
+        if self.twin is not None:
+            self.twin.scatter(self.core, self.optimizer)
+            if not ranks.main:
+                self.twin = None
+        self.loader.load_state_dict({**view.state_dict(), "world_size": ranks.world_size})
+        if loaded.t_step != loaded.step:
+            raise TrainingStateError(f"{path}: t_step {loaded.t_step} differs from step {loaded.step}; "
+                                     "chat_train runs one schedule row per step")
+        return loaded.step
+
+    def start_session(self, step: int) -> None:
+        def write_schedule() -> None:
+            """This run's tables, written by every session (a resume into a new --out, or over a stale
+            file of a start that failed before its first step, leaves none of another run's)."""
+            path = self.plan.out / "schedule.safetensors"
+            with writing(path), atomic_path(path) as written:
+                save_file(self.schedule.to_tensors(prefix=""), str(written),
+                          metadata={"schedule": json.dumps(self.schedule.config.to_dict())})
+        on_main_rank(self.ranks, self.device, write_schedule)
+
+    def describe(self, step: int) -> str:
+        args, ranks = self.args, self.ranks
+        return (f"{args.preset}: {self.core.num_parameters():,} parameters, {args.param_dtype} weights, optimizer "
+                f"{args.optimizer}{' (Muon ' + args.muon_mode + ')' if args.optimizer == 'packed' else ''}, "
+                f"{self.tokens_per_step:,} tokens a step"
+                + (f" in {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
+                + f", steps {step} to {self.plan.last} of {args.steps}"
+                + (f", {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""))
+
+    # ---- a step ----
+    def next_batch(self) -> list[PackedBatch]:
+        args = self.args
+        self.started = time.perf_counter()
+        # The packing of the crop rule can waste tokens: a run stops where the tape cannot feed
+        # the step and the next batch, which the state written here then holds.
+        micro_batches = next_step_batches(self.loader, args.grad_accum)  # every rank alike (one cursor)
+        if micro_batches is None:
+            raise TapeExhausted(f"{args.data / 'train.tape'} cannot feed another step and the next batch under "
+                                f"--packing {args.packing}; writing the state and stopping")
+        return micro_batches
+
+    def train_step(self, step: int, micro_batches: list[PackedBatch]) -> tuple[dict, torch.Tensor]:
+        args, device, optimizer = self.args, self.device, self.optimizer
+        row = apply_schedule(optimizer, self.schedule, step)  # t_step: this run's step
+        step_loss = None  # the mean of the micro-batches' mean losses
+        for micro, packed in enumerate(micro_batches):
+            batch = to_device(packed, device)
+            with gradient_sync(self.model, self.ranks.parallel, sync=micro == args.grad_accum - 1):
+                with forward_context(args.param_dtype, device):
+                    _, loss = self.forward(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
+                (loss / args.grad_accum).backward()
+            if self.graphs_after_first_batch is None:
+                self.graphs_after_first_batch = compiled_graph_count() - self.graphs_at_start
+            part = loss.detach().float() / args.grad_accum
+            step_loss = part if step_loss is None else step_loss + part
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return row, step_loss
+
+    def logs(self, step: int) -> bool:
+        return step % self.args.log_every == 0 or step == self.plan.last
+
+    def loss(self, result: tuple[dict, torch.Tensor]) -> float:
+        mean_loss = result[1]
+        if self.ranks.distributed:
+            torch.distributed.all_reduce(mean_loss)
+            mean_loss /= self.ranks.world_size
+        return mean_loss.item()  # waits for the step
+
+    def step_record(self, step: int, result: tuple[dict, torch.Tensor], loss: float) -> dict:
+        seconds = time.perf_counter() - self.started
+        self.step_seconds.append(seconds)
+        self.losses.append(loss)
+        tokens_per_step = self.tokens_per_step
+        return {"step": step, "loss": loss, **result[0], "lr": kind_learning_rates(self.optimizer),
+                "tokens": step * tokens_per_step, "step_ms": 1e3 * seconds, "tokens_per_s": tokens_per_step / seconds,
+                "mfu": model_flops_utilization(tokens_per_step / seconds, self.flops_per_token, self.peak_flops,
+                                               self.ranks.world_size)}
+
+    def evaluate(self, step: int) -> dict | None:
+        args, ranks = self.args, self.ranks
+        values = None
+        if ranks.main or ranks.parallel == "fsdp":  # FSDP2's forward gathers the shards: every rank runs it
+            values = evaluate(self.core, self.val_tape, args.batch, args.context, args.eval_batches,
+                              args.param_dtype, self.device)
+            self.eval_record = {"step": step, **values}
+            if ranks.parallel == "fsdp":
+                # FSDP2's root keeps its parameters gathered after a forward without a backward:
+                # put the shards back before the optimizer or a save reads the parameters.
+                self.core.reshard()
+            if ranks.main:
+                print(f"step {step}: val loss {values['val_loss']:.4f}, bpb {values['val_bpb']}")
+        ranks.barrier()
+        return values
+
+    def save(self, step: int, reason: str) -> Path | None:
+        args, ranks = self.args, self.ranks
+        saved_model, saved_optimizer = self.core, self.optimizer
+        if args.optimizer == "packed" and ranks.parallel == "fsdp":
+            if self.twin is None and ranks.main:
+                self.twin = unsharded_twin(self.model_config, args)
+            UnshardedTwin.gather(self.twin, self.core, self.optimizer)
+            if ranks.main:
+                saved_model, saved_optimizer = self.twin.model, self.twin.optimizer
+        path = self.plan.out / state_file_name(step)
+
+        def write_state() -> None:
+            if args.optimizer != "packed":
+                return
+            try:
+                with writing(path):
+                    save_state(path, model=saved_model, optimizer=saved_optimizer, loader=self.loader,
+                               schedule=self.schedule, config=self.config, step=step, t_step=step)
+                print(f"wrote {path}")
+            except TapeExhausted:
+                # a state holds the next batch; at the end of the tape there is none (tape_feeds
+                # stops the run a step early so that this does not happen)
+                print(f"no state at step {step}: {args.data / 'train.tape'} has no next batch for it to hold")
+        on_main_rank(ranks, self.device, write_state)  # every rank learns whether rank 0 wrote it
+        return path if args.optimizer == "packed" else None
+
+    # ---- the end ----
+    def evaluates_at_end(self, reason: str) -> bool:
+        return bool(self.args.eval_every) and reason in self.plan.end_reasons  # its last step, not a stop
+
+    def summary(self, step: int, reason: str) -> dict:
+        return summarize(self, step, reason, self.step_seconds, self.losses, self.eval_record)
+
+    def summary_from_log(self, records: list[dict], step: int, reason: str) -> dict:
+        """The figures the sessions logged; nothing of this session, which trains nothing."""
         steps = [r for r in records if "loss" in r]
         evals = [r for r in records if "val_loss" in r]
-        stopped_because = "tape_exhausted" if step < last else "stop_at" if last < args.steps else "steps"
-        summary = summarize(step, stopped_because, [r["step_ms"] / 1e3 for r in steps], [r["loss"] for r in steps],
+        summary = summarize(self, step, reason, [r["step_ms"] / 1e3 for r in steps], [r["loss"] for r in steps],
                             evals[-1] if evals else None)
         for key in ("compile", "compiled_graphs_after_first_batch", "compiled_graphs", "peak_memory_bytes",
                     "peak_memory_bytes_per_parameter"):
             summary.pop(key, None)  # a session's own, not in the log
         return summary
 
-    graphs_at_start, graphs_after_first_batch = compiled_graph_count(), None
-    # Under FSDP2 the state files are read and written through an unsharded twin (rank 0 keeps
-    # one for the saves; a resume builds one on every rank and drops it on the others).
-    twin = None
-    step = 0
-    if resume is None:
-        if not tape_feeds(loader, args.grad_accum):  # the crop rule's rows can take more than check_steps_fit's
-            raise ChatTrainError(f"{args.data / 'train.tape'} cannot feed the first step under --packing "
-                                 f"{args.packing} ({config['rows_per_step']} rows x {args.context} tokens and the "
-                                 "next batch): pass a smaller --batch or --context, or a longer tape")
-        if args.optimizer == "packed":
-            start_masters(optimizer, core, initial)
-    else:
-        # The file holds rank 0's next micro-batch and the cursor between steps, which every rank
-        # shares whatever the number of ranks (docs/D12.md, "FSDP2"): every rank loads through a
-        # rank-0 view of its tape in the layout that wrote the state (load_state checks the saved
-        # batch against it), then takes the cursor into its own loader.
-        view = PackedDocumentLoader(train_tape, args.batch, args.context, 0,
-                                    saved_world_size(resume, ranks.world_size),
-                                    packing=args.packing)
-        if ranks.parallel == "fsdp":
-            twin = unsharded_twin(model_config, args)
-        target = (twin.model, twin.optimizer) if twin is not None else (core, optimizer)
-        loaded = load_state(resume, model=target[0], optimizer=target[1], loader=view, config=config,
-                            schedule=schedule, allow_code_change=args.allow_code_change)
-        if twin is not None:
-            twin.scatter(core, optimizer)
-            if not ranks.main:
-                twin = None
-        loader.load_state_dict({**view.state_dict(), "world_size": ranks.world_size})
-        step = loaded.step
-        if loaded.t_step != step:
-            raise TrainingStateError(f"{resume}: t_step {loaded.t_step} differs from step {step}; "
-                                     "chat_train runs one schedule row per step")
-        # Before anything in --out is written or its log trimmed: the states there are this run's
-        # (none newer than the resumed one, none of another configuration), and a resume of a
-        # file from elsewhere goes into a directory without another run's files; or it is refused.
-        refuse_to_replace(out, RUN_FILES, resume, step, json.loads(json.dumps(config)),  # the config as saved
-                          read_info=state_info)
-        if step >= last or not tape_feeds(loader, args.grad_accum):  # nothing to do: nothing in --out changes
-            return finished_run_summary(resume, summary_path, log_path, step, summary_from_log,
-                                        write=ranks.main, say=say)
-        say(f"resumed from {resume} at step {step}")
 
-    def write_schedule() -> None:
-        """This run's tables, written by every session (a resume into a new --out, or over a stale
-        file of a start that failed before its first step, leaves none of another run's)."""
-        path = out / "schedule.safetensors"
-        with writing(path), atomic_path(path) as written:
-            save_file(schedule.to_tensors(prefix=""), str(written),
-                      metadata={"schedule": json.dumps(schedule.config.to_dict())})
-    on_main_rank(ranks, device, write_schedule)
-    if ranks.main:
-        with writing(log_path):
-            keep_records_up_to(log_path, step)  # lines after the resume point came from a session that died
-    if ranks.parallel == "ddp":
-        ddp_rebuild_buckets(model, args.batch, args.context, device)  # every session reduces in the same buckets
-
-    saved_step, last_state = None, resume  # the newest state of the run: the last good one if it diverges
-
-    def save() -> None:
-        nonlocal twin, saved_step, last_state
-        # No state holds NaN or Inf: the one written last stays the run's last good state.
-        bad = nonfinite_weights(core, ranks, device)
-        if bad is not None:
-            raise Diverged(f"NaN or Inf in the weights after step {step}"
-                           + (f" ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else ""))
-        saved_model, saved_optimizer = core, optimizer
-        if args.optimizer == "packed" and ranks.parallel == "fsdp":
-            if twin is None and ranks.main:
-                twin = unsharded_twin(model_config, args)
-            UnshardedTwin.gather(twin, core, optimizer)
-            if ranks.main:
-                saved_model, saved_optimizer = twin.model, twin.optimizer
-
-        def write_state() -> None:
-            if args.optimizer != "packed":
-                return
-            path = out / state_file_name(step)
-            try:
-                with writing(path):
-                    save_state(path, model=saved_model, optimizer=saved_optimizer, loader=loader, schedule=schedule,
-                               config=config, step=step, t_step=step)
-                say(f"wrote {path}")
-            except TapeExhausted:
-                # a state holds the next batch; at the end of the tape there is none (tape_feeds
-                # stops the run a step early so that this does not happen)
-                say(f"no state at step {step}: {args.data / 'train.tape'} has no next batch for it to hold")
-        on_main_rank(ranks, device, write_state)  # every rank learns whether rank 0 wrote it
-        saved_step = step
-        if args.optimizer == "packed":
-            last_state = out / state_file_name(step)
-
-    say(f"{args.preset}: {core.num_parameters():,} parameters, {args.param_dtype} weights, optimizer "
-        f"{args.optimizer}{' (Muon ' + args.muon_mode + ')' if args.optimizer == 'packed' else ''}, "
-        f"{tokens_per_step:,} tokens a step"
-        + (f" in {args.grad_accum} micro-batches" if args.grad_accum > 1 else "")
-        + f", steps {step} to {last} of {args.steps}"
-        + (f", {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""))
-    step_seconds, losses, eval_record, stopped_by, diverged = [], [], None, None, None
-    model.train()
-    with StopRequest() as stop, GuardedRunLog(log_path, ranks) as log:
-        try:
-            while step < last:
-                stopped_by = stop.agreed(ranks, device)  # SIGINT or SIGTERM on any rank: stop at this boundary
-                if stopped_by:
-                    say(f"{stopped_by} received: {'writing a state and ' if args.optimizer == 'packed' else ''}"
-                        f"stopping at step {step}", file=sys.stderr)
-                    break
-                started = time.perf_counter()
-                # The packing of the crop rule can waste tokens: a run stops where the tape cannot
-                # feed the step and the next batch, which the state written here then holds.
-                micro_batches = next_step_batches(loader, args.grad_accum)  # every rank alike (one cursor)
-                if micro_batches is None:
-                    stopped_by = "tape_exhausted"
-                    say(f"training tape exhausted at step {step}: {args.data / 'train.tape'} cannot feed another "
-                        f"step and the next batch under --packing {args.packing}; writing the state and stopping")
-                    break
-                row = apply_schedule(optimizer, schedule, step)  # t_step: this run's step
-                step_loss = None  # the mean of the micro-batches' mean losses
-                for micro, packed in enumerate(micro_batches):
-                    batch = to_device(packed, device)
-                    with gradient_sync(model, ranks.parallel, sync=micro == args.grad_accum - 1):
-                        with forward_context(args.param_dtype, device):
-                            _, loss = forward(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
-                        (loss / args.grad_accum).backward()
-                    if graphs_after_first_batch is None:
-                        graphs_after_first_batch = compiled_graph_count() - graphs_at_start
-                    part = loss.detach().float() / args.grad_accum
-                    step_loss = part if step_loss is None else step_loss + part
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                logged = step % args.log_every == 0 or step == last
-                saving = (args.save_every and step % args.save_every == 0) or step == last
-                if logged or saving:  # a state is written only after a step whose loss was finite
-                    mean_loss = step_loss
-                    if ranks.distributed:
-                        torch.distributed.all_reduce(mean_loss)
-                        mean_loss /= ranks.world_size
-                    mean_loss = mean_loss.item()  # waits for the step
-                    if logged:
-                        seconds = time.perf_counter() - started
-                        step_seconds.append(seconds)
-                        losses.append(mean_loss)
-                        log.write({"step": step, "loss": mean_loss, **row, "lr": kind_learning_rates(optimizer),
-                                   "tokens": step * tokens_per_step, "step_ms": 1e3 * seconds,
-                                   "tokens_per_s": tokens_per_step / seconds,
-                                   "mfu": model_flops_utilization(tokens_per_step / seconds, flops_per_token,
-                                                                  peak_flops, ranks.world_size)})
-                    if not math.isfinite(mean_loss):
-                        raise Diverged(f"loss {mean_loss} at step {step}")
-                if args.eval_every and (step % args.eval_every == 0 or step == last):
-                    if ranks.main or ranks.parallel == "fsdp":  # FSDP2's forward gathers the shards: every rank runs it
-                        eval_record = {"step": step, **evaluate(core, val_tape, args.batch, args.context,
-                                                                args.eval_batches, args.param_dtype, device)}
-                        if ranks.parallel == "fsdp":
-                            # FSDP2's root keeps its parameters gathered after a forward without a backward:
-                            # put the shards back before the optimizer or a save reads the parameters.
-                            core.reshard()
-                        log.write(eval_record)
-                        say(f"step {step}: val loss {eval_record['val_loss']:.4f}, bpb {eval_record['val_bpb']}")
-                    ranks.barrier()
-                if saving:
-                    save()
-            if stopped_by and saved_step != step:
-                save()
-        except Diverged as error:
-            stopped_by, diverged = "diverged", error
-
-    summary = summarize(step, stopped_by or ("stop_at" if last < args.steps else "steps"), step_seconds, losses,
-                        eval_record)
-    if ranks.main:
-        write_summary(summary_path, summary)
-    if diverged is not None:
-        what = (f"{diverged}; {last_state} stays its last state (none is written after a divergence)"
-                if last_state is not None else f"{diverged} (the reference optimizer writes no states)"
-                if args.optimizer != "packed" else f"{diverged}, before its first state")
-        raise RunDiverged(f"the run diverged: {what}; lower the learning rates (--matrix-lr, --embedding-lr, "
-                          "--unembedding-lr, --scalar-lr) or lengthen --warmup-steps, and start again into another "
-                          "--out")
+def summarize(run: ChatRun, step: int, stopped_because: str, step_seconds: list[float], losses: list[float],
+              eval_record: dict | None) -> dict:
+    """summary.json: the first logged steps (compilation, allocator warm-up) are left out of the rate."""
+    args, ranks, device, core = run.args, run.ranks, run.device, run.core
+    steady = step_seconds[2:] or step_seconds
+    tokens_per_step = run.tokens_per_step
+    tokens_per_s = tokens_per_step / statistics.median(steady) if steady else None
+    parameters = core.num_parameters()
+    state_bytes = optimizer_state_bytes(run.optimizer)
+    summary = {
+        "step": step, "steps": args.steps, "stopped_because": stopped_because,
+        "preset": args.preset, "parameters": parameters,
+        "param_dtype": args.param_dtype, "optimizer": args.optimizer, "muon_mode": args.muon_mode,
+        "parallel": ranks.parallel, "world_size": ranks.world_size, "grad_accum": args.grad_accum,
+        "device": str(device), "tokens_per_step": tokens_per_step,
+        "final_loss": losses[-1] if losses else None,
+        "median_step_ms": 1e3 * statistics.median(steady) if steady else None,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": run.flops_per_token, "peak_flops_per_device": run.peak_flops,
+        "mfu": model_flops_utilization(tokens_per_s, run.flops_per_token, run.peak_flops, ranks.world_size),
+        "compile": args.compile,
+        # this session's graphs (dynamo's count): equal when no batch after the first compiled anything
+        "compiled_graphs_after_first_batch": run.graphs_after_first_batch if args.compile else None,
+        "compiled_graphs": compiled_graph_count() - run.graphs_at_start if args.compile else None,
+        # under FSDP2: rank 0's shard of the state, per parameter of the whole model
+        "optimizer_state_bytes": state_bytes, "optimizer_state_bytes_per_parameter": state_bytes / parameters,
+        "weight_bytes_per_parameter": sum(p.numel() * p.element_size() for p in core.parameters()) / parameters,
+        **({"val_loss": eval_record["val_loss"], "val_bpb": eval_record["val_bpb"]} if eval_record else {}),
+    }
+    if device.type == "cuda":
+        summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        summary["peak_memory_bytes_per_parameter"] = summary["peak_memory_bytes"] / parameters
     return summary
+
+
+# ---- the command line (chat_cli.py) ---------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line's settings, checked (chat_cli.parse_args, with this module's usage as --help)."""
+    return parse_command_line(argv, description=__doc__)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)  # a bad flag exits 2 here (argparse)
     try:
         summary = train(args)
-    except (ChatTrainError, CheckpointError, RunDirectoryError, RunWriteError, RunDiverged, TapeError,
-            TapeExhausted) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1 if isinstance(error, (RunWriteError, RunDiverged)) else 2
+    except (ChatTrainError, *loop.RUN_ERRORS) as error:
+        return loop.report(error, args.parallel)
     if launched_rank() == 0:
         print(json.dumps({k: summary[k] for k in ("step", "final_loss", "tokens_per_s", "val_bpb") if k in summary}))
     return 0

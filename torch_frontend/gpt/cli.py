@@ -64,11 +64,9 @@ def check_config(config: TrainConfig) -> None:
         raise ConfigError(f"--grad-clip {config.grad_clip}: the clipping norm must be a finite number > 0 "
                           "(a negative one reverses the gradient, 0 zeroes it); pass --grad-clip none "
                           "to train without clipping")
-    minimums = {"batch_size": 1, "max_steps": 1, "warmup_steps": 0, "log_every": 1, "moment_stats_every": 1,
-                "checkpoint_every": 0, "stop_at_step": 0, "eval_every": 0, "eval_batches": 0}
-    for name, minimum in minimums.items():
-        if getattr(config, name) < minimum:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(config, name)}: must be at least {minimum}")
+    check_at_least(config, {"batch_size": 1, "max_steps": 1, "warmup_steps": 0, "log_every": 1,
+                            "moment_stats_every": 1, "checkpoint_every": 0, "stop_at_step": 0, "eval_every": 0,
+                            "eval_batches": 0})
     if not config.checkpoints and config.stop_at_step:
         raise ConfigError(f"--stop-at-step {config.stop_at_step} stops to continue from its checkpoint, and "
                           "--no-checkpoints writes none: leave out one of the two")
@@ -83,7 +81,15 @@ def check_config(config: TrainConfig) -> None:
     check_parallel(config.parallel, config.device)
 
 
-# The checks below serve both trainers (chat_train.py's command line calls them too).
+# The checks below serve both trainers (chat_cli.py, chat_train.py's command line, calls them too).
+def check_at_least(settings, minimums: dict[str, int]) -> None:
+    """Each count of `settings` (a TrainConfig, a Namespace) at least its minimum, by name."""
+    for name, minimum in minimums.items():
+        value = getattr(settings, name)
+        if value < minimum:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be at least {minimum}")
+
+
 def check_seed(seed: int) -> None:
     if not 0 <= seed < 2**64:
         raise ConfigError(f"--seed {seed}: must be in [0, 2**64)")

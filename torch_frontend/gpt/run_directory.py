@@ -266,10 +266,10 @@ class RunFiles:
         step = self.state_step(states[-1]) if states else None
         ended_at = summary.get("step")
         # A run that diverged ended after its newest state (the last good one, which a resume would
-        # take into the same divergence); the others end at a state.
-        newer = step > ended_at if summary["stopped_because"] == "diverged" and isinstance(ended_at, int) \
-            else step != ended_at
-        if step is not None and newer:
+        # take into the same divergence); the others end at a state. (A state whose name does not
+        # tell its step, train.py's checkpoint, is taken for the summary's.)
+        if step is not None and (step > ended_at if summary["stopped_because"] == "diverged"
+                                 and isinstance(ended_at, int) else step != ended_at):
             return None  # a newer state than the summary's: a later session that did not end
         return f"{ENDED[summary['stopped_because']]} at step {summary.get('step')}"
 

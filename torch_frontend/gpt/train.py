@@ -20,7 +20,8 @@ rank r of W reads every W-th batch window of the tape (a step reads the tokens a
 process with W times the batch would); DDP checkpoints are one file, FSDP2 ones a
 torch.distributed.checkpoint directory. See docs/TRAINING.md and docs/DISTRIBUTED.md.
 """
-# The loop is here, read top to bottom; around it: config.py and cli.py (settings, their
+# The loop is loop.py's, shared with chat_train.py, read top to bottom; this module gives it
+# GPTRun, the pieces of this trainer's run. Around them: config.py and cli.py (settings, their
 # checks, the command line), families.py (what --config builds), optimizers.py (what
 # --optimizer builds, and what each kind offers), data.py (the tapes), distributed.py
 # (ranks, DDP, FSDP2), telemetry.py (log records, statistics, plots), checkpoint.py (files),
@@ -29,40 +30,38 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from packed_adamw.core import codecs as formats
-from packed_adamw.tokenizer.corpus import CorpusNotInstalledError
-from packed_adamw.tokenizer.tape import TapeError, TapeExhausted, TapeReader
+from packed_adamw.tokenizer.tape import TapeError, TapeReader
 
-from . import cli
+from . import cli, loop
 from .checkpoint import (
     CHECKPOINT_NAME, MANIFEST_NAME, SHARDED_CHECKPOINT_NAME, CheckpointError, checkpoint_info,
     load_run_state, save_run_state,
 )
 from .cli import check_config, moment_stats_biases
-from .config import AUTOCAST, PARAM_DTYPES, ConfigError, TrainConfig, model_config
+from .config import AUTOCAST, PARAM_DTYPES, TrainConfig, model_config
 from .data import TapeShard, open_tapes
-from .distributed import Ranks, ddp_rebuild_buckets, full, launched_rank, resolve_device, start_ranks, wrap_model
+from .distributed import Ranks, full, launched_rank, resolve_device, wrap_model
 from .families import family_of
 from .optimizers import optimizer_kind, set_learning_rate
-from .run_directory import (
-    GuardedRunLog, RunDirectoryError, RunFiles, RunWriteError, StopRequest, claim, finished_run_summary,
-    refuse_earlier_run, refuse_to_replace, write_summary, writing,
-)
+from .run_directory import RunFiles, writing
 from .telemetry import (
-    FormatCounts, LossWatch, StepTimes, is_log_step, keep_records_up_to, moment_stats, plot_format_log, plot_log,
+    FormatCounts, LossWatch, RunLog, StepTimes, is_log_step, moment_stats, plot_format_log, plot_log,
 )
 
-# benchmarks/peers.py reads these through this module, with the ones above
+# benchmarks/peers.py (and the tests) read these through this module, with the ones above
+from .config import ConfigError  # noqa: F401
 from .optimizers import PEERS, peer_class  # noqa: F401
 from .telemetry import LOSS_SPIKE  # noqa: F401
 
@@ -154,12 +153,6 @@ def evaluate(core, val_tape: TapeReader, config: TrainConfig, device: torch.devi
     return bpb
 
 
-def finished(step: int, tape: TapeReader | TapeShard, config: TrainConfig, context: int) -> bool:
-    """Whether a resumed run has nothing left to do (its summary then stands)."""
-    return (step >= config.max_steps or 0 < config.stop_at_step <= step
-            or tape.remaining_batches(config.batch_size, context) == 0)
-
-
 RUN_FILES = RunFiles(
     results=(CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME, "summary.json"), logs=("log.jsonl", "moment_stats.jsonl"),
     before_first_step=(),  # the log is opened before the first step, and counts only once it holds a record
@@ -168,30 +161,13 @@ RUN_FILES = RunFiles(
     state_step=lambda path: None, resume_flag=lambda path: "--resume auto")
 
 
-def resume_source(config: TrainConfig, checkpoint_path: Path) -> Path | None:
-    """The checkpoint to resume from: None (fresh start: refused by refuse_earlier_run where --out
-    holds another run's files), out's own, a file, or a run directory's."""
-    other = checkpoint_path.with_name(CHECKPOINT_NAME if config.parallel == "fsdp" else SHARDED_CHECKPOINT_NAME)
-    if other.exists():  # logs and summary of one run per --out
-        kind = "a --parallel fsdp run" if config.parallel != "fsdp" else "a run without --parallel fsdp"
-        raise CheckpointError(f"--out {checkpoint_path.parent} holds {other}, the checkpoint of {kind}; this run "
-                              f"writes {checkpoint_path.name}: choose another --out")
-    if config.resume == "":
-        return None
-    if config.resume == "auto":
-        return checkpoint_path if checkpoint_path.exists() else None
-    path = Path(config.resume)
-    if path.is_dir() and not ((path / MANIFEST_NAME).is_file() or (path / ".metadata").is_file()):
-        # a run directory (not a DCP checkpoint directory): its checkpoint has one name
-        name = config.checkpoint_name
-        if not (path / name).exists():
-            raise CheckpointError(f"--resume {path} is a directory without {name} (looked for {path / name}); "
-                                  "pass a checkpoint or a run's --out directory")
-        path = path / name
-    return path
+class Step(NamedTuple):
+    """What a step leaves for its log record."""
+    grad_norm: float
+    seconds: float  # forward, backward and the optimizer's step
 
 
-# ---- the training run -----------------------------------------------------------------------
+# ---- the training run: loop.py's, with this trainer's pieces ------------------------------------
 
 def train(config: TrainConfig) -> dict:
     """Run (or resume) training; returns the summary that is also written to summary.json.
@@ -199,201 +175,222 @@ def train(config: TrainConfig) -> dict:
     With --parallel ddp or fsdp every rank of the torchrun launch runs this; rank 0 alone
     prints, writes the log, the plot and the summary, and every rank returns the summary.
     """
-    check_config(config)
-    device = resolve_device(config.device, config.deterministic, config.parallel)
-    ranks = start_ranks(config.parallel, device)
-    out = config.out_dir
-
-    def refuse_fresh_start_over_another_run() -> None:
-        if resume_source(config, out / config.checkpoint_name) is None:
-            refuse_earlier_run(out, RUN_FILES)
-
-    try:
-        with claim(out, ranks, device, refuse_fresh_start_over_another_run):
-            return _train(config, device, ranks)
-    finally:
-        ranks.close()
+    return loop.run(GPTRun(config))
 
 
-def _train(config: TrainConfig, device: torch.device, ranks: Ranks) -> dict:
-    say = print if ranks.main else (lambda *args, **kwargs: None)
-    out = config.out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    checkpoint_path, log_path = out / config.checkpoint_name, out / "log.jsonl"
-    train_tape, val_tape = open_tapes(config, ranks)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)  # the summary's peak_memory_bytes covers this session
+class GPTRun(loop.Recipe):
+    """The reference GPT's run for loop.run: a tape read front to back, one checkpoint file (or
+    DCP directory) rewritten on its steps, the learning rate a function of the step."""
 
-    kind, family = optimizer_kind(config.optimizer), family_of(config.config)
-    vocab_size = train_tape.header.vocab_size  # the model's embedding follows the tapes' tokenizer
-    core, initial = build_model(config, device, vocab_size)  # the same weights on every rank
-    # DDP wraps the model; fully_shard turns its parameters into DTensors in place (model is core)
-    model = wrap_model(core, ranks, device)
-    optimizer = kind.build(core, config)
-    trajectory = config.trajectory(vocab_size)
-    context = core.config.context
-    if ranks.distributed:
-        train_tape = TapeShard(train_tape, ranks.rank, ranks.world_size, config.batch_size, context)
-    tokens_per_step = ranks.world_size * config.batch_size * context
-    run_state = dict(model=core, optimizer=optimizer, tape=train_tape, config=trajectory)
+    files = RUN_FILES
+    divergence_remedy = "lower --lr (and --muon-lr, with Muon) or lengthen --warmup-steps"
 
-    resume_path = resume_source(config, checkpoint_path)
-    step = 0
-    if resume_path is None:
-        kind.start_masters(optimizer, core, initial)
-    else:
-        step = load_run_state(resume_path, ranks.parallel, ranks.rank if ranks.distributed else None,
-                              **run_state)["step"]
-        # before anything in --out is written or its logs trimmed: no newer checkpoint, none of
-        # another configuration, and no other run's files under a checkpoint from elsewhere
-        refuse_to_replace(out, RUN_FILES, resume_path, step, trajectory, read_info=checkpoint_info)
-        say(f"resumed from {resume_path} at step {step}")
-    summary_path = out / "summary.json"
+    def __init__(self, config: TrainConfig):
+        self.config = config
 
-    def summarize(reason: str, losses: LossWatch, times: StepTimes, val_bpb: float | None) -> dict:
+    def check(self) -> None:
+        check_config(self.config)
+
+    @functools.cached_property
+    def plan(self) -> loop.Plan:
+        config = self.config
+        return loop.Plan(
+            out=config.out_dir, resume=config.resume or None, steps=config.max_steps, stop_at=config.stop_at_step,
+            save_every=config.checkpoint_every, eval_every=config.eval_every, device=config.device,
+            deterministic=config.deterministic, parallel=config.parallel, end_reasons=("max_steps", "stop_at_step"),
+            state_noun="checkpoint", no_states=None if config.checkpoints else "--no-checkpoints writes none",
+            states_record_reason=True, progress=config.progress, evaluation_in_step_record=True)
+
+    def refuse_foreign_states(self) -> None:
+        """One kind of checkpoint per --out (its logs and summary are one run's)."""
+        config, out = self.config, self.plan.out
+        other = out / (CHECKPOINT_NAME if config.parallel == "fsdp" else SHARDED_CHECKPOINT_NAME)
+        if other.exists():
+            kind = "a --parallel fsdp run" if config.parallel != "fsdp" else "a run without --parallel fsdp"
+            raise CheckpointError(f"--out {out} holds {other}, the checkpoint of {kind}; this run writes "
+                                  f"{config.checkpoint_name}: choose another --out")
+
+    def state_to_resume(self, path: Path) -> Path:
+        """A checkpoint, or a run directory's (not a DCP checkpoint directory)."""
+        if path.is_dir() and not ((path / MANIFEST_NAME).is_file() or (path / ".metadata").is_file()):
+            name = self.config.checkpoint_name
+            if not (path / name).exists():
+                raise CheckpointError(f"--resume {path} is a directory without {name} (looked for {path / name}); "
+                                      "pass a checkpoint or a run's --out directory")
+            path = path / name
+        return path
+
+    state_info = staticmethod(checkpoint_info)
+
+    # ---- where the run starts ----
+    def build(self, device: torch.device, ranks: Ranks) -> None:
+        config, out = self.config, self.plan.out
+        self.device, self.ranks = device, ranks
+        out.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_path, self.log_path = out / config.checkpoint_name, out / "log.jsonl"
+        self.train_tape, self.val_tape = open_tapes(config, ranks)
+        self.kind, self.family = optimizer_kind(config.optimizer), family_of(config.config)
+        vocab_size = self.train_tape.header.vocab_size  # the model's embedding follows the tapes' tokenizer
+        self.core, self.initial = build_model(config, device, vocab_size)  # the same weights on every rank
+        # DDP wraps the model; fully_shard turns its parameters into DTensors in place (model is core)
+        self.model = wrap_model(self.core, ranks, device)
+        self.optimizer = self.kind.build(self.core, config)
+        self.trajectory = config.trajectory(vocab_size)
+        self.context = self.core.config.context
+        self.batch_shape = (config.batch_size, self.context)
+        if ranks.distributed:
+            self.train_tape = TapeShard(self.train_tape, ranks.rank, ranks.world_size, config.batch_size, self.context)
+        self.tokens_per_step = ranks.world_size * config.batch_size * self.context
+        self.run_state = dict(model=self.core, optimizer=self.optimizer, tape=self.train_tape, config=self.trajectory)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def tape_feeds_a_step(self) -> bool:
+        return self.train_tape.remaining_batches(self.config.batch_size, self.context) > 0
+
+    def unfed_start(self) -> Exception:
+        ranks = self.ranks
+        return TapeError(f"{self.train_tape.path} cannot feed the first step ({ranks.world_size} x "
+                         f"{self.config.batch_size} rows of {self.context} tokens, and the token after them): "
+                         "pass a smaller --batch-size, or a longer tape (`python -m packed_adamw.tokenizer.tape "
+                         "build --passes N`)")
+
+    def start_fresh(self) -> None:
+        self.kind.start_masters(self.optimizer, self.core, self.initial)
+
+    def load(self, path: Path) -> int:
+        ranks = self.ranks
+        return load_run_state(path, ranks.parallel, ranks.rank if ranks.distributed else None, **self.run_state)["step"]
+
+    def start_session(self, step: int) -> None:
+        config = self.config
+        self.moment_biases = moment_stats_biases(config)
+        format_kinds = sorted({self.family.parameter_kind(name) for name, _ in self.core.named_parameters()})
+        self.format_counts = FormatCounts(config, self.optimizer, format_kinds, step + 1, self.ranks, self.device,
+                                          self.family.parameter_kind)
+        self.losses, self.times, self.val_bpb = LossWatch(config), StepTimes(), None
+
+    def describe(self, step: int) -> str:
+        config, ranks, kind = self.config, self.ranks, self.kind
+        parallel = f"; {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""
+        masters = " with split FP32 masters" if kind.split_masters else ""
+        dtype = "" if config.param_dtype == "fp32" else f"; {config.param_dtype} parameters{masters}"
+        return (f"model {config.config}: {self.core.num_parameters():,} parameters{dtype}; {kind.describe(config)}; "
+                f"device {self.device}{parallel}; "
+                f"{self.train_tape.remaining_batches(config.batch_size, self.context)} batches left on "
+                f"{self.train_tape.path}")
+
+    # ---- a step ----
+    def next_batch(self):
+        return self.train_tape.next_batch(self.config.batch_size, self.context)  # every rank at the same step
+
+    def train_step(self, step: int, batch) -> Step:
+        config, device, optimizer = self.config, self.device, self.optimizer
+        x, y = batch
+        start = time.perf_counter()
+        set_learning_rate(optimizer, learning_rate(step, config))
+        with autocast_context(config, device):
+            _, loss = self.model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces, FSDP2 reduce-scatters the gradients: the mean over ranks
+        grad_norm = gradient_norm_(self.model.parameters(), config.grad_clip, config.param_dtype)
+        self.sync()
+        after_backward = time.perf_counter()
+        self.format_counts.before_step(step)
+        optimizer.step()
+        self.sync()
+        end = time.perf_counter()
+        grad_norm = float(full(grad_norm))
+        self.losses.observe(step + 1, loss.item(), grad_norm)  # this rank's loss (its windows)
+        self.times.add(start, after_backward, end)
+        return Step(grad_norm, end - start)
+
+    def logs(self, step: int) -> bool:
+        return is_log_step(step, self.config)
+
+    def loss(self, result: Step) -> float:
+        return self.losses.last
+
+    def step_record(self, step: int, result: Step, loss: float) -> dict:
+        return {"step": step, "loss": loss, "lr": float(self.optimizer.param_groups[0]["lr"]),
+                "grad_norm": result.grad_norm, "tokens_per_s": self.tokens_per_step / result.seconds,
+                "fwd_bwd_ms": 1e3 * self.times.fwd_bwd[-1], "optimizer_ms": 1e3 * self.times.optimizer[-1]}
+
+    def evaluate(self, step: int) -> dict:
+        self.val_bpb = evaluate(self.core, self.val_tape, self.config, self.device, self.ranks)
+        return {"val_bpb": self.val_bpb}
+
+    def after_step(self, step: int, log: RunLog) -> None:
+        config = self.config
+        self.format_counts.after_step(step, log)
+        if config.log_moment_stats and step % config.moment_stats_every == 0:
+            stats = moment_stats(self.core, self.optimizer, step, self.moment_biases,
+                                 self.family.parameter_kind)  # FSDP2 gathers
+            log.append_to(self.plan.out / "moment_stats.jsonl", stats)
+
+    def progress(self) -> dict:
+        return {"loss": f"{self.losses.last:.3f}", "val_bpb": f"{self.val_bpb:.3f}" if self.val_bpb else "-"}
+
+    def save(self, step: int, reason: str) -> Path | None:
+        # A failed write (a full disk) ends the run naming the file (RunWriteError, an OSError);
+        # the write is atomic, so the previous checkpoint stands.
+        if not self.config.checkpoints:
+            return None
+        with writing(self.checkpoint_path):
+            save_run_state(self.checkpoint_path, self.ranks.parallel, **self.run_state,
+                           trainer={"step": step, "reason": reason})
+        return self.checkpoint_path
+
+    # ---- the end ----
+    def evaluates_at_end(self, reason: str) -> bool:
+        return True  # a session that took a step ends with a validation, whatever ended it
+
+    def end_session(self, step: int, log: RunLog) -> None:
+        self.format_counts.finish(step, log)
+
+    def summary(self, step: int, reason: str) -> dict:
+        summary = self._summary(step, reason, self.losses, self.times, self.val_bpb)
+        if self.device.type == "cuda":
+            summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return summary
+
+    def _summary(self, step: int, reason: str, losses: LossWatch, times: StepTimes, val_bpb: float | None) -> dict:
+        config, out = self.config, self.plan.out
         summary = {
             "stopped_because": reason,
             "step": step,
             "steps_this_session": len(times.step),
-            "parameters": core.num_parameters(),
+            "parameters": self.core.num_parameters(),
             "final_train_loss_mean_last_50": losses.recent_mean(),
             "val_bpb": val_bpb,
-            **times.summary(tokens_per_step),
-            "optimizer_state_bytes": kind.state_bytes(optimizer),  # this rank's (an FSDP2 shard's)
+            **times.summary(self.tokens_per_step),
+            "optimizer_state_bytes": self.kind.state_bytes(self.optimizer),  # this rank's (an FSDP2 shard's)
             **losses.summary(),
-            "log": str(log_path), "plot": str(out / "loss.png"),
-            "checkpoint": str(checkpoint_path) if config.checkpoints else None,
+            "log": str(self.log_path), "plot": str(out / "loss.png"),
+            "checkpoint": str(self.checkpoint_path) if config.checkpoints else None,
             "config": dataclasses.asdict(config),
         }
         if config.track_format:
             summary["format_plot"] = str(out / "format.png")
-        if ranks.distributed:
-            summary["world_size"] = ranks.world_size
+        if self.ranks.distributed:
+            summary["world_size"] = self.ranks.world_size
         return summary
 
-    def summary_from_log(records: list[dict]) -> dict:
-        """A finished run's summary from its log (its summary.json was lost after the final
-        checkpoint): the logged steps' losses, gradient norms and times, the last val_bpb."""
-        losses, times = LossWatch(config), StepTimes()
+    def summary_from_log(self, records: list[dict], step: int, reason: str) -> dict:
+        """The logged steps' losses, gradient norms and times, the last val_bpb."""
+        losses, times = LossWatch(self.config), StepTimes()
         for record in records:
             if {"loss", "grad_norm", "fwd_bwd_ms", "optimizer_ms"} <= record.keys():  # a logged step
                 losses.observe(record["step"], record["loss"], record["grad_norm"])
                 fwd_bwd, optimizer_s = record["fwd_bwd_ms"] / 1e3, record["optimizer_ms"] / 1e3
                 times.add(0.0, fwd_bwd, fwd_bwd + optimizer_s)
         val = [record["val_bpb"] for record in records if "val_bpb" in record]
-        reason = ("max_steps" if step >= config.max_steps else
-                  "stop_at_step" if 0 < config.stop_at_step <= step else "tape_exhausted")
-        return {**summarize(reason, losses, times, val[-1] if val else None), "steps_this_session": 0}
+        return {**self._summary(step, reason, losses, times, val[-1] if val else None), "steps_this_session": 0}
 
-    if resume_path is not None and finished(step, train_tape, config, context):
-        # nothing left to do, and nothing in --out changes (but a summary lost after the final checkpoint)
-        return finished_run_summary(resume_path, summary_path, log_path, step, summary_from_log,
-                                    write=ranks.main, say=say)
-    # The logs cover steps up to the resume point; later lines came from a session that died
-    # (the last of them possibly cut short by the crash).
-    if ranks.main:
-        for path in (log_path, out / "moment_stats.jsonl"):
-            with writing(path):
-                keep_records_up_to(path, step if resume_path else 0)
-
-    def save(reason: str) -> None:
-        # A failed write (a full disk) ends the run naming the file (RunWriteError, an OSError);
-        # the write is atomic, so the previous checkpoint stands.
-        if config.checkpoints:
-            with writing(checkpoint_path):
-                save_run_state(checkpoint_path, ranks.parallel, **run_state, trainer={"step": step, "reason": reason})
-
-    parallel = f"; {ranks.parallel} on {ranks.world_size} ranks" if ranks.distributed else ""
-    masters = " with split FP32 masters" if kind.split_masters else ""
-    dtype = "" if config.param_dtype == "fp32" else f"; {config.param_dtype} parameters{masters}"
-    say(f"model {config.config}: {core.num_parameters():,} parameters{dtype}; {kind.describe(config)}; "
-        f"device {device}{parallel}; "
-        f"{train_tape.remaining_batches(config.batch_size, context)} batches left on {train_tape.path}")
-    if ranks.parallel == "ddp" and step < config.max_steps:
-        ddp_rebuild_buckets(model, config.batch_size, context, device)
-    moment_biases = moment_stats_biases(config)
-    format_kinds = sorted({family.parameter_kind(name) for name, _ in core.named_parameters()})
-    format_counts = FormatCounts(config, optimizer, format_kinds, step + 1, ranks, device, family.parameter_kind)
-    losses, times = LossWatch(config), StepTimes()
-    val_bpb = None
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    bar = tqdm(total=config.max_steps, initial=step, disable=not (config.progress and ranks.main), unit="step")
-
-    with StopRequest() as stop, GuardedRunLog(log_path, ranks) as log:
-        while True:
-            if step >= config.max_steps:
-                reason = "max_steps"
-                break
-            if 0 < config.stop_at_step <= step:
-                reason = "stop_at_step"
-                break
-            signal_name = stop.agreed(ranks, device)
-            if signal_name:
-                reason = signal_name
-                if ranks.main:
-                    print(f"\n{reason} received: {'writing a checkpoint and ' if config.checkpoints else ''}"
-                          "stopping", file=sys.stderr)
-                break
-            try:
-                x, y = train_tape.next_batch(config.batch_size, context)
-            except TapeExhausted as exhausted:  # on every rank at the same step (TapeShard)
-                reason = "tape_exhausted"
-                say(f"\ntraining tape exhausted at step {step}: {exhausted}")
-                break
-
-            start = time.perf_counter()
-            set_learning_rate(optimizer, learning_rate(step, config))
-            with autocast_context(config, device):
-                _, loss = model(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP all-reduces, FSDP2 reduce-scatters the gradients: the mean over ranks
-            grad_norm = gradient_norm_(model.parameters(), config.grad_clip, config.param_dtype)
-            sync()
-            after_backward = time.perf_counter()
-            format_counts.before_step(step)
-            optimizer.step()
-            sync()
-            end = time.perf_counter()
-            step += 1
-
-            losses.observe(step, loss.item(), float(full(grad_norm)))  # this rank's loss (its windows)
-            times.add(start, after_backward, end)
-            record = None
-            if is_log_step(step, config):
-                record = {"step": step, "loss": losses.last, "lr": float(optimizer.param_groups[0]["lr"]),
-                          "grad_norm": float(full(grad_norm)), "tokens_per_s": tokens_per_step / (end - start),
-                          "fwd_bwd_ms": 1e3 * times.fwd_bwd[-1], "optimizer_ms": 1e3 * times.optimizer[-1]}
-            if config.eval_every and step % config.eval_every == 0:
-                val_bpb = evaluate(core, val_tape, config, device, ranks)
-                record = {**(record or {"step": step}), "val_bpb": val_bpb}
-            if record:
-                log.write(record)
-            format_counts.after_step(step, log)
-            if config.log_moment_stats and step % config.moment_stats_every == 0:
-                stats = moment_stats(core, optimizer, step, moment_biases, family.parameter_kind)  # FSDP2 gathers
-                log.append_to(out / "moment_stats.jsonl", stats)
-            if config.checkpoint_every and step % config.checkpoint_every == 0:
-                save("periodic")
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses.last:.3f}", val_bpb=f"{val_bpb:.3f}" if val_bpb else "-")
-        bar.close()
-
-        save(reason)  # first: a signal's grace period may not outlast a validation pass
-        if times.step and not (config.eval_every and step % config.eval_every == 0):
-            val_bpb = evaluate(core, val_tape, config, device, ranks)
-            log.write({"step": step, "val_bpb": val_bpb})
-        format_counts.finish(step, log)
-
-    summary = summarize(reason, losses, times, val_bpb)
-    if device.type == "cuda":
-        summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-    if ranks.main:
-        plot_log(log_path, out / "loss.png")
-        if config.track_format:
-            plot_format_log(log_path, out / "format.png")
-        write_summary(summary_path, summary)
-    ranks.barrier()  # the summary is in place before any rank returns
-    return summary
+    def figures(self) -> None:
+        out = self.plan.out
+        plot_log(self.log_path, out / "loss.png")
+        if self.config.track_format:
+            plot_format_log(self.log_path, out / "format.png")
 
 
 def synthetic_smoke(config: TrainConfig) -> dict:
@@ -436,11 +433,8 @@ def main(argv=None) -> int:
             print(json.dumps(result))
             return 0 if result["loss_finite"] and result["tensors_changed"] >= result["tensors_required"] else 1
         summary = train(config)
-    except (CheckpointError, ConfigError, RunDirectoryError, RunWriteError, TapeError,
-            CorpusNotInstalledError) as error:
-        where = f" (rank {launched_rank()})" if config.parallel != "none" else ""
-        print(f"error{where}: {error}", file=sys.stderr)
-        return 1 if isinstance(error, RunWriteError) else 2
+    except loop.RUN_ERRORS as error:
+        return loop.report(error, config.parallel)
     if launched_rank() != 0:
         return 0
     print(f"\nstopped because: {summary['stopped_because']} at step {summary['step']}")

@@ -76,8 +76,10 @@ LOW_HALF_KEY = codecs.LOW_HALF_KEY  # the optimizer's state entry stored as `man
 CODE_PACKAGES = ("packed_adamw.core", "packed_adamw.torch", "packed_adamw.tokenizer")
 # Files of CODE_PACKAGES that do not decide a training trajectory, so that editing them does not
 # refuse every saved state. Everything else counts, new files included (core, the optimizers, the
-# model, attention, packed data, schedules, the distributed set-up, this file, chat_train, tape.py,
-# optimizers.py: its TorchMuonAdamW is chat_train's reference).
+# model, attention, packed data, schedules, the distributed set-up, this file, chat_train and its
+# command line (chat_cli.py), loop.py (the loop both trainers run: which step runs with which
+# batch, and when the run stops), tape.py, optimizers.py: its TorchMuonAdamW is chat_train's
+# reference).
 NOT_TRAJECTORY_CODE = {
     "packed_adamw.torch/gpt/walkthrough.py": "explains a saved step; no trainer runs it",
     "packed_adamw.torch/gpt/telemetry.py": "writes and trims log records",
