@@ -363,3 +363,28 @@ def test_fsdp2_on_one_rank_equals_the_single_process_run_bitwise(tmp_path, data_
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
     stats = [(tmp_path / out / "moment_stats.jsonl").read_text() for out in ("plain", "fsdp")]
     assert stats[0] == stats[1] and len(stats[0].splitlines()) == 2
+
+
+def test_a_loss_that_turns_non_finite_on_one_rank_ends_every_rank_as_diverged(tmp_path, data_dir):
+    """train.py's loss is each rank's own (its windows), so the divergence guard (loop.py) must
+    decide on every rank's: rank 1 alone reads a NaN loss at step 2 here (its LossWatch is fed
+    one), and both ranks end the run at that step with exit 1 and the same line, the summary
+    saying it diverged. A rank that ended alone would wait in the summary's barrier while the
+    others step on (mismatched collectives: a hang, or gloo's error; each rank here gives up after
+    60 s, as torchrun's process group does not reach its workers)."""
+    out = tmp_path / "out"
+    script = tmp_path / "nan_on_rank_1.py"
+    script.write_text("import json, os, sys, threading\n"
+                      "threading.Timer(60, os._exit, (3,)).start()  # a rank left waiting ends, failing the test\n"
+                      "from packed_adamw.torch.gpt import telemetry\n"
+                      "from packed_adamw.torch.gpt.train import main\n"
+                      "observe = telemetry.LossWatch.observe\n"
+                      "def nan_at_step_2(self, step, loss, grad_norm):\n"
+                      "    observe(self, step, float('nan') if step == 2 else loss, grad_norm)\n"
+                      "if os.environ['RANK'] == '1':\n    telemetry.LossWatch.observe = nan_at_step_2\n"
+                      "status = main(json.loads(sys.argv[1]))\n"
+                      "sys.stdout.flush(); sys.stderr.flush(); os._exit(0 if status == 1 else 4)\n")
+    output = _torchrun(2, script, json.dumps(run_args(data_dir, out, "ddp", "--log-every", 1)), timeout_s=90)
+    errors = [line for line in output.splitlines() if "error (rank" in line]
+    assert len(errors) == 2 and all("the run diverged" in line and "at step 2" in line for line in errors), output
+    assert summary(out)["stopped_because"] == "diverged" and summary(out)["step"] == 2

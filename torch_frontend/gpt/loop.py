@@ -317,9 +317,11 @@ def _run(recipe: Recipe, device: torch.device, ranks: Ranks, resume: Path | None
                     saving = (plan.save_every and step % plan.save_every == 0) or step == last
                     loss = recipe.loss(result) if logged or saving else None  # a state follows a finite loss
                     record = recipe.step_record(step, result, loss) if logged else None
-                    if loss is not None and not math.isfinite(loss):
+                    # every rank's verdict (train.py's loss is each rank's own): all end here or none
+                    if loss is not None and ranks.agree(int(not math.isfinite(loss)), device):
                         write_records(record, None)
-                        raise Diverged(f"loss {loss} at step {step}")
+                        raise Diverged(f"loss {loss} at step {step}" if not math.isfinite(loss)
+                                       else f"a non-finite loss on another rank at step {step}")
                     evaluation = None
                     if plan.eval_every and step % plan.eval_every == 0:
                         evaluation, evaluated_step = recipe.evaluate(step), step
