@@ -17,6 +17,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (Linux's /proc; none found elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """Kill `pid`'s process group and every descendant: torchrun starts its workers in sessions
+    of their own, which the group's kill does not reach, and a surviving worker holds the output
+    pipe open, so waiting for the output would never end."""
+    descendants = _descendants(pid)
+    for target in [pid, *descendants]:
+        try:
+            os.killpg(target, signal.SIGKILL) if target == pid else os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def torchrun(n_procs: int, *target: str, timeout_s: int, extra_env: dict | None = None) -> str:
     """Run `target` (a script and its arguments, or `-m module ...`) on n_procs ranks; fail
     the test with the output's tail if it fails or overruns. Returns the output."""
@@ -30,12 +61,12 @@ def torchrun(n_procs: int, *target: str, timeout_s: int, extra_env: dict | None 
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         output, _ = proc.communicate()
         pytest.fail(f"{what} did not finish in {timeout_s} s:\n{output[-4000:]}")
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
     lines = [line for line in output.splitlines() if "Warning" not in line and "warnings.warn" not in line]
     assert proc.returncode == 0, f"{what} failed:\n" + "\n".join(lines[-60:])
     return output

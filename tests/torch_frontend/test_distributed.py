@@ -57,3 +57,27 @@ def test_cuda_fsdp2_on_one_rank_equals_the_plain_cuda_step_and_resumes_exactly(t
     steps equal the plain CUDA step bit for bit, and a DCP checkpoint resumes exactly."""
     launch(1, "fsdp_train", str(tmp_path), device="cuda")
     launch(1, "fsdp_resume", str(tmp_path), "1", device="cuda")
+
+
+def test_a_torchrun_that_overruns_fails_in_bounded_time_and_leaves_no_worker(tmp_path):
+    """The helper every torchrun test uses kills the workers too (torchrun starts them in sessions
+    of their own): a worker that never ends must fail the test at its timeout, not hang pytest."""
+    import threading
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
+    outcome = {}
+
+    def launch():
+        try:
+            torchrun(1, script, timeout_s=8)
+        except BaseException as e:  # pytest.fail raises an outcome exception, not an Exception
+            outcome["error"] = e
+
+    thread = threading.Thread(target=launch, daemon=True)
+    thread.start()
+    thread.join(90)
+    assert not thread.is_alive(), "torchrun's helper still waits for a worker after its timeout"
+    assert "did not finish in 8 s" in str(outcome.get("error")), outcome
+    worker = next(int(line) for line in str(outcome["error"]).splitlines() if line.strip().isdigit())
+    assert not Path(f"/proc/{worker}").exists() or "zombie" in Path(f"/proc/{worker}/status").read_text().lower()

@@ -11,8 +11,8 @@ and chat_train.py (the chat family) each give it a `Recipe`, what differs betwee
     the logs trimmed to where the run starts; then step after step, until the run's last step
         (--steps / --max-steps, or --stop-at), a stop request (SIGINT/SIGTERM) or the end of the
         tape: the step; its log record and evaluation; the recipe's own records; a state on its
-        steps. A non-finite loss or weight ends the run there (RunDiverged, exit 1): no state is
-        written after it
+        steps. A non-finite loss on any rank, or a non-finite weight, ends the run there on every
+        rank (RunDiverged, exit 1): no state is written after it
     the final state, first (a signal's grace period may not outlast an evaluation), then the
         final evaluation; the summary, written by rank 0 before any rank returns
 
