@@ -54,3 +54,19 @@ def assert_bitwise_equal(path_a: Path, path_b: Path, prefixes=("model/", "optimi
         assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
         # Compare raw bytes: NaN-safe and -0.0 != +0.0.
         assert torch.equal(a[key].reshape(-1).view(torch.uint8), b[key].reshape(-1).view(torch.uint8)), key
+
+
+def poison_weights_after_step(monkeypatch, optimizer_class, step: int) -> None:
+    """Make `optimizer_class.step` write a NaN into its first parameter after its `step`-th call
+    (for the duration of `monkeypatch`): weights that diverge at a known step."""
+    real_step, calls = optimizer_class.step, []
+
+    def poisoned_step(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == step:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+        return result
+
+    monkeypatch.setattr(optimizer_class, "step", poisoned_step)

@@ -25,7 +25,7 @@ from packed_adamw.tokenizer.train_tokenizer import train_tokenizer
 from packed_adamw.torch.gpt.chat_train import main
 from packed_adamw.torch.gpt.training_state import state_file_name
 
-from gpt_helpers import WORDS
+from gpt_helpers import WORDS, poison_weights_after_step
 from torchrun_helpers import free_port, torchrun
 
 VOCAB = 320
@@ -405,19 +405,9 @@ def test_a_diverging_run_ends_in_one_line_keeping_its_last_good_state(data, tmp_
     rates of 1e30 end the same way, before the first state."""
     from packed_adamw.torch.gpt import chat_train
 
-    real_step, steps_taken = chat_train.PackedMuonAdamW.step, []
-
-    def poisoned_step(self, *args, **kwargs):
-        result = real_step(self, *args, **kwargs)
-        steps_taken.append(1)
-        if len(steps_taken) == 3:
-            with torch.no_grad():
-                self.param_groups[0]["params"][0].view(-1)[0] = float("nan")
-        return result
-
     out = tmp_path / "poisoned"
     with monkeypatch.context() as patched:
-        patched.setattr(chat_train.PackedMuonAdamW, "step", poisoned_step)
+        poison_weights_after_step(patched, chat_train.PackedMuonAdamW, 3)
         assert main(arguments(data, out, "--save-every", 1, "--log-every", 4)) == 1
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("error: the run diverged: NaN or Inf in the weights after step 3")

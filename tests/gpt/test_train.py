@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gpt_helpers import MICRO, assert_bitwise_equal, build_data, run_train, train_command
+from gpt_helpers import MICRO, assert_bitwise_equal, build_data, poison_weights_after_step, run_train, train_command
 from packed_adamw.torch.gpt.train import ConfigError, TrainConfig, learning_rate, main, train
 
 
@@ -200,21 +200,11 @@ def test_a_diverging_run_ends_in_one_line_keeping_its_last_good_checkpoint(tmp_p
     from packed_adamw.torch.gpt.checkpoint import read_checkpoint
     from packed_adamw.torch.optimizer import PackedAdamW
 
-    real_step, steps_taken = PackedAdamW.step, []
-
-    def poisoned_step(self, *args, **kwargs):
-        result = real_step(self, *args, **kwargs)
-        steps_taken.append(1)
-        if len(steps_taken) == 3:
-            with torch.no_grad():
-                self.param_groups[0]["params"][0].view(-1)[0] = float("nan")
-        return result
-
     out = tmp_path / "poisoned"
     common = [*map(str, MICRO), "--data", str(data_dir), "--out", str(out), "--max-steps", "4",
               "--checkpoint-every", "1", "--log-every", "4"]
     with monkeypatch.context() as patched:
-        patched.setattr(PackedAdamW, "step", poisoned_step)
+        poison_weights_after_step(patched, PackedAdamW, 3)
         assert main(common) == 1
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("error: the run diverged: NaN or Inf in the weights after step 3")
