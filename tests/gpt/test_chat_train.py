@@ -807,7 +807,8 @@ def test_no_rank_returns_before_the_summary_is_written_and_errors_name_their_ran
     """Under torchrun rank 0 writes summary.json, and every rank returns only once it is there (the
     shared loop's barrier, as train.py's): rank 0's write is slowed here by 3 s, and rank 1 looks
     for the file as soon as its main returns. An error under torchrun names the rank that
-    printed it (here one rank, in this process, whose summary cannot be written)."""
+    printed it (here one rank, in this process, whose summary cannot be written). The same holds
+    for a resume of a finished run whose summary rank 0 rebuilds."""
     script = tmp_path / "slow_summary.py"
     script.write_text("import json, os, sys, time\n"
                       "from packed_adamw.torch.gpt import run_directory\n"
@@ -821,6 +822,12 @@ def test_no_rank_returns_before_the_summary_is_written_and_errors_name_their_ran
                       "assert os.path.exists(summary), f\"rank {os.environ['RANK']} returned before {summary}\"\n"
                       "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n")
     torchrun(2, script, json.dumps(arguments(data, tmp_path / "ddp", "--parallel", "ddp", steps=1)), timeout_s=120)
+    # A resume of the finished run whose summary was lost: rank 0 rebuilds it from the log, and
+    # no rank returns before it is there either.
+    (tmp_path / "ddp" / "summary.json").unlink()
+    torchrun(2, script, json.dumps(arguments(data, tmp_path / "ddp", "--parallel", "ddp", "--resume", "auto",
+                                             steps=1)), timeout_s=120)
+    assert "rebuilt_from" in json.loads((tmp_path / "ddp" / "summary.json").read_text())
 
     from packed_adamw.torch.gpt import run_directory
 

@@ -253,10 +253,12 @@ def _run(recipe: Recipe, device: torch.device, ranks: Ranks, resume: Path | None
         refuse_to_replace(out, recipe.files, resume, step, recipe.trajectory, read_info=recipe.state_info)
         say(f"resumed from {resume} at step {step}")
         if step >= last or not recipe.tape_feeds_a_step():  # nothing to do: nothing in --out changes
-            return finished_run_summary(
+            summary = finished_run_summary(
                 resume, summary_path, log_path, step,
                 lambda records: recipe.summary_from_log(records, step, end_reason(step, plan)),
                 write=ranks.main, say=say)
+            ranks.barrier()  # a summary rank 0 rebuilt is in place before any rank returns, as below
+            return summary
     recipe.start_session(step)
     if ranks.main:
         for name in recipe.files.logs:  # lines after the resume point came from a session that died
