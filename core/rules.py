@@ -115,6 +115,11 @@ class RuleFormats:
     # values as float32 arrays shaped like the parameter, in `rule.codes` order: what the step
     # reads (a float32 mode's values are those a packed state would encode)
     code_values: Callable[[np.ndarray, StateLayout, np.ndarray | None], tuple[np.ndarray, ...]]
+    # the same arguments -> the rule's moments as its step reads them, float32, shaped like the
+    # parameter, first moment first (AdamW: m and v): what an export of the state in another
+    # optimizer's terms reads (training_state.export_reference_layout). None: its codes' values
+    # are its moments (Muon's momentum)
+    step_moments: Callable[[np.ndarray, StateLayout, np.ndarray | None], tuple[np.ndarray, ...]] | None = None
 
     @property
     def name(self) -> str:
@@ -156,9 +161,21 @@ class RuleFormats:
         return [self.state_format(mode).identity for mode in self.modes]
 
 
+def adamw_step_moments(moments: np.ndarray, fmt: AdamWFormat, exponent=None) -> tuple[np.ndarray, np.ndarray]:
+    """AdamW's (m, v) as float32 arrays, as its step reads them: a packed or fp16 state's first
+    moment and v = rms * rms (the square the step computes, in float32); an fp32 state's stored m
+    and v, copied."""
+    moments = np.asarray(moments)
+    if fmt.mode == "fp32":
+        m, _ = moment_values(moments, fmt, exponent)  # its checks; v is stored as it is
+        return m, moments[1].copy()
+    m, rms = moment_values(moments, fmt, exponent)
+    return m, rms * rms
+
+
 RULES: dict[str, RuleFormats] = {
     entry.name: entry for entry in (
-        RuleFormats(AdamWFormat().rule, AdamWFormat, ADAMW_MODES, moment_values),
+        RuleFormats(AdamWFormat().rule, AdamWFormat, ADAMW_MODES, moment_values, adamw_step_moments),
         RuleFormats(MuonFormat().rule, MuonFormat, MUON_MODES, momentum_values),
     )
 }
@@ -186,6 +203,13 @@ def state_format_from_identity(identity: str) -> StateLayout:
     known = "; ".join(f"{entry.name}: " + ", ".join(map(repr, entry.examples())) for entry in RULES.values())
     raise ValueError(f"{identity!r} is not the state format identity of any rule this code has ({known}; "
                      f"the biases may be any in {list(BIAS_RANGE)})")
+
+
+def step_moments(state: np.ndarray, fmt: StateLayout, exponent=None) -> tuple[np.ndarray, ...]:
+    """A stored state entry's moments as its rule's step reads them (`RuleFormats.step_moments`);
+    `exponent`: a per-matrix exponent where the format keeps one (None: read with 0)."""
+    entry = rule_formats(fmt)
+    return (entry.step_moments or entry.code_values)(state, fmt, exponent)
 
 
 def code_values(state: np.ndarray, fmt: StateLayout, exponent=None) -> tuple[np.ndarray, ...]:

@@ -60,11 +60,7 @@ from safetensors import SafetensorError, safe_open
 
 from packed_adamw.core import __version__ as CODE_VERSION
 from packed_adamw.core import codecs
-from packed_adamw.core.adamw.state_format import StateFormat as AdamWFormat
-from packed_adamw.core.adamw.state_format import unpack_words
-from packed_adamw.core.muon.numpy_step import decode_momentum
-from packed_adamw.core.muon.rule import MOMENTUM_EXPONENT
-from packed_adamw.core.muon.state_format import StateFormat as MuonFormat
+from packed_adamw.core.rules import rule_formats, step_moments
 
 from .checkpoint import CheckpointError, _atomic_save, _checkpoint_sha256, _torch_save_contents, config_differences
 from .packed_data import PackedBatch
@@ -489,39 +485,29 @@ SIGN_CONVENTION = (
 
 
 def _decoded_moments(entry: dict, tensors: dict, formats: dict, shape) -> dict[str, np.ndarray]:
-    """{"first_mntm", "scnd_mntm" (AdamW)} of one parameter, float32, reference signs, in the
-    state format of its rule (`formats[entry["rule"]]`; its kind's in a state written before
-    entries named their rule)."""
+    """{"first_mntm", "scnd_mntm" (a rule with a second moment: AdamW)} of one parameter,
+    float32, reference signs, in the state format of its rule (`formats[entry["rule"]]`; its
+    kind's in a state written before entries named their rule), read through core's registry of
+    rules (`core/rules.py`: the moments as the rule's step reads them)."""
     name, kind = entry["name"], entry["kind"]
     fields = formats[entry.get("rule", kind)]
-    keys = [k for k in entry["tensors"] if k != LOW_HALF_KEY]
-    zeros = np.zeros(shape, np.float32)
-    if kind == "muon":
-        fmt = MuonFormat(**fields)
-        state = tensors[f"params/{name}/opt/{fmt.state_key}"] if keys else None
-        # the 16-bit codes live in int16 tensors (muon.py); the codec indexes by their uint16 bits
-        codes = None if state is None else (state.numpy().view(np.uint16) if state.dtype == torch.int16
-                                            else state.numpy())
-        key = f"params/{name}/opt/{MOMENTUM_EXPONENT.key}"
-        exponent = tensors.get(key)  # absent: a state saved before them
-        if exponent is not None:  # core's one check of a stored exponent (its range, and the codes it scales)
-            exponent = fmt.check_exponent(exponent.numpy(), key, codes=codes)
-        m = decode_momentum(codes, fmt, 0 if exponent is None else exponent) if keys else zeros
-        return {"first_mntm": np.float32(0) - m.reshape(shape)}
-    fmt = AdamWFormat(**fields)
-    if not keys:
-        m = v = zeros
-    elif fmt.mode == "fp32":
-        moments = tensors[f"params/{name}/opt/{fmt.state_key}"].numpy()
-        m, v = moments[0], moments[1]
+    fmt = rule_formats(kind).state_format(**fields)
+    if not [k for k in entry["tensors"] if k != LOW_HALF_KEY]:  # never stepped: zero moments
+        moments = [np.zeros(shape, np.float32)] * (2 if len(fmt.rule.codes) > 1 else 1)
     else:
-        words = tensors[f"params/{name}/opt/{fmt.state_key}"].view(torch.int32).numpy().view(np.uint32)
-        m_codes, rms_codes = unpack_words(words)
-        m_fmt, r_fmt = fmt.formats
-        m = m_fmt.decode_table[m_codes.astype(np.intp)]
-        rms = r_fmt.decode_table[rms_codes.astype(np.intp)]
-        v = rms * rms  # what the step reads as v (core/adamw/numpy_step.py)
-    return {"first_mntm": (np.float32(0) - m).reshape(shape), "scnd_mntm": np.asarray(v, np.float32).reshape(shape)}
+        stored = tensors[f"params/{name}/opt/{fmt.state_key}"]
+        # numpy takes no uint32 tensor: words as their int32 bits, which the registry reads as words
+        state = (stored.view(torch.int32) if stored.dtype == torch.uint32 else stored).numpy()
+        exponent = None
+        if fmt.exponent_entry is not None:
+            key = f"params/{name}/opt/{fmt.exponent_entry.key}"
+            if key in tensors:  # absent: a state saved before them, read with 0
+                # core's one check of a stored exponent (its range, and the codes it scales)
+                exponent = fmt.check_exponent(tensors[key].numpy(), key, codes=state)
+        moments = step_moments(state, fmt, exponent)
+    names = ("first_mntm", "scnd_mntm")
+    return {names[0]: (np.float32(0) - moments[0]).reshape(shape),
+            **{names[1]: np.asarray(v, np.float32).reshape(shape) for v in moments[1:2]}}
 
 
 def _reference_parameters(tensors: dict, optimizer_meta: dict):
