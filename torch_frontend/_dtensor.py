@@ -136,11 +136,14 @@ def new_entries(param: torch.Tensor, fmt, name: str) -> dict[str, torch.Tensor]:
 
 # ---- the entries the step code names ----------------------------------------------------------------
 def kernel_state(state: torch.Tensor) -> torch.Tensor:
-    """The local state as the step reads it: sharded int32 words are viewed as uint32."""
-    return kernel_entry(state, _WORDS_READING)
-
-
-_WORDS_READING = StateEntry("words", "uint32")  # how kernel_state reads an int32 DTensor: as words
+    """The local state entry of an elementwise rule's words or moments as the step reads it:
+    sharded int32 words are viewed as uint32 (anything else as stored, so that the step's layout
+    check names a damaged entry's dtype)."""
+    if is_dtensor(state):
+        state = state.to_local()
+        if state.dtype == SHARDED_WORDS_DTYPE:
+            return state.view(torch.uint32)
+    return state
 
 
 def state_dtype_for(param: torch.Tensor, fmt: StateFormat) -> torch.dtype:
