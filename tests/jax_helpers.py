@@ -189,6 +189,35 @@ def run_cases_child(test_file: str, devices: int) -> dict:
     return results
 
 
+# The leaves the 8-device cases shard ("x" the mesh's axis): one sharded on each dimension, a 0-d
+# leaf and a replicated one.
+SHARDED_SHAPES = {"a": (16, 12), "b": (8,), "c": (), "d": (3, 16), "r": (5,)}
+_SHARDED_AXES = {"a": ("x", None), "b": ("x",), "c": (), "d": (None, "x"), "r": ()}
+
+
+def sharded_specs() -> dict:
+    """SHARDED_SHAPES' PartitionSpecs."""
+    from jax.sharding import PartitionSpec
+
+    return {k: PartitionSpec(*axes) for k, axes in _SHARDED_AXES.items()}
+
+
+def normalized_spec(spec, ndim: int) -> tuple:
+    """A PartitionSpec padded with None to `ndim` axes, as a sharding reports it."""
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def optax_train_step(tx) -> Callable:
+    """(params, state, grads) -> (params, state): one `tx` update applied, as a training loop does."""
+    import optax
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
 def case_recorder() -> tuple[dict, Callable]:
     """The child side of `run_cases_child`: (results, case), where `@case(name)` runs the function
     at once, records "ok" or its traceback under `name` and prints that as the JSON line the

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import kernel_harness as H
-from jax_helpers import (F32, InterpretedJaxTriton, assert_bits_equal, case_recorder, jax_cuda_unavailable,
-                         run_cases_child, spanning_values, step_callbacks)
+from jax_helpers import (F32, SHARDED_SHAPES, InterpretedJaxTriton, assert_bits_equal, case_recorder,
+                         jax_cuda_unavailable, optax_train_step, run_cases_child, sharded_specs, spanning_values,
+                         step_callbacks)
 from packed_adamw.core import StateFormat, launch
 from packed_adamw.core.adamw import RULE as ADAMW_RULE
 from packed_adamw.core.adamw.state_format import MOMENT_SHIFT
@@ -469,8 +470,7 @@ def _cases():
 
     assert len(jax.devices()) == DEVICES, jax.devices()
     rng = np.random.default_rng(0)
-    shapes = {"a": (16, 12), "b": (8,), "c": (), "d": (3, 16), "r": (5,)}
-    specs = {"a": P("x", None), "b": P("x"), "c": P(), "d": P(None, "x"), "r": P()}
+    shapes, specs = SHARDED_SHAPES, sharded_specs()
     params0 = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     grads0 = [{k: (rng.standard_normal(s) * 10.0 ** rng.uniform(-14, 3, s)).astype(np.float32)
                for k, s in shapes.items()} for _ in range(3)]
@@ -483,18 +483,12 @@ def _cases():
     def put(tree, mesh, spec_of):
         return {k: jax.device_put(v, NamedSharding(mesh, spec_of[k])) for k, v in tree.items()}
 
-    def train_step(tx):
-        def step(params, state, grads):
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-        return step
-
     def reference(mode, params, grads):
         tx = packed_adamw(1e-2, weight_decay=0.1, mode=mode, track_format=True)
         p = {k: jnp.asarray(v) for k, v in params.items()}
         state = tx.init(p)
         for g in grads:
-            p, state = jax.jit(train_step(tx))(p, state, {k: jnp.asarray(v) for k, v in g.items()})
+            p, state = jax.jit(optax_train_step(tx))(p, state, {k: jnp.asarray(v) for k, v in g.items()})
         return format_stats(state), state
 
     results, case = case_recorder()
@@ -507,7 +501,7 @@ def _cases():
             for mesh, jit in ((explicit, True), (explicit, False), (auto, True)):
                 with jax.set_mesh(mesh):
                     tx = packed_adamw(1e-2, weight_decay=0.1, mode=mode, track_format=True)
-                    step = jax.jit(train_step(tx)) if jit else train_step(tx)
+                    step = jax.jit(optax_train_step(tx)) if jit else optax_train_step(tx)
                     p = put(params0, mesh, specs)
                     state = tx.init(p)
                     for g in grads0:
@@ -562,7 +556,7 @@ def _cases():
                 return optax.apply_updates(params, updates), state
 
             step = jax.jit(sampled_step, static_argnames="track_format")
-            plain_step = jax.jit(train_step(plain))
+            plain_step = jax.jit(optax_train_step(plain))
             p, q = put(params0, explicit, specs), put(params0, explicit, specs)
             state, plain_state = tx.init(p), plain.init(q)
             g0 = put(grads0[0], explicit, specs)

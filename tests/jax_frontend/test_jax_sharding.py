@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from jax_helpers import case_recorder, run_cases_child, step_callbacks
+from jax_helpers import (SHARDED_SHAPES, case_recorder, normalized_spec, optax_train_step, run_cases_child,
+                         sharded_specs, step_callbacks)
 
 DEVICES = 8
 COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\b")
@@ -40,8 +41,7 @@ def _cases():
     assert len(jax.devices()) == DEVICES, jax.devices()
     rng = np.random.default_rng(0)
     # Leaves sharded on each dimension, a 0-d leaf and a replicated one.
-    shapes = {"a": (16, 12), "b": (8,), "c": (), "d": (3, 16), "r": (5,)}
-    specs = {"a": P("x", None), "b": P("x"), "c": P(), "d": P(None, "x"), "r": P()}
+    shapes, specs = SHARDED_SHAPES, sharded_specs()
     params0 = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     grads0 = [{k: (rng.standard_normal(s) * 10.0 ** rng.uniform(-6, 1, s)).astype(np.float32)
                for k, s in shapes.items()} for _ in range(3)]
@@ -60,22 +60,12 @@ def _cases():
     def spec_of_state(spec, mode):
         return P(None, *spec) if mode == "fp32" else spec
 
-    def normalized(spec, ndim):
-        return tuple(spec) + (None,) * (ndim - len(spec))
-
-    def train_step(tx):
-        def step(params, state, grads):
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        return step
-
     def reference(mode):
         """The unsharded run on one device: params and state after each step."""
         tx = packed_adamw(1e-2, weight_decay=0.1, mask=mask, mode=mode)
         params = {k: jnp.asarray(v) for k, v in params0.items()}
         state, out = tx.init(params), []
-        step = jax.jit(train_step(tx))
+        step = jax.jit(optax_train_step(tx))
         for g in grads0:
             params, state = step(params, state, {k: jnp.asarray(v) for k, v in g.items()})
             out.append((params, state))
@@ -105,10 +95,10 @@ def _cases():
                 tx = packed_adamw(1.0, mode=mode)
                 state = tx.init(params)
                 ndim = state.moments.ndim
-                want = normalized(spec_of_state(jax.typeof(mu).sharding.spec, mode), ndim)
+                want = normalized_spec(spec_of_state(jax.typeof(mu).sharding.spec, mode), ndim)
                 assert want == ((None,) * (ndim - 3) + (None, "x", None)), want
-                assert normalized(jax.typeof(state.moments).sharding.spec, ndim) == want, (mode, jax.typeof(state.moments))
-                assert normalized(state.moments.sharding.spec, ndim) == want, (mode, state.moments.sharding)
+                assert normalized_spec(jax.typeof(state.moments).sharding.spec, ndim) == want, (mode, jax.typeof(state.moments))
+                assert normalized_spec(state.moments.sharding.spec, ndim) == want, (mode, state.moments.sharding)
                 assert jax.tree_util.tree_map(jax.typeof, jax.jit(tx.init)(params)) == \
                     jax.tree_util.tree_map(jax.typeof, state), mode
 
@@ -120,13 +110,13 @@ def _cases():
             assert plain.moments.shape == StateFormat(mode).state_shape((2, 4, 8))
             sds = jax.ShapeDtypeStruct((16, 12), jnp.float32, sharding=NamedSharding(auto, P("x", None)))
             state = tx.init(sds)
-            assert normalized(state.moments.sharding.spec, state.moments.ndim) == \
-                normalized(spec_of_state(P("x", None), mode), state.moments.ndim), state.moments.sharding
+            assert normalized_spec(state.moments.sharding.spec, state.moments.ndim) == \
+                normalized_spec(spec_of_state(P("x", None), mode), state.moments.ndim), state.moments.sharding
             with jax.set_mesh(explicit):
                 typed = jax.ShapeDtypeStruct((16, 12), jnp.float32, sharding=NamedSharding(explicit, P("x", None)))
                 shape = jax.eval_shape(tx.init, typed)
-                assert normalized(shape.moments.sharding.spec, shape.moments.ndim) == \
-                    normalized(spec_of_state(P("x", None), mode), shape.moments.ndim), shape
+                assert normalized_spec(shape.moments.sharding.spec, shape.moments.ndim) == \
+                    normalized_spec(spec_of_state(P("x", None), mode), shape.moments.ndim), shape
 
     @case("init_and_update_types_agree_eager_and_jit")
     def _():
@@ -150,7 +140,7 @@ def _cases():
                     tx = packed_adamw(1e-2, weight_decay=0.1, mask=mask, mode=mode)
                     fused = packed_adamw_fused_step(1e-2, weight_decay=0.1, mask=mask, mode=mode)
 
-                    t_step = jax.jit(train_step(tx)) if jit else train_step(tx)
+                    t_step = jax.jit(optax_train_step(tx)) if jit else optax_train_step(tx)
                     f_step = jax.jit(fused, donate_argnums=(0, 2)) if jit else fused
                     pt, pf = put(params0, mesh), put(params0, mesh)
                     st, sf = tx.init(pt), tx.init(pf)
@@ -162,9 +152,9 @@ def _cases():
                         assert same_bits(pt, want_p) and same_bits(st, want_s), "transform " + where
                         assert same_bits(pf, want_p) and same_bits(sf, want_s), "fused " + where
                     for k, leaf in st.moments.items():
-                        want = normalized(spec_of_state(specs[k], mode), leaf.ndim)
-                        assert normalized(leaf.sharding.spec, leaf.ndim) == want, (where, k, leaf.sharding)
-                        assert normalized(pf[k].sharding.spec, pf[k].ndim) == normalized(specs[k], pf[k].ndim)
+                        want = normalized_spec(spec_of_state(specs[k], mode), leaf.ndim)
+                        assert normalized_spec(leaf.sharding.spec, leaf.ndim) == want, (where, k, leaf.sharding)
+                        assert normalized_spec(pf[k].sharding.spec, pf[k].ndim) == normalized_spec(specs[k], pf[k].ndim)
 
     @case("compiled_sharded_update_has_no_collectives")
     def _():
@@ -175,7 +165,7 @@ def _cases():
                 params, grads = put(params0, explicit), put(grads0[0], explicit)
                 state = tx.init(params)
                 for what, fn, args in (("update", jax.jit(tx.update), (grads, state, params)),
-                                       ("train step", jax.jit(train_step(tx), donate_argnums=(0, 1)),
+                                       ("train step", jax.jit(optax_train_step(tx), donate_argnums=(0, 1)),
                                         (params, state, grads)),
                                        ("fused", jax.jit(fused, donate_argnums=(0, 2)), (params, grads, state))):
                     text = fn.lower(*args).compile().as_text()
@@ -200,8 +190,8 @@ def _cases():
                     params, state = fused(params, put(g, mesh, lambda k: P()), state)  # replicated gradients
                     assert same_bits(params, refs[mode][i][0]) and same_bits(state, refs[mode][i][1]), (mode, i)
                 leaf = state.moments["a"]
-                assert normalized(leaf.sharding.spec, leaf.ndim) == \
-                    normalized(spec_of_state(P("data", "model"), mode), leaf.ndim), leaf.sharding
+                assert normalized_spec(leaf.sharding.spec, leaf.ndim) == \
+                    normalized_spec(spec_of_state(P("data", "model"), mode), leaf.ndim), leaf.sharding
                 # Eagerly too: replicated or uncommitted gradients are moved to the parameters' layout.
                 eager = packed_adamw_fused_step(1e-2, weight_decay=0.1, mask=mask, mode=mode)
                 params = put(params0, mesh, lambda k: specs2[k])
@@ -217,7 +207,7 @@ def _cases():
         # jitted step is gathered (correct, not distributed). The bits must still be right.
         for mode in MODES:
             tx = packed_adamw(1e-2, weight_decay=0.1, mask=mask, mode=mode)
-            step = jax.jit(train_step(tx))
+            step = jax.jit(optax_train_step(tx))
             params = put(params0, auto)
             state = tx.init(params)
             for i, g in enumerate(grads0):
@@ -242,7 +232,7 @@ def _cases():
                 for mesh in (explicit, auto):
                     with jax.set_mesh(mesh):
                         tx = packed_adamw(1e-2, weight_decay=0.1, mask=mask, mode=mode, impl="xla")
-                        step = jax.jit(train_step(tx))
+                        step = jax.jit(optax_train_step(tx))
                         params = put(params0, mesh)
                         state = tx.init(params)
                         text = step.lower(params, state, put(grads0[0], mesh)).compile().as_text()
@@ -294,7 +284,7 @@ def _cases():
             for k, o, st, pp, gg in zip(shapes, outs, states, p, g):
                 assert np.array_equal(np.asarray(o), np.asarray(pp) * 2 + np.asarray(gg) + np.float32(0.5)), k
                 assert np.all(np.asarray(st) == 3), k
-                assert normalized(o.sharding.spec, o.ndim) == normalized(specs[k], o.ndim), (k, o.sharding)
+                assert normalized_spec(o.sharding.spec, o.ndim) == normalized_spec(specs[k], o.ndim), (k, o.sharding)
 
     @case("import_state_places_the_state_like_the_params")
     def _():
@@ -308,8 +298,8 @@ def _cases():
             assert same_bits(imported, state), mode
             for k, leaf in imported.moments.items():
                 assert leaf.sharding.mesh == auto, (k, leaf.sharding)
-                assert normalized(leaf.sharding.spec, leaf.ndim) == \
-                    normalized(spec_of_state(specs[k], mode), leaf.ndim), (k, leaf.sharding)
+                assert normalized_spec(leaf.sharding.spec, leaf.ndim) == \
+                    normalized_spec(spec_of_state(specs[k], mode), leaf.ndim), (k, leaf.sharding)
             updates, _ = jax.jit(tx.update)(put(grads0[0], auto), imported, params)  # and steps from there
             assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(params)
 
@@ -332,7 +322,7 @@ def _cases():
                 (lambda t: {k: jax.device_put(as_leaf(k, v), NamedSharding(mesh, m_specs[k])) for k, v in t.items()})
             params = place(m_params)
             state = tx.init(params)
-            step = jax.jit(train_step(tx)) if jit else train_step(tx)
+            step = jax.jit(optax_train_step(tx)) if jit else optax_train_step(tx)
             for g in m_grads:
                 params, state = step(params, state, place(g))
             return params, state
@@ -347,9 +337,9 @@ def _cases():
                            zip(jax.tree_util.tree_leaves((got_p, got_s)), jax.tree_util.tree_leaves((want_p, want_s)))), where
                 assert len(jax.tree_util.tree_leaves(got_s)) == len(jax.tree_util.tree_leaves(want_s)), where
                 for k in ("w", "v", "s"):  # the weights keep their layout
-                    assert normalized(got_p[k].sharding.spec, 2) == normalized(m_specs[k], 2), (where, k)
+                    assert normalized_spec(got_p[k].sharding.spec, 2) == normalized_spec(m_specs[k], 2), (where, k)
                     if mesh is explicit or not jit:  # the state too, where the layout is decided by the step
-                        assert normalized(got_s.momentum[k].sharding.spec, 2) == normalized(m_specs[k], 2), (where, k)
+                        assert normalized_spec(got_s.momentum[k].sharding.spec, 2) == normalized_spec(m_specs[k], 2), (where, k)
 
     return results
 

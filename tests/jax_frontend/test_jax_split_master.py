@@ -29,7 +29,8 @@ import optax
 import pytest
 import torch
 
-from jax_helpers import InterpretedJaxTriton, case_recorder, jax_cuda_unavailable, run_cases_child, step_callbacks
+from jax_helpers import (SHARDED_SHAPES, InterpretedJaxTriton, case_recorder, jax_cuda_unavailable, normalized_spec,
+                         optax_train_step, run_cases_child, sharded_specs, step_callbacks)
 from packed_adamw.core import StateFormat, codecs as formats, launch
 from packed_adamw.core.adamw import RULE as ADAMW_RULE
 from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
@@ -753,8 +754,7 @@ def _cases():
 
     assert len(jax.devices()) == DEVICES, jax.devices()
     rng = np.random.default_rng(0)
-    shapes = {"a": (16, 12), "b": (8,), "c": (), "d": (3, 16), "r": (5,)}
-    specs = {"a": P("x", None), "b": P("x"), "c": P(), "d": P(None, "x"), "r": P()}
+    shapes, specs = SHARDED_SHAPES, sharded_specs()
     split = {"a", "c", "d"}  # bf16; "b" and "r" float32
     masters0 = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
     grads0 = [{k: (rng.standard_normal(s) * 10.0 ** rng.uniform(-6, 1, s)).astype(np.float32)
@@ -775,15 +775,6 @@ def _cases():
     def put(tree, mesh):
         return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
 
-    def normalized(spec, ndim):
-        return tuple(spec) + (None,) * (ndim - len(spec))
-
-    def train_step(tx):
-        def step(params, state, grads):
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-        return step
-
     def start(tx, mesh=None):
         params = template if mesh is None else put(template, mesh)
         masters = {k: jnp.asarray(v) for k, v in masters0.items()}
@@ -792,7 +783,7 @@ def _cases():
     def reference(mode):
         tx = packed_adamw(1e-2, weight_decay=0.1, mask=mask, mode=mode)
         params, state = start(tx)
-        step = jax.jit(train_step(tx))
+        step = jax.jit(optax_train_step(tx))
         for g in grads0:
             params, state = step(params, state, g)
         return params, state
@@ -807,7 +798,7 @@ def _cases():
     for mode in modes:
         tx = packed_adamw(1e-2, weight_decay=0.1, mask=mask, mode=mode)
         params, state = start(tx)
-        refs_first[mode] = train_step(tx)(params, state, grads0[0])
+        refs_first[mode] = optax_train_step(tx)(params, state, grads0[0])
 
     @case("low_halves_follow_the_params_shardings")
     def _():
@@ -817,11 +808,11 @@ def _cases():
             for k in split:
                 lo = state.low_halves[k]
                 assert lo.sharding.mesh == mesh and lo.dtype == jnp.int16, (k, lo.sharding)
-                assert normalized(lo.sharding.spec, lo.ndim) == normalized(specs[k], lo.ndim), (k, lo.sharding)
+                assert normalized_spec(lo.sharding.spec, lo.ndim) == normalized_spec(specs[k], lo.ndim), (k, lo.sharding)
             assert state.low_halves["b"] is None
             with jax.set_mesh(explicit):
                 traced = jax.jit(tx.init)(put(template, explicit))
-            assert normalized(traced.low_halves["a"].sharding.spec, 2) == ("x", None)
+            assert normalized_spec(traced.low_halves["a"].sharding.spec, 2) == ("x", None)
 
     @case("sharded_bits_equal_unsharded_transform_and_fused")
     def _():
@@ -833,8 +824,8 @@ def _cases():
             for mesh, context in ((explicit, lambda: jax.set_mesh(explicit)), (auto, None)):
                 params, state = start(tx, mesh)
                 fp, fs = start(tx, mesh)
-                step = jax.jit(train_step(tx))
-                eager = train_step(tx)
+                step = jax.jit(optax_train_step(tx))
+                eager = optax_train_step(tx)
                 ep, es = start(tx, mesh)
                 for i, g in enumerate(grads0):
                     g = put(g, mesh)
@@ -856,7 +847,7 @@ def _cases():
         tx = packed_adamw(1e-2, weight_decay=0.1, mask=mask)
         with jax.set_mesh(explicit):
             params, state = start(tx, explicit)
-            text = jax.jit(train_step(tx)).lower(params, state, put(grads0[0], explicit)).compile().as_text()
+            text = jax.jit(optax_train_step(tx)).lower(params, state, put(grads0[0], explicit)).compile().as_text()
         found = re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(",
                            text)
         assert not found, sorted(set(found))
@@ -870,7 +861,7 @@ def _cases():
         assert same_bits(imported, want_s)
         for k in split:
             lo = imported.low_halves[k]
-            assert normalized(lo.sharding.spec, lo.ndim) == normalized(specs[k], lo.ndim), (k, lo.sharding)
+            assert normalized_spec(lo.sharding.spec, lo.ndim) == normalized_spec(specs[k], lo.ndim), (k, lo.sharding)
 
     @case("custom_partitioning_places_the_low_halves_like_the_params")
     def _():
@@ -897,7 +888,7 @@ def _cases():
         for k, lo in zip(keys, new_lows):
             if k in split:
                 assert np.asarray(lo).tolist() == np.full(shapes[k], 3).tolist()
-                assert normalized(lo.sharding.spec, lo.ndim) == normalized(specs[k], lo.ndim), (k, lo.sharding)
+                assert normalized_spec(lo.sharding.spec, lo.ndim) == normalized_spec(specs[k], lo.ndim), (k, lo.sharding)
             else:
                 assert lo is None
 
