@@ -95,6 +95,18 @@ def set_lr(opt, value) -> None:
             group["lr"] = value
 
 
+
+def step_through_lrs(a, eager, b, compiled, step) -> None:
+    """One step per value of LRS, the same gradients fed to both models: `eager.step()` on `a`,
+    `step()` (the compiled optimizer's step) on `b`."""
+    for value, grads in zip(LRS, gradients(list(a.parameters()), len(LRS))):
+        set_lr(eager, value)
+        set_lr(compiled, value)
+        feed(a.parameters(), grads)
+        feed(b.parameters(), grads)
+        eager.step()
+        step()
+
 def gradients(params, steps: int, seed: int = 5, dtype=None):
     gen = torch.Generator().manual_seed(seed)
     return [[(torch.randn(p.shape, generator=gen) * 10.0 ** (s - 2)).to(p.device, dtype or p.dtype) for p in params]
@@ -148,13 +160,7 @@ def test_compiled_opt_step_fullgraph_gives_the_eager_bits_as_the_lr_changes(mode
     compiled = PackedAdamW(two_groups(b.parameters(), make_lr()), lr=make_lr(), weight_decay=0.1, mode=mode)
     with no_recompiles():
         step = torch.compile(compiled.step, fullgraph=True, backend="aot_eager")
-        for value, grads in zip(LRS, gradients(list(a.parameters()), len(LRS))):
-            set_lr(eager, value)
-            set_lr(compiled, value)
-            feed(a.parameters(), grads)
-            feed(b.parameters(), grads)
-            eager.step()
-            step()
+        step_through_lrs(a, eager, b, compiled, step)
     assert_same_state(list(a.parameters()), eager, list(b.parameters()), compiled, f"compiled opt.step, {lr_kind} lr")
 
 
@@ -523,13 +529,7 @@ def test_cuda_compiled_packed_muon_adamw_step_equals_its_eager_cuda_step(mode, o
     counter = Counting("inductor")
     with no_recompiles():
         step = torch.compile(compiled.step, fullgraph=True, backend=counter)
-        for value, grads in zip(LRS, gradients(list(a.parameters()), len(LRS))):
-            set_lr(eager, value)
-            set_lr(compiled, value)
-            feed(a.parameters(), grads)
-            feed(b.parameters(), grads)
-            eager.step()
-            step()
+        step_through_lrs(a, eager, b, compiled, step)
     assert counter.one_graph_calling_the_step_op()
     assert_same_state(list(a.parameters()), eager, list(b.parameters()), compiled, "CUDA compiled Muon")
 
