@@ -168,17 +168,16 @@ def run_stack(name: str, config, batches: list[PackedBatch], args, device: torch
                                            weight_decay=args.weight_decay))
     clock = Clock(device)
     losses, marks, gradient_bytes = [], [], None
-    for t in range(total_steps):
-        batch = batches[t]
-        step_start = clock.mark()
+
+    def train_step(t: int, batch: PackedBatch):
+        """One step of schedule row `t` on `batch`: (its loss, the forward-backward's end, the optimizer's end)."""
         for optimizer in optimizers:
             apply_schedule(optimizer, tables, t)
         with autocast():
             _, loss = forward(batch.inputs, batch.targets, cu_seqlens=batch.cu_seqlens)
         loss.backward()
-        if graphs_after_first_step is None:
-            graphs_after_first_step = compiled_graph_count() - graphs_at_start
-        if gradient_bytes is None:
+        nonlocal gradient_bytes
+        if gradient_bytes is None:  # the gradients' bytes, measured after the first backward
             gradient_bytes = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
         before_step = clock.mark()
         for optimizer in optimizers:
@@ -186,7 +185,14 @@ def run_stack(name: str, config, batches: list[PackedBatch], args, device: torch
         after_step = clock.mark()
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        return loss.detach(), before_step, after_step
+
+    for t in range(total_steps):
+        step_start = clock.mark()
+        loss, before_step, after_step = train_step(t, batches[t])
+        if graphs_after_first_step is None:
+            graphs_after_first_step = compiled_graph_count() - graphs_at_start
+        losses.append(loss)
         marks.append((step_start, before_step, after_step))
     end = clock.mark()
     if device.type == "cuda":
@@ -221,9 +227,77 @@ def run_stack(name: str, config, batches: list[PackedBatch], args, device: torch
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
         result["peak_memory_bytes_per_param"] = result["peak_memory_bytes"] / n_params
         result["allocated_after_bytes"] = torch.cuda.memory_allocated()
+    if args.profile:  # after the timed steps, so that profiling costs them nothing
+        result["profile"] = profile_steps(lambda i: train_step(total_steps - 1, batches[total_steps - 1 - i]),
+                                          args.profile, device)
     del model, forward, optimizers
     free_memory(device)
     return result
+
+
+# ---- where a step's time goes -----------------------------------------------------------------
+# Kernel names to the part of the step they belong to, first match wins (lower-cased substrings).
+# The optimizer's are the packed kernels (core/*/kernel.py, ns_kernel.py) and torch's fused
+# AdamW and foreach ops; a cuBLAS GEMM inside Newton-Schulz counts as a GEMM (the profile says
+# how the step's GPU time splits by kind of work; the optimizer's wall time is `optimizer ms`).
+KERNEL_PARTS = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("optimizer", ("adamw", "muon", "newton", "_ns_", "ns_", "multi_tensor", "foreach", "momentum",
+                   "step_scalars")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "aten::mm", "addmm", "bmm")),
+    ("loss", ("cross_entropy", "log_softmax", "nll_loss", "softmax")),
+    ("norm", ("norm",)),
+    ("copy / cast", ("copy", "cast", "convert", "to_copy", "fill", "memset", "memcpy")),
+)
+
+
+def kernel_part(name: str) -> str:
+    lowered = name.lower()
+    for part, needles in KERNEL_PARTS:
+        if any(needle in lowered for needle in needles):
+            return part
+    return "other elementwise"
+
+
+def profile_steps(step, count: int, device: torch.device) -> dict:
+    """`count` calls of `step(i)` under torch.profiler: the device time per step by part of the
+    step (`KERNEL_PARTS`; on the CPU, the ops' self CPU time), the wall time per step, the
+    share of the wall time no kernel ran (the host's gaps), and the 25 largest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step(0)  # once outside the profile: the profiler's own first call costs nothing of the steps
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for i in range(count):
+            step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    rows = []
+    for avg in prof.key_averages():
+        if device.type == "cuda":
+            us = getattr(avg, "self_device_time_total", None)
+            us = getattr(avg, "self_cuda_time_total", 0) if us is None else us
+        else:
+            us = avg.self_cpu_time_total if avg.key.startswith("aten::") else 0
+        if us > 0:
+            rows.append((avg.key, us, avg.count))
+    rows.sort(key=lambda r: -r[1])
+    parts: dict[str, float] = {}
+    for name, us, _ in rows:
+        parts[kernel_part(name)] = parts.get(kernel_part(name), 0.0) + us
+    busy_us = sum(parts.values())
+    return {
+        "steps": count,
+        "wall_ms_per_step": wall_us / count / 1e3,
+        "device_ms_per_step": {part: us / count / 1e3 for part, us in sorted(parts.items(), key=lambda kv: -kv[1])},
+        "busy_ms_per_step": busy_us / count / 1e3,
+        "idle_fraction": max(0.0, 1.0 - busy_us / wall_us),
+        "top_kernels": [{"name": name[:160], "part": kernel_part(name), "ms_per_step": us / count / 1e3,
+                         "calls_per_step": calls / count} for name, us, calls in rows[:25]],
+    }
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -290,6 +364,17 @@ def render(meta: dict, results: dict, compared: dict) -> str:
                      f"{100 * c['training_state_smaller_fraction']:.1f}% smaller "
                      f"({c['training_state_bytes_saved'] / GIB:.3f} GiB, "
                      f"{c['training_state_bytes_saved'] / n:.3f} B/param less){peak}.")
+    for r in results.values():
+        if "profile" not in r:
+            continue
+        prof = r["profile"]
+        parts = ", ".join(f"{part} {ms:.2f}" for part, ms in prof["device_ms_per_step"].items())
+        lines += ["", f"- {r['stack']}, profiled ({prof['steps']} steps after the timed ones, torch.profiler): "
+                  f"{prof['wall_ms_per_step']:.2f} ms/step wall, {prof['busy_ms_per_step']:.2f} ms of kernels "
+                  f"({100 * prof['idle_fraction']:.1f}% of the wall time no kernel ran); kernel ms/step by part: "
+                  f"{parts}.", "", "  | kernel | part | ms/step | calls/step |", "  |---|---|---|---|"]
+        lines += [f"  | `{k['name'][:90]}` | {k['part']} | {k['ms_per_step']:.3f} | {k['calls_per_step']:g} |"
+                  for k in prof["top_kernels"][:15]]
     not_learning = [r["stack"] for r in results.values() if not r["loss_decreased"]]
     if not_learning:
         lines.append(f"- WARNING: the loss did not decrease for {', '.join(not_learning)}.")
@@ -318,14 +403,18 @@ def parse_args(argv=None):
     parser.add_argument("--weight-decay", type=float, default=0.28, help="Muon weight decay (cosine schedule)")
     parser.add_argument("--mean-document", type=float, default=512.0, help="mean document length in tokens")
     parser.add_argument("--zipf-exponent", type=float, default=1.1)
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the timed steps, profile this many more (torch.profiler): each stack's "
+                        "kernel time by part of the step, the host's gaps, the largest kernels")
     parser.add_argument("--out", help="write the markdown table here")
     parser.add_argument("--json", help="write the measurements as JSON here")
     args = parser.parse_args(argv)
     for name in ("batch", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    for name in ("warmup", "profile"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be >= 0, got {getattr(args, name)}")
     return args
 
 

@@ -134,3 +134,18 @@ def test_a_compiled_cpu_run_compiles_once_and_reports_flops_but_no_mfu(bench, tm
     for name in ("packed", "reference"):
         row = next(line for line in lines if line.startswith(f"| {name} |"))
         assert [c.strip() for c in row.split("|")][column] == "-", row
+
+
+def test_profile_splits_each_stacks_time_by_part(bench, tmp_path):
+    out, raw = tmp_path / "d12.md", tmp_path / "d12.json"
+    assert bench.main(TINY + ["--device", "cpu", "--stacks", "packed", "--profile", "1", "--out", str(out),
+                              "--json", str(raw)]) == 0
+    prof = json.loads(raw.read_text())["stacks"]["packed"]["profile"]
+    assert prof["steps"] == 1 and prof["wall_ms_per_step"] > 0
+    # on the CPU the ops' own time: the model's matmuls are its largest part
+    assert max(prof["device_ms_per_step"], key=prof["device_ms_per_step"].get) == "gemm", prof
+    assert abs(sum(prof["device_ms_per_step"].values()) - prof["busy_ms_per_step"]) < 1e-6
+    assert "- packed, profiled (1 steps" in out.read_text()
+    assert bench.kernel_part("ns_gemm_kernel") == "optimizer"
+    assert bench.kernel_part("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert bench.kernel_part("flash_fwd_kernel") == "attention"
