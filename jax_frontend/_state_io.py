@@ -82,7 +82,7 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
         raise ValueError("import_state: track_format=True counts packed or fp16 codes; fp32 mode has none")
     count = jnp.asarray(count, jnp.int32)
     moments = treedef.unflatten([_placed_like(m, p, fmt) for m, p in zip(portable.moments, leaves)])
-    counts = _zero_format_counts(len(leaves)) if track_format else None
+    counts = _zero_format_counts(len(leaves), fmt.rule.count_names) if track_format else None
     lows = None
     if any(split):
         lows = treedef.unflatten([None if lo is None else _placed_like(lo, p, None)

@@ -29,6 +29,7 @@ import optax
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
 from packed_adamw.core.adamw.rule import FORMAT_COUNTS
+from packed_adamw.core.rule import StateLayout
 
 from . import _masters
 from ._hyperparams import (  # noqa: F401  (RefusedStepWarning and the count's helpers: this module's names too)
@@ -50,7 +51,7 @@ from ._hyperparams import (  # noqa: F401  (RefusedStepWarning and the count's h
 from ._masters import BF16, FLOAT32, LOW_HALF
 from ._sharding import sharded_step
 from ._rules import ADAMW
-from ._step import StepConfig, StepOperands, StepResults
+from ._step import RuleSteps, StepConfig, StepOperands, StepResults
 from ._xla_step import xla_step
 
 # optax.adamw's default; torch.optim.AdamW (and PackedAdamW) use 1e-2.
@@ -147,9 +148,10 @@ def _has_format_counts(state) -> bool:
     return state.format_counts is not None
 
 
-def _zero_format_counts(n_leaves: int) -> FormatCounts:
+def _zero_format_counts(n_leaves: int, count_names: tuple[str, ...]) -> FormatCounts:
+    """No counts yet of `n_leaves` leaves, each of a rule's `count_names`."""
     return FormatCounts(steps=jnp.zeros([], jnp.int32),
-                        counts=jnp.zeros((n_leaves, len(FORMAT_COUNTS), 2), jnp.uint32))
+                        counts=jnp.zeros((n_leaves, len(count_names), 2), jnp.uint32))
 
 
 def _accumulated(counts, step_counts):
@@ -159,7 +161,7 @@ def _accumulated(counts, step_counts):
     return jnp.stack([low, high], axis=-1)
 
 
-def _check_format_counts(state, tracked: bool, n_leaves: int) -> None:
+def _check_format_counts(state, tracked: bool, n_leaves: int, count_names: tuple[str, ...]) -> None:
     has_counts = _has_format_counts(state)
     if tracked and not has_counts:
         raise ValueError(
@@ -172,7 +174,7 @@ def _check_format_counts(state, tracked: bool, n_leaves: int) -> None:
     if not tracked:
         return
     expected = FormatCounts(jax.ShapeDtypeStruct((), jnp.dtype(jnp.int32)),
-                            jax.ShapeDtypeStruct((n_leaves, len(FORMAT_COUNTS), 2), jnp.dtype(jnp.uint32)))
+                            jax.ShapeDtypeStruct((n_leaves, len(count_names), 2), jnp.dtype(jnp.uint32)))
     got = FormatCounts(*(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in state.format_counts))
     if got != expected:
         raise ValueError(f"packed_adamw: the state's format counts are {got}, expected {expected} for "
@@ -342,24 +344,31 @@ def _adamw_group(learning_rate, b1, b2, eps, weight_decay) -> tuple:
 class _Stepper:
     """What the transform and the fused step share: hyperparameters, format, the step over
     leaves. `group`: the hyperparameters in the rule's `group_keys` order (the learning rate
-    first), each a number, an array or a schedule of the count."""
+    first), each a number, an array or a schedule of the count. `mode`: AdamW's mode (with the
+    biases, as `state_format` takes them), or any rule's state format, whose `rule` is the
+    rule `steps` (`RuleSteps`; AdamW's when left out) runs; `name` starts the messages."""
 
     def __init__(self, group, mask, mode, m_bias, rms_bias, multi_tensor, reuse_grad_buffer=False,
-                 track_format=False, impl="auto"):
-        self.fmt = state_format(mode, m_bias, rms_bias)
-        self.rule = self.fmt.rule
+                 track_format=False, impl="auto", *, steps: RuleSteps | None = None, name: str = "packed_adamw"):
+        if isinstance(mode, StateLayout) and not isinstance(mode, StateFormat):  # another rule's format
+            self.fmt = mode
+        else:
+            self.fmt = state_format(mode, m_bias, rms_bias)
+        self.rule, self.name = self.fmt.rule, name
+        self.steps = ADAMW if steps is None else steps  # (read when built: tests replace AdamW's steps)
         if impl not in IMPLS:
-            raise ValueError(f"packed_adamw: impl={impl!r}: pass 'auto' (the default), 'kernel' or 'xla'")
+            raise ValueError(f"{name}: impl={impl!r}: pass 'auto' (the default), 'kernel' or 'xla'")
         if impl == "xla" and track_format:
-            raise ValueError("packed_adamw: impl='xla' does not count formats; with track_format=True use "
+            raise ValueError(f"{name}: impl='xla' does not count formats; with track_format=True use "
                              "impl='kernel' (or 'auto', which picks it)")
         self.impl = impl
-        self.warn_refused = functools.partial(_warn_refused, "packed_adamw", self.rule)  # `_report_refusal`'s host side
+        self.warn_refused = functools.partial(_warn_refused, name, self.rule)  # `_report_refusal`'s host side
         if track_format not in (True, False):
-            raise TypeError(f"packed_adamw: track_format={track_format!r}: pass True or False")
-        if track_format and self.fmt.mode == "fp32":
-            raise ValueError("packed_adamw: track_format=True counts where packed or fp16 codes saturate, flush or "
-                             "go subnormal; fp32 mode stores float32 moments: use mode='packed' or 'fp16'")
+            raise TypeError(f"{name}: track_format={track_format!r}: pass True or False")
+        if track_format and self.fmt.formats is None:  # (AdamW's fp32 mode)
+            raise ValueError(f"{name}: track_format=True counts where packed or fp16 codes saturate, flush or "
+                             f"go subnormal; {self.fmt.mode} mode stores float32 moments: use mode='packed' or "
+                             "'fp16'")
         self.track_format = bool(track_format)
         self.reuse_grad_buffer = bool(reuse_grad_buffer)
         # Numbers and concrete arrays (optax.inject_hyperparams outside jit) are checked now;
@@ -386,7 +395,7 @@ class _Stepper:
         if "gpu" not in platforms:
             if self.impl == "xla":
                 raise ValueError(
-                    f"packed_adamw: impl='xla' runs on CUDA GPUs only, and this step's arrays are on "
+                    f"{self.name}: impl='xla' runs on CUDA GPUs only, and this step's arrays are on "
                     f"{sorted(platforms)}: XLA's CPU runtime flushes float32 subnormals, which the contract keeps. "
                     "Use impl='auto' (the default) or 'kernel'")
             return sharded_step
@@ -400,25 +409,26 @@ class _Stepper:
         for variant in sorted(set(leaf_rows)):
             fields = self.rule.param_reading_fields(variant)
             if fields is None:
-                raise ValueError("packed_adamw: the update reads the parameters, so update() needs params: call "
+                raise ValueError(f"{self.name}: the update reads the parameters, so update() needs params: call "
                                  "tx.update(grads, state, params)")
             for field in fields:
                 if _concrete_float(value[field]) is None:
                     raise ValueError(
-                        f"packed_adamw: {field} is not known to be zero (it is traced, e.g. injected by "
+                        f"{self.name}: {field} is not known to be zero (it is traced, e.g. injected by "
                         "optax.inject_hyperparams under jit), so update() needs params: call "
                         "tx.update(grads, state, params)"
                     )
                 if _concrete_float(value[field]) != 0.0:
                     raise ValueError(
-                        f"packed_adamw: {field} is nonzero, so update() needs params; call "
+                        f"{self.name}: {field} is nonzero, so update() needs params; call "
                         f"tx.update(grads, state, params), or set {field}=0"
                     )
 
     def init(self, params):
         count = jnp.zeros([], jnp.int32)
         moments = jax.tree_util.tree_map(lambda p: _zero_moments(p, self.fmt), params)
-        counts = _zero_format_counts(len(jax.tree_util.tree_leaves(params))) if self.track_format else None
+        counts = (_zero_format_counts(len(jax.tree_util.tree_leaves(params)), self.rule.count_names)
+                  if self.track_format else None)
         if _is_params_placeholder(params):  # optax.tree_utils.tree_map_params: no dtypes to go by
             return PackedAdamWState(count, moments, _LOW_HALVES_UNKNOWN, counts)
         low_halves = None
@@ -435,7 +445,7 @@ class _Stepper:
             return self.track_format
         if not isinstance(track_format, bool):
             raise TypeError(
-                f"packed_adamw: update(..., track_format={track_format!r}) picks the step's launch, so it must be a "
+                f"{self.name}: update(..., track_format={track_format!r}) picks the step's launch, so it must be a "
                 "Python bool known when the step is traced; under jax.jit pass it as a static argument "
                 "(jax.jit(train_step, static_argnames='track_format')), one compilation each way")
         return self.track_format and track_format
@@ -447,14 +457,14 @@ class _Stepper:
             split = [False] * treedef.num_leaves
             if state.low_halves is not None:
                 raise ValueError(
-                    "packed_adamw: the parameters have bfloat16 leaves, whose weights are half of their FP32 "
+                    f"{self.name}: the parameters have bfloat16 leaves, whose weights are half of their FP32 "
                     "masters, so update() needs params: call tx.update(grads, state, params)")
         else:
             split = _split_flags(params)
         _check_grad_dtypes(flat_grads, split)
         _check_state(state.moments, grads, self.fmt)
         lows = _check_low_halves(state, treedef, grads if params is None else params, split)
-        _check_format_counts(state, self.track_format, treedef.num_leaves)
+        _check_format_counts(state, self.track_format, treedef.num_leaves, self.rule.count_names)
         _check_count(state.count)
         rule = self.rule
         selected = treedef.flatten_up_to(_mask_flags(self.mask, grads if params is None else params))
@@ -471,12 +481,12 @@ class _Stepper:
         hparams, valid = _refuse_invalid(rule, rows, state.count)
         # Known outside jit (a schedule's value, say): say so instead of refusing silently; under
         # jit refused in the graph, and heard as `_refused_eagerly` says (docs/JAX.md).
-        if _refused_eagerly("packed_adamw", rule, self.warn_refused, at_count, rows[0], valid, state.count):
-            raise ValueError(f"packed_adamw: invalid hyperparameters at count {int(state.count)}: "
+        if _refused_eagerly(self.name, rule, self.warn_refused, at_count, rows[0], valid, state.count):
+            raise ValueError(f"{self.name}: invalid hyperparameters at count {int(state.count)}: "
                              f"{_refusal_reason(rule, np.asarray(rows)[0], int(state.count))}")
         count = jnp.where(valid, _increment(state.count), state.count)
         step_count = jnp.where(valid, count, 1)  # a refused step's rows are NaN: any count in range will do
-        config = StepConfig(fmt=self.fmt, steps=ADAMW, write_update=write_update, multi_tensor=self.multi_tensor,
+        config = StepConfig(fmt=self.fmt, steps=self.steps, write_update=write_update, multi_tensor=self.multi_tensor,
                             leaf_rows=leaf_rows, paths=paths,
                             alias_grads=write_update and self.reuse_grad_buffer, track_format=counting,
                             split=tuple(i for i, lo in enumerate(lows) if lo is not None))
@@ -569,9 +579,47 @@ def packed_adamw(
     where no float32 u can, and what the state does there. `master_weights(params, state)`
     returns the masters; `load_master_weights` sets them.
     """
-    stepper = _Stepper(_adamw_group(learning_rate, b1, b2, eps, weight_decay), mask, mode, m_bias, rms_bias,
-                       multi_tensor, reuse_grad_buffer, track_format, impl)
+    return _transform(_Stepper(_adamw_group(learning_rate, b1, b2, eps, weight_decay), mask, mode, m_bias, rms_bias,
+                               multi_tensor, reuse_grad_buffer, track_format, impl))
 
+
+def packed_rule(
+    steps: RuleSteps,
+    fmt: StateLayout,
+    mask: Any = None,
+    *,
+    multi_tensor: bool = True,
+    reuse_grad_buffer: bool = True,
+    track_format: bool = False,
+    name: str | None = None,
+    **hyperparams,
+) -> optax.GradientTransformationExtraArgs:
+    """Any elementwise rule as an optax transformation (docs/ARCHITECTURE.md, "How a rule plugs
+    in"): `steps` its numpy steps, host step scalars and Triton entry points (`RuleSteps`),
+    `fmt` its state format (whose `rule` declares the rest), `hyperparams` a group's values by
+    the rule's `group_keys` (each a number, a scalar array or a schedule of the count; a tuple,
+    as AdamW's betas, of those). Its state is `PackedAdamWState` (`moments`: the rule's state
+    entry per leaf), its step the primitive's (`impl="kernel"` of `packed_adamw`: the numpy step
+    on CPU, the Triton kernels on CUDA), bf16 leaves split masters, `mask` a leaf selection for
+    the rule's `masked_variant`, `track_format` its format counts: as `packed_adamw`, which is
+    this transform of AdamW's rule (with, on CUDA, AdamW's XLA step besides). `name` starts its
+    messages (the rule's name by default)."""
+    rule = fmt.rule
+    name = name or rule.name
+    if set(hyperparams) != set(rule.group_keys):
+        raise TypeError(f"{name}: pass the hyperparameters {', '.join(rule.group_keys)} (the rule's group keys), "
+                        f"got {', '.join(sorted(hyperparams)) or 'none'}")
+    flat = {}
+    for key in rule.group_keys:
+        value = hyperparams[key]
+        flat.update({f"{key}[{i}]": v for i, v in enumerate(value)} if isinstance(value, tuple) else {key: value})
+    _check_hyperparameter_kinds(name, flat, schedules=tuple(flat))
+    group = tuple(hyperparams[key] for key in rule.group_keys)
+    return _transform(_Stepper(group, mask, fmt, None, None, multi_tensor, reuse_grad_buffer, track_format, "kernel",
+                               steps=steps, name=name))
+
+
+def _transform(stepper: _Stepper) -> optax.GradientTransformationExtraArgs:
     def update_fn(updates, state, params=None, *, track_format: bool | None = None, **extra_args):
         del extra_args  # accepted, as every optax alias does, and unused
         return stepper.run(updates, state, params, write_update=True, track_format=track_format)
@@ -632,7 +680,7 @@ def _tracked_state(state):
                      "packed_adamw(..., track_format=True) transform, or an optax state that contains it")
 
 
-def format_stats(state, params=None) -> dict[str, dict[str, int]]:
+def format_stats(state, params=None, *, count_names: tuple[str, ...] | None = None) -> dict[str, dict[str, int]]:
     """Where the moments landed in their formats since `init`, per leaf, from the state of a
     `packed_adamw(..., track_format=True)` transform (or an optax state holding one, such as
     a chain's or inject_hyperparams').
@@ -644,7 +692,9 @@ def format_stats(state, params=None) -> dict[str, dict[str, int]]:
     read, the counts are cumulative since init: the state is a value, so take differences
     between two reads. Reading waits for the step that produced the state (call it outside
     jit; inside, `state.format_counts` is the data). `params`, if given, must be the
-    parameters the state belongs to (checked: tree and shapes).
+    parameters the state belongs to (checked: tree and shapes). `count_names`: the counts'
+    names for a `packed_rule` state of another rule (its `fmt.rule.count_names`; AdamW's by
+    default), checked against the counts the state holds.
     """
     tracked = _tracked_state(state)
     flat = jax.tree_util.tree_flatten_with_path(tracked.moments)[0]
@@ -658,12 +708,18 @@ def format_stats(state, params=None) -> dict[str, dict[str, int]]:
     if any(isinstance(x, jax.core.Tracer) for x in tracked.format_counts):
         raise TypeError("format_stats reads the counts on the host, so it cannot run under jax.jit; call it on the "
                         "state a jitted step returned, or read state.format_counts inside")
+    names = FORMAT_COUNTS if count_names is None else tuple(count_names)
+    if tracked.format_counts.counts.shape[1] != len(names):
+        held = tracked.format_counts.counts.shape[1]
+        raise ValueError(f"format_stats: the state holds {held} format counts per leaf, not the {len(names)} of "
+                         f"{names}; for a packed_rule state pass count_names="
+                         "fmt.rule.count_names of its rule's state format")
     halves = np.asarray(tracked.format_counts.counts).astype(np.uint64)
     totals = halves[..., 0] + (halves[..., 1] << np.uint64(32))
     steps = int(np.asarray(tracked.format_counts.steps))
     return {
         jax.tree_util.keystr(path): {"elements": steps * int(np.prod(jnp.shape(m), dtype=np.int64)),
-                                     **{name: int(c) for name, c in zip(FORMAT_COUNTS, totals[i])}}
+                                     **{name: int(c) for name, c in zip(names, totals[i])}}
         for i, (path, m) in enumerate(flat)
     }
 
@@ -675,4 +731,5 @@ from ._state_io import export_state, import_state, load_master_weights, master_w
 
 __all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState",
            "PackedAdamWTrackedState", "RefusedStepWarning", "export_state", "format_stats", "import_state",
-           "load_master_weights", "master_weights", "packed_adamw", "packed_adamw_fused_step", "state_format"]
+           "load_master_weights", "master_weights", "packed_adamw", "packed_adamw_fused_step", "packed_rule",
+           "state_format"]

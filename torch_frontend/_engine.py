@@ -1,4 +1,5 @@
-"""How a `PackedAdamW` step runs, apart from the class that holds the options and the state.
+"""How an elementwise rule's step runs (PackedAdamW's, any `optimizer.ElementwiseOptimizer`'s),
+apart from the class that holds the options and the state.
 
 Every step takes one route to the launches (or the numpy step): a `StepPlan` (`_plan.py`) and
 its `run`. A step whose plan still holds calls `plan.step`; otherwise `full_step` checks every
@@ -56,10 +57,11 @@ def step(opt, live: dict | None = None) -> None:
     compiled program holds in a tensor of its own (a copy it writes back when its graph ends):
     those tensors step instead, through a full step whose plan is not kept."""
     if not opt.capturable and _checks.capturing():
+        name = type(opt).__name__
         raise RuntimeError(
-            "PackedAdamW.step() was called while a CUDA graph captures, but this optimizer was built without "
+            f"{name}.step() was called while a CUDA graph captures, but this optimizer was built without "
             "capturable=True: its step reads the step counts and the learning rate on the host, which a captured "
-            "graph would freeze. Build it with PackedAdamW(..., lr=torch.tensor(lr, device='cuda'), "
+            f"graph would freeze. Build it with {name}(..., lr=torch.tensor(lr, device='cuda'), "
             "capturable=True) to capture its step, or step it outside the capture")
     rows = [checked_row(opt, group, index) for index, group in enumerate(opt.param_groups)]
     kept = opt.__dict__.get("_kept_rows")
@@ -91,9 +93,9 @@ def full_step(opt, group_rows: list, live: dict | None = None) -> tuple[StepPlan
                              "use capturable=False there")
         if _checks.capturing():
             raise RuntimeError(
-                "PackedAdamW(capturable=True): this step must check and (re)build its plan, which cannot happen "
-                "while a CUDA graph captures: take a few eager steps first (torch.cuda.graph's warm-up on a side "
-                "stream), and capture again after changing parameters, gradients' presence or the state")
+                f"{type(opt).__name__}(capturable=True): this step must check and (re)build its plan, which cannot "
+                "happen while a CUDA graph captures: take a few eager steps first (torch.cuda.graph's warm-up on a "
+                "side stream), and capture again after changing parameters, gradients' presence or the state")
     fmt = opt.state_format
     stored = [state[fmt.state_key] if state else _dtensor.wrap_state(p, new_state(pl, fmt), fmt, name)
               for p, pl, state, name in zip(checked.params, checked.kernel_params, checked.states, checked.names)]
@@ -113,7 +115,8 @@ def full_step(opt, group_rows: list, live: dict | None = None) -> tuple[StepPlan
                          stored_lows=stored_lows)
         rejected = plan.run(opt, checked.grads, [g.data_ptr() for g in checked.grads], checked.counts, group_rows)
         if rejected is None:
-            raise RuntimeError("PackedAdamW: a step plan could not run right after it was made; please report this")
+            raise RuntimeError(f"{type(opt).__name__}: a step plan could not run right after it was made; please "
+                               "report this")
     except BaseException:  # a failed step changes nothing
         undo()
         raise
@@ -143,7 +146,7 @@ def _check_step(opt, live: dict | None) -> _Checked:
             if device is None:
                 device = pl.get_device()  # an int (-1 for CPU): cheaper than torch.device objects
             elif pl.get_device() != device:
-                _checks.check_one_device([pl, kernel_params[0]], "PackedAdamW.step")
+                _checks.check_one_device([pl, kernel_params[0]], f"{type(opt).__name__}.step")
             state = opt.state.get(p)
             counts.append(_checks.check_live_state(p, pl, state, fmt, name) + 1 if state else 1)
             params.append(p)
@@ -273,7 +276,7 @@ def raise_if_rejected(opt, params: list, rejected: list[int]) -> None:
            for gi, group in enumerate(opt.param_groups) for pi, p in enumerate(group["params"])
            if counts_by_param.get(id(p))]
     raise NonFiniteGradientError(
-        "PackedAdamW.step: non-finite values (NaN/Inf gradients, or a parameter or update that is not "
+        f"{type(opt).__name__}.step: non-finite values (NaN/Inf gradients, or a parameter or update that is not "
         "finite; for a bfloat16 parameter also a master past the bf16 range) in " + ", ".join(bad) +
         ". Those elements kept their parameter and state; the rest were "
         "updated. Find the source of the NaN/Inf, or use torch.amp.GradScaler / "
@@ -473,8 +476,10 @@ def _warn_saturation(opt, name: str, entry: dict, warned: set, key: int) -> None
     for code, codec in zip(fmt.rule.codes, fmt.formats):
         share = entry[f"saturated_{code.suffix}"] / entry["elements"]
         if share > SATURATION_WARNING:
+            # a mode whose codes have a fixed bias (AdamW's fp16) cannot lower it: its packed mode can
             hint = (f"lower {code.bias_option} (now {getattr(fmt, code.bias_option)}; each step down doubles the "
-                    "largest value)" if fmt.mode == "packed" else "use mode='packed' with a lower bias")
+                    "largest value)" if getattr(fmt, "mode", "packed") == "packed"
+                    else "use mode='packed' with a lower bias")
             problems.append(f"{share:.2%} of its {code.holds} saturated at {codec.max_value:g}: {hint}")
     if problems:
         warned.add(key)

@@ -1,4 +1,5 @@
-"""Saving, loading and moving a `PackedAdamW` state, and the FP32 masters of bf16 parameters.
+"""Saving, loading and moving an elementwise rule's state (`PackedAdamW`'s, or any
+`optimizer.ElementwiseOptimizer`'s), and the FP32 masters of bf16 parameters.
 `PackedMuon` and `PackedMuonAdamW` reuse the identity (`with_identity`, `saved_identity`) and,
 for AdamW groups, the load checks and restoration.
 
@@ -57,7 +58,7 @@ def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
     if identity != opt.state_format.identity:
         raise ValueError(
             f"load_state_dict: the saved state has format {identity!r} but this optimizer uses "
-            f"{opt.state_format.identity!r}; construct PackedAdamW with the same mode, m_bias and rms_bias"
+            f"{opt.state_format.identity!r}; construct {type(opt).__name__} with the same {_listed(opt.format_keys)}"
         )
     check_saved_group_options(opt, state_dict["param_groups"])
     saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -232,7 +233,7 @@ def load_master_weights(opt, masters, fresh_entries=None) -> None:
     from zero, and the low half in its optimizer state), so `master_weights()` gives the
     masters back bit for bit. Moments and step counts stay as they are (a parameter never
     stepped gets a fresh state holding its low half: `fresh_entries(p)`, the state entries of
-    its rule's first step, PackedAdamW's by default). Everything is checked before anything
+    its rule's first step, `fresh_state_entries` by default). Everything is checked before anything
     changes (`_checks.checked_masters`). Masters of DTensor parameters must be DTensors laid
     out like them. Call it under torch.no_grad()."""
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -243,13 +244,14 @@ def load_master_weights(opt, masters, fresh_entries=None) -> None:
             continue
         state = opt.state[p]
         if not state:  # never stepped: a fresh state that keeps the low half
-            state.update(fresh_entries(p) if fresh_entries is not None else fresh_adamw_entries(opt, p))
+            state.update(fresh_entries(p) if fresh_entries is not None else fresh_state_entries(opt, p))
         split_master_(local, _dtensor.local(p), _dtensor.kernel_low_half(state[LOW_HALF_KEY]))
 
 
-def fresh_adamw_entries(opt, p) -> dict:
-    """A PackedAdamW parameter's state before its first step: step 0, zero moments and, for a
-    bf16 parameter, a zero low half (laid out like the parameter)."""
+def fresh_state_entries(opt, p) -> dict:
+    """An elementwise rule's parameter state before its first step (PackedAdamW's, or any
+    `optimizer.ElementwiseOptimizer`'s): step 0, every entry its state format lists zeroed (for
+    a bf16 parameter the low half too), laid out like the parameter."""
     return {STEP_KEY: 0, **_dtensor.new_entries(p, opt.state_format, name_of(opt, p))}
 
 
@@ -277,6 +279,12 @@ def saved_identity(opt, state_dict: dict) -> str:
         f"{GROUP_FORMAT_KEY!r} in its param groups); start this optimizer fresh instead of loading another "
         "optimizer's state"
     )
+
+
+def _listed(names) -> str:
+    """("mode", "m_bias", "rms_bias") -> "mode, m_bias and rms_bias"."""
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def _on_param_device(tensor, p):

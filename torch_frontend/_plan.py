@@ -343,7 +343,8 @@ class CapturableStepPlan(StepPlan):
         with _launch.on_device(self.torch_device):
             if constants != self.constants:
                 if capturing:
-                    raise RuntimeError("PackedAdamW(capturable=True): betas, eps, weight_decay or maximize changed "
+                    raise RuntimeError(f"{type(opt).__name__}(capturable=True): "
+                                       f"{', '.join(rule.rule.group_keys[1:])} or maximize changed "
                                        "since the last eager step; take one eager step before capturing")
                 for g, row in enumerate(constants):
                     self.hparams[g, 1:] = torch.tensor(row[:width - 1], dtype=torch.float32)
@@ -352,8 +353,9 @@ class CapturableStepPlan(StepPlan):
                 self.constants = constants
             if capturing and any(isinstance(group["lr"], torch.Tensor) and group["lr"].device != self.torch_device
                                  for group in opt.param_groups):
-                raise RuntimeError("PackedAdamW(capturable=True): an lr tensor is not on the parameters' device; a "
-                                   "captured step reads it there at every replay: move it there before capturing")
+                raise RuntimeError(f"{type(opt).__name__}(capturable=True): an lr tensor is not on the parameters' "
+                                   "device; a captured step reads it there at every replay: move it there before "
+                                   "capturing")
             # The learning rates are read and checked on the device, the counts advanced and the
             # scalars derived by one kernel: an invalid lr refuses its group's step (a NaN row
             # rejects every element; FORMAT.md), and its tensors' counts stay.
@@ -362,8 +364,9 @@ class CapturableStepPlan(StepPlan):
             lr_key = tuple((id(lr), lr.data_ptr(), lr.dtype, lr.device) for lr in lr_tensors)
             if lr_key != self.lr_key:
                 if capturing:
-                    raise RuntimeError("PackedAdamW(capturable=True): an lr tensor was replaced since the last eager "
-                                       "step; change lr tensors in place, or take one eager step before capturing")
+                    raise RuntimeError(f"{type(opt).__name__}(capturable=True): an lr tensor was replaced since the "
+                                       "last eager step; change lr tensors in place, or take one eager step before "
+                                       "capturing")
                 self.lr_addresses.copy_(torch.tensor(
                     [lr.data_ptr() if self._direct_lr(lr) else self.lr_staging[g].data_ptr()
                      for g, lr in enumerate(lr_tensors)], dtype=torch.int64))

@@ -15,7 +15,7 @@ import torch
 
 from packed_adamw.core import StateFormat, codecs as formats
 from packed_adamw.core.adamw.numpy_step import apply_split_step, apply_step, step_scalar_row
-from packed_adamw.core.adamw.rule import FORMAT_COUNTS, RULE
+from packed_adamw.core.adamw.rule import RULE
 
 from . import _launch
 from ._state import LOW_HALF_DTYPE, LOW_HALF_KEY, flat_moments, format_count_slots, new_low_half, new_state, \
@@ -104,22 +104,34 @@ def adamw_step_(
     return cpu_step_(params, grads, states, scalars, rows, fmt, counters, track_format, lows)
 
 
-def cpu_step_(params, grads, states, scalars, rows, fmt: StateFormat, counters=None, track_format=False,
-              lows=None) -> list[int]:
-    """The numpy step per tensor (zero-copy views); counts as `adamw_step_` says."""
-    rejected = []
-    lows = [None] * len(params) if lows is None else lows
-    for i, (p, g, s, lo, row) in enumerate(zip(params, grads, states, lows, rows)):
-        counts = np.zeros(len(FORMAT_COUNTS), np.int64) if track_format else None
-        if lo is None:
-            rejected.append(apply_step(_numpy_view(p), _numpy_view(g), _state_view(s, fmt), scalars[row], fmt=fmt,
-                                       format_counts_out=counts))
-        else:
-            rejected.append(apply_split_step(_numpy_view(p), _numpy_view(lo), _numpy_view(g), _state_view(s, fmt),
-                                             scalars[row], fmt=fmt, format_counts_out=counts))
-        if counts is not None and counters is not None:
-            format_count_slots(counters)[i, :, 0] += torch.from_numpy(counts)  # slot 0 of each count
-    return rejected
+def numpy_cpu_step(apply_step, apply_split_step):
+    """A rule's CPU step over lists of tensors (`RuleLaunch.cpu_step`) from its numpy steps,
+    `apply_step(p, g, state, scalars, *, fmt, format_counts_out)` and `apply_split_step(bf16
+    weight's bits, low half, g, state, scalars, *, fmt, format_counts_out)`, each in place on
+    zero-copy views; a rule's format counts (`fmt.rule.count_names`) go to slot 0 of its
+    counter rows."""
+
+    def cpu_step(params, grads, states, scalars, rows, fmt, counters=None, track_format=False, lows=None) -> list[int]:
+        rejected = []
+        lows = [None] * len(params) if lows is None else lows
+        n_counts = len(fmt.rule.count_names)
+        for i, (p, g, s, lo, row) in enumerate(zip(params, grads, states, lows, rows)):
+            counts = np.zeros(n_counts, np.int64) if track_format else None
+            if lo is None:
+                rejected.append(apply_step(_numpy_view(p), _numpy_view(g), _state_view(s, fmt), scalars[row], fmt=fmt,
+                                           format_counts_out=counts))
+            else:
+                rejected.append(apply_split_step(_numpy_view(p), _numpy_view(lo), _numpy_view(g),
+                                                 _state_view(s, fmt), scalars[row], fmt=fmt, format_counts_out=counts))
+            if counts is not None and counters is not None:
+                format_count_slots(counters)[i, :n_counts, 0] += torch.from_numpy(counts)  # slot 0 of each count
+        return rejected
+
+    return cpu_step
+
+
+# AdamW's numpy step over lists of tensors; counts as `adamw_step_` says.
+cpu_step_ = numpy_cpu_step(apply_step, apply_split_step)
 
 
 def scalar_table(counts, hparams) -> tuple[np.ndarray, tuple[int, ...]]:

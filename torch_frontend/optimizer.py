@@ -1,4 +1,5 @@
-"""`PackedAdamW`: torch.optim.AdamW with one uint32 word of state per FP32 parameter.
+"""`PackedAdamW`: torch.optim.AdamW with one uint32 word of state per FP32 parameter; and
+`ElementwiseOptimizer`, the optimizer of any elementwise rule, which PackedAdamW is written on.
 
 The class validates its options, holds the hyperparameters and the state, and asks the rest
 of the frontend to do the work: `_engine.py` steps (one route: a step plan and its run) and
@@ -10,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
-from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 from . import _checks, _engine, _persistence
 from ._base import _REQUIRED, PackedOptimizer
@@ -20,7 +20,88 @@ from ._engine import SATURATION_WARNING, NonFiniteGradientError  # noqa: F401
 from ._persistence import GROUP_FORMAT_KEY, STATE_DICT_KEY, STATE_DICT_VERSION  # noqa: F401
 
 
-class PackedAdamW(PackedOptimizer):
+class ElementwiseOptimizer(PackedOptimizer):
+    """The torch optimizer of an elementwise rule (docs/ARCHITECTURE.md, "How a rule plugs in"),
+    naming none: a subclass gives its `rule_launch` (`_launch.RuleLaunch`: the rule's
+    declaration, kernels, host step scalars and numpy step), its `state_format_class` and the
+    constructor's `format_keys`, and calls `__init__` with its groups' defaults (the rule's
+    `group_keys`, then `maximize`) and its state format. The step (`_engine`: checks, a step
+    plan, the launches or the numpy step), saving and loading (`_persistence`), the compiled
+    step, `capturable` steps and the format counts are the shared machinery's, as PackedAdamW's.
+
+        class PackedHeavyBall(ElementwiseOptimizer):
+            rule_launch = HEAVY_BALL_LAUNCH
+            state_format_class = HeavyBallFormat
+            format_keys = ("mu_bias",)
+
+            def __init__(self, params, lr=1e-2, momentum=0.9, *, mu_bias=15, **options):
+                super().__init__(params, dict(lr=lr, momentum=momentum, maximize=False),
+                                 HeavyBallFormat(mu_bias=mu_bias), **options)
+    """
+
+    rule_launch = None  # the rule's `_launch.RuleLaunch`
+    pickled_options = {"state_format": _REQUIRED, "multi_tensor": True, "check_nonfinite": False,
+                       "capturable": False}
+    # the optimizer's switches a group cannot set, besides its `format_keys` (`group_options`)
+    switches = ("multi_tensor", "check_nonfinite", "capturable", "track_format")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        rule = cls.__dict__.get("rule_launch")
+        if rule is not None:  # what a rule class need not spell out: its names and the options groups cannot set
+            for name, value in (("rule_name", rule.rule.name), ("display_name", rule.rule.name),
+                                ("torch_twin", cls.__name__)):
+                if not cls.__dict__.get(name):
+                    setattr(cls, name, value)
+            if "group_options" not in cls.__dict__:
+                cls.group_options = {key: key for key in (*cls.format_keys, *cls.switches)}
+
+    def __init__(self, params, defaults: dict, state_format, *, multi_tensor: bool = True,
+                 check_nonfinite: bool = False, track_format: bool = False, capturable: bool = False):
+        """`defaults`: each of the rule's `group_keys` and `maximize`; `state_format`: an
+        instance of `state_format_class`."""
+        if self.rule_launch is None or not isinstance(state_format, self.state_format_class):
+            raise TypeError(f"{type(self).__name__}: an ElementwiseOptimizer subclass sets rule_launch and "
+                            "state_format_class, and passes an instance of that class as state_format")
+        self.state_format = state_format
+        lr = defaults.get(self.rule_launch.rule.group_keys[0])
+        _checks.check_capturable(capturable, lr, check_nonfinite=check_nonfinite, multi_tensor=multi_tensor)
+        self.multi_tensor = multi_tensor
+        self.check_nonfinite = check_nonfinite
+        self.capturable = capturable
+        self.track_format = track_format  # checked against the mode and capturable (the property)
+        _checks.check_hyperparams(defaults, self.rule_launch.rule, check_lr=not capturable)
+        super().__init__(params, self._group_defaults(defaults))
+
+    def _group_defaults(self, defaults: dict) -> dict:
+        """The validated defaults as the groups keep them."""
+        return defaults
+
+    def _check_new_group(self, group: dict, index: int) -> None:
+        _checks.validate_group(group, index, self.rule_launch.rule)
+
+    def _eager_update(self, live: dict | None = None) -> None:
+        """The eager step (`_engine.step`; `live` as it says)."""
+        _engine.step(self, live)
+
+    def _count_names(self) -> tuple:
+        """The rule's format counts (`Rule.count_names`), after `elements`."""
+        return self.rule_launch.rule.count_names
+
+    def _checked_load(self, state_dict: dict) -> tuple[dict, dict]:
+        return _persistence.checked_load(self, state_dict)
+
+    def _restore_loaded(self, loaded: dict) -> None:
+        _persistence.restore_loaded(self, loaded)
+
+    def _fresh_entries(self, p: torch.Tensor) -> dict:
+        return _persistence.fresh_state_entries(self, p)
+
+    def _portable(self):
+        return _persistence
+
+
+class PackedAdamW(ElementwiseOptimizer):
     """AdamW whose two moments share one uint32 word per parameter (docs/FORMAT.md).
 
     Arguments are torch.optim.AdamW's, plus `mode`: "packed" (E4M11 first moment + E4M12
@@ -62,8 +143,6 @@ class PackedAdamW(PackedOptimizer):
     state_format_class = StateFormat
     format_keys = ("mode", "m_bias", "rms_bias")
     torch_twin = "torch.optim.AdamW"
-    pickled_options = {"state_format": _REQUIRED, "multi_tensor": True, "check_nonfinite": False,
-                       "capturable": False}
     rule_launch = ADAMW_LAUNCH  # what the shared step machinery (_engine, _plan, _launch) launches
     # The optimizer's options a group cannot set (`_checks.check_group_options`), each the
     # constructor's option of the same name.
@@ -92,37 +171,9 @@ class PackedAdamW(PackedOptimizer):
         differentiable: bool = False,
     ):
         _checks.check_adamw_flags(amsgrad=amsgrad, foreach=foreach, fused=fused, differentiable=differentiable)
-        self.state_format = StateFormat(mode, m_bias, rms_bias)
-        _checks.check_capturable(capturable, lr, check_nonfinite=check_nonfinite, multi_tensor=multi_tensor)
-        self.multi_tensor = multi_tensor
-        self.check_nonfinite = check_nonfinite
-        self.capturable = capturable
-        self.track_format = track_format  # checked against the mode and capturable (the property)
-        _checks.check_hyperparams(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
-                                  self.rule_launch.rule, check_lr=not capturable)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
-        super().__init__(params, defaults)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults, StateFormat(mode, m_bias, rms_bias), multi_tensor=multi_tensor,
+                         check_nonfinite=check_nonfinite, track_format=track_format, capturable=capturable)
 
-    def _check_new_group(self, group: dict, index: int) -> None:
-        _checks.validate_group(group, index, self.rule_launch.rule)
-
-    def _eager_update(self, live: dict | None = None) -> None:
-        """The eager step (`_engine.step`; `live` as it says)."""
-        _engine.step(self, live)
-
-    def _count_names(self) -> tuple:
-        """`elements`, then `saturated_m`, `saturated_rms`, `flushed_m`, `flushed_rms`,
-        `subnormal_m`, `subnormal_rms` (FORMAT.md, "Format counts")."""
-        return FORMAT_COUNTS
-
-    def _checked_load(self, state_dict: dict) -> tuple[dict, dict]:
-        return _persistence.checked_load(self, state_dict)
-
-    def _restore_loaded(self, loaded: dict) -> None:
-        _persistence.restore_loaded(self, loaded)
-
-    def _fresh_entries(self, p: torch.Tensor) -> dict:
-        return _persistence.fresh_adamw_entries(self, p)
-
-    def _portable(self):
-        return _persistence
+    def _group_defaults(self, defaults: dict) -> dict:
+        return {**defaults, "betas": tuple(defaults["betas"])}
