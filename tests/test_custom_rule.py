@@ -1,0 +1,913 @@
+"""The seam a rule plugs in at (docs/ARCHITECTURE.md, "How a rule plugs in"), proved by a rule
+written here and nowhere else: heavy-ball momentum with a 16-bit momentum code,
+
+    m' = momentum * m + g,    p' = p - (lr * m' + (lr * weight_decay) * p),
+
+m kept as an E5M10 code (core's shared codecs), every float32 operation rounded on its own. This
+file holds the whole rule: its declaration (`Rule`), its state format and entry, its step
+scalars, its numpy step, its scalar authority and its Triton kernels (the signatures
+`_launch.RuleLaunch` and `FunctionalKernels` expect); then it runs it, with no other file
+naming it, through torch's `ElementwiseOptimizer` (eager, compiled, state_dict, capturable on
+CUDA) and JAX's `packed_rule` (jit, sharded over 8 CPU devices), and demands equal bits from
+all of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+import operator
+import sys
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from packed_adamw.core import authority, launch
+from packed_adamw.core.codecs import BIAS_RANGE, FLOAT32_MAX, SPLIT_MASTER_MAX, MiniFloat, read_master, split_master
+from packed_adamw.core.kernel import (
+    ALL_ONES,
+    COUNTER_ROW,
+    FLOAT32_MAGNITUDE_MASK,
+    FLOAT32_SIGN_BIT,
+    FunctionalKernels,
+    LEAF_GROUP_SLOTS,
+    SPLIT_LO_SIGN,
+    SPLIT_MAGNITUDE_MASK,
+    add_counts,
+    code_magnitude,
+    decode,
+    encode_magnitude,
+    finish_code,
+    join_master,
+    lane_bit,
+    leaf_slot,
+    masked_load,
+    masked_store,
+    table_address,
+)
+from packed_adamw.core.kernel import FLOAT32_MAX as TL_FLOAT32_MAX
+from packed_adamw.core.kernel import SPLIT_MASTER_MAX as TL_SPLIT_MASTER_MAX
+from packed_adamw.core.kernel import split_master as tl_split_master
+from packed_adamw.core.rule import Bound, Rule, RowVariant, StateCode, StateEntry, StateLayout, format_count_names
+
+F32 = np.float32
+
+# =============================================================================================
+# The rule
+# =============================================================================================
+HPARAM_FIELDS = ("lr", "momentum", "weight_decay")
+# grad_sign: -1 for torch's maximize (a step on -g: the product is exact); four fields, as the
+# torch launcher stages scalar rows in float32 pairs.
+SCALAR_FIELDS = ("momentum", "grad_sign", "lr", "lr_wd")
+BOUNDS = {"lr": Bound(0.0, FLOAT32_MAX), "momentum": Bound(0.0, 1.0, high_open=True),
+          "weight_decay": Bound(0.0, FLOAT32_MAX)}
+CODES = (StateCode("mu", "momenta", "mu_bias"),)
+MOMENTUM_CODES = StateEntry("heavy_ball_momentum", "uint16")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def validate(lr, momentum, weight_decay, *, allow_arrays=False) -> None:
+    values = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
+    for name, value in values.items():
+        if allow_arrays and not _is_number(value):
+            continue
+        with np.errstate(over="ignore"):
+            if not _is_number(value) or not BOUNDS[name].holds(float(F32(value))):
+                raise ValueError(f"Invalid {name}: {name}={value!r}; it must be a float32 number in "
+                                 f"[{BOUNDS[name].low}, {BOUNDS[name].high}" + (")" if BOUNDS[name].high_open else "]"))
+    if all(map(_is_number, (lr, weight_decay))) and abs(float(F32(lr)) * float(F32(weight_decay))) > FLOAT32_MAX:
+        raise ValueError(f"Invalid weight_decay: lr * weight_decay = {lr} * {weight_decay} overflows float32")
+
+
+RULE = Rule(
+    name="heavy_ball",
+    hyperparam_fields=HPARAM_FIELDS,
+    scalar_fields=SCALAR_FIELDS,
+    bounds=BOUNDS,
+    finite_products=(("lr", "weight_decay"),),
+    count_names=format_count_names(CODES),  # saturated_mu, flushed_mu, subnormal_mu
+    codes=CODES,
+    group_keys=HPARAM_FIELDS,
+    group_row=lambda lr, momentum, weight_decay, *, number=float: (number(lr), number(momentum), number(weight_decay)),
+    row_group=lambda lr, momentum, weight_decay: (lr, momentum, weight_decay),
+    validate=validate,
+    row_variants=(RowVariant("decayed"), RowVariant("undecayed", zeroed=("weight_decay",))),
+    masked_variant="undecayed",
+    param_read_through=("weight_decay",),
+)
+
+
+@functools.cache
+def momentum_format(bias: int) -> MiniFloat:
+    return MiniFloat("E5M10", signed=True, exponent_bits=5, fraction_bits=10, bias=bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeavyBallFormat(StateLayout):
+    mode: str = "packed"
+    mu_bias: int = 15
+
+    def __post_init__(self):
+        if self.mode != "packed" or not BIAS_RANGE[0] <= self.mu_bias <= BIAS_RANGE[1]:
+            raise ValueError(f"heavy ball: mode 'packed' and a bias in {list(BIAS_RANGE)}")
+
+    @property
+    def formats(self) -> tuple[MiniFloat]:
+        return (momentum_format(self.mu_bias),)
+
+    @property
+    def identity(self) -> str:
+        return f"heavy-ball-packed:mu={self.formats[0].identity}"
+
+    @property
+    def state_entry(self) -> StateEntry:
+        return MOMENTUM_CODES
+
+    @property
+    def rule(self) -> Rule:
+        return RULE
+
+    def kernel_constexprs(self, *, track_format: bool) -> dict:
+        codec = self.formats[0]
+        return dict(MU_FRAC=codec.fraction_bits, MU_BIAS=codec.bias, MU_MAX=codec.max_magnitude_code)
+
+
+FMT = HeavyBallFormat()
+
+
+# ---- the step scalars, the numpy step ------------------------------------------------------------
+def step_scalar_row(count: int, row, *, maximize: bool = False) -> tuple:
+    operator.index(count)  # no bias correction: the count only has to be one
+    lr, momentum, weight_decay = (F32(x) for x in row)
+    return momentum, F32(-1.0 if maximize else 1.0), lr, F32(lr * weight_decay)
+
+
+def _update(p, g, codes, scalars, fmt: HeavyBallFormat, split: bool, counts):
+    """(update, new codes, accepted) of one flat array; inputs unchanged."""
+    momentum, grad_sign, lr, lr_wd = (F32(x) for x in scalars)
+    codec = fmt.formats[0]
+    finite = np.abs(g) <= F32(FLOAT32_MAX)
+    g = np.where(finite, g, F32(0.0))
+    m_next = momentum * codec.decode_table[codes] + grad_sign * g
+    update = -(lr * m_next + lr_wd * p)
+    accepted = finite & (np.abs(p + update) <= F32(SPLIT_MASTER_MAX if split else FLOAT32_MAX))
+    new_codes = codec.encode_unchecked(m_next)
+    if counts is not None:
+        magnitude = new_codes & np.uint32(~codec.sign_bit & 0xFFFF)
+        beyond = codec.unsaturated_code(np.abs(m_next)) > codec.max_magnitude_code
+        counts[0] += np.count_nonzero(accepted & beyond)
+        counts[1] += np.count_nonzero(accepted & (m_next != 0) & (magnitude == 0))
+        subnormal = (magnitude != 0) & ((magnitude >> np.uint32(codec.fraction_bits)) == 0)
+        counts[2] += np.count_nonzero(accepted & subnormal)
+    return update, new_codes, accepted
+
+
+def apply_step(p, g, state, scalars, *, fmt, update_out=None, format_counts_out=None) -> int:
+    codes = state.view(np.uint16)  # torch keeps 16-bit codes as int16
+    with np.errstate(over="ignore", invalid="ignore"):
+        update, new_codes, accepted = _update(p, g, codes, scalars, fmt, False, format_counts_out)
+        codes[...] = np.where(accepted, new_codes, codes)
+        if update_out is None:
+            p[...] = np.where(accepted, p + update, p)
+        else:
+            update_out[...] = np.where(accepted, update, F32(-0.0))
+    return int(accepted.size - np.count_nonzero(accepted))
+
+
+def apply_split_step(weight_bits, low_half, grad, state, scalars, *, fmt, format_counts_out=None) -> int:
+    weights, lows, codes = weight_bits.view(np.uint16), low_half.view(np.int16), state.view(np.uint16)
+    master = read_master(weights, lows)
+    g = (grad.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(F32) if grad.dtype != F32 else grad
+    with np.errstate(over="ignore", invalid="ignore"):
+        update, new_codes, accepted = _update(master, g, codes, scalars, fmt, True, format_counts_out)
+        codes[...] = np.where(accepted, new_codes, codes)
+        weights[...], lows[...] = split_master(np.where(accepted, master + update, master))
+    return int(accepted.size - np.count_nonzero(accepted))
+
+
+# ---- the scalar authority (core/authority.py's primitives only) --------------------------------
+def heavy_ball_element(p, g, code, *, lr, momentum, weight_decay, mu_bias=15, maximize=False):
+    """One element's step: (p', code', accepted), a rejected element keeping p and its code."""
+    f32 = authority.f32
+    lr, momentum, weight_decay, p, g = (f32(x) for x in (lr, momentum, weight_decay, p, g))
+    if not abs(g) <= FLOAT32_MAX:
+        return p, code, False
+    codec = authority.Codec(True, 5, 10, mu_bias)
+    m_next = f32(f32(momentum * codec.decode(code)) + (-g if maximize else g))
+    total = f32(f32(lr * m_next) + f32(f32(lr * weight_decay) * p))
+    p_next = f32(p - total)
+    if not abs(p_next) <= FLOAT32_MAX:
+        return p, code, False
+    return p_next, codec.encode(m_next), True
+
+
+# ---- the Triton kernels --------------------------------------------------------------------------
+S_MOMENTUM, S_GRAD_SIGN, S_LR, S_LR_WD = (tl.constexpr(i) for i in range(len(SCALAR_FIELDS)))
+SCALAR_ROW = tl.constexpr(len(SCALAR_FIELDS))
+H_LR, H_MOMENTUM, H_WD = (tl.constexpr(i) for i in range(len(HPARAM_FIELDS)))
+HPARAM_ROW = tl.constexpr(len(HPARAM_FIELDS))
+
+
+@triton.jit
+def _heavy_ball_block(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
+                      offsets, n_elements, MASKED: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
+                      COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+                      MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr):
+    """One block: the whole per-element step; returns its lanes' (rejected, format counts)."""
+    in_bounds = offsets < n_elements
+    momentum, grad_sign = tl.load(scalars_ptr + S_MOMENTUM), tl.load(scalars_ptr + S_GRAD_SIGN)
+    lr, lr_wd = tl.load(scalars_ptr + S_LR), tl.load(scalars_ptr + S_LR_WD)
+    if SPLIT:
+        w_bits = masked_load(param_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
+        lo_bits = masked_load(lo_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
+        p = join_master(w_bits, lo_bits)
+        stale = ((w_bits & SPLIT_MAGNITUDE_MASK) == 0) & ((lo_bits & SPLIT_LO_SIGN) != 0)
+        p = tl.where(stale, (w_bits << 16).to(tl.float32, bitcast=True), p)
+    else:
+        p = masked_load(param_ptr + offsets, in_bounds, 0.0, MASKED)
+    g = masked_load(grad_ptr + offsets, in_bounds, 0.0, MASKED).to(tl.float32)
+    code = masked_load(state_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
+    grad_finite = tl.abs(g) <= TL_FLOAT32_MAX
+    g = tl.where(grad_finite, g, 0.0)
+    m_next = momentum * decode(code, True, MU_FRAC, MU_BIAS) + grad_sign * g
+    total = lr * m_next + lr_wd * p
+    sign_bit = tl.full(offsets.shape, FLOAT32_SIGN_BIT, tl.uint32)
+    update = (total.to(tl.uint32, bitcast=True) ^ sign_bit).to(tl.float32, bitcast=True)
+    p_next = p + update
+    if SPLIT:
+        accepted = grad_finite & (tl.abs(p_next) <= TL_SPLIT_MASTER_MAX)
+    else:
+        accepted = grad_finite & (tl.abs(p_next) <= TL_FLOAT32_MAX)
+    raw = encode_magnitude(tl.abs(m_next), MU_FRAC, MU_BIAS)
+    new_code = finish_code(raw, m_next, True, MU_MAX)
+    if SPLIT:
+        w_next, lo_next = tl_split_master(tl.where(accepted, p_next, p))
+        masked_store(out_ptr + offsets, w_next.to(tl.uint16).to(out_ptr.dtype.element_ty, bitcast=True),
+                     in_bounds, MASKED)
+        masked_store(new_lo_ptr + offsets, lo_next.to(tl.uint16).to(new_lo_ptr.dtype.element_ty, bitcast=True),
+                     in_bounds, MASKED)
+    elif WRITE_UPDATE:
+        masked_store(out_ptr + offsets, tl.where(accepted, update, sign_bit.to(tl.float32, bitcast=True)),
+                     in_bounds, MASKED)
+    else:
+        masked_store(out_ptr + offsets, tl.where(accepted, p_next, p), in_bounds, MASKED)
+    stored = tl.where(accepted, new_code, code).to(tl.uint16)
+    masked_store(new_state_ptr + offsets, stored.to(new_state_ptr.dtype.element_ty, bitcast=True), in_bounds, MASKED)
+    format_lanes = tl.zeros(offsets.shape, tl.int32)
+    if TRACK_FORMAT:  # bit 31 of each test's uint32 is its answer (core/adamw/kernel.py's counts)
+        if MASKED:
+            counted = accepted & in_bounds
+        else:
+            counted = accepted
+        magnitude = code_magnitude(new_code, True)
+        zero = magnitude - 1
+        saturated = raw + (FLOAT32_MAGNITUDE_MASK - MU_MAX)
+        flushed = zero & ((m_next.to(tl.uint32, bitcast=True) & FLOAT32_MAGNITUDE_MASK) + FLOAT32_MAGNITUDE_MASK)
+        subnormal = (magnitude - (1 << MU_FRAC)) & (zero ^ ALL_ONES)
+        lanes = lane_bit(saturated, 0) | lane_bit(flushed, 1) | lane_bit(subnormal, 2)
+        format_lanes = tl.where(counted, lanes, 0)
+    rejected = tl.zeros(offsets.shape, tl.int32)
+    if COUNT_NONFINITE:
+        if MASKED:
+            accepted = accepted | ~in_bounds
+        rejected = (~accepted).to(tl.int32)
+    return rejected, format_lanes
+
+
+@triton.jit
+def _heavy_ball_programs(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
+                         out_ptr, new_state_ptr, new_lo_ptr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
+                         COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr,
+                         MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCKS_PER_PROGRAM: tl.constexpr):
+    """One tensor: program i steps blocks [i * BLOCKS_PER_PROGRAM, (i + 1) * BLOCKS_PER_PROGRAM)."""
+    first = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM
+    rejected = tl.zeros([BLOCK], tl.int32)
+    format_lanes = tl.zeros([BLOCK], tl.int32)
+    for k in tl.range(0, BLOCKS_PER_PROGRAM):
+        start = (first + k) * BLOCK
+        offsets = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= n_elements:
+            r, lanes = _heavy_ball_block(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr,
+                                         new_lo_ptr, offsets, n_elements, False, WRITE_UPDATE, SPLIT, COUNT_NONFINITE,
+                                         TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
+        else:
+            r, lanes = _heavy_ball_block(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr,
+                                         new_lo_ptr, offsets, n_elements, True, WRITE_UPDATE, SPLIT, COUNT_NONFINITE,
+                                         TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
+        rejected += r
+        format_lanes += lanes
+    add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
+
+
+# The single-tensor entry points (`launch.single_tensor_constants`; LAYOUT, a launch hint for
+# AdamW's laid-out programs, is taken and not needed: these programs walk their blocks in turn).
+@triton.jit
+def heavy_ball_kernel(param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements, out_ptr, new_state_ptr,
+                      WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
+                      MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCKS_PER_PROGRAM: tl.constexpr = 1, LAYOUT: tl.constexpr = 0):
+    _heavy_ball_programs(param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, counters_ptr, n_elements, out_ptr,
+                         new_state_ptr, out_ptr, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS,
+                         MU_MAX, BLOCK, BLOCKS_PER_PROGRAM)
+
+
+@triton.jit
+def heavy_ball_counting_kernel(param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements, out_ptr,
+                               new_state_ptr, new_counters_ptr, WRITE_UPDATE: tl.constexpr,
+                               COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr,
+                               MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                               BLOCKS_PER_PROGRAM: tl.constexpr = 1, LAYOUT: tl.constexpr = 0):
+    _heavy_ball_programs(param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, new_counters_ptr, n_elements, out_ptr,
+                         new_state_ptr, out_ptr, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS,
+                         MU_MAX, BLOCK, BLOCKS_PER_PROGRAM)
+
+
+@triton.jit
+def heavy_ball_split_kernel(weight_ptr, lo_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements,
+                            new_weight_ptr, new_lo_ptr, new_state_ptr, COUNT_NONFINITE: tl.constexpr,
+                            TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
+                            MU_MAX: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1,
+                            LAYOUT: tl.constexpr = 0):
+    _heavy_ball_programs(weight_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
+                         new_weight_ptr, new_state_ptr, new_lo_ptr, False, True, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC,
+                         MU_BIAS, MU_MAX, BLOCK, BLOCKS_PER_PROGRAM)
+
+
+@triton.jit
+def heavy_ball_split_counting_kernel(weight_ptr, lo_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements,
+                                     new_weight_ptr, new_lo_ptr, new_state_ptr, new_counters_ptr,
+                                     COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr,
+                                     MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                                     BLOCKS_PER_PROGRAM: tl.constexpr = 1, LAYOUT: tl.constexpr = 0):
+    _heavy_ball_programs(weight_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, new_counters_ptr, n_elements,
+                         new_weight_ptr, new_state_ptr, new_lo_ptr, False, True, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC,
+                         MU_BIAS, MU_MAX, BLOCK, BLOCKS_PER_PROGRAM)
+
+
+@triton.jit
+def heavy_ball_multi_tensor_kernel(pointers_ptr, block_tensor_ptr, block_index_ptr, numels_ptr, scalar_rows_ptr,
+                                   scalars_ptr, counters_ptr, n_tensors, COUNT_NONFINITE: tl.constexpr,
+                                   TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
+                                   MU_MAX: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+                                   SPLIT: tl.constexpr = False, GRAD_BF16: tl.constexpr = False):
+    """Many tensors in place, over torch's pointer table (`_launch.step_layout`): parameters,
+    gradients, codes (and low halves); program i steps block `block_index[i]` of tensor
+    `block_tensor[i]` with scalar row `scalar_rows[t]`."""
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor_ptr + pid)
+    start = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    n_elements = tl.load(numels_ptr + t)
+    if SPLIT:
+        param_ptr = table_address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.uint16))
+        lo_ptr = table_address(pointers_ptr, 3 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.int16))
+    else:
+        param_ptr = table_address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.float32))
+        lo_ptr = param_ptr
+    if GRAD_BF16:
+        grad_ptr = table_address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.bfloat16))
+    else:
+        grad_ptr = table_address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
+    state_ptr = table_address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.int16))
+    scalars_ptr += tl.load(scalar_rows_ptr + t) * SCALAR_ROW
+    if start + BLOCK <= n_elements:
+        rejected, format_lanes = _heavy_ball_block(
+            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr, offsets, n_elements,
+            False, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
+    else:
+        rejected, format_lanes = _heavy_ball_block(
+            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr, offsets, n_elements,
+            True, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
+    add_counts(counters_ptr + t * COUNTER_ROW, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
+
+
+@triton.jit
+def _store_scalars(out, valid, lr, momentum, weight_decay, grad_sign):
+    tl.store(out + S_MOMENTUM, momentum, mask=valid)
+    tl.store(out + S_GRAD_SIGN, grad_sign, mask=valid)
+    tl.store(out + S_LR, lr, mask=valid)
+    tl.store(out + S_LR_WD, lr * weight_decay, mask=valid)
+
+
+@triton.jit
+def step_scalars_kernel(hparams_ptr, counts_ptr, n_rows, scalars_ptr, BLOCK_ROWS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    valid = rows < n_rows
+    hp = hparams_ptr + rows * HPARAM_ROW
+    _store_scalars(scalars_ptr + rows * SCALAR_ROW, valid, tl.load(hp + H_LR, mask=valid, other=0.0),
+                   tl.load(hp + H_MOMENTUM, mask=valid, other=0.0), tl.load(hp + H_WD, mask=valid, other=0.0),
+                   tl.full([BLOCK_ROWS], 1.0, tl.float32))
+
+
+@triton.jit
+def capturable_step_scalars_kernel(lr_addresses_ptr, hparams_ptr, group_index_ptr, sign_ptr, counts_ptr, n_rows,
+                                   scalars_ptr, BLOCK_ROWS: tl.constexpr):
+    """torch's capturable step: each row's lr read through its group's address; an lr the host
+    would refuse becomes NaN (every element rejected, the count kept)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    valid = rows < n_rows
+    group = tl.load(group_index_ptr + rows, mask=valid, other=0)
+    lr = tl.load(tl.load(lr_addresses_ptr + group, mask=valid, other=0).to(tl.pointer_type(tl.float32)), mask=valid,
+                 other=0.0)
+    hp = hparams_ptr + group * HPARAM_ROW
+    momentum = tl.load(hp + H_MOMENTUM, mask=valid, other=0.0)
+    weight_decay = tl.load(hp + H_WD, mask=valid, other=0.0)
+    accepted = (lr >= 0.0) & (lr <= TL_FLOAT32_MAX) & (lr * weight_decay <= TL_FLOAT32_MAX)
+    lr = tl.where(accepted, lr, tl.full([BLOCK_ROWS], float("nan"), tl.float32))
+    count = tl.load(counts_ptr + rows, mask=valid, other=0) + accepted.to(tl.int32)
+    tl.store(counts_ptr + rows, count, mask=valid)
+    _store_scalars(scalars_ptr + rows * SCALAR_ROW, valid, lr, momentum, weight_decay,
+                   tl.load(sign_ptr + rows, mask=valid, other=1.0))
+
+
+@triton.jit
+def _leaf_program(param, grad, state, lo, out, new_state, new_lo, leaf_table_ptr, scalars_ptr, counters_ptr, leaf,
+                  WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr, GRAD_BF16: tl.constexpr,
+                  COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr,
+                  MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    n_elements = tl.load(leaf_table_ptr + leaf)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if start < n_elements:
+        scalars_ptr += tl.load(leaf_table_ptr + LEAF_GROUP_SLOTS + leaf) * SCALAR_ROW
+        offsets = start + tl.arange(0, BLOCK)
+        if SPLIT:
+            param_ptr, out_ptr = param.to(tl.pointer_type(tl.uint16)), out.to(tl.pointer_type(tl.uint16))
+            lo_ptr, new_lo_ptr = lo.to(tl.pointer_type(tl.int16)), new_lo.to(tl.pointer_type(tl.int16))
+        else:
+            param_ptr, out_ptr = param.to(tl.pointer_type(tl.float32)), out.to(tl.pointer_type(tl.float32))
+            lo_ptr, new_lo_ptr = param_ptr, out_ptr
+        if GRAD_BF16:
+            grad_ptr = grad.to(tl.pointer_type(tl.bfloat16))
+        else:
+            grad_ptr = grad.to(tl.pointer_type(tl.float32))
+        state_ptr, new_state_ptr = state.to(tl.pointer_type(tl.uint16)), new_state.to(tl.pointer_type(tl.uint16))
+        if start + BLOCK <= n_elements:
+            rejected, format_lanes = _heavy_ball_block(
+                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr, offsets,
+                n_elements, False, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
+        else:
+            rejected, format_lanes = _heavy_ball_block(
+                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr, offsets,
+                n_elements, True, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
+        add_counts(counters_ptr + leaf * COUNTER_ROW, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
+
+
+@triton.jit
+def heavy_ball_leaf_group_kernel(
+    param_0, lo_0, grad_0, state_0, param_1, lo_1, grad_1, state_1, param_2, lo_2, grad_2, state_2,
+    param_3, lo_3, grad_3, state_3, param_4, lo_4, grad_4, state_4, param_5, lo_5, grad_5, state_5,
+    param_6, lo_6, grad_6, state_6, param_7, lo_7, grad_7, state_7, param_8, lo_8, grad_8, state_8,
+    param_9, lo_9, grad_9, state_9, param_10, lo_10, grad_10, state_10, param_11, lo_11, grad_11, state_11,
+    param_12, lo_12, grad_12, state_12, param_13, lo_13, grad_13, state_13, param_14, lo_14, grad_14, state_14,
+    param_15, lo_15, grad_15, state_15,
+    leaf_table_ptr, scalars_ptr, counters_ptr,
+    out_0, new_lo_0, new_state_0, out_1, new_lo_1, new_state_1, out_2, new_lo_2, new_state_2,
+    out_3, new_lo_3, new_state_3, out_4, new_lo_4, new_state_4, out_5, new_lo_5, new_state_5,
+    out_6, new_lo_6, new_state_6, out_7, new_lo_7, new_state_7, out_8, new_lo_8, new_state_8,
+    out_9, new_lo_9, new_state_9, out_10, new_lo_10, new_state_10, out_11, new_lo_11, new_state_11,
+    out_12, new_lo_12, new_state_12, out_13, new_lo_13, new_state_13, out_14, new_lo_14, new_state_14,
+    out_15, new_lo_15, new_state_15,
+    new_counters_ptr,
+    WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr, GRAD_BF16: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
+    TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Up to LEAF_GROUP_SLOTS leaves, slot t of each buffer leaf t's (`_leaf_group.py`'s order)."""
+    leaf = tl.program_id(1)
+    _leaf_program(
+        leaf_slot(leaf, param_0, param_1, param_2, param_3, param_4, param_5, param_6, param_7, param_8, param_9,
+                  param_10, param_11, param_12, param_13, param_14, param_15),
+        leaf_slot(leaf, grad_0, grad_1, grad_2, grad_3, grad_4, grad_5, grad_6, grad_7, grad_8, grad_9, grad_10,
+                  grad_11, grad_12, grad_13, grad_14, grad_15),
+        leaf_slot(leaf, state_0, state_1, state_2, state_3, state_4, state_5, state_6, state_7, state_8, state_9,
+                  state_10, state_11, state_12, state_13, state_14, state_15),
+        leaf_slot(leaf, lo_0, lo_1, lo_2, lo_3, lo_4, lo_5, lo_6, lo_7, lo_8, lo_9, lo_10, lo_11, lo_12, lo_13, lo_14,
+                  lo_15),
+        leaf_slot(leaf, out_0, out_1, out_2, out_3, out_4, out_5, out_6, out_7, out_8, out_9, out_10, out_11, out_12,
+                  out_13, out_14, out_15),
+        leaf_slot(leaf, new_state_0, new_state_1, new_state_2, new_state_3, new_state_4, new_state_5, new_state_6,
+                  new_state_7, new_state_8, new_state_9, new_state_10, new_state_11, new_state_12, new_state_13,
+                  new_state_14, new_state_15),
+        leaf_slot(leaf, new_lo_0, new_lo_1, new_lo_2, new_lo_3, new_lo_4, new_lo_5, new_lo_6, new_lo_7, new_lo_8,
+                  new_lo_9, new_lo_10, new_lo_11, new_lo_12, new_lo_13, new_lo_14, new_lo_15),
+        leaf_table_ptr, scalars_ptr, new_counters_ptr, leaf,
+        WRITE_UPDATE, SPLIT, GRAD_BF16, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX, BLOCK,
+    )
+
+
+FUNCTIONAL_KERNELS = FunctionalKernels(
+    tensor=heavy_ball_kernel, tensor_counting=heavy_ball_counting_kernel, split_tensor=heavy_ball_split_kernel,
+    split_tensor_counting=heavy_ball_split_counting_kernel, leaf_group=heavy_ball_leaf_group_kernel,
+    step_scalars=step_scalars_kernel,
+)
+
+
+# ---- the frontends' handles on it ----------------------------------------------------------------
+def _torch_frontend():
+    from packed_adamw.torch import _launch, functional
+    from packed_adamw.torch.optimizer import ElementwiseOptimizer
+
+    launch_ = _launch.RuleLaunch(
+        rule=RULE, kernel_module=__name__, multi_tensor_kernel="heavy_ball_multi_tensor_kernel",
+        single_tensor_kernel="heavy_ball_kernel", split_kernel="heavy_ball_split_kernel",
+        capturable_scalars_kernel="capturable_step_scalars_kernel",
+        row_scalars=lambda count, row: step_scalar_row(count, row[:3], maximize=len(row) > 3 and bool(row[3])),
+        cpu_step=functional.numpy_cpu_step(apply_step, apply_split_step),
+    )
+
+    class PackedHeavyBall(ElementwiseOptimizer):
+        rule_launch = launch_
+        state_format_class = HeavyBallFormat
+        format_keys = ("mu_bias",)
+
+        def __init__(self, params, lr=1e-2, momentum=0.9, weight_decay=0.0, *, mu_bias=15, maximize=False,
+                     **options):
+            super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, maximize=maximize),
+                             HeavyBallFormat(mu_bias=mu_bias), **options)
+
+    return PackedHeavyBall
+
+
+PackedHeavyBall = _torch_frontend()
+
+
+def heavy_ball_steps():
+    from packed_adamw.jax._step import RuleSteps
+
+    return RuleSteps(apply_step=apply_step, apply_split_step=apply_split_step, step_scalar_row=step_scalar_row,
+                     kernels=lambda: FUNCTIONAL_KERNELS)
+
+
+# =============================================================================================
+# The tests
+# =============================================================================================
+HP = dict(lr=0.05, momentum=0.9, weight_decay=0.1)
+STEPS = 4
+SHAPES = [(7, 5), (33,), ()]  # a matrix, a vector (a partial block), a 0-d parameter
+
+
+def interpreted() -> bool:
+    return launch.interpreting()
+
+
+def spanning(rng, shape, lo, hi):
+    values = np.asarray(10.0 ** rng.uniform(lo, hi, shape) * rng.choice([-1.0, 1.0], shape), F32)
+    return np.where(rng.random(shape) < 0.05, F32(0.0), values)
+
+
+def problem(seed=0, shapes=SHAPES):
+    """Parameters and STEPS steps of gradients spanning the code's window: momenta that
+    saturate (|m| > 131008), go subnormal (below 2**-14) and flush (below 2**-25), and
+    a NaN and an Inf gradient."""
+    rng = np.random.default_rng(seed)
+    params = [rng.standard_normal(s).astype(F32) for s in shapes]
+    grads = [[spanning(rng, s, -9, 6) for s in shapes] for _ in range(STEPS)]
+    grads[1][0].reshape(-1)[3], grads[2][1].reshape(-1)[0] = np.nan, -np.inf
+    return params, grads
+
+
+def numpy_run(params, grads, *, maximize=False, counts=None):
+    """The rule's numpy step, leaf by leaf: (params, codes) after each step."""
+    params, codes, history = [p.reshape(-1).copy() for p in params], [np.zeros(p.size, np.uint16) for p in params], []
+    for count, step_grads in enumerate(grads, 1):
+        scalars = step_scalar_row(count, (HP["lr"], HP["momentum"], HP["weight_decay"]), maximize=maximize)
+        for i, (p, g, c) in enumerate(zip(params, step_grads, codes)):
+            apply_step(p, g.reshape(-1), c, scalars, fmt=FMT, format_counts_out=None if counts is None else counts[i])
+        history.append(([p.copy() for p in params], [c.copy() for c in codes]))
+    return history
+
+
+def bits(a) -> np.ndarray:
+    if isinstance(a, torch.Tensor):
+        a = a.detach().cpu().contiguous()
+        a = a.view(torch.int16 if a.element_size() == 2 else torch.int32).numpy()
+    a = np.asarray(a)
+    return a.reshape(-1).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32).copy()
+
+
+def assert_bits(a, b, what):
+    a, b = bits(a), bits(b)
+    assert a.shape == b.shape and np.array_equal(a, b), f"{what}: {np.count_nonzero(a != b)} elements differ"
+
+
+def test_the_numpy_step_is_the_scalar_authority_element_by_element():
+    """A few elements through both, maximize too: saturating, subnormal, flushed, rejected."""
+    codec = momentum_format(15)
+    cases = [(1.5, 3e5, 0), (-0.25, 3e-6, 0), (0.75, 1e-9, 0), (2.0, np.nan, 123), (1.0, np.inf, 0x8100),
+             (-3.0, -7.0, int(codec.encode([2.5])[0])), (1e-30, 1e-40, 1), (0.0, -0.0, 0x8000)]
+    for maximize in (False, True):
+        p = np.array([c[0] for c in cases], F32)
+        g = np.array([c[1] for c in cases], F32)
+        codes = np.array([c[2] for c in cases], np.uint16)
+        counts = np.zeros(3, np.int64)
+        rejected = apply_step(p, g, codes, step_scalar_row(3, tuple(HP.values()), maximize=maximize), fmt=FMT,
+                              format_counts_out=counts)
+        expected = [heavy_ball_element(*c, **HP, maximize=maximize) for c in cases]
+        assert_bits(p, np.array([e[0] for e in expected], F32), f"params, maximize={maximize}")
+        assert codes.tolist() == [e[1] for e in expected], maximize
+        assert rejected == sum(not e[2] for e in expected) == 2
+        assert counts[0] >= 1 and counts[2] >= 1 and counts[1] >= 1, counts  # saturated, flushed, subnormal
+
+
+@pytest.fixture(scope="module")
+def reference():
+    params, grads = problem()
+    counts = [np.zeros(3, np.int64) for _ in params]
+    return params, grads, numpy_run(params, grads, counts=counts), counts
+
+
+def torch_params(params, dtype=torch.float32, device="cpu"):
+    return [torch.tensor(p, dtype=dtype, device=device, requires_grad=True) for p in params]
+
+
+def feed(params, grads):
+    """Each gradient in its parameter's dtype (a bf16 one rounded to nearest even, as jnp's cast)."""
+    for p, g in zip(params, grads):
+        p.grad = torch.tensor(g, device=p.device).to(p.dtype)
+
+
+def bf16_rounded(grads):
+    import ml_dtypes
+
+    return [[g.astype(ml_dtypes.bfloat16).astype(F32) for g in step] for step in grads]
+
+
+def test_torch_eager_on_the_cpu_is_the_numpy_step_with_its_format_counts(reference):
+    params0, grads, history, counts = reference
+    params = torch_params(params0)
+    opt = PackedHeavyBall(params, **HP, track_format=True, check_nonfinite=False)
+    for step_grads, (want_params, want_codes) in zip(grads, history):
+        feed(params, step_grads)
+        opt.step()
+        for i, p in enumerate(params):
+            assert_bits(p, want_params[i], f"param {i}")
+            assert_bits(opt.state[p][MOMENTUM_CODES.key], want_codes[i], f"codes {i}")
+            assert opt.state[p][MOMENTUM_CODES.key].dtype == torch.int16
+    with pytest.warns(RuntimeWarning, match="momenta saturated at 131008: lower mu_bias"):  # the rule's own code
+        stats = opt.format_stats()
+    for i, p in enumerate(params):
+        assert stats[(0, i)] == {"elements": STEPS * p.numel(), **dict(zip(RULE.count_names, counts[i].tolist()))}
+    assert sum(counts).min() > 0, counts  # every event happened
+
+
+def test_torch_maximize_and_bf16_split_masters_are_the_numpy_step():
+    params0, grads = problem(seed=1)
+    history = numpy_run(params0, grads, maximize=True)
+    fp32 = torch_params(params0)
+    opt = PackedHeavyBall([{"params": fp32, "maximize": True}], **HP)
+    # bf16 weights: the master of one stepped as the FP32 parameter holding it (FORMAT.md, "Split masters")
+    bf16 = torch_params([p.astype(F32) for p in params0], dtype=torch.bfloat16)
+    masters = [p.detach().float().numpy() for p in bf16]
+    split_history = numpy_run(masters, bf16_rounded(grads))
+    split_opt = PackedHeavyBall(bf16, **HP)
+    for step_grads, (want, _), (want_split, split_codes) in zip(grads, history, split_history):
+        feed(fp32, step_grads)
+        feed(bf16, step_grads)
+        opt.step()
+        split_opt.step()
+    for i in range(len(fp32)):
+        assert_bits(fp32[i], want[i], f"maximized param {i}")
+        assert_bits(split_opt.master_weights()[i], want_split[i], f"bf16 master {i}")
+        assert_bits(split_opt.state[bf16[i]][MOMENTUM_CODES.key], split_codes[i], f"bf16 codes {i}")
+
+
+@pytest.mark.skipif(not launch.interpreting(), reason="the Triton interpreter on CPU (the CUDA tests compile them)")
+@pytest.mark.parametrize("write_update", [True, False])
+def test_the_triton_kernels_interpreted_are_the_numpy_step(monkeypatch, write_update):
+    """Every functional entry point through JAX's launcher, interpreted (jax_helpers'
+    jax-triton stand-in): one leaf alone (counting and not), a leaf group of FP32 leaves and
+    one of split bf16 leaves, and the step-scalars kernel."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from jax_helpers import InterpretedJaxTriton
+    from packed_adamw.jax import _triton_launch
+
+    stand_in = InterpretedJaxTriton()
+    monkeypatch.setattr(_triton_launch, "_jax_triton", lambda: stand_in)
+    rng = np.random.default_rng(3)
+    sizes = [1300, 1, 7, 600]
+    params = [rng.standard_normal(n).astype(F32) for n in sizes]
+    grads = [spanning(rng, n, -9, 6) for n in sizes]
+    grads[0][5] = np.nan
+    codes = [momentum_format(15).encode(spanning(rng, n, -6, 5)) for n in sizes]
+    rows = [list(HP.values()), [HP["lr"], HP["momentum"], 0.0]]
+    leaf_rows = [0, 1, 0, 1]
+    for multi_tensor in (True, False):
+        for track_format in (True, False):
+            outs, states, counts = _triton_launch.step(
+                [jnp.asarray(p) for p in params], [jnp.asarray(g) for g in grads], [jnp.asarray(c) for c in codes],
+                leaf_rows, jnp.asarray(rows, jnp.float32), jnp.asarray(2, jnp.int32), fmt=FMT,
+                kernels=FUNCTIONAL_KERNELS, write_update=write_update, multi_tensor=multi_tensor,
+                track_format=track_format)
+            for i in range(len(sizes)):
+                p, c, want_counts = params[i].copy(), codes[i].copy(), np.zeros(3, np.int64)
+                update = np.empty_like(p) if write_update else None
+                apply_step(p, grads[i], c, step_scalar_row(2, rows[leaf_rows[i]]), fmt=FMT, update_out=update,
+                           format_counts_out=want_counts)
+                where = f"leaf {i}, multi_tensor={multi_tensor}, track_format={track_format}"
+                assert_bits(outs[i], update if write_update else p, where)
+                assert_bits(states[i], c, where)
+                if track_format:
+                    assert np.asarray(counts[i]).tolist() == want_counts.tolist(), where
+    # bf16 leaves with split masters, bf16 gradients, in one leaf group and alone
+    weights = [p.astype(ml_dtypes.bfloat16) for p in params]
+    lows = [np.zeros(n, np.int16) for n in sizes]
+    bf16_grads = [g.astype(ml_dtypes.bfloat16) for g in grads]
+    for multi_tensor in (True, False):
+        outs, states, _, new_lows = _triton_launch.step(
+            [jnp.asarray(w) for w in weights], [jnp.asarray(g) for g in bf16_grads], [jnp.asarray(c) for c in codes],
+            leaf_rows, jnp.asarray(rows, jnp.float32), jnp.asarray(2, jnp.int32), fmt=FMT,
+            kernels=FUNCTIONAL_KERNELS, write_update=write_update, multi_tensor=multi_tensor,
+            lows=[jnp.asarray(lo) for lo in lows])
+        for i in range(len(sizes)):
+            w, lo, c = weights[i].view(np.uint16).copy(), lows[i].copy(), codes[i].copy()
+            apply_split_step(w, lo, bf16_grads[i].view(np.uint16), c, step_scalar_row(2, rows[leaf_rows[i]]), fmt=FMT)
+            where = f"split leaf {i}, multi_tensor={multi_tensor}"
+            assert_bits(np.asarray(outs[i]).view(np.uint16), w, where)
+            assert_bits(new_lows[i], lo, where)
+            assert_bits(states[i], c, where)
+
+
+def test_a_compiled_step_and_a_state_dict_round_trip_keep_the_eager_bits(reference):
+    """torch.compile(opt.step, fullgraph=True) steps as the eager optimizer does; a state saved
+    after two steps and loaded into a new optimizer continues as the uninterrupted one."""
+    params0, grads, history, _ = reference
+    torch._dynamo.reset()
+    compiled_params = torch_params(params0)
+    compiled = PackedHeavyBall(compiled_params, **HP)
+    step = torch.compile(compiled.step, fullgraph=True, backend="aot_eager")
+    resumed_params = torch_params(params0)
+    first = PackedHeavyBall(resumed_params, **HP)
+    for k, step_grads in enumerate(grads):
+        feed(compiled_params, step_grads)
+        step()
+        if k == 2:  # the second half in a new optimizer, from the first's state_dict
+            saved = first.state_dict()
+            assert saved["packed_adamw"]["format"] == FMT.identity
+            first = PackedHeavyBall(resumed_params, **HP)
+            first.load_state_dict(saved)
+        feed(resumed_params, step_grads)
+        first.step()
+    want_params, want_codes = history[-1]
+    for i in range(len(params0)):
+        for opt, ps, what in ((compiled, compiled_params, "compiled"), (first, resumed_params, "resumed")):
+            assert_bits(ps[i], want_params[i], f"{what} param {i}")
+            assert_bits(opt.state[ps[i]][MOMENTUM_CODES.key], want_codes[i], f"{what} codes {i}")
+            assert int(opt.state[ps[i]]["step"]) == STEPS
+    with pytest.raises(ValueError, match="construct PackedHeavyBall with the same mu_bias"):
+        PackedHeavyBall(torch_params(params0), **HP, mu_bias=17).load_state_dict(first.state_dict())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_steps_multi_tensor_solo_and_captured_are_the_cpu_bits(reference):
+    """On CUDA, the multi-tensor launch, one launch per tensor and a captured capturable step
+    (replayed with a new lr written into its tensor) give the numpy step's bits."""
+    params0, grads, history, _ = reference
+    want_params, want_codes = history[-1]
+    for options in (dict(multi_tensor=True), dict(multi_tensor=False)):
+        params = torch_params(params0, device="cuda")
+        opt = PackedHeavyBall(params, **HP, **options)
+        for step_grads in grads:
+            feed(params, step_grads)
+            opt.step()
+        for i, p in enumerate(params):
+            assert_bits(p, want_params[i], f"{options} param {i}")
+            assert_bits(opt.state[p][MOMENTUM_CODES.key], want_codes[i], f"{options} codes {i}")
+    # capturable: eager warm-up steps, then the last steps replayed from a captured graph
+    params = torch_params(params0, device="cuda")
+    lr = torch.tensor(HP["lr"], device="cuda")
+    opt = PackedHeavyBall(params, **{**HP, "lr": lr}, capturable=True)
+    static = [torch.zeros_like(p) for p in params]
+    for p, g in zip(params, static):
+        p.grad = g
+    for step_grads in grads[:2]:
+        for g, value in zip(static, step_grads):
+            g.copy_(torch.tensor(value))
+        opt.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for step_grads in grads[2:]:
+        for g, value in zip(static, step_grads):
+            g.copy_(torch.tensor(value))
+        graph.replay()
+    torch.cuda.synchronize()
+    for i, p in enumerate(params):
+        assert_bits(p, want_params[i], f"captured param {i}")
+        assert_bits(opt.state[p][MOMENTUM_CODES.key], want_codes[i], f"captured codes {i}")
+
+
+def test_the_optax_transform_under_jit_gives_torchs_bits():
+    """`packed_rule` of this rule, jitted, fed the gradients torch was fed: FP32 leaves the
+    same parameters and codes, a bf16 leaf the same weight and low half."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+    import optax
+
+    from packed_adamw.jax.transform import packed_rule
+
+    params0, grads = problem(seed=2)
+    bf16_leaf = params0[0].astype(ml_dtypes.bfloat16)
+    t_params = torch_params(params0) + [torch.tensor(bf16_leaf.astype(F32), dtype=torch.bfloat16, requires_grad=True)]
+    opt = PackedHeavyBall(t_params, **HP)
+    tx = packed_rule(heavy_ball_steps(), FMT, **HP)
+    j_params = [jnp.asarray(p) for p in params0] + [jnp.asarray(bf16_leaf)]
+    state = tx.init(j_params)
+    assert state.moments[0].dtype == jnp.uint16 and state.low_halves[-1].dtype == jnp.int16
+
+    @jax.jit
+    def train_step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for step_grads in grads:
+        step_grads = step_grads + [step_grads[0]]  # the bf16 leaf's gradient: bf16, rounded in each framework
+        feed(t_params, step_grads)
+        opt.step()
+        j_grads = [jnp.asarray(g) for g in step_grads]
+        j_params, state = train_step(j_params, state, j_grads[:-1] + [j_grads[-1].astype(jnp.bfloat16)])
+    for i, p in enumerate(t_params):
+        assert_bits(j_params[i], p, f"leaf {i}")
+        assert_bits(state.moments[i], opt.state[p][MOMENTUM_CODES.key], f"codes {i}")
+    assert_bits(state.low_halves[-1], opt.state[t_params[-1]]["lo"], "low half")
+    assert int(state.count) == STEPS
+
+
+def test_the_optax_transform_counts_the_rules_format_events(reference):
+    """`track_format=True`: the rule's own counts (its `count_names`), as the numpy step counts them."""
+    import jax
+
+    from packed_adamw.jax.transform import format_stats, packed_rule
+
+    from jax_helpers import optax_train_step
+
+    params0, grads, history, counts = reference
+    tx = packed_rule(heavy_ball_steps(), FMT, **HP, track_format=True)
+    params, state = list(params0), tx.init(list(params0))
+    step = jax.jit(optax_train_step(tx))
+    for step_grads in grads:
+        params, state = step(params, state, step_grads)
+    with pytest.raises(ValueError, match="pass count_names=fmt.rule.count_names"):
+        format_stats(state)
+    stats = format_stats(state, count_names=RULE.count_names)
+    assert [stats[f"[{i}]"] for i in range(len(params0))] == [
+        {"elements": STEPS * p.size, **dict(zip(RULE.count_names, c.tolist()))} for p, c in zip(params0, counts)]
+
+
+def test_sharded_on_8_cpu_devices_is_the_unsharded_step():
+    from jax_helpers import run_cases_child
+
+    results = run_cases_child(__file__, 8)
+    assert results == {"sharded_equals_unsharded": "ok"}, results
+
+
+def _cases():
+    """The child of `test_sharded_on_8_cpu_devices_is_the_unsharded_step` (8 CPU devices)."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+
+    from jax_helpers import SHARDED_SHAPES, case_recorder, normalized_spec, optax_train_step, sharded_specs
+    from packed_adamw.jax.transform import packed_rule
+
+    _, case = case_recorder()
+
+    @case("sharded_equals_unsharded")
+    def _():
+        assert len(jax.devices()) == 8, jax.devices()
+        shapes, specs = SHARDED_SHAPES, sharded_specs()
+        rng = np.random.default_rng(4)
+        params0 = {k: rng.standard_normal(s).astype(F32) for k, s in shapes.items()}
+        grads = [{k: spanning(rng, s, -6, 3) for k, s in shapes.items()} for _ in range(3)]
+        mask = {k: k != "b" for k in shapes}  # "b" takes the rule's undecayed row
+        tx = packed_rule(heavy_ball_steps(), FMT, mask, **HP)
+        step = jax.jit(optax_train_step(tx))
+        want_p, want_s = params0, tx.init(params0)
+        for g in grads:
+            want_p, want_s = step(want_p, want_s, g)
+        mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+        with jax.set_mesh(mesh):
+            put = lambda tree: {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}  # noqa
+            got_p = put(params0)
+            got_s = tx.init(got_p)
+            for g in grads:
+                got_p, got_s = step(got_p, got_s, put(g))
+        for k in shapes:
+            assert np.array_equal(bits(got_p[k]), bits(want_p[k])), k
+            assert np.array_equal(bits(got_s.moments[k]), bits(want_s.moments[k])), k
+            leaf = got_s.moments[k]
+            assert normalized_spec(leaf.sharding.spec, leaf.ndim) == normalized_spec(specs[k], leaf.ndim), k
+
+
+if __name__ == "__main__" and "--cases" in sys.argv:
+    _cases()
