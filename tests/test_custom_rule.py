@@ -512,15 +512,14 @@ FUNCTIONAL_KERNELS = FunctionalKernels(
 
 # ---- the frontends' handles on it ----------------------------------------------------------------
 def _torch_frontend():
-    from packed_adamw.torch import _launch, functional
-    from packed_adamw.torch.optimizer import ElementwiseOptimizer
+    from packed_adamw.torch import ElementwiseOptimizer, RuleLaunch, numpy_cpu_step
 
-    launch_ = _launch.RuleLaunch(
+    launch_ = RuleLaunch(
         rule=RULE, kernel_module=__name__, multi_tensor_kernel="heavy_ball_multi_tensor_kernel",
         single_tensor_kernel="heavy_ball_kernel", split_kernel="heavy_ball_split_kernel",
         capturable_scalars_kernel="capturable_step_scalars_kernel",
         row_scalars=lambda count, row: step_scalar_row(count, row[:3], maximize=len(row) > 3 and bool(row[3])),
-        cpu_step=functional.numpy_cpu_step(apply_step, apply_split_step),
+        cpu_step=numpy_cpu_step(apply_step, apply_split_step),
     )
 
     class PackedHeavyBall(ElementwiseOptimizer):
@@ -540,7 +539,7 @@ PackedHeavyBall = _torch_frontend()
 
 
 def heavy_ball_steps():
-    from packed_adamw.jax._step import RuleSteps
+    from packed_adamw.jax import RuleSteps
 
     return RuleSteps(apply_step=apply_step, apply_split_step=apply_split_step, step_scalar_row=step_scalar_row,
                      kernels=lambda: FUNCTIONAL_KERNELS)
@@ -815,7 +814,7 @@ def test_the_optax_transform_under_jit_gives_torchs_bits():
     import ml_dtypes
     import optax
 
-    from packed_adamw.jax.transform import packed_rule
+    from packed_adamw.jax import packed_rule
 
     params0, grads = problem(seed=2)
     bf16_leaf = params0[0].astype(ml_dtypes.bfloat16)
@@ -848,7 +847,7 @@ def test_the_optax_transform_counts_the_rules_format_events(reference):
     """`track_format=True`: the rule's own counts (its `count_names`), as the numpy step counts them."""
     import jax
 
-    from packed_adamw.jax.transform import format_stats, packed_rule
+    from packed_adamw.jax import format_stats, packed_rule
 
     from jax_helpers import optax_train_step
 
@@ -878,7 +877,7 @@ def _cases():
     from jax.sharding import AxisType, NamedSharding
 
     from jax_helpers import SHARDED_SHAPES, case_recorder, normalized_spec, optax_train_step, sharded_specs
-    from packed_adamw.jax.transform import packed_rule
+    from packed_adamw.jax import packed_rule
 
     _, case = case_recorder()
 
