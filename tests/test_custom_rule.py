@@ -766,6 +766,149 @@ def test_a_compiled_step_and_a_state_dict_round_trip_keep_the_eager_bits(referen
         PackedHeavyBall(torch_params(params0), **HP, mu_bias=17).load_state_dict(first.state_dict())
 
 
+def _rule_class(name="PackedRuleClass", base=None, **attributes):
+    """An optimizer class of this rule, built from `attributes` (a test of what a rule class
+    must declare); its constructor takes the heavy ball's hyperparameters and `state_format`."""
+    from packed_adamw.torch import ElementwiseOptimizer
+
+    def __init__(self, params, state_format=FMT, **options):
+        ElementwiseOptimizer.__init__(self, params, {**HP, "maximize": False}, state_format, **options)
+
+    return type(name, (base or ElementwiseOptimizer,), {"__init__": __init__, **attributes})
+
+
+def test_a_rule_class_missing_a_declaration_is_refused_naming_it():
+    """A rule class that forgets `state_format_class` or `format_keys`, or gives something
+    else than a RuleLaunch, is refused when the class is made; one without `rule_launch` (a
+    base for rule classes) when it is built; a RuleLaunch of another rule than the state
+    format's, or a state format of another class, when it is built: each naming what to set,
+    never an error from inside a step or a load."""
+    from packed_adamw.torch.functional import ADAMW_LAUNCH
+
+    launch_ = PackedHeavyBall.rule_launch
+    with pytest.raises(TypeError, match="PackedRuleClass sets no state_format_class"):
+        _rule_class(rule_launch=launch_, format_keys=("mu_bias",))
+    with pytest.raises(TypeError, match="PackedRuleClass sets no format_keys"):
+        _rule_class(rule_launch=launch_, state_format_class=HeavyBallFormat)
+    with pytest.raises(TypeError, match="PackedRuleClass.format_keys"):
+        _rule_class(rule_launch=launch_, state_format_class=HeavyBallFormat, format_keys="mu_bias")
+    with pytest.raises(TypeError, match="PackedRuleClass.rule_launch must be a RuleLaunch"):
+        _rule_class(rule_launch=RULE, state_format_class=HeavyBallFormat, format_keys=("mu_bias",))
+    base = _rule_class("PackedRuleBase", state_format_class=HeavyBallFormat, format_keys=("mu_bias",))
+    with pytest.raises(TypeError, match="PackedRuleBase sets no rule_launch"):
+        base(torch_params([np.zeros(3, F32)]))
+    mixed = _rule_class(rule_launch=ADAMW_LAUNCH, state_format_class=HeavyBallFormat, format_keys=("mu_bias",))
+    with pytest.raises(TypeError, match="rule_launch steps rule 'adamw' but its state format's rule is 'heavy_ball'"):
+        mixed(torch_params([np.zeros(3, F32)]))
+    from packed_adamw.core import StateFormat
+
+    with pytest.raises(TypeError, match=r"state_format must be a HeavyBallFormat \(its state_format_class\), got "
+                                        "StateFormat"):
+        _rule_class(rule_launch=launch_, state_format_class=HeavyBallFormat, format_keys=("mu_bias",))(
+            torch_params([np.zeros(3, F32)]), StateFormat())
+    # a subclass of a rule class keeps its declarations, and its groups' refused options follow its format_keys
+    renamed = _rule_class("PackedRenamed", base=PackedHeavyBall, format_keys=("code_bias",))
+    assert set(renamed.group_options) >= {"code_bias", "multi_tensor", "capturable"}
+
+
+def test_a_group_cannot_set_an_option_of_the_rules_optimizer():
+    """A format option a rule names for itself (not one of the project's) is the optimizer's
+    alone, as AdamW's mode and biases are: a group setting it is refused when added and when a
+    state_dict's groups load, never stepped with the optimizer's value silently."""
+    biased = _rule_class("PackedBiased", rule_launch=PackedHeavyBall.rule_launch, state_format_class=HeavyBallFormat,
+                         format_keys=("code_bias",))
+    with pytest.raises(ValueError, match=r"param_groups\[0\] sets 'code_bias': a group cannot have its own state "
+                                         r"format .*PackedBiased\(\.\.\., code_bias=\.\.\.\)"):
+        biased([{"params": torch_params([np.zeros(3, F32)]), "code_bias": 17}])
+    opt = biased(torch_params([np.zeros(3, F32)]))
+    saved = opt.state_dict()
+    saved["param_groups"][0]["code_bias"] = 17
+    with pytest.raises(ValueError, match="saved param_groups\\[0\\] sets 'code_bias'"):
+        opt.load_state_dict(saved)
+    assert "code_bias" not in opt.param_groups[0]
+
+
+def test_messages_name_the_rules_optimizer_not_packed_adamw():
+    """What the shared checks say to a user of another rule names that rule's optimizer."""
+    cases = {
+        "a float16 parameter": lambda: PackedHeavyBall([torch.zeros(3, dtype=torch.float16, requires_grad=True)]),
+        "a float64 parameter": lambda: PackedHeavyBall([torch.zeros(3, dtype=torch.float64, requires_grad=True)]),
+        "a meta parameter": lambda: PackedHeavyBall([torch.nn.Parameter(torch.zeros(3, device="meta"))]),
+        "a float lr, capturable": lambda: PackedHeavyBall(torch_params([np.zeros(3, F32)]), capturable=True),
+    }
+
+    def sparse_gradient():
+        (p,) = torch_params([np.zeros(3, F32)])
+        p.grad = torch.ones(3).to_sparse()
+        PackedHeavyBall([p]).step()
+
+    def damaged_state():
+        (p,) = torch_params([np.zeros(3, F32)])
+        opt = PackedHeavyBall([p])
+        p.grad = torch.ones(3)
+        opt.step()
+        del opt.state[p][MOMENTUM_CODES.key]
+        opt.step()
+
+    cases.update({"a sparse gradient": sparse_gradient, "a damaged state": damaged_state})
+    for what, make in cases.items():
+        with pytest.raises((TypeError, ValueError, RuntimeError)) as raised:
+            make()
+        assert "PackedHeavyBall" in str(raised.value) and "PackedAdamW" not in str(raised.value), (what, raised.value)
+
+
+def test_a_state_dict_of_another_rule_is_refused_naming_the_rules():
+    """PackedAdamW's state_dict into this rule's optimizer and the other way: refused before
+    anything changes, naming the saved state's rule where it is known, never advising to build
+    the optimizer with other biases (no bias makes one rule's state another's)."""
+    from packed_adamw.torch import PackedAdamW
+
+    (a,), (h,) = torch_params([np.ones(3, F32)]), torch_params([np.ones(3, F32)])
+    adamw, heavy_ball = PackedAdamW([a]), PackedHeavyBall([h])
+    for p, opt in ((a, adamw), (h, heavy_ball)):
+        p.grad = torch.ones(3)
+        opt.step()
+    with pytest.raises(ValueError, match="saved by an optimizer of rule 'adamw'.*PackedHeavyBall steps rule 'heavy_ball'"):
+        heavy_ball.load_state_dict(adamw.state_dict())
+    with pytest.raises(ValueError, match="is no format of rule 'adamw'.*another rule's optimizer"):
+        adamw.load_state_dict(heavy_ball.state_dict())
+    with pytest.raises(ValueError, match="construct PackedHeavyBall with the same mu_bias"):  # its own rule's, other bias
+        PackedHeavyBall(torch_params([np.ones(3, F32)]), mu_bias=17).load_state_dict(heavy_ball.state_dict())
+    assert int(heavy_ball.state[h]["step"]) == int(adamw.state[a]["step"]) == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class HeavyBallFP32Format(HeavyBallFormat):
+    """The rule's momenta as float32 (one per element, no leading axis), for the load checks."""
+
+    @property
+    def identity(self) -> str:
+        return "heavy-ball-fp32"
+
+    @property
+    def state_entry(self) -> StateEntry:
+        return StateEntry("heavy_ball_momentum_fp32", "float32")
+
+
+def test_a_float32_state_of_another_rule_loads_by_its_own_layout():
+    """The load's value check reads a float32 state as its rule keeps it: a rule's float32
+    momenta may be negative (AdamW's [m, v] rows are not its layout), a 0-d parameter's too;
+    a NaN or Inf among them is refused (it would freeze the element)."""
+    fp32 = _rule_class("PackedHeavyBallFP32", rule_launch=PackedHeavyBall.rule_launch,
+                       state_format_class=HeavyBallFP32Format, format_keys=("mu_bias",))
+    params = torch_params([np.zeros((2, 3), F32), np.zeros((), F32)])
+    opt = fp32(params, HeavyBallFP32Format())
+    saved = opt.state_dict()
+    momenta = [torch.tensor([[1.0, 2.0, 3.0], [-1.0, -2.0, -3.0]]), torch.tensor(-4.0)]
+    saved["state"] = {i: {"step": 1, "heavy_ball_momentum_fp32": m} for i, m in enumerate(momenta)}
+    opt.load_state_dict(saved)
+    for p, m in zip(params, momenta):
+        assert torch.equal(opt.state[p]["heavy_ball_momentum_fp32"], m)
+    saved["state"][0]["heavy_ball_momentum_fp32"] = torch.tensor([[1.0, np.nan, 3.0], [-1.0, -2.0, np.inf]])
+    with pytest.raises(ValueError, match="2 values are NaN or Inf"):
+        fp32(torch_params([np.zeros((2, 3), F32), np.zeros((), F32)]), HeavyBallFP32Format()).load_state_dict(saved)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_steps_multi_tensor_solo_and_captured_are_the_cpu_bits(reference):

@@ -40,14 +40,14 @@ def kernel_tensors(p: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tens
     return _dtensor.local(p), _dtensor.local(g)
 
 
-def check_live_state(p, pl, state: dict, fmt: StateFormat, name: str) -> int:
+def check_live_state(p, pl, state: dict, fmt: StateFormat, name: str, optimizer: str = "PackedAdamW") -> int:
     """The state a step is about to use must be what the kernel's raw addresses expect;
-    returns its step count."""
+    returns its step count. `optimizer`: the class the messages name."""
     stored = state.get(fmt.state_key)
     count = state.get(STEP_KEY)
     if stored is None or not isinstance(stored, torch.Tensor):
         raise ValueError(f"{name}: its optimizer state has no {fmt.state_key!r} tensor (got {state!r}); "
-                         "load a state saved by PackedAdamW with the same mode, or start fresh")
+                         f"load a state saved by {optimizer} with the same state format, or start fresh")
     if _dtensor.is_dtensor(p) != _dtensor.is_dtensor(stored):
         raise ValueError(f"{name} is {_dtensor.describe(p)} but its optimizer state is {_dtensor.describe(stored)}; "
                          "load sharded states with torch.distributed.checkpoint into the sharded model")
@@ -145,8 +145,16 @@ def check_loaded_layout(tensor, p, fmt: StateFormat, key: str, where: str) -> No
 
 def check_loaded_values(moments: torch.Tensor, fmt: StateFormat, where: str) -> None:
     """fp32 moments that are not finite, or a negative v, would make every element reject its
-    update and freeze the parameter silently. (Every packed or fp16 word decodes finitely.)"""
+    update and freeze the parameter silently. (Every packed or fp16 word decodes finitely.)
+    A float32 state of another rule is its own layout, not AdamW's [m, v]: any value in it
+    that is not finite is refused."""
     if state_dtype(fmt) is not FLOAT32 or moments.numel() == 0:
+        return
+    if not isinstance(fmt, StateFormat):
+        bad = int((~torch.isfinite(moments)).sum())
+        if bad:
+            raise ValueError(f"{where}: {bad} values are NaN or Inf in its float32 {fmt.state_key!r}; such a state "
+                             "would freeze those elements. Load an undamaged state")
         return
     m, v = moments[0], moments[1]
     bad_m = int((~torch.isfinite(m)).sum())
@@ -271,26 +279,28 @@ def check_listed_once(group: dict, index: int, torch_twin: str = "torch.optim.Ad
             )
 
 
-def validate_group(group: dict, index: int, rule) -> None:
+def validate_group(group: dict, index: int, rule, optimizer: str = "PackedAdamW") -> None:
+    """A group just added: its hyperparameters (`rule`'s) and its parameters; `optimizer`, the
+    class the messages name."""
     validate_group_hyperparams(group, index, rule)
     for param_index, p in enumerate(group["params"]):
         name = param_name(group, index, param_index)
         local = _dtensor.local(p)
         if p.dtype is torch.float16:
             raise TypeError(
-                f"{name} has dtype torch.float16: PackedAdamW trains float32 or bfloat16 parameters (a bf16 one keeps "
+                f"{name} has dtype torch.float16: {optimizer} trains float32 or bfloat16 parameters (a bf16 one keeps "
                 "an exact FP32 master: its bf16 weight plus a 2-byte low half in the optimizer state); convert it "
                 "with .to(torch.bfloat16) or .float()"
             )
         if p.dtype not in (FLOAT32, BFLOAT16):
             raise TypeError(
-                f"{name} has dtype {p.dtype}: PackedAdamW trains float32 or bfloat16 parameters; convert it with "
+                f"{name} has dtype {p.dtype}: {optimizer} trains float32 or bfloat16 parameters; convert it with "
                 ".float() or .to(torch.bfloat16)"
             )
         if not local.is_contiguous():
             raise ValueError(f"{name} is not contiguous: pass a contiguous parameter (create it with .contiguous())")
         if local.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{name} is on {local.device}: PackedAdamW runs on CPU and CUDA devices")
+            raise ValueError(f"{name} is on {local.device}: {optimizer} runs on CPU and CUDA devices")
 
 
 def raise_grad_error(p: torch.Tensor, g: torch.Tensor, name: str, optimizer: str = "PackedAdamW") -> None:
@@ -339,6 +349,7 @@ TORCH_OPTIONS = {
 FORMAT_OPTIONS = ("mode", "mu_bias", "adamw_mode", "m_bias", "rms_bias")
 OPTIMIZER_OPTIONS = (*FORMAT_OPTIONS, "check_nonfinite", "multi_tensor", "capturable", "batch_ns", "ns_impl",
                      "track_format")
+_SWITCHES = tuple(key for key in OPTIMIZER_OPTIONS if key not in FORMAT_OPTIONS)
 
 
 def _asks_nothing_missing(value, accepted: tuple) -> bool:
@@ -373,18 +384,20 @@ def check_group_options(group: dict, where: str, optimizer: str, options: dict, 
     for key, value in group.items():
         if key == "capturable" and isinstance(value, bool) and value == capturable:
             continue
-        if key in OPTIMIZER_OPTIONS and key not in own_format_keys:
+        # `options` may name a format option of a rule outside the project (an ElementwiseOptimizer's format_keys)
+        if (key in OPTIMIZER_OPTIONS or key in options) and key not in own_format_keys:
             option = options.get(key)
             if option is None:
                 raise ValueError(f"{where} sets {key!r}: {optimizer} has no such option (it is another packed "
                                  "optimizer's state format or step switch), and a group sets none; remove it")
-            if key in FORMAT_OPTIONS:
+            if key not in _SWITCHES:
+                listed = FORMAT_OPTIONS if key in FORMAT_OPTIONS else (*FORMAT_OPTIONS, key)
                 raise ValueError(
-                    f"{where} sets {key!r}: a group cannot have its own state format ({', '.join(FORMAT_OPTIONS)}); "
+                    f"{where} sets {key!r}: a group cannot have its own state format ({', '.join(listed)}); "
                     f"{optimizer} keeps one for all its groups. Pass it to the optimizer, {optimizer}(..., "
                     f"{option}=...), or step these parameters with an optimizer of their own (PackedMuonAdamW's "
                     "groups may each keep their own mode and biases)")
-            switches = ", ".join(k for k in OPTIMIZER_OPTIONS if k not in FORMAT_OPTIONS)
+            switches = ", ".join(_SWITCHES)
             raise ValueError(
                 f"{where} sets {key!r}: a group cannot have its own step switches ({switches}); {optimizer} keeps one "
                 f"for all its groups. Pass it to the optimizer, {optimizer}(..., {option}=...), or step these "
@@ -395,7 +408,8 @@ def check_group_options(group: dict, where: str, optimizer: str, options: dict, 
                 raise ValueError(f"{where}: {refusal}")
 
 
-def check_capturable(capturable, lr, *, check_nonfinite: bool, multi_tensor: bool) -> None:
+def check_capturable(capturable, lr, *, check_nonfinite: bool, multi_tensor: bool,
+                     optimizer: str = "PackedAdamW") -> None:
     if capturable not in (True, False):
         raise ValueError(f"capturable={capturable!r}: pass True or False")
     if capturable and (check_nonfinite or not multi_tensor):
@@ -404,7 +418,7 @@ def check_capturable(capturable, lr, *, check_nonfinite: bool, multi_tensor: boo
     if capturable and not (isinstance(lr, torch.Tensor) and lr.numel() == 1):
         raise ValueError(
             "capturable=True needs the learning rate as a one-element tensor on the parameters' device "
-            "(PackedAdamW(..., lr=torch.tensor(1e-3, device='cuda'), capturable=True)): a captured graph "
+            f"({optimizer}(..., lr=torch.tensor(1e-3, device='cuda'), capturable=True)): a captured graph "
             "reads that tensor at every replay, and LR schedulers update it in place; a Python float lr "
             "would be frozen into the graph"
         )

@@ -142,13 +142,13 @@ def _check_step(opt, live: dict | None) -> _Checked:
                 and g.layout is STRIDED and g.shape == pl.shape and g.is_contiguous() and pl.is_contiguous()
                 and g.get_device() == pl.get_device()
             ):
-                _checks.raise_grad_error(pl, g, name)
+                _checks.raise_grad_error(pl, g, name, type(opt).__name__)
             if device is None:
                 device = pl.get_device()  # an int (-1 for CPU): cheaper than torch.device objects
             elif pl.get_device() != device:
-                _checks.check_one_device([pl, kernel_params[0]], f"{type(opt).__name__}.step")
+                _checks.check_one_device([pl, kernel_params[0]], f"{type(opt).__name__}.step", type(opt).__name__)
             state = opt.state.get(p)
-            counts.append(_checks.check_live_state(p, pl, state, fmt, name) + 1 if state else 1)
+            counts.append(_checks.check_live_state(p, pl, state, fmt, name, type(opt).__name__) + 1 if state else 1)
             params.append(p)
             names.append(name)
             kernel_params.append(pl)

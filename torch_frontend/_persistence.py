@@ -56,10 +56,8 @@ def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
     identity) and, per parameter, the checked (step count, moments, low half)."""
     identity = saved_identity(opt, state_dict)
     if identity != opt.state_format.identity:
-        raise ValueError(
-            f"load_state_dict: the saved state has format {identity!r} but this optimizer uses "
-            f"{opt.state_format.identity!r}; construct {type(opt).__name__} with the same {_listed(opt.format_keys)}"
-        )
+        raise ValueError(f"load_state_dict: the saved state has format {identity!r} but this optimizer uses "
+                         f"{opt.state_format.identity!r}; {_other_format_advice(opt, identity)}")
     check_saved_group_options(opt, state_dict["param_groups"])
     saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
     our_params = [p for g in opt.param_groups for p in g["params"]]
@@ -279,6 +277,33 @@ def saved_identity(opt, state_dict: dict) -> str:
         f"{GROUP_FORMAT_KEY!r} in its param groups); start this optimizer fresh instead of loading another "
         "optimizer's state"
     )
+
+
+def _other_format_advice(opt, identity) -> str:
+    """What to do with a saved state of another format than `opt`'s. Its rule is read from the
+    identity where core knows it (`core.rules`: AdamW's and Muon's formats, every bias): a state
+    of another rule loads into that rule's optimizer, and no option of this one makes it fit."""
+    name, rule = type(opt).__name__, opt.state_format.rule.name
+    saved = _rule_of_identity(identity)
+    if saved is not None and saved != rule:
+        return (f"it was saved by an optimizer of rule {saved!r}, and {name} steps rule {rule!r}: load it into "
+                f"an optimizer of rule {saved!r}, or start {name} fresh")
+    if saved is None and _rule_of_identity(opt.state_format.identity) == rule:  # core knows all of this rule's formats
+        return (f"{identity!r} is no format of rule {rule!r} ({name}'s): it was saved by another rule's optimizer; "
+                f"load it into that optimizer, or start {name} fresh")
+    if not opt.format_keys:
+        return f"{name} has one state format: start it fresh, or load a state it saved"
+    return f"construct {name} with the same {_listed(opt.format_keys)}"
+
+
+def _rule_of_identity(identity) -> str | None:
+    """The name of the rule whose state format `identity` is, where core knows it; else None."""
+    from packed_adamw.core.rules import state_format_from_identity
+
+    try:
+        return state_format_from_identity(identity).rule.name
+    except ValueError:
+        return None
 
 
 def _listed(names) -> str:

@@ -48,24 +48,37 @@ class ElementwiseOptimizer(PackedOptimizer):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         rule = cls.__dict__.get("rule_launch")
-        if rule is not None:  # what a rule class need not spell out: its names and the options groups cannot set
+        if rule is not None:  # a rule class: what it must declare is checked now, not in its first step or load
+            _check_rule_class(cls)
             for name, value in (("rule_name", rule.rule.name), ("display_name", rule.rule.name),
                                 ("torch_twin", cls.__name__)):
                 if not cls.__dict__.get(name):
                     setattr(cls, name, value)
-            if "group_options" not in cls.__dict__:
-                cls.group_options = {key: key for key in (*cls.format_keys, *cls.switches)}
+        if cls.rule_launch is not None and "group_options" not in cls.__dict__ and (
+                rule is not None or "format_keys" in cls.__dict__):  # what groups cannot set follows its format keys
+            _check_rule_class(cls)
+            cls.group_options = {key: key for key in (*cls.format_keys, *cls.switches)}
 
     def __init__(self, params, defaults: dict, state_format, *, multi_tensor: bool = True,
                  check_nonfinite: bool = False, track_format: bool = False, capturable: bool = False):
         """`defaults`: each of the rule's `group_keys` and `maximize`; `state_format`: an
         instance of `state_format_class`."""
-        if self.rule_launch is None or not isinstance(state_format, self.state_format_class):
-            raise TypeError(f"{type(self).__name__}: an ElementwiseOptimizer subclass sets rule_launch and "
-                            "state_format_class, and passes an instance of that class as state_format")
+        name = type(self).__name__
+        if self.rule_launch is None:
+            raise TypeError(f"{name} sets no rule_launch: a class an optimizer is built from names its rule's "
+                            "_launch.RuleLaunch as its class attribute rule_launch (as PackedAdamW's is "
+                            "functional.ADAMW_LAUNCH)")
+        if not isinstance(state_format, self.state_format_class):
+            raise TypeError(f"{name}: state_format must be a {self.state_format_class.__name__} (its "
+                            f"state_format_class), got {type(state_format).__name__}")
+        if state_format.rule != self.rule_launch.rule:  # the launches would read another rule's rows and state
+            raise TypeError(f"{name}: its rule_launch steps rule {self.rule_launch.rule.name!r} but its state "
+                            f"format's rule is {state_format.rule.name!r}; give the RuleLaunch and the state format "
+                            "of one rule")
         self.state_format = state_format
         lr = defaults.get(self.rule_launch.rule.group_keys[0])
-        _checks.check_capturable(capturable, lr, check_nonfinite=check_nonfinite, multi_tensor=multi_tensor)
+        _checks.check_capturable(capturable, lr, check_nonfinite=check_nonfinite, multi_tensor=multi_tensor,
+                                 optimizer=name)
         self.multi_tensor = multi_tensor
         self.check_nonfinite = check_nonfinite
         self.capturable = capturable
@@ -78,7 +91,7 @@ class ElementwiseOptimizer(PackedOptimizer):
         return defaults
 
     def _check_new_group(self, group: dict, index: int) -> None:
-        _checks.validate_group(group, index, self.rule_launch.rule)
+        _checks.validate_group(group, index, self.rule_launch.rule, type(self).__name__)
 
     def _eager_update(self, live: dict | None = None) -> None:
         """The eager step (`_engine.step`; `live` as it says)."""
@@ -99,6 +112,27 @@ class ElementwiseOptimizer(PackedOptimizer):
 
     def _portable(self):
         return _persistence
+
+
+def _check_rule_class(cls) -> None:
+    """What a class of `ElementwiseOptimizer` naming a rule (`rule_launch`) must declare beside
+    it, checked when the class is made: its state format class and its constructor's
+    `format_keys` (which a group may not set, and which a refused load names)."""
+    from ._launch import RuleLaunch
+    from packed_adamw.core.rule import StateLayout
+
+    name = cls.__name__
+    if not isinstance(cls.rule_launch, RuleLaunch):
+        raise TypeError(f"{name}.rule_launch must be a RuleLaunch (packed_adamw.torch.RuleLaunch: the rule, its "
+                        f"kernels, its host step scalars and its numpy step), got {type(cls.rule_launch).__name__}")
+    if not (isinstance(cls.state_format_class, type) and issubclass(cls.state_format_class, StateLayout)):
+        raise TypeError(f"{name} sets no state_format_class: a rule class names its state format's class (a "
+                        f"core.rule.StateLayout), got {cls.state_format_class!r}")
+    if not any("format_keys" in vars(base) for base in cls.__mro__ if base is not PackedOptimizer):
+        raise TypeError(f"{name} sets no format_keys: a rule class names the constructor's options that make its "
+                        "state format (as PackedAdamW's ('mode', 'm_bias', 'rms_bias')); () if there are none")
+    if not (isinstance(cls.format_keys, tuple) and all(isinstance(key, str) for key in cls.format_keys)):
+        raise TypeError(f"{name}.format_keys must be a tuple of option names, got {cls.format_keys!r}")
 
 
 class PackedAdamW(ElementwiseOptimizer):
