@@ -877,6 +877,34 @@ def test_a_state_dict_of_another_rule_is_refused_naming_the_rules():
     assert int(heavy_ball.state[h]["step"]) == int(adamw.state[a]["step"]) == 1
 
 
+def test_a_portable_state_of_the_rule_goes_back_into_its_optimizer(reference):
+    """`export_state` writes the rule's entries in its format's dtype (uint16 codes, as JAX keeps
+    them; torch holds them as int16), and `import_state` takes them back: the imported optimizer
+    continues as the uninterrupted one, bit for bit. Another rule's optimizer refuses it."""
+    from packed_adamw.torch import PackedAdamW
+
+    params0, grads, history, _ = reference
+    params = torch_params(params0)
+    opt = PackedHeavyBall(params, **HP)
+    for step_grads in grads[:2]:
+        feed(params, step_grads)
+        opt.step()
+    portable = opt.export_state()
+    assert [m.dtype for m in portable.moments] == [np.uint16] * len(params0)
+    resumed = PackedHeavyBall(params, **HP)
+    resumed.import_state(portable)
+    for step_grads in grads[2:]:
+        feed(params, step_grads)
+        resumed.step()
+    want_params, want_codes = history[-1]
+    for i, p in enumerate(params):
+        assert_bits(p, want_params[i], f"param {i}")
+        assert_bits(resumed.state[p][MOMENTUM_CODES.key], want_codes[i], f"codes {i}")
+        assert resumed.state[p][MOMENTUM_CODES.key].dtype == torch.int16
+    with pytest.raises(ValueError, match="portable state has format 'heavy-ball-packed"):
+        PackedAdamW(torch_params(params0)).import_state(portable)
+
+
 @dataclasses.dataclass(frozen=True)
 class HeavyBallFP32Format(HeavyBallFormat):
     """The rule's momenta as float32 (one per element, no leading axis), for the load checks."""

@@ -152,7 +152,7 @@ def export_state(opt) -> PortableState:
         state = opt.state.get(p) or {}
         counts.append(int(state[STEP_KEY]) if state else 0)
         tensor = state[opt.state_format.state_key] if state else new_state(p, opt.state_format)
-        moments.append(_to_numpy(tensor))
+        moments.append(_to_numpy(tensor).view(np.dtype(opt.state_format.state_dtype)))  # (torch's int16: uint16)
         if p.dtype is BFLOAT16:
             lows.append(_to_numpy(state[LOW_HALF_KEY]) if LOW_HALF_KEY in state else
                         np.zeros(p.shape, formats.LOW_HALF_DTYPE))
@@ -188,8 +188,7 @@ def checked_import(opt, portable: PortableState) -> dict:
             new[p] = None  # as never stepped (a nonzero low half is kept: load_master_weights set it)
             continue
         array = np.array(moments, order="C", copy=True)  # keeps 0-d shapes (ascontiguousarray does not)
-        tensor = torch.from_numpy(array.view(np.int32)).view(torch.uint32) if array.dtype == np.uint32 \
-            else torch.from_numpy(array)
+        tensor = _state_tensor(array, opt.state_format)
         check_loaded_values(tensor, opt.state_format, f"import_state: tensor {i} ({name})")
         new[p] = {STEP_KEY: count, opt.state_format.state_key: tensor.to(p.device)}
         if low is not None:
@@ -325,6 +324,15 @@ def _contiguous_dtensor(tensor, p):
         return tensor
     return type(tensor).from_local(local.to(_dtensor.local(p).device).contiguous(), tensor.device_mesh,
                                    tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride())
+
+
+def _state_tensor(array: np.ndarray, fmt) -> torch.Tensor:
+    """A state entry checked in its format's numpy dtype as the tensor the optimizer keeps
+    (`state_dtype`: uint32 words, 16-bit codes as int16), the same bits."""
+    if array.dtype == np.uint32:
+        return torch.from_numpy(array.view(np.int32)).view(torch.uint32)
+    dtype = state_dtype(fmt)
+    return torch.from_numpy(array.view(np.int16) if dtype is torch.int16 else array)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
