@@ -142,15 +142,15 @@ def _is_step_count(count) -> bool:
     return isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= MAX_STEP_COUNT
 
 
-def _check_count(count) -> None:
+def _check_count(count, name: str = "packed_adamw") -> None:
     """Refuse a negative count before the step where it is known (under jit the step is
     refused in the graph instead, by `_refuse_invalid`)."""
     if isinstance(count, jax.core.Tracer):
         return
     value = int(np.asarray(count))
     if value < 0:
-        raise ValueError(f"packed_adamw: the state's step count is {value}; a count is >= 0 (init() starts at 0). "
-                         "The state is damaged or not a packed_adamw state")
+        raise ValueError(f"{name}: the state's step count is {value}; a count is >= 0 (init() starts at 0). "
+                         f"The state is damaged or not a {name} state")
 
 
 def _map_group(f, values) -> tuple:

@@ -52,7 +52,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from packed_adamw.core.rule import StateLayout
+from packed_adamw.core.rule import Rule, StateLayout
 
 # A step's counts of one leaf on one device travel as uint32, so a counted leaf (or its shard
 # on a device) must have fewer elements than this.
@@ -63,7 +63,7 @@ COUNTABLE_ELEMENTS = 1 << 32
 class RuleSteps:
     """A rule's elementwise step as the primitive runs it, the same bits on every platform: its
     numpy step on CPU, its Triton entry points on CUDA. Its state format (`StepConfig.fmt`)
-    gives the rest."""
+    gives the rest; `rule`, the rule they step, is checked against that format's (`packed_rule`)."""
 
     # numpy, in place: (p, g, state, scalar row, *, fmt, update_out, format_counts_out)
     apply_step: Callable
@@ -72,6 +72,8 @@ class RuleSteps:
     step_scalar_row: Callable  # (count, hyperparameter row) -> the row of step scalars
     # () -> the rule's core.kernel.FunctionalKernels, called only when compiling for CUDA (it imports Triton)
     kernels: Callable
+    # the rule they step (its bounds are a dict, so the functions above identify the steps); None: not said
+    rule: Rule | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -161,15 +161,16 @@ def _accumulated(counts, step_counts):
     return jnp.stack([low, high], axis=-1)
 
 
-def _check_format_counts(state, tracked: bool, n_leaves: int, count_names: tuple[str, ...]) -> None:
+def _check_format_counts(state, tracked: bool, n_leaves: int, count_names: tuple[str, ...],
+                         name: str = "packed_adamw") -> None:
     has_counts = _has_format_counts(state)
     if tracked and not has_counts:
         raise ValueError(
-            "packed_adamw: the transform counts formats (track_format=True) but the state has no format counts; "
+            f"{name}: the transform counts formats (track_format=True) but the state has no format counts; "
             "build it with init() (or import_state(..., track_format=True)) of a transform with track_format=True")
     if not tracked and has_counts:
         raise ValueError(
-            "packed_adamw: the state carries format counts (a track_format=True state) but the transform was built "
+            f"{name}: the state carries format counts (a track_format=True state) but the transform was built "
             "with track_format=False; build both with the same track_format")
     if not tracked:
         return
@@ -177,7 +178,7 @@ def _check_format_counts(state, tracked: bool, n_leaves: int, count_names: tuple
                             jax.ShapeDtypeStruct((n_leaves, len(count_names), 2), jnp.dtype(jnp.uint32)))
     got = FormatCounts(*(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in state.format_counts))
     if got != expected:
-        raise ValueError(f"packed_adamw: the state's format counts are {got}, expected {expected} for "
+        raise ValueError(f"{name}: the state's format counts are {got}, expected {expected} for "
                          f"{n_leaves} leaves; build the state with init() over the same parameters")
 
 
@@ -216,7 +217,7 @@ def _leaf_name(path) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
-def _split_flags(params, what: str = "params") -> list[bool]:
+def _split_flags(params, what: str = "params", name: str = "packed_adamw") -> list[bool]:
     """Per leaf: True for a bfloat16 leaf (a split master), False for a float32 one; any
     other dtype is refused, naming the leaf."""
     flags = []
@@ -224,18 +225,18 @@ def _split_flags(params, what: str = "params") -> list[bool]:
         dtype = jnp.result_type(leaf)
         if dtype == jnp.float16:
             raise TypeError(
-                f"{what} leaf {_leaf_name(path)} has dtype float16: packed_adamw trains float32 or bfloat16 "
+                f"{what} leaf {_leaf_name(path)} has dtype float16: {name} trains float32 or bfloat16 "
                 "parameters (a bfloat16 leaf keeps an exact FP32 master: its weight plus a 2-byte low half in the "
                 "state); convert it with .astype(jnp.bfloat16) or .astype(jnp.float32)")
         if dtype not in (FLOAT32, BF16):
             raise TypeError(
-                f"{what} leaf {_leaf_name(path)} has dtype {dtype}: packed_adamw trains float32 or bfloat16 "
+                f"{what} leaf {_leaf_name(path)} has dtype {dtype}: {name} trains float32 or bfloat16 "
                 "parameters; convert it with .astype(jnp.float32) or .astype(jnp.bfloat16)")
         flags.append(dtype == BF16)
     return flags
 
 
-def _check_grad_dtypes(flat_grads, split: list[bool]) -> None:
+def _check_grad_dtypes(flat_grads, split: list[bool], name: str = "packed_adamw") -> None:
     """A float32 leaf takes float32 gradients; a bfloat16 leaf bfloat16 or float32 ones
     (`flat_grads`: the gradients' (path, leaf) pairs)."""
     for (path, g), is_split in zip(flat_grads, split):
@@ -243,11 +244,11 @@ def _check_grad_dtypes(flat_grads, split: list[bool]) -> None:
         if dtype == FLOAT32 or (is_split and dtype == BF16):
             continue
         allowed = "bfloat16 or float32 (a bfloat16 parameter)" if is_split else "float32 (a float32 parameter)"
-        raise TypeError(f"grads leaf {_leaf_name(path)} has dtype {dtype}: packed_adamw takes gradients of dtype "
+        raise TypeError(f"grads leaf {_leaf_name(path)} has dtype {dtype}: {name} takes gradients of dtype "
                         f"{allowed}; cast the gradient with .astype(jnp.float32)")
 
 
-def _check_low_halves(state, treedef, params, split: list[bool]) -> list:
+def _check_low_halves(state, treedef, params, split: list[bool], name: str = "packed_adamw") -> list:
     """The state's low halves per leaf (None for float32 leaves), checked against the
     parameters: exactly the bfloat16 leaves have one, int16 of the leaf's shape."""
     paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -255,28 +256,28 @@ def _check_low_halves(state, treedef, params, split: list[bool]) -> list:
         if any(split):
             leaf = paths[split.index(True)]
             raise ValueError(
-                f"packed_adamw: params leaf {leaf} is bfloat16 but the state has no low halves (it was built for "
+                f"{name}: params leaf {leaf} is bfloat16 but the state has no low halves (it was built for "
                 "float32 parameters); build the state with init() over these parameters, or move the weights with "
                 "master_weights() / load_master_weights()")
         return [None] * len(split)
     try:
         lows = treedef.flatten_up_to(state.low_halves)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"packed_adamw: the state's low halves do not have the parameters' tree ({e}); build the "
+        raise ValueError(f"{name}: the state's low halves do not have the parameters' tree ({e}); build the "
                          "state with init() over the same parameters") from None
     for path, p, lo, is_split in zip(paths, jax.tree_util.tree_leaves(params), lows, split):
         if is_split and lo is None:
             raise ValueError(
-                f"packed_adamw: params leaf {path} is bfloat16 but the state has no low half for it (it was built "
+                f"{name}: params leaf {path} is bfloat16 but the state has no low half for it (it was built "
                 "for a float32 leaf); keep the leaf's dtype, or move the weights with master_weights() / "
                 "load_master_weights() into a state built with init() over the new parameters")
         if not is_split and lo is not None:
             raise ValueError(
-                f"packed_adamw: the state holds a low half for params leaf {path} (a bfloat16 leaf's FP32 master) "
+                f"{name}: the state holds a low half for params leaf {path} (a bfloat16 leaf's FP32 master) "
                 f"but the leaf is {jnp.result_type(p)}; keep the leaf bfloat16, or move the weights with "
                 "master_weights() / load_master_weights() into a state built with init() over the new parameters")
         if lo is not None and (tuple(jnp.shape(lo)) != tuple(jnp.shape(p)) or jnp.result_type(lo) != LOW_HALF):
-            raise ValueError(f"packed_adamw: the low half of leaf {path} is {jnp.result_type(lo)} {jnp.shape(lo)}, "
+            raise ValueError(f"{name}: the low half of leaf {path} is {jnp.result_type(lo)} {jnp.shape(lo)}, "
                              f"expected {LOW_HALF} {jnp.shape(p)}; build the state with init() over these parameters")
     return lows
 
@@ -297,18 +298,18 @@ def _zero_moments(leaf, fmt: StateFormat):
     return zeros
 
 
-def _check_state(moments, params, fmt: StateFormat) -> None:
+def _check_state(moments, params, fmt: StateFormat, name: str = "packed_adamw") -> None:
     expected = jax.tree_util.tree_map(lambda p: _moments_spec(p, fmt), params)
     got = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(jnp.shape(s), jnp.result_type(s)), moments)
     if jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(got) or expected != got:
         raise ValueError(
-            f"packed_adamw: the optimizer state does not match the gradients for mode {fmt.mode!r} "
+            f"{name}: the optimizer state does not match the gradients for mode {getattr(fmt, 'mode', None)!r} "
             f"(format {fmt.identity}); expected {expected}, got {got}. Build the state with init() of a "
             "transform with the same mode and biases over the same parameters"
         )
 
 
-def _mask_flags(mask, params):
+def _mask_flags(mask, params, name: str = "packed_adamw"):
     """Per-leaf switch from an optax-style mask (AdamW's weight-decay mask): a pytree of bools
     matching params or a prefix of them, or a callable returning one. True where a leaf is
     selected (all leaves without a mask)."""
@@ -318,14 +319,14 @@ def _mask_flags(mask, params):
 
     def broadcast(flag, subtree):
         if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"packed_adamw: mask entries must be Python bools known before compilation, got {flag!r}")
+            raise TypeError(f"{name}: mask entries must be Python bools known before compilation, got {flag!r}")
         return jax.tree_util.tree_map(lambda _: bool(flag), subtree)
 
     try:
         jax.tree_util.tree_structure(flags).flatten_up_to(params)
     except (ValueError, TypeError):
         raise ValueError(
-            f"packed_adamw: mask has the tree {jax.tree_util.tree_structure(flags)}, which is neither the parameters' "
+            f"{name}: mask has the tree {jax.tree_util.tree_structure(flags)}, which is neither the parameters' "
             f"tree {jax.tree_util.tree_structure(params)} nor a prefix of it; give one bool per parameter leaf (or "
             "per subtree of a prefix), or a callable that returns such a tree from the parameters") from None
     return jax.tree_util.tree_map(broadcast, flags, params)
@@ -432,7 +433,7 @@ class _Stepper:
         if _is_params_placeholder(params):  # optax.tree_utils.tree_map_params: no dtypes to go by
             return PackedAdamWState(count, moments, _LOW_HALVES_UNKNOWN, counts)
         low_halves = None
-        if any(_split_flags(params)):  # a low half of 0: each master starts at its bf16 weight
+        if any(_split_flags(params, name=self.name)):  # a low half of 0: each master starts at its bf16 weight
             low_halves = jax.tree_util.tree_map(
                 lambda p: jnp.zeros_like(p, dtype=LOW_HALF) if jnp.result_type(p) == BF16 else None, params)
         return PackedAdamWState(count, moments, low_halves, counts)
@@ -460,14 +461,14 @@ class _Stepper:
                     f"{self.name}: the parameters have bfloat16 leaves, whose weights are half of their FP32 "
                     "masters, so update() needs params: call tx.update(grads, state, params)")
         else:
-            split = _split_flags(params)
-        _check_grad_dtypes(flat_grads, split)
-        _check_state(state.moments, grads, self.fmt)
-        lows = _check_low_halves(state, treedef, grads if params is None else params, split)
-        _check_format_counts(state, self.track_format, treedef.num_leaves, self.rule.count_names)
-        _check_count(state.count)
+            split = _split_flags(params, name=self.name)
+        _check_grad_dtypes(flat_grads, split, self.name)
+        _check_state(state.moments, grads, self.fmt, self.name)
+        lows = _check_low_halves(state, treedef, grads if params is None else params, split, self.name)
+        _check_format_counts(state, self.track_format, treedef.num_leaves, self.rule.count_names, self.name)
+        _check_count(state.count, self.name)
         rule = self.rule
-        selected = treedef.flatten_up_to(_mask_flags(self.mask, grads if params is None else params))
+        selected = treedef.flatten_up_to(_mask_flags(self.mask, grads if params is None else params, self.name))
         leaf_rows = tuple(rule.leaf_variant(masked_in) for masked_in in selected)
         at_count = _map_group(functools.partial(_at_count, count=state.count), self.group)  # schedules' values
         given = rule.group_row(*at_count, number=_as_given)  # hyperparam_fields order, as given
@@ -595,8 +596,8 @@ def packed_rule(
     **hyperparams,
 ) -> optax.GradientTransformationExtraArgs:
     """Any elementwise rule as an optax transformation (docs/ARCHITECTURE.md, "How a rule plugs
-    in"): `steps` its numpy steps, host step scalars and Triton entry points (`RuleSteps`),
-    `fmt` its state format (whose `rule` declares the rest), `hyperparams` a group's values by
+    in"): `steps` its numpy steps, host step scalars and Triton entry points (`RuleSteps`;
+    the rule it names must be fmt's), `fmt` its state format (whose `rule` declares the rest), `hyperparams` a group's values by
     the rule's `group_keys` (each a number, a scalar array or a schedule of the count; a tuple,
     as AdamW's betas, of those). Its state is `PackedAdamWState` (`moments`: the rule's state
     entry per leaf), its step the primitive's (`impl="kernel"` of `packed_adamw`: the numpy step
@@ -604,8 +605,15 @@ def packed_rule(
     the rule's `masked_variant`, `track_format` its format counts: as `packed_adamw`, which is
     this transform of AdamW's rule (with, on CUDA, AdamW's XLA step besides). `name` starts its
     messages (the rule's name by default)."""
+    if not isinstance(fmt, StateLayout):
+        raise TypeError(f"packed_rule: fmt={fmt!r} must be the rule's state format (a core.rule.StateLayout, as "
+                        "packed_adamw.core.StateFormat() is AdamW's), which names its rule")
     rule = fmt.rule
     name = name or rule.name
+    steps_rule = _steps_rule(steps)
+    if steps_rule is not None and steps_rule != rule:  # its numpy step and kernels would misread the rows and state
+        raise TypeError(f"{name}: steps steps rule {steps_rule.name!r} but fmt's rule is {rule.name!r}; give the "
+                        "RuleSteps and the state format of one rule")
     if set(hyperparams) != set(rule.group_keys):
         raise TypeError(f"{name}: pass the hyperparameters {', '.join(rule.group_keys)} (the rule's group keys), "
                         f"got {', '.join(sorted(hyperparams)) or 'none'}")
@@ -617,6 +625,14 @@ def packed_rule(
     group = tuple(hyperparams[key] for key in rule.group_keys)
     return _transform(_Stepper(group, mask, fmt, None, None, multi_tensor, reuse_grad_buffer, track_format, "kernel",
                                steps=steps, name=name))
+
+
+def _steps_rule(steps: RuleSteps):
+    """The rule `steps` steps: the one it names; AdamW's for `_rules.ADAMW` (which names none);
+    else None (not known)."""
+    if steps.rule is not None:
+        return steps.rule
+    return StateFormat().rule if steps is ADAMW else None
 
 
 def _transform(stepper: _Stepper) -> optax.GradientTransformationExtraArgs:

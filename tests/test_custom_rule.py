@@ -541,7 +541,7 @@ PackedHeavyBall = _torch_frontend()
 def heavy_ball_steps():
     from packed_adamw.jax import RuleSteps
 
-    return RuleSteps(apply_step=apply_step, apply_split_step=apply_split_step, step_scalar_row=step_scalar_row,
+    return RuleSteps(rule=RULE, apply_step=apply_step, apply_split_step=apply_split_step, step_scalar_row=step_scalar_row,
                      kernels=lambda: FUNCTIONAL_KERNELS)
 
 
@@ -1033,6 +1033,51 @@ def test_the_optax_transform_counts_the_rules_format_events(reference):
     stats = format_stats(state, count_names=RULE.count_names)
     assert [stats[f"[{i}]"] for i in range(len(params0))] == [
         {"elements": STEPS * p.size, **dict(zip(RULE.count_names, c.tolist()))} for p, c in zip(params0, counts)]
+
+
+def test_packed_rule_refuses_steps_or_a_format_of_another_rule():
+    """`packed_rule` with a RuleSteps of another rule than its state format's (AdamW's steps
+    with this rule's format, or this rule's steps with AdamW's format), or a format that is not
+    a state format, is refused when built, naming both; not a numpy error inside a callback."""
+    from packed_adamw.core import StateFormat
+    from packed_adamw.jax import packed_rule
+    from packed_adamw.jax._rules import ADAMW
+
+    with pytest.raises(TypeError, match="steps rule 'adamw' but fmt's rule is 'heavy_ball'"):
+        packed_rule(ADAMW, FMT, **HP)
+    with pytest.raises(TypeError, match="steps rule 'heavy_ball' but fmt's rule is 'adamw'"):
+        packed_rule(heavy_ball_steps(), StateFormat(), lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
+    with pytest.raises(TypeError, match="fmt='packed' must be the rule's state format"):
+        packed_rule(heavy_ball_steps(), "packed", **HP)
+
+
+def test_packed_rule_messages_name_the_rule():
+    """What the transform's checks say to a user of another rule names it (its `name`), not
+    packed_adamw."""
+    import jax.numpy as jnp
+
+    from packed_adamw.jax import packed_adamw, packed_rule
+
+    params = {"w": jnp.ones((3, 4)), "b": jnp.ones((5,), jnp.bfloat16)}
+    grads = {"w": jnp.full((3, 4), 0.5), "b": jnp.full((5,), 0.5, jnp.bfloat16)}
+    tx = packed_rule(heavy_ball_steps(), FMT, **HP)
+    state = tx.init(params)
+    tracked = packed_rule(heavy_ball_steps(), FMT, **HP, track_format=True)
+    cases = {
+        "an AdamW state": lambda: tx.update(grads, packed_adamw(1e-3).init(params), params),
+        "a float16 gradient": lambda: tx.update({**grads, "w": grads["w"].astype(jnp.float16)}, state, params),
+        "a float16 parameter": lambda: tx.init({**params, "w": params["w"].astype(jnp.float16)}),
+        "no low halves": lambda: tx.update(grads, state._replace(low_halves=None), params),
+        "counts it was not built for": lambda: tx.update(grads, tracked.init(params), params),
+        "no counts": lambda: tracked.update(grads, state, params),
+        "a negative count": lambda: tx.update(grads, state._replace(count=jnp.int32(-1)), params),
+        "a mask of ints": lambda: packed_rule(heavy_ball_steps(), FMT, {"w": 1, "b": True}, **HP).update(
+            grads, state, params),
+    }
+    for what, make in cases.items():
+        with pytest.raises((TypeError, ValueError)) as raised:
+            make()
+        assert "heavy_ball" in str(raised.value) and "packed_adamw" not in str(raised.value), (what, raised.value)
 
 
 def test_sharded_on_8_cpu_devices_is_the_unsharded_step():
