@@ -725,6 +725,12 @@ def format_stats(state, params=None, *, count_names: tuple[str, ...] | None = No
         raise TypeError("format_stats reads the counts on the host, so it cannot run under jax.jit; call it on the "
                         "state a jitted step returned, or read state.format_counts inside")
     names = FORMAT_COUNTS if count_names is None else tuple(count_names)
+    counted_dtype = jnp.dtype(StateFormat().state_dtype)  # the words of AdamW's modes with counts (packed, fp16)
+    if count_names is None and any(jnp.result_type(m) != counted_dtype for _, m in flat):
+        held = sorted({str(jnp.result_type(m)) for _, m in flat})
+        raise ValueError(f"format_stats: the state's moments are {', '.join(held)}, not packed_adamw's "
+                         f"{counted_dtype} words: it is a packed_rule state of another rule, whose counts AdamW's "
+                         "names would mislabel; pass count_names=fmt.rule.count_names of its rule's state format")
     if tracked.format_counts.counts.shape[1] != len(names):
         held = tracked.format_counts.counts.shape[1]
         raise ValueError(f"format_stats: the state holds {held} format counts per leaf, not the {len(names)} of "

@@ -1030,6 +1030,11 @@ def test_the_optax_transform_counts_the_rules_format_events(reference):
         params, state = step(params, state, step_grads)
     with pytest.raises(ValueError, match="pass count_names=fmt.rule.count_names"):
         format_stats(state)
+    # a rule with as many counts as AdamW's (two codes): its state's moments say it is not AdamW's
+    six = state._replace(format_counts=state.format_counts._replace(
+        counts=np.zeros((len(params0), 6, 2), np.uint32)))
+    with pytest.raises(ValueError, match="uint16, not packed_adamw's uint32 words.*pass count_names"):
+        format_stats(six)
     stats = format_stats(state, count_names=RULE.count_names)
     assert [stats[f"[{i}]"] for i in range(len(params0))] == [
         {"elements": STEPS * p.size, **dict(zip(RULE.count_names, c.tolist()))} for p, c in zip(params0, counts)]
