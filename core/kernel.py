@@ -196,6 +196,79 @@ def table_address(table_ptr, index, ALIGNED: tl.constexpr):
     return address
 
 
+# ---- the launch skeleton's addressing, shared by every rule's kernels ---------------------------
+# A multi-tensor launch (torch) reads a table of int64 addresses laid out by the torch launcher
+# (`_launch.step_layout`): every weight, then every gradient, then every state buffer, then
+# (SPLIT) every low half; program i steps block `block_index[i]` of tensor `block_tensor[i]`.
+# A leaf-group launch (jax-triton) passes each leaf's buffers as arguments of their own
+# (`leaf_slot`). A rule's kernel takes its program's block and weight pointers from these and
+# casts its own state entry's pointer (its dtype is the rule's).
+@triton.jit
+def table_block(block_tensor_ptr, block_index_ptr, numels_ptr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """This program's block of a multi-tensor launch: (tensor t, the block's first element, its
+    offsets, t's element count)."""
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor_ptr + pid)
+    start = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    if ALIGNED:
+        offsets = tl.max_contiguous(tl.multiple_of(offsets, BLOCK), BLOCK)
+    return t, start, offsets, tl.load(numels_ptr + t)
+
+
+@triton.jit
+def table_weights(pointers_ptr, t, n_tensors, ALIGNED: tl.constexpr, SPLIT: tl.constexpr, GRAD_BF16: tl.constexpr):
+    """Tensor t's (weight, low half, gradient) pointers from a multi-tensor table: SPLIT, a bf16
+    weight's bits (uint16) and its int16 low half; otherwise the float32 weight, and the low
+    half's pointer is the weight's (unused). GRAD_BF16: the gradient is bf16."""
+    if SPLIT:
+        param_ptr = table_address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.uint16))
+        lo_ptr = table_address(pointers_ptr, 3 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.int16))
+    else:
+        param_ptr = table_address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.float32))
+        lo_ptr = param_ptr
+    if GRAD_BF16:
+        grad_ptr = table_address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.bfloat16))
+    else:
+        grad_ptr = table_address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
+    return param_ptr, lo_ptr, grad_ptr
+
+
+@triton.jit
+def table_state(pointers_ptr, t, n_tensors, ALIGNED: tl.constexpr):
+    """Tensor t's state buffer's address (int64) from a multi-tensor table; the rule casts it."""
+    return table_address(pointers_ptr, 2 * n_tensors + t, ALIGNED)
+
+
+@triton.jit
+def leaf_address(address):
+    """A leaf-group argument's int64 address, 16-byte aligned: jax-triton declares every buffer
+    so, and the selection by `leaf_slot` hides it from the compiler."""
+    return tl.multiple_of(address, 16)
+
+
+@triton.jit
+def leaf_weights(param, lo, out, new_lo, grad, SPLIT: tl.constexpr, GRAD_BF16: tl.constexpr):
+    """A leaf's (weight, its output, low half, new low half, gradient) pointers from its
+    `leaf_slot` addresses: SPLIT, bf16 weight bits (uint16) and int16 low halves; otherwise
+    float32 weights, the low halves' pointers the weights' (unused). GRAD_BF16: bf16 gradient."""
+    if SPLIT:
+        param_ptr = leaf_address(param).to(tl.pointer_type(tl.uint16))
+        out_ptr = leaf_address(out).to(tl.pointer_type(tl.uint16))
+        lo_ptr = leaf_address(lo).to(tl.pointer_type(tl.int16))
+        new_lo_ptr = leaf_address(new_lo).to(tl.pointer_type(tl.int16))
+    else:
+        param_ptr = leaf_address(param).to(tl.pointer_type(tl.float32))
+        out_ptr = leaf_address(out).to(tl.pointer_type(tl.float32))
+        lo_ptr = param_ptr
+        new_lo_ptr = out_ptr
+    if GRAD_BF16:
+        grad_ptr = leaf_address(grad).to(tl.pointer_type(tl.bfloat16))
+    else:
+        grad_ptr = leaf_address(grad).to(tl.pointer_type(tl.float32))
+    return param_ptr, out_ptr, lo_ptr, new_lo_ptr, grad_ptr
+
+
 LEAF_GROUP_SLOTS = tl.constexpr(launch.LEAF_GROUP_SLOTS)  # `leaf_slot`'s slots
 
 

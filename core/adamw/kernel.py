@@ -42,11 +42,15 @@ from ..kernel import (
     float32_power,
     join_master,
     lane_bit,
+    leaf_address,
     leaf_slot,
+    leaf_weights,
     masked_load,
     masked_store,
     split_master,
-    table_address,
+    table_block,
+    table_state,
+    table_weights,
 )
 from . import hyperparams, state_format
 
@@ -456,27 +460,12 @@ def adamw_multi_tensor_kernel(
     serves several parameter groups and step counts. GRAD_BF16: every gradient is bf16.
     """
     tl.static_assert(BLOCK < COUNT_FIELD_LIMIT)  # the format counts' 16-bit fields
-    pid = tl.program_id(0)
-    t = tl.load(block_tensor_ptr + pid)
-    start = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    if ALIGNED:
-        offsets = tl.max_contiguous(tl.multiple_of(offsets, BLOCK), BLOCK)
-    n_elements = tl.load(numels_ptr + t)
-    if SPLIT:
-        param_ptr = table_address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.uint16))
-        lo_ptr = table_address(pointers_ptr, 3 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.int16))
-    else:
-        param_ptr = table_address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.float32))
-        lo_ptr = param_ptr
-    if GRAD_BF16:
-        grad_ptr = table_address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.bfloat16))
-    else:
-        grad_ptr = table_address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
+    t, start, offsets, n_elements = table_block(block_tensor_ptr, block_index_ptr, numels_ptr, BLOCK, ALIGNED)
+    param_ptr, lo_ptr, grad_ptr = table_weights(pointers_ptr, t, n_tensors, ALIGNED, SPLIT, GRAD_BF16)
     if MODE == FP32_MODE:
-        state_ptr = table_address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
+        state_ptr = table_state(pointers_ptr, t, n_tensors, ALIGNED).to(tl.pointer_type(tl.float32))
     else:
-        state_ptr = table_address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.uint32))
+        state_ptr = table_state(pointers_ptr, t, n_tensors, ALIGNED).to(tl.pointer_type(tl.uint32))
     scalars_ptr += tl.load(scalar_rows_ptr + t) * SCALAR_ROW
     if start + BLOCK <= n_elements:
         rejected, format_lanes = adamw_block(
@@ -511,27 +500,13 @@ def _leaf_group_program(
     if start < n_elements:  # a leaf smaller than the group's largest has idle programs
         scalars_ptr += tl.load(leaf_table_ptr + LEAF_GROUP_SLOTS + leaf) * SCALAR_ROW
         offsets = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
-        # jax-triton declares every buffer 16-byte aligned; the selection hides it from the compiler.
-        if SPLIT:
-            param_ptr = tl.multiple_of(param, 16).to(tl.pointer_type(tl.uint16))
-            out_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.uint16))
-            lo_ptr = tl.multiple_of(lo, 16).to(tl.pointer_type(tl.int16))
-            new_lo_ptr = tl.multiple_of(new_lo, 16).to(tl.pointer_type(tl.int16))
-        else:
-            param_ptr = tl.multiple_of(param, 16).to(tl.pointer_type(tl.float32))
-            out_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
-            lo_ptr = param_ptr
-            new_lo_ptr = out_ptr
-        if GRAD_BF16:
-            grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.bfloat16))
-        else:
-            grad_ptr = tl.multiple_of(grad, 16).to(tl.pointer_type(tl.float32))
+        param_ptr, out_ptr, lo_ptr, new_lo_ptr, grad_ptr = leaf_weights(param, lo, out, new_lo, grad, SPLIT, GRAD_BF16)
         if MODE == FP32_MODE:
-            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.float32))
-            new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.float32))
+            state_ptr = leaf_address(state).to(tl.pointer_type(tl.float32))
+            new_state_ptr = leaf_address(new_state).to(tl.pointer_type(tl.float32))
         else:
-            state_ptr = tl.multiple_of(state, 16).to(tl.pointer_type(tl.uint32))
-            new_state_ptr = tl.multiple_of(new_state, 16).to(tl.pointer_type(tl.uint32))
+            state_ptr = leaf_address(state).to(tl.pointer_type(tl.uint32))
+            new_state_ptr = leaf_address(new_state).to(tl.pointer_type(tl.uint32))
         if start + BLOCK <= n_elements:
             rejected, format_lanes = adamw_block(
                 param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
