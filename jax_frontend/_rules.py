@@ -3,6 +3,7 @@ its launches and its sharding take a rule's `RuleSteps` and state format and nam
 from __future__ import annotations
 
 from packed_adamw.core.adamw import numpy_step
+from packed_adamw.core.adamw.rule import RULE
 
 from ._step import RuleSteps
 
@@ -13,5 +14,5 @@ def _adamw_kernels():
     return FUNCTIONAL_KERNELS
 
 
-ADAMW = RuleSteps(apply_step=numpy_step.apply_step, apply_split_step=numpy_step.apply_split_step,
+ADAMW = RuleSteps(rule=RULE, apply_step=numpy_step.apply_step, apply_split_step=numpy_step.apply_split_step,
                   step_scalar_row=numpy_step.step_scalar_row, kernels=_adamw_kernels)

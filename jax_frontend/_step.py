@@ -65,6 +65,8 @@ class RuleSteps:
     numpy step on CPU, its Triton entry points on CUDA. Its state format (`StepConfig.fmt`)
     gives the rest; `rule`, the rule they step, is checked against that format's (`packed_rule`)."""
 
+    # the rule they step (its bounds are a dict, so the functions below identify the steps)
+    rule: Rule = dataclasses.field(compare=False)
     # numpy, in place: (p, g, state, scalar row, *, fmt, update_out, format_counts_out)
     apply_step: Callable
     # numpy, in place: (bf16 weight's bits, low half, g, state, scalar row, *, fmt, format_counts_out)
@@ -72,8 +74,6 @@ class RuleSteps:
     step_scalar_row: Callable  # (count, hyperparameter row) -> the row of step scalars
     # () -> the rule's core.kernel.FunctionalKernels, called only when compiling for CUDA (it imports Triton)
     kernels: Callable
-    # the rule they step (its bounds are a dict, so the functions above identify the steps); None: not said
-    rule: Rule | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -610,8 +610,8 @@ def packed_rule(
                         "packed_adamw.core.StateFormat() is AdamW's), which names its rule")
     rule = fmt.rule
     name = name or rule.name
-    steps_rule = _steps_rule(steps)
-    if steps_rule is not None and steps_rule != rule:  # its numpy step and kernels would misread the rows and state
+    steps_rule = steps.rule
+    if steps_rule != rule:  # its numpy step and kernels would misread the rows and state
         raise TypeError(f"{name}: steps steps rule {steps_rule.name!r} but fmt's rule is {rule.name!r}; give the "
                         "RuleSteps and the state format of one rule")
     if set(hyperparams) != set(rule.group_keys):
@@ -625,14 +625,6 @@ def packed_rule(
     group = tuple(hyperparams[key] for key in rule.group_keys)
     return _transform(_Stepper(group, mask, fmt, None, None, multi_tensor, reuse_grad_buffer, track_format, "kernel",
                                steps=steps, name=name))
-
-
-def _steps_rule(steps: RuleSteps):
-    """The rule `steps` steps: the one it names; AdamW's for `_rules.ADAMW` (which names none);
-    else None (not known)."""
-    if steps.rule is not None:
-        return steps.rule
-    return StateFormat().rule if steps is ADAMW else None
 
 
 def _transform(stepper: _Stepper) -> optax.GradientTransformationExtraArgs:
