@@ -44,10 +44,14 @@ from packed_adamw.core.kernel import (
     finish_code,
     join_master,
     lane_bit,
+    leaf_address,
     leaf_slot,
+    leaf_weights,
     masked_load,
     masked_store,
-    table_address,
+    table_block,
+    table_state,
+    table_weights,
 )
 from packed_adamw.core.kernel import FLOAT32_MAX as TL_FLOAT32_MAX
 from packed_adamw.core.kernel import SPLIT_MASTER_MAX as TL_SPLIT_MASTER_MAX
@@ -361,22 +365,9 @@ def heavy_ball_multi_tensor_kernel(pointers_ptr, block_tensor_ptr, block_index_p
     """Many tensors in place, over torch's pointer table (`_launch.step_layout`): parameters,
     gradients, codes (and low halves); program i steps block `block_index[i]` of tensor
     `block_tensor[i]` with scalar row `scalar_rows[t]`."""
-    pid = tl.program_id(0)
-    t = tl.load(block_tensor_ptr + pid)
-    start = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    n_elements = tl.load(numels_ptr + t)
-    if SPLIT:
-        param_ptr = table_address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.uint16))
-        lo_ptr = table_address(pointers_ptr, 3 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.int16))
-    else:
-        param_ptr = table_address(pointers_ptr, t, ALIGNED).to(tl.pointer_type(tl.float32))
-        lo_ptr = param_ptr
-    if GRAD_BF16:
-        grad_ptr = table_address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.bfloat16))
-    else:
-        grad_ptr = table_address(pointers_ptr, n_tensors + t, ALIGNED).to(tl.pointer_type(tl.float32))
-    state_ptr = table_address(pointers_ptr, 2 * n_tensors + t, ALIGNED).to(tl.pointer_type(tl.int16))
+    t, start, offsets, n_elements = table_block(block_tensor_ptr, block_index_ptr, numels_ptr, BLOCK, ALIGNED)
+    param_ptr, lo_ptr, grad_ptr = table_weights(pointers_ptr, t, n_tensors, ALIGNED, SPLIT, GRAD_BF16)
+    state_ptr = table_state(pointers_ptr, t, n_tensors, ALIGNED).to(tl.pointer_type(tl.int16))
     scalars_ptr += tl.load(scalar_rows_ptr + t) * SCALAR_ROW
     if start + BLOCK <= n_elements:
         rejected, format_lanes = _heavy_ball_block(
@@ -438,17 +429,9 @@ def _leaf_program(param, grad, state, lo, out, new_state, new_lo, leaf_table_ptr
     if start < n_elements:
         scalars_ptr += tl.load(leaf_table_ptr + LEAF_GROUP_SLOTS + leaf) * SCALAR_ROW
         offsets = start + tl.arange(0, BLOCK)
-        if SPLIT:
-            param_ptr, out_ptr = param.to(tl.pointer_type(tl.uint16)), out.to(tl.pointer_type(tl.uint16))
-            lo_ptr, new_lo_ptr = lo.to(tl.pointer_type(tl.int16)), new_lo.to(tl.pointer_type(tl.int16))
-        else:
-            param_ptr, out_ptr = param.to(tl.pointer_type(tl.float32)), out.to(tl.pointer_type(tl.float32))
-            lo_ptr, new_lo_ptr = param_ptr, out_ptr
-        if GRAD_BF16:
-            grad_ptr = grad.to(tl.pointer_type(tl.bfloat16))
-        else:
-            grad_ptr = grad.to(tl.pointer_type(tl.float32))
-        state_ptr, new_state_ptr = state.to(tl.pointer_type(tl.uint16)), new_state.to(tl.pointer_type(tl.uint16))
+        param_ptr, out_ptr, lo_ptr, new_lo_ptr, grad_ptr = leaf_weights(param, lo, out, new_lo, grad, SPLIT, GRAD_BF16)
+        state_ptr = leaf_address(state).to(tl.pointer_type(tl.uint16))
+        new_state_ptr = leaf_address(new_state).to(tl.pointer_type(tl.uint16))
         if start + BLOCK <= n_elements:
             rejected, format_lanes = _heavy_ball_block(
                 param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr, offsets,
