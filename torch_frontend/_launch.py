@@ -432,8 +432,8 @@ class _Relaunch:
                 cls.warned = True
                 checked = ", ".join(f"{major}.{minor}" for major, minor in cls.CHECKED_TRITON)
                 warnings.warn(
-                    f"packed_adamw.torch: Triton {version[0]}.{version[1]} is not a release its fast relaunch of compiled "
-                    f"kernels was checked on ({checked}): step plans launch through Triton's usual path instead "
+                    f"packed_adamw.torch: Triton {version[0]}.{version[1]} is not a release its fast relaunch of "
+                    f"compiled kernels was checked on ({checked}): step plans launch through Triton's usual path instead "
                     "(same bits, more host time per step; docs/MULTI_TENSOR.md)", UncheckedTritonWarning, stacklevel=2)
             return None
         names = getattr(jit_fn, "arg_names", None)
