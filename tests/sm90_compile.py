@@ -1,4 +1,5 @@
-"""Compiles the Muon GPU kernels (JAX's group kernels, torch's per-matrix and table kernels) for
+"""Compiles the Muon GPU kernels (JAX's group kernels, torch's per-matrix and table kernels) and
+AdamW's multi-tensor and leaf-group kernels for
 sm_90 (an H100/H200) without a GPU, through Triton's NVIDIA backend and its bundled ptxas; run
 in a process of its own, without TRITON_INTERPRET (under it
 `@triton.jit` gives interpreter functions, which do not compile). Prints one line a kernel
@@ -149,7 +150,37 @@ def scalars_and_newton_schulz() -> int:
     return n
 
 
+def adamw_kernels() -> int:
+    """AdamW's multi-tensor kernel (torch's pointer table) and leaf-group kernel (jax-triton's
+    slots), whose addressing is core's launch skeleton (core/kernel.py): packed and fp32 modes,
+    float32 weights, and bf16 weights with split masters and float32 or bf16 gradients."""
+    from packed_adamw.core.adamw import kernel as ak
+    from packed_adamw.core.adamw.state_format import StateFormat as AdamWFormat
+
+    n = 0
+    for mode in ("packed", "fp32"):
+        constants = AdamWFormat(mode).kernel_constexprs(track_format=False)
+        state = "*fp32" if mode == "fp32" else "*u32"
+        for split, grad_bf16 in ((False, False), (True, False), (True, True)):
+            flags = {**constants, "COUNT_NONFINITE": True, "TRACK_FORMAT": False, "SPLIT": split,
+                     "GRAD_BF16": grad_bf16, "BLOCK": launch.GPU_BLOCK}
+            compile_sm90(ak.adamw_multi_tensor_kernel, {
+                "pointers_ptr": "*i64", "block_tensor_ptr": "*i32", "block_index_ptr": "*i32", "numels_ptr": "*i64",
+                "scalar_rows_ptr": "*i32", "scalars_ptr": "*fp32", "counters_ptr": "*i32", "n_tensors": "i32"},
+                {**flags, "ALIGNED": True})
+            weights = "*u16" if split else "*fp32"
+            buffers = {"param": weights, "out": weights, "lo": "*i16", "new_lo": "*i16",
+                       "grad": "*bf16" if grad_bf16 else "*fp32", "state": state, "new_state": state}
+            signature = {name: buffers[name.rsplit("_", 1)[0]] for name in ak.adamw_leaf_group_kernel.arg_names
+                         if name.rsplit("_", 1)[0] in buffers}
+            signature.update({"leaf_table_ptr": "*i64", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
+                              "new_counters_ptr": "*i32"})
+            compile_sm90(ak.adamw_leaf_group_kernel, signature, {**flags, "WRITE_UPDATE": not split})
+            n += 2
+    return n
+
+
 if __name__ == "__main__":
     if "nvidia" not in triton.backends.backends:
         sys.exit("sm90_compile.py: this Triton build has no NVIDIA backend")
-    print(f"compiled {group_kernels() + torch_kernels() + scalars_and_newton_schulz()}")
+    print(f"compiled {group_kernels() + torch_kernels() + scalars_and_newton_schulz() + adamw_kernels()}")
