@@ -10,7 +10,7 @@ import numpy as np
 from packed_adamw.core import StateFormat
 from packed_adamw.core.codecs import SPLIT_MASTER_MAX
 from packed_adamw.core.portable import PortableState
-from packed_adamw.core.rule import MAX_STEP_COUNT
+from packed_adamw.core.rule import MAX_STEP_COUNT, StateLayout
 
 from . import _masters
 from ._hyperparams import _as_step_count, _is_step_count
@@ -20,13 +20,25 @@ from .transform import PackedAdamWState, _check_low_halves, _is_ours, _leaf_name
     state_format
 
 # ---- PortableState ------------------------------------------------------------------------------
-def export_state(state: PackedAdamWState, mode: str | StateFormat, *,
+def _export_format(mode, m_bias, rms_bias) -> StateLayout:
+    """The state format the words hold: AdamW's named by `mode` and the biases (`state_format`),
+    or another rule's format object (a `packed_rule` transform's `fmt`), taken as it is."""
+    if isinstance(mode, StateLayout) and not isinstance(mode, StateFormat):
+        if m_bias is not None or rms_bias is not None:
+            raise ValueError(f"m_bias / rms_bias are AdamW's biases; {type(mode).__name__} holds its own format: "
+                             "leave them out")
+        return mode
+    return state_format(mode, m_bias, rms_bias)
+
+
+def export_state(state: PackedAdamWState, mode: str | StateFormat | StateLayout, *,
                  m_bias: int | None = None, rms_bias: int | None = None) -> PortableState:
     """The state in leaf order, for `PackedAdamW.import_state`. `mode` (and biases, or a
-    `StateFormat`) must be the transform's: the words do not say which format they hold, and
-    the export records it for the importer to check. The low halves of bfloat16 leaves go with
-    it (torch's bf16 parameters take them). Format counts are not exported."""
-    fmt = state_format(mode, m_bias, rms_bias)
+    `StateFormat`; for another rule's `packed_rule`, its state format) must be the transform's:
+    the words do not say which format they hold, and the export records it for the importer to
+    check. The low halves of bfloat16 leaves go with it (torch's bf16 parameters take them).
+    Format counts are not exported."""
+    fmt = _export_format(mode, m_bias, rms_bias)
     leaves, treedef = jax.tree_util.tree_flatten(state.moments)
     count = int(state.count)
     lows = None
@@ -49,7 +61,8 @@ def _placed_like(moments: np.ndarray, param, fmt: StateFormat | None):
     return jnp.asarray(moments)
 
 
-def import_state(portable: PortableState, params, mode: str | StateFormat = "packed", *, m_bias: int | None = None,
+def import_state(portable: PortableState, params, mode: str | StateFormat | StateLayout = "packed", *,
+                 m_bias: int | None = None,
                  rms_bias: int | None = None,
                  track_format: bool = False):
     """A `PackedAdamWState` for `params` from an exported torch (or JAX) state, placed (and
@@ -60,9 +73,9 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
 
     JAX keeps one step count for all leaves, so every tensor must have taken the same steps:
     a whole number from 0 to `MAX_STEP_COUNT` (2**31 - 2; core/rule.py says why), refused
-    otherwise.
+    otherwise. `mode` as `export_state` takes it.
     """
-    fmt = state_format(mode, m_bias, rms_bias)
+    fmt = _export_format(mode, m_bias, rms_bias)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     split = _split_flags(params)
     portable.check(fmt, [tuple(jnp.shape(leaf)) for leaf in leaves], split)
@@ -78,8 +91,8 @@ def import_state(portable: PortableState, params, mode: str | StateFormat = "pac
             f"import_state: the state's tensors took {count!r} steps, which is not a step count (a whole number from 0 "
             f"to {MAX_STEP_COUNT}): the file was edited or damaged, or (at 2**31 - 1, where the int32 count stops) its "
             "run took every step a state can; import an undamaged state, or start these parameters from init()")
-    if track_format and fmt.mode == "fp32":
-        raise ValueError("import_state: track_format=True counts packed or fp16 codes; fp32 mode has none")
+    if track_format and fmt.formats is None:  # (AdamW's fp32 mode)
+        raise ValueError(f"import_state: track_format=True counts 16-bit codes; fp32 mode has none ({fmt.identity})")
     count = jnp.asarray(count, jnp.int32)
     moments = treedef.unflatten([_placed_like(m, p, fmt) for m, p in zip(portable.moments, leaves)])
     counts = _zero_format_counts(len(leaves), fmt.rule.count_names) if track_format else None

@@ -1114,3 +1114,36 @@ def _cases():
 
 if __name__ == "__main__" and "--cases" in sys.argv:
     _cases()
+
+
+def test_a_portable_state_crosses_between_torch_and_the_optax_transform(reference):
+    """torch's export, imported into `packed_rule`'s state (`import_state(..., FMT)`), continues
+    as torch's uninterrupted run, bit for bit; JAX's export goes back into torch's optimizer."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from packed_adamw.jax import export_state, import_state, packed_rule
+
+    params0, grads, history, _ = reference
+    params = torch_params(params0)
+    opt = PackedHeavyBall(params, **HP)
+    for step_grads in grads[:2]:
+        feed(params, step_grads)
+        opt.step()
+    tx = packed_rule(heavy_ball_steps(), FMT, **HP)
+    j_params = [jnp.asarray(p.detach().numpy()) for p in params]
+    state = import_state(opt.export_state(), j_params, FMT)
+    with pytest.raises(ValueError, match="AdamW's biases"):
+        import_state(opt.export_state(), j_params, FMT, m_bias=15)
+    step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+    for step_grads in grads[2:]:
+        j_params, state = step(j_params, state, [jnp.asarray(g) for g in step_grads])
+    want_params, want_codes = history[-1]
+    for i in range(len(params0)):
+        assert_bits(j_params[i], want_params[i], f"param {i}")
+        assert_bits(state.moments[i], want_codes[i], f"codes {i}")
+    back = PackedHeavyBall(torch_params([np.asarray(p) for p in j_params]), **HP)
+    back.import_state(export_state(state, FMT))
+    for i, p in enumerate(back.param_groups[0]["params"]):
+        assert_bits(back.state[p][MOMENTUM_CODES.key], want_codes[i], f"codes back in torch {i}")
