@@ -69,7 +69,7 @@ class PortableState:
         if self.format != fmt.identity:
             raise ValueError(
                 f"portable state has format {self.format!r}, the optimizer {fmt.identity!r}: "
-                "use the same rule, mode and biases on both sides"
+                "use the same rule and the same mode and biases on both sides"
             )
         self.check_tensors([fmt] * len(shapes), shapes, split)
 
