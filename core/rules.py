@@ -6,8 +6,9 @@ reader that is handed a file learns the rule from that string: `state_format_fro
 asks every rule in RULES for the format whose identity spells it exactly. Each entry says
 what a reader needs of a rule it does not otherwise know: its declaration (`Rule`: its codes,
 count names, group keys), its state format class, the modes that class takes, and how the
-stored state entry reads as the values of the rule's codes (`code_values`). A new rule is one
-more entry here; format_health and `python -m packed_adamw.inspect` name no rule.
+stored state entry reads as the values of the rule's codes (`code_values`). A new rule of this
+package is one more entry here, a rule defined elsewhere one `register_rule` call; format_health
+and `python -m packed_adamw.inspect` name no rule.
 
 numpy only: no torch, no jax.
 """
@@ -179,6 +180,31 @@ RULES: dict[str, RuleFormats] = {
         RuleFormats(MuonFormat().rule, MuonFormat, MUON_MODES, momentum_values),
     )
 }
+
+
+def register_rule(entry: RuleFormats) -> RuleFormats:
+    """Add a rule defined outside this package (an `ElementwiseOptimizer` / `packed_rule` rule:
+    docs/ARCHITECTURE.md, "How a rule plugs in") to the registry, so that saved states naming its
+    formats read back: `state_format_from_identity`, `format_health` and `python -m
+    packed_adamw.inspect`. Registering the same entry again is a no-op; a different rule under a
+    name already taken, or a format identity another rule already spells, is refused."""
+    if not isinstance(entry, RuleFormats):
+        raise TypeError(f"register_rule takes a RuleFormats (its rule, state format class, modes and code_values), "
+                        f"got {type(entry).__name__}")
+    known = RULES.get(entry.name)
+    if known is not None:
+        if known == entry:
+            return known
+        raise ValueError(f"a rule named {entry.name!r} is registered already ({known.state_format.__name__}); "
+                         "give the new rule a name of its own")
+    for identity in entry.examples():  # every mode at its default biases builds, and no one else's reads it
+        for other in RULES.values():
+            if other.parse(identity) is not None:
+                raise ValueError(f"rule {entry.name!r}: its format identity {identity!r} is rule {other.name!r}'s; "
+                                 "a saved state would be read as the other rule's: give its identity a prefix "
+                                 "of its own")
+    RULES[entry.name] = entry
+    return entry
 
 
 def rule_formats(of) -> RuleFormats:

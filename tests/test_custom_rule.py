@@ -1147,3 +1147,54 @@ def test_a_portable_state_crosses_between_torch_and_the_optax_transform(referenc
     back.import_state(export_state(state, FMT))
     for i, p in enumerate(back.param_groups[0]["params"]):
         assert_bits(back.state[p][MOMENTUM_CODES.key], want_codes[i], f"codes back in torch {i}")
+
+
+@pytest.fixture
+def registered():
+    """The rule in core's registry of rules (`core.rules.register_rule`), for this test only."""
+    from packed_adamw.core import rules
+
+    def code_values(state, fmt, exponent=None):
+        state = np.asarray(state)
+        return (fmt.formats[0].decode_table[state.view(np.uint16) if state.dtype == np.int16 else state],)
+
+    entry = rules.register_rule(rules.RuleFormats(RULE, HeavyBallFormat, ("packed",), code_values))
+    try:
+        yield entry
+    finally:
+        rules.RULES.pop(entry.name)
+
+
+def test_a_registered_rules_saved_state_reads_back_in_inspect(registered, reference, tmp_path, capsys):
+    """Registered, the rule's identity names its format, and `python -m packed_adamw.inspect`
+    reports a torch state_dict of it as it reports AdamW's and Muon's: each tensor's momenta
+    against its format's window. Registering another rule under the name, or one whose identity
+    another rule spells, is refused."""
+    import json
+
+    from packed_adamw.core import rules
+    from packed_adamw.inspect.__main__ import main as inspect_main
+
+    assert rules.state_format_from_identity(HeavyBallFormat(mu_bias=18).identity) == HeavyBallFormat(mu_bias=18)
+    assert rules.register_rule(registered) is registered  # the same entry again: a no-op
+    with pytest.raises(ValueError, match="registered already"):
+        rules.register_rule(dataclasses.replace(registered, modes=("packed", "packed")))
+    with pytest.raises(ValueError, match="is rule 'adamw''s"):
+        rules.register_rule(dataclasses.replace(registered, rule=dataclasses.replace(RULE, name="copy"),
+                                                state_format=rules.RULES["adamw"].state_format,
+                                                modes=("packed",)))
+    params0, grads, _, _ = reference
+    params = torch_params(params0)
+    opt = PackedHeavyBall(params, **HP)
+    for step_grads in grads:
+        feed(params, step_grads)
+        opt.step()
+    path = tmp_path / "opt.pt"
+    torch.save(opt.state_dict(), path)
+    assert inspect_main([str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (section,) = report["sections"]
+    assert (section["rule"], section["identity"], section["biases"]) == ("heavy_ball", FMT.identity, {"mu_bias": 15})
+    assert len(section["tensors"]) == len(params0)
+    for tensor, p in zip(section["tensors"], params):  # every stored code classified in the format's window
+        assert tensor["mu"]["total"] == p.numel() == sum(tensor["mu"]["counts"].values()), tensor
