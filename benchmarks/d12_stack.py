@@ -228,8 +228,9 @@ def run_stack(name: str, config, batches: list[PackedBatch], args, device: torch
         result["peak_memory_bytes_per_param"] = result["peak_memory_bytes"] / n_params
         result["allocated_after_bytes"] = torch.cuda.memory_allocated()
     if args.profile:  # after the timed steps, so that profiling costs them nothing
-        result["profile"] = profile_steps(lambda i: train_step(total_steps - 1, batches[total_steps - 1 - i]),
-                                          args.profile, device)
+        # the run's batches again, last first, cycling when --profile asks for more steps than it took
+        result["profile"] = profile_steps(
+            lambda i: train_step(total_steps - 1, batches[(total_steps - 1 - i) % total_steps]), args.profile, device)
     del model, forward, optimizers
     free_memory(device)
     return result

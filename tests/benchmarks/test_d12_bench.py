@@ -149,3 +149,14 @@ def test_profile_splits_each_stacks_time_by_part(bench, tmp_path):
     assert bench.kernel_part("ns_gemm_kernel") == "optimizer"
     assert bench.kernel_part("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert bench.kernel_part("flash_fwd_kernel") == "attention"
+
+
+def test_profile_of_more_steps_than_the_run_took_cycles_its_batches(bench, tmp_path):
+    """--profile past the timed steps' batches (one here) steps the run's batches again, last first,
+    rather than indexing past them after every stack's timed run."""
+    raw = tmp_path / "d12.json"
+    args = list(TINY)
+    args[args.index("--warmup") + 1], args[args.index("--steps") + 1] = "0", "1"
+    assert bench.main(args + ["--device", "cpu", "--stacks", "packed", "--profile", "3", "--json", str(raw)]) == 0
+    prof = json.loads(raw.read_text())["stacks"]["packed"]["profile"]
+    assert prof["steps"] == 3 and prof["wall_ms_per_step"] > 0
