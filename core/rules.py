@@ -187,7 +187,9 @@ def register_rule(entry: RuleFormats) -> RuleFormats:
     docs/ARCHITECTURE.md, "How a rule plugs in") to the registry, so that saved states naming its
     formats read back: `state_format_from_identity`, `format_health` and `python -m
     packed_adamw.inspect`. Registering the same entry again is a no-op; a different rule under a
-    name already taken, or a format identity another rule already spells, is refused."""
+    name already taken, a format identity another rule already spells, a mode its state format
+    does not build, a format naming another rule or two modes of one identity are refused, and
+    the registry is left as it was."""
     if not isinstance(entry, RuleFormats):
         raise TypeError(f"register_rule takes a RuleFormats (its rule, state format class, modes and code_values), "
                         f"got {type(entry).__name__}")
@@ -197,12 +199,25 @@ def register_rule(entry: RuleFormats) -> RuleFormats:
             return known
         raise ValueError(f"a rule named {entry.name!r} is registered already ({known.state_format.__name__}); "
                          "give the new rule a name of its own")
-    for identity in entry.examples():  # every mode at its default biases builds, and no one else's reads it
+    where = f"register_rule: rule {entry.name!r}"
+    for mode in entry.modes:  # every mode at its default biases builds, and its saved states read back as it
+        try:
+            fmt = entry.state_format(mode)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: its state format {entry.state_format.__name__} does not build mode {mode!r} "
+                             f"({error}); list in modes only the modes it takes") from None
+        identity = fmt.identity
         for other in RULES.values():
             if other.parse(identity) is not None:
                 raise ValueError(f"rule {entry.name!r}: its format identity {identity!r} is rule {other.name!r}'s; "
                                  "a saved state would be read as the other rule's: give its identity a prefix "
                                  "of its own")
+        if fmt.rule != entry.rule:  # `rule_formats` finds a format's entry by its rule's name
+            raise ValueError(f"{where}: its format {identity!r} names rule {fmt.rule.name!r}; give the entry the "
+                             "rule its state format declares")
+        if entry.parse(identity) != fmt:
+            raise ValueError(f"{where}: its format {identity!r} (mode {mode!r}) reads back as "
+                             f"{entry.parse(identity)!r}; give each mode an identity of its own")
     RULES[entry.name] = entry
     return entry
 

@@ -1198,3 +1198,22 @@ def test_a_registered_rules_saved_state_reads_back_in_inspect(registered, refere
     assert len(section["tensors"]) == len(params0)
     for tensor, p in zip(section["tensors"], params):  # every stored code classified in the format's window
         assert tensor["mu"]["total"] == p.numel() == sum(tensor["mu"]["counts"].values()), tensor
+
+
+def test_a_rule_whose_formats_would_not_read_back_is_refused_and_not_registered():
+    """`register_rule` refuses, naming the rule and what to fix, an entry that lists a mode its
+    state format does not build, or whose formats name another rule (their saved states would be
+    read by that rule's entry, or by none); the registry is left as it was."""
+    from packed_adamw.core import rules
+
+    def code_values(state, fmt, exponent=None):
+        return (fmt.formats[0].decode_table[np.asarray(state).view(np.uint16)],)
+
+    before = dict(rules.RULES)
+    with pytest.raises(ValueError, match=r"register_rule: rule 'heavy_ball'.*mode 'fp32'.*modes"):
+        rules.register_rule(rules.RuleFormats(RULE, HeavyBallFormat, ("packed", "fp32"), code_values))
+    assert rules.RULES == before
+    with pytest.raises(ValueError, match=r"register_rule: rule 'copy'.*rule 'heavy_ball'"):
+        rules.register_rule(rules.RuleFormats(dataclasses.replace(RULE, name="copy"), HeavyBallFormat, ("packed",),
+                                              code_values))
+    assert rules.RULES == before
