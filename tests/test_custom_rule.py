@@ -1217,3 +1217,12 @@ def test_a_rule_whose_formats_would_not_read_back_is_refused_and_not_registered(
         rules.register_rule(rules.RuleFormats(dataclasses.replace(RULE, name="copy"), HeavyBallFormat, ("packed",),
                                               code_values))
     assert rules.RULES == before
+
+    @dataclasses.dataclass(frozen=True)
+    class TwoModesOneIdentity(HeavyBallFormat):
+        def __post_init__(self):
+            pass
+
+    with pytest.raises(ValueError, match=r"register_rule: rule 'heavy_ball'.*mode 'alias'.*identity of its own"):
+        rules.register_rule(rules.RuleFormats(RULE, TwoModesOneIdentity, ("packed", "alias"), code_values))
+    assert rules.RULES == before
