@@ -22,8 +22,14 @@ from .transform import PackedAdamWState, _check_low_halves, _is_ours, _leaf_name
 # ---- PortableState ------------------------------------------------------------------------------
 def _export_format(mode, m_bias, rms_bias) -> StateLayout:
     """The state format the words hold: AdamW's named by `mode` and the biases (`state_format`),
-    or another rule's format object (a `packed_rule` transform's `fmt`), taken as it is."""
+    or another rule's format object (a `packed_rule` transform's `fmt`), taken as it is; a rule
+    with a matrix phase (Muon) has no `packed_rule` state, and its packed momenta need their
+    per-matrix exponents, which a packed_rule state does not hold."""
     if isinstance(mode, StateLayout) and not isinstance(mode, StateFormat):
+        if mode.rule.matrix_phase:
+            raise ValueError(f"{mode.identity} is rule {mode.rule.name!r}'s format, which steps whole matrices: its "
+                             "state is no packed_rule state; move a packed_muon state with export_muon_state / "
+                             "import_muon_state")
         if m_bias is not None or rms_bias is not None:
             raise ValueError(f"m_bias / rms_bias are AdamW's biases; {type(mode).__name__} holds its own format: "
                              "leave them out")

@@ -1226,3 +1226,19 @@ def test_a_rule_whose_formats_would_not_read_back_is_refused_and_not_registered(
     with pytest.raises(ValueError, match=r"register_rule: rule 'heavy_ball'.*mode 'alias'.*identity of its own"):
         rules.register_rule(rules.RuleFormats(RULE, TwoModesOneIdentity, ("packed", "alias"), code_values))
     assert rules.RULES == before
+
+
+def test_export_and_import_state_refuse_muons_format():
+    """Muon's state is no `packed_rule` state (its packed momenta need their per-matrix exponents,
+    which `export_state`/`import_state` do not carry): its format is refused, pointing at Muon's own."""
+    import jax.numpy as jnp
+
+    from packed_adamw.core.muon.state_format import StateFormat as MuonFormat
+    from packed_adamw.jax import export_state, import_state, packed_adamw
+
+    params = {"w": jnp.zeros((2, 4), jnp.float32)}
+    state = packed_adamw(1e-3).init(params)
+    with pytest.raises(ValueError, match="export_muon_state"):
+        export_state(state, MuonFormat())
+    with pytest.raises(ValueError, match="import_muon_state"):
+        import_state(export_state(state, "packed"), params, MuonFormat())
