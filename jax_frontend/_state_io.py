@@ -29,7 +29,7 @@ def _export_format(mode, m_bias, rms_bias) -> StateLayout:
         if mode.rule.matrix_phase:
             raise ValueError(f"{mode.identity} is rule {mode.rule.name!r}'s format, which steps whole matrices: its "
                              "state is no packed_rule state; move a packed_muon state with export_muon_state / "
-                             "import_muon_state")
+                             "import_muon_state (packed_adamw.jax.muon)")
         if m_bias is not None or rms_bias is not None:
             raise ValueError(f"m_bias / rms_bias are AdamW's biases; {type(mode).__name__} holds its own format: "
                              "leave them out")
