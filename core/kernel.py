@@ -139,6 +139,19 @@ def _add_fields(pointer, format_lanes, LOW: tl.constexpr):
 
 
 @triton.jit
+def rejected_lanes(accepted, in_bounds, MASKED: tl.constexpr, COUNT_NONFINITE: tl.constexpr):
+    """A block's per-lane rejected count for `add_counts`: 1 where an element's step was refused
+    (a non-finite gradient), 0 elsewhere and past the tensor's end (MASKED: a partial block's
+    `in_bounds`); all 0 without COUNT_NONFINITE."""
+    rejected = tl.zeros(accepted.shape, tl.int32)
+    if COUNT_NONFINITE:
+        if MASKED:
+            accepted = accepted | ~in_bounds
+        rejected = (~accepted).to(tl.int32)
+    return rejected
+
+
+@triton.jit
 def add_counts(row_ptr, rejected, format_lanes, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr):
     """Adds one program's per-lane counts to its tensor's counter row (launch.py): one
     reduction per pair of format counts, then one relaxed atomic per nonzero count."""

@@ -49,6 +49,7 @@ from packed_adamw.core.kernel import (
     leaf_weights,
     masked_load,
     masked_store,
+    rejected_lanes,
     table_block,
     table_state,
     table_weights,
@@ -277,12 +278,7 @@ def _heavy_ball_block(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_p
         subnormal = (magnitude - (1 << MU_FRAC)) & (zero ^ ALL_ONES)
         lanes = lane_bit(saturated, 0) | lane_bit(flushed, 1) | lane_bit(subnormal, 2)
         format_lanes = tl.where(counted, lanes, 0)
-    rejected = tl.zeros(offsets.shape, tl.int32)
-    if COUNT_NONFINITE:
-        if MASKED:
-            accepted = accepted | ~in_bounds
-        rejected = (~accepted).to(tl.int32)
-    return rejected, format_lanes
+    return rejected_lanes(accepted, in_bounds, MASKED, COUNT_NONFINITE), format_lanes
 
 
 @triton.jit

@@ -47,6 +47,7 @@ from ..kernel import (
     leaf_weights,
     masked_load,
     masked_store,
+    rejected_lanes,
     split_master,
     table_block,
     table_state,
@@ -287,12 +288,7 @@ def _adamw_block_step(
             lanes = (lane_bit(saturated_m, 0) | lane_bit(saturated_rms, 1) | lane_bit(flushed_m, 2)
                      | lane_bit(flushed_rms, 3) | lane_bit(subnormal_m, 4) | lane_bit(subnormal_rms, 5))
             format_lanes = tl.where(counted, lanes, 0)
-    rejected = tl.zeros(offsets.shape, tl.int32)
-    if COUNT_NONFINITE:
-        if MASKED:
-            accepted = accepted | ~in_bounds
-        rejected = (~accepted).to(tl.int32)
-    return rejected, format_lanes
+    return rejected_lanes(accepted, in_bounds, MASKED, COUNT_NONFINITE), format_lanes
 
 
 @triton.jit
