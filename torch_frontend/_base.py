@@ -34,6 +34,16 @@ from . import _checks, _compiled, _engine, _persistence
 _REQUIRED = object()  # an option every pickle of the class carries
 
 
+def default_lr_for_group(param_groups: list, default_lr):
+    """The lr a new capturable group that sets none takes: the default itself, a tensor the user
+    holds (filled in place, it sets that group's lr, as in torch.optim), for the first such
+    group; a copy of it for each later one, so that a scheduler filling each group's lr in place
+    does not set another's (groups sharing one tensor would all take the last value written)."""
+    if isinstance(default_lr, torch.Tensor) and any(group.get("lr") is default_lr for group in param_groups):
+        return default_lr.clone()
+    return default_lr
+
+
 class PackedOptimizer(Optimizer):
     rule_name = ""
     display_name = ""
@@ -109,11 +119,8 @@ class PackedOptimizer(Optimizer):
     # ---- parameter groups -------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         default_lr = self.defaults.get("lr")
-        if self.__dict__.get("capturable") and isinstance(param_group, dict) and "lr" not in param_group \
-                and isinstance(default_lr, torch.Tensor):
-            # A group of its own lr tensor: a scheduler fills each group's in place, and groups
-            # sharing the default's would all take the last value written.
-            param_group = {**param_group, "lr": default_lr.clone()}
+        if self.__dict__.get("capturable") and isinstance(param_group, dict) and "lr" not in param_group:
+            param_group = {**param_group, "lr": default_lr_for_group(self.param_groups, default_lr)}
         with warnings.catch_warnings():  # torch's warning about a repeated parameter: refused below instead
             warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
             super().add_param_group(param_group)

@@ -18,7 +18,7 @@ from packed_adamw.core.adamw.state_format import StateFormat as AdamWStateFormat
 from packed_adamw.core.muon import DEFAULT_MU_BIAS
 
 from . import _checks, _compiled, _engine, _persistence
-from ._base import PackedOptimizer
+from ._base import PackedOptimizer, default_lr_for_group
 from ._engine import NonFiniteGradientError
 from ._state import has_format_counts
 from . import muon as _muon
@@ -226,9 +226,8 @@ class PackedMuonAdamW(PackedOptimizer):
         own_format = {k: group.pop(k) for k in FORMAT_KEYS[kind] if k in group}
         try:
             default_lr = self._rule_options[kind]["defaults"]["lr"]
-            if self.capturable and "lr" not in group and isinstance(default_lr, torch.Tensor):
-                # A group of its own lr tensor, as PackedMuon gives one (schedulers fill each in place).
-                group["lr"] = default_lr.clone()
+            if self.capturable and "lr" not in group:
+                group["lr"] = default_lr_for_group(self.param_groups, default_lr)
             if rule is None:
                 settings = self._rule_options[kind]
                 group = {**settings["defaults"], **group}

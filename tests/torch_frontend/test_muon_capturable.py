@@ -141,7 +141,7 @@ def test_combined_capturable_steps_equal_eager_steps(kernels_on_cpu):
     lr = torch.tensor(0.02)
     cap = PackedMuonAdamW([{"params": b, "kind": "muon"}], lr=lr, adamw_lr=torch.tensor(1e-3), batch_ns=True,
                           capturable=True)
-    assert cap.param_groups[0]["lr"] is not lr  # each group has its own lr tensor, a clone of the default
+    assert cap.param_groups[0]["lr"] is lr  # the first group holds the tensor given (later ones: copies)
     for value in (0.02, 0.005):
         cap.param_groups[0]["lr"].fill_(value)
         eager.param_groups[0]["lr"] = float(cap.param_groups[0]["lr"])

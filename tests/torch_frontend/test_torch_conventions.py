@@ -85,12 +85,16 @@ def test_capturable_needs_a_tensor_lr_a_gpu_and_no_host_wait():
 
 def test_capturable_groups_each_get_their_own_lr_tensor_so_a_scheduler_sets_each():
     """A scheduler fills each group's lr tensor in place: groups sharing the default's one tensor
-    would all take the last group's value (as PackedMuon, the base gives each its own clone)."""
+    would all take the last group's value. The first group that sets no lr holds the tensor
+    given (filled in place, it sets that group's lr, as in torch.optim), each later one a copy."""
     params = make_params()
     lr = torch.tensor(1e-3)
     opt = PackedAdamW([{"params": params[:1]}, {"params": params[1:]}], lr=lr, capturable=True)
     first, second = (group["lr"] for group in opt.param_groups)
-    assert first is not lr and second is not lr and first is not second
+    assert first is lr and second is not lr
+    lr.fill_(2e-3)  # the user's own tensor reaches the first group, not the second
+    assert (float(first), float(second)) == (float(np.float32(2e-3)), float(np.float32(1e-3)))
+    lr.fill_(1e-3)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 0.5])
     assert (float(first), float(second)) == (float(np.float32(1e-3)), float(np.float32(5e-4)))
     assert schedule.get_last_lr() and float(lr) == float(np.float32(1e-3))  # the default stays as given
