@@ -5,7 +5,7 @@ The 16-bit minifloat codec given a format's constexpr fields (`decode`, `encode_
 that are masked only where a block crosses the tensor's end, the multi-tensor pointer table
 (`table_address`), a leaf-group kernel's slot selection (`leaf_slot`), float32 powers by
 square-and-multiply, and the per-tensor counter rows (`lane_bit`, `add_counts`; layout:
-launch.py). A rule's kernels (core/adamw/kernel.py) import
+launch.py). The launch skeleton (core/skeleton.py) and a rule's block step import
 them; Triton inlines them, so the compiled code is what it would be written in place.
 
 Launch rules (the launchers in `launch.py` follow them): compile with

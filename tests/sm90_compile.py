@@ -1,5 +1,6 @@
 """Compiles the Muon GPU kernels (JAX's group kernels, torch's per-matrix and table kernels) and
-AdamW's multi-tensor and leaf-group kernels for
+AdamW's multi-tensor and leaf-group kernels, and the launch skeleton's entry points over the test
+rule's block step, for
 sm_90 (an H100/H200) without a GPU, through Triton's NVIDIA backend and its bundled ptxas; run
 in a process of its own, without TRITON_INTERPRET (under it
 `@triton.jit` gives interpreter functions, which do not compile). Prints one line a kernel
@@ -180,7 +181,52 @@ def adamw_kernels() -> int:
     return n
 
 
+def skeleton_kernels() -> int:
+    """The launch skeleton's entry points (core/skeleton.py) over a rule other than AdamW's, the
+    heavy ball of tests/test_custom_rule.py (the interpreter takes code the compiler refuses):
+    multi-tensor and leaf-group launches of float32 weights and of split bf16 weights with float32
+    and bf16 gradients, and the single-tensor ones, counting and not, one block a program and
+    several."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from packed_adamw.core import skeleton
+    import test_custom_rule as heavy_ball
+
+    n = 0
+    flags = {**heavy_ball.FMT.kernel_constexprs(track_format=True), "COUNT_NONFINITE": True, "TRACK_FORMAT": True,
+             "BLOCK": launch.GPU_BLOCK}
+    for split, grad_bf16 in ((False, False), (True, False), (True, True)):
+        launch_flags = {**flags, "SPLIT": split, "GRAD_BF16": grad_bf16}
+        compile_sm90(skeleton.multi_tensor_kernel, {
+            "pointers_ptr": "*i64", "block_tensor_ptr": "*i32", "block_index_ptr": "*i32", "numels_ptr": "*i64",
+            "scalar_rows_ptr": "*i32", "scalars_ptr": "*fp32", "counters_ptr": "*i32", "n_tensors": "i32"},
+            {**launch_flags, "ALIGNED": True})
+        weights = "*u16" if split else "*fp32"
+        buffers = {"param": weights, "out": weights, "lo": "*i16", "new_lo": "*i16",
+                   "grad": "*bf16" if grad_bf16 else "*fp32", "state": "*u16", "new_state": "*u16"}
+        signature = {name: buffers[name.rsplit("_", 1)[0]] for name in skeleton.leaf_group_kernel.arg_names
+                     if name.rsplit("_", 1)[0] in buffers}
+        signature.update({"leaf_table_ptr": "*i64", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
+                          "new_counters_ptr": "*i32"})
+        compile_sm90(skeleton.leaf_group_kernel, signature, {**launch_flags, "WRITE_UPDATE": not split})
+        n += 2
+    tensor = {"grad_ptr": "*fp32", "state_ptr": "*i16", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
+              "n_elements": "i32", "new_state_ptr": "*i16"}
+    for blocks in (1, launch.COUNTING_BLOCKS_PER_PROGRAM):
+        program_flags = {**flags, "BLOCKS_PER_PROGRAM": blocks, "LAYOUT": 0}
+        compile_sm90(skeleton.tensor_kernel, {**tensor, "param_ptr": "*fp32", "out_ptr": "*fp32"},
+                     {**program_flags, "WRITE_UPDATE": False})
+        compile_sm90(skeleton.tensor_counting_kernel, {**tensor, "param_ptr": "*fp32", "out_ptr": "*fp32",
+                                                       "new_counters_ptr": "*i32"}, {**program_flags, "WRITE_UPDATE": True})
+        compile_sm90(skeleton.split_tensor_kernel, {**tensor, "weight_ptr": "*i16", "lo_ptr": "*i16",
+                                                    "new_weight_ptr": "*i16", "new_lo_ptr": "*i16"}, program_flags)
+        compile_sm90(skeleton.split_tensor_counting_kernel, {
+            **tensor, "grad_ptr": "*bf16", "weight_ptr": "*i16", "lo_ptr": "*i16", "new_weight_ptr": "*i16",
+            "new_lo_ptr": "*i16", "new_counters_ptr": "*i32"}, program_flags)
+        n += 4
+    return n
+
+
 if __name__ == "__main__":
     if "nvidia" not in triton.backends.backends:
         sys.exit("sm90_compile.py: this Triton build has no NVIDIA backend")
-    print(f"compiled {group_kernels() + torch_kernels() + scalars_and_newton_schulz() + adamw_kernels()}")
+    print(f"compiled {group_kernels() + torch_kernels() + scalars_and_newton_schulz() + adamw_kernels() + skeleton_kernels()}")

@@ -5,8 +5,8 @@ written here and nowhere else: heavy-ball momentum with a 16-bit momentum code,
 
 m kept as an E5M10 code (core's shared codecs), every float32 operation rounded on its own. This
 file holds the whole rule: its declaration (`Rule`), its state format and entry, its step
-scalars, its numpy step, its scalar authority and its Triton kernels (the signatures
-`_launch.RuleLaunch` and `FunctionalKernels` expect); then it runs it, with no other file
+scalars, its numpy step, its scalar authority, its Triton block step (which the launch skeleton,
+core/skeleton.py, calls from every entry point) and step-scalar kernels; then it runs it, with no other file
 naming it, through torch's `ElementwiseOptimizer` (eager, compiled, state_dict, capturable on
 CUDA) and JAX's `packed_rule` (jit, sharded over 8 CPU devices), and demands equal bits from
 all of them.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 import operator
 import sys
@@ -26,33 +25,23 @@ import torch
 import triton
 import triton.language as tl
 
-from packed_adamw.core import authority, launch
+from packed_adamw.core import authority, launch, skeleton
 from packed_adamw.core.codecs import BIAS_RANGE, FLOAT32_MAX, SPLIT_MASTER_MAX, MiniFloat, read_master, split_master
 from packed_adamw.core.kernel import (
     ALL_ONES,
-    COUNTER_ROW,
     FLOAT32_MAGNITUDE_MASK,
     FLOAT32_SIGN_BIT,
-    FunctionalKernels,
-    LEAF_GROUP_SLOTS,
     SPLIT_LO_SIGN,
     SPLIT_MAGNITUDE_MASK,
-    add_counts,
     code_magnitude,
     decode,
     encode_magnitude,
     finish_code,
     join_master,
     lane_bit,
-    leaf_address,
-    leaf_slot,
-    leaf_weights,
     masked_load,
     masked_store,
     rejected_lanes,
-    table_block,
-    table_state,
-    table_weights,
 )
 from packed_adamw.core.kernel import FLOAT32_MAX as TL_FLOAT32_MAX
 from packed_adamw.core.kernel import SPLIT_MASTER_MAX as TL_SPLIT_MASTER_MAX
@@ -140,8 +129,10 @@ class HeavyBallFormat(StateLayout):
         return RULE
 
     def kernel_constexprs(self, *, track_format: bool) -> dict:
+        """The launch skeleton's constexprs (core/skeleton.py): the block step, its FORMAT."""
         codec = self.formats[0]
-        return dict(MU_FRAC=codec.fraction_bits, MU_BIAS=codec.bias, MU_MAX=codec.max_magnitude_code)
+        return skeleton.constexprs(heavy_ball_block, (codec.fraction_bits, codec.bias, codec.max_magnitude_code),
+                                   len(SCALAR_FIELDS))
 
 
 FMT = HeavyBallFormat()
@@ -221,11 +212,17 @@ HPARAM_ROW = tl.constexpr(len(HPARAM_FIELDS))
 
 
 @triton.jit
-def _heavy_ball_block(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
-                      offsets, n_elements, MASKED: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
-                      COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
-                      MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr):
-    """One block: the whole per-element step; returns its lanes' (rejected, format counts)."""
+def heavy_ball_block(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
+                     offsets, n_elements, MASKED: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
+                     COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr, FORMAT: tl.constexpr):
+    """One block: the whole per-element step, as the launch skeleton calls it (core/skeleton.py);
+    FORMAT is the momentum code's (fraction bits, bias, largest magnitude code). Returns its
+    lanes' (rejected, format counts)."""
+    MU_FRAC: tl.constexpr = FORMAT[0]
+    MU_BIAS: tl.constexpr = FORMAT[1]
+    MU_MAX: tl.constexpr = FORMAT[2]
+    state_ptr = state_ptr.to(tl.pointer_type(tl.uint16))  # the frontends hold int16 or uint16 codes
+    new_state_ptr = new_state_ptr.to(tl.pointer_type(tl.uint16))
     in_bounds = offsets < n_elements
     momentum, grad_sign = tl.load(scalars_ptr + S_MOMENTUM), tl.load(scalars_ptr + S_GRAD_SIGN)
     lr, lr_wd = tl.load(scalars_ptr + S_LR), tl.load(scalars_ptr + S_LR_WD)
@@ -238,7 +235,7 @@ def _heavy_ball_block(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_p
     else:
         p = masked_load(param_ptr + offsets, in_bounds, 0.0, MASKED)
     g = masked_load(grad_ptr + offsets, in_bounds, 0.0, MASKED).to(tl.float32)
-    code = masked_load(state_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint16, bitcast=True).to(tl.uint32)
+    code = masked_load(state_ptr + offsets, in_bounds, 0, MASKED).to(tl.uint32)
     grad_finite = tl.abs(g) <= TL_FLOAT32_MAX
     g = tl.where(grad_finite, g, 0.0)
     m_next = momentum * decode(code, True, MU_FRAC, MU_BIAS) + grad_sign * g
@@ -264,7 +261,7 @@ def _heavy_ball_block(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_p
     else:
         masked_store(out_ptr + offsets, tl.where(accepted, p_next, p), in_bounds, MASKED)
     stored = tl.where(accepted, new_code, code).to(tl.uint16)
-    masked_store(new_state_ptr + offsets, stored.to(new_state_ptr.dtype.element_ty, bitcast=True), in_bounds, MASKED)
+    masked_store(new_state_ptr + offsets, stored, in_bounds, MASKED)
     format_lanes = tl.zeros(offsets.shape, tl.int32)
     if TRACK_FORMAT:  # bit 31 of each test's uint32 is its answer (core/adamw/kernel.py's counts)
         if MASKED:
@@ -279,101 +276,6 @@ def _heavy_ball_block(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_p
         lanes = lane_bit(saturated, 0) | lane_bit(flushed, 1) | lane_bit(subnormal, 2)
         format_lanes = tl.where(counted, lanes, 0)
     return rejected_lanes(accepted, in_bounds, MASKED, COUNT_NONFINITE), format_lanes
-
-
-@triton.jit
-def _heavy_ball_programs(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
-                         out_ptr, new_state_ptr, new_lo_ptr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
-                         COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr,
-                         MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCKS_PER_PROGRAM: tl.constexpr):
-    """One tensor: program i steps blocks [i * BLOCKS_PER_PROGRAM, (i + 1) * BLOCKS_PER_PROGRAM)."""
-    first = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM
-    rejected = tl.zeros([BLOCK], tl.int32)
-    format_lanes = tl.zeros([BLOCK], tl.int32)
-    for k in tl.range(0, BLOCKS_PER_PROGRAM):
-        start = (first + k) * BLOCK
-        offsets = start + tl.arange(0, BLOCK)
-        if start + BLOCK <= n_elements:
-            r, lanes = _heavy_ball_block(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr,
-                                         new_lo_ptr, offsets, n_elements, False, WRITE_UPDATE, SPLIT, COUNT_NONFINITE,
-                                         TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
-        else:
-            r, lanes = _heavy_ball_block(param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr,
-                                         new_lo_ptr, offsets, n_elements, True, WRITE_UPDATE, SPLIT, COUNT_NONFINITE,
-                                         TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
-        rejected += r
-        format_lanes += lanes
-    add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
-
-
-# The single-tensor entry points (`launch.single_tensor_constants`; LAYOUT, a launch hint for
-# AdamW's laid-out programs, is taken and not needed: these programs walk their blocks in turn).
-@triton.jit
-def heavy_ball_kernel(param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements, out_ptr, new_state_ptr,
-                      WRITE_UPDATE: tl.constexpr, COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
-                      MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                      BLOCKS_PER_PROGRAM: tl.constexpr = 1, LAYOUT: tl.constexpr = 0):
-    _heavy_ball_programs(param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, counters_ptr, n_elements, out_ptr,
-                         new_state_ptr, out_ptr, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS,
-                         MU_MAX, BLOCK, BLOCKS_PER_PROGRAM)
-
-
-@triton.jit
-def heavy_ball_counting_kernel(param_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements, out_ptr,
-                               new_state_ptr, new_counters_ptr, WRITE_UPDATE: tl.constexpr,
-                               COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr,
-                               MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                               BLOCKS_PER_PROGRAM: tl.constexpr = 1, LAYOUT: tl.constexpr = 0):
-    _heavy_ball_programs(param_ptr, grad_ptr, state_ptr, param_ptr, scalars_ptr, new_counters_ptr, n_elements, out_ptr,
-                         new_state_ptr, out_ptr, WRITE_UPDATE, False, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS,
-                         MU_MAX, BLOCK, BLOCKS_PER_PROGRAM)
-
-
-@triton.jit
-def heavy_ball_split_kernel(weight_ptr, lo_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements,
-                            new_weight_ptr, new_lo_ptr, new_state_ptr, COUNT_NONFINITE: tl.constexpr,
-                            TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
-                            MU_MAX: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr = 1,
-                            LAYOUT: tl.constexpr = 0):
-    _heavy_ball_programs(weight_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements,
-                         new_weight_ptr, new_state_ptr, new_lo_ptr, False, True, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC,
-                         MU_BIAS, MU_MAX, BLOCK, BLOCKS_PER_PROGRAM)
-
-
-@triton.jit
-def heavy_ball_split_counting_kernel(weight_ptr, lo_ptr, grad_ptr, state_ptr, scalars_ptr, counters_ptr, n_elements,
-                                     new_weight_ptr, new_lo_ptr, new_state_ptr, new_counters_ptr,
-                                     COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr,
-                                     MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                                     BLOCKS_PER_PROGRAM: tl.constexpr = 1, LAYOUT: tl.constexpr = 0):
-    _heavy_ball_programs(weight_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, new_counters_ptr, n_elements,
-                         new_weight_ptr, new_state_ptr, new_lo_ptr, False, True, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC,
-                         MU_BIAS, MU_MAX, BLOCK, BLOCKS_PER_PROGRAM)
-
-
-@triton.jit
-def heavy_ball_multi_tensor_kernel(pointers_ptr, block_tensor_ptr, block_index_ptr, numels_ptr, scalar_rows_ptr,
-                                   scalars_ptr, counters_ptr, n_tensors, COUNT_NONFINITE: tl.constexpr,
-                                   TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
-                                   MU_MAX: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
-                                   SPLIT: tl.constexpr = False, GRAD_BF16: tl.constexpr = False):
-    """Many tensors in place, over torch's pointer table (`_launch.step_layout`): parameters,
-    gradients, codes (and low halves); program i steps block `block_index[i]` of tensor
-    `block_tensor[i]` with scalar row `scalar_rows[t]`."""
-    t, start, offsets, n_elements = table_block(block_tensor_ptr, block_index_ptr, numels_ptr, BLOCK, ALIGNED)
-    param_ptr, lo_ptr, grad_ptr = table_weights(pointers_ptr, t, n_tensors, ALIGNED, SPLIT, GRAD_BF16)
-    state_ptr = table_state(pointers_ptr, t, n_tensors, ALIGNED).to(tl.pointer_type(tl.int16))
-    scalars_ptr += tl.load(scalar_rows_ptr + t) * SCALAR_ROW
-    if start + BLOCK <= n_elements:
-        rejected, format_lanes = _heavy_ball_block(
-            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr, offsets, n_elements,
-            False, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
-    else:
-        rejected, format_lanes = _heavy_ball_block(
-            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr, offsets, n_elements,
-            True, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
-    add_counts(counters_ptr + t * COUNTER_ROW, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
 
 
 @triton.jit
@@ -415,88 +317,16 @@ def capturable_step_scalars_kernel(lr_addresses_ptr, hparams_ptr, group_index_pt
                    tl.load(sign_ptr + rows, mask=valid, other=1.0))
 
 
-@triton.jit
-def _leaf_program(param, grad, state, lo, out, new_state, new_lo, leaf_table_ptr, scalars_ptr, counters_ptr, leaf,
-                  WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr, GRAD_BF16: tl.constexpr,
-                  COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr,
-                  MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    n_elements = tl.load(leaf_table_ptr + leaf)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if start < n_elements:
-        scalars_ptr += tl.load(leaf_table_ptr + LEAF_GROUP_SLOTS + leaf) * SCALAR_ROW
-        offsets = start + tl.arange(0, BLOCK)
-        param_ptr, out_ptr, lo_ptr, new_lo_ptr, grad_ptr = leaf_weights(param, lo, out, new_lo, grad, SPLIT, GRAD_BF16)
-        state_ptr = leaf_address(state).to(tl.pointer_type(tl.uint16))
-        new_state_ptr = leaf_address(new_state).to(tl.pointer_type(tl.uint16))
-        if start + BLOCK <= n_elements:
-            rejected, format_lanes = _heavy_ball_block(
-                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr, offsets,
-                n_elements, False, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
-        else:
-            rejected, format_lanes = _heavy_ball_block(
-                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr, offsets,
-                n_elements, True, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX)
-        add_counts(counters_ptr + leaf * COUNTER_ROW, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
-
-
-@triton.jit
-def heavy_ball_leaf_group_kernel(
-    param_0, lo_0, grad_0, state_0, param_1, lo_1, grad_1, state_1, param_2, lo_2, grad_2, state_2,
-    param_3, lo_3, grad_3, state_3, param_4, lo_4, grad_4, state_4, param_5, lo_5, grad_5, state_5,
-    param_6, lo_6, grad_6, state_6, param_7, lo_7, grad_7, state_7, param_8, lo_8, grad_8, state_8,
-    param_9, lo_9, grad_9, state_9, param_10, lo_10, grad_10, state_10, param_11, lo_11, grad_11, state_11,
-    param_12, lo_12, grad_12, state_12, param_13, lo_13, grad_13, state_13, param_14, lo_14, grad_14, state_14,
-    param_15, lo_15, grad_15, state_15,
-    leaf_table_ptr, scalars_ptr, counters_ptr,
-    out_0, new_lo_0, new_state_0, out_1, new_lo_1, new_state_1, out_2, new_lo_2, new_state_2,
-    out_3, new_lo_3, new_state_3, out_4, new_lo_4, new_state_4, out_5, new_lo_5, new_state_5,
-    out_6, new_lo_6, new_state_6, out_7, new_lo_7, new_state_7, out_8, new_lo_8, new_state_8,
-    out_9, new_lo_9, new_state_9, out_10, new_lo_10, new_state_10, out_11, new_lo_11, new_state_11,
-    out_12, new_lo_12, new_state_12, out_13, new_lo_13, new_state_13, out_14, new_lo_14, new_state_14,
-    out_15, new_lo_15, new_state_15,
-    new_counters_ptr,
-    WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr, GRAD_BF16: tl.constexpr, COUNT_NONFINITE: tl.constexpr,
-    TRACK_FORMAT: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Up to LEAF_GROUP_SLOTS leaves, slot t of each buffer leaf t's (`_leaf_group.py`'s order)."""
-    leaf = tl.program_id(1)
-    _leaf_program(
-        leaf_slot(leaf, param_0, param_1, param_2, param_3, param_4, param_5, param_6, param_7, param_8, param_9,
-                  param_10, param_11, param_12, param_13, param_14, param_15),
-        leaf_slot(leaf, grad_0, grad_1, grad_2, grad_3, grad_4, grad_5, grad_6, grad_7, grad_8, grad_9, grad_10,
-                  grad_11, grad_12, grad_13, grad_14, grad_15),
-        leaf_slot(leaf, state_0, state_1, state_2, state_3, state_4, state_5, state_6, state_7, state_8, state_9,
-                  state_10, state_11, state_12, state_13, state_14, state_15),
-        leaf_slot(leaf, lo_0, lo_1, lo_2, lo_3, lo_4, lo_5, lo_6, lo_7, lo_8, lo_9, lo_10, lo_11, lo_12, lo_13, lo_14,
-                  lo_15),
-        leaf_slot(leaf, out_0, out_1, out_2, out_3, out_4, out_5, out_6, out_7, out_8, out_9, out_10, out_11, out_12,
-                  out_13, out_14, out_15),
-        leaf_slot(leaf, new_state_0, new_state_1, new_state_2, new_state_3, new_state_4, new_state_5, new_state_6,
-                  new_state_7, new_state_8, new_state_9, new_state_10, new_state_11, new_state_12, new_state_13,
-                  new_state_14, new_state_15),
-        leaf_slot(leaf, new_lo_0, new_lo_1, new_lo_2, new_lo_3, new_lo_4, new_lo_5, new_lo_6, new_lo_7, new_lo_8,
-                  new_lo_9, new_lo_10, new_lo_11, new_lo_12, new_lo_13, new_lo_14, new_lo_15),
-        leaf_table_ptr, scalars_ptr, new_counters_ptr, leaf,
-        WRITE_UPDATE, SPLIT, GRAD_BF16, COUNT_NONFINITE, TRACK_FORMAT, MU_FRAC, MU_BIAS, MU_MAX, BLOCK,
-    )
-
-
-FUNCTIONAL_KERNELS = FunctionalKernels(
-    tensor=heavy_ball_kernel, tensor_counting=heavy_ball_counting_kernel, split_tensor=heavy_ball_split_kernel,
-    split_tensor_counting=heavy_ball_split_counting_kernel, leaf_group=heavy_ball_leaf_group_kernel,
-    step_scalars=step_scalars_kernel,
-)
+# Every update kernel is the launch skeleton's (core/skeleton.py), over `heavy_ball_block`.
+FUNCTIONAL_KERNELS = skeleton.functional_kernels(step_scalars_kernel)
 
 
 # ---- the frontends' handles on it ----------------------------------------------------------------
 def _torch_frontend():
     from packed_adamw.torch import ElementwiseOptimizer, RuleLaunch, numpy_cpu_step
 
-    launch_ = RuleLaunch(
-        rule=RULE, kernel_module=__name__, multi_tensor_kernel="heavy_ball_multi_tensor_kernel",
-        single_tensor_kernel="heavy_ball_kernel", split_kernel="heavy_ball_split_kernel",
-        capturable_scalars_kernel="capturable_step_scalars_kernel",
+    launch_ = RuleLaunch(  # the update kernels: the launch skeleton's (RuleLaunch's defaults)
+        rule=RULE, kernel_module=__name__, capturable_scalars_kernel="capturable_step_scalars_kernel",
         row_scalars=lambda count, row: step_scalar_row(count, row[:3], maximize=len(row) > 3 and bool(row[3])),
         cpu_step=numpy_cpu_step(apply_step, apply_split_step),
     )

@@ -38,22 +38,24 @@ from ._state import NONFINITE_COLUMN, new_counters
 class RuleLaunch:
     """What the torch launches and step plans need of a rule, besides its declaration (`rule`)
     and its state format's constexprs (`kernel_constexprs`). Its kernels are named, not held,
-    so that importing the frontend does not load Triton; they follow AdamW's signatures
-    (core/adamw/kernel.py): the multi-tensor kernel reads a pointer table laid out by
-    `step_layout`, the single-tensor kernels (FP32 weights; bf16 weights with split masters)
-    take (weight[, low half], grad, state, scalar row, counter row, n, outputs...), and the
-    capturable scalar kernel derives the scalar rows on the device from each group's lr
-    address, the groups' hyperparameter rows, a per-row sign for maximize and the counts.
+    so that importing the frontend does not load Triton: a name in `kernel_module`, or
+    "module:name". They follow AdamW's signatures (core/adamw/kernel.py): the multi-tensor
+    kernel reads a pointer table laid out by `step_layout`, the single-tensor kernels (FP32
+    weights; bf16 weights with split masters) take (weight[, low half], grad, state, scalar
+    row, counter row, n, outputs...), and the capturable scalar kernel derives the scalar rows
+    on the device from each group's lr address, the groups' hyperparameter rows, a per-row sign
+    for maximize and the counts. The update kernels default to the launch skeleton's
+    (core/skeleton.py), which call the block step the state format's `kernel_constexprs` names.
     A torch hyperparameter row is the rule's `hyperparam_fields` (lr first) then maximize."""
 
     rule: Rule
     kernel_module: str  # imported on the first CUDA launch
-    multi_tensor_kernel: str
-    single_tensor_kernel: str
-    split_kernel: str
     capturable_scalars_kernel: str
     row_scalars: Callable  # (step count, torch hyperparameter row) -> the step-scalar row, on the host
     cpu_step: Callable  # the numpy step over lists of tensors (functional.cpu_step_'s arguments)
+    multi_tensor_kernel: str = "packed_adamw.core.skeleton:multi_tensor_kernel"
+    single_tensor_kernel: str = "packed_adamw.core.skeleton:tensor_kernel"
+    split_kernel: str = "packed_adamw.core.skeleton:split_tensor_kernel"
 
     def __post_init__(self):
         if self.rule.scalar_row % 2:
@@ -70,8 +72,9 @@ class RuleLaunch:
         return self.rule.scalar_row // 2
 
     def kernel(self, name: str):
-        """The Triton kernel called `name` in the rule's kernel module."""
-        return _kernel(self.kernel_module, name)
+        """The Triton kernel called `name` in the rule's kernel module ("module:name": in that one)."""
+        module, _, qualified = name.rpartition(":")
+        return _kernel(module or self.kernel_module, qualified)
 
 
 @functools.cache

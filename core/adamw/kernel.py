@@ -6,8 +6,10 @@ launch (`adamw_multi_tensor_kernel`), and the step scalars (`step_scalars_kernel
 `capturable_step_scalars_kernel`); for a launcher that passes every buffer as an argument
 and returns its outputs (jax-triton, `FUNCTIONAL_KERNELS`), the single-tensor kernels with
 their counter row as an output too (`adamw_counting_kernel`, `adamw_split_counting_kernel`)
-and up to 16 leaves in one launch (`adamw_leaf_group_kernel`). The codecs, masked loads and stores, the pointer table and
-the counter rows are core/kernel.py's; the launch rules are in its docstring.
+and up to 16 leaves in one launch (`adamw_leaf_group_kernel`). These keep AdamW's named
+format constexprs; all but the laid-out single-tensor programs run the launch skeleton's
+programs (core/skeleton.py) over `adamw_format_block`. The codecs, masked loads and stores, the
+pointer table and the counter rows are core/kernel.py's; the launch rules are in its docstring.
 
 The update kernels read their step scalars (hyperparams.SCALAR_FIELDS) as float32 rows in
 device memory, so neither a new learning rate nor a new step recompiles anything. The torch
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import launch
+from ..skeleton import leaf_program, multi_tensor_program, tensor_programs
 from ..kernel import (
     ALL_ONES,
     CODE_MASK,
@@ -155,6 +158,28 @@ def adamw_block(
         offsets, in_bounds, n_elements, MASKED, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
         M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
         _load_block(param_ptr, grad_ptr, state_ptr, lo_ptr, offsets, in_bounds, n_elements, MASKED, MODE, SPLIT),
+    )
+
+
+@triton.jit
+def adamw_format_block(
+    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
+    offsets, n_elements, MASKED: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr,
+    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr, FORMAT: tl.constexpr,
+):
+    """AdamW's block step as the launch skeleton calls it (core/skeleton.py): FORMAT is
+    (MODE, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX), and the state
+    pointers are cast to fp32 mode's moments or to the packed words."""
+    if FORMAT[0] == FP32_MODE:
+        state_ptr = state_ptr.to(tl.pointer_type(tl.float32))
+        new_state_ptr = new_state_ptr.to(tl.pointer_type(tl.float32))
+    else:
+        state_ptr = state_ptr.to(tl.pointer_type(tl.uint32))
+        new_state_ptr = new_state_ptr.to(tl.pointer_type(tl.uint32))
+    return adamw_block(
+        param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
+        offsets, n_elements, MASKED, FORMAT[0], WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
+        FORMAT[1], FORMAT[2], FORMAT[3], FORMAT[4], FORMAT[5], FORMAT[6], FORMAT[7], FORMAT[8],
     )
 
 
@@ -376,27 +401,11 @@ def adamw_programs(
             format_lanes += lanes
         add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
     else:
-        first = tl.program_id(0).to(tl.int64) * BLOCKS_PER_PROGRAM
-        rejected = tl.zeros([BLOCK], tl.int32)
-        format_lanes = tl.zeros([BLOCK], tl.int32)
-        for k in tl.range(0, BLOCKS_PER_PROGRAM):
-            start = (first + k) * BLOCK
-            offsets = start + tl.arange(0, BLOCK)
-            if start + BLOCK <= n_elements:
-                r, lanes = adamw_block(
-                    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
-                    offsets, n_elements, False, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-                    M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-                )
-            else:  # the tensor's last, partial block (or, in a program of several, one past the end)
-                r, lanes = adamw_block(
-                    param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
-                    offsets, n_elements, True, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-                    M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-                )
-            rejected += r
-            format_lanes += lanes
-        add_counts(counters_ptr, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
+        tensor_programs(
+            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, counters_ptr, n_elements, out_ptr, new_state_ptr,
+            new_lo_ptr, adamw_format_block, (MODE, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX),
+            WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT, BLOCK, BLOCKS_PER_PROGRAM,
+        )
 
 
 @triton.jit
@@ -455,67 +464,11 @@ def adamw_multi_tensor_kernel(
     masters) then every low half; tensor t reads scalar row `scalar_rows[t]`, so one launch
     serves several parameter groups and step counts. GRAD_BF16: every gradient is bf16.
     """
-    tl.static_assert(BLOCK < COUNT_FIELD_LIMIT)  # the format counts' 16-bit fields
-    t, start, offsets, n_elements = table_block(block_tensor_ptr, block_index_ptr, numels_ptr, BLOCK, ALIGNED)
-    param_ptr, lo_ptr, grad_ptr = table_weights(pointers_ptr, t, n_tensors, ALIGNED, SPLIT, GRAD_BF16)
-    if MODE == FP32_MODE:
-        state_ptr = table_state(pointers_ptr, t, n_tensors, ALIGNED).to(tl.pointer_type(tl.float32))
-    else:
-        state_ptr = table_state(pointers_ptr, t, n_tensors, ALIGNED).to(tl.pointer_type(tl.uint32))
-    scalars_ptr += tl.load(scalar_rows_ptr + t) * SCALAR_ROW
-    if start + BLOCK <= n_elements:
-        rejected, format_lanes = adamw_block(
-            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr,
-            offsets, n_elements, False, MODE, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-        )
-    else:  # the tensor's last, partial block
-        rejected, format_lanes = adamw_block(
-            param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, param_ptr, state_ptr, lo_ptr,
-            offsets, n_elements, True, MODE, False, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-            M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-        )
-    add_counts(counters_ptr + t * COUNTER_ROW, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
-
-
-@triton.jit
-def _leaf_group_program(
-    param, grad, state, lo, out, new_state, new_lo, leaf_table_ptr, scalars_ptr, counters_ptr, leaf,
-    MODE: tl.constexpr, WRITE_UPDATE: tl.constexpr, SPLIT: tl.constexpr, GRAD_BF16: tl.constexpr,
-    COUNT_NONFINITE: tl.constexpr, TRACK_FORMAT: tl.constexpr,
-    M_SIGNED: tl.constexpr, M_FRAC: tl.constexpr, M_BIAS: tl.constexpr, M_MAX: tl.constexpr,
-    R_SIGNED: tl.constexpr, R_FRAC: tl.constexpr, R_BIAS: tl.constexpr, R_MAX: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Program (i, leaf) of `adamw_leaf_group_kernel`: block i of that leaf, whose buffer
-    addresses arrive as int64 (`leaf_slot`). SPLIT: the leaf is a bf16 weight with its int16
-    low half `lo` (new ones to `out`, `new_lo`); otherwise `lo` and `new_lo` are unused.
-    GRAD_BF16: the gradient is bf16."""
-    n_elements = tl.load(leaf_table_ptr + leaf)
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    if start < n_elements:  # a leaf smaller than the group's largest has idle programs
-        scalars_ptr += tl.load(leaf_table_ptr + LEAF_GROUP_SLOTS + leaf) * SCALAR_ROW
-        offsets = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
-        param_ptr, out_ptr, lo_ptr, new_lo_ptr, grad_ptr = leaf_weights(param, lo, out, new_lo, grad, SPLIT, GRAD_BF16)
-        if MODE == FP32_MODE:
-            state_ptr = leaf_address(state).to(tl.pointer_type(tl.float32))
-            new_state_ptr = leaf_address(new_state).to(tl.pointer_type(tl.float32))
-        else:
-            state_ptr = leaf_address(state).to(tl.pointer_type(tl.uint32))
-            new_state_ptr = leaf_address(new_state).to(tl.pointer_type(tl.uint32))
-        if start + BLOCK <= n_elements:
-            rejected, format_lanes = adamw_block(
-                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
-                offsets, n_elements, False, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-            )
-        else:  # the leaf's last, partial block
-            rejected, format_lanes = adamw_block(
-                param_ptr, grad_ptr, state_ptr, lo_ptr, scalars_ptr, out_ptr, new_state_ptr, new_lo_ptr,
-                offsets, n_elements, True, MODE, WRITE_UPDATE, SPLIT, COUNT_NONFINITE, TRACK_FORMAT,
-                M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX,
-            )
-        add_counts(counters_ptr + leaf * COUNTER_ROW, rejected, format_lanes, COUNT_NONFINITE, TRACK_FORMAT)
+    multi_tensor_program(
+        pointers_ptr, block_tensor_ptr, block_index_ptr, numels_ptr, scalar_rows_ptr, scalars_ptr, counters_ptr,
+        n_tensors, adamw_format_block, (MODE, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX),
+        SCALAR_ROW, COUNT_NONFINITE, TRACK_FORMAT, BLOCK, ALIGNED, SPLIT, GRAD_BF16,
+    )
 
 
 @triton.jit
@@ -602,10 +555,10 @@ def adamw_leaf_group_kernel(
         leaf, new_state_0, new_state_1, new_state_2, new_state_3, new_state_4, new_state_5, new_state_6, new_state_7,
         new_state_8, new_state_9, new_state_10, new_state_11, new_state_12, new_state_13, new_state_14, new_state_15,
     )
-    _leaf_group_program(
+    leaf_program(
         param, grad, state, lo, out, new_state, new_lo, leaf_table_ptr, scalars_ptr, new_counters_ptr, leaf,
-        MODE, WRITE_UPDATE, SPLIT, GRAD_BF16, COUNT_NONFINITE, TRACK_FORMAT,
-        M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX, BLOCK,
+        adamw_format_block, (MODE, M_SIGNED, M_FRAC, M_BIAS, M_MAX, R_SIGNED, R_FRAC, R_BIAS, R_MAX), SCALAR_ROW,
+        WRITE_UPDATE, SPLIT, GRAD_BF16, COUNT_NONFINITE, TRACK_FORMAT, BLOCK,
     )
 
 

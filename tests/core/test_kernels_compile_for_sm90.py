@@ -1,4 +1,5 @@
-"""The Muon GPU kernels and AdamW's multi-tensor and leaf-group kernels compile for an H100/H200 (sm_90) on a machine without a GPU
+"""The Muon GPU kernels, AdamW's multi-tensor and leaf-group kernels and the launch skeleton's entry
+points over another rule's block step compile for an H100/H200 (sm_90) on a machine without a GPU
 (tests/sm90_compile.py, in a process without TRITON_INTERPRET). The other CPU tests run the
 kernels in Triton's interpreter, which never meets the compiler's frontend or lowering; this
 catches what only a GPU run would otherwise (an operation on a type the compiler refuses, a
@@ -22,5 +23,5 @@ def test_the_muon_and_adamw_launch_kernels_compile_for_sm90():
         pytest.skip("this Triton build has no NVIDIA backend")
     assert done.returncode == 0, done.stderr[-4000:]
     # JAX's group kernels: 24 momentum and 24 weight variants; torch's kernels: 48 momentum (per matrix and
-    # table) and 48 weight ones (their counting twins in packed mode); 7 of the step scalars, 5 of Newton-Schulz; AdamW's multi-tensor and leaf-group kernels, 6 each
-    assert done.stdout.strip().splitlines()[-1] == "compiled 168", done.stdout[-2000:]
+    # table) and 48 weight ones (their counting twins in packed mode); 7 of the step scalars, 5 of Newton-Schulz; AdamW's multi-tensor and leaf-group kernels, 6 each; the skeleton's, 14 (tests/test_custom_rule.py's rule)
+    assert done.stdout.strip().splitlines()[-1] == "compiled 182", done.stdout[-2000:]
