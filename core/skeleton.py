@@ -48,11 +48,11 @@ from .kernel import (
 )
 
 
-def constexprs(block_step, format_fields: tuple, scalar_row: int) -> dict:
+def constexprs(block_step, format_fields: tuple, rule) -> dict:
     """What a rule's state format returns from `kernel_constexprs` for these kernels: its block
     step, its format's constexprs (the tuple the block step reads as FORMAT) and the length of
-    its step-scalar rows."""
-    return {"BLOCK_STEP": block_step, "FORMAT": tuple(format_fields), "SCALAR_ROW": int(scalar_row)}
+    its step-scalar rows, the `Rule`'s (the launchers stage rows of that length: one home)."""
+    return {"BLOCK_STEP": block_step, "FORMAT": tuple(format_fields), "SCALAR_ROW": rule.scalar_row}
 
 
 # ---- the programs -------------------------------------------------------------------------------

@@ -132,7 +132,7 @@ class HeavyBallFormat(StateLayout):
         """The launch skeleton's constexprs (core/skeleton.py): the block step, its FORMAT."""
         codec = self.formats[0]
         return skeleton.constexprs(heavy_ball_block, (codec.fraction_bits, codec.bias, codec.max_magnitude_code),
-                                   len(SCALAR_FIELDS))
+                                   RULE)
 
 
 FMT = HeavyBallFormat()
@@ -545,6 +545,76 @@ def test_the_triton_kernels_interpreted_are_the_numpy_step(monkeypatch, write_up
             assert_bits(states[i], c, where)
 
 
+@pytest.mark.skipif(not interpreted(), reason="the interpreted kernels (TRITON_INTERPRET=1, the CPU suite's)")
+def test_the_skeletons_torch_launches_interpreted_are_the_numpy_step():
+    """The launch skeleton's kernels as torch launches them on CUDA, interpreted over this rule's
+    block step: the multi-tensor kernel over a pointer table (FP32 weights; split bf16 weights with
+    float32 and bf16 gradients; tensors ending mid-block, two scalar rows, NaN/Inf gradients),
+    counting rejected elements and format events; and one tensor with one and with several blocks
+    a program (the counting launches' shape on a GPU)."""
+    import ml_dtypes
+
+    from packed_adamw.core import skeleton
+
+    rng = np.random.default_rng(5)
+    block, sizes = 64, [1, 63, 64, 65, 200, 7]
+    rows = [list(HP.values()), [HP["lr"], HP["momentum"], 0.0]]
+    row_of = [0, 1, 0, 1, 0, 1]
+    scalar_rows = [np.asarray(step_scalar_row(3, row), F32) for row in rows]
+    scalars = torch.tensor(np.stack(scalar_rows))
+    params = [rng.standard_normal(n).astype(F32) for n in sizes]
+    grads = [spanning(rng, n, -9, 6) for n in sizes]
+    grads[3][5], grads[4][0] = np.nan, np.inf
+    codes = [momentum_format(15).encode(spanning(rng, n, -6, 5)) for n in sizes]
+    for split, grad_bf16 in ((False, False), (True, False), (True, True)):
+        where = f"split={split}, bf16 gradients={grad_bf16}"
+        weights = [torch.tensor(p).to(torch.bfloat16) if split else torch.tensor(p.copy()) for p in params]
+        lows = [torch.zeros(n, dtype=torch.int16) for n in sizes]
+        g = [torch.tensor(x).to(torch.bfloat16) if grad_bf16 else torch.tensor(x) for x in grads]
+        states = [torch.tensor(c.view(np.int16).copy()) for c in codes]
+        table = torch.tensor([t.data_ptr() for t in [*weights, *g, *states, *(lows if split else [])]])
+        block_tensor, block_index = launch.block_table(sizes, block)
+        counters = torch.zeros((len(sizes), launch.COUNTER_ROW), dtype=torch.int64)
+        constants = launch.kernel_constants(FMT, write_update=None, count_nonfinite=True, block=block,
+                                            track_format=True, split=split)
+        skeleton.multi_tensor_kernel[(len(block_tensor),)](
+            table, torch.from_numpy(block_tensor), torch.from_numpy(block_index), torch.tensor(sizes),
+            torch.tensor(row_of, dtype=torch.int32), scalars, counters, len(sizes),
+            **constants, ALIGNED=False, GRAD_BF16=grad_bf16)
+        counts = launch.sum_counter_slots(counters.numpy())
+        for i, n in enumerate(sizes):
+            c, want_counts = codes[i].copy(), np.zeros(3, np.int64)
+            if split:
+                w, lo = params[i].astype(ml_dtypes.bfloat16).view(np.uint16).copy(), np.zeros(n, np.int16)
+                gi = grads[i].astype(ml_dtypes.bfloat16).view(np.uint16) if grad_bf16 else grads[i]
+                rejected = apply_split_step(w, lo, gi, c, scalar_rows[row_of[i]], fmt=FMT, format_counts_out=want_counts)
+                assert_bits(weights[i].view(torch.int16).numpy().view(np.uint16), w, f"{where}, weight {i}")
+                assert_bits(lows[i].numpy(), lo, f"{where}, low half {i}")
+            else:
+                p = params[i].copy()
+                rejected = apply_step(p, grads[i], c, scalar_rows[row_of[i]], fmt=FMT, format_counts_out=want_counts)
+                assert_bits(weights[i].numpy(), p, f"{where}, parameter {i}")
+            assert_bits(states[i].numpy().view(np.uint16), c, f"{where}, codes {i}")
+            assert (int(counters[i, 0]), counts[i, :3].tolist()) == (rejected, want_counts.tolist()), f"{where}, {i}"
+    n = 5 * block + 3
+    p0, g0 = rng.standard_normal(n).astype(F32), spanning(rng, n, -9, 6)
+    g0[7] = np.nan
+    c0 = momentum_format(15).encode(spanning(rng, n, -6, 5))
+    p, c, want_counts = p0.copy(), c0.copy(), np.zeros(3, np.int64)
+    rejected = apply_step(p, g0, c, scalar_rows[0], fmt=FMT, format_counts_out=want_counts)
+    for blocks in (1, 8):
+        tp, ts = torch.tensor(p0.copy()), torch.tensor(c0.view(np.int16).copy())
+        counters = torch.zeros((1, launch.COUNTER_ROW), dtype=torch.int64)
+        constants = launch.kernel_constants(FMT, write_update=False, count_nonfinite=True, block=block,
+                                            track_format=True)
+        skeleton.tensor_kernel[launch.grid(n, block * blocks)](tp, torch.tensor(g0), ts, scalars[0], counters, n, tp,
+                                                               ts, **constants, BLOCKS_PER_PROGRAM=blocks, LAYOUT=0)
+        assert_bits(tp.numpy(), p, f"one tensor, {blocks} blocks a program")
+        assert_bits(ts.numpy().view(np.uint16), c, f"one tensor's codes, {blocks} blocks a program")
+        got = launch.sum_counter_slots(counters.numpy())[0, :3].tolist()
+        assert (int(counters[0, 0]), got) == (rejected, want_counts.tolist()), f"{blocks} blocks a program"
+
+
 def test_a_compiled_step_and_a_state_dict_round_trip_keep_the_eager_bits(reference):
     """torch.compile(opt.step, fullgraph=True) steps as the eager optimizer does; a state saved
     after two steps and loaded into a new optimizer continues as the uninterrupted one."""
@@ -618,6 +688,22 @@ def test_a_rule_class_missing_a_declaration_is_refused_naming_it():
     # a subclass of a rule class keeps its declarations, and its groups' refused options follow its format_keys
     renamed = _rule_class("PackedRenamed", base=PackedHeavyBall, format_keys=("code_bias",))
     assert set(renamed.group_options) >= {"code_bias", "multi_tensor", "capturable"}
+    # the launch skeleton's kernels with a format that names no block step: refused when built,
+    # not at the first CUDA launch inside Triton
+    from packed_adamw.torch import RuleLaunch
+
+    class NoBlockStep(HeavyBallFormat):
+        def kernel_constexprs(self, *, track_format: bool) -> dict:
+            return {"MU_BIAS": self.mu_bias}
+
+    no_step = _rule_class("PackedNoStep", rule_launch=launch_, state_format_class=NoBlockStep, format_keys=("mu_bias",))
+    with pytest.raises(TypeError, match=r"PackedNoStep: its rule_launch launches the launch skeleton's kernels .*"
+                                        r"NoBlockStep.kernel_constexprs names none: return "
+                                        r"packed_adamw.core.skeleton.constexprs"):
+        no_step(torch_params([np.zeros(3, F32)]), NoBlockStep())
+    # a RuleLaunch takes keywords only: its fields' order is no contract
+    with pytest.raises(TypeError, match="positional"):
+        RuleLaunch(RULE, __name__, "capturable_step_scalars_kernel", launch_.row_scalars, launch_.cpu_step)
 
 
 def test_a_group_cannot_set_an_option_of_the_rules_optimizer():

@@ -44,6 +44,25 @@ def default_lr_for_group(param_groups: list, default_lr):
     return default_lr
 
 
+def groups_holding(param_groups: list, defaults: list) -> list:
+    """(group index, tensor) for each group whose lr is one of the `defaults` lr tensors itself
+    (`default_lr_for_group` gave it): what a load must keep linked."""
+    return [(i, group["lr"]) for i, group in enumerate(param_groups)
+            if isinstance(group.get("lr"), torch.Tensor) and any(group["lr"] is d for d in defaults)]
+
+
+@torch.no_grad()
+def relink_default_lrs(param_groups: list, held: list) -> None:
+    """After torch's load (which copies the saved groups' values), each group that held a
+    default lr tensor holds it again, filled with the loaded lr: the tensor the user keeps still
+    sets that group's lr, as before the load."""
+    for i, default in held:
+        loaded = param_groups[i]["lr"]
+        if loaded is not default:
+            default.copy_(torch.as_tensor(loaded, dtype=default.dtype))
+            param_groups[i]["lr"] = default
+
+
 class PackedOptimizer(Optimizer):
     rule_name = ""
     display_name = ""
@@ -182,10 +201,13 @@ class PackedOptimizer(Optimizer):
         """Load a state saved by `state_dict()` (also through torch.distributed.checkpoint).
         Everything is checked before anything changes: the format identity, the groups' options,
         the state layout of every parameter, step counts and stored values; then torch loads,
-        and the rule puts its tensors back bit for bit. The format counts start afresh."""
+        and the rule puts its tensors back bit for bit. The format counts start afresh. A group
+        that held the constructor's lr tensor holds it still, filled with the loaded lr."""
         for_torch, loaded = self._checked_load(state_dict)
         _engine.drop_plan(self, keep_counts=False)
+        held = groups_holding(self.param_groups, [self.defaults.get("lr")])
         super().load_state_dict(for_torch)
+        relink_default_lrs(self.param_groups, held)
         self._restore_loaded(loaded)
 
     def export_state(self):

@@ -34,7 +34,10 @@ from packed_adamw.core.rule import Rule, StateLayout
 from ._state import NONFINITE_COLUMN, new_counters
 
 
-@dataclass(frozen=True)
+SKELETON_MODULE = "packed_adamw.core.skeleton"
+
+
+@dataclass(frozen=True, kw_only=True)  # keywords only: the fields' order is no contract
 class RuleLaunch:
     """What the torch launches and step plans need of a rule, besides its declaration (`rule`)
     and its state format's constexprs (`kernel_constexprs`). Its kernels are named, not held,
@@ -53,9 +56,16 @@ class RuleLaunch:
     capturable_scalars_kernel: str
     row_scalars: Callable  # (step count, torch hyperparameter row) -> the step-scalar row, on the host
     cpu_step: Callable  # the numpy step over lists of tensors (functional.cpu_step_'s arguments)
-    multi_tensor_kernel: str = "packed_adamw.core.skeleton:multi_tensor_kernel"
-    single_tensor_kernel: str = "packed_adamw.core.skeleton:tensor_kernel"
-    split_kernel: str = "packed_adamw.core.skeleton:split_tensor_kernel"
+    multi_tensor_kernel: str = SKELETON_MODULE + ":multi_tensor_kernel"
+    single_tensor_kernel: str = SKELETON_MODULE + ":tensor_kernel"
+    split_kernel: str = SKELETON_MODULE + ":split_tensor_kernel"
+
+    @property
+    def uses_skeleton(self) -> bool:
+        """Whether any update kernel is the launch skeleton's (its state format must then name a
+        block step: `skeleton.constexprs`)."""
+        return any(name.startswith(SKELETON_MODULE + ":")
+                   for name in (self.multi_tensor_kernel, self.single_tensor_kernel, self.split_kernel))
 
     def __post_init__(self):
         if self.rule.scalar_row % 2:

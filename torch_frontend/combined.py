@@ -18,7 +18,7 @@ from packed_adamw.core.adamw.state_format import StateFormat as AdamWStateFormat
 from packed_adamw.core.muon import DEFAULT_MU_BIAS
 
 from . import _checks, _compiled, _engine, _persistence
-from ._base import PackedOptimizer, default_lr_for_group
+from ._base import PackedOptimizer, default_lr_for_group, groups_holding, relink_default_lrs
 from ._engine import NonFiniteGradientError
 from ._state import has_format_counts
 from . import muon as _muon
@@ -176,6 +176,10 @@ class PackedMuonAdamW(PackedOptimizer):
         if track_format is not False:  # checked before any group makes its rule
             adamw_counts = _checked_track_format(track_format, AdamWStateFormat(adamw_mode, m_bias, rms_bias),
                                                  capturable)
+        if capturable and adamw_lr is lr:
+            # the kind whose groups come second would get copies: filling the tensor would set one kind only
+            raise ValueError("PackedMuonAdamW(capturable=True): lr and adamw_lr are one tensor; give each kind its own "
+                             "(adamw_lr=lr.clone(), or another tensor), which the first group of that kind holds")
         if capturable and not (isinstance(adamw_lr, torch.Tensor) and adamw_lr.numel() == 1
                                and adamw_lr.is_floating_point()):
             raise ValueError(f"PackedMuonAdamW(capturable=True) needs adamw_lr as a one-element tensor on the "
@@ -520,7 +524,10 @@ class PackedMuonAdamW(PackedOptimizer):
             checked[key] = rule._checked_load(part)[1]
         groups = [_with_own_format(_without(g, (_persistence.GROUP_FORMAT_KEY,)), ours)
                   for g, ours in zip(saved_groups, self.param_groups)]
+        held = groups_holding(self.param_groups,
+                              [options["defaults"]["lr"] for options in self._rule_options.values()])
         Optimizer.load_state_dict(self, {"state": state_dict["state"], "param_groups": groups})
+        relink_default_lrs(self.param_groups, held)
         self._bind_rules(keys)
         for key, loaded in checked.items():
             self._rules[key]._restore_loaded(loaded)

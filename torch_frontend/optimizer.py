@@ -75,6 +75,13 @@ class ElementwiseOptimizer(PackedOptimizer):
             raise TypeError(f"{name}: its rule_launch steps rule {self.rule_launch.rule.name!r} but its state "
                             f"format's rule is {state_format.rule.name!r}; give the RuleLaunch and the state format "
                             "of one rule")
+        if self.rule_launch.uses_skeleton and "BLOCK_STEP" not in state_format.kernel_constexprs(track_format=False):
+            # else the first CUDA launch fails inside Triton, naming neither the rule nor this class
+            raise TypeError(f"{name}: its rule_launch launches the launch skeleton's kernels (core/skeleton.py; "
+                            "RuleLaunch's default multi_tensor_kernel, single_tensor_kernel and split_kernel), which "
+                            f"call the block step its state format names, but {type(state_format).__name__}"
+                            ".kernel_constexprs names none: return packed_adamw.core.skeleton.constexprs(block_step, "
+                            "format_fields, rule) from it, or name the rule's own kernels in its RuleLaunch")
         self.state_format = state_format
         lr = defaults.get(self.rule_launch.rule.group_keys[0])
         _checks.check_capturable(capturable, lr, check_nonfinite=check_nonfinite, multi_tensor=multi_tensor,

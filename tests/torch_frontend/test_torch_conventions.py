@@ -100,6 +100,35 @@ def test_capturable_groups_each_get_their_own_lr_tensor_so_a_scheduler_sets_each
     assert schedule.get_last_lr() and float(lr) == float(np.float32(1e-3))  # the default stays as given
 
 
+def test_a_load_keeps_the_first_groups_lr_the_tensor_given_and_one_tensor_for_both_kinds_is_refused():
+    """torch's load copies the saved groups' values: the group that held the constructor's lr
+    tensor holds it again, filled with the loaded lr, so the tensor the user keeps still steers
+    the step after a resume. PackedMuonAdamW refuses one tensor for lr and adamw_lr (the kind
+    whose groups come second would hold copies of it)."""
+    from packed_adamw.torch import PackedMuonAdamW
+
+    params = make_params()
+    lr = torch.tensor(1e-3)
+    opt = PackedAdamW([{"params": params[:1]}, {"params": params[1:]}], lr=lr, capturable=True)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = torch.tensor(4e-3)
+    opt.load_state_dict(sd)
+    first, second = (group["lr"] for group in opt.param_groups)
+    assert first is lr and float(lr) == float(np.float32(4e-3)) and second is not lr
+    lr.fill_(2e-3)
+    assert float(opt.param_groups[0]["lr"]) == float(np.float32(2e-3))
+    weights = [torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8))]
+    with pytest.raises(ValueError, match="lr and adamw_lr are one tensor; give each kind its own"):
+        PackedMuonAdamW([{"params": weights[:1], "kind": "muon"}, {"params": weights[1:], "kind": "adamw"}],
+                        lr=lr, adamw_lr=lr, capturable=True)
+    muon_lr, adamw_lr = torch.tensor(0.02), torch.tensor(1e-3)
+    both = PackedMuonAdamW([{"params": weights[:1], "kind": "muon"}, {"params": weights[1:], "kind": "adamw"}],
+                           lr=muon_lr, adamw_lr=adamw_lr, capturable=True)
+    sd = both.state_dict()
+    both.load_state_dict(sd)
+    assert [group["lr"] is want for group, want in zip(both.param_groups, (muon_lr, adamw_lr))] == [True, True]
+
+
 def test_amsgrad_is_refused_saying_the_word_holds_no_third_moment():
     with pytest.raises(ValueError, match="amsgrad=True is not supported.*running maximum"):
         PackedAdamW(make_params(), amsgrad=True)
