@@ -872,6 +872,39 @@ def test_cuda_steps_multi_tensor_solo_and_captured_are_the_cpu_bits(reference):
         assert_bits(opt.state[p][MOMENTUM_CODES.key], want_codes[i], f"captured codes {i}")
 
 
+@pytest.mark.cuda
+def test_cuda_the_optax_transform_on_a_jax_gpu_is_the_cpu_bits(reference):
+    """On a JAX GPU backend, `packed_rule` launches the launch skeleton's kernels through
+    jax-triton (the block step and the format tuple as constexprs): leaf groups and single
+    leaves, with and without format counts, give the numpy step's bits and counts."""
+    import jax
+
+    from jax_helpers import jax_cuda_unavailable, optax_train_step
+    from packed_adamw.jax import format_stats, packed_rule
+
+    why = jax_cuda_unavailable()
+    if why is not None:
+        pytest.skip(f"needs CUDA for JAX plus jax_triton: {why}")
+    params0, grads, history, counts = reference
+    want_params, want_codes = history[-1]
+    gpu = jax.devices("gpu")[0]
+    for options in (dict(multi_tensor=True), dict(multi_tensor=False), dict(track_format=True)):
+        tx = packed_rule(heavy_ball_steps(), FMT, **HP, **options)
+        params = [jax.device_put(p, gpu) for p in params0]
+        state = tx.init(params)
+        step = jax.jit(optax_train_step(tx))
+        for step_grads in grads:
+            params, state = step(params, state, [jax.device_put(g, gpu) for g in step_grads])
+        for i in range(len(params0)):
+            assert_bits(params[i], want_params[i], f"{options} leaf {i}")
+            assert_bits(state.moments[i], want_codes[i], f"{options} codes {i}")
+        if options.get("track_format"):
+            stats = format_stats(state, count_names=RULE.count_names)
+            assert [stats[f"[{i}]"] for i in range(len(params0))] == [
+                {"elements": STEPS * p.size, **dict(zip(RULE.count_names, c.tolist()))}
+                for p, c in zip(params0, counts)]
+
+
 def test_the_optax_transform_under_jit_gives_torchs_bits():
     """`packed_rule` of this rule, jitted, fed the gradients torch was fed: FP32 leaves the
     same parameters and codes, a bf16 leaf the same weight and low half."""
