@@ -151,6 +151,29 @@ def scalars_and_newton_schulz() -> int:
     return n
 
 
+MULTI_TENSOR_SIGNATURE = {"pointers_ptr": "*i64", "block_tensor_ptr": "*i32", "block_index_ptr": "*i32",
+                          "numels_ptr": "*i64", "scalar_rows_ptr": "*i32", "scalars_ptr": "*fp32",
+                          "counters_ptr": "*i32", "n_tensors": "i32"}
+
+
+def table_and_leaf_group(multi_tensor_kernel, leaf_group_kernel, flags: dict, state: str) -> int:
+    """A rule's multi-tensor kernel (torch's pointer table) and leaf-group kernel (jax-triton's
+    slots) with the format's `flags`, for float32 weights and for split bf16 weights with float32
+    and bf16 gradients; `state`: the state buffers' type."""
+    for split, grad_bf16 in ((False, False), (True, False), (True, True)):
+        launch_flags = {**flags, "SPLIT": split, "GRAD_BF16": grad_bf16, "BLOCK": launch.GPU_BLOCK}
+        compile_sm90(multi_tensor_kernel, MULTI_TENSOR_SIGNATURE, {**launch_flags, "ALIGNED": True})
+        weights = "*u16" if split else "*fp32"
+        buffers = {"param": weights, "out": weights, "lo": "*i16", "new_lo": "*i16",
+                   "grad": "*bf16" if grad_bf16 else "*fp32", "state": state, "new_state": state}
+        signature = {name: buffers[name.rsplit("_", 1)[0]] for name in leaf_group_kernel.arg_names
+                     if name.rsplit("_", 1)[0] in buffers}
+        signature.update({"leaf_table_ptr": "*i64", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
+                          "new_counters_ptr": "*i32"})
+        compile_sm90(leaf_group_kernel, signature, {**launch_flags, "WRITE_UPDATE": not split})
+    return 6
+
+
 def adamw_kernels() -> int:
     """AdamW's multi-tensor kernel (torch's pointer table) and leaf-group kernel (jax-triton's
     slots), whose addressing is core's launch skeleton (core/kernel.py): packed and fp32 modes,
@@ -160,24 +183,10 @@ def adamw_kernels() -> int:
 
     n = 0
     for mode in ("packed", "fp32"):
-        constants = AdamWFormat(mode).kernel_constexprs(track_format=False)
-        state = "*fp32" if mode == "fp32" else "*u32"
-        for split, grad_bf16 in ((False, False), (True, False), (True, True)):
-            flags = {**constants, "COUNT_NONFINITE": True, "TRACK_FORMAT": False, "SPLIT": split,
-                     "GRAD_BF16": grad_bf16, "BLOCK": launch.GPU_BLOCK}
-            compile_sm90(ak.adamw_multi_tensor_kernel, {
-                "pointers_ptr": "*i64", "block_tensor_ptr": "*i32", "block_index_ptr": "*i32", "numels_ptr": "*i64",
-                "scalar_rows_ptr": "*i32", "scalars_ptr": "*fp32", "counters_ptr": "*i32", "n_tensors": "i32"},
-                {**flags, "ALIGNED": True})
-            weights = "*u16" if split else "*fp32"
-            buffers = {"param": weights, "out": weights, "lo": "*i16", "new_lo": "*i16",
-                       "grad": "*bf16" if grad_bf16 else "*fp32", "state": state, "new_state": state}
-            signature = {name: buffers[name.rsplit("_", 1)[0]] for name in ak.adamw_leaf_group_kernel.arg_names
-                         if name.rsplit("_", 1)[0] in buffers}
-            signature.update({"leaf_table_ptr": "*i64", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
-                              "new_counters_ptr": "*i32"})
-            compile_sm90(ak.adamw_leaf_group_kernel, signature, {**flags, "WRITE_UPDATE": not split})
-            n += 2
+        flags = {**AdamWFormat(mode).kernel_constexprs(track_format=False), "COUNT_NONFINITE": True,
+                 "TRACK_FORMAT": False}
+        n += table_and_leaf_group(ak.adamw_multi_tensor_kernel, ak.adamw_leaf_group_kernel, flags,
+                                  "*fp32" if mode == "fp32" else "*u32")
     return n
 
 
@@ -191,24 +200,9 @@ def skeleton_kernels() -> int:
     from packed_adamw.core import skeleton
     import test_custom_rule as heavy_ball
 
-    n = 0
-    flags = {**heavy_ball.FMT.kernel_constexprs(track_format=True), "COUNT_NONFINITE": True, "TRACK_FORMAT": True,
-             "BLOCK": launch.GPU_BLOCK}
-    for split, grad_bf16 in ((False, False), (True, False), (True, True)):
-        launch_flags = {**flags, "SPLIT": split, "GRAD_BF16": grad_bf16}
-        compile_sm90(skeleton.multi_tensor_kernel, {
-            "pointers_ptr": "*i64", "block_tensor_ptr": "*i32", "block_index_ptr": "*i32", "numels_ptr": "*i64",
-            "scalar_rows_ptr": "*i32", "scalars_ptr": "*fp32", "counters_ptr": "*i32", "n_tensors": "i32"},
-            {**launch_flags, "ALIGNED": True})
-        weights = "*u16" if split else "*fp32"
-        buffers = {"param": weights, "out": weights, "lo": "*i16", "new_lo": "*i16",
-                   "grad": "*bf16" if grad_bf16 else "*fp32", "state": "*u16", "new_state": "*u16"}
-        signature = {name: buffers[name.rsplit("_", 1)[0]] for name in skeleton.leaf_group_kernel.arg_names
-                     if name.rsplit("_", 1)[0] in buffers}
-        signature.update({"leaf_table_ptr": "*i64", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
-                          "new_counters_ptr": "*i32"})
-        compile_sm90(skeleton.leaf_group_kernel, signature, {**launch_flags, "WRITE_UPDATE": not split})
-        n += 2
+    flags = {**heavy_ball.FMT.kernel_constexprs(track_format=True), "COUNT_NONFINITE": True, "TRACK_FORMAT": True}
+    n = table_and_leaf_group(skeleton.multi_tensor_kernel, skeleton.leaf_group_kernel, flags, "*u16")
+    flags["BLOCK"] = launch.GPU_BLOCK
     tensor = {"grad_ptr": "*fp32", "state_ptr": "*i16", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
               "n_elements": "i32", "new_state_ptr": "*i16"}
     for blocks in (1, launch.COUNTING_BLOCKS_PER_PROGRAM):
