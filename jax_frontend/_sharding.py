@@ -106,7 +106,7 @@ def placement(params) -> _Placement | None:
     return _Placement(mesh, specs, known, free)
 
 
-def _reshard_to(x, mesh, spec: tuple):
+def reshard_to(x, mesh, spec: tuple):
     """x with `spec` on `mesh` where sharding in types says otherwise (a user's gradients laid
     out unlike the parameters); a no-op otherwise."""
     ndim = len(spec)
@@ -124,6 +124,25 @@ def _reshard_to(x, mesh, spec: tuple):
                                      and _spec_tuple(sharding.spec, ndim) == spec):
         return jax.device_put(x, target)
     return x
+
+
+def on_whole_leaves(where: _Placement, fn, arrays: list, n_outputs: int) -> tuple:
+    """`fn(*arrays)` on whole arrays, for a step that needs whole leaves (Muon's Newton-Schulz,
+    its refusal of a matrix whole) over leaves sharded as `where` says: the arrays are gathered
+    (resharded to replicated: XLA's all-gathers), every device runs `fn` on the whole arrays
+    inside a `shard_map` (a host callback runs per device there, on that device's copy), and
+    its `n_outputs` results come back replicated; `placed_as` lays each out again. The bits are
+    one device's: the same operations on the same whole arrays."""
+    mesh, replicated = where.mesh, PartitionSpec()
+    whole = [reshard_to(x, mesh, (None,) * x.ndim) for x in arrays]
+    return jax.shard_map(fn, mesh=mesh, axis_names=where.axis_names, check_vma=False,
+                         in_specs=(replicated,) * len(whole), out_specs=(replicated,) * n_outputs)(*whole)
+
+
+def placed_as(where: _Placement, x, j: int, replicated: bool = False):
+    """A result of `on_whole_leaves` laid out as leaf j of the step is (each device keeps its
+    part), or with `replicated` whole on every device."""
+    return reshard_to(x, where.mesh, (None,) * x.ndim if replicated else where.specs[j])
 
 
 def _dividing_axes(spec: tuple, axis_names) -> tuple:
@@ -167,7 +186,7 @@ def sharded_step(operands: StepOperands, *, config: StepConfig) -> StepResults:
     s_specs = [PartitionSpec(*state_spec(s, fmt)) for s in where.specs]
     # Gradients, states and low halves laid out otherwise are moved to their parameter's layout.
     def resharded(arrays, specs):
-        return [x if x is None else _reshard_to(x, mesh, tuple(spec)) for x, spec in zip(arrays, specs)]
+        return [x if x is None else reshard_to(x, mesh, tuple(spec)) for x, spec in zip(arrays, specs)]
 
     operands = StepOperands(list(operands.params), resharded(operands.grads, p_specs),
                             resharded(operands.states, s_specs), resharded(operands.lows, p_specs),

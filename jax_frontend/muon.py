@@ -613,21 +613,17 @@ def _cpu_phases_placed(muon_params, config: _PhaseConfig, g_mats, s_mats, e_mats
     """`_cpu_phases`, and `placed(x, j, replicated=False)` which lays out a result of Muon leaf
     j as its parameter (or, `replicated`, whole on every device: an exponent). Leaves sharded
     over a mesh (docs/MUON.md, "Sharded leaves"): Newton-Schulz needs whole matrices and a
-    matrix is refused whole, so the Muon matrices are gathered (resharded to replicated: XLA's
-    all-gathers), every device runs the phases on the whole matrices inside a `shard_map` (a
-    host callback runs per device there, on that device's copy), and the results are resharded
-    to the parameters' specs (each device keeps its part; every device keeps every exponent).
-    The bits are the unsharded step's: the same operations on the same whole matrices."""
+    matrix is refused whole, so the phases run on whole matrices on every device
+    (`_sharding.on_whole_leaves`, the sharding machinery packed_adamw's step uses) and their
+    results are laid out as the parameters again (`_sharding.placed_as`: each device keeps its
+    part; every device keeps every exponent). The bits are the unsharded step's."""
     from . import _sharding
 
     where = _sharding.placement(muon_params)
     if where is None:
         return (*_cpu_phases(config, g_mats, s_mats, e_mats, p_mats, lo_mats, row, valid, coefficients, steps, eps),
                 _unplaced)
-    mesh = where.mesh
     n, k, m = len(g_mats), len(lo_mats), len(e_mats)
-    whole = [_sharding._reshard_to(x, mesh, (None,) * x.ndim)
-             for x in (*g_mats, *s_mats, *e_mats, *p_mats, *lo_mats, row, valid)]
 
     def per_device(*flat):
         g, st, e = flat[:n], flat[n:2 * n], flat[2 * n:2 * n + m]
@@ -636,15 +632,10 @@ def _cpu_phases_placed(muon_params, config: _PhaseConfig, g_mats, s_mats, e_mats
             config, list(g), list(st), list(e), list(p), list(lo), flat[-2], flat[-1], coefficients, steps, eps)
         return (*new_params, *new_lows, *new_states, *new_exponents)
 
-    replicated = jax.sharding.PartitionSpec()
-    results = jax.shard_map(per_device, mesh=mesh, axis_names=where.axis_names, check_vma=False,
-                            in_specs=(replicated,) * len(whole), out_specs=(replicated,) * (2 * n + k + m))(*whole)
-
-    def placed(x, j, replicated=False):
-        return _sharding._reshard_to(x, mesh, (None,) * x.ndim if replicated else where.specs[j])
-
+    results = _sharding.on_whole_leaves(where, per_device, [*g_mats, *s_mats, *e_mats, *p_mats, *lo_mats, row, valid],
+                                        2 * n + k + m)
     return (list(results[:n]), iter(results[n:n + k]), list(results[n + k:2 * n + k]), list(results[2 * n + k:]),
-            placed)
+            functools.partial(_sharding.placed_as, where))
 
 
 def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, e_mats, p_mats, lo_mats, row, valid, coefficients,
