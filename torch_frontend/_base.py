@@ -158,7 +158,14 @@ class PackedOptimizer(Optimizer):
 
     def _check_group_options(self, group: dict, where: str) -> None:
         """A group (added, or saved and about to load) holds no option of the optimizer's, nor a
-        torch option set to what this optimizer does not do: `_checks.check_group_options`."""
+        torch option set to what this optimizer does not do: `_checks.check_group_options`; and
+        no `kind` but this rule's (a PackedMuonAdamW group of the other kind would be stepped by
+        this rule: an embedding orthogonalised by PackedMuon)."""
+        kind = group.get("kind")
+        if kind is not None and self.rule_name and kind != self.rule_name:
+            raise ValueError(f"{where} sets kind={kind!r}, but {type(self).__name__} steps every group with rule "
+                             f"{self.rule_name!r}; step kind={kind!r} groups with PackedMuonAdamW (whose groups say "
+                             f"their rule), or leave them out of {type(self).__name__}")
         _checks.check_group_options(group, where, type(self).__name__, self.group_options,
                                     self.__dict__.get("capturable", False))
 

@@ -99,13 +99,10 @@ def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
     the checked (momentum, exponent, low half). A packed state saved before the exponents (its
     identity without them) loads with every exponent 0: its codes keep the values they had."""
     identity = _persistence.saved_identity(opt, state_dict)
+    if isinstance(identity, dict) or not opt.state_format.reads(identity):
+        raise _persistence.format_refusal(opt, identity)
     without_exponents = opt.state_format.check_identity(identity)
-    _persistence.check_saved_group_options(opt, state_dict["param_groups"])
-    saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
-    our_params = [p for g in opt.param_groups for p in g["params"]]
-    if len(saved_params) != len(our_params):
-        raise ValueError(f"load_state_dict: the saved state has {len(saved_params)} parameters, this optimizer "
-                         f"{len(our_params)}; load it into an optimizer built over the same parameters")
+    saved_params, our_params = _persistence.checked_groups(opt, state_dict)
     return _strip_identity(state_dict), checked_entries(opt, state_dict["state"], saved_params, our_params,
                                                         without_exponents=without_exponents)
 

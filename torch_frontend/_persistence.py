@@ -56,25 +56,8 @@ def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
     identity) and, per parameter, the checked (step count, moments, low half)."""
     identity = saved_identity(opt, state_dict)
     if identity != opt.state_format.identity:
-        raise ValueError(f"load_state_dict: the saved state has format {identity!r} but this optimizer uses "
-                         f"{opt.state_format.identity!r}; {_other_format_advice(opt, identity)}")
-    check_saved_group_options(opt, state_dict["param_groups"])
-    saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
-    our_params = [p for g in opt.param_groups for p in g["params"]]
-    if len(saved_params) != len(our_params):
-        raise ValueError(
-            f"load_state_dict: the saved state has {len(saved_params)} parameters, this optimizer "
-            f"{len(our_params)}; load it into an optimizer built over the same parameters"
-        )
-    # torch's loader makes this check too, but only after the plan and its pending counts are
-    # dropped: made here, a refused state leaves the optimizer as it was.
-    saved_sizes = [len(g["params"]) for g in state_dict["param_groups"]]
-    our_sizes = [len(g["params"]) for g in opt.param_groups]
-    if saved_sizes != our_sizes:
-        raise ValueError(
-            f"load_state_dict: the saved state's parameter groups hold {saved_sizes} parameters, this "
-            f"optimizer's {our_sizes}; load it into an optimizer built with the same groups"
-        )
+        raise format_refusal(opt, identity)
+    saved_params, our_params = checked_groups(opt, state_dict)
     fmt = opt.state_format
     key = fmt.state_key
     loaded = {}
@@ -90,6 +73,39 @@ def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
         loaded[p] = (count, tensor, checked_loaded_low_half(entry.get(LOW_HALF_KEY), p, where))
     groups = [{k: v for k, v in g.items() if k != GROUP_FORMAT_KEY} for g in state_dict["param_groups"]]
     return {"state": state_dict["state"], "param_groups": groups}, loaded
+
+
+def format_refusal(opt, identity) -> ValueError:
+    """The refusal of a saved state of another format than `opt`'s, with what to do instead
+    (every rule's loader words it so)."""
+    if isinstance(identity, dict):  # per-rule identities: a PackedMuonAdamW state
+        advice = "it was saved by PackedMuonAdamW (a format per rule): load it into a PackedMuonAdamW"
+    else:
+        advice = _other_format_advice(opt, identity)
+    return ValueError(f"load_state_dict: the saved state has format {identity!r} but this optimizer uses "
+                      f"{opt.state_format.identity!r}; {advice}")
+
+
+def checked_groups(opt, state_dict: dict) -> tuple[list, list]:
+    """The saved groups' options, and their parameters against this optimizer's, group by group,
+    checked before anything changes (torch's loader checks the sizes only after the step plan
+    and its pending counts are dropped); returns (saved parameter ids, our parameters)."""
+    check_saved_group_options(opt, state_dict["param_groups"])
+    saved_params = [i for g in state_dict["param_groups"] for i in g["params"]]
+    our_params = [p for g in opt.param_groups for p in g["params"]]
+    if len(saved_params) != len(our_params):
+        raise ValueError(
+            f"load_state_dict: the saved state has {len(saved_params)} parameters, this optimizer "
+            f"{len(our_params)}; load it into an optimizer built over the same parameters"
+        )
+    saved_sizes = [len(g["params"]) for g in state_dict["param_groups"]]
+    our_sizes = [len(g["params"]) for g in opt.param_groups]
+    if saved_sizes != our_sizes:
+        raise ValueError(
+            f"load_state_dict: the saved state's parameter groups hold {saved_sizes} parameters, this "
+            f"optimizer's {our_sizes}; load it into an optimizer built with the same groups"
+        )
+    return saved_params, our_params
 
 
 def check_saved_group_options(opt, saved_groups: list) -> None:

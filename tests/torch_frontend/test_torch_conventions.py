@@ -129,6 +129,44 @@ def test_a_load_keeps_the_first_groups_lr_the_tensor_given_and_one_tensor_for_bo
     assert [group["lr"] is want for group, want in zip(both.param_groups, (muon_lr, adamw_lr))] == [True, True]
 
 
+def test_muon_and_adamw_refuse_other_groups_and_states_alike_before_anything_changes():
+    """PackedMuon and PackedAdamW through one loader check: other group sizes are refused before
+    the pending format counts go; a state of the other rule, or of PackedMuonAdamW, is refused
+    saying which optimizer saved it; a group of the other `kind` is refused when added (PackedMuon
+    would orthogonalise an embedding PackedMuonAdamW's groups mark for AdamW)."""
+    from packed_adamw.torch import PackedMuon, PackedMuonAdamW
+
+    def stepped(cls, sizes, track_format=False, **options):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 8)) for _ in range(sum(sizes))]
+        opt = cls([{"params": params[:sizes[0]]}, {"params": params[sizes[0]:]}], track_format=track_format,
+                  **options)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        return opt
+
+    for cls, options in ((PackedMuon, dict(lr=0.02)), (PackedAdamW, {})):
+        saved = stepped(cls, (1, 2), **options).state_dict()
+        opt = stepped(cls, (2, 1), track_format=True, **options)
+        with pytest.raises(ValueError, match=r"parameter groups hold \[1, 2\] parameters, this optimizer's \[2, 1\]"):
+            opt.load_state_dict(saved)
+        assert len(opt.format_stats()) == 3, cls.__name__  # the counts made before the refused load
+    muon, adamw = stepped(PackedMuon, (1, 1), lr=0.02), stepped(PackedAdamW, (1, 1))
+    with pytest.raises(ValueError, match="^load_state_dict: .*saved by an optimizer of rule 'adamw', and PackedMuon "
+                                         "steps rule 'muon'"):
+        muon.load_state_dict(adamw.state_dict())
+    weight = torch.nn.Parameter(torch.randn(4, 8))
+    both = PackedMuonAdamW([{"params": [weight], "kind": "muon"}], lr=0.02)
+    with pytest.raises(ValueError, match="saved by PackedMuonAdamW .*: load it into a PackedMuonAdamW"):
+        muon.load_state_dict(both.state_dict())
+    with pytest.raises(ValueError, match=r"param_groups\[0\] sets kind='adamw', but PackedMuon steps every group "
+                                         "with rule 'muon'"):
+        PackedMuon([{"params": [weight], "kind": "adamw"}], lr=0.02)
+    with pytest.raises(ValueError, match="sets kind='muon', but PackedAdamW steps every group with rule 'adamw'"):
+        PackedAdamW([{"params": [weight], "kind": "muon"}])
+
+
 def test_amsgrad_is_refused_saying_the_word_holds_no_third_moment():
     with pytest.raises(ValueError, match="amsgrad=True is not supported.*running maximum"):
         PackedAdamW(make_params(), amsgrad=True)
