@@ -347,6 +347,10 @@ def test_resume_auto_continues_the_newest_state_or_starts_fresh(data, straight, 
     out = tmp_path / "auto"
     flags = ("--eval-every", 2, "--eval-batches", 1)
     assert main(arguments(data, out, *flags, "--stop-at", 2, "--resume", "auto")) == 0
+    # a stop before the state's step would take no step and call the run finished: refused, naming it
+    assert main(arguments(data, out, *flags, "--stop-at", 1, "--resume", "auto")) == 2
+    error = capsys.readouterr().err
+    assert "--stop-at 1: " in error and "is already at step 2" in error, error
     assert main(arguments(data, out, *flags)) == 2
     assert f"continue that run with --resume {out / 'state_step000002.safetensors'}" in capsys.readouterr().err
     assert main(arguments(data, out, *flags, "--resume", "auto")) == 0
@@ -563,6 +567,9 @@ def test_sigterm_writes_a_state_at_the_step_boundary(data, tmp_path):
     ("--weight-decay", "nan", "--weight-decay nan"), ("--warmdown-ratio", "1.5", "[0, 1]"),
     ("--warmup-steps", "-3", "--warmup-steps -3"), ("--momentum-warmup-steps", "-1", "--momentum-warmup-steps -1"),
     ("--seed", "-1", "[0, 2**64)"), ("--seed", str(2**64), "[0, 2**64)"),
+    ("--matrix-lr", "0", "--matrix-lr 0.0: the peak learning rate must be above 0"),
+    ("--scalar-lr", "0", "--scalar-lr 0.0: the peak"), ("--stop-at", "4", "--stop-at 4: the run ends at step 4"),
+    ("--stop-at", "10", "--stop-at 10: the run ends at step 4"),
 ])
 def test_invalid_flags_exit_2_naming_the_flag(data, tmp_path, capsys, flag, value, says):
     out = tmp_path / "out"

@@ -118,6 +118,7 @@ def test_moment_stats_need_fp32_mode(tmp_path, capsys):
     ("--weight-decay", "-0.1"), ("--batch-size", "0"), ("--max-steps", "0"), ("--log-every", "0"),
     ("--m-bias", "101"), ("--rms-bias", "-1"), ("--mode", "fp8"), ("--grad-clip", "-1"),
     ("--grad-clip", "0"), ("--grad-clip", "nan"), ("--moment-stats-biases", "12,x"), ("--device", "tpu"),
+    ("--lr", "0"), ("--min-lr", "0.5"), ("--stop-at-step", "1"),  # a frozen run, a rising decay, an ignored stop
 ])
 def test_invalid_settings_exit_2_with_one_line_naming_the_option(tmp_path, data_dir, capsys, option, value):
     out = tmp_path / "out"

@@ -12,7 +12,8 @@ from packed_adamw.core import validate_hyperparams as validate_adamw
 from packed_adamw.core.muon import validate_hyperparams as validate_muon
 
 from .chat_model import PRESETS
-from .cli import check_at_least, check_device, check_option, check_parallel, check_seed
+from .cli import (check_at_least, check_device, check_option, check_parallel, check_peak_rates, check_seed,
+                  check_stop_at)
 from .config import ConfigError
 from .packed_data import DEFAULT_PACKING, PACKING_RULES
 from .run_directory import RunDirectoryError, check_out
@@ -97,6 +98,7 @@ def check_args(args: argparse.Namespace) -> None:
     starts (loop.run), so a run started from code passes them too."""
     check_at_least(args, {"steps": 1, "batch": 1, "grad_accum": 1, "save_every": 0, "stop_at": 0, "eval_every": 0,
                           "eval_batches": 0, "log_every": 1})
+    check_stop_at("--stop-at", args.stop_at, "--steps", args.steps)
     if args.eval_every and args.eval_batches == 0:
         raise ChatTrainError(f"--eval-batches 0 with --eval-every {args.eval_every}: an evaluation reads at least one "
                              "packed batch of val.tape; pass --eval-batches 1 or more, or leave out --eval-every")
@@ -147,5 +149,7 @@ def check_rates(args: argparse.Namespace) -> None:
     for option in ("--embedding-lr", "--unembedding-lr", "--scalar-lr"):
         lr = getattr(args, option[2:].replace("-", "_"))
         check_option(option, lr, lambda: validate_adamw(lr, (0.9, 0.95), 1e-10, 0.0))
+    check_peak_rates({flag: getattr(args, flag[2:].replace("-", "_"))
+                      for flag in ("--matrix-lr", "--embedding-lr", "--unembedding-lr", "--scalar-lr")})
 
 

@@ -67,6 +67,11 @@ def check_config(config: TrainConfig) -> None:
     check_at_least(config, {"batch_size": 1, "max_steps": 1, "warmup_steps": 0, "log_every": 1,
                             "moment_stats_every": 1, "checkpoint_every": 0, "stop_at_step": 0, "eval_every": 0,
                             "eval_batches": 0})
+    check_peak_rates({"--lr": config.lr})
+    if config.min_lr > config.lr:
+        raise ConfigError(f"--min-lr {config.min_lr}: above --lr {config.lr}, the schedule would rise as it decays; "
+                          "pass a --min-lr at most --lr")
+    check_stop_at("--stop-at-step", config.stop_at_step, "--max-steps", config.max_steps)
     if not config.checkpoints and config.stop_at_step:
         raise ConfigError(f"--stop-at-step {config.stop_at_step} stops to continue from its checkpoint, and "
                           "--no-checkpoints writes none: leave out one of the two")
@@ -82,6 +87,22 @@ def check_config(config: TrainConfig) -> None:
 
 
 # The checks below serve both trainers (chat_cli.py, chat_train.py's command line, calls them too).
+def check_peak_rates(rates: dict[str, float]) -> None:
+    """Each peak learning rate (flag -> value) above 0: the optimizers accept lr 0 (a step that
+    changes nothing), but a run whose peak lr is 0 trains those parameters not at all, silently."""
+    for flag, value in rates.items():
+        if not value > 0:  # (NaN fails too; the rules' own checks name it first)
+            raise ConfigError(f"{flag} {value}: the peak learning rate must be above 0 (at 0 those parameters would "
+                              "never move); to freeze parameters, leave them out of the optimizer")
+
+
+def check_stop_at(flag: str, stop_at: int, steps_flag: str, steps: int) -> None:
+    """A stop (0: none) inside the run: a stop at or past its last step would be ignored."""
+    if stop_at and stop_at >= steps:
+        raise ConfigError(f"{flag} {stop_at}: the run ends at step {steps} ({steps_flag}); a stop must come before "
+                          f"it (1 to {steps - 1}), or leave {flag} out")
+
+
 def check_at_least(settings, minimums: dict[str, int]) -> None:
     """Each count of `settings` (a TrainConfig, a Namespace) at least its minimum, by name."""
     for name, minimum in minimums.items():

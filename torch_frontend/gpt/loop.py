@@ -247,6 +247,10 @@ def _run(recipe: Recipe, device: torch.device, ranks: Ranks, resume: Path | None
         recipe.start_fresh()
     else:
         step = recipe.load(resume)
+        if 0 < plan.stop_at < step:  # the session would take no step and call the run finished
+            flag = "--" + plan.end_reasons[1].replace("_", "-")  # the stop's flag (its summary reason)
+            raise RunDirectoryError(f"{flag} {plan.stop_at}: {resume} is already at step {step}; stop at a later "
+                                    f"step, or leave {flag} out to continue to the end")
         # Before anything in --out is written or its logs trimmed: the states there are this run's
         # (none newer than the resumed one, none of another configuration), and a resume of a
         # file from elsewhere goes into a directory without another run's files; or it is refused.
@@ -342,11 +346,12 @@ def _run(recipe: Recipe, device: torch.device, ranks: Ranks, resume: Path | None
         except Diverged as error:
             reason, diverged = "diverged", error
 
-    summary = recipe.summary(step, reason)
-    if ranks.main:
-        recipe.figures()
-        write_summary(summary_path, summary)
-    ranks.barrier()  # the summary is in place before any rank returns
+    with StopRequest():  # a further SIGINT/SIGTERM now is taken, not raised: the summary gets written
+        summary = recipe.summary(step, reason)
+        if ranks.main:
+            recipe.figures()
+            write_summary(summary_path, summary)
+        ranks.barrier()  # the summary is in place before any rank returns
     if diverged is not None:
         noun = plan.state_noun
         what = (f"{diverged}; {last_state} stays its last {noun} (none is written after a divergence)"
