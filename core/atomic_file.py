@@ -11,7 +11,11 @@ release archives, portable states) goes through one rule:
    systems cannot open a directory).
 
 If anything fails before the rename, the temporary file is removed and the old file (if
-any) is left as it was. Standard library only: no numpy, torch or jax.
+any) is left as it was; a process killed before it (SIGKILL) leaves the temporary file,
+which `temp_target` tells from other names (a run directory's claim removes its own). The
+new file has the mode `open` gives a new file (0o666 less the umask), whatever mode the
+writer created its file with (safetensors' `save_file`: 0o600), so that a shared directory's
+readers can read it. Standard library only: no numpy, torch or jax.
 
     atomic_write(path, data)                    # bytes in memory
     with atomic_open(path, "wb") as f: ...      # a file object (seek and write freely)
@@ -21,21 +25,31 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_open", "atomic_path", "atomic_write"]
+__all__ = ["atomic_open", "atomic_path", "atomic_write", "temp_target"]
 
 _WRITE_MODES = {"w", "wb", "w+", "w+b", "wb+"}
+_RANDOM_BYTES = 6
+_TEMP_NAME = re.compile(rf"\.(?P<target>.+)\.[0-9a-f]{{{2 * _RANDOM_BYTES}}}\.tmp")
+
+
+def temp_target(name: str) -> str | None:
+    """The name of the file that a temporary file named `name` (`.<name>.<random>.tmp`) was
+    written to replace; None for a name this module does not give."""
+    match = _TEMP_NAME.fullmatch(name)
+    return match["target"] if match else None
 
 
 def _new_temp_path(path: Path, mode: str = "wb", **open_kwargs) -> tuple[Path, IO]:
     """Create a temp file beside `path`: exclusively ("x" for "w"), with the permissions
     `open` gives a new file."""
     for _ in range(100):
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(_RANDOM_BYTES)}.tmp")
         try:
             return tmp, open(tmp, mode.replace("w", "x"), **open_kwargs)
         except FileExistsError:
@@ -51,6 +65,14 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _new_file_mode() -> int:
+    """The mode `open` gives a new file: 0o666 less the process's umask (which can only be read
+    by setting it: set back at once)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _commit(tmp: Path, path: Path) -> None:
@@ -87,6 +109,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     file.close()  # the name is reserved; the writer opens it again
     try:
         yield tmp
+        os.chmod(tmp, _new_file_mode())  # the writer may have made its own file, private (save_file: 0o600)
         with open(tmp, "r+b") as written:
             os.fsync(written.fileno())
         _commit(tmp, path)

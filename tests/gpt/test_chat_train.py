@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from packed_adamw.tokenizer.tape import build_split
 from packed_adamw.tokenizer.train_tokenizer import train_tokenizer
@@ -332,7 +333,8 @@ def test_every_session_writes_its_schedule(data, straight, tmp_path):
     for out in (tmp_path / "new", tmp_path / "stale"):
         if out.name == "stale":
             out.mkdir()
-            (out / "schedule.safetensors").write_bytes(b"a failed start's")
+            # a failed start's: the tables (of another schedule) chat_train writes before the first step
+            save_file({"lr": torch.zeros(3)}, str(out / "schedule.safetensors"), metadata={"schedule": "{}"})
         assert main(arguments(data, out, "--resume", state)) == 0
         ours, theirs = read(out / "schedule.safetensors"), read(straight / "schedule.safetensors")
         assert ours[1] == theirs[1] and ours[0].keys() == theirs[0].keys()

@@ -184,7 +184,7 @@ def test_a_fresh_run_never_replaces_an_earlier_runs_files(tmp_path, data_dir, ca
     for resume in (["--resume", "auto"], ["--resume", str(other / "checkpoint.safetensors")], []):
         assert main([*common, *resume]) == 2, resume
         error = capsys.readouterr().err
-        assert f"--out {out} holds another run's files (log.jsonl, summary.json)" in error, resume
+        assert f"--out {out} holds another run's files (log.jsonl, loss.png, summary.json)" in error, resume
         assert "that run has ended (it took its last step at step 2)" in error and "another --out" in error, resume
         assert (out / "log.jsonl").read_bytes() == log and (out / "summary.json").read_bytes() == result
 

@@ -230,7 +230,8 @@ def state_step(path: Path) -> int | None:
 
 # schedule.safetensors is written before the first step: alone it is no run's work
 RUN_FILES = RunFiles(results=("summary.json",), logs=("log.jsonl",), before_first_step=("schedule.safetensors",),
-                     states=states_in, state_step=state_step, resume_flag=lambda state: f"--resume {state}")
+                     states=states_in, state_step=state_step, resume_flag=lambda state: f"--resume {state}",
+                     marks={"schedule.safetensors": "schedule"})
 
 
 def next_step_batches(loader: PackedDocumentLoader, batches: int) -> list[PackedBatch] | None:

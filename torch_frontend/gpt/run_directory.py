@@ -11,11 +11,14 @@ directory, one process at a time, a stop asked for by a signal, writes that fail
   some FUSE file systems) cannot hold the lock: the run goes on unlocked, with a
   `RunDirectoryWarning` naming --out and the file system (the refusals below still hold; only
   two runs started into the directory at the same time are no longer kept apart). Inside the
-  claim the trainer checks the files already there.
+  claim the trainer checks the files already there; then the temporary files that a run killed
+  while writing one of its files (SIGKILL during a save) left are removed, said on stderr.
 - `RunFiles`: what a trainer writes into --out, and which of those files make it another run's
   (`RunFiles.earlier_run`, the one test both trainers use): its states and summary, its logs
   once they hold a record; files a run writes before its first step (chat_train's schedule)
-  only beside those, so a start that failed before its first step blocks nothing.
+  only beside those, so a start that failed before its first step blocks nothing. A file that
+  no run wrote where a run writes one (a log with a line that is not a run's record, a schedule
+  without the metadata the trainer writes) counts on its own: the run would replace it.
 - `refuse_earlier_run`: a run that will not continue a state of --out (a fresh start, a
   `--resume auto` that found no state, a resume of a file from elsewhere) is refused where
   --out holds another run's files, naming them and how to continue that run (or that it has
@@ -40,17 +43,19 @@ import fcntl
 import json
 import os
 import signal
+import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from packed_adamw.core.atomic_file import atomic_write
+from packed_adamw.core.atomic_file import atomic_write, temp_target
 
 from .checkpoint import CheckpointError, config_differences
 from .distributed import Ranks
-from .telemetry import RunLog
+from .telemetry import RunLog, run_record
 
 LOCK_NAME = "run.lock"
 STOP_SIGNALS = (None, "SIGINT", "SIGTERM")  # agreed between ranks as an index (the largest wins)
@@ -153,16 +158,20 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def claim(out: Path, ranks: Ranks, device: torch.device, check: Callable[[], None] = lambda: None) -> Iterator[None]:
+def claim(out: Path, ranks: Ranks, device: torch.device, check: Callable[[], None] = lambda: None,
+          files: RunFiles | None = None) -> Iterator[None]:
     """Hold --out for the run inside the block: rank 0 takes its lock, then runs `check` (the
-    trainer's refusals of the files already there) before anything is written. A refusal on
-    rank 0 is raised on every rank; the lock goes with the block, exception or not."""
+    trainer's refusals of the files already there) before anything is written, then removes
+    the temporary files of `files`' names that a killed run left (`remove_leftover_temp_files`).
+    A refusal on rank 0 is raised on every rank; the lock goes with the block, exception or not."""
     lock = RunLock(out)
 
     def take() -> None:
         lock.acquire()
         try:
             check()
+            if files is not None:
+                remove_leftover_temp_files(out, files)
         except BaseException:
             lock.release()
             raise
@@ -172,6 +181,25 @@ def claim(out: Path, ranks: Ranks, device: torch.device, check: Callable[[], Non
         yield
     finally:
         lock.release()
+
+
+def remove_leftover_temp_files(out: Path, files: RunFiles) -> list[Path]:
+    """Remove the temporary files of atomic writes (core/atomic_file.py) of the run's own files
+    in `out` (`RunFiles.owns`), which a process killed during the write left (a state's is as
+    large as the state), saying so in one line on stderr; returns them. Only under the run's
+    lock, which no other writer of those files holds."""
+    leftovers = sorted(path for path in out.iterdir()
+                       if (target := temp_target(path.name)) is not None and files.owns(out / target)
+                       and not path.is_dir())
+    for path in leftovers:
+        with writing(path):
+            path.unlink(missing_ok=True)
+    if leftovers:
+        names = [p.name for p in leftovers[:NAMES_SHOWN]] + ([f"{len(leftovers) - NAMES_SHOWN} more"]
+                                                             if len(leftovers) > NAMES_SHOWN else [])
+        print(f"removed from --out {out} the temporary files of writes a killed run left unfinished: "
+              f"{', '.join(names)}", file=sys.stderr)
+    return leftovers
 
 
 def filesystem_of(path: Path) -> str:
@@ -192,37 +220,55 @@ def filesystem_of(path: Path) -> str:
 
 # ---- another run's files -------------------------------------------------------------------------
 def log_records(path: Path, up_to: int | None = None) -> list[dict]:
-    """The whole JSON records of a JSON-lines log (a line a crash cut short is none), those of
-    steps up to `up_to` (None: all); [] for a file that is not there."""
+    """The records of a JSON-lines log (telemetry.run_record: a line a crash cut short is none),
+    those of steps up to `up_to` (None: all); [] for a file that is not there."""
     try:
         text = path.read_text()
     except FileNotFoundError:
         return []
-    records = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        step = record.get("step", 0) if isinstance(record, dict) else None
-        if isinstance(step, (int, float)) and (up_to is None or step <= up_to):
-            records.append(record)
-    return records
+    records = (run_record(line) for line in text.splitlines())
+    return [r for r in records if r is not None and (up_to is None or r["step"] <= up_to)]
 
 
 def _present(path: Path) -> bool:
     return path.exists() or path.is_symlink()  # a dangling link is someone's file too
 
 
-def _holds_a_record(path: Path) -> bool:
-    if not _present(path):
+def _holds_anything(log: Path) -> bool:
+    """Whether a log holds a line (a record, or a line no run wrote): an empty one, which a
+    start that never finished a step opened, is the only one a run may replace."""
+    if not _present(log):
         return False
-    if not path.exists():  # a dangling link: what it held cannot be told, so it is counted
+    if not log.exists():  # a dangling link: what it held cannot be told, so it is counted
         return True
     try:
-        return bool(log_records(path))
+        return any(line.strip() for line in log.read_text().splitlines())
     except (OSError, UnicodeDecodeError):  # unreadable: counted, never replaced
         return True
+
+
+def _not_a_run_log(log: Path) -> str | None:
+    """Why `log` is no run's log, or None (it is a run's, or empty, or cannot be read)."""
+    try:
+        lines = log.read_text().splitlines()
+    except UnicodeDecodeError:
+        return "not text"
+    except OSError:
+        return None
+    if any(run_record(line) is not None for line in lines):
+        return None  # a run's log, whose last line a crash may have cut short
+    return next((f"line {number} is not a run's record" for number, line in enumerate(lines, 1) if line.strip()),
+                None)
+
+
+def _marked(path: Path, key: str) -> bool:
+    """Whether `path` is a safetensors file whose metadata holds `key` with a JSON value."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            json.loads((f.metadata() or {})[key])
+        return True
+    except (OSError, SafetensorError, KeyError, TypeError, ValueError):
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,23 +281,46 @@ class RunFiles:
     its first step, which count only beside one of the others (so that a start that failed
     early blocks nothing); `states(out)`: the run's states there, oldest first;
     `state_step(path)`: a state's step, where its name tells (None: unknown); `resume_flag(state)`:
-    the flag that continues from a state."""
+    the flag that continues from a state; `marks`: safetensors files among `before_first_step`
+    -> the metadata key the trainer writes into them (one without it is no run's, and counts
+    on its own)."""
     results: tuple[str, ...]
     logs: tuple[str, ...]
     before_first_step: tuple[str, ...]
     states: Callable[[Path], list[Path]]
     state_step: Callable[[Path], int | None]
     resume_flag: Callable[[Path], str]
+    marks: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def earlier_run(self, out: Path) -> list[Path]:
-        """Another run's files in `out` (sorted; [] when it holds none), the one test both
-        trainers' refusals use."""
+        """The files in `out` that a run must not replace (sorted; [] when it holds none):
+        another run's, and files no run wrote where a run writes (`not_a_runs`); the one test
+        both trainers' refusals use."""
         found = [out / name for name in self.results if _present(out / name)]
-        found += [out / name for name in self.logs if _holds_a_record(out / name)]
+        found += [out / name for name in self.logs if _holds_anything(out / name)]
         found += self.states(out)
         if found:
             found += [out / name for name in self.before_first_step if _present(out / name)]
+        found += self.not_a_runs(out)
         return sorted(set(found))
+
+    def not_a_runs(self, out: Path) -> dict[Path, str]:
+        """The files of `out` with a run's name that no run wrote -> why: a log holding no record
+        but some other line, a marked file (`marks`) without its mark. (A file whose content
+        cannot tell, a plot, counts as a run's.)"""
+        found = {}
+        for name in self.logs:
+            why = _not_a_run_log(out / name) if (out / name).exists() else None
+            if why is not None:
+                found[out / name] = why
+        for name, key in self.marks.items():
+            if _present(out / name) and not _marked(out / name, key):
+                found[out / name] = f"no {key!r} metadata: not a file a run wrote"
+        return found
+
+    def owns(self, path: Path) -> bool:
+        """Whether `path` has the name of one of the run's files."""
+        return path.name in (*self.results, *self.logs, *self.before_first_step) or self.state_step(path) is not None
 
     def ended(self, out: Path) -> str | None:
         """Why the run of `out` has ended, from its summary (None: it has not, or its summary
@@ -294,12 +363,17 @@ def refuse_earlier_run(out: Path, files: RunFiles, resuming: Path | None = None)
     found = files.earlier_run(out)
     if not found:
         return
-    names = [p.name for p in found[:NAMES_SHOWN]] + ([f"{len(found) - NAMES_SHOWN} more"]
-                                                     if len(found) > NAMES_SHOWN else [])
+    foreign = files.not_a_runs(out)
+    names = [f"{p.name} ({foreign[p]})" if p in foreign else p.name for p in found[:NAMES_SHOWN]] + (
+        [f"{len(found) - NAMES_SHOWN} more"] if len(found) > NAMES_SHOWN else [])
     what = "a new run" if resuming is None else f"resuming {resuming} there"
     instead = "choose another --out" if resuming is None else f"resume {resuming} into another --out"
-    raise RunDirectoryError(f"--out {out} holds another run's files ({', '.join(names)}); {what} would replace "
-                            f"them: {files.how_to_continue(out)}; {instead}, or move its files away")
+    if not foreign:
+        raise RunDirectoryError(f"--out {out} holds another run's files ({', '.join(names)}); {what} would replace "
+                                f"them: {files.how_to_continue(out)}; {instead}, or move its files away")
+    continued = f"{files.how_to_continue(out)}; " if files.states(out) else ""
+    raise RunDirectoryError(f"--out {out} holds files that are not this run's ({', '.join(names)}); {what} would "
+                            f"replace them: {continued}{instead}, or move them away")
 
 
 def _same_file(a: Path, b: Path) -> bool:

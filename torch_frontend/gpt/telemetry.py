@@ -85,11 +85,23 @@ def format_record(optimizer: PackedAdamW, kinds: list[str], first_step: int, ste
     return record
 
 
+def run_record(line: str) -> dict | None:
+    """The record a line of a run's JSON-lines log holds: a JSON object with an integer "step",
+    as the trainers write them; None for any other line (one a crash cut short, or one no run
+    wrote). The one parser of the run's logs (run_directory.log_records, keep_records_up_to)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return record if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def log_records(log_path: Path, record: str | None = None) -> list[dict]:
-    """The lines of log.jsonl of one kind: None for the step lines (loss, val_bpb, ...),
+    """The records of log.jsonl of one kind: None for the step lines (loss, val_bpb, ...),
     FORMAT_RECORD for the format counts."""
     lines = log_path.read_text().splitlines() if log_path.exists() else []
-    return [r for r in map(json.loads, lines) if r.get("record") == record]
+    return [r for r in map(run_record, lines) if r is not None and r.get("record") == record]
 
 
 def plot_format_log(log_path: Path, png_path: Path) -> None:
@@ -146,17 +158,15 @@ def plot_log(log_path: Path, png_path: Path) -> None:
 
 
 def keep_records_up_to(path: Path, step: int) -> None:
-    """Drop JSONL records after `step` and any line a crash cut short. The file is replaced
-    atomically: a write that fails (a full disk) leaves the log as it was."""
+    """Drop JSONL records after `step` and any line that is not a record (`run_record`: one a
+    crash cut short). The file is replaced atomically: a write that fails (a full disk) leaves
+    the log as it was."""
     if not path.exists():
         return
     kept = []
     for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("step", 0) <= step:
+        record = run_record(line)
+        if record is not None and record["step"] <= step:
             kept.append(line + "\n")
     atomic_write(path, "".join(kept).encode())
 

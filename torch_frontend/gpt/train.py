@@ -154,8 +154,9 @@ def evaluate(core, val_tape: TapeReader, config: TrainConfig, device: torch.devi
 
 
 RUN_FILES = RunFiles(
-    results=(CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME, "summary.json"), logs=("log.jsonl", "moment_stats.jsonl"),
-    before_first_step=(),  # the log is opened before the first step, and counts only once it holds a record
+    results=(CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME, "summary.json", "loss.png", "format.png"),  # plots: at the end
+    logs=("log.jsonl", "moment_stats.jsonl"),
+    before_first_step=(),  # the log is opened before the first step, and counts only once it holds a line
     states=lambda out: [out / name for name in (CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME)
                         if (out / name).exists() or (out / name).is_symlink()],
     state_step=lambda path: None, resume_flag=lambda path: "--resume auto")
