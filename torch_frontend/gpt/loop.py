@@ -224,7 +224,7 @@ def run(recipe: Recipe) -> dict:
 
     try:
         # --out is this run's alone until it ends (rank 0 holds its lock), and never another run's
-        with claim(plan.out, ranks, device, refuse_fresh_start_over_another_run):
+        with claim(plan.out, ranks, device, refuse_fresh_start_over_another_run, files=recipe.files):
             # every rank finds the same state: rank 0 writes none before the first step
             return _run(recipe, device, ranks, resume_source(recipe))
     finally:
