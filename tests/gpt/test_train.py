@@ -119,6 +119,7 @@ def test_moment_stats_need_fp32_mode(tmp_path, capsys):
     ("--m-bias", "101"), ("--rms-bias", "-1"), ("--mode", "fp8"), ("--grad-clip", "-1"),
     ("--grad-clip", "0"), ("--grad-clip", "nan"), ("--moment-stats-biases", "12,x"), ("--device", "tpu"),
     ("--lr", "0"), ("--min-lr", "0.5"), ("--stop-at-step", "1"),  # a frozen run, a rising decay, an ignored stop
+    ("--muon-lr", "0.05"), ("--moment-stats-every", "5"),  # settings packed-adamw without moment stats never reads
 ])
 def test_invalid_settings_exit_2_with_one_line_naming_the_option(tmp_path, data_dir, capsys, option, value):
     out = tmp_path / "out"

@@ -77,6 +77,7 @@ def check_config(config: TrainConfig) -> None:
                           "--no-checkpoints writes none: leave out one of the two")
     check_seed(config.seed)
     check_device(config.device)
+    check_read(config, kind)
     kind.check_telemetry(config)
     if config.format_steps not in FORMAT_STEPS:
         raise ConfigError(f"--format-steps {config.format_steps}: one of {', '.join(FORMAT_STEPS)}")
@@ -84,6 +85,38 @@ def check_config(config: TrainConfig) -> None:
         raise ConfigError(f"--format-steps {config.format_steps} says which steps --track-format counts: "
                           "add --track-format, or leave --format-steps out")
     check_parallel(config.parallel, config.device)
+
+
+def check_read(config: TrainConfig, kind) -> None:
+    """Refuse a setting given away from its default that this run would not read (it would be
+    ignored silently): another optimizer kind's own settings, PackedAdamW's format for a kind that
+    does not step with it, checkpoint and moment-statistics settings with those files off."""
+    from .optimizers import KINDS
+
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    defaults = TrainConfig()
+    changed = lambda name: getattr(config, name) != getattr(defaults, name)  # noqa: E731
+    readers = {}
+    for other in KINDS:
+        for name in other.own_settings:
+            readers.setdefault(name, []).append(other.name)
+    for name, kinds in readers.items():
+        if name not in kind.own_settings and changed(name):
+            raise ConfigError(f"{flag(name)} {getattr(config, name)}: --optimizer {kind.name} does not read it (only "
+                              f"{', '.join(kinds)}); leave it out")
+    if not kind.packed_format:
+        for name in ("mode", "m_bias", "rms_bias"):
+            if changed(name):
+                raise ConfigError(f"{flag(name)} {getattr(config, name)}: PackedAdamW's state format, which "
+                                  f"--optimizer {kind.name} does not use; leave it out")
+    if not config.checkpoints and config.checkpoint_every and changed("checkpoint_every"):
+        raise ConfigError(f"--checkpoint-every {config.checkpoint_every} with --no-checkpoints, which writes none: "
+                          "leave out one of the two")
+    if not config.log_moment_stats:
+        for name in ("moment_stats_every", "moment_stats_biases"):
+            if changed(name):
+                raise ConfigError(f"{flag(name)} {getattr(config, name)}: moment statistics are written only with "
+                                  "--log-moment-stats; add it, or leave this out")
 
 
 # The checks below serve both trainers (chat_cli.py, chat_train.py's command line, calls them too).

@@ -36,6 +36,7 @@ class OptimizerKind:
     split_masters: bool = False  # bf16 parameters get exact FP32 masters (the others step the weights)
     # TrainConfig fields that this kind alone reads: part of its runs' trajectory (checkpoints)
     own_settings: tuple = ()
+    packed_format: bool = False  # it steps with PackedAdamW, reading --mode, --m-bias and --rms-bias
 
     def check(self, config: TrainConfig) -> None:
         """Refuse the settings this kind cannot run with (ConfigError naming the option)."""
@@ -75,6 +76,7 @@ class OptimizerKind:
 @dataclasses.dataclass(frozen=True)
 class PackedAdamWKind(OptimizerKind):
     split_masters: bool = True
+    packed_format: bool = True
 
     def check_telemetry(self, config: TrainConfig) -> None:
         if config.log_moment_stats and config.mode != "fp32":
@@ -281,6 +283,7 @@ class PackedMuonKind(MuonKind):
 
     split_masters: bool = True
     own_settings: tuple = ("muon_lr", "muon_momentum", "muon_mode")
+    packed_format: bool = True
 
     def check(self, config: TrainConfig) -> None:
         super().check(config)
