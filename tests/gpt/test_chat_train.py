@@ -233,6 +233,8 @@ def test_refusals(data, straight, tmp_path, capsys):
     # refused at parse time (parser.error: exit 2)
     assert "no training states" in refused_flag(capsys, arguments(data, tmp_path, "--optimizer", "reference",
                                                                    "--save-every", 1))
+    assert "--muon-mode fp32: PackedMuon's momentum storage" in refused_flag(
+        capsys, arguments(data, tmp_path, "--optimizer", "reference", "--muon-mode", "fp32"))
     assert "start with torchrun --nproc_per_node=N" in refused_flag(capsys, arguments(data, tmp_path, "--parallel",
                                                                                       "fsdp"))
     assert "--grad-accum 0" in refused_flag(capsys, arguments(data, tmp_path, "--grad-accum", 0))
@@ -572,10 +574,11 @@ def test_sigterm_writes_a_state_at_the_step_boundary(data, tmp_path):
     ("--matrix-lr", "0", "--matrix-lr 0.0: the peak learning rate must be above 0"),
     ("--scalar-lr", "0", "--scalar-lr 0.0: the peak"), ("--stop-at", "4", "--stop-at 4: the run ends at step 4"),
     ("--stop-at", "10", "--stop-at 10: the run ends at step 4"),
+    ("--allow-code-change", None, "--allow-code-change lets a resume continue"),  # a flag this run would not read
 ])
 def test_invalid_flags_exit_2_naming_the_flag(data, tmp_path, capsys, flag, value, says):
     out = tmp_path / "out"
-    assert says in refused_flag(capsys, arguments(data, out, flag, value))
+    assert says in refused_flag(capsys, arguments(data, out, flag, *([] if value is None else [value])))
     assert not out.exists()
 
 

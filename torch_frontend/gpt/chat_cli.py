@@ -113,6 +113,12 @@ def check_args(args: argparse.Namespace) -> None:
         if args.save_every or args.resume or args.stop_at:
             raise ChatTrainError("--optimizer reference writes and reads no training states (training_state.py "
                                  "stores the packed optimizers): leave out --save-every, --resume and --stop-at")
+        if args.muon_mode != "packed":
+            raise ChatTrainError(f"--muon-mode {args.muon_mode}: PackedMuon's momentum storage, and --optimizer "
+                                 "reference steps with torch.optim.Muon: leave --muon-mode out")
+    if args.allow_code_change and not args.resume:
+        raise ChatTrainError("--allow-code-change lets a resume continue a state written by other trajectory code; "
+                             "this run resumes nothing: leave it out, or add --resume")
     if args.compile and args.parallel != "none":
         raise ChatTrainError(f"--compile with --parallel {args.parallel}: compiling a DDP or FSDP2 model is not "
                              "tested yet; leave out --compile, or run one process")
