@@ -442,6 +442,17 @@ def feed(params, grads):
         p.grad = torch.tensor(g, device=p.device).to(p.dtype)
 
 
+def stepped_heavy_ball(params0, grads):
+    """The float32 parameters of `params0` and a PackedHeavyBall (the tests' hyperparameters)
+    stepped once with each gradient list of `grads`."""
+    params = torch_params(params0)
+    opt = PackedHeavyBall(params, **HP)
+    for step_grads in grads:
+        feed(params, step_grads)
+        opt.step()
+    return params, opt
+
+
 def bf16_rounded(grads):
     import ml_dtypes
 
@@ -779,11 +790,7 @@ def test_a_portable_state_of_the_rule_goes_back_into_its_optimizer(reference):
     from packed_adamw.torch import PackedAdamW
 
     params0, grads, history, _ = reference
-    params = torch_params(params0)
-    opt = PackedHeavyBall(params, **HP)
-    for step_grads in grads[:2]:
-        feed(params, step_grads)
-        opt.step()
+    params, opt = stepped_heavy_ball(params0, grads[:2])
     portable = opt.export_state()
     assert [m.dtype for m in portable.moments] == [np.uint16] * len(params0)
     resumed = PackedHeavyBall(params, **HP)
@@ -1071,11 +1078,7 @@ def test_a_portable_state_crosses_between_torch_and_the_optax_transform(referenc
     from packed_adamw.jax import export_state, import_state, packed_rule
 
     params0, grads, history, _ = reference
-    params = torch_params(params0)
-    opt = PackedHeavyBall(params, **HP)
-    for step_grads in grads[:2]:
-        feed(params, step_grads)
-        opt.step()
+    params, opt = stepped_heavy_ball(params0, grads[:2])
     tx = packed_rule(heavy_ball_steps(), FMT, **HP)
     j_params = [jnp.asarray(p.detach().numpy()) for p in params]
     state = import_state(opt.export_state(), j_params, FMT)
@@ -1129,11 +1132,7 @@ def test_a_registered_rules_saved_state_reads_back_in_inspect(registered, refere
                                                 state_format=rules.RULES["adamw"].state_format,
                                                 modes=("packed",)))
     params0, grads, _, _ = reference
-    params = torch_params(params0)
-    opt = PackedHeavyBall(params, **HP)
-    for step_grads in grads:
-        feed(params, step_grads)
-        opt.step()
+    params, opt = stepped_heavy_ball(params0, grads)
     path = tmp_path / "opt.pt"
     torch.save(opt.state_dict(), path)
     assert inspect_main([str(path), "--json"]) == 0
