@@ -276,9 +276,14 @@ def profile_steps(step, count: int, device: torch.device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) * 1e6
+    from torch.autograd import DeviceType
     rows = []
     for avg in prof.key_averages():
         if device.type == "cuda":
+            # the kernels themselves: an op's row carries the device time of the kernels it launched
+            # too, and counting both counted every kernel twice
+            if avg.device_type != DeviceType.CUDA:
+                continue
             us = getattr(avg, "self_device_time_total", None)
             us = getattr(avg, "self_cuda_time_total", 0) if us is None else us
         else:

@@ -32,7 +32,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None
     """Refuse a `cu_seqlens` that does not describe whole documents packed into `batch` rows of
     `seq_len` tokens. Its values are read on the host: call it where the tensor is still on the
     CPU (the model checks CPU tensors itself; a CUDA one is checked for shape and dtype only,
-    so that the forward pass does not wait for the device)."""
+    so that the forward pass does not wait for the device). While torch.compile traces the model
+    the values are not read either (a host read would break the graph): `compile_chat_model`
+    checks them before the compiled model runs."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
         raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of document starts (then the token count), got "
                          f"{cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}"
@@ -41,7 +43,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None
     if cu_seqlens.numel() < batch + 1:
         raise ValueError(f"cu_seqlens has {cu_seqlens.numel()} entries but a batch of {batch} rows needs at least "
                          f"{batch + 1}: every row boundary is a document boundary")
-    if cu_seqlens.device.type != "cpu":
+    if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
         return
     starts = cu_seqlens.tolist()
     total = batch * seq_len
@@ -80,6 +82,22 @@ def attention_mask(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int, wi
     return (allowed & same_document)[:, None]
 
 
+# The device types that have an autocast (asking another, e.g. meta, whether autocast is on raises).
+# Read once here: dynamo cannot trace `torch.amp.is_autocast_available`, and a call of it in the
+# forward broke the compiled graph at every layer (issue 55), running the rest of the model eagerly.
+def _autocast_device_types() -> frozenset:
+    found = set()
+    for device_type in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "privateuseone"):
+        try:
+            if torch.amp.is_autocast_available(device_type):
+                found.add(device_type)
+        except RuntimeError:  # a device type this torch does not know
+            pass
+    return frozenset(found)
+
+
+AUTOCAST_DEVICE_TYPES = _autocast_device_types()
+
 # What this torch's varlen_attn takes, read once (its keywords changed between 2.10 and 2.11).
 _VARLEN_PARAMETERS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else frozenset()
 
@@ -111,11 +129,10 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if window is not None and window >= T - 1:
         window = None  # the window reaches every earlier token of the row: plain causal
     device_type = q.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if device_type in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type):
         # Autocast casts SDPA's inputs to its dtype but does not know varlen_attn, and an FP32
         # model's rotary tables make q and k float32: cast here, so that a model of FP32
         # parameters under autocast runs the same attention (kernel and dtype) as a bf16 model.
-        # (Devices without autocast, e.g. meta, would raise on the query.)
         dtype = torch.get_autocast_dtype(device_type)
         q, k, v = (t.to(dtype) for t in (q, k, v))
     if uses_varlen(q, window):

@@ -350,15 +350,34 @@ def compile_chat_model(model: nn.Module, backend="inductor"):
     call marks its cu_seqlens's length (documents + 1) dynamic before the compiled model sees it.
     (Otherwise dynamo specialises the first batch's length and compiles again for another.) The
     eager computation is unchanged: the same cu_seqlens, no padding. A backend that specialises
-    the length anyway raises at the first compilation, naming it, instead of recompiling."""
-    compiled = torch.compile(model, backend=backend)
+    the length anyway raises at the first compilation, naming it, instead of recompiling.
+
+    A plain model compiles whole (`fullgraph=True`): anything in its forward that dynamo cannot
+    trace raises instead of splitting the graph and running the rest eagerly (issue 55: a graph
+    break at every layer left the stream, soft cap and loss eager, a third of the step). A DDP or
+    FSDP2 model compiles as torch.compile does them (their hooks split the graph by design).
+    cu_seqlens on the CPU is checked here, before the compiled model runs (`check_cu_seqlens`: the
+    compiled forward cannot read its values)."""
+    compiled = torch.compile(model, backend=backend, fullgraph=not _distributed_wrapper(model))
 
     def forward(idx, targets=None, reduction="mean", *, cu_seqlens=None):
         if cu_seqlens is not None:
+            if idx.dim() == 2:  # (otherwise the model refuses idx itself)
+                check_cu_seqlens(cu_seqlens, *idx.shape)
             torch._dynamo.mark_dynamic(cu_seqlens, 0)
         return compiled(idx, targets, reduction, cu_seqlens=cu_seqlens)
 
     return forward
+
+
+def _distributed_wrapper(model: nn.Module) -> bool:
+    """Whether `model` is DDP or FSDP2's (whose hooks torch.compile splits the graph around)."""
+    from torch.nn.parallel import DistributedDataParallel
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        FSDPModule = ()
+    return isinstance(model, DistributedDataParallel) or isinstance(model, FSDPModule)
 
 
 def compiled_graph_count() -> int:
