@@ -177,15 +177,18 @@ def jax_steps_ms(shapes):
     tx = optax.adamw(1e-3)
     results["optax.adamw"] = jax_time_ms(transform_loop(tx), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params)))
     # The gradients here are an argument the caller keeps: writing u into their buffer would
-    # make XLA copy them first, so this row keeps u in a buffer of its own.
-    tx = packed_adamw(1e-3, reuse_grad_buffer=False)
-    results["packed transform + apply_updates"] = jax_time_ms(
-        transform_loop(tx), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params)))
-    variants = {"packed fused in-place": True}
-    if len(shapes) > 1:
-        variants["packed fused in-place, launch per leaf"] = False
-    for name, multi_tensor in variants.items():
-        fused = jax.jit(packed_adamw_fused_step(1e-3, multi_tensor=multi_tensor), donate_argnums=(0, 2))
+    # make XLA copy them first, so this row keeps u in a buffer of its own. Each packed row runs
+    # the default (impl="auto": the XLA step on CUDA GPUs) and the Triton kernels (impl="kernel"):
+    # same bits, and which is faster depends on the leaves (docs/results/RESTRUCTURE_TIMING.md).
+    for impl, suffix in (("auto", ""), ("kernel", ", impl=kernel")):
+        tx = packed_adamw(1e-3, reuse_grad_buffer=False, impl=impl)
+        results["packed transform + apply_updates" + suffix] = jax_time_ms(
+            transform_loop(tx), (jax.tree_util.tree_map(jnp.copy, params), tx.init(params)))
+    variants = {"packed fused in-place": {}, "packed fused in-place, impl=kernel": {"impl": "kernel"}}
+    if len(shapes) > 1:  # the kernels' leaf groups against a launch per leaf
+        variants["packed fused in-place, impl=kernel, launch per leaf"] = {"impl": "kernel", "multi_tensor": False}
+    for name, options in variants.items():
+        fused = jax.jit(packed_adamw_fused_step(1e-3, **options), donate_argnums=(0, 2))
         results[name] = jax_time_ms(lambda params, state: fused(params, grads, state),
                                     (jax.tree_util.tree_map(jnp.copy, params), tx.init(params)))
     if len(shapes) > 1:
@@ -198,9 +201,11 @@ def jax_steps_ms(shapes):
                 return optax.apply_updates(params, updates), state
             return step
 
-        fused = packed_adamw_fused_step(1e-3)
-        looped = {"optax.adamw": (optax_step(optax.adamw(1e-3)), optax.adamw(1e-3)),
-                  "packed fused in-place": (lambda params, state, grads: fused(params, grads, state), packed_adamw(1e-3))}
+        looped = {"optax.adamw": (optax_step(optax.adamw(1e-3)), optax.adamw(1e-3))}
+        for impl, suffix in (("auto", ""), ("kernel", ", impl=kernel")):
+            fused = packed_adamw_fused_step(1e-3, impl=impl)
+            looped["packed fused in-place" + suffix] = (
+                lambda params, state, grads, fused=fused: fused(params, grads, state), packed_adamw(1e-3))
         for name, (step, tx) in looped.items():
             # The gradients are an argument, not a closure: XLA would embed them as constants.
             many = jax.jit(lambda params, state, grads, step=step: jax.lax.fori_loop(

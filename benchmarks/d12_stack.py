@@ -277,19 +277,22 @@ def profile_steps(step, count: int, device: torch.device) -> dict:
             torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) * 1e6
     from torch.autograd import DeviceType
-    rows = []
-    for avg in prof.key_averages():
-        if device.type == "cuda":
-            # the kernels themselves: an op's row carries the device time of the kernels it launched
-            # too, and counting both counted every kernel twice
-            if avg.device_type != DeviceType.CUDA:
+    totals: dict[str, list] = {}  # name -> [us, calls]
+    if device.type == "cuda":
+        # The kernels themselves, from the events: an op's row carries the device time of the
+        # kernels it launched too, and a user annotation's (torch.optim's `Optimizer.step#...`)
+        # the time its region spans on the device; counting either counted kernels twice.
+        for event in prof.events():
+            if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
                 continue
-            us = getattr(avg, "self_device_time_total", None)
-            us = getattr(avg, "self_cuda_time_total", 0) if us is None else us
-        else:
-            us = avg.self_cpu_time_total if avg.key.startswith("aten::") else 0
-        if us > 0:
-            rows.append((avg.key, us, avg.count))
+            total = totals.setdefault(event.name, [0.0, 0])
+            total[0] += event.device_time_total
+            total[1] += 1
+    else:
+        for avg in prof.key_averages():
+            if avg.key.startswith("aten::"):
+                totals[avg.key] = [avg.self_cpu_time_total, avg.count]
+    rows = [(name, us, calls) for name, (us, calls) in totals.items() if us > 0]
     rows.sort(key=lambda r: -r[1])
     parts: dict[str, float] = {}
     for name, us, _ in rows:
