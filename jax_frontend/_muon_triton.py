@@ -178,6 +178,13 @@ def weight_group_step(params, lows, grads, states, exponents, scalars, counters,
     return new_weights, new_lows, new_states, new_exponents, results[4 * slots]
 
 
+def nonfinite_matrices(bits):
+    """int32 [B]: 1 where matrix b of an int16 [B, k, n] buffer of bf16 bits has a non-finite
+    element (exponent field all ones), else 0."""
+    exponent = jnp.int16(0x7F80)
+    return jnp.any((bits & exponent) == exponent, axis=(1, 2)).astype(jnp.int32)
+
+
 def newton_schulz(x_bits, ns_scalars, steps: int):
     """core/muon/ns_kernel.py's Newton-Schulz of an int16 [B, k, n] buffer of bf16 bits (k <= n),
     the launches torch's `newton_schulz_triton_stacked` makes. Returns the int16 result bits."""

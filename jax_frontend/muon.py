@@ -597,6 +597,12 @@ def _cpu_phases(config: _PhaseConfig, g_mats, s_mats, e_mats, p_mats, lo_mats, r
     inputs, accepted = results[n + k:2 * n + k], results[2 * n + k:]
     ns_eps = eps if _python_number(eps) is not None else row[3]
     orthos = [_orthogonalize(jax.lax.bitcast_convert_type(x, BF16), coefficients, steps, ns_eps) for x in inputs]
+    # An O that is not finite refuses its matrix too (MUON.md, "The matrix is refused"): its
+    # momentum and exponent as they were, its weights untouched.
+    accepted = [ok & jnp.all(jnp.isfinite(o), axis=(1, 2)) for ok, o in zip(accepted, orthos)]
+    new_states = [jnp.where(ok.reshape(ok.shape + (1,) * (s.ndim - 1)), new, s)
+                  for ok, new, s in zip(accepted, new_states, s_mats)]
+    new_exponents = [jnp.where(ok, new, e) for ok, new, e in zip(accepted, new_exponents, e_mats)]
     weight_types = [_like(p) for p in p_mats] + [_like(lo) for lo in lo_mats]
     stepped = jax.pure_callback(functools.partial(_host_weight, config=config), weight_types, row, *p_mats,
                                 *lo_mats, *orthos, *accepted, vmap_method="sequential")
@@ -642,8 +648,8 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, e_mats, p_mats, lo_
                 steps, *, write_update: bool = False):
     """`_cpu_phases` on a GPU: core/muon's Triton kernels through jax-triton (_muon_triton.py),
     Newton-Schulz once per shape group with the kernels torch's `ns_impl="triton"` launches.
-    A matrix is refused (weights, momentum and exponent kept) when the row is invalid or the
-    momentum kernel counts a refusing element in it. With `write_update`, a float32 matrix's
+    A matrix is refused (weights, momentum and exponent kept) when the row is invalid, the
+    momentum kernel counts a refusing element in it, or its Newton-Schulz output is not finite. With `write_update`, a float32 matrix's
     entry of the new parameters is its update u instead (`_float32_update`'s, from the weight
     launch)."""
     from packed_adamw.core.muon import ns_kernel
@@ -695,6 +701,8 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, e_mats, p_mats, lo_
                 scalars[leaves[0]], x, counters, [slots[j] for j in leaves], views[leaves[0]], fmt=config.fmt,
                 nesterov=config.nesterov)
         ortho = _muon_triton.newton_schulz(x, ns_scalars, steps)
+        # An O that is not finite refuses its matrix (the weight kernels then store nothing of it).
+        counters = counters.at[:, 0].add(_muon_triton.nonfinite_matrices(ortho))
         for leaves in launches:
             split = config.split[leaves[0]]
             weights, leaf_lows, leaf_states, leaf_exponents, counters = _muon_triton.weight_group_step(

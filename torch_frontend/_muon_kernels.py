@@ -74,6 +74,8 @@ def cuda_step(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[int]]:
         for i, result in zip(batch, _muon._ns(opt, list(inputs.values()), work[batch[0]].group)):
             w = work[i]
             n = w.weights.numel()
+            # An O that is not finite refuses the matrix (the whole O: every rank's, for a sharded one).
+            counter_rows[i][0].add_(_nonfinite_matrices(result.reshape(1, -1))[0])
             ortho = (_muon._local_part(w.param, result) if w.sharded else result.contiguous()).view(torch.int16)
             split = w.low is not None
             weights = w.weights.detach().view(torch.int16) if split else w.weights.detach()
@@ -221,13 +223,37 @@ def _cuda_step_batched(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
         # output is not used, and a batch's matrices do not mix.
         ortho = _muon._stacked_ns(_muon._ns_impl(opt, x.device))(x.view(BFLOAT16), tuple(group["ns_coefficients"]),
-                                                     int(group["ns_steps"]), float(group["eps"])).view(torch.int16)
+                                                     int(group["ns_steps"]), float(group["eps"]))
+        _refuse_nonfinite_outputs(ortho, table, momentum_launches, counters)
+        ortho = ortho.view(torch.int16)
         for (maximize, grad_bf16, split), (offset, count) in weight_launches.items():
             weight_kernel[(blocks, count)](
                 table[offset:], ortho, scalars, counters, *counted, rows, cols, **constants, MAXIMIZE=maximize,
                 GRAD_BF16=grad_bf16, SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
     _track_launches(opt, work, counters, format_rows)
     return _counted(opt, counters)
+
+
+def _nonfinite_matrices(ortho: torch.Tensor) -> torch.Tensor:
+    """int32 [B]: 1 where matrix b of Newton-Schulz's output `ortho` ([B, ...], bf16) has a
+    non-finite element (`core.muon.ortho_finite` on the device, without a wait)."""
+    return (~torch.isfinite(ortho)).flatten(1).any(1).to(torch.int32)
+
+
+def _refuse_nonfinite_outputs(ortho: torch.Tensor, table: torch.Tensor, momentum_launches: dict,
+                              counters: torch.Tensor) -> None:
+    """Adds 1 to the refused count of each matrix of a batch whose slot of `ortho` ([B, rows, cols],
+    bf16) is not finite, before the weight launch reads it (MUON.md, "The matrix is refused"): the
+    weight kernel then stores neither its momentum nor its weights. The matrices' indices and
+    slots are read from the momentum launches' rows of the device table, so nothing waits and a
+    capture replays it."""
+    from packed_adamw.core.muon.kernel import MOMENTUM_TABLE_COLUMNS
+
+    bad = _nonfinite_matrices(ortho)
+    refused = counters[:, 0]
+    for offset, count in momentum_launches.values():
+        rows = table[offset:offset + count * MOMENTUM_TABLE_COLUMNS].view(count, MOMENTUM_TABLE_COLUMNS)
+        refused.index_add_(0, rows[:, 3], bad[rows[:, 4]])  # (matrix index, slot): the table's columns 3 and 4
 
 
 def _tall(p: torch.Tensor) -> bool:

@@ -27,6 +27,7 @@ from packed_adamw.core.muon import (
     StateFormat,
     commit_momentum,
     momentum_update,
+    ortho_finite,
     step_scalar_row,
     validate_ns,
     weight_phase,
@@ -490,9 +491,9 @@ def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
                for w, r, n in zip(work, refused, rejected) if r or n]
         raise NonFiniteGradientError(
             "PackedMuon.step: non-finite values in " + ", ".join(bad) + ". A refused matrix (NaN/Inf gradient, "
-            "momentum or Newton-Schulz input) kept its weights and momentum; the others were updated. Find the "
-            "source of the NaN/Inf, or skip such steps with torch.amp.GradScaler / "
-            "clip_grad_norm_(error_if_nonfinite=True)")
+            "momentum, Newton-Schulz input or output) kept its weights and momentum; the others were updated. Find "
+            "the source of the NaN/Inf (a finite input whose Newton-Schulz output is not points at ns_coefficients "
+            "or ns_steps), or skip such steps with torch.amp.GradScaler / clip_grad_norm_(error_if_nonfinite=True)")
 
 
 def _matrices(opt, checked: list[Checked], live) -> list[Matrix]:
@@ -697,21 +698,24 @@ def _cpu_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
                 refused[i] = True
             else:
                 updates[i], inputs[i] = update, x.view(BFLOAT16)
-        # The momenta are stored only once the matrices are accepted; a sharded one's exponent
-        # from its largest |m'| over every shard, one collective for the batch's.
+        # A sharded matrix's exponent from its largest |m'| over every shard: one collective for the
+        # batch's, before Newton-Schulz (every rank passes the same matrices).
         sharded = [i for i in batch if work[i].sharded] if fmt.exponent_entry else []
         whole_amax = _amax_over_shards([work[i] for i in sharded], [
             torch.tensor(updates[i].amax if i in updates else 0.0) for i in sharded])
-        for i, update in updates.items():
-            w = work[i]
-            commit_momentum(update, w.momentum.numpy(), fmt=fmt,
-                            exponent=None if w.exponent is None else w.exponent.numpy(),
-                            amax=whole_amax.get(id(w.param)),
-                            format_counts_out=None if counts is None else counts[i, :len(FORMAT_COUNTS)])
         if not inputs:
             continue
         for i, result in zip(inputs, _ns(opt, list(inputs.values()), work[batch[0]].group)):
             w = work[i]
+            # The whole O (every rank's, for a sharded matrix: the same) must be finite: one that is
+            # not refuses the matrix, and only then are its momentum and exponent stored.
+            if not ortho_finite(_numpy16(result.contiguous())):
+                refused[i] = True
+                continue
+            commit_momentum(updates[i], w.momentum.numpy(), fmt=fmt,
+                            exponent=None if w.exponent is None else w.exponent.numpy(),
+                            amax=whole_amax.get(id(w.param)),
+                            format_counts_out=None if counts is None else counts[i, :len(FORMAT_COUNTS)])
             ortho = _numpy16(_local_part(w.param, result) if w.sharded else result.contiguous())
             if w.low is not None:
                 rejected[i] = weight_phase_split(_numpy16(w.weights), w.low.numpy(), ortho, scalar_rows[i])

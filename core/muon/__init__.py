@@ -28,6 +28,7 @@ from .numpy_step import (
     momentum_phase,
     momentum_update,
     newton_schulz_reference,
+    ortho_finite,
     weight_phase,
     weight_phase_split,
 )
@@ -39,5 +40,5 @@ __all__ = [
     "Hyperparams", "HPARAM_BOUNDS", "validate_hyperparams", "validate_ns", "adjusted_lr", "step_scalar_row",
     "ADJUST_LR_FNS", "DEFAULT_NS_COEFFICIENTS", "DEFAULT_NS_STEPS", "fma32", "lerp32", "bf16_bits", "bf16_values",
     "momentum_phase", "weight_phase", "weight_phase_split", "newton_schulz_reference", "momentum_update",
-    "commit_momentum", "MomentumUpdate", "decode_momentum", "ldexp32", "matrix_exponent",
+    "commit_momentum", "ortho_finite", "MomentumUpdate", "decode_momentum", "ldexp32", "matrix_exponent",
 ]

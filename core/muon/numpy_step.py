@@ -211,6 +211,18 @@ def format_counts(m_next, scaled, codes, fmt: StateFormat) -> np.ndarray:
     ], np.int64)
 
 
+def ortho_finite(ortho) -> bool:
+    """Whether Newton-Schulz's output O (float32, or bf16 bits as uint16/int16) is finite in every
+    element. A matrix whose O is not (coefficients that pass `validate_ns` can still overflow) is
+    refused whole, as a non-finite gradient refuses it (MUON.md, "The matrix is refused"): its
+    momentum and exponent are stored only after this check (`momentum_update`, Newton-Schulz,
+    this, then `commit_momentum` and the weight phase)."""
+    ortho = np.asarray(ortho)
+    if ortho.dtype in (np.uint16, np.int16):
+        return bool(_finite_bf16(ortho.view(np.uint16)).all())
+    return bool(np.isfinite(ortho).all())
+
+
 def weight_phase(param, ortho, scalars) -> int:
     """Phase 2 of one matrix's step on FP32 weights, in place (MUON.md, "The weight phase"):
     p' = fma(neg_adjusted_lr, O, p * decay). `ortho`: Newton-Schulz's output O, float32 or bf16

@@ -302,6 +302,39 @@ def test_a_non_finite_gradient_refuses_its_matrix_only():
     assert not np.array_equal(bits(new_state.momentum["tall"]), bits(state.momentum["tall"]))
 
 
+@pytest.mark.parametrize("path", ["cpu", "interpreted gpu", pytest.param("gpu", marks=pytest.mark.cuda)])
+def test_a_newton_schulz_output_that_is_not_finite_refuses_the_matrix_whole(path, monkeypatch):
+    """Coefficients that pass validation but overflow (1e20 each) make Newton-Schulz's output
+    Inf/NaN from finite inputs: every Muon matrix is refused whole (update -0.0, momentum codes
+    and exponent kept), as for a NaN gradient, while the AdamW leaves step. Before, the momentum
+    advanced while every weight element was rejected. On the CPU's numpy phases and through the
+    GPU path's kernels (_muon_triton.py) in Triton's CPU interpreter, and compiled on a GPU."""
+    if path == "gpu" and _cuda_reason() is not None:
+        pytest.skip(f"needs CUDA for JAX plus jax_triton: {_cuda_reason()}")
+    if path == "interpreted gpu":
+        from conftest import interpreting
+        from jax_helpers import InterpretedJaxTriton
+
+        if not interpreting():
+            pytest.skip("runs the kernels in Triton's CPU interpreter")
+        from packed_adamw.jax import _muon_triton
+
+        monkeypatch.setattr(_muon_triton, "_jax_triton", lambda: InterpretedJaxTriton())
+        monkeypatch.setattr(jax_muon, "_step_platform", lambda tree: "gpu")
+    rng = np.random.default_rng(19)
+    params = make_params(rng)
+    tx = packed_muon(LR, ns_coeffs=(1e20, 1e20, 1e20), ns_steps=2)
+    state = tx.init(params)
+    for _ in range(2):
+        updates, new_state = tx.update(make_grads(rng, params), state, params)
+        for name in ("tall", "wide", "square"):
+            assert np.all(bits(updates[name]) == 0x80000000), name  # -0.0 everywhere: the weight stays
+            assert np.array_equal(bits(new_state.momentum[name]), bits(state.momentum[name])), name
+            assert int(new_state.exponents[name]) == int(state.exponents[name]), name
+        assert not np.all(bits(updates["bias"]) == 0x80000000)  # the AdamW half steps
+        params, state = optax.apply_updates(params, updates), new_state
+
+
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(learning_rate=-1.0), ValueError, "Learning rate"),
     (dict(beta=1.0), ValueError, "momentum should be below 1"),

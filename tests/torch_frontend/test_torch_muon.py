@@ -1918,3 +1918,48 @@ def test_combined_load_master_weights_starts_a_bf16_run_on_the_fp32_run_bit_for_
             q.grad = p.grad.clone()
         fp32_opt.step()
         bf16_opt.step()
+
+
+@pytest.mark.parametrize("path", ["numpy", "kernels per matrix", "kernels batched",
+                                  *(pytest.param(p, marks=[pytest.mark.cuda, cuda_only]) for p in ("cuda per matrix",
+                                                                                                    "cuda batched"))])
+def test_a_newton_schulz_output_that_is_not_finite_refuses_the_matrix_whole(path, is_interpreting, monkeypatch):
+    """Coefficients that pass `validate_ns` but overflow (1e20 each) make Newton-Schulz's output
+    Inf/NaN from finite inputs: each such matrix is refused whole, as a NaN gradient refuses it
+    (its weights, momentum codes and exponent kept; counted refused; named by check_nonfinite),
+    while the group of ordinary coefficients steps. Before, the momentum advanced, every weight
+    element was rejected alone and format_stats counted the step as accepted. On the numpy step
+    and on the CUDA step's code (kernels interpreted on CPU tensors; compiled on a GPU), per matrix
+    and batched."""
+    device = "cuda" if path.startswith("cuda") else "cpu"
+    if path.startswith("kernels"):
+        if not is_interpreting:
+            pytest.skip("runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+        monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: True)
+    torch.manual_seed(3)
+    ordinary, overflowing = torch.nn.Parameter(torch.randn(6, 10, device=device)), [
+        torch.nn.Parameter(torch.randn(*s, device=device)) for s in ((6, 10), (10, 6))]
+
+    def optimizer(check_nonfinite):
+        return PackedMuon([{"params": [ordinary]}, {"params": overflowing, "ns_coefficients": (1e20, 1e20, 1e20)}],
+                          lr=0.02, batch_ns=path.endswith("batched"), track_format=not check_nonfinite,
+                          check_nonfinite=check_nonfinite)
+
+    opt = optimizer(check_nonfinite=False)
+    for step in range(2):
+        before = [p.detach().clone() for p in (ordinary, *overflowing)]
+        states = [{k: v.clone() for k, v in opt.state[p].items()} for p in overflowing] if step else None
+        for p in (ordinary, *overflowing):
+            p.grad = torch.randn_like(p)
+        opt.step()
+        assert not torch.equal(ordinary, before[0])  # the ordinary group steps
+        for p, old in zip(overflowing, before[1:]):
+            assert torch.equal(p.view(torch.int32), old.view(torch.int32))
+        if states:  # the refused matrices' momentum codes and exponents as they were
+            for p, old in zip(overflowing, states):
+                assert all(torch.equal(opt.state[p][k], v) for k, v in old.items())
+    stats = opt.format_stats()
+    assert stats[(1, 0)]["refused"] == stats[(1, 1)]["refused"] == 2 and stats[(0, 0)]["refused"] == 0
+    opt = optimizer(check_nonfinite=True)
+    with pytest.raises(NonFiniteGradientError, match="Newton-Schulz input or output"):
+        opt.step()
