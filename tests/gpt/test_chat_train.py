@@ -238,6 +238,7 @@ def test_refusals(data, straight, tmp_path, capsys):
     assert "start with torchrun --nproc_per_node=N" in refused_flag(capsys, arguments(data, tmp_path, "--parallel",
                                                                                       "fsdp"))
     assert "--grad-accum 0" in refused_flag(capsys, arguments(data, tmp_path, "--grad-accum", 0))
+    assert "--vocab-size 0" in refused_flag(capsys, arguments(data, tmp_path, "--vocab-size", 0))  # not the preset's
     # an evaluation reads at least one batch: the flag at fault is named, not --batch or --context
     assert "--eval-batches 0 with --eval-every 2" in refused_flag(capsys, arguments(data, tmp_path, "--eval-batches", 0,
                                                                                      "--eval-every", 2))

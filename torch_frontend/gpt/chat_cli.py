@@ -102,6 +102,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.eval_every and args.eval_batches == 0:
         raise ChatTrainError(f"--eval-batches 0 with --eval-every {args.eval_every}: an evaluation reads at least one "
                              "packed batch of val.tape; pass --eval-batches 1 or more, or leave out --eval-every")
+    if args.vocab_size is not None and args.vocab_size < 1:  # 0 would silently mean the preset's
+        raise ChatTrainError(f"--vocab-size {args.vocab_size}: give the tapes' vocabulary size (>= 1), or leave "
+                             "the flag out for the preset's")
     preset = PRESETS[args.preset]
     context = args.context if args.context is not None else preset.context
     if not 1 <= context <= preset.context:
