@@ -274,9 +274,20 @@ def test_a_compiled_model_compiles_once_for_any_number_of_documents():
             first = len(graphs)
             assert first == 1 and compiled_graph_count() - counted == first
     assert len(graphs) == first and compiled_graph_count() - counted == first
+    # Bad inputs raise the eager model's ValueErrors, before the compiled model runs (fullgraph
+    # would otherwise wrap them in dynamo's report); a model compiled without the wrapper checks a
+    # CPU cu_seqlens inside its graph (a host read would split it).
     idx = torch.randint(0, TINY_VOCAB, (2, ROW_LENGTH))
+    not_whole = torch.tensor([0, 5, 2 * ROW_LENGTH], dtype=torch.int32)
     with pytest.raises(ValueError, match="row boundaries"):
-        compiled(idx, idx, cu_seqlens=torch.tensor([0, 5, 2 * ROW_LENGTH], dtype=torch.int32))
+        compiled(idx, idx, cu_seqlens=not_whole)
+    for bad_idx, message in ((idx[0], "must be a \\(batch, sequence\\) tensor"),
+                             (torch.zeros(1, config.context + 1, dtype=torch.int64), "exceeds the model's context")):
+        with pytest.raises(ValueError, match=message):
+            compiled(bad_idx, bad_idx)
+    plainly_compiled = torch.compile(compiled_copy, backend=counting_backend)
+    with pytest.raises(RuntimeError, match="cu_seqlens must run from 0 to"):
+        plainly_compiled(idx, idx, cu_seqlens=not_whole)
 
 
 def test_a_short_window_layer_does_not_see_past_its_window():

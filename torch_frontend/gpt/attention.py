@@ -33,8 +33,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None
     `seq_len` tokens. Its values are read on the host: call it where the tensor is still on the
     CPU (the model checks CPU tensors itself; a CUDA one is checked for shape and dtype only,
     so that the forward pass does not wait for the device). While torch.compile traces the model
-    the values are not read either (a host read would break the graph): `compile_chat_model`
-    checks them before the compiled model runs."""
+    a host read would break the graph, so a CPU tensor's values are checked inside it instead (one
+    assertion, a RuntimeError naming the same conditions); `compile_chat_model` also checks them
+    on the host first, with this function's ValueErrors."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
         raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of document starts (then the token count), got "
                          f"{cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}"
@@ -43,10 +44,17 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None
     if cu_seqlens.numel() < batch + 1:
         raise ValueError(f"cu_seqlens has {cu_seqlens.numel()} entries but a batch of {batch} rows needs at least "
                          f"{batch + 1}: every row boundary is a document boundary")
-    if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
+    if cu_seqlens.device.type != "cpu":
+        return
+    total = batch * seq_len
+    if torch.compiler.is_compiling():
+        row_starts = torch.arange(0, total + 1, seq_len, dtype=cu_seqlens.dtype)
+        whole = ((cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & (cu_seqlens[1:] > cu_seqlens[:-1]).all()
+                 & torch.isin(row_starts, cu_seqlens).all())
+        torch._assert_async(whole, f"cu_seqlens must run from 0 to {total} ({batch} x {seq_len}), strictly "
+                            f"increasing, with every multiple of {seq_len} among its starts (whole documents)")
         return
     starts = cu_seqlens.tolist()
-    total = batch * seq_len
     if starts[0] != 0 or starts[-1] != total:
         raise ValueError(f"cu_seqlens must run from 0 to the batch's token count {batch} x {seq_len} = {total}, "
                          f"got {starts[0]} ... {starts[-1]}")
@@ -87,7 +95,9 @@ def attention_mask(cu_seqlens: torch.Tensor | None, batch: int, seq_len: int, wi
 # forward broke the compiled graph at every layer (issue 55), running the rest of the model eagerly.
 def _autocast_device_types() -> frozenset:
     found = set()
-    for device_type in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "privateuseone"):
+    names = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu", "maia", "privateuseone",
+             torch._C._get_privateuse1_backend_name())  # a renamed privateuse1 backend's tensors say its name
+    for device_type in names:
         try:
             if torch.amp.is_autocast_available(device_type):
                 found.add(device_type)

@@ -246,9 +246,9 @@ class ChatGPT(nn.Module):
         cross-entropy loss (nats; targets of -1 are ignored, as nanochat masks them).
         `cu_seqlens`: the packed documents' starts (attention.py); None: each row is one
         document."""
-        B, T = idx.shape
-        if T > self.config.context:
-            raise ValueError(f"sequence length {T} exceeds the model's context {self.config.context}")
+        # Before the autocast region: a compiled model's in-graph check that raises inside it would
+        # leave autocast entered.
+        check_inputs(self.config, idx, cu_seqlens)
         with self._mixed_precision(idx.device):
             return self._forward(idx, targets, reduction, cu_seqlens)
 
@@ -267,7 +267,6 @@ class ChatGPT(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         first_of_document = None
         if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, B, T)
             _, position = document_positions(cu_seqlens.to(idx.device), B * T)
             position = position.view(B, T)
             cos, sin = self.rope_cos[position], self.rope_sin[position]  # (B, T, head_dim/2)
@@ -344,6 +343,18 @@ class ChatGPT(nn.Module):
         return groups
 
 
+def check_inputs(config: ChatConfig, idx: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> None:
+    """Refuse token ids the model cannot take (ValueError): not (B, T), or T past the context;
+    and a CPU `cu_seqlens` that does not describe whole documents (`check_cu_seqlens`)."""
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+        raise ValueError(f"idx must be a (batch, sequence) tensor of token ids, got "
+                         f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}")
+    if idx.size(1) > config.context:
+        raise ValueError(f"sequence length {idx.size(1)} exceeds the model's context {config.context}")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, *idx.shape)
+
+
 def compile_chat_model(model: nn.Module, backend="inductor"):
     """torch.compile(model, backend=backend) (a ChatGPT, or a wrapper taking its arguments), as a
     function called as the model is, that compiles once for batches of any document count: each
@@ -356,14 +367,15 @@ def compile_chat_model(model: nn.Module, backend="inductor"):
     trace raises instead of splitting the graph and running the rest eagerly (issue 55: a graph
     break at every layer left the stream, soft cap and loss eager, a third of the step). A DDP or
     FSDP2 model compiles as torch.compile does them (their hooks split the graph by design).
-    cu_seqlens on the CPU is checked here, before the compiled model runs (`check_cu_seqlens`: the
-    compiled forward cannot read its values)."""
+    The inputs are checked here, before the compiled model runs (`check_inputs`), so that a bad
+    one raises the eager model's ValueError, not dynamo's report of it."""
     compiled = torch.compile(model, backend=backend, fullgraph=not _distributed_wrapper(model))
+    config = getattr(getattr(model, "module", model), "config", None)  # DDP's inner model, or the model
 
     def forward(idx, targets=None, reduction="mean", *, cu_seqlens=None):
+        if config is not None:
+            check_inputs(config, idx, cu_seqlens)
         if cu_seqlens is not None:
-            if idx.dim() == 2:  # (otherwise the model refuses idx itself)
-                check_cu_seqlens(cu_seqlens, *idx.shape)
             torch._dynamo.mark_dynamic(cu_seqlens, 0)
         return compiled(idx, targets, reduction, cu_seqlens=cu_seqlens)
 
