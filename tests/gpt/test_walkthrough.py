@@ -230,6 +230,26 @@ def test_wrong_rotation_and_edited_schedule_are_reported(state_path, monkeypatch
     assert walkthrough.chat_model.rotate.__name__ == "rotate"  # the model's own again
 
 
+def test_a_newton_schulz_output_that_is_not_finite_is_refused_as_the_optimizer_refuses_it(state_path, monkeypatch):
+    """Muon groups whose coefficients overflow (1e20 each, which validation passes) make O
+    non-finite: the walkthrough says the matrix is refused and agrees with the optimizer, which
+    keeps the momentum and exponent (it had spelled out a stored momentum the optimizer no
+    longer writes)."""
+    restore = walkthrough.restore
+
+    def overflowing(*args, **kwargs):
+        restored = restore(*args, **kwargs)
+        for group in restored.optimizer.param_groups:
+            if group.get("kind") == "muon":
+                group["ns_coefficients"] = (1e20, 1e20, 1e20)
+        return restored
+
+    monkeypatch.setattr(walkthrough, "restore", overflowing)
+    code, text = run(state_path, "--rows", "1")
+    assert code == 0 and "MISMATCH" not in text, text
+    assert "the matrix is refused (a non-finite gradient, momentum, Newton-Schulz input or output)" in text
+
+
 def test_explicit_rms_norm_is_a_tolerance_check_where_bits_agree():
     """Equal bits here do not make the formula bitwise: another kernel may sum in another order."""
     report = walkthrough.Report(io.StringIO())

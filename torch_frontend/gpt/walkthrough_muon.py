@@ -279,6 +279,7 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
     report.bitwise("Newton-Schulz output", O.contiguous(), newton_schulz(X, (a, b, c), int(group["ns_steps"]),
                                                                          float(group["eps"])).contiguous(),
                    "the optimizer's newton_schulz")
+    finite = finite and bool(torch.isfinite(O).all())  # an O that is not finite refuses the matrix too
 
     report.say("  weight phase")
     if split:
@@ -299,7 +300,7 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
         report.show("new w (bf16)", w_new)
         report.show("new mantissa (int16)", lo_new)
     if not finite:
-        report.say("    the matrix is refused (a non-finite gradient, momentum or Newton-Schulz input): nothing "
+        report.say("    the matrix is refused (a non-finite gradient, momentum, Newton-Schulz input or output): nothing "
                    "changes")
         code_next, s_next = code, s
 
