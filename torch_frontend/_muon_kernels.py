@@ -75,7 +75,7 @@ def cuda_step(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[int]]:
             w = work[i]
             n = w.weights.numel()
             # An O that is not finite refuses the matrix (the whole O: every rank's, for a sharded one).
-            counter_rows[i][0].add_(_nonfinite_matrices(result.reshape(1, -1))[0])
+            counter_rows[i][0].add_(torch.isfinite(result).logical_not_().any().to(torch.int32))
             ortho = (_muon._local_part(w.param, result) if w.sharded else result.contiguous()).view(torch.int16)
             split = w.low is not None
             weights = w.weights.detach().view(torch.int16) if split else w.weights.detach()
@@ -253,7 +253,9 @@ def _refuse_nonfinite_outputs(ortho: torch.Tensor, table: torch.Tensor, momentum
     refused = counters[:, 0]
     for offset, count in momentum_launches.values():
         rows = table[offset:offset + count * MOMENTUM_TABLE_COLUMNS].view(count, MOMENTUM_TABLE_COLUMNS)
-        refused.index_add_(0, rows[:, 3], bad[rows[:, 4]])  # (matrix index, slot): the table's columns 3 and 4
+        index, slot = rows[:, 3], rows[:, 4]  # the table's columns 3 and 4
+        # A batch holds each matrix once: a plain put, deterministic, no atomics.
+        refused.index_put_((index,), refused[index] + bad[slot])
 
 
 def _tall(p: torch.Tensor) -> bool:
