@@ -184,6 +184,8 @@ def _check_hyperparameter_kinds(transform: str, values: dict[str, Any], schedule
     for name, value in values.items():
         if callable(value) and name not in schedules:
             raise TypeError(refuse_schedule(name, value))
+        if isinstance(value, (bool, np.bool_)):  # float(True) would step with 1.0
+            raise TypeError(f"{transform}: {name}={value!r} is a bool, not a number: pass a float")
         if not callable(value) and not _is_scalar_number(value):
             raise TypeError(f"{transform}: {name}={value!r} is not a number: pass a float or a scalar array (as "
                             "optax.inject_hyperparams passes)" + (", or a schedule of the step count"

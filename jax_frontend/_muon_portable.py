@@ -92,7 +92,13 @@ def export_muon_state(state: PackedMuonState, params, *, mode: str = "packed", m
         low_list.append(None if low is None else _torch_layout(low, view, ndim))
         # one per matrix, in the torch layout's batch order ([batch] for a leaf of several)
         exponent_list.append(None if exponent is None else np.asarray(exponent).reshape(_torch_shape(view, ndim)[:-2]))
-    return PortableState.of(identities, counts, moments, low_list, exponent_list)
+    exported = PortableState.of(identities, counts, moments, low_list, exponent_list)
+    # import_muon_state's checks, here: a damaged state (an exponent out of range, a NaN momentum)
+    # is refused naming its leaf, not written into a file that every import then refuses.
+    fmts = [adam_fmt if v is None else fmt for v in views]
+    exported.check_tensors(fmts, [tuple(np.shape(m)) for m in moments], split, paths)
+    exported.check_muon_values(fmts, paths)
+    return exported
 
 
 def _common_count(counts, what: str) -> int | None:

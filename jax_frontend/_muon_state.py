@@ -123,7 +123,16 @@ def _check_param_dtypes(params, views) -> list[bool]:
     return split
 
 
-def _check_grads(grads, split, views, paths) -> None:
+def _check_grads(grads, params, paths) -> None:
+    """Each gradient has its parameter's shape (a gradient of another shape would step a matrix of
+    that shape and return an update that reshapes the parameter)."""
+    for g, p, path in zip(grads, params, paths):
+        if jnp.shape(g) != jnp.shape(p):
+            raise ValueError(f"packed_muon: grads leaf {path} has shape {jnp.shape(g)}, but its parameter has "
+                             f"{jnp.shape(p)}; pass the gradient of that parameter")
+
+
+def _check_grad_dtypes(grads, split, views, paths) -> None:
     for g, is_split, view, path in zip(grads, split, views, paths):
         dtype = jnp.result_type(g)
         if view is None or dtype == FLOAT32 or (is_split and dtype == BF16):
@@ -180,9 +189,10 @@ def _checked_exponents(exponents, treedef, params, views, paths, fmt: StateForma
         raise ValueError(
             f"packed_muon: the state's exponents are None, but mode {fmt.mode!r} keeps each Muon matrix's momentum as "
             f"its codes times 2**exponent ({fmt.identity}: PackedMuonState.exponents, which init() and "
-            "import_muon_state make), so its codes cannot be read. A state made by a packed-adamw before the "
-            "exponents (its codes read with exponent 0) continues with "
-            "`state = state._replace(exponents=tx.init(params).exponents)`; a state that lost its exponents cannot "
+            "import_muon_state make), so its codes cannot be read. A state of packed_muon(mode='bf16') has none "
+            "either (its 16-bit entries are bf16 values, not these codes): step it with a mode='bf16' transform. A "
+            "packed state made by a packed-adamw before the exponents (its codes read with exponent 0) continues "
+            "with `state = state._replace(exponents=tx.init(params).exponents)`; a state that lost its exponents cannot "
             "(its momenta would be off by 2**-exponent): restore it whole, or carry it through export_muon_state and "
             "import_muon_state")
     try:
@@ -215,7 +225,11 @@ def _checked_lows(low_halves, treedef, params, split, paths) -> list:
                              "low halves (it was built for float32 leaves); build the state with init() over these "
                              "parameters")
         return [None] * len(split)
-    entries = treedef.flatten_up_to(low_halves)
+    try:
+        entries = treedef.flatten_up_to(low_halves)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"packed_muon: the state's low halves do not have the parameters' tree ({e}); build the "
+                         "state with init() over the same parameters") from None
     for lo, p, is_split, path in zip(entries, params, split, paths):
         has = not isinstance(lo, optax.MaskedNode)
         if has != is_split or (has and _like(lo) != jax.ShapeDtypeStruct(jnp.shape(p), LOW_HALF)):

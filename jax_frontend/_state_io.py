@@ -115,6 +115,15 @@ def import_state(portable: PortableState, params, mode: str | StateFormat | Stat
 # ---------------------------------------------------------------------------------------------
 def _the_packed_state(state, what: str):
     """The one packed_adamw state inside an optax state (itself, a chain's, inject_hyperparams')."""
+    from .muon import PackedMuonState  # muon.py imports this package's transform
+
+    is_muon = lambda x: isinstance(x, PackedMuonState)  # noqa: E731
+    if any(is_muon(x) for x in jax.tree_util.tree_leaves(state, is_leaf=is_muon)):
+        # Its AdamW half's state is a packed_adamw state of the AdamW leaves only: read with every
+        # parameter, a Muon leaf's low half (in PackedMuonState.low_halves) would be missed or misread.
+        raise ValueError(f"{what}: the state is packed_muon's (PackedMuonState), which {what} does not read yet; "
+                         "its bfloat16 Muon leaves' low halves are PackedMuonState.low_halves (export_muon_state "
+                         "carries them with the rest of the state)")
     found = [x for x in jax.tree_util.tree_leaves(state, is_leaf=_is_ours) if _is_ours(x)]
     if len(found) != 1:
         raise ValueError(f"{what}: the state holds {len(found)} packed_adamw states; pass a packed_adamw state or an "

@@ -44,10 +44,10 @@ from packed_adamw.core.rule import MAX_STEP_COUNT
 
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
-from ._muon_state import MatrixView, _check_grads, _check_param_dtypes, _checked_exponents, _checked_lows, \
-    _checked_momenta, _like, _zero_exponents, leaf_views
+from ._muon_state import MatrixView, _check_grad_dtypes, _check_grads, _check_param_dtypes, _checked_exponents, \
+    _checked_lows, _checked_momenta, _like, _zero_exponents, leaf_views
 from ._step import CpuStepError, _subnormals_kept
-from ._hyperparams import _check_hyperparameter_kinds, _increment, _refusal_reason, _refuse_invalid, \
+from ._hyperparams import _check_count, _check_hyperparameter_kinds, _increment, _refusal_reason, _refuse_invalid, \
     _refused_eagerly, _warn_refused
 from .transform import _step_platforms, packed_adamw
 
@@ -453,9 +453,22 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         if not isinstance(state, PackedMuonState):
             raise TypeError(f"packed_muon: the state is a {type(state).__name__}; pass the state init() returned")
         flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        try:
+            p_leaves = None if params is None else treedef.flatten_up_to(params)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"packed_muon: the gradients' tree is not the parameters' ({e}); pass one gradient per "
+                             "parameter, in the parameters' structure") from None
         views = leaf_views(muon_weight_dimension_numbers, updates)
         muon = [i for i, v in enumerate(views) if v is not None]
         if not muon:
+            # The Muon half's entries are still checked: a tree without Muon leaves holds none.
+            _check_count(state.count, "packed_muon")
+            none, paths = [None] * len(flat), [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
+            if p_leaves is not None:
+                _check_grads([g for _, g in flat], p_leaves, paths)
+            _checked_momenta(state.momentum, treedef, none, views, paths, fmt)
+            _checked_exponents(state.exponents, treedef, none, views, paths, fmt)
+            _checked_lows(state.low_halves, treedef, none, [False] * len(flat), paths)
             adamw_updates, adamw_state = adamw.update(updates, state.adamw, params, **extra_args)
             accepted = _adamw_accepted(adamw_state, state.adamw)
             return _applied(adamw_updates, params, write_update), state._replace(
@@ -463,11 +476,11 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         if params is None:
             raise ValueError("packed_muon: the Muon step reads the weights (decay, and the update that gives the new "
                              "weight), so update() needs params: call tx.update(grads, state, params)")
-        p_leaves = treedef.flatten_up_to(params)
         paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
-        split = _check_param_dtypes(params, views)
         grads = [g for _, g in flat]
-        _check_grads(grads, split, views, paths)
+        _check_grads(grads, p_leaves, paths)
+        split = _check_param_dtypes(params, views)
+        _check_grad_dtypes(grads, split, views, paths)
         momenta = _checked_momenta(state.momentum, treedef, p_leaves, views, paths, fmt)
         exponents = _checked_exponents(state.exponents, treedef, p_leaves, views, paths, fmt)
         lows = _checked_lows(state.low_halves, treedef, p_leaves, split, paths)

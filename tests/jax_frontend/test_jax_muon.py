@@ -356,11 +356,52 @@ def test_a_newton_schulz_output_that_is_not_finite_refuses_the_matrix_whole(path
     (dict(adam_b2=lambda count: 0.99), TypeError, "adam_b2 is a schedule"),
     (dict(adam_eps=lambda count: 1e-8), TypeError, "adam_eps is a schedule"),
     (dict(adam_weight_decay=lambda count: 0.01), TypeError, "adam_weight_decay is a schedule"),
+    # A bool is not a number (it stepped with 1.0, in packed_adamw too).
+    (dict(learning_rate=True), TypeError, "learning_rate=True is a bool"),
+    (dict(weight_decay=np.bool_(True)), TypeError, "weight_decay=.*is a bool"),
 ])
 def test_bad_hyperparameters_are_refused_when_built(kwargs, error, message):
     kwargs = {"learning_rate": LR, **kwargs}
     with pytest.raises(error, match=message):
         packed_muon(**kwargs)
+    if kwargs["learning_rate"] is True:
+        with pytest.raises(TypeError, match="packed_adamw: learning_rate=True is a bool"):
+            packed_adamw(True)
+
+
+def test_misuse_found_by_a_review_is_refused_naming_what_to_do():
+    """A gradient of another shape than its parameter (it stepped a matrix of that shape and the
+    update reshaped the parameter) or of another tree; a tree without Muon leaves with a damaged
+    count or another tree's Muon entries (the Muon checks were skipped there); master_weights of
+    a Muon state (it misread it); the export of a damaged state (it wrote a file every import
+    refuses)."""
+    rng = np.random.default_rng(31)
+    params = make_params(rng)
+    tx = packed_muon(LR)
+    state = tx.init(params)
+    grads = make_grads(rng, params)
+    with pytest.raises(ValueError, match=r"grads leaf \['wide'\] has shape \(5, 14\), but its parameter has \(14, 5\)"):
+        tx.update({**grads, "wide": grads["wide"].T}, state, params)
+    with pytest.raises(ValueError, match="the gradients' tree is not the parameters'"):
+        tx.update({"other": grads["bias"]}, state, params)
+    no_matrices = {"bias": params["bias"]}
+    alone = tx.init(no_matrices)
+    with pytest.raises(ValueError, match="step count is -3"):
+        tx.update({"bias": grads["bias"]}, alone._replace(count=jnp.int32(-3)), no_matrices)
+    with pytest.raises(ValueError, match="momentum does not have the parameters' tree"):
+        tx.update({"bias": grads["bias"]}, alone._replace(momentum=state.momentum), no_matrices)
+    from packed_adamw.jax import master_weights
+    with pytest.raises(ValueError, match="master_weights: the state is packed_muon's"):
+        master_weights(params, state)
+    _, stepped = tx.update(grads, state, params)
+    with pytest.raises(ValueError, match="outside the"):
+        export_muon_state(stepped._replace(exponents={**stepped.exponents, "wide": jnp.int32(500)}), params)
+    fp32 = packed_muon(LR, mode="fp32")
+    _, fp32_state = fp32.update(grads, fp32.init(params), params)
+    damaged = fp32_state._replace(momentum={**fp32_state.momentum, "tall": fp32_state.momentum["tall"].at[0, 0].set(
+        jnp.nan)})
+    with pytest.raises(ValueError, match="the momentum holds NaN or Inf"):
+        export_muon_state(damaged, params, mode="fp32")
 
 
 def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph():
