@@ -413,11 +413,15 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
                             "Newton-Schulz loop, the momentum code), so it must be a Python int; "
                             f"optax.inject_hyperparams turns numbers into arrays: list {name!r} in its static_args")
     fmt = StateFormat(mode, mu_bias)
-    coefficients, steps = validate_ns(ns_coeffs, ns_steps, adjust_lr_fn)
     if not isinstance(nesterov, (bool, np.bool_)):
         raise TypeError(f"packed_muon: nesterov={nesterov!r}: pass True or False")
     known = lambda x: x if callable(x) or _concrete(x) is None else _concrete(x)  # noqa: E731
-    RULE.validate(*(known(x) for x in (learning_rate, beta, weight_decay, eps)), allow_arrays=True)
+    try:  # the rule's words are torch.optim.Muon's: say which of packed_muon's arguments they mean
+        coefficients, steps = validate_ns(ns_coeffs, ns_steps, adjust_lr_fn)
+        RULE.validate(*(known(x) for x in (learning_rate, beta, weight_decay, eps)), allow_arrays=True)
+    except ValueError as e:
+        raise ValueError(f"packed_muon: {e} (torch.optim.Muon's names: lr is learning_rate, momentum is beta, "
+                         "ns_coefficients is ns_coeffs)") from None
 
     def adamw_half(rate):
         return optax.masked(
@@ -427,7 +431,12 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
                                                                                      tree)]))
 
     shared_rate = adam_learning_rate is None  # both halves read `learning_rate`
-    adamw = adamw_half(learning_rate if shared_rate else adam_learning_rate)  # alone: no Muon leaf to refuse for it
+    try:
+        adamw = adamw_half(learning_rate if shared_rate else adam_learning_rate)  # alone: no Muon leaf to refuse for it
+    except (ValueError, TypeError) as e:  # packed_adamw's words: say they are the AdamW half's arguments
+        raise type(e)(f"packed_muon: the AdamW half refused its arguments (packed_adamw's lr, b1, b2, eps, "
+                      f"weight_decay and mask are packed_muon's {'learning_rate' if shared_rate else 'adam_learning_rate'}"
+                      f", adam_b1, adam_b2, adam_eps, adam_weight_decay and adam_mask): {e}") from None
     # Beside Muon leaves a shared rate that Muon refuses is read as 0 by the AdamW half: that step
     # is Muon's refusal, heard once in packed_muon's words, not again in packed_adamw's.
     adamw_beside_muon = adamw_half(_screened_rate(learning_rate)) if shared_rate else adamw

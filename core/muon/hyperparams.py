@@ -141,7 +141,9 @@ def validate_ns(ns_coefficients, ns_steps, adjust_lr_fn) -> tuple[tuple[float, f
                          f"pass three finite numbers (a, b, c), e.g. {DEFAULT_NS_COEFFICIENTS}")
     if isinstance(ns_steps, (bool, np.bool_)) or not isinstance(ns_steps, numbers.Integral) \
             or not 1 <= ns_steps < NS_STEPS_LIMIT:
-        raise ValueError(f"Number of steps must be less than {NS_STEPS_LIMIT}: ns_steps={ns_steps!r}; pass an int "
+        bound = "at least 1" if isinstance(ns_steps, numbers.Integral) and ns_steps < 1 else \
+            f"less than {NS_STEPS_LIMIT}"  # the second in torch.optim.Muon's words
+        raise ValueError(f"Number of steps must be {bound}: ns_steps={ns_steps!r}; pass an int "
                          f"in [1, {NS_STEPS_LIMIT})")
     if adjust_lr_fn not in ADJUST_LR_FNS:
         raise ValueError(f"Adjust learning rate function {adjust_lr_fn!r} is not supported; "

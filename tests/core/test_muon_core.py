@@ -167,6 +167,8 @@ def test_ns_settings_are_checked_and_defaults_are_torchs():
         validate_ns((1.0, 2.0), 5, None)
     with pytest.raises(ValueError, match="Number of steps must be less than 100"):
         validate_ns((1.0, 2.0, 3.0), 100, None)
+    with pytest.raises(ValueError, match="Number of steps must be at least 1: ns_steps=0"):  # not "less than 100"
+        validate_ns((1.0, 2.0, 3.0), 0, None)
     with pytest.raises(ValueError, match="Adjust learning rate function 'rms' is not supported"):
         validate_ns((1.0, 2.0, 3.0), 5, "rms")
 

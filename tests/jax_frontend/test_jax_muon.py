@@ -356,6 +356,9 @@ def test_a_newton_schulz_output_that_is_not_finite_refuses_the_matrix_whole(path
     (dict(adam_b2=lambda count: 0.99), TypeError, "adam_b2 is a schedule"),
     (dict(adam_eps=lambda count: 1e-8), TypeError, "adam_eps is a schedule"),
     (dict(adam_weight_decay=lambda count: 0.01), TypeError, "adam_weight_decay is a schedule"),
+    # The rules' words are torch's and packed_adamw's: the message says which argument they mean.
+    (dict(beta=1.0), ValueError, "^packed_muon: momentum should be below 1.*momentum is beta"),
+    (dict(adam_learning_rate=-1.0), ValueError, "^packed_muon: the AdamW half refused.*adam_learning_rate"),
     # A bool is not a number (it stepped with 1.0, in packed_adamw too).
     (dict(learning_rate=True), TypeError, "learning_rate=True is a bool"),
     (dict(weight_decay=np.bool_(True)), TypeError, "weight_decay=.*is a bool"),
