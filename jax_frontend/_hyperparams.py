@@ -142,9 +142,20 @@ def _is_step_count(count) -> bool:
     return isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= MAX_STEP_COUNT
 
 
+def _check_count_type(count, name: str) -> None:
+    """Refuse a count that is not an int32 scalar: a float32 count stops moving at 2**24, and one
+    of shape (1,) spreads its shape to the next state's. Known when the step is traced."""
+    shape, dtype = jnp.shape(count), jnp.result_type(count)
+    if shape != () or dtype != jnp.int32:
+        raise TypeError(f"{name}: the state's step count is {dtype} of shape {shape}; a count is an int32 scalar "
+                        f"(init() makes one). The state is damaged or not a {name} state")
+
+
 def _check_count(count, name: str = "packed_adamw") -> None:
-    """Refuse a negative count before the step where it is known (under jit the step is
-    refused in the graph instead, by `_refuse_invalid`)."""
+    """Refuse a count that is not an int32 scalar (`_check_count_type`), and a negative count
+    before the step where it is known (under jit the step is refused in the graph instead, by
+    `_refuse_invalid`)."""
+    _check_count_type(count, name)
     if isinstance(count, jax.core.Tracer):
         return
     value = int(np.asarray(count))

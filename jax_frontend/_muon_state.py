@@ -192,9 +192,9 @@ def _checked_exponents(exponents, treedef, params, views, paths, fmt: StateForma
             "import_muon_state make), so its codes cannot be read. A state of packed_muon(mode='bf16') has none "
             "either (its 16-bit entries are bf16 values, not these codes): step it with a mode='bf16' transform. A "
             "packed state made by a packed-adamw before the exponents (its codes read with exponent 0) continues "
-            "with `state = state._replace(exponents=tx.init(params).exponents)`; a state that lost its exponents cannot "
-            "(its momenta would be off by 2**-exponent): restore it whole, or carry it through export_muon_state and "
-            "import_muon_state")
+            "with `state = state._replace(exponents=tx.init(params).exponents)`; a state that lost its exponents "
+            "cannot (its momenta would be off by 2**-exponent): restore it whole, or carry it through "
+            "export_muon_state and import_muon_state")
     try:
         entries = treedef.flatten_up_to(exponents)
     except (ValueError, TypeError) as e:

@@ -47,8 +47,8 @@ from ._masters import BF16, FLOAT32, LOW_HALF
 from ._muon_state import MatrixView, _check_grad_dtypes, _check_grads, _check_param_dtypes, _checked_exponents, \
     _checked_lows, _checked_momenta, _like, _zero_exponents, leaf_views
 from ._step import CpuStepError, _subnormals_kept
-from ._hyperparams import _check_count, _check_hyperparameter_kinds, _increment, _refusal_reason, _refuse_invalid, \
-    _refused_eagerly, _warn_refused
+from ._hyperparams import _check_count, _check_count_type, _check_hyperparameter_kinds, _increment, _refusal_reason, \
+    _refuse_invalid, _refused_eagerly, _warn_refused
 from .transform import _step_platforms, packed_adamw
 
 # torch.optim.Muon's defaults (optax.contrib.muon's are eps=1e-8 and weight_decay=0).
@@ -434,9 +434,10 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
     try:
         adamw = adamw_half(learning_rate if shared_rate else adam_learning_rate)  # alone: no Muon leaf to refuse for it
     except (ValueError, TypeError) as e:  # packed_adamw's words: say they are the AdamW half's arguments
+        rate = "learning_rate" if shared_rate else "adam_learning_rate"
         raise type(e)(f"packed_muon: the AdamW half refused its arguments (packed_adamw's lr, b1, b2, eps, "
-                      f"weight_decay and mask are packed_muon's {'learning_rate' if shared_rate else 'adam_learning_rate'}"
-                      f", adam_b1, adam_b2, adam_eps, adam_weight_decay and adam_mask): {e}") from None
+                      f"weight_decay and mask are packed_muon's {rate}, adam_b1, adam_b2, adam_eps, adam_weight_decay "
+                      f"and adam_mask): {e}") from None
     # Beside Muon leaves a shared rate that Muon refuses is read as 0 by the AdamW half: that step
     # is Muon's refusal, heard once in packed_muon's words, not again in packed_adamw's.
     adamw_beside_muon = adamw_half(_screened_rate(learning_rate)) if shared_rate else adamw
@@ -461,6 +462,7 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         _refuse_accelerators((updates, params))
         if not isinstance(state, PackedMuonState):
             raise TypeError(f"packed_muon: the state is a {type(state).__name__}; pass the state init() returned")
+        _check_count_type(state.count, "packed_muon")
         flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
         try:
             p_leaves = None if params is None else treedef.flatten_up_to(params)

@@ -393,6 +393,11 @@ def test_misuse_found_by_a_review_is_refused_naming_what_to_do():
         tx.update({"bias": grads["bias"]}, alone._replace(count=jnp.int32(-3)), no_matrices)
     with pytest.raises(ValueError, match="momentum does not have the parameters' tree"):
         tx.update({"bias": grads["bias"]}, alone._replace(momentum=state.momentum), no_matrices)
+    # A count of shape (1,) spread its shape to the next state; a float32 one stops moving at 2**24.
+    for transform, words in ((tx, "packed_muon"), (packed_adamw(LR), "packed_adamw")):
+        for count in (jnp.zeros((1,), jnp.int32), jnp.float32(0)):
+            with pytest.raises(TypeError, match=f"{words}: the state's step count is .*; a count is an int32 scalar"):
+                transform.update(grads, transform.init(params)._replace(count=count), params)
     from packed_adamw.jax import master_weights
     with pytest.raises(ValueError, match="master_weights: the state is packed_muon's"):
         master_weights(params, state)
