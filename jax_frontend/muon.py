@@ -471,10 +471,11 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
                              "parameter, in the parameters' structure") from None
         views = leaf_views(muon_weight_dimension_numbers, updates)
         muon = [i for i, v in enumerate(views) if v is not None]
+        paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
         if not muon:
             # The Muon half's entries are still checked: a tree without Muon leaves holds none.
             _check_count(state.count, "packed_muon")
-            none, paths = [None] * len(flat), [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
+            none = [None] * len(flat)
             if p_leaves is not None:
                 _check_grads([g for _, g in flat], p_leaves, paths)
             _checked_momenta(state.momentum, treedef, none, views, paths, fmt)
@@ -487,7 +488,6 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         if params is None:
             raise ValueError("packed_muon: the Muon step reads the weights (decay, and the update that gives the new "
                              "weight), so update() needs params: call tx.update(grads, state, params)")
-        paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in flat]
         grads = [g for _, g in flat]
         _check_grads(grads, p_leaves, paths)
         split = _check_param_dtypes(params, views)

@@ -709,14 +709,15 @@ def _cpu_step(opt, work: list[Matrix]) -> tuple[list[bool], list[int]]:
             w = work[i]
             # The whole O (every rank's, for a sharded matrix: the same) must be finite: one that is
             # not refuses the matrix, and only then are its momentum and exponent stored.
-            if not ortho_finite(_numpy16(result.contiguous())):
+            whole = _numpy16(result.contiguous())
+            if not ortho_finite(whole):
                 refused[i] = True
                 continue
             commit_momentum(updates[i], w.momentum.numpy(), fmt=fmt,
                             exponent=None if w.exponent is None else w.exponent.numpy(),
                             amax=whole_amax.get(id(w.param)),
                             format_counts_out=None if counts is None else counts[i, :len(FORMAT_COUNTS)])
-            ortho = _numpy16(_local_part(w.param, result) if w.sharded else result.contiguous())
+            ortho = _numpy16(_local_part(w.param, result)) if w.sharded else whole
             if w.low is not None:
                 rejected[i] = weight_phase_split(_numpy16(w.weights), w.low.numpy(), ortho, scalar_rows[i])
             else:
