@@ -18,6 +18,7 @@ from .state_format import AMAX_EXPONENT_FIELD, StateFormat
 
 F32 = np.float32
 BF16_EXPONENT_MASK = 0x7F80
+QUIET_NAN_BF16 = 0x7FC0  # bf16_bits of every NaN
 
 
 def fma32(a, b, c) -> np.ndarray:
@@ -50,9 +51,13 @@ def lerp32(start, end, weight) -> np.ndarray:
 
 def bf16_bits(values) -> np.ndarray:
     """float32 -> bf16 bits (uint16), rounded to nearest even as torch's `.bfloat16()`; a value
-    that rounds past bf16's largest finite number gives Inf's bits. NaN inputs are the caller's."""
+    that rounds past bf16's largest finite number gives Inf's bits. Every NaN gives the quiet NaN
+    QUIET_NAN_BF16: rounding a NaN's bits as a number's could carry into the sign bit and make it
+    -0 (a GPU's NaN is 0x7FFFFFFF), which would turn a Newton-Schulz overflow into a zero update.
+    (torch's own conversions disagree on NaN: 0xFFFF on CPU, 0x7FFF on CUDA.)"""
     bits = np.asarray(values, F32).view(np.uint32)
-    return ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    return np.where((bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000), np.uint16(QUIET_NAN_BF16), rounded)
 
 
 def bf16_values(bits) -> np.ndarray:

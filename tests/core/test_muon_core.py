@@ -533,6 +533,19 @@ def test_bf16_mode_rounds_as_torchs_bfloat16():
     assert [g is None for g in got] == ((expected[::37] & 0x7FFF) == 0x7F80).tolist()
 
 
+NAN_PAYLOADS = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0x7F800001, 0xFFC00000, 0x7FC00000], U32)  # 0x7FFFFFFF: a GPU's NaN
+
+
+def test_every_nan_rounds_to_the_quiet_nan():
+    """A NaN is no number to round: its bits plus the rounding carry could reach the sign bit
+    (0x7FFFFFFF, the NaN an NVIDIA GPU makes, became -0: an overflowing Newton-Schulz gave a zero
+    update on the GPU and the step was accepted). Every NaN gives 0x7FC0; Inf and the largest
+    finite values keep theirs."""
+    assert (bf16_bits(NAN_PAYLOADS.view(F32)) == 0x7FC0).all()
+    edges = np.array([0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x7F7F7FFF], U32).view(F32)
+    assert bf16_bits(edges).tolist() == [0x7F80, 0xFF80, 0x7F80, 0x7F7F]
+
+
 def torch_newton_schulz(ns_bits, ns_coefficients, ns_steps, eps, device="cpu"):
     """torch.optim.Muon's own Newton-Schulz (a private function: the oracle's, not ours), on
     `device`; returns its bf16 output's bits."""

@@ -8,11 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest import interpreting
 from muon_helpers import PhasesReference, gradient
 from packed_adamw.core import launch
 from packed_adamw.core.muon import bf16_bits, bf16_values, newton_schulz_reference, ns_kernel
+from packed_adamw.core.muon.kernel import _bf16_bits
 from packed_adamw.core.muon.ns_reference import newton_schulz_triton_reference
 from packed_adamw.torch import PackedMuon
 from packed_adamw.torch import muon as torch_muon
@@ -96,6 +99,24 @@ def test_close_to_torch_and_float32_newton_schulz():
     torch_ns = bf16_values(_bits(newton_schulz(x, COEFFICIENTS, STEPS, EPS)))
     assert np.abs(got - torch_ns).max() <= 2.0 ** -6
     assert np.abs(got - newton_schulz_reference(bf16_values(_bits(x)), COEFFICIENTS, STEPS, EPS)).max() <= 2.0 ** -4
+
+
+@triton.jit
+def _rounds(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, _bf16_bits(tl.load(x_ptr + offsets)).to(tl.int32, bitcast=True))
+
+
+def test_the_kernels_round_every_nan_to_the_quiet_nan():
+    """core/muon/kernel.py's `_bf16_bits` (every bf16 rounding of the Newton-Schulz kernels and
+    of the momentum phase) on NaN payloads, the GPU's 0x7FFFFFFF among them: 0x7FC0, as numpy's
+    `bf16_bits` (test_muon_core.py); before, 0x7FFFFFFF gave -0."""
+    payloads = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0x7F800001, 0x7F800000, 0x7F7FFFFF, 0x3F808000,
+                         0x3F818000], np.uint32)
+    x = torch.from_numpy(payloads.view(np.float32).copy())
+    out = torch.empty(len(payloads), dtype=torch.int32)
+    _rounds[(1,)](x, out, BLOCK=len(payloads))
+    assert out.tolist() == [0x7FC0] * 4 + bf16_bits(payloads[4:].view(np.float32)).astype(np.int32).tolist()
 
 
 def test_plan_refuses_a_tall_or_empty_shape():
