@@ -23,7 +23,7 @@ import numpy as np
 
 from packed_adamw.core import launch
 from packed_adamw.core.muon import adjusted_lr, ns_kernel, step_scalar_row
-from packed_adamw.core.muon.kernel import MATRIX_COUNTERS
+from packed_adamw.core.muon.kernel import MATRIX_COUNTERS, matrix_programs, tall_tile
 from packed_adamw.core.muon.leaf_group_kernel import (  # noqa: F401  (the launches' kernels, named here for tests)
     muon_momentum_group_kernel,
     muon_scalars_kernel,
@@ -86,7 +86,8 @@ def _out_slots(buffers: list) -> list:
 
 
 def _grid(view, batches: list[int]) -> tuple[int, int, int]:
-    return (launch.grid(view.rows * view.cols, launch.GPU_BLOCK)[0], max(batches), len(batches))
+    k, n, tall = wide_shape(view)
+    return (matrix_programs(k, n, tall, launch.GPU_BLOCK, tall_tile()), max(batches), len(batches))
 
 
 def _exponent_slots(exponents: list) -> list:
@@ -117,6 +118,7 @@ def momentum_group_step(grads, states, exponents, scalars, x, counters, slot0s, 
         num_warps=launch.GPU_NUM_WARPS,
         input_output_aliases={x_input: 0, x_input + 1: 1},
         TALL=tall, **constants, NESTEROV=bool(nesterov), GRAD_BF16=bool(grad_bf16), BLOCK=launch.GPU_BLOCK,
+        TILE=tall_tile(),
         **launch.COMPILE_OPTIONS,
     )
     return results[0], results[1]
@@ -162,7 +164,7 @@ def weight_group_step(params, lows, grads, states, exponents, scalars, counters,
         num_warps=launch.GPU_NUM_WARPS,
         input_output_aliases=aliases,
         TALL=tall, **fmt.kernel_constexprs(track_format=False), GRAD_BF16=bool(grad_bf16), SPLIT=split,
-        UPDATE=bool(write_update), BLOCK=launch.GPU_BLOCK,
+        UPDATE=bool(write_update), BLOCK=launch.GPU_BLOCK, TILE=tall_tile(),
         **launch.COMPILE_OPTIONS,
     )
     n_leaves = len(params)

@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from packed_adamw.core import launch  # noqa: E402
+from packed_adamw.core.muon import kernel as mk  # noqa: E402
 from packed_adamw.core.muon import ns_kernel  # noqa: E402
 from packed_adamw.core.muon.state_format import StateFormat  # noqa: E402
 from packed_adamw.jax import _muon_triton as mt  # noqa: E402
@@ -66,7 +67,8 @@ def group_kernels() -> int:
                          "x_in_ptr": "*i16", "counters_in_ptr": "*i32", "n_elements": "i32", "rows": "i32",
                          "cols": "i32", "x_ptr": "*i16", "counters_ptr": "*i32"}
             compile_sm90(mt.muon_momentum_group_kernel, signature, {
-                "TALL": tall, **constants, "NESTEROV": nesterov, "GRAD_BF16": grad_bf16, "BLOCK": launch.GPU_BLOCK},
+                "TALL": tall, **constants, "NESTEROV": nesterov, "GRAD_BF16": grad_bf16, "BLOCK": launch.GPU_BLOCK,
+                "TILE": mk.TALL_TILE},
                 warps)
             n += 1
         for (split, update), tall, grad_bf16 in itertools.product(((False, False), (False, True), (True, False)),
@@ -82,7 +84,7 @@ def group_kernels() -> int:
                          **_slots("new_state", state), **_slots("new_exponent", "*i32"), "counters_ptr": "*i32"}
             compile_sm90(mt.muon_weight_group_kernel, signature, {
                 "TALL": tall, **constants, "GRAD_BF16": grad_bf16, "SPLIT": split, "UPDATE": update,
-                "BLOCK": launch.GPU_BLOCK}, warps)
+                "BLOCK": launch.GPU_BLOCK, "TILE": mk.TALL_TILE}, warps)
             n += 1
     return n
 
@@ -93,8 +95,6 @@ def torch_kernels() -> int:
     three momentum modes, float32 and bf16 gradients, with and without maximize (and Nesterov for
     the momentum phase), float32 and split bf16 weights, at launch.GPU_BLOCK and PackedMuon's
     default warps."""
-    from packed_adamw.core.muon import kernel as mk
-
     n = 0
     for mode in ("packed", "bf16", "fp32"):
         constants = StateFormat(mode, 31).kernel_constexprs(track_format=False)
@@ -106,10 +106,11 @@ def torch_kernels() -> int:
                 compile_sm90(mk.muon_momentum_kernel, {
                     "grad_ptr": grad, "state_ptr": state, "exponent_ptr": "*i32", "x_ptr": "*i16",
                     "scalars_ptr": "*fp32", "counters_ptr": "*i32", "n_elements": "i32"}, {**flags, "NESTEROV": nesterov})
-                compile_sm90(mk.muon_momentum_table_kernel, {
-                    "table_ptr": "*i64", "x_ptr": "*i16", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
-                    "rows": "i32", "cols": "i32"}, {**flags, "NESTEROV": nesterov})
-                n += 2
+                for tall in (False, True):
+                    compile_sm90(mk.muon_momentum_table_kernel, {
+                        "table_ptr": "*i64", "x_ptr": "*i16", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
+                        "rows": "i32", "cols": "i32"}, {**flags, "NESTEROV": nesterov, "TALL": tall, "TILE": mk.TALL_TILE})
+                n += 3
             for split in (False, True) if not grad_bf16 else (True,):  # a float32 matrix takes float32 gradients
                 weights = "*i16" if split else "*fp32"
                 counting = (False, True) if mode == "packed" else (False,)
@@ -119,10 +120,19 @@ def torch_kernels() -> int:
                         "param_ptr": weights, "lo_ptr": "*i16" if split else weights, "ortho_ptr": "*i16",
                         "grad_ptr": grad, "state_ptr": state, "exponent_ptr": "*i32", "scalars_ptr": "*fp32",
                         "counters_ptr": "*i32", **counts, "n_elements": "i32"}, {**flags, "SPLIT": split})
-                    compile_sm90(mk.muon_weight_table_counting_kernel if count else mk.muon_weight_table_kernel, {
-                        "table_ptr": "*i64", "ortho_ptr": "*i16", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
-                        **counts, "rows": "i32", "cols": "i32"}, {**flags, "SPLIT": split})
-                    n += 2
+                    for tall in (False, True):
+                        compile_sm90(mk.muon_weight_table_counting_kernel if count else mk.muon_weight_table_kernel, {
+                            "table_ptr": "*i64", "ortho_ptr": "*i16", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
+                            **counts, "rows": "i32", "cols": "i32"}, {**flags, "SPLIT": split, "TALL": tall,
+                                                                      "TILE": mk.TALL_TILE})
+                    n += 3
+    for kernel, signature in ((mk.muon_refuse_nonfinite_kernel, {"ortho_ptr": "*i16", "counters_ptr": "*i32",
+                                                                 "n_elements": "i32"}),
+                              (mk.muon_refuse_nonfinite_table_kernel, {"table_ptr": "*i64", "ortho_ptr": "*i16",
+                                                                       "counters_ptr": "*i32", "rows": "i32",
+                                                                       "cols": "i32"})):
+        compile_sm90(kernel, signature, {"BLOCK": launch.GPU_BLOCK})
+        n += 1
     return n
 
 

@@ -29,6 +29,8 @@ accepted matrix's format counts (MUON.md, "Format counts") added to its counter 
 import triton
 import triton.language as tl
 
+from ..launch import interpreting
+
 from ..kernel import (
     ALL_ONES,
     COUNTER_ROW,
@@ -146,11 +148,12 @@ def _next_momentum(grad_ptr, state_ptr, offsets, in_bounds, one_minus_momentum, 
 
 
 @triton.jit
-def _momentum_block(grad_ptr, state_ptr, exponent_ptr, x_ptr, x_offsets, scalars_ptr, counters_ptr, offsets,
-                    in_bounds, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
-                    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr):
+def _momentum_block(grad_ptr, state_ptr, exponent_ptr, x_ptr, x_offsets, x_in_bounds, scalars_ptr, counters_ptr,
+                    offsets, in_bounds, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr,
+                    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, TALL: tl.constexpr,
+                    TILE: tl.constexpr):
     """Phase 1 of one block of a matrix: the gradient and the momentum read at `offsets`, the
-    Newton-Schulz input written at `x_offsets` (a batch slot may hold it transposed); the
+    Newton-Schulz input written at `x_offsets` (`block_offsets`: TALL, a tile transposed); the
     block's refusing elements, and (packed mode) its largest |m'| and the matrix's exponent
     (read at `exponent_ptr`), into the matrix's counters row."""
     one_minus_momentum = tl.load(scalars_ptr)
@@ -168,7 +171,8 @@ def _momentum_block(grad_ptr, state_ptr, exponent_ptr, x_ptr, x_offsets, scalars
         x = m_next
     x_bits = _bf16_bits(x)
     bad = bad | ~_finite(x) | ((x_bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK)
-    tl.store(x_ptr + x_offsets, x_bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
+    tl.store(x_ptr + x_offsets, tile_transposed(x_bits.to(tl.uint16).to(tl.int16, bitcast=True), TALL, TILE),
+             mask=x_in_bounds)
     if MODE == BF16_MODE:
         m_bits = _bf16_bits(m_next)
         bad = bad | ((m_bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK)
@@ -182,15 +186,16 @@ def _momentum_block(grad_ptr, state_ptr, exponent_ptr, x_ptr, x_offsets, scalars
 
 
 @triton.jit
-def _weight_block(param_ptr, lo_ptr, ortho_ptr, ortho_offsets, grad_ptr, state_ptr, exponent_ptr, scalars_ptr,
-                  counters_ptr, rejected_ptr, offsets, in_bounds, MODE: tl.constexpr, MU_FRAC: tl.constexpr,
-                  MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr,
-                  SPLIT: tl.constexpr, update_ptr, UPDATE: tl.constexpr, TRACK_FORMAT: tl.constexpr):
+def _weight_block(param_ptr, lo_ptr, ortho_ptr, ortho_offsets, ortho_in_bounds, grad_ptr, state_ptr, exponent_ptr,
+                  scalars_ptr, counters_ptr, rejected_ptr, offsets, in_bounds, MODE: tl.constexpr,
+                  MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr, MAXIMIZE: tl.constexpr,
+                  GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, update_ptr, UPDATE: tl.constexpr,
+                  TRACK_FORMAT: tl.constexpr, TALL: tl.constexpr, TILE: tl.constexpr):
     """Phase 2 of one block of an accepted matrix: m' again (the momentum phase's operations on
     the same gradient and stored momentum, with the exponent it read, from `counters`), stored
     at `offsets` (packed mode: m' * 2**-s encoded, s from the counters row's max |m'|, and s
     written at `exponent_ptr`); then the weights, the Newton-Schulz result read at
-    `ortho_offsets`, their rejected elements added at `rejected_ptr`. UPDATE (float32 weights
+    `ortho_offsets` (`block_offsets`), their rejected elements added at `rejected_ptr`. UPDATE (float32 weights
     only): the weights are left as they are and `update` takes the optax update u for them,
     `float32_update(p, p')` (u = p' - p, clipped to the float32 range, -0.0 where p' has p's
     bits), as the JAX transform returns it. With TRACK_FORMAT (packed mode) returns the block's
@@ -227,7 +232,7 @@ def _weight_block(param_ptr, lo_ptr, ortho_ptr, ortho_offsets, grad_ptr, state_p
             format_lanes = tl.where(in_bounds, lanes, 0)
     decay = tl.load(scalars_ptr + 2)
     neg_adjusted_lr = tl.load(scalars_ptr + 3)
-    o = _bf16_from_bits(tl.load(ortho_ptr + ortho_offsets, mask=in_bounds, other=0))
+    o = _bf16_from_bits(tile_transposed(tl.load(ortho_ptr + ortho_offsets, mask=ortho_in_bounds, other=0), TALL, TILE))
     if SPLIT:
         w_bits = tl.load(param_ptr + offsets, mask=in_bounds, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
         lo_bits = tl.load(lo_ptr + offsets, mask=in_bounds, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
@@ -284,8 +289,9 @@ def muon_momentum_kernel(
     int32 exponent (packed mode; any pointer otherwise, unread); `x` int16 bf16 bits; `scalars`
     the matrix's float32 step-scalar row; `counters` its MATRIX_COUNTERS int32, zeroed before."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    _momentum_block(grad_ptr, state_ptr, exponent_ptr, x_ptr, offsets, scalars_ptr, counters_ptr, offsets,
-                    offsets < n_elements, MODE, MU_FRAC, MU_BIAS, NESTEROV, MAXIMIZE, GRAD_BF16)
+    in_bounds = offsets < n_elements
+    _momentum_block(grad_ptr, state_ptr, exponent_ptr, x_ptr, offsets, in_bounds, scalars_ptr, counters_ptr, offsets,
+                    in_bounds, MODE, MU_FRAC, MU_BIAS, NESTEROV, MAXIMIZE, GRAD_BF16, False, 1)
 
 
 @triton.jit
@@ -322,35 +328,105 @@ def _weight_program(param_ptr, lo_ptr, ortho_ptr, grad_ptr, state_ptr, exponent_
                     BLOCK: tl.constexpr, TRACK_FORMAT: tl.constexpr):
     if tl.load(counters_ptr) == 0:
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        format_lanes = _weight_block(param_ptr, lo_ptr, ortho_ptr, offsets, grad_ptr, state_ptr, exponent_ptr,
-                                     scalars_ptr, counters_ptr, counters_ptr + REJECTED_COUNTER, offsets,
-                                     offsets < n_elements, MODE, MU_FRAC, MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT,
-                                     param_ptr, False, TRACK_FORMAT)
+        in_bounds = offsets < n_elements
+        format_lanes = _weight_block(param_ptr, lo_ptr, ortho_ptr, offsets, in_bounds, grad_ptr, state_ptr,
+                                     exponent_ptr, scalars_ptr, counters_ptr, counters_ptr + REJECTED_COUNTER, offsets,
+                                     in_bounds, MODE, MU_FRAC, MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, param_ptr,
+                                     False, TRACK_FORMAT, False, 1)
         if TRACK_FORMAT:
             add_counts(counts_ptr, format_lanes, format_lanes, False, True)
+
+
+@triton.jit
+def _refuse_nonfinite_block(ortho_ptr, offsets, in_bounds, refused_ptr):
+    """Adds 1 to a matrix's refused count (`refused_ptr`) if this block of its Newton-Schulz
+    output (int16 bf16 bits) holds a value that is not finite (numpy_step.ortho_finite): the
+    weight phase then stores neither its momentum nor its weights (MUON.md, "The matrix is
+    refused"). A count of blocks, not a flag: integer sums come out the same in any order."""
+    bits = tl.load(ortho_ptr + offsets, mask=in_bounds, other=0)
+    nonfinite = tl.max(((bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK).to(tl.int32), axis=0)
+    tl.atomic_add(refused_ptr, nonfinite, mask=nonfinite > 0)
+
+
+@triton.jit
+def muon_refuse_nonfinite_kernel(ortho_ptr, counters_ptr, n_elements, BLOCK: tl.constexpr):
+    """Between Newton-Schulz and the weight phase of one matrix: `ortho` its output (n_elements
+    int16 bf16 bits, any order), `counters` its counters row (`_refuse_nonfinite_block`)."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _refuse_nonfinite_block(ortho_ptr, offsets, offsets < n_elements, counters_ptr)
 
 
 # ---- one launch per Newton-Schulz batch -------------------------------------------------------
 # A batch's matrices share one wide shape (rows, cols), rows <= cols; a tall matrix is its
 # transpose. Matrix j of a launch is row j of an int64 table of MOMENTUM_TABLE_COLUMNS (or
 # WEIGHT_TABLE_COLUMNS) words: its addresses, its index into the step's scalar rows and
-# counters, its slot in the batch's [B, rows, cols] buffers, and whether it is tall (its slot
-# holds it transposed). The elementwise arithmetic is the per-matrix kernels'.
-MOMENTUM_TABLE_COLUMNS = 6  # grad, state, exponent, matrix index, slot, tall
-WEIGHT_TABLE_COLUMNS = 8  # param, low half (the param again without SPLIT), grad, state, exponent, index, slot, tall
+# counters, and its slot in the batch's [B, rows, cols] buffers. A launch's matrices share an
+# orientation (TALL: each slot holds its matrix transposed). The elementwise arithmetic is the
+# per-matrix kernels'.
+MOMENTUM_TABLE_COLUMNS = 5  # grad, state, exponent, matrix index, slot
+WEIGHT_TABLE_COLUMNS = 7  # param, low half (the param again without SPLIT), grad, state, exponent, index, slot
 _MOMENTUM_COLUMNS = tl.constexpr(MOMENTUM_TABLE_COLUMNS)  # Triton reads globals only as constexprs
 _WEIGHT_COLUMNS = tl.constexpr(WEIGHT_TABLE_COLUMNS)
 MATRIX_SCALARS = tl.constexpr(len(SCALAR_FIELDS))  # a matrix's step_scalar_row
+# A tall matrix's programs take TALL_TILE x TALL_TILE tiles (`block_offsets`): 1,024 elements, as
+# two GPU_BLOCKs; runs of 32 consecutive elements on each side (64 to 128 bytes).
+TALL_TILE = 32
+INTERPRETER_TALL_TILE = 8
+
+
+def matrix_programs(rows: int, cols: int, tall: bool, block: int, tile: int) -> int:
+    """Programs per matrix of a batch launch (`block_offsets`): a [rows, cols] slot's elements
+    BLOCK at a time, or a tall matrix's TILE x TILE tiles."""
+    if tall:
+        return -(-rows // tile) * -(-cols // tile)
+    return -(-(rows * cols) // block)
+
+
+def tall_tile() -> int:
+    """A tall matrix's tile side: TALL_TILE compiled; interpreted, small enough that the tests'
+    small matrices span several tiles and their edges."""
+    return INTERPRETER_TALL_TILE if interpreting() else TALL_TILE
 
 
 @triton.jit
-def _slot_offsets(offsets, tall, rows, cols):
-    """Where element `offsets` of a matrix lies in its [rows, cols] slot: itself for a wide
-    matrix; for a tall one ([cols, rows] row-major) the transposed position."""
-    slot_offsets = offsets
-    if tall != 0:
-        slot_offsets = (offsets % rows) * cols + offsets // rows
-    return slot_offsets
+def block_offsets(block, rows, cols, TALL: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """Program `block`'s elements of a matrix whose batch slot is [rows, cols] (rows <= cols):
+    (offsets in the matrix, in bounds there, offsets in the slot, in bounds there). A wide
+    matrix: BLOCK consecutive elements, at the same offsets in its slot. A tall matrix ([cols,
+    rows] row-major, its slot holding its transpose): a TILE x TILE tile, listed along the
+    matrix's rows for the matrix and along its columns for the slot, so that both sides read
+    and write consecutive addresses (`tile_transposed` moves a tile's values between the two
+    lists, through shared memory on a GPU); element by element, where it lay before (the
+    transposed position of each offset, by an int64 division and remainder each) cost about
+    4.6x the phase's bytes on the d12 matrices (D12_STACK.md)."""
+    if TALL:
+        tiles_across = tl.cdiv(rows, TILE)  # the matrix's columns are the slot's rows
+        tile_i = block // tiles_across * TILE
+        tile_j = block % tiles_across * TILE
+        lanes = tl.arange(0, TILE * TILE)
+        i = tile_i + lanes // TILE  # the matrix's row, its column j consecutive within a tile row
+        j = tile_j + lanes % TILE
+        offsets = i * rows + j
+        in_bounds = (i < cols) & (j < rows)
+        slot_i = tile_i + lanes % TILE  # the same tile, i consecutive: the slot's contiguous axis
+        slot_j = tile_j + lanes // TILE
+        slot_offsets = slot_j * cols + slot_i
+        slot_in_bounds = (slot_i < cols) & (slot_j < rows)
+    else:
+        offsets = block * BLOCK + tl.arange(0, BLOCK)
+        in_bounds = offsets < tl.cast(rows, tl.int64) * cols
+        slot_offsets = offsets
+        slot_in_bounds = in_bounds
+    return offsets, in_bounds, slot_offsets, slot_in_bounds
+
+
+@triton.jit
+def tile_transposed(values, TALL: tl.constexpr, TILE: tl.constexpr):
+    """A tall matrix's tile values from one of `block_offsets`' two lists to the other (the
+    transpose of a square tile, so either way); a wide matrix's as they are."""
+    if TALL:
+        values = tl.reshape(tl.trans(tl.reshape(values, (TILE, TILE))), (TILE * TILE,))
+    return values
 
 
 @triton.jit
@@ -373,53 +449,69 @@ def _grad_pointer(address, GRAD_BF16: tl.constexpr):
 def muon_momentum_table_kernel(
     table_ptr, x_ptr, scalars_ptr, counters_ptr, rows, cols,
     MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
-    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, TALL: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr,
 ):
-    """Phase 1 of a batch's matrices, grid (blocks per matrix, matrices): X into the matrix's
-    slot of `x` ([B, rows, cols] int16 bf16 bits, a tall matrix transposed); `scalars` the
-    step's [n, 4] float32 rows, `counters` its [n, MATRIX_COUNTERS] int32 rows."""
+    """Phase 1 of a batch's matrices of one orientation, grid (`matrix_programs`, matrices): X
+    into the matrix's slot of `x` ([B, rows, cols] int16 bf16 bits; TALL: the matrices are
+    tall, their slots hold them transposed); `scalars` the step's [n, 4] float32 rows,
+    `counters` its [n, MATRIX_COUNTERS] int32 rows."""
     row = table_ptr + tl.program_id(1).to(tl.int64) * _MOMENTUM_COLUMNS
     n_elements = tl.cast(rows, tl.int64) * cols  # tl.cast: a 1 may arrive as a constexpr
     index = tl.load(row + 3)
     slot = tl.load(row + 4) * n_elements
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x_offsets = _slot_offsets(offsets, tl.load(row + 5), rows, cols)
+    offsets, in_bounds, x_offsets, x_in_bounds = block_offsets(tl.program_id(0).to(tl.int64), rows, cols, TALL,
+                                                               BLOCK, TILE)
     _momentum_block(_grad_pointer(tl.load(row), GRAD_BF16), _state_pointer(tl.load(row + 1), MODE),
-                    tl.load(row + 2).to(tl.pointer_type(tl.int32)), x_ptr + slot, x_offsets,
+                    tl.load(row + 2).to(tl.pointer_type(tl.int32)), x_ptr + slot, x_offsets, x_in_bounds,
                     scalars_ptr + index * MATRIX_SCALARS, counters_ptr + index * MATRIX_COUNTERS, offsets,
-                    offsets < n_elements, MODE, MU_FRAC, MU_BIAS, NESTEROV, MAXIMIZE, GRAD_BF16)
+                    in_bounds, MODE, MU_FRAC, MU_BIAS, NESTEROV, MAXIMIZE, GRAD_BF16, TALL, TILE)
+
+
+@triton.jit
+def muon_refuse_nonfinite_table_kernel(table_ptr, ortho_ptr, counters_ptr, rows, cols, BLOCK: tl.constexpr):
+    """`muon_refuse_nonfinite_kernel` for a momentum launch's matrices, grid (blocks per matrix,
+    matrices): `ortho` the batch's Newton-Schulz output [B, rows, cols], the matrices' rows and
+    slots read from the momentum launch's `table` (nothing waits; a capture replays it)."""
+    row = table_ptr + tl.program_id(1).to(tl.int64) * _MOMENTUM_COLUMNS
+    n_elements = tl.cast(rows, tl.int64) * cols  # tl.cast: a 1 may arrive as a constexpr
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _refuse_nonfinite_block(ortho_ptr + tl.load(row + 4) * n_elements, offsets, offsets < n_elements,
+                            counters_ptr + tl.load(row + 3) * MATRIX_COUNTERS)
 
 
 @triton.jit
 def muon_weight_table_kernel(
     table_ptr, ortho_ptr, scalars_ptr, counters_ptr, rows, cols,
     MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
-    MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, TALL: tl.constexpr, BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
 ):
-    """Phase 2 of a batch's matrices, grid (blocks per matrix, matrices), each unless its row of
+    """Phase 2 of a batch's matrices of one orientation, on phase 1's grid, each unless its row of
     `counters` counts a refusing element: `ortho` the batch's Newton-Schulz result [B, rows,
     cols] (int16 bf16 bits, a tall matrix transposed)."""
     _weight_table_program(table_ptr, ortho_ptr, scalars_ptr, counters_ptr, counters_ptr, rows, cols, MODE, MU_FRAC,
-                          MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, BLOCK, False)
+                          MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, TALL, BLOCK, TILE, False)
 
 
 @triton.jit
 def muon_weight_table_counting_kernel(
     table_ptr, ortho_ptr, scalars_ptr, counters_ptr, counts_ptr, rows, cols,
     MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
-    MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, TALL: tl.constexpr, BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     """`muon_weight_table_kernel` (packed mode) that also adds each accepted matrix's format
     counts to its row of `counts` ([n, COUNTER_ROW] int64, at the matrix's index)."""
     _weight_table_program(table_ptr, ortho_ptr, scalars_ptr, counters_ptr, counts_ptr, rows, cols, MODE, MU_FRAC,
-                          MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, BLOCK, True)
+                          MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, TALL, BLOCK, TILE, True)
 
 
 @triton.jit
 def _weight_table_program(table_ptr, ortho_ptr, scalars_ptr, counters_ptr, counts_ptr, rows, cols,
                           MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
-                          MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                          TRACK_FORMAT: tl.constexpr):
+                          MAXIMIZE: tl.constexpr, GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, TALL: tl.constexpr,
+                          BLOCK: tl.constexpr, TILE: tl.constexpr, TRACK_FORMAT: tl.constexpr):
     row = table_ptr + tl.program_id(1).to(tl.int64) * _WEIGHT_COLUMNS
     index = tl.load(row + 5)
     counters_ptr += index * MATRIX_COUNTERS
@@ -432,13 +524,14 @@ def _weight_table_program(table_ptr, ortho_ptr, scalars_ptr, counters_ptr, count
         else:
             param_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
             lo_ptr = param_ptr
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ortho_offsets = _slot_offsets(offsets, tl.load(row + 7), rows, cols)
-        format_lanes = _weight_block(param_ptr, lo_ptr, ortho_ptr + slot, ortho_offsets,
+        offsets, in_bounds, ortho_offsets, ortho_in_bounds = block_offsets(tl.program_id(0).to(tl.int64), rows, cols,
+                                                                           TALL, BLOCK, TILE)
+        format_lanes = _weight_block(param_ptr, lo_ptr, ortho_ptr + slot, ortho_offsets, ortho_in_bounds,
                                      _grad_pointer(tl.load(row + 2), GRAD_BF16), _state_pointer(tl.load(row + 3), MODE),
                                      tl.load(row + 4).to(tl.pointer_type(tl.int32)),
                                      scalars_ptr + index * MATRIX_SCALARS, counters_ptr,
-                                     counters_ptr + REJECTED_COUNTER, offsets, offsets < n_elements, MODE, MU_FRAC,
-                                     MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, param_ptr, False, TRACK_FORMAT)
+                                     counters_ptr + REJECTED_COUNTER, offsets, in_bounds, MODE, MU_FRAC,
+                                     MU_BIAS, MU_MAX, MAXIMIZE, GRAD_BF16, SPLIT, param_ptr, False, TRACK_FORMAT, TALL,
+                                     TILE)
         if TRACK_FORMAT:
             add_counts(counts_ptr + index * COUNTER_ROW, format_lanes, format_lanes, False, True)

@@ -18,8 +18,8 @@ from .kernel import (
     MATRIX_SCALARS,
     REJECTED_COUNTER,
     _momentum_block,
-    _slot_offsets,
     _weight_block,
+    block_offsets,
     negative_zeros,
 )
 
@@ -61,7 +61,7 @@ def muon_momentum_group_kernel(
     table_ptr, scalars_ptr, x_in_ptr, counters_in_ptr, n_elements, rows, cols,
     x_ptr, counters_ptr,
     TALL: tl.constexpr, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
-    NESTEROV: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    NESTEROV: tl.constexpr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
 ):
     """Phase 1 of up to LEAF_GROUP_SLOTS leaves of one shape group and orientation, grid
     (blocks per matrix, the most matrices of a leaf, leaves): program (i, z, t) takes block i
@@ -89,12 +89,12 @@ def muon_momentum_group_kernel(
             exponent_8, exponent_9, exponent_10, exponent_11, exponent_12, exponent_13, exponent_14, exponent_15
         )
         base = z * n_elements
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offsets, in_bounds, x_offsets, x_in_bounds = block_offsets(tl.program_id(0).to(tl.int64), rows, cols, TALL,
+                                                                   BLOCK, TILE)
         _momentum_block(_grad_pointer(grad, GRAD_BF16) + base, _momentum_pointer(state, MODE) + base,
-                        _exponent_pointer(exponent) + z, x_ptr + slot * n_elements,
-                        _slot_offsets(offsets, TALL, rows, cols), scalars_ptr + leaf * MATRIX_SCALARS,
-                        counters_ptr + slot * MATRIX_COUNTERS, offsets, offsets < n_elements, MODE, MU_FRAC, MU_BIAS,
-                        NESTEROV, False, GRAD_BF16)
+                        _exponent_pointer(exponent) + z, x_ptr + slot * n_elements, x_offsets, x_in_bounds,
+                        scalars_ptr + leaf * MATRIX_SCALARS, counters_ptr + slot * MATRIX_COUNTERS, offsets, in_bounds,
+                        MODE, MU_FRAC, MU_BIAS, NESTEROV, False, GRAD_BF16, TALL, TILE)
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def muon_weight_group_kernel(
     new_exponent_12, new_exponent_13, new_exponent_14, new_exponent_15,
     counters_ptr,
     TALL: tl.constexpr, MODE: tl.constexpr, MU_FRAC: tl.constexpr, MU_BIAS: tl.constexpr, MU_MAX: tl.constexpr,
-    GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, UPDATE: tl.constexpr, BLOCK: tl.constexpr,
+    GRAD_BF16: tl.constexpr, SPLIT: tl.constexpr, UPDATE: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
 ):
     """Phase 2 of the leaves of a `muon_momentum_group_kernel` launch, on its grid: matrix z of
     leaf t, unless its row of `counters` (aliased to `counters_in`) counts a refusing element,
@@ -141,8 +141,8 @@ def muon_weight_group_kernel(
     if z < tl.load(table_ptr + LEAF_GROUP_SLOTS + leaf):
         slot = tl.load(table_ptr + leaf) + z
         base = z * n_elements
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        in_bounds = offsets < n_elements
+        offsets, in_bounds, ortho_offsets, ortho_in_bounds = block_offsets(tl.program_id(0).to(tl.int64), rows, cols,
+                                                                           TALL, BLOCK, TILE)
         out = leaf_slot(
             leaf, out_0, out_1, out_2, out_3, out_4, out_5, out_6, out_7, out_8, out_9, out_10, out_11, out_12,
             out_13, out_14, out_15
@@ -186,15 +186,16 @@ def muon_weight_group_kernel(
             # The stored momentum and exponent are read and written through the aliased outputs,
             # which hold the inputs' values: each program its own elements, and the exponent's old
             # value is read from the counters row, never from `new_exponent`.
-            _weight_block(param_ptr + base, lo_ptr + base, ortho_ptr + slot * n_elements,
-                          _slot_offsets(offsets, TALL, rows, cols), _grad_pointer(grad, GRAD_BF16) + base,
+            _weight_block(param_ptr + base, lo_ptr + base, ortho_ptr + slot * n_elements, ortho_offsets,
+                          ortho_in_bounds, _grad_pointer(grad, GRAD_BF16) + base,
                           _momentum_pointer(new_state, MODE) + base, _exponent_pointer(new_exponent) + z,
                           scalars_ptr + leaf * MATRIX_SCALARS, row_in,
                           counters_ptr + slot * MATRIX_COUNTERS + REJECTED_COUNTER, offsets, in_bounds, MODE,
-                          MU_FRAC, MU_BIAS, MU_MAX, False, GRAD_BF16, SPLIT, update_ptr + base, UPDATE, False)
+                          MU_FRAC, MU_BIAS, MU_MAX, False, GRAD_BF16, SPLIT, update_ptr + base, UPDATE, False, TALL,
+                          TILE)
         elif UPDATE:
             update_ptr = tl.multiple_of(out, 16).to(tl.pointer_type(tl.float32))
-            tl.store(update_ptr + base + offsets, negative_zeros(tl.zeros((BLOCK,), tl.float32)), mask=in_bounds)
+            tl.store(update_ptr + base + offsets, negative_zeros(tl.zeros(offsets.shape, tl.float32)), mask=in_bounds)
 
 
 @triton.jit

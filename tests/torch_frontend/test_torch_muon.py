@@ -310,9 +310,10 @@ def test_kernel_step_equals_the_numpy_step(batch_ns, limit, is_interpreting, mon
     monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: opt is kernel_run[1])
     launches = count_launches(monkeypatch)
     step_and_compare(rng, [numpy_run, kernel_run], steps=2, bad_at=(1, 4))
-    # Per step: with batch_ns one launch of each phase per batch (four batches, five split; the
+    # Per step: with batch_ns one launch of each phase per batch and orientation (four batches, five
+    # split; the (6, 10) batch's tall matrix launches apart, as does the split's first part's; the
     # refused matrix's batch too), else one per matrix.
-    per_phase = 2 * (5 if limit else 4) if batch_ns else 2 * len(BATCH_NS_SHAPES)
+    per_phase = 2 * (6 if limit else 5) if batch_ns else 2 * len(BATCH_NS_SHAPES)
     assert launches == {"momentum": per_phase, "weight": per_phase, "table": batch_ns}
 
 
@@ -840,33 +841,37 @@ TABLE_SHAPES, TABLE_INDICES = [(20, 12), (12, 20), (12, 20)], [2, 0, 1]
 
 
 def run_table_kernels(fmt, grads, states, exponents, weights, lows, scalar_rows, *, nesterov, maximize):
-    """Both table kernels, one launch each, around the batched Newton-Schulz of their [B, m, n]
-    buffer; in place on `states`, `exponents`, `weights` and `lows`. Returns the X and result
-    buffers and the [n, MATRIX_COUNTERS] counters."""
-    from packed_adamw.core.muon.kernel import MATRIX_COUNTERS, muon_momentum_table_kernel, muon_weight_table_kernel
+    """Both table kernels around the batched Newton-Schulz of their [B, m, n] buffer, one launch
+    each per orientation (the tall matrices' tiles, TALL, apart from the wide ones'), as
+    `_cuda_step_batched` launches them; in place on `states`, `exponents`, `weights` and `lows`.
+    Returns the X and result buffers and the [n, MATRIX_COUNTERS] counters."""
+    from packed_adamw.core.muon.kernel import (MATRIX_COUNTERS, matrix_programs, muon_momentum_table_kernel,
+                                               muon_weight_table_kernel, tall_tile)
 
     c, device = fmt.kernel_constexprs(track_format=False), grads[0].device
     rows, cols = sorted(grads[0].shape)
-    block, n = 64, len(TABLE_INDICES)  # several programs per matrix
-    tall = [int(g.size(0) > g.size(1)) for g in grads]
-    exponent_ptrs = [(s if e is None else e).data_ptr() for s, e in zip(states, exponents)]
-    momentum_table = torch.tensor([[g.data_ptr(), s.data_ptr(), e, i, slot, t] for slot, (g, s, e, i, t)
-                                   in enumerate(zip(grads, states, exponent_ptrs, TABLE_INDICES, tall))], device=device)
+    block, tile, n = 64, tall_tile(), len(TABLE_INDICES)  # several programs (or tiles) per matrix
     split = weights[0].dtype is torch.int16
-    weight_table = torch.tensor([[w.data_ptr(), (lo if split else w).data_ptr(), g.data_ptr(), s.data_ptr(), e, i, slot,
-                                  t] for slot, (w, lo, g, s, e, i, t) in enumerate(zip(weights, lows, grads, states,
-                                                                                          exponent_ptrs, TABLE_INDICES,
-                                                                                          tall))], device=device)
+    grad_bf16 = grads[0].dtype is torch.bfloat16
     scalars = torch.tensor(np.array(scalar_rows, np.float32), device=device)
     counters = torch.zeros((n, MATRIX_COUNTERS), dtype=torch.int32, device=device)
     x = torch.empty((n, rows, cols), dtype=torch.int16, device=device)
-    grid = (launch.grid(rows * cols, block)[0], n)
-    grad_bf16 = grads[0].dtype is torch.bfloat16
-    muon_momentum_table_kernel[grid](momentum_table, x, scalars, counters, rows, cols, **c, NESTEROV=nesterov,
-                                     MAXIMIZE=maximize, GRAD_BF16=grad_bf16, BLOCK=block, **launch.COMPILE_OPTIONS)
+    launches = {}
+    for slot, (g, s, e, w, lo, i) in enumerate(zip(grads, states, exponents, weights, lows, TABLE_INDICES)):
+        e = (s if e is None else e).data_ptr()
+        momentum_rows, weight_rows = launches.setdefault(g.size(0) > g.size(1), ([], []))
+        momentum_rows.append([g.data_ptr(), s.data_ptr(), e, i, slot])
+        weight_rows.append([w.data_ptr(), (lo if split else w).data_ptr(), g.data_ptr(), s.data_ptr(), e, i, slot])
+    tables = {tall: [torch.tensor(t, device=device) for t in both] for tall, both in launches.items()}
+    for tall, (momentum_table, _) in tables.items():
+        muon_momentum_table_kernel[(matrix_programs(rows, cols, tall, block, tile), len(momentum_table))](
+            momentum_table, x, scalars, counters, rows, cols, **c, NESTEROV=nesterov, MAXIMIZE=maximize,
+            GRAD_BF16=grad_bf16, TALL=tall, BLOCK=block, TILE=tile, **launch.COMPILE_OPTIONS)
     ortho = torch_muon.newton_schulz_stacked(x.view(torch.bfloat16)).view(torch.int16)
-    muon_weight_table_kernel[grid](weight_table, ortho, scalars, counters, rows, cols, **c, MAXIMIZE=maximize,
-                                   GRAD_BF16=grad_bf16, SPLIT=split, BLOCK=block, **launch.COMPILE_OPTIONS)
+    for tall, (_, weight_table) in tables.items():
+        muon_weight_table_kernel[(matrix_programs(rows, cols, tall, block, tile), len(weight_table))](
+            weight_table, ortho, scalars, counters, rows, cols, **c, MAXIMIZE=maximize, GRAD_BF16=grad_bf16,
+            SPLIT=split, TALL=tall, BLOCK=block, TILE=tile, **launch.COMPILE_OPTIONS)
     return x, ortho, counters
 
 
