@@ -926,6 +926,26 @@ def test_table_kernels_equal_the_numpy_phases(mode, nesterov, maximize, split, d
             assert np.array_equal(on_device[4][slot].cpu().numpy(), ref_low)
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_the_refusal_kernel_refuses_only_the_matrix_whose_output_is_not_finite(bad, device):
+    """`muon_refuse_nonfinite_table_kernel` over several blocks a matrix (the step's launches use
+    one block a matrix in the interpreter): a non-finite value only in the last, partial block of
+    one slot refuses that matrix (its counters row, at an index other than its slot) and no
+    batch-mate; a finite O refuses nothing."""
+    from packed_adamw.core.muon.kernel import MATRIX_COUNTERS, muon_refuse_nonfinite_table_kernel
+
+    rows, cols, block = 5, 13, 16  # 65 elements: five blocks, the last of one element
+    ortho = torch.randn((3, rows, cols)).bfloat16().to(device)
+    table = torch.tensor([[0, 0, 0, 4, 0], [0, 0, 0, 1, 1], [0, 0, 0, 2, 2]], device=device)
+    counters = torch.zeros((5, MATRIX_COUNTERS), dtype=torch.int32, device=device)
+    grid = (launch.grid(rows * cols, block)[0], len(table))
+    muon_refuse_nonfinite_table_kernel[grid](table, ortho.view(torch.int16), counters, rows, cols, BLOCK=block)
+    assert counters[:, 0].tolist() == [0] * 5
+    ortho[2, -1, -1] = float(bad)
+    muon_refuse_nonfinite_table_kernel[grid](table, ortho.view(torch.int16), counters, rows, cols, BLOCK=block)
+    assert counters[:, 0].tolist() == [0, 0, 1, 0, 0] and not counters[:, 1:].any()
+
+
 @pytest.mark.cuda
 @cuda_only
 @pytest.mark.parametrize("shape", SHAPES + [(96, 200)])
