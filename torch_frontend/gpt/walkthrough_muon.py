@@ -234,7 +234,8 @@ def muon_step(restored: Restored, name: str, report: Report) -> None:
     report.show("Nesterov: lerp(g, m', momentum)" if nesterov else "no Nesterov: m'", x)
     X = x.bfloat16()
     report.show("Newton-Schulz input (bf16)", X)
-    report.bitwise("Newton-Schulz input", X.cpu().view(torch.int16),
+    # torch's CPU conversion makes every NaN 0xFFFF, core's 0x7FC0 (either refuses the matrix, below)
+    report.bitwise("Newton-Schulz input", torch.where(torch.isnan(X.cpu()), 0x7FC0, X.cpu().view(torch.int16)),
                    torch.from_numpy(bf16_bits(x.cpu().numpy()).view(np.int16)), "core's bf16_bits")
     finite = bool(torch.isfinite(g).all() and torch.isfinite(m_next).all() and torch.isfinite(X).all())
     s_next = s
