@@ -16,7 +16,8 @@ each per matrix, or (`muon_momentum_table_kernel`, `muon_weight_table_kernel`) o
 Newton-Schulz batch, whose matrices' addresses come from a table: the same arithmetic per
 element, other addressing.
 
-Each matrix has a counters row of MATRIX_COUNTERS int32: refused elements, rejected weights,
+Each matrix has a counters row of MATRIX_COUNTERS int32: refused elements (and blocks of a
+Newton-Schulz output that is not finite: read only as zero or not), rejected weights,
 the float32 bits of max |m'| (non-negative floats order as their bits: the atomic maximum is
 order-independent) and the exponent the momentum was read with. A DTensor's shards take the
 maximum over every shard before the weight kernel (torch_frontend/muon.py).
@@ -59,8 +60,8 @@ EXPONENT_MASK = tl.constexpr(0x7F800000)
 BF16_EXPONENT_MASK = tl.constexpr(0x7F80)
 QUIET_NAN_BF16 = tl.constexpr(0x7FC0)  # what bf16 rounding makes of any NaN (numpy_step.QUIET_NAN_BF16)
 AMAX_EXPONENT_FIELD = tl.constexpr(_AMAX_EXPONENT_FIELD)  # the code's exponent field of a matrix's largest |m'|
-# A matrix's counters row: refused elements, rejected weights, the bits of max |m'| (packed
-# mode), the exponent its momentum was read with (packed mode).
+# A matrix's counters row: refused elements (or non-finite output blocks), rejected weights, the
+# bits of max |m'| (packed mode), the exponent its momentum was read with (packed mode).
 COUNTER_COLUMNS = ("refused", "rejected", "amax_bits", "old_exponent")
 MATRIX_COUNTERS = tl.constexpr(len(COUNTER_COLUMNS))
 REJECTED_COUNTER = tl.constexpr(COUNTER_COLUMNS.index("rejected"))
