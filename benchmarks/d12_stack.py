@@ -263,7 +263,8 @@ def kernel_part(name: str) -> str:
 def profile_steps(step, count: int, device: torch.device) -> dict:
     """`count` calls of `step(i)` under torch.profiler: the device time per step by part of the
     step (`KERNEL_PARTS`; on the CPU, the ops' self CPU time), the wall time per step, the
-    share of the wall time no kernel ran (the host's gaps), and the 25 largest kernels."""
+    share of the wall time no kernel ran (the host's gaps), the 25 largest kernels, and every
+    kernel of the optimizer part (the packed step's phases by name, whatever their rank)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     step(0)  # once outside the profile: the profiler's own first call costs nothing of the steps
@@ -306,6 +307,8 @@ def profile_steps(step, count: int, device: torch.device) -> dict:
         "idle_fraction": max(0.0, 1.0 - busy_us / wall_us),
         "top_kernels": [{"name": name[:160], "part": kernel_part(name), "ms_per_step": us / count / 1e3,
                          "calls_per_step": calls / count} for name, us, calls in rows[:25]],
+        "optimizer_kernels": [{"name": name[:160], "ms_per_step": us / count / 1e3, "calls_per_step": calls / count}
+                              for name, us, calls in rows if kernel_part(name) == "optimizer"],
     }
 
 
@@ -384,6 +387,10 @@ def render(meta: dict, results: dict, compared: dict) -> str:
                   f"{parts}.", "", "  | kernel | part | ms/step | calls/step |", "  |---|---|---|---|"]
         lines += [f"  | `{k['name'][:90]}` | {k['part']} | {k['ms_per_step']:.3f} | {k['calls_per_step']:g} |"
                   for k in prof["top_kernels"][:15]]
+        optimizer = prof.get("optimizer_kernels", [])
+        if optimizer:
+            lines += ["", "  The optimizer part, every kernel: " + "; ".join(
+                f"`{k['name'][:60]}` {k['ms_per_step']:.3f} ms ({k['calls_per_step']:g} calls)" for k in optimizer) + "."]
     not_learning = [r["stack"] for r in results.values() if not r["loss_decreased"]]
     if not_learning:
         lines.append(f"- WARNING: the loss did not decrease for {', '.join(not_learning)}.")

@@ -146,6 +146,10 @@ def test_profile_splits_each_stacks_time_by_part(bench, tmp_path):
     assert max(prof["device_ms_per_step"], key=prof["device_ms_per_step"].get) == "gemm", prof
     assert abs(sum(prof["device_ms_per_step"].values()) - prof["busy_ms_per_step"]) < 1e-6
     assert "- packed, profiled (1 steps" in out.read_text()
+    # every optimizer kernel listed, whatever its rank: their sum is the optimizer part
+    optimizer = prof["optimizer_kernels"]
+    assert abs(sum(k["ms_per_step"] for k in optimizer) - prof["device_ms_per_step"].get("optimizer", 0.0)) < 1e-6
+    assert (optimizer != []) == ("The optimizer part, every kernel:" in out.read_text())
     assert bench.kernel_part("ns_gemm_kernel") == "optimizer"
     assert bench.kernel_part("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert bench.kernel_part("flash_fwd_kernel") == "attention"
