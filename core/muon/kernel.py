@@ -75,6 +75,12 @@ def _finite(x):
 
 
 @triton.jit
+def _bf16_nonfinite(bits):
+    """Whether bf16 bits (any integer type) are Inf or NaN: the exponent field all ones."""
+    return (bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK
+
+
+@triton.jit
 def _bf16_from_bits(bits16):
     """int16 bf16 bits -> float32 (exact)."""
     return ((bits16.to(tl.uint16, bitcast=True).to(tl.uint32)) << 16).to(tl.float32, bitcast=True)
@@ -171,12 +177,12 @@ def _momentum_block(grad_ptr, state_ptr, exponent_ptr, x_ptr, x_offsets, x_in_bo
     else:
         x = m_next
     x_bits = _bf16_bits(x)
-    bad = bad | ~_finite(x) | ((x_bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK)
+    bad = bad | ~_finite(x) | _bf16_nonfinite(x_bits)
     tl.store(x_ptr + x_offsets, tile_transposed(x_bits.to(tl.uint16).to(tl.int16, bitcast=True), TALL, TILE),
              mask=x_in_bounds)
     if MODE == BF16_MODE:
         m_bits = _bf16_bits(m_next)
-        bad = bad | ((m_bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK)
+        bad = bad | _bf16_nonfinite(m_bits)
     elif MODE == PACKED_MODE:
         magnitude = (m_next.to(tl.uint32, bitcast=True) & FLOAT32_MAGNITUDE_MASK).to(tl.int32, bitcast=True)
         block_max = tl.max(tl.where(in_bounds, magnitude, 0), axis=0)
@@ -345,7 +351,7 @@ def _refuse_nonfinite_block(ortho_ptr, offsets, in_bounds, refused_ptr):
     weight phase then stores neither its momentum nor its weights (MUON.md, "The matrix is
     refused"). A count of blocks, not a flag: integer sums come out the same in any order."""
     bits = tl.load(ortho_ptr + offsets, mask=in_bounds, other=0)
-    nonfinite = tl.max(((bits & BF16_EXPONENT_MASK) == BF16_EXPONENT_MASK).to(tl.int32), axis=0)
+    nonfinite = tl.max(_bf16_nonfinite(bits).to(tl.int32), axis=0)
     tl.atomic_add(refused_ptr, nonfinite, mask=nonfinite > 0)
 
 
