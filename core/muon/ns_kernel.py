@@ -13,13 +13,15 @@ The shapes are constexprs, so torch's launcher and jax-triton compile the same s
 Compile with launch.COMPILE_OPTIONS (`enable_fp_fusion=False`): each scaled term of an
 epilogue is rounded to float32 before the sum, as the contract says. Conversions between bf16
 and float32 are made on the bits (`_f32`, `_bf16`): Triton's CPU interpreter casts float32 to
-bf16 by truncation, where a GPU rounds to nearest even.
+bf16 by truncation, where a GPU rounds to nearest even. The GEMM epilogue on a GPU rounds by
+the conversion instruction instead (`_bf16_by_instruction`, the same bits), because there the
+integer form is paid on every output of every product.
 """
 import numpy as np
 import triton
 import triton.language as tl
 
-from .kernel import _bf16_bits, _bf16_from_bits
+from .kernel import QUIET_NAN_BF16, _bf16_bits, _bf16_from_bits
 
 # The tiles: facts of the bits, not tuning knobs (another tile shape sums in another order).
 BLOCK_M = 128
@@ -41,8 +43,19 @@ def _f32(x):
 
 @triton.jit
 def _bf16(x):
-    """float32 -> bf16, to nearest even."""
+    """float32 -> bf16, to nearest even, on the bits (every NaN 0x7FC0: kernel._bf16_bits)."""
     return _bf16_bits(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _bf16_by_instruction(x):
+    """`_bf16`'s bits on a GPU: the conversion instruction (IEEE round to nearest even, which is
+    the bits' rounding for every finite value and for Inf) and a select giving NaN `_bf16`'s
+    0x7FC0 (the instruction's NaN is the platform's). Several integer operations fewer an output
+    than `_bf16`, which cost d12's Newton-Schulz 5% when its NaN select was added (MUON_NS.md).
+    Never in the interpreter, which truncates; tests/core/test_muon_core.py checks the bits on CUDA."""
+    bits = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.uint16, bitcast=True)
+    return tl.where(x == x, bits, QUIET_NAN_BF16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 EPILOGUE_NONE = 0  # out = bf16(A @ B)                        the Gram matrix
@@ -85,13 +98,14 @@ def ns_normalize_kernel(y_ptr, partials_ptr, scalars_ptr, out_ptr, N_ELEMENTS: t
 @triton.jit
 def ns_gemm_kernel(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                    B_IS_A_TRANSPOSED: tl.constexpr, SYMMETRIC: tl.constexpr,
-                   EPILOGUE: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   EPILOGUE: tl.constexpr, INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     """Grid (tiles of [M, N], B): out[z] = the EPILOGUE of A[z] @ B[z] (bf16 [M, K] and [K, N],
     contiguous), accumulated in float32 over K in BLOCK_K steps in order. B_IS_A_TRANSPOSED:
     B is A^T read from `a_ptr` (the Gram matrix Y Y^T; `b_ptr` unused). `c_ptr`: the bf16
-    [M, N] term of the epilogue, whose coefficients come from `scalars` (`ns_scalars`' row). DOT_FP32: the operands go to tl.dot as float32 (exact for bf16
-    values) for Triton's CPU interpreter, whose bf16 dot multiplies raw bits; never on a GPU.
+    [M, N] term of the epilogue, whose coefficients come from `scalars` (`ns_scalars`' row). INTERPRETER (Triton's CPU interpreter, never on a GPU):
+    the operands go to tl.dot as float32 (exact for bf16 values), as the interpreter's bf16 dot
+    multiplies raw bits, and the epilogue rounds on the bits (`_bf16`).
     SYMMETRIC (the Gram matrix and the polynomial, both symmetric; square tiles): only the
     programs of tiles on or above the diagonal compute, and each stores its tile twice, the
     second time transposed below the diagonal. Element (j, i) of the full product sums the
@@ -106,13 +120,13 @@ def ns_gemm_kernel(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, M: tl.constexpr, N
         tl.static_assert(M == N)
     if not SYMMETRIC or pid_m <= pid_n:
         _gemm_tile(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, z, pid_m, pid_n, M, N, K, B_IS_A_TRANSPOSED,
-                   SYMMETRIC, EPILOGUE, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                   SYMMETRIC, EPILOGUE, INTERPRETER, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
 def _gemm_tile(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, z, pid_m, pid_n, M: tl.constexpr, N: tl.constexpr,
                K: tl.constexpr, B_IS_A_TRANSPOSED: tl.constexpr, SYMMETRIC: tl.constexpr, EPILOGUE: tl.constexpr,
-               DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               INTERPRETER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`ns_gemm_kernel`'s tile (pid_m, pid_n) of matrix z."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,7 +142,7 @@ def _gemm_tile(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, z, pid_m, pid_n, M: tl
                                  other=0.0))
         else:
             b = tl.load(b_base + kk[:, None] * N + rn[None, :], mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        if DOT_FP32:
+        if INTERPRETER:
             acc = tl.dot(_f32(a), _f32(b), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
@@ -140,7 +154,10 @@ def _gemm_tile(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, z, pid_m, pid_n, M: tl
     elif EPILOGUE == 2:  # a Y + P Y
         c = _f32(tl.load(c_ptr + out_offsets, mask=in_bounds, other=0.0))
         acc = acc + c * tl.load(scalars_ptr)
-    out = _bf16(acc)
+    if INTERPRETER:
+        out = _bf16(acc)
+    else:
+        out = _bf16_by_instruction(acc)
     tl.store(out_ptr + out_offsets, out, mask=in_bounds)
     if SYMMETRIC and pid_m != pid_n:  # the mirror tile (pid_n, pid_m)
         tl.store(out_ptr + z * (M * N) + rn[:, None] * N + rm[None, :], tl.trans(out),
@@ -184,7 +201,7 @@ def launch_plan(batch: int, k: int, n: int, steps: int, *, interpreting: bool,
         (ns_normalize_kernel, (n_partials, batch), ("x", "partials", "scalars", "y0"),
          {**norm_constants, "PARTIALS": PARTIALS_BLOCK}, norm_options),
     ]
-    gemm = lambda **kw: {"DOT_FP32": bool(interpreting), **blocks, **kw}  # noqa: E731
+    gemm = lambda **kw: {"INTERPRETER": bool(interpreting), **blocks, **kw}  # noqa: E731
     symmetric = blocks["BLOCK_M"] == blocks["BLOCK_N"]  # the k x k products mirror square tiles
     for step in range(steps):
         y, y_next = f"y{step % 2}", f"y{(step + 1) % 2}"

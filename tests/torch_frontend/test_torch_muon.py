@@ -8,12 +8,15 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from muon_helpers import (PhasesReference, TinyModel, bits, cuda_only, exponent_of, fused_torch, gradient,
                           numpy_exponent, random_state, random_weights, set_gradients, step_refusing,
                           taking_fp32_gradients)
 from packed_adamw.core import launch
-from packed_adamw.core.muon import StateFormat, momentum_phase, step_scalar_row, weight_phase, weight_phase_split
+from packed_adamw.core.muon import (StateFormat, bf16_bits, momentum_phase, ns_kernel, step_scalar_row, weight_phase,
+                                    weight_phase_split)
 from packed_adamw.torch import NonFiniteGradientError, PackedAdamW, PackedMuon, PackedMuonAdamW, muon_param_groups
 from packed_adamw.torch import muon as torch_muon
 from packed_adamw.torch.muon import newton_schulz, newton_schulz_batched, newton_schulz_triton
@@ -115,6 +118,31 @@ def test_a_matrix_gets_the_same_batched_bits_in_any_batch(on):
             alone = newton_schulz_batched([x])[0]
             assert a.shape == x.shape and a.is_contiguous()
             assert torch.equal(bits(a), bits(alone)) and torch.equal(bits(b), bits(alone)), shapes
+
+
+@triton.jit
+def _rounds_by_instruction(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rounded = ns_kernel._bf16_by_instruction(tl.load(x_ptr + offsets, mask=offsets < n))
+    tl.store(out_ptr + offsets, rounded.to(tl.int16, bitcast=True), mask=offsets < n)
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_the_gpu_epilogue_rounding_is_the_contracts_on_every_kind_of_float():
+    """The Newton-Schulz GEMM epilogue on a GPU rounds to bf16 by the conversion instruction
+    (core/muon/ns_kernel.py `_bf16_by_instruction`); the contract is numpy's `bf16_bits`. Ties
+    both ways, the carry into the exponent, overflow to Inf, subnormals, signed zeros, NaN
+    payloads (the GPU's own 0x7FFFFFFF among them), and a million random bit patterns."""
+    edges = [0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3FFFFFFF, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000,
+             0x00000001, 0x00008000, 0x00018000, 0x007FFFFF, 0x00000000, 0x80000000, 0x807FFFFF, 0xFF7FFFFF,
+             0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7FC00000, 0xFFC00001]
+    patterns = np.concatenate([np.array(edges, np.uint32),
+                               np.random.default_rng(31).integers(0, 1 << 32, 1 << 20, dtype=np.uint32)])
+    x = torch.from_numpy(patterns.view(np.float32)).cuda()
+    out = torch.empty(len(patterns), dtype=torch.int16, device="cuda")
+    _rounds_by_instruction[(triton.cdiv(len(patterns), 1024),)](x, out, len(patterns), BLOCK=1024)
+    assert np.array_equal(out.cpu().numpy().view(np.uint16), bf16_bits(patterns.view(np.float32)))
 
 
 @pytest.mark.cuda
@@ -249,9 +277,11 @@ def test_cuda_defaults_take_the_batched_triton_step(combined, monkeypatch):
     monkeypatch.setattr(torch_muon, "newton_schulz_triton_stacked", lambda *a: ns_calls.append(1) or real(*a))
     launches = count_launches(monkeypatch)
     step_and_compare(rng, runs, steps=2, bad_at=(-1, 0))
-    # Two runs, two steps, four batches (BATCH_NS_SHAPES): a per-matrix step would launch the
-    # per-matrix kernels (count_launches refuses a mix) and cuBLAS.
-    assert launches == {"momentum": 16, "weight": 16, "table": True} and len(ns_calls) == 16
+    # Two runs, two steps, four batches (BATCH_NS_SHAPES), the first of them holding a tall matrix
+    # beside wide ones: five table launches a phase and step (tall and wide matrices launch
+    # apart), four Newton-Schulz. A per-matrix step would launch the per-matrix kernels
+    # (count_launches refuses a mix) and cuBLAS.
+    assert launches == {"momentum": 20, "weight": 20, "table": True} and len(ns_calls) == 16
 
 
 @pytest.mark.cuda
