@@ -94,7 +94,9 @@ def torch_kernels() -> int:
     (table), momentum and weight phases, the weight phases' counting twins (packed mode), the
     three momentum modes, float32 and bf16 gradients, with and without maximize (and Nesterov for
     the momentum phase), float32 and split bf16 weights, at launch.GPU_BLOCK and PackedMuon's
-    default warps."""
+    warps (Triton's default per matrix, launch.GPU_NUM_WARPS per batch); the refusal kernels at
+    their REFUSE_BLOCK."""
+    table_warps = {"num_warps": launch.GPU_NUM_WARPS}
     n = 0
     for mode in ("packed", "bf16", "fp32"):
         constants = StateFormat(mode, 31).kernel_constexprs(track_format=False)
@@ -109,7 +111,8 @@ def torch_kernels() -> int:
                 for tall in (False, True):
                     compile_sm90(mk.muon_momentum_table_kernel, {
                         "table_ptr": "*i64", "x_ptr": "*i16", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
-                        "rows": "i32", "cols": "i32"}, {**flags, "NESTEROV": nesterov, "TALL": tall, "TILE": mk.TALL_TILE})
+                        "rows": "i32", "cols": "i32"}, {**flags, "NESTEROV": nesterov, "TALL": tall, "TILE": mk.TALL_TILE},
+                        table_warps)
                 n += 3
             for split in (False, True) if not grad_bf16 else (True,):  # a float32 matrix takes float32 gradients
                 weights = "*i16" if split else "*fp32"
@@ -124,14 +127,14 @@ def torch_kernels() -> int:
                         compile_sm90(mk.muon_weight_table_counting_kernel if count else mk.muon_weight_table_kernel, {
                             "table_ptr": "*i64", "ortho_ptr": "*i16", "scalars_ptr": "*fp32", "counters_ptr": "*i32",
                             **counts, "rows": "i32", "cols": "i32"}, {**flags, "SPLIT": split, "TALL": tall,
-                                                                      "TILE": mk.TALL_TILE})
+                                                                      "TILE": mk.TALL_TILE}, table_warps)
                     n += 3
     for kernel, signature in ((mk.muon_refuse_nonfinite_kernel, {"ortho_ptr": "*i16", "counters_ptr": "*i32",
                                                                  "n_elements": "i32"}),
                               (mk.muon_refuse_nonfinite_table_kernel, {"table_ptr": "*i64", "ortho_ptr": "*i16",
                                                                        "counters_ptr": "*i32", "rows": "i32",
                                                                        "cols": "i32"})):
-        compile_sm90(kernel, signature, {"BLOCK": launch.GPU_BLOCK})
+        compile_sm90(kernel, signature, {"BLOCK": mk.REFUSE_BLOCK})
         n += 1
     return n
 

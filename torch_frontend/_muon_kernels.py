@@ -210,6 +210,8 @@ def _cuda_step_batched(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[
         counters = torch.zeros((len(work), MATRIX_COUNTERS), dtype=torch.int32, device=device)  # kernel.COUNTER_COLUMNS
     constants = fmt.kernel_constexprs(track_format=False)
     block, tile = launch.block_size(), tall_tile()
+    # Two warps: eight elements a thread, one 16-byte vector of each bf16 buffer (JAX's launches too).
+    warps = launch.GPU_NUM_WARPS
     format_rows = new_counters(len(work), device) if _muon._counting(opt) else None  # as in `_cuda_step`
     weight_kernel, counted = ((muon_weight_table_kernel, ()) if format_rows is None else
                               (muon_weight_table_counting_kernel, (format_rows,)))
@@ -218,7 +220,7 @@ def _cuda_step_batched(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[
         for (nesterov, maximize, grad_bf16, tall), (offset, count) in momentum_launches.items():
             muon_momentum_table_kernel[(matrix_programs(rows, cols, tall, block, tile), count)](
                 table[offset:], x, scalars, counters, rows, cols, **constants, NESTEROV=nesterov, MAXIMIZE=maximize,
-                GRAD_BF16=grad_bf16, TALL=tall, BLOCK=block, TILE=tile, **launch.COMPILE_OPTIONS)
+                GRAD_BF16=grad_bf16, TALL=tall, BLOCK=block, TILE=tile, num_warps=warps, **launch.COMPILE_OPTIONS)
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
         # output is not used, and a batch's matrices do not mix.
         ortho = _muon._stacked_ns(_muon._ns_impl(opt, x.device))(x.view(BFLOAT16), tuple(group["ns_coefficients"]),
@@ -228,7 +230,8 @@ def _cuda_step_batched(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[
         for (maximize, grad_bf16, split, tall), (offset, count) in weight_launches.items():
             weight_kernel[(matrix_programs(rows, cols, tall, block, tile), count)](
                 table[offset:], ortho, scalars, counters, *counted, rows, cols, **constants, MAXIMIZE=maximize,
-                GRAD_BF16=grad_bf16, SPLIT=split, TALL=tall, BLOCK=block, TILE=tile, **launch.COMPILE_OPTIONS)
+                GRAD_BF16=grad_bf16, SPLIT=split, TALL=tall, BLOCK=block, TILE=tile, num_warps=warps,
+                **launch.COMPILE_OPTIONS)
     _track_launches(opt, work, counters, format_rows)
     return _counted(opt, counters)
 
@@ -239,10 +242,10 @@ def _refuse_nonfinite_outputs(ortho: torch.Tensor, table: torch.Tensor, momentum
     before the weight launch reads it (core/muon/kernel.py's `muon_refuse_nonfinite_table_kernel`,
     one launch per momentum launch, its rows of the device table: nothing waits and a capture
     replays it). One read of O; elementwise torch ops here cost 0.55 ms of a 5.65 ms d12 step."""
-    from packed_adamw.core.muon.kernel import muon_refuse_nonfinite_table_kernel
+    from packed_adamw.core.muon.kernel import muon_refuse_nonfinite_table_kernel, refuse_block
 
     _, rows, cols = ortho.shape
-    block = launch.block_size()
+    block = refuse_block()
     for offset, count in momentum_launches.values():
         muon_refuse_nonfinite_table_kernel[(launch.grid(rows * cols, block)[0], count)](
             table[offset:], ortho.view(torch.int16), counters, rows, cols, BLOCK=block)
@@ -250,10 +253,10 @@ def _refuse_nonfinite_outputs(ortho: torch.Tensor, table: torch.Tensor, momentum
 
 def _refuse_nonfinite_output(result: torch.Tensor, counter_row: torch.Tensor) -> None:
     """`_refuse_nonfinite_outputs` for one matrix's Newton-Schulz output (any orientation)."""
-    from packed_adamw.core.muon.kernel import muon_refuse_nonfinite_kernel
+    from packed_adamw.core.muon.kernel import muon_refuse_nonfinite_kernel, refuse_block
 
     dense = result if result.is_contiguous() else result.mT if result.mT.is_contiguous() else result.contiguous()
-    block = launch.block_size()
+    block = refuse_block()
     muon_refuse_nonfinite_kernel[launch.grid(max(dense.numel(), 1), block)](
         dense.view(torch.int16), counter_row, dense.numel(), BLOCK=block)
 

@@ -30,7 +30,7 @@ accepted matrix's format counts (MUON.md, "Format counts") added to its counter 
 import triton
 import triton.language as tl
 
-from ..launch import interpreting
+from ..launch import INTERPRETER_BLOCK, interpreting
 
 from ..kernel import (
     ALL_ONES,
@@ -186,8 +186,13 @@ def _momentum_block(grad_ptr, state_ptr, exponent_ptr, x_ptr, x_offsets, x_in_bo
     elif MODE == PACKED_MODE:
         magnitude = (m_next.to(tl.uint32, bitcast=True) & FLOAT32_MAGNITUDE_MASK).to(tl.int32, bitcast=True)
         block_max = tl.max(tl.where(in_bounds, magnitude, 0), axis=0)
-        tl.atomic_max(counters_ptr + AMAX_COUNTER, block_max, mask=block_max > 0)
-        tl.store(counters_ptr + EXPONENT_COUNTER, exponent)  # every program stores the same value
+        # Every program of a matrix updates the same two words, and such updates queue at one
+        # L2 slice: a block whose max is below the one already seen (a load, perhaps stale, never
+        # above the true max) skips its atomic, and program 0 alone stores the exponent (the
+        # same value in every program). Before, the d12 momentum launch ran at 0.88 TB/s.
+        seen = tl.load(counters_ptr + AMAX_COUNTER)
+        tl.atomic_max(counters_ptr + AMAX_COUNTER, block_max, mask=block_max > seen)
+        tl.store(counters_ptr + EXPONENT_COUNTER, exponent, mask=tl.program_id(0) == 0)  # axis 0: the block
     n_bad = tl.sum((bad & in_bounds).to(tl.int32), axis=0)
     tl.atomic_add(counters_ptr, n_bad, mask=n_bad > 0)
 
@@ -226,7 +231,7 @@ def _weight_block(param_ptr, lo_ptr, ortho_ptr, ortho_offsets, ortho_in_bounds, 
         m_raw = encode_magnitude(tl.abs(scaled), MU_FRAC, MU_BIAS)
         m_code = finish_code(m_raw, scaled, True, MU_MAX)
         tl.store(state_ptr + offsets, m_code.to(tl.uint16).to(tl.int16, bitcast=True), mask=in_bounds)
-        tl.store(exponent_ptr, exponent)  # every program stores the same value; none reads it
+        tl.store(exponent_ptr, exponent, mask=tl.program_id(0) == 0)  # the same in every program; none reads it
         if TRACK_FORMAT:  # MUON.md, "Format counts"; as AdamW's kernel counts (core/adamw/kernel.py)
             magnitude = code_magnitude(m_code, True)
             # Each test leaves its answer in bit 31: x + (2**31 - 1 - k) has it set exactly when
@@ -387,6 +392,16 @@ def matrix_programs(rows: int, cols: int, tall: bool, block: int, tile: int) -> 
     if tall:
         return -(-rows // tile) * -(-cols // tile)
     return -(-(rows * cols) // block)
+
+
+# The refusal of a non-finite Newton-Schulz output reads 2 bytes an element and compares them:
+# 4,096 elements a program (a launch of AdamW's 512-element programs, 1 KB each, ran at 1.5 TB/s
+# on d12's outputs, D12_STACK.md 12:47). Any size gives the same zero or nonzero counts.
+REFUSE_BLOCK = 4096
+
+
+def refuse_block() -> int:
+    return INTERPRETER_BLOCK if interpreting() else REFUSE_BLOCK
 
 
 def tall_tile() -> int:
