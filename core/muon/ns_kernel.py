@@ -52,8 +52,9 @@ def _bf16_by_instruction(x):
     """`_bf16`'s bits on a GPU: the conversion instruction (IEEE round to nearest even, which is
     the bits' rounding for every finite value and for Inf) and a select giving NaN `_bf16`'s
     0x7FC0 (the instruction's NaN is the platform's). Several integer operations fewer an output
-    than `_bf16`, which cost d12's Newton-Schulz 5% when its NaN select was added (MUON_NS.md).
-    Never in the interpreter, which truncates; tests/core/test_muon_core.py checks the bits on CUDA."""
+    than `_bf16`, which cost d12's Newton-Schulz 6% when its NaN select was added (MUON_NS.md).
+    Never in the interpreter, which truncates; tests/torch_frontend/test_torch_muon.py checks the
+    bits on CUDA."""
     bits = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.uint16, bitcast=True)
     return tl.where(x == x, bits, QUIET_NAN_BF16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 

@@ -108,8 +108,9 @@ def _rounds(x_ptr, out_ptr, BLOCK: tl.constexpr):
 
 
 def test_the_kernels_round_every_nan_to_the_quiet_nan():
-    """core/muon/kernel.py's `_bf16_bits` (every bf16 rounding of the Newton-Schulz kernels and
-    of the momentum phase) on NaN payloads, the GPU's 0x7FFFFFFF among them: 0x7FC0, as numpy's
+    """core/muon/kernel.py's `_bf16_bits` (the momentum phase's bf16 roundings, the norm's, and
+    the Newton-Schulz GEMM epilogue's in the interpreter; on a GPU the epilogue's twin is
+    test_torch_muon.py's CUDA test) on NaN payloads, the GPU's 0x7FFFFFFF among them: 0x7FC0, as numpy's
     `bf16_bits` (test_muon_core.py); before, 0x7FFFFFFF gave -0."""
     payloads = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0x7F800001, 0x7F800000, 0x7F7FFFFF, 0x3F808000,
                          0x3F818000], np.uint32)
