@@ -29,6 +29,12 @@ each stack. Each stack's row records the graphs compiled by its first step and i
 nothing recompiled after the first batch). BACKEND: inductor (the default), or aot_eager / eager
 (the captured graphs run eagerly: on the CPU the eager run's bits).
 
+`--rounds R` runs the stacks R times, alternating (packed, reference, packed, ...), each round
+a fresh build on the same batches: a stack's row is its round of median tokens/s, and the ratio
+to the reference is also given round by round (paired: the rounds that ran side by side), so
+that a stretch of slow host time in one stack's window (torch.optim.Muon's per-matrix loop is
+host-bound) shows as spread instead of moving the ratio. `--profile` profiles the last round.
+
 Measured per stack: `--warmup` untimed steps (kernel compilation, state allocation), then
 `--steps` timed ones. ms/step and tokens/s: CUDA events around the timed steps (the host never
 waits inside them); optimizer ms: CUDA events around the optimizer step(s) alone, median over
@@ -155,7 +161,7 @@ def build_stack(name: str, config, device: torch.device, seed: int):
     return model, [optimizer], contextlib.nullcontext
 
 
-def run_stack(name: str, config, batches: list[PackedBatch], args, device: torch.device) -> dict:
+def run_stack(name: str, config, batches: list[PackedBatch], args, device: torch.device, profile: int) -> dict:
     free_memory(device)
     if args.compile:
         torch._dynamo.reset()  # each stack compiles afresh (and has the whole recompile limit)
@@ -227,10 +233,10 @@ def run_stack(name: str, config, batches: list[PackedBatch], args, device: torch
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
         result["peak_memory_bytes_per_param"] = result["peak_memory_bytes"] / n_params
         result["allocated_after_bytes"] = torch.cuda.memory_allocated()
-    if args.profile:  # after the timed steps, so that profiling costs them nothing
+    if profile:  # after the timed steps, so that profiling costs them nothing
         # the run's batches again, last first, cycling when --profile asks for more steps than it took
         result["profile"] = profile_steps(
-            lambda i: train_step(total_steps - 1, batches[(total_steps - 1 - i) % total_steps]), args.profile, device)
+            lambda i: train_step(total_steps - 1, batches[(total_steps - 1 - i) % total_steps]), profile, device)
     del model, forward, optimizers
     free_memory(device)
     return result
@@ -313,6 +319,16 @@ def profile_steps(step, count: int, device: torch.device) -> dict:
 
 
 # ---- the report ------------------------------------------------------------------------------
+def median_round(stack_runs: list[dict]) -> dict:
+    """A stack's rounds as one result: the round of median tokens/s (the lower middle of an even
+    count), with every round's tokens/s in run order and the last round's profile."""
+    chosen = dict(sorted(stack_runs, key=lambda r: r["tokens_per_s"])[(len(stack_runs) - 1) // 2])
+    chosen["tokens_per_s_by_round"] = [r["tokens_per_s"] for r in stack_runs]
+    if "profile" in stack_runs[-1]:
+        chosen["profile"] = stack_runs[-1]["profile"]
+    return chosen
+
+
 def comparison(results: dict) -> dict:
     """Each packed stack against the reference: speed ratio and how much smaller its state is."""
     reference = results.get("reference")
@@ -323,6 +339,8 @@ def comparison(results: dict) -> dict:
         saved = reference["training_state_bytes"] - r["training_state_bytes"]
         entry = {
             "tokens_per_s_ratio": r["tokens_per_s"] / reference["tokens_per_s"],
+            "tokens_per_s_ratio_by_round": [a / b for a, b in zip(r["tokens_per_s_by_round"],
+                                                                  reference["tokens_per_s_by_round"])],
             "no_slower": r["tokens_per_s"] >= reference["tokens_per_s"],
             "training_state_bytes_saved": saved,
             "training_state_smaller_fraction": saved / reference["training_state_bytes"],
@@ -346,7 +364,9 @@ def render(meta: dict, results: dict, compared: dict) -> str:
              f"- Command: `{meta['command']}`",
              f"- Model: {meta['preset']} ({n:,} parameters, vocabulary {meta['vocab_size']:,}, context "
              f"{meta['context']}); batch {meta['batch']} x {meta['context']} = {meta['tokens_per_step']:,} tokens per "
-             f"step; {meta['warmup']} warmup steps, then {meta['steps']} timed; torch.compile: "
+             f"step; {meta['warmup']} warmup steps, then {meta['steps']} timed"
+             + (f", in {meta['rounds']} alternating rounds (a row: the stack's round of median tokens/s)"
+                if meta["rounds"] > 1 else "") + "; torch.compile: "
              f"{meta['compile'] or 'off'}.",
              "- Training state = parameters + optimizer state (moments, momentum, masters' low halves, step "
              "counters), measured from the tensors' storages; gradients apart.",
@@ -371,7 +391,9 @@ def render(meta: dict, results: dict, compared: dict) -> str:
         lines.append("")
     for name, c in compared.items():
         peak = f"; peak memory {c['peak_memory_ratio']:.2f}x" if "peak_memory_ratio" in c else ""
-        lines.append(f"- {name} vs reference: tokens/s {c['tokens_per_s_ratio']:.3f}x "
+        by_round = c["tokens_per_s_ratio_by_round"]
+        rounds = (f", round by round {', '.join(f'{x:.3f}x' for x in by_round)}" if len(by_round) > 1 else "")
+        lines.append(f"- {name} vs reference: tokens/s {c['tokens_per_s_ratio']:.3f}x{rounds} "
                      f"({'no slower' if c['no_slower'] else 'SLOWER'}); training state "
                      f"{100 * c['training_state_smaller_fraction']:.1f}% smaller "
                      f"({c['training_state_bytes_saved'] / GIB:.3f} GiB, "
@@ -381,7 +403,8 @@ def render(meta: dict, results: dict, compared: dict) -> str:
             continue
         prof = r["profile"]
         parts = ", ".join(f"{part} {ms:.2f}" for part, ms in prof["device_ms_per_step"].items())
-        lines += ["", f"- {r['stack']}, profiled ({prof['steps']} steps after the timed ones, torch.profiler): "
+        after = "the last round's timed ones" if meta["rounds"] > 1 else "the timed ones"
+        lines += ["", f"- {r['stack']}, profiled ({prof['steps']} steps after {after}, torch.profiler): "
                   f"{prof['wall_ms_per_step']:.2f} ms/step wall, {prof['busy_ms_per_step']:.2f} ms of kernels "
                   f"({100 * prof['idle_fraction']:.1f}% of the wall time no kernel ran); kernel ms/step by part: "
                   f"{parts}.", "", "  | kernel | part | ms/step | calls/step |", "  |---|---|---|---|"]
@@ -410,6 +433,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, state allocation)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the stacks this many times, alternating, each a fresh build (the ratio's spread)")
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run, no memory)")
     parser.add_argument("--compile", nargs="?", const="inductor", default=None, choices=COMPILE_BACKENDS,
                         metavar="BACKEND", help="torch.compile every stack's model, once for every document count "
@@ -425,7 +450,7 @@ def parse_args(argv=None):
     parser.add_argument("--out", help="write the markdown table here")
     parser.add_argument("--json", help="write the measurements as JSON here")
     args = parser.parse_args(argv)
-    for name in ("batch", "steps"):
+    for name in ("batch", "steps", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     for name in ("warmup", "profile"):
@@ -452,10 +477,13 @@ def main(argv=None) -> int:
                                  args.seed, args.mean_document, args.zipf_exponent)]
     with torch.device("meta"):  # shapes only
         flops_per_token = chat_flops_per_token(ChatGPT(config), config.context)
-    results = {}
-    for name in args.stacks:
-        results[name] = run_stack(name, config, batches, args, device)
-        print(json.dumps({k: v for k, v in results[name].items() if k != "losses"}), flush=True)
+    runs = {name: [] for name in args.stacks}
+    for round_index in range(args.rounds):
+        last = round_index == args.rounds - 1
+        for name in args.stacks:
+            runs[name].append(run_stack(name, config, batches, args, device, args.profile if last else 0))
+            print(json.dumps({k: v for k, v in runs[name][-1].items() if k != "losses"}), flush=True)
+    results = {name: median_round(stack_runs) for name, stack_runs in runs.items()}
     try:
         import triton
         triton_version = triton.__version__
@@ -469,6 +497,7 @@ def main(argv=None) -> int:
             "preset": args.preset, "parameters": next(iter(results.values()))["parameters"],
             "vocab_size": config.vocab_size, "context": config.context, "batch": args.batch,
             "tokens_per_step": args.batch * config.context, "warmup": args.warmup, "steps": args.steps,
+            "rounds": args.rounds,
             "compile": args.compile, "flops_per_token": flops_per_token, "peak_flops_per_s": peak_bf16_flops(device),
             "seed": args.seed, "lr_warmup": args.lr_warmup,
             "weight_decay": args.weight_decay, "mean_document": args.mean_document,

@@ -18,9 +18,10 @@ def bench():
     return import_script(BENCHMARKS / "d12_stack.py", "d12_stack_under_test")
 
 
-def run(bench, tmp_path, device, stacks):
+def run(bench, tmp_path, device, stacks, extra=()):
     out, raw = tmp_path / "d12.md", tmp_path / "d12.json"
-    assert bench.main(TINY + ["--device", device, "--stacks", *stacks, "--out", str(out), "--json", str(raw)]) == 0
+    assert bench.main(TINY + ["--device", device, "--stacks", *stacks, "--out", str(out), "--json", str(raw),
+                              *extra]) == 0
     return out.read_text(), json.loads(raw.read_text())
 
 
@@ -42,8 +43,17 @@ def check_rows(table: str, measured: dict, stacks) -> None:
 
 
 def test_a_tiny_cpu_run_writes_both_stacks(bench, tmp_path):
-    table, measured = run(bench, tmp_path, "cpu", ["packed", "reference"])
+    """In two alternating rounds: a stack's row is its round of median tokens/s (the lower of two),
+    and the ratio is given round by round as well."""
+    table, measured = run(bench, tmp_path, "cpu", ["packed", "reference"], ["--rounds", "2"])
     check_rows(table, measured, ["packed", "reference"])
+    stacks, compared = measured["stacks"], measured["comparison"]["packed"]
+    for r in stacks.values():
+        assert len(r["tokens_per_s_by_round"]) == 2 and r["tokens_per_s"] == min(r["tokens_per_s_by_round"])
+    by_round = [p / q for p, q in zip(stacks["packed"]["tokens_per_s_by_round"],
+                                      stacks["reference"]["tokens_per_s_by_round"])]
+    assert compared["tokens_per_s_ratio_by_round"] == by_round
+    assert "in 2 alternating rounds" in table and f"round by round {by_round[0]:.3f}x, {by_round[1]:.3f}x" in table
     # the same FP32 initialisation and batches: the first losses differ only by bf16 rounding
     first = [measured["stacks"][name]["first_loss"] for name in ("packed", "reference")]
     assert abs(first[0] - first[1]) < 0.05, first
@@ -54,6 +64,9 @@ def test_bad_arguments_are_refused(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--steps", "0"])
     assert "--steps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0"])
+    assert "--rounds must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="do not make a model"):
         bench.main(["--preset", "d4", "--device", "cpu", "--d-model", "63"])
 
