@@ -404,5 +404,8 @@ def report(error: Exception, parallel: str) -> int:
     and the exit status: 1 for a run that failed (a file it could not write, a divergence), 2 for
     one refused."""
     where = f" (rank {launched_rank()})" if parallel != "none" else ""
-    print(f"error{where}: {error}", file=sys.stderr)
+    # One write of the whole line: the ranks share torchrun's stderr, and print's separate write of
+    # the newline (unbuffered, as under PYTHONUNBUFFERED) let another rank's line in between.
+    sys.stderr.write(f"error{where}: {error}\n")
+    sys.stderr.flush()
     return 1 if isinstance(error, (RunWriteError, RunDiverged)) else 2
