@@ -104,9 +104,10 @@ def ns_gemm_kernel(a_ptr, b_ptr, c_ptr, scalars_ptr, out_ptr, M: tl.constexpr, N
     """Grid (tiles of [M, N], B): out[z] = the EPILOGUE of A[z] @ B[z] (bf16 [M, K] and [K, N],
     contiguous), accumulated in float32 over K in BLOCK_K steps in order. B_IS_A_TRANSPOSED:
     B is A^T read from `a_ptr` (the Gram matrix Y Y^T; `b_ptr` unused). `c_ptr`: the bf16
-    [M, N] term of the epilogue, whose coefficients come from `scalars` (`ns_scalars`' row). INTERPRETER (Triton's CPU interpreter, never on a GPU):
-    the operands go to tl.dot as float32 (exact for bf16 values), as the interpreter's bf16 dot
-    multiplies raw bits, and the epilogue rounds on the bits (`_bf16`).
+    [M, N] term of the epilogue, whose coefficients come from `scalars` (`ns_scalars`' row).
+    INTERPRETER (Triton's CPU interpreter, never on a GPU): the operands go to tl.dot as float32
+    (exact for bf16 values), as the interpreter's bf16 dot multiplies raw bits, and the epilogue
+    rounds on the bits (`_bf16`).
     SYMMETRIC (the Gram matrix and the polynomial, both symmetric; square tiles): only the
     programs of tiles on or above the diagonal compute, and each stores its tile twice, the
     second time transposed below the diagonal. Element (j, i) of the full product sums the
