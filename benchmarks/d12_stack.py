@@ -412,8 +412,9 @@ def render(meta: dict, results: dict, compared: dict) -> str:
                   for k in prof["top_kernels"][:15]]
         optimizer = prof.get("optimizer_kernels", [])
         if optimizer:
-            lines += ["", "  The optimizer part, every kernel: " + "; ".join(
-                f"`{k['name'][:60]}` {k['ms_per_step']:.3f} ms ({k['calls_per_step']:g} calls)" for k in optimizer) + "."]
+            listed = "; ".join(f"`{k['name'][:60]}` {k['ms_per_step']:.3f} ms ({k['calls_per_step']:g} calls)"
+                               for k in optimizer)
+            lines += ["", f"  The optimizer part, every kernel: {listed}."]
     not_learning = [r["stack"] for r in results.values() if not r["loss_decreased"]]
     if not_learning:
         lines.append(f"- WARNING: the loss did not decrease for {', '.join(not_learning)}.")
