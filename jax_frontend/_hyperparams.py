@@ -17,6 +17,9 @@ import numpy as np
 
 from packed_adamw.core.rule import MAX_STEP_COUNT
 
+# The receipt of a refusal report (`_report_refusal`): an int32 zero, added to the new count.
+NO_RECEIPT = np.int32(0)
+
 
 def _refuse_invalid(rule, hparams, count):
     """(rows, valid): the hyperparameter rows (`rule.hyperparam_fields`) checked in the graph by
@@ -43,28 +46,57 @@ def _refusal_reason(rule, row, count: int) -> str:
 
 
 def _warn_refused(transform: str, rule, valid, row, count, *,
-                  unchanged: str = "parameter, state word or count") -> None:
+                  unchanged: str = "parameter, state word or count") -> np.ndarray:
     """Host side of `_report_refusal` for the transform named `transform` (packed_adamw,
     packed_muon), whose step of `rule` keeps `unchanged` when refused: warns for a refused step
-    (under `vmap` it runs for every batch element, refused or not). Bind the leading arguments
-    with `functools.partial`."""
+    (under `vmap` it runs for every batch element, refused or not) and returns the receipt, an
+    int32 zero. Bind the leading arguments with `functools.partial`."""
     if bool(np.asarray(valid)):
-        return
+        return NO_RECEIPT
     count = int(np.asarray(count))
     fix = ("restore an undamaged state (init() starts the count at 0, and the importers refuse a negative one)"
            if count < 0 else "since the count did not move, a schedule is evaluated at the same count next step: "
            "fix the schedule or the injected value (the eager update raises on it)")
     warnings.warn(f"{transform}: step refused at count {count}: {_refusal_reason(rule, np.asarray(row), count)}. No "
                   f"{unchanged} changed; {fix}", RefusedStepWarning, stacklevel=2)
+    return NO_RECEIPT
 
 
-def _report_refusal(warn, valid, row, count) -> None:
-    """Under jit an invalid step cannot raise: a `jax.debug.callback` of `warn` (`_warn_refused`
-    with the transform's name and rule bound) warns instead (`RefusedStepWarning`, naming the
-    value or the count); `_refused_eagerly` says where it is compiled in. The callback is taken
-    only on the refusing branch of a `lax.cond`; under `vmap` the cond becomes a select, so the
-    host side checks `valid` again."""
-    jax.lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(warn, *args), valid, row, count)
+def _effect_free_refusals() -> bool:
+    """Whether `_report_refusal` hears a refusal through a pure callback (no effect in the step's
+    jaxpr) rather than a `jax.debug.callback`: on a host whose default backend is an accelerator,
+    where a jitted step's dispatch time matters. Chosen when the step is traced (an effect is in
+    the jaxpr whatever platform it is lowered for)."""
+    return jax.default_backend() != "cpu"
+
+
+def _report_refusal(warn, valid, row, count) -> jax.Array:
+    """Under jit an invalid step cannot raise: a callback of `warn` (`_warn_refused` with the
+    transform's name and rule bound) warns instead (`RefusedStepWarning`, naming the value or the
+    count); `_refused_eagerly` says where it is compiled in. The callback is taken only on the
+    refusing branch of a `lax.cond`; under `vmap` the cond becomes a select, so the host side
+    checks `valid` again. Returns the receipt, an int32 zero that the caller adds to the step's
+    new count.
+
+    On an accelerator host (`_effect_free_refusals`) the callback is a `jax.pure_callback` whose
+    result is the receipt, which keeps it in the graph: a `jax.debug.callback` puts an effect in
+    the step's jaxpr, also where its branch is never lowered (CUDA's plain-number step), and a
+    jitted function with an effect loses JAX's C++ dispatch path: every call then flattens and
+    checks each argument in Python (docs/JAX.md, "Dispatch": 10x the time of a call with 300
+    arrays on the CPU). The receipt is made on one device: over a mesh of several, adding
+    it to the replicated count is a one-word all-reduce. On a CPU host (tests, meshes of CPU
+    devices, whose steps wait for their numpy callbacks anyway) the debug callback stays: no
+    all-reduce."""
+    if not _effect_free_refusals():
+        lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(_without_result, warn, *args),
+                 valid, row, count)
+        return jnp.int32(NO_RECEIPT)
+    receipt = jax.ShapeDtypeStruct((), jnp.int32)
+    # No tangent reaches the callback (pure callbacks have no JVP rule): a gradient through the
+    # step then meets the step's own "not differentiable" error.
+    return lax.cond(valid, lambda *_: jnp.int32(NO_RECEIPT),
+                    lambda *args: jax.pure_callback(warn, receipt, *args, vmap_method="sequential"),
+                    valid, lax.stop_gradient(row), count)
 
 
 def _known_value(x):
@@ -73,12 +105,18 @@ def _known_value(x):
     return x if value is None else value
 
 
-def _refused_eagerly(transform: str, rule, warn, values, row, valid, count) -> bool:
-    """Whether a step of `rule` whose hyperparameters are `values` (in `rule.group_keys` order,
-    schedules read at `count`) is refused where that is known: outside jit (`valid`, from
-    `_refuse_invalid`, concrete), where the caller raises in its own words. Under jit (or vmap)
-    the graph refuses an invalid step, and this makes the refusal heard, for every transform
-    alike (packed_adamw, packed_muon; `transform` names it, `warn` is its `_warn_refused`):
+def _without_result(fn, *args) -> None:
+    fn(*args)  # a debug callback returns nothing
+
+
+def _refused_eagerly(transform: str, rule, warn, values, row, valid, count) -> tuple[bool, Any]:
+    """(refused, receipt). `refused`: whether a step of `rule` whose hyperparameters are `values`
+    (in `rule.group_keys` order, schedules read at `count`) is refused where that is known:
+    outside jit (`valid`, from `_refuse_invalid`, concrete), where the caller raises in its own
+    words. Under jit (or vmap) the graph refuses an invalid step, and this makes the refusal
+    heard, for every transform alike (packed_adamw, packed_muon; `transform` names it, `warn` is
+    its `_warn_refused`); the caller adds `receipt` (an int32 zero, `_report_refusal`'s) to the
+    step's new count:
 
     - values known when the step is traced (a schedule returning a plain number, such as
       optax.constant_schedule's, the same at every count) are validated now: an invalid one
@@ -91,7 +129,7 @@ def _refused_eagerly(transform: str, rule, warn, values, row, valid, count) -> b
       (docs/JAX.md, "Known gaps"). The platform is the lowering's (`lax.platform_dependent`),
       not the default backend's, as the step's own path is."""
     try:
-        return not bool(valid)
+        return not bool(valid), NO_RECEIPT
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError):
         pass
     try:
@@ -101,11 +139,9 @@ def _refused_eagerly(transform: str, rule, warn, values, row, valid, count) -> b
                          f"returns a plain number is the same at every count, so every step would be refused): {e}") \
             from None
     if any(_concrete_float(x) is None for x in rule.group_row(*values, number=_as_given)):
-        _report_refusal(warn, valid, row, count)
-    else:
-        lax.platform_dependent(valid, row, count, default=functools.partial(_report_refusal, warn),
-                               cuda=lambda *_: None)
-    return False
+        return False, _report_refusal(warn, valid, row, count)
+    return False, lax.platform_dependent(valid, row, count, default=functools.partial(_report_refusal, warn),
+                                         cuda=lambda *_: jnp.int32(0))
 
 
 def _concrete_float(x) -> float | None:

@@ -508,7 +508,8 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         on_gpu = _step_platform((updates, params)) == "gpu"
         # Known outside jit (a schedule's value, say): raise in Muon's words; under jit refused in
         # the graph, and heard as transform.py's `_refused_eagerly` says (MUON.md, "Refusals").
-        if _refused_eagerly("packed_muon", RULE, _warn_muon_refused, values, row, valid, state.count):
+        refused, receipt = _refused_eagerly("packed_muon", RULE, _warn_muon_refused, values, row, valid, state.count)
+        if refused:
             count = int(state.count)
             raise ValueError(f"packed_muon: step refused at count {count}: "
                              f"{_refusal_reason(RULE, np.asarray(row), count)}")
@@ -557,7 +558,7 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
             for j, (i, e_new) in enumerate(zip(muon, new_exponents)):
                 exponent_list[i] = placed(e_new.reshape(views[i].batch_shape), j, replicated=True)
             new_exponent_tree = treedef.unflatten([optax.MaskedNode() if e is None else e for e in exponent_list])
-        count = jnp.where(valid, _increment(state.count), state.count)
+        count = jnp.where(valid, _increment(state.count), state.count) + receipt
         new_state = PackedMuonState(count, treedef.unflatten(new_momenta),
                                     None if low_list is None else treedef.unflatten(low_list), adamw_state,
                                     new_exponent_tree)

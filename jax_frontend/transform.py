@@ -482,10 +482,11 @@ class _Stepper:
         hparams, valid = _refuse_invalid(rule, rows, state.count)
         # Known outside jit (a schedule's value, say): say so instead of refusing silently; under
         # jit refused in the graph, and heard as `_refused_eagerly` says (docs/JAX.md).
-        if _refused_eagerly(self.name, rule, self.warn_refused, at_count, rows[0], valid, state.count):
+        refused, receipt = _refused_eagerly(self.name, rule, self.warn_refused, at_count, rows[0], valid, state.count)
+        if refused:
             raise ValueError(f"{self.name}: invalid hyperparameters at count {int(state.count)}: "
                              f"{_refusal_reason(rule, np.asarray(rows)[0], int(state.count))}")
-        count = jnp.where(valid, _increment(state.count), state.count)
+        count = jnp.where(valid, _increment(state.count), state.count) + receipt
         step_count = jnp.where(valid, count, 1)  # a refused step's rows are NaN: any count in range will do
         config = StepConfig(fmt=self.fmt, steps=self.steps, write_update=write_update, multi_tensor=self.multi_tensor,
                             leaf_rows=leaf_rows, paths=paths,

@@ -38,3 +38,15 @@ def is_interpreting() -> bool:
 def device() -> str:
     """Where kernel tensors live: "cuda" when a GPU is present, else "cpu" (interpreted)."""
     return "cuda" if CUDA and not interpreting() else "cpu"
+
+
+@pytest.fixture(params=["debug callback", "pure callback"])
+def refusal_callback(request, monkeypatch) -> bool:
+    """Both ways a jitted JAX step's refusal warning is heard (`_hyperparams._report_refusal`): a
+    CPU host's `jax.debug.callback`, and an accelerator host's pure callback, forced here on the
+    CPU. True for the pure callback, whose jitted steps must have no effect in their jaxpr."""
+    from packed_adamw.jax import _hyperparams
+
+    pure = request.param == "pure callback"
+    monkeypatch.setattr(_hyperparams, "_effect_free_refusals", lambda: pure)
+    return pure

@@ -412,7 +412,7 @@ def test_misuse_found_by_a_review_is_refused_naming_what_to_do():
         export_muon_state(damaged, params, mode="fp32")
 
 
-def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph():
+def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph(refusal_callback):
     params = make_params(np.random.default_rng(19))
     tx = packed_muon(lambda count: jnp.where(count >= 1, -1.0, LR))
     state = tx.init(params)
@@ -427,10 +427,12 @@ def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph():
     for k in MUON_LEAVES:
         assert np.all(bits(updates[k]) == 0x80000000)
         assert np.array_equal(bits(refused.momentum[k]), bits(state.momentum[k]))
+    # An effect would cost the jitted step JAX's C++ dispatch path: none on an accelerator host.
+    assert bool(jax.make_jaxpr(tx.update)(grads, state, params).effects) != refusal_callback
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_a_negative_count_refuses_the_step_eagerly_and_warns_under_jit(jit):
+def test_a_negative_count_refuses_the_step_eagerly_and_warns_under_jit(jit, refusal_callback):
     """A damaged count (here -3, with plain-number hyperparameters, so nothing else is known only
     in the graph) refuses the step: eagerly a ValueError, under jit a RefusedStepWarning naming
     the count (transform.py's `_report_refusal`); nothing changes, the AdamW half's leaves and

@@ -275,10 +275,12 @@ def test_invalid_injected_hyperparameter_refuses_the_step_whole(name, bad, maske
 
 
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_a_schedule_gone_negative_is_refused_visibly(jitted):
+def test_a_schedule_gone_negative_is_refused_visibly(jitted, refusal_callback):
     """A schedule that turns invalid at some count: eagerly the update raises; under jit the
     step is refused in the graph and a RefusedStepWarning names the value, every refused step
-    (the count stays, so the schedule stays invalid). Valid steps warn nothing."""
+    (the count stays, so the schedule stays invalid). Valid steps warn nothing. On an
+    accelerator host the jitted step has no effect in its jaxpr (which would cost every call
+    JAX's C++ dispatch path), and still warns."""
     import warnings
 
     from packed_adamw.jax import RefusedStepWarning
@@ -296,6 +298,7 @@ def test_a_schedule_gone_negative_is_refused_visibly(jitted):
         with pytest.raises(ValueError, match="Invalid learning rate: lr=-0.002"):
             step(params, state, to_jax(grads[1]))
         return
+    assert bool(jax.make_jaxpr(step_fn(tx))(params, state, to_jax(grads[1])).effects) != refusal_callback
     for g in grads[1:]:
         with pytest.warns(RefusedStepWarning, match=r"step refused at count 1: Invalid learning rate: lr=-0.002"):
             after, after_state = step(params, state, to_jax(g))
@@ -373,7 +376,7 @@ def test_the_refusal_warning_speaks_for_the_transform_that_refused(transform_nam
     assert other not in message and "restore" in message and "fix the schedule" not in message, message
 
 
-def test_a_negative_count_under_jit_warns_that_the_step_was_refused():
+def test_a_negative_count_under_jit_warns_that_the_step_was_refused(refusal_callback):
     """With a hyperparameter known only in the graph (here injected), the refusal warning also
     names a negative count (on any platform; with plain-number hyperparameters only on the CPU:
     see docs/JAX.md)."""
@@ -427,8 +430,9 @@ def test_the_jitted_refusal_warning_is_compiled_in_on_the_cpu_and_where_a_value_
         values = (lr if hyperparameter == "traced" else LR, (0.9, 0.999), 1e-8, WD)
         row = jnp.asarray(ADAMW_RULE.group_row(*values, number=lambda x: x), jnp.float32)
         _, valid = transform._refuse_invalid(ADAMW_RULE, row, count)
-        assert not transform._refused_eagerly("packed_adamw", ADAMW_RULE, warn, values, row, valid, count)
-        return valid
+        refused, receipt = transform._refused_eagerly("packed_adamw", ADAMW_RULE, warn, values, row, valid, count)
+        assert not refused
+        return valid, count + receipt
 
     args = (jnp.float32(LR), jnp.int32(-3))
     traced = jax.jit(guarded).trace(*args)
@@ -969,7 +973,7 @@ def test_no_params_are_needed_when_the_mask_exempts_every_leaf():
     assert_trees_bits_equal(without, reference, "updates with every leaf masked, no params")
 
 
-def test_a_negative_step_count_is_refused_eagerly_and_refuses_the_step_under_jit():
+def test_a_negative_step_count_is_refused_eagerly_and_refuses_the_step_under_jit(refusal_callback):
     """A damaged count with plain-number hyperparameters: eagerly a ValueError; under jit the
     step is refused in the graph and, on the CPU (where the step waits for its host callbacks
     anyway), a RefusedStepWarning names the count, for the transform and the fused step alike."""
@@ -994,6 +998,7 @@ def test_a_negative_step_count_is_refused_eagerly_and_refuses_the_step_under_jit
         jax.effects_barrier()
     assert int(fused_state.count) == -3
     assert_trees_bits_equal(stepped, params, "params after a refused fused step")
+    assert bool(jax.make_jaxpr(fused)(params, to_jax(grads[0]), state).effects) != refusal_callback
 
 
 def test_an_error_inside_the_cpu_callback_names_the_leaf_on_its_last_line(monkeypatch):
