@@ -83,10 +83,12 @@ def _report_refusal(warn, valid, row, count) -> jax.Array:
     the step's jaxpr, also where its branch is never lowered (CUDA's plain-number step), and a
     jitted function with an effect loses JAX's C++ dispatch path: every call then flattens and
     checks each argument in Python (docs/JAX.md, "Dispatch": 10x the time of a call with 300
-    arrays on the CPU). The receipt is made on one device: over a mesh of several, adding
-    it to the replicated count is a one-word all-reduce. On a CPU host (tests, meshes of CPU
-    devices, whose steps wait for their numpy callbacks anyway) the debug callback stays: no
-    all-reduce."""
+    arrays on the CPU). The caller makes the step itself read the receipt (packed_adamw through
+    the count its rows are derived at, packed_muon through `valid`), so that a jit keeping only
+    the updates keeps the callback. Over a mesh of several devices the callback runs on one, and
+    the refusing branch broadcasts its receipt (an all-reduce on a refused step only). On a CPU
+    host (tests, meshes of CPU devices, whose steps wait for their numpy callbacks anyway) the
+    debug callback stays."""
     if not _effect_free_refusals():
         lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(_without_result, warn, *args),
                  valid, row, count)

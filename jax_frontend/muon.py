@@ -513,6 +513,8 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
             count = int(state.count)
             raise ValueError(f"packed_muon: step refused at count {count}: "
                              f"{_refusal_reason(RULE, np.asarray(row), count)}")
+        # The step reads the receipt (always 0), so a jit that keeps only the updates keeps the warning.
+        valid = valid & (receipt == 0)
 
         # After Muon's checks, so that a bad shared learning rate is reported by Muon's words first.
         adamw_updates, adamw_state = adamw_beside_muon.update(_refused_unless(valid, updates, views), state.adamw,
@@ -558,7 +560,7 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
             for j, (i, e_new) in enumerate(zip(muon, new_exponents)):
                 exponent_list[i] = placed(e_new.reshape(views[i].batch_shape), j, replicated=True)
             new_exponent_tree = treedef.unflatten([optax.MaskedNode() if e is None else e for e in exponent_list])
-        count = jnp.where(valid, _increment(state.count), state.count) + receipt
+        count = jnp.where(valid, _increment(state.count), state.count)
         new_state = PackedMuonState(count, treedef.unflatten(new_momenta),
                                     None if low_list is None else treedef.unflatten(low_list), adamw_state,
                                     new_exponent_tree)

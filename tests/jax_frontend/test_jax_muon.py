@@ -427,8 +427,12 @@ def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph(refusal_
     for k in MUON_LEAVES:
         assert np.all(bits(updates[k]) == 0x80000000)
         assert np.array_equal(bits(refused.momentum[k]), bits(state.momentum[k]))
-    # An effect would cost the jitted step JAX's C++ dispatch path: none on an accelerator host.
+    # An effect would cost the jitted step JAX's C++ dispatch path: none on an accelerator host,
+    # where the warning is a pure callback that the step reads, so keeping only the updates keeps it.
     assert bool(jax.make_jaxpr(tx.update)(grads, state, params).effects) != refusal_callback
+    with pytest.warns(RefusedStepWarning, match="Learning rate"):
+        jax.block_until_ready(jax.jit(lambda g, s, p: tx.update(g, s, p)[0])(grads, state, params))
+        jax.effects_barrier()
 
 
 @pytest.mark.parametrize("jit", [False, True])

@@ -299,6 +299,9 @@ def test_a_schedule_gone_negative_is_refused_visibly(jitted, refusal_callback):
             step(params, state, to_jax(grads[1]))
         return
     assert bool(jax.make_jaxpr(step_fn(tx))(params, state, to_jax(grads[1])).effects) != refusal_callback
+    with pytest.warns(RefusedStepWarning, match="step refused at count 1"):  # a jit keeping the updates only
+        jax.block_until_ready(jax.jit(lambda g, s, p: tx.update(g, s, p)[0])(to_jax(grads[1]), state, params))
+        jax.effects_barrier()
     for g in grads[1:]:
         with pytest.warns(RefusedStepWarning, match=r"step refused at count 1: Invalid learning rate: lr=-0.002"):
             after, after_state = step(params, state, to_jax(g))
