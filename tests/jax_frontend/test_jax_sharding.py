@@ -341,6 +341,35 @@ def _cases():
                     if mesh is explicit or not jit:  # the state too, where the layout is decided by the step
                         assert normalized_spec(got_s.momentum[k].sharding.spec, 2) == normalized_spec(m_specs[k], 2), (where, k)
 
+    @case("refusal_warning_of_an_accelerator_host_on_a_mesh")
+    def _():
+        # An accelerator host's refusal warning (a pure callback the step reads, no effect), forced
+        # on these CPU devices: a refused step of sharded leaves warns once and changes nothing.
+        import warnings
+
+        from packed_adamw.jax import RefusedStepWarning, _hyperparams
+
+        kept = _hyperparams._effect_free_refusals
+        _hyperparams._effect_free_refusals = lambda: True
+        try:
+            tx = packed_adamw(lambda count: jnp.where(count >= 1, -1.0, 1e-2), weight_decay=0.1)
+            with jax.set_mesh(explicit):
+                params = put(params0, explicit)
+                step = jax.jit(optax_train_step(tx))
+                params, state = step(params, tx.init(params), put(grads0[0], explicit))
+                assert not jax.make_jaxpr(optax_train_step(tx))(params, state, put(grads0[1], explicit)).effects
+                with warnings.catch_warnings(record=True) as heard:
+                    warnings.simplefilter("always")
+                    after, after_state = step(params, state, put(grads0[1], explicit))
+                    jax.block_until_ready(after)
+        finally:
+            _hyperparams._effect_free_refusals = kept
+        assert [type(w.message) for w in heard] == [RefusedStepWarning], [str(w.message) for w in heard]
+        assert int(after_state.count) == 1 and same_bits((after, after_state), (params, state))
+        for k in params:
+            assert normalized_spec(after[k].sharding.spec, after[k].ndim) == \
+                normalized_spec(specs[k], after[k].ndim), (k, after[k].sharding)
+
     return results
 
 
@@ -400,6 +429,10 @@ def test_import_state_places_the_state_like_the_params(child_results):
 def test_packed_muon_sharded_bits_equal_unsharded(child_results):
     _check(child_results, "packed_muon_sharded_bits_equal_unsharded")
 
+
+
+def test_refusal_warning_of_an_accelerator_host_on_a_mesh(child_results):
+    _check(child_results, "refusal_warning_of_an_accelerator_host_on_a_mesh")
 
 if __name__ == "__main__" and "--cases" in sys.argv:
     _cases()
