@@ -17,7 +17,7 @@ import numpy as np
 
 from packed_adamw.core.rule import MAX_STEP_COUNT
 
-# The receipt of a refusal report (`_report_refusal`): an int32 zero, added to the new count.
+# The receipt of a refusal report (`_report_refusal`): an int32 zero, which the caller's step reads.
 NO_RECEIPT = np.int32(0)
 
 
@@ -75,8 +75,7 @@ def _report_refusal(warn, valid, row, count) -> jax.Array:
     transform's name and rule bound) warns instead (`RefusedStepWarning`, naming the value or the
     count); `_refused_eagerly` says where it is compiled in. The callback is taken only on the
     refusing branch of a `lax.cond`; under `vmap` the cond becomes a select, so the host side
-    checks `valid` again. Returns the receipt, an int32 zero that the caller adds to the step's
-    new count.
+    checks `valid` again. Returns the receipt, an int32 zero that the caller's step reads.
 
     On an accelerator host (`_effect_free_refusals`) the callback is a `jax.pure_callback` whose
     result is the receipt, which keeps it in the graph: a `jax.debug.callback` puts an effect in
@@ -93,11 +92,11 @@ def _report_refusal(warn, valid, row, count) -> jax.Array:
         lax.cond(valid, lambda *_: None, lambda *args: jax.debug.callback(_without_result, warn, *args),
                  valid, row, count)
         return jnp.int32(NO_RECEIPT)
-    receipt = jax.ShapeDtypeStruct((), jnp.int32)
+    receipt_type = jax.ShapeDtypeStruct((), jnp.int32)
     # No tangent reaches the callback (pure callbacks have no JVP rule): a gradient through the
     # step then meets the step's own "not differentiable" error.
     return lax.cond(valid, lambda *_: jnp.int32(NO_RECEIPT),
-                    lambda *args: jax.pure_callback(warn, receipt, *args, vmap_method="sequential"),
+                    lambda *args: jax.pure_callback(warn, receipt_type, *args, vmap_method="sequential"),
                     valid, lax.stop_gradient(row), count)
 
 
@@ -117,8 +116,7 @@ def _refused_eagerly(transform: str, rule, warn, values, row, valid, count) -> t
     outside jit (`valid`, from `_refuse_invalid`, concrete), where the caller raises in its own
     words. Under jit (or vmap) the graph refuses an invalid step, and this makes the refusal
     heard, for every transform alike (packed_adamw, packed_muon; `transform` names it, `warn` is
-    its `_warn_refused`); the caller adds `receipt` (an int32 zero, `_report_refusal`'s) to the
-    step's new count:
+    its `_warn_refused`); the caller's step reads `receipt` (an int32 zero, `_report_refusal`'s):
 
     - values known when the step is traced (a schedule returning a plain number, such as
       optax.constant_schedule's, the same at every count) are validated now: an invalid one
@@ -143,7 +141,7 @@ def _refused_eagerly(transform: str, rule, warn, values, row, valid, count) -> t
     if any(_concrete_float(x) is None for x in rule.group_row(*values, number=_as_given)):
         return False, _report_refusal(warn, valid, row, count)
     return False, lax.platform_dependent(valid, row, count, default=functools.partial(_report_refusal, warn),
-                                         cuda=lambda *_: jnp.int32(0))
+                                         cuda=lambda *_: jnp.int32(NO_RECEIPT))
 
 
 def _concrete_float(x) -> float | None:

@@ -435,7 +435,8 @@ def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph(refusal_
         jax.effects_barrier()
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit, refusal_callback", [(False, "debug callback"), (True, "debug callback"),
+                                                   (True, "pure callback")], indirect=["refusal_callback"])
 def test_a_negative_count_refuses_the_step_eagerly_and_warns_under_jit(jit, refusal_callback):
     """A damaged count (here -3, with plain-number hyperparameters, so nothing else is known only
     in the graph) refuses the step: eagerly a ValueError, under jit a RefusedStepWarning naming

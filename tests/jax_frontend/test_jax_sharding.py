@@ -430,9 +430,9 @@ def test_packed_muon_sharded_bits_equal_unsharded(child_results):
     _check(child_results, "packed_muon_sharded_bits_equal_unsharded")
 
 
-
 def test_refusal_warning_of_an_accelerator_host_on_a_mesh(child_results):
     _check(child_results, "refusal_warning_of_an_accelerator_host_on_a_mesh")
+
 
 if __name__ == "__main__" and "--cases" in sys.argv:
     _cases()

@@ -274,7 +274,8 @@ def test_invalid_injected_hyperparameter_refuses_the_step_whole(name, bad, maske
         assert np.isfinite(np.asarray(leaf)).all()
 
 
-@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("jitted, refusal_callback", [(False, "debug callback"), (True, "debug callback"),
+                                                      (True, "pure callback")], indirect=["refusal_callback"])
 def test_a_schedule_gone_negative_is_refused_visibly(jitted, refusal_callback):
     """A schedule that turns invalid at some count: eagerly the update raises; under jit the
     step is refused in the graph and a RefusedStepWarning names the value, every refused step
