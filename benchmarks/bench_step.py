@@ -222,6 +222,7 @@ def main(argv=None):
     parser.add_argument("--out", help="write the markdown report here")
     parser.add_argument("--json", help="write raw numbers here")
     parser.add_argument("--skip-jax", action="store_true")
+    parser.add_argument("--only-jax", action="store_true", help="only the JAX rows, printed as each list finishes")
     parser.add_argument("--sweep", action="store_true", help="only time block sizes and warps on one tensor")
     parser.add_argument("--captured-ab", action="store_true",
                         help="only captured steps with the address table read in place against copied")
@@ -242,6 +243,10 @@ def main(argv=None):
         return profile_host()
     if args.interleave:
         return interleave(args.interleave)
+    if args.only_jax:
+        for name, shapes in {**SHAPE_LISTS, "one tensor": [(BIG,)]}.items():
+            print(name, json.dumps(jax_steps_ms(shapes)), flush=True)
+        return None
 
     raw = {}
     bandwidth = copy_bandwidth()
