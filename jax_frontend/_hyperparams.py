@@ -152,6 +152,14 @@ def _concrete_float(x) -> float | None:
         return None  # traced (or not a scalar): not known
 
 
+def _known_or_given(x):
+    """A hyperparameter as a float where it is known before compilation, so the rule's checks
+    can run when the transform is built; a schedule or a traced value as it is (checked in the
+    graph)."""
+    value = None if callable(x) else _concrete_float(x)
+    return x if value is None else value
+
+
 def _increment(count):
     """The count after a step: past MAX_STEP_COUNT it stays (int32's largest value, 2**31 - 1)."""
     return jnp.where(count <= MAX_STEP_COUNT, count + 1, count)

@@ -47,8 +47,8 @@ from ._masters import BF16, FLOAT32, LOW_HALF
 from ._muon_state import MatrixView, _check_grad_dtypes, _check_grads, _check_param_dtypes, _checked_exponents, \
     _checked_lows, _checked_momenta, _like, _zero_exponents, leaf_views
 from ._step import CpuStepError, _subnormals_kept
-from ._hyperparams import _check_count, _check_count_type, _check_hyperparameter_kinds, _increment, _refusal_reason, \
-    _refuse_invalid, _refused_eagerly, _warn_refused
+from ._hyperparams import _check_count, _check_count_type, _check_hyperparameter_kinds, _concrete_float, _increment, \
+    _known_or_given, _refusal_reason, _refuse_invalid, _refused_eagerly, _warn_refused
 from .transform import _step_platforms, packed_adamw
 
 # torch.optim.Muon's defaults (optax.contrib.muon's are eps=1e-8 and weight_decay=0).
@@ -243,18 +243,11 @@ def _python_number(x) -> float | None:
     return None
 
 
-def _concrete(x) -> float | None:
-    try:
-        return float(x)
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        return None
-
-
 def _rate_valid(rate):
     """Whether a learning rate is one Muon's step takes (its float32 value within RULE's bound,
     as `_refuse_invalid` checks the row); True for one known when the step is traced, which was
     validated there."""
-    if _concrete(rate) is not None:
+    if _concrete_float(rate) is not None:
         return True
     return RULE.bounds["lr"].holds(jnp.asarray(rate, jnp.float32))
 
@@ -266,7 +259,7 @@ def _screened_rate(rate):
     keep every AdamW leaf and word, and the count stays (`_whole_step_valid`). A schedule stays a
     schedule; a value known when the step is traced stays as it is."""
     def screened(value):
-        if _concrete(value) is not None:
+        if _concrete_float(value) is not None:
             return value
         return jnp.where(_rate_valid(value), value, jnp.zeros_like(value))
 
@@ -415,10 +408,9 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
     fmt = StateFormat(mode, mu_bias)
     if not isinstance(nesterov, (bool, np.bool_)):
         raise TypeError(f"packed_muon: nesterov={nesterov!r}: pass True or False")
-    known = lambda x: x if callable(x) or _concrete(x) is None else _concrete(x)  # noqa: E731
     try:  # the rule's words are torch.optim.Muon's: say which of packed_muon's arguments they mean
         coefficients, steps = validate_ns(ns_coeffs, ns_steps, adjust_lr_fn)
-        RULE.validate(*(known(x) for x in (learning_rate, beta, weight_decay, eps)), allow_arrays=True)
+        RULE.validate(*(_known_or_given(x) for x in (learning_rate, beta, weight_decay, eps)), allow_arrays=True)
     except ValueError as e:
         raise ValueError(f"packed_muon: {e} (torch.optim.Muon's names: lr is learning_rate, momentum is beta, "
                          "ns_coefficients is ns_coeffs)") from None

@@ -42,6 +42,7 @@ from ._hyperparams import (  # noqa: F401  (RefusedStepWarning and the count's h
     _concrete_float,
     _increment,
     _is_step_count,
+    _known_or_given,
     _map_group,
     _refusal_reason,
     _refuse_invalid,
@@ -374,8 +375,7 @@ class _Stepper:
         self.reuse_grad_buffer = bool(reuse_grad_buffer)
         # Numbers and concrete arrays (optax.inject_hyperparams outside jit) are checked now;
         # traced ones and schedules are checked in the graph.
-        known = lambda x: x if callable(x) or _concrete_float(x) is None else _concrete_float(x)  # noqa: E731
-        self.rule.validate(*_map_group(known, group), allow_arrays=True)
+        self.rule.validate(*_map_group(_known_or_given, group), allow_arrays=True)
         self.group = tuple(group)
         self.mask = mask
         self.multi_tensor = bool(multi_tensor)
