@@ -29,7 +29,8 @@ import numpy as np
 
 from .adamw.state_format import DEFAULT_M_BIAS, StateFormat, first_moment_format, rms_format
 from .codecs import BIAS_RANGE, MiniFloat
-from .muon.numpy_step import ldexp32, matrix_exponent
+from .muon.float32 import ldexp32
+from .muon.numpy_step import matrix_exponent
 from .rule import StateLayout
 from .rules import rule_formats
 # Reading stored states and identities back is the rules registry's (core/rules.py); these names

@@ -15,15 +15,11 @@ from .hyperparams import (
     validate_hyperparams,
     validate_ns,
 )
+from .float32 import bf16_bits, bf16_values, fma32, ldexp32, lerp32
 from .numpy_step import (
     MomentumUpdate,
-    bf16_bits,
-    bf16_values,
     commit_momentum,
     decode_momentum,
-    fma32,
-    ldexp32,
-    lerp32,
     matrix_exponent,
     momentum_phase,
     momentum_update,

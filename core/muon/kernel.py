@@ -58,7 +58,7 @@ BF16_MODE = tl.constexpr(1)
 FP32_MODE = tl.constexpr(2)
 EXPONENT_MASK = tl.constexpr(0x7F800000)
 BF16_EXPONENT_MASK = tl.constexpr(0x7F80)
-QUIET_NAN_BF16 = tl.constexpr(0x7FC0)  # what bf16 rounding makes of any NaN (numpy_step.QUIET_NAN_BF16)
+QUIET_NAN_BF16 = tl.constexpr(0x7FC0)  # what bf16 rounding makes of any NaN (float32.QUIET_NAN_BF16)
 AMAX_EXPONENT_FIELD = tl.constexpr(_AMAX_EXPONENT_FIELD)  # the code's exponent field of a matrix's largest |m'|
 # A matrix's counters row: refused elements (or non-finite output blocks), rejected weights, the
 # bits of max |m'| (packed mode), the exponent its momentum was read with (packed mode).
@@ -89,7 +89,7 @@ def _bf16_from_bits(bits16):
 @triton.jit
 def _bf16_bits(x):
     """float32 -> bf16 bits in a uint32, nearest even (Inf's bits past bf16's range); every NaN
-    gives the quiet NaN 0x7FC0 (numpy_step.bf16_bits: rounding a NaN's bits could carry into the
+    gives the quiet NaN 0x7FC0 (float32.bf16_bits: rounding a NaN's bits could carry into the
     sign and make it -0, as a GPU's NaN 0x7FFFFFFF did)."""
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ns_kernel
-from .numpy_step import bf16_bits, bf16_values
+from .float32 import bf16_bits, bf16_values
 
 F32 = np.float32
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..codecs import BIAS_RANGE, MiniFloat
 from ..rule import Rule, StateEntry, StateLayout
+from .float32 import ldexp32
 from .rule import MOMENTUM_BUFFER, MOMENTUM_CODE, MOMENTUM_EXPONENT, RULE
 
 DEFAULT_MU_BIAS = 31
@@ -145,8 +146,6 @@ class StateFormat(StateLayout):
                              f"{self.mu_bias} ({self.identity}); {remedy}")
         values = values.astype(dtype)
         if codes is not None and values.size:
-            from .numpy_step import ldexp32  # numpy_step imports this module
-
             codes = np.asarray(codes)
             if codes.dtype not in (np.uint16, np.int16) or codes.shape[:-2] != shape or codes.ndim != len(shape) + 2:
                 raise ValueError(f"{where}: the codes are {codes.dtype} {codes.shape}, expected 16-bit codes of "

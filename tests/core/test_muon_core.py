@@ -268,7 +268,8 @@ def test_ldexp_and_the_exponent_from_amax_match_the_authority():
     """MUON.md's ldexp32 (two float32 products by powers of two; a subnormal result rounded at
     the second) and the exponent chosen from a matrix's largest |m'| (normal and subnormal
     float32 amaxes, every bias's window) against the authority."""
-    from packed_adamw.core.muon.numpy_step import floor_log2, ldexp32, matrix_exponent
+    from packed_adamw.core.muon.float32 import floor_log2, ldexp32
+    from packed_adamw.core.muon.numpy_step import matrix_exponent
 
     rng = np.random.default_rng(21)
     x = spread(rng, 4000, -149, 127)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from packed_adamw.core.muon import E5M10
-from packed_adamw.core.muon.numpy_step import floor_log2, ldexp32
+from packed_adamw.core.muon.float32 import floor_log2, ldexp32
 from packed_adamw.torch.combined import PackedMuonAdamW
 from packed_adamw.torch.gpt import walkthrough, walkthrough_muon
 from packed_adamw.torch.gpt.chat_model import PRESETS, ChatGPT

@@ -14,7 +14,8 @@ import torch
 from packed_adamw.core.codecs import SPLIT_MASTER_MAX, read_master
 from packed_adamw.core.muon import StateFormat as MuonFormat
 from packed_adamw.core.muon import step_scalar_row
-from packed_adamw.core.muon.numpy_step import bf16_bits, decode_momentum, ldexp32, lerp32, matrix_exponent
+from packed_adamw.core.muon.float32 import bf16_bits, ldexp32, lerp32
+from packed_adamw.core.muon.numpy_step import decode_momentum, matrix_exponent
 
 from ..muon import newton_schulz
 from .schedules import BASE_LR_KEY, TABLE_NAMES, apply_schedule, build_schedule
