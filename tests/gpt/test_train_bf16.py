@@ -17,6 +17,7 @@ from packed_adamw.inspect import load_state_file
 from packed_adamw.inspect.__main__ import main as inspect_main
 from packed_adamw.torch.gpt import checkpoint
 from packed_adamw.torch.gpt.optimizers import optimizer_kind
+from packed_adamw.torch.gpt.run_identity import out_dir, trajectory
 from packed_adamw.torch.gpt.train import TrainConfig, build_model, gradient_norm_, main
 from layout import TESTS
 
@@ -119,7 +120,7 @@ def test_a_loaded_checkpoint_gives_back_its_weights_low_halves_and_masters(bf16_
             pass
 
     entry = checkpoint.load_training_state(bf16_run / "checkpoint.safetensors", model=model, optimizer=optimizer,
-                                           tape=NoTape(), config=config.trajectory())
+                                           tape=NoTape(), config=trajectory(config))
     assert entry["step"] == 20
     tensors = checkpoint_tensors(bf16_run / "checkpoint.safetensors")
     params = dict(model.named_parameters())
@@ -190,10 +191,10 @@ def test_inspect_reads_a_bf16_run_checkpoint_with_its_masters_as_the_parameters(
 
 
 def test_default_out_directories_name_the_param_dtype():
-    assert TrainConfig(config="micro", param_dtype="bf16").out_dir.name == "micro-packed-bf16"
-    assert TrainConfig(config="micro", param_dtype="bf16", optimizer="torch-adamw").out_dir.name == \
+    assert out_dir(TrainConfig(config="micro", param_dtype="bf16")).name == "micro-packed-bf16"
+    assert out_dir(TrainConfig(config="micro", param_dtype="bf16", optimizer="torch-adamw")).name == \
         "micro-torch-adamw-bf16"
-    assert TrainConfig(config="micro").out_dir.name == "micro-packed"  # FP32 runs keep their directories
+    assert out_dir(TrainConfig(config="micro")).name == "micro-packed"  # FP32 runs keep their directories
 
 
 def test_bf16_gradient_norm_is_accumulated_in_float32_and_clipping_rounds_once():

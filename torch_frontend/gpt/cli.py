@@ -15,6 +15,7 @@ from .distributed import distributed_ready, launched_world_size, under_torchrun
 from .families import MODEL_PRESETS
 from .optimizers import OPTIMIZERS, optimizer_kind
 from .run_directory import RunDirectoryError, check_out
+from .run_identity import out_dir
 
 
 def check_option(option: str, value, check) -> None:
@@ -259,7 +260,7 @@ def parse_args(argv=None, description: str = "") -> tuple[TrainConfig, argparse.
             raise ConfigError(f"--parallel {config.parallel}: --synthetic is one update in one process; "
                               "leave out --parallel")
         if not args.synthetic:  # which writes nothing
-            check_out(config.out_dir)
+            check_out(out_dir(config))
     except (ConfigError, RunDirectoryError) as error:
         parser.error(str(error))  # one line on stderr, exit code 2
     return config, args

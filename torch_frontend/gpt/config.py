@@ -3,12 +3,10 @@ the command line into them."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
 from .checkpoint import CHECKPOINT_NAME, SHARDED_CHECKPOINT_NAME
-from .distributed import launched_world_size
 from .families import preset_config
 
 
@@ -77,37 +75,6 @@ class TrainConfig:
     format_steps: str = "all"
     progress: bool = True
     deterministic: bool = True  # CUDA: deterministic kernels, without which resume is not bit-exact
-
-    def trajectory(self, vocab_size: int | None = None) -> dict:
-        """The settings that decide the bits of the result, with the model spelled out: the
-        preset's configuration with the vocabulary of the run's tapes (`vocab_size`; None: the
-        preset's own), so a resume whose tapes have another vocabulary is refused."""
-        from .optimizers import optimizer_kind  # here, not above: optimizers.py imports this module
-
-        fields = ("optimizer", "mode", "param_dtype", "m_bias", "rms_bias", "batch_size", "max_steps", "lr",
-                  "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "seed", "parallel")
-        # Recorded only when on, so checkpoints made before --autocast existed stay resumable.
-        autocast = {"autocast": self.autocast} if self.autocast != "none" else {}
-        # Settings only some kinds read (Muon's) are recorded for those alone: the checkpoints of
-        # the other kinds stay resumable.
-        own = {name: getattr(self, name) for name in optimizer_kind(self.optimizer).own_settings}
-        # The number of ranks decides which windows each rank reads and the global batch.
-        return {"model": dataclasses.asdict(model_config(self.config, vocab_size)),
-                **{name: getattr(self, name) for name in fields}, **autocast, **own,
-                "world_size": launched_world_size()}
-
-    @property
-    def out_dir(self) -> Path:
-        from .optimizers import optimizer_kind  # here, not above: optimizers.py imports this module
-
-        name = optimizer_kind(self.optimizer).run_name(self)
-        if self.param_dtype != "fp32":
-            name += f"-{self.param_dtype}"
-        if self.autocast != "none":
-            name += f"-autocast-{self.autocast}"
-        if self.parallel != "none":
-            name += f"-{self.parallel}{launched_world_size()}"
-        return Path(self.out or f"runs/{self.config}-{name}")
 
     @property
     def checkpoint_name(self) -> str:

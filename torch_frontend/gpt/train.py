@@ -56,6 +56,7 @@ from .distributed import Ranks, full, launched_rank, resolve_device, wrap_model
 from .families import family_of
 from .optimizers import optimizer_kind, set_learning_rate
 from .run_directory import RunFiles, writing
+from .run_identity import out_dir, trajectory
 from .telemetry import (
     FormatCounts, LossWatch, RunLog, StepTimes, is_log_step, moment_stats, plot_format_log, plot_log,
 )
@@ -196,7 +197,7 @@ class GPTRun(loop.Recipe):
     def plan(self) -> loop.Plan:
         config = self.config
         return loop.Plan(
-            out=config.out_dir, resume=config.resume or None, steps=config.max_steps, stop_at=config.stop_at_step,
+            out=out_dir(config), resume=config.resume or None, steps=config.max_steps, stop_at=config.stop_at_step,
             save_every=config.checkpoint_every, eval_every=config.eval_every, device=config.device,
             deterministic=config.deterministic, parallel=config.parallel, end_reasons=("max_steps", "stop_at_step"),
             state_noun="checkpoint", no_states=None if config.checkpoints else "--no-checkpoints writes none",
@@ -236,7 +237,7 @@ class GPTRun(loop.Recipe):
         # DDP wraps the model; fully_shard turns its parameters into DTensors in place (model is core)
         self.model = wrap_model(self.core, ranks, device)
         self.optimizer = self.kind.build(self.core, config)
-        self.trajectory = config.trajectory(vocab_size)
+        self.trajectory = trajectory(config, vocab_size)
         self.context = self.core.config.context
         self.batch_shape = (config.batch_size, self.context)
         if ranks.distributed:

@@ -91,7 +91,7 @@ def model_config_of(run_config: dict) -> ChatConfig:
 
     The convention (the one place to adapt when the trainer records it otherwise):
     `run_config["model"]` is a chat preset name ("d12"), or a dict: {"preset": name, **field
-    overrides}, or every ChatConfig field (as `TrainConfig.trajectory()` records a model)."""
+    overrides}, or every ChatConfig field (as `run_identity.trajectory` records a model)."""
     model = run_config.get("model") if isinstance(run_config, dict) else None
     if isinstance(model, str):
         model = {"preset": model}
