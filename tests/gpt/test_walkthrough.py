@@ -15,7 +15,7 @@ import torch
 from packed_adamw.core.muon import E5M10
 from packed_adamw.core.muon.float32 import floor_log2, ldexp32
 from packed_adamw.torch.combined import PackedMuonAdamW
-from packed_adamw.torch.gpt import walkthrough, walkthrough_muon
+from packed_adamw.torch.gpt import walkthrough, walkthrough_muon, walkthrough_report
 from packed_adamw.torch.gpt.chat_model import PRESETS, ChatGPT
 from packed_adamw.torch.gpt.packed_data import PackedBatch, cu_seqlens_of
 from packed_adamw.torch.gpt.schedules import ScheduleConfig, apply_schedule, build_schedule
@@ -252,7 +252,7 @@ def test_a_newton_schulz_output_that_is_not_finite_is_refused_as_the_optimizer_r
 
 def test_explicit_rms_norm_is_a_tolerance_check_where_bits_agree():
     """Equal bits here do not make the formula bitwise: another kernel may sum in another order."""
-    report = walkthrough.Report(io.StringIO())
+    report = walkthrough_report.Report(io.StringIO())
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     walkthrough.rms_norm(x, report, "x")
     assert (report.bitwise_passed, report.tolerance_passed, report.failures) == (0, 1, [])

@@ -22,7 +22,7 @@ from .schedules import BASE_LR_KEY, TABLE_NAMES, apply_schedule, build_schedule
 from .training_state import LOW_HALF_KEY
 
 if TYPE_CHECKING:
-    from .walkthrough import Report, Restored
+    from .walkthrough_report import Report, Restored
 
 
 def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
