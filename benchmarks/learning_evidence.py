@@ -284,9 +284,9 @@ def muon_ns_now() -> str:
     """What PackedMuonAdamW's defaults run on this machine's first GPU, the runs' device."""
     import torch  # here: as gpu_name()
 
-    from packed_adamw.torch import muon as torch_muon
+    from packed_adamw.torch import _muon_ns as torch_muon_ns
 
-    on_gpu = torch.cuda.is_available() and torch_muon._auto_takes_triton(torch.device("cuda", 0))
+    on_gpu = torch.cuda.is_available() and torch_muon_ns._auto_takes_triton(torch.device("cuda", 0))
     return MUON_NS if on_gpu else MUON_NS_BEFORE
 
 

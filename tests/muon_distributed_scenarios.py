@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from distributed_scenarios import exit_after_success, load_checkpoint, save_checkpoint, shard
 from packed_adamw.torch import NonFiniteGradientError, PackedMuonAdamW, muon_param_groups
 from packed_adamw.torch import muon as torch_muon
+from packed_adamw.torch import _muon_ns as torch_muon_ns
 
 MODES = ("packed", "bf16", "fp32")
 STEPS, SAVE_AT = 4, 2
@@ -128,8 +129,8 @@ def muon_fsdp_train(out: Path) -> None:
     # PackedMuon's default on CUDA, the Triton Newton-Schulz batched (here in the interpreter): the
     # gathered Xs of two matrices of one shape run as one batch, with one process's bits.
     batch_sizes = []
-    real = torch_muon.newton_schulz_batched
-    torch_muon.newton_schulz_batched = lambda xs, *a, **k: batch_sizes.append(len(xs)) or real(xs, *a, **k)
+    real = torch_muon_ns.newton_schulz_batched
+    torch_muon_ns.newton_schulz_batched = lambda xs, *a, **k: batch_sizes.append(len(xs)) or real(xs, *a, **k)
     try:
         with kernel_step():
             runs = []
@@ -139,7 +140,7 @@ def muon_fsdp_train(out: Path) -> None:
                 train(model, opt, range(STEPS))
                 runs.append(snapshot(model, opt))
     finally:
-        torch_muon.newton_schulz_batched = real
+        torch_muon_ns.newton_schulz_batched = real
     assert max(batch_sizes) == 2, batch_sizes  # the sharded run's batches (one process stacks on its own)
     assert_same(*runs, "FSDP2 vs one process, the Triton Newton-Schulz batched")
 

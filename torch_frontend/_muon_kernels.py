@@ -1,7 +1,8 @@
 """PackedMuon's step on CUDA: the launches of core/muon/kernel.py's phases around Newton-Schulz,
 per matrix (`cuda_step`) or per batch of one shape (`_cuda_step_batched`), and what a capturable
-step reads on the device. The step's choices (which Newton-Schulz, which batches, the scalar rows)
-are muon.py's, read through the module (`_muon.<name>`) so that one place decides them."""
+step reads on the device. The step's choices (which Newton-Schulz, which batches) are
+`_muon_ns.py`'s and the matrices and their scalar rows `_muon_step.py`'s, read through those
+modules so that one place decides each."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,19 +11,18 @@ import torch
 from packed_adamw.core import launch
 from packed_adamw.core.muon import step_scalar_row
 
-from . import _checks, _dtensor, _muon_capturable
-from . import muon as _muon
+from . import _checks, _dtensor, _muon_capturable, _muon_ns, _muon_step
 from ._state import format_counts, new_counters
 
 BFLOAT16 = torch.bfloat16
 
 
-def cuda_step(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[int]]:
+def cuda_step(opt, work: list[_muon_step.Matrix]) -> tuple[list[bool], list[int]]:
     """One momentum launch and one weight launch per matrix (core/muon/kernel.py), with
     Newton-Schulz per matrix between them; with `batch_ns`, `_cuda_step_batched` (for plain
     parameters: DTensor ones take this path, gathering each X). Nothing waits for the GPU
     unless `check_nonfinite` asks."""
-    if _muon._batches_ns(opt, work[0].weights.device) and not any(w.sharded for w in work):
+    if _muon_ns._batches_ns(opt, work[0].weights.device) and not any(w.sharded for w in work):
         return _cuda_step_batched(opt, work)
     from packed_adamw.core.muon.kernel import (COUNTER_COLUMNS, MATRIX_COUNTERS, muon_momentum_kernel,
                                                muon_weight_counting_kernel, muon_weight_kernel)
@@ -35,15 +35,15 @@ def cuda_step(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[int]]:
         scalar_rows, counters, _ = _capturable_rows(opt, work)
     else:
         counters = torch.zeros((len(work), MATRIX_COUNTERS), dtype=torch.int32, device=device)  # kernel.COUNTER_COLUMNS
-        scalar_rows = torch.tensor(np.array([_muon._scalar_row(w) for w in work], np.float32).reshape(len(work), 4),
+        scalar_rows = torch.tensor(np.array([_muon_step._scalar_row(w) for w in work], np.float32).reshape(len(work), 4),
                                    device=device)
     # Each matrix's views made in two calls, not by indexing per launch (host time is the cost here).
     rows, counter_rows = scalar_rows.unbind(0), counters.unbind(0)
     # With track_format (packed mode) the weight phase's counting twin adds each accepted matrix's
     # format counts to its row here; the default path launches the uncounted kernel as before.
-    format_rows = new_counters(len(work), device) if _muon._counting(opt) else None
+    format_rows = new_counters(len(work), device) if _muon_step._counting(opt) else None
     weight_kernel = muon_weight_kernel if format_rows is None else muon_weight_counting_kernel
-    for batch in _muon._ns_batches(opt, work):
+    for batch in _muon_ns._ns_batches(opt, work):
         inputs = {}
         for i in batch:
             w = work[i]
@@ -60,23 +60,23 @@ def cuda_step(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[int]]:
             if w.sharded:
                 # On the device, without a wait: a refusing rank sends NaNs, and every rank's
                 # refused count becomes the whole X's non-finite count, which the weight kernel reads.
-                x = _muon._gathered_input(w.param, torch.where(counter_rows[i][0] > 0, _muon.NAN_BF16_BITS, x))
+                x = _muon_step._gathered_input(w.param, torch.where(counter_rows[i][0] > 0, _muon_step.NAN_BF16_BITS, x))
                 counter_rows[i][0].copy_((~torch.isfinite(x.view(BFLOAT16))).sum())
             inputs[i] = x.view(BFLOAT16)
         if fmt.exponent_entry is not None:  # a sharded matrix's exponent from its largest |m'| over every shard
             amax = COUNTER_COLUMNS.index("amax_bits")
             sharded = [i for i in batch if work[i].sharded]
-            whole = _muon._amax_over_shards([work[i] for i in sharded], [counter_rows[i][amax] for i in sharded])
+            whole = _muon_step._amax_over_shards([work[i] for i in sharded], [counter_rows[i][amax] for i in sharded])
             for i in sharded:
                 counter_rows[i][amax].copy_(whole[id(work[i].param)])
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
         # output is not used, and a batch's matrices do not mix.
-        for i, result in zip(batch, _muon._ns(opt, list(inputs.values()), work[batch[0]].group)):
+        for i, result in zip(batch, _muon_ns._ns(opt, list(inputs.values()), work[batch[0]].group)):
             w = work[i]
             n = w.weights.numel()
             # An O that is not finite refuses the matrix (the whole O: every rank's, for a sharded one).
             _refuse_nonfinite_output(result, counter_rows[i])
-            ortho = (_muon._local_part(w.param, result) if w.sharded else result.contiguous()).view(torch.int16)
+            ortho = (_muon_step._local_part(w.param, result) if w.sharded else result.contiguous()).view(torch.int16)
             split = w.low is not None
             weights = w.weights.detach().view(torch.int16) if split else w.weights.detach()
             grad_bf16 = w.grad.dtype is BFLOAT16
@@ -93,31 +93,31 @@ def cuda_step(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[int]]:
     return _counted(opt, counters)
 
 
-def _exponent_pointer(w: _muon.Matrix, placeholder: torch.Tensor) -> torch.Tensor:
+def _exponent_pointer(w: _muon_step.Matrix, placeholder: torch.Tensor) -> torch.Tensor:
     """The kernels' exponent argument: packed mode's 0-d exponent; in the other modes a tensor
     of the launch's that the kernels never read there."""
     return placeholder if w.exponent is None else w.exponent
 
 
-def _track_launches(opt, work: list[_muon.Matrix], counters: torch.Tensor, format_rows: torch.Tensor | None) -> None:
-    """`_muon._track` after the kernels' step: a matrix was accepted where its refused count is 0;
+def _track_launches(opt, work: list[_muon_step.Matrix], counters: torch.Tensor, format_rows: torch.Tensor | None) -> None:
+    """`_muon_step._track` after the kernels' step: a matrix was accepted where its refused count is 0;
     its format counts are in `format_rows` (None: nothing counted but refusals)."""
     if not opt.track_format:
         return
     counts = format_counts(format_rows) if format_rows is not None else \
         torch.zeros((len(work), launch.MAX_FORMAT_COUNTS), dtype=torch.int64, device=counters.device)
-    _muon._track(opt, work, counts, counters[:, 0] == 0)
+    _muon_step._track(opt, work, counts, counters[:, 0] == 0)
 
 
-def capture_inputs(opt, work: list[_muon.Matrix], words: list[int] | None, *, capturing: bool, dry_run: bool = False):
+def capture_inputs(opt, work: list[_muon_step.Matrix], words: list[int] | None, *, capturing: bool, dry_run: bool = False):
     """What a capturable step reads on the device besides its scalar rows: the plan, the
     batched address table (with `words`), the Triton Newton-Schulz's scalar rows. Under capture
     each must have been made by an eager step (refused otherwise); `dry_run` only checks."""
     plan = _muon_capturable.device_plan(opt, work, capturing)
     kept = []
-    if _muon._ns_impl(opt, work[0].weights.device) == "triton":  # its scalar rows, made outside any capture
+    if _muon_ns._ns_impl(opt, work[0].weights.device) == "triton":  # its scalar rows, made outside any capture
         for w in work:
-            kept.append(_muon._ns_scalars(w.group["ns_coefficients"], w.group["eps"], w.weights.device, capturing))
+            kept.append(_muon_ns._ns_scalars(w.group["ns_coefficients"], w.group["eps"], w.weights.device, capturing))
     if words is None:
         return plan, None, kept
     if dry_run:
@@ -127,7 +127,7 @@ def capture_inputs(opt, work: list[_muon.Matrix], words: list[int] | None, *, ca
     return plan, table, kept + list(table_kept)
 
 
-def _capturable_rows(opt, work: list[_muon.Matrix], words: list[int] | None = None):
+def _capturable_rows(opt, work: list[_muon_step.Matrix], words: list[int] | None = None):
     """(scalar rows, counters) derived on the device, and with `words` the batched address
     table too (`_muon_capturable`); under capture, what the graph reads is kept alive."""
     capturing = _checks.capturing()
@@ -146,14 +146,14 @@ def _counted(opt, counters: torch.Tensor) -> tuple[list[bool], list[int]]:
     return [r > 0 for r, _ in host], [n for _, n in host]
 
 
-def batch_tables(opt, work: list[_muon.Matrix]) -> tuple[list[int], list[tuple]]:
+def batch_tables(opt, work: list[_muon_step.Matrix]) -> tuple[list[int], list[tuple]]:
     """The batched step's table words (every matrix's addresses, index and slot) and, per
     Newton-Schulz batch, (matrix indices, rows, cols, group, momentum launches, weight
     launches), each launch {kernel constants: (first table row's word, matrices)}, the tall
     matrices' launches apart from the wide ones' (TALL, their tiles transposed). A matrix
     without an exponent (bf16 and fp32 modes) has its momentum's address in that column, unread."""
     words, plans = [], []
-    for batch in _muon._ns_batches(opt, work):
+    for batch in _muon_ns._ns_batches(opt, work):
         batch = [i for i in batch if _tall(work[i].param)] + [i for i in batch if not _tall(work[i].param)]
         rows, cols = sorted(work[batch[0]].param.shape)
         momentum_rows, weight_rows = {}, {}
@@ -180,7 +180,7 @@ def batch_tables(opt, work: list[_muon.Matrix]) -> tuple[list[int], list[tuple]]
     return words, plans
 
 
-def _cuda_step_batched(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[int]]:
+def _cuda_step_batched(opt, work: list[_muon_step.Matrix]) -> tuple[list[bool], list[int]]:
     """The CUDA step with `batch_ns`: per Newton-Schulz batch one momentum launch, which writes
     each matrix's X into its slot of one [B, m, n] buffer (a tall matrix transposed, as
     `newton_schulz_batched` stacks it: the tall first), Newton-Schulz on that buffer, and one
@@ -212,7 +212,7 @@ def _cuda_step_batched(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[
     block, tile = launch.block_size(), tall_tile()
     # Two warps: eight elements a thread, one 16-byte vector of each bf16 buffer (JAX's launches too).
     warps = launch.GPU_NUM_WARPS
-    format_rows = new_counters(len(work), device) if _muon._counting(opt) else None  # as in `_cuda_step`
+    format_rows = new_counters(len(work), device) if _muon_step._counting(opt) else None  # as in `_cuda_step`
     weight_kernel, counted = ((muon_weight_table_kernel, ()) if format_rows is None else
                               (muon_weight_table_counting_kernel, (format_rows,)))
     for batch, rows, cols, group, momentum_launches, weight_launches in plans:
@@ -223,7 +223,7 @@ def _cuda_step_batched(opt, work: list[_muon.Matrix]) -> tuple[list[bool], list[
                 GRAD_BF16=grad_bf16, TALL=tall, BLOCK=block, TILE=tile, num_warps=warps, **launch.COMPILE_OPTIONS)
         # A refused matrix's X may hold anything: Newton-Schulz runs anyway (no host wait); its
         # output is not used, and a batch's matrices do not mix.
-        ortho = _muon._stacked_ns(_muon._ns_impl(opt, x.device))(x.view(BFLOAT16), tuple(group["ns_coefficients"]),
+        ortho = _muon_ns._stacked_ns(_muon_ns._ns_impl(opt, x.device))(x.view(BFLOAT16), tuple(group["ns_coefficients"]),
                                                      int(group["ns_steps"]), float(group["eps"]))
         _refuse_nonfinite_outputs(ortho, table, momentum_launches, counters)
         ortho = ortho.view(torch.int16)

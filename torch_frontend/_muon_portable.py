@@ -19,6 +19,7 @@ from packed_adamw.core.portable import PortableState
 
 from . import _dtensor, _engine, _persistence
 from ._checks import BFLOAT16
+from ._muon_state import fresh_entries
 from ._state import LOW_HALF_KEY
 
 
@@ -44,8 +45,6 @@ def _is_muon(rule) -> bool:
 def _muon_tensor(rule, p) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """(momentum, exponent or None, low half or None) of one Muon parameter as numpy arrays;
     zeros if never stepped."""
-    from .muon import fresh_entries
-
     fmt = rule.state_format
     state = rule.state.get(p) or fresh_entries(rule, p)
     momentum = state[fmt.state_key].detach().cpu()

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_muon import LISTS, matrices  # noqa: E402
 from muon_ns_timing import cuda_ms, make_torch  # noqa: E402
 
-from packed_adamw.torch import muon as torch_muon  # noqa: E402
+from packed_adamw.torch import _muon_ns as torch_muon_ns  # noqa: E402
 
 
 def measure(shapes, kind: str, steps: int, repeats: int) -> tuple[float, float]:
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
         runs = [("torch.optim.Muon", None)] + [("PackedMuon defaults", limit) for limit in args.limits]
         for kind, limit in runs:
             if limit is not None:
-                torch_muon.NS_BATCH_ELEMENTS = limit or 1 << 62
+                torch_muon_ns.NS_BATCH_ELEMENTS = limit or 1 << 62
             transient, ms = measure(shapes, kind, args.steps, args.repeats)
             shown = "" if limit is None else ("none" if not limit else f"{limit:,}")
             lines.append(f"| {name} | {kind} | {shown} | {transient:,.0f} | {ms:.3f} |")

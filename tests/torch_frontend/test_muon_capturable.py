@@ -15,6 +15,7 @@ import torch
 from muon_helpers import bits, cuda_only, gradient, taking_fp32_gradients
 from packed_adamw.torch import PackedMuon, PackedMuonAdamW
 from packed_adamw.torch import muon as torch_muon
+from packed_adamw.torch import _muon_ns as torch_muon_ns
 from test_torch_cuda_graphs import warm_up_and_capture
 
 SHAPES = [(6, 10), (10, 6), (6, 10), (7, 7), (12, 5)]
@@ -65,7 +66,7 @@ def test_capturable_steps_equal_eager_steps_as_the_lr_changes(batch_ns, dtype, l
     lr adjustments, lr 0), through the kernel path, per matrix and batched (with the batch limit
     at 120 elements the (6, 10)-wide batch of three runs in two parts: the address table's)."""
     if limit is not None:
-        monkeypatch.setattr(torch_muon, "NS_BATCH_ELEMENTS", limit)
+        monkeypatch.setattr(torch_muon_ns, "NS_BATCH_ELEMENTS", limit)
     rng = np.random.default_rng(5)
     a, b = matrices(rng, "cpu", dtype), matrices(np.random.default_rng(5), "cpu", dtype)
     eager = PackedMuon(groups(a, 0.03), lr=0.03, batch_ns=batch_ns)

@@ -19,6 +19,7 @@ from packed_adamw.core.muon import (StateFormat, bf16_bits, momentum_phase, ns_k
                                     weight_phase_split)
 from packed_adamw.torch import NonFiniteGradientError, PackedAdamW, PackedMuon, PackedMuonAdamW, muon_param_groups
 from packed_adamw.torch import muon as torch_muon
+from packed_adamw.torch import _muon_ns as torch_muon_ns
 from packed_adamw.torch.muon import newton_schulz, newton_schulz_batched, newton_schulz_triton
 
 SHAPES = [(12, 5), (5, 12), (8, 8)]
@@ -221,7 +222,7 @@ def test_batch_ns_steps_as_the_core_phases_around_the_batched_newton_schulz(dtyp
                                     (120, (([0, 1], 5), ([2], 5), ([3, 4], 5), ([5], 5), ([6], 3)),
                                      [[(6, 10), (10, 6)], [(6, 10)], [(7, 7), (7, 7)], [(3, 5)], [(6, 10)]])):
         if limit is not None:
-            monkeypatch.setattr(torch_muon, "NS_BATCH_ELEMENTS", limit)
+            monkeypatch.setattr(torch_muon_ns, "NS_BATCH_ELEMENTS", limit)
         batches = run_batch_ns_against_the_phases(dtype, monkeypatch, ns_batches)
         if want is not None:
             assert batches[:5] == want and batches[-5:] == want
@@ -229,7 +230,7 @@ def test_batch_ns_steps_as_the_core_phases_around_the_batched_newton_schulz(dtyp
 
 def run_batch_ns_against_the_phases(dtype, monkeypatch, ns_batches):
     batches = []
-    monkeypatch.setattr(torch_muon, "newton_schulz_batched",
+    monkeypatch.setattr(torch_muon_ns, "newton_schulz_batched",
                         lambda xs, *a: batches.append([tuple(x.shape) for x in xs]) or newton_schulz_batched(xs, *a))
     rng = np.random.default_rng(22)
     params, opt = batch_ns_optimizer(p0_for_batch_ns(rng), "cpu", True, dtype)
@@ -247,14 +248,14 @@ def run_batch_ns_against_the_phases(dtype, monkeypatch, ns_batches):
 
 
 def test_split_batch_keeps_parts_under_the_limit():
-    split = torch_muon.split_batch
+    split = torch_muon_ns.split_batch
     assert split(list(range(24)), 2048 * 8192, 1 << 26) == [list(range(i, i + 4)) for i in range(0, 24, 4)]
     assert split(list(range(24)), 768 * 3072, 1 << 26) == [list(range(24))]  # d12's largest batch: whole
     assert split(list(range(10)), 100, 400) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert split(list(range(3)), 1000, 400) == [[0], [1], [2]]  # over the limit: alone
     assert split([7], 0, 400) == [[7]]
     assert [len(part) for part in split(list(range(70000)), 4, 1 << 26)] == [35000, 35000]  # grid axis y
-    assert torch_muon.NS_BATCH_ELEMENTS == 1 << 26
+    assert torch_muon_ns.NS_BATCH_ELEMENTS == 1 << 26
 
 
 @pytest.mark.cuda
@@ -273,8 +274,8 @@ def test_cuda_defaults_take_the_batched_triton_step(combined, monkeypatch):
             groups = [{**g, "kind": "muon"} for g in groups]
         runs.append((params, (PackedMuonAdamW if combined else PackedMuon)(groups, lr=0.03, **options)))
     ns_calls = []
-    real = torch_muon.newton_schulz_triton_stacked
-    monkeypatch.setattr(torch_muon, "newton_schulz_triton_stacked", lambda *a: ns_calls.append(1) or real(*a))
+    real = torch_muon_ns.newton_schulz_triton_stacked
+    monkeypatch.setattr(torch_muon_ns, "newton_schulz_triton_stacked", lambda *a: ns_calls.append(1) or real(*a))
     launches = count_launches(monkeypatch)
     step_and_compare(rng, runs, steps=2, bad_at=(-1, 0))
     # Two runs, two steps, four batches (BATCH_NS_SHAPES), the first of them holding a tall matrix
@@ -291,14 +292,14 @@ def test_cuda_defaults_on_a_gpu_before_sm80_take_the_per_matrix_cublas_step(monk
     matrix with torch's matmuls: the per-matrix kernels, no Triton Newton-Schulz, and the bits of
     ns_impl="cublas", batch_ns=False."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
-    monkeypatch.setattr(torch_muon, "_TRITON_NS_DEVICES", {})
+    monkeypatch.setattr(torch_muon_ns, "_TRITON_NS_DEVICES", {})
     rng = np.random.default_rng(27)
     p0 = p0_for_batch_ns(rng)
     runs = []
     for options in (dict(), dict(ns_impl="cublas", batch_ns=False)):
         params = [taking_fp32_gradients(torch.nn.Parameter(p.cuda().clone())) for p in p0]
         runs.append((params, PackedMuon(params, lr=0.03, **options)))
-    monkeypatch.setattr(torch_muon, "newton_schulz_triton_stacked", lambda *a: pytest.fail("Triton Newton-Schulz"))
+    monkeypatch.setattr(torch_muon_ns, "newton_schulz_triton_stacked", lambda *a: pytest.fail("Triton Newton-Schulz"))
     launches = count_launches(monkeypatch)
     step_and_compare(rng, runs, steps=2, bad_at=(-1, 0))
     per_phase = 2 * 2 * len(BATCH_NS_SHAPES)  # two runs, two steps, one launch a matrix
@@ -333,7 +334,7 @@ def test_kernel_step_equals_the_numpy_step(batch_ns, limit, is_interpreting, mon
     if not is_interpreting:
         pytest.skip("runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
     if limit is not None:
-        monkeypatch.setattr(torch_muon, "NS_BATCH_ELEMENTS", limit)
+        monkeypatch.setattr(torch_muon_ns, "NS_BATCH_ELEMENTS", limit)
     rng = np.random.default_rng(23)
     p0 = p0_for_batch_ns(rng)
     numpy_run, kernel_run = (batch_ns_optimizer(p0, "cpu", batch_ns, torch.bfloat16) for _ in range(2))
@@ -357,7 +358,7 @@ def test_batched_kernel_step_equals_the_per_matrix_kernel_step(is_interpreting, 
     p0 = p0_for_batch_ns(rng)
     per_matrix, batched = (batch_ns_optimizer(p0, "cpu", batch_ns, torch.float32) for batch_ns in (False, True))
     monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: True)
-    monkeypatch.setattr(torch_muon, "newton_schulz", lambda x, *settings: newton_schulz_batched([x], *settings)[0])
+    monkeypatch.setattr(torch_muon_ns, "newton_schulz", lambda x, *settings: newton_schulz_batched([x], *settings)[0])
     step_and_compare(rng, [per_matrix, batched], steps=2, bad_at=(1, 1))
 
 
@@ -408,14 +409,14 @@ def test_newton_schulz_defaults_resolve_per_device(options, on_cuda, on_cpu, mon
         del opt.ns_impl, opt.batch_ns
     capability = {0: (9, 0), 1: (7, 5)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability[index])
-    monkeypatch.setattr(torch_muon, "_TRITON_NS_DEVICES", {})
+    monkeypatch.setattr(torch_muon_ns, "_TRITON_NS_DEVICES", {})
     auto_fallback = on_cpu if options in (None, {}, {"batch_ns": False}) else on_cuda
     for device, want in ((torch.device("cuda", 0), on_cuda), (torch.device("cpu"), on_cpu),
                          (torch.device("cuda", 1), auto_fallback)):
-        assert (torch_muon._ns_impl(opt, device), torch_muon._batches_ns(opt, device)) == want, device
+        assert (torch_muon_ns._ns_impl(opt, device), torch_muon_ns._batches_ns(opt, device)) == want, device
     monkeypatch.setattr(torch.version, "hip", "6.2")
-    monkeypatch.setattr(torch_muon, "_TRITON_NS_DEVICES", {})
-    assert torch_muon._ns_impl(opt, torch.device("cuda", 0)) == auto_fallback[0]
+    monkeypatch.setattr(torch_muon_ns, "_TRITON_NS_DEVICES", {})
+    assert torch_muon_ns._ns_impl(opt, torch.device("cuda", 0)) == auto_fallback[0]
 
 
 # ---- scale invariance (issue 53) ----------------------------------------------------------------
@@ -897,7 +898,7 @@ def run_table_kernels(fmt, grads, states, exponents, weights, lows, scalar_rows,
         muon_momentum_table_kernel[(matrix_programs(rows, cols, tall, block, tile), len(momentum_table))](
             momentum_table, x, scalars, counters, rows, cols, **c, NESTEROV=nesterov, MAXIMIZE=maximize,
             GRAD_BF16=grad_bf16, TALL=tall, BLOCK=block, TILE=tile, **launch.COMPILE_OPTIONS)
-    ortho = torch_muon.newton_schulz_stacked(x.view(torch.bfloat16)).view(torch.int16)
+    ortho = torch_muon_ns.newton_schulz_stacked(x.view(torch.bfloat16)).view(torch.int16)
     for tall, (_, weight_table) in tables.items():
         muon_weight_table_kernel[(matrix_programs(rows, cols, tall, block, tile), len(weight_table))](
             weight_table, ortho, scalars, counters, rows, cols, **c, MAXIMIZE=maximize, GRAD_BF16=grad_bf16,
@@ -1230,7 +1231,7 @@ def test_combined_takes_batch_ns_and_ns_impl_checks_them_and_keeps_them_in_copie
         PackedMuonAdamW(adamw_only, capturable=True)
     # batch_ns reaches the step: up (9x6) and down (6x9) orthogonalise as one batch
     batches = []
-    monkeypatch.setattr(torch_muon, "newton_schulz_batched",
+    monkeypatch.setattr(torch_muon_ns, "newton_schulz_batched",
                         lambda xs, *args, **kwargs: batches.append(len(xs)) or [x.bfloat16() for x in xs])
     batched = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)), batch_ns=True)
     set_gradients(np.random.default_rng(18), model)
