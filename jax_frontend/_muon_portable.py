@@ -10,19 +10,19 @@ import numpy as np
 import optax
 
 from packed_adamw.core.muon import DEFAULT_MU_BIAS, StateFormat
+from packed_adamw.core.rule import MAX_STEP_COUNT as MAX_COUNT  # packed_adamw.jax.muon.MAX_COUNT
 
+from ._hyperparams import _as_step_count, _is_step_count
 from ._masters import BF16
 from ._muon_state import MatrixView, _check_param_dtypes, _checked_exponents, _checked_lows, _checked_momenta, \
     leaf_views
-from .muon import MAX_COUNT, PackedMuonState
-from ._hyperparams import _as_step_count, _is_step_count
+from ._state_io import _placed_like, export_state as export_adamw_state, import_state as import_adamw_state
+from ._states import PackedMuonState, state_format
 
 
 def _portable_layout(params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers):
     """What both directions read: leaves, treedef, paths, views, each leaf's format and
     whether it is a bfloat16 leaf."""
-    from .transform import state_format
-
     fmt, adam_fmt = StateFormat(mode, mu_bias), state_format(adam_mode)
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     leaves = [leaf for _, leaf in flat]
@@ -61,8 +61,6 @@ def export_muon_state(state: PackedMuonState, params, *, mode: str = "packed", m
     [in, out] matrix transposed (MUON.md, "The layout"), with the count `state.count`; an
     AdamW leaf's tensor is `export_state`'s, with the AdamW half's count."""
     from packed_adamw.core.portable import PortableState
-
-    from .transform import export_state as export_adamw_state
 
     fmt, adam_fmt, leaves, treedef, paths, views, split = _portable_layout(
         params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers)
@@ -125,8 +123,6 @@ def import_muon_state(portable, params, *, mode: str = "packed", mu_bias: int = 
     argument; a given `count` must agree with the state's. A count is a whole number from 0 to
     `MAX_COUNT` (2**31 - 2: the int32 count stops at 2**31 - 1, where a step would not move it)."""
     from packed_adamw.core.portable import PortableState
-
-    from ._state_io import _placed_like, import_state as import_adamw_state
 
     if count is not None and not _is_step_count(count):
         raise ValueError(f"import_muon_state: count={count!r} is not a step count: pass the steps taken, a whole "

@@ -16,8 +16,8 @@ from . import _masters
 from ._hyperparams import _as_step_count, _is_step_count
 from ._masters import FLOAT32
 from ._sharding import state_spec
-from .transform import PackedAdamWState, _check_low_halves, _is_ours, _leaf_name, _split_flags, _zero_format_counts, \
-    state_format
+from ._states import PackedAdamWState, PackedMuonState, _check_low_halves, _is_ours, _leaf_name, _split_flags, \
+    _zero_format_counts, state_format
 
 # ---- PortableState ------------------------------------------------------------------------------
 def _export_format(mode, m_bias, rms_bias) -> StateLayout:
@@ -115,7 +115,6 @@ def import_state(portable: PortableState, params, mode: str | StateFormat | Stat
 # ---------------------------------------------------------------------------------------------
 def _the_packed_state(state, what: str):
     """The one packed_adamw state inside an optax state (itself, a chain's, inject_hyperparams')."""
-    from .muon import PackedMuonState  # muon.py imports this package's transform
 
     is_muon = lambda x: isinstance(x, PackedMuonState)  # noqa: E731
     if any(is_muon(x) for x in jax.tree_util.tree_leaves(state, is_leaf=is_muon)):

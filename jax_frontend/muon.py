@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import inspect
 import numbers
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,7 @@ from packed_adamw.core.rule import MAX_STEP_COUNT
 
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
+from ._states import PackedMuonState
 from ._muon_state import MatrixView, _check_grad_dtypes, _check_grads, _check_param_dtypes, _checked_exponents, \
     _checked_lows, _checked_momenta, _like, _zero_exponents, leaf_views
 from ._step import CpuStepError, _subnormals_kept
@@ -61,31 +62,6 @@ MAX_COUNT = MAX_STEP_COUNT
 # `PackedMuonState.count` as the step reads an injected array, and the AdamW half's learning
 # rate (read at the AdamW half's count; its other hyperparameters take numbers).
 SCHEDULES = ("learning_rate", "beta", "weight_decay", "eps", "adam_learning_rate")
-
-
-class PackedMuonState(NamedTuple):
-    """The state of `packed_muon`.
-
-    `count`: steps taken (int32; a step refused for invalid hyperparameters does not count).
-    `momentum`: the parameters' tree with, per Muon leaf, its momentum entry of the leaf's
-    shape (uint16 codes in packed and bf16 modes: 2 bytes per parameter; float32 in fp32 mode)
-    and `optax.MaskedNode()` per AdamW leaf. `low_halves`: None when no Muon leaf is bfloat16;
-    else the tree with the int16 low half of each bfloat16 Muon leaf's FP32 master
-    (docs/FORMAT.md, "Split masters") and MaskedNode elsewhere. `adamw`: the AdamW half's state
-    (`optax.masked` around `packed_adamw`: its `inner_state` is a `PackedAdamWState` over the
-    AdamW leaves). `exponents` (packed mode; None in bf16 and fp32 modes): the tree with each
-    Muon leaf's int32 exponents, one per matrix (shape (): a 2-D leaf; its batch axes' for a
-    leaf of several), the momentum of a code c being decode(c) * 2**exponent (MUON.md), and
-    MaskedNode elsewhere. A packed state without them (made before they were kept: an unpickled
-    one, or one built with four fields) is refused naming `exponents`; one made before them
-    continues with `state._replace(exponents=tx.init(params).exponents)` (its codes read with
-    exponent 0, the values they had: docs/MUON.md, "JAX / optax")."""
-
-    count: jax.Array
-    momentum: Any
-    low_halves: Any
-    adamw: Any
-    exponents: Any = None
 
 
 @functools.partial(jax.jit, static_argnames=("coefficients", "steps"))

@@ -18,8 +18,7 @@ step's new weight (`_masters.transform_update`).
 from __future__ import annotations
 
 import functools
-import numbers
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ from jax import lax
 import numpy as np
 import optax
 
-from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
+from packed_adamw.core import StateFormat
 from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 from packed_adamw.core.rule import StateLayout
 
@@ -50,6 +49,16 @@ from ._hyperparams import (  # noqa: F401  (RefusedStepWarning and the count's h
     _warn_refused,
 )
 from ._masters import BF16, FLOAT32, LOW_HALF
+from ._states import (  # noqa: F401  (the state types and state_format: this module's names too)
+    FormatCounts,
+    PackedAdamWState,
+    _check_low_halves,
+    _is_ours,
+    _leaf_name,
+    _split_flags,
+    _zero_format_counts,
+    state_format,
+)
 from ._sharding import sharded_step
 from ._rules import ADAMW
 from ._step import RuleSteps, StepConfig, StepOperands, StepResults
@@ -91,40 +100,6 @@ def _step_platforms(tree) -> set[str]:
     return platforms
 
 
-class FormatCounts(NamedTuple):
-    """The format counts of docs/FORMAT.md ("Format counts"), cumulative since `init` (or
-    `import_state`). `steps`: the steps counted (int32; a step refused whole is not).
-    `counts`: uint32 [n_leaves, len(FORMAT_COUNTS), 2], leaves in tree order, counts in
-    `FORMAT_COUNTS` order, each a 64-bit total as its low and high 32 bits (exact without
-    `jax_enable_x64`). Replicated on every device. `format_stats` reads them."""
-
-    steps: jax.Array
-    counts: jax.Array
-
-
-class PackedAdamWState(NamedTuple):
-    """The state of `packed_adamw` (and of the fused step): one type for every tree, as optax
-    keeps one state type per transformation; the fields a tree does not use are None, which
-    holds no arrays.
-
-    `count`: steps taken (int32). `moments`: per leaf, uint32 words of the leaf's shape
-    (packed, fp16) or float32 of shape [2, *shape] (fp32), sharded as the leaf is.
-    `low_halves`: None when no leaf is bfloat16; otherwise the parameters' tree with, per
-    bfloat16 leaf, the int16 low half of its exact FP32 master (docs/FORMAT.md, "Split
-    masters"; the leaf's shape and sharding) and None per float32 leaf; `master_weights(params,
-    state)` joins them with the weights. `format_counts`: the `FormatCounts` of a transform
-    built with `track_format=True`, else None.
-
-    A float32 tree's state thus holds exactly `count` and `moments` (plus the counts when
-    tracked), with the key paths of the earlier per-feature types, so pytree checkpoints
-    keyed by path and `PortableState`s load as before."""
-
-    count: jax.Array
-    moments: Any
-    low_halves: Any = None
-    format_counts: FormatCounts | None = None
-
-
 # The names of the per-feature state types of version 1.0 (tracked counts, bf16 leaves): the
 # one state type now. Kept so that imports and isinstance checks keep working.
 PackedAdamWTrackedState = PackedAdamWState
@@ -147,12 +122,6 @@ def _is_params_placeholder(params) -> bool:
 
 def _has_format_counts(state) -> bool:
     return state.format_counts is not None
-
-
-def _zero_format_counts(n_leaves: int, count_names: tuple[str, ...]) -> FormatCounts:
-    """No counts yet of `n_leaves` leaves, each of a rule's `count_names`."""
-    return FormatCounts(steps=jnp.zeros([], jnp.int32),
-                        counts=jnp.zeros((n_leaves, len(count_names), 2), jnp.uint32))
 
 
 def _accumulated(counts, step_counts):
@@ -183,60 +152,6 @@ def _check_format_counts(state, tracked: bool, n_leaves: int, count_names: tuple
                          f"{n_leaves} leaves; build the state with init() over the same parameters")
 
 
-def state_format(mode: str | StateFormat = "packed", m_bias: int | None = None,
-                 rms_bias: int | None = None) -> StateFormat:
-    """The `StateFormat` named by `mode` (a mode string or a `StateFormat`) and the biases.
-
-    The biases fix the layout of every state word, so they must be known before compilation.
-    `optax.inject_hyperparams` turns numeric arguments into arrays and leaves other objects
-    as they are: pass the biases inside a `StateFormat` (`mode=StateFormat("packed", 18, 18)`)
-    to keep them static without `static_args`."""
-    for name, bias in (("m_bias", m_bias), ("rms_bias", rms_bias)):
-        if bias is not None and (isinstance(bias, (jax.Array, np.ndarray, bool, np.bool_))
-                                 or not isinstance(bias, numbers.Integral)):
-            raise TypeError(
-                f"packed_adamw: {name}={bias!r} is not a Python int. The exponent biases fix the state "
-                "format, so they must be known before compilation; optax.inject_hyperparams turns numeric "
-                "arguments into arrays. Pass the biases in a format object instead, e.g. "
-                f"mode=StateFormat('packed', m_bias=..., rms_bias=...) (from packed_adamw.core), or list "
-                f"{name!r} in inject_hyperparams' static_args"
-            )
-    if isinstance(mode, StateFormat):
-        for name, bias in (("m_bias", m_bias), ("rms_bias", rms_bias)):
-            if bias is not None and bias != getattr(mode, name):
-                raise ValueError(f"packed_adamw: {name}={bias} contradicts mode={mode!r}; give the biases once, "
-                                 "in the StateFormat")
-        return mode
-    if not isinstance(mode, str):
-        raise TypeError(f"packed_adamw: mode={mode!r} must be a mode name ('packed', 'fp16', 'fp32') or a "
-                        "StateFormat")
-    return StateFormat(mode, DEFAULT_M_BIAS if m_bias is None else m_bias,
-                       DEFAULT_RMS_BIAS if rms_bias is None else rms_bias)
-
-
-def _leaf_name(path) -> str:
-    return jax.tree_util.keystr(path) or "<root>"
-
-
-def _split_flags(params, what: str = "params", name: str = "packed_adamw") -> list[bool]:
-    """Per leaf: True for a bfloat16 leaf (a split master), False for a float32 one; any
-    other dtype is refused, naming the leaf."""
-    flags = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        dtype = jnp.result_type(leaf)
-        if dtype == jnp.float16:
-            raise TypeError(
-                f"{what} leaf {_leaf_name(path)} has dtype float16: {name} trains float32 or bfloat16 "
-                "parameters (a bfloat16 leaf keeps an exact FP32 master: its weight plus a 2-byte low half in the "
-                "state); convert it with .astype(jnp.bfloat16) or .astype(jnp.float32)")
-        if dtype not in (FLOAT32, BF16):
-            raise TypeError(
-                f"{what} leaf {_leaf_name(path)} has dtype {dtype}: {name} trains float32 or bfloat16 "
-                "parameters; convert it with .astype(jnp.float32) or .astype(jnp.bfloat16)")
-        flags.append(dtype == BF16)
-    return flags
-
-
 def _check_grad_dtypes(flat_grads, split: list[bool], name: str = "packed_adamw") -> None:
     """A float32 leaf takes float32 gradients; a bfloat16 leaf bfloat16 or float32 ones
     (`flat_grads`: the gradients' (path, leaf) pairs)."""
@@ -247,40 +162,6 @@ def _check_grad_dtypes(flat_grads, split: list[bool], name: str = "packed_adamw"
         allowed = "bfloat16 or float32 (a bfloat16 parameter)" if is_split else "float32 (a float32 parameter)"
         raise TypeError(f"grads leaf {_leaf_name(path)} has dtype {dtype}: {name} takes gradients of dtype "
                         f"{allowed}; cast the gradient with .astype(jnp.float32)")
-
-
-def _check_low_halves(state, treedef, params, split: list[bool], name: str = "packed_adamw") -> list:
-    """The state's low halves per leaf (None for float32 leaves), checked against the
-    parameters: exactly the bfloat16 leaves have one, int16 of the leaf's shape."""
-    paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    if state.low_halves is None:
-        if any(split):
-            leaf = paths[split.index(True)]
-            raise ValueError(
-                f"{name}: params leaf {leaf} is bfloat16 but the state has no low halves (it was built for "
-                "float32 parameters); build the state with init() over these parameters, or move the weights with "
-                "master_weights() / load_master_weights()")
-        return [None] * len(split)
-    try:
-        lows = treedef.flatten_up_to(state.low_halves)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{name}: the state's low halves do not have the parameters' tree ({e}); build the "
-                         "state with init() over the same parameters") from None
-    for path, p, lo, is_split in zip(paths, jax.tree_util.tree_leaves(params), lows, split):
-        if is_split and lo is None:
-            raise ValueError(
-                f"{name}: params leaf {path} is bfloat16 but the state has no low half for it (it was built "
-                "for a float32 leaf); keep the leaf's dtype, or move the weights with master_weights() / "
-                "load_master_weights() into a state built with init() over the new parameters")
-        if not is_split and lo is not None:
-            raise ValueError(
-                f"{name}: the state holds a low half for params leaf {path} (a bfloat16 leaf's FP32 master) "
-                f"but the leaf is {jnp.result_type(p)}; keep the leaf bfloat16, or move the weights with "
-                "master_weights() / load_master_weights() into a state built with init() over the new parameters")
-        if lo is not None and (tuple(jnp.shape(lo)) != tuple(jnp.shape(p)) or jnp.result_type(lo) != LOW_HALF):
-            raise ValueError(f"{name}: the low half of leaf {path} is {jnp.result_type(lo)} {jnp.shape(lo)}, "
-                             f"expected {LOW_HALF} {jnp.shape(p)}; build the state with init() over these parameters")
-    return lows
 
 
 def _moments_spec(leaf, fmt: StateFormat) -> jax.ShapeDtypeStruct:
@@ -666,10 +547,6 @@ def packed_adamw_fused_step(
         return stepper.run(grads, state, params, write_update=False, track_format=track_format)
 
     return step
-
-
-def _is_ours(x) -> bool:
-    return isinstance(x, PackedAdamWState)
 
 
 def _tracked_state(state):
