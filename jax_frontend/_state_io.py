@@ -1,6 +1,6 @@
 """Moving a packed_adamw state: `export_state` / `import_state` (PortableState, to and from torch's
 PackedAdamW) and `master_weights` / `load_master_weights` (the FP32 masters of bf16 leaves).
-Their names are packed_adamw.jax's and transform.py's; the state types are transform.py's."""
+Their names are packed_adamw.jax's and transform.py's; the state types are `_states.py`'s."""
 from __future__ import annotations
 
 import jax

@@ -5,7 +5,9 @@ leaves, the zero format counts. The transforms (transform.py, muon.py) and the s
 
 Each type keeps the module path it has always had (`packed_adamw.jax.transform.PackedAdamWState`,
 `packed_adamw.jax.muon.PackedMuonState`), the public modules re-export it, so pickles made before
-and after this module existed name the same classes."""
+and after this module existed name the same classes. (So `inspect.getsource` does not find them:
+it looks in the module they name. Their annotations name `jax` and `Any`, which both public
+modules import, so `typing.get_type_hints` resolves there.)"""
 from __future__ import annotations
 
 import numbers

@@ -44,6 +44,7 @@ from packed_adamw.core.rule import MAX_STEP_COUNT
 
 from . import _masters
 from ._masters import BF16, FLOAT32, LOW_HALF
+from ._muon_portable import export_muon_state, import_muon_state  # noqa: F401 (packed_adamw.jax.muon's names)
 from ._states import PackedMuonState
 from ._muon_state import MatrixView, _check_grad_dtypes, _check_grads, _check_param_dtypes, _checked_exponents, \
     _checked_lows, _checked_momenta, _like, _zero_exponents, leaf_views
@@ -712,10 +713,6 @@ def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, e_mats, p_mats, lo_
     return (new_params, iter([lo for lo, is_split in zip(new_lows, config.split) if is_split]), new_states,
             new_exponents if e_mats else [])
 
-
-# PortableState: moving a state between torch and JAX (_muon_portable.py, which reads this
-# module's names: imported once they are defined).
-from ._muon_portable import export_muon_state, import_muon_state  # noqa: E402
 
 __all__ = ["DEFAULT_EPS", "DEFAULT_WEIGHT_DECAY", "MAX_COUNT", "MatrixView", "PackedMuonState", "export_muon_state",
            "import_muon_state", "leaf_views", "newton_schulz",

@@ -49,6 +49,7 @@ from ._hyperparams import (  # noqa: F401  (RefusedStepWarning and the count's h
     _warn_refused,
 )
 from ._masters import BF16, FLOAT32, LOW_HALF
+from ._state_io import export_state, import_state, load_master_weights, master_weights  # noqa: F401 (names here too)
 from ._states import (  # noqa: F401  (the state types and state_format: this module's names too)
     FormatCounts,
     PackedAdamWState,
@@ -614,11 +615,6 @@ def format_stats(state, params=None, *, count_names: tuple[str, ...] | None = No
                                      **{name: int(c) for name, c in zip(names, totals[i])}}
         for i, (path, m) in enumerate(flat)
     }
-
-
-# Moving a state: PortableState and the FP32 masters (_state_io.py, which reads this module's
-# names: imported once they are defined).
-from ._state_io import export_state, import_state, load_master_weights, master_weights  # noqa: E402
 
 
 __all__ = ["DEFAULT_WEIGHT_DECAY", "FormatCounts", "PackedAdamWSplitState", "PackedAdamWState",

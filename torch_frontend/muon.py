@@ -19,7 +19,7 @@ import torch
 from packed_adamw.core.muon import DEFAULT_MU_BIAS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, FORMAT_COUNTS, RULE, \
     StateFormat, validate_ns
 
-from . import _checks, _dtensor, _muon_capturable, _muon_kernels, _muon_portable
+from . import _checks, _dtensor, _muon_capturable, _muon_kernels, _muon_ns, _muon_portable, _muon_step
 from ._base import _REQUIRED, PackedOptimizer
 from ._engine import NonFiniteGradientError
 from ._muon_state import (  # noqa: F401  (fresh_entries, checked_load, restore_loaded: this module's names too)
@@ -32,16 +32,12 @@ from ._muon_state import (  # noqa: F401  (fresh_entries, checked_load, restore_
     restore_loaded,
 )
 from ._muon_ns import (  # noqa: F401  (the public Newton-Schulz functions: this module's names too)
-    NS_IMPLS,
-    _batches_ns,
-    _check_ns_device,
     newton_schulz,
     newton_schulz_batched,
     newton_schulz_stacked,
     newton_schulz_triton,
     newton_schulz_triton_stacked,
 )
-from ._muon_step import Matrix, cpu_step
 from ._state import LOW_HALF_KEY
 
 FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
@@ -199,7 +195,7 @@ def check_options(owner: str, capturable, batch_ns, ns_impl, *, lr, check_nonfin
     if batch_ns is not None and not isinstance(batch_ns, bool):
         raise TypeError(f"{owner}(batch_ns={batch_ns!r}): batch_ns must be None (batch where it changes no "
                         "bit), True or False")
-    if ns_impl not in NS_IMPLS:
+    if ns_impl not in _muon_ns.NS_IMPLS:
         raise ValueError(f"{owner}(ns_impl={ns_impl!r}): pass 'auto' (Triton on CUDA, torch's matmuls "
                          "elsewhere), 'cublas' (torch's matmuls, torch.optim.Muon's bits) or 'triton' "
                          "(core/muon's Triton kernels, JAX's bits on the GPU)")
@@ -294,7 +290,7 @@ def check_step(opt, live: dict | None = None) -> list[Checked]:
     if checked:
         weights = _dtensor.local(checked[0].param) if live is None else \
             live.get(id(checked[0].param), _dtensor.local(checked[0].param))
-        _check_ns_device(opt, weights.device)
+        _muon_ns._check_ns_device(opt, weights.device)
         if opt.capturable:
             _check_capturable_step(opt, checked, weights.device, capturing, live)
     return checked
@@ -320,7 +316,7 @@ def _check_capturable_step(opt, checked: list[Checked], device: torch.device, ca
             raise RuntimeError(_muon_capturable.capture_refusal("a matrix has no state yet (its first step)"))
         work = _matrices(opt, checked, live)
         if work:
-            words = _muon_kernels.batch_tables(opt, work)[0] if _batches_ns(opt, device) else None
+            words = _muon_kernels.batch_tables(opt, work)[0] if _muon_ns._batches_ns(opt, device) else None
             _muon_kernels.capture_inputs(opt, work, words, capturing=True, dry_run=True)
 
 
@@ -335,7 +331,7 @@ def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
     if work and _runs_kernels(opt, work[0].weights.device):
         refused, rejected = _muon_kernels.cuda_step(opt, work)
     else:
-        refused, rejected = cpu_step(opt, work)
+        refused, rejected = _muon_step.cpu_step(opt, work)
     if opt.check_nonfinite and (any(refused) or any(rejected)):
         bad = [f"{w.name} ({'refused whole' if r else f'{n} of {w.param.numel()} weights kept'})"
                for w, r, n in zip(work, refused, rejected) if r or n]
@@ -346,7 +342,7 @@ def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
             "or ns_steps), or skip such steps with torch.amp.GradScaler / clip_grad_norm_(error_if_nonfinite=True)")
 
 
-def _matrices(opt, checked: list[Checked], live) -> list[Matrix]:
+def _matrices(opt, checked: list[Checked], live) -> list[_muon_step.Matrix]:
     """The checked matrices with their state made, as the phases read them. A zero-size one
     has nothing to step (and no learning-rate ratio); its empty state is made, as
     torch.optim.Muon makes its empty buffer."""
@@ -359,7 +355,7 @@ def _matrices(opt, checked: list[Checked], live) -> list[Matrix]:
         low = local_entry(state[LOW_HALF_KEY]) if p.dtype is BFLOAT16 else None
         exponent = local_exponent(state[fmt.exponent_entry.key]) if fmt.exponent_entry else None
         weights = _dtensor.local(p) if live is None else live.get(id(p), _dtensor.local(p))
-        work.append(Matrix(p, g, group, row, name, weights, local_entry(state[fmt.state_key]), low, exponent))
+        work.append(_muon_step.Matrix(p, g, group, row, name, weights, local_entry(state[fmt.state_key]), low, exponent))
     return work
 
 

@@ -1,5 +1,5 @@
 """On a GPU, what PackedMuon's batched Newton-Schulz (its CUDA default) costs in memory and what
-the batch limit (`torch_frontend/muon.py`, NS_BATCH_ELEMENTS) does to it and to the step time.
+the batch limit (`torch_frontend/_muon_ns.py`, NS_BATCH_ELEMENTS) does to it and to the step time.
 
     python benchmarks/investigations/muon_batch_memory.py --out runs/muon_batch_memory.md
 

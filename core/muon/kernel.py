@@ -20,7 +20,7 @@ Each matrix has a counters row of MATRIX_COUNTERS int32: refused elements (and b
 Newton-Schulz output that is not finite: read only as zero or not), rejected weights,
 the float32 bits of max |m'| (non-negative floats order as their bits: the atomic maximum is
 order-independent) and the exponent the momentum was read with. A DTensor's shards take the
-maximum over every shard before the weight kernel (torch_frontend/muon.py).
+maximum over every shard before the weight kernel (torch_frontend/_muon_step.py).
 
 With `track_format` a frontend launches the weight phase's counting twins instead
 (`muon_weight_counting_kernel`, `muon_weight_table_counting_kernel`): the same stores, and each

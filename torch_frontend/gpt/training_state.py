@@ -77,13 +77,14 @@ CODE_PACKAGES = ("packed_adamw.core", "packed_adamw.torch", "packed_adamw.tokeni
 # batch, and when the run stops), tape.py, optimizers.py: its TorchMuonAdamW is chat_train's
 # reference).
 NOT_TRAJECTORY_CODE = {
-    "packed_adamw.torch/gpt/walkthrough.py": "explains a saved step; no trainer runs it",
+    **{f"packed_adamw.torch/gpt/{name}.py": "explains a saved step; no trainer runs it"
+       for name in ("walkthrough", "walkthrough_muon", "walkthrough_report")},
     "packed_adamw.torch/gpt/telemetry.py": "writes and trims log records",
     "packed_adamw.torch/gpt/run_directory.py": "locks and guards the run directory and its writes; decides no step",
     "packed_adamw.torch/gpt/checkpoint.py": "the learned-position trainer's checkpoints; the file helpers "
                                             "this module borrows read back checked",
     **{f"packed_adamw.torch/gpt/{name}.py": "the learned-position trainer"
-       for name in ("train", "cli", "config", "data", "model", "families")},
+       for name in ("train", "cli", "config", "run_identity", "data", "model", "families")},
     **{f"packed_adamw.tokenizer/{name}.py": "builds corpora, tokenizers and tapes; a run reads a finished tape, "
                                             "named in its config by the header's hash"
        for name in ("corpus", "large_corpus", "train_tokenizer")},
