@@ -412,6 +412,32 @@ def test_misuse_found_by_a_review_is_refused_naming_what_to_do():
         export_muon_state(damaged, params, mode="fp32")
 
 
+def test_a_state_whose_low_halves_do_not_fit_the_leaves_is_refused_naming_the_leaf():
+    """packed_muon's low halves are checked as packed_adamw's are (test_jax_split_master.py): a
+    bfloat16 Muon leaf given a state built for float32 leaves, a float32 leaf given a bfloat16
+    leaf's state, a low half of another dtype, low halves of another tree; each refused naming
+    the leaf before anything steps, by update and by export_muon_state."""
+    rng = np.random.default_rng(37)
+    params, bf16 = make_params(rng), make_params(np.random.default_rng(37), bf16=True)
+    tx = packed_muon(LR)
+    grads = make_grads(rng, params)
+    f32_state, bf16_state = tx.init(params), tx.init(bf16)
+    wrong_dtype = bf16_state._replace(low_halves={**bf16_state.low_halves,
+                                                  "tall": bf16_state.low_halves["tall"].astype(jnp.int32)})
+    cases = [
+        (f32_state, bf16, r"params leaf \['tall'\] is bfloat16 but the state has no low halves"),
+        (bf16_state, params, r"low half of leaf \['tall'\] does not fit the leaf \(float32 \(6, 14\)\)"),
+        (wrong_dtype, bf16, r"low half of leaf \['tall'\] does not fit the leaf"),
+        (bf16_state._replace(low_halves={"tall": bf16_state.low_halves["tall"]}), bf16,
+         "low halves do not have the parameters' tree"),
+    ]
+    for state, leaves, message in cases:
+        with pytest.raises(ValueError, match=message):
+            tx.update(grads, state, leaves)
+        with pytest.raises(ValueError, match=message):
+            export_muon_state(state, leaves)
+
+
 def test_a_schedule_turning_invalid_is_refused_eagerly_and_in_the_graph(refusal_callback):
     params = make_params(np.random.default_rng(19))
     tx = packed_muon(lambda count: jnp.where(count >= 1, -1.0, LR))
