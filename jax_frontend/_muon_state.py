@@ -16,7 +16,8 @@ from optax.contrib import MuonDimensionNumbers
 
 from packed_adamw.core.muon import StateFormat
 
-from ._masters import BF16, FLOAT32, LOW_HALF
+from ._masters import BF16, FLOAT32
+from ._states import checked_low_halves
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,21 +220,5 @@ def _checked_exponents(exponents, treedef, params, views, paths, fmt: StateForma
 
 
 def _checked_lows(low_halves, treedef, params, split, paths) -> list:
-    if low_halves is None:
-        if any(split):
-            raise ValueError(f"packed_muon: params leaf {paths[split.index(True)]} is bfloat16 but the state has no "
-                             "low halves (it was built for float32 leaves); build the state with init() over these "
-                             "parameters")
-        return [None] * len(split)
-    try:
-        entries = treedef.flatten_up_to(low_halves)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"packed_muon: the state's low halves do not have the parameters' tree ({e}); build the "
-                         "state with init() over the same parameters") from None
-    for lo, p, is_split, path in zip(entries, params, split, paths):
-        has = not isinstance(lo, optax.MaskedNode)
-        if has != is_split or (has and _like(lo) != jax.ShapeDtypeStruct(jnp.shape(p), LOW_HALF)):
-            raise ValueError(f"packed_muon: the state's low half of leaf {path} does not fit the leaf "
-                             f"({jnp.result_type(p)} {jnp.shape(p)}); build the state with init() over these "
-                             "parameters")
-    return [lo if s else None for lo, s in zip(entries, split)]
+    """packed_muon's low halves per leaf (`_states.checked_low_halves`, packed_adamw's check)."""
+    return checked_low_halves("packed_muon", low_halves, treedef, params, paths, split, rule="Muon")

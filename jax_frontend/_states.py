@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from packed_adamw.core import DEFAULT_M_BIAS, DEFAULT_RMS_BIAS, StateFormat
 
@@ -153,34 +154,49 @@ def _split_flags(params, what: str = "params", name: str = "packed_adamw") -> li
 
 
 def _check_low_halves(state, treedef, params, split: list[bool], name: str = "packed_adamw") -> list:
-    """The state's low halves per leaf (None for float32 leaves), checked against the
-    parameters: exactly the bfloat16 leaves have one, int16 of the leaf's shape."""
-    paths = [_leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    if state.low_halves is None:
+    """packed_adamw's low halves per leaf (`checked_low_halves`), where the weights can also move
+    through master_weights() / load_master_weights()."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return checked_low_halves(name, state.low_halves, treedef, [leaf for _, leaf in flat],
+                              [_leaf_name(path) for path, _ in flat], split,
+                              move="move the weights with master_weights() / load_master_weights() into a state built "
+                                   "with init() over the new parameters")
+
+
+def checked_low_halves(name: str, low_halves, treedef, leaves: list, paths: list[str], split: list[bool], *,
+                       move: str = "build the state with init() over these parameters", rule: str = "") -> list:
+    """The state's low halves per leaf (None where a leaf keeps none), checked against the leaves:
+    exactly the `split` ones (the bfloat16 leaves whose FP32 master the state keeps) have one, int16
+    of the leaf's shape. A tree marks a leaf without one by None (packed_adamw's) or
+    `optax.MaskedNode` (packed_muon's, whose other leaves are the AdamW half's); `leaves` may hold
+    None where only the state is checked. `move`: how else the user can go on; `rule`: the leaves'
+    kind in the words ("Muon")."""
+    if low_halves is None:
         if any(split):
-            leaf = paths[split.index(True)]
             raise ValueError(
-                f"{name}: params leaf {leaf} is bfloat16 but the state has no low halves (it was built for "
-                "float32 parameters); build the state with init() over these parameters, or move the weights with "
-                "master_weights() / load_master_weights()")
+                f"{name}: params leaf {paths[split.index(True)]} is bfloat16 but the state has no low halves (it was "
+                f"built for float32 parameters); build the state with init() over these parameters, or {move}")
         return [None] * len(split)
     try:
-        lows = treedef.flatten_up_to(state.low_halves)
+        lows = treedef.flatten_up_to(low_halves)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{name}: the state's low halves do not have the parameters' tree ({e}); build the "
                          "state with init() over the same parameters") from None
-    for path, p, lo, is_split in zip(paths, jax.tree_util.tree_leaves(params), lows, split):
-        if is_split and lo is None:
+    checked = []
+    for path, p, lo, is_split in zip(paths, leaves, lows, split):
+        has = not (lo is None or isinstance(lo, optax.MaskedNode))
+        if is_split and not has:
             raise ValueError(
                 f"{name}: params leaf {path} is bfloat16 but the state has no low half for it (it was built "
-                "for a float32 leaf); keep the leaf's dtype, or move the weights with master_weights() / "
-                "load_master_weights() into a state built with init() over the new parameters")
-        if not is_split and lo is not None:
+                f"for a float32 leaf); keep the leaf's dtype, or {move}")
+        if not is_split and has:
+            what = "that leaf keeps none here" if p is None else f"the leaf is {jnp.result_type(p)}" + (
+                f", not a bfloat16 {rule} leaf" if rule else "")
             raise ValueError(
                 f"{name}: the state holds a low half for params leaf {path} (a bfloat16 leaf's FP32 master) "
-                f"but the leaf is {jnp.result_type(p)}; keep the leaf bfloat16, or move the weights with "
-                "master_weights() / load_master_weights() into a state built with init() over the new parameters")
-        if lo is not None and (tuple(jnp.shape(lo)) != tuple(jnp.shape(p)) or jnp.result_type(lo) != LOW_HALF):
+                f"but {what}; keep the leaf bfloat16, or {move}")
+        if has and (tuple(jnp.shape(lo)) != tuple(jnp.shape(p)) or jnp.result_type(lo) != LOW_HALF):
             raise ValueError(f"{name}: the low half of leaf {path} is {jnp.result_type(lo)} {jnp.shape(lo)}, "
                              f"expected {LOW_HALF} {jnp.shape(p)}; build the state with init() over these parameters")
-    return lows
+        checked.append(lo if has else None)
+    return checked

@@ -413,7 +413,7 @@ def test_misuse_found_by_a_review_is_refused_naming_what_to_do():
 
 
 def test_a_state_whose_low_halves_do_not_fit_the_leaves_is_refused_naming_the_leaf():
-    """packed_muon's low halves are checked as packed_adamw's are (test_jax_split_master.py): a
+    """packed_muon's low halves are checked by packed_adamw's check (test_jax_split_master.py): a
     bfloat16 Muon leaf given a state built for float32 leaves, a float32 leaf given a bfloat16
     leaf's state, a low half of another dtype, low halves of another tree; each refused naming
     the leaf before anything steps, by update and by export_muon_state."""
@@ -426,8 +426,8 @@ def test_a_state_whose_low_halves_do_not_fit_the_leaves_is_refused_naming_the_le
                                                   "tall": bf16_state.low_halves["tall"].astype(jnp.int32)})
     cases = [
         (f32_state, bf16, r"params leaf \['tall'\] is bfloat16 but the state has no low halves"),
-        (bf16_state, params, r"low half of leaf \['tall'\] does not fit the leaf \(float32 \(6, 14\)\)"),
-        (wrong_dtype, bf16, r"low half of leaf \['tall'\] does not fit the leaf"),
+        (bf16_state, params, r"holds a low half for params leaf \['tall'\] .* the leaf is float32, not a bfloat16 Muon leaf"),
+        (wrong_dtype, bf16, r"the low half of leaf \['tall'\] is int32 \(6, 14\), expected int16 \(6, 14\)"),
         (bf16_state._replace(low_halves={"tall": bf16_state.low_halves["tall"]}), bf16,
          "low halves do not have the parameters' tree"),
     ]
