@@ -17,7 +17,7 @@ from optax.contrib import MuonDimensionNumbers
 from packed_adamw.core.muon import StateFormat
 
 from ._masters import BF16, FLOAT32
-from ._states import checked_low_halves
+from ._states import checked_low_halves, state_entries
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,11 +144,7 @@ def _check_grad_dtypes(grads, split, views, paths) -> None:
 
 
 def _checked_momenta(momentum, treedef, params, views, paths, fmt: StateFormat) -> list:
-    try:
-        entries = treedef.flatten_up_to(momentum)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"packed_muon: the state's momentum does not have the parameters' tree ({e}); build the "
-                         "state with init() over the same parameters") from None
+    entries = state_entries("packed_muon", "momentum does", momentum, treedef)
     for entry, p, view, path in zip(entries, params, views, paths):
         is_masked = isinstance(entry, optax.MaskedNode)
         if view is None and not is_masked:
@@ -196,11 +192,7 @@ def _checked_exponents(exponents, treedef, params, views, paths, fmt: StateForma
             "with `state = state._replace(exponents=tx.init(params).exponents)`; a state that lost its exponents "
             "cannot (its momenta would be off by 2**-exponent): restore it whole, or carry it through "
             "export_muon_state and import_muon_state")
-    try:
-        entries = treedef.flatten_up_to(exponents)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"packed_muon: the state's exponents do not have the parameters' tree ({e}); build the "
-                         "state with init() over the same parameters") from None
+    entries = state_entries("packed_muon", "exponents do", exponents, treedef)
     checked = []
     for e, view, path in zip(entries, views, paths):
         is_masked = isinstance(e, optax.MaskedNode)

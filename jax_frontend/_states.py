@@ -163,6 +163,16 @@ def _check_low_halves(state, treedef, params, split: list[bool], name: str = "pa
                                    "with init() over the new parameters")
 
 
+def state_entries(name: str, entries: str, tree, treedef) -> list:
+    """A state field's tree per leaf, or a refusal naming the field (`entries`: "momentum does")
+    where it is not the parameters' tree."""
+    try:
+        return treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name}: the state's {entries} not have the parameters' tree ({e}); build the state with "
+                         "init() over the same parameters") from None
+
+
 def checked_low_halves(name: str, low_halves, treedef, leaves: list, paths: list[str], split: list[bool], *,
                        move: str = "build the state with init() over these parameters", rule: str = "") -> list:
     """The state's low halves per leaf (None where a leaf keeps none), checked against the leaves:
@@ -177,11 +187,7 @@ def checked_low_halves(name: str, low_halves, treedef, leaves: list, paths: list
                 f"{name}: params leaf {paths[split.index(True)]} is bfloat16 but the state has no low halves (it was "
                 f"built for float32 parameters); build the state with init() over these parameters, or {move}")
         return [None] * len(split)
-    try:
-        lows = treedef.flatten_up_to(low_halves)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{name}: the state's low halves do not have the parameters' tree ({e}); build the "
-                         "state with init() over the same parameters") from None
+    lows = state_entries(name, "low halves do", low_halves, treedef)
     checked = []
     for path, p, lo, is_split in zip(paths, leaves, lows, split):
         has = not (lo is None or isinstance(lo, optax.MaskedNode))
