@@ -10,8 +10,9 @@ float32 copy rounds to nearest even as numpy does: the rows have the host's bits
 follow lr (1 - momentum, momentum, the weight decay, each shape's lr ratio, the matrices' groups)
 is a constant of the plan, made by an eager step and never written again: a capture reads those
 tensors at every replay, so a plan that no longer holds is replaced by a new one, never updated,
-and every capture keeps the tensors it read (`CapturedTensors`). A step under capture whose plan
-is missing or out of date is refused: an eager step makes it.
+and every capture keeps the plan and the tensors it read (`_capture.keep`); the batched kernels'
+address table follows `_capture.AddressTable`. A step under capture whose plan is missing or out
+of date is refused: an eager step makes it.
 
 An invalid lr (NaN, Inf or negative, or lr * weight_decay past float32's range: the host's
 checks) cannot raise on the device: each matrix of its group is refused whole for that step
@@ -24,6 +25,8 @@ import torch
 
 from packed_adamw.core.codecs import FLOAT32_MAX
 from packed_adamw.core.muon import adjusted_lr
+
+from . import _capture
 
 FLOAT64 = torch.float64
 
@@ -43,12 +46,7 @@ class DevicePlan:
         # The host's finite-product check reads weight decay as float32 (validate_hyperparams).
         self.weight_decay32 = torch.tensor([float(np.float32(wd)) for _, wd, _ in fixed_rows], dtype=FLOAT64).to(device)
         self.lr_ratio = torch.tensor([ratio for _, _, ratio in fixed_rows], dtype=FLOAT64).to(device)
-        self.table_words: tuple | None = None
-        self.table: torch.Tensor | None = None
-        # For captures of gradients elsewhere than the last eager step's (zero_grad(set_to_none=True)
-        # before the capture): a pinned host table and a device table each, made by an eager step
-        # (pinning memory under capture fails on some torch builds), taken by a capture for good.
-        self.spares: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.addresses: _capture.AddressTable | None = None  # the batched kernels' table, made by an eager step
 
     def scalars_and_counters(self, groups: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's [n, 4] float32 scalar rows (SCALAR_FIELDS order) and [n, MATRIX_COUNTERS]
@@ -70,41 +68,25 @@ class DevicePlan:
         return scalars, counters
 
     def batch_table(self, words: list[int], capturing: bool) -> tuple[torch.Tensor, tuple]:
-        """The batched step's address table on the device, and what a capture must keep: an
-        eager step uploads it when the addresses change (into a new tensor: a capture may read
-        the old one); a capture reads it in place, or, for addresses the eager steps did not
-        step, copies them from a pinned host table of its own at every replay."""
+        """The batched step's address table on the device, and what a capture must keep
+        (`_capture.AddressTable`)."""
         words = tuple(words)
-        if words == self.table_words:
-            return self.table, (self.table,)
         if capturing:
-            self.check_table(words)
-            host, table = self.spares.pop()
-            host.copy_(torch.tensor(words, dtype=torch.int64))
-            table.copy_(host, non_blocking=True)  # captured: each replay reads `host`, never written again
-            return table, (host, table)
-        device = self.group_index.device
-        self.table = torch.tensor(words, dtype=torch.int64).to(device)
-        self.table_words = words
-        if device.type == "cuda" and not (self.spares and len(self.spares[-1][0]) == len(words)):
-            # Made once per table length, not at every address change (pinning is slow).
-            self.spares = [(torch.empty(len(words), dtype=torch.int64, pin_memory=True), torch.empty_like(self.table))
-                           for _ in range(2)]
-        return self.table, (self.table,)
+            self.check_batches(words)
+            return self.addresses.captured(words)
+        if self.addresses is None or self.addresses.length != len(words):  # a capture keeps the old one
+            self.addresses = _capture.AddressTable(len(words), self.group_index.device, "PackedMuon")
+        table = self.addresses.eager(words)
+        return table, (table,)
 
-
-    def check_table(self, words) -> None:
-        """Under capture: the table is the eager one, or a spare of its length is left."""
-        if tuple(words) != self.table_words and not (self.spares and len(self.spares[-1][0]) == len(words)):
-            raise RuntimeError(capture_refusal("the matrices' batches changed, or earlier captures took the "
-                                               "spare address tables"))
+    def check_batches(self, words) -> None:
+        """Under capture: an eager step made a table for batches of these words."""
+        if self.addresses is None or self.addresses.length != len(words):
+            raise RuntimeError(capture_refusal("the matrices' batches changed"))
 
 
 def capture_refusal(why: str) -> str:
-    return (f"PackedMuon(capturable=True) under a CUDA graph capture: {why} since the last eager step, and a "
-            "capture cannot build what the step reads on the device. Take one eager step first (torch.cuda.graph's "
-            "warm-up on a side stream does), and capture again after changing parameters, gradients, state or "
-            "momentum, weight_decay and the Newton-Schulz settings")
+    return _capture.refusal("PackedMuon", why)
 
 
 def check_host_values(group: dict, where: str) -> None:
@@ -149,8 +131,3 @@ def device_plan(opt, work: list, capturing: bool) -> DevicePlan:
                                                "lr tensor changed"))
         plan = opt._muon_device_plan = DevicePlan(key, group_of, fixed_rows, device)
     return plan
-
-
-def keep_for_capture(opt, plan: DevicePlan, tensors) -> None:
-    """What a capture read stays alive as long as the optimizer: the graph replays read it."""
-    opt.__dict__.setdefault("_muon_captured", []).append((plan, list(tensors)))

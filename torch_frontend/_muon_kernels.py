@@ -11,7 +11,7 @@ import torch
 from packed_adamw.core import launch
 from packed_adamw.core.muon import step_scalar_row
 
-from . import _checks, _dtensor, _muon_capturable, _muon_ns, _muon_step
+from . import _capture, _checks, _dtensor, _muon_capturable, _muon_ns, _muon_step
 from ._state import format_counts, new_counters
 
 BFLOAT16 = torch.bfloat16
@@ -120,8 +120,8 @@ def capture_inputs(opt, work: list[_muon_step.Matrix], words: list[int] | None, 
             kept.append(_muon_ns._ns_scalars(w.group["ns_coefficients"], w.group["eps"], w.weights.device, capturing))
     if words is None:
         return plan, None, kept
-    if dry_run:
-        plan.check_table(words)
+    if dry_run:  # a capture makes its own table when the eager one holds other words (_capture.AddressTable)
+        plan.check_batches(words)
         return plan, None, kept
     table, table_kept = plan.batch_table(words, capturing)
     return plan, table, kept + list(table_kept)
@@ -133,8 +133,9 @@ def _capturable_rows(opt, work: list[_muon_step.Matrix], words: list[int] | None
     capturing = _checks.capturing()
     plan, table, kept = capture_inputs(opt, work, words, capturing=capturing)
     scalars, counters = plan.scalars_and_counters(opt.param_groups)
-    if capturing:
-        _muon_capturable.keep_for_capture(opt, plan, kept + [group["lr"] for group in opt.param_groups])
+    if capturing:  # the state too: a state loaded later must not free what the replays write
+        state = [t for w in work for t in (w.weights, w.momentum, w.low, w.exponent) if t is not None]
+        _capture.keep(opt, plan, *kept, *state, *(group["lr"] for group in opt.param_groups))
     return scalars, counters, table
 
 

@@ -109,7 +109,7 @@ def _ns_scalars(coefficients, eps, device: torch.device, capturing: bool = False
         if capturing:
             raise RuntimeError(_muon_capturable.capture_refusal("the Newton-Schulz settings changed"))
         if len(_NS_SCALARS) > 64:
-            _NS_SCALARS.clear()  # a capture keeps the rows it read (_muon_capturable.keep_for_capture)
+            _NS_SCALARS.clear()  # a capture keeps the rows it read (_capture.keep)
         _NS_SCALARS[key] = torch.from_numpy(ns_kernel.ns_scalars(coefficients, eps)).to(device)
     return _NS_SCALARS[key]
 

@@ -25,7 +25,7 @@ from itertools import repeat
 import numpy as np
 import torch
 
-from . import _dtensor, _launch
+from . import _capture, _dtensor, _launch
 from ._state import LOW_HALF_KEY, STEP_KEY
 
 FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
@@ -270,15 +270,16 @@ class CapturableStepPlan(StepPlan):
     """The plan of `PackedAdamW(capturable=True)` on CUDA: the step count of every tensor
     (`state["step"]`, an int32 tensor) and each group's learning rate (a tensor) stay on the
     device, and the step scalars are derived there by the rule's capturable scalar kernel
-    (AdamW's: core's `capturable_step_scalars_kernel`)
-    (which also reads and checks each group's lr tensor and advances the counts), from the
-    same recipe as the host's. A step then makes no host synchronisation and no host-to-device
-    copy of a changing value, so `torch.cuda.graph` can capture it and replays follow the lr
-    tensor. The eager table of buffer addresses is uploaded again only when an address
-    changes. A captured step reads a device table that no later eager step writes: when the
-    eager table already holds the captured addresses (the warm-up steps stepped the same
-    buffers) the capture takes that table for good, and the graph holds no copy; otherwise the
-    graph copies the addresses into a table of its own from a pinned host buffer kept for good."""
+    (AdamW's: core's `capturable_step_scalars_kernel`), which also reads and checks each
+    group's lr tensor and advances the counts, from the same recipe as the host's. A step then
+    makes no host synchronisation and no host-to-device copy of a changing value, so
+    `torch.cuda.graph` can capture it and replays follow the lr tensor.
+
+    What a capture reads follows `_capture`'s rules: the buffer addresses come from an
+    `AddressTable`; the plan and every tensor the capture read are kept as long as the
+    optimizer (a plan rebuilt later must not free them); and the tensors a capture read as
+    constants (the hyperparameter rows, maximize's signs, the lr addresses) are never written
+    again: an eager step that changes them writes new ones, so a graph keeps what it captured."""
 
     def __init__(self, opt, params, kernel_params, states, stored, moments, group_of, device, counters=None, **kinds):
         super().__init__(opt, params, kernel_params, states, stored, moments, group_of, device, counters, **kinds)
@@ -305,16 +306,8 @@ class CapturableStepPlan(StepPlan):
         self.lr_staging = torch.zeros(len(opt.param_groups), dtype=torch.float32, device=torch_device)
         self.lr_tensors = self.lr_key = None
         self.constants = None
-        self.uploaded = None  # the addresses the eager device table holds
-        self.table = torch.empty(self.n_pointers, dtype=torch.int64, device=torch_device)
-        # Host tables for captures, pinned now: pinning memory while a stream captures fails on
-        # some torch builds. Each capture takes one for good (its graph's copy reads it again).
-        self.spare_pinned = [torch.empty(self.n_pointers, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        # ... and device tables made outside any capture: a tensor a capture allocates comes from
-        # the graph's private pool, which torch.compile's CUDA graph trees manage as if only the
-        # graph's outputs outlived it.
-        self.spare_tables = [torch.empty_like(self.table) for _ in range(2)]
-        self.captured = []  # (pinned host table, device table) of every capture
+        self.address_table = _capture.AddressTable(self.n_pointers, torch_device, type(opt).__name__)
+        self.taken = set()  # which of "constants" and "lr_addresses" a capture read (never written again)
 
     def _direct_lr(self, lr: torch.Tensor) -> bool:
         """Whether the scalar kernel can read this lr tensor where it is."""
@@ -343,9 +336,11 @@ class CapturableStepPlan(StepPlan):
         with _launch.on_device(self.torch_device):
             if constants != self.constants:
                 if capturing:
-                    raise RuntimeError(f"{type(opt).__name__}(capturable=True): "
-                                       f"{', '.join(rule.rule.group_keys[1:])} or maximize changed "
-                                       "since the last eager step; take one eager step before capturing")
+                    raise RuntimeError(_capture.refusal(type(opt).__name__, f"{', '.join(rule.rule.group_keys[1:])} "
+                                                                            "or maximize changed"))
+                if "constants" in self.taken:  # a graph reads these: it keeps the values it captured
+                    self.hparams, self.b1_sign = torch.zeros_like(self.hparams), torch.empty_like(self.b1_sign)
+                    self.taken.discard("constants")
                 for g, row in enumerate(constants):
                     self.hparams[g, 1:] = torch.tensor(row[:width - 1], dtype=torch.float32)
                 signs = [-1.0 if constants[g][width - 1] else 1.0 for g in self.group_of]
@@ -364,9 +359,11 @@ class CapturableStepPlan(StepPlan):
             lr_key = tuple((id(lr), lr.data_ptr(), lr.dtype, lr.device) for lr in lr_tensors)
             if lr_key != self.lr_key:
                 if capturing:
-                    raise RuntimeError(f"{type(opt).__name__}(capturable=True): an lr tensor was replaced since the "
-                                       "last eager step; change lr tensors in place, or take one eager step before "
-                                       "capturing")
+                    raise RuntimeError(_capture.refusal(type(opt).__name__, "an lr tensor was replaced (change lr "
+                                                                            "tensors in place)"))
+                if "lr_addresses" in self.taken:  # a graph reads its lr tensors through these
+                    self.lr_addresses = torch.empty_like(self.lr_addresses)
+                    self.taken.discard("lr_addresses")
                 self.lr_addresses.copy_(torch.tensor(
                     [lr.data_ptr() if self._direct_lr(lr) else self.lr_staging[g].data_ptr()
                      for g, lr in enumerate(lr_tensors)], dtype=torch.int64))
@@ -380,30 +377,15 @@ class CapturableStepPlan(StepPlan):
                 BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
             scalars = self.scalars
             addresses = tuple(self.addresses(grad_pointers).tolist())
-            if capturing and addresses == self.uploaded:
-                # The eager table holds these addresses (its blocking copy was on the device when
-                # it returned): the graph reads it in place, so no copy is captured, and later
-                # eager steps upload into a new table. The warm-up steps torch.cuda.graph asks
-                # for end here whenever the gradients stay put (static ones, or
-                # zero_grad(set_to_none=False)).
-                table = self.table
-                self.captured.append((None, table))
-                self.table = self.spare_tables.pop() if self.spare_tables else None
-                self.uploaded = None
-            elif capturing:
-                host = (self.spare_pinned.pop() if self.spare_pinned
-                        else torch.empty(len(addresses), dtype=torch.int64, pin_memory=True))
-                host.copy_(torch.tensor(addresses, dtype=torch.int64))
-                table = self.spare_tables.pop() if self.spare_tables else torch.empty_like(host, device=self.torch_device)
-                table.copy_(host, non_blocking=True)
-                self.captured.append((host, table))
+            if capturing:
+                # The warm-up steps torch.cuda.graph asks for leave the eager table holding the
+                # captured addresses whenever the gradients stay put (static ones, or
+                # zero_grad(set_to_none=False)): the graph then reads it in place, copying nothing.
+                table, table_kept = self.address_table.captured(addresses)
+                _capture.keep(opt, self, self.hparams, self.b1_sign, self.lr_addresses, *self.lr_tensors, *table_kept)
+                self.taken.update(("constants", "lr_addresses"))
             else:
-                if self.table is None:  # the last one went to a capture
-                    self.table = torch.empty(self.n_pointers, dtype=torch.int64, device=self.torch_device)
-                if addresses != self.uploaded:  # a plain copy: the host buffer is free when it returns
-                    self.table.copy_(torch.tensor(addresses, dtype=torch.int64))
-                    self.uploaded = addresses
-                table = self.table
+                table = self.address_table.eager(addresses)
             aligned = not any(a & 15 for a in addresses)
             _launch.launch_step(rule, table, self.kernel_params, grads, self.moments, self.tables, fmt, False, aligned,
                                 self.relaunch, self.counters, False, scalars=scalars, lows=self.lows)

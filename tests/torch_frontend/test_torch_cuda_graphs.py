@@ -2,7 +2,9 @@
 device, so a training step captured in a CUDA graph replays with the eager step's bits."""
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 
 import pytest
 import torch
@@ -290,3 +292,102 @@ def test_a_capture_of_the_warmed_up_buffers_holds_no_copy_and_one_of_moved_ones_
         assert kinds.count("KERNEL") == 2, (case, kinds, dumps[case][:2000])
     assert "MEMCPY" not in nodes["same buffers"], dumps["same buffers"][:3000]
     assert nodes["moved gradients"].count("MEMCPY") == 1, dumps["moved gradients"][:3000]
+
+
+def test_a_plan_rebuilt_after_a_capture_keeps_what_the_graph_reads_and_its_captured_hyperparameters():
+    """After a capture, an eager weight_decay change and a replaced lr tensor write new device
+    tensors (the graph keeps the values it captured), and a plan rebuilt by a new group leaves
+    the captured plan alive (its tensors are read at every replay): replays and eager steps
+    interleaved give a plain optimizer's bits at the captured wd and lr for the replays, the new
+    ones for the eager steps. A graph replayed after its plan was rebuilt advances the step
+    counts it captured (README, "CUDA graphs": capture again after adding a group or loading a state)."""
+    a, b = model(), model()
+    plain = PackedAdamW(a.parameters(), lr=1e-2, weight_decay=0.1)
+    lr = torch.tensor(1e-2, device="cuda")
+    cap = PackedAdamW(b.parameters(), lr=lr, weight_decay=0.1, capturable=True)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    grads = [torch.randn(p.shape, device="cuda", generator=gen) for p in b.parameters()]
+    for q, g in zip(b.parameters(), grads):
+        q.grad = g
+
+    def plain_step(wd, lr_value):
+        for group in plain.param_groups:
+            group["weight_decay"], group["lr"] = wd, lr_value
+        for p, g in zip(a.parameters(), grads):
+            p.grad = g.clone()
+        plain.step()
+
+    graph = warm_up_and_capture(cap.step, torch.cuda.CUDAGraph())
+    for _ in range(2):
+        plain_step(0.1, 1e-2)
+    captured_plan = weakref.ref(cap._plan)
+    cap.param_groups[0]["weight_decay"] = 0.5
+    cap.param_groups[0]["lr"] = torch.tensor(3e-3, device="cuda")  # the graph still reads `lr`
+    cap.step()
+    plain_step(0.5, 3e-3)
+    graph.replay()
+    plain_step(0.1, 1e-2)
+    extra = torch.nn.Parameter(torch.zeros(5, device="cuda"))
+    cap.add_param_group({"params": [extra], "weight_decay": 0.0})  # the next step builds a new plan
+    cap.step()
+    plain_step(0.5, 3e-3)
+    gc.collect()
+    assert captured_plan() is not None and captured_plan() is not cap._plan
+    torch.empty(1 << 24, device="cuda").fill_(-1.0)  # memory freed by mistake would be handed out again
+    graph.replay()
+    # The graph advances the counts it captured (4 steps so far), not the new plan's (5).
+    for p in a.parameters():
+        plain.state[p]["step"] = 4
+    plain_step(0.1, 1e-2)
+    torch.cuda.synchronize()
+    for p, q in zip(a.parameters(), b.parameters()):
+        H.assert_same_bits(q, p, "replays and eager steps after a capture")
+        H.assert_same_bits(H.state_tensor(cap, q), H.state_tensor(plain, p), "state after a capture")
+
+
+def test_captures_of_moved_gradients_in_a_row_each_replay_their_own():
+    """Each capture of gradients the eager steps did not step takes a spare address table: two
+    in a row are prepared for, a third is refused naming the eager step that prepares more (it
+    pins no memory under the capture, which would invalidate it). Each graph then replays on
+    its own gradients: bits against a plain optimizer."""
+    a, b = model(), model()
+    plain = PackedAdamW(a.parameters(), lr=1e-2)
+    cap = PackedAdamW(b.parameters(), lr=torch.tensor(1e-2, device="cuda"), capturable=True)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+
+    def new_gradients():
+        grads = [torch.randn(p.shape, device="cuda", generator=gen) for p in b.parameters()]
+        for q, g in zip(b.parameters(), grads):
+            q.grad = g
+        return grads
+
+    def plain_step(grads):
+        for p, g in zip(a.parameters(), grads):
+            p.grad = g.clone()
+        plain.step()
+
+    warm = new_gradients()
+    graphs = [(warm_up_and_capture(cap.step, torch.cuda.CUDAGraph()), warm)]  # reads the eager table in place
+    plain_step(warm)
+    plain_step(warm)
+    for _ in range(2):
+        grads = new_gradients()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            cap.step()
+        graphs.append((graph, grads))
+    grads = new_gradients()
+    with pytest.raises(RuntimeError, match="took the spare address tables since the last eager step"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            cap.step()
+    cap.step()  # prepares spares again, and steps these gradients
+    plain_step(grads)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cap.step()
+    graphs.append((graph, grads))
+    for graph, grads in graphs[::-1] + graphs:
+        graph.replay()
+        plain_step(grads)
+    torch.cuda.synchronize()
+    assert_same(list(a.parameters()), plain, list(b.parameters()), cap, "replays of four captures")

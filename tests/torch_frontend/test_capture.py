@@ -1,0 +1,70 @@
+"""`_capture`, the capture machinery both capturable rules share, on the CPU: which table an
+eager step and a capture get, what a capture takes for good, what the optimizer keeps alive and
+never pickles. Its CUDA behaviour is in test_torch_cuda_graphs.py and test_muon_capturable.py."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from packed_adamw.torch import PackedAdamW
+from packed_adamw.torch import _capture
+
+
+def table(length=3):
+    return _capture.AddressTable(length, torch.device("cpu"), "PackedX")
+
+
+def test_an_eager_step_uploads_the_table_only_when_an_address_changed():
+    t = table()
+    first = t.eager((1, 2, 3))
+    first.fill_(-1)  # a repeated step must not write it again
+    assert t.eager((1, 2, 3)) is first and first.tolist() == [-1, -1, -1]
+    assert t.eager((4, 5, 6)) is first and first.tolist() == [4, 5, 6]  # no capture has it: written in place
+
+
+def test_a_capture_of_the_eager_addresses_takes_that_table_and_the_next_eager_step_writes_another():
+    t = table()
+    eager = t.eager((1, 2, 3))
+    captured, kept = t.captured((1, 2, 3))
+    assert captured is eager and len(kept) == 1 and kept[0] is eager
+    later = t.eager((7, 8, 9))
+    assert later is not eager and later.tolist() == [7, 8, 9] and eager.tolist() == [1, 2, 3]
+    assert t.eager((1, 2, 3)) is later  # the same words again: the new table is rewritten, never the taken one
+    assert eager.tolist() == [1, 2, 3]
+
+
+def test_a_capture_of_other_addresses_takes_a_spare_pair_and_leaves_the_eager_table_alone():
+    t = table()
+    eager = t.eager((1, 2, 3))
+    # Spares are made by eager steps on CUDA only (pinned memory); laid here by hand.
+    t.spares = [(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)) for _ in range(2)]
+    first, kept = t.captured((4, 5, 6))
+    assert [k.tolist() for k in kept] == [[4, 5, 6], [4, 5, 6]] and first is kept[1]
+    second, _ = t.captured((7, 8, 9))
+    assert second is not first and first.tolist() == [4, 5, 6] and not t.spares
+    assert t.eager((1, 2, 3)) is eager and eager.tolist() == [1, 2, 3]
+
+
+def test_a_capture_of_other_addresses_with_no_spare_left_is_refused_naming_the_optimizer_and_the_remedy():
+    t = table()
+    t.eager((1, 2, 3))
+    with pytest.raises(RuntimeError, match=r"PackedX\(capturable=True\) under a CUDA graph capture: 2 captures .*"
+                                           r"spare address tables since the last eager step.*Take one eager step"):
+        t.captured((4, 5, 6))
+    assert t.eager((1, 2, 3)).tolist() == [1, 2, 3]
+
+
+def test_what_captures_keep_lives_with_the_optimizer_once_each_and_travels_in_no_copy_or_pickle():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = PackedAdamW([p], lr=1e-3)
+    a, b = torch.ones(2), torch.zeros(2)
+    _capture.keep(opt, a, b)
+    _capture.keep(opt, a)
+    assert list(opt._captured.values()) == [a, b] and all(x is y for x, y in zip(opt._captured.values(), [a, b]))
+    for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert "_captured" not in other.__dict__
+    opt.load_state_dict(opt.state_dict())
+    assert len(opt._captured) == 2  # loading a state replaces tensors; what graphs read stays
