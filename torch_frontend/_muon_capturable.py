@@ -4,9 +4,9 @@ a step reuses, so that a step makes no host synchronisation and copies no changi
 the host: `torch.cuda.graph` can capture it, and its replays follow the lr tensors.
 
 The host derives a row in binary64 and rounds each scalar once to float32
-(`core.muon.step_scalar_row`); the device does the same with torch's float64 operations, one
-operation per kernel (so nothing is contracted into a fused multiply-add), and the float64 to
-float32 copy rounds to nearest even as numpy does: the rows have the host's bits. What does not
+(`core.muon.step_scalar_row`); the device does the same in one launch of core's
+`muon_capturable_scalars_kernel` (binary64, nothing fused into a multiply-add, rounded to
+nearest even as numpy does): the rows have the host's bits. What does not
 follow lr (1 - momentum, momentum, the weight decay, each shape's lr ratio, the matrices' groups)
 is a constant of the plan, made by an eager step and never written again: a capture reads those
 tensors at every replay, so a plan that no longer holds is replaced by a new one, never updated,
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from packed_adamw.core.codecs import FLOAT32_MAX
+from packed_adamw.core import launch
 from packed_adamw.core.muon import adjusted_lr
 
 from . import _capture
@@ -36,7 +36,8 @@ class DevicePlan:
     index, its float32 momentum scalars and its float64 weight decay and lr ratio; with
     `batch_ns`, the batched kernels' address table. Immutable once made."""
 
-    def __init__(self, key: tuple, group_of: list[int], fixed_rows: list[tuple], device: torch.device):
+    def __init__(self, key: tuple, group_of: list[int], fixed_rows: list[tuple], device: torch.device,
+                 n_groups: int):
         self.key = key
         self.group_index = torch.tensor(group_of, dtype=torch.int64).to(device)
         momentum_scalars = np.array([(np.float32(1.0 - momentum), np.float32(momentum))
@@ -46,25 +47,26 @@ class DevicePlan:
         # The host's finite-product check reads weight decay as float32 (validate_hyperparams).
         self.weight_decay32 = torch.tensor([float(np.float32(wd)) for _, wd, _ in fixed_rows], dtype=FLOAT64).to(device)
         self.lr_ratio = torch.tensor([ratio for _, _, ratio in fixed_rows], dtype=FLOAT64).to(device)
+        # Each group's lr as float64, copied in by every step (a captured one at every replay).
+        self.lr64 = torch.zeros(n_groups, dtype=FLOAT64, device=device)
         self.addresses: _capture.AddressTable | None = None  # the batched kernels' table, made by an eager step
 
     def scalars_and_counters(self, groups: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's [n, 4] float32 scalar rows (SCALAR_FIELDS order) and [n, MATRIX_COUNTERS]
         int32 counters (core/muon/kernel.py's COUNTER_COLUMNS: refused elements first), zeroed, a
-        matrix whose group's lr is invalid counted refused."""
-        from packed_adamw.core.muon.kernel import MATRIX_COUNTERS
+        matrix whose group's lr is invalid counted refused: each group's lr copied into `lr64`,
+        then core's `muon_capturable_scalars_kernel`."""
+        from packed_adamw.core.muon.kernel import MATRIX_COUNTERS, muon_capturable_scalars_kernel
 
-        lrs = torch.stack([group["lr"].reshape(()).to(FLOAT64) for group in groups])
-        lr = lrs.index_select(0, self.group_index)
+        for g, group in enumerate(groups):
+            self.lr64[g].copy_(group["lr"].reshape(()))  # exact: every floating dtype widens to float64
         n = len(self.lr_ratio)
-        scalars = torch.empty((n, 4), dtype=torch.float32, device=lr.device)
-        scalars[:, :2] = self.momentum_scalars
-        scalars[:, 2] = 1.0 - lr * self.weight_decay  # float64 product, then float64 difference, then rounded
-        scalars[:, 3] = -(lr * self.lr_ratio)
-        lr32 = lr.float().double()  # the host validates lr as a float32 number
-        valid = (lr32 >= 0) & (lr32 <= FLOAT32_MAX) & (lr32 * self.weight_decay32 <= FLOAT32_MAX)
-        counters = torch.zeros((n, MATRIX_COUNTERS), dtype=torch.int32, device=lr.device)
-        counters[:, 0] = torch.logical_not(valid)
+        device = self.lr64.device
+        scalars = torch.empty((n, 4), dtype=torch.float32, device=device)
+        counters = torch.empty((n, MATRIX_COUNTERS), dtype=torch.int32, device=device)
+        muon_capturable_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
+            self.lr64, self.group_index, self.momentum_scalars, self.weight_decay, self.weight_decay32, self.lr_ratio,
+            n, scalars, counters, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
         return scalars, counters
 
     def batch_table(self, words: list[int], capturing: bool) -> tuple[torch.Tensor, tuple]:
@@ -129,5 +131,5 @@ def device_plan(opt, work: list, capturing: bool) -> DevicePlan:
         if capturing:
             raise RuntimeError(capture_refusal("the matrices, their groups, their momentum or weight decay, or an "
                                                "lr tensor changed"))
-        plan = opt._muon_device_plan = DevicePlan(key, group_of, fixed_rows, device)
+        plan = opt._muon_device_plan = DevicePlan(key, group_of, fixed_rows, device, len(opt.param_groups))
     return plan

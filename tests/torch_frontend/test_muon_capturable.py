@@ -150,38 +150,47 @@ def test_combined_capturable_steps_equal_eager_steps(kernels_on_cpu):
     assert_same(a, eager, b, cap, "combined capturable vs eager")
 
 
-def test_device_scalar_rows_are_the_hosts_bit_for_bit():
+@pytest.mark.parametrize("where", ["interpreted", pytest.param("cuda", marks=[pytest.mark.cuda, cuda_only])])
+def test_device_scalar_rows_are_the_hosts_bit_for_bit(where, is_interpreting):
     """The rows themselves (a one-ulp error in a scalar rarely changes a float32 weight, so the
-    step comparisons above would miss it): float32, float64, bf16 and fp16 lr tensors, values a
-    float32 cannot hold, both adjustments, tall and wide shapes, and the validity of each lr
-    as the host's validation judges it."""
+    step comparisons above would miss it), from core's scalar kernel in one launch per case,
+    each lr a group of every shape: float32, float64, bf16 and fp16 lr tensors, values a float32
+    cannot hold, both adjustments, tall and wide shapes, and the validity of each lr as the
+    host's validation judges it, the counters' other columns zeroed."""
     from packed_adamw.core.muon import adjusted_lr, step_scalar_row, validate_hyperparams
     from packed_adamw.torch import _muon_capturable
 
+    if where == "interpreted" and not is_interpreting:
+        pytest.skip("the kernel on CPU tensors needs TRITON_INTERPRET=1")
+    device = torch.device("cpu" if where == "interpreted" else "cuda")
     rng = np.random.default_rng(13)
     shapes = [(6, 10), (10, 6), (768, 3072), (3072, 768), (1, 50257)]
     lrs = [0.0, -0.0, 0.02, 1 / 3, 3e-4 * (1 + 2**-40), 1e-38, 3.4e38, 3.5e38, -1e-3, float("nan"), float("inf"),
            *(10.0 ** rng.uniform(-8, 1, 40))]
+    group_of = [g for g in range(len(lrs)) for _ in shapes]
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        groups = [{"lr": torch.tensor(value, dtype=dtype, device=device)} for value in lrs]
         for momentum, weight_decay in ((0.95, 0.1), (0.85, 0.0), (1 / 3, 7.7), (0.0, 1e38)):
             for fn in (None, "original", "match_rms_adamw"):
-                fixed = [(momentum, weight_decay, adjusted_lr(1.0, shape, fn)) for shape in shapes]
-                plan = _muon_capturable.DevicePlan(None, [0] * len(shapes), fixed, torch.device("cpu"))
-                for value in lrs:
-                    lr = torch.tensor(value, dtype=dtype)
-                    scalars, counters = plan.scalars_and_counters([{"lr": lr}])
+                fixed = [(momentum, weight_decay, adjusted_lr(1.0, shape, fn)) for _ in lrs for shape in shapes]
+                plan = _muon_capturable.DevicePlan(None, group_of, fixed, device, len(lrs))
+                scalars, counters = (t.cpu() for t in plan.scalars_and_counters(groups))
+                assert not counters[:, 1:].any()
+                for g, group in enumerate(groups):
+                    lr = float(group["lr"])
                     try:
-                        validate_hyperparams(float(lr), momentum, weight_decay, 1e-7)
+                        validate_hyperparams(lr, momentum, weight_decay, 1e-7)
                         valid = True
                     except ValueError:
                         valid = False
-                    assert counters[:, 0].tolist() == [0 if valid else 1] * len(shapes), (value, dtype, weight_decay)
+                    rows = slice(g * len(shapes), (g + 1) * len(shapes))
+                    assert counters[rows, 0].tolist() == [0 if valid else 1] * len(shapes), (lr, dtype, weight_decay)
                     if not valid:
                         continue
-                    for shape, row in zip(shapes, scalars):
-                        want = np.array(step_scalar_row((float(lr), momentum, weight_decay, 1e-7), shape,
+                    for shape, row in zip(shapes, scalars[rows]):
+                        want = np.array(step_scalar_row((lr, momentum, weight_decay, 1e-7), shape,
                                                         adjust_lr_fn=fn), np.float32)
-                        assert np.array_equal(row.numpy().view(np.uint32), want.view(np.uint32)), (value, dtype, shape)
+                        assert np.array_equal(row.numpy().view(np.uint32), want.view(np.uint32)), (lr, dtype, shape)
 
 
 def test_a_capturable_step_checks_every_groups_lr_and_takes_numbers_for_the_rest(kernels_on_cpu):
