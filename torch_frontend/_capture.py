@@ -31,10 +31,17 @@ def refusal(optimizer: str, why: str) -> str:
 def keep(opt, *objects) -> None:
     """Keeps `objects` (tensors, or a plan holding them) alive as long as `opt`: a captured
     graph reads them at every replay. Not pickled or copied (torch.optim's pickle holds only
-    defaults, state and param_groups), so a copy of the optimizer keeps none."""
+    defaults, state and param_groups), so a copy of the optimizer keeps none. A tensor the user
+    holds too (a parameter, an lr) is passed as `storage(t)`: `t.data = ...` would release the
+    storage the graph reads while the object lives on."""
     kept = opt.__dict__.setdefault("_captured", {})  # id -> object: holding it keeps its id unique
     for obj in objects:
         kept.setdefault(id(obj), obj)
+
+
+def storage(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that holds `t`'s memory whatever later happens to `t` itself (`.data` swapped)."""
+    return t.detach()
 
 
 class AddressTable:
@@ -72,14 +79,18 @@ class AddressTable:
         self.refill()
         return self.table
 
+    def can_capture(self, words: tuple) -> bool:
+        """Whether `captured(words)` would find a table (a check before anything is captured)."""
+        return (self.table is not None and tuple(words) == self.words) or bool(self.spares)
+
     def captured(self, words: tuple) -> tuple[torch.Tensor, tuple]:
         """(the table the graph reads, what it must keep)."""
         if self.table is not None and words == self.words:
             table, self.table, self.words = self.table, None, None
             return table, (table,)
         if not self.spares:  # making a pair here would pin memory under the capture, which invalidates it
-            raise RuntimeError(refusal(self.owner, f"{SPARES} captures of gradients the eager step did not step "
-                                                   "took the spare address tables"))
+            raise RuntimeError(refusal(self.owner, f"captures that could not read the eager address table took the "
+                                                   f"{SPARES} spares an eager step prepares"))
         host, table = self.spares.pop()
         host.copy_(torch.tensor(words, dtype=torch.int64))
         table.copy_(host, non_blocking=True)  # captured: each replay reads `host`, never written again

@@ -34,10 +34,10 @@ FLOAT64 = torch.float64
 class DevicePlan:
     """The tensors a capturable Muon step reuses for one list of matrices: each matrix's group
     index, its float32 momentum scalars and its float64 weight decay and lr ratio; with
-    `batch_ns`, the batched kernels' address table. Immutable once made."""
+    `batch_ns`, the batched kernels' address table (`_capture.AddressTable`). Its constants are never
+    written once made."""
 
-    def __init__(self, key: tuple, group_of: list[int], fixed_rows: list[tuple], device: torch.device,
-                 n_groups: int):
+    def __init__(self, key: tuple, group_of: list[int], fixed_rows: list[tuple], device: torch.device):
         self.key = key
         self.group_index = torch.tensor(group_of, dtype=torch.int64).to(device)
         momentum_scalars = np.array([(np.float32(1.0 - momentum), np.float32(momentum))
@@ -47,25 +47,26 @@ class DevicePlan:
         # The host's finite-product check reads weight decay as float32 (validate_hyperparams).
         self.weight_decay32 = torch.tensor([float(np.float32(wd)) for _, wd, _ in fixed_rows], dtype=FLOAT64).to(device)
         self.lr_ratio = torch.tensor([ratio for _, _, ratio in fixed_rows], dtype=FLOAT64).to(device)
-        # Each group's lr as float64, copied in by every step (a captured one at every replay).
-        self.lr64 = torch.zeros(n_groups, dtype=FLOAT64, device=device)
         self.addresses: _capture.AddressTable | None = None  # the batched kernels' table, made by an eager step
 
     def scalars_and_counters(self, groups: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's [n, 4] float32 scalar rows (SCALAR_FIELDS order) and [n, MATRIX_COUNTERS]
         int32 counters (core/muon/kernel.py's COUNTER_COLUMNS: refused elements first), zeroed, a
-        matrix whose group's lr is invalid counted refused: each group's lr copied into `lr64`,
+        matrix whose group's lr is invalid counted refused: each group's lr copied into a float64 vector,
         then core's `muon_capturable_scalars_kernel`."""
         from packed_adamw.core.muon.kernel import MATRIX_COUNTERS, muon_capturable_scalars_kernel
 
+        device = self.group_index.device
+        # Each group's lr as float64 (exact: every floating dtype widens), in a tensor of this step's
+        # own (a capture's from its graph's pool), so no graph shares it with another step.
+        lr64 = torch.empty(len(groups), dtype=FLOAT64, device=device)
         for g, group in enumerate(groups):
-            self.lr64[g].copy_(group["lr"].reshape(()))  # exact: every floating dtype widens to float64
+            lr64[g].copy_(group["lr"].reshape(()))
         n = len(self.lr_ratio)
-        device = self.lr64.device
         scalars = torch.empty((n, 4), dtype=torch.float32, device=device)
         counters = torch.empty((n, MATRIX_COUNTERS), dtype=torch.int32, device=device)
         muon_capturable_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
-            self.lr64, self.group_index, self.momentum_scalars, self.weight_decay, self.weight_decay32, self.lr_ratio,
+            lr64, self.group_index, self.momentum_scalars, self.weight_decay, self.weight_decay32, self.lr_ratio,
             n, scalars, counters, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
         return scalars, counters
 
@@ -82,9 +83,13 @@ class DevicePlan:
         return table, (table,)
 
     def check_batches(self, words) -> None:
-        """Under capture: an eager step made a table for batches of these words."""
+        """Under capture, before anything is captured: an eager step made a table for batches of
+        these words, and it holds them or a spare is left."""
         if self.addresses is None or self.addresses.length != len(words):
             raise RuntimeError(capture_refusal("the matrices' batches changed"))
+        if not self.addresses.can_capture(words):
+            raise RuntimeError(capture_refusal(f"captures that could not read the eager address table took the "
+                                               f"{_capture.SPARES} spares an eager step prepares"))
 
 
 def capture_refusal(why: str) -> str:
@@ -131,5 +136,5 @@ def device_plan(opt, work: list, capturing: bool) -> DevicePlan:
         if capturing:
             raise RuntimeError(capture_refusal("the matrices, their groups, their momentum or weight decay, or an "
                                                "lr tensor changed"))
-        plan = opt._muon_device_plan = DevicePlan(key, group_of, fixed_rows, device, len(opt.param_groups))
+        plan = opt._muon_device_plan = DevicePlan(key, group_of, fixed_rows, device)
     return plan

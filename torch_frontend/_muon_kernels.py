@@ -120,7 +120,7 @@ def capture_inputs(opt, work: list[_muon_step.Matrix], words: list[int] | None, 
             kept.append(_muon_ns._ns_scalars(w.group["ns_coefficients"], w.group["eps"], w.weights.device, capturing))
     if words is None:
         return plan, None, kept
-    if dry_run:  # a capture makes its own table when the eager one holds other words (_capture.AddressTable)
+    if dry_run:  # the table a capture would take exists (_capture.AddressTable)
         plan.check_batches(words)
         return plan, None, kept
     table, table_kept = plan.batch_table(words, capturing)
@@ -133,9 +133,10 @@ def _capturable_rows(opt, work: list[_muon_step.Matrix], words: list[int] | None
     capturing = _checks.capturing()
     plan, table, kept = capture_inputs(opt, work, words, capturing=capturing)
     scalars, counters = plan.scalars_and_counters(opt.param_groups)
-    if capturing:  # the state too: a state loaded later must not free what the replays write
-        state = [t for w in work for t in (w.weights, w.momentum, w.low, w.exponent) if t is not None]
-        _capture.keep(opt, plan, *kept, *state, *(group["lr"] for group in opt.param_groups))
+    if capturing:  # the state and lrs too, by their memory: a state loaded later or `.data` swapped frees none
+        tensors = [t for w in work for t in (w.weights, w.momentum, w.low, w.exponent) if t is not None]
+        tensors += [group["lr"] for group in opt.param_groups]
+        _capture.keep(opt, plan, *kept, *map(_capture.storage, tensors))
     return scalars, counters, table
 
 

@@ -382,7 +382,10 @@ class CapturableStepPlan(StepPlan):
                 # captured addresses whenever the gradients stay put (static ones, or
                 # zero_grad(set_to_none=False)): the graph then reads it in place, copying nothing.
                 table, table_kept = self.address_table.captured(addresses)
-                _capture.keep(opt, self, self.hparams, self.b1_sign, self.lr_addresses, *self.lr_tensors, *table_kept)
+                # The plan holds the rest; what the user can move (`.data`) is kept by its memory.
+                user_tensors = [*self.lr_tensors, *self.kernel_params, *self.moments, *filter(None, self.lows)]
+                _capture.keep(opt, self, self.hparams, self.b1_sign, self.lr_addresses, *table_kept,
+                              *map(_capture.storage, user_tensors))
                 self.taken.update(("constants", "lr_addresses"))
             else:
                 table = self.address_table.eager(addresses)

@@ -51,8 +51,9 @@ def test_a_capture_of_other_addresses_takes_a_spare_pair_and_leaves_the_eager_ta
 def test_a_capture_of_other_addresses_with_no_spare_left_is_refused_naming_the_optimizer_and_the_remedy():
     t = table()
     t.eager((1, 2, 3))
-    with pytest.raises(RuntimeError, match=r"PackedX\(capturable=True\) under a CUDA graph capture: 2 captures .*"
-                                           r"spare address tables since the last eager step.*Take one eager step"):
+    with pytest.raises(RuntimeError, match=r"PackedX\(capturable=True\) under a CUDA graph capture: captures that "
+                                           r".*took the 2 spares an eager step prepares since the last eager step.*"
+                                           r"Take one eager step"):
         t.captured((4, 5, 6))
     assert t.eager((1, 2, 3)).tolist() == [1, 2, 3]
 
@@ -66,5 +67,24 @@ def test_what_captures_keep_lives_with_the_optimizer_once_each_and_travels_in_no
     assert list(opt._captured.values()) == [a, b] and all(x is y for x, y in zip(opt._captured.values(), [a, b]))
     for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
         assert "_captured" not in other.__dict__
-    opt.load_state_dict(opt.state_dict())
-    assert len(opt._captured) == 2  # loading a state replaces tensors; what graphs read stays
+
+
+def test_a_tensor_kept_by_its_storage_keeps_the_memory_after_its_data_is_swapped():
+    """What a graph reads of a user's tensor (an lr, a parameter) is its memory: `lr.data = ...`
+    keeps the object and lets the memory go unless the memory itself is kept."""
+    opt = PackedAdamW([torch.nn.Parameter(torch.ones(3))], lr=1e-3)
+    lr = torch.tensor([0.5])
+    address = lr.data_ptr()
+    _capture.keep(opt, _capture.storage(lr))
+    lr.data = torch.tensor([0.25])
+    kept = [t for t in opt._captured.values() if t.data_ptr() == address]
+    assert len(kept) == 1 and kept[0].tolist() == [0.5]
+
+
+def test_can_capture_says_whether_a_capture_would_find_a_table():
+    t = table()
+    assert not t.can_capture((1, 2, 3))  # no eager step, no spare (CPU: none are made)
+    t.eager((1, 2, 3))
+    assert t.can_capture((1, 2, 3)) and not t.can_capture((4, 5, 6))
+    t.spares = [(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))]
+    assert t.can_capture((4, 5, 6))

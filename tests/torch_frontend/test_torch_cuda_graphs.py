@@ -299,8 +299,9 @@ def test_a_plan_rebuilt_after_a_capture_keeps_what_the_graph_reads_and_its_captu
     tensors (the graph keeps the values it captured), and a plan rebuilt by a new group leaves
     the captured plan alive (its tensors are read at every replay): replays and eager steps
     interleaved give a plain optimizer's bits at the captured wd and lr for the replays, the new
-    ones for the eager steps. A graph replayed after its plan was rebuilt advances the step
-    counts it captured (README, "CUDA graphs": capture again after adding a group or loading a state)."""
+    ones for the eager steps. A graph replayed after its plan was rebuilt steps the state and
+    counts it captured (README, "CUDA graphs": capture again after adding a group or loading a
+    state); here the state tensors are the same, the counts are not."""
     a, b = model(), model()
     plain = PackedAdamW(a.parameters(), lr=1e-2, weight_decay=0.1)
     lr = torch.tensor(1e-2, device="cuda")
@@ -333,8 +334,10 @@ def test_a_plan_rebuilt_after_a_capture_keeps_what_the_graph_reads_and_its_captu
     plain_step(0.5, 3e-3)
     gc.collect()
     assert captured_plan() is not None and captured_plan() is not cap._plan
-    torch.empty(1 << 24, device="cuda").fill_(-1.0)  # memory freed by mistake would be handed out again
+    # Memory freed by mistake would be handed out again: small blocks, where the plan's tensors live.
+    litter = [torch.full((64,), -1.0, device="cuda") for _ in range(4096)]
     graph.replay()
+    del litter
     # The graph advances the counts it captured (4 steps so far), not the new plan's (5).
     for p in a.parameters():
         plain.state[p]["step"] = 4
