@@ -140,8 +140,9 @@ def torch_kernels() -> int:
 
 
 def scalars_and_newton_schulz() -> int:
-    """The device step scalars (STATIC: which of lr, momentum and weight decay are known numbers;
-    with all three known the host computes the row, so 7 is never launched) and each distinct
+    """The device step scalars (JAX's per matrix, STATIC: which of lr, momentum and weight decay
+    are known numbers; with all three known the host computes the row, so 7 is never launched;
+    torch's capturable rows) and each distinct
     launch of Newton-Schulz on d12's 768 x 3072 group: the norm's two kernels, the Gram matrix and
     the polynomial (mirrored), the product with the iterate."""
     n = 0
@@ -149,6 +150,11 @@ def scalars_and_newton_schulz() -> int:
         compile_sm90(mt.muon_scalars_kernel, {"row_ptr": "*fp32", "bits64_ptr": "*u32", "out_ptr": "*fp32"},
                      {"STATIC": static})
         n += 1
+    compile_sm90(mk.muon_capturable_scalars_kernel,  # torch's capturable step: every matrix's row in one launch
+                 {"lr_ptr": "*fp64", "group_index_ptr": "*i64", "momentum_ptr": "*fp64", "weight_decay_ptr": "*fp64",
+                  "weight_decay32_ptr": "*fp64", "lr_ratio_ptr": "*fp64", "n_rows": "i32", "scalars_ptr": "*fp32",
+                  "counters_ptr": "*i32"}, {"BLOCK_ROWS": launch.SCALAR_BLOCK_ROWS})
+    n += 1
     names = {"x": "*bf16", "partials": "*fp32", "scalars": "*fp32", "y0": "*bf16", "y1": "*bf16",
              "gram": "*bf16", "poly": "*bf16"}
     arguments = {ns_kernel.ns_gemm_kernel: ("a_ptr", "b_ptr", "c_ptr", "scalars_ptr", "out_ptr"),

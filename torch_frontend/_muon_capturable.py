@@ -33,16 +33,14 @@ FLOAT64 = torch.float64
 
 class DevicePlan:
     """The tensors a capturable Muon step reuses for one list of matrices: each matrix's group
-    index, its float32 momentum scalars and its float64 weight decay and lr ratio; with
+    index and its float64 momentum, weight decay and lr ratio; with
     `batch_ns`, the batched kernels' address table (`_capture.AddressTable`). Its constants are never
     written once made."""
 
     def __init__(self, key: tuple, group_of: list[int], fixed_rows: list[tuple], device: torch.device):
         self.key = key
         self.group_index = torch.tensor(group_of, dtype=torch.int64).to(device)
-        momentum_scalars = np.array([(np.float32(1.0 - momentum), np.float32(momentum))
-                                     for momentum, _, _ in fixed_rows], np.float32).reshape(len(fixed_rows), 2)
-        self.momentum_scalars = torch.from_numpy(momentum_scalars).to(device)
+        self.momentum = torch.tensor([momentum for momentum, _, _ in fixed_rows], dtype=FLOAT64).to(device)
         self.weight_decay = torch.tensor([wd for _, wd, _ in fixed_rows], dtype=FLOAT64).to(device)
         # The host's finite-product check reads weight decay as float32 (validate_hyperparams).
         self.weight_decay32 = torch.tensor([float(np.float32(wd)) for _, wd, _ in fixed_rows], dtype=FLOAT64).to(device)
@@ -66,7 +64,7 @@ class DevicePlan:
         scalars = torch.empty((n, 4), dtype=torch.float32, device=device)
         counters = torch.empty((n, MATRIX_COUNTERS), dtype=torch.int32, device=device)
         muon_capturable_scalars_kernel[launch.grid(n, launch.SCALAR_BLOCK_ROWS)](
-            lr64, self.group_index, self.momentum_scalars, self.weight_decay, self.weight_decay32, self.lr_ratio,
+            lr64, self.group_index, self.momentum, self.weight_decay, self.weight_decay32, self.lr_ratio,
             n, scalars, counters, BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
         return scalars, counters
 

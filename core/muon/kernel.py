@@ -298,34 +298,41 @@ REFUSED_COUNTER = tl.constexpr(COUNTER_COLUMNS.index("refused"))
 
 
 @triton.jit
-def muon_capturable_scalars_kernel(lr_ptr, group_index_ptr, momentum_scalars_ptr, weight_decay_ptr,
-                                   weight_decay32_ptr, lr_ratio_ptr, n_rows, scalars_ptr, counters_ptr,
-                                   BLOCK_ROWS: tl.constexpr):
+def step_scalar_values(lr, momentum, weight_decay, ratio):
+    """The one device derivation of MUON.md's step scalars (`hyperparams.step_scalar_row`, in
+    SCALAR_FIELDS order) from binary64 lr, momentum, weight decay and the matrix's lr ratio:
+    each computed in binary64 and rounded once to float32 (launch's COMPILE_OPTIONS keep the
+    product and the difference from fusing into one rounding). -(lr * ratio) is negated on the
+    bits after its rounding, which is symmetric: Triton 3.6 compiles -x as 0 - x, which makes
+    +0.0 of lr 0 (`negative_zeros` met it on an H100)."""
+    scaled_lr = (lr * ratio).to(tl.float32)
+    return ((1.0 - momentum).to(tl.float32), momentum.to(tl.float32), (1.0 - lr * weight_decay).to(tl.float32),
+            (scaled_lr.to(tl.uint32, bitcast=True) ^ FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def muon_capturable_scalars_kernel(lr_ptr, group_index_ptr, momentum_ptr, weight_decay_ptr, weight_decay32_ptr,
+                                   lr_ratio_ptr, n_rows, scalars_ptr, counters_ptr, BLOCK_ROWS: tl.constexpr):
     """A capturable step's scalar rows and counters in one launch (torch `capturable=True`): row
     i is a matrix of group `group_index[i]`, whose lr is `lr[group]` (float64, copied from the
-    group's lr tensor in the same stream, a captured step's at every replay). The scalars that
-    follow lr are derived in binary64 from the matrix's float64 weight decay and lr ratio and
-    rounded once to float32, as `hyperparams.step_scalar_row` is on the host (launch's
-    COMPILE_OPTIONS keep the product and the difference from fusing into one rounding); the two
-    that do not, 1 - momentum and momentum, come as float32 pairs. The counters row is zeroed
-    and refused where the host's validation would refuse lr (NaN, negative, past float32's
-    range as a float32, or lr * weight decay past it, the weight decay read as float32: the
-    row's `weight_decay32`): a refused matrix keeps weights and momentum."""
+    group's lr tensor in the same stream, a captured step's at every replay), with its float64
+    momentum, weight decay and lr ratio (`step_scalar_values`). The counters row is zeroed and
+    refused where the host's validation would refuse lr (NaN, negative, past float32's range as
+    a float32, or lr * weight decay past it, the weight decay read as float32: the row's
+    `weight_decay32`): a refused matrix keeps weights and momentum."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     valid = rows < n_rows
     group = tl.load(group_index_ptr + rows, mask=valid, other=0)
     lr = tl.load(lr_ptr + group, mask=valid, other=0.0)
-    out = scalars_ptr + rows * _ROW_WIDTH
-    pair = momentum_scalars_ptr + rows * 2
-    tl.store(out + _ONE_MINUS_MOMENTUM, tl.load(pair, mask=valid, other=0.0), mask=valid)
-    tl.store(out + _MOMENTUM, tl.load(pair + 1, mask=valid, other=0.0), mask=valid)
     weight_decay = tl.load(weight_decay_ptr + rows, mask=valid, other=0.0)
-    tl.store(out + _DECAY, (1.0 - lr * weight_decay).to(tl.float32), mask=valid)
-    adjusted = (lr * tl.load(lr_ratio_ptr + rows, mask=valid, other=0.0)).to(tl.float32)
-    # Negated on the bits (rounding is symmetric, so this is -x rounded): Triton 3.6 compiles
-    # -x as 0 - x, which makes +0.0 of lr 0 (negative_zeros).
-    negated = (adjusted.to(tl.uint32, bitcast=True) ^ FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True)
-    tl.store(out + _NEG_ADJUSTED_LR, negated, mask=valid)
+    one_minus_momentum, momentum, decay, neg_adjusted_lr = step_scalar_values(
+        lr, tl.load(momentum_ptr + rows, mask=valid, other=0.0), weight_decay,
+        tl.load(lr_ratio_ptr + rows, mask=valid, other=0.0))
+    out = scalars_ptr + rows * _ROW_WIDTH
+    tl.store(out + _ONE_MINUS_MOMENTUM, one_minus_momentum, mask=valid)
+    tl.store(out + _MOMENTUM, momentum, mask=valid)
+    tl.store(out + _DECAY, decay, mask=valid)
+    tl.store(out + _NEG_ADJUSTED_LR, neg_adjusted_lr, mask=valid)
     lr32 = lr.to(tl.float32).to(tl.float64)
     weight_decay32 = tl.load(weight_decay32_ptr + rows, mask=valid, other=0.0)
     accepted = (lr32 >= 0.0) & (lr32 <= FLOAT32_MAX) & (lr32 * weight_decay32 <= FLOAT32_MAX)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..kernel import FLOAT32_SIGN_BIT, LEAF_GROUP_SLOTS, leaf_slot
+from ..kernel import LEAF_GROUP_SLOTS, leaf_slot
 from .kernel import (
     FP32_MODE,
     MATRIX_COUNTERS,
@@ -21,6 +21,7 @@ from .kernel import (
     _weight_block,
     block_offsets,
     negative_zeros,
+    step_scalar_values,
 )
 
 
@@ -203,18 +204,16 @@ def muon_scalars_kernel(row_ptr, bits64_ptr, out_ptr, STATIC: tl.constexpr):
     """MUON.md's step scalars in binary64 on the device, from (lr, momentum, weight_decay) and
     the matrix's ratio: element i of the float32 `row` widened exactly, or, where bit i of
     STATIC is set, the binary64 number whose bits are pairs 2i, 2i + 1 of `bits64` (uint32, low
-    word first; pair 3 is the ratio); each scalar rounded once to float32."""
+    word first; pair 3 is the ratio); `step_scalar_values` derives the row."""
     lr = _value(row_ptr, bits64_ptr, 0, STATIC)
     momentum = _value(row_ptr, bits64_ptr, 1, STATIC)
     weight_decay = _value(row_ptr, bits64_ptr, 2, STATIC)
     ratio = _value(row_ptr, bits64_ptr, 3, 8)
-    tl.store(out_ptr, (1.0 - momentum).to(tl.float32))
-    tl.store(out_ptr + 1, momentum.to(tl.float32))
-    tl.store(out_ptr + 2, (1.0 - lr * weight_decay).to(tl.float32))
-    # Negated on the bits after the rounding (which is symmetric): Triton 3.6 compiles -x as 0 - x,
-    # which gives lr = 0 +0.0 (`negative_zeros` met it on an H100).
-    scaled_lr = (lr * ratio).to(tl.float32)
-    tl.store(out_ptr + 3, (scaled_lr.to(tl.uint32, bitcast=True) ^ FLOAT32_SIGN_BIT).to(tl.float32, bitcast=True))
+    one_minus_momentum, momentum32, decay, neg_adjusted_lr = step_scalar_values(lr, momentum, weight_decay, ratio)
+    tl.store(out_ptr, one_minus_momentum)  # SCALAR_FIELDS order
+    tl.store(out_ptr + 1, momentum32)
+    tl.store(out_ptr + 2, decay)
+    tl.store(out_ptr + 3, neg_adjusted_lr)
 
 
 @triton.jit
