@@ -309,6 +309,14 @@ class CapturableStepPlan(StepPlan):
         self.address_table = _capture.AddressTable(self.n_pointers, torch_device, type(opt).__name__)
         self.taken = set()  # which of "constants" and "lr_addresses" a capture read (never written again)
 
+    def captured_reads(self, table_kept: tuple) -> list:
+        """What a capture of this plan reads, for `_capture.keep`: the plan (its counts, scalars
+        and staging), the constants it captured (replaced by later changes, not rewritten), its
+        address table, and the memory of the user's tensors (`.data = ...` can move them): the lr
+        tensors, parameters, state words and low halves."""
+        user = [*self.lr_tensors, *self.kernel_params, *self.moments, *(low for low in self.lows if low is not None)]
+        return [self, self.hparams, self.b1_sign, self.lr_addresses, *table_kept, *map(_capture.storage, user)]
+
     def _direct_lr(self, lr: torch.Tensor) -> bool:
         """Whether the scalar kernel can read this lr tensor where it is."""
         return lr.dtype == torch.float32 and lr.device == self.torch_device
@@ -382,10 +390,7 @@ class CapturableStepPlan(StepPlan):
                 # captured addresses whenever the gradients stay put (static ones, or
                 # zero_grad(set_to_none=False)): the graph then reads it in place, copying nothing.
                 table, table_kept = self.address_table.captured(addresses)
-                # The plan holds the rest; what the user can move (`.data`) is kept by its memory.
-                user_tensors = [*self.lr_tensors, *self.kernel_params, *self.moments, *filter(None, self.lows)]
-                _capture.keep(opt, self, self.hparams, self.b1_sign, self.lr_addresses, *table_kept,
-                              *map(_capture.storage, user_tensors))
+                _capture.keep(opt, *self.captured_reads(table_kept))
                 self.taken.update(("constants", "lr_addresses"))
             else:
                 table = self.address_table.eager(addresses)

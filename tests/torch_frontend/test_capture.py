@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,3 +89,21 @@ def test_can_capture_says_whether_a_capture_would_find_a_table():
     assert t.can_capture((1, 2, 3)) and not t.can_capture((4, 5, 6))
     t.spares = [(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))]
     assert t.can_capture((4, 5, 6))
+
+
+def test_what_an_adamw_capture_keeps_is_its_plan_constants_table_and_the_memory_of_every_user_tensor():
+    """CapturableStepPlan.captured_reads over a plan's fields (the plan itself needs CUDA): many-
+    element parameters, words and a bf16 parameter's low half, a missing low half, an lr."""
+    from packed_adamw.torch._plan import CapturableStepPlan
+
+    params = [torch.ones(4), torch.ones(3, dtype=torch.bfloat16)]
+    moments = [torch.zeros(4, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)]
+    lows = [None, torch.zeros(3, dtype=torch.int16)]
+    plan = SimpleNamespace(lr_tensors=[torch.tensor(0.1)], kernel_params=params, moments=moments, lows=lows,
+                           hparams=torch.zeros(1, 5), b1_sign=torch.ones(2), lr_addresses=torch.zeros(1))
+    table = torch.zeros(8, dtype=torch.int64)
+    reads = CapturableStepPlan.captured_reads(plan, (table,))
+    assert reads[:5] == [plan, plan.hparams, plan.b1_sign, plan.lr_addresses, table]
+    users = [*plan.lr_tensors, *params, *moments, lows[1]]
+    assert [t.data_ptr() for t in reads[5:]] == [t.data_ptr() for t in users]
+    assert not any(r is u for r in reads[5:] for u in users)  # their memory, not the objects `.data` can move

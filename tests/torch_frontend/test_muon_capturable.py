@@ -367,3 +367,43 @@ def test_cuda_eager_steps_after_a_capture_leave_its_replays_on_the_captured_grad
         plain_step(captured, float(lr))
     torch.cuda.synchronize()
     assert_same(a, plain, b, cap, "eager steps and replays after a capture")
+
+
+@pytest.mark.parametrize("batch_ns", [False, True], ids=["per matrix", "batch_ns"])
+def test_a_step_through_the_capture_branches_keeps_what_a_graph_reads(batch_ns, kernels_on_cpu, monkeypatch):
+    """On the CPU the kernel path's capture branches run for real with `capturing()` forced:
+    a "captured" step of the gradients the eager step stepped gives the eager bits, takes the
+    eager address table and keeps the plan and the memory of the lr and of every matrix's state;
+    one of other gradients finds no spare (none are made off CUDA) and is refused before
+    anything changes."""
+    from packed_adamw.torch import _checks
+
+    rng = np.random.default_rng(23)
+    a, b = matrices(rng, "cpu"), matrices(np.random.default_rng(23), "cpu")
+    lr = torch.tensor(0.02)
+    eager = PackedMuon(a, lr=float(lr), batch_ns=batch_ns)  # the float32 value the device reads
+    cap = PackedMuon(b, lr=lr, batch_ns=batch_ns, capturable=True)
+    for p, q, g in zip(a, b, [gradient(rng, s, -10, -2) for s in SHAPES]):
+        p.grad, q.grad = g.clone(), g.clone()
+    eager.step()
+    cap.step()
+    eager.step()  # the twin of the next step (it would refuse a capture: capturable=False)
+    monkeypatch.setattr(_checks, "capturing", lambda: True)
+    cap.step()
+    assert_same(a, eager, b, cap, "a step through the capture branches")
+    kept = list(cap._captured.values())
+    plan = cap._muon_device_plan
+    assert any(k is plan for k in kept)
+    if batch_ns:
+        assert plan.addresses.table is None  # taken by the capture; the next eager step makes another
+    addresses = {k.data_ptr() for k in kept if isinstance(k, torch.Tensor)}
+    state = [t for q in b for t in cap.state[q].values() if isinstance(t, torch.Tensor) and t.dim()]
+    assert lr.data_ptr() in addresses and all(t.data_ptr() in addresses for t in [*b, *state])
+    if batch_ns:
+        for q in b:
+            q.grad = q.grad.clone()  # elsewhere: the capture would need a spare table
+        before = [(bits(q).clone(), {k: v.clone() for k, v in cap.state[q].items()}) for q in b]
+        with pytest.raises(RuntimeError, match=r"PackedMuon\(capturable=True\) under a CUDA graph capture: .*spares"):
+            cap.step()
+        for q, (weights, entries) in zip(b, before):
+            assert torch.equal(bits(q), weights) and all(torch.equal(cap.state[q][k], v) for k, v in entries.items())
