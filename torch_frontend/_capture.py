@@ -80,17 +80,21 @@ class AddressTable:
         return self.table
 
     def can_capture(self, words: tuple) -> bool:
-        """Whether `captured(words)` would find a table (a check before anything is captured)."""
+        """Whether `captured(words)` would find a table."""
         return (self.table is not None and tuple(words) == self.words) or bool(self.spares)
+
+    def check_capture(self, words: tuple) -> None:
+        """`captured(words)`'s refusal, for a step to make before it records anything."""
+        if not self.can_capture(words):  # a pair made here would pin memory under the capture: it would fail
+            raise RuntimeError(refusal(self.owner, f"captures that could not read the eager address table took the "
+                                                   f"{SPARES} spares an eager step prepares"))
 
     def captured(self, words: tuple) -> tuple[torch.Tensor, tuple]:
         """(the table the graph reads, what it must keep)."""
         if self.table is not None and words == self.words:
             table, self.table, self.words = self.table, None, None
             return table, (table,)
-        if not self.spares:  # making a pair here would pin memory under the capture, which invalidates it
-            raise RuntimeError(refusal(self.owner, f"captures that could not read the eager address table took the "
-                                                   f"{SPARES} spares an eager step prepares"))
+        self.check_capture(words)
         host, table = self.spares.pop()
         host.copy_(torch.tensor(words, dtype=torch.int64))
         table.copy_(host, non_blocking=True)  # captured: each replay reads `host`, never written again

@@ -85,9 +85,7 @@ class DevicePlan:
         these words, and it holds them or a spare is left."""
         if self.addresses is None or self.addresses.length != len(words):
             raise RuntimeError(capture_refusal("the matrices' batches changed"))
-        if not self.addresses.can_capture(words):
-            raise RuntimeError(capture_refusal(f"captures that could not read the eager address table took the "
-                                               f"{_capture.SPARES} spares an eager step prepares"))
+        self.addresses.check_capture(words)
 
 
 def capture_refusal(why: str) -> str:

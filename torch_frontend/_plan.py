@@ -341,6 +341,9 @@ class CapturableStepPlan(StepPlan):
         # maximize: constants of a capture
         constants = tuple(row[1:width + 1] for row in group_rows)
         capturing = torch.cuda.is_current_stream_capturing()
+        addresses = tuple(self.addresses(grad_pointers).tolist())
+        if capturing:
+            self.address_table.check_capture(addresses)  # refused before anything is recorded
         with _launch.on_device(self.torch_device):
             if constants != self.constants:
                 if capturing:
@@ -384,7 +387,6 @@ class CapturableStepPlan(StepPlan):
                 self.lr_addresses, self.hparams, self.group_index, self.b1_sign, self.counts, n, self.scalars,
                 BLOCK_ROWS=launch.SCALAR_BLOCK_ROWS, **launch.COMPILE_OPTIONS)
             scalars = self.scalars
-            addresses = tuple(self.addresses(grad_pointers).tolist())
             if capturing:
                 # The warm-up steps torch.cuda.graph asks for leave the eager table holding the
                 # captured addresses whenever the gradients stay put (static ones, or

@@ -25,5 +25,6 @@ def test_the_muon_and_adamw_launch_kernels_compile_for_sm90():
     # JAX's group kernels: 24 momentum and 24 weight variants; torch's kernels: 72 momentum (per matrix, and
     # table in both orientations) and 72 weight ones (their counting twins in packed mode), 2 that refuse a
     # non-finite Newton-Schulz output; 8 of the step scalars (JAX's 7, torch's capturable rows), 5 of
-    # Newton-Schulz; AdamW's multi-tensor and leaf-group kernels, 6 each; the skeleton's, 14 (tests/test_custom_rule.py's rule)
+    # Newton-Schulz; AdamW's multi-tensor and leaf-group kernels, 6 each; the skeleton's, 14
+    # (tests/test_custom_rule.py's rule)
     assert done.stdout.strip().splitlines()[-1] == "compiled 233", done.stdout[-2000:]

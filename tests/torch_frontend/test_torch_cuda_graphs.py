@@ -380,7 +380,7 @@ def test_captures_of_moved_gradients_in_a_row_each_replay_their_own():
             cap.step()
         graphs.append((graph, grads))
     grads = new_gradients()
-    with pytest.raises(RuntimeError, match="took the spare address tables since the last eager step"):
+    with pytest.raises(RuntimeError, match=r"took the 2 spares an eager step prepares since the last eager step"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             cap.step()
     cap.step()  # prepares spares again, and steps these gradients
