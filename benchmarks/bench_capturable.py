@@ -9,8 +9,9 @@
 - PackedMuon(capturable=True) on d12's matrices, eager and captured, against PackedMuon without
   `capturable` (its host-derived scalar rows) eager.
 
-Not yet run on a GPU when written (2026-12-07). To compare two trees, run it twice with each package first on PYTHONPATH (the first line says
-which package ran). Times are CUDA-event medians (bench_step.cuda_time_ms / captured_step_ms).
+Not yet run on a GPU when written (2026-12-07). To compare two trees, run it twice with each
+package first on PYTHONPATH (the first line says which package ran). Times are CUDA-event
+medians (bench_step.cuda_time_ms / captured_step_ms).
 """
 from __future__ import annotations
 
