@@ -388,3 +388,40 @@ def test_a_loss_that_turns_non_finite_on_one_rank_ends_every_rank_as_diverged(tm
     errors = [line for line in output.splitlines() if "error (rank" in line]
     assert len(errors) == 2 and all("the run diverged" in line and "at step 2" in line for line in errors), output
     assert summary(out)["stopped_because"] == "diverged" and summary(out)["step"] == 2
+
+
+@pytest.mark.parametrize("parallel, released", [("ddp", True), ("none", False)])
+def test_a_distributed_run_frees_what_build_made_before_it_ends_the_process_group(parallel, released, monkeypatch,
+                                                                                   tmp_path):
+    """DDP's reducer holds the process group in C++: freed after the group is destroyed, it ran
+    the group's destructor with the GIL held, which deadlocked against a gloo worker thread that
+    needed the GIL (loop.run's comment; gdb caught it under load). loop.run releases the recipe
+    before `ranks.close()`, here on a run that ends at its start (as a refused one does)."""
+    from types import SimpleNamespace
+
+    from packed_adamw.torch.gpt import loop
+    from packed_adamw.torch.gpt.distributed import Ranks
+
+    seen = {}
+
+    class Recipe(loop.Recipe):
+        plan = SimpleNamespace(device="cpu", deterministic=False, parallel=parallel, out=tmp_path / "out")
+        files = None
+
+        def check(self):
+            self.model = self.forward = torch.nn.Linear(2, 2)  # what build makes, as an attribute
+
+    class Refused(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise Refused
+
+    recipe = Recipe()
+    monkeypatch.setattr(loop, "resolve_device", lambda *args, **kwargs: torch.device("cpu"))
+    monkeypatch.setattr(loop, "start_ranks", lambda parallel, device: Ranks(parallel, 0, 1 + (parallel != "none")))
+    monkeypatch.setattr(loop, "claim", refuse)
+    monkeypatch.setattr(Ranks, "close", lambda ranks: seen.setdefault("at close", sorted(vars(recipe))))
+    with pytest.raises(Refused):
+        loop.run(recipe)
+    assert seen["at close"] == ([] if released else ["forward", "model"])

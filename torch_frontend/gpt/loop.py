@@ -23,6 +23,7 @@ this module decides when each happens, and so which step runs with which batch: 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import sys
 from pathlib import Path
@@ -208,6 +209,12 @@ class Recipe:
     def figures(self) -> None:
         """Plots of the run (rank 0, before the summary)."""
 
+    def release(self) -> None:
+        """Drop everything `build` made (the model and its wrapper, the optimizer, the data): the
+        run has ended. `plan` and `files` stay."""
+        for name in [name for name in vars(self) if name not in ("plan", "files")]:
+            delattr(self, name)
+
 
 # ---- the run ---------------------------------------------------------------------------------------
 def run(recipe: Recipe) -> dict:
@@ -228,6 +235,15 @@ def run(recipe: Recipe) -> dict:
             # every rank finds the same state: rank 0 writes none before the first step
             return _run(recipe, device, ranks, resume_source(recipe))
     finally:
+        if ranks.distributed:
+            # What holds the process group in C++ (DDP's reducer) goes before the group. Freed after
+            # it (with the recipe, once run returns), it ran the group's destructor while this thread
+            # held the GIL; that destructor joins gloo's worker threads, and a worker still freeing
+            # a finished collective's tensors waits for the GIL: a deadlock (gdb caught both threads,
+            # 2 gloo ranks under CPU load; the class of torch issue 56297). Freed here, the group's
+            # last reference is its Python object, whose destructor releases the GIL.
+            recipe.release()
+            gc.collect()  # a wrapper in a reference cycle goes now, not at some later collection
         ranks.close()
 
 
