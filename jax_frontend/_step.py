@@ -219,16 +219,48 @@ def _batched(args, dims, *, config: StepConfig):
 batching.primitive_batchers[packed_adamw_step_p] = _batched
 
 
-def _not_differentiable(primals, tangents, *, config: StepConfig):
-    """jax.grad (jvp, linearize) through the step: refused, saying why and what to do. JAX
-    calls this only when some operand carries a tangent, so a step beside a gradient (the
-    usual train step) never reaches it."""
-    raise TypeError(
-        "packed_adamw: the optimizer step is not differentiable (its moments are rounded to 16-bit codes and it "
+class NotDifferentiableError(TypeError):
+    """jax.grad (jvp, linearize) reached a packed step; `transform` names the transform that
+    refused (a transform built over another, as packed_muon over packed_adamw, words it as its own)."""
+
+    def __init__(self, message: str, transform: str):
+        super().__init__(message)
+        self.transform = transform
+
+
+def not_differentiable(name: str, state: str, peer: str) -> NotDifferentiableError:
+    """The refusal of jax.grad (jvp, linearize) through a packed step, saying why and what to do:
+    `state` names what the step rounds to 16-bit codes, `peer` the optax transformation that
+    differentiates."""
+    return NotDifferentiableError(
+        f"{name}: the optimizer step is not differentiable (its {state} rounded to 16-bit codes and it "
         "steps in place), and jax.grad / jax.jvp reached it through its parameters, gradients, state or "
         "hyperparameters. Differentiate the loss alone and call update() outside the differentiated function, "
         "or wrap its inputs in jax.lax.stop_gradient; to differentiate through optimizer steps (meta-learning), "
-        "use optax.adamw")
+        f"use {peer}", name)
+
+
+def _not_differentiable(primals, tangents, *, config: StepConfig):
+    """The primitive's JVP rule. JAX calls it only when some operand carries a tangent, so a
+    step beside a gradient (the usual train step) never reaches it."""
+    raise not_differentiable("packed_adamw", "moments are", "optax.adamw")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _tangent_free(refusal: tuple, arrays):
+    return arrays
+
+
+@_tangent_free.defjvp
+def _refuse_tangents(refusal: tuple, primals, tangents):
+    raise not_differentiable(*refusal)
+
+
+def without_tangents(arrays, name: str, state: str, peer: str):
+    """`arrays` (a pytree) unchanged, for a step that is not the primitive (Muon's phases, whose
+    callbacks and launches have no JVP rule): a tangent reaching them is refused as the
+    primitive's are (`not_differentiable`), and none reaches them beside a gradient."""
+    return _tangent_free((name, state, peer), arrays)
 
 
 ad.primitive_jvps[packed_adamw_step_p] = _not_differentiable

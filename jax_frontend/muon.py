@@ -48,7 +48,7 @@ from ._muon_portable import export_muon_state, import_muon_state  # noqa: F401 (
 from ._states import PackedMuonState
 from ._muon_state import MatrixView, _check_grad_dtypes, _check_grads, _check_param_dtypes, _checked_exponents, \
     _checked_lows, _checked_momenta, _like, _zero_exponents, leaf_views
-from ._step import CpuStepError, _subnormals_kept
+from ._step import CpuStepError, NotDifferentiableError, _subnormals_kept, not_differentiable, without_tangents
 from ._hyperparams import _check_count, _check_count_type, _check_hyperparameter_kinds, _concrete_float, _increment, \
     _known_or_given, _refusal_reason, _refuse_invalid, _refused_eagerly, _warn_refused
 from .transform import _step_platforms, packed_adamw
@@ -497,6 +497,9 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         e_mats = [exponents[i].reshape(views[i].batch) for i in muon] if fmt.exponent_entry is not None else []
         p_mats = [views[i].to_matrices(p_leaves[i]) for i in muon]
         lo_mats = [views[i].to_matrices(lows[i]) for i in muon if split[i]]
+        # The phases' callbacks and launches have no JVP rule: say why jax.grad cannot pass, as packed_adamw does.
+        g_mats, s_mats, e_mats, p_mats, lo_mats, row = without_tangents(
+            (g_mats, s_mats, e_mats, p_mats, lo_mats, row), *_NOT_DIFFERENTIABLE)
         placed = _unplaced  # the GPU path's leaves are not sharded: see MUON.md
         # On the GPU a float32 leaf's update comes from its weight launch (`_muon_triton.weight_group_step`).
         kernel_updates = write_update and on_gpu
@@ -535,7 +538,19 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
                                     new_exponent_tree)
         return treedef.unflatten(out), new_state
 
-    return init_fn, run
+    def run_in_muons_words(updates, state, params, extra_args, *, write_update: bool):
+        try:
+            return run(updates, state, params, extra_args, write_update=write_update)
+        except NotDifferentiableError as e:  # the AdamW half's (a tangent through the shared rate, say)
+            if e.transform == "packed_muon":
+                raise
+            raise not_differentiable(*_NOT_DIFFERENTIABLE) from None
+
+    return init_fn, run_in_muons_words
+
+
+# without_tangents' words for packed_muon's step (`_step.not_differentiable`)
+_NOT_DIFFERENTIABLE = ("packed_muon", "momentum is", "optax.contrib.muon")
 
 
 # ---- one step, all or nothing ------------------------------------------------------------------

@@ -919,29 +919,37 @@ def test_a_mask_of_another_tree_is_refused_naming_mask(mask):
         tx.update(params, tx.init(params), params)
 
 
+@pytest.mark.parametrize("transform_name, peer", [("packed_adamw", "optax.adamw"),
+                                                   ("packed_muon", "optax.contrib.muon")])
 @pytest.mark.parametrize("through", ["grads", "params", "learning_rate"])
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_differentiating_through_the_step_says_it_is_not_differentiable(through, jitted):
+def test_differentiating_through_the_step_says_it_is_not_differentiable(transform_name, peer, through, jitted):
     """jax.grad through update raises saying the step is not differentiable and what to do,
-    not JAX's missing-rule error; a gradient beside the step (the train step) still works."""
-    params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32)}
-    grads = {"w": jnp.full(6, 0.25, jnp.float32)}
-    inject = optax.inject_hyperparams(packed_adamw)
+    not JAX's missing-rule error (packed_muon's phases are callbacks and launches, not the
+    primitive: the tree is one matrix, so no AdamW leaf refuses first); a gradient beside the
+    step (the train step) still works."""
+    from packed_adamw.jax import packed_muon
+
+    factory = {"packed_adamw": packed_adamw, "packed_muon": packed_muon}[transform_name]
+    params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(3, 2)}
+    grads = {"w": jnp.full((3, 2), 0.25, jnp.float32)}
+    inject = optax.inject_hyperparams(factory, static_args=("ns_steps", "mu_bias") if factory is packed_muon else ())
 
     def loss(x):
         if through == "learning_rate":
-            tx = packed_adamw(lambda count: x)
+            tx = factory(lambda count: x)
             state = tx.init(params)
             updates, _ = tx.update(grads, state, params)
         else:
-            tx = packed_adamw(LR)
+            tx = factory(LR)
             p, g = (x, grads) if through == "params" else (params, x)
             updates, _ = tx.update(g, tx.init(p), p)
         return sum(jnp.sum(u) for u in jax.tree_util.tree_leaves(updates))
 
     arg = jnp.asarray(LR, jnp.float32) if through == "learning_rate" else (params if through == "params" else grads)
     fn = jax.jit(jax.grad(loss)) if jitted else jax.grad(loss)
-    with pytest.raises(TypeError, match="optimizer step is not differentiable.*stop_gradient.*optax.adamw"):
+    with pytest.raises(TypeError, match=f"^{transform_name}: the optimizer step is not differentiable.*stop_gradient"
+                                        f".*use {re.escape(peer)}(\n|$)"):
         fn(arg)
     tx = inject(learning_rate=LR)
     step = jax.jit(lambda p, s: tx.update(jax.grad(lambda q: jnp.sum(q["w"] ** 2))(p), s, p))
