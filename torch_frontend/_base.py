@@ -77,6 +77,12 @@ class PackedOptimizer(Optimizer):
         super().__init__(params, defaults)
         self._compile_token = _compiled.register(self)  # names this optimizer to its compiled steps
 
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer's name in messages: its class's, or, for a rule inside `PackedMuonAdamW`,
+        the combined optimizer's (the one the user built and steps)."""
+        return self.__dict__.get("_optimizer_name", type(self).__name__)
+
     # ---- the format counts' switch --------------------------------------------------------
     @property
     def track_format(self) -> bool:
@@ -150,7 +156,7 @@ class PackedOptimizer(Optimizer):
             _checks.check_listed_once(group, index, self.torch_twin)
             self._check_new_group(group, index)
             _checks.check_one_device([p for g in self.param_groups for p in g["params"]], f"param_groups[{index}]",
-                                     type(self).__name__)
+                                     self.optimizer_name)
         except Exception:
             self.param_groups.pop()
             raise
@@ -163,10 +169,10 @@ class PackedOptimizer(Optimizer):
         this rule: an embedding orthogonalised by PackedMuon)."""
         kind = group.get("kind")
         if kind is not None and self.rule_name and kind != self.rule_name:
-            raise ValueError(f"{where} sets kind={kind!r}, but {type(self).__name__} steps every group with rule "
+            raise ValueError(f"{where} sets kind={kind!r}, but {self.optimizer_name} steps every group with rule "
                              f"{self.rule_name!r}; step kind={kind!r} groups with PackedMuonAdamW (whose groups say "
-                             f"their rule), or leave them out of {type(self).__name__}")
-        _checks.check_group_options(group, where, type(self).__name__, self.group_options,
+                             f"their rule), or leave them out of {self.optimizer_name}")
+        _checks.check_group_options(group, where, self.optimizer_name, self.group_options,
                                     self.__dict__.get("capturable", False))
 
     def _note_param_lists(self) -> None:

@@ -77,7 +77,7 @@ def run(opt, params: list, grads: list, positions: list[int]) -> None:
     `positions[i]` of `param_groups` or the compiled program's copy of it, `grads[i]` its
     gradient (which the program assigns to `.grad` only when its graph ends). Runs the eager
     step, so bits, state and plans are the eager step's."""
-    name = type(opt).__name__
+    name = opt.optimizer_name
     lists = opt.__dict__.get("_param_lists", [])
     if len(lists) != len(opt.param_groups) or any(a is not g["params"] for a, g in zip(lists, opt.param_groups)):
         opt._note_param_lists()  # the next call traces the new lists (or finds them unchanged)

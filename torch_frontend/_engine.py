@@ -57,7 +57,7 @@ def step(opt, live: dict | None = None) -> None:
     compiled program holds in a tensor of its own (a copy it writes back when its graph ends):
     those tensors step instead, through a full step whose plan is not kept."""
     if not opt.capturable and _checks.capturing():
-        name = type(opt).__name__
+        name = opt.optimizer_name
         raise RuntimeError(
             f"{name}.step() was called while a CUDA graph captures, but this optimizer was built without "
             "capturable=True: its step reads the step counts and the learning rate on the host, which a captured "
@@ -93,7 +93,7 @@ def full_step(opt, group_rows: list, live: dict | None = None) -> tuple[StepPlan
                              "use capturable=False there")
         if _checks.capturing():
             raise RuntimeError(
-                f"{type(opt).__name__}(capturable=True): this step must check and (re)build its plan, which cannot "
+                f"{opt.optimizer_name}(capturable=True): this step must check and (re)build its plan, which cannot "
                 "happen while a CUDA graph captures: take a few eager steps first (torch.cuda.graph's warm-up on a "
                 "side stream), and capture again after changing parameters, gradients' presence or the state")
     fmt = opt.state_format
@@ -115,7 +115,7 @@ def full_step(opt, group_rows: list, live: dict | None = None) -> tuple[StepPlan
                          stored_lows=stored_lows)
         rejected = plan.run(opt, checked.grads, [g.data_ptr() for g in checked.grads], checked.counts, group_rows)
         if rejected is None:
-            raise RuntimeError(f"{type(opt).__name__}: a step plan could not run right after it was made; please "
+            raise RuntimeError(f"{opt.optimizer_name}: a step plan could not run right after it was made; please "
                                "report this")
     except BaseException:  # a failed step changes nothing
         undo()
@@ -142,13 +142,13 @@ def _check_step(opt, live: dict | None) -> _Checked:
                 and g.layout is STRIDED and g.shape == pl.shape and g.is_contiguous() and pl.is_contiguous()
                 and g.get_device() == pl.get_device()
             ):
-                _checks.raise_grad_error(pl, g, name, type(opt).__name__)
+                _checks.raise_grad_error(pl, g, name, opt.optimizer_name)
             if device is None:
                 device = pl.get_device()  # an int (-1 for CPU): cheaper than torch.device objects
             elif pl.get_device() != device:
-                _checks.check_one_device([pl, kernel_params[0]], f"{type(opt).__name__}.step", type(opt).__name__)
+                _checks.check_one_device([pl, kernel_params[0]], f"{opt.optimizer_name}.step", opt.optimizer_name)
             state = opt.state.get(p)
-            counts.append(_checks.check_live_state(p, pl, state, fmt, name, type(opt).__name__) + 1 if state else 1)
+            counts.append(_checks.check_live_state(p, pl, state, fmt, name, opt.optimizer_name) + 1 if state else 1)
             params.append(p)
             names.append(name)
             kernel_params.append(pl)
@@ -276,7 +276,7 @@ def raise_if_rejected(opt, params: list, rejected: list[int]) -> None:
            for gi, group in enumerate(opt.param_groups) for pi, p in enumerate(group["params"])
            if counts_by_param.get(id(p))]
     raise NonFiniteGradientError(
-        f"{type(opt).__name__}.step: non-finite values (NaN/Inf gradients, or a parameter or update that is not "
+        f"{opt.optimizer_name}.step: non-finite values (NaN/Inf gradients, or a parameter or update that is not "
         "finite; for a bfloat16 parameter also a master past the bf16 range) in " + ", ".join(bad) +
         ". Those elements kept their parameter and state; the rest were "
         "updated. Find the source of the NaN/Inf, or use torch.amp.GradScaler / "
@@ -439,7 +439,7 @@ def format_stats(opt, count_names: tuple[str, ...]) -> dict:
     counted step since the last read: {} while `track_format` is on (none made yet), and an
     error while it is off (none could be: the switch was forgotten, or the counts read)."""
     if not counts_to_read(opt):
-        raise no_counts_error(type(opt).__name__)
+        raise no_counts_error(opt.optimizer_name)
     totals = opt.__dict__.setdefault("_format_totals", {})
     plan = opt.__dict__.get("_plan")
     if plan is not None and plan.counters is not None and plan.tracked_steps:
@@ -483,4 +483,4 @@ def _warn_saturation(opt, name: str, entry: dict, warned: set, key: int) -> None
             problems.append(f"{share:.2%} of its {code.holds} saturated at {codec.max_value:g}: {hint}")
     if problems:
         warned.add(key)
-        warnings.warn(f"{type(opt).__name__}: {name}: " + "; ".join(problems), RuntimeWarning, stacklevel=4)
+        warnings.warn(f"{opt.optimizer_name}: {name}: " + "; ".join(problems), RuntimeWarning, stacklevel=4)

@@ -37,8 +37,9 @@ class DevicePlan:
     `batch_ns`, the batched kernels' address table (`_capture.AddressTable`). Its constants are never
     written once made."""
 
-    def __init__(self, key: tuple, group_of: list[int], fixed_rows: list[tuple], device: torch.device):
-        self.key = key
+    def __init__(self, key: tuple, group_of: list[int], fixed_rows: list[tuple], device: torch.device,
+                 name: str = "PackedMuon"):
+        self.key, self.name = key, name  # name: the optimizer's, in refusals
         self.group_index = torch.tensor(group_of, dtype=torch.int64).to(device)
         self.momentum = torch.tensor([momentum for momentum, _, _ in fixed_rows], dtype=FLOAT64).to(device)
         self.weight_decay = torch.tensor([wd for _, wd, _ in fixed_rows], dtype=FLOAT64).to(device)
@@ -76,7 +77,7 @@ class DevicePlan:
             self.check_batches(words)
             return self.addresses.captured(words)
         if self.addresses is None or self.addresses.length != len(words):  # a capture keeps the old one
-            self.addresses = _capture.AddressTable(len(words), self.group_index.device, "PackedMuon")
+            self.addresses = _capture.AddressTable(len(words), self.group_index.device, self.name)
         table = self.addresses.eager(words)
         return table, (table,)
 
@@ -84,12 +85,8 @@ class DevicePlan:
         """Under capture, before anything is captured: an eager step made a table for batches of
         these words, and it holds them or a spare is left."""
         if self.addresses is None or self.addresses.length != len(words):
-            raise RuntimeError(capture_refusal("the matrices' batches changed"))
+            raise RuntimeError(_capture.refusal(self.name, "the matrices' batches changed"))
         self.addresses.check_capture(words)
-
-
-def capture_refusal(why: str) -> str:
-    return _capture.refusal("PackedMuon", why)
 
 
 def check_host_values(group: dict, where: str) -> None:
@@ -130,7 +127,7 @@ def device_plan(opt, work: list, capturing: bool) -> DevicePlan:
     plan = opt.__dict__.get("_muon_device_plan")
     if plan is None or plan.key != key:
         if capturing:
-            raise RuntimeError(capture_refusal("the matrices, their groups, their momentum or weight decay, or an "
-                                               "lr tensor changed"))
-        plan = opt._muon_device_plan = DevicePlan(key, group_of, fixed_rows, device)
+            raise RuntimeError(_capture.refusal(opt.optimizer_name, "the matrices, their groups, their momentum or "
+                                                "weight decay, or an lr tensor changed"))
+        plan = opt._muon_device_plan = DevicePlan(key, group_of, fixed_rows, device, opt.optimizer_name)
     return plan

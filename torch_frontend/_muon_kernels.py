@@ -117,7 +117,8 @@ def capture_inputs(opt, work: list[_muon_step.Matrix], words: list[int] | None, 
     kept = []
     if _muon_ns._ns_impl(opt, work[0].weights.device) == "triton":  # its scalar rows, made outside any capture
         for w in work:
-            kept.append(_muon_ns._ns_scalars(w.group["ns_coefficients"], w.group["eps"], w.weights.device, capturing))
+            kept.append(_muon_ns._ns_scalars(w.group["ns_coefficients"], w.group["eps"], w.weights.device,
+                                             opt.optimizer_name if capturing else None))
     if words is None:
         return plan, None, kept
     if dry_run:  # the table a capture would take exists (_capture.AddressTable)

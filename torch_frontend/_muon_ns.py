@@ -9,7 +9,7 @@ import torch
 from packed_adamw.core import launch
 from packed_adamw.core.muon import DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
 
-from . import _muon_capturable
+from . import _capture
 
 FLOAT32, BFLOAT16 = torch.float32, torch.bfloat16
 
@@ -99,15 +99,16 @@ def newton_schulz_triton_stacked(y: torch.Tensor, coefficients=DEFAULT_NS_COEFFI
     return buffers[ns_kernel.result_buffer(int(steps))]
 
 
-def _ns_scalars(coefficients, eps, device: torch.device, capturing: bool = False) -> torch.Tensor:
+def _ns_scalars(coefficients, eps, device: torch.device, capturing_for: str | None = None) -> torch.Tensor:
     """The Triton Newton-Schulz's float32 scalar row on `device`, made once per settings (a
-    capture cannot copy it from the host: a capturable step makes it first, outside one)."""
+    capture cannot copy it from the host: a capturable step makes it first, outside one).
+    `capturing_for`: under a capture, the capturing optimizer's name (for its refusal)."""
     from packed_adamw.core.muon import ns_kernel
 
     key = (tuple(float(v) for v in coefficients), float(eps), device)
     if key not in _NS_SCALARS:
-        if capturing:
-            raise RuntimeError(_muon_capturable.capture_refusal("the Newton-Schulz settings changed"))
+        if capturing_for is not None:
+            raise RuntimeError(_capture.refusal(capturing_for, "the Newton-Schulz settings changed"))
         if len(_NS_SCALARS) > 64:
             _NS_SCALARS.clear()  # a capture keeps the rows it read (_capture.keep)
         _NS_SCALARS[key] = torch.from_numpy(ns_kernel.ns_scalars(coefficients, eps)).to(device)
@@ -207,7 +208,7 @@ def _auto_takes_triton(device: torch.device) -> bool:
 
 def _check_ns_device(opt, device: torch.device) -> None:
     if _ns_impl(opt, device) == "triton" and device.type != "cuda" and not launch.interpreting():
-        raise ValueError(f"{type(opt).__name__}(ns_impl='triton'): the Triton Newton-Schulz runs on CUDA devices "
+        raise ValueError(f"{opt.optimizer_name}(ns_impl='triton'): the Triton Newton-Schulz runs on CUDA devices "
                          f"(or under TRITON_INTERPRET=1), and these matrices are on {device}; use "
                          "ns_impl='cublas' (torch's matmuls) there")
 

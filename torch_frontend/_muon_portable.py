@@ -33,7 +33,7 @@ def _rules_of(opt) -> list:
 def _params(opt) -> list[torch.Tensor]:
     params = [p for g in opt.param_groups for p in g["params"]]
     if any(_dtensor.is_dtensor(p) for p in params):
-        raise ValueError(f"{type(opt).__name__}: the parameters are DTensors (sharded); a PortableState holds whole "
+        raise ValueError(f"{opt.optimizer_name}: the parameters are DTensors (sharded); a PortableState holds whole "
                          "tensors. Save a sharded state with torch.distributed.checkpoint (docs/DISTRIBUTED.md)")
     return params
 

@@ -274,7 +274,7 @@ def saved_identity(opt, state_dict: dict) -> str:
         if not isinstance(meta, dict) or "format" not in meta:
             raise ValueError(
                 f"load_state_dict: the {STATE_DICT_KEY!r} entry has no 'format' (got {meta!r}); the state_dict "
-                f"was not written by {type(opt).__name__}.state_dict() or was edited: save it again from the optimizer"
+                f"was not written by {opt.optimizer_name}.state_dict() or was edited: save it again from the optimizer"
             )
         version = meta.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= STATE_DICT_VERSION:
@@ -288,7 +288,7 @@ def saved_identity(opt, state_dict: dict) -> str:
     if groups and None not in identities and len(identities) == 1:
         return identities.pop()  # a distributed checkpoint: only the groups came through
     raise ValueError(
-        f"load_state_dict: this state_dict was not saved by {type(opt).__name__} (no 'packed_adamw' entry and no "
+        f"load_state_dict: this state_dict was not saved by {opt.optimizer_name} (no 'packed_adamw' entry and no "
         f"{GROUP_FORMAT_KEY!r} in its param groups); start this optimizer fresh instead of loading another "
         "optimizer's state"
     )
@@ -298,7 +298,7 @@ def _other_format_advice(opt, identity) -> str:
     """What to do with a saved state of another format than `opt`'s. Its rule is read from the
     identity where core knows it (`core.rules`: AdamW's and Muon's formats, every bias): a state
     of another rule loads into that rule's optimizer, and no option of this one makes it fit."""
-    name, rule = type(opt).__name__, opt.state_format.rule.name
+    name, rule = opt.optimizer_name, opt.state_format.rule.name
     saved = _rule_of_identity(identity)
     if saved is not None and saved != rule:
         return (f"it was saved by an optimizer of rule {saved!r}, and {name} steps rule {rule!r}: load it into "

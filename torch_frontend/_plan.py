@@ -306,7 +306,7 @@ class CapturableStepPlan(StepPlan):
         self.lr_staging = torch.zeros(len(opt.param_groups), dtype=torch.float32, device=torch_device)
         self.lr_tensors = self.lr_key = None
         self.constants = None
-        self.address_table = _capture.AddressTable(self.n_pointers, torch_device, type(opt).__name__)
+        self.address_table = _capture.AddressTable(self.n_pointers, torch_device, opt.optimizer_name)
         self.taken = set()  # which of "constants" and "lr_addresses" a capture read (never written again)
 
     def captured_reads(self, table_kept: tuple) -> list:
@@ -347,7 +347,7 @@ class CapturableStepPlan(StepPlan):
         with _launch.on_device(self.torch_device):
             if constants != self.constants:
                 if capturing:
-                    raise RuntimeError(_capture.refusal(type(opt).__name__, f"{', '.join(rule.rule.group_keys[1:])} "
+                    raise RuntimeError(_capture.refusal(opt.optimizer_name, f"{', '.join(rule.rule.group_keys[1:])} "
                                                                             "or maximize changed"))
                 if "constants" in self.taken:  # a graph reads these: it keeps the values it captured
                     self.hparams, self.b1_sign = torch.zeros_like(self.hparams), torch.empty_like(self.b1_sign)
@@ -359,7 +359,7 @@ class CapturableStepPlan(StepPlan):
                 self.constants = constants
             if capturing and any(isinstance(group["lr"], torch.Tensor) and group["lr"].device != self.torch_device
                                  for group in opt.param_groups):
-                raise RuntimeError(f"{type(opt).__name__}(capturable=True): an lr tensor is not on the parameters' "
+                raise RuntimeError(f"{opt.optimizer_name}(capturable=True): an lr tensor is not on the parameters' "
                                    "device; a captured step reads it there at every replay: move it there before "
                                    "capturing")
             # The learning rates are read and checked on the device, the counts advanced and the
@@ -370,7 +370,7 @@ class CapturableStepPlan(StepPlan):
             lr_key = tuple((id(lr), lr.data_ptr(), lr.dtype, lr.device) for lr in lr_tensors)
             if lr_key != self.lr_key:
                 if capturing:
-                    raise RuntimeError(_capture.refusal(type(opt).__name__, "an lr tensor was replaced (change lr "
+                    raise RuntimeError(_capture.refusal(opt.optimizer_name, "an lr tensor was replaced (change lr "
                                                                             "tensors in place)"))
                 if "lr_addresses" in self.taken:  # a graph reads its lr tensors through these
                     self.lr_addresses = torch.empty_like(self.lr_addresses)

@@ -170,7 +170,7 @@ class PackedMuonAdamW(PackedOptimizer):
                  m_bias: int = DEFAULT_M_BIAS, rms_bias: int = DEFAULT_RMS_BIAS, maximize: bool = False,
                  check_nonfinite: bool = False, multi_tensor: bool = True, capturable: bool = False,
                  batch_ns: bool | None = None, ns_impl: str = "auto", track_format: bool = False):
-        _muon.check_options(type(self).__name__, capturable, batch_ns, ns_impl, lr=lr,
+        _muon.check_options(self.optimizer_name, capturable, batch_ns, ns_impl, lr=lr,
                             check_nonfinite=check_nonfinite)
         adamw_counts = False  # whether AdamW's rule counts too (Muon counts its refusals in every mode)
         if track_format is not False:  # checked before any group makes its rule
@@ -238,6 +238,7 @@ class PackedMuonAdamW(PackedOptimizer):
                 cls = RULE_CLASSES[kind]
                 rule = cls.__new__(cls)
                 rule._shown_group_indices = shown  # before __init__, which checks the group
+                rule._optimizer_name = self.optimizer_name  # its messages name the optimizer the user steps
                 rule.__init__([group], **settings["defaults"], **self._rule_settings(kind, fmt))
                 rule.state = self.state  # one state: torch's state_dict packs every parameter's
                 self._rules[key] = rule
@@ -269,7 +270,7 @@ class PackedMuonAdamW(PackedOptimizer):
                 raise ValueError(f"{shown.format(key=key)}: {key} is an option of {RULE_NAMES[other]} groups, which "
                                  f"this {RULE_NAMES[kind]} group would ignore; remove it, or make the group "
                                  f"kind={other!r}")
-        _checks.check_group_options(group, where, type(self).__name__, _GROUP_OPTIONS,
+        _checks.check_group_options(group, where, self.optimizer_name, _GROUP_OPTIONS,
                                     self.__dict__.get("capturable", False), own_format_keys=FORMAT_KEYS[kind])
         for key in FORMAT_KEYS[kind]:
             if key in group:
@@ -394,7 +395,7 @@ class PackedMuonAdamW(PackedOptimizer):
         an error while it is off."""
         counted = [rule for rule in self._rules.values() if _engine.counts_to_read(rule)]
         if not counted and not self.track_format:
-            raise _engine.no_counts_error(type(self).__name__)
+            raise _engine.no_counts_error(self.optimizer_name)
         merged = {}
         for rule in counted:
             merged.update(rule.format_stats())
@@ -439,6 +440,7 @@ class PackedMuonAdamW(PackedOptimizer):
             keys = [self._key_for(g) for g in self.param_groups]
             for key, (cls, rule_state) in rule_pickles.items():
                 rule = cls.__new__(cls)
+                rule._optimizer_name = self.optimizer_name
                 rule.__setstate__({**rule_state, "state": self.state,
                                    "param_groups": [g for g, k in zip(self.param_groups, keys) if k == key]})
                 self._rules[key] = rule

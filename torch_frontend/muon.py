@@ -19,7 +19,7 @@ import torch
 from packed_adamw.core.muon import DEFAULT_MU_BIAS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, FORMAT_COUNTS, RULE, \
     StateFormat, validate_ns
 
-from . import _checks, _dtensor, _muon_capturable, _muon_kernels, _muon_ns, _muon_portable, _muon_step
+from . import _capture, _checks, _dtensor, _muon_capturable, _muon_kernels, _muon_ns, _muon_portable, _muon_step
 from ._base import _REQUIRED, PackedOptimizer
 from ._engine import NonFiniteGradientError
 from ._muon_state import (  # noqa: F401  (fresh_entries, checked_load, restore_loaded: this module's names too)
@@ -136,7 +136,7 @@ class PackedMuon(PackedOptimizer):
         ns_impl: str = "auto",
         track_format: bool = False,
     ):
-        check_options(type(self).__name__, capturable, batch_ns, ns_impl, lr=lr, check_nonfinite=check_nonfinite)
+        check_options(self.optimizer_name, capturable, batch_ns, ns_impl, lr=lr, check_nonfinite=check_nonfinite)
         self.state_format = StateFormat(mode, mu_bias)
         self.check_nonfinite = check_nonfinite
         self.capturable = capturable
@@ -236,13 +236,13 @@ def check_matrix(p: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} is on {p.device}: PackedMuon runs on CPU and CUDA devices")
 
 
-def _checked_grad(p: torch.Tensor, name: str) -> torch.Tensor:
+def _checked_grad(opt, p: torch.Tensor, name: str) -> torch.Tensor:
     """The gradient the phases read: a DTensor gradient's local shard (laid out like its
     parameter's), or the gradient itself."""
     p_local, g = _checks.kernel_tensors(p, name)
     if not (g.layout is torch.strided and g.shape == p_local.shape and g.is_contiguous()
             and (g.dtype is FLOAT32 or g.dtype is p.dtype) and g.device == p_local.device):
-        _checks.raise_grad_error(p_local, g, name, "PackedMuon")
+        _checks.raise_grad_error(p_local, g, name, opt.optimizer_name)
     return g
 
 
@@ -270,7 +270,8 @@ def check_step(opt, live: dict | None = None) -> list[Checked]:
     optimizer as it was. PackedMuonAdamW checks Muon's step this way before AdamW steps."""
     capturing = _checks.capturing()
     if capturing and not opt.capturable:
-        raise RuntimeError("PackedMuon.step() was called while a CUDA graph captures, but this optimizer was built "
+        raise RuntimeError(f"{opt.optimizer_name}.step() was called while a CUDA graph captures, but this optimizer "
+                           "was built "
                            "without capturable=True: its step computes the step scalars on the host, which a "
                            "captured graph would freeze. Build it with capturable=True and lr tensors on the "
                            "device to capture its step, or step it outside the capture")
@@ -285,8 +286,8 @@ def check_step(opt, live: dict | None = None) -> list[Checked]:
                 continue
             name = _checks.param_name(group, shown, pi)
             check_matrix(p, name)
-            checked.append(Checked(p, _checked_grad(p, name), _checked_state(opt, p, name), group, row, name))
-    _checks.check_one_device([c.param for c in checked], "PackedMuon.step", "PackedMuon")
+            checked.append(Checked(p, _checked_grad(opt, p, name), _checked_state(opt, p, name), group, row, name))
+    _checks.check_one_device([c.param for c in checked], f"{opt.optimizer_name}.step", opt.optimizer_name)
     if checked:
         weights = _dtensor.local(checked[0].param) if live is None else \
             live.get(id(checked[0].param), _dtensor.local(checked[0].param))
@@ -302,7 +303,7 @@ def _check_capturable_step(opt, checked: list[Checked], device: torch.device, ca
     state and what the step reads on the device made by an eager step (so that a refusal comes
     before PackedMuonAdamW's AdamW step is captured)."""
     if not _runs_kernels(opt, device):
-        raise ValueError(f"{type(opt).__name__}(capturable=True) runs the step on a CUDA device; these matrices are "
+        raise ValueError(f"{opt.optimizer_name}(capturable=True) runs the step on a CUDA device; these matrices are "
                          f"on {device}: use capturable=False there")
     for c in checked:
         if c.param.numel() and _dtensor.is_dtensor(c.param):
@@ -313,7 +314,7 @@ def _check_capturable_step(opt, checked: list[Checked], device: torch.device, ca
         _muon_capturable.check_lr(group, f"param_groups[{_checks.shown_group_index(opt, gi)}]", device)
     if capturing:
         if any(not c.state for c in checked):
-            raise RuntimeError(_muon_capturable.capture_refusal("a matrix has no state yet (its first step)"))
+            raise RuntimeError(_capture.refusal(opt.optimizer_name, "a matrix has no state yet (its first step)"))
         work = _matrices(opt, checked, live)
         if work:
             words = _muon_kernels.batch_tables(opt, work)[0] if _muon_ns._batches_ns(opt, device) else None
@@ -336,7 +337,7 @@ def run_step(opt, checked: list[Checked], live: dict | None = None) -> None:
         bad = [f"{w.name} ({'refused whole' if r else f'{n} of {w.param.numel()} weights kept'})"
                for w, r, n in zip(work, refused, rejected) if r or n]
         raise NonFiniteGradientError(
-            "PackedMuon.step: non-finite values in " + ", ".join(bad) + ". A refused matrix (NaN/Inf gradient, "
+            f"{opt.optimizer_name}.step: non-finite values in " + ", ".join(bad) + ". A refused matrix (NaN/Inf gradient, "
             "momentum, Newton-Schulz input or output) kept its weights and momentum; the others were updated. Find "
             "the source of the NaN/Inf (a finite input whose Newton-Schulz output is not points at ns_coefficients "
             "or ns_steps), or skip such steps with torch.amp.GradScaler / clip_grad_norm_(error_if_nonfinite=True)")

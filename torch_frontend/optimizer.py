@@ -63,7 +63,7 @@ class ElementwiseOptimizer(PackedOptimizer):
                  check_nonfinite: bool = False, track_format: bool = False, capturable: bool = False):
         """`defaults`: each of the rule's `group_keys` and `maximize`; `state_format`: an
         instance of `state_format_class`."""
-        name = type(self).__name__
+        name = self.optimizer_name
         if self.rule_launch is None:
             raise TypeError(f"{name} sets no rule_launch: a class an optimizer is built from names its rule's "
                             "_launch.RuleLaunch as its class attribute rule_launch (as PackedAdamW's is "
@@ -98,7 +98,7 @@ class ElementwiseOptimizer(PackedOptimizer):
         return defaults
 
     def _check_new_group(self, group: dict, index: int) -> None:
-        _checks.validate_group(group, index, self.rule_launch.rule, type(self).__name__)
+        _checks.validate_group(group, index, self.rule_launch.rule, self.optimizer_name)
 
     def _eager_update(self, live: dict | None = None) -> None:
         """The eager step (`_engine.step`; `live` as it says)."""

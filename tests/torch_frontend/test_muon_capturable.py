@@ -127,6 +127,15 @@ def test_capturable_refusals_name_what_to_do(kernels_on_cpu, monkeypatch):
     opt.step()
     assert len(opt.state) == len(params)
     assert copy.deepcopy(opt).capturable
+    combined = PackedMuonAdamW([{"params": params, "kind": "muon"}], lr=torch.tensor(0.02),
+                               adamw_lr=torch.tensor(1e-3), capturable=True)
+    from packed_adamw.torch import _checks
+
+    with monkeypatch.context() as m:  # a capture before the first step: the refusal names the optimizer built
+        m.setattr(_checks, "capturing", lambda: True)
+        with pytest.raises(RuntimeError, match=r"^PackedMuonAdamW\(capturable=True\) under a CUDA graph capture: "
+                                               r"a matrix has no state yet"):
+            combined.step()
     monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: False)  # the real CPU path
     with pytest.raises(ValueError, match=r"runs the step on a CUDA device.*use capturable=False"):
         opt.step()

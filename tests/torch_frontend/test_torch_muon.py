@@ -1122,17 +1122,25 @@ def test_bad_gradients_are_refused_naming_the_parameter_and_nothing_steps():
     assert torch.equal(a.detach(), torch.ones(3, 4)) and not opt.state
 
 
-def test_combined_check_nonfinite_steps_both_rules_before_raising():
+@pytest.mark.parametrize("bad, words", [("up.weight", "'up.weight' \\(refused whole\\)"),
+                                        ("head.weight", "'head.weight' \\(1 of 66 elements\\)")])
+def test_combined_check_nonfinite_steps_both_rules_before_raising(bad, words):
+    """The step's errors name PackedMuonAdamW, the optimizer the user built and steps, not the
+    rule class stepping the parameter (Muon's matrix, the AdamW head)."""
     rng = np.random.default_rng(18)
     model = TinyModel()
     opt = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)), check_nonfinite=True)
     set_gradients(rng, model)
-    model.up.weight.grad[0, 0] = float("nan")
+    model.get_parameter(bad).grad[0, 0] = float("nan")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with pytest.raises(NonFiniteGradientError, match="'up.weight' \\(refused whole\\)"):
+    with pytest.raises(NonFiniteGradientError, match=f"^PackedMuonAdamW.step: non-finite values .*{words}"):
         opt.step()
     changed = {name for name, p in model.named_parameters() if not torch.equal(bits(p), bits(before[name]))}
-    assert changed == set(before) - {"up.weight"}
+    assert changed == set(before) - ({bad} & {"up.weight"})  # a Muon matrix is refused whole, an AdamW element alone
+    assert bits(model.get_parameter(bad))[0, 0] == bits(before[bad])[0, 0]
+    model.get_parameter(bad).grad = model.get_parameter(bad).grad.to_sparse()
+    with pytest.raises(RuntimeError, match=f"'{bad}' has a sparse gradient: PackedMuonAdamW does not"):
+        opt.step()
 
 
 @fused_torch
