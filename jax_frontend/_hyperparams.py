@@ -247,6 +247,22 @@ def _check_hyperparameter_kinds(transform: str, values: dict[str, Any], schedule
                                                                   if name in schedules else ""))
 
 
-def _at_count(x, count):
-    """A hyperparameter's value at `count`: a schedule's value there, else x as given."""
-    return x(count) if callable(x) else x
+def _at_count(x, count, name: str = "packed_adamw", field: str = "a hyperparameter"):
+    """A hyperparameter's value at `count`: a schedule's value there (a real number of shape (),
+    as a value given directly must be, else refused naming `field`), else x as given."""
+    if not callable(x):
+        return x
+    value = x(count)
+    if isinstance(value, (bool, np.bool_)) or not _is_scalar_number(value):
+        got = (f"{jnp.result_type(value)} of shape {jnp.shape(value)}"
+               if isinstance(value, (jax.Array, np.ndarray, np.generic)) else repr(value))
+        raise TypeError(f"{name}: the schedule given as {field} returned {got}; a schedule returns a real number of "
+                        "shape () (a float, or a 0-d float array) at each count")
+    return value
+
+
+def _at_count_named(values: tuple, names: tuple, count, name: str) -> tuple:
+    """`_at_count` of each of a group's values (`_map_group`'s order: a tuple's elements too),
+    `names` the transform's argument names in the same layout."""
+    return tuple(tuple(_at_count(v, count, name, n) for v, n in zip(value, field)) if isinstance(value, tuple)
+                 else _at_count(value, count, name, field) for value, field in zip(values, names))

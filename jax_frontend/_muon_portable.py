@@ -16,7 +16,8 @@ from ._hyperparams import _as_step_count, _is_step_count
 from ._masters import BF16
 from ._muon_state import MatrixView, _check_param_dtypes, _checked_exponents, _checked_lows, _checked_momenta, \
     leaf_views
-from ._state_io import _placed_like, export_state as export_adamw_state, import_state as import_adamw_state
+from ._state_io import _placed_like, export_state as export_adamw_state, exported_count, \
+    import_state as import_adamw_state
 from ._states import PackedMuonState, state_format
 
 
@@ -66,6 +67,8 @@ def export_muon_state(state: PackedMuonState, params, *, mode: str = "packed", m
         params, mode, mu_bias, adam_mode, muon_weight_dimension_numbers)
     if not isinstance(state, PackedMuonState):
         raise TypeError(f"export_muon_state: the state is a {type(state).__name__}; pass packed_muon's state")
+    muon_count = exported_count(state.count, "export_muon_state", "Muon ")
+    exported_count(state.adamw.inner_state.count, "export_muon_state", "AdamW half's ")
     momenta = _checked_momenta(state.momentum, treedef, leaves, views, paths, fmt)
     exponents = _checked_exponents(state.exponents, treedef, leaves, views, paths, fmt)
     lows = _checked_lows(state.low_halves, treedef, leaves, [s and v is not None for s, v in zip(split, views)],
@@ -85,7 +88,7 @@ def export_muon_state(state: PackedMuonState, params, *, mode: str = "packed", m
             continue
         ndim = len(jnp.shape(leaf))
         identities.append(fmt.identity)
-        counts.append(int(state.count))
+        counts.append(muon_count)
         moments.append(_torch_layout(momentum, view, ndim))
         low_list.append(None if low is None else _torch_layout(low, view, ndim))
         # one per matrix, in the torch layout's batch order ([batch] for a leaf of several)

@@ -27,9 +27,15 @@ def _is_spec(x) -> bool:
     return x is None or isinstance(x, MuonDimensionNumbers)
 
 
+def _is_axis(v, ndim: int) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) and -ndim <= v < ndim
+
+
 def _axes(value, ndim: int, what: str, path: str) -> tuple[int, ...]:
-    values = (value,) if isinstance(value, numbers.Integral) else tuple(value)
-    if not values or not all(isinstance(v, numbers.Integral) and -ndim <= v < ndim for v in values):
+    """A MuonDimensionNumbers field (an axis or a tuple of axes) as axes in [0, ndim), refused naming
+    the leaf where it is not one (a float, a bool, out of range)."""
+    values = (value,) if isinstance(value, numbers.Number) or not isinstance(value, (tuple, list)) else tuple(value)
+    if not values or not all(_is_axis(v, ndim) for v in values):
         raise ValueError(f"packed_muon: leaf {path} (rank {ndim}) has {what}={value!r}; give axes in "
                          f"[-{ndim}, {ndim})")
     return tuple(int(v) % ndim for v in values)
@@ -158,7 +164,21 @@ def _checked_momenta(momentum, treedef, params, views, paths, fmt: StateFormat) 
             raise ValueError(f"packed_muon: the momentum of leaf {path} is {got}, expected {want.dtype} {want.shape} "
                              f"for {fmt.identity}; build the state with init() of a transform with the same mode and "
                              "mu_bias over the same parameters")
+        if not _finite_momentum(entry, fmt):
+            raise ValueError(f"packed_muon: the momentum of leaf {path} holds NaN or Inf, which no step stores (its "
+                             "matrices would be refused at every step, their weights frozen); the state was edited or "
+                             "damaged: restore it from a checkpoint")
     return entries
+
+
+def _finite_momentum(entry, fmt: StateFormat) -> bool:
+    """False where a concrete fp32 or bf16 momentum holds NaN or Inf (as PortableState's
+    `check_muon_values` refuses on import; a packed code's range is its exponent's, checked with
+    it). Under jit the values are not known: such a matrix is refused at each step."""
+    if isinstance(entry, jax.core.Tracer) or fmt.mode == "packed":
+        return True
+    values = entry if fmt.mode == "fp32" else jax.lax.bitcast_convert_type(entry, jnp.bfloat16)
+    return bool(jnp.all(jnp.isfinite(values)))
 
 
 def _zero_exponents(leaves, treedef, views, fmt: StateFormat):

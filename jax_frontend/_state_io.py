@@ -44,14 +44,28 @@ def export_state(state: PackedAdamWState, mode: str | StateFormat | StateLayout,
     the words do not say which format they hold, and the export records it for the importer to
     check. The low halves of bfloat16 leaves go with it (torch's bf16 parameters take them).
     Format counts are not exported."""
+    if not isinstance(state, PackedAdamWState):
+        raise TypeError(f"export_state: the state is a {type(state).__name__}; pass the state of packed_adamw "
+                        "(or of packed_rule; packed_muon's with export_muon_state)")
     fmt = _export_format(mode, m_bias, rms_bias)
     leaves, treedef = jax.tree_util.tree_flatten(state.moments)
-    count = int(state.count)
+    count = exported_count(state.count, "export_state")
     lows = None
     if state.low_halves is not None:
         lows = [None if lo is None else np.array(lo) for lo in treedef.flatten_up_to(state.low_halves)]
         lows = lows if any(lo is not None for lo in lows) else None
     return PortableState(fmt.identity, [count] * len(leaves), [np.array(leaf) for leaf in leaves], lows)
+
+
+def exported_count(count, name: str, what: str = "") -> int:
+    """A state's count as the export writes it, refused (naming `what`, "AdamW half's ") where it is
+    not one every import takes: an export is checked as its import will be, so no file is written
+    that cannot be read back."""
+    if not _is_step_count(count):
+        raise ValueError(f"{name}: the state's {what}step count is {_as_step_count(count)!r}, which is not a step "
+                         f"count (a whole number from 0 to {MAX_STEP_COUNT}), so no import would take the file: "
+                         "the state is damaged; export one restored from a checkpoint")
+    return int(_as_step_count(count))
 
 
 def _placed_like(moments: np.ndarray, param, fmt: StateFormat | None):

@@ -174,18 +174,20 @@ def state_entries(name: str, entries: str, tree, treedef) -> list:
 
 
 def checked_low_halves(name: str, low_halves, treedef, leaves: list, paths: list[str], split: list[bool], *,
-                       move: str = "build the state with init() over these parameters", rule: str = "") -> list:
+                       move: str = "", rule: str = "") -> list:
     """The state's low halves per leaf (None where a leaf keeps none), checked against the leaves:
     exactly the `split` ones (the bfloat16 leaves whose FP32 master the state keeps) have one, int16
     of the leaf's shape. A tree marks a leaf without one by None (packed_adamw's) or
     `optax.MaskedNode` (packed_muon's, whose other leaves are the AdamW half's); `leaves` may hold
-    None where only the state is checked. `move`: how else the user can go on; `rule`: the leaves'
-    kind in the words ("Muon")."""
+    None where only the state is checked. `move`: how else the user can go on, besides a state
+    built with init() over these parameters; `rule`: the leaves' kind in the words ("Muon")."""
+    fresh = "build the state with init() over these parameters"
+    move = move or fresh
     if low_halves is None:
         if any(split):
             raise ValueError(
                 f"{name}: params leaf {paths[split.index(True)]} is bfloat16 but the state has no low halves (it was "
-                f"built for float32 parameters); build the state with init() over these parameters, or {move}")
+                f"built for float32 parameters); {fresh}" + ("" if move == fresh else f", or {move}"))
         return [None] * len(split)
     lows = state_entries(name, "low halves do", low_halves, treedef)
     checked = []

@@ -49,9 +49,9 @@ from ._states import PackedMuonState
 from ._muon_state import MatrixView, _check_grad_dtypes, _check_grads, _check_param_dtypes, _checked_exponents, \
     _checked_lows, _checked_momenta, _like, _zero_exponents, leaf_views
 from ._step import CpuStepError, NotDifferentiableError, _subnormals_kept, not_differentiable, without_tangents
-from ._hyperparams import _check_count, _check_count_type, _check_hyperparameter_kinds, _concrete_float, _increment, \
-    _known_or_given, _refusal_reason, _refuse_invalid, _refused_eagerly, _warn_refused
-from .transform import _step_platforms, packed_adamw
+from ._hyperparams import _at_count_named, _check_count, _check_count_type, _check_hyperparameter_kinds, \
+    _concrete_float, _increment, _known_or_given, _refusal_reason, _refuse_invalid, _refused_eagerly, _warn_refused
+from .transform import _LOW_HALVES_UNKNOWN, _is_params_placeholder, _step_platforms, packed_adamw
 
 # torch.optim.Muon's defaults (optax.contrib.muon's are eps=1e-8 and weight_decay=0).
 DEFAULT_EPS = 1e-7
@@ -412,6 +412,9 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
     adamw_beside_muon = adamw_half(_screened_rate(learning_rate)) if shared_rate else adamw
 
     def init_fn(params):
+        if _is_params_placeholder(params):  # optax.tree_utils.tree_map_params: which fields are the parameters'
+            return PackedMuonState(jnp.zeros([], jnp.int32), params, _LOW_HALVES_UNKNOWN, adamw.init(params),
+                                   _EXPONENTS_NOT_PARAMS)
         _refuse_accelerators(params)
         leaves, treedef = jax.tree_util.tree_flatten(params)
         views = leaf_views(muon_weight_dimension_numbers, params)
@@ -465,8 +468,8 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         exponents = _checked_exponents(state.exponents, treedef, p_leaves, views, paths, fmt)
         lows = _checked_lows(state.low_halves, treedef, p_leaves, split, paths)
 
-        at_count = lambda x: x(state.count) if callable(x) else x  # noqa: E731 (a schedule of the count)
-        values = tuple(map(at_count, (learning_rate, beta, weight_decay, eps)))  # RULE.group_keys order
+        values = _at_count_named((learning_rate, beta, weight_decay, eps),  # RULE.group_keys order
+                                 ("learning_rate", "beta", "weight_decay", "eps"), state.count, "packed_muon")
         given = RULE.group_row(*values, number=lambda x: x)  # hyperparam_fields order, as given
         row = jnp.asarray([jnp.asarray(x, jnp.float32) for x in given])
         # Only `valid` is taken: the phases read the row as given and step no matrix of a refused step.
@@ -548,6 +551,10 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
 
     return init_fn, run_in_muons_words
 
+
+# What optax.tree_utils.tree_map_params sees in place of the fields that are not the parameters'
+# tree of arrays shaped like them (`transform_non_params` applies to them), as packed_adamw's low halves.
+_EXPONENTS_NOT_PARAMS = "exponents: one per matrix of a Muon leaf, not the parameters' shapes"
 
 # without_tangents' words for packed_muon's step (`_step.not_differentiable`)
 _NOT_DIFFERENTIABLE = ("packed_muon", "momentum is", "optax.contrib.muon")

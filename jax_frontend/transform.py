@@ -35,7 +35,7 @@ from ._hyperparams import (  # noqa: F401  (RefusedStepWarning and the count's h
     RefusedStepWarning,
     _as_given,
     _as_step_count,
-    _at_count,
+    _at_count_named,
     _check_count,
     _check_hyperparameter_kinds,
     _concrete_float,
@@ -53,6 +53,7 @@ from ._state_io import export_state, import_state, load_master_weights, master_w
 from ._states import (  # noqa: F401  (the state types and state_format: this module's names too)
     FormatCounts,
     PackedAdamWState,
+    PackedMuonState,
     _check_low_halves,
     _is_ours,
     _leaf_name,
@@ -225,6 +226,9 @@ def _adamw_group(learning_rate, b1, b2, eps, weight_decay) -> tuple:
     return learning_rate, (b1, b2), eps, weight_decay
 
 
+_ADAMW_GROUP_NAMES = ("learning_rate", ("b1", "b2"), "eps", "weight_decay")  # `_adamw_group`'s layout
+
+
 class _Stepper:
     """What the transform and the fused step share: hyperparameters, format, the step over
     leaves. `group`: the hyperparameters in the rule's `group_keys` order (the learning rate
@@ -233,7 +237,8 @@ class _Stepper:
     rule `steps` (`RuleSteps`; AdamW's when left out) runs; `name` starts the messages."""
 
     def __init__(self, group, mask, mode, m_bias, rms_bias, multi_tensor, reuse_grad_buffer=False,
-                 track_format=False, impl="auto", *, steps: RuleSteps | None = None, name: str = "packed_adamw"):
+                 track_format=False, impl="auto", *, steps: RuleSteps | None = None, name: str = "packed_adamw",
+                 group_names: tuple | None = None):
         if isinstance(mode, StateLayout) and not isinstance(mode, StateFormat):  # another rule's format
             self.fmt = mode
         else:
@@ -259,6 +264,10 @@ class _Stepper:
         # traced ones and schedules are checked in the graph.
         self.rule.validate(*_map_group(_known_or_given, group), allow_arrays=True)
         self.group = tuple(group)
+        # the arguments the group's values came from, in its layout (messages); packed_rule's are the keys
+        self.group_names = group_names or tuple(
+            tuple(f"{key}[{i}]" for i in range(len(value))) if isinstance(value, tuple) else key
+            for key, value in zip(self.rule.group_keys, self.group))
         self.mask = mask
         self.multi_tensor = bool(multi_tensor)
 
@@ -334,6 +343,8 @@ class _Stepper:
         return self.track_format and track_format
 
     def run(self, grads, state, params, *, write_update: bool, track_format: bool | None = None):
+        if not isinstance(state, PackedAdamWState):
+            raise TypeError(f"{self.name}: the state is a {type(state).__name__}; pass the state init() returned")
         counting = self.counting(track_format)
         flat_grads, treedef = jax.tree_util.tree_flatten_with_path(grads)
         if params is None:
@@ -352,7 +363,7 @@ class _Stepper:
         rule = self.rule
         selected = treedef.flatten_up_to(_mask_flags(self.mask, grads if params is None else params, self.name))
         leaf_rows = tuple(rule.leaf_variant(masked_in) for masked_in in selected)
-        at_count = _map_group(functools.partial(_at_count, count=state.count), self.group)  # schedules' values
+        at_count = _at_count_named(self.group, self.group_names, state.count, self.name)  # schedules' values
         given = rule.group_row(*at_count, number=_as_given)  # hyperparam_fields order, as given
         if params is None:
             self._check_params_unread(given, leaf_rows)
@@ -464,7 +475,8 @@ def packed_adamw(
     returns the masters; `load_master_weights` sets them.
     """
     return _transform(_Stepper(_adamw_group(learning_rate, b1, b2, eps, weight_decay), mask, mode, m_bias, rms_bias,
-                               multi_tensor, reuse_grad_buffer, track_format, impl))
+                               multi_tensor, reuse_grad_buffer, track_format, impl,
+                               group_names=_ADAMW_GROUP_NAMES))
 
 
 def packed_rule(
@@ -542,7 +554,7 @@ def packed_adamw_fused_step(
     `impl` as for `packed_adamw`.
     """
     stepper = _Stepper(_adamw_group(learning_rate, b1, b2, eps, weight_decay), mask, mode, m_bias, rms_bias,
-                       multi_tensor, track_format=track_format, impl=impl)
+                       multi_tensor, track_format=track_format, impl=impl, group_names=_ADAMW_GROUP_NAMES)
 
     def step(params, grads, state, *, track_format: bool | None = None):
         return stepper.run(grads, state, params, write_update=False, track_format=track_format)
@@ -560,6 +572,10 @@ def _tracked_state(state):
     if len(tracked) > 1:
         raise ValueError(f"format_stats: the state holds {len(tracked)} packed_adamw states with format counts; "
                          "pass the one you mean (say, state[1] of an optax.chain)")
+    muon = lambda x: isinstance(x, PackedMuonState)  # noqa: E731
+    if any(muon(x) for x in jax.tree_util.tree_leaves(state, is_leaf=muon)):
+        raise ValueError("format_stats: this is packed_muon's state, and packed_muon counts no format events (it "
+                         "takes no track_format); torch's PackedMuonAdamW(track_format=True) counts both rules'")
     if found:
         raise ValueError("format_stats: the packed_adamw state has no format counts; build the transform with "
                          "packed_adamw(..., track_format=True)")

@@ -137,12 +137,15 @@ def validate_ns(ns_coefficients, ns_steps, adjust_lr_fn) -> tuple[tuple[float, f
     except TypeError:
         coefficients = ()
     if len(coefficients) != 3 or not all(math.isfinite(c) for c in coefficients):
-        raise ValueError(f"Coefficients must be a tuple of exactly 3 values: ns_coefficients={ns_coefficients!r}; "
-                         f"pass three finite numbers (a, b, c), e.g. {DEFAULT_NS_COEFFICIENTS}")
-    if isinstance(ns_steps, (bool, np.bool_)) or not isinstance(ns_steps, numbers.Integral) \
-            or not 1 <= ns_steps < NS_STEPS_LIMIT:
-        bound = "at least 1" if isinstance(ns_steps, numbers.Integral) and ns_steps < 1 else \
-            f"less than {NS_STEPS_LIMIT}"  # the second in torch.optim.Muon's words
+        problem = "Coefficients must be a tuple of exactly 3 values" if len(coefficients) != 3 else \
+            "a coefficient is not finite"  # the first in torch.optim.Muon's words
+        raise ValueError(f"{problem}: ns_coefficients={ns_coefficients!r}; pass three finite numbers (a, b, c), "
+                         f"e.g. {DEFAULT_NS_COEFFICIENTS}")
+    if isinstance(ns_steps, (bool, np.bool_)) or not isinstance(ns_steps, numbers.Integral):
+        raise ValueError(f"ns_steps={ns_steps!r} is not an int: pass a whole number of Newton-Schulz iterations "
+                         f"in [1, {NS_STEPS_LIMIT})")
+    if not 1 <= ns_steps < NS_STEPS_LIMIT:
+        bound = "at least 1" if ns_steps < 1 else f"less than {NS_STEPS_LIMIT}"  # the second in torch.optim.Muon's words
         raise ValueError(f"Number of steps must be {bound}: ns_steps={ns_steps!r}; pass an int "
                          f"in [1, {NS_STEPS_LIMIT})")
     if adjust_lr_fn not in ADJUST_LR_FNS:

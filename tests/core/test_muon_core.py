@@ -169,6 +169,10 @@ def test_ns_settings_are_checked_and_defaults_are_torchs():
         validate_ns((1.0, 2.0, 3.0), 100, None)
     with pytest.raises(ValueError, match="Number of steps must be at least 1: ns_steps=0"):  # not "less than 100"
         validate_ns((1.0, 2.0, 3.0), 0, None)
+    with pytest.raises(ValueError, match="^ns_steps=2.5 is not an int"):  # not a bound it keeps
+        validate_ns((1.0, 2.0, 3.0), 2.5, None)
+    with pytest.raises(ValueError, match=r"^a coefficient is not finite: ns_coefficients=\(nan, 1.0, 1.0\)"):
+        validate_ns((float("nan"), 1.0, 1.0), 5, None)
     with pytest.raises(ValueError, match="Adjust learning rate function 'rms' is not supported"):
         validate_ns((1.0, 2.0, 3.0), 5, "rms")
 
