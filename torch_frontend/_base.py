@@ -175,6 +175,12 @@ class PackedOptimizer(Optimizer):
         _checks.check_group_options(group, where, self.optimizer_name, self.group_options,
                                     self.__dict__.get("capturable", False))
 
+    def _check_saved_hyperparams(self, group: dict, where: str) -> None:
+        """A saved group about to load (`where` names it) holds the hyperparameters its rule reads,
+        valid as a group added must be: checked before anything changes, so no step after the
+        load fails on them (the rule's class says which and how)."""
+        raise NotImplementedError
+
     def _note_param_lists(self) -> None:
         """The groups' parameter lists, for compiled steps to iterate (`_compiled.traced_step`):
         dynamo reading the group dicts themselves guards on their hyperparameters (torch 2.11

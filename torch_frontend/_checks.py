@@ -255,6 +255,16 @@ def validate_rule_hyperparams(values, rule, *, check_lr: bool = True) -> None:
     rule.validate(*plain_values)
 
 
+def check_saved_group_holds(group: dict, keys, where: str) -> None:
+    """A saved group about to replace one of the optimizer's holds every key its step reads
+    (torch's loader installs the saved dict as it is, so a missing one would fail the next step)."""
+    missing = [key for key in keys if key not in group]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(map(repr, missing))}, which every group of this optimizer holds "
+                         "and its step reads: the state was edited or saved by another optimizer; load the "
+                         "optimizer's own state_dict()")
+
+
 def validate_group_hyperparams(group: dict, index: int, rule, check_lr: bool = True) -> None:
     try:
         validate_rule_hyperparams(group, rule, check_lr=check_lr)

@@ -113,7 +113,7 @@ def checked_entries(opt, saved_state: dict, saved_params: list, our_params: list
     loaded = {}
     for saved_id, p in zip(saved_params, our_params):
         entry = saved_state.get(saved_id)
-        if not entry:
+        if not entry:  # none, or {}: not stepped (as `_persistence.checked_load` reads it)
             continue
         where = f"load_state_dict: state of saved parameter {saved_id!r} (for {_persistence.name_of(opt, p)})"
         tensor = entry.get(fmt.state_key)

@@ -63,7 +63,7 @@ def checked_load(opt, state_dict: dict) -> tuple[dict, dict]:
     loaded = {}
     for saved_id, p in zip(saved_params, our_params):
         entry = state_dict["state"].get(saved_id)
-        if entry is None:
+        if not entry:  # none, or {}: not stepped (torch's defaultdict makes {} where the state was only read)
             continue
         where = f"load_state_dict: state of saved parameter {saved_id!r} (for {name_of(opt, p)})"
         tensor = entry.get(key)
@@ -112,7 +112,9 @@ def check_saved_group_options(opt, saved_groups: list) -> None:
     """torch's loader puts every key of a saved group into the optimizer's: each saved group
     must hold what `add_param_group` would take (`opt._check_group_options`)."""
     for i, group in enumerate(saved_groups):
-        opt._check_group_options(group, f"load_state_dict: saved param_groups[{shown_group_index(opt, i)}]")
+        where = f"load_state_dict: saved param_groups[{shown_group_index(opt, i)}]"
+        opt._check_group_options(group, where)
+        opt._check_saved_hyperparams(group, where)
 
 
 def restore_loaded(opt, loaded: dict) -> None:

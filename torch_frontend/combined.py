@@ -200,6 +200,14 @@ class PackedMuonAdamW(PackedOptimizer):
                                        check_nonfinite=check_nonfinite, multi_tensor=multi_tensor,
                                        capturable=capturable, track_format=adamw_counts)),
         }
+        # The AdamW groups' defaults are checked now, as Muon's are, whether or not an AdamW group comes yet.
+        try:
+            AdamWStateFormat(adamw_mode, m_bias, rms_bias)
+            _checks.check_hyperparams(self._rule_options["adamw"]["defaults"], PackedAdamW.rule_launch.rule,
+                                      check_lr=not capturable)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"PackedMuonAdamW: the AdamW groups' defaults (adamw_lr, adamw_betas, adamw_eps, "
+                          f"adamw_weight_decay; adamw_mode, m_bias, rms_bias) refused: {e}") from None
         self._rules: dict[str, PackedOptimizer] = {}
         super().__init__(params, {})
 
@@ -216,6 +224,10 @@ class PackedMuonAdamW(PackedOptimizer):
         self._check_group_options(param_group, f"param_groups[{len(self.param_groups)}]")
         group = dict(param_group)
         params = group["params"]
+        if isinstance(params, set):  # torch.optim's own refusal: a set's order is not the model's
+            raise TypeError(f"param_groups[{len(self.param_groups)}]['params'] is a set: optimizer parameters need "
+                            "to be organized in ordered collections (the state_dict saves them by position), but "
+                            "the ordering of tensors in sets will change between runs; pass a list")
         group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
         ours = {id(p) for g in self.param_groups for p in g["params"]}
         if any(id(p) in ours for p in group["params"]):

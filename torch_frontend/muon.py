@@ -157,6 +157,10 @@ class PackedMuon(PackedOptimizer):
         for param_index, p in enumerate(group["params"]):
             check_matrix(p, _checks.param_name(group, index, param_index))
 
+    def _check_saved_hyperparams(self, group: dict, where: str) -> None:
+        _checks.check_saved_group_holds(group, (*RULE.group_keys, *NS_GROUP_KEYS), where)
+        validate_group(group, where)
+
     def _eager_update(self, live: dict | None = None) -> None:
         step(self, live)
 
@@ -199,6 +203,10 @@ def check_options(owner: str, capturable, batch_ns, ns_impl, *, lr, check_nonfin
         raise ValueError(f"{owner}(ns_impl={ns_impl!r}): pass 'auto' (Triton on CUDA, torch's matmuls "
                          "elsewhere), 'cublas' (torch's matmuls, torch.optim.Muon's bits) or 'triton' "
                          "(core/muon's Triton kernels, JAX's bits on the GPU)")
+
+
+# A group's keys the step reads besides its rule's hyperparameters (`RULE.group_keys`).
+NS_GROUP_KEYS = ("ns_coefficients", "ns_steps", "adjust_lr_fn", "nesterov")
 
 
 def validate_group(group: dict, where: str) -> None:

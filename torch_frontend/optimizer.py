@@ -100,6 +100,15 @@ class ElementwiseOptimizer(PackedOptimizer):
     def _check_new_group(self, group: dict, index: int) -> None:
         _checks.validate_group(group, index, self.rule_launch.rule, self.optimizer_name)
 
+    def _check_saved_hyperparams(self, group: dict, where: str) -> None:
+        rule = self.rule_launch.rule
+        _checks.check_saved_group_holds(group, rule.group_keys, where)
+        try:
+            _checks.validate_rule_hyperparams(group, rule)
+            _checks.check_maximize(group.get("maximize", False), "maximize")
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{where}: {e}") from None
+
     def _eager_update(self, live: dict | None = None) -> None:
         """The eager step (`_engine.step`; `live` as it says)."""
         _engine.step(self, live)

@@ -203,7 +203,10 @@ def test_format_steps_logged_counts_only_the_logged_steps(runs, data_dir, tmp_pa
 @pytest.mark.parametrize("flags, message", [
     (["--mode", "fp32"], "--track-format counts where packed or fp16 codes saturate, flush or go subnormal, "
                          "and --mode fp32 stores float32 moments: use --mode packed or fp16"),
-    (["--optimizer", "torch-adamw"], "--track-format counts PackedAdamW's format events; --optimizer torch-adamw"),
+    (["--optimizer", "torch-adamw"], "--track-format logs PackedAdamW's format events, and this trainer logs them "
+                                     "for no other optimizer (--optimizer torch-adamw)"),
+    (["--optimizer", "packed-muon"], "--track-format logs PackedAdamW's format events, and this trainer logs them "
+                                     "for no other optimizer (--optimizer packed-muon)"),
 ])
 def test_track_format_outside_packed_and_fp16_modes_exits_2_naming_the_option(tmp_path, capsys, flags, message):
     out = tmp_path / "out"

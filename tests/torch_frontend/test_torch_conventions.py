@@ -167,6 +167,44 @@ def test_muon_and_adamw_refuse_other_groups_and_states_alike_before_anything_cha
         PackedAdamW([{"params": [weight], "kind": "muon"}])
 
 
+@pytest.mark.parametrize("kind", ["PackedAdamW", "PackedMuon", "PackedMuonAdamW"])
+def test_a_load_refuses_saved_groups_the_step_could_not_read_and_takes_an_empty_entry_as_not_stepped(kind):
+    """torch's loader installs a saved group as it is: one missing a hyperparameter the step
+    reads, or holding an invalid one, is refused naming the group and the key before anything
+    changes (the next step would fail, the optimizer's own groups gone). An entry `{}` (torch's
+    defaultdict makes one where the state was only read) loads as a parameter not yet stepped."""
+    from packed_adamw.torch import PackedMuon, PackedMuonAdamW
+
+    def built():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+        if kind == "PackedMuonAdamW":
+            return PackedMuonAdamW([{"params": params, "kind": "muon"}], lr=0.02), params
+        return {"PackedAdamW": PackedAdamW, "PackedMuon": PackedMuon}[kind](params, lr=0.02), params
+
+    opt, params = built()
+    params[0].grad = torch.randn(4, 3)
+    opt.step()
+    assert len(opt.state[params[1]]) == 0  # read, not stepped: torch's defaultdict keeps an entry {}
+    saved = opt.state_dict()
+    fresh, fresh_params = built()
+    fresh.load_state_dict(copy.deepcopy(saved))
+    assert not fresh.state[fresh_params[1]] and fresh.state[fresh_params[0]]
+    key = "betas" if kind == "PackedAdamW" else "momentum"
+    for edit, message in ((lambda g: g.pop(key), f"lacks '{key}', which every group of this optimizer holds"),
+                          (lambda g: g.update(lr=float("nan")), "(lr=nan|is: nan)"),
+                          (lambda g: g.update(weight_decay=-1.0), "weight.decay")):
+        damaged = copy.deepcopy(saved)
+        edit(damaged["param_groups"][0])
+        before = copy.deepcopy(fresh.state_dict())
+        with pytest.raises(ValueError, match=f"^load_state_dict: saved param_groups\\[0\\]:? .*{message}"):
+            fresh.load_state_dict(damaged)
+        after = fresh.state_dict()
+        assert after["param_groups"] == before["param_groups"]
+        assert all(torch.equal(a, b) for e, f in zip(after["state"].values(), before["state"].values())
+                   for a, b in zip(e.values(), f.values()) if isinstance(a, torch.Tensor))
+
+
 def test_amsgrad_is_refused_saying_the_word_holds_no_third_moment():
     with pytest.raises(ValueError, match="amsgrad=True is not supported.*running maximum"):
         PackedAdamW(make_params(), amsgrad=True)

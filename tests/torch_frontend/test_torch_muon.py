@@ -1102,6 +1102,14 @@ def test_combined_refuses_groups_without_a_rule_or_shared_between_rules():
                          {"params": [model.up.weight], "kind": "adamw"}])
     with pytest.raises(ValueError, match="PackedMuonAdamW"):
         PackedMuonAdamW([{"params": [model.up.bias], "kind": "muon"}])
+    # a set's order is not the model's: the state_dict saves parameters by position (torch.optim refuses it too)
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\] is a set: .*pass a list"):
+        PackedMuonAdamW([{"params": {model.up.weight, model.down.weight}, "kind": "muon"}])
+    # the AdamW groups' defaults are checked when built, as Muon's are, before any AdamW group comes
+    for bad in (dict(adamw_lr=-1.0), dict(adamw_betas=(1.0, 0.9)), dict(adamw_eps=float("nan")),
+                dict(adamw_mode="fp8")):
+        with pytest.raises(ValueError, match="^PackedMuonAdamW: the AdamW groups' defaults .* refused: "):
+            PackedMuonAdamW([{"params": [model.up.weight], "kind": "muon"}], **bad)
 
 
 def test_bad_gradients_are_refused_naming_the_parameter_and_nothing_steps():

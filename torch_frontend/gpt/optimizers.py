@@ -46,8 +46,9 @@ class OptimizerKind:
         if config.log_moment_stats:
             raise ConfigError("--log-moment-stats needs --mode fp32 (it reads float32 moments)")
         if config.track_format:
-            raise ConfigError(f"--track-format counts PackedAdamW's format events; --optimizer {config.optimizer} "
-                              "has none: use --optimizer packed-adamw with --mode packed or fp16")
+            raise ConfigError(f"--track-format logs PackedAdamW's format events, and this trainer logs them for no "
+                              f"other optimizer (--optimizer {config.optimizer}): use --optimizer packed-adamw with "
+                              "--mode packed or fp16")
 
     def run_name(self, config: TrainConfig) -> str:
         """What names the run's default --out directory."""
