@@ -382,7 +382,10 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
             raise TypeError(f"packed_muon: {name}={value!r} is an array, but it fixes the compiled step (the "
                             "Newton-Schulz loop, the momentum code), so it must be a Python int; "
                             f"optax.inject_hyperparams turns numbers into arrays: list {name!r} in its static_args")
-    fmt = StateFormat(mode, mu_bias)
+    try:
+        fmt = StateFormat(mode, mu_bias)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"packed_muon: {e}") from None
     if not isinstance(nesterov, (bool, np.bool_)):
         raise TypeError(f"packed_muon: nesterov={nesterov!r}: pass True or False")
     try:  # the rule's words are torch.optim.Muon's: say which of packed_muon's arguments they mean
@@ -405,8 +408,8 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
     except (ValueError, TypeError) as e:  # packed_adamw's words: say they are the AdamW half's arguments
         rate = "learning_rate" if shared_rate else "adam_learning_rate"
         raise type(e)(f"packed_muon: the AdamW half refused its arguments (packed_adamw's lr, b1, b2, eps, "
-                      f"weight_decay and mask are packed_muon's {rate}, adam_b1, adam_b2, adam_eps, adam_weight_decay "
-                      f"and adam_mask): {e}") from None
+                      f"weight_decay, mask and mode are packed_muon's {rate}, adam_b1, adam_b2, adam_eps, "
+                      f"adam_weight_decay, adam_mask and adam_mode): {e}") from None
     # Beside Muon leaves a shared rate that Muon refuses is read as 0 by the AdamW half: that step
     # is Muon's refusal, heard once in packed_muon's words, not again in packed_adamw's.
     adamw_beside_muon = adamw_half(_screened_rate(learning_rate)) if shared_rate else adamw

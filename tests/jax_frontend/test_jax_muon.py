@@ -414,6 +414,63 @@ def test_misuse_found_by_a_review_is_refused_naming_what_to_do():
             refusing()
 
 
+def test_guards_of_the_second_hostile_pass_hold_for_both_transforms():
+    """What a hostile pass found packed_muon (or packed_adamw) lacking: an export refuses a count
+    no import takes (it wrote files every import refuses; packed_muon's AdamW half too); a
+    schedule's value must be a real number of shape () (True stepped with lr 1.0); a state of
+    another type is refused by name; optax's tree_map_params sees only the parameters' trees as
+    parameter-like (packed_muon's exponents were taken for one; bfloat16 failed); format_stats of
+    a Muon state says packed_muon counts nothing; a float or bool axis and the state format are
+    refused in packed_muon's words."""
+    import optax
+
+    from packed_adamw.jax import export_state, format_stats
+
+    rng = np.random.default_rng(41)
+    params = make_params(rng)
+    grads = make_grads(rng, params)
+    muon, adamw = packed_muon(LR), packed_adamw(LR)
+    _, stepped = muon.update(grads, muon.init(params), params)
+    inner = stepped.adamw.inner_state
+    for damaged, what in ((stepped._replace(count=jnp.int32(-1)), "Muon "),
+                          (stepped._replace(adamw=stepped.adamw._replace(inner_state=inner._replace(
+                              count=jnp.int32(-1)))), "AdamW half's ")):
+        with pytest.raises(ValueError, match=f"^export_muon_state: the state's {what}step count is -1, .*no import"):
+            export_muon_state(damaged, params)
+    _, adamw_state = adamw.update(grads, adamw.init(params), params)
+    with pytest.raises(ValueError, match="^export_state: the state's step count is -1"):
+        export_state(adamw_state._replace(count=jnp.int32(-1)), "packed")
+    for name, make in (("packed_muon", packed_muon), ("packed_adamw", packed_adamw)):
+        for schedule, got in ((lambda count: count >= 0, "bool of shape \\(\\)"),
+                              (lambda count: jnp.full((1,), LR), "float32 of shape \\(1,\\)")):
+            tx = make(schedule)
+            with pytest.raises(TypeError, match=f"^{name}: the schedule given as learning_rate returned {got}"):
+                jax.jit(tx.update)(grads, tx.init(params), params)
+    for tx, other, name in ((adamw, stepped, "packed_adamw"), (muon, adamw_state, "packed_muon")):
+        with pytest.raises(TypeError, match=f"^{name}: the state is a {type(other).__name__}; pass the state init"):
+            tx.update(grads, other, params)
+    with pytest.raises(TypeError, match="^export_state: the state is a PackedMuonState"):
+        export_state(stepped, "packed")
+    with pytest.raises(ValueError, match="^format_stats: this is packed_muon's state, .*counts no format events"):
+        format_stats(stepped)
+    for bf16 in (False, True):
+        tree = make_params(np.random.default_rng(41), bf16=bf16)
+        state = muon.init(tree)
+        marked = optax.tree_utils.tree_map_params(muon, lambda p: f"param {jnp.shape(p)}", state,
+                                                  transform_non_params=lambda _: "other")
+        assert sorted(jax.tree_util.tree_leaves(marked.momentum)) == sorted(
+            f"param {p.shape}" for p in tree.values() if jnp.ndim(p) == 2)
+        assert all(x == "other" for x in jax.tree_util.tree_leaves((marked.count, marked.low_halves,
+                                                                    marked.exponents)))
+    for axes in (MuonDimensionNumbers(0.0, 1), MuonDimensionNumbers(True, 1)):
+        tx = packed_muon(LR, muon_weight_dimension_numbers={k: axes if jnp.ndim(p) == 2 else None
+                                                            for k, p in params.items()})
+        with pytest.raises(ValueError, match=r"^packed_muon: leaf \['\w+'\] \(rank 2\) has reduction_axis="):
+            tx.init(params)
+    with pytest.raises(ValueError, match="^packed_muon: mode='fp8' is not one of"):
+        packed_muon(LR, mode="fp8")
+
+
 def test_a_state_whose_low_halves_do_not_fit_the_leaves_is_refused_naming_the_leaf():
     """packed_muon's low halves are checked by packed_adamw's check (test_jax_split_master.py): a
     bfloat16 Muon leaf given a state built for float32 leaves, a float32 leaf given a bfloat16
