@@ -9,8 +9,8 @@
 - PackedMuon(capturable=True) on d12's matrices, eager and captured, against PackedMuon without
   `capturable` (its host-derived scalar rows) eager.
 
-Not yet run on a GPU when written (2026-12-07). To compare two trees, run it twice with each
-package first on PYTHONPATH (the first line says which package ran). Times are CUDA-event
+First run on an H100 on 2026-12-07 (docs/results/GPU_TESTS.md, "from 21:54"). To compare two
+trees, run it twice with each package first on PYTHONPATH (the first line says which ran). Times are CUDA-event
 medians (bench_step.cuda_time_ms / captured_step_ms).
 """
 from __future__ import annotations
@@ -78,6 +78,7 @@ def muon_rows(rounds: int = 2) -> None:
 
 
 if __name__ == "__main__":
-    print("package:", packed_adamw.__file__, "torch", torch.__version__, torch.cuda.get_device_name(), flush=True)
+    # packed_adamw is a namespace package (no __file__): its torch frontend says which tree runs
+    print("package:", packed_adamw.torch.__file__, "torch", torch.__version__, torch.cuda.get_device_name(), flush=True)
     adamw_rows()
     muon_rows()
