@@ -4,7 +4,8 @@ torch.optim's `Optimizer` owns the groups, the state and `state_dict`'s packing;
 once for every rule (PackedAdamW, PackedMuon, and through them PackedMuonAdamW's groups): the
 compiled step's hooks, pickling of the options torch's pickle leaves out, `add_param_group`'s
 checks with a refused group taken back, the format identity in `state_dict` and its checked
-load, the FP32 masters, `PortableState` export and import, and the `track_format` switch.
+load, the FP32 masters, `PortableState` export and import, the `track_format` switch, and the
+name messages give (`optimizer_name`: the combined optimizer's for the rules inside it).
 
 A rule's optimizer class says what differs, as class attributes and a few methods:
 
@@ -16,6 +17,7 @@ A rule's optimizer class says what differs, as class attributes and a few method
     pickled_options    the options a pickle carries, each with the value an older pickle lacks
     counts_refusals    whether `track_format` counts refused steps (so every mode has counts)
     _check_new_group   its checks of a group just added (hyperparameters, parameters)
+    _check_saved_hyperparams  its checks of a saved group about to load (the keys its step reads)
     _eager_update      its eager step
     _checked_load / _restore_loaded       its state's checks on load, and the tensors put back
     _fresh_entries     a parameter's state before its first step (for `load_master_weights`)
