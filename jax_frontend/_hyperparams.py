@@ -257,7 +257,7 @@ def _at_count(x, count, name: str = "packed_adamw", field: str = "a hyperparamet
         got = (f"{jnp.result_type(value)} of shape {jnp.shape(value)}"
                if isinstance(value, (jax.Array, np.ndarray, np.generic)) else repr(value))
         raise TypeError(f"{name}: the schedule given as {field} returned {got}; a schedule returns a real number of "
-                        "shape () (a float, or a 0-d float array) at each count")
+                        "shape () at each count (a float or an int, or a 0-d array of one)")
     return value
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -27,18 +28,31 @@ def _is_spec(x) -> bool:
     return x is None or isinstance(x, MuonDimensionNumbers)
 
 
-def _is_axis(v, ndim: int) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) and -ndim <= v < ndim
+def _axis(v) -> int | None:
+    """v as an axis: an int, a numpy int or a 0-d integer array; None for anything else (a bool too)."""
+    if isinstance(v, (bool, np.bool_)) or (hasattr(v, "dtype") and v.dtype == np.bool_):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
 
 
 def _axes(value, ndim: int, what: str, path: str) -> tuple[int, ...]:
     """A MuonDimensionNumbers field (an axis or a tuple of axes) as axes in [0, ndim), refused naming
     the leaf where it is not one (a float, a bool, out of range)."""
-    values = (value,) if isinstance(value, numbers.Number) or not isinstance(value, (tuple, list)) else tuple(value)
-    if not values or not all(_is_axis(v, ndim) for v in values):
+    if isinstance(value, (numbers.Number, str, bytes)) or np.ndim(value) == 0:
+        values = (value,)  # one axis (a float or a bool one is refused below)
+    else:
+        try:  # several: a tuple or list, a range, a numpy array (as optax.contrib.muon takes them)
+            values = tuple(value)
+        except TypeError:
+            values = ()
+    axes = [_axis(v) for v in values]
+    if not axes or not all(a is not None and -ndim <= a < ndim for a in axes):
         raise ValueError(f"packed_muon: leaf {path} (rank {ndim}) has {what}={value!r}; give axes in "
                          f"[-{ndim}, {ndim})")
-    return tuple(int(v) % ndim for v in values)
+    return tuple(a % ndim for a in axes)
 
 
 @dataclasses.dataclass(frozen=True)

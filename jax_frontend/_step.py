@@ -219,31 +219,21 @@ def _batched(args, dims, *, config: StepConfig):
 batching.primitive_batchers[packed_adamw_step_p] = _batched
 
 
-class NotDifferentiableError(TypeError):
-    """jax.grad (jvp, linearize) reached a packed step; `transform` names the transform that
-    refused (a transform built over another, as packed_muon over packed_adamw, words it as its own)."""
-
-    def __init__(self, message: str, transform: str):
-        super().__init__(message)
-        self.transform = transform
-
-
-def not_differentiable(name: str, state: str, peer: str) -> NotDifferentiableError:
-    """The refusal of jax.grad (jvp, linearize) through a packed step, saying why and what to do:
-    `state` names what the step rounds to 16-bit codes, `peer` the optax transformation that
-    differentiates."""
-    return NotDifferentiableError(
-        f"{name}: the optimizer step is not differentiable (its {state} rounded to 16-bit codes and it "
-        "steps in place), and jax.grad / jax.jvp reached it through its parameters, gradients, state or "
-        "hyperparameters. Differentiate the loss alone and call update() outside the differentiated function, "
-        "or wrap its inputs in jax.lax.stop_gradient; to differentiate through optimizer steps (meta-learning), "
-        f"use {peer}", name)
+def not_differentiable(name: str, peer: str) -> TypeError:
+    """The refusal of jax.grad (jvp, linearize) through a packed step, saying why and what to do;
+    `peer` names the optax transformation that differentiates."""
+    return TypeError(
+        f"{name}: the optimizer step is not differentiable (its kernels and host callbacks have no derivative, "
+        "it rounds its state to the stored format and it steps in place), and jax.grad / jax.jvp reached it "
+        "through its parameters, gradients, state or hyperparameters. Differentiate the loss alone and call "
+        "update() outside the differentiated function, or wrap its inputs in jax.lax.stop_gradient; to "
+        f"differentiate through optimizer steps (meta-learning), use {peer}")
 
 
 def _not_differentiable(primals, tangents, *, config: StepConfig):
     """The primitive's JVP rule. JAX calls it only when some operand carries a tangent, so a
     step beside a gradient (the usual train step) never reaches it."""
-    raise not_differentiable("packed_adamw", "moments are", "optax.adamw")
+    raise not_differentiable("packed_adamw", "optax.adamw")
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -256,11 +246,12 @@ def _refuse_tangents(refusal: tuple, primals, tangents):
     raise not_differentiable(*refusal)
 
 
-def without_tangents(arrays, name: str, state: str, peer: str):
-    """`arrays` (a pytree) unchanged, for a step that is not the primitive (Muon's phases, whose
-    callbacks and launches have no JVP rule): a tangent reaching them is refused as the
-    primitive's are (`not_differentiable`), and none reaches them beside a gradient."""
-    return _tangent_free((name, state, peer), arrays)
+def without_tangents(arrays, name: str, peer: str):
+    """`arrays` (a pytree) unchanged, for a transform whose step is not the primitive alone (Muon's
+    phases, whose callbacks and launches have no JVP rule, beside packed_adamw's primitive): a
+    tangent reaching them is refused as the primitive's are (`not_differentiable`), in `name`'s
+    words, and none reaches them beside a gradient. The identity leaves the compiled step as it is."""
+    return _tangent_free((name, peer), arrays)
 
 
 ad.primitive_jvps[packed_adamw_step_p] = _not_differentiable

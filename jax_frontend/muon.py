@@ -48,8 +48,8 @@ from ._muon_portable import export_muon_state, import_muon_state  # noqa: F401 (
 from ._states import PackedMuonState
 from ._muon_state import MatrixView, _check_grad_dtypes, _check_grads, _check_param_dtypes, _checked_exponents, \
     _checked_lows, _checked_momenta, _like, _zero_exponents, leaf_views
-from ._step import CpuStepError, NotDifferentiableError, _subnormals_kept, not_differentiable, without_tangents
-from ._hyperparams import _at_count_named, _check_count, _check_count_type, _check_hyperparameter_kinds, \
+from ._step import CpuStepError, _subnormals_kept, without_tangents
+from ._hyperparams import _at_count, _at_count_named, _check_count, _check_count_type, _check_hyperparameter_kinds, \
     _concrete_float, _increment, _known_or_given, _refusal_reason, _refuse_invalid, _refused_eagerly, _warn_refused
 from .transform import _LOW_HALVES_UNKNOWN, _is_params_placeholder, _step_platforms, packed_adamw
 
@@ -395,9 +395,15 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         raise ValueError(f"packed_muon: {e} (torch.optim.Muon's names: lr is learning_rate, momentum is beta, "
                          "ns_coefficients is ns_coeffs)") from None
 
+    # The AdamW half's hyperparameters pass the tangent guard (`_tangent_free`) before packed_adamw's
+    # primitive sees them, so a gradient through them is refused in packed_muon's words.
+    adam_b1, adam_b2, adam_eps, adam_weight_decay = map(_tangent_free, (adam_b1, adam_b2, adam_eps, adam_weight_decay))
+
     def adamw_half(rate):
         return optax.masked(
-            packed_adamw(rate, adam_b1, adam_b2, adam_eps, adam_weight_decay, mask=adam_mask, mode=adam_mode),
+            packed_adamw(_tangent_free_rate(rate, "adam_learning_rate" if adam_learning_rate is not None else
+                                            "learning_rate"),
+                         adam_b1, adam_b2, adam_eps, adam_weight_decay, mask=adam_mask, mode=adam_mode),
             lambda tree: jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree),
                                                       [v is None for v in leaf_views(muon_weight_dimension_numbers,
                                                                                      tree)]))
@@ -437,6 +443,9 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         _refuse_accelerators((updates, params))
         if not isinstance(state, PackedMuonState):
             raise TypeError(f"packed_muon: the state is a {type(state).__name__}; pass the state init() returned")
+        # Callbacks, launches and packed_adamw's primitive have no derivative: a tangent reaching the step
+        # through its arrays is refused here, in packed_muon's words (hyperparameters: below and `adamw_half`).
+        updates, state, params = _tangent_free((updates, state, params))
         _check_count_type(state.count, "packed_muon")
         flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
         try:
@@ -471,8 +480,9 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         exponents = _checked_exponents(state.exponents, treedef, p_leaves, views, paths, fmt)
         lows = _checked_lows(state.low_halves, treedef, p_leaves, split, paths)
 
-        values = _at_count_named((learning_rate, beta, weight_decay, eps),  # RULE.group_keys order
-                                 ("learning_rate", "beta", "weight_decay", "eps"), state.count, "packed_muon")
+        values = _tangent_free(_at_count_named((learning_rate, beta, weight_decay, eps),  # RULE.group_keys order
+                                               ("learning_rate", "beta", "weight_decay", "eps"), state.count,
+                                               "packed_muon"))
         given = RULE.group_row(*values, number=lambda x: x)  # hyperparam_fields order, as given
         row = jnp.asarray([jnp.asarray(x, jnp.float32) for x in given])
         # Only `valid` is taken: the phases read the row as given and step no matrix of a refused step.
@@ -503,9 +513,6 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
         e_mats = [exponents[i].reshape(views[i].batch) for i in muon] if fmt.exponent_entry is not None else []
         p_mats = [views[i].to_matrices(p_leaves[i]) for i in muon]
         lo_mats = [views[i].to_matrices(lows[i]) for i in muon if split[i]]
-        # The phases' callbacks and launches have no JVP rule: say why jax.grad cannot pass, as packed_adamw does.
-        g_mats, s_mats, e_mats, p_mats, lo_mats, row = without_tangents(
-            (g_mats, s_mats, e_mats, p_mats, lo_mats, row), *_NOT_DIFFERENTIABLE)
         placed = _unplaced  # the GPU path's leaves are not sharded: see MUON.md
         # On the GPU a float32 leaf's update comes from its weight launch (`_muon_triton.weight_group_step`).
         kernel_updates = write_update and on_gpu
@@ -544,23 +551,30 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
                                     new_exponent_tree)
         return treedef.unflatten(out), new_state
 
-    def run_in_muons_words(updates, state, params, extra_args, *, write_update: bool):
-        try:
-            return run(updates, state, params, extra_args, write_update=write_update)
-        except NotDifferentiableError as e:  # the AdamW half's (a tangent through the shared rate, say)
-            if e.transform == "packed_muon":
-                raise
-            raise not_differentiable(*_NOT_DIFFERENTIABLE) from None
-
-    return init_fn, run_in_muons_words
+    return init_fn, run
 
 
 # What optax.tree_utils.tree_map_params sees in place of the fields that are not the parameters'
 # tree of arrays shaped like them (`transform_non_params` applies to them), as packed_adamw's low halves.
 _EXPONENTS_NOT_PARAMS = "exponents: one per matrix of a Muon leaf, not the parameters' shapes"
 
-# without_tangents' words for packed_muon's step (`_step.not_differentiable`)
-_NOT_DIFFERENTIABLE = ("packed_muon", "momentum is", "optax.contrib.muon")
+def _tangent_free(tree):
+    """`tree` with its arrays through `_step.without_tangents`, in packed_muon's words; Python
+    numbers stay numbers (the step reads a number as given: MUON.md, "Step scalars")."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+    guarded = without_tangents([leaves[i] for i in arrays], "packed_muon", "optax.contrib.muon")
+    for i, x in zip(arrays, guarded):
+        leaves[i] = x
+    return treedef.unflatten(leaves)
+
+
+def _tangent_free_rate(rate, field: str):
+    """The AdamW half's learning rate through `_tangent_free`; a schedule's value checked at each
+    count in packed_muon's words, naming `field`."""
+    if callable(rate):
+        return lambda count: _tangent_free(_at_count(rate, count, "packed_muon", field))
+    return _tangent_free(rate)
 
 
 # ---- one step, all or nothing ------------------------------------------------------------------

@@ -404,14 +404,16 @@ def test_misuse_found_by_a_review_is_refused_naming_what_to_do():
     _, stepped = tx.update(grads, state, params)
     with pytest.raises(ValueError, match="outside the"):
         export_muon_state(stepped._replace(exponents={**stepped.exponents, "wide": jnp.int32(500)}), params)
-    fp32 = packed_muon(LR, mode="fp32")
-    _, fp32_state = fp32.update(grads, fp32.init(params), params)
-    damaged = fp32_state._replace(momentum={**fp32_state.momentum, "tall": fp32_state.momentum["tall"].at[0, 0].set(
-        jnp.nan)})
-    # refused by the export (no file any import refuses) and by an eager step (no matrix frozen for good)
-    for refusing in (lambda: export_muon_state(damaged, params, mode="fp32"), lambda: fp32.update(grads, damaged, params)):
-        with pytest.raises(ValueError, match=r"momentum of leaf \['tall'\] holds NaN or Inf.*restore it"):
-            refusing()
+    for mode, nan in (("fp32", jnp.nan), ("bf16", jnp.uint16(0x7FC0))):  # a float32 NaN, a bf16 NaN code
+        tx_mode = packed_muon(LR, mode=mode)
+        _, mode_state = tx_mode.update(grads, tx_mode.init(params), params)
+        damaged = mode_state._replace(momentum={**mode_state.momentum,
+                                                "tall": mode_state.momentum["tall"].at[0, 0].set(nan)})
+        # refused by the export (no file any import refuses) and by an eager step (no matrix frozen for good)
+        for refusing in (lambda: export_muon_state(damaged, params, mode=mode),
+                         lambda: tx_mode.update(grads, damaged, params)):
+            with pytest.raises(ValueError, match=r"momentum of leaf \['tall'\] holds NaN or Inf.*restore it"):
+                refusing()
 
 
 def test_guards_of_the_second_hostile_pass_hold_for_both_transforms():
@@ -462,6 +464,10 @@ def test_guards_of_the_second_hostile_pass_hold_for_both_transforms():
             f"param {p.shape}" for p in tree.values() if jnp.ndim(p) == 2)
         assert all(x == "other" for x in jax.tree_util.tree_leaves((marked.count, marked.low_halves,
                                                                     marked.exponents)))
+    for axes in (MuonDimensionNumbers(np.array([0]), range(1, 2)), MuonDimensionNumbers(jnp.int32(0), np.int64(1))):
+        tx = packed_muon(LR, muon_weight_dimension_numbers={k: axes if jnp.ndim(p) == 2 else None
+                                                            for k, p in params.items()})
+        assert jax.tree_util.tree_structure(tx.init(params)) == jax.tree_util.tree_structure(muon.init(params))
     for axes in (MuonDimensionNumbers(0.0, 1), MuonDimensionNumbers(True, 1)):
         tx = packed_muon(LR, muon_weight_dimension_numbers={k: axes if jnp.ndim(p) == 2 else None
                                                             for k, p in params.items()})

@@ -926,20 +926,23 @@ def test_a_mask_of_another_tree_is_refused_naming_mask(mask):
 def test_differentiating_through_the_step_says_it_is_not_differentiable(transform_name, peer, through, jitted):
     """jax.grad through update raises saying the step is not differentiable and what to do,
     not JAX's missing-rule error (packed_muon's phases are callbacks and launches, not the
-    primitive: the tree is one matrix, so no AdamW leaf refuses first); a gradient beside the
-    step (the train step) still works."""
+    primitive), in the words of the transform the user built (packed_muon's AdamW half is
+    packed_adamw's primitive), also with update jitted inside the differentiated function; a
+    gradient beside the step (the train step) still works."""
     from packed_adamw.jax import packed_muon
 
     factory = {"packed_adamw": packed_adamw, "packed_muon": packed_muon}[transform_name]
-    params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(3, 2)}
-    grads = {"w": jnp.full((3, 2), 0.25, jnp.float32)}
+    # a matrix and a vector: packed_muon's AdamW half (packed_adamw's primitive) meets the tangent too
+    params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(3, 2), "b": jnp.ones(2, jnp.float32)}
+    grads = {"w": jnp.full((3, 2), 0.25, jnp.float32), "b": jnp.full(2, 0.5, jnp.float32)}
     inject = optax.inject_hyperparams(factory, static_args=("ns_steps", "mu_bias") if factory is packed_muon else ())
 
     def loss(x):
         if through == "learning_rate":
             tx = factory(lambda count: x)
             state = tx.init(params)
-            updates, _ = tx.update(grads, state, params)
+            # update jitted inside the differentiated function: JAX differentiates it after it returned
+            updates, _ = jax.jit(tx.update)(grads, state, params)
         else:
             tx = factory(LR)
             p, g = (x, grads) if through == "params" else (params, x)

@@ -193,11 +193,12 @@ def test_a_load_refuses_saved_groups_the_step_could_not_read_and_takes_an_empty_
     key = "betas" if kind == "PackedAdamW" else "momentum"
     for edit, message in ((lambda g: g.pop(key), f"lacks '{key}', which every group of this optimizer holds"),
                           (lambda g: g.update(lr=float("nan")), "(lr=nan|is: nan)"),
-                          (lambda g: g.update(weight_decay=-1.0), "weight.decay")):
+                          (lambda g: g.update(weight_decay=-1.0), "weight.decay"),
+                          (lambda g: g.update(maximize="yes"), "maximize must be True or False")):
         damaged = copy.deepcopy(saved)
         edit(damaged["param_groups"][0])
         before = copy.deepcopy(fresh.state_dict())
-        with pytest.raises(ValueError, match=f"^load_state_dict: saved param_groups\\[0\\]:? .*{message}"):
+        with pytest.raises((ValueError, TypeError), match=f"^load_state_dict: saved param_groups\\[0\\]:? .*{message}"):
             fresh.load_state_dict(damaged)
         after = fresh.state_dict()
         assert after["param_groups"] == before["param_groups"]

@@ -1138,6 +1138,7 @@ def test_combined_check_nonfinite_steps_both_rules_before_raising(bad, words):
     rng = np.random.default_rng(18)
     model = TinyModel()
     opt = PackedMuonAdamW(muon_param_groups(model, exclude=("head",)), check_nonfinite=True)
+    model, opt = pickle.loads(pickle.dumps((model, opt)))  # an unpickled optimizer's rules say so too
     set_gradients(rng, model)
     model.get_parameter(bad).grad[0, 0] = float("nan")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
