@@ -170,14 +170,7 @@ class PortableState:
             if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
                 raise ValueError(f"portable state tensor {i} ({name}) has step count {count!r}: a Muon tensor's "
                                  "count is None or a whole number >= 0; the file was edited or damaged")
-            momentum = self.moments[i]
-            if fmt.mode == "fp32":
-                finite = np.isfinite(momentum).all()
-            elif fmt.mode == "bf16":
-                finite = not np.any((momentum & np.uint16(0x7F80)) == np.uint16(0x7F80))  # exponent all ones
-            else:  # packed: checked with its exponents
-                continue
-            if not finite:
+            if not fmt.momentum_finite(self.moments[i]):  # packed codes: checked with their exponents
                 raise ValueError(f"portable state tensor {i} ({name}): the momentum holds NaN or Inf, which no step "
                                  "stores; this state cannot continue a run")
 

@@ -186,13 +186,10 @@ def _checked_momenta(momentum, treedef, params, views, paths, fmt: StateFormat) 
 
 
 def _finite_momentum(entry, fmt: StateFormat) -> bool:
-    """False where a concrete fp32 or bf16 momentum holds NaN or Inf (as PortableState's
-    `check_muon_values` refuses on import; a packed code's range is its exponent's, checked with
-    it). Under jit the values are not known: such a matrix is refused at each step."""
-    if isinstance(entry, jax.core.Tracer) or fmt.mode == "packed":
-        return True
-    values = entry if fmt.mode == "fp32" else jax.lax.bitcast_convert_type(entry, jnp.bfloat16)
-    return bool(jnp.all(jnp.isfinite(values)))
+    """False where a concrete momentum holds NaN or Inf (core's `momentum_finite`, which the
+    import checks too), on the array's device. Under jit the values are not known: such a matrix
+    is refused at each step."""
+    return isinstance(entry, jax.core.Tracer) or bool(fmt.momentum_finite(entry, jnp))
 
 
 def _zero_exponents(leaves, treedef, views, fmt: StateFormat):

@@ -558,6 +558,7 @@ def _muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, *, nester
 # tree of arrays shaped like them (`transform_non_params` applies to them), as packed_adamw's low halves.
 _EXPONENTS_NOT_PARAMS = "exponents: one per matrix of a Muon leaf, not the parameters' shapes"
 
+
 def _tangent_free(tree):
     """`tree` with its arrays through `_step.without_tangents`, in packed_muon's words; Python
     numbers stay numbers (the step reads a number as given: MUON.md, "Step scalars")."""

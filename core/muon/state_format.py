@@ -104,6 +104,18 @@ class StateFormat(StateLayout):
         """One uint16 code (packed: E5M10; bf16: the bf16 bits) or one float32 per element."""
         return MOMENTUM_BUFFER if self.mode == "fp32" else MOMENTUM_CODE
 
+    def momentum_finite(self, momentum, xp=np):
+        """Whether a stored momentum entry holds no NaN or Inf, as no step stores one: fp32 values,
+        bf16 codes (exponent all ones is Inf or NaN); a packed code is a number, its range its
+        exponent's (`check_exponent`). `xp`: the array module of `momentum` (numpy, jax.numpy), so
+        each frontend checks where its arrays are; returns that module's boolean."""
+        if self.mode == "fp32":
+            return xp.all(xp.isfinite(momentum))
+        if self.mode == "bf16":
+            exponent_bits = np.uint16(0x7F80)
+            return ~xp.any((momentum & exponent_bits) == exponent_bits)
+        return xp.bool_(True)
+
     @property
     def exponent_entry(self) -> StateEntry | None:
         """Packed mode's per-matrix int32 exponent (`mu_exponent`, shape ()); None otherwise."""
