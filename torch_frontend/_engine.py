@@ -433,6 +433,10 @@ def no_counts_error(owner: str) -> ValueError:
                       "opt.track_format = True before the steps to count")
 
 
+# format_stats' entry of a rule that refuses whole matrices (Muon): the matrix-steps it refused.
+REFUSED_STAT = "refused"
+
+
 def format_stats(opt, count_names: tuple[str, ...]) -> dict:
     """`PackedAdamW.format_stats` (and PackedMuon's): the counts since the last call, per
     parameter, keyed by its name or its (group, position) as messages number them. With no
@@ -458,7 +462,7 @@ def format_stats(opt, count_names: tuple[str, ...]) -> dict:
             key = group["param_names"][pi] if group.get("param_names") else (shown, pi)
             stats[key] = {"elements": int(entry.elements)}
             if entry.refused is not None:
-                stats[key]["refused"] = int(entry.refused)
+                stats[key][REFUSED_STAT] = int(entry.refused)
             stats[key].update(zip(count_names, entry.counts.cpu().tolist()))
             if id(p) not in warned and stats[key]["elements"]:
                 _warn_saturation(opt, _checks.param_name(group, shown, pi), stats[key], warned, id(p))

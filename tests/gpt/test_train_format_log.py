@@ -203,10 +203,10 @@ def test_format_steps_logged_counts_only_the_logged_steps(runs, data_dir, tmp_pa
 @pytest.mark.parametrize("flags, message", [
     (["--mode", "fp32"], "--track-format counts where packed or fp16 codes saturate, flush or go subnormal, "
                          "and --mode fp32 stores float32 moments: use --mode packed or fp16"),
-    (["--optimizer", "torch-adamw"], "--track-format logs PackedAdamW's format events, and this trainer logs them "
-                                     "for no other optimizer (--optimizer torch-adamw)"),
-    (["--optimizer", "packed-muon"], "--track-format logs PackedAdamW's format events, and this trainer logs them "
-                                     "for no other optimizer (--optimizer packed-muon)"),
+    (["--optimizer", "torch-adamw"], "--track-format logs the packed optimizers' format counts, and --optimizer "
+                                     "torch-adamw keeps none"),
+    (["--optimizer", "muon"], "--track-format logs the packed optimizers' format counts, and --optimizer muon keeps "
+                              "none"),
 ])
 def test_track_format_outside_packed_and_fp16_modes_exits_2_naming_the_option(tmp_path, capsys, flags, message):
     out = tmp_path / "out"
@@ -219,6 +219,51 @@ def test_track_format_outside_packed_and_fp16_modes_exits_2_naming_the_option(tm
     assert not out.exists()
     with pytest.raises(ConfigError, match="--track-format"):
         train(TrainConfig(mode="fp32", track_format=True, out=str(tmp_path / "code")))
+
+
+def test_packed_muon_logs_each_rules_counts_and_counting_changes_no_bit(data_dir, tmp_path):
+    """--optimizer packed-muon --track-format: PackedMuonAdamW counts, and each record is its read's
+    counts summed by kind, each share over the element-steps of the kind's parameters that count it:
+    Muon's momentum code's over its matrices (None for a kind AdamW alone steps), AdamW's over its
+    parameters; Muon's refused matrices a count alone. Counting changes no bit of the run, and
+    format.png draws Muon's panels beside AdamW's."""
+    from packed_adamw.torch import PackedMuonAdamW
+    from packed_adamw.core.muon import FORMAT_COUNTS as MUON_COUNTS
+
+    reads, real = [], PackedMuonAdamW.format_stats
+
+    def recording(self):
+        reads.append(real(self))
+        return reads[-1]
+
+    flags = ["--optimizer", "packed-muon"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PackedMuonAdamW, "format_stats", recording)
+        assert main(common(data_dir, *flags, "--out", tmp_path / "tracked", "--track-format")) == 0
+    assert main(common(data_dir, *flags, "--out", tmp_path / "plain")) == 0
+    assert_bitwise_equal(tmp_path / "tracked" / "checkpoint.safetensors", tmp_path / "plain" / "checkpoint.safetensors")
+    assert (tmp_path / "tracked" / "format.png").stat().st_size > 0
+    records = format_records(tmp_path / "tracked")
+    assert [(r["first_step"], r["step"]) for r in records] == [(1, 1), (2, 2), (3, 4), (5, 5)]
+    assert len(reads) == len(records)
+    names = ("refused", *MUON_COUNTS, *FORMAT_COUNTS)
+    muon_kinds, adamw_only = set(), set()
+    for record, stats in zip(records, reads):
+        counts = {kind: collections.Counter() for kind in KINDS}
+        over = {kind: collections.Counter() for kind in KINDS}  # the element-steps that count each name
+        for name, entry in stats.items():
+            kind = parameter_kind(name)
+            counts[kind].update(entry)
+            over[kind].update({k: entry["elements"] for k in entry if k != "elements"})
+        for kind, entry in record["kinds"].items():
+            assert entry["element_steps"] == counts[kind]["elements"] > 0, kind
+            assert entry["counts"] == {k: counts[kind][k] for k in names}, kind
+            assert "refused" not in entry
+            for k in names[1:]:
+                assert entry[k] == (counts[kind][k] / over[kind][k] if over[kind][k] else None), (kind, k)
+            (muon_kinds if over[kind]["saturated_mu"] else adamw_only).add(kind)
+    assert muon_kinds and adamw_only, (muon_kinds, adamw_only)  # both rules' kinds were logged
+    assert sum(r["kinds"][kind]["counts"]["subnormal_m"] for r in records for kind in adamw_only) > 0
 
 
 # ---- DDP and FSDP2 ------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ import importlib
 import torch
 
 from packed_adamw.core import muon as muon_rules
+from packed_adamw.core.adamw import rule as adamw_rules
 
+from .._engine import REFUSED_STAT
 from ..combined import PackedMuonAdamW, muon_param_groups
 from ..optimizer import PackedAdamW
 from .config import ConfigError, TrainConfig
@@ -41,14 +43,19 @@ class OptimizerKind:
     def check(self, config: TrainConfig) -> None:
         """Refuse the settings this kind cannot run with (ConfigError naming the option)."""
 
+    def format_counts(self, config: TrainConfig) -> tuple[str, ...]:
+        """The format counts --track-format logs for this kind: the names its optimizer's
+        `format_stats` gives each parameter (besides `elements`); () where it counts none."""
+        return ()
+
     def check_telemetry(self, config: TrainConfig) -> None:
-        """Refuse telemetry this kind does not offer: only PackedAdamW's formats can be counted."""
+        """Refuse telemetry this kind does not offer: only the packed optimizers' formats can be counted."""
         if config.log_moment_stats:
             raise ConfigError("--log-moment-stats needs --mode fp32 (it reads float32 moments)")
-        if config.track_format:
-            raise ConfigError(f"--track-format logs PackedAdamW's format events, and this trainer logs them for no "
-                              f"other optimizer (--optimizer {config.optimizer}): use --optimizer packed-adamw with "
-                              "--mode packed or fp16")
+        if config.track_format and not self.format_counts(config):
+            raise ConfigError(f"--track-format logs the packed optimizers' format counts, and --optimizer "
+                              f"{config.optimizer} keeps none: use --optimizer packed-adamw (--mode packed or fp16) "
+                              "or packed-muon")
 
     def run_name(self, config: TrainConfig) -> str:
         """What names the run's default --out directory."""
@@ -78,6 +85,9 @@ class OptimizerKind:
 class PackedAdamWKind(OptimizerKind):
     split_masters: bool = True
     packed_format: bool = True
+
+    def format_counts(self, config: TrainConfig) -> tuple[str, ...]:
+        return adamw_rules.FORMAT_COUNTS if config.mode != "fp32" else ()  # fp32 moments have no codes
 
     def check_telemetry(self, config: TrainConfig) -> None:
         if config.log_moment_stats and config.mode != "fp32":
@@ -292,6 +302,13 @@ class PackedMuonKind(MuonKind):
             raise ConfigError(f"--muon-mode {config.muon_mode}: choose one of {', '.join(muon_rules.MODES)} "
                               "(the Muon momentum's format)")
 
+    def format_counts(self, config: TrainConfig) -> tuple[str, ...]:
+        """PackedMuonAdamW's, each rule's where it counts (its `track_format`): Muon's refused
+        matrices in every mode and its momentum code's events in packed mode, AdamW's events
+        where --mode has codes."""
+        return (REFUSED_STAT, *(muon_rules.FORMAT_COUNTS if config.muon_mode == "packed" else ()),
+                *(adamw_rules.FORMAT_COUNTS if config.mode != "fp32" else ()))
+
     def run_name(self, config: TrainConfig) -> str:
         return f"{self.name}-{config.muon_mode}"
 
@@ -304,7 +321,7 @@ class PackedMuonKind(MuonKind):
             muon_groups(model, config), lr=config.muon_lr, weight_decay=config.weight_decay,
             momentum=config.muon_momentum, mode=config.muon_mode, adamw_lr=config.lr,
             adamw_betas=(config.beta1, config.beta2), adamw_eps=config.eps, adamw_weight_decay=config.weight_decay,
-            adamw_mode=config.mode, m_bias=config.m_bias, rms_bias=config.rms_bias)
+            adamw_mode=config.mode, m_bias=config.m_bias, rms_bias=config.rms_bias, track_format=config.track_format)
 
     def start_masters(self, optimizer: PackedMuonAdamW, model: torch.nn.Module,
                       initial: dict[str, torch.Tensor] | None) -> None:

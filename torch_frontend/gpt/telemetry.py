@@ -14,8 +14,8 @@ import torch
 
 from packed_adamw.core import first_moment_format, rms_format
 from packed_adamw.core.atomic_file import atomic_write
-from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
+from .._engine import REFUSED_STAT
 from ..optimizer import PackedAdamW
 from .config import TrainConfig
 from .distributed import Ranks, full
@@ -57,30 +57,37 @@ def is_log_step(step: int, config: TrainConfig) -> bool:
     return step % config.log_every == 0 or step == 1
 
 
-def format_record(optimizer: PackedAdamW, kinds: list[str], first_step: int, step: int, ranks: Ranks,
-                  device: torch.device, parameter_kind: Callable[[str], str]) -> dict:
+def format_record(optimizer, kinds: list[str], count_names: tuple[str, ...], first_step: int, step: int,
+                  ranks: Ranks, device: torch.device, parameter_kind: Callable[[str], str]) -> dict:
     """Per kind of tensor, the share of the element-steps of steps first_step..step whose new
-    first moment or RMS saturated, flushed to zero or landed subnormal (FORMAT.md, "Format
-    counts"), with the counts behind each share.
+    stored code (AdamW's first moment or RMS, Muon's momentum) saturated, flushed to zero or
+    landed subnormal (FORMAT.md, "Format counts"; MUON.md), with the counts behind each share.
 
     `format_stats()` returns the counts since its previous call and the element-steps they
-    cover (elements x steps counted), so a share is count / element_steps of this interval.
-    Under FSDP2 each rank counts its own shard, so every rank calls this and the counts are
-    summed over the ranks; DDP ranks step whole tensors with the same reduced gradients, so
-    each rank's counts already are the whole tensors'.
+    cover (elements x steps counted), so a share is count / element_steps of this interval, over
+    the elements of the kind's parameters that count it: None where none does (a Muon code's
+    count of a kind that only AdamW steps). `count_names` are what the optimizer counts
+    (`OptimizerKind.format_counts`); a count of refused matrices (`REFUSED_STAT`) is logged as a
+    count alone. Under FSDP2 each rank counts its own shard, so every rank calls this and the
+    counts are summed over the ranks; DDP ranks step whole tensors with the same reduced
+    gradients, so each rank's counts already are the whole tensors'.
     """
-    fields = ("element_steps", *FORMAT_COUNTS)
+    n = len(count_names)
     row = {kind: index for index, kind in enumerate(kinds)}
-    totals = torch.zeros((len(kinds), len(fields)), dtype=torch.int64)
+    # per kind: element_steps, then each count, then the element-steps of the parameters that count it
+    totals = torch.zeros((len(kinds), 1 + 2 * n), dtype=torch.int64)
     for name, entry in optimizer.format_stats().items():
-        totals[row[parameter_kind(name)]] += torch.tensor([entry["elements"], *(entry[k] for k in fields[1:])])
+        counted = [k in entry for k in count_names]
+        totals[row[parameter_kind(name)]] += torch.tensor(
+            [entry["elements"], *(entry.get(k, 0) for k in count_names),
+             *(entry["elements"] if c else 0 for c in counted)])
     if ranks.parallel == "fsdp":
         totals = totals.to(device)  # NCCL reduces CUDA tensors only
         torch.distributed.all_reduce(totals)
     record = {"record": FORMAT_RECORD, "step": step, "first_step": first_step, "kinds": {}}
     for kind, values in zip(kinds, totals.tolist()):
-        element_steps, counts = values[0], dict(zip(fields[1:], values[1:]))
-        shares = {k: n / element_steps if element_steps else None for k, n in counts.items()}
+        element_steps, counts, over = values[0], dict(zip(count_names, values[1:1 + n])), values[1 + n:]
+        shares = {k: counts[k] / m if m else None for k, m in zip(count_names, over) if k != REFUSED_STAT}
         record["kinds"][kind] = {"element_steps": element_steps, **shares, "counts": counts}
     return record
 
@@ -105,19 +112,23 @@ def log_records(log_path: Path, record: str | None = None) -> list[dict]:
 
 
 def plot_format_log(log_path: Path, png_path: Path) -> None:
-    """One panel per format count, one line per kind of tensor, shares on a log axis (a
-    share of 0 leaves a gap). Each point is the share over the interval ending at its step."""
+    """One panel per format count (rows: saturated, flushed, subnormal; columns: the codes, AdamW's
+    m and RMS, Muon's mu), one line per kind of tensor, shares on a log axis (a share of 0 or
+    None leaves a gap). Each point is the share over the interval ending at its step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = log_records(log_path, FORMAT_RECORD)
     kinds = sorted({kind for r in records for kind in r["kinds"]})
-    fig, axes = plt.subplots(3, 2, figsize=(10, 10), sharex=True)  # rows: event; columns: m, RMS
-    for ax, count in zip(axes.flat, FORMAT_COUNTS):
-        drawn = False
+    names = [k for k in next(iter(records[0]["kinds"].values()))["counts"] if k != REFUSED_STAT] if records else []
+    events = list(dict.fromkeys(k.split("_", 1)[0] for k in names)) or ["saturated", "flushed", "subnormal"]
+    codes = list(dict.fromkeys(k.split("_", 1)[1] for k in names)) or ["m", "rms"]
+    fig, axes = plt.subplots(len(events), len(codes), figsize=(5 * len(codes), 10), sharex=True, squeeze=False)
+    for (event, code), ax in zip([(e, c) for e in events for c in codes], axes.flat):
+        count, drawn = f"{event}_{code}", False
         for kind in kinds:
-            points = [(r["step"], r["kinds"][kind][count]) for r in records if kind in r["kinds"]]
+            points = [(r["step"], r["kinds"][kind].get(count)) for r in records if kind in r["kinds"]]
             shares = [share if share else math.nan for _, share in points]
             drawn = drawn or not all(map(math.isnan, shares))
             ax.plot([s for s, _ in points], shares, marker=".", label=kind)
@@ -313,9 +324,9 @@ class FormatCounts:
     shards' counts). With --format-steps all a record covers the steps since the previous one;
     with logged only the logged steps are counted, and a record covers its own step."""
 
-    def __init__(self, config: TrainConfig, optimizer, kinds: list[str], first_step: int, ranks: Ranks,
-                 device: torch.device, parameter_kind: Callable[[str], str]):
-        self.config, self.optimizer, self.kinds = config, optimizer, kinds
+    def __init__(self, config: TrainConfig, optimizer, kinds: list[str], count_names: tuple[str, ...],
+                 first_step: int, ranks: Ranks, device: torch.device, parameter_kind: Callable[[str], str]):
+        self.config, self.optimizer, self.kinds, self.count_names = config, optimizer, kinds, count_names
         self.ranks, self.device, self.parameter_kind = ranks, device, parameter_kind
         self.first_step = first_step  # the first step the next record covers
 
@@ -335,5 +346,6 @@ class FormatCounts:
 
     def _write(self, step: int, log: RunLog) -> None:
         first = step if self.config.format_steps == "logged" else self.first_step  # logged: its step alone counted
-        log.write(format_record(self.optimizer, self.kinds, first, step, self.ranks, self.device, self.parameter_kind))
+        log.write(format_record(self.optimizer, self.kinds, self.count_names, first, step, self.ranks, self.device,
+                                self.parameter_kind))
         self.first_step = step + 1
