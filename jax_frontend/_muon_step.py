@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,16 @@ from ._step import CpuStepError, StepConfig, StepOperands, StepResults, _subnorm
 KERNELS_EVERYWHERE = False
 
 
+def binary64_bits(x: float | None) -> int | None:
+    """A Python float's binary64 bits (None stays None): what a compiled step is keyed by, since
+    floats compare equal where their bits differ (0.0 == -0.0) and the step reads the bits."""
+    return None if x is None else struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _binary64(bits: int | None) -> float | None:
+    return None if bits is None else struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class MuonOptions:
     """Muon's `StepConfig.options`: what its step compiles for besides the arrays (hashable)."""
@@ -60,10 +71,17 @@ class MuonOptions:
     views: tuple[MatrixView, ...]  # per Muon leaf: how it is read as matrices
     nesterov: bool
     adjust_lr_fn: str | None
-    static_row: tuple  # (lr, momentum, weight_decay, eps): a Python number, or None where traced
+    # (lr, momentum, weight_decay, eps) as given: a Python number's binary64 bits (`binary64_bits`),
+    # None where the value is an array (traced, or known only as float32)
+    static_bits: tuple
     coefficients: tuple[float, float, float]  # Newton-Schulz's
     ns_steps: int
     kernels_everywhere: bool = False  # `KERNELS_EVERYWHERE` when the step was built
+
+    @property
+    def static_row(self) -> tuple:
+        """(lr, momentum, weight_decay, eps): the Python numbers as given, None where traced."""
+        return tuple(map(_binary64, self.static_bits))
 
 
 @functools.partial(jax.jit, static_argnames=("coefficients", "steps"))
@@ -99,7 +117,6 @@ def _newton_schulz_torch_layout(y, coefficients, steps, eps):
         polynomial = (scaled(b, gram.astype(FLOAT32)) + scaled(c, square)).astype(BF16)
         y = (scaled(a, y.astype(FLOAT32)) + jnp.matmul(polynomial, y, preferred_element_type=FLOAT32)).astype(BF16)
     return y.T if tall else y
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,13 +229,11 @@ def _float32_update(p, p_new):
     return jnp.where(unchanged, np.float32(-0.0), u)
 
 
-
 def _python_number(x) -> float | None:
     """x as a float if it is a plain number (known before compilation, exact in binary64)."""
     if isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)):
         return float(x)
     return None
-
 
 
 def _cpu_phases(config: _PhaseConfig, g_mats, s_mats, e_mats, p_mats, lo_mats, row, valid, coefficients, steps,
@@ -247,7 +262,6 @@ def _cpu_phases(config: _PhaseConfig, g_mats, s_mats, e_mats, p_mats, lo_mats, r
     stepped = jax.pure_callback(functools.partial(_host_weight, config=config), weight_types, row, *p_mats,
                                 *lo_mats, *orthos, *accepted, vmap_method="sequential")
     return stepped[:n], iter(stepped[n:]), new_states, list(new_exponents)
-
 
 
 def _gpu_phases(config: _PhaseConfig, views, g_mats, s_mats, e_mats, p_mats, lo_mats, row, valid, coefficients,

@@ -131,7 +131,7 @@ def on_whole_leaves(where: _Placement, fn, arrays: list, n_outputs: int) -> tupl
     its refusal of a matrix whole) over leaves sharded as `where` says: the arrays are gathered
     (resharded to replicated: XLA's all-gathers), every device runs `fn` on the whole arrays
     inside a `shard_map` (a host callback runs per device there, on that device's copy), and
-    its `n_outputs` results come back replicated; `placed_as` lays each out again. The bits are
+    its `n_outputs` results come back replicated (`_whole_leaf_step` lays each out again). The bits are
     one device's: the same operations on the same whole arrays."""
     mesh, replicated = where.mesh, PartitionSpec()
     whole = [reshard_to(x, mesh, (None,) * x.ndim) for x in arrays]
@@ -139,10 +139,25 @@ def on_whole_leaves(where: _Placement, fn, arrays: list, n_outputs: int) -> tupl
                          in_specs=(replicated,) * len(whole), out_specs=(replicated,) * n_outputs)(*whole)
 
 
-def placed_as(where: _Placement, x, j: int, replicated: bool = False):
-    """A result of `on_whole_leaves` laid out as leaf j of the step is (each device keeps its
-    part), or with `replicated` whole on every device."""
-    return reshard_to(x, where.mesh, (None,) * x.ndim if replicated else where.specs[j])
+def _whole_leaf_step(operands: StepOperands, where: _Placement, *, config: StepConfig) -> StepResults:
+    """`_step.local_step` of a rule with a matrix phase (Muon's Newton-Schulz needs whole matrices,
+    and a matrix is refused whole) over sharded leaves: on whole leaves on every device
+    (`on_whole_leaves`), each result then laid out as its leaf's parameter is (each device keeps
+    its part; a state as its entry shards, `state_spec`) and the exponents, one per matrix, whole
+    on every device. The bits are one device's step."""
+    def per_device(*flat):
+        return tuple(local_step(StepOperands.of(flat, config), config=config).flat(config))
+
+    none = [None] * config.n_leaves
+    n_results = len(StepResults(none, none, none, None, none).flat(config))
+    results = StepResults.of(on_whole_leaves(where, per_device, operands.flat(config), n_results), config)
+    mesh, specs = where.mesh, where.specs
+    placed = lambda xs, spec_of: [x if x is None else reshard_to(x, mesh, spec_of(j, x))  # noqa: E731
+                                  for j, x in enumerate(xs)]
+    return StepResults(placed(results.outs, lambda j, x: specs[j]),
+                       placed(results.states, lambda j, x: state_spec(specs[j], config.fmt)),
+                       placed(results.lows, lambda j, x: specs[j]), results.counts,
+                       placed(results.exponents, lambda j, x: (None,) * x.ndim))
 
 
 def _dividing_axes(spec: tuple, axis_names) -> tuple:
@@ -176,6 +191,8 @@ def sharded_step(operands: StepOperands, *, config: StepConfig) -> StepResults:
     where = placement(operands.params)
     if where is None:
         return local_step(operands, config=config)
+    if config.fmt.rule.matrix_phase:
+        return _whole_leaf_step(operands, where, config=config)
     if not where.known:
         if where.platform == "gpu":
             return partitioned_step(operands, config=config)

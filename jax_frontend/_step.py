@@ -13,13 +13,18 @@ CUDA rule, and with it `import jax_triton`, is reached only when compiling for a
 
 The primitive sees the shapes of the arrays it is given: under `shard_map` or a
 `custom_partitioning` partition (`_sharding.py`) those are one device's shards, so every
-leaf-group table and callback works on the local shards.
+leaf-group table and callback works on the local shards (a rule with a matrix phase is given
+whole leaves: `_sharding.sharded_step`).
 
 The primitive knows no rule: `StepConfig.fmt` is the rule's state format (its layout, and its
 `rule` declaring the hyperparameter and scalar rows and the format counts) and `StepConfig.steps`
 its numpy step and Triton entry points (`RuleSteps`; AdamW's is `_rules.ADAMW`). It takes one
 hyperparameter row per row variant of the rule (`Rule.variant_rows`) and steps each leaf with
-the row `StepConfig.leaf_rows` gives it.
+the row `StepConfig.leaf_rows` gives it. A rule whose step is not elementwise (Muon: a
+Newton-Schulz phase over whole matrices between two elementwise phases, `_rules.MUON`) gives its
+own lowering instead (`RuleSteps.lower`, traced for "cuda" or "host"), its static settings in
+`StepConfig.options` and its per-matrix exponents among the operands and results; outside a
+trace it runs that lowering's operations one by one (`_impl`).
 
 With `StepConfig.track_format` the primitive has one more output, the step's format counts
 (docs/FORMAT.md, "Format counts") of each leaf's elements on this device: uint32
@@ -61,19 +66,28 @@ COUNTABLE_ELEMENTS = 1 << 32
 
 @dataclasses.dataclass(frozen=True)
 class RuleSteps:
-    """A rule's elementwise step as the primitive runs it, the same bits on every platform: its
-    numpy step on CPU, its Triton entry points on CUDA. Its state format (`StepConfig.fmt`)
-    gives the rest; `rule`, the rule they step, is checked against that format's (`packed_rule`)."""
+    """A rule's step as the primitive runs it, the same bits on every platform. An elementwise rule
+    gives its numpy step (CPU) and Triton entry points (CUDA), which the primitive's own lowerings
+    run over its leaves; a rule with a matrix phase (Muon's Newton-Schulz between two elementwise
+    phases) gives `lower` instead, its whole step over the leaves for one platform. Its state format
+    (`StepConfig.fmt`) gives the rest; `rule`, the rule they step, is checked against that format's
+    (`packed_rule`)."""
 
     # the rule they step (its bounds are a dict, so the functions below identify the steps)
     rule: Rule = dataclasses.field(compare=False)
     # numpy, in place: (p, g, state, scalar row, *, fmt, update_out, format_counts_out)
-    apply_step: Callable
+    apply_step: Callable | None = None
     # numpy, in place: (bf16 weight's bits, low half, g, state, scalar row, *, fmt, format_counts_out)
-    apply_split_step: Callable
-    step_scalar_row: Callable  # (count, hyperparameter row) -> the row of step scalars
+    apply_split_step: Callable | None = None
+    step_scalar_row: Callable | None = None  # (count, hyperparameter row) -> the row of step scalars
     # () -> the rule's core.kernel.FunctionalKernels, called only when compiling for CUDA (it imports Triton)
-    kernels: Callable
+    kernels: Callable | None = None
+    # (operands, config, platform) -> StepResults, traced for the platform being compiled ("cuda", or
+    # "host" for every other): the step of a rule that is not elementwise; None for an elementwise rule
+    lower: Callable | None = None
+    # (transform, peer): the optax transformation stepping this rule, for the refusal of a derivative
+    # (`not_differentiable`), and the one that differentiates
+    names: tuple[str, str] = ("packed_adamw", "optax.adamw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +103,17 @@ class StepConfig:
     alias_grads: bool = False  # CUDA transform: write u into the gradient's buffer
     track_format: bool = False  # one more output: the step's format counts per leaf
     split: tuple[int, ...] = ()  # the leaves that are bf16 weights with split masters (a low half each)
+    options: Any = None  # a `lower` rule's own static settings (hashable): Muon's matrices, Newton-Schulz
 
     @property
     def n_leaves(self) -> int:
         return len(self.leaf_rows)
+
+    @property
+    def has_exponents(self) -> bool:
+        """Whether each leaf's state has a per-matrix exponent beside its entry (`exponent_entry`:
+        Muon's packed mode), an operand and a result of the primitive."""
+        return self.fmt.exponent_entry is not None
 
     def per_leaf(self, compact) -> list:
         """The split leaves' arrays (in `split` order) -> one entry per leaf, None where FP32."""
@@ -108,14 +129,16 @@ def counts_shape(config: StepConfig) -> tuple[int, int]:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["params", "grads", "states", "lows", "hparams",
-                                                                  "count"], meta_fields=[])
+                                                                  "count", "exponents"], meta_fields=[])
 @dataclasses.dataclass
 class StepOperands:
     """The step primitive's operands, by name. `lows` has one entry per leaf: the low half of a
     leaf in `config.split`, None for a FP32 leaf. Also used for what follows the operands
     (their shardings, specs, sharding-rule factors). `hparams` is float32 [rows,
-    rule.hyperparam_row], the rule's `variant_rows` (`config.leaf_rows` picks each leaf's),
-    `count` the int32 count after this step (>= 1)."""
+    rule.hyperparam_row], the rule's `variant_rows` (`config.leaf_rows` picks each leaf's; NaN
+    rows: a step refused in the graph, `_hyperparams._refuse_invalid`), `count` the int32 count
+    after this step (>= 1). `exponents`: per leaf its int32 per-matrix exponents where the format
+    keeps them (`config.has_exponents`), else None."""
 
     params: list
     grads: list
@@ -123,44 +146,56 @@ class StepOperands:
     lows: list
     hparams: Any
     count: Any
+    exponents: list | None = None
 
     def flat(self, config: StepConfig) -> list:
-        """The primitive's operand order: *params, *grads, *states, *low halves (split
-        leaves, in order), hparams, count."""
-        return [*self.params, *self.grads, *self.states, *(self.lows[i] for i in config.split), self.hparams,
-                self.count]
+        """The primitive's operand order: *params, *grads, *states, *exponents (with
+        `has_exponents`), *low halves (split leaves, in order), hparams, count."""
+        exponents = self.exponents if config.has_exponents else []
+        return [*self.params, *self.grads, *self.states, *exponents, *(self.lows[i] for i in config.split),
+                self.hparams, self.count]
 
     @classmethod
     def of(cls, flat, config: StepConfig) -> "StepOperands":
         n, k = config.n_leaves, len(config.split)
-        return cls(list(flat[:n]), list(flat[n:2 * n]), list(flat[2 * n:3 * n]),
-                   config.per_leaf(flat[3 * n:3 * n + k]), flat[3 * n + k], flat[3 * n + k + 1])
+        e = n if config.has_exponents else 0
+        exponents = list(flat[3 * n:3 * n + e]) if e else [None] * n
+        rest = flat[3 * n + e:]
+        return cls(list(flat[:n]), list(flat[n:2 * n]), list(flat[2 * n:3 * n]), config.per_leaf(rest[:k]), rest[k],
+                   rest[k + 1], exponents)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["outs", "states", "lows", "counts"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["outs", "states", "lows", "counts", "exponents"],
                    meta_fields=[])
 @dataclasses.dataclass
 class StepResults:
     """The step primitive's results, by name: per leaf its out (update, or new parameter; a
-    split leaf's new weight), new state and new low half (None for a FP32 leaf), and the step's
-    format counts with `config.track_format` (else None)."""
+    split leaf's new weight), new state and new low half (None for a FP32 leaf), the step's
+    format counts with `config.track_format` (else None), and per leaf its new exponents with
+    `config.has_exponents` (else None)."""
 
     outs: list
     states: list
     lows: list
     counts: Any = None
+    exponents: list | None = None
 
     def flat(self, config: StepConfig) -> list:
-        """The primitive's result order: *outs, *new states, *new low halves (split leaves,
-        in order), then the counts with `track_format`."""
-        return [*self.outs, *self.states, *(self.lows[i] for i in config.split),
+        """The primitive's result order: *outs, *new states, *new exponents (with
+        `has_exponents`), *new low halves (split leaves, in order), then the counts with
+        `track_format`."""
+        exponents = self.exponents if config.has_exponents else []
+        return [*self.outs, *self.states, *exponents, *(self.lows[i] for i in config.split),
                 *([self.counts] if config.track_format else [])]
 
     @classmethod
     def of(cls, flat, config: StepConfig) -> "StepResults":
         n, k = config.n_leaves, len(config.split)
-        return cls(list(flat[:n]), list(flat[n:2 * n]), config.per_leaf(flat[2 * n:2 * n + k]),
-                   flat[2 * n + k] if config.track_format else None)
+        e = n if config.has_exponents else 0
+        exponents = list(flat[2 * n:2 * n + e]) if e else [None] * n
+        rest = flat[2 * n + e:]
+        return cls(list(flat[:n]), list(flat[n:2 * n]), config.per_leaf(rest[:k]),
+                   rest[k] if config.track_format else None, exponents)
 
 
 def check_countable(arrays, config: StepConfig) -> None:
@@ -193,7 +228,8 @@ def _abstract_eval(*avals, config: StepConfig):
     # hyperparameter rows (both rank 2).
     strong = lambda xs: [None if a is None else a.update(weak_type=False) for a in xs]  # noqa: E731
     counts = ops.hparams.update(shape=counts_shape(config), dtype=np.dtype(np.uint32), weak_type=False)
-    return StepResults(strong(ops.params), strong(ops.states), strong(ops.lows), counts).flat(config)
+    return StepResults(strong(ops.params), strong(ops.states), strong(ops.lows), counts,
+                       strong(ops.exponents)).flat(config)
 
 
 @functools.lru_cache(maxsize=256)
@@ -201,9 +237,20 @@ def _jitted(config: StepConfig):
     return jax.jit(lambda *args: packed_adamw_step_p.bind(*args, config=config))
 
 
+def _eager_platform(args) -> str:
+    """The platform an eager step's operations run on: its arrays' ("cuda" for a GPU's)."""
+    devices = {d for x in args if isinstance(x, jax.Array) for d in x.devices()}
+    return "cuda" if any(d.platform == "gpu" for d in devices) else "host"
+
+
 @packed_adamw_step_p.def_impl
 def _impl(*args, config: StepConfig):
-    # Outside a trace: compile the primitive alone, for the devices the arrays are on.
+    # Outside a trace: compile the primitive alone, for the devices the arrays are on. A rule that
+    # lowers itself runs its lowering's operations one by one instead, as any eager JAX code: its
+    # options hold values known before compilation (Muon's hyperparameters as given), so a compiled
+    # step would compile again for each new value (an eager loop changing a number each step).
+    if config.steps.lower is not None:
+        return config.steps.lower(StepOperands.of(args, config), config, _eager_platform(args)).flat(config)
     return _jitted(config)(*args)
 
 
@@ -233,7 +280,7 @@ def not_differentiable(name: str, peer: str) -> TypeError:
 def _not_differentiable(primals, tangents, *, config: StepConfig):
     """The primitive's JVP rule. JAX calls it only when some operand carries a tangent, so a
     step beside a gradient (the usual train step) never reaches it."""
-    raise not_differentiable("packed_adamw", "optax.adamw")
+    raise not_differentiable(*config.steps.names)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -247,10 +294,10 @@ def _refuse_tangents(refusal: tuple, primals, tangents):
 
 
 def without_tangents(arrays, name: str, peer: str):
-    """`arrays` (a pytree) unchanged, for a transform whose step is not the primitive alone (Muon's
-    phases, whose callbacks and launches have no JVP rule, beside packed_adamw's primitive): a
-    tangent reaching them is refused as the primitive's are (`not_differentiable`), in `name`'s
-    words, and none reaches them beside a gradient. The identity leaves the compiled step as it is."""
+    """`arrays` (a pytree) unchanged, for a transform whose inputs reach more than one step
+    (packed_muon's: the primitive's Muon rule and packed_adamw's half): a tangent reaching them is
+    refused as the primitive's are (`not_differentiable`), in `name`'s words, before any step
+    sees it, and none reaches them beside a gradient. The identity leaves the compiled step as it is."""
     return _tangent_free((name, peer), arrays)
 
 
@@ -258,7 +305,8 @@ ad.primitive_jvps[packed_adamw_step_p] = _not_differentiable
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU (and any platform without a CUDA rule): the numpy step, one callback per leaf
+# CPU (and any platform without a CUDA rule): the numpy step, one callback per device (a rule
+# with its own lowering: `RuleSteps.lower` for "host")
 # ---------------------------------------------------------------------------------------------
 class CpuStepError(RuntimeError):
     """An error inside the CPU step's callback, with the leaf named on one line."""
@@ -353,6 +401,8 @@ def _host_step(*flat, config: StepConfig):
 
 def _cpu_step(*args, config: StepConfig):
     ops = StepOperands.of(args, config)
+    if config.steps.lower is not None:
+        return config.steps.lower(ops, config, "host").flat(config)
     check_countable(ops.params, config)
     if not ops.params:
         return StepResults([], [], [], jnp.zeros(counts_shape(config), jnp.uint32)).flat(config)
@@ -368,6 +418,8 @@ def _cuda_step(*args, config: StepConfig):
     from . import _triton_launch
 
     ops = StepOperands.of(args, config)
+    if config.steps.lower is not None:
+        return config.steps.lower(ops, config, "cuda").flat(config)
     check_countable(ops.params, config)
     outs, new_states, counts, *new_lows = _triton_launch.step(
         ops.params, ops.grads, ops.states, list(config.leaf_rows), ops.hparams, ops.count, fmt=config.fmt,

@@ -5,6 +5,7 @@ Data moves between the frameworks through numpy (no dlpack).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -293,6 +294,8 @@ class InterpretedJaxTriton:
 
     def triton_call(self, *args, kernel, out_shape, grid, input_output_aliases=None, num_warps=None,
                     enable_fp_fusion=True, **metaparams):
+        import jax
+
         # jax-triton 0.3.1 fills in no default constexpr: a launch that leaves one out fails there.
         fn = kernel
         while hasattr(fn, "fn"):  # the interpreter's wrapper, then the JITFunction, then the function
@@ -300,13 +303,29 @@ class InterpretedJaxTriton:
         left_out = [name for name, p in inspect.signature(fn).parameters.items()
                     if "constexpr" in str(p.annotation) and name not in metaparams]
         assert not left_out, f"{fn.__name__} launched without its constexpr {', '.join(left_out)}"
-        self.launches.append((kernel, metaparams))
         shapes = list(out_shape) if isinstance(out_shape, (tuple, list)) else [out_shape]
+        launch = functools.partial(self._launch, args, kernel, shapes, grid, dict(input_output_aliases or {}),
+                                   num_warps, metaparams)
+        is_number = lambda a: isinstance(a, (bool, int, float))  # noqa: E731
+        if any(isinstance(a, jax.core.Tracer) for a in args):
+            # Traced (a step primitive's lowering, compiled): the launch runs, and is recorded, each time
+            # the compiled step runs, in a host callback.
+            results = jax.pure_callback(lambda *arrays: [np.asarray(r) for r in launch(arrays)],
+                                        [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in shapes],
+                                        *[a for a in args if not is_number(a)])
+        else:
+            results = launch([np.asarray(a) for a in args if not is_number(a)])
+        return tuple(results) if isinstance(out_shape, (tuple, list)) else results[0]
+
+    def _launch(self, args, kernel, shapes, grid, aliases, num_warps, metaparams, arrays) -> list:
+        """One launch in the interpreter: `args` as given, their arrays replaced by `arrays` (numpy)."""
+        self.launches.append((kernel, metaparams))
+        values = iter(arrays)
+        args = [a if isinstance(a, (bool, int, float)) else next(values) for a in args]
         arg_types = tuple(type(a).__name__ if isinstance(a, (bool, int, float)) else str(np.asarray(a).dtype)
                           for a in args)
         self.signatures.append((arg_types, tuple(str(np.dtype(s.dtype)) for s in shapes), num_warps))
         arrays = [self._tensor(np.asarray(a)) for a in args if not isinstance(a, (bool, int, float))]
-        aliases = dict(input_output_aliases or {})
         outs = []
         for k, shape in enumerate(shapes):
             source = [i for i, o in aliases.items() if o == k]
@@ -318,5 +337,4 @@ class InterpretedJaxTriton:
                 outs.append(self._tensor(garbage.view(np.dtype(shape.dtype)).reshape(shape.shape)))
         it = iter(arrays)
         kernel[grid](*[a if isinstance(a, (bool, int, float)) else next(it) for a in args], *outs, **metaparams)
-        results = [self._array(o, s.dtype) for o, s in zip(outs, shapes)]
-        return tuple(results) if isinstance(out_shape, (tuple, list)) else results[0]
+        return [self._array(o, s.dtype) for o, s in zip(outs, shapes)]

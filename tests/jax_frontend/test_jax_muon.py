@@ -33,7 +33,7 @@ from packed_adamw.jax.muon import (  # noqa: E402
     packed_muon,
     packed_muon_fused_step,
 )
-from packed_adamw.jax import muon as jax_muon  # noqa: E402
+from packed_adamw.jax import _muon_step  # noqa: E402
 from layout import REPO
 
 F32 = np.float32
@@ -106,6 +106,29 @@ class Reference:
 
 
 MUON_LEAVES = ("tall", "wide", "square")
+
+
+@pytest.fixture
+def interpreted_kernels(monkeypatch):
+    """packed_muon's CUDA lowering on the CPU: `_muon_step.KERNELS_EVERYWHERE` runs core/muon's
+    kernels, each launch in Triton's CPU interpreter through jax_helpers' jax-triton stand-in (a
+    host callback where the step is compiled), which it yields. The steps compiled meanwhile are
+    dropped before and after, so none bound to another test's stand-in (or to other launch sizes)
+    is reused."""
+    from conftest import interpreting
+    from jax_helpers import InterpretedJaxTriton
+
+    if not interpreting():
+        pytest.skip("runs the kernels in Triton's CPU interpreter")
+    from packed_adamw.jax import _muon_step, _muon_triton, _step
+
+    stand_in = InterpretedJaxTriton()
+    monkeypatch.setattr(_muon_triton, "_jax_triton", lambda: stand_in)
+    monkeypatch.setattr(_muon_step, "KERNELS_EVERYWHERE", True)
+    _step._jitted.cache_clear()
+    yield stand_in
+    _step._jitted.cache_clear()
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("mode", ["fp32", "packed", "bf16"])
@@ -303,7 +326,7 @@ def test_a_non_finite_gradient_refuses_its_matrix_only():
 
 
 @pytest.mark.parametrize("path", ["cpu", "interpreted gpu", pytest.param("gpu", marks=pytest.mark.cuda)])
-def test_a_newton_schulz_output_that_is_not_finite_refuses_the_matrix_whole(path, monkeypatch):
+def test_a_newton_schulz_output_that_is_not_finite_refuses_the_matrix_whole(path, request):
     """Coefficients that pass validation but overflow (1e20 each) make Newton-Schulz's output
     Inf/NaN from finite inputs: every Muon matrix is refused whole (update -0.0, momentum codes
     and exponent kept), as for a NaN gradient, while the AdamW leaves step. Before, the momentum
@@ -312,15 +335,7 @@ def test_a_newton_schulz_output_that_is_not_finite_refuses_the_matrix_whole(path
     if path == "gpu" and _cuda_reason() is not None:
         pytest.skip(f"needs CUDA for JAX plus jax_triton: {_cuda_reason()}")
     if path == "interpreted gpu":
-        from conftest import interpreting
-        from jax_helpers import InterpretedJaxTriton
-
-        if not interpreting():
-            pytest.skip("runs the kernels in Triton's CPU interpreter")
-        from packed_adamw.jax import _muon_triton
-
-        monkeypatch.setattr(_muon_triton, "_jax_triton", lambda: InterpretedJaxTriton())
-        monkeypatch.setattr(jax_muon, "_step_platform", lambda tree: "gpu")
+        request.getfixturevalue("interpreted_kernels")
     rng = np.random.default_rng(19)
     params = make_params(rng)
     tx = packed_muon(LR, ns_coeffs=(1e20, 1e20, 1e20), ns_steps=2)
@@ -775,7 +790,7 @@ def test_the_adamw_half_is_packed_adamw_without_nesterov_as_muon_md_says():
         assert said in page, f"docs/MUON.md should say: {said}"
 
 
-def test_misuse_is_refused_with_a_message(monkeypatch):
+def test_misuse_is_refused_with_a_message():
     params = make_params(np.random.default_rng(23))
     tx = packed_muon(LR)
     state = tx.init(params)
@@ -789,10 +804,81 @@ def test_misuse_is_refused_with_a_message(monkeypatch):
     with pytest.raises(ValueError, match="rank 1"):
         packed_muon(LR, muon_weight_dimension_numbers={**{k: None for k in params},
                                                        "bias": MuonDimensionNumbers()}).init(params)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    with pytest.raises(NotImplementedError, match="default backend's devices.*issue 37"):
-        tx.update(grads, state, params)  # a GPU backend with the arrays on the CPU
-    assert jax_muon._step_platform(()) == "gpu"  # a GPU backend (traced arrays carry no devices)
+
+
+@pytest.mark.cuda
+def test_arrays_on_the_cpu_of_a_gpu_host_take_the_host_phases():
+    """The platform the step is compiled for chooses Muon's phases, as it chooses packed_adamw's:
+    a GPU host's arrays placed on its CPU take core/muon's numpy phases around the jax.numpy
+    Newton-Schulz, compiled for the CPU, with the contract's bits (they were refused with a
+    NotImplementedError when the default backend chose)."""
+    if _cuda_reason() is not None:
+        pytest.skip(f"needs CUDA for JAX plus jax_triton: {_cuda_reason()}")
+    cpu = jax.devices("cpu")[0]
+    rng = np.random.default_rng(5)
+    params = jax.device_put(make_params(rng), cpu)
+    state = jax.device_put(packed_muon(LR).init(params), cpu)
+    step = jax.jit(packed_muon_fused_step(LR))
+
+    def cpu_ns(x_bits):
+        x = jax.device_put(jnp.asarray(x_bits).view(jnp.bfloat16), cpu)
+        return bits(newton_schulz(x, COEFFICIENTS, STEPS, EPS))
+
+    refs = {k: Reference(params[k], StateFormat("packed"), cpu_ns) for k in MUON_LEAVES}
+    text = step.lower(params, jax.device_put(make_grads(rng, params), cpu), state).compile().as_text()
+    assert "xla_ffi_python_cpu_callback" in text and "triton" not in text.lower()
+    for _ in range(2):
+        grads = jax.device_put(make_grads(rng, params), cpu)
+        params, state = step(params, grads, state)
+        for k in MUON_LEAVES:
+            refs[k].step(np.asarray(grads[k]))
+            assert np.array_equal(bits(params[k]), bits(refs[k].p)), k
+            assert np.array_equal(bits(state.momentum[k]), bits(refs[k].state)), k
+            assert int(state.exponents[k]) == int(refs[k].exponent), k
+    assert all(leaf.devices() == {cpu} for leaf in jax.tree_util.tree_leaves((params, state)))
+
+
+def test_a_learning_rate_of_negative_zero_is_its_own_step_eagerly_and_in_one_jit():
+    """Hyperparameters given as Python numbers are compiled into the step, keyed by their binary64
+    bits: lr=-0.0 (a valid rate) and lr=0.0 compare equal as floats but step a -0.0 weight to
+    different bits (-lr is +0.0 for one, -0.0 for the other), and each must get its own step, in
+    either order, eagerly and inside one jit (a review found the second reusing the first's)."""
+    p = {"w": jnp.asarray(np.array([[-0.0, 1.0, 0.5], [0.25, -0.5, 2.0]], F32))}
+    g = {"w": jnp.asarray(np.array([[1e-3, -2e-3, 3e-3], [1e-3, 5e-3, -1e-3]], F32))}
+    fmt = StateFormat("fp32")
+
+    def want(lr):
+        ref = Reference(p["w"], fmt, jax_ns, lr=lr)
+        ref.step(np.asarray(g["w"]))
+        return bits(ref.p)
+
+    def fused(lr):
+        return packed_muon_fused_step(lr, mode="fp32")(p, g, packed_muon(lr, mode="fp32").init(p))[0]["w"]
+
+    assert not np.array_equal(want(0.0), want(-0.0))  # the case tells the two apart
+    for order in ((0.0, -0.0), (-0.0, 0.0)):
+        for lr in order:
+            assert np.array_equal(bits(fused(lr)), want(lr)), (order, lr)
+        both = jax.jit(lambda: [fused(lr) for lr in order])()
+        for lr, got in zip(order, both):
+            assert np.array_equal(bits(got), want(lr)), ("jit", order, lr)
+
+
+def test_eager_steps_compile_no_step_per_learning_rate():
+    """An eager loop that builds packed_muon with a new Python learning rate each step compiles no
+    new step for it: the Muon leaves' lowering runs op by op outside a trace (a review measured a
+    compiled step per value, 9x slower), while packed_adamw's primitive is compiled once."""
+    from packed_adamw.jax import _step
+
+    rng = np.random.default_rng(31)
+    params = make_params(rng)
+    state = packed_muon(LR).init(params)
+    packed_muon(LR).update(make_grads(rng, params), state, params)
+    compiled = _step._jitted.cache_info().currsize
+    for lr in (0.011, 0.012, 0.013):
+        updates, state = packed_muon(lr).update(make_grads(rng, params), state, params)
+        params = optax.apply_updates(params, updates)
+    assert _step._jitted.cache_info().currsize == compiled
 
 
 def test_injected_hyperparameters_step_as_the_same_float32_numbers():
@@ -864,19 +950,12 @@ def test_weights_are_the_same_for_power_of_two_scaled_gradients(dtype):
     assert_scale_invariant(dtype)
 
 
-def test_weights_are_the_same_for_power_of_two_scaled_gradients_in_the_interpreted_gpu_path(monkeypatch):
+def test_weights_are_the_same_for_power_of_two_scaled_gradients_in_the_interpreted_gpu_path(interpreted_kernels):
     """The acceptance test through the GPU path's kernels (_muon_triton.py) in Triton's CPU
     interpreter, float32 weights, two steps (the interpreter is slow)."""
-    from conftest import interpreting
-    from jax_helpers import InterpretedJaxTriton
-
-    if not interpreting():
-        pytest.skip("runs the kernels in Triton's CPU interpreter")
     from packed_adamw.jax import _muon_triton
 
-    stand_in = InterpretedJaxTriton()
-    monkeypatch.setattr(_muon_triton, "_jax_triton", lambda: stand_in)
-    monkeypatch.setattr(jax_muon, "_step_platform", lambda tree: "gpu")
+    stand_in = interpreted_kernels
     (weights, exponents), *scaled = (weights_after_scaled_steps(scale, jnp.float32, steps=2, ns_steps=2)
                                      for scale in SCALES)
     assert stand_in.kernels.count(_muon_triton.muon_momentum_group_kernel) == 2 * 2 * len(SCALES)
@@ -975,7 +1054,7 @@ def test_gpu_step_equals_torch_triton_newton_schulz_bit_for_bit(mode, batch_ns, 
                 if bf16_leaf(k):  # applied, its update gives the new weight (the low half keeps the master)
                     got, want = optax.apply_updates(params[k], updates[k]), new_params[k]
                 else:
-                    got, want = updates[k], jax_muon._float32_update(params[k], new_params[k])
+                    got, want = updates[k], _muon_step._float32_update(params[k], new_params[k])
                 np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"update of {k}")
             for a, b in zip(*(jax.tree_util.tree_leaves((st.momentum, st.low_halves, st.exponents))
                               for st in (t_state, new_state))):
@@ -1033,7 +1112,7 @@ INTERPRETED_LEAVES = {"tall": (4, 8), "wide": (8, 4), "half": (6, 6), "stack": (
 
 
 @pytest.mark.parametrize("mode,schedule", [("packed", False), ("fp32", True)])
-def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(mode, schedule, monkeypatch):
+def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(mode, schedule, monkeypatch, interpreted_kernels):
     """The GPU path's launches (_muon_triton.py) run in Triton's CPU interpreter through a
     stand-in for jax-triton 0.3.1's triton_call (arrays and scalars in order, then the outputs),
     against torch's PackedMuon(ns_impl="triton") with its kernels, also interpreted: the same
@@ -1041,18 +1120,11 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(mode, sch
     shapes; the batched leaf's matrices go to torch as two parameters). Packed codes with a
     constant lr; float32 momenta (the kernels' other pointer types) with a scheduled lr (the
     step scalars computed on the device, `muon_scalars_kernel`)."""
-    from conftest import interpreting
-    from jax_helpers import InterpretedJaxTriton
-
-    if not interpreting():
-        pytest.skip("runs the kernels in Triton's CPU interpreter")
     from packed_adamw.jax import _muon_triton
     from packed_adamw.torch import PackedMuon
     from packed_adamw.torch import muon as torch_muon
 
-    stand_in = InterpretedJaxTriton()
-    monkeypatch.setattr(_muon_triton, "_jax_triton", lambda: stand_in)
-    monkeypatch.setattr(jax_muon, "_step_platform", lambda tree: "gpu")
+    stand_in = interpreted_kernels
     monkeypatch.setattr(torch_muon, "_runs_kernels", lambda opt, on: True)
     rng = np.random.default_rng(41)
     p0 = {k: (rng.standard_normal(s) * 0.2).astype(F32) for k, s in INTERPRETED_LEAVES.items()}
@@ -1137,20 +1209,13 @@ def test_gpu_path_in_the_interpreter_equals_torch_triton_newton_schulz(mode, sch
         np.testing.assert_array_equal(bits(params[k]).T, theirs, err_msg=f"weights of {k}")
 
 
-def test_gpu_path_launches_split_at_the_kernels_slots_in_the_interpreter(monkeypatch):
+def test_gpu_path_launches_split_at_the_kernels_slots_in_the_interpreter(monkeypatch, interpreted_kernels):
     """17 leaves of one kind take two launches of each phase (16 slots, then 1), the second from
     slot 16 of the shape group's buffers: the same bits, updates and momenta, as one launch a
     leaf; a leaf refused in the second launch is refused alone."""
-    from conftest import interpreting
-    from jax_helpers import InterpretedJaxTriton
+    from packed_adamw.jax import _muon_triton, _step
 
-    if not interpreting():
-        pytest.skip("runs the kernels in Triton's CPU interpreter")
-    from packed_adamw.jax import _muon_triton
-
-    stand_in = InterpretedJaxTriton()
-    monkeypatch.setattr(_muon_triton, "_jax_triton", lambda: stand_in)
-    monkeypatch.setattr(jax_muon, "_step_platform", lambda tree: "gpu")
+    stand_in = interpreted_kernels
     rng = np.random.default_rng(43)
     names = [f"m{i:02d}" for i in range(17)]
     params = {k: jnp.asarray((rng.standard_normal((2, 4)) * 0.2).astype(F32)) for k in names}
@@ -1161,6 +1226,7 @@ def test_gpu_path_launches_split_at_the_kernels_slots_in_the_interpreter(monkeyp
 
     def run(leaves_per_launch):
         monkeypatch.setattr(_muon_triton, "LEAVES_PER_LAUNCH", leaves_per_launch)
+        _step._jitted.cache_clear()  # the launches are chosen when the step is compiled
         stand_in.clear()
         updates, new_state = tx.update(grads, state, params)
         return updates, new_state, stand_in.kernels.count(_muon_triton.muon_momentum_group_kernel)
@@ -1211,7 +1277,7 @@ def test_the_weight_kernels_float32_update_is_the_transforms_bit_for_bit():
     np.testing.assert_array_equal(u.numpy().view(np.uint32), want.view(np.uint32))
     normal = np.abs(want) >= np.finfo(F32).tiny
     np.testing.assert_array_equal(
-        np.asarray(jax_muon._float32_update(jnp.asarray(p), jnp.asarray(p_next))).view(np.uint32)[normal],
+        np.asarray(_muon_step._float32_update(jnp.asarray(p), jnp.asarray(p_next))).view(np.uint32)[normal],
         want.view(np.uint32)[normal])
 
 
