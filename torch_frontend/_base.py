@@ -32,6 +32,7 @@ import torch
 from torch.optim import Optimizer
 
 from . import _checks, _compiled, _engine, _persistence
+from ._state import has_format_counts
 
 _REQUIRED = object()  # an option every pickle of the class carries
 
@@ -110,6 +111,14 @@ class PackedOptimizer(Optimizer):
         could have been counted). Warns once per parameter whose saturated share passes
         `SATURATION_WARNING`."""
         return _engine.format_stats(self, self._count_names())
+
+    @property
+    def format_count_names(self) -> tuple[str, ...]:
+        """The counts `format_stats` gives a counted parameter besides `elements`: `refused` where
+        the rule refuses whole matrices (`counts_refusals`), then the rule's format counts where its
+        state format has codes (none in AdamW's fp32 mode, Muon's bf16 and fp32 modes)."""
+        codes = self._count_names() if has_format_counts(self.state_format) else ()
+        return ((_engine.REFUSED_STAT,) if self.counts_refusals else ()) + tuple(codes)
 
     # ---- pickling: torch.optim keeps only defaults, state and param_groups ------------------
     def __getstate__(self) -> dict:

@@ -397,6 +397,11 @@ class PackedMuonAdamW(PackedOptimizer):
         for rule in self._rules.values():
             rule.track_format = value if _is_muon(rule) else value and has_format_counts(rule.state_format)
 
+    @property
+    def format_count_names(self) -> tuple[str, ...]:
+        """Every rule's `format_count_names` (PackedMuon's, PackedAdamW's), each name once."""
+        return tuple(dict.fromkeys(name for rule in self._rules.values() for name in rule.format_count_names))
+
     def format_stats(self) -> dict:
         """Every rule's `format_stats` in one dict, in this optimizer's parameter order (keys: a
         parameter's name, or its (group, position) here): Muon's entries as PackedMuon gives them

@@ -4,6 +4,7 @@ step of all the rows, and DDP and FSDP2 on 2 gloo ranks against one process with
 global batch, FSDP2 resumed resharded 1 -> 2 -> 1 ranks. The model is the chat-tiny preset on
 tapes of a 320-entry tokenizer trained for the test (tokenizer/train_tokenizer.py), so a step
 takes a fraction of a second."""
+import collections
 import errno
 import fcntl
 import json
@@ -117,6 +118,48 @@ def test_run_writes_log_schedule_summary_and_state(straight):
     assert config["preset"] == "chat-tiny" and config["model"]["vocab_size"] == VOCAB
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["step"] == 4 and summary["weight_bytes_per_parameter"] == 2.0
+
+
+def test_track_format_logs_each_rules_counts_per_kind_and_changes_no_bit(data, straight, tmp_path, monkeypatch):
+    """--track-format: after each logged step a "format" record per kind of tensor, the optimizer's
+    reads summed by kind, each share over the element-steps of the parameters that count it: Muon's
+    momentum code's over the block matrices, AdamW's over the embeddings and head, none over the
+    scalars (fp32 state: shares null). The states and step records are the untracked run's, bit for bit."""
+    from packed_adamw.torch import PackedMuonAdamW
+    from packed_adamw.torch.gpt.chat_model import chat_parameter_kind
+
+    reads, real = [], PackedMuonAdamW.format_stats
+
+    def recording(self):
+        reads.append(real(self))
+        return reads[-1]
+
+    monkeypatch.setattr(PackedMuonAdamW, "format_stats", recording)
+    assert main(arguments(data, tmp_path, "--eval-every", 2, "--eval-batches", 1, "--save-every", 2,
+                          "--track-format")) == 0
+    for step in (2, 4):
+        assert_same_bits(read(tmp_path / state_file_name(step))[0], read(straight / state_file_name(step))[0])
+    records = log(tmp_path)
+    formats = [r for r in records if r.get("record") == "format"]
+    assert trajectory([r for r in records if r not in formats]) == trajectory(log(straight))
+    assert [(r["first_step"], r["step"]) for r in formats] == [(1, 1), (2, 2), (3, 3), (4, 4)] and len(reads) == 4
+    shares = collections.defaultdict(set)  # count name -> the kinds with a share of it
+    for record, stats in zip(formats, reads):
+        totals, over = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
+        for name, entry in stats.items():
+            kind = chat_parameter_kind(name)
+            totals[kind].update(entry)
+            over[kind].update({k: entry["elements"] for k in entry if k != "elements"})
+        for kind, entry in record["kinds"].items():
+            assert entry["element_steps"] == totals[kind]["elements"], kind
+            assert entry["counts"] == {k: totals[kind][k] for k in entry["counts"]}, kind
+            for k in entry["counts"]:
+                if k != "refused":
+                    assert entry[k] == (totals[kind][k] / over[kind][k] if over[kind][k] else None), (kind, k)
+                    if entry[k] is not None:
+                        shares[k].add(kind)
+    assert shares["subnormal_mu"] >= {"mlp", "attention_q"} and shares["subnormal_m"] >= {"embedding", "head"}
+    assert "scalar" not in shares["subnormal_mu"] | shares["subnormal_m"]
 
 
 def test_resume_is_bit_exact(data, straight, tmp_path):
@@ -235,6 +278,8 @@ def test_refusals(data, straight, tmp_path, capsys):
                                                                    "--save-every", 1))
     assert "--muon-mode fp32: PackedMuon's momentum storage" in refused_flag(
         capsys, arguments(data, tmp_path, "--optimizer", "reference", "--muon-mode", "fp32"))
+    assert "--track-format counts the packed optimizer's formats" in refused_flag(
+        capsys, arguments(data, tmp_path, "--optimizer", "reference", "--track-format"))
     assert "start with torchrun --nproc_per_node=N" in refused_flag(capsys, arguments(data, tmp_path, "--parallel",
                                                                                       "fsdp"))
     assert "--grad-accum 0" in refused_flag(capsys, arguments(data, tmp_path, "--grad-accum", 0))

@@ -1858,6 +1858,7 @@ def test_track_format_counts_refused_matrices_and_format_events_and_changes_no_b
             o.step()
         assert all(torch.equal(a, b) for a, b in zip(snapshot(opt, params), snapshot(twin, twin_params)))
     assert want["w1"]["refused"] == 1 and want["w0"]["refused"] == 0
+    assert set(opt.format_count_names) == set(want["w0"]) - {"elements"}  # what a trainer logs
     if mode == "packed":
         # Each matrix's exponent puts its largest |m'| one binade below the top code: nothing
         # saturates (so the shared saturation warning stays silent); the momenta 30 and 40

@@ -740,6 +740,21 @@ def test_a_deep_copy_continues_like_the_original():
 
 
 
+@pytest.mark.parametrize("mode", ["packed", "fp16", "fp32"])
+def test_format_count_names_are_the_counts_format_stats_gives(mode):
+    """`format_count_names` (what a trainer logs) are the keys of a counted parameter's entry but
+    `elements`; fp32 mode stores float32 moments and counts nothing (track_format is refused)."""
+    params = make_params(0)
+    if mode == "fp32":
+        assert PackedAdamW(params, mode="fp32").format_count_names == ()
+        return
+    opt = PackedAdamW(params, lr=1e-2, mode=mode, track_format=True)
+    set_grads(params, 0)
+    opt.step()
+    for entry in opt.format_stats().values():
+        assert opt.format_count_names == tuple(k for k in entry if k != "elements")
+
+
 @pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda opt: pickle.loads(pickle.dumps(opt))],
                          ids=["deepcopy", "pickle"])
 def test_a_copy_keeps_the_format_counts_not_read_yet(copy_of):

@@ -64,6 +64,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps and at the end (0: never)")
     p.add_argument("--eval-batches", type=int, default=8, help="packed batches of val.tape per evaluation")
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--track-format", action="store_true",
+                   help="count where the packed optimizer's codes saturate, flush or go subnormal, and Muon's refused "
+                        "matrices; log.jsonl gets a \"format\" record per kind of tensor at every logged step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (under torchrun: cpu, cuda or auto, "
                    "each rank taking cuda:LOCAL_RANK)")
@@ -119,6 +122,9 @@ def check_args(args: argparse.Namespace) -> None:
         if args.muon_mode != "packed":
             raise ChatTrainError(f"--muon-mode {args.muon_mode}: PackedMuon's momentum storage, and --optimizer "
                                  "reference steps with torch.optim.Muon: leave --muon-mode out")
+        if args.track_format:
+            raise ChatTrainError("--track-format counts the packed optimizer's formats, and --optimizer reference "
+                                 "keeps float32 state: leave out --track-format, or use --optimizer packed")
     if args.allow_code_change and not args.resume:
         raise ChatTrainError("--allow-code-change lets a resume continue a state written by other trajectory code; "
                              "this run resumes nothing: leave it out, or add --resume")

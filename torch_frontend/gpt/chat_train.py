@@ -52,7 +52,7 @@ from packed_adamw.tokenizer.tape import TapeExhausted, TapeReader, read_header
 from packed_adamw.torch.combined import PackedMuonAdamW
 
 from . import loop
-from .chat_model import PRESETS, ChatGPT, compile_chat_model, compiled_graph_count
+from .chat_model import PRESETS, ChatGPT, chat_parameter_kind, compile_chat_model, compiled_graph_count
 from .chat_cli import PARAM_DTYPES, ChatTrainError, check_args
 from .chat_cli import parse_args as parse_command_line
 from .distributed import Ranks, launched_rank, wrap_model
@@ -61,7 +61,7 @@ from .optimizers import TorchMuonAdamW, optimizer_state_bytes
 from .packed_data import PackedBatch, PackedDocumentLoader
 from .run_directory import RunFiles, on_main_rank, writing
 from .schedules import ScheduleConfig, apply_schedule, build_schedule
-from .telemetry import chat_flops_per_token, model_flops_utilization, peak_bf16_flops
+from .telemetry import FormatCounts, RunLog, chat_flops_per_token, model_flops_utilization, peak_bf16_flops
 from .training_state import TrainingStateError, load_state, save_state, state_file_name
 from .unsharded_twin import UnshardedTwin, like_param
 
@@ -115,7 +115,7 @@ def build_optimizer(model: ChatGPT, args: argparse.Namespace, device: torch.devi
                                      weight_decay=args.weight_decay)
     if args.optimizer == "reference":  # the baseline: torch.optim.Muon + torch.optim.AdamW (fused on CUDA)
         return TorchMuonAdamW(groups, muon={}, adamw={"fused": device.type == "cuda"})
-    return PackedMuonAdamW(groups, mode=args.muon_mode)
+    return PackedMuonAdamW(groups, mode=args.muon_mode, track_format=args.track_format)
 
 
 def unsharded_twin(model_config, args: argparse.Namespace) -> UnshardedTwin:
@@ -396,6 +396,10 @@ class ChatRun(loop.Recipe):
         return loaded.step
 
     def start_session(self, step: int) -> None:
+        kinds = sorted({chat_parameter_kind(name) for name, _ in self.core.named_parameters()})
+        self.format_counts = FormatCounts(self.optimizer if self.args.track_format else None, kinds, step + 1,
+                                          self.ranks, self.device, chat_parameter_kind, logs=self.logs)
+
         def write_schedule() -> None:
             """This run's tables, written by every session (a resume into a new --out, or over a stale
             file of a start that failed before its first step, leaves none of another run's)."""
@@ -446,6 +450,9 @@ class ChatRun(loop.Recipe):
 
     def logs(self, step: int) -> bool:
         return step % self.args.log_every == 0 or step == self.plan.last
+
+    def after_step(self, step: int, log: RunLog) -> None:
+        self.format_counts.after_step(step, log)
 
     def loss(self, result: tuple[dict, torch.Tensor]) -> float:
         mean_loss = result[1]
@@ -507,6 +514,9 @@ class ChatRun(loop.Recipe):
         return path if args.optimizer == "packed" else None
 
     # ---- the end ----
+    def end_session(self, step: int, log: RunLog) -> None:
+        self.format_counts.finish(step, log)
+
     def evaluates_at_end(self, reason: str) -> bool:
         return bool(self.args.eval_every) and reason in self.plan.end_reasons  # its last step, not a stop
 

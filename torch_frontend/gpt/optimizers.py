@@ -19,9 +19,7 @@ import importlib
 import torch
 
 from packed_adamw.core import muon as muon_rules
-from packed_adamw.core.adamw import rule as adamw_rules
 
-from .._engine import REFUSED_STAT
 from ..combined import PackedMuonAdamW, muon_param_groups
 from ..optimizer import PackedAdamW
 from .config import ConfigError, TrainConfig
@@ -38,21 +36,18 @@ class OptimizerKind:
     split_masters: bool = False  # bf16 parameters get exact FP32 masters (the others step the weights)
     # TrainConfig fields that this kind alone reads: part of its runs' trajectory (checkpoints)
     own_settings: tuple = ()
-    packed_format: bool = False  # it steps with PackedAdamW, reading --mode, --m-bias and --rms-bias
+    # it steps with PackedAdamW (PackedMuonAdamW's AdamW rule), reading --mode, --m-bias and --rms-bias, and
+    # counts its formats under --track-format
+    packed_format: bool = False
 
     def check(self, config: TrainConfig) -> None:
         """Refuse the settings this kind cannot run with (ConfigError naming the option)."""
-
-    def format_counts(self, config: TrainConfig) -> tuple[str, ...]:
-        """The format counts --track-format logs for this kind: the names its optimizer's
-        `format_stats` gives each parameter (besides `elements`); () where it counts none."""
-        return ()
 
     def check_telemetry(self, config: TrainConfig) -> None:
         """Refuse telemetry this kind does not offer: only the packed optimizers' formats can be counted."""
         if config.log_moment_stats:
             raise ConfigError("--log-moment-stats needs --mode fp32 (it reads float32 moments)")
-        if config.track_format and not self.format_counts(config):
+        if config.track_format and not self.packed_format:
             raise ConfigError(f"--track-format logs the packed optimizers' format counts, and --optimizer "
                               f"{config.optimizer} keeps none: use --optimizer packed-adamw (--mode packed or fp16) "
                               "or packed-muon")
@@ -85,9 +80,6 @@ class OptimizerKind:
 class PackedAdamWKind(OptimizerKind):
     split_masters: bool = True
     packed_format: bool = True
-
-    def format_counts(self, config: TrainConfig) -> tuple[str, ...]:
-        return adamw_rules.FORMAT_COUNTS if config.mode != "fp32" else ()  # fp32 moments have no codes
 
     def check_telemetry(self, config: TrainConfig) -> None:
         if config.log_moment_stats and config.mode != "fp32":
@@ -301,13 +293,6 @@ class PackedMuonKind(MuonKind):
         if config.muon_mode not in muon_rules.MODES:
             raise ConfigError(f"--muon-mode {config.muon_mode}: choose one of {', '.join(muon_rules.MODES)} "
                               "(the Muon momentum's format)")
-
-    def format_counts(self, config: TrainConfig) -> tuple[str, ...]:
-        """PackedMuonAdamW's, each rule's where it counts (its `track_format`): Muon's refused
-        matrices in every mode and its momentum code's events in packed mode, AdamW's events
-        where --mode has codes."""
-        return (REFUSED_STAT, *(muon_rules.FORMAT_COUNTS if config.muon_mode == "packed" else ()),
-                *(adamw_rules.FORMAT_COUNTS if config.mode != "fp32" else ()))
 
     def run_name(self, config: TrainConfig) -> str:
         return f"{self.name}-{config.muon_mode}"

@@ -67,7 +67,7 @@ def format_record(optimizer, kinds: list[str], count_names: tuple[str, ...], fir
     cover (elements x steps counted), so a share is count / element_steps of this interval, over
     the elements of the kind's parameters that count it: None where none does (a Muon code's
     count of a kind that only AdamW steps). `count_names` are what the optimizer counts
-    (`OptimizerKind.format_counts`); a count of refused matrices (`REFUSED_STAT`) is logged as a
+    (its `format_count_names`); a count of refused matrices (`REFUSED_STAT`) is logged as a
     count alone. Under FSDP2 each rank counts its own shard, so every rank calls this and the
     counts are summed over the ranks; DDP ranks step whole tensors with the same reduced
     gradients, so each rank's counts already are the whole tensors'.
@@ -321,31 +321,33 @@ class RunLog:
 
 class FormatCounts:
     """--track-format's records in log.jsonl, written on every rank's call (FSDP2 sums the
-    shards' counts). With --format-steps all a record covers the steps since the previous one;
-    with logged only the logged steps are counted, and a record covers its own step."""
+    shards' counts): `optimizer` None for a run that counts nothing. A record covers the steps
+    since the previous one; with `logged_only` only the steps `logs` names are counted, and a
+    record covers its own step."""
 
-    def __init__(self, config: TrainConfig, optimizer, kinds: list[str], count_names: tuple[str, ...],
-                 first_step: int, ranks: Ranks, device: torch.device, parameter_kind: Callable[[str], str]):
-        self.config, self.optimizer, self.kinds, self.count_names = config, optimizer, kinds, count_names
+    def __init__(self, optimizer, kinds: list[str], first_step: int, ranks: Ranks, device: torch.device,
+                 parameter_kind: Callable[[str], str], *, logs: Callable[[int], bool], logged_only: bool = False):
+        self.optimizer, self.kinds, self.logs, self.logged_only = optimizer, kinds, logs, logged_only
+        self.count_names = () if optimizer is None else optimizer.format_count_names
         self.ranks, self.device, self.parameter_kind = ranks, device, parameter_kind
         self.first_step = first_step  # the first step the next record covers
 
     def before_step(self, step: int) -> None:
-        """Count the coming step (step + 1) or not: logged counts only the steps it logs."""
-        if self.config.track_format and self.config.format_steps == "logged":
-            self.optimizer.track_format = is_log_step(step + 1, self.config)  # the others run uncounted
+        """Count the coming step (step + 1) or not: logged_only counts only the steps it logs."""
+        if self.optimizer is not None and self.logged_only:
+            self.optimizer.track_format = self.logs(step + 1)  # the others run uncounted
 
     def after_step(self, step: int, log: RunLog) -> None:
-        if self.config.track_format and is_log_step(step, self.config):
+        if self.optimizer is not None and self.logs(step):
             self._write(step, log)
 
     def finish(self, step: int, log: RunLog) -> None:
         """The steps since the last record, at the end of a session that counts every step."""
-        if self.config.track_format and self.config.format_steps == "all" and self.first_step <= step:
+        if self.optimizer is not None and not self.logged_only and self.first_step <= step:
             self._write(step, log)
 
     def _write(self, step: int, log: RunLog) -> None:
-        first = step if self.config.format_steps == "logged" else self.first_step  # logged: its step alone counted
+        first = step if self.logged_only else self.first_step  # logged_only: its step alone counted
         log.write(format_record(self.optimizer, self.kinds, self.count_names, first, step, self.ranks, self.device,
                                 self.parameter_kind))
         self.first_step = step + 1

@@ -267,8 +267,10 @@ class GPTRun(loop.Recipe):
         config = self.config
         self.moment_biases = moment_stats_biases(config)
         format_kinds = sorted({self.family.parameter_kind(name) for name, _ in self.core.named_parameters()})
-        self.format_counts = FormatCounts(config, self.optimizer, format_kinds, self.kind.format_counts(config),
-                                          step + 1, self.ranks, self.device, self.family.parameter_kind)
+        self.format_counts = FormatCounts(
+            self.optimizer if config.track_format else None, format_kinds, step + 1, self.ranks, self.device,
+            self.family.parameter_kind, logs=lambda s: is_log_step(s, config),
+            logged_only=config.format_steps == "logged")
         self.losses, self.times, self.val_bpb = LossWatch(config), StepTimes(), None
 
     def describe(self, step: int) -> str:
