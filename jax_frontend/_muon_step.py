@@ -208,9 +208,11 @@ def _host_weight(row, *flat, config: _PhaseConfig):
     return [*new_params, *new_lows]
 
 
+@functools.partial(jax.jit, static_argnames=("coefficients", "steps"))
 def _orthogonalize(inputs, coefficients, steps, eps):
     """`newton_schulz` of each [in, out] matrix of `inputs` [batch, in, out] (bf16), one matrix
-    at a time (`lax.map`), so a batched leaf's matrices get the bits a 2-D leaf gets."""
+    at a time (`lax.map`), so a batched leaf's matrices get the bits a 2-D leaf gets. Compiled
+    (an eager step of a batched leaf would trace the map again at every call)."""
     one = lambda m: newton_schulz(m, coefficients, steps, eps)  # noqa: E731
     if inputs.shape[0] == 1:
         return one(inputs[0])[None]

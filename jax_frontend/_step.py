@@ -237,10 +237,21 @@ def _jitted(config: StepConfig):
     return jax.jit(lambda *args: packed_adamw_step_p.bind(*args, config=config))
 
 
-def _eager_platform(args) -> str:
-    """The platform an eager step's operations run on: its arrays' ("cuda" for a GPU's)."""
-    devices = {d for x in args if isinstance(x, jax.Array) for d in x.devices()}
-    return "cuda" if any(d.platform == "gpu" for d in devices) else "host"
+@functools.cache
+def _cuda_devices() -> frozenset:
+    """The CUDA devices of this process (none without a CUDA jaxlib)."""
+    try:
+        return frozenset(jax.devices("cuda"))
+    except RuntimeError:
+        return frozenset()
+
+
+def _eager_platform(args, config: StepConfig) -> str:
+    """The platform a step outside a trace runs on: the parameters' ("cuda" where they are on a
+    CUDA GPU), as a compiled step's is the platform it is compiled for. (The hyperparameter rows
+    and the count may sit uncommitted on the default device, a GPU, beside CPU-placed parameters.)"""
+    devices = {d for p in StepOperands.of(args, config).params if isinstance(p, jax.Array) for d in p.devices()}
+    return "cuda" if devices and devices <= _cuda_devices() else "host"
 
 
 @packed_adamw_step_p.def_impl
@@ -248,9 +259,11 @@ def _impl(*args, config: StepConfig):
     # Outside a trace: compile the primitive alone, for the devices the arrays are on. A rule that
     # lowers itself runs its lowering's operations one by one instead, as any eager JAX code: its
     # options hold values known before compilation (Muon's hyperparameters as given), so a compiled
-    # step would compile again for each new value (an eager loop changing a number each step).
-    if config.steps.lower is not None:
-        return config.steps.lower(StepOperands.of(args, config), config, _eager_platform(args)).flat(config)
+    # step would compile again for each new value (an eager loop changing a number each step). So
+    # does every rule under jax.disable_jit(), where the compiled step would call this again.
+    if config.steps.lower is not None or jax.config.jax_disable_jit:
+        lowering = _cuda_step if _eager_platform(args, config) == "cuda" else _cpu_step
+        return lowering(*args, config=config)
     return _jitted(config)(*args)
 
 

@@ -266,6 +266,36 @@ def test_packed_muon_logs_each_rules_counts_and_counting_changes_no_bit(data_dir
     assert sum(r["kinds"][kind]["counts"]["subnormal_m"] for r in records for kind in adamw_only) > 0
 
 
+def test_the_format_plot_draws_every_count_any_record_names(tmp_path):
+    """format.png's panels come from every record and kind, not the first kind of the first record
+    (a review's case: a record of no kinds first, a kind without AdamW's counts first); a log that
+    counts only Muon's refused matrices gets one panel of them; a log without records, AdamW's six."""
+    from packed_adamw.core.muon import FORMAT_COUNTS as MUON_COUNTS
+    from packed_adamw.torch.gpt.telemetry import format_panels, plot_format_log
+
+    def record(step, **kinds):
+        return {"record": "format", "step": step, "first_step": step, "kinds": {
+            kind: {"element_steps": 10, **{k: n / 10 for k, n in counts.items() if k != "refused"}, "counts": counts}
+            for kind, counts in kinds.items()}}
+
+    muon = {"refused": 0, **{k: 1 for k in MUON_COUNTS}}
+    adamw = {k: 2 for k in FORMAT_COUNTS}
+    logs = {
+        "mixed": [record(1), record(2, mlp=muon, embedding=adamw)],
+        "refused only": [record(1, mlp={"refused": 1}), record(2, mlp={"refused": 0})],
+        "none": [],
+    }
+    titles = {name: [count for row in format_panels(records) for count, _ in row] for name, records in logs.items()}
+    assert sorted(titles["mixed"]) == sorted(MUON_COUNTS + FORMAT_COUNTS)
+    assert len(format_panels(logs["mixed"])) == 3 and len(format_panels(logs["mixed"])[0]) == 3  # events x codes
+    assert titles["refused only"] == ["refused"] and titles["none"] == list(FORMAT_COUNTS)
+    for name, records in logs.items():
+        log_path = tmp_path / f"{name}.jsonl"
+        log_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        plot_format_log(log_path, tmp_path / f"{name}.png")
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
+
+
 # ---- DDP and FSDP2 ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

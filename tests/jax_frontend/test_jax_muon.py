@@ -126,6 +126,7 @@ def interpreted_kernels(monkeypatch):
     monkeypatch.setattr(_muon_triton, "_jax_triton", lambda: stand_in)
     monkeypatch.setattr(_muon_step, "KERNELS_EVERYWHERE", True)
     _step._jitted.cache_clear()
+    jax.clear_caches()
     yield stand_in
     _step._jitted.cache_clear()
     jax.clear_caches()
@@ -827,9 +828,9 @@ def test_arrays_on_the_cpu_of_a_gpu_host_take_the_host_phases():
     refs = {k: Reference(params[k], StateFormat("packed"), cpu_ns) for k in MUON_LEAVES}
     text = step.lower(params, jax.device_put(make_grads(rng, params), cpu), state).compile().as_text()
     assert "xla_ffi_python_cpu_callback" in text and "triton" not in text.lower()
-    for _ in range(2):
+    for n in range(3):  # two compiled steps, then one outside jit (whose row and count sit on the GPU)
         grads = jax.device_put(make_grads(rng, params), cpu)
-        params, state = step(params, grads, state)
+        params, state = (step if n < 2 else packed_muon_fused_step(LR))(params, grads, state)
         for k in MUON_LEAVES:
             refs[k].step(np.asarray(grads[k]))
             assert np.array_equal(bits(params[k]), bits(refs[k].p)), k
@@ -862,6 +863,21 @@ def test_a_learning_rate_of_negative_zero_is_its_own_step_eagerly_and_in_one_jit
         both = jax.jit(lambda: [fused(lr) for lr in order])()
         for lr, got in zip(order, both):
             assert np.array_equal(bits(got), want(lr)), ("jit", order, lr)
+
+
+def test_steps_under_disable_jit_are_the_compiled_steps():
+    """jax.disable_jit() runs the step primitive's lowering op by op for either rule (it recursed:
+    the primitive's eager rule called a jitted bind of itself): the same bits as the compiled step."""
+    rng = np.random.default_rng(37)
+    params = make_params(rng, bf16=True)
+    grads = make_grads(rng, params)
+    for tx in (packed_muon(LR), packed_adamw(LR, impl="kernel")):
+        state = tx.init(params)
+        want = jax.jit(tx.update)(grads, state, params)
+        with jax.disable_jit():
+            got = tx.update(grads, state, params)
+        for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            assert np.array_equal(bits(x), bits(y))
 
 
 def test_eager_steps_compile_no_step_per_learning_rate():

@@ -14,6 +14,7 @@ import torch
 
 from packed_adamw.core import first_moment_format, rms_format
 from packed_adamw.core.atomic_file import atomic_write
+from packed_adamw.core.adamw.rule import FORMAT_COUNTS
 
 from .._engine import REFUSED_STAT
 from ..optimizer import PackedAdamW
@@ -111,33 +112,49 @@ def log_records(log_path: Path, record: str | None = None) -> list[dict]:
     return [r for r in map(run_record, lines) if r is not None and r.get("record") == record]
 
 
+def format_panels(records: list[dict]) -> list[list[tuple[str, str]]]:
+    """The format plot's panels, (count, unit) in rows of events (saturated, flushed, subnormal)
+    and columns of codes, from every count any record names (AdamW's where none does); one panel
+    of Muon's refused matrix-steps where the records count nothing else."""
+    names = list(dict.fromkeys(k for r in records for entry in r["kinds"].values() for k in entry["counts"]))
+    shares = [k for k in names if k != REFUSED_STAT] if names else list(FORMAT_COUNTS)
+    if not shares:
+        return [[(REFUSED_STAT, "refused matrix-steps")]]
+    codes = list(dict.fromkeys(k.split("_", 1)[1] for k in shares))
+    return [[(f"{event}_{code}", "share of element-steps") for code in codes]
+            for event in dict.fromkeys(k.split("_", 1)[0] for k in shares)]
+
+
 def plot_format_log(log_path: Path, png_path: Path) -> None:
-    """One panel per format count (rows: saturated, flushed, subnormal; columns: the codes, AdamW's
-    m and RMS, Muon's mu), one line per kind of tensor, shares on a log axis (a share of 0 or
-    None leaves a gap). Each point is the share over the interval ending at its step."""
+    """One panel per format count (rows: saturated, flushed, subnormal; columns: the codes in the
+    order the log names them: AdamW's m and RMS, Muon's mu), one line per kind of tensor, shares on
+    a log axis (a share of 0 or null leaves a gap). Each point is the share over the interval
+    ending at its step. A log whose records count only Muon's refused matrices (no codes: Muon's
+    bf16 or fp32 momenta beside fp32 AdamW moments) gets one panel of those counts."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = log_records(log_path, FORMAT_RECORD)
     kinds = sorted({kind for r in records for kind in r["kinds"]})
-    names = [k for k in next(iter(records[0]["kinds"].values()))["counts"] if k != REFUSED_STAT] if records else []
-    events = list(dict.fromkeys(k.split("_", 1)[0] for k in names)) or ["saturated", "flushed", "subnormal"]
-    codes = list(dict.fromkeys(k.split("_", 1)[1] for k in names)) or ["m", "rms"]
-    fig, axes = plt.subplots(len(events), len(codes), figsize=(5 * len(codes), 10), sharex=True, squeeze=False)
-    for (event, code), ax in zip([(e, c) for e in events for c in codes], axes.flat):
-        count, drawn = f"{event}_{code}", False
-        for kind in kinds:
-            points = [(r["step"], r["kinds"][kind].get(count)) for r in records if kind in r["kinds"]]
-            shares = [share if share else math.nan for _, share in points]
-            drawn = drawn or not all(map(math.isnan, shares))
-            ax.plot([s for s, _ in points], shares, marker=".", label=kind)
-        if drawn:
+    panels = format_panels(records)
+    fig, axes = plt.subplots(len(panels), len(panels[0]), figsize=(5 * len(panels[0]), 3.3 * len(panels) + 0.5),
+                             sharex=True, squeeze=False)
+    for (count, unit), ax in zip((panel for row in panels for panel in row), axes.flat):
+        values = {kind: [(r["step"], r["kinds"][kind].get(count) if count != REFUSED_STAT else
+                          r["kinds"][kind]["counts"].get(count)) for r in records if kind in r["kinds"]]
+                  for kind in kinds}
+        counted = any(v is not None for points in values.values() for _, v in points)
+        positive = any(v for points in values.values() for _, v in points)
+        for kind, points in values.items():
+            ax.plot([s for s, _ in points], [v if v else math.nan for _, v in points], marker=".", label=kind)
+        if positive and count != REFUSED_STAT:
             ax.set_yscale("log")
-        else:
-            ax.text(0.5, 0.5, "none counted", transform=ax.transAxes, ha="center", va="center", color="gray")
+        elif not positive:
+            ax.text(0.5, 0.5, "none in this run" if counted else "not counted", transform=ax.transAxes,
+                    ha="center", va="center", color="gray")
             ax.set_yticks([])
-        ax.set(title=count, ylabel="share of element-steps")
+        ax.set(title=count, ylabel=unit)
         ax.grid(alpha=0.3)
     for ax in axes[-1]:
         ax.set_xlabel("step")
