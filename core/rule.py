@@ -131,6 +131,16 @@ FLOAT32_OVERFLOW = 2.0 ** 128 * (1 - 2.0 ** -25)
 _FLOAT32 = struct.Struct("f")
 
 
+def float32_of(x) -> float:
+    """A hyperparameter as the kernels see it: numpy's float32 of it (an integer rounded once, not
+    through binary64), as a Python float; +-Inf for an int past even binary64's range, which its
+    bound then refuses by name (float() would raise a bare OverflowError)."""
+    try:
+        return float(np.float32(x))
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
 def _as_float32(x) -> float:
     """A Python number rounded to float32 (to nearest even, as numpy's float32 rounds it), as a
     Python float: +-Inf past float32's range, NaN as NaN. `struct` rounds with the C cast, at

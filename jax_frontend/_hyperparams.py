@@ -6,6 +6,7 @@ so a refusal reads the same whichever transform makes it."""
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 import warnings
 from typing import Any, Callable
@@ -148,6 +149,8 @@ def _concrete_float(x) -> float | None:
     """x as a float where it is known before compilation (a number or a concrete array)."""
     try:
         return float(x)
+    except OverflowError:  # an int past a float's range: infinite, as its float32 value is (refused by its bound)
+        return math.inf if x > 0 else -math.inf
     except (TypeError, jax.errors.ConcretizationTypeError):
         return None  # traced (or not a scalar): not known
 

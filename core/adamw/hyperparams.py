@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codecs import FLOAT32_MAX, FLOAT32_TINY
-from ..rule import Bound, RowVariant
+from ..rule import Bound, RowVariant, float32_of
 
 # The hyperparameter row: float32 values in this order, one row per parameter group (torch) or
 # per row variant (JAX, below). Step scalars are derived from it and the step count.
@@ -77,8 +77,7 @@ def _is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
-def _f32(x) -> float:
-    return float(np.float32(x))  # the value the kernel will see
+_f32 = float32_of  # the value the kernel will see
 
 
 def _beta_problem(value) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codecs import FLOAT32_MAX, FLOAT32_TINY
-from ..rule import Bound
+from ..rule import Bound, float32_of
 
 # The hyperparameter row, one per parameter group. eps is read by the Newton-Schulz phase only.
 HPARAM_FIELDS = ("lr", "momentum", "weight_decay", "eps")
@@ -100,8 +100,7 @@ def _is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
-def _f32(x) -> float:
-    return float(np.float32(x))
+_f32 = float32_of  # the value the kernels see
 
 
 def validate_hyperparams(lr, momentum, weight_decay, eps, *, allow_arrays=False) -> None:

@@ -378,6 +378,9 @@ def test_a_newton_schulz_output_that_is_not_finite_refuses_the_matrix_whole(path
     # A bool is not a number (it stepped with 1.0, in packed_adamw too).
     (dict(learning_rate=True), TypeError, "learning_rate=True is a bool"),
     (dict(weight_decay=np.bool_(True)), TypeError, "weight_decay=.*is a bool"),
+    # An int past a float's range is refused by its bound, naming it (it raised a bare OverflowError).
+    (dict(learning_rate=10**400), ValueError, "^packed_muon: Learning rate should be >= 0 but is: inf"),
+    (dict(adam_weight_decay=10**400), ValueError, "^packed_muon: the AdamW half.*weight_decay=inf"),
 ])
 def test_bad_hyperparameters_are_refused_when_built(kwargs, error, message):
     kwargs = {"learning_rate": LR, **kwargs}

@@ -319,6 +319,9 @@ def test_betas_lr_eps_and_weight_decay_given_as_tensors_give_the_bits_of_floats(
     (dict(betas=(torch.tensor(1.5), 0.9)), "Invalid beta parameter at index 0: b1 (betas[0])=1.5 is not below 1"),
     (dict(eps=0.0), "Invalid epsilon value: eps=0.0"),
     (dict(weight_decay=-0.1), "Invalid weight_decay value: weight_decay=-0.1"),
+    # an int past a float's range: refused by its bound (it raised a bare OverflowError)
+    (dict(lr=10**400), "Invalid learning rate: lr=" + str(10**400)),
+    (dict(betas=(0.9, -10**400)), "Invalid beta parameter at index 1: b2 (betas[1])=-" + str(10**400)),
 ])
 def test_error_messages_begin_as_torch_adamw_s_and_say_which_rule_the_value_broke(kwargs, start):
     with pytest.raises(ValueError) as info:
