@@ -144,8 +144,12 @@ def float32_of(x) -> float:
 def _as_float32(x) -> float:
     """A Python number rounded to float32 (to nearest even, as numpy's float32 rounds it), as a
     Python float: +-Inf past float32's range, NaN as NaN. `struct` rounds with the C cast, at
-    a third of numpy's host time, and refuses what overflows: that is checked first."""
-    x = float(x)
+    a third of numpy's host time, and refuses what overflows: that is checked first. An int past
+    binary64's range is +-Inf too (its bound refuses it)."""
+    try:
+        x = float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
     return math.copysign(math.inf, x) if abs(x) >= FLOAT32_OVERFLOW else _FLOAT32.unpack(_FLOAT32.pack(x))[0]
 
 

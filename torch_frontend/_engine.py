@@ -229,7 +229,7 @@ def checked_row(opt, group: dict, index: int) -> tuple:
             values[0] = 0.0  # the lr stays on the device and is checked there (CapturableStepPlan)
         row = rule.group_row(*values)
         row = ("on the device" if opt.capturable else row[0], *row[1:], maximize)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # overflow: an int past a float's range
         row = None  # let the validation say what is wrong
     # The verdict depends on the values' types too (5 == 5.0 == True, a tensor lr == a float),
     # so a value whose type a fresh check would refuse is never let through by an equal one.

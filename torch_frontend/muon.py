@@ -394,7 +394,7 @@ def _checked_row(opt, group: dict, index: int) -> tuple:
         types = _checks.type_signature([*values, *settings])
         key, lr_free_key = (row, settings, types), (row[1:], settings, types)
         hash(key)
-    except (TypeError, ValueError, KeyError, RuntimeError):
+    except (TypeError, ValueError, KeyError, RuntimeError, OverflowError):  # overflow: an int past a float's range
         key = lr_free_key = None
     valid = opt.__dict__.setdefault("_valid_rows", {})
     # A row that differs from a validated one in its lr alone (a scheduler's Python float) takes

@@ -332,7 +332,8 @@ def test_error_messages_begin_as_torch_adamw_s_and_say_which_rule_the_value_brok
 @pytest.mark.parametrize("bad_lr,start", [(float("nan"), "Invalid learning rate: lr=nan"),
                                           (-1e-3, "Invalid learning rate: lr=-0.001"),
                                           (1e37, "Invalid weight_decay value: lr * weight_decay"),
-                                          (True, "Invalid learning rate: lr=True")])
+                                          (True, "Invalid learning rate: lr=True"),
+                                          (10**400, "Invalid learning rate: lr=1000")])  # past a float's range
 def test_a_scheduled_lr_that_turns_invalid_is_refused_after_valid_ones_and_nothing_changes(bad_lr, start):
     """Rows that differ from a validated one in their lr alone take the lr's own checks
     (Rule.field_holds), not the whole validation: a bad lr, or one of another type, is still

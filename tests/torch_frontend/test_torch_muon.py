@@ -1398,7 +1398,8 @@ def test_a_scheduled_lr_is_checked_by_its_own_bounds_and_an_invalid_one_still_re
     assert len(calls) - after_init == 1  # the first step's row only
     after_steps = bits(p).clone()
     for bad, message in ((float("nan"), "Learning rate should be >= 0 but is: nan"),
-                         (-0.5, "Learning rate should be >= 0 but is: -0.5"), (1e37, "lr \\* weight_decay")):
+                         (-0.5, "Learning rate should be >= 0 but is: -0.5"), (1e37, "lr \\* weight_decay"),
+                         (10**400, "Learning rate should be >= 0 but is: 1000")):  # past a float: no bare OverflowError
         opt.param_groups[0]["lr"] = bad
         with pytest.raises(ValueError, match=rf"^param_groups\[0\]: .*{message}"):
             opt.step()
