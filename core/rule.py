@@ -132,9 +132,9 @@ _FLOAT32 = struct.Struct("f")
 
 
 def float32_of(x) -> float:
-    """A hyperparameter as the kernels see it: numpy's float32 of it (an integer rounded once, not
-    through binary64), as a Python float; +-Inf for an int past even binary64's range, which its
-    bound then refuses by name (float() would raise a bare OverflowError)."""
+    """A hyperparameter as the kernels see it: numpy's float32 of it (the value the torch frontend
+    checks, whatever numpy's rounding of a numpy integer), as a Python float; +-Inf for an int past
+    binary64's range, which its bound then refuses by name (float() would raise a bare OverflowError)."""
     try:
         return float(np.float32(x))
     except OverflowError:

@@ -261,6 +261,11 @@ def _at_count(x, count, name: str = "packed_adamw", field: str = "a hyperparamet
                if isinstance(value, (jax.Array, np.ndarray, np.generic)) else repr(value))
         raise TypeError(f"{name}: the schedule given as {field} returned {got}; a schedule returns a real number of "
                         "shape () at each count (a float or an int, or a 0-d array of one)")
+    if isinstance(value, numbers.Real) and not isinstance(value, np.generic):
+        try:
+            float(value)
+        except OverflowError:  # an int past a float's range: infinite, refused by its bound naming the field
+            return math.inf if value > 0 else -math.inf
     return value
 
 

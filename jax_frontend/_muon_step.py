@@ -253,7 +253,10 @@ def _cpu_phases(config: _PhaseConfig, g_mats, s_mats, e_mats, p_mats, lo_mats, r
     new_states, new_exponents = results[:n], results[n:n + k]
     inputs, accepted = results[n + k:2 * n + k], results[2 * n + k:]
     ns_eps = eps if _python_number(eps) is not None else row[3]
-    orthos = [_orthogonalize(jax.lax.bitcast_convert_type(x, BF16), coefficients, steps, ns_eps) for x in inputs]
+    # Compiled even under jax.disable_jit(): op by op, XLA's GEMMs sum in another order (`newton_schulz`).
+    with jax.disable_jit(False):
+        orthos = [_orthogonalize(jax.lax.bitcast_convert_type(x, BF16), coefficients, steps, ns_eps)
+                  for x in inputs]
     # An O that is not finite refuses its matrix too (MUON.md, "The matrix is refused"): its
     # momentum and exponent as they were, its weights untouched.
     accepted = [ok & jnp.all(jnp.isfinite(o), axis=(1, 2)) for ok, o in zip(accepted, orthos)]

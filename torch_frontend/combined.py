@@ -399,7 +399,8 @@ class PackedMuonAdamW(PackedOptimizer):
 
     @property
     def format_count_names(self) -> tuple[str, ...]:
-        """Every rule's `format_count_names` (PackedMuon's, PackedAdamW's), each name once."""
+        """Every rule's `format_count_names` (PackedMuon's, PackedAdamW's), each name once, in the
+        order the rules were made."""
         return tuple(dict.fromkeys(name for rule in self._rules.values() for name in rule.format_count_names))
 
     def format_stats(self) -> dict:

@@ -133,6 +133,8 @@ def validate_ns(ns_coefficients, ns_steps, adjust_lr_fn) -> tuple[tuple[float, f
     """The Newton-Schulz settings and the lr adjustment, checked; returns (coefficients, steps)."""
     try:
         coefficients = tuple(float(c) for c in ns_coefficients)
+    except OverflowError:  # an int past a float's range: not finite
+        coefficients = (math.inf,) * 3
     except TypeError:
         coefficients = ()
     if len(coefficients) != 3 or not all(math.isfinite(c) for c in coefficients):

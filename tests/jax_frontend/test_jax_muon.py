@@ -381,6 +381,7 @@ def test_a_newton_schulz_output_that_is_not_finite_refuses_the_matrix_whole(path
     # An int past a float's range is refused by its bound, naming it (it raised a bare OverflowError).
     (dict(learning_rate=10**400), ValueError, "^packed_muon: Learning rate should be >= 0 but is: inf"),
     (dict(adam_weight_decay=10**400), ValueError, "^packed_muon: the AdamW half.*weight_decay=inf"),
+    (dict(ns_coeffs=(10**400, 0.0, 0.0)), ValueError, "a coefficient is not finite"),
 ])
 def test_bad_hyperparameters_are_refused_when_built(kwargs, error, message):
     kwargs = {"learning_rate": LR, **kwargs}
@@ -870,9 +871,10 @@ def test_a_learning_rate_of_negative_zero_is_its_own_step_eagerly_and_in_one_jit
 
 def test_steps_under_disable_jit_are_the_compiled_steps():
     """jax.disable_jit() runs the step primitive's lowering op by op for either rule (it recursed:
-    the primitive's eager rule called a jitted bind of itself): the same bits as the compiled step."""
+    the primitive's eager rule called a jitted bind of itself): the same bits as the compiled step,
+    Newton-Schulz compiled still (a 128 x 256 matrix's GEMMs sum in another order op by op)."""
     rng = np.random.default_rng(37)
-    params = make_params(rng, bf16=True)
+    params = {**make_params(rng, bf16=True), "big": jnp.asarray((rng.standard_normal((128, 256)) * 0.05).astype(F32))}
     grads = make_grads(rng, params)
     for tx in (packed_muon(LR), packed_adamw(LR, impl="kernel")):
         state = tx.init(params)
@@ -881,6 +883,20 @@ def test_steps_under_disable_jit_are_the_compiled_steps():
             got = tx.update(grads, state, params)
         for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
             assert np.array_equal(bits(x), bits(y))
+
+
+def test_a_schedule_value_past_a_floats_range_is_refused_naming_the_rate():
+    """A schedule returning an int too large for a float (or a Fraction) is read as inf and refused
+    in each transform's words, not with a bare OverflowError."""
+    from fractions import Fraction
+
+    params = make_params(np.random.default_rng(41))
+    grads = make_grads(np.random.default_rng(42), params)
+    for huge in (10**400, Fraction(10**400)):
+        for tx, words in ((packed_adamw(lambda count: huge), "Invalid learning rate: lr=inf"),
+                          (packed_muon(lambda count: huge), "Learning rate should be >= 0 but is: inf")):
+            with pytest.raises(ValueError, match=words):
+                tx.update(grads, tx.init(params), params)
 
 
 def test_eager_steps_compile_no_step_per_learning_rate():
