@@ -131,25 +131,28 @@ FLOAT32_OVERFLOW = 2.0 ** 128 * (1 - 2.0 ** -25)
 _FLOAT32 = struct.Struct("f")
 
 
-def float32_of(x) -> float:
-    """A hyperparameter as the kernels see it: numpy's float32 of it (the value the torch frontend
-    checks, whatever numpy's rounding of a numpy integer), as a Python float; +-Inf for an int past
-    binary64's range, which its bound then refuses by name (float() would raise a bare OverflowError)."""
+def float_or_inf(x, convert=float) -> float:
+    """`convert(x)` (a float), or +-Inf where x is a number past a float's range (an int or a
+    Fraction of 400 digits): its bound then refuses it by name, where float() would raise a bare
+    OverflowError. The one home of that reading, for every check of a hyperparameter's value."""
     try:
-        return float(np.float32(x))
+        return convert(x)
     except OverflowError:
         return math.inf if x > 0 else -math.inf
+
+
+def float32_of(x) -> float:
+    """A hyperparameter as the kernels see it: numpy's float32 of it (the value the torch frontend
+    checks, whatever numpy's rounding of a numpy integer), as a Python float (`float_or_inf`)."""
+    return float_or_inf(x, lambda v: float(np.float32(v)))
 
 
 def _as_float32(x) -> float:
     """A Python number rounded to float32 (to nearest even, as numpy's float32 rounds it), as a
     Python float: +-Inf past float32's range, NaN as NaN. `struct` rounds with the C cast, at
     a third of numpy's host time, and refuses what overflows: that is checked first. An int past
-    binary64's range is +-Inf too (its bound refuses it)."""
-    try:
-        x = float(x)
-    except OverflowError:
-        return math.inf if x > 0 else -math.inf
+    binary64's range is +-Inf too (`float_or_inf`)."""
+    x = float_or_inf(x)
     return math.copysign(math.inf, x) if abs(x) >= FLOAT32_OVERFLOW else _FLOAT32.unpack(_FLOAT32.pack(x))[0]
 
 

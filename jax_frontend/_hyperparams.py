@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from packed_adamw.core.rule import MAX_STEP_COUNT
+from packed_adamw.core.rule import MAX_STEP_COUNT, float_or_inf
 
 # The receipt of a refusal report (`_report_refusal`): an int32 zero, which the caller's step reads.
 NO_RECEIPT = np.int32(0)
@@ -148,9 +148,7 @@ def _refused_eagerly(transform: str, rule, warn, values, row, valid, count) -> t
 def _concrete_float(x) -> float | None:
     """x as a float where it is known before compilation (a number or a concrete array)."""
     try:
-        return float(x)
-    except OverflowError:  # an int past a float's range: infinite, as its float32 value is (refused by its bound)
-        return math.inf if x > 0 else -math.inf
+        return float_or_inf(x)  # past a float's range: infinite, refused by its bound
     except (TypeError, jax.errors.ConcretizationTypeError):
         return None  # traced (or not a scalar): not known
 
@@ -261,11 +259,8 @@ def _at_count(x, count, name: str = "packed_adamw", field: str = "a hyperparamet
                if isinstance(value, (jax.Array, np.ndarray, np.generic)) else repr(value))
         raise TypeError(f"{name}: the schedule given as {field} returned {got}; a schedule returns a real number of "
                         "shape () at each count (a float or an int, or a 0-d array of one)")
-    if isinstance(value, numbers.Real) and not isinstance(value, np.generic):
-        try:
-            float(value)
-        except OverflowError:  # an int past a float's range: infinite, refused by its bound naming the field
-            return math.inf if value > 0 else -math.inf
+    if isinstance(value, numbers.Real) and not isinstance(value, np.generic) and math.isinf(float_or_inf(value)):
+        return float_or_inf(value)  # past a float's range (an int, a Fraction): refused by its bound naming the field
     return value
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codecs import FLOAT32_MAX, FLOAT32_TINY
-from ..rule import Bound, float32_of
+from ..rule import Bound, float32_of, float_or_inf
 
 # The hyperparameter row, one per parameter group. eps is read by the Newton-Schulz phase only.
 HPARAM_FIELDS = ("lr", "momentum", "weight_decay", "eps")
@@ -132,9 +132,7 @@ def validate_hyperparams(lr, momentum, weight_decay, eps, *, allow_arrays=False)
 def validate_ns(ns_coefficients, ns_steps, adjust_lr_fn) -> tuple[tuple[float, float, float], int]:
     """The Newton-Schulz settings and the lr adjustment, checked; returns (coefficients, steps)."""
     try:
-        coefficients = tuple(float(c) for c in ns_coefficients)
-    except OverflowError:  # an int past a float's range: not finite
-        coefficients = (math.inf,) * 3
+        coefficients = tuple(float_or_inf(c) for c in ns_coefficients)  # past a float's range: not finite
     except TypeError:
         coefficients = ()
     if len(coefficients) != 3 or not all(math.isfinite(c) for c in coefficients):
